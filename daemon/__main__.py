@@ -1,0 +1,24 @@
+"""``python -m daemon``: run the daemon in the foreground (what ``reef daemon start`` spawns)."""
+
+from __future__ import annotations
+
+import sys
+
+from daemon.config import load_config
+from daemon.errors import ReefError
+from daemon.server import run, setup_logging
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = load_config()
+        setup_logging(config, to_file="--log-file" in argv)
+        run(config)
+    except ReefError as e:
+        print(f"reef: {e.message}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,625 @@
+"""The HTTP layer: routes, auth, limits, body parsing and error mapping.
+
+Provider routes answer in the provider's own format (``daemon/protocols``); Reef routes in
+``{"error": {"type", "message", ...}}``. Every error path ends in ``error_response``: bad input is a 4xx that
+says what is wrong and where, never a 500, never a hang.
+
+Guards, in order, on every request: the ``Host`` header must be a loopback name (no DNS rebinding); TCP
+requests need the token (``Authorization: Bearer`` or ``x-api-key``), the Unix socket needs none (its 0600 mode
+is the auth); a declared ``Content-Length`` over the limit is refused with 413 before any of the body is read
+(and the connection closed), a chunked body is cut off at the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+from typing import Any
+
+from aiohttp import web
+
+from daemon.errors import (
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    ReefError,
+    StorageError,
+    Unauthorized,
+)
+from daemon.exchange import Completion, Finish, Receipt
+from daemon.protocols import anthropic, openai_chat, openai_responses
+from daemon.records import new_id
+from daemon.serving import Reef, check_name
+from recipes import check_recipe_name
+
+log = logging.getLogger("reef.http")
+
+BODY_TIMEOUT_S = 60.0
+MAX_FEEDBACK_CHARS = 256 * 1024
+MAX_REFERENCES = 10_000
+
+REEF_KEY: web.AppKey[Reef] = web.AppKey("reef", Reef)
+_LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"}
+_LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# --- request helpers ---------------------------------------------------------------------------------------
+
+
+def _host_ok(host: str | None) -> bool:
+    if not host:
+        return False
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name.startswith("[") and "]" in name:
+        name = name[: name.index("]") + 1]
+    name = name.lower().rstrip(".")
+    return name in _LOOPBACK or name.endswith(".localhost") or re.fullmatch(r"127(\.\d{1,3}){3}", name) is not None
+
+
+def _over_unix_socket(request: web.Request) -> bool:
+    transport = request.transport
+    if transport is None:
+        return False
+    sock = transport.get_extra_info("socket")
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _token_of(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else None
+    return request.headers.get("x-api-key")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in an object")
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a request body strictly; every failure is a ``BadRequest`` that says what is wrong."""
+    if not raw:
+        raise BadRequest("request body is empty; send a JSON object")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise BadRequest("request body starts with a byte order mark; send plain UTF-8 JSON")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:  # duplicate keys, NaN/Infinity, integers beyond the digit limit
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if _LONE_SURROGATE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("request body contains a lone UTF-16 surrogate escape (like \\ud800)") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
+    return value
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+    except TimeoutError:
+        raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+    return parse_json(raw)
+
+
+def _protocol_for_path(path: str) -> ModuleType | None:
+    if "/v1/" not in path and not path.endswith("/v1"):
+        return None
+    if "/v1/messages" in path:
+        return anthropic
+    return openai_responses if "/v1/responses" in path else openai_chat
+
+
+def error_response(request: web.Request, err: ReefError) -> web.Response:
+    proto = _protocol_for_path(request.path)
+    body = proto.error_body(err) if proto is not None else {"error": err.to_dict()}
+    status = err.data.get("status") if isinstance(err.data.get("status"), int) else err.status
+    resp = web.json_response(body, status=status, dumps=_dumps)
+    if status == 413:
+        resp.force_close()
+    return resp
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=_dumps(value).encode(), status=status, content_type="application/json", headers=headers
+    )
+
+
+# --- middleware --------------------------------------------------------------------------------------------
+
+
+def _guard(reef: Reef) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    token = reef.token.encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        try:
+            if not _host_ok(request.headers.get("Host")):
+                raise BadRequest(
+                    f"Host header {request.headers.get('Host')!r} is not a loopback name; Reef only answers"
+                    " requests addressed to localhost"
+                )
+            if request.path != "/healthz" and not _over_unix_socket(request):
+                given = _token_of(request)
+                if given is None:
+                    raise Unauthorized("missing token: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'")
+                if not hmac.compare_digest(given.encode(), token):
+                    raise Unauthorized("invalid token")
+            if request.content_length is not None and request.content_length > reef.config.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"request body of {request.content_length} bytes is over the "
+                    f"{reef.config.max_body_bytes}-byte limit"
+                )
+            return await handler(request)
+        except ReefError as err:
+            reef.metrics.errors.labels(route, err.type).inc()
+            return error_response(request, err)
+        except web.HTTPException as exc:
+            err = _from_http_exception(exc)
+            reef.metrics.errors.labels(route, err.type).inc()
+            return error_response(request, err)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            err = ReefError(f"internal error: {type(exc).__name__}")
+            reef.metrics.errors.labels(route, err.type).inc()
+            return error_response(request, err)
+
+    return guard
+
+
+def _from_http_exception(exc: web.HTTPException) -> ReefError:
+    if exc.status == 404:
+        return NotFound("no such route; see GET /reef/status for the API")
+    if exc.status == 405:
+        return BadRequest(f"method not allowed here: {exc.reason}", status=405)
+    if exc.status == 413:
+        return PayloadTooLarge("request body is over the size limit")
+    err = BadRequest(exc.reason or "bad request")
+    err.data["status"] = exc.status if 400 <= exc.status < 500 else 400
+    return err
+
+
+# --- provider routes ---------------------------------------------------------------------------------------
+
+
+def _scenario_and_run(request: web.Request) -> tuple[str, str | None]:
+    scenario = request.match_info.get("scenario") or request.headers.get("x-reef-scenario") or "default"
+    run = request.match_info.get("run") or request.headers.get("x-reef-run") or None
+    check_name(scenario, "scenario")
+    if run is not None:
+        check_name(run, "run")
+    return scenario, run
+
+
+def provider_handler(proto: ModuleType) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        reef = request.app[REEF_KEY]
+        scenario, run = _scenario_and_run(request)
+        body = await read_json(request, reef.config.max_body_bytes)
+        exchange = proto.parse_request(body)
+        served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers)
+        response_id = new_id(_ID_PREFIX[proto.FORMAT])
+        created = int(time.time())
+        headers = {"x-reef-agent-record-id": served.receipt}
+        if served.release_id:
+            headers["x-reef-release-id"] = served.release_id
+        receipt = Receipt(served.receipt, served.release_id)
+        route = proto.FORMAT
+        try:
+            if not exchange.stream:
+                completion = await _collect(reef, served)
+                response = proto.render_response(exchange, completion, response_id=response_id, created=created,
+                                                 receipt=receipt)
+                await reef.record(served, completion, response)
+                reef.metrics.requests.labels(route, "200").inc()
+                reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
+                return _json(response, headers=headers)
+            return await _stream(request, reef, proto, served, response_id, created, headers, receipt)
+        finally:
+            await reef.abandon(served)
+
+    return handle
+
+
+_ID_PREFIX = {"openai-chat": "chatcmpl-", "openai-responses": "resp_", "anthropic": "msg_"}
+
+
+async def _collect(reef: Reef, served: Any) -> Completion:
+    async for event in reef.stream(served):
+        if isinstance(event, Finish):
+            return event.completion
+    raise ReefError("engine ended without finishing")
+
+
+async def _stream(
+    request: web.Request,
+    reef: Reef,
+    proto: ModuleType,
+    served: Any,
+    response_id: str,
+    created: int,
+    headers: dict[str, str],
+    receipt: Receipt,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **headers,
+        }
+    )
+    await resp.prepare(request)
+    renderer = proto.StreamRenderer(served.exchange, response_id=response_id, created=created)
+    completion: Completion | None = None
+    pending = renderer.start()
+    try:
+        try:
+            async for event in reef.stream(served):
+                if isinstance(event, Finish):
+                    completion = event.completion
+                    break
+                pending.extend(renderer.event(event))
+                await resp.write(b"".join(pending))
+                pending = []
+        except ReefError as err:
+            partial = None
+            await reef.record(served, None, partial, status="error", error=err)
+            await resp.write(b"".join(pending + renderer.error(err)))
+            await resp.write_eof()
+            return resp
+        assert completion is not None
+        response = proto.render_response(served.exchange, completion, response_id=response_id, created=created,
+                                         receipt=receipt)
+        try:
+            await reef.record(served, completion, response)
+        except StorageError as err:
+            await resp.write(b"".join(pending + renderer.error(err)))
+            await resp.write_eof()
+            return resp
+        await resp.write(b"".join(pending + renderer.finish(completion, receipt)))
+        await resp.write_eof()
+        reef.metrics.requests.labels(proto.FORMAT, "200").inc()
+        reef.metrics.latency.labels(proto.FORMAT).observe(time.perf_counter() - served.started)
+        return resp
+    except ConnectionResetError:
+        # the client left mid-stream: keep what was produced, marked incomplete
+        await reef.abandon(served)
+        if completion is None:
+            await reef.record(served, None, None, status="incomplete")
+        return resp
+
+
+async def handle_count_tokens(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    scenario, _ = _scenario_and_run(request)
+    body = await read_json(request, reef.config.max_body_bytes)
+    exchange = anthropic.parse_count_tokens(body)
+    scen = await reef.scenario(scenario)
+    engine = await reef.engine(scen.model)
+    return _json(anthropic.render_count_tokens(await engine.count_tokens(exchange)))
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    created = int(reef.started_at)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "type": "model",
+            "created": created,
+            "created_at": stamp,
+            "owned_by": f"reef:{entry.engine}",
+            "display_name": name,
+        }
+        for name, entry in sorted(reef.config.models.items())
+    ]
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
+
+
+async def handle_head(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def handle_root(request: web.Request) -> web.Response:
+    return _json({"name": "reef", "api": ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/reef/status"]})
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    return _json({"ok": True, "pid": _pid(), "uptime_s": round(time.time() - reef.started_at, 3)})
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+# --- reef routes -------------------------------------------------------------------------------------------
+
+
+async def _object_body(request: web.Request) -> dict[str, Any]:
+    reef = request.app[REEF_KEY]
+    body = await read_json(request, reef.config.max_body_bytes)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _finite_number(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{param} must be a number, not {type(value).__name__}", param=param)
+    try:
+        f = float(value)
+    except OverflowError:
+        raise BadRequest(f"{param} is out of range", param=param) from None
+    if not math.isfinite(f):
+        raise BadRequest(f"{param} must be a finite number", param=param)
+    return f
+
+
+async def handle_report(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    body = await _object_body(request)
+    known = {"score", "feedback", "references", "metadata", "report_id", "scenario"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown fields in report: {', '.join(unknown)}", param=unknown[0])
+    score = body.get("score")
+    if score is not None:
+        score = _finite_number(score, "score")
+    feedback = body.get("feedback")
+    if feedback is not None:
+        if not isinstance(feedback, (str, dict, list)):
+            raise BadRequest("feedback must be text or a JSON object/array", param="feedback")
+        size = len(feedback) if isinstance(feedback, str) else len(_dumps(feedback))
+        if size > MAX_FEEDBACK_CHARS:
+            raise BadRequest(f"feedback is {size} characters; the limit is {MAX_FEEDBACK_CHARS}", param="feedback")
+    if score is None and feedback is None:
+        raise BadRequest("a report needs a score, feedback, or both", param="score")
+    refs = body.get("references")
+    if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r for r in refs):
+        raise BadRequest("references must be a non-empty list of receipts (strings)", param="references")
+    if len(refs) > MAX_REFERENCES:
+        raise BadRequest(f"at most {MAX_REFERENCES} references per report", param="references")
+    refs = list(dict.fromkeys(refs))
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise BadRequest("metadata must be a JSON object", param="metadata")
+    report_id = body.get("report_id")
+    if report_id is not None and (not isinstance(report_id, str) or not 0 < len(report_id) <= 200):
+        raise BadRequest("report_id must be a non-empty string of at most 200 characters", param="report_id")
+    scenario = body.get("scenario") or request.headers.get("x-reef-scenario")
+    if scenario is not None:
+        if not isinstance(scenario, str):
+            raise BadRequest("scenario must be a string", param="scenario")
+        check_name(scenario)
+    stored = await reef.store.append_report(
+        scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
+    )
+    reef.metrics.records.labels("report").inc()
+    reef.events.publish(
+        "report", id=stored["id"], scenario=stored["scenario"], score=score, references=refs,
+        feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,
+    )
+    return _json(_report_view(stored), status=201)
+
+
+def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
+    report = rec.get("report") or {}
+    return {"report_id": rec["id"], "scenario": rec["scenario"], "created_at": rec["created_at"], **report}
+
+
+async def handle_scenarios(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    return _json({"scenarios": await reef.store.list_scenarios()})
+
+
+async def handle_create_scenario(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    body = await _object_body(request)
+    name = body.get("name")
+    if not isinstance(name, str):
+        raise BadRequest("name is required (a string)", param="name")
+    recipe = body.get("recipe")
+    if recipe is not None:
+        check_recipe_name(recipe)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string", param="model")
+    scenario = await reef.scenario(name, recipe=recipe, model=model)
+    return _json(scenario.to_dict(), status=201)
+
+
+async def handle_scenario(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    name = check_name(request.match_info["name"])
+    for s in await reef.store.list_scenarios():
+        if s["name"] == name:
+            return _json(s)
+    raise NotFound(f"no scenario named {name!r}", scenario=name)
+
+
+def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter {name} must be an integer", param=name) from None
+    if not lo <= value <= hi:
+        raise BadRequest(f"query parameter {name} must be between {lo} and {hi}", param=name)
+    return value
+
+
+async def handle_scenario_records(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    name = check_name(request.match_info["name"])
+    return await _list_records(request, reef, name)
+
+
+async def handle_records(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    scenario = request.query.get("scenario")
+    if scenario is not None:
+        check_name(scenario)
+    return await _list_records(request, reef, scenario)
+
+
+async def _list_records(request: web.Request, reef: Reef, scenario: str | None) -> web.Response:
+    after = _int_param(request, "after", None, 0, 2**62)
+    limit = _int_param(request, "limit", 50, 1, 1000)
+    run = request.query.get("run")
+    if run is not None:
+        check_name(run, "run")
+    kind = request.query.get("kind")
+    if kind not in (None, "exchange", "report"):
+        raise BadRequest("kind must be exchange or report", param="kind")
+    newest = request.query.get("order", "asc") == "desc"
+    records = await reef.store.list_records(
+        scenario=scenario, run=run, after=after, limit=limit or 50, kind=kind, newest_first=newest
+    )
+    return _json({"records": records, "next_after": records[-1]["seq"] if records and not newest else None})
+
+
+async def handle_record(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    return _json(await reef.store.get_record(request.match_info["receipt"]))
+
+
+async def handle_status(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    counts = await reef.store.count()
+    return _json(
+        {
+            "pid": _pid(),
+            "home": str(reef.config.home),
+            "uptime_s": round(time.time() - reef.started_at, 3),
+            "listen": {"tcp": f"{reef.config.host}:{reef.config.port}", "unix": str(reef.config.socket_path)},
+            "default_model": reef.config.default_model,
+            "models": {
+                name: {"engine": e.engine, "loaded": name in reef._engines} for name, e in reef.config.models.items()
+            },
+            "records": counts.get("exchange", 0),
+            "reports": counts.get("report", 0),
+            "scenarios": len(await reef.store.list_scenarios()),
+        }
+    )
+
+
+async def handle_events(request: web.Request) -> web.StreamResponse:
+    reef = request.app[REEF_KEY]
+    after = request.headers.get("Last-Event-ID") or request.query.get("after")
+    try:
+        after_seq = int(after) if after else None
+    except ValueError:
+        raise BadRequest("after / Last-Event-ID must be an integer", param="after") from None
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    q = reef.events.subscribe(after_seq)
+    try:
+        await resp.write(b": reef events\n\n")
+        while True:
+            try:
+                event = await asyncio.wait_for(q.get(), timeout=15)
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            if event is None:
+                break
+            await resp.write(f"id: {event['seq']}\nevent: {event['kind']}\ndata: {_dumps(event)}\n\n".encode())
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        reef.events.unsubscribe(q)
+    return resp
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    return web.Response(body=reef.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+# --- the app -----------------------------------------------------------------------------------------------
+
+
+def make_app(reef: Reef) -> web.Application:
+    app = web.Application(middlewares=[_guard(reef)], client_max_size=reef.config.max_body_bytes)
+    app[REEF_KEY] = reef
+    r = app.router
+    chat, responses, messages = (provider_handler(p) for p in (openai_chat, openai_responses, anthropic))
+    for prefix in ("", "/s/{scenario}", "/s/{scenario}/r/{run}"):
+        r.add_post(prefix + "/v1/chat/completions", chat)
+        r.add_post(prefix + "/v1/responses", responses)
+        r.add_post(prefix + "/v1/messages", messages)
+        r.add_post(prefix + "/v1/messages/count_tokens", handle_count_tokens)
+        r.add_get(prefix + "/v1/models", handle_models)
+        if prefix:
+            r.add_route("HEAD", prefix, handle_head)
+            r.add_route("HEAD", prefix + "/", handle_head)
+    r.add_get("/", handle_root)  # aiohttp answers HEAD / from the GET route
+    r.add_get("/healthz", handle_healthz)
+    r.add_get("/metrics", handle_metrics)
+    r.add_post("/reef/report", handle_report)
+    r.add_get("/reef/scenarios", handle_scenarios)
+    r.add_post("/reef/scenarios", handle_create_scenario)
+    r.add_get("/reef/scenarios/{name}", handle_scenario)
+    r.add_get("/reef/scenarios/{name}/records", handle_scenario_records)
+    r.add_get("/reef/records", handle_records)
+    r.add_get("/reef/records/{receipt}", handle_record)
+    r.add_get("/reef/status", handle_status)
+    r.add_get("/reef/events", handle_events)
+    return app

@@ -1,0 +1,197 @@
+"""The one typed config object.
+
+Built once (``load_config``) from, in increasing priority: defaults, ``$REEF_HOME/config.toml``, environment
+variables, command-line flags; then passed down. Library code never reads ``os.environ`` itself.
+
+``config.toml``::
+
+    host = "127.0.0.1"
+    port = 8900
+    max_body_bytes = 67108864
+    default_model = "tiny"
+    default_recipe = "record"
+
+    [models.tiny]
+    engine = "transformers"
+    path = "models/tiny"          # relative to REEF_HOME
+    threads = 1                   # torch CPU threads for generation
+    max_batch = 8
+
+    [models.gpt]
+    engine = "upstream"
+    url = "https://gateway.example/v1"
+    format = "openai-chat"        # openai-chat | openai-responses | anthropic
+    upstream_model = "gpt-4o-mini"
+    api_key_env = "GATEWAY_KEY"   # the key is read from this variable, never stored
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import BadRequest
+
+DEFAULT_PORT = 8900
+DEFAULT_MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model the daemon can serve: an engine and where the model lives."""
+
+    name: str
+    engine: str = "transformers"  # transformers | upstream | sglang
+    path: Path | None = None  # transformers: a Hugging Face model directory
+    device: str = "auto"  # transformers: cpu | cuda | auto
+    threads: int = 1  # transformers: torch CPU threads used for generation
+    max_batch: int = 8  # transformers: concurrent sequences decoded together
+    max_new_tokens: int = 256  # default cap when the client gives none
+    url: str | None = None  # upstream: base URL
+    format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
+    upstream_model: str | None = None  # upstream: the provider's model name
+    api_key_env: str | None = None  # upstream: environment variable holding the key
+    timeout_s: float = 600.0  # upstream: total timeout
+    connect_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Config:
+    home: Path
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    default_model: str = "tiny"
+    default_recipe: str = "record"
+    models: Mapping[str, ModelEntry] = field(default_factory=dict)
+    log_level: str = "info"
+    # set from the environment for the CLI: reach a daemon over TCP instead of the socket
+    url: str | None = None
+    token: str | None = None
+    # environment values engines may need (upstream API keys), captured once at load time
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.home / "reef.sock"
+
+    @property
+    def token_path(self) -> Path:
+        return self.home / "token"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.home / "reef.pid"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def records_path(self) -> Path:
+        return self.home / "records.sqlite3"
+
+    @property
+    def artifacts_path(self) -> Path:
+        return self.home / "artifacts.git"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+    def model(self, name: str) -> ModelEntry:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise BadRequest(
+                f"unknown model {name!r}; configured models: {', '.join(sorted(self.models))}", param="model"
+            ) from None
+
+
+def default_home(env: Mapping[str, str]) -> Path:
+    return Path(env.get("REEF_HOME") or Path(env.get("HOME", "~")) / ".reef").expanduser()
+
+
+def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
+    known = {f.name for f in fields(ModelEntry)}
+    unknown = set(raw) - known
+    if unknown:
+        raise BadRequest(f"config: models.{name}: unknown keys {', '.join(sorted(unknown))}")
+    values = dict(raw)
+    if values.get("path") is not None:
+        p = Path(str(values["path"])).expanduser()
+        values["path"] = p if p.is_absolute() else home / p
+    return ModelEntry(name=name, **values)
+
+
+def load_config(
+    env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
+    """Build the config: defaults < config.toml < environment < ``overrides`` (flags; ``None`` values ignored)."""
+    env = os.environ if env is None else env
+    home = default_home(env)
+    raw: dict[str, Any] = {}
+    toml_path = home / "config.toml"
+    if toml_path.exists():
+        try:
+            raw = tomllib.loads(toml_path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"config: {toml_path}: {e}") from None
+
+    models = {
+        "tiny": ModelEntry(name="tiny", engine="transformers", path=home / "models" / "tiny"),
+    }
+    for name, entry in (raw.pop("models", None) or {}).items():
+        if not isinstance(entry, dict):
+            raise BadRequest(f"config: models.{name} must be a table")
+        models[name] = _model_entry(name, entry, home)
+
+    allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = dict(raw)
+
+    for key, var, conv in (
+        ("host", "REEF_HOST", str),
+        ("port", "REEF_PORT", int),
+        ("max_body_bytes", "REEF_MAX_BODY_BYTES", int),
+        ("default_model", "REEF_MODEL", str),
+        ("log_level", "REEF_LOG_LEVEL", str),
+    ):
+        if env.get(var):
+            try:
+                values[key] = conv(env[var])
+            except ValueError:
+                raise BadRequest(f"environment: {var}={env[var]!r} is not a valid {conv.__name__}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+
+    extra_models = values.pop("models", None)
+    if extra_models:
+        models.update(extra_models)
+    secrets = {k: v for k, v in env.items() if k.endswith(("_API_KEY", "_KEY", "_TOKEN")) and k != "REEF_TOKEN"}
+    cfg = Config(
+        home=home,
+        models=models,
+        url=env.get("REEF_URL") or None,
+        token=env.get("REEF_TOKEN") or None,
+        secrets=secrets,
+        **values,
+    )
+    if cfg.default_model not in cfg.models:
+        raise BadRequest(f"config: default_model {cfg.default_model!r} is not a configured model")
+    return cfg
+
+
+def with_overrides(cfg: Config, **changes: Any) -> Config:
+    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,24 @@
+"""Engines: what generates tokens. ``build_engine`` picks the class for a model entry, importing it lazily
+so that torch and transformers load only in a daemon that serves a local model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from daemon.config import ModelEntry
+from daemon.engines.base import Engine, EngineInfo
+from daemon.errors import BadRequest
+
+__all__ = ["Engine", "EngineInfo", "build_engine"]
+
+
+def build_engine(entry: ModelEntry, secrets: Mapping[str, str] | None = None) -> Engine:
+    if entry.engine == "transformers":
+        from daemon.engines.transformers import TransformersEngine
+
+        return TransformersEngine(entry)
+    if entry.engine == "upstream":
+        from daemon.engines.upstream import UpstreamEngine  # type: ignore[import-not-found]
+
+        return UpstreamEngine(entry, secrets or {})
+    raise BadRequest(f"model {entry.name!r}: unknown engine {entry.engine!r} (transformers, upstream)")

@@ -1,0 +1,52 @@
+"""The engine interface: what generates tokens for an exchange.
+
+An engine is built from one model entry of the config. The daemon calls ``generate`` with a neutral
+``Exchange`` and relays the events it yields; the last event of a successful generation is always ``Finish``
+carrying the assembled ``Completion``. Errors are raised as ``daemon.errors`` classes: an exchange the engine
+cannot serve (images for a text-only model, a prompt beyond the context) is a ``BadRequest`` raised *before*
+the first event, so the HTTP layer can still answer with a clean 400.
+
+Embedded engines (``transformers``) fill ``Completion.token_ids``/``logprobs``/``runtime_load_id``; remote ones
+(``upstream``, ``sglang``) fill what their server reports.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from daemon.exchange import EngineEvent, Exchange
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str  # engine kind: transformers, upstream, sglang
+    model: str  # the model name clients use
+    context_length: int | None = None
+    accepts_images: bool = False
+
+
+class Engine(abc.ABC):
+    """Base class of all engines."""
+
+    info: EngineInfo
+
+    async def start(self) -> None:
+        """Load what is needed before serving (called once, before the first request)."""
+
+    async def close(self) -> None:
+        """Release resources; in-flight generations have finished when this is called."""
+
+    @abc.abstractmethod
+    def generate(self, exchange: Exchange) -> AsyncIterator[EngineEvent]:
+        """Generate an answer; yields deltas then one ``Finish``. Validation errors raise before the first yield."""
+
+    @abc.abstractmethod
+    async def count_tokens(self, exchange: Exchange) -> int:
+        """Number of prompt tokens the exchange would take."""
+
+    @property
+    def runtime_load_id(self) -> str | None:
+        """The load currently serving new requests, or ``None`` for engines that do not load weights."""
+        return None

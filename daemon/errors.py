@@ -1,0 +1,166 @@
+"""The one exception tree of Reef.
+
+Every error that crosses a module boundary is a ``ReefError``. Each class carries the data a caller needs
+(the scenario, the missing receipts, the expected and actual head) and knows its HTTP status and its ``type``
+string; ``daemon/app.py`` turns them into provider-shaped or Reef-shaped error bodies, and ``reef_cli`` turns
+them into one-line messages and exit codes. Nothing else maps errors.
+
+    ReefError                          500  internal_error
+    ├── BadRequest                     400  invalid_request_error
+    │   ├── InvalidName                400  (scenario / run names)
+    │   ├── Unsupported                400  (what the engine cannot do: images for a text-only model)
+    │   └── ContextLengthExceeded      400  (prompt beyond the model's context)
+    ├── Unauthorized                   401  authentication_error
+    ├── NotFound                       404  not_found_error
+    │   └── UnknownReceipts            404  (names the receipts)
+    ├── Conflict                       409  conflict_error
+    │   ├── ReportConflict             409  (same report_id, different body)
+    │   ├── RecipeConflict             409  (scenario already bound to another recipe)
+    │   └── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
+    ├── PayloadTooLarge                413  request_too_large
+    ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
+    ├── EngineError                    500  engine_error
+    │   ├── UpstreamError              502  upstream_error
+    │   └── UpstreamTimeout            504  timeout_error
+    ├── Unavailable                    503  overloaded_error (draining, not ready)
+    └── DaemonNotRunning               (CLI side: cannot reach the daemon)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReefError(Exception):
+    """Base of every Reef error. ``status`` is the HTTP status, ``type`` the machine-readable kind."""
+
+    status: int = 500
+    type: str = "internal_error"
+    exit_code: int = 1
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": self.type, "message": self.message}
+        body.update({k: v for k, v in self.data.items() if v is not None})
+        return body
+
+
+class BadRequest(ReefError):
+    status = 400
+    type = "invalid_request_error"
+    exit_code = 2
+
+    def __init__(self, message: str, *, param: str | None = None, **data: Any) -> None:
+        super().__init__(message, param=param, **data)
+        self.param = param
+
+
+class InvalidName(BadRequest):
+    pass
+
+
+class Unsupported(BadRequest):
+    pass
+
+
+class ContextLengthExceeded(BadRequest):
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"prompt is too long: {prompt_tokens} tokens > {context_length} maximum context length",
+            prompt_tokens=prompt_tokens,
+            context_length=context_length,
+        )
+
+
+class Unauthorized(ReefError):
+    status = 401
+    type = "authentication_error"
+    exit_code = 3
+
+
+class NotFound(ReefError):
+    status = 404
+    type = "not_found_error"
+    exit_code = 4
+
+
+class UnknownReceipts(NotFound):
+    def __init__(self, receipts: list[str], scenario: str | None = None) -> None:
+        where = f" in scenario {scenario!r}" if scenario else ""
+        super().__init__(f"unknown receipts{where}: {', '.join(receipts)}", receipts=receipts, scenario=scenario)
+        self.receipts = receipts
+
+
+class Conflict(ReefError):
+    status = 409
+    type = "conflict_error"
+    exit_code = 5
+
+
+class ReportConflict(Conflict):
+    pass
+
+
+class RecipeConflict(Conflict):
+    def __init__(self, scenario: str, bound: str, asked: str) -> None:
+        super().__init__(
+            f"scenario {scenario!r} is bound to recipe {bound!r}, not {asked!r}",
+            scenario=scenario,
+            bound_recipe=bound,
+            asked_recipe=asked,
+        )
+
+
+class HeadMoved(Conflict):
+    def __init__(self, scenario: str, expected: str | None, actual: str | None) -> None:
+        super().__init__(
+            f"release chain of {scenario!r} moved: expected head {expected}, actual head {actual}",
+            scenario=scenario,
+            expected_head=expected,
+            actual_head=actual,
+        )
+        self.expected = expected
+        self.actual = actual
+
+
+class PayloadTooLarge(ReefError):
+    status = 413
+    type = "request_too_large"
+    exit_code = 2
+
+
+class StorageError(ReefError):
+    status = 507
+    type = "storage_error"
+    exit_code = 6
+
+
+class EngineError(ReefError):
+    status = 500
+    type = "engine_error"
+
+
+class UpstreamError(EngineError):
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamTimeout(EngineError):
+    status = 504
+    type = "timeout_error"
+
+
+class Unavailable(ReefError):
+    status = 503
+    type = "overloaded_error"
+    exit_code = 7
+
+
+class DaemonNotRunning(ReefError):
+    status = 503
+    type = "daemon_not_running"
+    exit_code = 7

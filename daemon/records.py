@@ -1,0 +1,519 @@
+"""The record store: every served exchange and every report, durably, in one SQLite file.
+
+Design choices:
+- WAL with ``synchronous=FULL``: a committed record survives ``kill -9`` and power loss. A receipt is handed out
+  only after the transaction holding its record has committed.
+- One writer thread owns the only write connection. Callers enqueue writes and await a future; the writer drains
+  everything queued, runs it in one transaction (a SAVEPOINT per write, so one bad write cannot sink the others)
+  and commits once: group commit, so concurrent requests share an fsync instead of queueing behind each other,
+  and the event loop never blocks on disk.
+- Reads use short-lived per-thread connections off the event loop.
+- A commit that fails (disk full, I/O error) fails every write in it with ``StorageError``; nothing is
+  acknowledged that was not stored. After a failed fsync the writer reopens its connection rather than retrying
+  the same transaction blindly (SQLite rolls the journal back on reopen).
+- Token ids are stored as packed int32 and log-probs as packed float32 (a 20k-token prompt is 80 kB, not 200 kB
+  of JSON text).
+- Records are never rewritten. Reports are records too (kind ``report``); ``report_refs`` indexes which receipts
+  a report names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import queue
+import secrets
+import sqlite3
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import (
+    BadRequest,
+    NotFound,
+    RecipeConflict,
+    ReportConflict,
+    StorageError,
+    UnknownReceipts,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS scenarios (
+    name        TEXT PRIMARY KEY,
+    recipe      TEXT NOT NULL,
+    model       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    settings    TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS records (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    id              TEXT NOT NULL UNIQUE,
+    kind            TEXT NOT NULL,              -- exchange | report
+    scenario        TEXT NOT NULL,
+    run             TEXT,
+    created_at      REAL NOT NULL,
+    status          TEXT NOT NULL,              -- complete | incomplete | error
+    format          TEXT,                       -- openai-chat | openai-responses | anthropic
+    engine          TEXT,
+    model           TEXT,
+    release_id      TEXT,
+    content_id      TEXT,
+    runtime_load_id TEXT,
+    request         TEXT,                       -- JSON: the body as received
+    response        TEXT,                       -- JSON: the full answer (assembled from the stream)
+    headers         TEXT,                       -- JSON: client headers without credentials
+    timings         TEXT,                       -- JSON: ttft_ms, total_ms, engine_ms
+    usage           TEXT,                       -- JSON
+    prompt_token_ids BLOB,                      -- packed int32
+    token_ids       BLOB,                       -- packed int32
+    logprobs        BLOB,                       -- packed float32
+    report          TEXT,                       -- JSON (kind=report): score, feedback, metadata, references
+    report_key      TEXT UNIQUE,                -- client report_id, for idempotent retries
+    report_hash     TEXT
+);
+CREATE INDEX IF NOT EXISTS records_scenario ON records(scenario, seq);
+CREATE INDEX IF NOT EXISTS records_run ON records(run, seq);
+CREATE TABLE IF NOT EXISTS report_refs (
+    report_id   TEXT NOT NULL,
+    receipt     TEXT NOT NULL,
+    PRIMARY KEY (receipt, report_id)
+);
+"""
+
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def new_id(prefix: str) -> str:
+    """Time-sortable id: 48-bit milliseconds + 80 random bits, Crockford base32 (ULID layout)."""
+    n = (int(time.time() * 1000) << 80) | secrets.randbits(80)
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[n & 31])
+        n >>= 5
+    return prefix + "".join(reversed(chars))
+
+
+def _pack_ints(values: Sequence[int] | None) -> bytes | None:
+    return None if values is None else array("i", values).tobytes()
+
+
+def _pack_floats(values: Sequence[float] | None) -> bytes | None:
+    return None if values is None else array("f", values).tobytes()
+
+
+def _unpack(blob: bytes | None, code: str) -> list[Any] | None:
+    if blob is None:
+        return None
+    a = array(code)
+    a.frombytes(blob)
+    return a.tolist()
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class Scenario:
+    name: str
+    recipe: str
+    model: str
+    created_at: float
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "recipe": self.recipe,
+            "model": self.model,
+            "created_at": self.created_at,
+            "settings": self.settings,
+        }
+
+
+_RECORD_COLUMNS = (
+    "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
+    "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report"
+)
+_SUMMARY_COLUMNS = (
+    "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
+    "runtime_load_id, timings, usage, report"
+)
+
+
+class RecordStore:
+    """Durable store of scenarios, records and reports. Thread-safe; async methods never block the loop."""
+
+    def __init__(self, path: Path, *, connect: Callable[[str], sqlite3.Connection] | None = None) -> None:
+        self.path = Path(path)
+        self._connect_fn = connect or (lambda p: sqlite3.connect(p, check_same_thread=False, isolation_level=None))
+        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._local = threading.local()
+        self._scenario_cache: dict[str, Scenario] = {}
+        self._writer_conn = self._open(write=True)
+        self._writer_conn.executescript(SCHEMA)
+        self._thread = threading.Thread(target=self._writer_loop, name="reef-records-writer", daemon=True)
+        self._thread.start()
+
+    # --- connections ---------------------------------------------------------------------------------------
+
+    def _open(self, *, write: bool) -> sqlite3.Connection:
+        conn = self._connect_fn(str(self.path))
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA busy_timeout=10000")
+        if write:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._open(write=False)
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self._writer_conn.close()
+
+    # --- the writer ----------------------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            stop = False
+            while len(batch) < 256:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+            if stop:
+                return
+
+    def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]]) -> None:
+        conn = self._writer_conn
+        results: list[tuple[Future[Any], Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for i, (fn, fut) in enumerate(batch):
+                conn.execute(f"SAVEPOINT w{i}")
+                try:
+                    results.append((fut, fn(conn), None))
+                    conn.execute(f"RELEASE w{i}")
+                except Exception as e:  # one bad write must not sink the batch
+                    conn.execute(f"ROLLBACK TO w{i}")
+                    conn.execute(f"RELEASE w{i}")
+                    results.append((fut, None, e))
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            err = StorageError(f"record store write failed: {e}", path=str(self.path))
+            self._reopen_writer()
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        for fut, value, exc in results:
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+    def _reopen_writer(self) -> None:
+        # After a failed commit (ENOSPC, EIO) the state of the file is unknown; reopen instead of retrying the
+        # same transaction (SQLite recovers from the WAL/journal on open).
+        try:
+            self._writer_conn.close()
+        except sqlite3.Error:
+            pass
+        try:
+            self._writer_conn = self._open(write=True)
+        except sqlite3.Error:
+            pass
+
+    def _submit(self, fn: Callable[[sqlite3.Connection], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def write_sync(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return self._submit(fn).result()
+
+    async def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return await asyncio.to_thread(lambda: fn(self._reader()))
+
+    # --- scenarios -----------------------------------------------------------------------------------------
+
+    async def ensure_scenario(self, name: str, *, recipe: str | None, model: str, default_recipe: str) -> Scenario:
+        """Return the scenario, creating it on first use; a different recipe for an existing one is a 409."""
+        cached = self._scenario_cache.get(name)
+        if cached is not None and (recipe is None or recipe == cached.recipe):
+            return cached
+
+        def op(conn: sqlite3.Connection) -> Scenario:
+            row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
+            if row is None:
+                conn.execute(
+                    "INSERT INTO scenarios(name, recipe, model, created_at) VALUES (?,?,?,?)",
+                    (name, recipe or default_recipe, model, time.time()),
+                )
+                row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
+            return _scenario(row)
+
+        scenario = await self.write(op)
+        if recipe is not None and recipe != scenario.recipe:
+            raise RecipeConflict(name, scenario.recipe, recipe)
+        self._scenario_cache[name] = scenario
+        return scenario
+
+    async def get_scenario(self, name: str) -> Scenario:
+        row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+        if row is None:
+            raise NotFound(f"no scenario named {name!r}", scenario=name)
+        return _scenario(row)
+
+    async def list_scenarios(self) -> list[dict[str, Any]]:
+        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                """SELECT s.*,
+                     (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='exchange') AS records,
+                     (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='report') AS reports,
+                     (SELECT AVG(json_extract(r.report,'$.score')) FROM
+                        (SELECT report FROM records WHERE scenario=s.name AND kind='report'
+                         AND json_extract(report,'$.score') IS NOT NULL ORDER BY seq DESC LIMIT 50) r) AS mean_score
+                   FROM scenarios s ORDER BY s.name"""
+            ).fetchall()
+            out = []
+            for row in rows:
+                d = _scenario(row).to_dict()
+                d.update(records=row["records"], reports=row["reports"], mean_score=row["mean_score"])
+                out.append(d)
+            return out
+
+        return await self.read(op)
+
+    # --- records -------------------------------------------------------------------------------------------
+
+    async def append_exchange(self, rec: dict[str, Any]) -> None:
+        """Store one served exchange; returns once it is durable."""
+        row = (
+            rec["id"],
+            "exchange",
+            rec["scenario"],
+            rec.get("run"),
+            rec.get("created_at", time.time()),
+            rec.get("status", "complete"),
+            rec.get("format"),
+            rec.get("engine"),
+            rec.get("model"),
+            rec.get("release_id"),
+            rec.get("content_id"),
+            rec.get("runtime_load_id"),
+            _dumps(rec.get("request")),
+            _dumps(rec.get("response")),
+            _dumps(rec.get("headers")),
+            _dumps(rec.get("timings")),
+            _dumps(rec.get("usage")),
+            _pack_ints(rec.get("prompt_token_ids")),
+            _pack_ints(rec.get("token_ids")),
+            _pack_floats(rec.get("logprobs")),
+        )
+        await self.write(
+            lambda c: c.execute(
+                "INSERT INTO records(id, kind, scenario, run, created_at, status, format, engine, model, release_id,"
+                " content_id, runtime_load_id, request, response, headers, timings, usage, prompt_token_ids,"
+                " token_ids, logprobs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                row,
+            )
+        )
+
+    async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
+        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
+            row = conn.execute(
+                f"SELECT {_RECORD_COLUMNS if full else _SUMMARY_COLUMNS} FROM records WHERE id=?", (receipt,)
+            ).fetchone()
+            if row is None:
+                return None
+            rec = _record(row)
+            rec["reports"] = [
+                _record(r)
+                for r in conn.execute(
+                    f"SELECT {_SUMMARY_COLUMNS} FROM records WHERE id IN "
+                    "(SELECT report_id FROM report_refs WHERE receipt=?) ORDER BY seq",
+                    (receipt,),
+                ).fetchall()
+            ]
+            return rec
+
+        rec = await self.read(op)
+        if rec is None:
+            raise NotFound(f"no record with receipt {receipt!r}", receipt=receipt)
+        return rec
+
+    async def list_records(
+        self,
+        *,
+        scenario: str | None = None,
+        run: str | None = None,
+        after: int | None = None,
+        limit: int = 50,
+        kind: str | None = None,
+        newest_first: bool = False,
+    ) -> list[dict[str, Any]]:
+        clauses, args = [], []
+        for col, val in (("scenario", scenario), ("run", run), ("kind", kind)):
+            if val is not None:
+                clauses.append(f"{col}=?")
+                args.append(val)
+        if after is not None:
+            clauses.append("seq>?")
+            args.append(after)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        order = "DESC" if newest_first else "ASC"
+        sql = f"SELECT {_SUMMARY_COLUMNS} FROM records {where} ORDER BY seq {order} LIMIT ?"
+        args.append(limit)
+
+        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            out = [_record(r) for r in conn.execute(sql, args).fetchall()]
+            ids = [r["id"] for r in out if r["kind"] == "exchange"]
+            if ids:
+                marks = ",".join("?" * len(ids))
+                scores: dict[str, Any] = {}
+                for r in conn.execute(
+                    f"SELECT rr.receipt, rec.report FROM report_refs rr JOIN records rec ON rec.id=rr.report_id "
+                    f"WHERE rr.receipt IN ({marks}) ORDER BY rec.seq",
+                    ids,
+                ).fetchall():
+                    scores[r["receipt"]] = json.loads(r["report"])
+                for rec in out:
+                    if rec["id"] in scores:
+                        last = scores[rec["id"]]
+                        rec["score"] = last.get("score")
+                        rec["feedback"] = last.get("feedback")
+            return out
+
+        return await self.read(op)
+
+    async def count(self) -> dict[str, int]:
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            return {
+                r["kind"]: r["n"] for r in conn.execute("SELECT kind, COUNT(*) AS n FROM records GROUP BY kind")
+            }
+
+        return await self.read(op)
+
+    # --- reports -------------------------------------------------------------------------------------------
+
+    async def append_report(
+        self,
+        *,
+        scenario: str | None,
+        score: float | None,
+        feedback: Any,
+        references: list[str],
+        metadata: Any,
+        report_id: str | None,
+    ) -> dict[str, Any]:
+        """Store a report on receipts; idempotent on ``report_id``. Returns the stored report record."""
+        body = {"score": score, "feedback": feedback, "references": references, "metadata": metadata}
+        digest = hashlib.sha256(
+            json.dumps({**body, "scenario": scenario}, sort_keys=True, ensure_ascii=False).encode()
+        ).hexdigest()
+
+        def op(conn: sqlite3.Connection) -> dict[str, Any]:
+            if report_id is not None:
+                prior = conn.execute(
+                    f"SELECT {_SUMMARY_COLUMNS}, report_hash FROM records WHERE report_key=?", (report_id,)
+                ).fetchone()
+                if prior is not None:
+                    if prior["report_hash"] != digest:
+                        raise ReportConflict(
+                            f"report_id {report_id!r} was already used with a different body", report_id=report_id
+                        )
+                    return _record(prior)
+            marks = ",".join("?" * len(references))
+            found = {
+                r["id"]: r["scenario"]
+                for r in conn.execute(
+                    f"SELECT id, scenario FROM records WHERE kind='exchange' AND id IN ({marks})", references
+                )
+            }
+            missing = [r for r in references if r not in found]
+            scen = scenario or (found[references[0]] if found else None)
+            foreign = [r for r, s in found.items() if s != scen]
+            if missing or foreign:
+                raise UnknownReceipts(missing + foreign, scen)
+            rid = new_id("rep_")
+            now = time.time()
+            conn.execute(
+                "INSERT INTO records(id, kind, scenario, created_at, status, report, report_key, report_hash)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (rid, "report", scen, now, "complete", _dumps(body), report_id, digest),
+            )
+            conn.executemany(
+                "INSERT OR IGNORE INTO report_refs(report_id, receipt) VALUES (?,?)", [(rid, r) for r in references]
+            )
+            row = conn.execute(f"SELECT {_SUMMARY_COLUMNS} FROM records WHERE id=?", (rid,)).fetchone()
+            return _record(row)
+
+        if not references:
+            raise BadRequest("references must name at least one receipt", param="references")
+        return await self.write(op)
+
+    # --- maintenance ---------------------------------------------------------------------------------------
+
+    def integrity_check(self) -> str:
+        return str(self._reader().execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _scenario(row: sqlite3.Row) -> Scenario:
+    return Scenario(
+        name=row["name"],
+        recipe=row["recipe"],
+        model=row["model"],
+        created_at=row["created_at"],
+        settings=json.loads(row["settings"] or "{}"),
+    )
+
+
+def _record(row: sqlite3.Row) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in row.keys():
+        value = row[key]
+        if key in ("request", "response", "headers", "timings", "usage", "report") and value is not None:
+            value = json.loads(value)
+        elif key in ("prompt_token_ids", "token_ids"):
+            value = _unpack(value, "i")
+        elif key == "logprobs":
+            value = _unpack(value, "f")
+        elif key == "report_hash":
+            continue
+        out[key] = value
+    return out
+
+
+def ensure_private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)

@@ -1,0 +1,161 @@
+"""The daemon process: state dir, token, sockets, signals, pid file, graceful drain.
+
+``run(config)`` serves until SIGTERM/SIGINT, then stops accepting, lets in-flight requests finish (up to
+``DRAIN_TIMEOUT_S``), closes the engines and the record store, and removes its pid file and socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from daemon.app import make_app
+from daemon.config import Config
+from daemon.errors import ReefError
+from daemon.serving import Reef
+
+log = logging.getLogger("reef")
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+def ensure_home(config: Config) -> None:
+    config.home.mkdir(parents=True, exist_ok=True)
+    os.chmod(config.home, 0o700)
+    for sub in (config.logs_dir, config.models_dir, config.runs_dir):
+        sub.mkdir(exist_ok=True)
+
+
+def ensure_token(path: Path) -> str:
+    """Read the token, creating it (0600, atomically) on first start."""
+    try:
+        token = path.read_text().strip()
+        if token:
+            os.chmod(path, 0o600)
+            return token
+    except FileNotFoundError:
+        pass
+    token = "reef-" + secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    """Bind the Unix socket with mode 0600 from the start (umask), replacing a stale one."""
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            probe.close()
+            raise ReefError(f"another daemon is already listening on {path}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+def _tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ReefError(f"port {port} on {host} is already in use (set port in config.toml or --port)") from None
+        raise
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _write_pid(path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+
+
+async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    ensure_home(config)
+    token = ensure_token(config.token_path)
+    tcp = _tcp_socket(config.host, config.port)
+    unix = _unix_socket(config.socket_path)
+    reef = Reef(config, token)
+    runner: web.AppRunner | None = None
+    try:
+        await reef.start()
+        app = make_app(reef)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=DRAIN_TIMEOUT_S)
+        await runner.setup()
+        await web.SockSite(runner, tcp).start()
+        await web.SockSite(runner, unix).start()
+        _write_pid(config.pid_path)
+        port = tcp.getsockname()[1]
+        log.info("reef serving on http://%s:%s and %s (pid %s)", config.host, port, config.socket_path, os.getpid())
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("stopping: draining in-flight requests")
+    finally:
+        if runner is not None:
+            await runner.cleanup()  # stops accepting, waits for in-flight handlers
+        await reef.close()
+        for path in (config.pid_path, config.socket_path):
+            with contextlib.suppress(FileNotFoundError):
+                if path == config.pid_path and path.read_text().strip() != str(os.getpid()):
+                    continue
+                path.unlink()
+        tcp.close()
+        unix.close()
+        log.info("stopped")
+
+
+def setup_logging(config: Config, *, to_file: bool) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if to_file:
+        config.logs_dir.mkdir(parents=True, exist_ok=True)
+        handlers = [logging.FileHandler(config.logs_dir / "daemon.log")]
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def run(config: Config) -> None:
+    """Serve in the foreground until a signal (``reef serve``)."""
+    import uvloop
+
+    uvloop.run(serve(config))

@@ -1,0 +1,261 @@
+"""The daemon's state and its serve path: exchange in, engine, durable record, receipt out.
+
+``Reef`` owns the config, the record store, the engines, the event bus and the metrics. The HTTP layer
+(``daemon/app.py``) parses and authenticates; everything about *serving an exchange* happens here, so the
+provider formats, the engines and the record store meet in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.config import Config
+from daemon.engines import Engine, build_engine
+from daemon.errors import InvalidName, ReefError
+from daemon.events import EventBus
+from daemon.exchange import Completion, EngineEvent, Exchange, Finish
+from daemon.metrics import Metrics
+from daemon.records import RecordStore, Scenario, new_id
+from recipes import check_recipe_name
+
+log = logging.getLogger("reef")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+# headers never stored: credentials, and anything that looks like one
+_SECRET_HEADER = re.compile(r"auth|key|token|secret|cookie|password|credential", re.I)
+
+
+def check_name(value: str, what: str = "scenario") -> str:
+    pattern = NAME_RE if what == "scenario" else RUN_RE
+    if not pattern.match(value):
+        raise InvalidName(
+            f"invalid {what} name {value!r}: use letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f" (at most {64 if what == 'scenario' else 128} characters)",
+            param=what,
+        )
+    return value
+
+
+def safe_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers as recorded: without credentials."""
+    return {k.lower(): v for k, v in headers.items() if not _SECRET_HEADER.search(k)}
+
+
+@dataclass
+class Served:
+    """One exchange being served: what the HTTP layer needs to answer and to record."""
+
+    exchange: Exchange
+    scenario: Scenario
+    run: str | None
+    engine: Engine
+    receipt: str
+    release_id: str | None
+    content_id: str | None
+    started: float
+    events: AsyncIterator[EngineEvent]
+    first: EngineEvent
+    headers: dict[str, str] = field(default_factory=dict)
+    first_token_at: float | None = None
+
+
+class Reef:
+    """The daemon: config, records, engines, events, metrics."""
+
+    def __init__(self, config: Config, token: str) -> None:
+        self.config = config
+        self.token = token
+        self.store = RecordStore(config.records_path)
+        self.events = EventBus()
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        self._engines: dict[str, Engine] = {}
+        self._engine_locks: dict[str, asyncio.Lock] = {}
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.engine(self.config.default_model)
+
+    async def close(self) -> None:
+        for engine in self._engines.values():
+            try:
+                await engine.close()
+            except Exception:  # closing must go on for the others
+                log.exception("closing engine %s", engine.info.model)
+        self.events.close()
+        await asyncio.to_thread(self.store.close)
+
+    # --- engines and scenarios -----------------------------------------------------------------------------
+
+    async def engine(self, model: str) -> Engine:
+        engine = self._engines.get(model)
+        if engine is not None:
+            return engine
+        lock = self._engine_locks.setdefault(model, asyncio.Lock())
+        async with lock:
+            if model not in self._engines:
+                entry = self.config.model(model)
+                if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
+                    if entry.path == self.config.models_dir / "tiny":
+                        from daemon.models import init_tiny
+
+                        log.info("building the tiny model into %s (first start)", entry.path)
+                        await asyncio.to_thread(init_tiny, entry.path)
+                engine = build_engine(entry, self.config.secrets)
+                await engine.start()
+                self._engines[model] = engine
+                self.metrics.loads.labels(model).inc()
+                self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
+            return self._engines[model]
+
+    async def scenario(self, name: str, *, recipe: str | None = None, model: str | None = None) -> Scenario:
+        check_name(name)
+        if recipe is not None:
+            check_recipe_name(recipe)
+        if model is not None:
+            self.config.model(model)
+        created_before = name in self.store._scenario_cache
+        scenario = await self.store.ensure_scenario(
+            name,
+            recipe=recipe,
+            model=model or self.config.default_model,
+            default_recipe=self.config.default_recipe,
+        )
+        if not created_before and time.time() - scenario.created_at < 1:
+            self.events.publish("scenario", scenario=scenario.to_dict())
+        return scenario
+
+    def release_for(self, scenario: Scenario) -> tuple[str | None, str | None]:
+        """The release serving a scenario now: (release_id, content_id). The release chain fills this in."""
+        return None, None
+
+    # --- the serve path ------------------------------------------------------------------------------------
+
+    async def begin(
+        self, exchange: Exchange, *, scenario: str, run: str | None, headers: Mapping[str, str]
+    ) -> Served:
+        """Resolve scenario, release and engine and start generating; raises before anything is sent."""
+        started = time.perf_counter()
+        scen = await self.scenario(scenario)
+        engine = await self.engine(scen.model)
+        release_id, content_id = self.release_for(scen)
+        events = engine.generate(exchange)
+        try:
+            first = await anext(events)
+        except BaseException:
+            await _aclose(events)
+            raise
+        served = Served(
+            exchange=exchange,
+            scenario=scen,
+            run=run,
+            engine=engine,
+            receipt=new_id("rec_"),
+            release_id=release_id,
+            content_id=content_id,
+            started=started,
+            events=events,
+            first=first,
+            headers=safe_headers(headers),
+        )
+        if not isinstance(first, Finish):
+            served.first_token_at = time.perf_counter()
+        return served
+
+    async def stream(self, served: Served) -> AsyncIterator[EngineEvent]:
+        """All events of a served exchange, the first one included; ends after ``Finish``."""
+        yield served.first
+        if isinstance(served.first, Finish):
+            return
+        async for event in served.events:
+            if served.first_token_at is None:
+                served.first_token_at = time.perf_counter()
+            yield event
+            if isinstance(event, Finish):
+                return
+
+    async def record(
+        self,
+        served: Served,
+        completion: Completion | None,
+        response: dict[str, Any] | None,
+        *,
+        status: str = "complete",
+        error: ReefError | None = None,
+    ) -> None:
+        """Store the exchange durably; returns when the receipt may be handed out."""
+        now = time.perf_counter()
+        ex = served.exchange
+        timings = {
+            "ttft_ms": None if served.first_token_at is None else round((served.first_token_at - served.started) * 1e3, 3),
+            "total_ms": round((now - served.started) * 1e3, 3),
+        }
+        usage = None
+        if completion is not None:
+            usage = {
+                "input_tokens": completion.usage.input_tokens,
+                "output_tokens": completion.usage.output_tokens,
+            }
+            if completion.upstream:
+                usage["upstream"] = completion.upstream
+        rec = {
+            "id": served.receipt,
+            "scenario": served.scenario.name,
+            "run": served.run,
+            "status": status,
+            "format": ex.format,
+            "engine": served.engine.info.name,
+            "model": served.engine.info.model,
+            "release_id": served.release_id,
+            "content_id": served.content_id,
+            "runtime_load_id": completion.runtime_load_id if completion else served.engine.runtime_load_id,
+            "request": ex.body,
+            "response": response if error is None else {"error": error.to_dict(), "partial": response},
+            "headers": served.headers,
+            "timings": timings,
+            "usage": usage,
+            "prompt_token_ids": completion.prompt_token_ids if completion else None,
+            "token_ids": completion.token_ids if completion else None,
+            "logprobs": completion.logprobs if completion else None,
+        }
+        await self.store.append_exchange(rec)
+        m = self.metrics
+        m.records.labels("exchange").inc()
+        if completion is not None:
+            m.tokens.labels(rec["model"], "input").inc(completion.usage.input_tokens)
+            m.tokens.labels(rec["model"], "output").inc(completion.usage.output_tokens)
+        if timings["ttft_ms"] is not None:
+            m.ttft.labels(rec["model"]).observe(timings["ttft_ms"] / 1e3)
+        self.events.publish(
+            "record",
+            id=served.receipt,
+            scenario=served.scenario.name,
+            run=served.run,
+            status=status,
+            model=rec["model"],
+            release_id=served.release_id,
+            runtime_load_id=rec["runtime_load_id"],
+            timings=timings,
+            usage=usage,
+        )
+
+    async def abandon(self, served: Served) -> None:
+        await _aclose(served.events)
+
+
+async def _aclose(events: AsyncIterator[EngineEvent]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:
+            log.debug("closing an engine stream failed", exc_info=True)

@@ -1,0 +1,202 @@
+"""A small synchronous client of the daemon's HTTP API, for the CLI, the wrappers and the TUI.
+
+It reaches the daemon over ``$REEF_HOME/reef.sock``, or over TCP when ``REEF_URL`` (and ``REEF_TOKEN``) are
+set, and can start the daemon when it is not running (``ensure_daemon``). Error bodies come back as
+``daemon.errors`` instances, so the CLI maps them to one message and one exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from daemon.config import Config
+from daemon.errors import (
+    BadRequest,
+    Conflict,
+    DaemonNotRunning,
+    NotFound,
+    PayloadTooLarge,
+    ReefError,
+    StorageError,
+    Unauthorized,
+    Unavailable,
+)
+
+_BY_STATUS: dict[int, type[ReefError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    503: Unavailable,
+    507: StorageError,
+}
+
+START_TIMEOUT_S = 120.0
+
+
+class Client:
+    def __init__(self, config: Config, *, timeout: float = 30.0) -> None:
+        self.config = config
+        if config.url:
+            self.base_url = config.url.rstrip("/")
+            headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+            self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        else:
+            self.base_url = "http://localhost"
+            transport = httpx.HTTPTransport(uds=str(config.socket_path))
+            self._http = httpx.Client(base_url=self.base_url, transport=transport, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- plumbing ------------------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
+            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+        if resp.status_code >= 400:
+            raise _error_from(resp)
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return resp.text
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self.request("POST", path, json=body)
+
+    def where(self) -> str:
+        return self.config.url or str(self.config.socket_path)
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self._http.get("/healthz", timeout=2.0).status_code == 200)
+        except (httpx.HTTPError, OSError):
+            return False
+
+    def events(self, after: int | None = None) -> Iterator[dict[str, Any]]:
+        """Follow ``/reef/events``; yields event dicts until the stream ends."""
+        import json
+
+        params = {"after": after} if after is not None else {}
+        with self._http.stream("GET", "/reef/events", params=params, timeout=None) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise _error_from(resp)
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+
+
+def _error_from(resp: httpx.Response) -> ReefError:
+    try:
+        body = resp.json()
+        err = body.get("error", body)
+        message = err.get("message") or resp.text
+    except (ValueError, AttributeError):
+        message = resp.text or resp.reason_phrase
+        err = {}
+    cls = _BY_STATUS.get(resp.status_code, ReefError)
+    e = cls(str(message))
+    e.data.update({k: v for k, v in err.items() if k not in ("message", "type")} if isinstance(err, dict) else {})
+    return e
+
+
+# --- starting the daemon -----------------------------------------------------------------------------------
+
+
+def read_pid(config: Config) -> int | None:
+    try:
+        pid = int(config.pid_path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+def start_daemon(config: Config, *, timeout: float = START_TIMEOUT_S, progress: Any = None) -> int:
+    """Start the daemon in the background and wait until it answers ``/healthz``; returns its pid."""
+    from daemon.server import ensure_home
+
+    ensure_home(config)
+    log_path = config.logs_dir / "daemon.log"
+    env = dict(os.environ, REEF_HOME=str(config.home))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "--log-file"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+            cwd=str(config.home),
+        )
+    probe = Client(_local(config))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if probe.healthy():
+                return proc.pid
+            if proc.poll() is not None:
+                raise ReefError(
+                    f"the daemon exited with status {proc.returncode} while starting; last log lines:\n"
+                    + tail(log_path, 15)
+                )
+            if progress is not None:
+                progress()
+            time.sleep(0.05)
+    finally:
+        probe.close()
+    raise ReefError(f"the daemon did not become healthy within {timeout:.0f} s; see {log_path}")
+
+
+def _local(config: Config) -> Config:
+    from dataclasses import replace
+
+    return replace(config, url=None, token=None)
+
+
+def ensure_daemon(config: Config) -> Client:
+    """A client of a running daemon, starting a local one when needed (not when ``REEF_URL`` points elsewhere)."""
+    client = Client(config)
+    if client.healthy():
+        return client
+    if config.url:
+        raise DaemonNotRunning(f"cannot reach the daemon at {config.url}")
+    start_daemon(config)
+    return client
+
+
+def tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

@@ -1,0 +1,73 @@
+"""What every command shares: the config, the daemon client, output helpers and the error edge.
+
+Commands are thin: parse, call the daemon (or the library), render. ``fail`` turns any ``ReefError`` into one
+line on stderr and the error's exit code; tracebacks are never shown with locals (a token must never print).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from daemon.config import Config, load_config
+from daemon.errors import ReefError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def config(**overrides: Any) -> Config:
+    return load_config(overrides=overrides)
+
+
+def edge(fn: F) -> F:
+    """Map Reef errors to one clear line and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ReefError as e:
+            fail(e.message, e.exit_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def fail(message: str, code: int = 1) -> None:
+    sys.stderr.write(f"reef: {message}\n")
+    raise typer.Exit(code)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def ago(ts: float | None) -> str:
+    import time
+
+    if ts is None:
+        return "-"
+    d = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= size:
+            return f"{int(d // size)}{unit} ago"
+    return f"{int(d)}s ago"
+
+
+def client() -> Any:
+    """A client of the daemon, starting it if it is not running."""
+    from reef_cli.client import ensure_daemon
+
+    return ensure_daemon(config())

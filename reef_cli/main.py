@@ -1,0 +1,46 @@
+"""The ``reef`` command: composes the command groups. Heavy imports happen inside commands."""
+
+from __future__ import annotations
+
+import typer
+
+from reef_cli import daemon_cmd, model, records
+from reef_cli.common import client, edge, print_json
+
+app = typer.Typer(
+    name="reef",
+    help="Reef: serve coding agents from a local daemon, record every exchange, learn from feedback.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.command("serve")(daemon_cmd.serve)
+app.command("report")(records.report)
+app.add_typer(daemon_cmd.app, name="daemon")
+app.add_typer(records.records_app, name="records")
+app.add_typer(records.scenarios_app, name="scenarios")
+app.add_typer(model.app, name="model")
+
+
+@app.command()
+@edge
+def status(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show the daemon's status (starting it if needed): models, records, reports, scenarios."""
+    with client() as c:
+        info = c.get("/reef/status")
+    if json_out:
+        print_json(info)
+        return
+    print(f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}")
+    print(f"listen   {info['listen']['tcp']} and {info['listen']['unix']}")
+    models = ", ".join(f"{n} ({m['engine']}{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
+    print(f"models   {models}; default {info['default_model']}")
+    print(f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""``reef model init``: build local models (no download)."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from reef_cli.common import config, edge, fail
+
+app = typer.Typer(help="Build local models.", no_args_is_help=True)
+
+
+@app.command("init")
+@edge
+def init(
+    name: str = typer.Argument("tiny", help="Which model to build (tiny)."),
+    seed: int = typer.Option(0, help="Random seed."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if it exists."),
+) -> None:
+    """Build the tiny model (a tokenizer trained on the spot, random weights) into $REEF_HOME/models/tiny."""
+    if name != "tiny":
+        fail(f"unknown model {name!r}; reef can build: tiny", 2)
+    import shutil
+
+    from rich.console import Console
+
+    from daemon.models import init_tiny
+
+    cfg = config()
+    dest = cfg.models_dir / "tiny"
+    if force and dest.exists():
+        shutil.rmtree(dest)
+    t0 = time.monotonic()
+    with Console(stderr=True).status("building the tiny model") as status:
+        init_tiny(dest, seed=seed, progress=lambda msg: status.update(msg))
+    print(f"tiny model ready at {dest} ({time.monotonic() - t0:.1f}s)")

@@ -1,0 +1,168 @@
+"""``reef records list|show``, ``reef report`` and ``reef scenarios list|show|create``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from reef_cli.common import ago, client, console, edge, fail, print_json
+
+records_app = typer.Typer(help="Browse recorded exchanges and their reports.", no_args_is_help=True)
+scenarios_app = typer.Typer(help="List, show and create scenarios.", no_args_is_help=True)
+
+
+@records_app.command("list")
+@edge
+def list_records(
+    scenario: str = typer.Option(None, "--scenario", "-s", help="Only this scenario."),
+    run: str = typer.Option(None, "--run", "-r", help="Only this run."),
+    limit: int = typer.Option(20, "--limit", "-n", help="How many (newest first)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List recent records, newest first."""
+    with client() as c:
+        data = c.get("/reef/records", scenario=scenario, run=run, limit=limit, order="desc", kind="exchange")
+    recs = data["records"]
+    if json_out:
+        print_json(recs)
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("receipt", "scenario", "run", "model", "status", "when", "ms", "tokens", "score"):
+        table.add_column(col)
+    for r in recs:
+        timings, usage = r.get("timings") or {}, r.get("usage") or {}
+        table.add_row(
+            r["id"], r["scenario"], r.get("run") or "-", r.get("model") or "-", r["status"], ago(r["created_at"]),
+            f"{timings.get('total_ms', 0):.0f}", str(usage.get("output_tokens", "-")),
+            "-" if r.get("score") is None else f"{r['score']:g}",
+        )
+    console().print(table)
+
+
+@records_app.command("show")
+@edge
+def show_record(
+    receipt: str = typer.Argument(..., help="The receipt (record id)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one record: request, response, timings and its reports."""
+    with client() as c:
+        rec = c.get(f"/reef/records/{receipt}")
+    if json_out:
+        print_json(rec)
+        return
+    out = console()
+    out.print(f"[bold]{rec['id']}[/]  {rec['kind']}  scenario [cyan]{rec['scenario']}[/]  run {rec.get('run') or '-'}")
+    out.print(f"status {rec['status']}  format {rec.get('format')}  engine {rec.get('engine')}  model {rec.get('model')}")
+    out.print(f"release {rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}  {ago(rec['created_at'])}")
+    if rec.get("timings"):
+        out.print("timings " + ", ".join(f"{k} {v}" for k, v in rec["timings"].items()))
+    if rec.get("usage"):
+        out.print("usage " + json.dumps(rec["usage"]))
+    if rec.get("request") is not None:
+        out.rule("request")
+        out.print_json(json.dumps(rec["request"])[:20000])
+    if rec.get("response") is not None:
+        out.rule("response")
+        out.print_json(json.dumps(rec["response"])[:20000])
+    if rec.get("report") is not None:
+        out.rule("report")
+        out.print_json(json.dumps(rec["report"]))
+    out.rule(f"reports ({len(rec.get('reports', []))})")
+    for rep in rec.get("reports", []):
+        r = rep.get("report") or {}
+        out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}  {ago(rep['created_at'])}")
+
+
+@edge
+def report(
+    receipts: list[str] = typer.Argument(..., help="One or more receipts to report on."),
+    score: float = typer.Option(None, "--score", help="A numeric score (finite)."),
+    feedback: str = typer.Option(None, "--feedback", "-f", help="Written feedback."),
+    metadata: str = typer.Option(None, "--metadata", help="A JSON object stored with the report."),
+    report_id: str = typer.Option(None, "--report-id", help="Makes retries idempotent."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Attach a report (score and/or feedback) to receipts."""
+    body: dict[str, Any] = {"references": receipts}
+    if score is not None:
+        body["score"] = score
+    if feedback is not None:
+        body["feedback"] = feedback
+    if metadata is not None:
+        try:
+            body["metadata"] = json.loads(metadata)
+        except ValueError as e:
+            fail(f"--metadata is not valid JSON: {e}", 2)
+    if report_id is not None:
+        body["report_id"] = report_id
+    with client() as c:
+        rep = c.post("/reef/report", body)
+    if json_out:
+        print_json(rep)
+    else:
+        print(f"report {rep['report_id']} stored on {len(rep['references'])} receipt(s) in scenario {rep['scenario']}")
+
+
+@scenarios_app.command("list")
+@edge
+def list_scenarios(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List scenarios with their recipe, records, reports and mean recent score."""
+    with client() as c:
+        scenarios = c.get("/reef/scenarios")["scenarios"]
+    if json_out:
+        print_json(scenarios)
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("scenario", "recipe", "model", "records", "reports", "mean score", "created"):
+        table.add_column(col)
+    for s in scenarios:
+        mean = "-" if s.get("mean_score") is None else f"{s['mean_score']:.3g}"
+        table.add_row(s["name"], s["recipe"], s["model"], str(s["records"]), str(s["reports"]), mean,
+                      ago(s["created_at"]))
+    console().print(table)
+
+
+@scenarios_app.command("show")
+@edge
+def show_scenario(
+    name: str = typer.Argument(..., help="The scenario."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one scenario."""
+    with client() as c:
+        s = c.get(f"/reef/scenarios/{name}")
+    if json_out:
+        print_json(s)
+        return
+    for key in ("name", "recipe", "model", "records", "reports", "mean_score"):
+        print(f"{key:11} {s.get(key)}")
+    print(f"{'created':11} {ago(s['created_at'])}")
+
+
+@scenarios_app.command("create")
+@edge
+def create_scenario(
+    name: str = typer.Argument(..., help="The new scenario's name."),
+    recipe: str = typer.Option(None, "--recipe", help="Learning recipe (default from config)."),
+    model: str = typer.Option(None, "--model", help="Model to serve it (default from config)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)."""
+    body: dict[str, Any] = {"name": name}
+    if recipe:
+        body["recipe"] = recipe
+    if model:
+        body["model"] = model
+    with client() as c:
+        s = c.post("/reef/scenarios", body)
+    if json_out:
+        print_json(s)
+    else:
+        print(f"scenario {s['name']} (recipe {s['recipe']}, model {s['model']})")
