@@ -1,0 +1,396 @@
+"""OpenAI Responses (``POST /v1/responses``) <-> the neutral ``Exchange``.
+
+Owns: request validation and translation (``instructions``, ``input`` as a string or a list of items: messages,
+``function_call``, ``function_call_output``, ``reasoning``; flat function tools), the ``response`` object, the
+SSE event sequence (``response.created`` ... ``response.completed``, every event numbered by ``sequence_number``,
+the receipt as a ``reef`` field on the final event) and OpenAI's error shape.
+
+Reef keeps no server-side state: ``previous_response_id`` and ``conversation`` are refused (clients send the full
+input, as Codex and the AI SDK do with ``store: false``). A generation cut by the token limit ends, as with
+OpenAI, in ``status: "incomplete"`` and a final ``response.incomplete`` event instead of ``response.completed``.
+Item types the engine cannot have produced (web_search_call, ...) are skipped. Neutral conventions: see
+``daemon/protocols/anthropic.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon.errors import BadRequest, ReefError, Unsupported
+from daemon.exchange import (
+    Completion,
+    EngineEvent,
+    Exchange,
+    Message,
+    Part,
+    Receipt,
+    TextDelta,
+    ThinkingDelta,
+    Tool,
+    ToolCallDelta,
+    ToolCallStart,
+    Usage,
+)
+from daemon.protocols.openai_chat import error_body as error_body  # the same error shape as chat
+from daemon.protocols.sse import (
+    field,
+    image_url_part,
+    json_type,
+    missing_events,
+    need_object,
+    new_id,
+    sampling,
+    sse,
+    stream_flag,
+    tool_arguments,
+)
+
+FORMAT = "openai-responses"
+
+# --- requests ---------------------------------------------------------------------------------------------------
+
+
+def parse_request(body: object) -> Exchange:
+    body = need_object(body, "")
+    model = field(body, "model", "string", required=True)
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key) is not None:
+            raise Unsupported(f"{key}: no server-side conversation state here; send the full input", param=key)
+    messages: list[Message] = []
+    if instructions := field(body, "instructions", "string"):
+        messages.append(Message("system", [Part("text", text=instructions)]))
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages.append(Message("user", [Part("text", text=raw)]))
+    elif isinstance(raw, list):
+        for i, item in enumerate(raw):
+            _item(item, f"input[{i}]", messages)
+    else:
+        kind = "field required" if raw is None else f"expected string or array of items, got {json_type(raw)}"
+        raise BadRequest(f"input: {kind}", param="input")
+    if all(m.role == "system" for m in messages):
+        raise BadRequest("input: must contain at least one item", param="input")
+    return Exchange(
+        format=FORMAT,
+        model=model,
+        messages=messages,
+        tools=_tools(body),
+        tool_choice=_tool_choice(body),
+        sampling=sampling(body, ("max_output_tokens",), "stop"),
+        stream=stream_flag(body),
+        body=body,
+    )
+
+
+def _assistant(messages: list[Message]) -> Message:
+    """The assistant message that reasoning, text and calls of one turn go into."""
+    if not messages or messages[-1].role != "assistant":
+        messages.append(Message("assistant"))
+    return messages[-1]
+
+
+def _item(item: Any, where: str, messages: list[Message]) -> None:
+    item = need_object(item, where)
+    w = where + "."
+    kind = field(item, "type", "string", w) or "message"
+    if kind == "message":
+        role = field(item, "role", "string", w, required=True)
+        if role not in ("user", "assistant", "system", "developer"):
+            raise BadRequest(f"{w}role: must be user, assistant, system or developer; got {role!r}", param=f"{w}role")
+        parts = _parts(item.get("content"), w + "content")
+        if role == "assistant":
+            _assistant(messages).parts += parts
+        else:
+            messages.append(Message("system" if role == "developer" else role, parts))
+    elif kind == "function_call":
+        call = Part(
+            "tool_call",
+            id=field(item, "call_id", "string", w, required=True),
+            name=field(item, "name", "string", w, required=True),
+            arguments=tool_arguments(item.get("arguments"), w + "arguments"),
+        )
+        _assistant(messages).parts.append(call)
+    elif kind == "function_call_output":
+        call_id = field(item, "call_id", "string", w, required=True)
+        output = item.get("output")
+        parts = [Part("text", text=output)] if isinstance(output, str) else _parts(output, w + "output")
+        text = "".join(p.text for p in parts if p.type == "text")
+        images = [p for p in parts if p.type == "image"]
+        messages.append(Message("tool", [Part("tool_result", tool_call_id=call_id, text=text), *images]))
+    elif kind == "reasoning":  # raw reasoning text if sent, else its summary; encrypted-only reasoning is dropped
+        if texts := _texts(item.get("content")) or _texts(item.get("summary")):
+            _assistant(messages).parts.append(Part("thinking", text="\n".join(texts)))
+
+
+def _texts(value: Any) -> list[str]:
+    return (
+        [c["text"] for c in value if isinstance(c, dict) and isinstance(c.get("text"), str)]
+        if isinstance(value, list)
+        else []
+    )
+
+
+def _parts(content: Any, p: str) -> list[Part]:
+    if isinstance(content, str):
+        return [Part("text", text=content)]
+    if not isinstance(content, list):
+        raise BadRequest(f"{p}: expected string or array of content parts, got {json_type(content)}", param=p)
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        q = f"{p}[{j}]"
+        part = need_object(part, q)
+        kind = field(part, "type", "string", q + ".", required=True)
+        if kind in ("input_text", "output_text", "text"):
+            parts.append(Part("text", text=field(part, "text", "string", q + ".", required=True)))
+        elif kind == "refusal":
+            parts.append(Part("text", text=field(part, "refusal", "string", q + ".", required=True)))
+        elif kind == "input_image":
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise Unsupported(f"{q}.file_id: images by file id are not supported", param=f"{q}.file_id")
+            parts.append(image_url_part(part.get("image_url"), q + ".image_url"))
+        elif kind in ("input_file", "input_audio"):
+            raise Unsupported(f"{q}.type: {kind} content is not supported", param=f"{q}.type")
+        else:
+            raise BadRequest(f"{q}.type: unknown content part type {kind!r}", param=f"{q}.type")
+    return parts
+
+
+def _tools(body: dict[str, Any]) -> list[Tool]:
+    tools: list[Tool] = []
+    for i, t in enumerate(field(body, "tools", "array") or []):
+        p = f"tools[{i}]."
+        t = need_object(t, p[:-1])
+        if field(t, "type", "string", p) != "function":
+            continue  # built-in tools (web_search, file_search, custom, ...) carry no schema
+        if isinstance(t.get("function"), dict):  # the chat shape, sent here by mistake by some clients
+            t, p = t["function"], p + "function."
+        tools.append(
+            Tool(
+                name=field(t, "name", "string", p, required=True),
+                description=field(t, "description", "string", p) or "",
+                parameters=field(t, "parameters", "object", p) or {},
+            )
+        )
+    return tools
+
+
+def _tool_choice(body: dict[str, Any]) -> Any:
+    tc = body.get("tool_choice")
+    if tc is None:
+        return None
+    if isinstance(tc, str):
+        if tc not in ("auto", "none", "required"):
+            raise BadRequest(f"tool_choice: must be auto, none or required, got {tc!r}", param="tool_choice")
+        return tc
+    tc = need_object(tc, "tool_choice")
+    if tc.get("type") == "function":
+        return {"name": field(tc, "name", "string", "tool_choice.", required=True)}
+    return "auto"  # allowed_tools, built-in tool types: no narrower neutral form
+
+
+# --- responses --------------------------------------------------------------------------------------------------
+
+
+def _usage(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": u.input_tokens,
+        "input_tokens_details": {"cached_tokens": u.cache_read_tokens, "cache_write_tokens": u.cache_write_tokens},
+        "output_tokens": u.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.input_tokens + u.output_tokens,
+    }
+
+
+def _response(
+    ex: Exchange, response_id: str, created: int, output: list[dict], status: str, c: Completion | None = None
+) -> dict[str, Any]:
+    """The ``response`` object: as rendered in full, and as carried by the stream's lifecycle events."""
+    body = ex.body
+    tc = ex.tool_choice
+    metadata = body.get("metadata")
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": ex.model,
+        "output": output,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+        "metadata": metadata
+        if isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+        else {},
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "temperature": ex.sampling.temperature,
+        "top_p": ex.sampling.top_p,
+        "max_output_tokens": ex.sampling.max_tokens,
+        "tool_choice": {"type": "function", "name": tc["name"]} if isinstance(tc, dict) else tc or "auto",
+        "tools": [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters,
+                "strict": False,
+            }
+            for t in ex.tools
+        ],
+        "usage": _usage(c.usage) if c is not None else None,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _status(c: Completion) -> str:
+    return "incomplete" if c.stop_reason == "length" else "completed"
+
+
+def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict:
+    output = []
+    if c.thinking:
+        output.append(_reasoning_item(new_id("rs_"), c.thinking))
+    if c.text or not c.tool_calls:
+        output.append(_message_item(new_id("msg_"), c.text, _status(c)))
+    for t in c.tool_calls:
+        output.append(_call_item(new_id("fc_"), t.id or new_id("call_"), t.name, t.arguments, "completed"))
+    out = _response(ex, response_id, created, output, _status(c), c)
+    if receipt is not None:
+        out["reef"] = receipt.to_dict()
+    return out
+
+
+class StreamRenderer:
+    """Engine events -> Responses SSE events. One output item is open at a time; it closes when the kind switches."""
+
+    def __init__(self, ex: Exchange, *, response_id: str, created: int) -> None:
+        self.ex, self.id, self.created = ex, response_id, created
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # finished output items
+        self.open: dict[str, Any] | None = None  # the open item: kind, id, index, text / call fields
+        self.calls: dict[int, dict[str, Any]] = {}  # engine tool-call index -> its open-item state
+        self.text = self.thinking = ""
+
+    def _ev(self, kind: str, **data: Any) -> bytes:
+        frame = sse({"type": kind, **data, "sequence_number": self.seq}, kind)
+        self.seq += 1
+        return frame
+
+    def start(self) -> list[bytes]:
+        response = _response(self.ex, self.id, self.created, [], "in_progress")
+        return [self._ev("response.created", response=response), self._ev("response.in_progress", response=response)]
+
+    def _open(self, state: dict[str, Any], item: dict[str, Any], part: dict[str, Any] | None) -> list[bytes]:
+        frames = self._close()
+        state["index"] = index = len(self.items)
+        self.open = state
+        frames.append(self._ev("response.output_item.added", output_index=index, item=item))
+        if part is not None:
+            where = {"item_id": state["id"], "output_index": index, "content_index": 0}
+            frames.append(self._ev("response.content_part.added", **where, part=part))
+        return frames
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        s, self.open = self.open, None
+        if s is None:
+            return []
+        where = {"item_id": s["id"], "output_index": s["index"]}
+        if s["kind"] == "message":
+            item = _message_item(s["id"], s["text"], status)
+            frames = [
+                self._ev("response.output_text.done", **where, content_index=0, text=s["text"], logprobs=[]),
+                self._ev("response.content_part.done", **where, content_index=0, part=item["content"][0]),
+            ]
+        elif s["kind"] == "reasoning":
+            item = _reasoning_item(s["id"], s["text"])
+            frames = [
+                self._ev("response.reasoning_text.done", **where, content_index=0, text=s["text"]),
+                self._ev("response.content_part.done", **where, content_index=0, part=item["content"][0]),
+            ]
+        else:
+            item = _call_item(s["id"], s["call_id"], s["name"], s["text"], "completed")
+            frames = [self._ev("response.function_call_arguments.done", **where, name=s["name"], arguments=s["text"])]
+        self.items.append(item)
+        return [*frames, self._ev("response.output_item.done", output_index=s["index"], item=item)]
+
+    def event(self, ev: EngineEvent) -> list[bytes]:
+        if isinstance(ev, TextDelta | ThinkingDelta) and ev.text:
+            kind = "message" if isinstance(ev, TextDelta) else "reasoning"
+            frames: list[bytes] = []
+            if self.open is None or self.open["kind"] != kind:
+                state = {"kind": kind, "id": new_id("msg_" if kind == "message" else "rs_"), "text": ""}
+                if kind == "message":
+                    item = {**_message_item(state["id"], "", "in_progress"), "content": []}
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                else:
+                    item = {**_reasoning_item(state["id"], ""), "content": []}
+                    part = {"type": "reasoning_text", "text": ""}
+                frames = self._open(state, item, part)
+            s = self.open
+            assert s is not None
+            s["text"] += ev.text
+            where = {"item_id": s["id"], "output_index": s["index"], "content_index": 0}
+            if kind == "message":
+                self.text += ev.text
+                return [*frames, self._ev("response.output_text.delta", **where, delta=ev.text, logprobs=[])]
+            self.thinking += ev.text
+            return [*frames, self._ev("response.reasoning_text.delta", **where, delta=ev.text)]
+        if isinstance(ev, ToolCallStart):
+            state = {
+                "kind": "call",
+                "id": new_id("fc_"),
+                "call_id": ev.id or new_id("call_"),
+                "name": ev.name,
+                "text": "",
+            }
+            self.calls[ev.index] = state
+            return self._open(state, _call_item(state["id"], state["call_id"], ev.name, "", "in_progress"), None)
+        if (
+            isinstance(ev, ToolCallDelta)
+            and ev.arguments
+            and self.open is not None
+            and self.open is self.calls.get(ev.index)
+        ):
+            # (a delta for a call already closed cannot be sent any more; engines stream calls one after another)
+            self.open["text"] += ev.arguments
+            where = {"item_id": self.open["id"], "output_index": self.open["index"]}
+            return [self._ev("response.function_call_arguments.delta", **where, delta=ev.arguments)]
+        return []
+
+    def finish(self, c: Completion, receipt: Receipt | None) -> list[bytes]:
+        frames: list[bytes] = []
+        for ev in missing_events(c, self.text, self.thinking, len(self.calls)):
+            frames += self.event(ev)
+        status = _status(c)
+        frames += self._close(status)
+        data: dict[str, Any] = {"response": _response(self.ex, self.id, self.created, self.items, status, c)}
+        if receipt is not None:
+            data["reef"] = receipt.to_dict()
+        return [*frames, self._ev(f"response.{status}", **data)]
+
+    def error(self, err: ReefError) -> list[bytes]:
+        code = "server_error" if err.status >= 500 else "invalid_prompt"
+        failed = _response(self.ex, self.id, self.created, self.items, "failed")
+        failed["error"] = {"code": code, "message": err.message}
+        return [
+            self._ev("error", code=err.type, message=err.message, param=getattr(err, "param", None)),
+            self._ev("response.failed", response=failed),
+        ]
