@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Install Reef into its own virtual environment and link the `reef` command into a bin dir.
+#
+#   ./install.sh                      venv in ~/.local/share/reef/venv, command in ~/.local/bin
+#   ./install.sh --venv DIR           another venv location
+#   ./install.sh --bin-dir DIR        another bin dir
+#   ./install.sh --no-link            do not link commands anywhere
+#   ./install.sh --dev                editable install plus what the tests need
+#
+# Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
+# pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
+set -euo pipefail
+
+VENV="${REEF_VENV:-$HOME/.local/share/reef/venv}"
+BIN_DIR="${REEF_BIN_DIR:-$HOME/.local/bin}"
+DEV=0
+LINK=1
+PYTHON="${PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+
+say() { printf 'reef-install: %s\n' "$*"; }
+die() { printf 'reef-install: error: %s\n' "$*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dev) DEV=1 ;;
+    --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV="$2"; shift ;;
+    --venv=*) VENV="${1#*=}" ;;
+    --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift ;;
+    --bin-dir=*) BIN_DIR="${1#*=}" ;;
+    --no-link) LINK=0 ;;
+    --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option: $1 (see --help)" ;;
+  esac
+  shift
+done
+
+SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+[ -f "$SRC/pyproject.toml" ] || die "run install.sh from a Reef checkout (no pyproject.toml in $SRC)"
+
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: Reef needs Python 3.11 or newer"
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+  die "Python 3.11 or newer is required; $PYTHON is $("$PYTHON" -c 'import platform; print(platform.python_version())')"
+fi
+command -v git >/dev/null 2>&1 || die "git is required (install it with your package manager, e.g. apt-get install git)"
+
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+  say "using the virtual environment at $VENV"
+else
+  say "creating a virtual environment at $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PYTHON" -m venv "$VENV" || die "could not create a virtual environment (on Debian: apt-get install python3-venv)"
+fi
+
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+export PIP_PROGRESS_BAR=off
+say "installing $TORCH_PIN (CPU build)"
+"${PIP[@]}" install -q "$TORCH_PIN" || die "installing $TORCH_PIN failed"
+if [ "$DEV" = 1 ]; then
+  say "installing Reef (editable) with test dependencies"
+  "${PIP[@]}" install -q -e "$SRC[dev]" || die "installing Reef failed"
+else
+  say "installing Reef"
+  "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
+fi
+
+if [ "$LINK" = 1 ]; then
+  mkdir -p "$BIN_DIR"
+  for cmd in reef; do
+    ln -sfn "$VENV/bin/$cmd" "$BIN_DIR/$cmd"
+  done
+  say "linked reef into $BIN_DIR"
+  case ":$PATH:" in *":$BIN_DIR:"*) ;; *) say "note: $BIN_DIR is not on your PATH; add it, or run $BIN_DIR/reef" ;; esac
+fi
+say "done: $("$VENV/bin/reef" --version 2>/dev/null || echo reef) installed in $VENV"

@@ -1,0 +1,195 @@
+"""Fixtures: the tiny model built once per session, and real daemons started as real processes.
+
+A ``Daemon`` is ``python -m daemon`` in its own ``REEF_HOME`` (a short path under /tmp, since Unix socket
+paths are limited to 108 bytes), listening on a free loopback port and on its socket. Tests talk to it over
+real sockets with the official SDKs, httpx and the ``reef`` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def assert_canonical_error(resp: httpx.Response, status: int | tuple[int, ...], shape: str = "reef") -> dict[str, Any]:
+    """The one check of error bodies: the status, and the provider's (or Reef's) error shape with a message."""
+    statuses = (status,) if isinstance(status, int) else status
+    assert resp.status_code in statuses, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    if shape == "anthropic":
+        assert body["type"] == "error", body
+        err = body["error"]
+        assert isinstance(err["type"], str) and err["type"]
+    else:  # reef and openai share {"error": {"message", "type"}}
+        err = body["error"]
+        assert isinstance(err["type"], str) and err["type"]
+    assert isinstance(err["message"], str) and err["message"], body
+    return err
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from daemon.models import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@dataclass
+class Daemon:
+    home: Path
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    extra_config: str = ""
+    models: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.home / "reef.sock"
+
+    @property
+    def token(self) -> str:
+        return (self.home / "token").read_text().strip()
+
+    def http(self, **kw: Any) -> httpx.Client:
+        """An httpx client over TCP with the token."""
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=60, **kw)
+
+    def unix(self, **kw: Any) -> httpx.Client:
+        """An httpx client over the Unix socket (no token)."""
+        return httpx.Client(
+            base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path)), timeout=60, **kw
+        )
+
+    def start(self, timeout: float = 60) -> Daemon:
+        log = open(self.home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "--log-file"], env=self.env, stdout=log, stderr=log, cwd=self.home
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited ({self.proc.returncode}):\n{self.log_tail()}")
+            if self.socket_path.exists() and (self.home / "reef.pid").exists():
+                with self.unix() as c:
+                    if c.get("/healthz", timeout=5).status_code == 200:
+                        return self
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon not healthy in {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join((self.home / "logs" / "daemon.log").read_text().splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
+        """Run the real ``reef`` command against this daemon's home."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "reef_cli.main", *args],
+            env=self.env, capture_output=True, text=True, timeout=timeout, **kw,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"reef {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+def make_home(tiny_model: Path, extra_config: str = "") -> tuple[Path, int, dict[str, str]]:
+    home = Path(tempfile.mkdtemp(prefix="reef-", dir="/tmp"))
+    (home / "logs").mkdir()
+    port = free_port()
+    config = f'port = {port}\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny_model}"\n' + extra_config
+    (home / "config.toml").write_text(config)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REEF_", "OPENAI_", "ANTHROPIC_"))}
+    env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return home, port, env
+
+
+@pytest.fixture
+def daemon_factory(tiny_model: Path) -> Iterator[Any]:
+    made: list[Daemon] = []
+
+    def make(extra_config: str = "", start: bool = True) -> Daemon:
+        home, port, env = make_home(tiny_model, extra_config)
+        d = Daemon(home=home, port=port, env=env, extra_config=extra_config)
+        made.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in made:
+        d.stop()
+        shutil.rmtree(d.home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model: Path) -> Iterator[Daemon]:
+    """One daemon shared by a test module."""
+    home, port, env = make_home(tiny_model)
+    d = Daemon(home=home, port=port, env=env).start()
+    yield d
+    d.stop()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def sse_events(text: str) -> list[tuple[str | None, Any]]:
+    """Parse an SSE body into (event, data) pairs; data JSON-decoded when possible."""
+    out: list[tuple[str | None, Any]] = []
+    for block in text.split("\n\n"):
+        event, data = None, []
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        if data:
+            raw = "\n".join(data)
+            try:
+                out.append((event, json.loads(raw)))
+            except ValueError:
+                out.append((event, raw))
+    return out

@@ -1,0 +1,136 @@
+"""Reports on receipts, scenarios, the event stream and metrics, through the real HTTP API."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+
+from tests.conftest import Daemon, assert_canonical_error
+
+
+def serve_one(c: httpx.Client, scenario: str = "default", run: str | None = None) -> str:
+    headers = {"x-reef-scenario": scenario}
+    if run:
+        headers["x-reef-run"] = run
+    resp = c.post("/v1/chat/completions", headers=headers,
+                  json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-reef-agent-record-id"]
+
+
+def test_report_validation(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        receipt = serve_one(c, "rep-a")
+        for body, param in (
+            ({"score": "1", "references": [receipt]}, "score"),
+            ({"score": True, "references": [receipt]}, "score"),
+            ({"score": 1e400, "references": [receipt]}, None),  # parses as inf
+            ({"score": 1, "references": []}, "references"),
+            ({"score": 1, "references": "x"}, "references"),
+            ({"score": 1, "references": [1]}, "references"),
+            ({"references": [receipt]}, "score"),
+            ({"feedback": 5, "references": [receipt]}, "feedback"),
+            ({"feedback": "x" * 300_000, "references": [receipt]}, "feedback"),
+            ({"score": 1, "references": [receipt], "metadata": "x"}, "metadata"),
+            ({"score": 1, "references": [receipt], "surprise": 1}, "surprise"),
+        ):
+            err = assert_canonical_error(c.post("/reef/report", json=body), 400)
+            if param:
+                assert err.get("param") == param, (body, err)
+
+
+def test_report_unknown_and_foreign_receipts_are_404_naming_them(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        mine = serve_one(c, "rep-b")
+        theirs = serve_one(c, "rep-c")
+        err = assert_canonical_error(
+            c.post("/reef/report", json={"score": 1, "references": [mine, "rec_nope"]}), 404)
+        assert "rec_nope" in err["message"] and err["receipts"] == ["rec_nope"]
+        err = assert_canonical_error(
+            c.post("/reef/report", json={"score": 1, "references": [mine, theirs], "scenario": "rep-b"}), 404)
+        assert theirs in err["message"]
+        err = assert_canonical_error(c.post("/reef/report", json={"score": 1, "references": [mine, theirs]}), 404)
+        assert theirs in err["message"]
+
+
+def test_report_id_makes_retries_idempotent(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        receipt = serve_one(c, "rep-d")
+        body = {"score": 1, "feedback": {"why": "ok"}, "references": [receipt], "report_id": "retry-1"}
+        first = c.post("/reef/report", json=body)
+        assert first.status_code == 201
+        again = c.post("/reef/report", json=body)
+        assert again.status_code == 201 and again.json() == first.json()
+        err = assert_canonical_error(c.post("/reef/report", json={**body, "score": 0}), 409)
+        assert "retry-1" in err["message"]
+        rec = c.get(f"/reef/records/{receipt}").json()
+        assert len(rec["reports"]) == 1 and rec["reports"][0]["report"]["feedback"] == {"why": "ok"}
+
+
+def test_scenarios_api_and_recipe_binding(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        created = c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "record"})
+        assert created.status_code == 201 and created.json()["recipe"] == "record"
+        assert c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "record"}).status_code == 201
+        err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "other:Recipe"}), 409)
+        assert "record" in err["message"] and "other:Recipe" in err["message"]
+        assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-y", "recipe": "no such"}), 400)
+        assert_canonical_error(c.post("/reef/scenarios", json={"name": "../x"}), 400)
+        assert_canonical_error(c.get("/reef/scenarios/never-made"), 404)
+        serve_one(c, "scen-x")
+        shown = c.get("/reef/scenarios/scen-x").json()
+        assert shown["records"] == 1 and shown["model"] == "tiny"
+        names = [s["name"] for s in c.get("/reef/scenarios").json()["scenarios"]]
+        assert "scen-x" in names
+        page = c.get("/reef/scenarios/scen-x/records", params={"limit": 10}).json()
+        assert len(page["records"]) == 1
+        assert c.get("/reef/scenarios/scen-x/records", params={"after": page["next_after"]}).json()["records"] == []
+        assert_canonical_error(c.get("/reef/scenarios/scen-x/records", params={"limit": "x"}), 400)
+
+
+def test_cli_scenarios_and_status(daemon: Daemon) -> None:
+    out = daemon.cli("scenarios", "create", "cli-scen", "--json")
+    assert json.loads(out.stdout)["name"] == "cli-scen"
+    assert "cli-scen" in daemon.cli("scenarios", "list").stdout
+    assert json.loads(daemon.cli("scenarios", "show", "cli-scen", "--json").stdout)["recipe"] == "record"
+    status = json.loads(daemon.cli("status", "--json").stdout)
+    assert status["default_model"] == "tiny"
+    bad = daemon.cli("report", "rec_missing", "--score", "1", check=False)
+    assert bad.returncode == 4 and "rec_missing" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_events_stream_records_and_reports(daemon: Daemon) -> None:
+    seen: list[dict[str, Any]] = []
+    ready = threading.Event()
+
+    def follow() -> None:
+        with daemon.http() as c, c.stream("GET", "/reef/events", timeout=30) as resp:
+            ready.set()
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if any(e["kind"] == "report" for e in seen):
+                        return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    ready.wait(10)
+    with daemon.http() as c:
+        receipt = serve_one(c, "events")
+        c.post("/reef/report", json={"score": 1, "references": [receipt]})
+    t.join(30)
+    kinds = [e["kind"] for e in seen]
+    assert "record" in kinds and "report" in kinds
+    rec = next(e for e in seen if e["kind"] == "record" and e["id"] == receipt)
+    assert rec["scenario"] == "events"
+
+
+def test_metrics(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        serve_one(c, "metrics")
+        text = c.get("/metrics").text
+    assert "reef_requests_total" in text and "reef_records_total" in text and "reef_tokens_total" in text
+    assert "reef_request_seconds_bucket" in text and "reef_errors_total" in text
