@@ -49,9 +49,12 @@ def print_json(value: Any) -> None:
 
 
 def console() -> Any:
+    import sys
+
     from rich.console import Console
 
-    return Console()
+    # piped output is read by scripts and tests: do not wrap it at 80 columns
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 def ago(ts: float | None) -> str:

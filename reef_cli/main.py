@@ -14,6 +14,23 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"reef {version('reef')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Reef: serve coding agents from a local daemon, record every exchange, learn from feedback."""
+
+
 app.command("serve")(daemon_cmd.serve)
 app.command("report")(records.report)
 app.add_typer(daemon_cmd.app, name="daemon")

@@ -52,6 +52,20 @@ def assert_canonical_error(resp: httpx.Response, status: int | tuple[int, ...], 
     return err
 
 
+def probe_unix(path: Path) -> bool:
+    """GET /healthz over a Unix socket; closes its socket on every path (httpx leaks one on refused connects)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(str(path))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from daemon.models import init_tiny
@@ -100,10 +114,8 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited ({self.proc.returncode}):\n{self.log_tail()}")
-            if self.socket_path.exists() and (self.home / "reef.pid").exists():
-                with self.unix() as c:
-                    if c.get("/healthz", timeout=5).status_code == 200:
-                        return self
+            if probe_unix(self.socket_path):
+                return self
             time.sleep(0.05)
         raise RuntimeError(f"daemon not healthy in {timeout}s:\n{self.log_tail()}")
 
