@@ -254,6 +254,10 @@ def provider_handler(proto: ModuleType) -> Handler:
                 response = proto.render_response(exchange, completion, response_id=response_id, created=created,
                                                  receipt=receipt)
                 await reef.record(served, completion, response)
+                headers["Server-Timing"] = (
+                    f"engine;dur={served.engine_ms:.3f}, record;dur={served.record_ms:.3f}, "
+                    f"total;dur={(time.perf_counter() - served.started) * 1e3:.3f}"
+                )
                 reef.metrics.requests.labels(route, "200").inc()
                 reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
                 return _json(response, headers=headers)

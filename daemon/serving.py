@@ -65,6 +65,16 @@ class Served:
     first: EngineEvent
     headers: dict[str, str] = field(default_factory=dict)
     first_token_at: float | None = None
+    engine_started: float = 0.0
+    finished_at: float | None = None
+    record_ms: float | None = None
+
+    @property
+    def engine_ms(self) -> float | None:
+        """Time spent in the engine's generate call, from the call to its ``Finish``."""
+        if self.finished_at is None:
+            return None
+        return (self.finished_at - self.engine_started) * 1e3
 
 
 class Reef:
@@ -148,6 +158,7 @@ class Reef:
         scen = await self.scenario(scenario)
         engine = await self.engine(scen.model)
         release_id, content_id = self.release_for(scen)
+        engine_started = time.perf_counter()
         events = engine.generate(exchange)
         try:
             first = await anext(events)
@@ -166,8 +177,11 @@ class Reef:
             events=events,
             first=first,
             headers=safe_headers(headers),
+            engine_started=engine_started,
         )
-        if not isinstance(first, Finish):
+        if isinstance(first, Finish):
+            served.finished_at = time.perf_counter()
+        else:
             served.first_token_at = time.perf_counter()
         return served
 
@@ -177,11 +191,13 @@ class Reef:
         if isinstance(served.first, Finish):
             return
         async for event in served.events:
+            if isinstance(event, Finish):
+                served.finished_at = time.perf_counter()
+                yield event
+                return
             if served.first_token_at is None:
                 served.first_token_at = time.perf_counter()
             yield event
-            if isinstance(event, Finish):
-                return
 
     async def record(
         self,
@@ -198,6 +214,7 @@ class Reef:
         timings = {
             "ttft_ms": None if served.first_token_at is None else round((served.first_token_at - served.started) * 1e3, 3),
             "total_ms": round((now - served.started) * 1e3, 3),
+            "engine_ms": None if served.engine_ms is None else round(served.engine_ms, 3),
         }
         usage = None
         if completion is not None:
@@ -227,7 +244,9 @@ class Reef:
             "token_ids": completion.token_ids if completion else None,
             "logprobs": completion.logprobs if completion else None,
         }
+        t0 = time.perf_counter()
         await self.store.append_exchange(rec)
+        served.record_ms = (time.perf_counter() - t0) * 1e3
         m = self.metrics
         m.records.labels("exchange").inc()
         if completion is not None:
