@@ -105,3 +105,24 @@ def test_second_daemon_on_same_home_refuses(daemon: Daemon) -> None:
     assert out.returncode != 0
     assert "already" in out.stderr
     assert os.path.exists(daemon.socket_path)
+
+
+def test_model_init_and_first_start_build_the_tiny_model(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(start=False)
+    (d.home / "config.toml").write_text(f"port = {d.port}\n")  # no model configured: the embedded default
+    out = d.cli("model", "init", "tiny")
+    model = d.home / "models" / "tiny"
+    assert "tiny model ready" in out.stdout and (model / "config.json").exists()
+    assert (model / "tokenizer_config.json").exists() and list(model.glob("*.safetensors"))
+    assert "ready" in d.cli("model", "init", "tiny").stdout  # idempotent
+    bad = d.cli("model", "init", "huge", check=False)
+    assert bad.returncode == 2 and "huge" in bad.stderr
+    import shutil
+
+    shutil.rmtree(model)
+    d.start(timeout=120)  # the daemon builds it on first start
+    assert (model / "config.json").exists()
+    with d.http() as c:
+        resp = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 200

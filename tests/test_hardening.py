@@ -247,3 +247,12 @@ def test_invalid_scenario_names_are_400(daemon: Daemon) -> None:
         assert_canonical_error(resp, (400, 404), "openai")
         resp = c.post("/s/ok/r/-bad/v1/chat/completions", json=body)
         assert_canonical_error(resp, 400, "openai")
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_raw_bytes_never_5xx(daemon: Daemon, raw: bytes) -> None:
+    with daemon.http() as c:
+        for route, shape in ROUTES[:5]:
+            resp = c.post(route, content=raw)
+            assert_canonical_error(resp, tuple(range(400, 500)), shape)
