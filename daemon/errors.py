@@ -16,7 +16,8 @@ them into one-line messages and exit codes. Nothing else maps errors.
     ├── Conflict                       409  conflict_error
     │   ├── ReportConflict             409  (same report_id, different body)
     │   ├── RecipeConflict             409  (scenario already bound to another recipe)
-    │   └── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
+    │   ├── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
+    │   └── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
     ├── EngineError                    500  engine_error
@@ -164,3 +165,20 @@ class DaemonNotRunning(ReefError):
     status = 503
     type = "daemon_not_running"
     exit_code = 7
+
+
+class LockBusy(Conflict):
+    """A ref lock (``<ref>.lock``) stayed held by another writer for longer than the caller would wait.
+
+    Nothing was changed; the caller may retry. A lock left behind by a killed process is cleared by
+    ``ReleaseStore.recover()`` (and by a publisher that finds it old enough)."""
+
+    def __init__(self, ref: str, path: str, waited_s: float) -> None:
+        super().__init__(
+            f"{ref} is locked by another writer ({path} held for more than {waited_s:.1f} s); nothing was changed",
+            ref=ref,
+            lock_path=path,
+            waited_s=round(waited_s, 3),
+        )
+        self.ref = ref
+        self.lock_path = path

@@ -1,0 +1,1339 @@
+"""The release chains: every published version of every scenario, in one bare git repository.
+
+Design choices:
+- One bare repo (``$REEF_HOME/artifacts.git``), driven through pygit2 only (needs pygit2 >= 1.19 for
+  ``Repository.transaction``). A scenario's chain is the ref ``refs/reef/scenarios/<name>``; a release is a
+  commit whose root tree is the artifact's files plus ``reef-artifact.json`` (the manifest: kind, recipe,
+  scenario, step, operation, metrics, parent, receipts, source, settings, created_at, content_id, lfs). The
+  message is a summary line and the trailers ``Reef-Scenario``, ``Reef-Step``, ``Reef-Operation``,
+  ``Reef-Kind``, ``Reef-Content`` (and ``Reef-Source`` for rollback / promote), so ``git log`` reads as history.
+  The author and committer are ``reef <reef@localhost>``; a chain is linear and starts with an ``init`` (step 0).
+- ``release_id`` is the commit id. ``content_id`` is the id of the tree of the artifact files *without* the
+  manifest: that tree is written to the object database as is (it is what the release tree is built from), and
+  the release tree is that tree plus the manifest entry, so its entries are shared. The content tree itself
+  is not referenced by any commit (``git fsck`` lists it as dangling, and ``git gc`` may prune it after its
+  grace period); it is always recomputable from a release (its tree minus the manifest) and is recorded in
+  the manifest.
+- Files larger than ``lfs_threshold`` (1 MiB) live outside the object database in the Git LFS layout: the
+  tree holds a standard pointer file, the bytes are at ``lfs/objects/<aa>/<bb>/<sha256>`` (mode 0444), hashed
+  first (content already stored costs no write), else copied to ``lfs/tmp`` + fsync + rename + fsync of the
+  directory: stored once however many releases share them. ``checkout(..., link=True)`` hard-links them.
+  Which paths are pointers is recorded in the manifest (``lfs``), so a small text file that happens to look
+  like a pointer is never mistaken for one.
+- Publishing is compare-and-swap on the ref, under git's own ref lock: a libgit2 reference transaction takes
+  ``<ref>.lock`` (O_EXCL, the protocol git itself uses, so ``git update-ref`` and Reef exclude each other),
+  the ref is read again under the lock, compared with the expected head, and written (fsync, rename, reflog)
+  only if it matches; otherwise ``HeadMoved`` and nothing changes. The objects are written before the lock is
+  taken, so the lock is held for milliseconds and a crash before the rename leaves only unreferenced objects.
+  A busy lock is retried with jittered exponential backoff up to ``lock_timeout``, then ``LockBusy``.
+- Stale locks. The lock files carry no owner, so every Reef ref update also holds a *shared* ``flock`` on
+  ``reef-refs.guard`` in the repo while it holds ref locks; the kernel drops it when the process dies. A lock
+  is stale when its remover can take that flock *exclusively* (no live Reef process is inside a ref update,
+  so no Reef process owns any ``*.lock``) and its mtime is older than ``stale_lock_after`` seconds (5 s; this
+  spares a git binary process, which does not take the flock and holds its locks for milliseconds).
+  ``recover()`` (at start-up) applies this to every ``*.lock`` under ``refs/`` and ``logs/`` and to
+  ``packed-refs.lock``, ``HEAD.lock``, ``config.lock``, ``index.lock``, and removes temp files older than an
+  hour; a publisher that keeps finding a lock busy applies it to that lock, so a crash never blocks for long.
+- Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
+  asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
+  every ``refs/reef/*`` ref; LFS objects go through temp + fsync + rename.
+- History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
+  A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
+  is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
+  same transaction as the chain update, so it stays reachable. Rejected candidates are a chain of their own,
+  ``refs/reef/rejected/<scenario>`` (one commit per verdict, with ``reef-rejection.json``, and the
+  candidate's content as ``candidate/`` when it was held).
+- Threads: a ``pygit2.Repository`` per thread (libgit2 objects must not be shared across threads); processes
+  exclude each other through the ref locks. Releases are immutable, so their manifests are cached by id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import errno
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pygit2
+
+from daemon.errors import (
+    BadRequest,
+    Conflict,
+    HeadMoved,
+    InvalidName,
+    LockBusy,
+    NotFound,
+    ReefError,
+    StorageError,
+)
+
+MANIFEST = "reef-artifact.json"
+REJECTION = "reef-rejection.json"
+KINDS = ("weights", "harness")
+OPERATIONS = ("init", "train", "rollback", "promote")
+SCENARIOS_REF = "refs/reef/scenarios/"
+PENDING_REF = "refs/reef/pending/"
+PROMOTED_REF = "refs/reef/promoted/"
+REJECTED_REF = "refs/reef/rejected/"
+IDENT = ("reef", "reef@localhost")
+GUARD = "reef-refs.guard"
+LFS_VERSION = "https://git-lfs.github.com/spec/v1"
+DEFAULT_LFS_THRESHOLD = 1 << 20
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{4,40}$")
+# libgit2's two messages for GIT_ELOCKED (the lock file seen first, or lost in the O_EXCL race)
+_LOCK_MSG = re.compile(r"failed to (?:lock file|create locked file) '(.+?\.lock)'")
+_BLOB = int(pygit2.enums.FileMode.BLOB)
+_EXEC = int(pygit2.enums.FileMode.BLOB_EXECUTABLE)
+_TREE = int(pygit2.enums.FileMode.TREE)
+_CHUNK = 4 << 20
+_DIFF_TEXT_MAX = 4 << 20  # files above this are reported as binary (sizes), not diffed as text
+_DIFF_OUT_MAX = 256 << 10  # per-file cap on a unified diff
+
+FileSource = bytes | bytearray | memoryview | str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Release:
+    release_id: str
+    content_id: str
+    scenario: str
+    step: int
+    operation: str
+    kind: str
+    recipe: str
+    parent: str | None
+    source: str | None
+    metrics: dict[str, Any]
+    receipts: list[str]
+    settings: dict[str, Any]
+    created_at: float
+    message: str
+    lfs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    rejection_id: str
+    scenario: str
+    step: int
+    verdict: str
+    reason: str
+    metrics: dict[str, Any]
+    base: str | None
+    candidate: str | None
+    content_id: str | None
+    kind: str | None
+    recipe: str | None
+    receipts: list[str]
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    mode: int
+    blob_id: str
+    lfs_oid: str | None  # sha256 hex when the bytes live in lfs/objects
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _RefUpdate:
+    name: str
+    new: str | None  # None: delete the ref
+    expected: str | None  # None: the ref must not exist
+    conflict: Callable[[str | None], ReefError]
+
+
+def files_from_dir(root: str | os.PathLike[str]) -> dict[str, Path]:
+    """The regular files under ``root`` as ``{relative posix path: Path}`` (for ``publish``); symlinks skipped."""
+    base = Path(root)
+    out: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
+        for name in filenames:
+            p = Path(dirpath) / name
+            if p.is_file() and not p.is_symlink():
+                out[p.relative_to(base).as_posix()] = p
+    return out
+
+
+def lfs_pointer(sha256: str, size: int) -> bytes:
+    return f"version {LFS_VERSION}\noid sha256:{sha256}\nsize {size}\n".encode()
+
+
+def check_scenario(name: str) -> str:
+    if (
+        not isinstance(name, str)
+        or not _NAME_RE.match(name)
+        or ".." in name
+        or name.endswith(".lock")
+        or name.endswith(".")
+    ):
+        raise InvalidName(
+            f"invalid scenario name {name!r}: use 1-64 of A-Z a-z 0-9 . _ - (starting with a letter or digit,"
+            " no '..', not ending in '.' or '.lock')",
+            param="scenario",
+        )
+    return name
+
+
+def _check_path(path: str) -> list[str]:
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not parts
+        or any(p in ("", ".", "..", ".git") or "\0" in p or "\\" in p for p in parts)
+        or path in (MANIFEST, REJECTION)
+    ):
+        raise BadRequest(f"invalid artifact path {path!r}", param="files")
+    return parts
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"release metadata must be finite JSON: {e}", param="metrics") from e
+
+
+def _one_line(text: str, limit: int = 120) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+class ReleaseStore:
+    """The release chains of all scenarios. Safe to use from many threads and many processes at once."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
+        lock_timeout: float = 10.0,
+        stale_lock_after: float = 5.0,
+    ) -> None:
+        if not hasattr(pygit2.Repository, "transaction"):
+            raise StorageError(f"pygit2 {pygit2.__version__} lacks reference transactions; need pygit2 >= 1.19")
+        self.path = Path(path).absolute()
+        self.lfs_threshold = lfs_threshold
+        self.lock_timeout = lock_timeout
+        self.stale_lock_after = stale_lock_after
+        self.lfs_dir = self.path / "lfs" / "objects"
+        self._lfs_tmp = self.path / "lfs" / "tmp"
+        self._guard_path = self.path / GUARD
+        self._local = threading.local()
+        self._cache: dict[str, tuple[str, bytes, str]] = {}
+        self._cache_lock = threading.Lock()
+        pygit2.settings.enable_fsync_gitdir(True)
+        try:
+            self._open_or_create()
+        except (pygit2.GitError, OSError) as e:
+            raise StorageError(f"cannot open release store {self.path}: {e}", path=str(self.path)) from e
+
+    # --- repository ----------------------------------------------------------------------------------------
+
+    def _open_or_create(self) -> None:
+        if not (self.path / "HEAD").exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            pygit2.init_repository(str(self.path), bare=True)
+            _fsync_dir(self.path.parent)
+        repo = self._repo()
+        wanted = {"core.logAllRefUpdates": "always", "core.fsync": "objects,reference"}
+        for attempt in range(50):
+            try:
+                for key, value in wanted.items():
+                    if key not in repo.config or repo.config[key] != value:
+                        repo.config[key] = value
+                break
+            except pygit2.GitError:  # config.lock held by a process configuring the same new repo
+                if attempt == 49:
+                    raise
+                time.sleep(0.02)
+        for d in (self.lfs_dir, self._lfs_tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self._guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+    def _repo(self) -> pygit2.Repository:
+        repo = getattr(self._local, "repo", None)
+        if repo is None:
+            repo = pygit2.Repository(str(self.path))
+            repo.set_ident(*IDENT)
+            self._local.repo = repo
+        return repo
+
+    def _signature(self, when: float) -> pygit2.Signature:
+        return pygit2.Signature(IDENT[0], IDENT[1], int(when), 0)
+
+    def _resolve(self, release_id: str, what: str = "release") -> str:
+        """Full commit id for a (possibly abbreviated) hex id; NotFound / BadRequest naming it."""
+        rid = release_id.strip().lower() if isinstance(release_id, str) else ""
+        if not _HEX_RE.match(rid):
+            raise BadRequest(f"invalid {what} id {release_id!r}: expected hex", param="release_id")
+        repo = self._repo()
+        try:
+            oid = repo.expand_id(rid) if len(rid) < 40 else pygit2.Oid(hex=rid)
+            obj = repo.get(oid)
+        except pygit2.AmbiguousError:
+            raise BadRequest(f"ambiguous {what} id {release_id!r}", param="release_id") from None
+        except (KeyError, ValueError, pygit2.GitError):
+            obj = None
+        if obj is None or not isinstance(obj, pygit2.Commit):
+            raise NotFound(f"unknown {what} {release_id!r}", release_id=release_id)
+        return str(obj.id)
+
+    # --- reading -------------------------------------------------------------------------------------------
+
+    def head(self, scenario: str) -> str | None:
+        ref = self._repo().references.get(SCENARIOS_REF + check_scenario(scenario))
+        return None if ref is None else str(ref.target)
+
+    def scenarios(self) -> list[str]:
+        return sorted(
+            name[len(SCENARIOS_REF) :] for name in self._repo().listall_references() if name.startswith(SCENARIOS_REF)
+        )
+
+    def get(self, release_id: str) -> Release:
+        """One release (a full or abbreviated id). Each call returns a fresh object; the raw manifest of an
+        immutable release is cached."""
+        raw = self._cache.get(release_id) if isinstance(release_id, str) else None
+        if raw is None:
+            rid = self._resolve(release_id)
+            raw = self._cache.get(rid)
+            if raw is None:
+                commit = self._repo()[rid]
+                try:
+                    data = self._manifest_blob(commit, MANIFEST)
+                    json.loads(data)
+                except (KeyError, ValueError):
+                    raise NotFound(f"{rid} is not a release (no {MANIFEST})", release_id=rid) from None
+                raw = (rid, data, commit.message)
+                with self._cache_lock:
+                    if len(self._cache) > 8192:
+                        self._cache.clear()
+                    self._cache[rid] = raw
+        rid, data, message = raw
+        manifest = json.loads(data)
+        return Release(
+            release_id=rid,
+            content_id=manifest["content_id"],
+            scenario=manifest["scenario"],
+            step=int(manifest["step"]),
+            operation=manifest["operation"],
+            kind=manifest["kind"],
+            recipe=manifest["recipe"],
+            parent=manifest.get("parent"),
+            source=manifest.get("source"),
+            metrics=manifest.get("metrics") or {},
+            receipts=manifest.get("receipts") or [],
+            settings=manifest.get("settings") or {},
+            created_at=float(manifest["created_at"]),
+            message=message,
+            lfs=manifest.get("lfs") or {},
+        )
+
+    def history(self, scenario: str, limit: int | None = None) -> list[Release]:
+        """The chain, newest first (first-parent walk from the head)."""
+        out: list[Release] = []
+        rid = self.head(scenario)
+        repo = self._repo()
+        while rid is not None and (limit is None or len(out) < limit):
+            out.append(self.get(rid))
+            parents = repo[rid].parent_ids
+            rid = str(parents[0]) if parents else None
+        return out
+
+    def belongs(self, scenario: str, release_id: str) -> bool:
+        """Whether the release is on the scenario's chain (the head or one of its ancestors)."""
+        head = self.head(scenario)
+        try:
+            rid = self._resolve(release_id)
+        except ReefError:
+            return False
+        return head is not None and (rid == head or self._repo().descendant_of(head, rid))
+
+    is_ancestor = belongs
+
+    def files(self, release_id: str) -> list[FileEntry]:
+        """The artifact's files (the manifest excluded), with sizes of the real bytes for LFS files."""
+        release = self.get(release_id)
+        out = []
+        for path, blob_id, mode in self._walk(self._repo()[release.release_id].tree):
+            if path == MANIFEST:
+                continue
+            lfs = release.lfs.get(path)
+            if lfs is not None:
+                out.append(FileEntry(path, int(lfs["size"]), mode, blob_id, lfs["oid"].split(":", 1)[1]))
+            else:
+                out.append(FileEntry(path, self._repo()[blob_id].size, mode, blob_id, None))
+        return out
+
+    def read_file(self, release_id: str, path: str) -> bytes:
+        """The bytes of one file of a release (LFS pointers resolved)."""
+        release = self.get(release_id)
+        try:
+            entry = self._repo()[release.release_id].tree[path]
+        except KeyError:
+            raise NotFound(f"release {release.release_id} has no file {path!r}", path=path) from None
+        if not isinstance(entry, pygit2.Blob):
+            raise NotFound(f"{path!r} is a directory in release {release.release_id}", path=path)
+        lfs = release.lfs.get(path)
+        if lfs is None:
+            return entry.data
+        return self._lfs_object(lfs).read_bytes()
+
+    def lfs_path(self, sha256: str) -> Path:
+        return self.lfs_dir / sha256[:2] / sha256[2:4] / sha256
+
+    def checkout(self, release_id: str, dest: str | os.PathLike[str], *, link: bool = False) -> Path:
+        """Materialise a release's artifact (without the manifest) into the new directory ``dest``, atomically.
+
+        With ``link=True`` large files are hard links to the store's read-only LFS objects (no copy; never
+        write to them). ``dest`` must not exist."""
+        release = self.get(release_id)
+        dest = Path(dest)
+        if dest.exists():
+            raise BadRequest(f"checkout destination {dest} already exists", param="dest")
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        except OSError as e:
+            raise StorageError(f"checkout of {release.release_id} into {dest} failed: {e}", path=str(dest)) from e
+        repo = self._repo()
+        try:
+            for path, blob_id, mode in self._walk(repo[release.release_id].tree):
+                if path == MANIFEST:
+                    continue
+                target = tmp / path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                lfs = release.lfs.get(path)
+                if lfs is None:
+                    target.write_bytes(repo[blob_id].data)
+                else:
+                    obj = self._lfs_object(lfs)
+                    try:
+                        if not link or mode == _EXEC:  # a link shares the object's inode and mode
+                            raise OSError(errno.EXDEV, "copy asked")
+                        os.link(obj, target)
+                    except OSError:
+                        shutil.copyfile(obj, target)
+                if mode == _EXEC:
+                    os.chmod(target, 0o755)
+            os.rename(tmp, dest)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                if dest.exists():  # a concurrent checkout got there first
+                    raise BadRequest(f"checkout destination {dest} already exists", param="dest") from e
+                raise StorageError(f"checkout of {release.release_id} into {dest} failed: {e}", path=str(dest)) from e
+            raise
+        return dest
+
+    def pending(self, scenario: str) -> list[Release]:
+        """Candidates held for review (``hold``), newest first."""
+        prefix = f"{PENDING_REF}{check_scenario(scenario)}/"
+        ids = [n[len(prefix) :] for n in self._repo().listall_references() if n.startswith(prefix)]
+        return sorted((self.get(i) for i in ids), key=lambda r: r.created_at, reverse=True)
+
+    def rejections(self, scenario: str, limit: int | None = None) -> list[Rejection]:
+        """Rejected candidates, newest first."""
+        ref = self._repo().references.get(REJECTED_REF + check_scenario(scenario))
+        out: list[Rejection] = []
+        repo = self._repo()
+        rid = None if ref is None else str(ref.target)
+        while rid is not None and (limit is None or len(out) < limit):
+            commit = repo[rid]
+            d = json.loads(self._manifest_blob(commit, REJECTION))
+            out.append(
+                Rejection(
+                    rejection_id=rid,
+                    scenario=d["scenario"],
+                    step=int(d["step"]),
+                    verdict=d["verdict"],
+                    reason=d["reason"],
+                    metrics=d.get("metrics") or {},
+                    base=d.get("base"),
+                    candidate=d.get("candidate"),
+                    content_id=d.get("content_id"),
+                    kind=d.get("kind"),
+                    recipe=d.get("recipe"),
+                    receipts=d.get("receipts") or [],
+                    created_at=float(d["created_at"]),
+                )
+            )
+            rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+        return out
+
+    # --- publishing ----------------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        scenario: str,
+        files: Mapping[str, FileSource],
+        *,
+        expected_head: str | None,
+        operation: str,
+        kind: str,
+        recipe: str,
+        metrics: Mapping[str, Any] | None = None,
+        receipts: list[str] | None = None,
+        source: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+        summary: str | None = None,
+    ) -> Release:
+        """Publish ``files`` as the next release of ``scenario`` if its head is still ``expected_head``.
+
+        ``expected_head=None`` means the chain must not exist yet (and then ``operation`` must be ``init``).
+        Raises ``HeadMoved`` (nothing changed) if the head is not ``expected_head``, ``LockBusy`` if another
+        writer held the ref lock past ``lock_timeout``."""
+        check_scenario(scenario)
+        self._check_meta(operation, kind, expected_head, source)
+        expected = self._expected(expected_head)
+        self._precheck(scenario, expected)
+        if source is not None:
+            source = self._resolve(source)
+        content, lfs = self._write_content(files)
+        return self._publish_tree(
+            scenario,
+            content,
+            lfs,
+            expected=expected,
+            operation=operation,
+            kind=kind,
+            recipe=recipe,
+            metrics=metrics,
+            receipts=receipts,
+            source=source,
+            settings=settings,
+            summary=summary,
+        )
+
+    def rollback(
+        self, scenario: str, release_id: str, *, expected_head: str | None = None, summary: str | None = None
+    ) -> Release:
+        """Publish the content of an earlier release of this chain as a new release (step + 1).
+
+        ``expected_head=None``: the head as read now (still compare-and-swapped against that read)."""
+        check_scenario(scenario)
+        rid = self._resolve(release_id)
+        head = self.head(scenario)
+        if head is None:
+            raise NotFound(f"scenario {scenario!r} has no releases", scenario=scenario)
+        if not self.belongs(scenario, rid):
+            raise BadRequest(
+                f"release {rid} is not on the release chain of scenario {scenario!r}",
+                param="release_id",
+                release_id=rid,
+                scenario=scenario,
+            )
+        expected = head if expected_head is None else self._expected(expected_head)
+        src = self.get(rid)
+        return self._publish_tree(
+            scenario,
+            self._content_tree(self._repo()[rid]),
+            src.lfs,
+            expected=expected,
+            operation="rollback",
+            kind=src.kind,
+            recipe=src.recipe,
+            metrics=src.metrics,
+            receipts=[],
+            source=rid,
+            settings=src.settings,
+            summary=summary or f"roll back to step {src.step} ({rid[:12]})",
+        )
+
+    def hold(
+        self,
+        scenario: str,
+        files: Mapping[str, FileSource],
+        *,
+        kind: str,
+        recipe: str,
+        base: str | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        receipts: list[str] | None = None,
+        settings: Mapping[str, Any] | None = None,
+        summary: str | None = None,
+    ) -> Release:
+        """Store a candidate for review without releasing it: a commit on ``refs/reef/pending/<s>/<id>`` whose
+        parent is ``base`` (default: the current head). ``promote`` releases it; ``record_rejection`` with
+        ``candidate=`` discards it."""
+        check_scenario(scenario)
+        self._check_meta("train", kind, "0" * 40, None)
+        head = self.head(scenario)
+        if head is None:
+            raise NotFound(f"scenario {scenario!r} has no releases", scenario=scenario)
+        base_id = head if base is None else self._resolve(base)
+        if not self.belongs(scenario, base_id):
+            raise BadRequest(f"base {base_id} is not on the chain of scenario {scenario!r}", param="base")
+        content, lfs = self._write_content(files)
+        commit_id, _ = self._write_release_commit(
+            scenario,
+            content,
+            lfs,
+            parent=base_id,
+            operation="train",
+            kind=kind,
+            recipe=recipe,
+            metrics=metrics,
+            receipts=receipts,
+            source=None,
+            settings=settings,
+            summary=summary or "candidate held for review",
+        )
+        ref = f"{PENDING_REF}{scenario}/{commit_id}"
+        self._update_refs(
+            [_RefUpdate(ref, commit_id, None, lambda actual: Conflict(f"{ref} already exists", ref=ref))],
+            message=f"reef hold: {scenario}",
+        )
+        return self.get(commit_id)
+
+    def promote(
+        self, scenario: str, pending_id: str, *, expected_head: str | None = None, summary: str | None = None
+    ) -> Release:
+        """Release a held candidate: its content becomes the next release (operation ``promote``)."""
+        check_scenario(scenario)
+        pid = self._resolve(pending_id, "pending candidate")
+        pending_ref = f"{PENDING_REF}{scenario}/{pid}"
+        if self._repo().references.get(pending_ref) is None:
+            raise NotFound(f"no pending candidate {pid} in scenario {scenario!r}", release_id=pid, scenario=scenario)
+        head = self.head(scenario)
+        expected = head if expected_head is None else self._expected(expected_head)
+        cand = self.get(pid)
+        promoted_ref = f"{PROMOTED_REF}{scenario}/{pid}"
+
+        def gone(actual: str | None) -> ReefError:
+            return Conflict(f"pending candidate {pid} was promoted or discarded meanwhile", release_id=pid)
+
+        return self._publish_tree(
+            scenario,
+            self._content_tree(self._repo()[pid]),
+            cand.lfs,
+            expected=expected,
+            operation="promote",
+            kind=cand.kind,
+            recipe=cand.recipe,
+            metrics=cand.metrics,
+            receipts=cand.receipts,
+            source=pid,
+            settings=cand.settings,
+            summary=summary or f"promote candidate {pid[:12]}",
+            extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],
+        )
+
+    def record_rejection(
+        self,
+        scenario: str,
+        *,
+        verdict: str,
+        reason: str,
+        metrics: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        base: str | None = None,
+        candidate: str | None = None,
+        content_id: str | None = None,
+        kind: str | None = None,
+        recipe: str | None = None,
+        receipts: list[str] | None = None,
+    ) -> Rejection:
+        """Write down a candidate the gate (or a reviewer) rejected, on ``refs/reef/rejected/<scenario>``.
+
+        ``step`` defaults to the step the candidate would have had (head step + 1); ``base`` to the head.
+        ``candidate`` names a held candidate: its content is kept in the rejection (``candidate/``) and it
+        leaves the pending list."""
+        check_scenario(scenario)
+        head = self.head(scenario)
+        base_id = head if base is None else self._resolve(base)
+        if step is None:
+            step = self.get(base_id).step + 1 if base_id else 0
+        repo = self._repo()
+        cand_tree = None
+        pending_ref = None
+        if candidate is not None:
+            cand = self.get(candidate)
+            candidate = cand.release_id
+            cand_tree = self._content_tree(repo[candidate])
+            content_id = cand.content_id
+            kind, recipe = kind or cand.kind, recipe or cand.recipe
+            metrics = metrics if metrics is not None else cand.metrics
+            receipts = receipts if receipts is not None else cand.receipts
+            ref = f"{PENDING_REF}{scenario}/{candidate}"
+            pending_ref = ref if repo.references.get(ref) is not None else None
+        now = time.time()
+        record = {
+            "scenario": scenario,
+            "step": int(step),
+            "verdict": verdict,
+            "reason": reason,
+            "metrics": dict(metrics or {}),
+            "base": base_id,
+            "candidate": candidate,
+            "content_id": content_id,
+            "kind": kind,
+            "recipe": recipe,
+            "receipts": list(receipts or []),
+            "created_at": now,
+        }
+        tb = repo.TreeBuilder()
+        tb.insert(REJECTION, repo.create_blob(_json(record).encode()), _BLOB)
+        if cand_tree is not None:
+            tb.insert("candidate", pygit2.Oid(hex=cand_tree), _TREE)
+        tree = tb.write()
+        message = (
+            f"reject {scenario} step {step}: {_one_line(verdict, 40)}: {_one_line(reason, 80)}\n\n"
+            f"Reef-Scenario: {scenario}\nReef-Step: {step}\nReef-Verdict: {_one_line(verdict, 40)}\n"
+            + (f"Reef-Candidate: {candidate}\n" if candidate else "")
+        )
+        rej_ref = REJECTED_REF + scenario
+        sig = self._signature(now)
+        for _ in range(100):  # an append-only log: a lost race just re-parents onto the new tip
+            tip_ref = repo.references.get(rej_ref)
+            tip = None if tip_ref is None else str(tip_ref.target)
+            commit_id = str(repo.create_commit(None, sig, sig, message, tree, [tip] if tip else []))
+            updates = [_RefUpdate(rej_ref, commit_id, tip, lambda a, t=tip: HeadMoved(scenario, t, a))]
+            if pending_ref is not None:
+                updates.append(
+                    _RefUpdate(
+                        pending_ref,
+                        None,
+                        candidate,
+                        lambda a: Conflict(f"pending candidate {candidate} was promoted or discarded meanwhile"),
+                    )
+                )
+            try:
+                self._update_refs(updates, message=f"reef reject: {scenario} step {step}")
+            except HeadMoved:
+                continue
+            return self.rejections(scenario, limit=1)[0]
+        raise Conflict(f"the rejection log of {scenario!r} kept moving; nothing was recorded", scenario=scenario)
+
+    # --- internals of publishing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_meta(operation: str, kind: str, expected_head: str | None, source: str | None) -> None:
+        if operation not in OPERATIONS:
+            raise BadRequest(f"unknown operation {operation!r}: one of {', '.join(OPERATIONS)}", param="operation")
+        if kind not in KINDS:
+            raise BadRequest(f"unknown artifact kind {kind!r}: one of {', '.join(KINDS)}", param="kind")
+        if (operation == "init") != (expected_head is None):
+            raise BadRequest(
+                "an init release starts a chain (expected_head must be None), and only an init may",
+                param="expected_head",
+            )
+        if operation in ("rollback", "promote") and source is None:
+            raise BadRequest(f"a {operation} release names its source", param="source")
+
+    @staticmethod
+    def _expected(expected_head: str | None) -> str | None:
+        if expected_head is None:
+            return None
+        if not isinstance(expected_head, str) or not re.fullmatch(r"[0-9a-f]{40}", expected_head.strip().lower()):
+            raise BadRequest(f"expected_head must be a full release id, not {expected_head!r}", param="expected_head")
+        return expected_head.strip().lower()
+
+    def _precheck(self, scenario: str, expected: str | None) -> None:
+        """Fail before writing objects when the head has visibly moved already (the CAS decides anyway)."""
+        actual = self.head(scenario)
+        if actual != expected:
+            raise HeadMoved(scenario, expected, actual)
+
+    def _publish_tree(
+        self,
+        scenario: str,
+        content: str,
+        lfs: Mapping[str, dict[str, Any]],
+        *,
+        expected: str | None,
+        operation: str,
+        kind: str,
+        recipe: str,
+        metrics: Mapping[str, Any] | None,
+        receipts: list[str] | None,
+        source: str | None,
+        settings: Mapping[str, Any] | None,
+        summary: str | None,
+        extra: list[_RefUpdate] | None = None,
+    ) -> Release:
+        self._precheck(scenario, expected)
+        commit_id, step = self._write_release_commit(
+            scenario,
+            content,
+            lfs,
+            parent=expected,
+            operation=operation,
+            kind=kind,
+            recipe=recipe,
+            metrics=metrics,
+            receipts=receipts,
+            source=source,
+            settings=settings,
+            summary=summary,
+        )
+        update = _RefUpdate(SCENARIOS_REF + scenario, commit_id, expected, lambda a: HeadMoved(scenario, expected, a))
+        self._update_refs([update, *(extra or [])], message=f"reef {operation}: {scenario} step {step}")
+        return self.get(commit_id)
+
+    def _write_release_commit(
+        self,
+        scenario: str,
+        content: str,
+        lfs: Mapping[str, dict[str, Any]],
+        *,
+        parent: str | None,
+        operation: str,
+        kind: str,
+        recipe: str,
+        metrics: Mapping[str, Any] | None,
+        receipts: list[str] | None,
+        source: str | None,
+        settings: Mapping[str, Any] | None,
+        summary: str | None,
+    ) -> tuple[str, int]:
+        repo = self._repo()
+        step = 0 if parent is None else self.get(parent).step + 1
+        now = time.time()
+        manifest = {
+            "version": 1,
+            "scenario": scenario,
+            "kind": kind,
+            "recipe": recipe,
+            "step": step,
+            "operation": operation,
+            "metrics": dict(metrics or {}),
+            "parent": parent,
+            "receipts": [str(r) for r in (receipts or [])],
+            "source": source,
+            "settings": dict(settings or {}),
+            "created_at": now,
+            "content_id": content,
+            "lfs": {k: dict(v) for k, v in sorted(lfs.items())},
+        }
+        tb = repo.TreeBuilder(repo[content])
+        tb.insert(MANIFEST, repo.create_blob(_json(manifest).encode()), _BLOB)
+        tree = tb.write()
+        default = {"init": "base artifact", "train": "new candidate"}.get(operation, operation)
+        trailers = [
+            f"Reef-Scenario: {scenario}",
+            f"Reef-Step: {step}",
+            f"Reef-Operation: {operation}",
+            f"Reef-Kind: {kind}",
+            f"Reef-Content: {content}",
+        ]
+        if source is not None:
+            trailers.append(f"Reef-Source: {source}")
+        message = (
+            f"{operation} {scenario} step {step}: {_one_line(summary or default)}\n\n" + "\n".join(trailers) + "\n"
+        )
+        sig = self._signature(now)
+        try:
+            commit_id = repo.create_commit(None, sig, sig, message, tree, [parent] if parent else [])
+        except pygit2.GitError as e:
+            raise StorageError(f"writing release commit failed: {e}", path=str(self.path)) from e
+        return str(commit_id), step
+
+    def _write_content(self, files: Mapping[str, FileSource]) -> tuple[str, dict[str, dict[str, Any]]]:
+        """Write the artifact's blobs (and LFS objects) and its tree; returns (content tree id, lfs map)."""
+        if not isinstance(files, Mapping):
+            raise BadRequest("files must map paths to bytes, text or file paths", param="files")
+        root: dict[str, Any] = {}
+        lfs: dict[str, dict[str, Any]] = {}
+        try:
+            for path in sorted(files):
+                parts = _check_path(path)
+                node = root
+                for part in parts[:-1]:
+                    node = node.setdefault(part, {})
+                    if not isinstance(node, dict):
+                        raise BadRequest(f"artifact path {path!r} runs through a file", param="files")
+                if parts[-1] in node:
+                    raise BadRequest(f"artifact path {path!r} is both a file and a directory", param="files")
+                blob_id, mode, pointer = self._write_file(path, files[path])
+                node[parts[-1]] = (blob_id, mode)
+                if pointer is not None:
+                    lfs[path] = pointer
+            return str(self._write_tree(root)), lfs
+        except OSError as e:
+            raise StorageError(f"writing artifact failed: {e}", path=str(self.path)) from e
+        except pygit2.GitError as e:
+            raise StorageError(f"writing artifact failed: {e}", path=str(self.path)) from e
+
+    def _write_tree(self, node: dict[str, Any]) -> pygit2.Oid:
+        repo = self._repo()
+        tb = repo.TreeBuilder()
+        for name, value in node.items():
+            if isinstance(value, dict):
+                tb.insert(name, self._write_tree(value), _TREE)
+            else:
+                tb.insert(name, value[0], value[1])
+        return tb.write()
+
+    def _write_file(self, path: str, src: FileSource) -> tuple[pygit2.Oid, int, dict[str, Any] | None]:
+        repo = self._repo()
+        mode = _BLOB
+        if isinstance(src, str):
+            src = src.encode()
+        if isinstance(src, os.PathLike):
+            p = Path(src)
+            if not p.is_file():
+                raise BadRequest(f"artifact file {path!r}: {p} is not a regular file", param="files")
+            st = p.stat()
+            if st.st_mode & 0o111:
+                mode = _EXEC
+            if st.st_size > self.lfs_threshold:
+                sha, size = self._store_lfs(p)
+            else:
+                return repo.create_blob(p.read_bytes()), mode, None
+        elif isinstance(src, bytes | bytearray | memoryview):
+            data = bytes(src)
+            if len(data) <= self.lfs_threshold:
+                return repo.create_blob(data), mode, None
+            sha, size = self._store_lfs(data)
+        else:
+            raise BadRequest(f"artifact file {path!r}: expected bytes, str or a path", param="files")
+        return repo.create_blob(lfs_pointer(sha, size)), mode, {"oid": f"sha256:{sha}", "size": size}
+
+    def _store_lfs(self, src: Path | bytes) -> tuple[str, int]:
+        """Store bytes (or a file's bytes) as an LFS object unless already stored; returns (sha256, size).
+
+        Hash first (a read), so content already stored costs no write; otherwise copy to ``lfs/tmp`` (a kernel
+        copy for files), fsync, rename into place, fsync the directory. A source file must not change while
+        it is published: its size, mtime and inode are compared before and after."""
+        if isinstance(src, Path):
+            before = os.stat(src)
+            h = hashlib.sha256()
+            with open(src, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            sha, size = h.hexdigest(), before.st_size
+        else:
+            sha, size = hashlib.sha256(src).hexdigest(), len(src)
+        final = self.lfs_path(sha)
+        if final.exists() and final.stat().st_size == size:
+            return sha, size
+        fd, tmp = tempfile.mkstemp(dir=self._lfs_tmp, prefix="obj-")
+        try:
+            try:
+                if isinstance(src, Path):
+                    shutil.copyfile(src, tmp)  # sendfile / copy_file_range: the bytes stay in the kernel
+                    after = os.stat(src)
+                    if (after.st_size, after.st_mtime_ns, after.st_ino) != (
+                        before.st_size,
+                        before.st_mtime_ns,
+                        before.st_ino,
+                    ) or os.fstat(fd).st_size != size:
+                        raise BadRequest(f"{src} changed while it was being published", param="files")
+                else:
+                    with open(fd, "wb", closefd=False) as out:
+                        out.write(src)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(tmp, 0o444)
+            for d in (final.parent.parent, final.parent):
+                if not d.exists():
+                    d.mkdir(exist_ok=True)
+                    _fsync_dir(d.parent)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+            return sha, size
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def _lfs_object(self, lfs: Mapping[str, Any]) -> Path:
+        sha = str(lfs["oid"]).split(":", 1)[-1]
+        path = self.lfs_path(sha)
+        if not path.exists():
+            raise StorageError(f"LFS object {sha} is missing from {self.lfs_dir}", path=str(path))
+        return path
+
+    # --- refs: compare-and-swap under git's ref locks -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self, *, exclusive: bool, blocking: bool) -> Iterator[bool]:
+        """The flock that tells live Reef ref writers (shared) from a stale-lock remover (exclusive)."""
+        fd = os.open(self._guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def _update_refs(self, updates: list[_RefUpdate], *, message: str) -> None:
+        """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
+        expected value, then write. A busy lock is retried with backoff until ``lock_timeout``."""
+        repo = self._repo()
+        start = time.monotonic()
+        delay = 0.002
+        while True:
+            busy: str | None = None
+            with self._guard(exclusive=False, blocking=True):
+                tx = repo.transaction()
+                try:
+                    with tx:
+                        for u in sorted(updates, key=lambda u: u.name):
+                            tx.lock_ref(u.name)
+                        for u in updates:
+                            ref = repo.references.get(u.name)
+                            actual = None if ref is None else str(ref.target)
+                            if actual != u.expected:
+                                raise u.conflict(actual)
+                        for u in updates:
+                            if u.new is None:
+                                tx.remove(u.name)
+                            else:
+                                tx.set_target(u.name, u.new, message=message)
+                    return  # committed when the with-block closed
+                except pygit2.GitError as e:
+                    m = _LOCK_MSG.search(str(e))
+                    if m is None:
+                        raise StorageError(f"updating {updates[0].name} failed: {e}", path=str(self.path)) from e
+                    busy = m.group(1)
+                finally:
+                    # A commit that failed inside __exit__ leaves the transaction unfreed, and with it any ref
+                    # locks it still holds; free it now, before sleeping, not whenever it is collected.
+                    tx.__exit__(RuntimeError, None, None)
+            waited = time.monotonic() - start
+            if waited >= self.lock_timeout:
+                raise LockBusy(updates[0].name, busy, waited)
+            self._clear_if_stale(Path(busy))
+            time.sleep(min(delay, max(0.0, self.lock_timeout - waited)) * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.1)
+
+    def _clear_if_stale(self, lock: Path) -> bool:
+        with self._guard(exclusive=True, blocking=False) as alone:
+            if not alone:
+                return False
+            try:
+                if time.time() - lock.stat().st_mtime < self.stale_lock_after:
+                    return False
+                lock.unlink()
+            except FileNotFoundError:
+                return False
+            return True
+
+    # --- maintenance ---------------------------------------------------------------------------------------
+
+    def _lock_files(self) -> list[Path]:
+        found = [p for d in ("refs", "logs") for p in (self.path / d).rglob("*.lock")]
+        found += [self.path / n for n in ("packed-refs.lock", "HEAD.lock", "config.lock", "index.lock")]
+        return [p for p in found if p.exists()]
+
+    def recover(self, *, stale_after: float | None = None, tmp_after: float = 3600.0) -> dict[str, Any]:
+        """Remove stale ``*.lock`` files (see the module docstring for how staleness is decided) and temp files
+        older than ``tmp_after`` left by killed writers. Locks of live Reef writers are never touched: if one
+        is inside a ref update the exclusive guard is not granted and nothing is removed (``busy``)."""
+        stale_after = self.stale_lock_after if stale_after is None else stale_after
+        removed: list[str] = []
+        kept: list[str] = []
+        deadline = time.monotonic() + 2.0
+        while True:
+            with self._guard(exclusive=True, blocking=False) as alone:
+                if alone:
+                    now = time.time()
+                    for lock in self._lock_files():
+                        try:
+                            if now - lock.stat().st_mtime >= stale_after:
+                                lock.unlink()
+                                removed.append(str(lock))
+                            else:
+                                kept.append(str(lock))
+                        except FileNotFoundError:
+                            pass
+                    break
+            if time.monotonic() >= deadline:
+                return {"removed": [], "kept": [str(p) for p in self._lock_files()], "temp_removed": [], "busy": True}
+            time.sleep(0.01)
+        temp_removed: list[str] = []
+        now = time.time()
+        candidates = list(self._lfs_tmp.glob("obj-*")) + list((self.path / "objects").glob("**/tmp_*"))
+        for tmp in candidates:
+            with contextlib.suppress(FileNotFoundError):
+                if now - tmp.stat().st_mtime >= tmp_after:
+                    tmp.unlink()
+                    temp_removed.append(str(tmp))
+        return {"removed": removed, "kept": kept, "temp_removed": temp_removed, "busy": False}
+
+    def fsck(self) -> dict[str, Any]:
+        """Read back every object reachable from every ref (libgit2 verifies object hashes on read), check each
+        manifest, each chain's linearity and steps, and the sha256 and size of every LFS object referenced."""
+        repo = self._repo()
+        errors: list[str] = []
+        seen: set[str] = set()
+        lfs_ok: dict[str, bool] = {}
+        counts = {"commits": 0, "trees": 0, "blobs": 0, "lfs_objects": 0}
+
+        def walk_tree(tree_id: pygit2.Oid) -> None:
+            stack = [tree_id]
+            while stack:
+                oid = stack.pop()
+                key = str(oid)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    obj = repo[oid]
+                    if isinstance(obj, pygit2.Tree):
+                        counts["trees"] += 1
+                        stack.extend(e.id for e in obj)
+                    else:
+                        counts["blobs"] += 1
+                        _ = obj.read_raw()
+                except Exception as e:  # a corrupt object is a finding, not a crash
+                    errors.append(f"object {key}: {e}")
+
+        for name in repo.listall_references():
+            if not name.startswith("refs/"):
+                continue
+            try:
+                stack = [repo.references[name].target]
+            except Exception as e:
+                errors.append(f"ref {name}: {e}")
+                continue
+            while stack:
+                oid = stack.pop()
+                key = str(oid)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    commit = repo[oid]
+                    counts["commits"] += 1
+                    walk_tree(commit.tree_id)
+                    stack.extend(commit.parent_ids)
+                    if MANIFEST in commit.tree:
+                        self._check_release(commit, lfs_ok, errors)
+                except Exception as e:
+                    errors.append(f"commit {key} (from {name}): {e}")
+        for name in self.scenarios():
+            try:
+                chain = self.history(name)
+                for newer, older in zip(chain, chain[1:], strict=False):
+                    if newer.parent != older.release_id or newer.step != older.step + 1:
+                        errors.append(f"chain {name}: {newer.release_id} does not follow {older.release_id}")
+                if chain and (chain[-1].operation != "init" or chain[-1].step != 0 or chain[-1].parent is not None):
+                    errors.append(f"chain {name}: does not start with an init at step 0")
+            except Exception as e:
+                errors.append(f"chain {name}: {e}")
+        counts["lfs_objects"] = len(lfs_ok)
+        return {"ok": not errors, "errors": errors, **counts}
+
+    def _check_release(self, commit: pygit2.Commit, lfs_ok: dict[str, bool], errors: list[str]) -> None:
+        rid = str(commit.id)
+        manifest = json.loads(self._manifest_blob(commit, MANIFEST))
+        parent = str(commit.parent_ids[0]) if commit.parent_ids else None
+        if len(commit.parent_ids) > 1 or manifest.get("parent") != parent:
+            errors.append(f"release {rid}: manifest parent {manifest.get('parent')} vs commit parent {parent}")
+        if manifest.get("content_id") != self._content_tree(commit):
+            errors.append(f"release {rid}: content_id does not match its tree")
+        for path, entry in (manifest.get("lfs") or {}).items():
+            sha = str(entry["oid"]).split(":", 1)[-1]
+            try:
+                blob = commit.tree[path]
+                if blob.data != lfs_pointer(sha, int(entry["size"])):
+                    errors.append(f"release {rid}: {path} is not the LFS pointer of {sha}")
+            except KeyError:
+                errors.append(f"release {rid}: LFS path {path} missing from the tree")
+            if sha not in lfs_ok:
+                lfs_ok[sha] = self._verify_lfs(sha, int(entry["size"]))
+                if not lfs_ok[sha]:
+                    errors.append(f"LFS object {sha} (release {rid}, {path}) is missing or corrupt")
+
+    def _verify_lfs(self, sha: str, size: int) -> bool:
+        path = self.lfs_path(sha)
+        try:
+            h = hashlib.sha256()
+            n = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+            return n == size and h.hexdigest() == sha
+        except OSError:
+            return False
+
+    # --- diff ----------------------------------------------------------------------------------------------
+
+    def diff(self, release_id: str, base: str | None = None) -> dict[str, Any]:
+        """What changed from ``base`` (default: the release's parent) to the release: added / removed / changed
+        paths; per changed file a unified diff (text), per-tensor change norms (safetensors), or sizes."""
+        release = self.get(release_id)
+        base_id = self._resolve(base) if base is not None else release.parent
+        new = self._file_map(release)
+        old = self._file_map(self.get(base_id)) if base_id else {}
+        out: dict[str, Any] = {"release_id": release.release_id, "base": base_id, "added": [], "removed": [],
+                               "changed": [], "files": []}  # fmt: skip
+        for path in sorted(set(old) | set(new)):
+            o, n = old.get(path), new.get(path)
+            if o is not None and n is not None and o[:2] == n[:2]:
+                continue
+            status = "added" if o is None else "removed" if n is None else "changed"
+            out[status].append(path)
+            try:
+                out["files"].append({"path": path, "status": status, **self._diff_file(path, o, n)})
+            except StorageError:
+                raise
+            except Exception as e:  # a file we cannot interpret is reported, not fatal
+                out["files"].append({"path": path, "status": status, "kind": "binary", "error": str(e)})
+        return out
+
+    def _file_map(self, release: Release) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
+        tree = self._repo()[release.release_id].tree
+        return {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree) if p != MANIFEST}
+
+    def _side(self, side: tuple[str, int, dict[str, Any] | None] | None) -> tuple[int, Any]:
+        """(size, bytes-or-Path) of one side of a diff; LFS objects stay on disk as a Path."""
+        if side is None:
+            return 0, b""
+        blob_id, _, lfs = side
+        if lfs is not None:
+            return int(lfs["size"]), self._lfs_object(lfs)
+        data = self._repo()[blob_id].data
+        return len(data), data
+
+    def _diff_file(self, path: str, o: Any, n: Any) -> dict[str, Any]:
+        old_size, old = self._side(o)
+        new_size, new = self._side(n)
+        sizes = {"old_size": old_size if o is not None else None, "new_size": new_size if n is not None else None}
+        if path.endswith(".safetensors"):
+            return {"kind": "safetensors", **sizes, **_tensor_diff(old if o else None, new if n else None)}
+        if old_size <= _DIFF_TEXT_MAX and new_size <= _DIFF_TEXT_MAX:
+            a = old.read_bytes() if isinstance(old, Path) else old
+            b = new.read_bytes() if isinstance(new, Path) else new
+            if b"\0" not in a and b"\0" not in b:
+                try:
+                    ta, tb = a.decode(), b.decode()
+                except UnicodeDecodeError:
+                    pass
+                else:
+                    text = "".join(
+                        difflib.unified_diff(
+                            ta.splitlines(keepends=True),
+                            tb.splitlines(keepends=True),
+                            fromfile="/dev/null" if o is None else f"a/{path}",
+                            tofile="/dev/null" if n is None else f"b/{path}",
+                        )
+                    )
+                    truncated = len(text) > _DIFF_OUT_MAX
+                    return {"kind": "text", **sizes, "diff": text[:_DIFF_OUT_MAX], "truncated": truncated}
+        return {"kind": "binary", **sizes}
+
+    # --- small helpers -------------------------------------------------------------------------------------
+
+    def _walk(self, tree: pygit2.Tree, prefix: str = "") -> Iterator[tuple[str, str, int]]:
+        for entry in tree:
+            path = f"{prefix}{entry.name}"
+            if isinstance(entry, pygit2.Tree):
+                yield from self._walk(entry, path + "/")
+            else:
+                yield path, str(entry.id), int(entry.filemode)
+
+    def _manifest_blob(self, commit: pygit2.Commit, name: str) -> bytes:
+        entry = commit.tree[name]
+        return self._repo()[entry.id].data
+
+    def _content_tree(self, commit: pygit2.Commit) -> str:
+        tb = self._repo().TreeBuilder(commit.tree)
+        if tb.get(MANIFEST) is not None:
+            tb.remove(MANIFEST)
+        return str(tb.write())
+
+
+def _tensor_diff(old: bytes | Path | None, new: bytes | Path | None) -> dict[str, Any]:
+    """Which tensors changed between two safetensors files, with the L2 norm of the change and of the old tensor."""
+    import torch  # lazily: only diffs of weights need it
+
+    with contextlib.ExitStack() as stack:
+        a = _open_tensors(old, stack)
+        b = _open_tensors(new, stack)
+        tensors: list[dict[str, Any]] = []
+        unchanged = 0
+        with torch.no_grad():
+            for name in sorted(set(a) | set(b)):
+                if name not in b:
+                    t = a[name]()
+                    tensors.append({"name": name, "status": "removed", "shape": list(t.shape), "dtype": str(t.dtype)})
+                    continue
+                tb = b[name]()
+                if name not in a:
+                    norm = float(torch.linalg.vector_norm(tb.float()))
+                    tensors.append({"name": name, "status": "added", "shape": list(tb.shape), "dtype": str(tb.dtype),
+                                    "norm": norm})  # fmt: skip
+                    continue
+                ta = a[name]()
+                if ta.shape != tb.shape or ta.dtype != tb.dtype:
+                    tensors.append({"name": name, "status": "changed", "shape": list(tb.shape), "dtype": str(tb.dtype),
+                                    "old_shape": list(ta.shape), "old_dtype": str(ta.dtype)})  # fmt: skip
+                    continue
+                if torch.equal(ta, tb):
+                    unchanged += 1
+                    continue
+                delta = tb.float() - ta.float()
+                diff_norm = float(torch.linalg.vector_norm(delta))
+                old_norm = float(torch.linalg.vector_norm(ta.float()))
+                tensors.append(
+                    {
+                        "name": name,
+                        "status": "changed",
+                        "shape": list(tb.shape),
+                        "dtype": str(tb.dtype),
+                        "diff_norm": diff_norm,
+                        "old_norm": old_norm,
+                        "relative": diff_norm / old_norm if old_norm and math.isfinite(old_norm) else None,
+                        "max_abs": float(delta.abs().max()) if delta.numel() else 0.0,
+                    }
+                )
+        return {"tensors": tensors, "unchanged_tensors": unchanged}
+
+
+def _open_tensors(src: bytes | Path | None, stack: contextlib.ExitStack) -> dict[str, Callable[[], Any]]:
+    """name -> loader for the tensors of a safetensors file given as bytes or as a path (memory-mapped)."""
+    if src is None:
+        return {}
+    if isinstance(src, Path):
+        from safetensors import safe_open
+
+        f = stack.enter_context(safe_open(str(src), framework="pt", device="cpu"))
+        return {k: (lambda k=k: f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    from safetensors.torch import load
+
+    loaded = load(bytes(src))
+    return {k: (lambda v=v: v) for k, v in loaded.items()}
