@@ -240,7 +240,8 @@ def provider_handler(proto: ModuleType) -> Handler:
         scenario, run = _scenario_and_run(request)
         body = await read_json(request, reef.config.max_body_bytes)
         exchange = proto.parse_request(body)
-        served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers)
+        served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers,
+                                  pinned_release=request.headers.get("x-reef-release-id"))
         response_id = new_id(_ID_PREFIX[proto.FORMAT])
         created = int(time.time())
         headers = {"x-reef-agent-record-id": served.receipt}
@@ -311,7 +312,8 @@ async def _stream(
                 pending = []
         except ReefError as err:
             partial = None
-            await reef.record(served, None, partial, status="error", error=err)
+            status = "incomplete" if err.data.get("incomplete") else "error"  # a cut upstream stream
+            await reef.record(served, None, partial, status=status, error=err)
             await resp.write(b"".join(pending + renderer.error(err)))
             await resp.write_eof()
             return resp
@@ -344,7 +346,9 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
     exchange = anthropic.parse_count_tokens(body)
     scen = await reef.scenario(scenario)
     engine = await reef.engine(scen.model)
-    return _json(anthropic.render_count_tokens(await engine.count_tokens(exchange)))
+    release = await reef.chains.resolve(scen, request.headers.get("x-reef-release-id"))
+    ref = await reef.chains.ref(scen, release)
+    return _json(anthropic.render_count_tokens(await engine.count_tokens(exchange, ref)))
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -544,6 +548,69 @@ async def handle_record(request: web.Request) -> web.Response:
     return _json(await reef.store.get_record(request.match_info["receipt"]))
 
 
+async def _existing_scenario(reef: Reef, name: str) -> Any:
+    check_name(name)
+    scenario = await reef.store.get_scenario(name)
+    return await reef.scenario(scenario.name)
+
+
+async def handle_releases(request: web.Request) -> web.Response:
+    reef = request.app[REEF_KEY]
+    scen = await _existing_scenario(reef, request.match_info["name"])
+    head = await reef.chains.head(scen)
+    limit = _int_param(request, "limit", None, 1, 100_000)
+    store = reef.chains.store
+    body: dict[str, Any] = {
+        "scenario": scen.name,
+        "head": head.release_id,
+        "releases": [r.to_dict() for r in await asyncio.to_thread(store.history, scen.name, limit)],
+    }
+    if request.query.get("all") in ("1", "true", "yes"):
+        body["pending"] = [r.to_dict() for r in await asyncio.to_thread(store.pending, scen.name)]
+        body["rejected"] = [r.to_dict() for r in await asyncio.to_thread(store.rejections, scen.name, limit)]
+    return _json(body)
+
+
+async def _release_body(request: web.Request, release_id: str, scenario: str | None) -> web.Response:
+    reef = request.app[REEF_KEY]
+    rel = await reef.chains.release(release_id)
+    if scenario is not None and rel.scenario != scenario:
+        raise NotFound(f"release {release_id} is not a release of scenario {scenario!r}", release_id=release_id)
+    body = rel.to_dict()
+    body["head"] = reef.chains.store.head(rel.scenario)
+    if request.query.get("diff", "1") not in ("0", "false", "no"):
+        body["diff"] = await asyncio.to_thread(reef.chains.store.diff, rel.release_id)
+    return _json(body)
+
+
+async def handle_scenario_release(request: web.Request) -> web.Response:
+    name = check_name(request.match_info["name"])
+    return await _release_body(request, request.match_info["release"], name)
+
+
+async def handle_release(request: web.Request) -> web.Response:
+    return await _release_body(request, request.match_info["release"], None)
+
+
+def steer_handler(op: str) -> Handler:
+    async def handle(request: web.Request) -> web.Response:
+        reef = request.app[REEF_KEY]
+        scen = await _existing_scenario(reef, request.match_info["name"])
+        body = await _object_body(request)
+        release_id = body.get("release_id")
+        if not isinstance(release_id, str) or not release_id:
+            raise BadRequest("release_id is required (a string)", param="release_id")
+        expected = body.get("expected_head")
+        if expected is not None and not isinstance(expected, str):
+            raise BadRequest("expected_head must be a release id (a string)", param="expected_head")
+        engine = await reef.engine(scen.model)
+        fn = reef.chains.rollback if op == "rollback" else reef.chains.promote
+        rel = await fn(scen, release_id, expected, engine)
+        return _json(rel.to_dict(), status=201)
+
+    return handle
+
+
 async def handle_status(request: web.Request) -> web.Response:
     reef = request.app[REEF_KEY]
     counts = await reef.store.count()
@@ -624,6 +691,11 @@ def make_app(reef: Reef) -> web.Application:
     r.add_get("/reef/scenarios/{name}/records", handle_scenario_records)
     r.add_get("/reef/records", handle_records)
     r.add_get("/reef/records/{receipt}", handle_record)
+    r.add_get("/reef/scenarios/{name}/releases", handle_releases)
+    r.add_get("/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
+    r.add_post("/reef/scenarios/{name}/rollback", steer_handler("rollback"))
+    r.add_post("/reef/scenarios/{name}/promote", steer_handler("promote"))
+    r.add_get("/reef/releases/{release}", handle_release)
     r.add_get("/reef/status", handle_status)
     r.add_get("/reef/events", handle_events)
     return app

@@ -19,10 +19,17 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
 
     [models.gpt]
     engine = "upstream"
-    url = "https://gateway.example/v1"
+    url = "https://gateway.example"   # base URL: /v1/chat/completions, /v1/responses or /v1/messages is
+                                      # appended (a trailing /v1 is accepted and not doubled)
     format = "openai-chat"        # openai-chat | openai-responses | anthropic
-    upstream_model = "gpt-4o-mini"
-    api_key_env = "GATEWAY_KEY"   # the key is read from this variable, never stored
+    upstream_model = "gpt-4o-mini"  # the provider's model name (none: the client's model name is sent)
+    api_key_env = "GATEWAY_KEY"   # the key is read from this variable, never stored; its name must end in
+                                  # _API_KEY, _KEY or _TOKEN
+    timeout_s = 600               # the whole answer; when streaming, the first byte and any gap between chunks
+    connect_timeout_s = 10
+
+``reef serve --upstream-url URL --upstream-format F --upstream-model M`` adds such an entry named ``upstream``
+(key from ``REEF_UPSTREAM_API_KEY``) and makes it the default model (``upstream_entry``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class ModelEntry:
     threads: int = 1  # transformers: torch CPU threads used for generation
     max_batch: int = 8  # transformers: concurrent sequences decoded together
     max_new_tokens: int = 256  # default cap when the client gives none
+    memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
     url: str | None = None  # upstream: base URL
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name
@@ -114,6 +122,27 @@ class Config:
             raise BadRequest(
                 f"unknown model {name!r}; configured models: {', '.join(sorted(self.models))}", param="model"
             ) from None
+
+
+UPSTREAM_FORMATS = ("openai-chat", "openai-responses", "anthropic")
+UPSTREAM_KEY_ENV = "REEF_UPSTREAM_API_KEY"
+
+
+def upstream_entry(
+    url: str, format: str | None, model: str | None, env: Mapping[str, str], name: str = "upstream"
+) -> ModelEntry:
+    """The model entry of the ``reef serve --upstream-*`` flags; the key comes from ``REEF_UPSTREAM_API_KEY``."""
+    fmt = format or "openai-chat"
+    if fmt not in UPSTREAM_FORMATS:
+        raise BadRequest(f"--upstream-format must be one of {', '.join(UPSTREAM_FORMATS)}, got {fmt!r}")
+    return ModelEntry(
+        name=name,
+        engine="upstream",
+        url=url,
+        format=fmt,
+        upstream_model=model or None,
+        api_key_env=UPSTREAM_KEY_ENV if env.get(UPSTREAM_KEY_ENV) else None,
+    )
 
 
 def default_home(env: Mapping[str, str]) -> Path:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.errors import InvalidName, ReefError
@@ -86,6 +87,7 @@ class Reef:
         self.store = RecordStore(config.records_path)
         self.events = EventBus()
         self.metrics = Metrics()
+        self.chains = Chains(config, self.events, self.metrics)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -93,6 +95,7 @@ class Reef:
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.chains.start()
         await self.engine(self.config.default_model)
 
     async def close(self) -> None:
@@ -120,7 +123,7 @@ class Reef:
 
                         log.info("building the tiny model into %s (first start)", entry.path)
                         await asyncio.to_thread(init_tiny, entry.path)
-                engine = build_engine(entry, self.config.secrets)
+                engine = build_engine(entry, self.config.secrets, self.metrics)
                 await engine.start()
                 self._engines[model] = engine
                 self.metrics.loads.labels(model).inc()
@@ -144,22 +147,30 @@ class Reef:
             self.events.publish("scenario", scenario=scenario.to_dict())
         return scenario
 
-    def release_for(self, scenario: Scenario) -> tuple[str | None, str | None]:
-        """The release serving a scenario now: (release_id, content_id). The release chain fills this in."""
-        return None, None
-
     # --- the serve path ------------------------------------------------------------------------------------
 
     async def begin(
-        self, exchange: Exchange, *, scenario: str, run: str | None, headers: Mapping[str, str]
+        self,
+        exchange: Exchange,
+        *,
+        scenario: str,
+        run: str | None,
+        headers: Mapping[str, str],
+        pinned_release: str | None = None,
     ) -> Served:
-        """Resolve scenario, release and engine and start generating; raises before anything is sent."""
+        """Resolve scenario, release and engine and start generating; raises before anything is sent.
+
+        The request is frozen here to one release: the scenario's head, or the release the client pinned."""
         started = time.perf_counter()
         scen = await self.scenario(scenario)
         engine = await self.engine(scen.model)
-        release_id, content_id = self.release_for(scen)
+        release = await self.chains.resolve(scen, pinned_release)
+        ref = await self.chains.ref(scen, release)
+        if ref.path is not None and ref.content_id not in engine.resident:
+            await self.chains.preload(scen, release, engine)
+        release_id, content_id = release.release_id, release.content_id
         engine_started = time.perf_counter()
-        events = engine.generate(exchange)
+        events = engine.generate(exchange, ref)
         try:
             first = await anext(events)
         except BaseException:

@@ -21,11 +21,23 @@ def serve(
     host: str = typer.Option(None, help="Address to listen on (default 127.0.0.1)."),
     port: int = typer.Option(None, help="TCP port (default 8900)."),
     model: str = typer.Option(None, help="Default model for new scenarios (a name from config.toml)."),
+    upstream_url: str = typer.Option(None, help="Serve from this OpenAI- or Anthropic-compatible base URL: adds"
+                                     " the model 'upstream' and makes it the default (key: $REEF_UPSTREAM_API_KEY)."),
+    upstream_format: str = typer.Option(None, help="The upstream's format: openai-chat (default), openai-responses,"
+                                        " anthropic."),
+    upstream_model: str = typer.Option(None, help="The upstream's model name (default: the client's)."),
 ) -> None:
     """Run the daemon in the foreground (Ctrl-C drains in-flight requests and stops)."""
+    from daemon.config import upstream_entry
     from daemon.server import run, setup_logging
 
-    cfg = config(host=host, port=port, default_model=model)
+    extra = {}
+    if upstream_url:
+        entry = upstream_entry(upstream_url, upstream_format, upstream_model, os.environ)
+        extra = {"models": {entry.name: entry}, "default_model": model or entry.name}
+    elif upstream_format or upstream_model:
+        fail("--upstream-format and --upstream-model need --upstream-url", 2)
+    cfg = config(host=host, port=port, **({"default_model": model} | extra))
     setup_logging(cfg, to_file=False)
     run(cfg)
 

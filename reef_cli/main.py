@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from reef_cli import daemon_cmd, model, records
+from reef_cli import daemon_cmd, model, records, releases
 from reef_cli.common import client, edge, print_json
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ app.command("report")(records.report)
 app.add_typer(daemon_cmd.app, name="daemon")
 app.add_typer(records.records_app, name="records")
 app.add_typer(records.scenarios_app, name="scenarios")
+app.add_typer(releases.app, name="releases")
 app.add_typer(model.app, name="model")
 
 

@@ -4,6 +4,7 @@ so that torch and transformers load only in a daemon that serves a local model."
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo
@@ -12,13 +13,15 @@ from daemon.errors import BadRequest
 __all__ = ["Engine", "EngineInfo", "build_engine"]
 
 
-def build_engine(entry: ModelEntry, secrets: Mapping[str, str] | None = None) -> Engine:
+def build_engine(entry: ModelEntry, secrets: Mapping[str, str] | None = None, metrics: Any = None) -> Engine:
+    """The engine of a model entry; ``metrics`` (the daemon's ``Metrics``) lets remote engines report on their
+    upstream."""
     if entry.engine == "transformers":
         from daemon.engines.transformers import TransformersEngine
 
         return TransformersEngine(entry)
     if entry.engine == "upstream":
-        from daemon.engines.upstream import UpstreamEngine  # type: ignore[import-not-found]
+        from daemon.engines.upstream import UpstreamEngine
 
-        return UpstreamEngine(entry, secrets or {})
+        return UpstreamEngine(entry, secrets or {}, metrics)
     raise BadRequest(f"model {entry.name!r}: unknown engine {entry.engine!r} (transformers, upstream)")

@@ -15,8 +15,18 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from daemon.exchange import EngineEvent, Exchange
+
+
+@dataclass(frozen=True)
+class ReleaseRef:
+    """The release a request is frozen to: its ids and where its artifact is checked out."""
+
+    release_id: str
+    content_id: str
+    path: Path | None = None  # the materialised artifact (weights engines load from here)
 
 
 @dataclass(frozen=True)
@@ -39,12 +49,24 @@ class Engine(abc.ABC):
         """Release resources; in-flight generations have finished when this is called."""
 
     @abc.abstractmethod
-    def generate(self, exchange: Exchange) -> AsyncIterator[EngineEvent]:
-        """Generate an answer; yields deltas then one ``Finish``. Validation errors raise before the first yield."""
+    def generate(self, exchange: Exchange, release: ReleaseRef | None = None) -> AsyncIterator[EngineEvent]:
+        """Generate an answer; yields deltas then one ``Finish``. Validation errors raise before the first yield.
+
+        ``release`` is the release the request is frozen to; weights engines serve that release's weights from
+        start to finish (``Completion.runtime_load_id`` names the load), others may ignore it."""
 
     @abc.abstractmethod
-    async def count_tokens(self, exchange: Exchange) -> int:
+    async def count_tokens(self, exchange: Exchange, release: ReleaseRef | None = None) -> int:
         """Number of prompt tokens the exchange would take."""
+
+    @property
+    def resident(self) -> dict[str, str]:
+        """content_id -> runtime load id of the releases kept loaded (weights engines)."""
+        return {}
+
+    async def preload(self, release: ReleaseRef) -> str | None:
+        """Make a release resident before requests need it (after a publish); returns its load id, if any."""
+        return None
 
     @property
     def runtime_load_id(self) -> str | None:

@@ -3,9 +3,12 @@
 Design choices:
 
 - **Loads.** A ``Load`` is one concrete load of weights (model, tokenizer, ``runtime_load_id``
-  ``"<incarnation>:<seq>"``). A request captures ``self._current`` when it arrives and keeps that object to the
-  end, so ``load(path)`` can put new weights beside the old ones and switch new requests over without touching
-  in-flight ones; the old load is freed (refcounting) when its last sequence ends.
+  ``"<incarnation>:<seq>"``). Loads are resident per release content (``content_id``): a request names the
+  release it is frozen to, captures that release's ``Load`` object when it arrives and keeps it to the end, so a
+  new release loads beside the old ones and in-flight requests never change weights. Several releases (of one
+  or several scenarios) serve at once; when the resident loads exceed ``entry.memory_budget_mb``, the least
+  recently used load with no running sequence is dropped (and freed by refcounting once nothing holds it).
+  Concurrent requests for a release being loaded wait on one shared load.
 - **Threading.** One generation thread owns the models and runs a step loop; torch releases the GIL in its
   kernels, so the event loop stays responsive. Rendering and tokenising a prompt run in ``asyncio.to_thread``.
   Events go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. A request whose
@@ -37,7 +40,7 @@ import functools
 import inspect
 import secrets
 import threading
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from daemon.config import ModelEntry
-from daemon.engines.base import Engine, EngineInfo
+from daemon.engines.base import Engine, EngineInfo, ReleaseRef
 from daemon.errors import BadRequest, ContextLengthExceeded, EngineError, Unavailable, Unsupported
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, StopReason, TextDelta, Usage
 from daemon.models import no_progress_bars
@@ -71,6 +74,7 @@ class Load:
     context_length: int
     batchable: bool  # plain full-attention KV caches: sequences can share a left-padded cache
     cache_arg: str
+    nbytes: int = 0  # parameter memory, for the resident-load budget
 
     def forward(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
         """Run the model over ``ids`` [rows, n], extending ``cache`` in place; returns the last logits [rows, vocab]."""
@@ -107,6 +111,7 @@ class Load:
             batchable=all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers),
             # transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away)
             cache_arg="cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values",
+            nbytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         )
 
     def render(self, exchange: Exchange) -> str:
@@ -334,7 +339,10 @@ class TransformersEngine(Engine):
         self._device = _device(entry.device)
         self._loads = 0
         self._load_lock = asyncio.Lock()
-        self._current: Load | None = None
+        self._current: Load | None = None  # the base model, for requests that name no release
+        self._resident: OrderedDict[str, Load] = OrderedDict()  # content_id -> load, least recently used first
+        self._loading: dict[str, asyncio.Task[Load]] = {}
+        self._active: Counter[str] = Counter()  # load id -> running sequences
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
         self._closing = False
@@ -354,14 +362,63 @@ class TransformersEngine(Engine):
 
         Requests already running keep the load they started with; it is freed when the last of them ends.
         """
-        async with self._load_lock:
-            self._loads += 1
-            load = await asyncio.to_thread(Load.open, path, f"{self.incarnation}:{self._loads}", self._device)
-            self._current = load
+        load = await self._open(path)
+        self._current = load
         self.info = EngineInfo(
             name="transformers", model=self.entry.name, context_length=load.context_length, accepts_images=False
         )
         return load.id
+
+    async def _open(self, path: Path) -> Load:
+        async with self._load_lock:
+            self._loads += 1
+            load_id = f"{self.incarnation}:{self._loads}"
+        return await asyncio.to_thread(Load.open, path, load_id, self._device)
+
+    async def preload(self, release: ReleaseRef) -> str | None:
+        return (await self._acquire(release)).id
+
+    async def _acquire(self, release: ReleaseRef | None) -> Load:
+        """The resident load of a release, loading it (once, however many requests ask) when needed."""
+        if release is None:
+            return self._serving()
+        if self._closing:
+            raise Unavailable("the engine is shutting down")
+        key = release.content_id
+        load = self._resident.get(key)
+        if load is not None:
+            self._resident.move_to_end(key)
+            return load
+        task = self._loading.get(key)
+        if task is None:
+            if release.path is None:
+                raise EngineError(f"release {release.release_id} has no checked-out artifact to load")
+            task = asyncio.ensure_future(self._open(release.path))
+            self._loading[key] = task
+            task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+        return await asyncio.shield(task)
+
+    def _loaded(self, key: str, task: asyncio.Task[Load]) -> None:
+        self._loading.pop(key, None)
+        if task.cancelled() or task.exception() is not None:
+            return
+        self._resident[key] = task.result()
+        self._evict()
+
+    def _evict(self) -> None:
+        budget = self.entry.memory_budget_mb * 2**20
+        total = sum(load.nbytes for load in self._resident.values())
+        for key, load in list(self._resident.items()):
+            if total <= budget or len(self._resident) <= 1:
+                break
+            if self._active[load.id] == 0:
+                del self._resident[key]
+                total -= load.nbytes
+
+    @property
+    def resident(self) -> dict[str, str]:
+        """content_id -> load id of the loads kept in memory."""
+        return {k: v.id for k, v in self._resident.items()}
 
     async def close(self) -> None:
         with self._cond:
@@ -370,14 +427,14 @@ class TransformersEngine(Engine):
         if self._thread:
             await asyncio.to_thread(self._thread.join)
 
-    async def count_tokens(self, exchange: Exchange) -> int:
-        load = self._serving()
+    async def count_tokens(self, exchange: Exchange, release: ReleaseRef | None = None) -> int:
+        load = await self._acquire(release)
         self._check_content(exchange)
         return len(await asyncio.to_thread(load.encode, exchange))
 
-    async def generate(self, exchange: Exchange) -> AsyncIterator[EngineEvent]:
-        load = self._serving()  # frozen here: this request runs on this load to the end
+    async def generate(self, exchange: Exchange, release: ReleaseRef | None = None) -> AsyncIterator[EngineEvent]:
         self._check_content(exchange)
+        load = await self._acquire(release)  # frozen here: this request runs on this load to the end
         prompt, params, generator = await asyncio.to_thread(self._prepare, load, exchange)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[EngineEvent] | BaseException] = asyncio.Queue()
@@ -388,6 +445,7 @@ class TransformersEngine(Engine):
                 raise Unavailable("the engine is shutting down")
             self._pending.append(seq)
             self._cond.notify()
+        self._active[load.id] += 1
         try:
             while True:
                 item = await queue.get()
@@ -399,6 +457,9 @@ class TransformersEngine(Engine):
                         return
         finally:
             seq.cancelled = True
+            self._active[load.id] -= 1
+            if not self._active[load.id]:
+                del self._active[load.id]
 
     # --- request side ----------------------------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ cached ones included (Anthropic's ``input_tokens`` is rendered as that minus cac
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
-from daemon.errors import BadRequest, ReefError, Unsupported
+from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
     Completion,
     EngineEvent,
@@ -25,20 +27,25 @@ from daemon.exchange import (
     TextDelta,
     ThinkingDelta,
     Tool,
+    ToolCall,
     ToolCallDelta,
     ToolCallStart,
     Usage,
 )
 from daemon.protocols.sse import (
+    bad_upstream,
+    check_translatable,
     dumps,
     field,
     missing_events,
     need_object,
     new_id,
     parse_arguments,
+    request_intent,
     sampling,
     sse,
     stream_flag,
+    system_text,
 )
 
 FORMAT = "anthropic"
@@ -358,3 +365,302 @@ class StreamRenderer:
 def error_body(err: ReefError) -> dict:
     kind = err.type if err.type in _ERROR_TYPES else "invalid_request_error" if err.status < 500 else "api_error"
     return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+# --- the upstream direction: an exchange as a Messages request, a Messages answer as a completion -----------------
+#
+# Used by ``daemon/engines/upstream.py`` when the upstream speaks Messages and the client does not (an Anthropic
+# client has its body passed through). Choices:
+# - System messages before the first turn become the top-level ``system`` (one text block per part). A system
+#   message later in the conversation stays where it was given: it becomes a text block
+#   ``<system-reminder>...</system-reminder>`` in the user turn at that point (merged with the neighbouring user
+#   content; Messages wants alternating turns and tool results first in a user turn). Hoisting it to the top would
+#   move an instruction given at turn N to the start of the conversation; the tag is the convention Claude models
+#   read mid-conversation instructions in.
+# - ``max_tokens`` is required here: the client's limit, else ``max_tokens`` given by the caller (the engine
+#   passes the model entry's ``max_new_tokens`` when set, else 4096).
+# - Thinking of earlier turns is dropped (Messages only takes it back with the signature Anthropic issued);
+#   OpenAI ``reasoning_effort`` has no budget equivalent and is dropped too; ``temperature`` is capped at 1
+#   (Messages' range); ``seed`` has no equivalent and is dropped. Structured output (``response_format``) and
+#   log-probs are refused (400). Tool-call ids are kept, with characters Messages refuses replaced by ``_``
+#   (the same way in calls and results, so they still match).
+
+_FROM_STOP: dict[str, Any] = {
+    "end_turn": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "stop_sequence": "stop_sequence",
+    "pause_turn": "stop",
+    "refusal": "stop",
+    "model_context_window_exceeded": "length",
+}
+_TO_TOOL_CHOICE = {"auto": "auto", "required": "any", "none": "none"}
+_BAD_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+DEFAULT_MAX_TOKENS = 4096
+
+
+def render_request(
+    ex: Exchange, *, model: str, stream: bool, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> dict[str, Any]:
+    """``ex`` (any source format) as a Messages request body for an upstream."""
+    intent = request_intent(ex)
+    check_translatable(ex, intent, FORMAT, json_format=False)
+    system: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []
+    for m in ex.messages:
+        if m.role == "system":
+            if not turns:
+                system += [{"type": "text", "text": p.text} for p in m.parts if p.type == "text" and p.text]
+            elif text := system_text(m):
+                _append(turns, "user", [{"type": "text", "text": f"<system-reminder>\n{text}\n</system-reminder>"}])
+            continue
+        blocks: list[dict[str, Any]] = []
+        for p in m.parts:
+            if p.type == "text" and p.text:
+                blocks.append({"type": "text", "text": p.text})
+            elif p.type == "image":
+                blocks.append(_image_block(p))
+            elif p.type == "tool_call" and m.role == "assistant":
+                blocks.append(
+                    {"type": "tool_use", "id": _tool_id(p.id), "name": p.name,
+                     "input": parse_arguments(p.arguments or "")}
+                )
+            elif p.type == "tool_result":
+                blocks.append(_tool_result_block(p, [q for q in m.parts if q.type == "image"]))
+        if m.role == "tool":
+            blocks = [b for b in blocks if b["type"] == "tool_result"]
+        _append(turns, "assistant" if m.role == "assistant" else "user", blocks)
+    for turn in turns:  # tool results open a user turn
+        if turn["role"] == "user":
+            turn["content"].sort(key=lambda b: b["type"] != "tool_result")
+    body: dict[str, Any] = {"model": model, "max_tokens": ex.sampling.max_tokens or max_tokens}
+    if system:
+        body["system"] = system
+    body["messages"] = [t for t in turns if t["content"]]
+    if ex.tools:
+        body["tools"] = [
+            {
+                "name": t.name,
+                **({"description": t.description} if t.description else {}),
+                "input_schema": t.parameters if t.parameters.get("type") else {"type": "object", **t.parameters},
+            }
+            for t in ex.tools
+        ]
+        tc = ex.tool_choice
+        choice: dict[str, Any] | None = None
+        if isinstance(tc, dict):
+            choice = {"type": "tool", "name": tc["name"]}
+        elif tc is not None:
+            choice = {"type": _TO_TOOL_CHOICE.get(tc, "auto")}
+        if intent.parallel_tool_calls is False and (choice or {}).get("type") != "none":
+            choice = {**(choice or {"type": "auto"}), "disable_parallel_tool_use": True}
+        if choice is not None:
+            body["tool_choice"] = choice
+    s = ex.sampling
+    if s.temperature is not None:
+        body["temperature"] = min(s.temperature, 1.0)
+    if s.top_p is not None:
+        body["top_p"] = s.top_p
+    if s.top_k is not None:
+        body["top_k"] = s.top_k
+    if s.stop:
+        body["stop_sequences"] = list(s.stop)
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
+    if turns and turns[-1]["role"] == role:
+        turns[-1]["content"] += blocks
+    else:
+        turns.append({"role": role, "content": list(blocks)})
+
+
+def _tool_id(call_id: str | None) -> str:
+    return _BAD_ID_CHARS.sub("_", call_id) if call_id else new_id("toolu_")
+
+
+def _image_block(p: Part) -> dict[str, Any]:
+    source = p.source or ""
+    if source.startswith("data:"):
+        head, _, data = source.partition(",")
+        if not head.endswith(";base64"):
+            raise Unsupported("images: only base64 data URLs and http(s) URLs can be sent to an anthropic upstream")
+        media_type = p.media_type or head[5:].split(";", 1)[0]
+        return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    return {"type": "image", "source": {"type": "url", "url": source}}
+
+
+def _tool_result_block(p: Part, images: list[Part]) -> dict[str, Any]:
+    block: dict[str, Any] = {"type": "tool_result", "tool_use_id": _tool_id(p.tool_call_id)}
+    if images:
+        content: list[dict[str, Any]] = [{"type": "text", "text": p.text}] if p.text else []
+        block["content"] = content + [_image_block(i) for i in images]
+    else:
+        block["content"] = p.text
+    if p.is_error:
+        block["is_error"] = True
+    return block
+
+
+def usage_from(u: Any) -> Usage:
+    """A Messages ``usage`` object as neutral usage: ``input_tokens`` counts cache reads and writes too."""
+    if not isinstance(u, dict):
+        return Usage()
+
+    def n(key: str) -> int:
+        v = u.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    read, write = n("cache_read_input_tokens"), n("cache_creation_input_tokens")
+    return Usage(
+        input_tokens=n("input_tokens") + read + write,
+        output_tokens=n("output_tokens"),
+        cache_read_tokens=read,
+        cache_write_tokens=write,
+    )
+
+
+def _upstream_error(err: Any) -> UpstreamError:
+    if isinstance(err, dict):
+        return UpstreamError(f"upstream error in the stream ({err.get('type')}): {err.get('message')}")
+    return UpstreamError(f"upstream error in the stream: {err}")
+
+
+def parse_response(body: Any) -> Completion:
+    """An upstream's non-streaming ``message`` as a completion."""
+    if not isinstance(body, dict):
+        raise bad_upstream("message (not an object)")
+    if body.get("type") == "error":
+        raise _upstream_error(body.get("error"))
+    content = body.get("content")
+    if not isinstance(content, list):
+        raise bad_upstream("message (no content)")
+    text, thinking, calls = [], [], []
+    for block in content:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])
+        elif kind == "tool_use":
+            calls.append(ToolCall(id=block.get("id") or new_id("toolu_"), name=block.get("name") or "",
+                                  arguments=dumps(block.get("input") or {})))
+    usage = body.get("usage")
+    stop = _FROM_STOP.get(body.get("stop_reason"), "stop")
+    return Completion(
+        text="".join(text),
+        tool_calls=calls,
+        stop_reason="tool_calls" if calls and stop == "stop" else stop,
+        stop_sequence=body.get("stop_sequence") if isinstance(body.get("stop_sequence"), str) else None,
+        usage=usage_from(usage),
+        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        thinking="".join(thinking),
+        upstream=usage if isinstance(usage, dict) else None,
+    )
+
+
+class StreamParser:
+    """An upstream's Messages SSE stream -> engine events, then the assembled completion.
+
+    ``done`` turns true at ``message_stop``; an ``error`` event raises ``UpstreamError``. Usage is the
+    ``message_start`` usage updated by ``message_delta``'s (which carries the final counts).
+    """
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[tuple[str, str, list[str]]] = []  # id, name, argument pieces
+        self.blocks: dict[int, Any] = {}  # content block index -> "text", "thinking", call number or None
+        self.usage: dict[str, Any] = {}
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.model = ""
+        self.done = False
+
+    def feed(self, event: str | None, data: str) -> list[EngineEvent]:
+        try:
+            d = json.loads(data)
+        except ValueError:
+            raise bad_upstream("stream event (not JSON)") from None
+        if not isinstance(d, dict):
+            raise bad_upstream("stream event (not an object)")
+        kind = d.get("type") or event
+        if kind == "content_block_delta":
+            return self._delta(d.get("index"), d.get("delta") if isinstance(d.get("delta"), dict) else {})
+        if kind == "content_block_start":
+            return self._start(d.get("index"), d.get("content_block") or {})
+        if kind == "content_block_stop":
+            block = self.blocks.get(d.get("index"))  # type: ignore[arg-type]
+            if isinstance(block, int) and not self.calls[block][2]:
+                self.calls[block][2].append("{}")
+                return [ToolCallDelta(block, "{}")]
+            return []
+        if kind == "message_start":
+            msg = d.get("message") if isinstance(d.get("message"), dict) else {}
+            if isinstance(msg.get("model"), str):
+                self.model = msg["model"]
+            if isinstance(msg.get("usage"), dict):
+                self.usage.update(msg["usage"])
+        elif kind == "message_delta":
+            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            self.stop_reason = delta.get("stop_reason") or self.stop_reason
+            if isinstance(delta.get("stop_sequence"), str):
+                self.stop_sequence = delta["stop_sequence"]
+            if isinstance(d.get("usage"), dict):
+                self.usage.update({k: v for k, v in d["usage"].items() if v is not None})
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            raise _upstream_error(d.get("error"))
+        return []
+
+    def _start(self, index: Any, block: dict[str, Any]) -> list[EngineEvent]:
+        kind = block.get("type")
+        if kind == "text":
+            self.blocks[index] = "text"
+            return self._delta(index, {"type": "text_delta", "text": block.get("text") or ""})
+        if kind == "thinking":
+            self.blocks[index] = "thinking"
+            return self._delta(index, {"type": "thinking_delta", "thinking": block.get("thinking") or ""})
+        if kind == "tool_use":
+            n = len(self.calls)
+            self.blocks[index] = n
+            self.calls.append((block.get("id") or new_id("toolu_"), block.get("name") or "", []))
+            out: list[EngineEvent] = [ToolCallStart(n, self.calls[n][0], self.calls[n][1])]
+            if block.get("input"):
+                out += self._delta(index, {"type": "input_json_delta", "partial_json": dumps(block["input"])})
+            return out
+        self.blocks[index] = None  # redacted thinking, server tool traffic: nothing to relay
+        return []
+
+    def _delta(self, index: Any, delta: dict[str, Any]) -> list[EngineEvent]:
+        block = self.blocks.get(index)
+        kind = delta.get("type")
+        if kind == "text_delta" and block == "text" and (text := delta.get("text")):
+            self.text.append(text)
+            return [TextDelta(text)]
+        if kind == "thinking_delta" and block == "thinking" and (text := delta.get("thinking")):
+            self.thinking.append(text)
+            return [ThinkingDelta(text)]
+        if kind == "input_json_delta" and isinstance(block, int) and (part := delta.get("partial_json")):
+            self.calls[block][2].append(part)
+            return [ToolCallDelta(block, part)]
+        return []  # signature_delta, citations_delta: no neutral equivalent
+
+    def finish(self) -> Completion:
+        calls = [ToolCall(id=c[0], name=c[1], arguments="".join(c[2]) or "{}") for c in self.calls]
+        stop = _FROM_STOP.get(self.stop_reason or "end_turn", "stop")
+        return Completion(
+            text="".join(self.text),
+            tool_calls=calls,
+            stop_reason="tool_calls" if calls and stop == "stop" else stop,
+            stop_sequence=self.stop_sequence,
+            usage=usage_from(self.usage),
+            model=self.model,
+            thinking="".join(self.thinking),
+            upstream=self.usage or None,
+        )

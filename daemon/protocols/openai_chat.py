@@ -9,9 +9,10 @@ the field OpenAI-compatible servers use for it. Neutral conventions: see ``daemo
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from daemon.errors import BadRequest, ReefError, Unsupported
+from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
     Completion,
     EngineEvent,
@@ -22,21 +23,27 @@ from daemon.exchange import (
     TextDelta,
     ThinkingDelta,
     Tool,
+    ToolCall,
     ToolCallDelta,
     ToolCallStart,
     Usage,
 )
 from daemon.protocols.sse import (
     DONE,
+    bad_upstream,
+    check_translatable,
+    dumps,
     field,
     image_url_part,
     json_type,
     missing_events,
     need_object,
     new_id,
+    request_intent,
     sampling,
     sse,
     stream_flag,
+    system_text,
     tool_arguments,
 )
 
@@ -256,3 +263,274 @@ class StreamRenderer:
 
 def error_body(err: ReefError) -> dict:
     return {"error": {"message": err.message, "type": err.type, "code": err.type, "param": getattr(err, "param", None)}}
+
+
+# --- the upstream direction: an exchange as a chat request, a chat answer as a completion ------------------------
+#
+# Used by ``daemon/engines/upstream.py`` when the upstream speaks chat completions and the client does not (a
+# client that speaks chat too has its body passed through). System messages stay system messages where they are
+# (chat allows them anywhere; multi-block system prompts are joined by blank lines). Thinking of earlier turns is
+# dropped (chat servers take none back, and some refuse it). A tool result with ``is_error`` gets an ``Error: ``
+# prefix (chat has no error flag); images in tool results follow the tool messages as one user message (chat tool
+# messages carry text only). ``top_k`` and Anthropic's ``thinking`` / ``metadata`` / cache hints have no chat
+# equivalent and are dropped; the token limit goes out as ``max_tokens``, the field every chat server accepts.
+
+_FROM_FINISH: dict[str, Any] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "content_filter": "stop",
+}
+
+
+def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
+    """``ex`` (any source format) as a chat completions request body for an upstream."""
+    intent = request_intent(ex)
+    check_translatable(ex, intent, FORMAT, json_format=True)
+    messages: list[dict[str, Any]] = []
+    images: list[dict[str, Any]] = []  # images of the tool results just rendered
+    for m in ex.messages:
+        if images and m.role != "tool":
+            messages.append(_tool_images(images))
+            images = []
+        if m.role == "system":
+            messages.append({"role": "system", "content": system_text(m)})
+        elif m.role == "user":
+            messages.append({"role": "user", "content": _render_content(m.parts)})
+        elif m.role == "assistant":
+            calls = [
+                {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments or "{}"}}
+                for p in m.parts
+                if p.type == "tool_call"
+            ]
+            msg: dict[str, Any] = {"role": "assistant", "content": m.text or (None if calls else "")}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+        else:
+            for p in m.parts:
+                if p.type == "tool_result":
+                    text = f"Error: {p.text}" if p.is_error else p.text
+                    messages.append({"role": "tool", "tool_call_id": p.tool_call_id, "content": text})
+                elif p.type == "image":
+                    images.append({"type": "image_url", "image_url": {"url": p.source}})
+    if images:
+        messages.append(_tool_images(images))
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    if ex.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description else {}),
+                    "parameters": t.parameters or {"type": "object", "properties": {}},
+                },
+            }
+            for t in ex.tools
+        ]
+        tc = ex.tool_choice
+        if isinstance(tc, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
+        elif tc is not None:
+            body["tool_choice"] = tc
+        if intent.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = intent.parallel_tool_calls
+    elif ex.tool_choice == "none":
+        body["tool_choice"] = "none"
+    s = ex.sampling
+    for key, value in (("max_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p),
+                       ("seed", s.seed)):
+        if value is not None:
+            body[key] = value
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if (fmt := intent.json_format) is not None:
+        body["response_format"] = (
+            {"type": "json_object"}
+            if fmt["type"] == "json_object"
+            else {"type": "json_schema",
+                  "json_schema": {"name": fmt["name"], "schema": fmt["schema"], "strict": fmt["strict"]}}
+        )
+    if intent.reasoning_effort is not None:
+        body["reasoning_effort"] = intent.reasoning_effort
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _tool_images(images: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "text", "text": "(images from the tool results above)"}, *images]}
+
+
+def _render_content(parts: list[Part]) -> str | list[dict[str, Any]]:
+    """Message content: a string for one text part, else an array of text and image parts."""
+    kept = [p for p in parts if p.type in ("text", "image")]
+    if all(p.type == "text" for p in kept) and len(kept) <= 1:
+        return kept[0].text if kept else ""
+    return [
+        {"type": "text", "text": p.text} if p.type == "text" else {"type": "image_url", "image_url": {"url": p.source}}
+        for p in kept
+    ]
+
+
+def usage_from(u: Any) -> Usage:
+    """A chat ``usage`` object as neutral usage (``prompt_tokens`` already counts cached tokens)."""
+    if not isinstance(u, dict):
+        return Usage()
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        input_tokens=_int(u.get("prompt_tokens")),
+        output_tokens=_int(u.get("completion_tokens")),
+        cache_read_tokens=_int(cached),
+    )
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p.get("text") or p.get("refusal") or "" for p in content if isinstance(p, dict)
+        )
+    return ""
+
+
+def _upstream_error(err: Any) -> UpstreamError:
+    message = err.get("message") if isinstance(err, dict) else err
+    return UpstreamError(f"upstream error in the stream: {message or 'unknown error'}")
+
+
+def parse_response(body: Any) -> Completion:
+    """An upstream's non-streaming ``chat.completion`` as a completion."""
+    if not isinstance(body, dict):
+        raise bad_upstream("chat completion (not an object)")
+    if body.get("error"):
+        raise _upstream_error(body["error"])
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise bad_upstream("chat completion (no choices)")
+    choice = choices[0]
+    msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    calls: list[ToolCall] = []
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments")
+            calls.append(
+                ToolCall(
+                    id=call.get("id") or new_id("call_"),
+                    name=fn.get("name") or "",
+                    arguments=(args if isinstance(args, str) else dumps(args or {})) or "{}",
+                )
+            )
+    if isinstance(fc := msg.get("function_call"), dict):
+        calls.append(ToolCall(id=fc.get("name") or new_id("call_"), name=fc.get("name") or "",
+                              arguments=fc.get("arguments") or "{}"))
+    thinking = msg.get("reasoning_content") or msg.get("reasoning")
+    stop = _FROM_FINISH.get(choice.get("finish_reason"), "stop")
+    usage = body.get("usage")
+    return Completion(
+        text=_content_text(msg.get("content")),
+        tool_calls=calls,
+        stop_reason="tool_calls" if calls and stop == "stop" else stop,
+        usage=usage_from(usage),
+        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        thinking=thinking if isinstance(thinking, str) else "",
+        upstream=usage if isinstance(usage, dict) else None,
+    )
+
+
+class StreamParser:
+    """An upstream's ``chat.completion.chunk`` stream -> engine events, then the assembled completion.
+
+    Tool calls keep the upstream's ids and are numbered in order of appearance; ``done`` turns true at
+    ``[DONE]`` or at a ``finish_reason`` (servers that end the stream without ``[DONE]``).
+    """
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: dict[int, tuple[int, str, str, list[str]]] = {}  # chat index -> (ours, id, name, args)
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.model = ""
+        self.ended = False
+
+    @property
+    def done(self) -> bool:
+        return self.ended or self.finish_reason is not None
+
+    def feed(self, event: str | None, data: str) -> list[EngineEvent]:
+        if data == "[DONE]":
+            self.ended = True
+            return []
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise bad_upstream("stream chunk (not JSON)") from None
+        if not isinstance(chunk, dict):
+            raise bad_upstream("stream chunk (not an object)")
+        if chunk.get("error"):
+            raise _upstream_error(chunk["error"])
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if isinstance(chunk.get("model"), str):
+            self.model = chunk["model"]
+        out: list[EngineEvent] = []
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                self.thinking.append(reasoning)
+                out.append(ThinkingDelta(reasoning))
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                self.text.append(content)
+                out.append(TextDelta(content))
+            for tc in delta.get("tool_calls") or []:
+                if isinstance(tc, dict):
+                    out += self._tool_call(tc)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def _tool_call(self, tc: dict[str, Any]) -> list[EngineEvent]:
+        index = tc.get("index")
+        if not isinstance(index, int):  # servers that send whole calls without an index
+            index = len(self.calls) if tc.get("id") or not self.calls else max(self.calls)
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        out: list[EngineEvent] = []
+        call = self.calls.get(index)
+        if call is None:
+            call = self.calls[index] = (len(self.calls), tc.get("id") or new_id("call_"), fn.get("name") or "", [])
+            out.append(ToolCallStart(call[0], call[1], call[2]))
+        args = fn.get("arguments")
+        if isinstance(args, dict):
+            args = dumps(args)
+        if isinstance(args, str) and args:
+            call[3].append(args)
+            out.append(ToolCallDelta(call[0], args))
+        return out
+
+    def finish(self) -> Completion:
+        calls = [ToolCall(id=c[1], name=c[2], arguments="".join(c[3]) or "{}") for c in self.calls.values()]
+        stop = _FROM_FINISH.get(self.finish_reason or "stop", "stop")
+        return Completion(
+            text="".join(self.text),
+            tool_calls=calls,
+            stop_reason="tool_calls" if calls and stop == "stop" else stop,
+            usage=usage_from(self.usage),
+            model=self.model,
+            thinking="".join(self.thinking),
+            upstream=self.usage,
+        )

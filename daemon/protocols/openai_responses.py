@@ -14,9 +14,10 @@ Item types the engine cannot have produced (web_search_call, ...) are skipped. N
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from daemon.errors import BadRequest, ReefError, Unsupported
+from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
     Completion,
     EngineEvent,
@@ -27,21 +28,27 @@ from daemon.exchange import (
     TextDelta,
     ThinkingDelta,
     Tool,
+    ToolCall,
     ToolCallDelta,
     ToolCallStart,
     Usage,
 )
 from daemon.protocols.openai_chat import error_body as error_body  # the same error shape as chat
 from daemon.protocols.sse import (
+    bad_upstream,
+    check_translatable,
+    dumps,
     field,
     image_url_part,
     json_type,
     missing_events,
     need_object,
     new_id,
+    request_intent,
     sampling,
     sse,
     stream_flag,
+    system_text,
     tool_arguments,
 )
 
@@ -394,3 +401,287 @@ class StreamRenderer:
             self._ev("error", code=err.type, message=err.message, param=getattr(err, "param", None)),
             self._ev("response.failed", response=failed),
         ]
+
+
+# --- the upstream direction: an exchange as a Responses request, a Responses answer as a completion ---------------
+#
+# Used by ``daemon/engines/upstream.py`` when the upstream speaks Responses and the client does not (a Responses
+# client has its body passed through). Choices: system messages before the first turn become ``instructions``
+# (joined by blank lines), later ones stay in place as ``role: "system"`` input messages; requests are stateless
+# (``store: false``, the full input every time); function tools go out with ``strict: false`` (Responses
+# defaults to strict schemas, which ordinary tool schemas fail); thinking of earlier turns is dropped (Responses
+# takes reasoning back only as its own encrypted items); a tool result with ``is_error`` gets an ``Error: ``
+# prefix. ``seed`` and ``top_k`` have no equivalent and are dropped; stop sequences have none either and are
+# refused (400), since dropping them would let the answer run past where the client wants it cut.
+
+
+def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
+    """``ex`` (any source format) as a Responses request body for an upstream."""
+    intent = request_intent(ex)
+    check_translatable(ex, intent, FORMAT, json_format=True)
+    if ex.sampling.stop:
+        param = "stop_sequences" if ex.format == "anthropic" else "stop"
+        raise Unsupported(f"{param}: the {FORMAT} upstream format has no stop sequences", param=param)
+    instructions: list[str] = []
+    items: list[dict[str, Any]] = []
+    for m in ex.messages:
+        if m.role == "system":
+            if not items:
+                instructions.append(system_text(m))
+            else:
+                items.append({"type": "message", "role": "system",
+                              "content": [{"type": "input_text", "text": system_text(m)}]})
+        elif m.role == "user":
+            items.append({"type": "message", "role": "user", "content": _input_content(m.parts)})
+        elif m.role == "assistant":
+            if text := m.text:
+                items.append({"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": text}]})
+            for p in m.parts:
+                if p.type == "tool_call":
+                    items.append({"type": "function_call", "call_id": p.id, "name": p.name,
+                                  "arguments": p.arguments or "{}"})
+        else:
+            images = [p for p in m.parts if p.type == "image"]
+            for p in m.parts:
+                if p.type == "tool_result":
+                    text = f"Error: {p.text}" if p.is_error else p.text
+                    output: Any = text
+                    if images:
+                        output = [{"type": "input_text", "text": text}] if text else []
+                        output += [{"type": "input_image", "image_url": i.source} for i in images]
+                    items.append({"type": "function_call_output", "call_id": p.tool_call_id, "output": output})
+    body: dict[str, Any] = {"model": model}
+    if instructions:
+        body["instructions"] = "\n\n".join(instructions)
+    body["input"] = items
+    if ex.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters or {"type": "object", "properties": {}},
+                "strict": False,
+            }
+            for t in ex.tools
+        ]
+        tc = ex.tool_choice
+        if isinstance(tc, dict):
+            body["tool_choice"] = {"type": "function", "name": tc["name"]}
+        elif tc is not None:
+            body["tool_choice"] = tc
+        if intent.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = intent.parallel_tool_calls
+    s = ex.sampling
+    for key, value in (("max_output_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p)):
+        if value is not None:
+            body[key] = value
+    if (fmt := intent.json_format) is not None:
+        body["text"] = {"format": fmt}
+    if intent.reasoning_effort is not None:
+        body["reasoning"] = {"effort": intent.reasoning_effort}
+    body["store"] = False
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _input_content(parts: list[Part]) -> list[dict[str, Any]]:
+    return [
+        {"type": "input_text", "text": p.text}
+        if p.type == "text"
+        else {"type": "input_image", "image_url": p.source, "detail": "auto"}
+        for p in parts
+        if p.type in ("text", "image")
+    ]
+
+
+def usage_from(u: Any) -> Usage:
+    """A Responses ``usage`` object as neutral usage (``input_tokens`` already counts cached tokens)."""
+    if not isinstance(u, dict):
+        return Usage()
+
+    def n(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    details = u.get("input_tokens_details") if isinstance(u.get("input_tokens_details"), dict) else {}
+    return Usage(
+        input_tokens=n(u.get("input_tokens")),
+        output_tokens=n(u.get("output_tokens")),
+        cache_read_tokens=n(details.get("cached_tokens")),
+        cache_write_tokens=n(details.get("cache_write_tokens")),
+    )
+
+
+def _failed(response: Any) -> UpstreamError:
+    err = response.get("error") if isinstance(response, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    return UpstreamError(f"upstream response failed: {message or 'no reason given'}")
+
+
+def _stop(status: Any, details: Any, calls: bool) -> Any:
+    if status == "incomplete":
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return "stop" if reason == "content_filter" else "length"
+    return "tool_calls" if calls else "stop"
+
+
+def _item_texts(item: dict[str, Any]) -> tuple[str, str]:
+    """(text, thinking) of one output item."""
+    if item.get("type") == "message":
+        parts = item.get("content") if isinstance(item.get("content"), list) else []
+        return "".join(p.get("text") or p.get("refusal") or "" for p in parts if isinstance(p, dict)), ""
+    if item.get("type") == "reasoning":
+        texts = _texts(item.get("content")) or _texts(item.get("summary"))
+        return "", "\n".join(texts)
+    return "", ""
+
+
+def parse_response(body: Any) -> Completion:
+    """An upstream's non-streaming ``response`` object as a completion."""
+    if not isinstance(body, dict):
+        raise bad_upstream("response (not an object)")
+    if body.get("status") == "failed" or (body.get("error") and not body.get("output")):
+        raise _failed(body)
+    output = body.get("output")
+    if not isinstance(output, list):
+        raise bad_upstream("response (no output)")
+    text, thinking, calls = [], [], []
+    for item in output:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "function_call":
+            args = item.get("arguments")
+            calls.append(ToolCall(id=item.get("call_id") or new_id("call_"), name=item.get("name") or "",
+                                  arguments=(args if isinstance(args, str) else dumps(args or {})) or "{}"))
+        else:
+            t, r = _item_texts(item)
+            text.append(t)
+            if r:
+                thinking.append(r)
+    usage = body.get("usage")
+    return Completion(
+        text="".join(text),
+        tool_calls=calls,
+        stop_reason=_stop(body.get("status"), body.get("incomplete_details"), bool(calls)),
+        usage=usage_from(usage),
+        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        thinking="\n".join(thinking),
+        upstream=usage if isinstance(usage, dict) else None,
+    )
+
+
+class StreamParser:
+    """An upstream's Responses SSE stream -> engine events, then the assembled completion.
+
+    Text, reasoning and function-call arguments are relayed from their deltas; an item whose deltas never came
+    (servers that send only ``output_item.done``) is relayed whole when it is done. ``done`` turns true at
+    ``response.completed`` or ``response.incomplete``; ``response.failed`` and ``error`` raise ``UpstreamError``.
+    """
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[tuple[str, str, list[str]]] = []  # call_id, name, argument pieces
+        self.by_item: dict[Any, int] = {}  # item id or output index -> call number
+        self.streamed: set[Any] = set()  # items (id or output index) whose text came as deltas
+        self.response: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, event: str | None, data: str) -> list[EngineEvent]:
+        try:
+            d = json.loads(data)
+        except ValueError:
+            raise bad_upstream("stream event (not JSON)") from None
+        if not isinstance(d, dict):
+            raise bad_upstream("stream event (not an object)")
+        kind = d.get("type") or event
+        key = d.get("item_id") or d.get("output_index")
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
+            if delta := d.get("delta"):
+                self.streamed.add(key)
+                self.text.append(delta)
+                return [TextDelta(delta)]
+        elif kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+            if delta := d.get("delta"):
+                self.streamed.add(key)
+                self.thinking.append(delta)
+                return [ThinkingDelta(delta)]
+        elif kind == "response.function_call_arguments.delta":
+            n = self._call_of(d)
+            if n is not None and (delta := d.get("delta")):
+                self.calls[n][2].append(delta)
+                return [ToolCallDelta(n, delta)]
+        elif kind == "response.output_item.added":
+            item = d.get("item") if isinstance(d.get("item"), dict) else {}
+            if item.get("type") == "function_call":
+                return self._start_call(item, d.get("output_index"))
+        elif kind == "response.output_item.done":
+            item = d.get("item") if isinstance(d.get("item"), dict) else {}
+            return self._item_done(item, d.get("output_index"))
+        elif kind in ("response.created", "response.in_progress"):
+            if isinstance(d.get("response"), dict):
+                self.response = d["response"]
+        elif kind in ("response.completed", "response.incomplete"):
+            if isinstance(d.get("response"), dict):
+                self.response = d["response"]
+            self.done = True
+        elif kind == "response.failed":
+            raise _failed(d.get("response"))
+        elif kind == "error":
+            raise UpstreamError(f"upstream error in the stream ({d.get('code')}): {d.get('message')}")
+        return []
+
+    def _call_of(self, d: dict[str, Any]) -> int | None:
+        n = self.by_item.get(d.get("item_id"))
+        return self.by_item.get(d.get("output_index")) if n is None else n
+
+    def _start_call(self, item: dict[str, Any], output_index: Any) -> list[EngineEvent]:
+        n = len(self.calls)
+        self.calls.append((item.get("call_id") or new_id("call_"), item.get("name") or "", []))
+        self.by_item[output_index] = n
+        if item.get("id") is not None:
+            self.by_item[item["id"]] = n
+        out: list[EngineEvent] = [ToolCallStart(n, self.calls[n][0], self.calls[n][1])]
+        if args := item.get("arguments"):
+            self.calls[n][2].append(args)
+            out.append(ToolCallDelta(n, args))
+        return out
+
+    def _item_done(self, item: dict[str, Any], output_index: Any) -> list[EngineEvent]:
+        out: list[EngineEvent] = []
+        if item.get("type") == "function_call":
+            n = self.by_item.get(item.get("id"), self.by_item.get(output_index))
+            if n is None:
+                return self._start_call(item, output_index)
+            args = item.get("arguments")
+            have = "".join(self.calls[n][2])
+            if isinstance(args, str) and args.startswith(have) and len(args) > len(have):
+                self.calls[n][2].append(args[len(have):])
+                out.append(ToolCallDelta(n, args[len(have):]))
+            return out
+        if item.get("id", output_index) in self.streamed or output_index in self.streamed:
+            return out
+        text, thinking = _item_texts(item)
+        if thinking:
+            self.thinking.append(thinking)
+            out.append(ThinkingDelta(thinking))
+        if text:
+            self.text.append(text)
+            out.append(TextDelta(text))
+        return out
+
+    def finish(self) -> Completion:
+        calls = [ToolCall(id=c[0], name=c[1], arguments="".join(c[2]) or "{}") for c in self.calls]
+        r = self.response
+        usage = r.get("usage")
+        return Completion(
+            text="".join(self.text),
+            tool_calls=calls,
+            stop_reason=_stop(r.get("status"), r.get("incomplete_details"), bool(calls)),
+            usage=usage_from(usage),
+            model=r.get("model") if isinstance(r.get("model"), str) else "",
+            thinking="".join(self.thinking),
+            upstream=usage if isinstance(usage, dict) else None,
+        )

@@ -5,6 +5,9 @@
   (``messages[3].content[0].type``), so a malformed body never surfaces as a ``KeyError`` or a 500.
 - ``missing_events`` lets a stream renderer emit whatever a ``Completion`` holds that the engine did not stream
   (an engine that yields only ``Finish`` still produces a well-formed stream).
+- The upstream direction (``daemon/engines/upstream.py``): ``SSEDecoder`` splits a provider's stream into
+  events as bytes arrive; ``request_intent`` / ``check_translatable`` read what a request asks beyond the
+  neutral form and refuse what another format cannot carry without changing the answer.
 """
 
 from __future__ import annotations
@@ -12,12 +15,16 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
-from daemon.errors import BadRequest
+from daemon.errors import BadRequest, Unsupported, UpstreamError
 from daemon.exchange import (
     Completion,
     EngineEvent,
+    Exchange,
+    Message,
     Part,
     Sampling,
     TextDelta,
@@ -172,3 +179,170 @@ def missing_events(c: Completion, text: str, thinking: str, tool_calls: int) -> 
     for index, call in enumerate(c.tool_calls[tool_calls:], start=tool_calls):
         out += [ToolCallStart(index, call.id, call.name), ToolCallDelta(index, call.arguments)]
     return out
+
+
+# --- the upstream direction: reading a provider's stream, what a request asks beyond the neutral form ----------
+
+
+class SSEDecoder:
+    """Bytes of a server-sent event stream -> ``(event, data)`` pairs, as chunks arrive (any split, ``\\r\\n`` too).
+
+    Comment lines (``: ping``) and fields other than ``event`` and ``data`` are skipped; several ``data:`` lines
+    of one event are joined with newlines, as the SSE spec says.
+    """
+
+    __slots__ = ("_buf", "_event", "_data")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._event: str | None = None
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[tuple[str | None, str]]:
+        lines = (self._buf + chunk).split(b"\n")
+        self._buf = lines.pop()
+        out: list[tuple[str | None, str]] = []
+        for raw in lines:
+            self._line(raw, out)
+        return out
+
+    def close(self) -> list[tuple[str | None, str]]:
+        """What is left when the stream ends: an event not closed by a blank line is still delivered."""
+        out: list[tuple[str | None, str]] = []
+        if self._buf:
+            self._line(self._buf, out)
+            self._buf = b""
+        self._line(b"", out)
+        return out
+
+    def _line(self, raw: bytes, out: list[tuple[str | None, str]]) -> None:
+        line = raw[:-1] if raw.endswith(b"\r") else raw
+        if not line:
+            if self._data:
+                out.append((self._event, "\n".join(self._data)))
+            self._event, self._data = None, []
+            return
+        if line[:1] == b":":
+            return
+        name, _, value = line.partition(b":")
+        if value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            self._data.append(value.decode("utf-8", "replace"))
+        elif name == b"event":
+            self._event = value.decode("utf-8", "replace")
+
+
+@dataclass
+class Intent:
+    """What a request asks beyond the neutral ``Exchange``, read from the body in its own format.
+
+    ``render_request`` of another format uses it to carry what has an equivalent there, and to refuse (400) what
+    would change the answer's meaning if dropped: tools without a schema (server-side / built-in tools),
+    structured output where the target has none, logprobs (not relayed), options that need server state.
+    """
+
+    parallel_tool_calls: bool | None = None
+    # {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"}
+    json_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # (param, kind) of tools the neutral form has no schema for
+    builtin_tools: list[tuple[str, str]] = dc_field(default_factory=list)
+    # (param, what): asked for, with no equivalent in any other format
+    unsupported: list[tuple[str, str]] = dc_field(default_factory=list)
+    logprobs: str | None = None  # the param that asked for log-probs
+
+
+def request_intent(ex: Exchange) -> Intent:
+    body = ex.body
+    intent = Intent()
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    if ex.format == "anthropic":
+        tc = body.get("tool_choice")
+        if isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True:
+            intent.parallel_tool_calls = False
+        for i, t in enumerate(tools):
+            if isinstance(t, dict) and t.get("type") not in (None, "custom"):
+                intent.builtin_tools.append((f"tools[{i}]", str(t.get("type"))))
+        oc = body.get("output_config")
+        fmt = (oc.get("format") if isinstance(oc, dict) else None) or body.get("output_format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            intent.json_format = {"type": "json_schema", "name": "output", "schema": fmt.get("schema") or {},
+                                  "strict": True}
+        for key in ("mcp_servers", "container"):
+            if body.get(key):
+                intent.unsupported.append((key, "Anthropic-hosted MCP servers and containers"))
+        return intent
+    if isinstance(body.get("parallel_tool_calls"), bool):
+        intent.parallel_tool_calls = body["parallel_tool_calls"]
+    if ex.format == "openai-chat":
+        for i, t in enumerate(tools):
+            if isinstance(t, dict) and t.get("type") not in (None, "function"):
+                intent.builtin_tools.append((f"tools[{i}]", str(t.get("type"))))
+        rf = body.get("response_format")
+        if isinstance(rf, dict) and rf.get("type") == "json_object":
+            intent.json_format = {"type": "json_object"}
+        elif isinstance(rf, dict) and rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict):
+            js = rf["json_schema"]
+            intent.json_format = {"type": "json_schema", "name": js.get("name") or "output",
+                                  "schema": js.get("schema") or {}, "strict": js.get("strict") is True}
+        if isinstance(body.get("reasoning_effort"), str):
+            intent.reasoning_effort = body["reasoning_effort"]
+        if body.get("logprobs") is True:
+            intent.logprobs = "logprobs"
+        if body.get("web_search_options") is not None:
+            intent.unsupported.append(("web_search_options", "OpenAI-hosted web search"))
+        if body.get("logit_bias"):
+            intent.unsupported.append(("logit_bias", "token logit biases"))
+        if body.get("audio") is not None or "audio" in (body.get("modalities") or []):
+            intent.unsupported.append(("modalities", "audio output"))
+        return intent
+    # openai-responses
+    for i, t in enumerate(tools):
+        if isinstance(t, dict) and t.get("type") != "function":
+            intent.builtin_tools.append((f"tools[{i}]", str(t.get("type"))))
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        intent.json_format = (
+            {"type": "json_object"}
+            if fmt["type"] == "json_object"
+            else {"type": "json_schema", "name": fmt.get("name") or "output", "schema": fmt.get("schema") or {},
+                  "strict": fmt.get("strict") is True}
+        )
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        intent.reasoning_effort = reasoning["effort"]
+    if body.get("top_logprobs") or "message.output_text.logprobs" in (body.get("include") or []):
+        intent.logprobs = "top_logprobs" if body.get("top_logprobs") else "include"
+    return intent
+
+
+def check_translatable(ex: Exchange, intent: Intent, target: str, *, json_format: bool) -> None:
+    """Refuse (``Unsupported``, 400) what ``target`` cannot carry and would change the answer if dropped."""
+    for param, kind in intent.builtin_tools:
+        raise Unsupported(
+            f"{param}: the {kind!r} tool is run by the {ex.format} provider itself and has no equivalent in the"
+            f" {target} upstream format; send function tools only",
+            param=param,
+        )
+    for param, what in intent.unsupported:
+        raise Unsupported(f"{param}: {what} have no equivalent in the {target} upstream format", param=param)
+    if intent.logprobs is not None:
+        raise Unsupported(f"{intent.logprobs}: log-probs are not relayed from a {target} upstream",
+                          param=intent.logprobs)
+    if intent.json_format is not None and not json_format:
+        raise Unsupported(
+            f"structured output ({intent.json_format['type']}) has no equivalent in the {target} upstream format",
+            param="response_format" if ex.format == "openai-chat" else "text.format" if ex.format ==
+            "openai-responses" else "output_config.format",
+        )
+
+
+def system_text(m: Message) -> str:
+    """A system message as one string: its text parts joined by blank lines."""
+    return "\n\n".join(p.text for p in m.parts if p.type == "text")
+
+
+def bad_upstream(what: str) -> UpstreamError:
+    return UpstreamError(f"upstream answered a malformed {what}")

@@ -1,0 +1,176 @@
+"""Release chains as the daemon serves them: which release a request is frozen to, where its artifact is
+checked out, and publishing (init, rollback, promote, and later train) with events, metrics and preloading.
+
+``daemon/releases.py`` is the git-backed store; this module is the daemon's view of it:
+
+- Each request reads its scenario's head (a loose-ref read, tens of microseconds) so that a publish by any
+  process (the daemon, a trainer, a test) is picked up by the next request, and freezes to that release.
+  Release metadata is immutable and cached by id.
+- A weights release is checked out once per ``content_id`` under ``$REEF_HOME/cache/releases/<content_id>``
+  (large files hard-linked from the store, so a checkout costs milliseconds) and loaded by the engine beside
+  what is serving.
+- A scenario's chain starts with an ``init`` release of its base artifact, published on first use: for a local
+  model the model directory (weights stored once per distinct content), for an upstream model an empty harness.
+- Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from daemon.config import Config
+from daemon.engines.base import Engine, ReleaseRef
+from daemon.errors import BadRequest, HeadMoved, NotFound
+from daemon.events import EventBus
+from daemon.metrics import Metrics
+from daemon.records import Scenario
+from daemon.releases import Release, ReleaseStore, files_from_dir
+
+log = logging.getLogger("reef.chains")
+
+
+def artifact_kind(config: Config, scenario: Scenario) -> str:
+    return "weights" if config.model(scenario.model).engine == "transformers" else "harness"
+
+
+class Chains:
+    def __init__(self, config: Config, events: EventBus, metrics: Metrics) -> None:
+        self.config = config
+        self.events = events
+        self.metrics = metrics
+        self.store = ReleaseStore(config.artifacts_path)
+        self.cache_dir = config.home / "cache" / "releases"
+        self._releases: dict[str, Release] = {}
+        self._checkouts: dict[str, Path] = {}
+        self._checkout_locks: dict[str, asyncio.Lock] = {}
+        self._init_locks: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> None:
+        report = await asyncio.to_thread(self.store.recover)
+        if report.get("removed"):
+            log.warning("removed stale release-chain locks left by a crash: %s", report["removed"])
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- reading -------------------------------------------------------------------------------------------
+
+    async def release(self, release_id: str) -> Release:
+        rel = self._releases.get(release_id)
+        if rel is None:
+            rel = await asyncio.to_thread(self.store.get, release_id)
+            self._releases[rel.release_id] = rel
+        return rel
+
+    async def head(self, scenario: Scenario) -> Release:
+        """The release serving the scenario now, publishing its ``init`` release on first use."""
+        head = self.store.head(scenario.name)
+        if head is None:
+            return await self._init(scenario)
+        return await self.release(head)
+
+    async def resolve(self, scenario: Scenario, pinned: str | None) -> Release:
+        """The release a request is frozen to: the head, or a release of this scenario the client pinned."""
+        if not pinned:
+            return await self.head(scenario)
+        try:
+            rel = await self.release(pinned)
+        except NotFound:
+            raise NotFound(f"unknown release {pinned!r}", release_id=pinned, param="x-reef-release-id") from None
+        if rel.scenario != scenario.name or not await asyncio.to_thread(self.store.belongs, scenario.name,
+                                                                        rel.release_id):
+            raise BadRequest(
+                f"release {pinned} is not on the release chain of scenario {scenario.name!r}",
+                release_id=pinned, param="x-reef-release-id",
+            )
+        return rel
+
+    async def ref(self, scenario: Scenario, rel: Release) -> ReleaseRef:
+        path = await self.checkout(rel) if rel.kind == "weights" else None
+        return ReleaseRef(rel.release_id, rel.content_id, path)
+
+    async def checkout(self, rel: Release) -> Path:
+        path = self._checkouts.get(rel.content_id)
+        if path is not None:
+            return path
+        lock = self._checkout_locks.setdefault(rel.content_id, asyncio.Lock())
+        async with lock:
+            dest = self.cache_dir / rel.content_id
+            if not (dest / "reef-checkout.ok").exists():
+                if dest.exists():
+                    await asyncio.to_thread(shutil.rmtree, dest)  # a checkout a crash left half-done
+                await asyncio.to_thread(self._checkout, rel.release_id, dest)
+            self._checkouts[rel.content_id] = dest
+            return dest
+
+    def _checkout(self, release_id: str, dest: Path) -> None:
+        self.store.checkout(release_id, dest, link=True)
+        (dest / "reef-checkout.ok").touch()
+
+    # --- publishing ----------------------------------------------------------------------------------------
+
+    async def _init(self, scenario: Scenario) -> Release:
+        lock = self._init_locks.setdefault(scenario.name, asyncio.Lock())
+        async with lock:
+            head = self.store.head(scenario.name)
+            if head is not None:
+                return await self.release(head)
+            kind = artifact_kind(self.config, scenario)
+            entry = self.config.model(scenario.model)
+            files: dict[str, Any] = {}
+            if kind == "weights" and entry.path is not None:
+                files = files_from_dir(entry.path)
+            try:
+                rel = await asyncio.to_thread(
+                    self.store.publish, scenario.name, files, expected_head=None, operation="init", kind=kind,
+                    recipe=scenario.recipe, settings={"model": scenario.model},
+                    summary=f"init {scenario.name} from {scenario.model}",
+                )
+            except HeadMoved as e:  # another process published the init first: serve that
+                assert e.actual is not None
+                return await self.release(e.actual)
+            self._published(rel)
+            return rel
+
+    async def rollback(self, scenario: Scenario, release_id: str, expected_head: str | None,
+                       engine: Engine | None) -> Release:
+        return await self._steer("rollback", scenario, release_id, expected_head, engine)
+
+    async def promote(self, scenario: Scenario, release_id: str, expected_head: str | None,
+                      engine: Engine | None) -> Release:
+        return await self._steer("promote", scenario, release_id, expected_head, engine)
+
+    async def _steer(self, op: str, scenario: Scenario, release_id: str, expected_head: str | None,
+                     engine: Engine | None) -> Release:
+        await self.head(scenario)  # a chain to steer exists
+        fn = self.store.rollback if op == "rollback" else self.store.promote
+        try:
+            rel = await asyncio.to_thread(fn, scenario.name, release_id, expected_head=expected_head)
+        except HeadMoved:
+            self.metrics.conflicts.inc()
+            raise
+        self._published(rel)
+        if engine is not None:
+            await self.preload(scenario, rel, engine)
+        return rel
+
+    def _published(self, rel: Release) -> None:
+        self._releases[rel.release_id] = rel
+        self.metrics.publishes.labels(rel.operation).inc()
+        self.events.publish(
+            "release", scenario=rel.scenario, release_id=rel.release_id, content_id=rel.content_id,
+            step=rel.step, operation=rel.operation, source=rel.source, metrics=rel.metrics,
+        )
+
+    async def preload(self, scenario: Scenario, rel: Release, engine: Engine) -> None:
+        """Load a freshly published release so the first request on it does not wait for the load."""
+        with contextlib.suppress(Exception):
+            load_id = await engine.preload(await self.ref(scenario, rel))
+            if load_id is not None:
+                self.metrics.loads.labels(scenario.model).inc()
+                self.events.publish("engine.load", model=scenario.model, scenario=scenario.name,
+                                    release_id=rel.release_id, content_id=rel.content_id, runtime_load_id=load_id)
+

@@ -1,0 +1,367 @@
+"""The upstream engine: serve a model entry from any OpenAI- or Anthropic-compatible provider.
+
+A model entry of engine ``upstream`` names a base URL, a wire format (``openai-chat``, ``openai-responses``,
+``anthropic``), the provider's model name and the environment variable holding the API key (``config.toml``
+never holds the key; it is read from ``Config.secrets``, sent only in request headers, and never logged, stored
+or put in an error message).
+
+- **URL convention.** ``url`` is the provider's base URL; the engine appends ``/v1/chat/completions``,
+  ``/v1/responses`` or ``/v1/messages`` (and ``/v1/messages/count_tokens``). A base that already ends in
+  ``/v1`` means the same (``https://api.openai.com`` and ``https://api.openai.com/v1`` both work).
+- **Same format in and out.** The client's body goes upstream unchanged apart from ``model`` (and, for a
+  streaming chat request, ``stream_options.include_usage``, so that usage can be recorded; the client sees the
+  usage chunk only if it asked for it). The upstream's stream is parsed into neutral events as its bytes arrive
+  and each event is yielded at once; the daemon re-renders them in the client's format and adds the receipt.
+- **Different formats.** ``daemon/protocols/<format>.render_request`` translates the neutral exchange into the
+  upstream's request, ``parse_response`` / ``StreamParser`` read the answer back (choices documented there).
+- **Anthropic needs ``max_tokens``**: a client that gave none gets the entry's ``max_new_tokens`` when the config
+  sets it, else 4096 (``daemon.protocols.anthropic.DEFAULT_MAX_TOKENS``).
+- **Connections.** One ``aiohttp.ClientSession`` per engine with a keep-alive connection pool, created in
+  ``start`` and closed in ``close``. Timeouts: ``connect_timeout_s`` to get a connection; ``timeout_s`` for the
+  whole answer when not streaming, and for the first byte and any silence between chunks when streaming (a
+  healthy long stream is never cut).
+- **Failures.** Retried (twice, quickly) only when the request cannot have reached the upstream: connection
+  refused, DNS failure, connect timeout. An upstream 4xx is relayed with the upstream's status and message in
+  the client's error format, except 401/403: those mean Reef's own key is wrong, not the client's, and become
+  502 naming the key's variable. A 5xx becomes 502 (``UpstreamError``), a timeout 504 (``UpstreamTimeout``),
+  both naming the upstream. A stream cut after it started (connection lost, silence past the timeout, an error
+  event, an end without the final event) raises an error flagged ``incomplete``: the client's stream ends with
+  its provider's error event and the record is stored as incomplete.
+- **Usage and metrics.** ``Completion.usage`` follows the neutral convention (input counts cached tokens);
+  ``Completion.upstream`` is the provider's usage object verbatim. ``/metrics``: ``reef_upstream_seconds``
+  (time to response headers) and ``reef_upstream_errors`` (by kind: connect, timeout, http_<status>,
+  stream_cut, stream_error, malformed), per model.
+- **count_tokens.** An Anthropic upstream is asked (``/v1/messages/count_tokens``); for the OpenAI formats, which
+  have no such endpoint, the count is an estimate: the characters of the prompt's text, tool calls and tool
+  definitions divided by 4, rounded up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import fields
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from daemon.config import ModelEntry
+from daemon.engines.base import Engine, EngineInfo
+from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
+from daemon.exchange import EngineEvent, Exchange, Finish, TextDelta
+from daemon.protocols import anthropic, openai_chat, openai_responses
+from daemon.protocols.sse import SSEDecoder, dumps, missing_events
+
+log = logging.getLogger("reef.upstream")
+
+_PROTOCOLS: dict[str, Any] = {
+    "openai-chat": openai_chat,
+    "openai-responses": openai_responses,
+    "anthropic": anthropic,
+}
+_PATHS = {"openai-chat": "/v1/chat/completions", "openai-responses": "/v1/responses", "anthropic": "/v1/messages"}
+_CONNECT_RETRY_DELAYS = (0.05, 0.25)
+_MAX_ERROR_BODY = 64 * 1024
+_ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+# what Anthropic's count_tokens refuses: generation-only fields of a Messages request
+_NOT_FOR_COUNTING = {"max_tokens", "stream", "metadata", "stop_sequences", "temperature", "top_p", "top_k",
+                     "service_tier", "container"}
+_DEFAULT_MAX_NEW_TOKENS = next(f.default for f in fields(ModelEntry) if f.name == "max_new_tokens")
+
+
+class UpstreamRejected(BadRequest):
+    """An upstream 4xx, relayed with the upstream's status (``data["status"]``) and message."""
+
+    def __init__(self, message: str, status: int, **data: Any) -> None:
+        super().__init__(message, status=status, **data)
+        self.type = _ERROR_TYPES.get(status, "invalid_request_error")
+
+
+def _cut(err: ReefError, partial: str) -> ReefError:
+    """Flag an error raised after the stream started: the record is stored as incomplete."""
+    err.data["incomplete"] = True
+    if partial:
+        err.data["partial_text"] = partial
+    return err
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of a provider's error body (OpenAI or Anthropic shape), else its text."""
+    text = raw[:_MAX_ERROR_BODY].decode("utf-8", "replace").strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500] or "no message"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        for value in (err, body.get("message"), body.get("detail")):
+            if isinstance(value, str) and value:
+                return value
+    return text[:500]
+
+
+def estimate_tokens(ex: Exchange) -> int:
+    """A prompt's size without a tokenizer: characters / 4, rounded up (an image counts as 1,000 tokens)."""
+    chars = 0
+    images = 0
+    for m in ex.messages:
+        for p in m.parts:
+            chars += len(p.text) + len(p.arguments or "") + len(p.name or "")
+            images += p.type == "image"
+    for t in ex.tools:
+        chars += len(t.name) + len(t.description) + len(dumps(t.parameters))
+    return max(1, math.ceil(chars / 4)) + 1000 * images
+
+
+class UpstreamEngine(Engine):
+    def __init__(self, entry: ModelEntry, secrets: Mapping[str, str], metrics: Any = None) -> None:
+        where = f"model {entry.name!r}"
+        if entry.format not in _PROTOCOLS:
+            raise BadRequest(f"{where}: format must be one of {', '.join(_PROTOCOLS)}, got {entry.format!r}")
+        if not entry.url:
+            raise BadRequest(f"{where}: an upstream model needs url (the provider's base URL)")
+        base = URL(entry.url.rstrip("/"))
+        if base.scheme not in ("http", "https") or not base.host:
+            raise BadRequest(f"{where}: url must be an http(s) URL, got {entry.url!r}")
+        base_path = base.path[:-3] if base.path.endswith("/v1") else base.path
+        base = base.with_path(base_path.rstrip("/"))
+        self.entry = entry
+        self.format = entry.format
+        self.proto = _PROTOCOLS[entry.format]
+        self.url = str(base) + _PATHS[entry.format]
+        self.count_url = str(base) + "/v1/messages/count_tokens"
+        # what error messages and logs say: no credentials, no query string
+        shown = str(base.with_user(None).with_password(None).with_query(None)) + _PATHS[entry.format]
+        self.label = f"{entry.name!r} ({entry.upstream_model or 'the client model'} at {shown})"
+        self.shown_url = shown
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        if entry.api_key_env:
+            key = secrets.get(entry.api_key_env)
+            if not key:
+                raise BadRequest(
+                    f"{where}: the API key variable {entry.api_key_env} is not set in the daemon's environment"
+                    " (Reef reads variables whose names end in _API_KEY, _KEY or _TOKEN)"
+                )
+            if entry.format == "anthropic":
+                headers["x-api-key"] = key
+            else:
+                headers["Authorization"] = f"Bearer {key}"
+        if entry.format == "anthropic":
+            headers["anthropic-version"] = "2023-06-01"
+        self._headers = headers  # holds the key: never logged, never in an error
+        self.max_tokens = (
+            entry.max_new_tokens if entry.max_new_tokens != _DEFAULT_MAX_NEW_TOKENS else anthropic.DEFAULT_MAX_TOKENS
+        )
+        self.metrics = metrics
+        self.info = EngineInfo(name="upstream", model=entry.name, accepts_images=True)
+        self._timeout = aiohttp.ClientTimeout(total=entry.timeout_s, connect=entry.connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=entry.connect_timeout_s, sock_read=entry.timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    def __repr__(self) -> str:  # never show the headers
+        return f"UpstreamEngine({self.label})"
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=30, ttl_dns_cache=300)
+            # no cookie jar: a proxy must not carry one client's upstream cookies into another's requests
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers={"User-Agent": "reef"}, cookie_jar=aiohttp.DummyCookieJar()
+            )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    # --- serving --------------------------------------------------------------------------------------------
+
+    def request_body(self, ex: Exchange) -> dict[str, Any]:
+        """What goes upstream: the client's own body when the formats match, else a translation."""
+        model = self.entry.upstream_model or ex.model
+        if ex.format == self.format:
+            body = dict(ex.body)
+            body["model"] = model
+            if self.format == "openai-chat" and ex.stream:
+                options = body.get("stream_options")
+                body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            return body
+        if self.format == "anthropic":
+            return anthropic.render_request(ex, model=model, stream=ex.stream, max_tokens=self.max_tokens)
+        return self.proto.render_request(ex, model=model, stream=ex.stream)
+
+    def generate(self, exchange: Exchange, release: Any = None) -> AsyncIterator[EngineEvent]:
+        # ``release`` (the release the request is frozen to) changes nothing upstream: no weights to pick
+        return self._generate(exchange)
+
+    async def _generate(self, ex: Exchange) -> AsyncIterator[EngineEvent]:
+        data = dumps(self.request_body(ex)).encode()
+        resp = await self._post(self.url, data, stream=ex.stream)
+        try:
+            if not ex.stream or not resp.content_type.endswith("event-stream"):
+                completion = self.proto.parse_response(await self._read_json(resp))
+                if ex.stream:  # an upstream that answered a stream request in one piece
+                    for ev in missing_events(completion, "", "", 0):
+                        yield ev
+                yield Finish(completion)
+                return
+            parser = self.proto.StreamParser()
+            decoder = SSEDecoder()
+            text: list[str] = []
+            started = False
+            try:
+                async for chunk in resp.content.iter_any():
+                    for event, payload in decoder.feed(chunk):
+                        for ev in parser.feed(event, payload):
+                            started = True
+                            if isinstance(ev, TextDelta):
+                                text.append(ev.text)
+                            yield ev
+                for event, payload in decoder.close():
+                    for ev in parser.feed(event, payload):
+                        started = True
+                        yield ev
+            except ReefError as e:  # an error event in the stream, or a malformed one
+                self._count("stream_error")
+                err = type(e)(f"upstream {self.label}: {e.message}", **{**e.data, "upstream": self.shown_url})
+                log.warning("%s", err.message)
+                raise _cut(err, "".join(text)) if started else err from None
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
+                raise self._stream_failure(e, started, "".join(text)) from None
+            if not parser.done:
+                self._count("stream_cut")
+                err = UpstreamError(f"upstream {self.label} ended its stream before the answer was complete",
+                                    upstream=self.shown_url)
+                raise _cut(err, "".join(text)) if started else err
+            yield Finish(parser.finish())
+        finally:
+            resp.release()
+
+    def _stream_failure(self, e: BaseException, started: bool, partial: str) -> ReefError:
+        err: ReefError
+        if isinstance(e, TimeoutError):
+            err = UpstreamTimeout(
+                f"upstream {self.label} sent nothing for {self.entry.timeout_s:g} s in the middle of its stream",
+                upstream=self.shown_url,
+            )
+        else:
+            err = UpstreamError(f"upstream {self.label}: connection lost mid-stream ({type(e).__name__})",
+                                upstream=self.shown_url)
+        log.warning("%s", err.message)
+        return _cut(err, partial) if started else err
+
+    async def count_tokens(self, exchange: Exchange, release: Any = None) -> int:
+        if self.format != "anthropic":
+            return estimate_tokens(exchange)
+        if exchange.format == "anthropic":
+            body = {k: v for k, v in exchange.body.items() if k not in _NOT_FOR_COUNTING}
+        else:
+            rendered = anthropic.render_request(exchange, model="", stream=False)
+            body = {k: v for k, v in rendered.items() if k not in _NOT_FOR_COUNTING}
+        body["model"] = self.entry.upstream_model or exchange.model
+        resp = await self._post(self.count_url, dumps(body).encode(), stream=False)
+        try:
+            answer = await self._read_json(resp)
+        finally:
+            resp.release()
+        n = answer.get("input_tokens") if isinstance(answer, dict) else None
+        if not isinstance(n, int):
+            self._count("malformed")
+            raise UpstreamError(f"upstream {self.label} answered count_tokens without input_tokens",
+                                upstream=self.shown_url)
+        return n
+
+    # --- HTTP -------------------------------------------------------------------------------------------------
+
+    def _count(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_errors.labels(self.entry.name, kind).inc()
+
+    async def _post(self, url: str, data: bytes, *, stream: bool) -> aiohttp.ClientResponse:
+        """Send one request; returns the response once its headers are in and its status is 2xx."""
+        if self._session is None:
+            await self.start()
+        assert self._session is not None
+        t0 = time.perf_counter()
+        for attempt, delay in enumerate((*_CONNECT_RETRY_DELAYS, None)):
+            try:
+                resp = await self._session.post(
+                    url, data=data, headers=self._headers, timeout=self._stream_timeout if stream else self._timeout
+                )
+                break
+            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as e:
+                self._count("connect")
+                raise UpstreamError(f"cannot reach upstream {self.label}: TLS error: {e}",
+                                    upstream=self.shown_url) from None
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                # the request never left: safe to try again
+                if delay is not None:
+                    log.info("upstream %s: connect failed (%s), retry %d", self.label, type(e).__name__, attempt + 1)
+                    await asyncio.sleep(delay)
+                    continue
+                self._count("connect")
+                reason = (f"no connection within {self.entry.connect_timeout_s:g} s"
+                          if isinstance(e, aiohttp.ConnectionTimeoutError) else str(e.os_error or e))
+                raise UpstreamError(f"cannot reach upstream {self.label}: {reason}", upstream=self.shown_url) from None
+            except TimeoutError:
+                self._count("timeout")
+                raise UpstreamTimeout(
+                    f"upstream {self.label} did not answer within {self.entry.timeout_s:g} s", upstream=self.shown_url
+                ) from None
+            except (aiohttp.ClientError, OSError) as e:
+                self._count("connect")
+                raise UpstreamError(f"upstream {self.label} failed: {type(e).__name__}: {e}",
+                                    upstream=self.shown_url) from None
+        if self.metrics is not None:
+            self.metrics.upstream_latency.labels(self.entry.name).observe(time.perf_counter() - t0)
+        if resp.status < 400:
+            return resp
+        try:
+            raw = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            raw = b""
+        finally:
+            resp.release()
+        self._count(f"http_{resp.status}")
+        message = _error_message(raw)
+        log.warning("upstream %s answered HTTP %d: %s", self.label, resp.status, message[:300])
+        if resp.status in (401, 403):
+            raise UpstreamError(
+                f"upstream {self.label} refused Reef's credentials (HTTP {resp.status}: {message}); check the key"
+                f" in {self.entry.api_key_env or 'api_key_env (none configured)'}",
+                upstream=self.shown_url, upstream_status=resp.status,
+            )
+        if resp.status < 500:
+            raise UpstreamRejected(f"{message} (upstream {self.label}: HTTP {resp.status})", resp.status)
+        raise UpstreamError(f"upstream {self.label} answered HTTP {resp.status}: {message}",
+                            upstream=self.shown_url, upstream_status=resp.status)
+
+    async def _read_json(self, resp: aiohttp.ClientResponse) -> Any:
+        try:
+            raw = await resp.read()
+        except TimeoutError:
+            self._count("timeout")
+            raise UpstreamTimeout(f"upstream {self.label} did not answer within {self.entry.timeout_s:g} s",
+                                  upstream=self.shown_url) from None
+        except (aiohttp.ClientError, OSError) as e:
+            self._count("stream_cut")
+            raise UpstreamError(f"upstream {self.label}: connection lost while reading the answer"
+                                f" ({type(e).__name__})", upstream=self.shown_url) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            self._count("malformed")
+            raise UpstreamError(f"upstream {self.label} answered something that is not JSON: {raw[:200]!r}",
+                                upstream=self.shown_url) from None

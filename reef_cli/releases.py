@@ -1,0 +1,159 @@
+"""``reef releases list|show|rollback|promote``: a scenario's release chain, read and steered."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from daemon.errors import Conflict
+from reef_cli.common import ago, client, console, edge, fail, print_json
+
+app = typer.Typer(help="Inspect and steer release chains: list, show, rollback, promote.", no_args_is_help=True)
+
+SCENARIO_HELP = "The scenario (default: default)."
+
+
+def _short(release_id: str | None) -> str:
+    return release_id[:12] if release_id else "-"
+
+
+def _metrics(m: dict[str, Any] | None) -> str:
+    if not m:
+        return ""
+    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(m.items())[:4])
+
+
+@app.command("list")
+@edge
+def list_releases(
+    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    all_: bool = typer.Option(False, "--all", help="Also show rejected candidates and pending releases."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List a scenario's releases, newest first, the head marked."""
+    with client() as c:
+        data = c.get(f"/reef/scenarios/{scenario}/releases", all="1" if all_ else None)
+    if json_out:
+        print_json(data)
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("", "release", "step", "operation", "content", "when", "metrics", "note"):
+        table.add_column(col)
+    for r in data["releases"]:
+        note = f"restores {_short(r.get('source'))}" if r.get("source") else ""
+        table.add_row("*" if r["release_id"] == data["head"] else "", _short(r["release_id"]), str(r["step"]),
+                      r["operation"], _short(r["content_id"]), ago(r.get("created_at")), _metrics(r.get("metrics")),
+                      note)
+    for r in data.get("pending", []):
+        table.add_row("?", _short(r["release_id"]), str(r["step"]), "pending", _short(r["content_id"]),
+                      ago(r.get("created_at")), _metrics(r.get("metrics")), "reef releases promote to publish")
+    for r in data.get("rejected", []):
+        table.add_row("x", "-", str(r.get("step", "-")), "rejected", "-", ago(r.get("created_at")),
+                      _metrics(r.get("metrics")), r.get("reason", ""))
+    out = console()
+    out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
+    out.print(table)
+
+
+@app.command("show")
+@edge
+def show_release(
+    release_id: str = typer.Argument(..., help="The release id (a prefix of at least 7 characters works)."),
+    diff: bool = typer.Option(False, "--diff", help="Show the diff to its parent."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one release: manifest, metrics, receipts, and optionally its diff to the parent."""
+    with client() as c:
+        rel = c.get(f"/reef/releases/{release_id}", diff="1" if diff else None)
+    if json_out:
+        print_json(rel)
+        return
+    out = console()
+    out.print(f"[bold]{rel['release_id']}[/]  scenario [cyan]{rel['scenario']}[/]  step {rel['step']}  "
+              f"{rel['operation']}  {rel['kind']}")
+    out.print(f"content {rel['content_id']}  parent {_short(rel.get('parent'))}  recipe {rel.get('recipe')}  "
+              f"{ago(rel.get('created_at'))}")
+    if rel.get("source"):
+        out.print(f"restores {rel['source']}")
+    if rel.get("metrics"):
+        out.print("metrics " + json.dumps(rel["metrics"]))
+    receipts = rel.get("receipts") or []
+    out.print(f"receipts {len(receipts)}" + (": " + ", ".join(receipts[:10]) if receipts else ""))
+    if diff:
+        _print_diff(out, rel.get("diff") or {})
+
+
+def _print_diff(out: Any, diff: dict[str, Any]) -> None:
+    base = diff.get("base")
+    out.rule(f"diff to {_short(base)}" if base else "diff (first release: everything is new)")
+    for f in diff.get("files", []):
+        sign = {"added": "[green]+[/]", "removed": "[red]-[/]"}.get(f["status"], "[yellow]~[/]")
+        out.print(f"{sign} {f['path']} ({f['kind']}, {f['status']})")
+        if f["kind"] == "safetensors":
+            for t in f.get("tensors", []):
+                if t.get("status") == "unchanged":
+                    continue
+                out.print(f"    {t['name']}: {t.get('status', 'changed')} |Δ| {t.get('diff_norm') or 0:.4g}"
+                          f" (|w| {t.get('old_norm') or 0:.4g})")
+            if f.get("unchanged_tensors"):
+                out.print(f"    {f['unchanged_tensors']} tensors unchanged")
+        elif f.get("diff"):
+            out.print(f["diff"], markup=False, highlight=False)
+
+
+def _steer(op: str, scenario: str, release_id: str, yes: bool, json_out: bool) -> None:
+    with client() as c:
+        chain = c.get(f"/reef/scenarios/{scenario}/releases", all="1")
+        target = c.get(f"/reef/releases/{release_id}", diff="0")
+        head = chain["head"]
+        current = next((r for r in chain["releases"] if r["release_id"] == head), None)
+        out = console()
+        if not json_out:
+            out.print(f"{op} of scenario [cyan]{scenario}[/]:")
+            out.print(f"  from head {_short(head)} (step {current['step'] if current else '-'}, "
+                      f"content {_short(current['content_id'] if current else None)})")
+            out.print(f"  to   {_short(target['release_id'])} (step {target['step']}, "
+                      f"content {_short(target['content_id'])}), published as a new release")
+            if current and current["content_id"] == target["content_id"]:
+                out.print("  the content is the same as the head's")
+        if not yes and not typer.confirm("go ahead?", default=False):
+            fail("nothing changed", 1)
+        try:
+            rel = c.post(f"/reef/scenarios/{scenario}/{op}", {"release_id": target["release_id"], "expected_head": head})
+        except Conflict as e:
+            if "actual_head" not in e.data:
+                raise
+            fail(f"the head of {scenario} moved meanwhile (now {_short(e.data['actual_head'])}); nothing changed",
+                 e.exit_code)
+    if json_out:
+        print_json(rel)
+    else:
+        print(f"published {rel['release_id'][:12]} (step {rel['step']}, {rel['operation']}); it serves new requests now")
+
+
+@app.command("rollback")
+@edge
+def rollback(
+    release_id: str = typer.Argument(..., help="The release to restore."),
+    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Publish an earlier release's content as the new head (history is kept)."""
+    _steer("rollback", scenario, release_id, yes, json_out)
+
+
+@app.command("promote")
+@edge
+def promote(
+    release_id: str = typer.Argument(..., help="The pending release to publish."),
+    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Publish a release held as pending (by a review gate)."""
+    _steer("promote", scenario, release_id, yes, json_out)
