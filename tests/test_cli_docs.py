@@ -7,8 +7,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import click
 import typer.main
 
 from reef_cli.main import app
@@ -16,15 +16,16 @@ from reef_cli.main import app
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def walk(cmd: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+def walk(cmd: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     yield path, cmd
-    if isinstance(cmd, click.Group):
-        for name, sub in cmd.commands.items():
-            yield from walk(sub, (*path, name))
+    for name, sub in (getattr(cmd, "commands", None) or {}).items():
+        yield from walk(sub, (*path, name))
 
 
-def commands() -> list[tuple[tuple[str, ...], click.Command]]:
-    return [(p, c) for p, c in walk(typer.main.get_command(app)) if p]
+def commands() -> list[tuple[tuple[str, ...], Any]]:
+    found = [(p, c) for p, c in walk(typer.main.get_command(app)) if p]
+    assert len(found) > 20, found  # the walk must see the whole tree
+    return found
 
 
 def test_every_command_has_help_and_is_in_the_readme() -> None:
@@ -36,7 +37,8 @@ def test_every_command_has_help_and_is_in_the_readme() -> None:
         if f"reef {' '.join(path)}" not in readme:
             missing_doc.append(" ".join(path))
         for param in cmd.params:
-            if isinstance(param, click.Option) and not (param.help or "").strip() and param.name != "help":
+            is_option = getattr(param, "param_type_name", "") == "option"
+            if is_option and not (getattr(param, "help", "") or "").strip() and param.name != "help":
                 missing_help.append(f"{' '.join(path)} {param.opts[0]}")
     assert not missing_help, f"commands/options without help: {missing_help}"
     assert not missing_doc, f"commands not in README.md: {missing_doc}"
