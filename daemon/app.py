@@ -487,8 +487,14 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", param="model")
+    base = body.get("base_release")
+    if base is not None and not isinstance(base, str):
+        raise BadRequest("base_release must be a release id (a string)", param="base_release")
+    if base is not None:
+        await reef.chains.release(base)  # unknown: 404 before the scenario exists
     scenario = await reef.scenario(name, recipe=recipe, model=model)
-    return _json(scenario.to_dict(), status=201)
+    head = await reef.chains.head(scenario, base=base)
+    return _json({**scenario.to_dict(), "head": head.release_id}, status=201)
 
 
 async def handle_scenario(request: web.Request) -> web.Response:
@@ -622,7 +628,12 @@ async def handle_status(request: web.Request) -> web.Response:
             "listen": {"tcp": f"{reef.config.host}:{reef.config.port}", "unix": str(reef.config.socket_path)},
             "default_model": reef.config.default_model,
             "models": {
-                name: {"engine": e.engine, "loaded": name in reef._engines} for name, e in reef.config.models.items()
+                name: {
+                    "engine": e.engine,
+                    "loaded": name in reef._engines,
+                    "resident": reef._engines[name].resident if name in reef._engines else {},
+                }
+                for name, e in reef.config.models.items()
             },
             "records": counts.get("exchange", 0),
             "reports": counts.get("report", 0),

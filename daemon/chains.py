@@ -65,11 +65,11 @@ class Chains:
             self._releases[rel.release_id] = rel
         return rel
 
-    async def head(self, scenario: Scenario) -> Release:
-        """The release serving the scenario now, publishing its ``init`` release on first use."""
+    async def head(self, scenario: Scenario, *, base: str | None = None) -> Release:
+        """The release serving the scenario now, publishing its ``init`` release (from ``base``) on first use."""
         head = self.store.head(scenario.name)
         if head is None:
-            return await self._init(scenario)
+            return await self._init(scenario, base)
         return await self.release(head)
 
     async def resolve(self, scenario: Scenario, pinned: str | None) -> Release:
@@ -99,20 +99,18 @@ class Chains:
         lock = self._checkout_locks.setdefault(rel.content_id, asyncio.Lock())
         async with lock:
             dest = self.cache_dir / rel.content_id
-            if not (dest / "reef-checkout.ok").exists():
+            done = self.cache_dir / f"{rel.content_id}.ok"
+            if not done.exists():
                 if dest.exists():
                     await asyncio.to_thread(shutil.rmtree, dest)  # a checkout a crash left half-done
-                await asyncio.to_thread(self._checkout, rel.release_id, dest)
+                await asyncio.to_thread(self.store.checkout, rel.release_id, dest, link=True)
+                done.touch()
             self._checkouts[rel.content_id] = dest
             return dest
 
-    def _checkout(self, release_id: str, dest: Path) -> None:
-        self.store.checkout(release_id, dest, link=True)
-        (dest / "reef-checkout.ok").touch()
-
     # --- publishing ----------------------------------------------------------------------------------------
 
-    async def _init(self, scenario: Scenario) -> Release:
+    async def _init(self, scenario: Scenario, base: str | None = None) -> Release:
         lock = self._init_locks.setdefault(scenario.name, asyncio.Lock())
         async with lock:
             head = self.store.head(scenario.name)
@@ -121,13 +119,24 @@ class Chains:
             kind = artifact_kind(self.config, scenario)
             entry = self.config.model(scenario.model)
             files: dict[str, Any] = {}
-            if kind == "weights" and entry.path is not None:
+            source = None
+            if base is not None:  # start from another release's content (any scenario's)
+                base_rel = await self.release(base)
+                if base_rel.kind != kind:
+                    raise BadRequest(f"base_release {base} holds {base_rel.kind}, scenario {scenario.name!r} "
+                                     f"serves {kind}", param="base_release")
+                files = files_from_dir(await self.checkout(base_rel)) if kind == "weights" else {
+                    f.path: await asyncio.to_thread(self.store.read_file, base_rel.release_id, f.path)
+                    for f in await asyncio.to_thread(self.store.files, base_rel.release_id)
+                }
+                source = base_rel.release_id
+            elif kind == "weights" and entry.path is not None:
                 files = files_from_dir(entry.path)
             try:
                 rel = await asyncio.to_thread(
                     self.store.publish, scenario.name, files, expected_head=None, operation="init", kind=kind,
-                    recipe=scenario.recipe, settings={"model": scenario.model},
-                    summary=f"init {scenario.name} from {scenario.model}",
+                    recipe=scenario.recipe, settings={"model": scenario.model}, source=source,
+                    summary=f"init {scenario.name} from {source or scenario.model}",
                 )
             except HeadMoved as e:  # another process published the init first: serve that
                 assert e.actual is not None

@@ -245,3 +245,41 @@ def check_logprobs(d: Daemon, records: list[dict[str, Any]]) -> None:
         n = len(full["prompt_token_ids"])
         want = [lp[n - 1 + i, t].item() for i, t in enumerate(full["token_ids"])]
         assert want == pytest.approx(full["logprobs"], abs=2e-3), rec["id"]
+
+
+def test_create_from_base_release_and_several_scenarios_resident(daemon: Daemon, tiny_model: Path,
+                                                                 tmp_path: Path) -> None:
+    with daemon.http() as c:
+        chat(c, "rel-g")
+        trained = publish(daemon, "rel-g", make_weights(tiny_model, tmp_path / "w6", 6))
+        created = c.post("/reef/scenarios", json={"name": "rel-h", "base_release": trained})
+        assert created.status_code == 201, created.text
+        init = c.get("/reef/scenarios/rel-h/releases").json()["releases"][0]
+        assert (init["operation"], init["source"]) == ("init", trained)
+        assert init["content_id"] == c.get(f"/reef/releases/{trained}?diff=0").json()["content_id"]
+        missing = c.post("/reef/scenarios", json={"name": "rel-i", "base_release": "0" * 40})
+        assert_canonical_error(missing, 404)
+        # two scenarios on different releases serve side by side, each from its own resident load
+        a = [chat(c, "rel-g"), chat(c, "rel-b2")]
+        loads = {c.get(f"/reef/records/{r.headers['x-reef-agent-record-id']}").json()["runtime_load_id"] for r in a}
+        assert len(loads) == 2
+        resident = c.get("/reef/status").json()["models"]["tiny"]["resident"]
+        assert len(resident) >= 2
+
+
+def test_memory_budget_evicts_idle_loads(daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    d: Daemon = daemon_factory()
+    d.stop()
+    cfg = (d.home / "config.toml").read_text().replace('engine = "transformers"', 'engine = "transformers"\n'
+                                                       "memory_budget_mb = 1")
+    (d.home / "config.toml").write_text(cfg)
+    d.start()
+    with d.http() as c:
+        first = chat(c, "budget")
+        for i in range(3):
+            publish(d, "budget", make_weights(tiny_model, tmp_path / f"b{i}", 20 + i))
+            chat(c, "budget")
+        resident = c.get("/reef/status").json()["models"]["tiny"]["resident"]
+        assert len(resident) == 1  # a 2 MiB model over a 1 MiB budget: only the one in use stays
+        pinned = chat(c, "budget", **{"x-reef-release-id": first.headers["x-reef-release-id"]})
+        assert pinned.status_code == 200  # an evicted release loads again when asked for
