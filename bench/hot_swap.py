@@ -88,7 +88,7 @@ def run_size(label: str, model: Path, work: Path, seconds: float) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=120) as c:
             c.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()
             publish_s, first_answer_s = [], []
-            for i, v in enumerate(variants):
+            for v in variants:
                 t0 = time.perf_counter()
                 rel = store.publish("swap", files_from_dir(v), expected_head=store.head("swap"), operation="train",
                                     kind="weights", recipe="record")
