@@ -89,7 +89,8 @@ def test_prompt_beyond_context_is_a_clear_400(daemon: Daemon) -> None:
 
 
 @given(st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 ))
@@ -104,7 +105,7 @@ def test_arbitrary_json_never_5xx(daemon: Daemon, value: object) -> None:
 
 @given(st.fixed_dictionaries({
     "model": st.text(max_size=5),
-    "max_tokens": st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3), st.none()),
+    "max_tokens": st.one_of(st.integers(-5, 5), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=3), st.none()),
     "messages": st.lists(st.fixed_dictionaries({
         "role": st.sampled_from(["user", "assistant", "system", "tool", "bogus"]),
         "content": st.one_of(st.text(max_size=10), st.lists(st.dictionaries(
