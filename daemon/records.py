@@ -8,6 +8,9 @@ Design choices:
   and commits once: group commit, so concurrent requests share an fsync instead of queueing behind each other,
   and the event loop never blocks on disk.
 - Reads use short-lived per-thread connections off the event loop.
+- WAL checkpoints run in their own thread (``PASSIVE``, every half second after writes), not inside a commit:
+  with SQLite's automatic checkpoint the request whose commit crossed the threshold paid for copying the WAL
+  into the database (a 10 ms p99 spike).
 - A commit that fails (disk full, I/O error) fails every write in it with ``StorageError``; nothing is
   acknowledged that was not stored. After a failed fsync the writer reopens its connection rather than retrying
   the same transaction blindly (SQLite rolls the journal back on reopen).
@@ -161,8 +164,13 @@ class RecordStore:
         self._scenario_cache: dict[str, Scenario] = {}
         self._writer_conn = self._open(write=True)
         self._writer_conn.executescript(SCHEMA)
+        self._dirty = threading.Event()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._writer_loop, name="reef-records-writer", daemon=True)
         self._thread.start()
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="reef-records-checkpoint",
+                                              daemon=True)
+        self._checkpointer.start()
 
     # --- connections ---------------------------------------------------------------------------------------
 
@@ -173,6 +181,7 @@ class RecordStore:
         if write:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
         return conn
 
     def _reader(self) -> sqlite3.Connection:
@@ -185,7 +194,26 @@ class RecordStore:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._closed.set()
+        self._dirty.set()
+        self._checkpointer.join(timeout=30)
         self._writer_conn.close()
+
+    def _checkpoint_loop(self) -> None:
+        conn = self._open(write=False)
+        try:
+            while not self._closed.is_set():
+                self._dirty.wait()
+                if self._closed.wait(0.5):
+                    break
+                self._dirty.clear()
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error:
+                    pass  # busy or failing disk: the next round tries again; nothing acknowledged depends on it
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            conn.close()
 
     # --- the writer ----------------------------------------------------------------------------------------
 
@@ -224,6 +252,7 @@ class RecordStore:
                     conn.execute(f"RELEASE w{i}")
                     results.append((fut, None, e))
             conn.execute("COMMIT")
+            self._dirty.set()
         except sqlite3.Error as e:
             err = StorageError(f"record store write failed: {e}", path=str(self.path))
             self._reopen_writer()
