@@ -458,6 +458,7 @@ async def handle_report(request: web.Request) -> web.Response:
         scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
     )
     reef.metrics.records.labels("report").inc()
+    reef.learner.notify(stored["scenario"])
     reef.events.publish(
         "report", id=stored["id"], scenario=stored["scenario"], score=score, references=refs,
         feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,

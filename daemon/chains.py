@@ -166,6 +166,41 @@ class Chains:
             await self.preload(scenario, rel, engine)
         return rel
 
+    async def publish_candidate(self, scenario: Scenario, path: str | Path, *, expected_head: str,
+                                metrics: dict[str, Any], receipts: list[str], settings: dict[str, Any],
+                                engine: Engine | None = None) -> Release:
+        """Publish a trained candidate (a model directory) as the next release, compare-and-swap on the base."""
+        try:
+            rel = await asyncio.to_thread(
+                self.store.publish, scenario.name, files_from_dir(path), expected_head=expected_head,
+                operation="train", kind=artifact_kind(self.config, scenario), recipe=scenario.recipe,
+                metrics=metrics, receipts=receipts, settings=settings,
+            )
+        except HeadMoved:
+            self.metrics.conflicts.inc()
+            raise
+        self._published(rel)
+        if engine is not None:
+            await self.preload(scenario, rel, engine)
+        return rel
+
+    async def hold(self, scenario: Scenario, path: str | Path, *, base: str, metrics: dict[str, Any],
+                   receipts: list[str], settings: dict[str, Any]) -> Release:
+        rel = await asyncio.to_thread(
+            self.store.hold, scenario.name, files_from_dir(path), kind=artifact_kind(self.config, scenario),
+            recipe=scenario.recipe, base=base, metrics=metrics, receipts=receipts, settings=settings,
+        )
+        self.events.publish("release.pending", scenario=scenario.name, release_id=rel.release_id, step=rel.step,
+                            metrics=metrics)
+        return rel
+
+    async def reject(self, scenario: Scenario, *, verdict: str, reason: str, base: str, metrics: dict[str, Any],
+                     receipts: list[str], settings: dict[str, Any]) -> None:
+        await asyncio.to_thread(
+            self.store.record_rejection, scenario.name, verdict=verdict, reason=reason, metrics=metrics,
+            base=base, kind=artifact_kind(self.config, scenario), recipe=scenario.recipe, receipts=receipts,
+        )
+
     def _published(self, rel: Release) -> None:
         self._releases[rel.release_id] = rel
         self.metrics.publishes.labels(rel.operation).inc()

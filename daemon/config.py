@@ -77,6 +77,9 @@ class Config:
     default_recipe: str = "record"
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     log_level: str = "info"
+    # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
+    recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
     token: str | None = None
@@ -183,7 +186,10 @@ def load_config(
             raise BadRequest(f"config: models.{name} must be a table")
         models[name] = _model_entry(name, entry, home)
 
-    allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level"}
+    recipes = raw.pop("recipes", None) or {}
+    if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
+        raise BadRequest("config: [recipes.<name>] entries must be tables")
+    allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -212,6 +218,7 @@ def load_config(
     cfg = Config(
         home=home,
         models=models,
+        recipes=recipes,
         url=env.get("REEF_URL") or None,
         token=env.get("REEF_TOKEN") or None,
         secrets=secrets,

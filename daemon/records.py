@@ -511,6 +511,39 @@ class RecordStore:
             raise BadRequest("references must name at least one receipt", param="references")
         return await self.write(op)
 
+    async def scored_exchanges(self, scenario: str, *, exclude: set[str]) -> list[dict[str, Any]]:
+        """Exchanges of a scenario with a scored report, oldest report first, the latest score per receipt;
+        receipts in ``exclude`` (already consumed by a candidate) left out. What learning recipes train on."""
+
+        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
+                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq
+                   FROM report_refs rr
+                   JOIN records rep ON rep.id = rr.report_id
+                   JOIN records r ON r.id = rr.receipt
+                   WHERE r.scenario = ? AND r.kind = 'exchange' AND r.status = 'complete'
+                     AND json_extract(rep.report, '$.score') IS NOT NULL
+                   ORDER BY rep.seq""",
+                (scenario,),
+            ).fetchall()
+            latest: dict[str, dict[str, Any]] = {}
+            for row in rows:
+                if row["id"] in exclude or row["token_ids"] is None:
+                    continue
+                latest.pop(row["id"], None)
+                latest[row["id"]] = {
+                    "id": row["id"],
+                    "release_id": row["release_id"],
+                    "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
+                    "token_ids": _unpack(row["token_ids"], "i"),
+                    "logprobs": _unpack(row["logprobs"], "f"),
+                    "score": float(row["score"]),
+                }
+            return list(latest.values())
+
+        return await self.read(op)
+
     # --- maintenance ---------------------------------------------------------------------------------------
 
     def integrity_check(self) -> str:

@@ -21,6 +21,7 @@ from daemon.engines import Engine, build_engine
 from daemon.errors import InvalidName, ReefError
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
+from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.records import RecordStore, Scenario, new_id
 from recipes import check_recipe_name
@@ -88,6 +89,7 @@ class Reef:
         self.events = EventBus()
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics)
+        self.learner = Learner(self)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -97,8 +99,10 @@ class Reef:
     async def start(self) -> None:
         await self.chains.start()
         await self.engine(self.config.default_model)
+        await self.learner.start()
 
     async def close(self) -> None:
+        await self.learner.close()
         for engine in self._engines.values():
             try:
                 await engine.close()

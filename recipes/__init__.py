@@ -8,6 +8,7 @@ from daemon.errors import BadRequest
 
 BUILTIN: dict[str, str] = {
     "record": "recipes.record:RecordOnly",
+    "online-rl": "recipes.online_rl",
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -1,0 +1,230 @@
+"""The learning loop: eligible records -> trainer -> gate -> release chain, per scenario.
+
+Design choices:
+- A scenario whose recipe trains gets one loop task, woken by each report on it. The loop gathers eligible
+  records (a scored report, not yet consumed, served by a release at most ``max_staleness`` steps behind the
+  head) and, once there are ``batch_prompts * group_size`` of them, sends the oldest as one batch to the trainer
+  worker, with the head release as the base.
+- Consumption is written down where the outcome is: a published release lists the receipts it consumed in its
+  manifest, a rejected candidate in its rejection record. The consumed set is rebuilt from git at start-up, so
+  a ``kill -9`` mid-training consumes nothing (nothing was published) and the batch is trained again after the
+  restart; nothing is consumed twice.
+- The gate (``daemon/gate.py``) judges on the trainer's evaluation scores; a winner is published through the
+  chain's compare-and-swap with the base as expected head (a head that moved meanwhile rejects the candidate,
+  written down) and loaded by the engine; a loser is written down with its verdict and reason. Every step is an
+  event on ``/reef/events`` (``train.start``, ``train.step``, ``gate``, ``release``).
+- Recipe settings come from ``[recipes.<name>]`` in the config over the recipe's defaults and are recorded in
+  each release's manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from daemon.errors import BadRequest, HeadMoved
+from daemon.gate import judge
+from daemon.records import Scenario, new_id
+
+if TYPE_CHECKING:
+    from daemon.serving import Reef
+
+log = logging.getLogger("reef.learning")
+
+
+@dataclass
+class LoopSettings:
+    """Daemon-side settings of a training recipe (the trainer's own settings travel to the worker as is)."""
+
+    gate: str = "always"  # always | floor | compare | regression | review
+    floor: float = 0.0  # gate floor: minimum mean evaluation score
+    margin: float = 0.0  # gate compare: wins - losses needed; regression: allowed drop from the best
+    eval_family: str | None = None  # task family for the gate's evaluation (recipes/tasks.py)
+    eval_n: int = 64  # evaluation tasks
+    eval_seed: int = 0
+    trainer: dict[str, Any] = field(default_factory=dict)  # OnlineRLSettings fields
+
+
+def loop_settings(raw: dict[str, Any]) -> LoopSettings:
+    from recipes.online_rl import OnlineRLSettings
+
+    own = {f.name for f in fields(LoopSettings)} - {"trainer"}
+    trainer_fields = {f.name for f in fields(OnlineRLSettings)}
+    unknown = set(raw) - own - trainer_fields
+    if unknown:
+        raise BadRequest(f"config: unknown recipe settings {', '.join(sorted(unknown))}")
+    trainer = OnlineRLSettings(**{k: v for k, v in raw.items() if k in trainer_fields})
+    return LoopSettings(**{k: v for k, v in raw.items() if k in own}, trainer=trainer.to_dict())
+
+
+class Learner:
+    def __init__(self, reef: Reef) -> None:
+        self.reef = reef
+        self.dir = reef.config.home / "candidates"
+        self._wake: dict[str, asyncio.Event] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._consumed: dict[str, set[str]] = {}
+        self._last_candidate: dict[str, tuple[str, str]] = {}  # scenario -> (release_id, worker key)
+        self.state: dict[str, str] = {}  # scenario -> idle | waiting | training | judging
+        self._trainer: Any = None
+
+    @property
+    def trainer(self) -> Any:
+        if self._trainer is None:
+            from daemon.trainer.worker import TrainerClient
+
+            self._trainer = TrainerClient(threads=self.reef.config.trainer_threads)
+        return self._trainer
+
+    async def start(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)  # candidates of a crashed run: never published, retrained
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for s in await self.reef.store.list_scenarios():
+            if self._trains(s["recipe"]):
+                self.notify(s["name"])
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._trainer is not None:
+            await asyncio.to_thread(self._trainer.close)
+
+    @staticmethod
+    def _trains(recipe: str) -> bool:
+        return recipe == "online-rl"
+
+    def settings(self, recipe: str) -> LoopSettings:
+        return loop_settings(dict(self.reef.config.recipes.get(recipe, {})))
+
+    def notify(self, scenario: str) -> None:
+        """A report arrived (or the daemon started): look for a batch."""
+        event = self._wake.setdefault(scenario, asyncio.Event())
+        event.set()
+        if scenario not in self._tasks or self._tasks[scenario].done():
+            self._tasks[scenario] = asyncio.ensure_future(self._loop(scenario))
+
+    async def _loop(self, name: str) -> None:
+        event = self._wake[name]
+        while True:
+            await event.wait()
+            event.clear()
+            try:
+                scenario = await self.reef.store.get_scenario(name)
+                if not self._trains(scenario.recipe):
+                    self.state[name] = "idle"
+                    return
+                while await self._round(scenario):
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("learning on %s failed; waiting for the next report", name)
+                self.reef.events.publish("train.error", scenario=name)
+            self.state[name] = "waiting"
+
+    async def consumed(self, scenario: str) -> set[str]:
+        got = self._consumed.get(scenario)
+        if got is None:
+            store = self.reef.chains.store
+
+            def read() -> set[str]:
+                out: set[str] = set()
+                for rel in store.history(scenario):
+                    out.update(rel.receipts)
+                for rej in store.rejections(scenario):
+                    out.update(rej.receipts)
+                return out
+
+            got = self._consumed[scenario] = await asyncio.to_thread(read)
+        return got
+
+    async def _round(self, scenario: Scenario) -> bool:
+        """Train on one batch if one is ready; returns whether it did."""
+        settings = self.settings(scenario.recipe)
+        trainer = settings.trainer
+        need = trainer["batch_prompts"] * trainer["group_size"]
+        chains = self.reef.chains
+        head = await chains.head(scenario)
+        consumed = await self.consumed(scenario.name)
+        eligible = []
+        for rec in await self.reef.store.scored_exchanges(scenario.name, exclude=consumed):
+            served_by = await chains.release(rec["release_id"]) if rec["release_id"] else None
+            if served_by is None or head.step - served_by.step > trainer["max_staleness"]:
+                continue
+            eligible.append(rec)
+        if len(eligible) < need:
+            self.state[scenario.name] = "waiting"
+            return False
+        batch = eligible[:need]
+        receipts = [r["id"] for r in batch]
+        job_id = new_id("job_")
+        last = self._last_candidate.get(scenario.name)
+        base_key = last[1] if last and last[0] == head.release_id else head.content_id
+        ref = await chains.ref(scenario, head)
+        job = {
+            "id": job_id,
+            "base_key": base_key,
+            "candidate_key": f"candidate:{job_id}",
+            "base_path": str(ref.path),
+            "out_dir": str(self.dir / job_id),
+            "settings": trainer,
+            "samples": [
+                {"prompt_token_ids": r["prompt_token_ids"], "token_ids": r["token_ids"], "logprobs": r["logprobs"],
+                 "reward": r["score"], "group": hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest()}
+                for r in batch
+            ],
+        }
+        if settings.eval_family:
+            job["eval"] = {"family": settings.eval_family, "n": settings.eval_n, "seed": settings.eval_seed,
+                           "max_new_tokens": trainer["max_new_tokens"]}
+        self.state[scenario.name] = "training"
+        events = self.reef.events
+        events.publish("train.start", scenario=scenario.name, job=job_id, base=head.release_id, samples=need)
+        t0 = time.perf_counter()
+        result = await self.trainer.run(job)
+        if not result.get("ok"):
+            raise RuntimeError(f"trainer failed on {job_id}: {result.get('error')}")
+        mean_reward = sum(r["score"] for r in batch) / len(batch)
+        metrics = {**{k: v for k, v in result["train_metrics"].items() if isinstance(v, (int, float))},
+                   "batch_reward": round(mean_reward, 4), "train_s": result["train_s"]}
+        events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
+                       seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
+        self.state[scenario.name] = "judging"
+        ev = result.get("eval") or {}
+        best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(chains.store.history, scenario.name)
+                    if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
+        verdict = judge(settings.gate, candidate=ev.get("candidate"), base=ev.get("base"), best=best,
+                        floor=settings.floor, margin=settings.margin)
+        metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
+        candidate = result["candidate"]
+        record = {"settings": {**trainer, "gate": settings.gate}, "metrics": metrics, "receipts": receipts}
+        published = None
+        reason = verdict.reason
+        if verdict.publish:
+            try:
+                published = await chains.publish_candidate(scenario, candidate, expected_head=head.release_id,
+                                                           engine=await self.reef.engine(scenario.model), **record)
+            except HeadMoved as e:
+                reason = f"the head moved during training (now {e.actual}); not published"
+        elif verdict.verdict == "pending":
+            await chains.hold(scenario, candidate, base=head.release_id, **record)
+        if published is None and verdict.verdict != "pending":
+            await chains.reject(scenario, verdict="rejected", reason=reason, base=head.release_id, **record)
+        consumed.update(receipts)
+        if published is not None:
+            self._last_candidate[scenario.name] = (published.release_id, job["candidate_key"])
+        events.publish("gate", scenario=scenario.name, job=job_id, verdict="accepted" if published else
+                       verdict.verdict if verdict.verdict == "pending" else "rejected", reason=reason,
+                       metrics=metrics, release_id=published.release_id if published else None)
+        shutil.rmtree(candidate, ignore_errors=True)
+        return True
