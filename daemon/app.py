@@ -493,7 +493,12 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
         raise BadRequest("base_release must be a release id (a string)", param="base_release")
     if base is not None:
         await reef.chains.release(base)  # unknown: 404 before the scenario exists
-    scenario = await reef.scenario(name, recipe=recipe, model=model)
+    settings = body.get("settings")
+    if settings is not None:
+        if not isinstance(settings, dict):
+            raise BadRequest("settings must be a JSON object of recipe settings", param="settings")
+        reef.learner.check_settings(recipe or reef.config.default_recipe, settings)
+    scenario = await reef.scenario(name, recipe=recipe, model=model, settings=settings)
     head = await reef.chains.head(scenario, base=base)
     return _json({**scenario.to_dict(), "head": head.release_id}, status=201)
 

@@ -180,6 +180,8 @@ def load_config(
 
     models = {
         "tiny": ModelEntry(name="tiny", engine="transformers", path=home / "models" / "tiny"),
+        # the tiny model after a short supervised warm-up on the demo's task family (``reef demo``)
+        "tiny-demo": ModelEntry(name="tiny-demo", engine="transformers", path=home / "models" / "tiny-demo"),
     }
     for name, entry in (raw.pop("models", None) or {}).items():
         if not isinstance(entry, dict):

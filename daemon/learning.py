@@ -9,10 +9,15 @@ Design choices:
   manifest, a rejected candidate in its rejection record. The consumed set is rebuilt from git at start-up, so
   a ``kill -9`` mid-training consumes nothing (nothing was published) and the batch is trained again after the
   restart; nothing is consumed twice.
-- The gate (``daemon/gate.py``) judges on the trainer's evaluation scores; a winner is published through the
-  chain's compare-and-swap with the base as expected head (a head that moved meanwhile rejects the candidate,
-  written down) and loaded by the engine; a loser is written down with its verdict and reason. Every step is an
-  event on ``/reef/events`` (``train.start``, ``train.step``, ``gate``, ``release``).
+- Training follows a lineage: each batch continues from the previous candidate while the head is still the
+  release that lineage started from (or the one it last published), whatever the gate said; a rejected
+  candidate is not lost progress, it is the starting point of the next step. When the head moves for another
+  reason (a rollback, another publisher), the lineage restarts from the head.
+- The gate (``daemon/gate.py``) judges the candidate against the serving head on the trainer's evaluation
+  scores; a winner is published through the chain's compare-and-swap with the head as expected parent (a head
+  that moved meanwhile rejects the candidate, written down) and loaded by the engine; a loser is written down
+  with its verdict and reason. Every step is an event on ``/reef/events`` (``train.start``, ``train.step``,
+  ``gate``, ``release``).
 - Recipe settings come from ``[recipes.<name>]`` in the config over the recipe's defaults and are recorded in
   each release's manifest.
 """
@@ -25,6 +30,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest, HeadMoved
@@ -57,7 +63,7 @@ def loop_settings(raw: dict[str, Any]) -> LoopSettings:
     trainer_fields = {f.name for f in fields(OnlineRLSettings)}
     unknown = set(raw) - own - trainer_fields
     if unknown:
-        raise BadRequest(f"config: unknown recipe settings {', '.join(sorted(unknown))}")
+        raise BadRequest(f"unknown recipe settings: {', '.join(sorted(unknown))}", param="settings")
     trainer = OnlineRLSettings(**{k: v for k, v in raw.items() if k in trainer_fields})
     return LoopSettings(**{k: v for k, v in raw.items() if k in own}, trainer=trainer.to_dict())
 
@@ -69,7 +75,8 @@ class Learner:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._consumed: dict[str, set[str]] = {}
-        self._last_candidate: dict[str, tuple[str, str]] = {}  # scenario -> (release_id, worker key)
+        # scenario -> (head release the lineage follows, candidate key, candidate dir)
+        self._lineage: dict[str, tuple[str, str, str]] = {}
         self.state: dict[str, str] = {}  # scenario -> idle | waiting | training | judging
         self._trainer: Any = None
 
@@ -103,8 +110,19 @@ class Learner:
     def _trains(recipe: str) -> bool:
         return recipe == "online-rl"
 
-    def settings(self, recipe: str) -> LoopSettings:
-        return loop_settings(dict(self.reef.config.recipes.get(recipe, {})))
+    def settings(self, scenario: Scenario) -> LoopSettings:
+        """Recipe defaults < ``[recipes.<name>]`` in the config < the scenario's own settings."""
+        return loop_settings({**self.reef.config.recipes.get(scenario.recipe, {}), **scenario.settings})
+
+    def check_settings(self, recipe: str, settings: dict[str, Any]) -> None:
+        if not self._trains(recipe):
+            if settings:
+                raise BadRequest(f"recipe {recipe!r} takes no settings", param="settings")
+            return
+        try:
+            loop_settings({**self.reef.config.recipes.get(recipe, {}), **settings})
+        except TypeError as e:
+            raise BadRequest(f"invalid recipe settings: {e}", param="settings") from None
 
     def notify(self, scenario: str) -> None:
         """A report arrived (or the daemon started): look for a batch."""
@@ -150,7 +168,7 @@ class Learner:
 
     async def _round(self, scenario: Scenario) -> bool:
         """Train on one batch if one is ready; returns whether it did."""
-        settings = self.settings(scenario.recipe)
+        settings = self.settings(scenario)
         trainer = settings.trainer
         need = trainer["batch_prompts"] * trainer["group_size"]
         chains = self.reef.chains
@@ -168,14 +186,19 @@ class Learner:
         batch = eligible[:need]
         receipts = [r["id"] for r in batch]
         job_id = new_id("job_")
-        last = self._last_candidate.get(scenario.name)
-        base_key = last[1] if last and last[0] == head.release_id else head.content_id
         ref = await chains.ref(scenario, head)
+        lineage = self._lineage.get(scenario.name)
+        if lineage and lineage[0] == head.release_id and Path(lineage[2]).exists():
+            base_key, base_path = lineage[1], lineage[2]
+        else:
+            base_key, base_path = head.content_id, str(ref.path)
         job = {
             "id": job_id,
             "base_key": base_key,
+            "base_path": base_path,
+            "head_key": head.content_id,
+            "head_path": str(ref.path),
             "candidate_key": f"candidate:{job_id}",
-            "base_path": str(ref.path),
             "out_dir": str(self.dir / job_id),
             "settings": trainer,
             "samples": [
@@ -221,10 +244,11 @@ class Learner:
         if published is None and verdict.verdict != "pending":
             await chains.reject(scenario, verdict="rejected", reason=reason, base=head.release_id, **record)
         consumed.update(receipts)
-        if published is not None:
-            self._last_candidate[scenario.name] = (published.release_id, job["candidate_key"])
+        follows = published.release_id if published is not None else head.release_id
+        self._lineage[scenario.name] = (follows, job["candidate_key"], candidate)
+        if lineage and lineage[2] != candidate:
+            shutil.rmtree(lineage[2], ignore_errors=True)
         events.publish("gate", scenario=scenario.name, job=job_id, verdict="accepted" if published else
                        verdict.verdict if verdict.verdict == "pending" else "rejected", reason=reason,
                        metrics=metrics, release_id=published.release_id if published else None)
-        shutil.rmtree(candidate, ignore_errors=True)
         return True

@@ -295,7 +295,8 @@ class RecordStore:
 
     # --- scenarios -----------------------------------------------------------------------------------------
 
-    async def ensure_scenario(self, name: str, *, recipe: str | None, model: str, default_recipe: str) -> Scenario:
+    async def ensure_scenario(self, name: str, *, recipe: str | None, model: str, default_recipe: str,
+                              settings: dict[str, Any] | None = None) -> Scenario:
         """Return the scenario, creating it on first use; a different recipe for an existing one is a 409."""
         cached = self._scenario_cache.get(name)
         if cached is not None and (recipe is None or recipe == cached.recipe):
@@ -305,8 +306,8 @@ class RecordStore:
             row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
             if row is None:
                 conn.execute(
-                    "INSERT INTO scenarios(name, recipe, model, created_at) VALUES (?,?,?,?)",
-                    (name, recipe or default_recipe, model, time.time()),
+                    "INSERT INTO scenarios(name, recipe, model, created_at, settings) VALUES (?,?,?,?,?)",
+                    (name, recipe or default_recipe, model, time.time(), _dumps(settings or {})),
                 )
                 row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
             return _scenario(row)

@@ -122,11 +122,12 @@ class Reef:
             if model not in self._engines:
                 entry = self.config.model(model)
                 if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
-                    if entry.path == self.config.models_dir / "tiny":
+                    built_in = {"tiny": None, "tiny-demo": "say"}
+                    if entry.path.parent == self.config.models_dir and entry.path.name in built_in:
                         from daemon.models import init_tiny
 
-                        log.info("building the tiny model into %s (first start)", entry.path)
-                        await asyncio.to_thread(init_tiny, entry.path)
+                        log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
+                        await asyncio.to_thread(init_tiny, entry.path, warmup=built_in[entry.path.name])
                 engine = build_engine(entry, self.config.secrets, self.metrics)
                 await engine.start()
                 self._engines[model] = engine
@@ -134,7 +135,8 @@ class Reef:
                 self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
             return self._engines[model]
 
-    async def scenario(self, name: str, *, recipe: str | None = None, model: str | None = None) -> Scenario:
+    async def scenario(self, name: str, *, recipe: str | None = None, model: str | None = None,
+                       settings: dict[str, Any] | None = None) -> Scenario:
         check_name(name)
         if recipe is not None:
             check_recipe_name(recipe)
@@ -146,6 +148,7 @@ class Reef:
             recipe=recipe,
             model=model or self.config.default_model,
             default_recipe=self.config.default_recipe,
+            settings=settings,
         )
         if not created_before and time.time() - scenario.created_at < 1:
             self.events.publish("scenario", scenario=scenario.to_dict())

@@ -66,13 +66,18 @@ class Client:
 
     # --- plumbing ------------------------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def request(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
+        """JSON (or text) of a successful answer, or the ``httpx.Response`` itself with ``raw``."""
         try:
             resp = self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
             raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+        except httpx.TimeoutException:
+            raise Unavailable(f"the daemon at {self.where()} did not answer {method} {path} in time") from None
         if resp.status_code >= 400:
             raise _error_from(resp)
+        if raw:
+            return resp
         if resp.headers.get("content-type", "").startswith("application/json"):
             return resp.json()
         return resp.text
@@ -80,8 +85,9 @@ class Client:
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self.request("POST", path, json=body)
+    def post(self, path: str, body: dict[str, Any], *, timeout: float | None | object = ...) -> Any:
+        extra = {} if timeout is ... else {"timeout": timeout}
+        return self.request("POST", path, json=body, **extra)
 
     def where(self) -> str:
         return self.config.url or str(self.config.socket_path)

@@ -14,13 +14,15 @@ app = typer.Typer(help="Build local models.", no_args_is_help=True)
 @app.command("init")
 @edge
 def init(
-    name: str = typer.Argument("tiny", help="Which model to build (tiny)."),
+    name: str = typer.Argument("tiny", help="Which model to build: tiny, or tiny-demo (tiny + a warm-up on the "
+                               "demo's task family)."),
     seed: int = typer.Option(0, help="Random seed."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if it exists."),
 ) -> None:
-    """Build the tiny model (a tokenizer trained on the spot, random weights) into $REEF_HOME/models/tiny."""
-    if name != "tiny":
-        fail(f"unknown model {name!r}; reef can build: tiny", 2)
+    """Build the tiny model (a tokenizer trained on the spot, random weights) into $REEF_HOME/models/<name>."""
+    warmups = {"tiny": None, "tiny-demo": "say"}
+    if name not in warmups:
+        fail(f"unknown model {name!r}; reef can build: {', '.join(warmups)}", 2)
     import shutil
 
     from rich.console import Console
@@ -28,10 +30,10 @@ def init(
     from daemon.models import init_tiny
 
     cfg = config()
-    dest = cfg.models_dir / "tiny"
+    dest = cfg.models_dir / name
     if force and dest.exists():
         shutil.rmtree(dest)
     t0 = time.monotonic()
-    with Console(stderr=True).status("building the tiny model") as status:
-        init_tiny(dest, seed=seed, progress=lambda msg: status.update(msg))
-    print(f"tiny model ready at {dest} ({time.monotonic() - t0:.1f}s)")
+    with Console(stderr=True).status(f"building the {name} model") as status:
+        init_tiny(dest, seed=seed, progress=lambda msg: status.update(msg), warmup=warmups[name])
+    print(f"{name} model ready at {dest} ({time.monotonic() - t0:.1f}s)")

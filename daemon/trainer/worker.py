@@ -11,7 +11,8 @@ Design choices:
 - A candidate is written to a temp dir beside its final name, every file fsynced, then renamed: a half-written
   candidate never exists under its final name, so it can never become a release.
 - The worker also evaluates for the gate (greedy answers to the recipe's evaluation tasks, scored by its
-  verifier) for the candidate and, once per base, for the base: the daemon's engine is never asked.
+  verifier) for the candidate and, once per head release, for the serving head: the daemon's engine is never
+  asked.
 - ``TrainerClient.run`` restarts a dead worker and retries the job (up to ``retries`` times); a job that fails
   inside the worker with an exception is not retried (the same batch would fail again).
 """
@@ -88,10 +89,12 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer = state.model, state.tokenizer
     ev = job.get("eval")
     base_scores = None
-    if ev:
-        cached = state.base_eval.get(job["base_key"])
-        base_scores = cached if cached is not None else _eval_scores(model, tokenizer, ev)
-        state.base_eval[job["base_key"]] = base_scores
+    if ev:  # the gate compares with the serving head, which the lineage in memory may have moved past
+        base_scores = state.base_eval.get(job["head_key"])
+        if base_scores is None:
+            head = model if job["head_key"] == state.key else AutoModelForCausalLM.from_pretrained(
+                job["head_path"], dtype=torch.float32)
+            base_scores = state.base_eval[job["head_key"]] = _eval_scores(head, tokenizer, ev)
     samples = [Sample(**s) for s in job["samples"]]
     model.train()
     metrics: dict[str, Any] = {}
@@ -117,7 +120,6 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
                               "train_s": round(train_s, 3), "samples": len(samples)}
     if ev:
         cand_scores = _eval_scores(model, tokenizer, ev)
-        state.base_eval[job["candidate_key"]] = cand_scores
         result["eval"] = {"candidate": cand_scores, "base": base_scores}
     return result
 
