@@ -1,0 +1,294 @@
+"""What Reef adds as a recording proxy in front of an upstream that answers at once.
+
+In one run: a minimal OpenAI-chat upstream (aiohttp + uvloop, its own process, answers from memory), a real Reef
+daemon (its own process) with one ``upstream`` model pointing at it, and one lean aiohttp client that sends the
+same requests directly and through Reef (keep-alive connections on both paths; every Reef answer is a durable
+record with a receipt). Figures:
+
+1. latency at concurrency 1, non-streaming: p50 / p99 direct and through Reef; goal: Reef adds <= 2 ms p50;
+2. throughput at concurrency 16, non-streaming: req/s direct and through Reef; goal: Reef keeps >= 1/2;
+3. time to first token of a stream at concurrency 1 (first content chunk): p50 direct and through Reef;
+   goal: Reef adds <= 2 ms.
+
+Also printed: Reef's own ``Server-Timing`` split (engine = upstream round trip, record = durable write) at
+concurrency 1, to show where Reef's time goes.
+
+Run: ``.venv/bin/python bench/proxy_overhead.py [--requests N]``. Note that client, Reef and upstream share the
+machine's cores, so the concurrency-16 ratio also measures the CPU Reef takes from the other two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REQUEST = {
+    "model": "bench",
+    "max_tokens": 64,
+    "messages": [
+        {"role": "system", "content": "You are a helpful coding assistant."},
+        {"role": "user", "content": "Write a haiku about keep-alive connections."},
+    ],
+}
+TEXT = "Sockets stay open / requests flow without a pause / the pool remembers"
+ANSWER = {
+    "id": "chatcmpl-bench",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "bench-upstream",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": TEXT}, "finish_reason": "stop",
+                 "logprobs": None}],
+    "usage": {"prompt_tokens": 31, "completion_tokens": 17, "total_tokens": 48},
+}
+
+
+def _chunk(delta: dict, finish: str | None = None, **extra: object) -> bytes:
+    body = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "bench-upstream",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else [], **extra}
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+STREAM = [
+    _chunk({"role": "assistant", "content": ""}),
+    *(_chunk({"content": w + " "}) for w in TEXT.split()),
+    _chunk({}, "stop"),
+    _chunk(None, usage=ANSWER["usage"]),  # type: ignore[arg-type]
+    b"data: [DONE]\n\n",
+]
+
+
+# --- the upstream process -------------------------------------------------------------------------------------
+
+
+def serve_upstream(port: int) -> None:
+    import uvloop
+    from aiohttp import web
+
+    answer = json.dumps(ANSWER).encode()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.Response(body=answer, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"".join(STREAM))  # all at once: an upstream that answers instantly
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# --- measuring ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def wait_up(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited ({proc.returncode})")
+        try:
+            async with session.get(url) as r:
+                if r.status in (200, 404, 405):
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise SystemExit(f"{what} did not come up")
+
+
+class Target:
+    def __init__(self, name: str, url: str, headers: dict[str, str]) -> None:
+        self.name, self.url, self.headers = name, url, headers
+        self.server_timing: list[dict[str, float]] = []
+
+    async def once(self, session: aiohttp.ClientSession, body: bytes) -> float:
+        t0 = time.perf_counter()
+        async with session.post(self.url, data=body, headers=self.headers) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise SystemExit(f"{self.name}: HTTP {r.status}: {data[:300]!r}")
+            timing = r.headers.get("Server-Timing")
+        dt = time.perf_counter() - t0
+        if timing:
+            self.server_timing.append(
+                {p.split(";")[0].strip(): float(p.split("dur=")[1]) for p in timing.split(",") if "dur=" in p}
+            )
+        return dt
+
+    async def first_token(self, session: aiohttp.ClientSession, body: bytes) -> float:
+        """Seconds to the first SSE chunk that carries content."""
+        t0 = time.perf_counter()
+        first = None
+        async with session.post(self.url, data=body, headers=self.headers) as r:
+            if r.status != 200:
+                raise SystemExit(f"{self.name}: HTTP {r.status}")
+            async for line in r.content:
+                if first is None and line.startswith(b"data: {") and b'"content":"' in line and \
+                        b'"content":""' not in line:
+                    first = time.perf_counter() - t0
+        assert first is not None, f"{self.name}: no content chunk"
+        return first
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def latency(t: Target, session: aiohttp.ClientSession, n: int) -> list[float]:
+    body = json.dumps(REQUEST).encode()
+    return [await t.once(session, body) for _ in range(n)]
+
+
+async def throughput(t: Target, session: aiohttp.ClientSession, n: int, conc: int) -> float:
+    body = json.dumps(REQUEST).encode()
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await t.once(session, body)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return n / (time.perf_counter() - t0)
+
+
+async def ttft(t: Target, session: aiohttp.ClientSession, n: int) -> list[float]:
+    body = json.dumps({**REQUEST, "stream": True}).encode()
+    return [await t.first_token(session, body) for _ in range(n)]
+
+
+async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    direct = Target("direct", f"http://127.0.0.1:{up_port}/v1/chat/completions", {"Content-Type": "application/json"})
+    reef = Target("reef", f"http://127.0.0.1:{reef_port}/v1/chat/completions",
+                  {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    connector = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await wait_up(session, f"http://127.0.0.1:{up_port}/", procs[0], "upstream")
+        await wait_up(session, f"http://127.0.0.1:{reef_port}/healthz", procs[1], "reef")
+        for t in (direct, reef):  # warm up: connections, caches, the scenario's first record
+            await latency(t, session, 50)
+            await ttft(t, session, 20)
+        reef.server_timing.clear()
+
+        lat = {t.name: await latency(t, session, n) for t in (direct, reef)}
+        split = reef.server_timing[:]
+        tput, cpu = {}, {}
+        for t in (direct, reef):
+            before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+            tput[t.name] = await throughput(t, session, max(n * 2, 400), 16)
+            after = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+            cpu[t.name] = [(a - b) * 1e3 / max(n * 2, 400) for a, b in zip(after, before, strict=True)]
+        conc_split = reef.server_timing[len(split):]
+        first = {t.name: await ttft(t, session, max(n // 2, 100)) for t in (direct, reef)}
+
+    d50, r50 = statistics.median(lat["direct"]) * 1e3, statistics.median(lat["reef"]) * 1e3
+    d99, r99 = pct(lat["direct"], 0.99) * 1e3, pct(lat["reef"], 0.99) * 1e3
+    f50d, f50r = statistics.median(first["direct"]) * 1e3, statistics.median(first["reef"]) * 1e3
+    ratio = tput["reef"] / tput["direct"]
+
+    def ok(flag: bool) -> str:
+        return "ok" if flag else "MISSED"
+
+    print(f"requests per figure: {n} (latency), {max(n * 2, 400)} (throughput), {max(n // 2, 100)} (ttft)")
+    print(f"1. latency c=1, non-streaming   direct p50 {d50:6.3f} ms  p99 {d99:6.3f} ms")
+    print(f"                                reef   p50 {r50:6.3f} ms  p99 {r99:6.3f} ms")
+    print(f"   reef adds                    p50 {r50 - d50:+6.3f} ms  p99 {r99 - d99:+6.3f} ms"
+          f"  (ratio {r50 / d50:.2f}x)  goal <= +2 ms p50: {ok(r50 - d50 <= 2)}")
+    print(f"2. throughput c=16              direct {tput['direct']:7.0f} req/s   reef {tput['reef']:7.0f} req/s"
+          f"  ratio {ratio:.2f}  goal >= 0.50: {ok(ratio >= 0.5)}")
+    print(f"3. time to first token c=1      direct p50 {f50d:6.3f} ms   reef p50 {f50r:6.3f} ms"
+          f"  adds {f50r - f50d:+6.3f} ms (ratio {f50r / f50d:.2f}x)  goal <= +2 ms: {ok(f50r - f50d <= 2)}")
+    for name, rows in (("c=1", split), ("c=16", conc_split)):
+        if rows:
+            keys = sorted({k for s in rows for k in s})
+            parts = "  ".join(f"{k} {statistics.median(s.get(k, 0.0) for s in rows):.3f} ms" for k in keys)
+            print(f"   reef Server-Timing p50 ({name}): {parts}")
+    for name in ("direct", "reef"):
+        up, daemon, client = cpu[name]
+        print(f"   CPU per request at c=16, {name:6}: upstream {up:.3f} ms  reef {daemon:.3f} ms  client {client:.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--profile", metavar="FILE", help="run the daemon under cProfile and write its stats here")
+    ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return
+    up_port, reef_port = free_port(), free_port()
+    home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
+    (home / "logs").mkdir()
+    (home / "config.toml").write_text(
+        f'port = {reef_port}\n\n[models.up]\nengine = "upstream"\nurl = "http://127.0.0.1:{up_port}"\n'
+        f'format = "openai-chat"\nupstream_model = "bench-upstream"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
+    env.update(REEF_HOME=str(home), REEF_MODEL="up", PYTHONPATH=str(ROOT))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)]))
+        log = open(home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
+        profile = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []
+        procs.append(subprocess.Popen([sys.executable, *profile, "-m", "daemon", "--log-file"], env=env,
+                                      stdout=log, stderr=log, cwd=home))
+        log.close()
+        deadline = time.monotonic() + 60
+        while not (home / "token").exists():
+            if time.monotonic() > deadline or procs[1].poll() is not None:
+                raise SystemExit("reef did not start: " + (home / "logs" / "daemon.log").read_text()[-2000:])
+            time.sleep(0.05)
+        time.sleep(0.1)
+        token = (home / "token").read_text().strip()
+        import uvloop
+
+        uvloop.run(bench(args.requests, up_port, reef_port, token, procs))
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""A small provider stand-in for the upstream tests: answers in all three formats and fails on demand.
+
+Run: ``python tests/upstream_stub.py PORT``. Routes: ``POST [<prefix>]/v1/chat/completions``, ``/v1/responses``,
+``/v1/messages``, ``/v1/messages/count_tokens`` (any path prefix is accepted); ``GET /_stub/requests`` lists what
+it received (path, headers, body), ``DELETE /_stub/requests`` forgets it.
+
+Behaviour is chosen by directives ``[stub:NAME]`` or ``[stub:NAME=VALUE]`` in the request's last message (so they
+survive any translation on the way), or in the ``x-stub`` header:
+
+- ``status=N``: answer HTTP N with the format's error body (message ``stub refuses: status N``);
+- ``slow=S``: wait S seconds before the response headers;
+- ``cut=N``: stream N text pieces, then drop the connection (no final event; non-streaming: half a body);
+- ``error_event``: stream one text piece, then the format's in-stream error event;
+- ``tool``: answer with one call of ``get_weather`` ``{"city": "Paris"}`` (id ``call_stub1`` / ``toolu_stub1``);
+- ``text=...``: answer this text.
+
+Without directives it answers ``stub says hello``, or ``tool said: <result>`` when the last message is a tool
+result. Usage is fixed: 11 prompt tokens (3 of them cached), 5 output tokens, in each format's own terms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from typing import Any
+
+from aiohttp import web
+
+DIRECTIVE = re.compile(r"\[stub:([a-z_]+)(?:=([^\]]*))?\]")
+RECEIVED: list[dict[str, Any]] = []
+TOOL_ARGS = '{"city": "Paris"}'
+
+
+def dumps(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"))
+
+
+def frame(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else dumps(data)}\n\n".encode()
+
+
+def last_message(fmt: str, body: dict[str, Any]) -> Any:
+    if fmt == "responses":
+        items = body.get("input")
+        return items if isinstance(items, str) else (items or [None])[-1]
+    return (body.get("messages") or [None])[-1]
+
+
+def tool_result_text(fmt: str, last: Any) -> str | None:
+    """The text of a tool result if the last message is one."""
+    if not isinstance(last, dict):
+        return None
+    if fmt == "chat" and last.get("role") == "tool":
+        c = last.get("content")
+        return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [])
+    if fmt == "responses" and last.get("type") == "function_call_output":
+        out = last.get("output")
+        return out if isinstance(out, str) else "".join(p.get("text", "") for p in out or [])
+    if fmt == "anthropic" and isinstance(last.get("content"), list):
+        for block in last["content"]:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                c = block.get("content")
+                return c if isinstance(c, str) else "".join(b.get("text", "") for b in c or [])
+    return None
+
+
+def plan(fmt: str, body: dict[str, Any], header: str) -> dict[str, str]:
+    last = last_message(fmt, body)
+    directives = {m.group(1): m.group(2) or "" for m in DIRECTIVE.finditer(dumps(last) + " " + header)}
+    result = tool_result_text(fmt, last)
+    if "text" not in directives:
+        directives["text"] = f"tool said: {result}" if result is not None else "stub says hello"
+    return directives
+
+
+def error_body(fmt: str, status: int, message: str) -> dict[str, Any]:
+    if fmt == "anthropic":
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error", 529: "overloaded_error"}.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": None}}
+
+
+def pieces(text: str) -> list[str]:
+    """The text in three pieces (as a model streams it)."""
+    n = max(1, len(text) // 3)
+    return [p for p in (text[:n], text[n : 2 * n], text[2 * n :]) if p]
+
+
+# --- chat completions ------------------------------------------------------------------------------------------
+
+
+def chat_body(model: str, text: str, tool: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool else text}
+    if tool:
+        message["tool_calls"] = [{"id": "call_stub1", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": TOOL_ARGS}}]
+    return {
+        "id": "chatcmpl-stub", "object": "chat.completion", "created": 1, "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if tool else "stop",
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16,
+                  "prompt_tokens_details": {"cached_tokens": 3}},
+    }
+
+
+def chat_stream(model: str, text: str, tool: bool, usage: bool) -> list[bytes]:
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        return frame({"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1, "model": model,
+                      "choices": choices, **extra})
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if tool:
+        call = {"index": 0, "id": "call_stub1", "type": "function", "function": {"name": "get_weather",
+                                                                                  "arguments": ""}}
+        out.append(chunk({"tool_calls": [call]}))
+        for part in (TOOL_ARGS[:8], TOOL_ARGS[8:]):
+            out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]}))
+    else:
+        out += [chunk({"content": p}) for p in pieces(text)]
+    out.append(chunk({}, "tool_calls" if tool else "stop"))
+    if usage:
+        out.append(chunk(None, usage=chat_body(model, "", False)["usage"]))
+    return [*out, b"data: [DONE]\n\n"]
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+RESP_USAGE = {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 5,
+              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 16}
+
+
+def responses_items(text: str, tool: bool) -> list[dict[str, Any]]:
+    if tool:
+        return [{"id": "fc_stub1", "type": "function_call", "call_id": "call_stub1", "name": "get_weather",
+                 "arguments": TOOL_ARGS, "status": "completed"}]
+    return [{"id": "msg_stub1", "type": "message", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+
+
+def responses_body(model: str, text: str, tool: bool, status: str = "completed") -> dict[str, Any]:
+    return {"id": "resp_stub", "object": "response", "created_at": 1, "status": status, "model": model,
+            "output": responses_items(text, tool) if status != "in_progress" else [], "error": None,
+            "incomplete_details": None, "usage": RESP_USAGE if status != "in_progress" else None}
+
+
+def responses_stream(model: str, text: str, tool: bool) -> list[bytes]:
+    seq = 0
+
+    def ev(kind: str, **data: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        return frame({"type": kind, "sequence_number": seq, **data}, kind)
+
+    out = [ev("response.created", response=responses_body(model, "", False, "in_progress"))]
+    item = responses_items(text, tool)[0]
+    if tool:
+        out.append(ev("response.output_item.added", output_index=0, item={**item, "arguments": "",
+                                                                          "status": "in_progress"}))
+        for part in (TOOL_ARGS[:8], TOOL_ARGS[8:]):
+            out.append(ev("response.function_call_arguments.delta", item_id="fc_stub1", output_index=0, delta=part))
+        out.append(ev("response.function_call_arguments.done", item_id="fc_stub1", output_index=0,
+                      arguments=TOOL_ARGS))
+    else:
+        out.append(ev("response.output_item.added", output_index=0, item={**item, "content": [],
+                                                                          "status": "in_progress"}))
+        out.append(ev("response.content_part.added", item_id="msg_stub1", output_index=0, content_index=0,
+                      part={"type": "output_text", "text": "", "annotations": []}))
+        for p in pieces(text):
+            out.append(ev("response.output_text.delta", item_id="msg_stub1", output_index=0, content_index=0,
+                          delta=p))
+        out.append(ev("response.output_text.done", item_id="msg_stub1", output_index=0, content_index=0, text=text))
+    out.append(ev("response.output_item.done", output_index=0, item=item))
+    out.append(ev("response.completed", response=responses_body(model, text, tool)))
+    return out
+
+
+# --- anthropic messages ------------------------------------------------------------------------------------------
+
+ANTH_USAGE = {"input_tokens": 8, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 0, "output_tokens": 5}
+
+
+def anthropic_body(model: str, text: str, tool: bool) -> dict[str, Any]:
+    content = ([{"type": "tool_use", "id": "toolu_stub1", "name": "get_weather", "input": json.loads(TOOL_ARGS)}]
+               if tool else [{"type": "text", "text": text}])
+    return {"id": "msg_stub", "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None, "usage": ANTH_USAGE}
+
+
+def anthropic_stream(model: str, text: str, tool: bool) -> list[bytes]:
+    start = {**anthropic_body(model, "", False), "content": [], "stop_reason": None,
+             "usage": {**ANTH_USAGE, "output_tokens": 1}}
+    out = [frame({"type": "message_start", "message": start}, "message_start"), frame({"type": "ping"}, "ping")]
+    if tool:
+        block = {"type": "tool_use", "id": "toolu_stub1", "name": "get_weather", "input": {}}
+        deltas = [{"type": "input_json_delta", "partial_json": p} for p in ("", TOOL_ARGS[:8], TOOL_ARGS[8:])]
+    else:
+        block = {"type": "text", "text": ""}
+        deltas = [{"type": "text_delta", "text": p} for p in pieces(text)]
+    out.append(frame({"type": "content_block_start", "index": 0, "content_block": block}, "content_block_start"))
+    out += [frame({"type": "content_block_delta", "index": 0, "delta": d}, "content_block_delta") for d in deltas]
+    out.append(frame({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+    delta = {"stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None}
+    out.append(frame({"type": "message_delta", "delta": delta, "usage": {"output_tokens": 5}}, "message_delta"))
+    return [*out, frame({"type": "message_stop"}, "message_stop")]
+
+
+# --- the server --------------------------------------------------------------------------------------------------
+
+
+def in_stream_error(fmt: str) -> bytes:
+    if fmt == "anthropic":
+        return frame({"type": "error", "error": {"type": "overloaded_error", "message": "stub overloaded"}}, "error")
+    if fmt == "responses":
+        return frame({"type": "error", "code": "server_error", "message": "stub overloaded", "sequence_number": 99},
+                     "error")
+    return frame({"error": {"message": "stub overloaded", "type": "server_error"}})
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    path = request.path
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    RECEIVED.append({"path": path, "query": request.query_string, "headers": dict(request.headers), "body": body})
+    if not isinstance(body, dict):
+        return web.json_response({"error": {"message": "stub: body is not a JSON object"}}, status=400)
+    if path.endswith("/v1/messages/count_tokens"):
+        return web.json_response({"input_tokens": 42})
+    fmt = ("chat" if path.endswith("/v1/chat/completions") else "responses" if path.endswith("/v1/responses")
+           else "anthropic" if path.endswith("/v1/messages") else None)
+    if fmt is None:
+        return web.json_response({"error": {"message": f"stub: no route {path}"}}, status=404)
+    d = plan(fmt, body, request.headers.get("x-stub", ""))
+    model = str(body.get("model"))
+    if "slow" in d:
+        await asyncio.sleep(float(d["slow"]))
+    if "status" in d:
+        status = int(d["status"])
+        return web.json_response(error_body(fmt, status, f"stub refuses: status {status}"), status=status)
+    text, tool = d["text"], "tool" in d
+    stream = body.get("stream") is True
+    if not stream:
+        answer = {"chat": chat_body, "responses": responses_body, "anthropic": anthropic_body}[fmt](model, text, tool)
+        data = dumps(answer).encode()
+        if "cut" in d:
+            resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(data))})
+            await resp.prepare(request)
+            await resp.write(data[: len(data) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        return web.Response(body=data, content_type="application/json")
+    if fmt == "chat":
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True
+        frames = chat_stream(model, text, tool, include_usage)
+    else:
+        frames = (responses_stream if fmt == "responses" else anthropic_stream)(model, text, tool)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    if "cut" in d or "error_event" in d:
+        n = int(d.get("cut") or 0)
+        head = [f for f in frames if any(dumps(p).encode() in f for p in pieces(text))][: max(n, 1)]
+        lead = frames[: frames.index(head[0])] if head else frames[:1]
+        await resp.write(b"".join(lead + head))
+        await asyncio.sleep(0.05)
+        if "error_event" in d:
+            await resp.write(in_stream_error(fmt))
+            await resp.write_eof()
+            return resp
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+    for f in frames:
+        await resp.write(f)
+    await resp.write_eof()
+    return resp
+
+
+async def requests(request: web.Request) -> web.Response:
+    if request.method == "DELETE":
+        RECEIVED.clear()
+        return web.json_response({"ok": True})
+    return web.json_response(RECEIVED)
+
+
+def make_app() -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_route("GET", "/_stub/requests", requests)
+    app.router.add_route("DELETE", "/_stub/requests", requests)
+    app.router.add_get("/_stub/health", lambda r: web.json_response({"ok": True}))
+    app.router.add_post("/{tail:.*}", handle)
+    return app
+
+
+if __name__ == "__main__":
+    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
