@@ -644,6 +644,8 @@ async def handle_status(request: web.Request) -> web.Response:
             "records": counts.get("exchange", 0),
             "reports": counts.get("report", 0),
             "scenarios": len(await reef.store.list_scenarios()),
+            "learning": dict(reef.learner.state),
+            "trainer_pid": reef.learner.trainer_pid,
         }
     )
 

@@ -88,6 +88,10 @@ class Learner:
             self._trainer = TrainerClient(threads=self.reef.config.trainer_threads)
         return self._trainer
 
+    @property
+    def trainer_pid(self) -> int | None:
+        return None if self._trainer is None else self._trainer.pid
+
     async def start(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)  # candidates of a crashed run: never published, retrained
         self.dir.mkdir(parents=True, exist_ok=True)

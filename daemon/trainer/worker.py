@@ -124,10 +124,19 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def worker_main(conn: Connection, threads: int) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A worker must not outlive its daemon (``kill -9`` of the daemon leaves no orphan training on)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def worker_main(conn: Connection, threads: int, parent: int) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     state = _State()
@@ -168,7 +177,7 @@ class TrainerClient:
             log.warning("trainer worker died (exit %s); restarting it", self._proc.exitcode)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=worker_main, args=(child, self.threads), name="reef-trainer", daemon=True)
+        self._proc = ctx.Process(target=worker_main, args=(child, self.threads, os.getpid()), name="reef-trainer", daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
