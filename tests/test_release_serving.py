@@ -283,3 +283,25 @@ def test_memory_budget_evicts_idle_loads(daemon_factory: Any, tiny_model: Path, 
         assert len(resident) == 1  # a 2 MiB model over a 1 MiB budget: only the one in use stays
         pinned = chat(c, "budget", **{"x-reef-release-id": first.headers["x-reef-release-id"]})
         assert pinned.status_code == 200  # an evicted release loads again when asked for
+
+
+def test_promote_a_pending_release(daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
+    from daemon.releases import ReleaseStore, files_from_dir
+
+    with daemon.http() as c:
+        init_id = chat(c, "rel-p").headers["x-reef-release-id"]
+        store = ReleaseStore(daemon.home / "artifacts.git")
+        pending = store.hold("rel-p", files_from_dir(make_weights(tiny_model, tmp_path / "wp", 30)),
+                             kind="weights", recipe="record", metrics={"eval_reward": 0.9})
+        listed = c.get("/reef/scenarios/rel-p/releases", params={"all": "1"}).json()
+        assert [p["release_id"] for p in listed["pending"]] == [pending.release_id]
+        assert chat(c, "rel-p").headers["x-reef-release-id"] == init_id  # pending does not serve
+        stale = c.post("/reef/scenarios/rel-p/promote", json={"release_id": pending.release_id,
+                                                               "expected_head": "0" * 40})
+        assert_canonical_error(stale, 409)
+        done = c.post("/reef/scenarios/rel-p/promote", json={"release_id": pending.release_id,
+                                                              "expected_head": init_id})
+        assert done.status_code == 201, done.text
+        rel = done.json()
+        assert (rel["operation"], rel["step"], rel["source"]) == ("promote", 1, pending.release_id)
+        assert chat(c, "rel-p").headers["x-reef-release-id"] == rel["release_id"]
