@@ -1,0 +1,329 @@
+"""Online RL on weights from scored exchanges: the pure training step, its optimizer, sampling and evaluation.
+
+Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured in ``bench/learning_offline.py``):
+
+- **Data.** Only what a record holds: ``prompt_token_ids``, the sampled ``token_ids`` (EOS included), their
+  behaviour ``logprobs`` (raw logits, temperature 1, under the serving weights) and the report's ``reward``.
+  Nothing is re-tokenised. ``group`` keys samples of the same prompt.
+- **Advantage.** Group-normalised (GRPO): ``(r - mean(group)) / max(std(group), min_std)``. The ``min_std``
+  floor keeps near-uniform groups (rewards differing by partial-credit crumbs) from being blown up to unit
+  scale. A group of one sample (the rest not reported yet) is baselined by the batch mean instead.
+- **All-wrong / all-right groups** carry no group-normalised signal (advantage 0, so they cost compute and
+  nothing else); they are counted (``degenerate``) rather than faked. What keeps them rare is upstream: the
+  verifier gives partial credit below the "right" bar (a near-miss beats garbage), the model starts with a
+  warm-up skill, and each prompt gets ``group_size`` samples at temperature 1.
+- **Objective.** PPO-style clipped surrogate on the per-token importance ratio ``exp(logp_now - logp_behaviour)``
+  (asymmetric clip ``[1 - clip_low, 1 + clip_high]``), averaged over all completion tokens of the batch (each
+  token weighs the same, long answers do not dilute short ones' tokens). The ratio corrects for staleness: the
+  records were sampled by the serving release, which may be up to ``max_staleness`` releases behind.
+  Optional entropy bonus; no KL term or reference model (the gate is the guard against drift).
+- **Steps.** ``steps_per_batch`` optimizer steps on one batch (later steps are off-policy, hence the clip);
+  AdamW, gradient-norm clipping. Full fine-tuning by default (the tiny model is 0.4M parameters); ``lora``
+  wraps the model with peft if it is installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from recipes.tasks import Task, TaskFamily
+
+
+@dataclass
+class Sample:
+    """One scored exchange, as the daemon records it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # sampled, EOS included when the model stopped
+    logprobs: list[float]  # behaviour log-probs of ``token_ids`` (raw logits, temperature 1)
+    reward: float
+    group: str  # same prompt, same group
+
+
+@dataclass
+class OnlineRLSettings:
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    batch_prompts: int = 8  # prompts per training batch
+    group_size: int = 8  # samples per prompt (the client asks each prompt this many times)
+    clip_low: float = 0.2  # PPO clip: ratio kept >= 1 - clip_low for negative advantages
+    clip_high: float = 0.28  # ratio kept <= 1 + clip_high for positive advantages
+    min_std: float = 0.1  # floor of the group std in the advantage denominator (reward units)
+    entropy_coef: float = 0.0  # bonus on the mean token entropy (nats)
+    grad_clip: float = 1.0  # max global gradient norm
+    steps_per_batch: int = 1  # optimizer steps per batch
+    max_staleness: int = 2  # releases: records served by a release older than head - this are not used
+    temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
+    max_new_tokens: int = 8  # tokens per answer in the demo
+    train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
+    lora: bool = False  # train LoRA adapters (peft) instead of all weights
+    lora_rank: int = 8
+    lora_alpha: int = 16
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- the training step ----------------------------------------------------------------------------------------
+
+
+def make_optimizer(model: Any, settings: OnlineRLSettings) -> torch.optim.Optimizer:
+    """AdamW over the trained weights; unless ``train_embeddings``, marks the token embeddings frozen."""
+    if not settings.train_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.99), weight_decay=settings.weight_decay)
+
+
+def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
+    """The model with LoRA adapters on its attention and MLP projections (needs ``peft``)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise RuntimeError("online-rl with lora = true needs peft: pip install peft") from e
+    config = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return get_peft_model(model, config)
+
+
+def advantages(batch: list[Sample], settings: OnlineRLSettings) -> tuple[list[float], int]:
+    """Group-normalised advantage per sample, and how many groups carried no signal (all rewards equal)."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(batch):
+        groups[s.group].append(i)
+    rewards = [s.reward for s in batch]
+    batch_mean = sum(rewards) / len(rewards)
+    batch_std = _std(rewards)
+    adv = [0.0] * len(batch)
+    degenerate = 0
+    for members in groups.values():
+        rs = [rewards[i] for i in members]
+        if len(rs) == 1:  # the rest of the group is not here: baseline by the batch
+            adv[members[0]] = (rs[0] - batch_mean) / max(batch_std, settings.min_std)
+            continue
+        mean, std = sum(rs) / len(rs), _std(rs)
+        if std == 0:
+            degenerate += 1
+        for i in members:
+            adv[i] = (rewards[i] - mean) / max(std, settings.min_std)
+    return adv, degenerate
+
+
+def _std(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _padded(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input ids [B, L] (right-padded), attention mask, and for the completion tokens: targets, starts."""
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in batch]
+    width = max(lengths)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, s in enumerate(batch):
+        seq = s.prompt_token_ids + s.token_ids
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    starts = torch.tensor([len(s.prompt_token_ids) for s in batch])
+    return ids, mask, starts, torch.tensor(lengths)
+
+
+def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask."""
+    pad = model.config.pad_token_id or 0
+    ids, mask, starts, lengths = _padded(batch, pad)
+    longest = max(len(s.token_ids) for s in batch)
+    # positions predicting completion token t of row b: starts[b] - 1 + t
+    pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
+    tmask = pos < (lengths[:, None] - 1)
+    pos = pos.clamp(max=ids.shape[1] - 2)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    rows = torch.arange(len(batch))[:, None]
+    picked = logits[rows, pos]  # [B, T, V]
+    logp_all = torch.log_softmax(picked, dim=-1)
+    targets = ids[rows, pos + 1]
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy, tmask
+
+
+def train_step(
+    model: Any, batch: list[Sample], settings: OnlineRLSettings, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, float]:
+    """``settings.steps_per_batch`` clipped policy-gradient steps on ``batch``; returns metrics of the first."""
+    if not batch:
+        raise ValueError("train_step needs at least one sample")
+    for s in batch:
+        if len(s.token_ids) != len(s.logprobs) or not s.token_ids or not s.prompt_token_ids:
+            raise ValueError(f"sample of group {s.group!r}: needs a prompt and one logprob per sampled token")
+    optimizer = optimizer or make_optimizer(model, settings)
+    adv_list, degenerate = advantages(batch, settings)
+    rewards = [s.reward for s in batch]
+    summary = {
+        "reward_mean": sum(rewards) / len(rewards),
+        "samples": float(len(batch)),
+        "groups": float(len({s.group for s in batch})),
+        "degenerate_groups": float(degenerate),
+        "signal_frac": sum(1 for a in adv_list if a != 0) / len(batch),
+        "tokens": float(sum(len(s.token_ids) for s in batch)),
+    }
+    # zero-advantage samples (all-equal groups) would only add compute and dilute the token mean: leave them out
+    used = [(s, a) for s, a in zip(batch, adv_list, strict=True) if a != 0]
+    if not used:
+        return {**summary, "skipped": 1.0}
+    batch = [s for s, _ in used]
+    longest = max(len(s.token_ids) for s in batch)
+    old = torch.zeros(len(batch), longest)
+    for row, s in enumerate(batch):
+        old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    adv = torch.tensor([a for _, a in used])[:, None]
+    was_training = model.training
+    model.train()
+    metrics: dict[str, float] = {}
+    try:
+        for step in range(settings.steps_per_batch):
+            logp, entropy, tmask = token_logprobs(model, batch)
+            n = tmask.sum().clamp(min=1)
+            log_ratio = (logp - old).masked_fill(~tmask, 0.0)
+            ratio = log_ratio.exp()
+            clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+            surrogate = torch.minimum(ratio * adv, clipped * adv)
+            pg_loss = -(surrogate * tmask).sum() / n
+            mean_entropy = (entropy * tmask).sum() / n
+            loss = pg_loss - settings.entropy_coef * mean_entropy
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], settings.grad_clip
+            )
+            optimizer.step()
+            if step == 0:
+                with torch.no_grad():
+                    is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
+                    metrics = {
+                        "loss": float(loss),
+                        "pg_loss": float(pg_loss),
+                        "entropy": float(mean_entropy),
+                        "ratio_mean": float((ratio * tmask).sum() / n),
+                        "ratio_max": float(ratio.masked_fill(~tmask, 0).max()),
+                        "clip_frac": float((is_clipped & tmask).sum() / n),
+                        # k3 estimator of KL(behaviour || current) per token
+                        "kl": float(((ratio - 1 - log_ratio) * tmask).sum() / n),
+                        "grad_norm": float(grad_norm),
+                    }
+    finally:
+        model.train(was_training)
+    return {**summary, **metrics, "skipped": 0.0}
+
+
+# --- sampling and evaluation ------------------------------------------------------------------------------------
+
+
+def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt token ids exactly as the embedded engine makes them (chat template, generation prompt)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = {eos} if isinstance(eos, int) else set(eos or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    eos: set[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """Batched decoding like the engine's: for each prompt the sampled ids (EOS included) and their log-probs
+    under the raw logits (temperature 1). ``temperature == 0`` is greedy."""
+    from transformers import DynamicCache
+
+    was_training = model.training
+    model.eval()
+    pad = model.config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+    live = torch.ones(len(prompts), dtype=torch.bool)
+    step_ids, step_pos = ids, positions
+    for _ in range(max_new_tokens):
+        logits = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=step_pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_arg: cache},
+        ).logits[:, -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        if temperature == 0:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        picked = logp.gather(-1, tokens[:, None])[:, 0]
+        for row in torch.nonzero(live)[:, 0].tolist():
+            t = int(tokens[row])
+            out[row][0].append(t)
+            out[row][1].append(float(picked[row]))
+            if t in eos:
+                live[row] = False
+        if not live.any():
+            break
+        # finished rows keep decoding (cheaper than reshaping the cache for a few steps); their output is ignored
+        step_ids = tokens[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+    model.train(was_training)
+    return out
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[Task],
+    family: TaskFamily,
+    *,
+    max_new_tokens: int = 8,
+    exact: bool = True,
+    batch_size: int = 64,
+) -> float:
+    """Mean score of greedy answers to ``tasks`` (through the engine's chat template). ``exact``: count only
+    right answers (1/0, the stated metric); otherwise the verifier's score with partial credit."""
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
+    eos = eos_ids(model, tokenizer)
+    total = 0.0
+    for i in range(0, len(tasks), batch_size):
+        chunk = tasks[i : i + batch_size]
+        outs = generate(
+            model, [render_prompt(tokenizer, t.prompt) for t in chunk], eos=eos, max_new_tokens=max_new_tokens,
+            temperature=0,
+        )
+        for task, (ids, _) in zip(chunk, outs, strict=True):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            total += family.exact(task, text) if exact else family.score(task, text)
+    return total / len(tasks)
