@@ -20,12 +20,13 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
-from daemon.errors import BadRequest, HeadMoved, NotFound
+from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound
 from daemon.events import EventBus
 from daemon.metrics import Metrics
 from daemon.records import Scenario
@@ -39,8 +40,10 @@ def artifact_kind(config: Config, scenario: Scenario) -> str:
 
 
 class Chains:
-    def __init__(self, config: Config, events: EventBus, metrics: Metrics) -> None:
+    def __init__(self, config: Config, events: EventBus, metrics: Metrics,
+                 ensure_model: Callable[[str], Awaitable[Any]] | None = None) -> None:
         self.config = config
+        self.ensure_model = ensure_model  # builds a built-in model on first use, before its init release
         self.events = events
         self.metrics = metrics
         self.store = ReleaseStore(config.artifacts_path)
@@ -131,7 +134,11 @@ class Chains:
                 }
                 source = base_rel.release_id
             elif kind == "weights" and entry.path is not None:
+                if self.ensure_model is not None:
+                    await self.ensure_model(scenario.model)
                 files = files_from_dir(entry.path)
+                if not files:
+                    raise EngineError(f"model {scenario.model}: no files in {entry.path}")
             try:
                 rel = await asyncio.to_thread(
                     self.store.publish, scenario.name, files, expected_head=None, operation="init", kind=kind,

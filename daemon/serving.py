@@ -88,7 +88,7 @@ class Reef:
         self.store = RecordStore(config.records_path)
         self.events = EventBus()
         self.metrics = Metrics()
-        self.chains = Chains(config, self.events, self.metrics)
+        self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
         self.learner = Learner(self)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}

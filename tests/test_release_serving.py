@@ -305,3 +305,16 @@ def test_promote_a_pending_release(daemon: Daemon, tiny_model: Path, tmp_path: P
         rel = done.json()
         assert (rel["operation"], rel["step"], rel["source"]) == ("promote", 1, pending.release_id)
         assert chat(c, "rel-p").headers["x-reef-release-id"] == rel["release_id"]
+
+
+def test_a_built_in_model_is_built_before_its_first_init_release(daemon: Daemon) -> None:
+    """Creating a scenario on a built-in model that is not built yet (tiny-demo) builds it first: the init
+    release holds the model's files, never an empty tree."""
+    with daemon.http() as c:
+        created = c.post("/reef/scenarios", json={"name": "demo-built", "model": "tiny-demo"}, timeout=600)
+        assert created.status_code == 201, created.text
+        files = {f["path"] for f in c.get(f"/reef/releases/{created.json()['head']}").json()["diff"]["files"]}
+        assert {"model.safetensors", "tokenizer.json", "config.json"} <= files
+        r = c.post("/s/demo-built/v1/chat/completions", json={"model": "tiny-demo", "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": 'Say "a".'}]})
+        assert r.status_code == 200, r.text
