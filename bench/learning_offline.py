@@ -42,7 +42,7 @@ from recipes.tasks import get_family  # noqa: E402
 def run(seed: int, args: argparse.Namespace, settings: OnlineRLSettings) -> dict:
     family = get_family(args.family)
     t0 = time.monotonic()
-    tokenizer, model = build_tiny(seed=seed, config=TinyConfig(hidden_size=args.width, intermediate_size=4 * args.width))
+    tokenizer, model = build_tiny(seed=seed, config=TinyConfig(hidden_size=args.width, intermediate_size=args.intermediate or 4 * args.width))
     info = warm_up(
         tokenizer, model, family, seed=seed, target=args.warmup_target, steps=args.warmup_steps, embed_std=args.embed_std
     )
@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--family", default="say")
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x width)")
     p.add_argument("--seconds", type=float, default=180, help="training time limit per seed (evaluation excluded)")
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--keep-going", action="store_true", help="train until --seconds even after the target")
