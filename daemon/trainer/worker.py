@@ -167,6 +167,7 @@ class TrainerClient:
         self._proc: Any = None
         self._conn: Connection | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.restarts = 0
 
     def _ensure(self) -> Connection:
@@ -190,6 +191,8 @@ class TrainerClient:
     def _run(self, job: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             for attempt in range(self.retries + 1):
+                if self._closed:
+                    raise EngineError("the trainer is shutting down")
                 conn = self._ensure()
                 try:
                     conn.send(job)
@@ -209,14 +212,20 @@ class TrainerClient:
         return await asyncio.to_thread(self._run, job)
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
+        """Stop the worker; a job still running is abandoned (its candidate was never published)."""
+        self._closed = True
+        idle = self._lock.acquire(timeout=2)
+        try:
+            if idle and self._conn is not None:
                 try:
                     self._conn.send(None)
                 except OSError:
                     pass
             if self._proc is not None:
-                self._proc.join(5)
+                self._proc.join(5 if idle else 0)
                 if self._proc.is_alive():
                     self._proc.kill()
                     self._proc.join()
+        finally:
+            if idle:
+                self._lock.release()
