@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from reef_cli import daemon_cmd, demo, model, records, releases
+from reef_cli import daemon_cmd, demo, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ def root(
 app.command("serve")(daemon_cmd.serve)
 app.command("report")(records.report)
 app.command("demo")(demo.demo)
+app.command("tui")(tui.command)
 app.add_typer(daemon_cmd.app, name="daemon")
 app.add_typer(records.records_app, name="records")
 app.add_typer(records.scenarios_app, name="scenarios")

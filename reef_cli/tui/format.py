@@ -1,0 +1,129 @@
+"""Pure text helpers of the TUI: short ids, ages, metrics, gate verdicts, and an exchange as a conversation.
+
+Nothing here touches Textual or the network, so the screens stay thin and these stay easy to test.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def short(release_id: str | None, n: int = 10) -> str:
+    return release_id[:n] if release_id else "-"
+
+
+def age(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "-"
+    d = max(0.0, now - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= size:
+            return f"{int(d // size)}{unit}"
+    return f"{int(d)}s"
+
+
+def number(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.3g}"
+
+
+# the metrics a person looks at first, when a release has them
+KEY_METRICS = ("eval_reward", "batch_reward", "reward", "loss", "eval_base", "margin")
+
+
+def key_metrics(metrics: dict[str, Any] | None, n: int = 3) -> str:
+    if not metrics:
+        return ""
+    keys = [k for k in KEY_METRICS if k in metrics] + [k for k in metrics if k not in KEY_METRICS]
+    return "  ".join(f"{k} {number(metrics[k])}" for k in keys[:n])
+
+
+def verdict(release: dict[str, Any]) -> str:
+    """The gate's verdict as the chain shows it: train releases passed their gate; others had none."""
+    op = release.get("operation")
+    if op == "rejected":
+        return "rejected"
+    if op == "pending":
+        return "pending"
+    if op in ("train", "promote"):
+        return str((release.get("metrics") or {}).get("verdict") or "accepted")
+    return "-"
+
+
+def score(v: Any) -> str:
+    return "-" if v is None else number(v)
+
+
+def one_line(text: Any, limit: int = 60) -> str:
+    if text is None:
+        return ""
+    s = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
+    s = " ".join(s.split())
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict):
+                if isinstance(p.get("text"), str):
+                    parts.append(p["text"])
+                elif p.get("type") in ("tool_use", "function_call"):
+                    parts.append(f"[tool call {p.get('name')}: {json.dumps(p.get('input', p.get('arguments')))}]")
+                elif p.get("type") == "tool_result":
+                    parts.append(f"[tool result: {_content_text(p.get('content'))}]")
+                else:
+                    parts.append(f"[{p.get('type', 'part')}]")
+            elif isinstance(p, str):
+                parts.append(p)
+        return "\n".join(parts)
+    return "" if content is None else json.dumps(content, ensure_ascii=False)
+
+
+def conversation(request: Any, response: Any) -> list[tuple[str, str]]:
+    """(role, text) turns of one exchange, best effort across chat completions, Responses and Messages."""
+    turns: list[tuple[str, str]] = []
+    req = request if isinstance(request, dict) else {}
+    if isinstance(req.get("system"), (str, list)):
+        turns.append(("system", _content_text(req["system"])))
+    if isinstance(req.get("instructions"), str):
+        turns.append(("system", req["instructions"]))
+    items = req.get("messages") if isinstance(req.get("messages"), list) else None
+    if items is None:
+        inp = req.get("input")
+        items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+    for m in items:
+        if isinstance(m, dict):
+            role = str(m.get("role") or m.get("type") or "?")
+            text = _content_text(m.get("content"))
+            if m.get("tool_calls"):
+                text += "".join(f"\n[tool call {c.get('function', {}).get('name')}]" for c in m["tool_calls"])
+            turns.append((role, text))
+    resp = response if isinstance(response, dict) else {}
+    if isinstance(resp.get("choices"), list):
+        for ch in resp["choices"]:
+            msg = (ch or {}).get("message") or {}
+            text = _content_text(msg.get("content"))
+            for c in msg.get("tool_calls") or []:
+                fn = c.get("function") or {}
+                text += f"\n[tool call {fn.get('name')}: {fn.get('arguments')}]"
+            turns.append((str(msg.get("role") or "assistant"), text))
+    elif isinstance(resp.get("content"), list):
+        turns.append(("assistant", _content_text(resp["content"])))
+    elif isinstance(resp.get("output"), list):
+        for item in resp["output"]:
+            if isinstance(item, dict):
+                if item.get("type") == "function_call":
+                    turns.append(("assistant", f"[tool call {item.get('name')}: {item.get('arguments')}]"))
+                else:
+                    turns.append((str(item.get("role") or "assistant"), _content_text(item.get("content"))))
+    elif response is not None:
+        turns.append(("response", _content_text(response)))
+    return turns

@@ -1,0 +1,634 @@
+"""The TUI's screens: scenarios, release chain, release detail, training, records feed, one exchange, and the
+confirmation of a rollback or promotion.
+
+Each screen loads what it shows in a worker (``refresh_data``), reacts to daemon events that concern it
+(``daemon_event``, throttled), and reloads when it comes back to the top. Errors from the daemon become a
+notification and a line on the screen, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, ClassVar
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Footer, Static
+
+from daemon.errors import Conflict, ReefError
+from reef_cli.tui.format import age, conversation, key_metrics, number, one_line, score, short, verdict
+from reef_cli.tui.widgets import ConnectionBar
+
+
+class ReefScreen(Screen[None]):
+    """A screen that loads its data in a worker and reloads when events concern it."""
+
+    scenario: str | None = None
+    RELOAD_ON: ClassVar[tuple[str, ...]] = ()
+    THROTTLE_S: ClassVar[float] = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reload_pending = False
+        self.loaded = 0  # how many loads finished (tests wait on it)
+
+    @property
+    def reef(self) -> Any:
+        return self.app
+
+    def on_mount(self) -> None:
+        self.refresh_data()
+
+    def on_screen_resume(self) -> None:
+        if self.loaded:
+            self.refresh_data()
+
+    def refresh_data(self) -> None:
+        self.run_worker(self._guarded_load(), group="load", exclusive=True, exit_on_error=False)
+
+    async def _guarded_load(self) -> None:
+        try:
+            await self.load()
+        except ReefError as e:
+            self.show_error(e.message)
+        finally:
+            self.loaded += 1
+
+    async def load(self) -> None:
+        raise NotImplementedError
+
+    def show_error(self, message: str) -> None:
+        for note in self.query("#note").results(Static):
+            note.update(Text(message, style="red"))
+
+    def daemon_event(self, ev: dict[str, Any]) -> None:
+        if ev.get("kind") in self.RELOAD_ON and (self.scenario is None or ev.get("scenario") in (None, self.scenario)):
+            self.reload_soon()
+
+    def reload_soon(self) -> None:
+        if not self._reload_pending:
+            self._reload_pending = True
+
+            def go() -> None:
+                self._reload_pending = False
+                self.refresh_data()
+
+            self.set_timer(self.THROTTLE_S, go)
+
+
+# --- scenarios -------------------------------------------------------------------------------------------
+
+
+class ScenariosScreen(ReefScreen):
+    """Every scenario: recipe, head step, records, reports, mean recent score, training state."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "open", "Chain", priority=True),
+        Binding("r", "refresh_data", "Refresh"),
+    ]
+    RELOAD_ON = ("scenario", "release", "report", "record", "train.start", "train.step", "gate")
+    THROTTLE_S = 1.0
+
+    def compose(self) -> ComposeResult:
+        yield Static("Scenarios", classes="title")
+        table: DataTable[Any] = DataTable(cursor_type="row", zebra_stripes=True, id="scenarios")
+        table.add_columns("scenario", "recipe", "model", "head step", "records", "reports", "mean score", "training")
+        yield table
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    async def load(self) -> None:
+        src = self.reef.source
+        scenarios, status = await asyncio.gather(src.scenarios(), src.status())
+        heads = await asyncio.gather(*(src.releases(s["name"], limit=1) for s in scenarios), return_exceptions=True)
+        learning = status.get("learning") or {}
+        table = self.query_one(DataTable)
+        keep = table.cursor_row
+        table.clear()
+        for s, chain in zip(scenarios, heads, strict=True):
+            step = "-"
+            if isinstance(chain, dict) and chain.get("releases"):
+                step = str(chain["releases"][0]["step"])
+            state = self.reef.training.state.get(s["name"]) or learning.get(s["name"]) or "idle"
+            table.add_row(s["name"], s.get("recipe", "-"), s.get("model", "-"), step, str(s.get("records", 0)),
+                          str(s.get("reports", 0)), score(s.get("mean_score")), state, key=s["name"])
+        if scenarios:
+            table.move_cursor(row=min(keep, len(scenarios) - 1))
+        note = f"{len(scenarios)} scenarios; enter opens a release chain" if scenarios else "no scenarios yet"
+        self.query_one("#note", Static).update(note)
+
+    def action_open(self) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            self.app.push_screen(ChainScreen(str(key)))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.app.push_screen(ChainScreen(str(event.row_key.value)))
+
+
+# --- a release chain -------------------------------------------------------------------------------------
+
+
+class ChainScreen(ReefScreen):
+    """One scenario's release chain, newest first, head marked; rejected candidates on demand."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "open", "Detail", priority=True),
+        Binding("b", "rollback", "Roll back"),
+        Binding("p", "promote", "Promote"),
+        Binding("a", "toggle_all", "Candidates"),
+        Binding("r", "refresh_data", "Refresh"),
+        Binding("escape", "app.back", "Back"),
+    ]
+    RELOAD_ON = ("release", "release.pending", "gate")
+
+    def __init__(self, scenario: str) -> None:
+        super().__init__()
+        self.scenario = scenario
+        self.show_all = False
+        self.head: str | None = None
+        self.rows: dict[str, dict[str, Any]] = {}
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"Release chain of {self.scenario}", classes="title", id="title")
+        table: DataTable[Any] = DataTable(cursor_type="row", zebra_stripes=True, id="chain")
+        table.add_columns("", "step", "operation", "release", "content", "age", "gate", "metrics", "note")
+        yield table
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    async def load(self) -> None:
+        data = await self.reef.source.releases(self.scenario, all_=self.show_all)
+        self.fill(data)
+
+    def fill(self, data: dict[str, Any]) -> None:
+        now = self.reef.clock()
+        self.head = data.get("head")
+        table = self.query_one(DataTable)
+        selected = self.selected_key()
+        table.clear()
+        self.rows = {}
+        rows: list[tuple[str, dict[str, Any], str]] = []
+        for r in data.get("pending", []):
+            rows.append((r["release_id"], {**r, "operation": "pending"}, "?"))
+        for r in data.get("releases", []):
+            rows.append((r["release_id"], r, "▶" if r["release_id"] == self.head else ""))
+        for r in data.get("rejected", []):
+            rows.append((f"rejected:{r['rejection_id']}", {**r, "operation": "rejected"}, "✗"))
+        rows.sort(key=lambda x: (-(x[1].get("step") or 0), x[1]["operation"] == "rejected"))
+        for key, r, mark in rows:
+            self.rows[key] = r
+            note = ""
+            if r.get("source"):
+                restored = next((x for x in data.get("releases", []) if x["release_id"] == r["source"]), None)
+                note = f"restores {short(r['source'], 8)}" + (f" (step {restored['step']})" if restored else "")
+            elif r["operation"] == "rejected":
+                note = one_line(r.get("reason"), 48)
+            elif r["operation"] == "pending":
+                note = "p promotes"
+            style = "bold" if mark == "▶" else "dim" if r["operation"] == "rejected" else ""
+            cells = [mark, str(r.get("step", "-")), r["operation"], short(r.get("release_id"), 8),
+                     short(r.get("content_id"), 8), age(r.get("created_at"), now), verdict(r),
+                     key_metrics(r.get("metrics"), 2), note]
+            table.add_row(*(Text(c, style=style) for c in cells), key=key)
+        keys = list(self.rows)
+        if keys:
+            table.move_cursor(row=keys.index(selected) if selected in keys else 0)
+        hidden = "" if self.show_all else "; a shows rejected and pending candidates"
+        self.query_one("#note", Static).update(
+            f"head {short(self.head)}: {len(data.get('releases', []))} releases{hidden}"
+        )
+        if self.loaded == 0:
+            self.call_after_refresh(self.reef.chain_painted)
+
+    def selected_key(self) -> str | None:
+        table = self.query_one(DataTable)
+        if not table.row_count:
+            return None
+        return str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
+
+    def selected(self) -> dict[str, Any] | None:
+        key = self.selected_key()
+        return self.rows.get(key) if key else None
+
+    def select(self, release_id: str) -> None:
+        """Put the cursor on a release (by id or id prefix)."""
+        for i, key in enumerate(self.rows):
+            if key.startswith(release_id):
+                self.query_one(DataTable).move_cursor(row=i)
+                return
+        raise KeyError(release_id)
+
+    def action_open(self) -> None:
+        row = self.selected()
+        if row is None:
+            return
+        if row["operation"] == "rejected":
+            self.app.push_screen(RejectionScreen(row))
+        else:
+            self.app.push_screen(ReleaseScreen(row["release_id"]))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open()
+
+    def action_toggle_all(self) -> None:
+        self.show_all = not self.show_all
+        self.refresh_data()
+
+    def action_rollback(self) -> None:
+        self._steer("rollback")
+
+    def action_promote(self) -> None:
+        self._steer("promote")
+
+    def _steer(self, op: str) -> None:
+        row = self.selected()
+        if row is None:
+            return
+        if row["operation"] == "rejected":
+            self.reef.say("a rejected candidate was never published; there is nothing to restore", severity="warning")
+            return
+        if op == "promote" and row["operation"] != "pending":
+            self.reef.say("only a pending release can be promoted (a shows pending candidates)", severity="warning")
+            return
+        if op == "rollback" and row["operation"] == "pending":
+            self.reef.say("this release is pending: promote it with p", severity="warning")
+            return
+        if op == "rollback" and row["release_id"] == self.head:
+            self.reef.say("that release is the head already", severity="warning")
+            return
+        expected = self.head  # compare-and-swap against the head this screen showed
+        current = self.rows.get(expected or "")
+        lines = [
+            f"{'Roll back' if op == 'rollback' else 'Promote'} scenario {self.scenario}",
+            f"from  head {short(expected)}  step {current['step'] if current else '-'}  "
+            f"content {short(current['content_id'] if current else None)}",
+            f"to    {short(row['release_id'])}  step {row['step']}  content {short(row['content_id'])}",
+            "published as a new release; history is kept",
+        ]
+        if current and current.get("content_id") == row.get("content_id"):
+            lines.append("(the content is the same as the head's)")
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.run_worker(self._do_steer(op, row["release_id"], expected), group="steer", exit_on_error=False)
+
+        self.app.push_screen(ConfirmScreen(lines, "Roll back" if op == "rollback" else "Promote"), done)
+
+    async def _do_steer(self, op: str, release_id: str, expected: str | None) -> None:
+        try:
+            rel = await self.reef.source.steer(op, self.scenario, release_id, expected)
+        except Conflict as e:
+            if "actual_head" in e.data:
+                self.reef.say(f"the head of {self.scenario} moved meanwhile (now {short(e.data['actual_head'])}); "
+                              "nothing changed; the chain is refreshed", severity="error")
+            else:
+                self.reef.say(e.message, severity="error")
+        except ReefError as e:
+            self.reef.say(f"{op} failed: {e.message}", severity="error")
+        else:
+            self.reef.say(f"published {short(rel['release_id'])} (step {rel['step']}, {rel['operation']}); "
+                          "it serves new requests now")
+        self.refresh_data()
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Asks before a rollback or promotion, showing from and to."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Vertical { width: 72; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
+    ConfirmScreen Horizontal { height: auto; margin-top: 1; }
+    ConfirmScreen Button { margin-right: 2; }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y", "answer(True)", "Yes"),
+        Binding("n,escape", "answer(False)", "No"),
+    ]
+
+    def __init__(self, lines: list[str], verb: str) -> None:
+        super().__init__()
+        self.lines = lines
+        self.verb = verb
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(Text("\n".join(self.lines)), id="question")
+            with Horizontal():
+                yield Button(f"{self.verb} (y)", variant="warning", id="yes")
+                yield Button("Cancel (n)", id="no")
+
+    def action_answer(self, ok: bool) -> None:
+        self.dismiss(ok)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+# --- a release -------------------------------------------------------------------------------------------
+
+
+class ReleaseScreen(ReefScreen):
+    """One release: manifest, metrics, the receipts that fed it, and its diff to the parent."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("r", "refresh_data", "Refresh"),
+        Binding("escape", "app.back", "Back"),
+    ]
+
+    def __init__(self, release_id: str) -> None:
+        super().__init__()
+        self.release_id = release_id
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"Release {short(self.release_id)}", classes="title", id="title")
+        with VerticalScroll(id="body"):
+            yield Static("loading…", id="summary")
+            yield Static("", id="diff")
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    async def load(self) -> None:
+        rel = await self.reef.source.release(self.release_id)
+        self.scenario = rel.get("scenario")
+        now = self.reef.clock()
+        head = " (head)" if rel.get("head") == rel["release_id"] else ""
+        self.query_one("#title", Static).update(
+            f"Release {short(rel['release_id'])} of {rel['scenario']}: step {rel['step']} {rel['operation']}{head}"
+        )
+        info = Table.grid(padding=(0, 2))
+        info.add_column(style="bold")
+        info.add_column()
+        info.add_row("release", rel["release_id"])
+        info.add_row("content", str(rel.get("content_id")))
+        info.add_row("parent", str(rel.get("parent") or "- (first release)"))
+        if rel.get("source"):
+            info.add_row("restores", rel["source"])
+        info.add_row("kind", f"{rel.get('kind')}  recipe {rel.get('recipe')}  age {age(rel.get('created_at'), now)}")
+        for k, v in sorted((rel.get("metrics") or {}).items()):
+            info.add_row(f"  {k}", number(v))
+        if rel.get("settings"):
+            info.add_row("settings", one_line(rel["settings"], 200))
+        receipts = rel.get("receipts") or []
+        info.add_row("receipts", f"{len(receipts)}" + ("" if not receipts else ": " + ", ".join(receipts[:12])
+                                                        + (" …" if len(receipts) > 12 else "")))
+        if rel.get("message"):
+            info.add_row("message", rel["message"].strip().splitlines()[0])
+        self.query_one("#summary", Static).update(info)
+        self.query_one("#diff", Static).update(render_diff(rel.get("diff") or {}))
+
+
+def render_diff(diff: dict[str, Any]) -> Any:
+    """The diff to the parent: a unified diff for text files, per-tensor changes for weights."""
+    from rich.console import Group
+    from rich.syntax import Syntax
+
+    base = diff.get("base")
+    parts: list[Any] = [Text(f"\ndiff to {short(base)}" if base else "\ndiff (first release: everything is new)",
+                             style="bold underline")]
+    files = diff.get("files", [])
+    if not files:
+        parts.append(Text("no file changed (same content)"))
+    for f in files:
+        sign = {"added": ("+", "green"), "removed": ("-", "red")}.get(f["status"], ("~", "yellow"))
+        parts.append(Text(f"{sign[0]} {f['path']} ({f['kind']}, {f['status']})", style=sign[1]))
+        if f["kind"] == "safetensors":
+            t = Table(box=None, padding=(0, 2), show_edge=False)
+            for col in ("tensor", "status", "shape", "|Δ|", "|w|"):
+                t.add_column(col)
+            for ten in f.get("tensors", []):
+                if ten.get("status") == "unchanged":
+                    continue
+                t.add_row(ten["name"], ten.get("status", "changed"), "×".join(map(str, ten.get("shape") or [])),
+                          number(ten.get("diff_norm") or 0), number(ten.get("old_norm") or 0))
+            parts.append(t)
+            if f.get("unchanged_tensors"):
+                parts.append(Text(f"  {f['unchanged_tensors']} tensors unchanged", style="dim"))
+        elif f.get("diff"):
+            parts.append(Syntax(f["diff"], "diff", theme="ansi_dark", background_color="default"))
+        elif f.get("old_size") is not None or f.get("new_size") is not None:
+            parts.append(Text(f"  {f.get('old_size', '-')} → {f.get('new_size', '-')} bytes", style="dim"))
+    return Group(*parts)
+
+
+class RejectionScreen(Screen[None]):
+    """A rejected candidate: the gate's reason and metrics (it was never published)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.back", "Back")]
+
+    def __init__(self, rejection: dict[str, Any]) -> None:
+        super().__init__()
+        self.rejection = rejection
+
+    def compose(self) -> ComposeResult:
+        r = self.rejection
+        yield Static(f"Rejected candidate at step {r.get('step')} of {r.get('scenario')}", classes="title")
+        with VerticalScroll():
+            t = Table.grid(padding=(0, 2))
+            t.add_column(style="bold")
+            t.add_column()
+            t.add_row("verdict", str(r.get("verdict")))
+            t.add_row("reason", str(r.get("reason")))
+            t.add_row("base", str(r.get("base")))
+            for k, v in sorted((r.get("metrics") or {}).items()):
+                t.add_row(f"  {k}", number(v))
+            t.add_row("receipts", str(len(r.get("receipts") or [])))
+            yield Static(t)
+        yield ConnectionBar()
+        yield Footer()
+
+
+# --- training --------------------------------------------------------------------------------------------
+
+
+class TrainingScreen(ReefScreen):
+    """Training as it happens: reported scores and training reward over time, steps, gate verdicts, state."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.back", "Back")]
+    WINDOW = 16  # reports in the moving mean
+
+    def __init__(self, scenario: str | None = None) -> None:
+        super().__init__()
+        self.scenario = scenario
+
+    def compose(self) -> ComposeResult:
+        from textual_plotext import PlotextPlot
+
+        what = f"of {self.scenario}" if self.scenario else "(all scenarios)"
+        yield Static(f"Training {what}", classes="title")
+        yield Static("", id="state", classes="note")
+        yield PlotextPlot(id="plot")
+        log: DataTable[Any] = DataTable(id="log", cursor_type="row")
+        log.add_columns("t", "scenario", "event", "step", "detail")
+        yield log
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    DEFAULT_CSS = """
+    TrainingScreen #plot { height: 2fr; min-height: 10; }
+    TrainingScreen #log { height: 1fr; }
+    """
+
+    async def load(self) -> None:
+        status = await self.reef.source.status()
+        learning = status.get("learning") or {}
+        self.draw(learning)
+
+    def daemon_event(self, ev: dict[str, Any]) -> None:
+        if self.scenario is None or ev.get("scenario") == self.scenario:
+            self.draw(None)
+
+    def draw(self, learning: dict[str, Any] | None) -> None:
+        from textual_plotext import PlotextPlot
+
+        tr = self.reef.training
+        mine = (lambda s: True) if self.scenario is None else (lambda s: s == self.scenario)
+        t0 = tr.first_time or 0.0
+        scores = [(t - t0, s) for t, s, scen in tr.scores if mine(scen)]
+        steps = [e for e in tr.steps if mine(e.get("scenario"))]
+        plot = self.query_one(PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("reward over time")
+        plt.xlabel("seconds")
+        if scores:
+            xs = [x for x, _ in scores]
+            ys = [y for _, y in scores]
+            mean = [sum(ys[max(0, i - self.WINDOW + 1): i + 1]) / len(ys[max(0, i - self.WINDOW + 1): i + 1])
+                    for i in range(len(ys))]
+            plt.scatter(xs, ys, label="reported score", marker="dot")
+            plt.plot(xs, mean, label=f"mean of last {self.WINDOW}")
+        batch = [(float(e["time"]) - t0, (e.get("metrics") or {}).get("batch_reward")) for e in steps]
+        batch = [(x, y) for x, y in batch if isinstance(y, (int, float))]
+        if batch:
+            plt.plot([x for x, _ in batch], [y for _, y in batch], label="training batch reward", marker="hd")
+        plot.refresh()
+        table = self.query_one("#log", DataTable)
+        table.clear()
+        for ev in reversed([e for e in tr.log if mine(e.get("scenario"))]):
+            kind = ev["kind"]
+            detail = ""
+            if kind == "train.start":
+                detail = f"{ev.get('samples')} samples from {short(ev.get('base'))}"
+            elif kind == "train.step":
+                detail = f"{key_metrics(ev.get('metrics'), 3)}  {number(ev.get('seconds'))}s"
+            elif kind == "gate":
+                detail = f"{str(ev.get('verdict')).upper()}: {one_line(ev.get('reason'), 50)}"
+            elif kind in ("release", "release.pending"):
+                detail = f"{ev.get('operation', 'pending')} {short(ev.get('release_id'))}"
+            table.add_row(f"+{float(ev['time']) - t0:.0f}s", str(ev.get("scenario")), kind,
+                          str(ev.get("step", "")), detail)
+        states = dict(learning or {})
+        states.update(tr.state)
+        shown = {k: v for k, v in sorted(states.items()) if mine(k)}
+        trainer = ", ".join(f"{k}: {v}" for k, v in shown.items()) or "no trainer activity yet"
+        self.query_one("#state", Static).update(
+            f"trainer {trainer}   steps {len(steps)}   reports {len(scores)}"
+            + (f"   last score {number(scores[-1][1])}" if scores else "")
+        )
+
+
+# --- records ---------------------------------------------------------------------------------------------
+
+
+class RecordsScreen(ReefScreen):
+    """The newest receipts, live: run, scenario, release, latency, score and feedback."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "open", "Exchange", priority=True),
+        Binding("r", "refresh_data", "Refresh"),
+        Binding("escape", "app.back", "Back"),
+    ]
+    RELOAD_ON = ("record", "report")
+
+    def __init__(self, scenario: str | None = None) -> None:
+        super().__init__()
+        self.scenario = scenario
+
+    def compose(self) -> ComposeResult:
+        yield Static("Records" + (f" of {self.scenario}" if self.scenario else ""), classes="title")
+        table: DataTable[Any] = DataTable(cursor_type="row", zebra_stripes=True, id="records")
+        table.add_columns("receipt", "age", "scenario", "run", "release", "ms", "score", "feedback")
+        yield table
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    async def load(self) -> None:
+        recs = await self.reef.source.records(limit=100, scenario=self.scenario)
+        now = self.reef.clock()
+        table = self.query_one(DataTable)
+        keep = table.cursor_row
+        table.clear()
+        for r in recs:
+            timings = r.get("timings") or {}
+            table.add_row(r["id"], age(r.get("created_at"), now), r.get("scenario", "-"), r.get("run") or "-",
+                          short(r.get("release_id")), number(round(timings.get("total_ms") or 0)),
+                          score(r.get("score")), one_line(r.get("feedback"), 40), key=r["id"])
+        if recs:
+            table.move_cursor(row=min(keep, len(recs) - 1))
+        self.query_one("#note", Static).update(f"{len(recs)} newest records; enter shows the exchange")
+
+    def action_open(self) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            self.app.push_screen(RecordScreen(str(key)))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.app.push_screen(RecordScreen(str(event.row_key.value)))
+
+
+class RecordScreen(ReefScreen):
+    """One exchange: who said what, the release that served it, timings and its reports."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.back", "Back")]
+
+    def __init__(self, receipt: str) -> None:
+        super().__init__()
+        self.receipt = receipt
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"Exchange {self.receipt}", classes="title")
+        with VerticalScroll():
+            yield Static("loading…", id="exchange")
+        yield Static("", id="note", classes="note")
+        yield ConnectionBar()
+        yield Footer()
+
+    async def load(self) -> None:
+        from rich.console import Group
+
+        rec = await self.reef.source.record(self.receipt)
+        now = self.reef.clock()
+        head = Table.grid(padding=(0, 2))
+        head.add_column(style="bold")
+        head.add_column()
+        head.add_row("scenario", f"{rec.get('scenario')}  run {rec.get('run') or '-'}  {age(rec.get('created_at'), now)}")
+        head.add_row("release", f"{rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}")
+        head.add_row("model", f"{rec.get('model')} ({rec.get('engine')}, {rec.get('format')})  status {rec.get('status')}")
+        if rec.get("timings"):
+            head.add_row("timings", "  ".join(f"{k} {number(v)}" for k, v in rec["timings"].items() if v is not None))
+        if rec.get("usage"):
+            head.add_row("usage", json.dumps(rec["usage"]))
+        parts: list[Any] = [head, Text("")]
+        for role, text in conversation(rec.get("request"), rec.get("response")):
+            parts.append(Text(role, style="bold cyan" if role != "assistant" else "bold green"))
+            parts.append(Text(text[:20000] + ("…" if len(text) > 20000 else "")))
+        reports = rec.get("reports") or []
+        parts.append(Text(f"\nreports ({len(reports)})", style="bold"))
+        for rep in reports:
+            r = rep.get("report") or {}
+            parts.append(Text(f"{rep['id']}  score {score(r.get('score'))}  {one_line(r.get('feedback'), 80)}"))
+        self.query_one("#exchange", Static).update(Group(*parts))
