@@ -458,17 +458,66 @@ async def handle_report(request: web.Request) -> web.Response:
         scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
     )
     reef.metrics.records.labels("report").inc()
-    reef.learner.notify(stored["scenario"])
     reef.events.publish(
         "report", id=stored["id"], scenario=stored["scenario"], score=score, references=refs,
         feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,
     )
-    return _json(_report_view(stored), status=201)
+    view = _report_view(stored)
+    scen = await reef.store.get_scenario(stored["scenario"]) if feedback is not None else None
+    if scen is not None and scen.recipe == "lessons":  # a harness edit takes milliseconds: answer its outcome
+        view["learning"] = await reef.learner.lessons(scen)
+    else:
+        reef.learner.notify(stored["scenario"])
+    return _json(view, status=201)
 
 
 def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
     report = rec.get("report") or {}
     return {"report_id": rec["id"], "scenario": rec["scenario"], "created_at": rec["created_at"], **report}
+
+
+async def handle_start_run(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.app[REEF_KEY]
+    return _json(await harness.start_run(reef, await _object_body(request)), status=201)
+
+
+def _adapter_param(request: web.Request, required: bool) -> str | None:
+    from adapters import ADAPTERS
+
+    adapter = request.query.get("adapter")
+    if adapter is None and not required:
+        return None
+    if adapter not in ADAPTERS:
+        raise BadRequest(f"adapter must be one of {', '.join(ADAPTERS)}, got {adapter!r}", param="adapter")
+    return adapter
+
+
+async def handle_harness(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.app[REEF_KEY]
+    name = check_name(request.match_info["name"])
+    return _json(await harness.harness_view(reef, name, _adapter_param(request, required=False)))
+
+
+async def handle_evolve(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.app[REEF_KEY]
+    name = check_name(request.match_info["name"])
+    return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
+
+
+async def handle_harness_install(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.app[REEF_KEY]
+    adapter = _adapter_param(request, required=True)
+    assert adapter is not None
+    scenario = check_name(request.query.get("scenario") or adapter)
+    return web.Response(text=harness.install_script(reef, adapter, scenario), content_type="text/x-shellscript")
 
 
 async def handle_scenarios(request: web.Request) -> web.Response:
@@ -715,6 +764,10 @@ def make_app(reef: Reef) -> web.Application:
     r.add_post("/reef/scenarios/{name}/rollback", steer_handler("rollback"))
     r.add_post("/reef/scenarios/{name}/promote", steer_handler("promote"))
     r.add_get("/reef/releases/{release}", handle_release)
+    r.add_post("/reef/runs", handle_start_run)
+    r.add_get("/reef/scenarios/{name}/harness", handle_harness)
+    r.add_post("/reef/scenarios/{name}/evolve", handle_evolve)
+    r.add_get("/reef/harness/install", handle_harness_install)
     r.add_get("/reef/status", handle_status)
     r.add_get("/reef/events", handle_events)
     return app

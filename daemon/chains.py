@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,18 @@ log = logging.getLogger("reef.chains")
 
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
+    """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model needs."""
+    from recipes import recipe_kind
+
+    kind = recipe_kind(scenario.recipe)
+    if kind is not None:
+        return kind
     return "weights" if config.model(scenario.model).engine == "transformers" else "harness"
+
+
+def _files(candidate: str | Path | Mapping[str, bytes]) -> Mapping[str, Any]:
+    """A candidate as release files: a directory (weights) or a mapping of paths to bytes (a harness tree)."""
+    return candidate if isinstance(candidate, Mapping) else files_from_dir(candidate)
 
 
 class Chains:
@@ -111,6 +122,13 @@ class Chains:
             self._checkouts[rel.content_id] = dest
             return dest
 
+    async def harness_tree(self, rel: Release) -> dict[str, bytes]:
+        """The files of a harness release."""
+        def read() -> dict[str, bytes]:
+            return {f.path: self.store.read_file(rel.release_id, f.path) for f in self.store.files(rel.release_id)}
+
+        return await asyncio.to_thread(read)
+
     # --- publishing ----------------------------------------------------------------------------------------
 
     async def _init(self, scenario: Scenario, base: str | None = None) -> Release:
@@ -173,13 +191,13 @@ class Chains:
             await self.preload(scenario, rel, engine)
         return rel
 
-    async def publish_candidate(self, scenario: Scenario, path: str | Path, *, expected_head: str,
+    async def publish_candidate(self, scenario: Scenario, path: str | Path | Mapping[str, bytes], *, expected_head: str,
                                 metrics: dict[str, Any], receipts: list[str], settings: dict[str, Any],
                                 engine: Engine | None = None) -> Release:
         """Publish a trained candidate (a model directory) as the next release, compare-and-swap on the base."""
         try:
             rel = await asyncio.to_thread(
-                self.store.publish, scenario.name, files_from_dir(path), expected_head=expected_head,
+                self.store.publish, scenario.name, _files(path), expected_head=expected_head,
                 operation="train", kind=artifact_kind(self.config, scenario), recipe=scenario.recipe,
                 metrics=metrics, receipts=receipts, settings=settings,
             )
@@ -191,10 +209,10 @@ class Chains:
             await self.preload(scenario, rel, engine)
         return rel
 
-    async def hold(self, scenario: Scenario, path: str | Path, *, base: str, metrics: dict[str, Any],
+    async def hold(self, scenario: Scenario, path: str | Path | Mapping[str, bytes], *, base: str, metrics: dict[str, Any],
                    receipts: list[str], settings: dict[str, Any]) -> Release:
         rel = await asyncio.to_thread(
-            self.store.hold, scenario.name, files_from_dir(path), kind=artifact_kind(self.config, scenario),
+            self.store.hold, scenario.name, _files(path), kind=artifact_kind(self.config, scenario),
             recipe=scenario.recipe, base=base, metrics=metrics, receipts=receipts, settings=settings,
         )
         self.events.publish("release.pending", scenario=scenario.name, release_id=rel.release_id, step=rel.step,

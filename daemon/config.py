@@ -58,6 +58,7 @@ class ModelEntry:
     threads: int = 1  # transformers: torch CPU threads used for generation
     max_batch: int = 8  # transformers: concurrent sequences decoded together
     max_new_tokens: int = 256  # default cap when the client gives none
+    max_tokens_limit: int | None = None  # hard cap on any request's max_tokens (small local models, tests)
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
     url: str | None = None  # upstream: base URL
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
@@ -80,6 +81,9 @@ class Config:
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
+    # wrappers: install a newer harness release before a run ("install") or only say it exists ("notify")
+    harness_updates: str = "install"
+    agents_dir: Path | None = None  # where coding agents are installed (default $REEF_HOME/agents)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
     token: str | None = None
@@ -117,6 +121,15 @@ class Config:
     @property
     def runs_dir(self) -> Path:
         return self.home / "runs"
+
+    @property
+    def agents_path(self) -> Path:
+        return self.agents_dir or self.home / "agents"
+
+    @property
+    def homes_dir(self) -> Path:
+        """Isolated config homes of the wrapped agents, one per adapter and scenario."""
+        return self.home / "homes"
 
     def model(self, name: str) -> ModelEntry:
         try:
@@ -191,7 +204,8 @@ def load_config(
     recipes = raw.pop("recipes", None) or {}
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
-    allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads"}
+    allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
+               "harness_updates", "agents_dir"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -203,6 +217,8 @@ def load_config(
         ("max_body_bytes", "REEF_MAX_BODY_BYTES", int),
         ("default_model", "REEF_MODEL", str),
         ("log_level", "REEF_LOG_LEVEL", str),
+        ("agents_dir", "REEF_AGENTS_DIR", str),
+        ("harness_updates", "REEF_HARNESS_UPDATES", str),
     ):
         if env.get(var):
             try:
@@ -213,6 +229,10 @@ def load_config(
         if value is not None:
             values[key] = value
 
+    if values.get("agents_dir") is not None:
+        values["agents_dir"] = Path(str(values["agents_dir"])).expanduser()
+    if values.get("harness_updates", "install") not in ("install", "notify"):
+        raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
     extra_models = values.pop("models", None)
     if extra_models:
         models.update(extra_models)

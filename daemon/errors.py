@@ -182,3 +182,11 @@ class LockBusy(Conflict):
         )
         self.ref = ref
         self.lock_path = path
+
+
+class AgentError(ReefError):
+    """A coding agent could not be installed, found or started."""
+
+    status = 500
+    type = "agent_error"
+    exit_code = 8

@@ -79,6 +79,7 @@ class Learner:
         self._lineage: dict[str, tuple[str, str, str]] = {}
         self.state: dict[str, str] = {}  # scenario -> idle | waiting | training | judging
         self._trainer: Any = None
+        self._lessons_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def trainer(self) -> Any:
@@ -112,13 +113,21 @@ class Learner:
 
     @staticmethod
     def _trains(recipe: str) -> bool:
-        return recipe == "online-rl"
+        return recipe in ("online-rl", "lessons")
 
     def settings(self, scenario: Scenario) -> LoopSettings:
         """Recipe defaults < ``[recipes.<name>]`` in the config < the scenario's own settings."""
         return loop_settings({**self.reef.config.recipes.get(scenario.recipe, {}), **scenario.settings})
 
     def check_settings(self, recipe: str, settings: dict[str, Any]) -> None:
+        if recipe == "lessons":
+            from recipes.lessons import settings_from
+
+            try:
+                settings_from({**self.reef.config.recipes.get(recipe, {}), **settings})
+            except TypeError as e:
+                raise BadRequest(f"invalid recipe settings: {e}", param="settings") from None
+            return
         if not self._trains(recipe):
             if settings:
                 raise BadRequest(f"recipe {recipe!r} takes no settings", param="settings")
@@ -145,8 +154,11 @@ class Learner:
                 if not self._trains(scenario.recipe):
                     self.state[name] = "idle"
                     return
-                while await self._round(scenario):
-                    pass
+                if scenario.recipe == "lessons":
+                    await self.lessons(scenario)
+                else:
+                    while await self._round(scenario):
+                        pass
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -256,3 +268,63 @@ class Learner:
                        verdict.verdict if verdict.verdict == "pending" else "rejected", reason=reason,
                        metrics=metrics, release_id=published.release_id if published else None)
         return True
+
+    # --- harness recipes ---------------------------------------------------------------------------------------
+
+    async def lessons(self, scenario: Scenario) -> dict[str, Any] | None:
+        """Turn the scenario's unconsumed written feedback into one harness candidate, gate it, publish it.
+
+        Runs in the daemon (an edit of a few text files takes milliseconds), one round at a time per scenario;
+        returns what happened (None when there was nothing to learn). The reports it read are consumed whatever
+        the outcome, and listed in the release's or the rejection's manifest."""
+        from recipes.lessons import apply, check_tree, lesson_from_report, settings_from
+
+        lock = self._lessons_locks.setdefault(scenario.name, asyncio.Lock())
+        async with lock:
+            consumed = await self.consumed(scenario.name)
+            reports = await self.reef.store.feedback_reports(scenario.name, exclude=consumed)
+            if not reports:
+                self.state[scenario.name] = "waiting"
+                return None
+            settings = settings_from({**self.reef.config.recipes.get("lessons", {}), **scenario.settings})
+            lessons = [x for x in map(lesson_from_report, reports) if x is not None]
+            receipts = [r["id"] for r in reports]
+            chains, events = self.reef.chains, self.reef.events
+            self.state[scenario.name] = "training"
+            events.publish("train.start", scenario=scenario.name, base=None, samples=len(lessons))
+            for _attempt in range(3):  # a head that moves meanwhile: redo the (cheap) edit on the new head
+                head = await chains.head(scenario)
+                tree = await chains.harness_tree(head)
+                outcome = apply(tree, lessons, settings)
+                metrics = {"lessons": len(lessons), "applied": len(outcome.applied), "refused": len(outcome.refused),
+                           "unchanged": len(outcome.unchanged), "tree_files": len(outcome.tree)}
+                record = {"settings": {**settings.to_dict()}, "metrics": metrics, "receipts": receipts}
+                result: dict[str, Any] = {"scenario": scenario.name, "base": head.release_id,
+                                          "applied": outcome.applied, "refused": outcome.refused,
+                                          "unchanged": outcome.unchanged, "summary": outcome.summary()}
+                if not outcome.changed:
+                    await chains.reject(scenario, verdict="rejected", reason=f"no change: {outcome.summary()}",
+                                        base=head.release_id, **record)
+                    result.update(verdict="unchanged", release_id=None)
+                    break
+                check_tree(outcome.tree)
+                if settings.gate == "review":
+                    rel = await chains.hold(scenario, outcome.tree, base=head.release_id, **record)
+                    result.update(verdict="pending", release_id=rel.release_id, step=rel.step)
+                    break
+                try:
+                    rel = await chains.publish_candidate(scenario, outcome.tree, expected_head=head.release_id,
+                                                         **record)
+                except HeadMoved:
+                    continue
+                result.update(verdict="accepted", release_id=rel.release_id, step=rel.step)
+                break
+            else:
+                await chains.reject(scenario, verdict="rejected", reason="the head kept moving; not published",
+                                    base=head.release_id, **record)
+                result.update(verdict="rejected", release_id=None)
+            consumed.update(receipts)
+            events.publish("gate", scenario=scenario.name, verdict=result["verdict"], reason=outcome.summary(),
+                           metrics=metrics, release_id=result.get("release_id"))
+            self.state[scenario.name] = "waiting"
+            return result

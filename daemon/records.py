@@ -484,7 +484,7 @@ class RecordStore:
                         )
                     return _record(prior)
             marks = ",".join("?" * len(references))
-            found = {
+            found = {} if not references else {
                 r["id"]: r["scenario"]
                 for r in conn.execute(
                     f"SELECT id, scenario FROM records WHERE kind='exchange' AND id IN ({marks})", references
@@ -508,7 +508,7 @@ class RecordStore:
             row = conn.execute(f"SELECT {_SUMMARY_COLUMNS} FROM records WHERE id=?", (rid,)).fetchone()
             return _record(row)
 
-        if not references:
+        if not references and not (scenario and isinstance(metadata, dict) and metadata.get("kind") == "instruction"):
             raise BadRequest("references must name at least one receipt", param="references")
         return await self.write(op)
 
@@ -542,6 +542,21 @@ class RecordStore:
                     "score": float(row["score"]),
                 }
             return list(latest.values())
+
+        return await self.read(op)
+
+    async def feedback_reports(self, scenario: str, *, exclude: set[str]) -> list[dict[str, Any]]:
+        """Reports on a scenario that carry written feedback, oldest first, those in ``exclude`` left out: what
+        harness recipes learn from."""
+
+        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                f"""SELECT {_SUMMARY_COLUMNS} FROM records
+                    WHERE kind = 'report' AND scenario = ? AND json_extract(report, '$.feedback') IS NOT NULL
+                    ORDER BY seq""",
+                (scenario,),
+            ).fetchall()
+            return [_record(r) for r in rows if r["id"] not in exclude]
 
         return await self.read(op)
 

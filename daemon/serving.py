@@ -18,6 +18,7 @@ from typing import Any
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
+from daemon.engines.base import ReleaseRef
 from daemon.errors import InvalidName, ReefError
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
@@ -172,9 +173,11 @@ class Reef:
         scen = await self.scenario(scenario)
         engine = await self.engine(scen.model)
         release = await self.chains.resolve(scen, pinned_release)
-        ref = await self.chains.ref(scen, release)
-        if ref.path is not None and ref.content_id not in engine.resident:
+        ref: ReleaseRef | None = await self.chains.ref(scen, release)
+        if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
             await self.chains.preload(scen, release, engine)
+        if release.kind == "harness":
+            ref = None  # a harness release lives in the agent; the engine serves its model's own weights
         release_id, content_id = release.release_id, release.content_id
         engine_started = time.perf_counter()
         events = engine.generate(exchange, ref)

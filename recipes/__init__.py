@@ -9,7 +9,11 @@ from daemon.errors import BadRequest
 BUILTIN: dict[str, str] = {
     "record": "recipes.record:RecordOnly",
     "online-rl": "recipes.online_rl",
+    "lessons": "recipes.lessons",
 }
+
+# what each built-in recipe's releases hold; ``record`` follows its model (weights locally, else a harness)
+KINDS: dict[str, str] = {"online-rl": "weights", "lessons": "harness"}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -22,3 +26,18 @@ def check_recipe_name(name: object) -> str:
             param="recipe",
         )
     return name
+
+
+def recipe_kind(name: str) -> str | None:
+    """``weights`` or ``harness`` for recipes that make one kind of release; None when the model decides."""
+    if name in KINDS:
+        return KINDS[name]
+    if name in BUILTIN:
+        return None
+    import importlib
+
+    module, _, cls = name.partition(":")
+    try:
+        return getattr(getattr(importlib.import_module(module), cls), "kind", None)
+    except (ImportError, AttributeError):
+        return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from reef_cli import daemon_cmd, demo, model, records, releases, tui
+from reef_cli import agents, daemon_cmd, demo, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
 
 app = typer.Typer(
@@ -40,6 +40,7 @@ app.add_typer(records.records_app, name="records")
 app.add_typer(records.scenarios_app, name="scenarios")
 app.add_typer(releases.app, name="releases")
 app.add_typer(model.app, name="model")
+app.add_typer(agents.app, name="agents")
 
 
 @app.command()

@@ -160,6 +160,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     stop: tuple[str, ...] = ()
+    # the model entry's ``max_tokens_limit`` (not the client's max_tokens) ends the answer: that end is reported
+    # as a normal one, since agents treat a length stop below their own limit as an error and retry
+    capped: bool = False
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
@@ -215,7 +218,10 @@ class _Seq:
         final = eos or len(self.token_ids) >= self.params.max_tokens
         self.text += self._detokenise(final)
         stop = self._find_stop()
-        reason: StopReason | None = "stop_sequence" if stop else "stop" if eos else "length" if final else None
+        reason: StopReason | None = (
+            "stop_sequence" if stop else "stop" if eos or (final and self.params.capped) else "length" if final
+            else None
+        )
         end = len(self.text) if reason else max(self.sent, len(self.text) - self._held_back())
         events: list[EngineEvent] = [TextDelta(self.text[self.sent : end])] if end > self.sent else []
         self.sent = end
@@ -485,8 +491,11 @@ class TransformersEngine(Engine):
         prompt = load.encode(exchange)
         if len(prompt) >= load.context_length:
             raise ContextLengthExceeded(len(prompt), load.context_length)
+        requested = s.max_tokens or self.entry.max_new_tokens
+        cap = self.entry.max_tokens_limit
         params = SamplingParams(
-            max_tokens=min(s.max_tokens or self.entry.max_new_tokens, load.context_length - len(prompt)),
+            max_tokens=min(requested, cap or 2**31, load.context_length - len(prompt)),
+            capped=cap is not None and cap < min(requested, load.context_length - len(prompt)),
             temperature=1.0 if s.temperature is None else s.temperature,
             top_p=1.0 if s.top_p is None else s.top_p,
             top_k=s.top_k or 0,

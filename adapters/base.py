@@ -1,0 +1,214 @@
+"""What every adapter shares: installing a coding agent from npm into Reef's own prefix, an isolated config
+home per scenario, and rendering a neutral harness tree into the agent's own layout.
+
+A wrapped run looks like this (``reef_cli/wrapper.py``): the agent's config home is
+``$REEF_HOME/homes/<adapter>/<scenario>``; the adapter writes its provider config there (pointing at the daemon's
+``/s/<scenario>/r/<run>`` base URL, the token taken from ``$REEF_TOKEN`` at run time, never written to a file),
+installs the scenario's harness release there, and returns the environment that makes the agent read that home
+and stay off the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import AgentError, BadRequest
+
+HARNESS_MARKER = ".reef-harness.json"  # in the config home: which release is installed, which files it wrote
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a wrapped run sends its traffic."""
+
+    url: str  # the daemon over TCP, e.g. http://127.0.0.1:8900
+    scenario: str
+    run: str
+    model: str  # the scenario's model (the name the agent asks for)
+    release_id: str | None = None  # the harness release installed for this run (pinned on every request)
+    context_window: int = 32768
+
+    @property
+    def base(self) -> str:
+        return f"{self.url.rstrip('/')}/s/{self.scenario}/r/{self.run}"
+
+
+def agents_root(home: Path, env: Mapping[str, str] | None = None) -> Path:
+    """Where agents are installed for the Reef home ``home`` (``REEF_AGENTS_DIR`` overrides)."""
+    env = os.environ if env is None else env
+    return Path(env["REEF_AGENTS_DIR"]).expanduser() if env.get("REEF_AGENTS_DIR") else home / "agents"
+
+
+class Adapter:
+    name: str  # pi | claude | opencode
+    package: str  # the npm package
+    version: str  # the pinned version
+    binary: str  # the executable's name under node_modules/.bin
+    wire: str  # the API format the agent speaks to Reef
+    # neutral harness path prefix -> path under the config home
+    layout: Mapping[str, str]
+    override_home: bool = True  # the agent reads other config under $HOME: give it the isolated home as HOME
+
+    @property
+    def command(self) -> str:
+        return f"reef-{self.name}"
+
+    # --- installation --------------------------------------------------------------------------------------
+
+    def prefix(self, agents_dir: Path) -> Path:
+        return agents_dir / self.name
+
+    def binary_path(self, agents_dir: Path) -> Path:
+        return self.prefix(agents_dir) / "node_modules" / ".bin" / self.binary
+
+    def installed_version(self, home_or_agents_dir: Path) -> str | None:
+        """The installed version, or None. Accepts a Reef home (``<home>/agents``) or an agents directory."""
+        for agents_dir in (home_or_agents_dir, agents_root(home_or_agents_dir)):
+            manifest = self.prefix(agents_dir) / "node_modules" / self.package / "package.json"
+            try:
+                version = json.loads(manifest.read_text())["version"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if self.binary_path(agents_dir).exists():
+                return str(version)
+        return None
+
+    def install(self, agents_dir: Path, *, progress: Callable[[str], None] | None = None,
+                force: bool = False) -> dict[str, Any]:
+        """Install the pinned version with npm into ``agents_dir/<name>`` (atomically: a failed or interrupted
+        install leaves what was there). Returns what was done."""
+        say = progress or (lambda _msg: None)
+        current = self.installed_version(agents_dir)
+        if current == self.version and not force:
+            return {"agent": self.name, "version": current, "installed": False, "seconds": 0.0}
+        npm = shutil.which("npm")
+        if npm is None:
+            raise AgentError("npm is not installed; install Node.js 20+ (with npm) to use the coding agents")
+        agents_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.name}-install-", dir=agents_dir))
+        spec = f"{self.package}@{self.version}"
+        say(f"installing {spec} from npm into {self.prefix(agents_dir)}")
+        (tmp / "package.json").write_text(json.dumps({"name": f"reef-agent-{self.name}", "private": True}) + "\n")
+        env = {**os.environ, "npm_config_update_notifier": "false", "npm_config_fund": "false",
+               "npm_config_audit": "false"}
+        proc = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", str(tmp), spec],
+            capture_output=True, text=True, env=env,
+        )
+        if proc.returncode != 0 or not (tmp / "node_modules" / ".bin" / self.binary).exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise AgentError(f"npm install {spec} failed (exit {proc.returncode}): {' '.join(detail)}")
+        dest = self.prefix(agents_dir)
+        old = None
+        if dest.exists():
+            old = dest.with_name(f".{self.name}-old-{os.getpid()}")
+            dest.rename(old)
+        tmp.rename(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        seconds = round(time.monotonic() - t0, 1)
+        say(f"installed {spec} in {seconds} s")
+        return {"agent": self.name, "version": self.version, "installed": True, "seconds": seconds}
+
+    # --- a run ---------------------------------------------------------------------------------------------
+
+    def home(self, homes_dir: Path, scenario: str) -> Path:
+        return homes_dir / self.name / scenario
+
+    def env(self, home: Path, target: Target, token: str) -> dict[str, str]:
+        """Environment overrides for the agent: isolation, offline switches, the daemon."""
+        out = {"REEF_TOKEN": token, "REEF_RUN": target.run, "REEF_SCENARIO": target.scenario,
+               "REEF_RELEASE_ID": target.release_id or ""}
+        if self.override_home:
+            out["HOME"] = str(home)
+        return out
+
+    def unset_env(self) -> tuple[str, ...]:
+        """Variables removed from the agent's environment (they would point it elsewhere)."""
+        return ()
+
+    def prepare(self, home: Path, target: Target) -> None:
+        """Write the agent's provider config into its home (no secret is written)."""
+
+    def argv(self, binary: Path, args: list[str], target: Target) -> list[str]:
+        return [str(binary), *args]
+
+    # --- harness -------------------------------------------------------------------------------------------
+
+    def render(self, tree: Mapping[str, bytes]) -> dict[str, bytes]:
+        """A neutral harness tree as files under the config home, in the agent's layout."""
+        from recipes.lessons import check_tree_path
+
+        out: dict[str, bytes] = {}
+        for path, data in sorted(tree.items()):
+            check_tree_path(path)
+            for src, dst in self.layout.items():
+                if path == src or (src.endswith("/") and path.startswith(src)):
+                    out[dst + path[len(src):]] = data
+                    break
+        return out
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """``root/rel``, refusing anything that would land outside ``root`` (absolute paths, ``..``, symlinks)."""
+    if not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel or any(p in ("", ".", "..")
+                                                                            for p in rel.split("/")):
+        raise BadRequest(f"refusing harness path {rel!r}: it is not a plain relative path", param="path")
+    dest = root / rel
+    real_root = root.resolve()
+    parent = dest.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not str(parent.resolve()).startswith(str(real_root)) or (dest.is_symlink()):
+        raise BadRequest(f"refusing harness path {rel!r}: it leads outside {root}", param="path")
+    return dest
+
+
+def install_harness(home: Path, release_id: str | None, files: Mapping[str, bytes]) -> dict[str, Any]:
+    """Write a rendered harness into an agent's config home, removing files the previous release wrote and this
+    one does not have. Every path is checked before anything is written. Idempotent."""
+    home.mkdir(parents=True, exist_ok=True)
+    targets = {rel: safe_join(home, rel) for rel in files}
+    marker = home / HARNESS_MARKER
+    try:
+        before = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        before = {}
+    written = []
+    for rel, dest in targets.items():
+        data = files[rel]
+        if dest.exists() and dest.read_bytes() == data:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        written.append(rel)
+    removed = []
+    for rel in before.get("files", []):
+        if rel not in files:
+            try:
+                safe_join(home, rel).unlink()
+                removed.append(rel)
+            except (OSError, BadRequest):
+                pass
+    marker.write_text(json.dumps({"release_id": release_id, "files": sorted(files)}, indent=1) + "\n")
+    return {"release_id": release_id, "written": written, "removed": removed}
+
+
+def installed_release(home: Path) -> str | None:
+    try:
+        return json.loads((home / HARNESS_MARKER).read_text()).get("release_id")
+    except (OSError, ValueError):
+        return None

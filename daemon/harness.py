@@ -1,0 +1,180 @@
+"""The daemon's side of wrapped coding agents: starting a run, serving a scenario's harness in an agent's layout,
+direct instructions (``evolve``), and the shell installer behind ``GET /reef/harness/install``.
+
+A wrapper (``reef-pi`` ...) asks ``POST /reef/runs`` once before it starts the agent: that creates the
+scenario on first use (recipe ``lessons``, the daemon's default model), mints the run id, and answers the
+harness release to install, with the rendered files only when the wrapper's installed release differs.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import TYPE_CHECKING, Any
+
+from daemon.errors import BadRequest, NotFound
+from daemon.records import new_id
+
+if TYPE_CHECKING:
+    from daemon.records import Scenario
+    from daemon.releases import Release
+    from daemon.serving import Reef
+
+HARNESS_RECIPE = "lessons"
+
+
+async def scenario_for_agent(reef: Reef, name: str) -> Scenario:
+    """The scenario, created with the ``lessons`` recipe when it does not exist yet."""
+    try:
+        return await reef.store.get_scenario(name)
+    except NotFound:
+        return await reef.scenario(name, recipe=HARNESS_RECIPE)
+
+
+async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: str | None) -> dict[str, str]:
+    """The harness files of ``rel`` as text, rendered for an adapter (or in the neutral layout)."""
+    from recipes.lessons import check_tree
+
+    tree = await reef.chains.harness_tree(rel)
+    check_tree(tree)  # a tree that was written around the daemon (a tampered chain) is refused here too
+    if adapter_name is not None:
+        from adapters import get_adapter
+
+        tree = get_adapter(adapter_name).render(tree)
+    return {path: data.decode("utf-8") for path, data in tree.items()}
+
+
+async def harness_view(reef: Reef, name: str, adapter_name: str | None) -> dict[str, Any]:
+    scenario = await reef.store.get_scenario(name)
+    head = await reef.chains.head(scenario)
+    if head.kind != "harness":
+        raise BadRequest(f"scenario {name!r} releases weights, not a harness", param="scenario")
+    files = await rendered(reef, scenario, head, adapter_name)
+    return {"scenario": name, "release_id": head.release_id, "step": head.step, "adapter": adapter_name,
+            "files": files}
+
+
+async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
+    from adapters import get_adapter
+
+    adapter_name = body.get("adapter")
+    if not isinstance(adapter_name, str):
+        raise BadRequest("adapter is required (pi, claude or opencode)", param="adapter")
+    adapter = get_adapter(adapter_name)
+    name = body.get("scenario") or adapter.name
+    if not isinstance(name, str):
+        raise BadRequest("scenario must be a string", param="scenario")
+    installed = body.get("installed_release")
+    if installed is not None and not isinstance(installed, str):
+        raise BadRequest("installed_release must be a release id", param="installed_release")
+    scenario = await scenario_for_agent(reef, name)
+    head = await reef.chains.head(scenario)
+    engine = await reef.engine(scenario.model)
+    out: dict[str, Any] = {
+        "run": new_id("run_"),
+        "scenario": scenario.name,
+        "recipe": scenario.recipe,
+        "model": scenario.model,
+        "kind": head.kind,
+        "release_id": head.release_id if head.kind == "harness" else None,
+        "step": head.step,
+        "context_length": getattr(engine.info, "context_length", None) or 32768,
+        "url": f"http://{reef.config.host}:{reef.config.port}",
+        "harness_updates": reef.config.harness_updates,
+    }
+    if head.kind == "harness" and installed != head.release_id:
+        out["files"] = await rendered(reef, scenario, head, adapter.name)
+    return out
+
+
+async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A direct instruction: stored as a report (kind ``instruction``) and learned from at once."""
+    from recipes.lessons import SKILL_NAME
+
+    instruction = body.get("instruction")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise BadRequest("instruction is required (text)", param="instruction")
+    if len(instruction) > 10_000:
+        raise BadRequest(f"instruction is {len(instruction)} characters; the limit is 10000", param="instruction")
+    skill = body.get("skill")
+    if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.match(skill)):
+        raise BadRequest("skill must be a name of a-z, 0-9 and - (at most 63 characters)", param="skill")
+    scenario = await reef.store.get_scenario(name)
+    if scenario.recipe != HARNESS_RECIPE:
+        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}; evolve needs {HARNESS_RECIPE!r}",
+                         param="scenario")
+    stored = await reef.store.append_report(
+        scenario=name, score=None, feedback=instruction, references=[],
+        metadata={"kind": "instruction", **({"skill": skill} if skill else {})}, report_id=None,
+    )
+    reef.events.publish("report", id=stored["id"], scenario=name, score=None, references=[],
+                        feedback=instruction[:500])
+    outcome = await reef.learner.lessons(scenario) or {"verdict": "unchanged", "summary": "nothing to learn"}
+    return {"report_id": stored["id"], **outcome}
+
+
+def _q(value: str) -> str:
+    return shlex.quote(value)
+
+
+def install_script(reef: Reef, adapter_name: str, scenario: str) -> str:
+    """A POSIX shell script that installs the agent if missing and writes the ``reef-<adapter>`` wrapper for
+    this daemon and scenario into ``~/.local/bin`` (or ``--prefix DIR``/bin). It holds no token: the wrapper
+    reads the token file of the daemon's home when it runs."""
+    from adapters import get_adapter
+
+    adapter = get_adapter(adapter_name)
+    cfg = reef.config
+    py = sys.executable
+    env_lines = [f"export REEF_HOME={_q(str(cfg.home))}",
+                 f'export REEF_SCENARIO="${{REEF_SCENARIO:-{scenario}}}"']
+    if cfg.agents_dir is not None:
+        env_lines.append(f'export REEF_AGENTS_DIR="${{REEF_AGENTS_DIR:-{cfg.agents_dir}}}"')
+    wrapper = "\n".join([
+        "#!/bin/sh",
+        f"# {adapter.command}: the {adapter.name} coding agent through Reef (scenario {scenario},",
+        f"# daemon home {cfg.home}). Written by Reef's harness installer; run it again to update.",
+        *env_lines,
+        f"exec {_q(py)} -m reef_cli.wrapper {adapter.name} \"$@\"",
+        "",
+    ])
+    agents_env = f"REEF_AGENTS_DIR={_q(str(cfg.agents_path))}"
+    return f"""#!/bin/sh
+# Reef harness installer for {adapter.name} (scenario {scenario}).
+# Installs the agent if it is missing, writes the {adapter.command} wrapper, and says what it did.
+# Usage: curl -fsS -H "Authorization: Bearer $REEF_TOKEN" '<daemon>/reef/harness/install?adapter={adapter.name}' | bash
+#        ... | bash -s -- --prefix DIR      (wrapper in DIR/bin instead of ~/.local/bin)
+set -eu
+prefix="${{HOME}}/.local"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prefix) [ $# -ge 2 ] || {{ echo "reef installer: --prefix needs a directory" >&2; exit 2; }}; prefix="$2"; shift 2 ;;
+    --prefix=*) prefix="${{1#--prefix=}}"; shift ;;
+    *) echo "reef installer: unknown option $1 (known: --prefix DIR)" >&2; exit 2 ;;
+  esac
+done
+bin="$prefix/bin"
+if [ ! -x {_q(py)} ]; then
+  echo "reef installer: Reef's Python ({py}) is not on this machine; run this where the daemon runs" >&2
+  exit 1
+fi
+REEF_HOME={_q(str(cfg.home))} {agents_env} {_q(py)} -m reef_cli.main agents install {adapter.name}
+mkdir -p "$bin"
+target="$bin/{adapter.command}"
+tmp="$bin/.{adapter.command}.tmp.$$"
+cat > "$tmp" <<'REEF_WRAPPER_EOF'
+{wrapper}REEF_WRAPPER_EOF
+chmod 755 "$tmp"
+if [ -f "$target" ] && cmp -s "$tmp" "$target"; then
+  rm -f "$tmp"
+  echo "{adapter.command}: $target is up to date (unchanged)"
+else
+  mv -f "$tmp" "$target"
+  echo "{adapter.command}: wrote $target (scenario {scenario})"
+fi
+case ":$PATH:" in
+  *":$bin:"*) ;;
+  *) echo "note: $bin is not on your PATH; add it, e.g. export PATH=\\"$bin:\\$PATH\\"" ;;
+esac
+echo "done: run {adapter.command} exactly as you would run {adapter.binary}"
+"""

@@ -1,0 +1,295 @@
+"""The ``lessons`` recipe: written feedback and direct instructions become edits of a harness tree.
+
+A harness release is a tree of text files in a neutral layout that adapters render into each coding agent's own
+(``adapters/``):
+
+    AGENTS.md                 rules, one ``- `` entry per lesson under a ``## Lessons`` heading
+    skills/<name>/SKILL.md    skills (front matter ``name`` and ``description``, then the text)
+    commands/<name>.md        commands / prompt templates
+    settings.json             agent-neutral settings
+
+Each lesson is screened first (nothing that looks like a secret, no instructions to send files or credentials
+anywhere, no paths outside the tree); a refused lesson is written down with its reason and never edits the tree.
+An accepted lesson becomes a rule entry (or a skill, when it names one), merged with a similar existing entry
+(word overlap) so the rules do not fill with near-duplicates, and the rules are kept within a size cap (oldest
+entries dropped first). The edit is plain and deterministic: the same tree and lessons always give the same
+candidate, so a crash and retry make the same release.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from daemon.errors import BadRequest
+
+kind = "harness"
+
+RULES_FILE = "AGENTS.md"
+LESSONS_HEADING = "## Lessons"
+RULES_PREAMBLE = (
+    "# Rules\n\nThese rules are maintained by Reef from feedback on earlier runs. Follow them.\n\n"
+    f"{LESSONS_HEADING}\n\n"
+)
+
+SKILL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_TOP_LEVEL = re.compile(r"^(AGENTS\.md|settings\.json|skills/[a-z0-9][a-z0-9-]{0,62}/[A-Za-z0-9._-]{1,100}"
+                        r"|commands/[A-Za-z0-9][A-Za-z0-9._-]{0,100}\.md)$")
+MAX_FILE_BYTES = 256 * 1024
+
+
+@dataclass
+class LessonsSettings:
+    gate: str = "always"  # always | review (held until ``reef releases promote``)
+    max_rules: int = 50  # rule entries kept (oldest dropped first)
+    max_rules_bytes: int = 16 * 1024  # size cap of the rules file
+    similarity: float = 0.6  # word overlap (Jaccard) at which a lesson replaces an existing entry
+    min_chars: int = 4  # shorter feedback is not a lesson
+    max_chars: int = 1000  # longer feedback is cut at a sentence boundary
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def settings_from(raw: dict[str, Any]) -> LessonsSettings:
+    known = set(LessonsSettings.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown:
+        raise BadRequest(f"unknown lessons settings: {', '.join(sorted(unknown))}", param="settings")
+    s = LessonsSettings(**raw)
+    if s.gate not in ("always", "review"):
+        raise BadRequest(f"lessons gate must be always or review, got {s.gate!r}", param="gate")
+    return s
+
+
+@dataclass
+class Lesson:
+    """One piece of experience: a report's written feedback (with its score) or a direct instruction."""
+
+    id: str  # the report record holding it
+    text: str
+    score: float | None = None
+    instruction: bool = False
+    skill: str | None = None  # write a skill of this name instead of a rule entry
+
+
+@dataclass
+class Outcome:
+    tree: dict[str, bytes]
+    applied: list[dict[str, Any]] = field(default_factory=list)
+    refused: list[dict[str, Any]] = field(default_factory=list)
+    unchanged: list[dict[str, Any]] = field(default_factory=list)
+    changed: bool = False
+
+    def summary(self) -> str:
+        parts = []
+        if self.applied:
+            parts.append(f"{len(self.applied)} lesson(s) applied")
+        if self.unchanged:
+            parts.append(f"{len(self.unchanged)} already in the harness")
+        if self.refused:
+            parts.append(f"{len(self.refused)} refused ({'; '.join(r['reason'] for r in self.refused)})")
+        return ", ".join(parts) or "nothing to learn"
+
+
+# --- screening ------------------------------------------------------------------------------------------------
+
+_SECRETS = [
+    (re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_-]{16,}"), "an API key (sk-...)"),
+    (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "an AWS access key"),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), "a GitHub token"),
+    (re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}"), "a Slack token"),
+    (re.compile(r"\bAIza[0-9A-Za-z_-]{30,}"), "a Google API key"),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
+    (re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"), "a JSON web token"),
+    (re.compile(r"(?i)\b(?:api[_-]?key|secret|password|passwd|token|bearer)\b\s*[:=]\s*['\"]?[^\s'\"]{8,}"),
+     "a credential assignment"),
+    (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/-]{20,}"), "a bearer token"),
+]
+_LONG_RANDOM = re.compile(r"\b[A-Za-z0-9_+/=-]{32,}\b")
+_SENSITIVE = re.compile(
+    r"(?i)(~/\.ssh|\.ssh/|id_rsa|id_ed25519|\.aws/|credentials|\.env\b|/etc/passwd|/etc/shadow|\.netrc|\.npmrc"
+    r"|\.pypirc|\.git-credentials|keychain|private key|secrets?\b|tokens?\b|api keys?|\$REEF_TOKEN|reef/token"
+    r"|environment variables|env vars|printenv|\benv\b)"
+)
+_OUTBOUND = re.compile(
+    r"(?i)(https?://|\bcurl\b|\bwget\b|\bnc\b|\bnetcat\b|\bscp\b|\brsync\b|\bftp\b|\bssh\s+\S+@|webhook|pastebin"
+    r"|\bupload|\bsend\b|\bpost\b|\bemail\b|\bmail\b|\bexfiltrat)"
+)
+_UPLOAD_FLAGS = re.compile(r"(?i)(--data(?:-binary|-raw)?\s+@|-d\s*@|-F\s*\S*=@|--upload-file|-T\s)")
+
+
+def _looks_random(token: str) -> bool:
+    classes = sum(bool(re.search(p, token)) for p in (r"[a-z]", r"[A-Z]", r"[0-9]"))
+    return classes >= 3 and len(set(token)) >= 16
+
+
+def screen(text: str) -> str | None:
+    """Why ``text`` must not enter a harness, or None when it may."""
+    for pattern, what in _SECRETS:
+        if pattern.search(text):
+            return f"it looks like it contains {what}"
+    for token in _LONG_RANDOM.findall(text):
+        if _looks_random(token):
+            return "it contains a long random string that may be a secret"
+    if re.search(r"(?i)\bexfiltrat", text) or _UPLOAD_FLAGS.search(text):
+        return "it asks to send files off the machine"
+    if _SENSITIVE.search(text) and _OUTBOUND.search(text):
+        return "it asks to send credentials or private files somewhere"
+    return None
+
+
+def check_tree_path(path: str) -> str:
+    """A path allowed in a harness tree: relative, inside the tree, one of the known kinds of file."""
+    if (
+        not isinstance(path, str)
+        or not path
+        or "\x00" in path
+        or "\\" in path
+        or path.startswith("/")
+        or any(part in ("", ".", "..") for part in path.split("/"))
+        or not _TOP_LEVEL.match(path)
+    ):
+        raise BadRequest(
+            f"harness path {path!r} is not allowed: paths are relative, stay inside the tree, and are one of "
+            "AGENTS.md, settings.json, skills/<name>/<file>, commands/<name>.md",
+            param="path",
+        )
+    return path
+
+
+def check_tree(tree: dict[str, bytes]) -> None:
+    for path, data in tree.items():
+        check_tree_path(path)
+        if len(data) > MAX_FILE_BYTES:
+            raise BadRequest(f"harness file {path} is {len(data)} bytes; the limit is {MAX_FILE_BYTES}", param="path")
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(f"harness file {path} is not UTF-8 text", param="path") from None
+
+
+# --- editing --------------------------------------------------------------------------------------------------
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+def similarity(a: str, b: str) -> float:
+    wa, wb = _words(a), _words(b)
+    if not wa or not wb:
+        return 0.0
+    return len(wa & wb) / len(wa | wb)
+
+
+def _clean(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    if len(text) > limit:
+        cut = text[:limit]
+        end = max(cut.rfind(". "), cut.rfind("; "))
+        text = cut[: end + 1] if end > limit // 2 else cut.rstrip() + "..."
+    return text
+
+
+def phrase(lesson: Lesson, limit: int) -> str:
+    """The rule entry for a lesson: an instruction as written; feedback on a poor run as a mistake to avoid."""
+    text = _clean(lesson.text, limit)
+    if lesson.instruction:
+        return text
+    if lesson.score is not None and lesson.score < 0.5:
+        return f"Avoid a past mistake: {text}"
+    return f"From feedback: {text}"
+
+
+def parse_rules(text: str) -> tuple[str, list[str]]:
+    """Split a rules file into what precedes the lessons section and the section's entries."""
+    head, sep, tail = text.partition(LESSONS_HEADING)
+    if not sep:
+        prefix = text if text.strip() else RULES_PREAMBLE[: -len(LESSONS_HEADING) - 2]
+        return prefix.rstrip("\n") + "\n\n", []
+    entries = [line[2:].strip() for line in tail.splitlines() if line.startswith("- ") and line[2:].strip()]
+    return head, entries
+
+
+def render_rules(prefix: str, entries: list[str]) -> str:
+    body = "".join(f"- {e}\n" for e in entries)
+    return f"{prefix}{LESSONS_HEADING}\n\n{body}"
+
+
+def render_skill(name: str, text: str) -> str:
+    description = _clean(text.split("\n", 1)[0], 200).replace('"', "'")
+    return f"---\nname: {name}\ndescription: \"{description}\"\n---\n\n{text.strip()}\n"
+
+
+def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettings) -> Outcome:
+    """The candidate tree after ``lessons`` (in order), and what happened to each."""
+    out = Outcome(tree=dict(tree))
+    prefix, entries = parse_rules(out.tree.get(RULES_FILE, b"").decode("utf-8", "replace"))
+    rules_changed = False
+    for lesson in lessons:
+        view = {"id": lesson.id, "text": lesson.text[:200]}
+        text = lesson.text.strip() if isinstance(lesson.text, str) else ""
+        if len(text) < settings.min_chars:
+            out.refused.append({**view, "reason": f"feedback shorter than {settings.min_chars} characters"})
+            continue
+        reason = screen(text)
+        if reason is not None:
+            out.refused.append({**view, "reason": reason})
+            continue
+        if lesson.skill is not None:
+            if not SKILL_NAME.match(lesson.skill):
+                out.refused.append({**view, "reason": f"skill name {lesson.skill!r} is not a-z, 0-9 and -"})
+                continue
+            path = f"skills/{lesson.skill}/SKILL.md"
+            data = render_skill(lesson.skill, text).encode()
+            if out.tree.get(path) == data:
+                out.unchanged.append({**view, "path": path})
+            else:
+                out.tree[path] = data
+                out.applied.append({**view, "path": path, "edit": "skill"})
+            continue
+        entry = phrase(lesson, settings.max_chars)
+        if entry in entries:
+            out.unchanged.append({**view, "path": RULES_FILE})
+            continue
+        best = max(range(len(entries)), key=lambda i: similarity(entry, entries[i]), default=None)
+        if best is not None and similarity(entry, entries[best]) >= settings.similarity:
+            entries.pop(best)  # merged: the newer phrasing replaces the similar entry and moves to the end
+            edit = "merged"
+        else:
+            edit = "added"
+        entries.append(entry)
+        rules_changed = True
+        out.applied.append({**view, "path": RULES_FILE, "edit": edit, "rule": entry})
+    if rules_changed:
+        while len(entries) > settings.max_rules or (
+            len(entries) > 1 and len(render_rules(prefix, entries).encode()) > settings.max_rules_bytes
+        ):
+            entries.pop(0)  # the oldest entry goes first
+        out.tree[RULES_FILE] = render_rules(prefix, entries).encode()
+    out.changed = out.tree != tree
+    return out
+
+
+def lesson_from_report(report: dict[str, Any]) -> Lesson | None:
+    """A lesson from a stored report record, or None when it carries no written feedback."""
+    body = report.get("report") or {}
+    feedback = body.get("feedback")
+    meta = body.get("metadata") or {}
+    if isinstance(feedback, dict):
+        feedback = feedback.get("text") or feedback.get("feedback") or json.dumps(feedback, sort_keys=True)
+    if not isinstance(feedback, str) or not feedback.strip():
+        return None
+    skill = meta.get("skill") if isinstance(meta, dict) else None
+    return Lesson(
+        id=report["id"],
+        text=feedback,
+        score=body.get("score"),
+        instruction=isinstance(meta, dict) and meta.get("kind") == "instruction",
+        skill=skill if isinstance(skill, str) else None,
+    )

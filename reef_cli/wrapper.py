@@ -1,0 +1,322 @@
+"""``reef-pi``, ``reef-claude``, ``reef-opencode``: a real coding agent whose traffic flows through Reef.
+
+``reef-pi ARGS...`` runs ``pi ARGS...`` unchanged, in the current directory, with: the daemon started if needed,
+the scenario chosen (``--reef-scenario NAME``, else ``$REEF_SCENARIO``, else the adapter's name), a fresh run
+id in the base URL, the agent installed on first use, the scenario's current harness release installed in the
+agent's isolated config home (or a note that a newer one exists, per ``harness_updates``), signals forwarded,
+and the agent's exit code kept. Afterwards the run's receipts are stored in ``$REEF_HOME/runs/<run>.json``.
+
+Wrapper subcommands come first: ``report``, ``runs``, ``update``, ``evolve``, ``reef-help``. To send one of those
+words to the agent itself, put ``--`` first: ``reef-pi -- report`` runs ``pi report``.
+
+The path to the agent's first request is kept light (standard library only, one request to the daemon) so the
+wrapper adds little to the agent's own start-up (``bench/wrapper_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from adapters import Adapter, Target, get_adapter
+from adapters.base import install_harness, installed_release
+from daemon.config import Config, load_config
+from daemon.errors import ReefError
+
+SUBCOMMANDS = ("report", "runs", "update", "evolve", "reef-help")
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
+TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends these to the agent too
+
+
+# --- a light client of the daemon (stdlib only) ------------------------------------------------------------
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+def call(config: Config, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> Any:
+    """One request to the daemon; JSON answer, or a ``ReefError`` carrying the daemon's message."""
+    headers = {"Host": "localhost"}
+    if config.url:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(config.url)
+        conn: http.client.HTTPConnection = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80,
+                                                                      timeout=timeout)
+        headers = {"Authorization": f"Bearer {config.token or ''}"}
+    else:
+        conn = _UnixConnection(str(config.socket_path), timeout)
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+    finally:
+        conn.close()
+    if resp.status >= 400:
+        from reef_cli.client import _BY_STATUS
+
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode("utf-8", "replace") or resp.reason
+        raise _BY_STATUS.get(resp.status, ReefError)(message)
+    return json.loads(raw) if raw else None
+
+
+def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
+    """``call``, starting the local daemon first when it is not running."""
+    try:
+        return call(config, method, path, body)
+    except (ConnectionRefusedError, FileNotFoundError):
+        if config.url:
+            raise ReefError(f"cannot reach the daemon at {config.url}") from None
+    from reef_cli.client import start_daemon
+
+    say("starting the daemon")
+    start_daemon(config)
+    return call(config, method, path, body)
+
+
+def say(message: str) -> None:
+    if not os.environ.get("REEF_QUIET"):
+        sys.stderr.write(f"reef: {message}\n")
+        sys.stderr.flush()
+
+
+def token(config: Config) -> str:
+    if config.url:
+        return config.token or ""
+    try:
+        return config.token_path.read_text().strip()
+    except FileNotFoundError:
+        raise ReefError(f"no token at {config.token_path}; is the daemon's home right?") from None
+
+
+# --- runs ----------------------------------------------------------------------------------------------------
+
+
+def runs_dir(config: Config) -> Path:
+    d = config.runs_dir
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_run(config: Config, run: dict[str, Any]) -> None:
+    d = runs_dir(config)
+    tmp = d / f".{run['run']}.json.tmp"
+    tmp.write_text(json.dumps(run, indent=2) + "\n")
+    os.replace(tmp, d / f"{run['run']}.json")
+    last = d / f".last-{run['adapter']}.tmp"
+    last.write_text(run["run"] + "\n")
+    os.replace(last, d / f"last-{run['adapter']}")
+
+
+def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
+    from daemon.errors import NotFound
+
+    d = runs_dir(config)
+    if run_id is None:
+        try:
+            run_id = (d / f"last-{adapter.name}").read_text().strip()
+        except FileNotFoundError:
+            raise NotFound(f"no {adapter.command} run yet; run {adapter.command} first (or pass --run ID)") from None
+    path = d / f"{run_id}.json"
+    if not path.is_file() or "/" in run_id:
+        raise NotFound(f"no run {run_id!r} in {d}")
+    return json.loads(path.read_text())
+
+
+def list_runs(config: Config, adapter: Adapter | None = None) -> list[dict[str, Any]]:
+    out = []
+    for p in runs_dir(config).glob("run_*.json"):
+        try:
+            run = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if adapter is None or run.get("adapter") == adapter.name:
+            out.append(run)
+    out.sort(key=lambda r: r.get("started_at", 0), reverse=True)
+    return out
+
+
+# --- the wrapped run --------------------------------------------------------------------------------------
+
+
+def install_agent(config: Config, adapter: Adapter) -> Path:
+    binary = adapter.binary_path(config.agents_path)
+    if not binary.exists():
+        say(f"{adapter.name} is not installed yet: installing {adapter.package}@{adapter.version} (once)")
+        adapter.install(config.agents_path, progress=say)
+    return binary
+
+
+def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, Any], *, force: bool) -> str | None:
+    """Install the scenario's current harness release (or say a newer one exists); returns the release the
+    agent will run with."""
+    current = installed_release(home)
+    head = start.get("release_id")
+    if head is None or head == current:
+        return current if head is not None else None
+    if not force and current is not None and start.get("harness_updates") == "notify":
+        say(f"a newer harness (step {start['step']}, {head}) is available for scenario {start['scenario']}; "
+            f"run `{adapter.command} update` to install it")
+        return current
+    files = start.get("files")
+    if files is None:  # the daemon skipped them (it thought this release was installed): ask for them
+        files = call(config, "GET", f"/reef/scenarios/{start['scenario']}/harness?adapter={adapter.name}")["files"]
+    result = install_harness(home, head, {p: t.encode() for p, t in files.items()})
+    if current is not None and (result["written"] or result["removed"]):
+        say(f"installed harness step {start['step']} of scenario {start['scenario']} ({head})")
+    return head
+
+
+def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
+    config = load_config()
+    home_hint = None
+    if scenario is None:
+        scenario = os.environ.get("REEF_SCENARIO") or adapter.name
+    body = {"adapter": adapter.name, "scenario": scenario}
+    home = adapter.home(config.homes_dir, scenario)
+    home_hint = installed_release(home)
+    if home_hint:
+        body["installed_release"] = home_hint
+    start = call_starting(config, "POST", "/reef/runs", body)
+    binary = install_agent(config, adapter)
+    release = sync_harness(config, adapter, home, start, force=False)
+    target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
+                    model=start["model"], release_id=release, context_window=int(start["context_length"]))
+    adapter.prepare(home, target)
+    env = dict(os.environ)
+    for name in adapter.unset_env():
+        env.pop(name, None)
+    env.update(adapter.env(home, target, token(config)))
+    record = {"run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
+              "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
+              "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}
+    save_run(config, record)
+    code = spawn(adapter.argv(binary, args, target), env)
+    record.update(ended_at=time.time(), exit_code=code)
+    try:
+        got = call(config, "GET", f"/reef/records?run={target.run}&kind=exchange&limit=1000")
+        record["receipts"] = [r["id"] for r in got["records"]]
+    except (OSError, ReefError) as e:
+        say(f"could not read the run's receipts ({e}); `{adapter.command} report` will ask the daemon again")
+    save_run(config, record)
+    n = len(record["receipts"])
+    say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
+        f"`{adapter.command} report --score S --feedback TEXT`")
+    return code
+
+
+def prompt_of(args: list[str]) -> str:
+    words = [a for a in args if not a.startswith("-")]
+    return " ".join(words)[:200]
+
+
+def spawn(argv: list[str], env: dict[str, str]) -> int:
+    """Run the agent in the foreground; forward signals; return its exit code (128+N when killed by signal N)."""
+    try:
+        proc = subprocess.Popen(argv, env=env)
+    except OSError as e:
+        raise ReefError(f"could not start {argv[0]}: {e}") from None
+
+    def forward(signum: int, _frame: Any) -> None:
+        if signum in TTY_SIGNALS and _foreground():
+            return  # the terminal delivered it to the agent already (same process group)
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (*FORWARDED, *TTY_SIGNALS)}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - code if code < 0 else code
+
+
+def _foreground() -> bool:
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except OSError:
+        return False
+
+
+# --- entry points ------------------------------------------------------------------------------------------
+
+
+def main(adapter_name: str, argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        adapter = get_adapter(adapter_name)
+        if args and args[0] in SUBCOMMANDS:
+            from reef_cli.wrapper_cmd import subcommands
+
+            subcommands(adapter)(args=args, prog_name=adapter.command)
+            return
+        if args and args[0] == "--":
+            args = args[1:]
+        scenario = None
+        for i, a in enumerate(args):
+            if a == "--reef-scenario" and i + 1 < len(args):
+                scenario = args[i + 1]
+                del args[i:i + 2]
+                break
+            if a.startswith("--reef-scenario="):
+                scenario = a.split("=", 1)[1]
+                del args[i]
+                break
+        sys.exit(run_agent(adapter, args, scenario))
+    except ReefError as e:
+        sys.stderr.write(f"{'reef-' + adapter_name}: {e.message}\n")
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def pi() -> None:
+    main("pi")
+
+
+def claude() -> None:
+    main("claude")
+
+
+def opencode() -> None:
+    main("opencode")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

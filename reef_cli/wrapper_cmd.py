@@ -1,0 +1,163 @@
+"""The wrappers' own subcommands: ``reef-pi report|runs|update|evolve`` (the same for each adapter)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import typer
+
+from adapters import Adapter
+from daemon.errors import NotFound, ReefError
+from reef_cli.common import ago, config, console, edge, print_json
+
+
+def subcommands(adapter: Adapter) -> Any:
+    cmd = adapter.command
+    app = typer.Typer(
+        name=cmd,
+        help=f"{cmd}: run {adapter.binary} through Reef. `{cmd} ARGS...` passes ARGS to {adapter.binary} unchanged; "
+             f"`{cmd} -- report ...` sends the word `report` to {adapter.binary} itself.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_show_locals=False,
+    )
+
+    @app.command()
+    @edge
+    def report(
+        score: float | None = typer.Option(None, "--score", help="A numeric score for the run (e.g. 0 or 1)."),
+        feedback: str | None = typer.Option(None, "--feedback", help="What went right or wrong, in words."),
+        run: str | None = typer.Option(None, "--run", help="The run to report on (default: the last one)."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Attach one report (score and/or feedback) to every receipt of the last run (or --run ID)."""
+        from reef_cli.wrapper import call_starting, load_run, save_run
+
+        cfg = config()
+        if score is None and feedback is None:
+            raise ReefError("give --score, --feedback, or both")
+        rec = load_run(cfg, adapter, run)
+        receipts = rec.get("receipts") or []
+        if not receipts:  # the run's receipts were not stored (daemon unreachable then): ask again
+            got = call_starting(cfg, "GET", f"/reef/records?run={rec['run']}&kind=exchange&limit=1000")
+            receipts = rec["receipts"] = [r["id"] for r in got["records"]]
+        if not receipts:
+            raise NotFound(f"run {rec['run']} made no model requests; there is nothing to report on")
+        body: dict[str, Any] = {"references": receipts, "scenario": rec["scenario"],
+                                "metadata": {"run": rec["run"], "adapter": adapter.name}}
+        if score is not None:
+            body["score"] = score
+        if feedback is not None:
+            body["feedback"] = feedback
+        stored = call_starting(cfg, "POST", "/reef/report", body)
+        rec.setdefault("reports", []).append({"report_id": stored["report_id"], "score": score,
+                                              "feedback": feedback, "at": time.time()})
+        save_run(cfg, rec)
+        if json_out:
+            print_json(stored)
+            return
+        print(f"report {stored['report_id']} on {len(receipts)} receipt(s) of run {rec['run']}")
+        _say_learning(stored.get("learning"), cmd)
+
+    @app.command()
+    @edge
+    def runs(
+        limit: int = typer.Option(20, "--limit", "-n", help="How many runs to show."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """List recent runs: time, prompt, receipts, score."""
+        from reef_cli.wrapper import list_runs
+
+        got = list_runs(config(), adapter)[:limit]
+        if json_out:
+            print_json(got)
+            return
+        if not got:
+            print(f"no {cmd} runs yet")
+            return
+        from rich.table import Table
+
+        table = Table("run", "when", "scenario", "prompt", "receipts", "exit", "score")
+        for r in got:
+            reports = r.get("reports") or []
+            last = next((x["score"] for x in reversed(reports) if x.get("score") is not None), None)
+            table.add_row(r["run"], ago(r.get("started_at")), r["scenario"], (r.get("prompt") or "")[:48],
+                          str(len(r.get("receipts") or [])), str(r.get("exit_code")),
+                          "-" if last is None else f"{last:g}")
+        console().print(table)
+
+    @app.command()
+    @edge
+    def update(
+        scenario: str | None = typer.Option(None, "--reef-scenario", envvar="REEF_SCENARIO",
+                                            help="Scenario (default: the adapter's name)."),
+    ) -> None:
+        """Install the scenario's current harness release into the agent's config home now."""
+        from adapters.base import install_harness
+        from reef_cli.wrapper import call_starting
+
+        cfg = config()
+        name = scenario or adapter.name
+        start = call_starting(cfg, "POST", "/reef/runs", {"adapter": adapter.name, "scenario": name})
+        if start.get("release_id") is None:
+            print(f"scenario {name} releases weights; there is no harness to install")
+            return
+        home = adapter.home(cfg.homes_dir, name)
+        result = install_harness(home, start["release_id"], {p: t.encode() for p, t in start["files"].items()})
+        changed = len(result["written"]) + len(result["removed"])
+        print(f"harness step {start['step']} ({start['release_id']}) of scenario {name} installed in {home}"
+              f" ({changed} file(s) changed)")
+
+    @app.command()
+    @edge
+    def evolve(
+        instruction: str = typer.Argument(..., help="An instruction for the agent, e.g. 'always run the tests'."),
+        skill: str | None = typer.Option(None, "--skill", help="Write it as a skill of this name, not a rule."),
+        scenario: str | None = typer.Option(None, "--reef-scenario", envvar="REEF_SCENARIO",
+                                            help="Scenario (default: the adapter's name)."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Teach the harness directly: the instruction becomes a rule (or a skill) in a new harness release."""
+        from reef_cli.wrapper import call_starting
+
+        cfg = config()
+        name = scenario or adapter.name
+        call_starting(cfg, "POST", "/reef/runs", {"adapter": adapter.name, "scenario": name})  # scenario exists
+        body: dict[str, Any] = {"instruction": instruction}
+        if skill:
+            body["skill"] = skill
+        out = call_starting(cfg, "POST", f"/reef/scenarios/{name}/evolve", body)
+        if json_out:
+            print_json(out)
+            return
+        _say_learning(out, cmd)
+        if out.get("verdict") == "rejected" or (out.get("refused") and not out.get("applied")):
+            raise typer.Exit(2)
+
+    @app.command("reef-help")
+    def reef_help() -> None:
+        """How the wrapper works and what it adds to the agent."""
+        print(app.info.help)
+        print(f"\nsubcommands: report, runs, update, evolve; scenario: --reef-scenario NAME or REEF_SCENARIO;"
+              f"\n`{cmd} -- ARGS` passes ARGS to {adapter.binary} even when the first is a subcommand name.")
+
+    return app
+
+
+def _say_learning(outcome: dict[str, Any] | None, cmd: str) -> None:
+    if not outcome:
+        return
+    for r in outcome.get("refused") or []:
+        print(f"refused: {r['text'][:80]!r}: {r['reason']}")
+    verdict = outcome.get("verdict")
+    if verdict == "accepted":
+        print(f"harness: {outcome['summary']}; released step {outcome['step']} ({outcome['release_id']}); "
+              f"the next {cmd} run installs it")
+    elif verdict == "pending":
+        print(f"harness: {outcome['summary']}; candidate {outcome['release_id']} is pending review "
+              f"(reef releases promote {outcome['release_id']})")
+    elif verdict == "unchanged":
+        print(f"harness: unchanged ({outcome.get('summary')})")
+    elif verdict == "rejected":
+        print(f"harness: not released ({outcome.get('summary')})")
