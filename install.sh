@@ -66,12 +66,23 @@ else
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
 fi
 
+if [ "$DEV" = 1 ] && ! command -v strace >/dev/null 2>&1; then
+  # the agent tests prove with strace that no connection leaves loopback
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing strace (the agent tests watch the agents' connections with it)"
+    apt-get install -y -q strace >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q strace >/dev/null 2>&1) \
+      || die "could not install strace (apt-get install strace)"
+  else
+    die "the tests need strace: install it with your package manager (e.g. sudo apt-get install strace)"
+  fi
+fi
+
 if [ "$LINK" = 1 ]; then
   mkdir -p "$BIN_DIR"
-  for cmd in reef; do
+  for cmd in reef reef-pi reef-claude reef-opencode; do
     ln -sfn "$VENV/bin/$cmd" "$BIN_DIR/$cmd"
   done
-  say "linked reef into $BIN_DIR"
+  say "linked reef, reef-pi, reef-claude and reef-opencode into $BIN_DIR"
   case ":$PATH:" in *":$BIN_DIR:"*) ;; *) say "note: $BIN_DIR is not on your PATH; add it, or run $BIN_DIR/reef" ;; esac
 fi
 say "done: $("$VENV/bin/reef" --version 2>/dev/null || echo reef) installed in $VENV"

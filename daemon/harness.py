@@ -80,7 +80,6 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
         "step": head.step,
         "context_length": getattr(engine.info, "context_length", None) or 32768,
         "url": f"http://{reef.config.host}:{reef.config.port}",
-        "harness_updates": reef.config.harness_updates,
     }
     if head.kind == "harness" and installed != head.release_id:
         out["files"] = await rendered(reef, scenario, head, adapter.name)

@@ -182,7 +182,7 @@ def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, 
     head = start.get("release_id")
     if head is None or head == current:
         return current if head is not None else None
-    if not force and current is not None and start.get("harness_updates") == "notify":
+    if not force and current is not None and config.harness_updates == "notify":
         say(f"a newer harness (step {start['step']}, {head}) is available for scenario {start['scenario']}; "
             f"run `{adapter.command} update` to install it")
         return current
