@@ -1,0 +1,44 @@
+"""The wrapper's process handling with real processes: signals sent to the wrapper reach the agent, and the
+agent's exit code (or 128 + the signal that killed it) is the wrapper's."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+RUN = "import os, sys; from reef_cli.wrapper import spawn; sys.exit(spawn(sys.argv[1:], dict(os.environ)))"
+
+
+def start(*argv: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", RUN, *argv], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # the agent is running
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_to_the_wrapper_reaches_the_agent_and_its_exit_code_is_kept(sig: signal.Signals) -> None:
+    # the agent handles the signal itself and exits 7: the wrapper must forward it and keep that code
+    proc = start("sh", "-c", f"trap 'echo got-{sig.name}; kill $!; exit 7' {sig.name.removeprefix('SIG')}; "
+                             "sleep 30 & wait")
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 7 and f"got-{sig.name}".encode() in out
+    assert time.monotonic() - t0 < 5
+
+
+def test_an_agent_killed_by_a_signal_gives_128_plus_the_signal() -> None:
+    proc = start("sleep", "30")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_the_agents_own_exit_code_is_kept() -> None:
+    proc = subprocess.run([sys.executable, "-c", RUN, "sh", "-c", "exit 42"], capture_output=True, timeout=30)
+    assert proc.returncode == 42
