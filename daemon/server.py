@@ -129,6 +129,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         log.info("stopping: draining in-flight requests")
     finally:
         if runner is not None:
+            reef.events.close()  # ends event streams (TUI, progress bars): they are not work to drain
             await runner.cleanup()  # stops accepting, waits for in-flight handlers
         await reef.close()
         for path in (config.pid_path, config.socket_path):
