@@ -1,0 +1,234 @@
+"""``reef tui`` against a real daemon (Textual's Pilot): navigate from the scenarios to a release and its
+detail, roll back with the keyboard and see the head change through the API, lose a rollback race against a
+publish (refused, reported, refreshed), promote a pending release, show rejected candidates, follow the
+records feed and training events, and reconnect when the daemon restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.config import load_config
+from reef_cli.tui.api import Api
+from reef_cli.tui.app import ReefApp
+from reef_cli.tui.screens import ChainScreen, ConfirmScreen, RecordScreen, RecordsScreen, ReleaseScreen, TrainingScreen
+from tests.conftest import Daemon
+
+SIZE = (130, 40)
+
+
+def variant(tiny: Path, dest: Path, note: str) -> Path:
+    """The tiny model plus a notes file: distinct release content, and a text diff to show."""
+    shutil.copytree(tiny, dest)
+    (dest / "NOTES.md").write_text(note)
+    return dest
+
+
+def publish(d: Daemon, tiny: Path, scenario: str, note: str, **kw: Any) -> str:
+    """Publish a release from outside the daemon (another process would do the same)."""
+    from daemon.releases import ReleaseStore, files_from_dir
+
+    store = ReleaseStore(d.home / "artifacts.git")
+    with tempfile.TemporaryDirectory() as tmp:
+        files = files_from_dir(variant(tiny, Path(tmp) / "m", note))
+        if kw.pop("pending", False):
+            return store.hold(scenario, files, kind="weights", recipe="record", **kw).release_id
+        return store.publish(scenario, files, expected_head=store.head(scenario), operation="train",
+                             kind="weights", recipe="record", **kw).release_id
+
+
+def releases(d: Daemon, scenario: str) -> dict[str, Any]:
+    with d.unix() as c:
+        return dict(c.get(f"/reef/scenarios/{scenario}/releases").json())
+
+
+@pytest.fixture(scope="module")
+def seeded(daemon: Daemon, tiny_model: Path) -> Iterator[dict[str, Any]]:
+    """Scenarios ``tui-a`` (init + two trained releases, one exchange with a report) and ``tui-b``."""
+    with daemon.unix() as c:
+        for name in ("tui-a", "tui-b"):
+            assert c.post("/reef/scenarios", json={"name": name}).status_code == 201
+    r1 = publish(daemon, tiny_model, "tui-a", "release one\nshared line\n", metrics={"batch_reward": 0.25})
+    r2 = publish(daemon, tiny_model, "tui-a", "release two\nshared line\n", metrics={"batch_reward": 0.5})
+    with daemon.unix() as c:
+        resp = c.post("/s/tui-a/r/run-tui/v1/chat/completions",
+                      json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hello tui"}]})
+        receipt = resp.headers["x-reef-agent-record-id"]
+        assert c.post("/reef/report", json={"references": [receipt], "score": 0.75, "feedback": "ok"}).status_code == 201
+    yield {"r1": r1, "r2": r2, "receipt": receipt}
+
+
+def plain(widget: Any) -> str:
+    """What a Static shows, as plain text."""
+    from rich.console import Console
+
+    console = Console(width=200, file=io.StringIO(), record=True)
+    console.print(widget.content)
+    return console.export_text()
+
+
+def make_app(d: Daemon, **kw: Any) -> ReefApp:
+    return ReefApp(Api(load_config(env={"REEF_HOME": str(d.home)})), **kw)
+
+
+async def until(pilot: Any, cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what or cond}; screen {pilot.app.screen}, "
+                         f"messages {pilot.app.messages}")
+
+
+async def loaded(pilot: Any, kind: type, n: int = 1) -> Any:
+    return await until(pilot, lambda: isinstance(pilot.app.screen, kind) and pilot.app.screen.loaded >= n
+                       and pilot.app.screen, what=f"{kind.__name__} loaded")
+
+
+async def test_navigate_roll_back_by_keyboard_and_the_head_changes(daemon: Daemon, seeded: dict[str, Any]) -> None:
+    app = make_app(daemon)
+    async with app.run_test(size=SIZE) as pilot:
+        scen = await until(pilot, lambda: app.screen.loaded and app.screen, what="scenarios")
+        names = [str(k.value) for k in scen.query_one("DataTable").rows]
+        await pilot.press(*["down"] * names.index("tui-a"), "enter")
+        chain = await loaded(pilot, ChainScreen)
+        assert chain.scenario == "tui-a" and chain.head == seeded["r2"]
+        assert list(chain.rows)[:2] == [seeded["r2"], seeded["r1"]]  # newest first
+        await pilot.press("down", "enter")  # the release before the head: its detail
+        detail = await loaded(pilot, ReleaseScreen)
+        assert detail.release_id == seeded["r1"]
+        shown = plain(detail.query_one("#diff"))
+        assert "NOTES.md" in shown and "release one" in shown  # the text diff to its parent
+        await pilot.press("escape")
+        await loaded(pilot, ChainScreen)
+        await pilot.press("b")
+        modal = await until(pilot, lambda: isinstance(app.screen, ConfirmScreen) and app.screen)
+        question = "\n".join(modal.lines)
+        assert f"from  head {seeded['r2'][:10]}" in question and f"to    {seeded['r1'][:10]}" in question
+        await pilot.press("y")
+        await until(pilot, lambda: any("published" in m for m in app.messages), what="rollback published")
+        chain = await until(pilot, lambda: isinstance(app.screen, ChainScreen) and app.screen.head != seeded["r2"]
+                            and app.screen)
+    after = releases(daemon, "tui-a")
+    head = after["releases"][0]
+    assert after["head"] == head["release_id"] == chain.head
+    assert (head["operation"], head["source"], head["step"]) == ("rollback", seeded["r1"], 3)
+    assert head["content_id"] == after["releases"][2]["content_id"]  # the content of r1, restored
+
+
+async def test_a_rollback_racing_a_publish_is_refused_and_reported(daemon: Daemon, tiny_model: Path,
+                                                                   seeded: dict[str, Any]) -> None:
+    app = make_app(daemon, scenario="tui-b")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        shown_head = chain.head
+        await until(pilot, lambda: app.connection.startswith("connected"))
+        publish(daemon, tiny_model, "tui-b", "one\n")  # the head moves while nobody looks
+        chain.refresh_data()
+        await loaded(pilot, ChainScreen, chain.loaded + 1)
+        await pilot.press("down", "b")  # roll back to init, against the head the screen shows now
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        shown_head = chain.head
+        racer = publish(daemon, tiny_model, "tui-b", "two\n")  # a publish wins the race
+        await pilot.press("y")
+        await until(pilot, lambda: any("moved meanwhile" in m for m in app.messages), what="refusal")
+        assert any(racer[:10] in m and "nothing changed" in m for m in app.messages), app.messages
+        await until(pilot, lambda: chain.head == racer, what="the chain refreshed to the new head")
+        assert list(chain.rows)[0] == racer
+    after = releases(daemon, "tui-b")
+    assert after["head"] == racer != shown_head
+    assert [r["operation"] for r in after["releases"]] == ["train", "train", "init"]  # no rollback published
+
+
+async def test_rejected_candidates_on_demand_and_promote(daemon: Daemon, tiny_model: Path,
+                                                         seeded: dict[str, Any]) -> None:
+    from daemon.releases import ReleaseStore
+
+    with daemon.unix() as c:
+        assert c.post("/reef/scenarios", json={"name": "tui-c"}).status_code == 201
+    store = ReleaseStore(daemon.home / "artifacts.git")
+    store.record_rejection("tui-c", verdict="rejected", reason="not better than the head", metrics={"eval_reward": 0.1})
+    pending = publish(daemon, tiny_model, "tui-c", "pending\n", pending=True, metrics={"eval_reward": 0.9})
+    app = make_app(daemon, scenario="tui-c")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        assert [r["operation"] for r in chain.rows.values()] == ["init"]
+        await pilot.press("a")
+        await until(pilot, lambda: len(chain.rows) == 3, what="candidates shown")
+        ops = [r["operation"] for r in chain.rows.values()]
+        assert sorted(ops) == ["init", "pending", "rejected"], ops
+        chain.select(pending)
+        await pilot.press("p")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await until(pilot, lambda: any("promote" in m and "published" in m for m in app.messages), what="promoted")
+    after = releases(daemon, "tui-c")
+    assert (after["releases"][0]["operation"], after["releases"][0]["source"]) == ("promote", pending)
+
+
+async def test_records_feed_opens_an_exchange_and_training_follows_events(daemon: Daemon,
+                                                                          seeded: dict[str, Any]) -> None:
+    app = make_app(daemon, scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, ChainScreen)
+        await pilot.press("f")
+        feed = await loaded(pilot, RecordsScreen)
+        keys = [str(k.value) for k in feed.query_one("DataTable").rows]
+        assert seeded["receipt"] in keys
+        await pilot.press(*["down"] * keys.index(seeded["receipt"]), "enter")
+        exchange = await loaded(pilot, RecordScreen)
+        text = plain(exchange.query_one("#exchange"))
+        assert "hello tui" in text and "run-tui" in text and "score 0.75" in text
+        await pilot.press("escape", "escape")
+        await loaded(pilot, ChainScreen)
+        await pilot.press("t")
+        training = await loaded(pilot, TrainingScreen)
+        await until(pilot, lambda: any(s == 0.75 for _, s, scen in app.training.scores if scen == "tui-a"),
+                    what="the seeded report, replayed from the event history")
+        before = len(app.training.scores)
+        with daemon.unix() as c:
+            assert c.post("/reef/report", json={"references": [seeded["receipt"]], "score": 0.25}).status_code == 201
+        await until(pilot, lambda: len(app.training.scores) == before + 1, what="a live report event")
+        state = plain(training.query_one("#state"))
+        assert "last score 0.25" in state
+
+
+async def test_reconnects_when_the_daemon_restarts(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory()
+    app = make_app(d, retry_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.connection.startswith("connected"), what="connected")
+        first_pid = app.daemon_pid
+        await asyncio.to_thread(d.stop)
+        await until(pilot, lambda: app.connection.startswith("daemon unreachable"), what="unreachable shown")
+        assert any("lost the daemon" in m for m in app.messages)
+        await asyncio.to_thread(d.start)
+        await until(pilot, lambda: app.connection.startswith("connected"), timeout=60, what="reconnected")
+        assert app.daemon_pid != first_pid
+        assert any("restarted" in m for m in app.messages), app.messages
+
+
+async def test_over_tcp_with_the_token(daemon: Daemon, seeded: dict[str, Any]) -> None:
+    cfg = load_config(env={"REEF_HOME": str(daemon.home), "REEF_URL": daemon.url, "REEF_TOKEN": daemon.token})
+    app = ReefApp(Api(cfg), scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        assert chain.head and daemon.url in app.source.where()
+        await until(pilot, lambda: app.connection.startswith("connected"))
+    bad = load_config(env={"REEF_HOME": str(daemon.home), "REEF_URL": daemon.url, "REEF_TOKEN": "wrong"})
+    app = ReefApp(Api(bad), scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        note = plain(chain.query_one("#note"))
+        assert "token" in note.lower(), note
+
