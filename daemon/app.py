@@ -35,7 +35,7 @@ from daemon.errors import (
     StorageError,
     Unauthorized,
 )
-from daemon.exchange import Completion, Finish, Receipt
+from daemon.exchange import Completion, Finish, Receipt, Relay
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
 from daemon.serving import Reef, check_name
@@ -152,6 +152,10 @@ def error_response(request: web.Request, err: ReefError) -> web.Response:
     resp = web.json_response(body, status=status, dumps=_dumps)
     if status == 413:
         resp.force_close()
+    if isinstance(rid := err.data.get("record_id"), str):  # a failed exchange that was recorded
+        resp.headers["x-reef-agent-record-id"] = rid
+    if isinstance(retry := err.data.get("retry_after"), dict):  # an upstream's 429/503: when to try again
+        resp.headers.update(retry)
     return resp
 
 
@@ -240,6 +244,7 @@ def provider_handler(proto: ModuleType) -> Handler:
         scenario, run = _scenario_and_run(request)
         body = await read_json(request, reef.config.max_body_bytes)
         exchange = proto.parse_request(body)
+        exchange.headers, exchange.query = request.headers, request.query_string
         served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers,
                                   pinned_release=request.headers.get("x-reef-release-id"))
         response_id = new_id(_ID_PREFIX[proto.FORMAT])
@@ -251,9 +256,13 @@ def provider_handler(proto: ModuleType) -> Handler:
         route = proto.FORMAT
         try:
             if not exchange.stream:
-                completion = await _collect(reef, served)
-                response = proto.render_response(exchange, completion, response_id=response_id, created=created,
-                                                 receipt=receipt)
+                finish = await _collect(reef, served)
+                completion = finish.completion
+                if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
+                    response = {**finish.body, "reef": receipt.to_dict()}
+                else:
+                    response = proto.render_response(exchange, completion, response_id=response_id,
+                                                     created=created, receipt=receipt)
                 await reef.record(served, completion, response)
                 headers["Server-Timing"] = (
                     f"engine;dur={served.engine_ms:.3f}, record;dur={served.record_ms:.3f}, "
@@ -272,10 +281,10 @@ def provider_handler(proto: ModuleType) -> Handler:
 _ID_PREFIX = {"openai-chat": "chatcmpl-", "openai-responses": "resp_", "anthropic": "msg_"}
 
 
-async def _collect(reef: Reef, served: Any) -> Completion:
+async def _collect(reef: Reef, served: Any) -> Finish:
     async for event in reef.stream(served):
         if isinstance(event, Finish):
-            return event.completion
+            return event
     raise ReefError("engine ended without finishing")
 
 
@@ -300,14 +309,19 @@ async def _stream(
     await resp.prepare(request)
     renderer = proto.StreamRenderer(served.exchange, response_id=response_id, created=created)
     completion: Completion | None = None
-    pending = renderer.start()
+    final: tuple[str | None, str] | None = None
+    # an upstream of the client's format: its bytes go out as they are (Relay events), not re-rendered
+    pending = [] if isinstance(served.first, Relay) else renderer.start()
     try:
         try:
             async for event in reef.stream(served):
                 if isinstance(event, Finish):
-                    completion = event.completion
+                    completion, final = event.completion, event.final
                     break
-                pending.extend(renderer.event(event))
+                if isinstance(event, Relay):
+                    pending.append(event.data)
+                else:
+                    pending.extend(renderer.event(event))
                 await resp.write(b"".join(pending))
                 pending = []
         except ReefError as err:
@@ -326,7 +340,8 @@ async def _stream(
             await resp.write(b"".join(pending + renderer.error(err)))
             await resp.write_eof()
             return resp
-        await resp.write(b"".join(pending + renderer.finish(completion, receipt)))
+        end = proto.relay_finish(final, receipt) if final is not None else renderer.finish(completion, receipt)
+        await resp.write(b"".join(pending + end))
         await resp.write_eof()
         reef.metrics.requests.labels(proto.FORMAT, "200").inc()
         reef.metrics.latency.labels(proto.FORMAT).observe(time.perf_counter() - served.started)
@@ -344,6 +359,7 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
     scenario, _ = _scenario_and_run(request)
     body = await read_json(request, reef.config.max_body_bytes)
     exchange = anthropic.parse_count_tokens(body)
+    exchange.headers, exchange.query = request.headers, request.query_string
     scen = await reef.scenario(scenario)
     engine = await reef.engine(scen.model)
     release = await reef.chains.resolve(scen, request.headers.get("x-reef-release-id"))

@@ -15,6 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,6 +82,9 @@ class Exchange:
     body: dict[str, Any] = field(default_factory=dict)
     # OpenAI chat: include usage in the stream (stream_options.include_usage)
     stream_usage: bool = False
+    # the client's HTTP headers and query string, as received (an upstream engine forwards a chosen few)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    query: str = ""
 
     def has_images(self) -> bool:
         return any(p.type == "image" for m in self.messages for p in m.parts)
@@ -148,13 +152,27 @@ class ToolCallDelta:
 
 
 @dataclass
+class Relay:
+    """Bytes already in the client's format (an upstream of the same format): sent to the client as they are.
+
+    An engine that relays yields only ``Relay`` events and its ``Finish``; the stream's final event is held back
+    in ``Finish.final`` so that the receipt can be added to it once the record is durable."""
+
+    data: bytes
+
+
+@dataclass
 class Finish:
     """Always the last event of a successful generation; carries the assembled completion."""
 
     completion: Completion
+    # relayed answers (same format in and out): the upstream's own body (not streaming), or the stream's final
+    # SSE event as (event name, data), to which the receipt is added
+    body: dict[str, Any] | None = None
+    final: tuple[str | None, str] | None = None
 
 
-EngineEvent = TextDelta | ThinkingDelta | ToolCallStart | ToolCallDelta | Finish
+EngineEvent = TextDelta | ThinkingDelta | ToolCallStart | ToolCallDelta | Relay | Finish
 
 
 @dataclass

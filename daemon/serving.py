@@ -65,7 +65,7 @@ class Served:
     content_id: str | None
     started: float
     events: AsyncIterator[EngineEvent]
-    first: EngineEvent
+    first: EngineEvent | None  # None until the engine's first event is in
     headers: dict[str, str] = field(default_factory=dict)
     first_token_at: float | None = None
     engine_started: float = 0.0
@@ -181,11 +181,6 @@ class Reef:
         release_id, content_id = release.release_id, release.content_id
         engine_started = time.perf_counter()
         events = engine.generate(exchange, ref)
-        try:
-            first = await anext(events)
-        except BaseException:
-            await _aclose(events)
-            raise
         served = Served(
             exchange=exchange,
             scenario=scen,
@@ -196,18 +191,37 @@ class Reef:
             content_id=content_id,
             started=started,
             events=events,
-            first=first,
+            first=None,
             headers=safe_headers(headers),
             engine_started=engine_started,
         )
+        try:
+            first = served.first = await anext(events)
+        except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
+            await _aclose(events)
+            await self._record_failure(served, err)
+            raise
+        except BaseException:
+            await _aclose(events)
+            raise
         if isinstance(first, Finish):
             served.finished_at = time.perf_counter()
         else:
             served.first_token_at = time.perf_counter()
         return served
 
+    async def _record_failure(self, served: Served, err: ReefError) -> None:
+        """Store an exchange that failed before its first event; its receipt goes out with the error."""
+        try:
+            await self.record(served, None, None, status="error", error=err)
+        except ReefError:
+            log.exception("could not record a failed exchange")
+            return
+        err.data["record_id"] = served.receipt
+
     async def stream(self, served: Served) -> AsyncIterator[EngineEvent]:
         """All events of a served exchange, the first one included; ends after ``Finish``."""
+        assert served.first is not None
         yield served.first
         if isinstance(served.first, Finish):
             return

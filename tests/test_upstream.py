@@ -295,13 +295,15 @@ def front(tiny_model: Path, upstream: Daemon, stub: str) -> Iterator[Daemon]:
                   f'upstream_model = "tiny"\napi_key_env = "UP_KEY"\n')
         extra += (f'\n[models.stub-{s}]\nengine = "upstream"\nurl = "{stub}/v1"\nformat = "{fmt}"\n'
                   f'upstream_model = "stub-model"\napi_key_env = "STUB_API_KEY"\ntimeout_s = 1.5\n')
+    extra += (f'\n[models.stub-o3]\nengine = "upstream"\nurl = "{stub}/v1"\nformat = "openai-chat"\n'
+              f'upstream_model = "o3-mini"\napi_key_env = "STUB_API_KEY"\n')
     closed = free_port()
     extra += f'\n[models.dead]\nengine = "upstream"\nurl = "http://127.0.0.1:{closed}"\nconnect_timeout_s = 1\n'
     home, port, env = make_home(tiny_model, extra)
     env.update(UP_KEY=upstream.token, STUB_API_KEY=STUB_KEY, REEF_MODEL="stub-chat")
     d = Daemon(home=home, port=port, env=env, extra_config=extra).start()
     with d.http() as http:
-        for model in [f"{p}-{SHORT[f]}" for p in ("up", "stub") for f in FORMATS] + ["dead"]:
+        for model in [f"{p}-{SHORT[f]}" for p in ("up", "stub") for f in FORMATS] + ["stub-o3", "dead"]:
             r = http.post("/reef/scenarios", json={"name": model, "model": model})
             assert r.status_code == 201, r.text
     yield d
@@ -485,7 +487,10 @@ def test_tool_call_round_trip(front: Daemon, stub: str, client: str, up: str, st
         result = body["messages"][2]["content"][0]
         assert (result["type"], result["tool_use_id"], result["content"]) == ("tool_result", cid, "sunny")
         assert received["headers"]["x-api-key"] == STUB_KEY
-        assert received["headers"]["anthropic-version"] == "2023-06-01"
+        # Reef's own version for a translated body; an Anthropic client's own (its SDK's) is forwarded
+        with anthropic.Anthropic(api_key="x", base_url="http://127.0.0.1:9") as sdk:
+            sdk_version = sdk.default_headers["anthropic-version"]
+        assert received["headers"]["anthropic-version"] == ("2023-06-01" if client != "messages" else sdk_version)
     rec = record(front, first["receipt"])
     assert rec["usage"]["input_tokens"] == 11 and rec["usage"]["upstream"]
 
@@ -616,6 +621,149 @@ def test_cut_stream_ends_with_the_error_event_and_an_incomplete_record(front: Da
     # a non-streaming answer cut half-way is a 502
     r = raw_request(front, "stub-anthropic", client, "[stub:cut=1]", stream=False)
     assert_canonical_error(r, 502, ERROR_SHAPE[client])
+
+
+def _frames(text: str) -> list[str]:
+    return [f for f in text.split("\n\n") if f.strip()]
+
+
+def _data(frame: str) -> Any:
+    return json.loads(next(line[6:] for line in frame.split("\n") if line.startswith("data: ")))
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_same_format_stream_is_relayed_byte_for_byte(front: Daemon, stub: str, client: str) -> None:
+    """Same format in and out: the client gets the upstream's own events as the upstream wrote them (what Reef
+    does not model, like Anthropic's thinking signatures and redacted thinking, included); only the final event
+    is Reef's, carrying the receipt. A chat client that did not ask for usage does not get the usage chunk."""
+    up = {"chat": "openai-chat", "responses": "openai-responses", "messages": "anthropic"}[client]
+    with httpx.Client() as s:
+        s.delete(stub + "/_stub/requests")
+        via = raw_request(front, f"stub-{SHORT[up]}", client, "hi [stub:thinking]", stream=True)
+        sent = s.get(stub + "/_stub/requests").json()[-1]
+        direct = s.post(stub + sent["path"], json=sent["body"]).text
+    assert via.status_code == 200, via.text
+    receipt = via.headers["x-reef-agent-record-id"]
+    got, want = _frames(via.text), _frames(direct)
+    if client == "chat":
+        usage = [f for f in want if '"usage":{' in f]  # Reef asked for it (to record usage); the client did not
+        assert len(usage) == 1 and '"usage"' not in via.text
+        want = [f for f in want if f not in usage]
+        assert got[:-2] == want[:-1] and got[-1] == want[-1] == "data: [DONE]"
+        assert _data(got[-2]) == {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1,
+                                  "model": "stub-model", "choices": [],
+                                  "reef": {"record_id": receipt, "release_id": via.headers["x-reef-release-id"]}}
+    else:
+        assert got[:-1] == want[:-1]
+        assert got[-1].split("\n")[0] == want[-1].split("\n")[0]  # event: message_stop / response.completed
+        assert _data(got[-1]) == {**_data(want[-1]), "reef": {"record_id": receipt,
+                                                              "release_id": via.headers["x-reef-release-id"]}}
+    rec = record(front, receipt)
+    assert rec["status"] == "complete" and answer_text(up, rec["response"]) == "stub says hello"
+    assert rec["usage"]["input_tokens"] == 11 and rec["usage"]["upstream"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_anthropic_thinking_signatures_survive(front: Daemon, stream: bool) -> None:
+    """Claude Code sends earlier thinking blocks back with their signatures; through Reef it must get them."""
+    with anthropic.Anthropic(base_url=f"{front.url}/s/stub-anthropic", api_key=front.token, max_retries=0) as c:
+        args: dict[str, Any] = {"model": "claude-x", "max_tokens": 64,
+                                "thinking": {"type": "enabled", "budget_tokens": 32},
+                                "messages": [{"role": "user", "content": "think [stub:thinking]"}]}
+        if stream:
+            with c.messages.stream(**args) as s:
+                msg = s.get_final_message()
+                receipt = s.response.headers["x-reef-agent-record-id"]
+        else:
+            raw = c.messages.with_raw_response.create(**args)
+            msg, receipt = raw.parse(), raw.headers["x-reef-agent-record-id"]
+    thinking, redacted, text = msg.content
+    assert (thinking.type, thinking.thinking, thinking.signature) == ("thinking", "Let me think.",
+                                                                      "c2lnbmF0dXJlLXN0dWI=")
+    assert (redacted.type, redacted.data) == ("redacted_thinking", "ZW5jcnlwdGVkLXN0dWI=")
+    assert text.text == "stub says hello" and msg.stop_reason == "end_turn"
+    assert (extra(msg, "reef") or {}).get("record_id", receipt) == receipt
+    rec = record(front, receipt)
+    assert rec["status"] == "complete" and rec["usage"]["output_tokens"] == 5
+
+
+def test_chat_fields_reef_does_not_model_reach_the_client(front: Daemon) -> None:
+    with openai.OpenAI(base_url=f"{front.url}/s/stub-chat/v1", api_key=front.token, max_retries=0) as c:
+        whole = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                stream=True))
+    assert whole.system_fingerprint == "fp_stub" and whole.choices[0].message.content == "stub says hello"
+    assert extra(whole, "reef")["record_id"].startswith("rec_")
+    assert all(ch.system_fingerprint == "fp_stub" for ch in chunks[:-1])
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "stub says hello"
+    assert all(ch.usage is None for ch in chunks) and extra(chunks[-1], "reef")["record_id"].startswith("rec_")
+
+
+def test_client_headers_forwarded_but_never_reefs_token(front: Daemon, stub: str) -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": front.token, "anthropic-version": "2023-06-01",
+               "anthropic-beta": "context-management-2025-06-27", "X-Claude-Code-Session-Id": "sess-1"}
+    with httpx.Client(base_url=front.url, headers={"Authorization": ""}) as c, httpx.Client() as s:
+        c.headers.pop("Authorization")
+        s.delete(stub + "/_stub/requests")
+        assert c.post("/s/stub-anthropic/v1/messages?beta=true", json=body, headers=headers).status_code == 200
+        counted = c.post("/s/stub-anthropic/v1/messages/count_tokens?beta=true", json=body, headers=headers)
+        assert counted.json() == {"input_tokens": 42}
+        # translated for an upstream of another format: the Anthropic headers and query mean nothing there
+        assert c.post("/s/stub-chat/v1/messages?beta=true", json=body, headers=headers).status_code == 200
+        sent = s.get(stub + "/_stub/requests").json()
+    assert [r["path"] for r in sent] == ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"]
+    for r in sent[:2]:
+        h = {k.lower(): v for k, v in r["headers"].items()}
+        assert r["query"] == "beta=true"
+        assert h["anthropic-beta"] == "context-management-2025-06-27" and h["x-claude-code-session-id"] == "sess-1"
+        assert h["x-api-key"] == STUB_KEY and "authorization" not in h
+    h = {k.lower(): v for k, v in sent[2]["headers"].items()}
+    assert sent[2]["query"] == "" and "anthropic-beta" not in h and h["authorization"] == f"Bearer {STUB_KEY}"
+    assert front.token not in json.dumps(sent)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_failed_exchanges_are_recorded_with_retry_after(front: Daemon, client: str) -> None:
+    """An upstream that refuses or fails before answering: the client gets the error (with the upstream's
+    Retry-After, which the SDKs wait for) and a receipt; the record holds the request and the error."""
+    scen = scenario(front, f"fail-{client}", "stub-anthropic")
+    for directive, status, stream in (("[stub:status=429]", 429, True), ("[stub:status=503]", 502, False)):
+        r = raw_request(front, scen, client, f"hi {directive}", stream=stream)
+        err = assert_canonical_error(r, status, ERROR_SHAPE[client])
+        assert r.headers["retry-after"] == "7"
+        rec = record(front, r.headers["x-reef-agent-record-id"])
+        assert rec["status"] == "error" and rec["scenario"] == scen and rec["release_id"]
+        assert directive in json.dumps(rec["request"]) and rec["request"]["stream"] is stream
+        error = rec["response"]["error"]
+        assert error["upstream_status"] == (429 if status == 429 else 503) and err["message"] == error["message"]
+        assert "stub refuses" in error["message"] and rec["timings"]["total_ms"] > 0 and rec["usage"] is None
+    if client == "messages":
+        with anthropic.Anthropic(base_url=f"{front.url}/s/{scen}", api_key=front.token, max_retries=0) as c:
+            with pytest.raises(anthropic.RateLimitError) as e:
+                c.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "[stub:status=429]"}])
+        assert e.value.response.headers["retry-after"] == "7"
+        # a timeout is recorded too
+        r = raw_request(front, scenario(front, "fail-timeout", "stub-chat"), client, "[stub:slow=3]", stream=True)
+        assert_canonical_error(r, 504, "anthropic")
+        rec = record(front, r.headers["x-reef-agent-record-id"])
+        assert rec["status"] == "error" and rec["response"]["error"]["type"] == "timeout_error"
+    with front.http() as http:
+        listed = http.get(f"/reef/scenarios/{scen}/records").json()["records"]
+    assert [x["status"] for x in listed] == ["error"] * (3 if client == "messages" else 2)
+
+
+def test_openai_reasoning_model_upstream(front: Daemon, stub: str) -> None:
+    """An Anthropic client (Claude Code's temperature and token limit) served by an OpenAI reasoning model behind
+    a chat upstream, which refuses ``max_tokens`` and ``temperature``."""
+    with anthropic.Anthropic(base_url=f"{front.url}/s/stub-o3", api_key=front.token, max_retries=0) as c, \
+            httpx.Client() as s:
+        msg = c.messages.create(model="claude-x", max_tokens=300, extra_body={"temperature": 0.5},
+                                messages=[{"role": "user", "content": "hi"}])
+        sent = s.get(stub + "/_stub/requests").json()[-1]["body"]
+    assert msg.content[0].text == "stub says hello"
+    assert sent["model"] == "o3-mini" and sent["max_completion_tokens"] == 300
+    assert "max_tokens" not in sent and "temperature" not in sent
 
 
 def test_count_tokens(front: Daemon, upstream: Daemon, stub: str) -> None:

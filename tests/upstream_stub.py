@@ -7,12 +7,17 @@ it received (path, headers, body), ``DELETE /_stub/requests`` forgets it.
 Behaviour is chosen by directives ``[stub:NAME]`` or ``[stub:NAME=VALUE]`` in the request's last message (so they
 survive any translation on the way), or in the ``x-stub`` header:
 
-- ``status=N``: answer HTTP N with the format's error body (message ``stub refuses: status N``);
+- ``status=N``: answer HTTP N with the format's error body (message ``stub refuses: status N``; 429 and 503 come
+  with ``Retry-After: 7``);
 - ``slow=S``: wait S seconds before the response headers;
 - ``cut=N``: stream N text pieces, then drop the connection (no final event; non-streaming: half a body);
 - ``error_event``: stream one text piece, then the format's in-stream error event;
 - ``tool``: answer with one call of ``get_weather`` ``{"city": "Paris"}`` (id ``call_stub1`` / ``toolu_stub1``);
-- ``text=...``: answer this text.
+- ``text=...``: answer this text;
+- ``thinking`` (Anthropic): a thinking block with its signature and a ``redacted_thinking`` block come first.
+
+Like OpenAI, a chat request for a reasoning model (``o3-mini``...) that sends ``max_tokens`` or a ``temperature``
+is refused (400). Chat chunks and bodies carry ``system_fingerprint: fp_stub`` (a field Reef does not model).
 
 Without directives it answers ``stub says hello``, or ``tool said: <result>`` when the last message is a tool
 result. Usage is fixed: 11 prompt tokens (3 of them cached), 5 output tokens, in each format's own terms.
@@ -101,7 +106,7 @@ def chat_body(model: str, text: str, tool: bool) -> dict[str, Any]:
                                   "function": {"name": "get_weather", "arguments": TOOL_ARGS}}]
     return {
         "id": "chatcmpl-stub", "object": "chat.completion", "created": 1, "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if tool else "stop",
+        "system_fingerprint": "fp_stub", "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if tool else "stop",
                      "logprobs": None}],
         "usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16,
                   "prompt_tokens_details": {"cached_tokens": 3}},
@@ -112,7 +117,7 @@ def chat_stream(model: str, text: str, tool: bool, usage: bool) -> list[bytes]:
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
         return frame({"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1, "model": model,
-                      "choices": choices, **extra})
+                      "system_fingerprint": "fp_stub", "choices": choices, **extra})
 
     out = [chunk({"role": "assistant", "content": ""})]
     if tool:
@@ -185,26 +190,44 @@ def responses_stream(model: str, text: str, tool: bool) -> list[bytes]:
 ANTH_USAGE = {"input_tokens": 8, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 0, "output_tokens": 5}
 
 
-def anthropic_body(model: str, text: str, tool: bool) -> dict[str, Any]:
+THINKING = [{"type": "thinking", "thinking": "Let me think.", "signature": "c2lnbmF0dXJlLXN0dWI="},
+            {"type": "redacted_thinking", "data": "ZW5jcnlwdGVkLXN0dWI="}]
+
+
+def anthropic_body(model: str, text: str, tool: bool, thinking: bool = False) -> dict[str, Any]:
     content = ([{"type": "tool_use", "id": "toolu_stub1", "name": "get_weather", "input": json.loads(TOOL_ARGS)}]
                if tool else [{"type": "text", "text": text}])
+    if thinking:
+        content = THINKING + content
     return {"id": "msg_stub", "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None, "usage": ANTH_USAGE}
 
 
-def anthropic_stream(model: str, text: str, tool: bool) -> list[bytes]:
+def anthropic_stream(model: str, text: str, tool: bool, thinking: bool = False) -> list[bytes]:
     start = {**anthropic_body(model, "", False), "content": [], "stop_reason": None,
              "usage": {**ANTH_USAGE, "output_tokens": 1}}
     out = [frame({"type": "message_start", "message": start}, "message_start"), frame({"type": "ping"}, "ping")]
+    first = 0
+    if thinking:
+        deltas = [{"type": "thinking_delta", "thinking": THINKING[0]["thinking"]},
+                  {"type": "signature_delta", "signature": THINKING[0]["signature"]}]
+        out.append(frame({"type": "content_block_start", "index": 0,
+                          "content_block": {"type": "thinking", "thinking": "", "signature": ""}}, "content_block_start"))
+        out += [frame({"type": "content_block_delta", "index": 0, "delta": d}, "content_block_delta") for d in deltas]
+        out.append(frame({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+        out.append(frame({"type": "content_block_start", "index": 1, "content_block": THINKING[1]},
+                         "content_block_start"))
+        out.append(frame({"type": "content_block_stop", "index": 1}, "content_block_stop"))
+        first = 2
     if tool:
         block = {"type": "tool_use", "id": "toolu_stub1", "name": "get_weather", "input": {}}
         deltas = [{"type": "input_json_delta", "partial_json": p} for p in ("", TOOL_ARGS[:8], TOOL_ARGS[8:])]
     else:
         block = {"type": "text", "text": ""}
         deltas = [{"type": "text_delta", "text": p} for p in pieces(text)]
-    out.append(frame({"type": "content_block_start", "index": 0, "content_block": block}, "content_block_start"))
-    out += [frame({"type": "content_block_delta", "index": 0, "delta": d}, "content_block_delta") for d in deltas]
-    out.append(frame({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+    out.append(frame({"type": "content_block_start", "index": first, "content_block": block}, "content_block_start"))
+    out += [frame({"type": "content_block_delta", "index": first, "delta": d}, "content_block_delta") for d in deltas]
+    out.append(frame({"type": "content_block_stop", "index": first}, "content_block_stop"))
     delta = {"stop_reason": "tool_use" if tool else "end_turn", "stop_sequence": None}
     out.append(frame({"type": "message_delta", "delta": delta, "usage": {"output_tokens": 5}}, "message_delta"))
     return [*out, frame({"type": "message_stop"}, "message_stop")]
@@ -244,11 +267,21 @@ async def handle(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(float(d["slow"]))
     if "status" in d:
         status = int(d["status"])
-        return web.json_response(error_body(fmt, status, f"stub refuses: status {status}"), status=status)
-    text, tool = d["text"], "tool" in d
+        headers = {"Retry-After": "7"} if status in (429, 503) else None
+        return web.json_response(error_body(fmt, status, f"stub refuses: status {status}"), status=status,
+                                 headers=headers)
+    if fmt == "chat" and re.match(r"o\d", model) and ("max_tokens" in body or "temperature" in body):
+        param = "max_tokens" if "max_tokens" in body else "temperature"
+        message = (f"Unsupported parameter: '{param}' is not supported with this model."
+                   + (" Use 'max_completion_tokens' instead." if param == "max_tokens" else ""))
+        return web.json_response(error_body(fmt, 400, message), status=400)
+    text, tool, thinking = d["text"], "tool" in d, "thinking" in d and fmt == "anthropic"
     stream = body.get("stream") is True
     if not stream:
-        answer = {"chat": chat_body, "responses": responses_body, "anthropic": anthropic_body}[fmt](model, text, tool)
+        if fmt == "anthropic":
+            answer = anthropic_body(model, text, tool, thinking)
+        else:
+            answer = {"chat": chat_body, "responses": responses_body}[fmt](model, text, tool)
         data = dumps(answer).encode()
         if "cut" in d:
             resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(data))})
@@ -262,7 +295,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         include_usage = (body.get("stream_options") or {}).get("include_usage") is True
         frames = chat_stream(model, text, tool, include_usage)
     else:
-        frames = (responses_stream if fmt == "responses" else anthropic_stream)(model, text, tool)
+        frames = (responses_stream(model, text, tool) if fmt == "responses"
+                  else anthropic_stream(model, text, tool, thinking))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     if "cut" in d or "error_event" in d:

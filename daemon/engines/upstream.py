@@ -53,9 +53,9 @@ from yarl import URL
 from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
-from daemon.exchange import EngineEvent, Exchange, Finish, TextDelta
+from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
 from daemon.protocols import anthropic, openai_chat, openai_responses
-from daemon.protocols.sse import SSEDecoder, dumps, missing_events
+from daemon.protocols.sse import SSEDecoder, dumps, missing_events, sse
 
 log = logging.getLogger("reef.upstream")
 
@@ -71,6 +71,12 @@ _ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_lim
 # what Anthropic's count_tokens refuses: generation-only fields of a Messages request
 _NOT_FOR_COUNTING = {"max_tokens", "stream", "metadata", "stop_sequences", "temperature", "top_p", "top_k",
                      "service_tier", "container"}
+# client headers an upstream of the client's own format gets (never credentials: the key is Reef's own)
+_FORWARD = {
+    "anthropic": ("anthropic-beta", "anthropic-version", "x-claude-code-session-id"),
+    "openai-chat": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
+    "openai-responses": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
+}
 _DEFAULT_MAX_NEW_TOKENS = next(f.default for f in fields(ModelEntry) if f.name == "max_new_tokens")
 
 
@@ -201,53 +207,136 @@ class UpstreamEngine(Engine):
             return anthropic.render_request(ex, model=model, stream=ex.stream, max_tokens=self.max_tokens)
         return self.proto.render_request(ex, model=model, stream=ex.stream)
 
+    def _headers_for(self, ex: Exchange) -> dict[str, str]:
+        """Reef's headers (with the key), plus the client's own ``_FORWARD`` headers when the formats match."""
+        if ex.format != self.format or not ex.headers:
+            return self._headers
+        extra = {name: value for name in _FORWARD[self.format] if (value := ex.headers.get(name))}
+        return {**self._headers, **extra} if extra else self._headers
+
     def generate(self, exchange: Exchange, release: Any = None) -> AsyncIterator[EngineEvent]:
         # ``release`` (the release the request is frozen to) changes nothing upstream: no weights to pick
         return self._generate(exchange)
 
     async def _generate(self, ex: Exchange) -> AsyncIterator[EngineEvent]:
+        same = ex.format == self.format
         data = dumps(self.request_body(ex)).encode()
-        resp = await self._post(self.url, data, stream=ex.stream)
+        resp = await self._post(self.url, data, stream=ex.stream, headers=self._headers_for(ex),
+                                query=ex.query if same else "")
         try:
             if not ex.stream or not resp.content_type.endswith("event-stream"):
-                completion = self.proto.parse_response(await self._read_json(resp))
+                body = await self._read_json(resp)
+                completion = self.proto.parse_response(body)
                 if ex.stream:  # an upstream that answered a stream request in one piece
                     for ev in missing_events(completion, "", "", 0):
                         yield ev
-                yield Finish(completion)
+                    yield Finish(completion)
+                else:
+                    yield Finish(completion, body=body if same else None)
                 return
-            parser = self.proto.StreamParser()
-            decoder = SSEDecoder()
-            text: list[str] = []
-            started = False
-            try:
-                async for chunk in resp.content.iter_any():
-                    for event, payload in decoder.feed(chunk):
-                        for ev in parser.feed(event, payload):
-                            started = True
-                            if isinstance(ev, TextDelta):
-                                text.append(ev.text)
-                            yield ev
-                for event, payload in decoder.close():
-                    for ev in parser.feed(event, payload):
-                        started = True
-                        yield ev
-            except ReefError as e:  # an error event in the stream, or a malformed one
-                self._count("stream_error")
-                err = type(e)(f"upstream {self.label}: {e.message}", **{**e.data, "upstream": self.shown_url})
-                log.warning("%s", err.message)
-                raise _cut(err, "".join(text)) if started else err from None
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
-                raise self._stream_failure(e, started, "".join(text)) from None
-            if not parser.done:
-                self._count("stream_cut")
-                err = UpstreamError(f"upstream {self.label} ended its stream before the answer was complete",
-                                    upstream=self.shown_url)
-                raise _cut(err, "".join(text)) if started else err
-            yield Finish(parser.finish())
+            events = self._relay(resp, ex) if same else self._translate(resp)
+            async for ev in events:
+                yield ev
         finally:
             resp.release()
+
+    async def _translate(self, resp: aiohttp.ClientResponse) -> AsyncIterator[EngineEvent]:
+        """An upstream stream of another format: its events, as they arrive, for the daemon to re-render."""
+        parser = self.proto.StreamParser()
+        decoder = SSEDecoder()
+        text: list[str] = []
+        started = False
+        try:
+            async for chunk in resp.content.iter_any():
+                for event, payload in decoder.feed(chunk):
+                    for ev in parser.feed(event, payload):
+                        started = True
+                        if isinstance(ev, TextDelta):
+                            text.append(ev.text)
+                        yield ev
+            for event, payload in decoder.close():
+                for ev in parser.feed(event, payload):
+                    started = True
+                    yield ev
+        except ReefError as e:
+            raise self._stream_error(e, started, text) from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
+            raise self._stream_failure(e, started, "".join(text)) from None
+        yield Finish(self._finish(parser, started, text))
+
+    async def _relay(self, resp: aiohttp.ClientResponse, ex: Exchange) -> AsyncIterator[EngineEvent]:
+        """An upstream stream of the client's own format: its bytes, event by event as they arrive, parsed on the
+        side for the record. The final event is held back (``Finish.final``) for the receipt. The only change: a
+        chat client that did not ask for usage does not get the usage Reef asked for."""
+        parser = self.proto.StreamParser()
+        decoder = SSEDecoder()
+        chat = self.format == "openai-chat"
+        strip_usage = chat and not ex.stream_usage
+        text: list[str] = []
+        final: tuple[str | None, str] | None = None
+        started = False
+        try:
+            chunks = resp.content.iter_any()
+            eof = False
+            while not eof:
+                try:
+                    frames = decoder.frames(await anext(chunks))
+                except StopAsyncIteration:
+                    eof, frames = True, decoder.close_frames()
+                out: list[bytes] = []
+                for raw, event, payload in frames:
+                    if payload is None:  # keep-alive comments go through too
+                        out.append(raw)
+                        continue
+                    if chat and payload == "[DONE]":
+                        parser.feed(event, payload)
+                        continue
+                    was_done = parser.done
+                    for ev in parser.feed(event, payload):
+                        if isinstance(ev, TextDelta):
+                            text.append(ev.text)
+                    if parser.done and not was_done and not chat:
+                        final = (event, payload)
+                        continue
+                    if chat and ("reef" in parser.chunk or strip_usage and isinstance(parser.chunk.get("usage"), dict)):
+                        raw = self._chat_chunk(parser.chunk, strip_usage)
+                    out.append(raw)
+                if out:
+                    started = True
+                    yield Relay(b"".join(out))
+        except ReefError as e:
+            raise self._stream_error(e, started, text) from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
+            raise self._stream_failure(e, started, "".join(text)) from None
+        completion = self._finish(parser, started, text)
+        yield Finish(completion, final=parser.final() if chat else final)
+
+    @staticmethod
+    def _chat_chunk(chunk: dict[str, Any], strip_usage: bool) -> bytes:
+        """A chat chunk without the usage the client did not ask for, and without an upstream Reef's receipt (the
+        client gets this daemon's); nothing when that was all it carried."""
+        drop = {"reef", "usage"} if strip_usage and isinstance(chunk.get("usage"), dict) else {"reef"}
+        if not chunk.get("choices"):
+            return b""
+        return sse({k: v for k, v in chunk.items() if k not in drop})
+
+    def _finish(self, parser: Any, started: bool, text: list[str]) -> Completion:
+        if not parser.done:
+            self._count("stream_cut")
+            err = UpstreamError(f"upstream {self.label} ended its stream before the answer was complete",
+                                upstream=self.shown_url)
+            raise _cut(err, "".join(text)) if started else err
+        completion: Completion = parser.finish()
+        return completion
+
+    def _stream_error(self, e: ReefError, started: bool, text: list[str]) -> ReefError:
+        """An error event in the stream, or a malformed one."""
+        self._count("stream_error")
+        err = type(e)(f"upstream {self.label}: {e.message}", **{**e.data, "upstream": self.shown_url})
+        log.warning("%s", err.message)
+        return _cut(err, "".join(text)) if started else err
 
     def _stream_failure(self, e: BaseException, started: bool, partial: str) -> ReefError:
         err: ReefError
@@ -271,7 +360,9 @@ class UpstreamEngine(Engine):
             rendered = anthropic.render_request(exchange, model="", stream=False)
             body = {k: v for k, v in rendered.items() if k not in _NOT_FOR_COUNTING}
         body["model"] = self.entry.upstream_model or exchange.model
-        resp = await self._post(self.count_url, dumps(body).encode(), stream=False)
+        same = exchange.format == self.format
+        resp = await self._post(self.count_url, dumps(body).encode(), stream=False,
+                                headers=self._headers_for(exchange), query=exchange.query if same else "")
         try:
             answer = await self._read_json(resp)
         finally:
@@ -289,16 +380,22 @@ class UpstreamEngine(Engine):
         if self.metrics is not None:
             self.metrics.upstream_errors.labels(self.entry.name, kind).inc()
 
-    async def _post(self, url: str, data: bytes, *, stream: bool) -> aiohttp.ClientResponse:
-        """Send one request; returns the response once its headers are in and its status is 2xx."""
+    async def _post(self, url: str, data: bytes, *, stream: bool, headers: dict[str, str] | None = None,
+                    query: str = "") -> aiohttp.ClientResponse:
+        """Send one request; returns the response once its headers are in and its status is 2xx.
+
+        ``query``: the client's query string (Claude Code's ``?beta=true``), added to the URL."""
         if self._session is None:
             await self.start()
         assert self._session is not None
+        if query:
+            url = f"{url}{'&' if '?' in url else '?'}{query}"
         t0 = time.perf_counter()
         for attempt, delay in enumerate((*_CONNECT_RETRY_DELAYS, None)):
             try:
                 resp = await self._session.post(
-                    url, data=data, headers=self._headers, timeout=self._stream_timeout if stream else self._timeout
+                    url, data=data, headers=headers or self._headers,
+                    timeout=self._stream_timeout if stream else self._timeout,
                 )
                 break
             except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as e:
@@ -336,6 +433,8 @@ class UpstreamEngine(Engine):
             resp.release()
         self._count(f"http_{resp.status}")
         message = _error_message(raw)
+        # when to try again, as the upstream said (relayed to the client, whose SDK waits that long)
+        retry = {k: v for k in ("retry-after", "retry-after-ms") if (v := resp.headers.get(k))}
         log.warning("upstream %s answered HTTP %d: %s", self.label, resp.status, message[:300])
         if resp.status in (401, 403):
             raise UpstreamError(
@@ -344,9 +443,10 @@ class UpstreamEngine(Engine):
                 upstream=self.shown_url, upstream_status=resp.status,
             )
         if resp.status < 500:
-            raise UpstreamRejected(f"{message} (upstream {self.label}: HTTP {resp.status})", resp.status)
+            raise UpstreamRejected(f"{message} (upstream {self.label}: HTTP {resp.status})", resp.status,
+                                   upstream_status=resp.status, retry_after=retry or None)
         raise UpstreamError(f"upstream {self.label} answered HTTP {resp.status}: {message}",
-                            upstream=self.shown_url, upstream_status=resp.status)
+                            upstream=self.shown_url, upstream_status=resp.status, retry_after=retry or None)
 
     async def _read_json(self, resp: aiohttp.ClientResponse) -> Any:
         try:

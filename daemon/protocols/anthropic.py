@@ -46,6 +46,7 @@ from daemon.protocols.sse import (
     sse,
     stream_flag,
     system_text,
+    with_receipt,
 )
 
 FORMAT = "anthropic"
@@ -360,6 +361,11 @@ class StreamRenderer:
 
     def error(self, err: ReefError) -> list[bytes]:
         return [sse(error_body(err), "error")]
+
+
+def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list[bytes]:
+    """The end of a relayed Messages stream: the upstream's ``message_stop``, with the receipt added."""
+    return [with_receipt(final, receipt)]
 
 
 def error_body(err: ReefError) -> dict:

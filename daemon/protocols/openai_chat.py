@@ -10,6 +10,7 @@ the field OpenAI-compatible servers use for it. Neutral conventions: see ``daemo
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
@@ -45,6 +46,7 @@ from daemon.protocols.sse import (
     stream_flag,
     system_text,
     tool_arguments,
+    with_receipt,
 )
 
 FORMAT = "openai-chat"
@@ -261,6 +263,12 @@ class StreamRenderer:
         return [sse(error_body(err))]
 
 
+def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list[bytes]:
+    """The end of a relayed chat stream: a chunk with the receipt (``final``: the upstream's id, created and
+    model, no choices), then ``[DONE]``."""
+    return [with_receipt(final, receipt), DONE]
+
+
 def error_body(err: ReefError) -> dict:
     return {"error": {"message": err.message, "type": err.type, "code": err.type, "param": getattr(err, "param", None)}}
 
@@ -273,7 +281,18 @@ def error_body(err: ReefError) -> dict:
 # dropped (chat servers take none back, and some refuse it). A tool result with ``is_error`` gets an ``Error: ``
 # prefix (chat has no error flag); images in tool results follow the tool messages as one user message (chat tool
 # messages carry text only). ``top_k`` and Anthropic's ``thinking`` / ``metadata`` / cache hints have no chat
-# equivalent and are dropped; the token limit goes out as ``max_tokens``, the field every chat server accepts.
+# equivalent and are dropped; the token limit goes out as ``max_tokens``, the field every chat server accepts,
+# except to OpenAI's reasoning models (``o1``, ``o3-mini``, ``o4-mini``, ``gpt-5``..., by name, with or without a
+# ``provider/`` prefix): those refuse ``max_tokens`` and take ``max_completion_tokens`` (which counts reasoning
+# tokens too), and refuse any ``temperature`` / ``top_p`` but the default, so those are dropped for them.
+
+_REASONING_MODEL = re.compile(r"(?:^|/)(?:o\d|gpt-5)(?:$|[-.:_])")
+
+
+def reasoning_model(model: str) -> bool:
+    """Whether ``model`` names one of OpenAI's reasoning models (``o3-mini``, ``openai/gpt-5``...)."""
+    return _REASONING_MODEL.search(model) is not None
+
 
 _FROM_FINISH: dict[str, Any] = {
     "stop": "stop",
@@ -340,8 +359,12 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
     elif ex.tool_choice == "none":
         body["tool_choice"] = "none"
     s = ex.sampling
-    for key, value in (("max_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p),
-                       ("seed", s.seed)):
+    if reasoning_model(model):
+        sampling = (("max_completion_tokens", s.max_tokens), ("seed", s.seed))
+    else:
+        sampling = (("max_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p),
+                    ("seed", s.seed))
+    for key, value in sampling:
         if value is not None:
             body[key] = value
     if s.stop:
@@ -462,6 +485,9 @@ class StreamParser:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.model = ""
+        self.id = ""
+        self.created = 0
+        self.chunk: dict[str, Any] = {}  # the last chunk read
         self.ended = False
 
     @property
@@ -480,10 +506,13 @@ class StreamParser:
             raise bad_upstream("stream chunk (not an object)")
         if chunk.get("error"):
             raise _upstream_error(chunk["error"])
+        self.chunk = chunk
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
-        if isinstance(chunk.get("model"), str):
-            self.model = chunk["model"]
+        if not self.id:
+            self.id = chunk.get("id") if isinstance(chunk.get("id"), str) else ""
+            self.created = chunk.get("created") if isinstance(chunk.get("created"), int) else 0
+            self.model = chunk.get("model") if isinstance(chunk.get("model"), str) else ""
         out: list[EngineEvent] = []
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -521,6 +550,11 @@ class StreamParser:
             call[3].append(args)
             out.append(ToolCallDelta(call[0], args))
         return out
+
+    def final(self) -> tuple[str | None, str]:
+        """The receipt chunk that ends a relayed stream: the upstream's id, created and model, no choices."""
+        return None, dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                            "model": self.model, "choices": []})
 
     def finish(self) -> Completion:
         calls = [ToolCall(id=c[1], name=c[2], arguments="".join(c[3]) or "{}") for c in self.calls.values()]

@@ -50,6 +50,7 @@ from daemon.protocols.sse import (
     stream_flag,
     system_text,
     tool_arguments,
+    with_receipt,
 )
 
 FORMAT = "openai-responses"
@@ -401,6 +402,12 @@ class StreamRenderer:
             self._ev("error", code=err.type, message=err.message, param=getattr(err, "param", None)),
             self._ev("response.failed", response=failed),
         ]
+
+
+def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list[bytes]:
+    """The end of a relayed Responses stream: the upstream's ``response.completed`` (or ``.incomplete``), with
+    the receipt added."""
+    return [with_receipt(final, receipt)]
 
 
 # --- the upstream direction: an exchange as a Responses request, a Responses answer as a completion ---------------

@@ -47,6 +47,15 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     return f"{head}data: {text}\n\n".encode()
 
 
+def with_receipt(final: tuple[str | None, str], receipt: Any) -> bytes:
+    """A relayed stream's held-back final event, re-framed with the receipt as its ``reef`` field."""
+    event, data = final
+    body = json.loads(data)
+    if receipt is not None and isinstance(body, dict):
+        body["reef"] = receipt.to_dict()
+    return sse(body, event)
+
+
 def new_id(prefix: str) -> str:
     """A short random id such as ``call_3f9a...`` (24 hex digits)."""
     return prefix + secrets.token_hex(12)
@@ -185,43 +194,54 @@ def missing_events(c: Completion, text: str, thinking: str, tool_calls: int) -> 
 
 
 class SSEDecoder:
-    """Bytes of a server-sent event stream -> ``(event, data)`` pairs, as chunks arrive (any split, ``\\r\\n`` too).
+    """Bytes of a server-sent event stream -> events, as chunks arrive (any split, ``\\r\\n`` too).
 
-    Comment lines (``: ping``) and fields other than ``event`` and ``data`` are skipped; several ``data:`` lines
-    of one event are joined with newlines, as the SSE spec says.
+    ``feed`` gives ``(event, data)`` pairs: comment lines (``: ping``) and fields other than ``event`` and ``data``
+    are skipped; several ``data:`` lines of one event are joined with newlines, as the SSE spec says. ``frames``
+    gives each event with its exact bytes, ``(raw, event, data)``, for relaying a stream unchanged: ``data`` is
+    ``None`` for a block without data (a keep-alive comment).
     """
 
-    __slots__ = ("_buf", "_event", "_data")
+    __slots__ = ("_buf", "_event", "_data", "_raw")
 
     def __init__(self) -> None:
         self._buf = b""
         self._event: str | None = None
         self._data: list[str] = []
+        self._raw: list[bytes] = []
 
-    def feed(self, chunk: bytes) -> list[tuple[str | None, str]]:
+    def frames(self, chunk: bytes) -> list[tuple[bytes, str | None, str | None]]:
         lines = (self._buf + chunk).split(b"\n")
         self._buf = lines.pop()
-        out: list[tuple[str | None, str]] = []
+        out: list[tuple[bytes, str | None, str | None]] = []
         for raw in lines:
             self._line(raw, out)
         return out
 
-    def close(self) -> list[tuple[str | None, str]]:
+    def feed(self, chunk: bytes) -> list[tuple[str | None, str]]:
+        return [(event, data) for _, event, data in self.frames(chunk) if data is not None]
+
+    def close_frames(self) -> list[tuple[bytes, str | None, str | None]]:
         """What is left when the stream ends: an event not closed by a blank line is still delivered."""
-        out: list[tuple[str | None, str]] = []
+        out: list[tuple[bytes, str | None, str | None]] = []
         if self._buf:
             self._line(self._buf, out)
             self._buf = b""
         self._line(b"", out)
         return out
 
-    def _line(self, raw: bytes, out: list[tuple[str | None, str]]) -> None:
+    def close(self) -> list[tuple[str | None, str]]:
+        return [(event, data) for _, event, data in self.close_frames() if data is not None]
+
+    def _line(self, raw: bytes, out: list[tuple[bytes, str | None, str | None]]) -> None:
         line = raw[:-1] if raw.endswith(b"\r") else raw
         if not line:
-            if self._data:
-                out.append((self._event, "\n".join(self._data)))
-            self._event, self._data = None, []
+            if self._raw:
+                self._raw.append(raw)
+                out.append((b"\n".join(self._raw) + b"\n", self._event, "\n".join(self._data) if self._data else None))
+            self._event, self._data, self._raw = None, [], []
             return
+        self._raw.append(raw)
         if line[:1] == b":":
             return
         name, _, value = line.partition(b":")
