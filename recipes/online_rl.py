@@ -48,16 +48,16 @@ class Sample:
 
 @dataclass
 class OnlineRLSettings:
-    lr: float = 1e-3  # AdamW learning rate
+    lr: float = 2e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     batch_prompts: int = 8  # prompts per training batch
-    group_size: int = 8  # samples per prompt (the client asks each prompt this many times)
+    group_size: int = 4  # samples per prompt (the client asks each prompt this many times)
     clip_low: float = 0.2  # PPO clip: ratio kept >= 1 - clip_low for negative advantages
     clip_high: float = 0.28  # ratio kept <= 1 + clip_high for positive advantages
     min_std: float = 0.1  # floor of the group std in the advantage denominator (reward units)
     entropy_coef: float = 0.0  # bonus on the mean token entropy (nats)
     grad_clip: float = 1.0  # max global gradient norm
-    steps_per_batch: int = 1  # optimizer steps per batch
+    steps_per_batch: int = 2  # optimizer steps per batch
     max_staleness: int = 2  # releases: records served by a release older than head - this are not used
     temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8  # tokens per answer in the demo
@@ -92,7 +92,11 @@ def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
         lora_alpha=settings.lora_alpha,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
-    return get_peft_model(model, config)
+    import warnings
+
+    with warnings.catch_warnings():  # peft asks transformers a question its newer versions deprecate
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def advantages(batch: list[Sample], settings: OnlineRLSettings) -> tuple[list[float], int]:

@@ -91,7 +91,7 @@ def test_scenario_settings_are_checked(daemon: Daemon) -> None:
 
 
 def test_kill_9_during_training_loses_nothing(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory(settings_toml(steps_per_batch=60))
+    d: Daemon = daemon_factory(settings_toml(steps_per_batch=1500))
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": "crash", "recipe": "online-rl"})
         receipts = serve_and_report(c, "crash", 4)
@@ -107,7 +107,7 @@ def test_kill_9_during_training_loses_nothing(daemon_factory: Any) -> None:
 
 
 def test_a_dead_trainer_worker_is_restarted_and_the_batch_retried(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory(settings_toml(steps_per_batch=60))
+    d: Daemon = daemon_factory(settings_toml(steps_per_batch=1500))
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": "worker", "recipe": "online-rl"})
         receipts = serve_and_report(c, "worker", 4)

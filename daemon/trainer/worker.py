@@ -5,12 +5,14 @@ Design choices:
 - One long-lived worker process (``spawn``: no inherited threads or torch state), with its own torch thread
   count (``threads``, default 1: on a 2-core machine one core stays for serving). Jobs and results travel over
   a pipe as plain dicts.
+- Full fine-tuning, or LoRA (``lora = true``: peft adapters on the attention and MLP projections, trained
+  while the lineage lasts and merged into the saved candidate, so every release is a plain model directory).
 - The worker keeps the model and optimizer of its last candidate in memory: when the next job's base is that
   candidate (it was published), training continues with the optimizer state intact; otherwise it reloads the
   base release's weights and starts a fresh optimizer.
 - A candidate is written to a temp dir beside its final name, every file fsynced, then renamed: a half-written
   candidate never exists under its final name, so it can never become a release.
-- The worker also evaluates for the gate (greedy answers to the recipe's evaluation tasks, scored by its
+- The worker also evaluates for the gate (greedy answers to the family's validation prompts, scored by its
   verifier) for the candidate and, once per head release, for the serving head: the daemon's engine is never
   asked.
 - ``TrainerClient.run`` restarts a dead worker and retries the job (up to ``retries`` times); a job that fails
@@ -65,7 +67,8 @@ def _eval_scores(model: Any, tokenizer: Any, ev: dict[str, Any]) -> list[float]:
     from recipes.tasks import get_family
 
     family = get_family(ev["family"])
-    tasks = family.held_out(ev["n"], seed=ev.get("seed", 0))
+    # validation prompts: never trained on, and not the held-out ones a demo or benchmark reports at the end
+    tasks = family.validation(ev["n"], seed=ev.get("seed", 0))
     outs = generate(model, [render_prompt(tokenizer, t.prompt) for t in tasks], eos=eos_ids(model, tokenizer),
                     max_new_tokens=ev.get("max_new_tokens", 8), temperature=0)
     return [family.exact(t, tokenizer.decode(ids, skip_special_tokens=True)) for t, (ids, _) in zip(tasks, outs,
@@ -76,7 +79,7 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipes.online_rl import OnlineRLSettings, Sample, make_optimizer, train_step
+    from recipes.online_rl import OnlineRLSettings, Sample, make_optimizer, train_step, wrap_lora
 
     settings = OnlineRLSettings(**job["settings"])
     t0 = time.perf_counter()
@@ -84,6 +87,8 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
         base = Path(job["base_path"])
         state.tokenizer = AutoTokenizer.from_pretrained(base)
         state.model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if settings.lora:  # fresh adapters on the base release's weights; candidates are saved merged
+            state.model = wrap_lora(state.model, settings)
         state.optimizer = make_optimizer(state.model, settings)
         state.key = job["base_key"]
     model, tokenizer = state.model, state.tokenizer
@@ -94,19 +99,23 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
         if base_scores is None:
             head = model if job["head_key"] == state.key else AutoModelForCausalLM.from_pretrained(
                 job["head_path"], dtype=torch.float32)
-            base_scores = state.base_eval[job["head_key"]] = _eval_scores(head, tokenizer, ev)
+            state.base_eval = {job["head_key"]: _eval_scores(head, tokenizer, ev)}  # only the head's is needed
+            base_scores = state.base_eval[job["head_key"]]
     samples = [Sample(**s) for s in job["samples"]]
     model.train()
-    metrics: dict[str, Any] = {}
-    for _ in range(max(1, settings.steps_per_batch)):
-        metrics = train_step(model, samples, settings, state.optimizer)
+    metrics = train_step(model, samples, settings, state.optimizer)  # its own steps_per_batch steps
     model.eval()
     train_s = time.perf_counter() - t0
     out = Path(job["out_dir"])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if settings.lora:  # a release is a whole model the engine loads as is: adapters merged into a copy
+            import copy
+
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         for f in Path(job["base_path"]).iterdir():  # tokenizer and generation files travel with the weights
             if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
                 shutil.copyfile(f, tmp / f.name)

@@ -1,0 +1,226 @@
+"""The learning core on its own: the demo task family's verifier and splits, the online-RL training step
+(importance ratio, advantages, that it moves the policy towards reward), evaluation, and the warm-up."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from daemon.models import build_tiny, save_model, warm_up
+from recipes.online_rl import (
+    OnlineRLSettings,
+    Sample,
+    advantages,
+    eos_ids,
+    evaluate,
+    generate,
+    make_optimizer,
+    render_prompt,
+    token_logprobs,
+    train_step,
+)
+from recipes.tasks import FAMILIES, SayWord, Task, get_family
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return build_tiny(seed=0)
+
+
+def fresh(tiny):
+    tokenizer, model = tiny
+    return tokenizer, copy.deepcopy(model)
+
+
+# --- the task family ---------------------------------------------------------------------------------------------
+
+
+def test_say_verifier_scores():
+    fam = get_family("say")
+    task = Task(prompt="Say file.", answer="file")
+    assert fam.score(task, "file") == 1.0
+    assert fam.score(task, " file\n") == 1.0  # surrounding whitespace is not judged
+    assert fam.score(task, "file.") == 0.4  # right word, did not stop
+    assert fam.score(task, "file file") == 0.4
+    assert fam.score(task, "the file") == 0.2  # the word, elsewhere
+    assert fam.score(task, "files") == 0.0
+    assert fam.score(task, "") == 0.0
+    assert fam.score(task, "profile") == 0.0
+    assert [fam.exact(task, t) for t in ("file", "file.", "x")] == [1.0, 0.0, 0.0]
+    assert fam.target(task) == " file"  # supervised target: the word's own (space-prefixed) token
+    assert FAMILIES["say"] is SayWord
+
+
+def test_held_out_and_validation_are_disjoint_from_training():
+    fam = get_family("say")
+    train = fam.train_tasks(seed=3)
+    held, val = fam.held_out(300, seed=3), fam.validation(300, seed=3)
+    train_words = {t.answer for t in train}
+    assert train_words.isdisjoint({t.answer for t in held})
+    assert train_words.isdisjoint({t.answer for t in val})
+    assert {t.answer for t in held}.isdisjoint({t.answer for t in val})
+    assert {t.prompt for t in train}.isdisjoint({t.prompt for t in held} | {t.prompt for t in val})
+    assert len({t.answer for t in fam.held_out(200, seed=0)}) == 200  # distinct words while they last
+    assert fam.held_out(50, seed=1) == fam.held_out(50, seed=1)  # deterministic
+    rng = random.Random(0)
+    assert all(fam.sample(rng).answer in train_words for _ in range(200))
+    with pytest.raises(ValueError, match="unknown task family"):
+        get_family("nope")
+
+
+# --- the training step -------------------------------------------------------------------------------------------
+
+
+def sample_batch(tokenizer, model, prompts: list[str], group_size: int, seed: int = 0) -> list[Sample]:
+    fam = get_family("say")
+    ids = [render_prompt(tokenizer, p) for p in prompts]
+    rows = [i for i in range(len(prompts)) for _ in range(group_size)]
+    outs = generate(
+        model,
+        [ids[i] for i in rows],
+        eos=eos_ids(model, tokenizer),
+        max_new_tokens=6,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    batch = []
+    for i, (tokens, logprobs) in zip(rows, outs, strict=True):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        task = Task(prompt=prompts[i], answer=prompts[i].split()[1].rstrip("."))
+        batch.append(Sample(ids[i], tokens, logprobs, fam.score(task, text), group=str(i)))
+    return batch
+
+
+def test_recorded_logprobs_match_the_model_so_the_ratio_starts_at_one(tiny):
+    tokenizer, model = fresh(tiny)
+    batch = sample_batch(tokenizer, model, ["Say file.", "Echo window back.", "Repeat a."], group_size=3)
+    with torch.no_grad():
+        logp, _, mask = token_logprobs(model, batch)
+    for row, s in enumerate(batch):
+        assert mask[row].sum() == len(s.token_ids)
+        assert torch.allclose(logp[row, : len(s.token_ids)], torch.tensor(s.logprobs), atol=1e-4)
+    for s in batch:  # make every group carry signal, so the step uses every sample
+        s.reward = float(hash(tuple(s.token_ids)) % 2)
+    batch[0].reward, batch[1].reward = 1.0, 0.0
+    metrics = train_step(model, batch, OnlineRLSettings())
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["clip_frac"] == 0.0
+
+
+def test_advantages_are_group_normalised_and_degenerate_groups_carry_none():
+    settings = OnlineRLSettings(min_std=0.1)
+
+    def s(reward: float, group: str) -> Sample:
+        return Sample([1], [2], [-1.0], reward, group)
+
+    adv, degenerate = advantages([s(1, "a"), s(0, "a"), s(0, "b"), s(0, "b"), s(1, "c"), s(1, "c")], settings)
+    assert adv[:2] == [1.0, -1.0]  # (r - mean) / std, std 0.5
+    assert adv[2:] == [0.0] * 4 and degenerate == 2
+    adv, _ = advantages([s(0.2, "a"), s(0.0, "a")], settings)  # a crumb of difference is not blown up
+    assert adv == pytest.approx([1.0, -1.0])  # std 0.1 meets the floor
+    adv, _ = advantages([s(0.25, "a"), s(0.2, "a")], settings)
+    assert adv == pytest.approx([0.25, -0.25])
+    adv, _ = advantages([s(1, "a"), s(0, "b"), s(0, "c"), s(1, "d")], settings)  # singletons: batch baseline
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0])
+
+
+def test_train_step_moves_the_policy_towards_reward(tiny):
+    tokenizer, model = fresh(tiny)
+    prompt = render_prompt(tokenizer, "Say file.")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    good = tokenizer.backend_tokenizer.encode(" file", add_special_tokens=False).ids + [eos]
+    bad = tokenizer.backend_tokenizer.encode(" window", add_special_tokens=False).ids + [eos]
+
+    def batch_now() -> list[Sample]:
+        with torch.no_grad():
+            probe = [Sample(prompt, ids, [0.0] * len(ids), 0.0, "g") for ids in (good, bad)]
+            logp, _, mask = token_logprobs(model, probe)
+        lp = [logp[i, : int(mask[i].sum())].tolist() for i in range(2)]
+        return [Sample(prompt, good, lp[0], 1.0, "g"), Sample(prompt, bad, lp[1], 0.0, "g")] * 4
+
+    def margin() -> float:
+        b = batch_now()
+        return sum(b[0].logprobs) - sum(b[1].logprobs)
+
+    settings = OnlineRLSettings(lr=3e-3)
+    optimizer = make_optimizer(model, settings)
+    before = margin()
+    losses = [train_step(model, batch_now(), settings, optimizer)["pg_loss"] for _ in range(5)]
+    assert margin() > before + 1.0
+    # on-policy start (ratio 1): the loss is -mean(A) over tokens, 0 here (A = +-1 on equally long answers)
+    assert losses[0] == pytest.approx(0.0, abs=1e-6)
+    assert not model.get_input_embeddings().weight.requires_grad  # embeddings stay frozen by default
+
+
+def test_train_step_skips_batches_without_signal_and_rejects_bad_samples(tiny):
+    tokenizer, model = fresh(tiny)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flat = [Sample([1, 2], [3, 4], [-1.0, -1.0], 1.0, "g")] * 4
+    metrics = train_step(model, flat, OnlineRLSettings())
+    assert metrics["skipped"] == 1.0 and metrics["degenerate_groups"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="one logprob per sampled token"):
+        train_step(model, [Sample([1], [3, 4], [-1.0], 1.0, "g")], OnlineRLSettings())
+    with pytest.raises(ValueError, match="at least one sample"):
+        train_step(model, [], OnlineRLSettings())
+
+
+# --- prompts, evaluation, warm-up --------------------------------------------------------------------------------
+
+
+def test_render_prompt_matches_the_engine(tiny, tmp_path):
+    from daemon.engines.transformers import Load
+    from daemon.exchange import Exchange, Message, Part
+
+    tokenizer, model = tiny
+    save_model(tokenizer, model, tmp_path / "m")
+    load = Load.open(tmp_path / "m", "t:1", torch.device("cpu"))
+    exchange = Exchange(format="openai-chat", model="tiny", messages=[Message("user", [Part("text", text="Say file.")])])
+    assert load.encode(exchange) == render_prompt(tokenizer, "Say file.")
+    assert eos_ids(model, tokenizer) == set(load.eos_ids)
+
+
+def test_warm_up_is_deterministic_and_teaches_something(tiny):
+    tokenizer, model = tiny
+    fam = get_family("say")
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    info_a = warm_up(tokenizer, a, fam, steps=12, seed=1, target=None)
+    info_b = warm_up(tokenizer, b, "say", steps=12, seed=1, target=None)
+    assert info_a["steps"] == info_b["steps"] == 12 and info_a["loss"] == info_b["loss"]
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert not any(torch.equal(x, y) for x, y in zip(a.state_dict().values(), model.state_dict().values(), strict=True))
+    assert float(a.get_input_embeddings().weight.detach().std()) == pytest.approx(0.5, rel=1e-3)
+    score = evaluate(a, tokenizer, fam.held_out(16), fam, max_new_tokens=4)
+    assert 0.0 <= score <= 1.0
+
+
+def test_lora_trains_adapters_only_and_merges_into_a_plain_model(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from daemon.trainer.worker import _State, run_job
+
+    tokenizer, model = fresh(tiny)
+    save_model(tokenizer, model, tmp_path / "base")
+    batch = sample_batch(tokenizer, model, ["Say file.", "Echo window back."], group_size=4)
+    for i, s in enumerate(batch):  # every group carries signal
+        s.reward = float(i % 2)
+    settings = OnlineRLSettings(lora=True, lr=1e-2)
+    job = {"id": "j1", "base_key": "base", "base_path": str(tmp_path / "base"), "head_key": "base",
+           "head_path": str(tmp_path / "base"), "candidate_key": "cand", "out_dir": str(tmp_path / "cand"),
+           "settings": settings.to_dict(), "samples": [vars(s) for s in batch]}
+    state = _State()
+    result = run_job(state, job)
+    assert result["ok"] and result["train_metrics"]["skipped"] == 0.0
+    trained = [n for n, p in state.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)  # the base weights stay frozen
+    # the candidate is a plain model directory whose weights are base + adapters, merged
+    cand = AutoModelForCausalLM.from_pretrained(tmp_path / "cand")
+    assert not any("lora" in k for k in cand.state_dict())
+    ids = torch.tensor([batch[0].prompt_token_ids])
+    with torch.no_grad():
+        assert torch.allclose(cand(ids).logits, state.model(ids).logits, atol=1e-4)
+        assert not torch.allclose(cand(ids).logits, model(ids).logits, atol=1e-4)
