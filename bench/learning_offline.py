@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from daemon.models import TinyConfig, build_tiny, warm_up  # noqa: E402
+from daemon.models import DEMO_CONFIG, TinyConfig, build_tiny, warm_up  # noqa: E402
 from recipes.online_rl import (  # noqa: E402
     OnlineRLSettings,
     Sample,
@@ -42,7 +42,8 @@ from recipes.tasks import get_family  # noqa: E402
 def run(seed: int, args: argparse.Namespace, settings: OnlineRLSettings) -> dict:
     family = get_family(args.family)
     t0 = time.monotonic()
-    tokenizer, model = build_tiny(seed=seed, config=TinyConfig(hidden_size=args.width, intermediate_size=args.intermediate or 4 * args.width))
+    shape = TinyConfig(hidden_size=args.width, intermediate_size=args.intermediate, num_attention_heads=args.heads)
+    tokenizer, model = build_tiny(seed=seed, config=shape)
     info = warm_up(
         tokenizer, model, family, seed=seed, target=args.warmup_target, steps=args.warmup_steps, embed_std=args.embed_std
     )
@@ -53,6 +54,10 @@ def run(seed: int, args: argparse.Namespace, settings: OnlineRLSettings) -> dict
         f" probe exact {info['probe_exact']:.2f}); held-out exact {start:.3f}",
         flush=True,
     )
+    if args.freeze:
+        for name, param in model.named_parameters():
+            if any(f in name for f in args.freeze.split(",")):
+                param.requires_grad_(False)
     optimizer = make_optimizer(model, settings)
     serving = copy.deepcopy(model) if args.release_every > 1 else model
     rng = random.Random(seed)
@@ -122,8 +127,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--family", default="say")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x width)")
+    p.add_argument("--width", type=int, default=DEMO_CONFIG.hidden_size, help="model width (default: the demo model's)")
+    p.add_argument("--heads", type=int, default=DEMO_CONFIG.num_attention_heads)
+    p.add_argument("--intermediate", type=int, default=DEMO_CONFIG.intermediate_size, help="MLP width")
     p.add_argument("--seconds", type=float, default=180, help="training time limit per seed (evaluation excluded)")
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--keep-going", action="store_true", help="train until --seconds even after the target")
@@ -135,6 +141,7 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--exact-reward", action="store_true", help="reward 1/0 only (no partial credit)")
     p.add_argument("--embed-std", type=float, default=0.5)
+    p.add_argument("--freeze", default="", help="comma-separated parameter name parts to keep frozen (experiments)")
     p.add_argument("--threads", type=int, default=1)
     for f in dataclasses.fields(OnlineRLSettings):
         if f.type in ("float", "int"):
