@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from reef_cli import agents, daemon_cmd, demo, model, records, releases, tui
+from reef_cli import agents, completions, daemon_cmd, demo, doctor, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
 
 app = typer.Typer(
@@ -35,11 +35,13 @@ app.command("serve")(daemon_cmd.serve)
 app.command("report")(records.report)
 app.command("demo")(demo.demo)
 app.command("tui")(tui.command)
+app.command("doctor")(doctor.doctor)
 app.add_typer(daemon_cmd.app, name="daemon")
 app.add_typer(records.records_app, name="records")
 app.add_typer(records.scenarios_app, name="scenarios")
 app.add_typer(releases.app, name="releases")
 app.add_typer(model.app, name="model")
+app.add_typer(completions.app, name="completions")
 app.add_typer(agents.app, name="agents")
 
 

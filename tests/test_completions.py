@@ -1,0 +1,90 @@
+"""Shell completions: the committed scripts under ``completions/`` are what the CLI generates now (regenerate with
+``python -m reef_cli.completions``); real bash, zsh and fish complete commands, options and choices from them;
+``reef completions install|show`` put them where each shell looks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reef_cli.completions import FILES, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("shell", sorted(FILES))
+def test_committed_completions_are_current(shell: str) -> None:
+    committed = (ROOT / "completions" / FILES[shell]).read_text()
+    assert committed == generate(shell), (
+        f"completions/{FILES[shell]} is stale: run `python -m reef_cli.completions` and commit the result"
+    )
+
+
+def bash_complete(*words: str) -> list[str]:
+    script = (
+        f"source {ROOT / 'completions' / 'reef.bash'}\n"
+        'COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); _reef; printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    out = subprocess.run(["bash", "-c", script, "bash", "reef", *words], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_bash_completes_commands_options_and_choices() -> None:
+    assert bash_complete("rel") == ["releases"]
+    assert bash_complete("releases", "") == ["list", "promote", "rollback", "show", "--help"]
+    assert bash_complete("releases", "list", "-s", "alpha", "--j") == ["--json"]
+    assert bash_complete("completions", "install", "") == ["bash", "zsh", "fish", "--help"]
+    assert "tui" in bash_complete("") and "doctor" in bash_complete("d")
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed here (apt-get install fish)")
+def test_fish_completes_with_descriptions() -> None:
+    script = f'source {ROOT / "completions" / "reef.fish"}; complete -C "reef releases "; complete -C "reef tui --"'
+    out = subprocess.run(["fish", "--no-config", "-c", script], capture_output=True, text=True, timeout=30)
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("rollback\t") and "earlier release" in line for line in lines), out.stdout
+    assert any(line.startswith("--scenario\t") for line in lines), out.stdout
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed here (apt-get install zsh)")
+def test_zsh_script_offers_commands_and_options() -> None:
+    # zsh's completion system needs a terminal; stand in for its two entry points and run the real function
+    script = (
+        '_describe() { print -r -- "$3: ${(P@)4}" }; _files() { print files }; compdef() {}\n'
+        f"source {ROOT / 'completions' / '_reef'}\n"
+        'words=(reef releases ""); CURRENT=3; _reef\n'
+        "words=(reef tui --); CURRENT=3; _reef\n"
+    )
+    out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    commands, options = out.stdout.splitlines()
+    assert commands.startswith("reef command: list:List a scenario") and "rollback:" in commands
+    assert options.startswith("reef option: --scenario:") and "--help:Show help" in options
+
+
+def reef(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reef_cli.main", *args], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=ROOT)
+
+
+def test_install_and_show(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "ZDOTDIR", "REEF_"))}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), REEF_HOME=str(tmp_path / "reef"))
+    shown = reef("completions", "show", "bash", env=env)
+    assert shown.returncode == 0 and shown.stdout == generate("bash")
+    done = reef("completions", "install", "bash", env=env)
+    assert done.returncode == 0, done.stderr
+    target = tmp_path / ".local/share/bash-completion/completions/reef"
+    assert target.read_text() == generate("bash") and str(target) in done.stdout
+    again = reef("completions", "install", env={**env, "SHELL": "/usr/bin/fish"})  # the shell from $SHELL
+    assert again.returncode == 0 and (tmp_path / ".config/fish/completions/reef.fish").read_text() == generate("fish")
+    zsh = reef("completions", "install", "zsh", env=env)
+    assert (tmp_path / ".zfunc/_reef").exists() and "fpath=" in zsh.stdout
+    unknown = reef("completions", "install", env={**env, "SHELL": "/bin/tcsh"})
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "tcsh" in unknown.stderr
