@@ -1,0 +1,101 @@
+"""``reef doctor``: each check against the real thing (a running daemon, a daemon that is not there, a token
+file with the wrong mode, a wrong token over TCP, a missing adapters package), each problem with its fix, and
+the exit code (1 when a check failed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, Daemon, make_home
+
+
+def doctor(env: dict[str, str], *args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str],
+                                                                           dict[str, Any]]:
+    out = subprocess.run([sys.executable, "-m", "reef_cli.main", "doctor", *args], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=cwd)
+    data = json.loads(out.stdout) if "--json" in args else {}
+    return out, data
+
+
+def by_name(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in data["checks"]}
+
+
+def test_a_running_daemon_and_its_files_pass(daemon: Daemon) -> None:
+    out, data = doctor(daemon.env, "--json")
+    checks = by_name(data)
+    assert checks["daemon"]["status"] == "ok" and str(daemon.home) in checks["daemon"]["detail"]
+    assert checks["token file"]["status"] == "ok" and "0600" in checks["token file"]["detail"]
+    assert checks["socket"]["status"] == "ok"
+    assert {"python", "config", "state dir", "disk space", "git", "node", "npm", "model"} <= set(checks)
+    assert any(name.startswith("agent ") for name in checks)  # one line per coding agent
+    failed = [c for c in data["checks"] if c["status"] == "fail"]
+    assert data["ok"] == (not failed) and out.returncode == (1 if failed else 0), out.stdout
+    assert all(c["fix"] for c in data["checks"] if c["status"] != "ok")  # every problem says how to fix it
+
+
+def test_a_token_others_can_read_fails_with_its_fix(daemon: Daemon) -> None:
+    token = daemon.home / "token"
+    token.chmod(0o644)
+    try:
+        out, data = doctor(daemon.env, "--json")
+        check = by_name(data)["token file"]
+        assert check["status"] == "fail" and "0644" in check["detail"]
+        assert check["fix"] == f"chmod 600 {token}"
+        assert out.returncode == 1 and data["ok"] is False
+        human, _ = doctor(daemon.env)
+        assert f"fix: chmod 600 {token}" in human.stdout and human.returncode == 1
+    finally:
+        token.chmod(0o600)
+
+
+def test_no_daemon_is_a_warning_and_doctor_starts_nothing(tiny_model: Path) -> None:
+    home, _, env = make_home(tiny_model)
+    try:
+        out, data = doctor(env, "--json")
+        check = by_name(data)["daemon"]
+        assert check["status"] == "warn" and check["fix"] == "reef daemon start"
+        assert not (home / "reef.sock").exists() and not (home / "reef.pid").exists()
+        assert "Traceback" not in out.stderr
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_wrong_token_over_tcp_fails(daemon: Daemon) -> None:
+    env = {**daemon.env, "REEF_URL": daemon.url, "REEF_TOKEN": "not-the-token"}
+    out, data = doctor(env, "--json")
+    check = by_name(data)["daemon"]
+    assert check["status"] == "fail" and "REEF_TOKEN" in check["fix"] and out.returncode == 1
+    assert "not-the-token" not in out.stdout + out.stderr  # a token is never printed
+
+
+def test_without_the_adapters_package_the_agents_check_degrades(daemon: Daemon, tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "adapters"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('adapters is not installed here')\n")
+    env = {**daemon.env, "PYTHONPATH": f"{shadow.parent}{os.pathsep}{ROOT}"}
+    out, data = doctor(env, "--json", cwd=tmp_path)  # not the checkout: the shadow comes first on the path
+    check = by_name(data)["agents"]
+    assert check["status"] == "warn" and check["fix"], check
+    assert "Traceback" not in out.stderr
+
+
+def test_disk_space_thresholds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # a full disk cannot be made on demand here without root tricks: stand in for shutil.disk_usage only
+    from reef_cli import doctor as doc
+
+    usage = namedtuple("usage", "total used free")
+    for free, status in ((200 << 20, "fail"), (3 << 30, "warn"), (50 << 30, "ok")):
+        monkeypatch.setattr(doc.shutil, "disk_usage", lambda _p, f=free: usage(100 << 30, 0, f))
+        check = doc.check_disk(tmp_path / "not-yet")
+        assert check.status == status, (free, check)
+        assert (check.fix is None) == (status == "ok")
