@@ -56,7 +56,8 @@ class Opencode(Adapter):
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "Reef",
                 "options": {"baseURL": f"{target.base}/v1", "apiKey": "{env:REEF_TOKEN}",
-                            "headers": {"x-reef-release-id": "{env:REEF_RELEASE_ID}"}},
+                            **({"headers": {"x-reef-release-id": "{env:REEF_RELEASE_ID}"}}
+                               if target.release_id else {})},
                 "models": {target.model: {"name": f"{target.model} (Reef)",
                                           "limit": {"context": target.context_window, "output": 4096}}},
             }},

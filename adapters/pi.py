@@ -36,7 +36,7 @@ class Pi(Adapter):
             "baseUrl": f"{target.base}/v1",
             "api": "openai-completions",
             "apiKey": "REEF_TOKEN",
-            "headers": {"x-reef-release-id": "REEF_RELEASE_ID"},
+            **({"headers": {"x-reef-release-id": "REEF_RELEASE_ID"}} if target.release_id else {}),
             "models": [{"id": target.model, "name": f"{target.model} (Reef)",
                         "contextWindow": target.context_window, "maxTokens": 4096}],
         }}}
