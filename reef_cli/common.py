@@ -70,7 +70,22 @@ def ago(ts: float | None) -> str:
 
 
 def client() -> Any:
-    """A client of the daemon, starting it if it is not running."""
-    from reef_cli.client import ensure_daemon
+    """A client of the daemon, starting it if it is not running (with a spinner on a terminal: a first start
+    builds the tiny model)."""
+    from reef_cli.client import Client, ensure_daemon
 
-    return ensure_daemon(config())
+    cfg = config()
+    probe = Client(cfg)
+    if probe.healthy() or cfg.url:
+        probe.close()
+        return ensure_daemon(cfg)
+    probe.close()
+    with starting():
+        return ensure_daemon(cfg)
+
+
+def starting() -> Any:
+    """A spinner on stderr while the daemon starts (nothing when stderr is not a terminal)."""
+    from rich.console import Console
+
+    return Console(stderr=True).status("starting the daemon (a first start builds the tiny model)...")

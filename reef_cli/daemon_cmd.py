@@ -9,7 +9,7 @@ import time
 
 import typer
 
-from reef_cli.common import config, edge, fail, print_json
+from reef_cli.common import config, edge, fail, print_json, starting
 
 app = typer.Typer(help="Run the daemon in the background: start, stop, status, logs.", no_args_is_help=True)
 
@@ -54,7 +54,8 @@ def start(timeout: float = typer.Option(120.0, help="Seconds to wait until the d
         print(f"reef daemon already running (pid {pid})")
         return
     t0 = time.monotonic()
-    pid = start_daemon(cfg, timeout=timeout)
+    with starting():
+        pid = start_daemon(cfg, timeout=timeout)
     print(f"reef daemon started (pid {pid}) in {time.monotonic() - t0:.1f}s; listening on {cfg.host}:{cfg.port} "
           f"and {cfg.socket_path}")
 

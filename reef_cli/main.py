@@ -62,7 +62,26 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -
 
 
 def main() -> None:
-    app()
+    """Run ``reef``; usage errors too are one line on stderr (exit 2), like every other error."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False, prog_name="reef")
+    except Exception as e:  # typer's usage errors (its private click fork): duck-typed on purpose
+        if not hasattr(e, "format_message") or not isinstance(getattr(e, "exit_code", None), int):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # `reef` or `reef releases` alone: the help
+            sys.stdout.write(e.format_message() + "\n")
+        else:
+            hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
+            sys.stderr.write(f"reef: {e.format_message()}{hint}\n")
+        sys.exit(e.exit_code)
+    except RuntimeError as e:  # typer.Abort: a prompt got end-of-input or Ctrl-C
+        if type(e).__name__ != "Abort":
+            raise
+        sys.stderr.write("reef: aborted\n")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

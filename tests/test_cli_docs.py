@@ -3,12 +3,15 @@ fast (no heavy imports on that path); the code passes ruff."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import typer.main
 
 from reef_cli.main import app
@@ -66,3 +69,52 @@ def test_ruff_clean() -> None:
     out = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+# commands that print data, and so take --json; `completions show` prints a shell script, not data
+LISTING = ("list", "show", "status", "doctor", "runs")
+NOT_DATA = {("completions", "show")}
+
+
+def test_every_listing_command_has_json() -> None:
+    missing = []
+    for path, cmd in commands():
+        if path[-1] in LISTING and path not in NOT_DATA and not getattr(cmd, "commands", None):
+            if not any("--json" in getattr(p, "opts", []) for p in cmd.params):
+                missing.append(" ".join(path))
+    assert not missing, f"listing commands without --json: {missing}"
+
+
+def test_every_exit_code_is_documented() -> None:
+    import daemon.errors as errors
+
+    readme = (ROOT / "README.md").read_text()
+    codes = {cls.exit_code for cls in vars(errors).values() if isinstance(cls, type) and hasattr(cls, "exit_code")}
+    missing = [code for code in sorted(codes | {0, 130}) if f"\n| {code} |" not in readme]
+    assert not missing, f"exit codes not in README.md's table: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["status"], 7, "cannot reach the daemon"),
+        (["releases", "list", "--json"], 7, "cannot reach the daemon"),
+        (["records", "list", "--bogus"], 2, "No such option: --bogus"),
+        (["report", "rec_x", "--score", "1", "--metadata", "{"], 2, "--metadata is not valid JSON"),
+        (["completions", "show", "tcsh"], 2, "tcsh"),
+        (["scenarios", "show"], 2, "Missing argument"),
+    ],
+)
+def test_errors_are_one_line_with_an_exit_code(args: list[str], code: int, says: str, tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
+    env.update(REEF_HOME=str(tmp_path), REEF_URL=f"http://127.0.0.1:{port}", REEF_TOKEN="secret-token",
+               PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "reef_cli.main", *args], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.returncode == code, (out.returncode, out.stderr)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reef: ") and says in lines[0], out.stderr
+    assert "secret-token" not in out.stderr + out.stdout
