@@ -308,6 +308,16 @@ class Learner:
                     result.update(verdict="unchanged", release_id=None)
                     break
                 check_tree(outcome.tree)
+                if settings.gate == "compare":
+                    verdict = judge("compare", candidate=await self._task_scores(scenario, outcome.tree, settings),
+                                    base=await self._task_scores(scenario, tree, settings), best=None,
+                                    margin=settings.margin)
+                    metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
+                    if not verdict.publish:
+                        await chains.reject(scenario, verdict="rejected", reason=verdict.reason,
+                                            base=head.release_id, **record)
+                        result.update(verdict="rejected", release_id=None, reason=verdict.reason)
+                        break
                 if settings.gate == "review":
                     rel = await chains.hold(scenario, outcome.tree, base=head.release_id, **record)
                     result.update(verdict="pending", release_id=rel.release_id, step=rel.step)
@@ -328,3 +338,23 @@ class Learner:
                            metrics=metrics, release_id=result.get("release_id"))
             self.state[scenario.name] = "waiting"
             return result
+
+    async def _task_scores(self, scenario: Scenario, tree: dict[str, bytes], settings: Any) -> list[float]:
+        """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
+        from daemon.exchange import Exchange, Finish, Message, Part, Sampling
+        from recipes.lessons import RULES_FILE, task_score
+
+        engine = await self.reef.engine(scenario.model)
+        rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")
+        scores = []
+        for task in settings.tasks:
+            messages = [Message("system", [Part("text", text=rules)])] if rules.strip() else []
+            messages.append(Message("user", [Part("text", text=task["prompt"])]))
+            exchange = Exchange(format="openai-chat", model=scenario.model, messages=messages,
+                                sampling=Sampling(max_tokens=int(task.get("max_tokens", 32)), temperature=0.0))
+            answer = ""
+            async for event in engine.generate(exchange, None):
+                if isinstance(event, Finish):
+                    answer = event.completion.text
+            scores.append(task_score(task, answer))
+        return scores

@@ -42,7 +42,11 @@ MAX_FILE_BYTES = 256 * 1024
 
 @dataclass
 class LessonsSettings:
-    gate: str = "always"  # always | review (held until ``reef releases promote``)
+    gate: str = "always"  # always | review (held until ``reef releases promote``) | compare (on ``tasks``)
+    # compare gate: prompts answered by the scenario's model under the current rules and under the candidate's
+    # (temperature 0); a task scores 1 when its answer contains ``expect`` (case-insensitive)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    margin: float = 0.0  # compare: wins - losses needed to publish
     max_rules: int = 50  # rule entries kept (oldest dropped first)
     max_rules_bytes: int = 16 * 1024  # size cap of the rules file
     similarity: float = 0.6  # word overlap (Jaccard) at which a lesson replaces an existing entry
@@ -59,9 +63,19 @@ def settings_from(raw: dict[str, Any]) -> LessonsSettings:
     if unknown:
         raise BadRequest(f"unknown lessons settings: {', '.join(sorted(unknown))}", param="settings")
     s = LessonsSettings(**raw)
-    if s.gate not in ("always", "review"):
-        raise BadRequest(f"lessons gate must be always or review, got {s.gate!r}", param="gate")
+    if s.gate not in ("always", "review", "compare"):
+        raise BadRequest(f"lessons gate must be always, review or compare, got {s.gate!r}", param="gate")
+    for t in s.tasks:
+        if not (isinstance(t, dict) and isinstance(t.get("prompt"), str) and isinstance(t.get("expect"), str)):
+            raise BadRequest('each lessons task is {"prompt": text, "expect": text}', param="tasks")
+    if s.gate == "compare" and not s.tasks:
+        raise BadRequest("the compare gate needs tasks: [recipes.lessons] tasks = [{prompt, expect}, ...]",
+                         param="tasks")
     return s
+
+
+def task_score(task: dict[str, Any], answer: str) -> float:
+    return 1.0 if task["expect"].lower() in answer.lower() else 0.0
 
 
 @dataclass

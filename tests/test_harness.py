@@ -1,0 +1,92 @@
+"""Harness scenarios through the daemon's API: runs, rendered harness files, evolve, the lessons recipe's gates
+(always, review, compare on tasks), and bad input to those routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import Daemon, assert_canonical_error
+
+
+def create(c: Any, name: str, **settings: Any) -> dict[str, Any]:
+    resp = c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", "settings": settings})
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+def test_a_run_creates_a_lessons_scenario_and_hands_out_its_harness(daemon: Daemon) -> None:
+    with daemon.unix() as c:
+        start = c.post("/reef/runs", json={"adapter": "claude"}).json()
+        assert start["scenario"] == "claude" and start["recipe"] == "lessons" and start["run"].startswith("run_")
+        assert start["kind"] == "harness" and start["files"] == {}
+        again = c.post("/reef/runs", json={"adapter": "claude", "installed_release": start["release_id"]}).json()
+        assert "files" not in again and again["run"] != start["run"]  # nothing to send: it is installed
+        out = c.post("/reef/scenarios/claude/evolve", json={"instruction": "keep diffs small"}).json()
+        assert out["verdict"] == "accepted" and out["step"] == 1
+        after = c.post("/reef/runs", json={"adapter": "claude", "installed_release": start["release_id"]}).json()
+        assert "keep diffs small" in after["files"][".claude/CLAUDE.md"]
+        neutral = c.get("/reef/scenarios/claude/harness").json()
+        assert list(neutral["files"]) == ["AGENTS.md"] and neutral["release_id"] == out["release_id"]
+
+
+def test_written_feedback_on_receipts_becomes_a_release_and_is_consumed_once(daemon: Daemon) -> None:
+    with daemon.unix() as c:
+        create(c, "fb")
+        rec = c.post("/s/fb/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "x"}]})
+        receipt = rec.headers["x-reef-agent-record-id"]
+        rep = c.post("/reef/report", json={"references": [receipt], "score": 0, "feedback": "forgot the tests"})
+        assert rep.status_code == 201
+        learning = rep.json()["learning"]
+        assert learning["verdict"] == "accepted" and learning["applied"][0]["rule"].endswith("forgot the tests")
+        chain = c.get("/reef/scenarios/fb/releases").json()["releases"]
+        assert chain[0]["receipts"] == [rep.json()["report_id"]]
+        score_only = c.post("/reef/report", json={"references": [receipt], "score": 1}).json()
+        assert "learning" not in score_only or score_only["learning"] is None
+        assert len(c.get("/reef/scenarios/fb/releases").json()["releases"]) == 2  # nothing new to learn
+
+
+def test_review_gate_holds_the_candidate_until_promoted(daemon: Daemon) -> None:
+    with daemon.unix() as c:
+        head = create(c, "reviewed", gate="review")["head"]
+        out = c.post("/reef/scenarios/reviewed/evolve", json={"instruction": "explain each change"}).json()
+        assert out["verdict"] == "pending"
+        assert c.get("/reef/scenarios/reviewed/releases").json()["head"] == head  # serving untouched
+        promoted = c.post("/reef/scenarios/reviewed/promote",
+                          json={"release_id": out["release_id"], "expected_head": head})
+        assert promoted.status_code == 201, promoted.text
+        files = c.get("/reef/scenarios/reviewed/harness").json()["files"]
+        assert "explain each change" in files["AGENTS.md"]
+
+
+def test_compare_gate_judges_candidates_on_the_scenarios_tasks(daemon: Daemon) -> None:
+    tasks = [{"prompt": "say hi", "expect": ""}, {"prompt": "name a colour", "expect": ""}]
+    with daemon.unix() as c:
+        head = create(c, "strict", gate="compare", tasks=tasks, margin=1)["head"]
+        out = c.post("/reef/scenarios/strict/evolve", json={"instruction": "answer in one word"}).json()
+        assert out["verdict"] == "rejected" and "wins 0 - losses 0 < margin 1" in out["reason"]
+        chain = c.get("/reef/scenarios/strict/releases", params={"all": 1}).json()
+        assert chain["head"] == head and chain["rejected"][0]["reason"] == out["reason"]
+        create(c, "lenient", gate="compare", tasks=tasks, margin=0)
+        ok = c.post("/reef/scenarios/lenient/evolve", json={"instruction": "answer in one word"}).json()
+        assert ok["verdict"] == "accepted"
+
+
+def test_bad_input_to_harness_routes_is_refused(daemon: Daemon) -> None:
+    with daemon.unix() as c:
+        assert_canonical_error(c.post("/reef/runs", json={"adapter": "vim"}), 400)
+        assert_canonical_error(c.post("/reef/runs", json={}), 400)
+        assert_canonical_error(c.post("/reef/runs", json={"adapter": "pi", "scenario": "../x"}), 400)
+        assert_canonical_error(c.get("/reef/harness/install"), 400)
+        assert_canonical_error(c.get("/reef/scenarios/nope/harness"), 404)
+        create(c, "ev")
+        assert_canonical_error(c.post("/reef/scenarios/ev/evolve", json={"instruction": ""}), 400)
+        assert_canonical_error(c.post("/reef/scenarios/ev/evolve", json={"instruction": 5}), 400)
+        assert_canonical_error(c.post("/reef/scenarios/ev/evolve", json={"instruction": "x" * 10_001}), 400)
+        assert_canonical_error(c.post("/reef/scenarios/ev/evolve", json={"instruction": "ok", "skill": "../a"}),
+                               400)
+        assert_canonical_error(c.post("/reef/scenarios", json={"name": "bad-gate", "recipe": "lessons",
+                                                               "settings": {"gate": "compare"}}), 400)
+        c.post("/reef/scenarios", json={"name": "weights", "recipe": "record"})
+        assert_canonical_error(c.post("/reef/scenarios/weights/evolve", json={"instruction": "hi"}), 400)
+        assert_canonical_error(c.get("/reef/scenarios/weights/harness"), 400)
