@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import typer
+import typer.core
+import typer.main
 
 from reef_cli import agents, completions, daemon_cmd, demo, doctor, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
+
+# Plain (click-style) help: rich's help panels cost ~150 ms of start-up, over half of `reef --help`'s budget
+# (bench/cli_startup.py). Errors are our own one-line messages either way.
+typer.core.HAS_RICH = typer.main.HAS_RICH = False  # type: ignore[attr-defined]
 
 app = typer.Typer(
     name="reef",
