@@ -232,3 +232,37 @@ async def test_over_tcp_with_the_token(daemon: Daemon, seeded: dict[str, Any]) -
         note = plain(chain.query_one("#note"))
         assert "token" in note.lower(), note
 
+
+
+def test_the_reef_tui_command_paints_the_chain_in_a_terminal(daemon: Daemon, seeded: dict[str, Any]) -> None:
+    """The real command in a pseudo-terminal: it reaches the daemon, paints the chain screen and exits cleanly
+    (``--exit-after-paint``, which bench/tui_start.py times)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "reef_cli.main", "tui", "-s", "tui-a", "--exit-after-paint"],
+                            stdin=slave, stdout=slave, stderr=slave, env={**daemon.env, "TERM": "xterm-256color"})
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, out[-2000:]
+    painted = float(out.rsplit(b"painted ", 1)[1].split()[0])
+    assert t0 < painted < time.time()
+    assert b"Release chain of tui-a" in out
