@@ -124,9 +124,11 @@ class Learner:
             from recipes.lessons import settings_from
 
             try:
-                settings_from({**self.reef.config.recipes.get(recipe, {}), **settings})
+                lessons = settings_from({**self.reef.config.recipes.get(recipe, {}), **settings})
             except TypeError as e:
                 raise BadRequest(f"invalid recipe settings: {e}", param="settings") from None
+            if lessons.proposer is not None:
+                self.reef.config.model(lessons.proposer)  # an unknown model: 400 naming the configured ones
             return
         if not self._trains(recipe):
             if settings:
@@ -288,6 +290,8 @@ class Learner:
                 return None
             settings = settings_from({**self.reef.config.recipes.get("lessons", {}), **scenario.settings})
             lessons = [x for x in map(lesson_from_report, reports) if x is not None]
+            if settings.proposer:
+                await self._propose(settings.proposer, lessons)
             receipts = [r["id"] for r in reports]
             chains, events = self.reef.chains, self.reef.events
             self.state[scenario.name] = "training"
@@ -341,20 +345,52 @@ class Learner:
 
     async def _task_scores(self, scenario: Scenario, tree: dict[str, bytes], settings: Any) -> list[float]:
         """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
-        from daemon.exchange import Exchange, Finish, Message, Part, Sampling
+        from daemon.exchange import Finish
         from recipes.lessons import RULES_FILE, task_score
 
         engine = await self.reef.engine(scenario.model)
         rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")
         scores = []
         for task in settings.tasks:
-            messages = [Message("system", [Part("text", text=rules)])] if rules.strip() else []
-            messages.append(Message("user", [Part("text", text=task["prompt"])]))
-            exchange = Exchange(format="openai-chat", model=scenario.model, messages=messages,
-                                sampling=Sampling(max_tokens=int(task.get("max_tokens", 32)), temperature=0.0))
+            exchange = internal_exchange(scenario.model, rules, task["prompt"], int(task.get("max_tokens", 32)))
             answer = ""
             async for event in engine.generate(exchange, None):
                 if isinstance(event, Finish):
                     answer = event.completion.text
             scores.append(task_score(task, answer))
         return scores
+
+    async def _propose(self, model: str, lessons: list[Any]) -> None:
+        """Ask the proposer model to phrase each rule lesson; failures leave the plain, deterministic edit."""
+        from daemon.exchange import Finish
+        from recipes.lessons import PROPOSER_PROMPT, proposal
+
+        try:
+            engine = await self.reef.engine(model)
+        except Exception:
+            log.exception("proposer model %s is unavailable; making plain edits", model)
+            return
+        for lesson in lessons:
+            if lesson.skill is not None:
+                continue
+            exchange = internal_exchange(model, PROPOSER_PROMPT, lesson.text, 64)
+            try:
+                async for event in engine.generate(exchange, None):
+                    if isinstance(event, Finish):
+                        lesson.proposed = proposal(event.completion.text)
+                        lesson.proposer = model
+            except Exception:
+                log.warning("proposer model %s failed on %s; making a plain edit", model, lesson.id, exc_info=True)
+
+
+def internal_exchange(model: str, system: str, user: str, max_tokens: int) -> Any:
+    """A request the daemon itself makes (a gate's task, a proposer's phrasing): greedy, in OpenAI chat form
+    with its body, so any engine (an upstream relaying the body as it is) answers it."""
+    from daemon.exchange import Exchange, Message, Part, Sampling
+
+    messages = [Message("system", [Part("text", text=system)])] if system.strip() else []
+    messages.append(Message("user", [Part("text", text=user)]))
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": m.role, "content": m.text} for m in messages]}
+    return Exchange(format="openai-chat", model=model, messages=messages, body=body,
+                    sampling=Sampling(max_tokens=max_tokens, temperature=0.0))

@@ -51,6 +51,9 @@ class LessonsSettings:
     max_rules_bytes: int = 16 * 1024  # size cap of the rules file
     similarity: float = 0.6  # word overlap (Jaccard) at which a lesson replaces an existing entry
     min_chars: int = 4  # shorter feedback is not a lesson
+    # a model (any configured model name: the served one, or an upstream) that phrases each lesson as one rule;
+    # its answer is screened like any lesson, and an empty, refused or overlong answer falls back to the plain edit
+    proposer: str | None = None
     max_chars: int = 1000  # longer feedback is cut at a sentence boundary
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +81,21 @@ def task_score(task: dict[str, Any], answer: str) -> float:
     return 1.0 if task["expect"].lower() in answer.lower() else 0.0
 
 
+PROPOSER_PROMPT = (
+    "You maintain the rules file of a coding agent. Rewrite the feedback below as one short imperative rule "
+    "for the agent (at most 30 words). Answer with the rule only."
+)
+
+
+def proposal(answer: str, limit: int = 300) -> str | None:
+    """The rule in a proposer's answer: its first non-empty line, without list marks or quotes; None if unusable."""
+    for line in answer.splitlines():
+        line = line.strip().lstrip("-*0123456789. ").strip().strip('"').strip()
+        if line:
+            return line if 4 <= len(line) <= limit else None
+    return None
+
+
 @dataclass
 class Lesson:
     """One piece of experience: a report's written feedback (with its score) or a direct instruction."""
@@ -87,6 +105,8 @@ class Lesson:
     score: float | None = None
     instruction: bool = False
     skill: str | None = None  # write a skill of this name instead of a rule entry
+    proposed: str | None = None  # the rule as a proposer model phrased it (used as written when it passes)
+    proposer: str | None = None
 
 
 @dataclass
@@ -268,6 +288,9 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
                 out.applied.append({**view, "path": path, "edit": "skill"})
             continue
         entry = phrase(lesson, settings.max_chars)
+        if lesson.proposed is not None and screen(lesson.proposed) is None:
+            entry = _clean(lesson.proposed, settings.max_chars)
+            view["proposed_by"] = lesson.proposer
         if entry in entries:
             out.unchanged.append({**view, "path": RULES_FILE})
             continue

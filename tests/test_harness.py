@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.conftest import Daemon, assert_canonical_error
+from tests.test_upstream import stub  # noqa: F401, F811 - the scripted upstream, as a proposer model
 
 
 def create(c: Any, name: str, **settings: Any) -> dict[str, Any]:
@@ -90,3 +91,19 @@ def test_bad_input_to_harness_routes_is_refused(daemon: Daemon) -> None:
         c.post("/reef/scenarios", json={"name": "weights", "recipe": "record"})
         assert_canonical_error(c.post("/reef/scenarios/weights/evolve", json={"instruction": "hi"}), 400)
         assert_canonical_error(c.get("/reef/scenarios/weights/harness"), 400)
+
+
+def test_a_proposer_model_phrases_the_rule_and_failures_fall_back(daemon_factory: Any, stub: str) -> None:  # noqa: F811
+    d = daemon_factory(f'\n[models.writer]\nengine = "upstream"\nurl = "{stub}/v1"\nformat = "openai-chat"\n'
+                       'upstream_model = "stub-model"\n')
+    with d.unix() as c:
+        create(c, "phrased", proposer="writer")
+        out = c.post("/reef/scenarios/phrased/evolve", json={
+            "instruction": "the tests were skipped [stub:text=Run the whole test suite before you finish.]"}).json()
+        (applied,) = out["applied"]
+        assert applied["rule"] == "Run the whole test suite before you finish." and applied["proposed_by"] == "writer"
+        create(c, "fallback", proposer="writer")
+        plain = c.post("/reef/scenarios/fallback/evolve", json={"instruction": "keep it short [stub:status=500]"})
+        assert plain.json()["applied"][0]["rule"] == "keep it short [stub:status=500]"
+        assert_canonical_error(c.post("/reef/scenarios", json={"name": "nobody", "recipe": "lessons",
+                                                               "settings": {"proposer": "nope"}}), 400)

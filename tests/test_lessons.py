@@ -134,3 +134,16 @@ def test_installing_a_harness_refuses_escapes_and_removes_stale_files(tmp_path) 
     second = install_harness(home, "r2", {"a/AGENTS.md": b"1"})
     assert second["removed"] == ["a/skills/s/SKILL.md"] and second["written"] == []
     assert not (home / "a/skills/s/SKILL.md").exists() and (home / "a/AGENTS.md").read_bytes() == b"1"
+
+
+def test_a_proposers_answer_is_read_as_one_rule() -> None:
+    from recipes.lessons import proposal
+
+    assert proposal('\n"Check empty tokens first."\nmore') == "Check empty tokens first."
+    assert proposal("- 1. Always run the tests") == "Always run the tests"
+    assert proposal("") is None and proposal("ok") is None and proposal("x" * 400) is None
+    proposed = Lesson("rep_1", "missed empty tokens", score=0, proposed="Handle empty tokens.", proposer="m")
+    out = apply({}, [proposed], LessonsSettings())
+    assert rules(out.tree) == ["Handle empty tokens."] and out.applied[0]["proposed_by"] == "m"
+    leaky = Lesson("rep_2", "missed empty tokens", score=0, proposed="use key AKIAABCDEFGHIJKLMNOP", proposer="m")
+    assert rules(apply({}, [leaky], LessonsSettings()).tree) == ["Avoid a past mistake: missed empty tokens"]
