@@ -281,3 +281,18 @@ def test_agents_doctor_reaches_the_daemon(setup: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = json.loads(out.stdout)
     assert row["ok"] and row["receipts"] >= 1
+
+
+def test_a_wrapper_starts_the_daemon_when_it_is_not_running(daemon_factory: Any, agents_dir: Path,
+                                                             tmp_path: Path) -> None:
+    d: Daemon = daemon_factory(start=False)
+    env = dict(d.env, REEF_AGENTS_DIR=str(agents_dir), HOME=str(tmp_path))
+    try:
+        out = subprocess.run([str(BIN / "reef-pi"), "--version"], env=env, capture_output=True, text=True,
+                             timeout=180, cwd=tmp_path, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "starting the daemon" in out.stderr and ADAPTERS["pi"].version in out.stdout + out.stderr
+        assert (d.home / "reef.pid").exists()
+    finally:
+        subprocess.run([sys.executable, "-m", "reef_cli.main", "daemon", "stop"], env=env, capture_output=True,
+                       timeout=60)
