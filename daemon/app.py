@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from daemon.errors import (
@@ -159,14 +160,19 @@ def error_response(request: web.Request, err: ReefError) -> web.Response:
     return resp
 
 
+def _dumpb(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # what orjson refuses (integers beyond 64 bits)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _dumpb(value).decode()
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=_dumps(value).encode(), status=status, content_type="application/json", headers=headers
-    )
+    return web.Response(body=_dumpb(value), status=status, content_type="application/json", headers=headers)
 
 
 # --- middleware --------------------------------------------------------------------------------------------

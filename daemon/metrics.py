@@ -1,8 +1,33 @@
-"""Prometheus metrics of one daemon (``GET /metrics``): requests, latency, tokens, records, errors."""
+"""Prometheus metrics of one daemon (``GET /metrics``): requests, latency, tokens, records, errors.
+
+Every labelled metric's ``labels()`` is memoised: the serve path calls it several times per request, and
+prometheus_client's own lookup (checks, a lock) costs a few µs each time. Label values are bounded sets (routes,
+models, error kinds), so the memo stays small.
+"""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+M = TypeVar("M", Counter, Histogram)
+
+
+def _memo(metric: M) -> M:
+    children: dict[tuple[str, ...], Any] = {}
+    labels = metric.labels
+
+    def memo_labels(*values: str, **named: str) -> Any:
+        if named:
+            return labels(*values, **named)
+        child = children.get(values)
+        if child is None:
+            child = children[values] = labels(*values)
+        return child
+
+    metric.labels = memo_labels  # type: ignore[method-assign]
+    return metric
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -30,6 +55,10 @@ class Metrics:
             registry=r,
         )
         self.upstream_errors = Counter("reef_upstream_errors", "Upstream failures", ["model", "kind"], registry=r)
+
+        for metric in vars(self).values():
+            if isinstance(metric, Counter | Histogram) and metric._labelnames:
+                _memo(metric)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import queue
-import secrets
 import sqlite3
 import threading
 import time
@@ -37,6 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from daemon.errors import (
     BadRequest,
@@ -93,14 +94,14 @@ CREATE TABLE IF NOT EXISTS report_refs (
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
 
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits -> 2 characters
+_SHIFTS = tuple(range(120, -1, -10))
+
+
 def new_id(prefix: str) -> str:
     """Time-sortable id: 48-bit milliseconds + 80 random bits, Crockford base32 (ULID layout)."""
-    n = (int(time.time() * 1000) << 80) | secrets.randbits(80)
-    chars = []
-    for _ in range(26):
-        chars.append(_CROCKFORD[n & 31])
-        n >>= 5
-    return prefix + "".join(reversed(chars))
+    n = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10))
+    return prefix + "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])
 
 
 def _pack_ints(values: Sequence[int] | None) -> bytes | None:
@@ -120,7 +121,14 @@ def _unpack(blob: bytes | None, code: str) -> list[Any] | None:
 
 
 def _dumps(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON: orjson (a tenth of the stdlib's time on an agent's 80 kB request), the stdlib for what
+    orjson refuses (integers beyond 64 bits)."""
+    if value is None:
+        return None
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass
@@ -239,18 +247,11 @@ class RecordStore:
 
     def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]]) -> None:
         conn = self._writer_conn
-        results: list[tuple[Future[Any], Any, BaseException | None]] = []
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for i, (fn, fut) in enumerate(batch):
-                conn.execute(f"SAVEPOINT w{i}")
-                try:
-                    results.append((fut, fn(conn), None))
-                    conn.execute(f"RELEASE w{i}")
-                except Exception as e:  # one bad write must not sink the batch
-                    conn.execute(f"ROLLBACK TO w{i}")
-                    conn.execute(f"RELEASE w{i}")
-                    results.append((fut, None, e))
+            results = self._apply(conn, batch, savepoints=False)
+            if results is None:  # a write failed: again, each in its own savepoint, so that the others commit
+                results = self._apply(conn, batch, savepoints=True)
+            assert results is not None
             conn.execute("COMMIT")
             self._dirty.set()
         except sqlite3.Error as e:
@@ -265,6 +266,33 @@ class RecordStore:
                 fut.set_exception(exc)
             else:
                 fut.set_result(value)
+
+    @staticmethod
+    def _apply(conn: sqlite3.Connection, batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]],
+               *, savepoints: bool) -> list[tuple[Future[Any], Any, BaseException | None]] | None:
+        """Run a batch's writes in one open transaction. Without savepoints (the common case: two statements
+        fewer per write) a failing write rolls everything back and gives ``None``; with them, a failing write is
+        undone alone and its exception kept for its caller."""
+        results: list[tuple[Future[Any], Any, BaseException | None]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        for i, (fn, fut) in enumerate(batch):
+            if not savepoints:
+                try:
+                    results.append((fut, fn(conn), None))
+                except Exception:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    return None
+                continue
+            conn.execute(f"SAVEPOINT w{i}")
+            try:
+                results.append((fut, fn(conn), None))
+                conn.execute(f"RELEASE w{i}")
+            except Exception as e:  # one bad write must not sink the batch
+                conn.execute(f"ROLLBACK TO w{i}")
+                conn.execute(f"RELEASE w{i}")
+                results.append((fut, None, e))
+        return results
 
     def _reopen_writer(self) -> None:
         # After a failed commit (ENOSPC, EIO) the state of the file is unknown; reopen instead of retrying the

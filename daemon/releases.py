@@ -86,6 +86,7 @@ REJECTION = "reef-rejection.json"
 KINDS = ("weights", "harness")
 OPERATIONS = ("init", "train", "rollback", "promote")
 SCENARIOS_REF = "refs/reef/scenarios/"
+_RACY_NS = 100_000_000  # a ref file younger than this (0.1 s) is looked up again: see ReleaseStore.head
 PENDING_REF = "refs/reef/pending/"
 PROMOTED_REF = "refs/reef/promoted/"
 REJECTED_REF = "refs/reef/rejected/"
@@ -255,6 +256,7 @@ class ReleaseStore:
         self._lfs_tmp = self.path / "lfs" / "tmp"
         self._guard_path = self.path / GUARD
         self._local = threading.local()
+        self._heads: dict[str, tuple[tuple[int, int, int], str | None]] = {}  # ref -> (stat key, target)
         self._cache: dict[str, tuple[str, bytes, str]] = {}
         self._cache_lock = threading.Lock()
         pygit2.settings.enable_fsync_gitdir(True)
@@ -317,8 +319,30 @@ class ReleaseStore:
     # --- reading -------------------------------------------------------------------------------------------
 
     def head(self, scenario: str) -> str | None:
-        ref = self._repo().references.get(SCENARIOS_REF + check_scenario(scenario))
-        return None if ref is None else str(ref.target)
+        """The scenario's head as git has it now, so that a publish by another process is live at once.
+
+        The serve path asks once per request; libgit2's lookup costs several times a ``stat`` of the loose ref
+        file, so the answer is kept per ref and reused while the file's inode, mtime and size are unchanged
+        (every ref update renames a new file into place). As in git's "racy" index rule, a file modified less
+        than ``_RACY_NS`` before it was looked at is never trusted from the cache: two updates within one
+        timestamp tick could otherwise look alike. A ref git has packed (no loose file) is always looked up."""
+        name = SCENARIOS_REF + check_scenario(scenario)
+        try:
+            st = os.stat(f"{self.path}/{name}")
+        except OSError:
+            st = None
+        key = None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key is not None:
+            hit = self._heads.get(name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        ref = self._repo().references.get(name)
+        target = None if ref is None else str(ref.target)
+        if st is not None and time.time_ns() - st.st_mtime_ns > _RACY_NS:
+            self._heads[name] = (key, target)
+        else:
+            self._heads.pop(name, None)
+        return target
 
     def scenarios(self) -> list[str]:
         return sorted(

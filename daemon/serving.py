@@ -47,9 +47,21 @@ def check_name(value: str, what: str = "scenario") -> str:
     return value
 
 
+_RECORDED_NAME: dict[str, str | None] = {}  # header name as sent -> its recorded name, None for a secret one
+
+
 def safe_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's headers as recorded: without credentials."""
-    return {k.lower(): v for k, v in headers.items() if not _SECRET_HEADER.search(k)}
+    out = {}
+    for k, v in headers.items():
+        name = _RECORDED_NAME.get(k, "")
+        if name == "":
+            name = None if _SECRET_HEADER.search(k) else k.lower()
+            if len(_RECORDED_NAME) < 4096:  # names are the client's: bounded memo
+                _RECORDED_NAME[k] = name
+        if name is not None:
+            out[name] = v
+    return out
 
 
 @dataclass

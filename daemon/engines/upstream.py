@@ -55,7 +55,7 @@ from daemon.engines.base import Engine, EngineInfo
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
 from daemon.protocols import anthropic, openai_chat, openai_responses
-from daemon.protocols.sse import SSEDecoder, dumps, missing_events, sse
+from daemon.protocols.sse import SSEDecoder, dumpb, dumps, loads, missing_events, sse
 
 log = logging.getLogger("reef.upstream")
 
@@ -220,7 +220,7 @@ class UpstreamEngine(Engine):
 
     async def _generate(self, ex: Exchange) -> AsyncIterator[EngineEvent]:
         same = ex.format == self.format
-        data = dumps(self.request_body(ex)).encode()
+        data = dumpb(self.request_body(ex))
         resp = await self._post(self.url, data, stream=ex.stream, headers=self._headers_for(ex),
                                 query=ex.query if same else "")
         try:
@@ -361,7 +361,7 @@ class UpstreamEngine(Engine):
             body = {k: v for k, v in rendered.items() if k not in _NOT_FOR_COUNTING}
         body["model"] = self.entry.upstream_model or exchange.model
         same = exchange.format == self.format
-        resp = await self._post(self.count_url, dumps(body).encode(), stream=False,
+        resp = await self._post(self.count_url, dumpb(body), stream=False,
                                 headers=self._headers_for(exchange), query=exchange.query if same else "")
         try:
             answer = await self._read_json(resp)
@@ -460,7 +460,7 @@ class UpstreamEngine(Engine):
             raise UpstreamError(f"upstream {self.label}: connection lost while reading the answer"
                                 f" ({type(e).__name__})", upstream=self.shown_url) from None
         try:
-            return json.loads(raw)
+            return loads(raw)
         except ValueError:
             self._count("malformed")
             raise UpstreamError(f"upstream {self.label} answered something that is not JSON: {raw[:200]!r}",

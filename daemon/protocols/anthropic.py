@@ -12,7 +12,6 @@ cached ones included (Anthropic's ``input_tokens`` is rendered as that minus cac
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -37,6 +36,7 @@ from daemon.protocols.sse import (
     check_translatable,
     dumps,
     field,
+    loads,
     missing_events,
     need_object,
     new_id,
@@ -589,7 +589,7 @@ class StreamParser:
 
     def feed(self, event: str | None, data: str) -> list[EngineEvent]:
         try:
-            d = json.loads(data)
+            d = loads(data)
         except ValueError:
             raise bad_upstream("stream event (not JSON)") from None
         if not isinstance(d, dict):

@@ -9,7 +9,6 @@ the field OpenAI-compatible servers use for it. Neutral conventions: see ``daemo
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -37,6 +36,7 @@ from daemon.protocols.sse import (
     field,
     image_url_part,
     json_type,
+    loads,
     missing_events,
     need_object,
     new_id,
@@ -499,7 +499,7 @@ class StreamParser:
             self.ended = True
             return []
         try:
-            chunk = json.loads(data)
+            chunk = loads(data)
         except ValueError:
             raise bad_upstream("stream chunk (not JSON)") from None
         if not isinstance(chunk, dict):

