@@ -8,6 +8,8 @@ bearer token), ``ANTHROPIC_MODEL``, ``ANTHROPIC_CUSTOM_HEADERS`` (the pinned har
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from adapters.base import Adapter, Target
@@ -43,4 +45,28 @@ class Claude(Adapter):
         return ("ANTHROPIC_API_KEY",)  # would be sent as x-api-key beside Reef's token
 
     def prepare(self, home: Path, target: Target) -> None:
-        (home / ".claude").mkdir(parents=True, exist_ok=True)
+        config_dir = home / ".claude"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        state = config_dir / ".claude.json"
+        try:
+            current = json.loads(state.read_text())
+        except (OSError, ValueError):
+            current = {}
+        if not current.get("hasCompletedOnboarding"):
+            # the first-run theme picker is for a new user, not for a new config home: skip it, with the
+            # user's own theme when they have one (read, never written); the folder-trust question stays
+            current.update(hasCompletedOnboarding=True, theme=_user_theme() or current.get("theme") or "dark")
+            tmp = state.with_name(".claude.json.tmp")
+            tmp.write_text(json.dumps(current, indent=2) + "\n")
+            os.replace(tmp, state)
+
+
+def _user_theme() -> str | None:
+    for path in (Path.home() / ".claude.json", Path.home() / ".claude" / ".claude.json"):
+        try:
+            theme = json.loads(path.read_text()).get("theme")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(theme, str):
+            return theme
+    return None
