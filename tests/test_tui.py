@@ -150,6 +150,21 @@ async def test_a_rollback_racing_a_publish_is_refused_and_reported(daemon: Daemo
     assert [r["operation"] for r in after["releases"]] == ["train", "train", "init"]  # no rollback published
 
 
+
+async def test_the_chain_follows_a_rollback_made_elsewhere(daemon: Daemon, seeded: dict[str, Any]) -> None:
+    """Another client rolls back through the API: the open chain screen shows the new head by itself."""
+    app = make_app(daemon, scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await until(pilot, lambda: app.connection.startswith("connected"))
+        before = chain.head
+        with daemon.unix() as c:
+            resp = c.post("/reef/scenarios/tui-a/rollback", json={"release_id": seeded["r2"], "expected_head": before})
+            assert resp.status_code == 201, resp.text
+        new = resp.json()["release_id"]
+        await until(pilot, lambda: chain.head == new, what="the chain refreshed from the release event")
+        assert chain.rows[new]["source"] == seeded["r2"]
+
 async def test_rejected_candidates_on_demand_and_promote(daemon: Daemon, tiny_model: Path,
                                                          seeded: dict[str, Any]) -> None:
     from daemon.releases import ReleaseStore

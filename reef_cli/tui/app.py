@@ -116,7 +116,7 @@ class ReefApp(App[None]):
         if self.start_scenario:
             self.push_screen(ChainScreen(self.start_scenario))
         if self.follow_events:
-            self.run_worker(self._follow(), name="events", group="events", exclusive=True)
+            self.run_worker(self._follow, name="events", group="events", exclusive=True)
 
     def action_scenarios(self) -> None:
         while len(self.screen_stack) > 2:

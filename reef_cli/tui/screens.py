@@ -9,6 +9,7 @@ notification and a line on the screen, never a crash.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any, ClassVar
 
@@ -49,7 +50,8 @@ class ReefScreen(Screen[None]):
             self.refresh_data()
 
     def refresh_data(self) -> None:
-        self.run_worker(self._guarded_load(), group="load", exclusive=True, exit_on_error=False)
+        # a callable, not a coroutine: a load cancelled by the next one before it started is never created
+        self.run_worker(self._guarded_load, group="load", exclusive=True, exit_on_error=False)
 
     async def _guarded_load(self) -> None:
         try:
@@ -279,7 +281,8 @@ class ChainScreen(ReefScreen):
 
         def done(ok: bool | None) -> None:
             if ok:
-                self.run_worker(self._do_steer(op, row["release_id"], expected), group="steer", exit_on_error=False)
+                steer = functools.partial(self._do_steer, op, row["release_id"], expected)
+                self.run_worker(steer, group="steer", exit_on_error=False)
 
         self.app.push_screen(ConfirmScreen(lines, "Roll back" if op == "rollback" else "Promote"), done)
 
