@@ -77,6 +77,7 @@ class Learner:
         self._consumed: dict[str, set[str]] = {}
         # scenario -> (head release the lineage follows, candidate key, candidate dir)
         self._lineage: dict[str, tuple[str, str, str]] = {}
+        self._head_eval: dict[str, tuple[str, list[float]]] = {}  # scenario -> (release, its gate scores)
         self.state: dict[str, str] = {}  # scenario -> idle | waiting | training | judging
         self._trainer: Any = None
         self._lessons_locks: dict[str, asyncio.Lock] = {}
@@ -228,6 +229,9 @@ class Learner:
         if settings.eval_family:
             job["eval"] = {"family": settings.eval_family, "n": settings.eval_n, "seed": settings.eval_seed,
                            "max_new_tokens": trainer["max_new_tokens"]}
+            known = self._head_eval.get(scenario.name)
+            if known and known[0] == head.release_id:  # the head is a candidate scored when it was judged
+                job["eval"]["head_scores"] = known[1]
         self.state[scenario.name] = "training"
         events = self.reef.events
         events.publish("train.start", scenario=scenario.name, job=job_id, base=head.release_id, samples=need)
@@ -242,8 +246,11 @@ class Learner:
                        seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
         self.state[scenario.name] = "judging"
         ev = result.get("eval") or {}
-        best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(chains.store.history, scenario.name)
-                    if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
+        best = None
+        if settings.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
+            best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(chains.store.history,
+                                                                                       scenario.name)
+                        if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
         verdict = judge(settings.gate, candidate=ev.get("candidate"), base=ev.get("base"), best=best,
                         floor=settings.floor, margin=settings.margin)
         metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
@@ -262,6 +269,8 @@ class Learner:
         if published is None and verdict.verdict != "pending":
             await chains.reject(scenario, verdict="rejected", reason=reason, base=head.release_id, **record)
         consumed.update(receipts)
+        if published is not None and ev.get("candidate"):
+            self._head_eval[scenario.name] = (published.release_id, ev["candidate"])
         follows = published.release_id if published is not None else head.release_id
         self._lineage[scenario.name] = (follows, job["candidate_key"], candidate)
         if lineage and lineage[2] != candidate:

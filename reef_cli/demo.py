@@ -27,6 +27,7 @@ DEMO_MODEL = "tiny-demo"
 TARGET = 0.8
 # The demo scenario's recipe settings (over OnlineRLSettings' defaults): the gate publishes a candidate unless
 # it answers more of the validation prompts wrong than the serving release does (wins - losses >= 0).
+LEAD = 2  # rounds the client may be ahead of the trainer
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "say", "eval_n": 128}
 
 
@@ -54,7 +55,8 @@ def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], famil
 class Board:
     """What the live display shows; fed by the client loop and the daemon's event stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, scenario: str) -> None:
+        self.scenario = scenario
         self.requests = 0
         self.rewards: deque[float] = deque(maxlen=256)
         self.steps = 0
@@ -68,6 +70,8 @@ class Board:
         self.lock = threading.Lock()
 
     def on_event(self, e: dict[str, Any]) -> None:
+        if e.get("scenario") != self.scenario:
+            return
         with self.lock:
             kind = e["kind"]
             if kind == "train.step":
@@ -110,10 +114,12 @@ class Board:
 
 
 def _follow(client_factory: Any, board: Board, stop: threading.Event) -> None:
+    last = None
     while not stop.is_set():
         try:
             with client_factory() as c:
-                for event in c.events():
+                for event in c.events(after=last):  # a reconnect misses nothing
+                    last = event.get("seq", last)
                     board.on_event(event)
                     if stop.is_set():
                         return
@@ -153,7 +159,7 @@ def demo(
     rng = random.Random(seed)
     tasks = family.train_tasks(seed)
     held = family.held_out(64, seed)
-    board = Board()
+    board = Board(name)
     stop = threading.Event()
     follower = threading.Thread(target=_follow, args=(lambda: Client(cfg, timeout=None), board, stop), daemon=True)
     follower.start()
@@ -170,11 +176,17 @@ def demo(
             board.requests += 1
             board.rewards.append(family.exact(task, text))
 
-    reached = False
+    rounds, reached = 0, False
     measured_at = (None, -1e9)  # (head release, when)
     with Live(board.render(), console=console, refresh_per_second=4, transient=json_out) as live, \
             ThreadPoolExecutor(prompts * group) as pool:
         while time.monotonic() < deadline:
+            # at most LEAD rounds ahead of training: the trainer stays busy, and it trains on answers of the
+            # current head (fresh samples), not on a backlog; a trainer that stops does not stop the client
+            wait_until = min(deadline, time.monotonic() + 10)
+            while board.steps < rounds - LEAD and time.monotonic() < wait_until:
+                time.sleep(0.02)
+            rounds += 1
             # one round = one training batch: batch_prompts prompts, each asked group_size times at once
             round_tasks = [t for t in rng.sample(tasks, prompts) for _ in range(group)]
             list(pool.map(one, round_tasks, [seed * 1_000_003 + next(counter) for _ in round_tasks]))

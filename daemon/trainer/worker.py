@@ -94,18 +94,23 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer = state.model, state.tokenizer
     ev = job.get("eval")
     base_scores = None
+    t_eval = time.perf_counter()
     if ev:  # the gate compares with the serving head, which the lineage in memory may have moved past
-        base_scores = state.base_eval.get(job["head_key"])
+        # the daemon sends the head's scores when it has them (the head is the candidate it last published)
+        base_scores = ev.get("head_scores") or state.base_eval.get(job["head_key"])
         if base_scores is None:
             head = model if job["head_key"] == state.key else AutoModelForCausalLM.from_pretrained(
                 job["head_path"], dtype=torch.float32)
             state.base_eval = {job["head_key"]: _eval_scores(head, tokenizer, ev)}  # only the head's is needed
             base_scores = state.base_eval[job["head_key"]]
+    eval_s = time.perf_counter() - t_eval
     samples = [Sample(**s) for s in job["samples"]]
+    t_train = time.perf_counter()
     model.train()
     metrics = train_step(model, samples, settings, state.optimizer)  # its own steps_per_batch steps
     model.eval()
-    train_s = time.perf_counter() - t0
+    t_save = time.perf_counter()
+    train_s = t_save - t0  # loading and evaluating the base included
     out = Path(job["out_dir"])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -125,10 +130,13 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     state.key = job["candidate_key"]  # if it is published, the next job continues from here
+    metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
     result: dict[str, Any] = {"ok": True, "candidate": str(out), "train_metrics": metrics,
                               "train_s": round(train_s, 3), "samples": len(samples)}
     if ev:
+        t_eval = time.perf_counter()
         cand_scores = _eval_scores(model, tokenizer, ev)
+        metrics["eval_s"] = round(eval_s + time.perf_counter() - t_eval, 3)
         result["eval"] = {"candidate": cand_scores, "base": base_scores}
     return result
 
