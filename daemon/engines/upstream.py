@@ -16,8 +16,9 @@ or put in an error message).
   upstream's request, ``parse_response`` / ``StreamParser`` read the answer back (choices documented there).
 - **Anthropic needs ``max_tokens``**: a client that gave none gets the entry's ``max_new_tokens`` when the config
   sets it, else 4096 (``daemon.protocols.anthropic.DEFAULT_MAX_TOKENS``).
-- **Connections.** One ``aiohttp.ClientSession`` per engine with a keep-alive connection pool, created in
-  ``start`` and closed in ``close``. Timeouts: ``connect_timeout_s`` to get a connection; ``timeout_s`` for the
+- **Connections.** One pool of kept-alive connections per engine (``daemon/engines/http.py``, a lean HTTP/1.1
+  client: aiohttp's client cost several times the rest of a relayed request in CPU), created in ``start`` and
+  closed in ``close``. Timeouts: ``connect_timeout_s`` to get a connection; ``timeout_s`` for the
   whole answer when not streaming, and for the first byte and any silence between chunks when streaming (a
   healthy long stream is never cut).
 - **Failures.** Retried (twice, quickly) only when the request cannot have reached the upstream: connection
@@ -47,10 +48,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import fields
 from typing import Any
 
-import aiohttp
 from yarl import URL
 
 from daemon.config import ModelEntry
+from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
@@ -142,12 +143,17 @@ class UpstreamEngine(Engine):
         self.format = entry.format
         self.proto = _PROTOCOLS[entry.format]
         self.url = str(base) + _PATHS[entry.format]
-        self.count_url = str(base) + "/v1/messages/count_tokens"
+        self._target = base.raw_path.rstrip("/") + _PATHS[entry.format]
+        self._count_target = base.raw_path.rstrip("/") + "/v1/messages/count_tokens"
+        self._base_query = base.raw_query_string
+        assert base.host is not None and base.port is not None
+        self._origin = (base.scheme, base.host, base.port)
         # what error messages and logs say: no credentials, no query string
         shown = str(base.with_user(None).with_password(None).with_query(None)) + _PATHS[entry.format]
         self.label = f"{entry.name!r} ({entry.upstream_model or 'the client model'} at {shown})"
         self.shown_url = shown
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        headers = {"User-Agent": "reef", "Content-Type": "application/json",
+                   "Accept": "application/json, text/event-stream"}
         if entry.api_key_env:
             key = secrets.get(entry.api_key_env)
             if not key:
@@ -167,11 +173,8 @@ class UpstreamEngine(Engine):
         )
         self.metrics = metrics
         self.info = EngineInfo(name="upstream", model=entry.name, accepts_images=True)
-        self._timeout = aiohttp.ClientTimeout(total=entry.timeout_s, connect=entry.connect_timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=entry.connect_timeout_s, sock_read=entry.timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: http.Pool | None = None
+        self._latency = None if metrics is None else metrics.upstream_latency.labels(entry.name)
 
     def __repr__(self) -> str:  # never show the headers
         return f"UpstreamEngine({self.label})"
@@ -179,17 +182,14 @@ class UpstreamEngine(Engine):
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=30, ttl_dns_cache=300)
-            # no cookie jar: a proxy must not carry one client's upstream cookies into another's requests
-            self._session = aiohttp.ClientSession(
-                connector=connector, headers={"User-Agent": "reef"}, cookie_jar=aiohttp.DummyCookieJar()
-            )
+        if self._pool is None:
+            scheme, host, port = self._origin
+            self._pool = http.Pool(scheme, host, port, connect_timeout=self.entry.connect_timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
 
     # --- serving --------------------------------------------------------------------------------------------
 
@@ -221,7 +221,7 @@ class UpstreamEngine(Engine):
     async def _generate(self, ex: Exchange) -> AsyncIterator[EngineEvent]:
         same = ex.format == self.format
         data = dumpb(self.request_body(ex))
-        resp = await self._post(self.url, data, stream=ex.stream, headers=self._headers_for(ex),
+        resp = await self._post(self._target, data, stream=ex.stream, headers=self._headers_for(ex),
                                 query=ex.query if same else "")
         try:
             if not ex.stream or not resp.content_type.endswith("event-stream"):
@@ -240,14 +240,14 @@ class UpstreamEngine(Engine):
         finally:
             resp.release()
 
-    async def _translate(self, resp: aiohttp.ClientResponse) -> AsyncIterator[EngineEvent]:
+    async def _translate(self, resp: http.Response) -> AsyncIterator[EngineEvent]:
         """An upstream stream of another format: its events, as they arrive, for the daemon to re-render."""
         parser = self.proto.StreamParser()
         decoder = SSEDecoder()
         text: list[str] = []
         started = False
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_chunks(self.entry.timeout_s):
                 for event, payload in decoder.feed(chunk):
                     for ev in parser.feed(event, payload):
                         started = True
@@ -260,12 +260,12 @@ class UpstreamEngine(Engine):
                     yield ev
         except ReefError as e:
             raise self._stream_error(e, started, text) from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except (TimeoutError, http.HTTPClientError, OSError) as e:
             self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
             raise self._stream_failure(e, started, "".join(text)) from None
         yield Finish(self._finish(parser, started, text))
 
-    async def _relay(self, resp: aiohttp.ClientResponse, ex: Exchange) -> AsyncIterator[EngineEvent]:
+    async def _relay(self, resp: http.Response, ex: Exchange) -> AsyncIterator[EngineEvent]:
         """An upstream stream of the client's own format: its bytes, event by event as they arrive, parsed on the
         side for the record. The final event is held back (``Finish.final``) for the receipt. The only change: a
         chat client that did not ask for usage does not get the usage Reef asked for."""
@@ -277,7 +277,7 @@ class UpstreamEngine(Engine):
         final: tuple[str | None, str] | None = None
         started = False
         try:
-            chunks = resp.content.iter_any()
+            chunks = resp.iter_chunks(self.entry.timeout_s)
             eof = False
             while not eof:
                 try:
@@ -307,7 +307,7 @@ class UpstreamEngine(Engine):
                     yield Relay(b"".join(out))
         except ReefError as e:
             raise self._stream_error(e, started, text) from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except (TimeoutError, http.HTTPClientError, OSError) as e:
             self._count("timeout" if isinstance(e, TimeoutError) else "stream_cut")
             raise self._stream_failure(e, started, "".join(text)) from None
         completion = self._finish(parser, started, text)
@@ -361,7 +361,7 @@ class UpstreamEngine(Engine):
             body = {k: v for k, v in rendered.items() if k not in _NOT_FOR_COUNTING}
         body["model"] = self.entry.upstream_model or exchange.model
         same = exchange.format == self.format
-        resp = await self._post(self.count_url, dumpb(body), stream=False,
+        resp = await self._post(self._count_target, dumpb(body), stream=False,
                                 headers=self._headers_for(exchange), query=exchange.query if same else "")
         try:
             answer = await self._read_json(resp)
@@ -380,54 +380,51 @@ class UpstreamEngine(Engine):
         if self.metrics is not None:
             self.metrics.upstream_errors.labels(self.entry.name, kind).inc()
 
-    async def _post(self, url: str, data: bytes, *, stream: bool, headers: dict[str, str] | None = None,
-                    query: str = "") -> aiohttp.ClientResponse:
+    async def _post(self, target: str, data: bytes, *, stream: bool, headers: dict[str, str] | None = None,
+                    query: str = "") -> http.Response:
         """Send one request; returns the response once its headers are in and its status is 2xx.
 
         ``query``: the client's query string (Claude Code's ``?beta=true``), added to the URL."""
-        if self._session is None:
+        if self._pool is None:
             await self.start()
-        assert self._session is not None
-        if query:
-            url = f"{url}{'&' if '?' in url else '?'}{query}"
+        assert self._pool is not None
+        if query or self._base_query:
+            target = f"{target}?{'&'.join(q for q in (self._base_query, query) if q)}"
+        head = http.request_head("POST", target, self._pool.host_header, headers or self._headers, len(data))
         t0 = time.perf_counter()
         for attempt, delay in enumerate((*_CONNECT_RETRY_DELAYS, None)):
             try:
-                resp = await self._session.post(
-                    url, data=data, headers=headers or self._headers,
-                    timeout=self._stream_timeout if stream else self._timeout,
-                )
+                resp, _ = await self._pool.request(head, data, timeout=self.entry.timeout_s)
+                if not stream:  # timeout_s is for the whole answer
+                    resp.deadline = time.monotonic() + self.entry.timeout_s - (time.perf_counter() - t0)
                 break
-            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as e:
+            except http.TLSFailed as e:
                 self._count("connect")
-                raise UpstreamError(f"cannot reach upstream {self.label}: TLS error: {e}",
-                                    upstream=self.shown_url) from None
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                raise UpstreamError(f"cannot reach upstream {self.label}: {e}", upstream=self.shown_url) from None
+            except http.ConnectFailed as e:
                 # the request never left: safe to try again
                 if delay is not None:
-                    log.info("upstream %s: connect failed (%s), retry %d", self.label, type(e).__name__, attempt + 1)
+                    log.info("upstream %s: connect failed (%s), retry %d", self.label, e, attempt + 1)
                     await asyncio.sleep(delay)
                     continue
                 self._count("connect")
-                reason = (f"no connection within {self.entry.connect_timeout_s:g} s"
-                          if isinstance(e, aiohttp.ConnectionTimeoutError) else str(e.os_error or e))
-                raise UpstreamError(f"cannot reach upstream {self.label}: {reason}", upstream=self.shown_url) from None
+                raise UpstreamError(f"cannot reach upstream {self.label}: {e}", upstream=self.shown_url) from None
             except TimeoutError:
                 self._count("timeout")
                 raise UpstreamTimeout(
                     f"upstream {self.label} did not answer within {self.entry.timeout_s:g} s", upstream=self.shown_url
                 ) from None
-            except (aiohttp.ClientError, OSError) as e:
+            except (http.HTTPClientError, OSError) as e:
                 self._count("connect")
                 raise UpstreamError(f"upstream {self.label} failed: {type(e).__name__}: {e}",
                                     upstream=self.shown_url) from None
-        if self.metrics is not None:
-            self.metrics.upstream_latency.labels(self.entry.name).observe(time.perf_counter() - t0)
+        if self._latency is not None:
+            self._latency.observe(time.perf_counter() - t0)
         if resp.status < 400:
             return resp
         try:
-            raw = await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            raw = await resp.read(self.entry.timeout_s)
+        except (TimeoutError, http.HTTPClientError, OSError):
             raw = b""
         finally:
             resp.release()
@@ -448,14 +445,14 @@ class UpstreamEngine(Engine):
         raise UpstreamError(f"upstream {self.label} answered HTTP {resp.status}: {message}",
                             upstream=self.shown_url, upstream_status=resp.status, retry_after=retry or None)
 
-    async def _read_json(self, resp: aiohttp.ClientResponse) -> Any:
+    async def _read_json(self, resp: http.Response) -> Any:
         try:
-            raw = await resp.read()
+            raw = await resp.read(self.entry.timeout_s)
         except TimeoutError:
             self._count("timeout")
             raise UpstreamTimeout(f"upstream {self.label} did not answer within {self.entry.timeout_s:g} s",
                                   upstream=self.shown_url) from None
-        except (aiohttp.ClientError, OSError) as e:
+        except (http.HTTPClientError, OSError) as e:
             self._count("stream_cut")
             raise UpstreamError(f"upstream {self.label}: connection lost while reading the answer"
                                 f" ({type(e).__name__})", upstream=self.shown_url) from None
