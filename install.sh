@@ -66,14 +66,20 @@ else
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
 fi
 
-if [ "$DEV" = 1 ] && ! command -v strace >/dev/null 2>&1; then
-  # the agent tests prove with strace that no connection leaves loopback
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    say "installing strace (the agent tests watch the agents' connections with it)"
-    apt-get install -y -q strace >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q strace >/dev/null 2>&1) \
-      || die "could not install strace (apt-get install strace)"
-  else
-    die "the tests need strace: install it with your package manager (e.g. sudo apt-get install strace)"
+if [ "$DEV" = 1 ]; then
+  # test tools from the system: strace (the agent tests prove no connection leaves loopback), zsh and fish
+  # (the completion tests run the generated scripts in the real shells)
+  missing=""
+  for tool in strace zsh fish; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+  if [ -n "$missing" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      say "installing test tools:$missing"
+      # shellcheck disable=SC2086
+      apt-get install -y -q $missing >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $missing >/dev/null 2>&1; } \
+        || die "could not install$missing (apt-get install$missing)"
+    else
+      die "the tests need$missing: install with your package manager (e.g. sudo apt-get install$missing)"
+    fi
   fi
 fi
 
