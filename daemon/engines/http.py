@@ -148,14 +148,15 @@ class Response:
         conn = self._conn
         if conn.error is not None:
             raise conn.error
-        conn.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = conn.waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _late, waiter)
         try:
-            if timeout is None:
-                await conn.waiter
-            else:
-                await asyncio.wait_for(conn.waiter, timeout)
+            await waiter
         finally:
             conn.waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def _more(self, timeout: float | None) -> bool:
         """Wait for body bytes; ``False`` once the answer is complete and every byte was taken."""
@@ -220,11 +221,15 @@ class Pool:
         conn._reset(loop)
         assert conn.transport is not None and conn.head is not None
         conn.transport.write(head + body)
+        timer = None if timeout is None else loop.call_later(timeout, _late, conn.head)
         try:
-            await asyncio.wait_for(conn.head, timeout)
+            await conn.head
         except BaseException:
             self._discard(conn)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         return Response(self, conn), fresh
 
     async def _get(self) -> tuple[_Connection, bool]:
@@ -280,12 +285,19 @@ class Pool:
             self._discard(conn)
 
 
-def request_head(method: str, target: str, host: str, headers: dict[str, str], length: int) -> bytes:
-    """The request line and headers of one request, ending with the blank line. Header values that could end
-    the header (CR, LF) are left out."""
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
-    lines += [f"{k}: {v}" for k, v in headers.items() if "\r" not in v and "\n" not in v]
-    lines.append(f"Content-Length: {length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+def _late(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+def header_lines(headers: dict[str, str]) -> str:
+    """Header lines (each ending in CRLF); values that could end the header (CR, LF) are left out."""
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items() if "\r" not in v and "\n" not in v)
+
+
+def request_head(method: str, target: str, host: str, headers: str, length: int) -> bytes:
+    """The request line and headers of one request (``headers`` from ``header_lines``), up to the blank line."""
+    return f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{headers}Content-Length: {length}\r\n\r\n".encode(
+        "latin-1", "replace")
 
 

@@ -168,6 +168,7 @@ class UpstreamEngine(Engine):
         if entry.format == "anthropic":
             headers["anthropic-version"] = "2023-06-01"
         self._headers = headers  # holds the key: never logged, never in an error
+        self._header_lines = http.header_lines(headers)
         self.max_tokens = (
             entry.max_new_tokens if entry.max_new_tokens != _DEFAULT_MAX_NEW_TOKENS else anthropic.DEFAULT_MAX_TOKENS
         )
@@ -207,12 +208,16 @@ class UpstreamEngine(Engine):
             return anthropic.render_request(ex, model=model, stream=ex.stream, max_tokens=self.max_tokens)
         return self.proto.render_request(ex, model=model, stream=ex.stream)
 
-    def _headers_for(self, ex: Exchange) -> dict[str, str]:
-        """Reef's headers (with the key), plus the client's own ``_FORWARD`` headers when the formats match."""
+    def _headers_for(self, ex: Exchange) -> str:
+        """Reef's header lines (with the key), and the client's own ``_FORWARD`` headers when the formats match
+        (in place of Reef's of the same name)."""
         if ex.format != self.format or not ex.headers:
-            return self._headers
+            return self._header_lines
         extra = {name: value for name in _FORWARD[self.format] if (value := ex.headers.get(name))}
-        return {**self._headers, **extra} if extra else self._headers
+        if not extra:
+            return self._header_lines
+        own = {k: v for k, v in self._headers.items() if k.lower() not in extra}
+        return http.header_lines({**own, **extra})
 
     def generate(self, exchange: Exchange, release: Any = None) -> AsyncIterator[EngineEvent]:
         # ``release`` (the release the request is frozen to) changes nothing upstream: no weights to pick
@@ -380,7 +385,7 @@ class UpstreamEngine(Engine):
         if self.metrics is not None:
             self.metrics.upstream_errors.labels(self.entry.name, kind).inc()
 
-    async def _post(self, target: str, data: bytes, *, stream: bool, headers: dict[str, str] | None = None,
+    async def _post(self, target: str, data: bytes, *, stream: bool, headers: str | None = None,
                     query: str = "") -> http.Response:
         """Send one request; returns the response once its headers are in and its status is 2xx.
 
@@ -390,7 +395,7 @@ class UpstreamEngine(Engine):
         assert self._pool is not None
         if query or self._base_query:
             target = f"{target}?{'&'.join(q for q in (self._base_query, query) if q)}"
-        head = http.request_head("POST", target, self._pool.host_header, headers or self._headers, len(data))
+        head = http.request_head("POST", target, self._pool.host_header, headers or self._header_lines, len(data))
         t0 = time.perf_counter()
         for attempt, delay in enumerate((*_CONNECT_RETRY_DELAYS, None)):
             try:
