@@ -195,6 +195,7 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
     direct = Target("direct", f"http://127.0.0.1:{up_port}/v1/chat/completions", {"Content-Type": "application/json"})
     reef = Target("reef", f"http://127.0.0.1:{reef_port}/v1/chat/completions",
                   {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    load0 = os.getloadavg()[0]
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as session:
         await wait_up(session, f"http://127.0.0.1:{up_port}/", procs[0], "upstream")
@@ -223,7 +224,9 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
     def ok(flag: bool) -> str:
         return "ok" if flag else "MISSED"
 
-    print(f"requests per figure: {n} (latency), {max(n * 2, 400)} (throughput), {max(n // 2, 100)} (ttft)")
+    print(f"requests per figure: {n} (latency), {max(n * 2, 400)} (throughput), {max(n // 2, 100)} (ttft);"
+          f" load average {load0:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (above the client, Reef and"
+          " upstream's own share, other processes took CPU from the run)")
     print(f"1. latency c=1, non-streaming   direct p50 {d50:6.3f} ms  p99 {d99:6.3f} ms")
     print(f"                                reef   p50 {r50:6.3f} ms  p99 {r99:6.3f} ms")
     print(f"   reef adds                    p50 {r50 - d50:+6.3f} ms  p99 {r99 - d99:+6.3f} ms"

@@ -231,6 +231,29 @@ def test_sse_decoder_edges() -> None:
     assert d.feed(b"y\n") == [] and d.close() == [(None, "xy")]
 
 
+def test_sse_frames_give_each_event_with_its_exact_bytes() -> None:
+    """What the relay sends: every event's own bytes (CRLF, comments, ids, several data lines kept), in order,
+    whatever the chunking; the events read from them are those of the line-by-line reading."""
+    import random
+
+    rng = random.Random(7)
+    samples = [b": ping\n\n", b'data: {"a":1}\n\n', b"event: x\ndata: 1\n\n", b"data: a\ndata: b\n\n",
+               b"retry: 5\n\n", b"id: 3\nevent: y\ndata: z\n\n", b"data: [DONE]\n\n", b"data:nospace\n\n",
+               b"event: cr\r\ndata: 2\r\n\r\n"]
+    for _ in range(500):
+        data = b"".join(rng.choice(samples) for _ in range(rng.randint(1, 10)))
+        decoder, frames, i = SSEDecoder(), [], 0
+        while i < len(data):
+            n = rng.randint(1, 12)
+            frames += decoder.frames(data[i : i + n])
+            i += n
+        frames += decoder.close_frames()
+        assert b"".join(raw for raw, _, _ in frames) == data
+        reference = SSEDecoder()
+        events = reference.feed(data) + reference.close()
+        assert [(e, d) for _, e, d in frames if d is not None] == events
+
+
 def test_engine_config_errors_and_estimate() -> None:
     entry = ModelEntry(name="u", engine="upstream", url="http://127.0.0.1:9/v1/", format="anthropic",
                        api_key_env="MISSING_KEY")

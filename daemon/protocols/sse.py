@@ -227,11 +227,31 @@ class SSEDecoder:
         self._raw: list[bytes] = []
 
     def frames(self, chunk: bytes) -> list[tuple[bytes, str | None, str | None]]:
-        lines = (self._buf + chunk).split(b"\n")
+        buf = self._buf + chunk
+        if not self._raw and b"\r" not in buf:
+            return self._split(buf)
+        lines = buf.split(b"\n")
         self._buf = lines.pop()
         out: list[tuple[bytes, str | None, str | None]] = []
         for raw in lines:
             self._line(raw, out)
+        return out
+
+    def _split(self, buf: bytes) -> list[tuple[bytes, str | None, str | None]]:
+        """The common case, ``\\n`` line ends: whole events split off at blank lines (several times faster than
+        line by line); an event's first line is usually ``data:`` or ``event:``. The rest stays in ``_buf``."""
+        blocks = buf.split(b"\n\n")
+        self._buf = blocks.pop()
+        out: list[tuple[bytes, str | None, str | None]] = []
+        for block in blocks:
+            if not block:
+                continue
+            if block.startswith(b"data: ") and b"\n" not in block:
+                out.append((block + b"\n\n", None, block[6:].decode("utf-8", "replace")))
+                continue
+            for line in block.split(b"\n"):
+                self._line(line, out)
+            self._line(b"", out)  # the blank line that ended it
         return out
 
     def feed(self, chunk: bytes) -> list[tuple[str | None, str]]:
@@ -240,9 +260,9 @@ class SSEDecoder:
     def close_frames(self) -> list[tuple[bytes, str | None, str | None]]:
         """What is left when the stream ends: an event not closed by a blank line is still delivered."""
         out: list[tuple[bytes, str | None, str | None]] = []
-        if self._buf:
-            self._line(self._buf, out)
-            self._buf = b""
+        for line in self._buf.split(b"\n") if self._buf else ():
+            self._line(line, out)
+        self._buf = b""
         self._line(b"", out)
         return out
 
