@@ -967,6 +967,32 @@ def test_upstream_connections_closed_by_the_server_are_not_reused() -> None:
     assert all(f"q{i}".encode() in g for i, g in enumerate(got))
 
 
+def test_exchange_built_in_the_daemon_reaches_a_same_format_upstream(stub: str) -> None:
+    """The daemon's own requests (gate tasks, proposers) are exchanges without a client body: translated."""
+    import asyncio
+
+    from daemon.exchange import Message, Part
+
+    async def run() -> str:
+        entry = ModelEntry(name="s", engine="upstream", url=stub, format="openai-chat", upstream_model="m")
+        engine = UpstreamEngine(entry, {})
+        await engine.start()
+        try:
+            ex = chat.parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+            ex.body, ex.messages = {}, [Message("user", [Part("text", text="hi")])]
+            async for ev in engine.generate(ex):
+                if isinstance(ev, Finish):
+                    return ev.completion.text
+            raise AssertionError("no Finish")
+        finally:
+            await engine.close()
+
+    assert asyncio.run(run()) == "stub says hello"
+    with httpx.Client() as s:
+        sent = s.get(stub + "/_stub/requests").json()[-1]["body"]
+    assert sent["messages"] == [{"role": "user", "content": "hi"}] and sent["model"] == "m"
+
+
 def test_upstream_keys_never_stored_or_logged(front: Daemon, upstream: Daemon) -> None:
     """Runs last: after every test above went through the front, its records and logs hold neither key."""
     ask(front, "stub-anthropic", "messages", True)

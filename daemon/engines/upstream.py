@@ -195,9 +195,10 @@ class UpstreamEngine(Engine):
     # --- serving --------------------------------------------------------------------------------------------
 
     def request_body(self, ex: Exchange) -> dict[str, Any]:
-        """What goes upstream: the client's own body when the formats match, else a translation."""
+        """What goes upstream: the client's own body when the formats match, else a translation (also for an
+        exchange built in the daemon, which has no body)."""
         model = self.entry.upstream_model or ex.model
-        if ex.format == self.format:
+        if ex.format == self.format and ex.body:
             body = dict(ex.body)
             body["model"] = model
             if self.format == "openai-chat" and ex.stream:
