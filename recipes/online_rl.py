@@ -51,7 +51,7 @@ class OnlineRLSettings:
     lr: float = 2e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     batch_prompts: int = 8  # prompts per training batch
-    group_size: int = 4  # samples per prompt (the client asks each prompt this many times)
+    group_size: int = 8  # samples per prompt (the client asks each prompt this many times)
     clip_low: float = 0.2  # PPO clip: ratio kept >= 1 - clip_low for negative advantages
     clip_high: float = 0.28  # ratio kept <= 1 + clip_high for positive advantages
     min_std: float = 0.1  # floor of the group std in the advantage denominator (reward units)

@@ -84,6 +84,33 @@ def test_gate_rejections_are_written_down_and_serving_is_untouched(daemon_factor
     assert "rejected" in listed and "floor" in listed
 
 
+def events_of(c: httpx.Client, scenario: str, kind: str, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` events of ``kind`` on ``scenario``, from the daemon's event history on."""
+    out = []
+    with c.stream("GET", "/reef/events", params={"after": 0}, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if event["kind"] == kind and event.get("scenario") == scenario:
+                    out.append(event)
+                    if len(out) == n:
+                        return out
+    raise AssertionError(f"the event stream ended with {len(out)} {kind} events")
+
+
+def test_a_lineage_the_gate_keeps_rejecting_restarts_from_the_head(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(settings_toml(gate="floor", floor=2.0, eval_family="say", eval_n=4, restart_after=2))
+    with d.http() as c:
+        c.post("/reef/scenarios", json={"name": "restart", "recipe": "online-rl"})
+        for n in range(1, 4):
+            serve_and_report(c, "restart", 4)
+            wait_for(lambda n=n: len(releases(c, "restart", True)["rejected"]) == n, what=f"rejection {n}")
+        starts = events_of(c, "restart", "train.start", 3)
+        # batch 1 from the head, batch 2 continues the rejected candidate, 2 rejections: batch 3 from the head
+        assert [e["from_head"] for e in starts] == [True, False, True]
+        assert [r["operation"] for r in releases(c, "restart")["releases"]] == ["init"]
+
+
 def test_scenario_settings_are_checked(daemon: Daemon) -> None:
     with daemon.http() as c:
         bad = c.post("/reef/scenarios", json={"name": "s-bad", "recipe": "online-rl", "settings": {"lr": "x", "nope": 1}})

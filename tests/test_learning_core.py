@@ -224,3 +224,30 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_model(tiny, tmp_path)
     with torch.no_grad():
         assert torch.allclose(cand(ids).logits, state.model(ids).logits, atol=1e-4)
         assert not torch.allclose(cand(ids).logits, model(ids).logits, atol=1e-4)
+
+
+# --- gates -------------------------------------------------------------------------------------------------------
+
+
+def test_gates_decide_as_documented():
+    from daemon.errors import BadRequest
+    from daemon.gate import judge
+
+    cand, base = [1, 1, 0, 1], [0, 1, 1, 0]  # wins 2, losses 1
+    assert judge("always", candidate=None, base=None, best=None).publish
+    assert judge("floor", candidate=cand, base=base, best=None, floor=0.75).publish
+    assert not judge("floor", candidate=cand, base=base, best=None, floor=0.8).publish
+    v = judge("compare", candidate=cand, base=base, best=None, margin=1)
+    assert v.publish and (v.metrics["wins"], v.metrics["losses"]) == (2, 1)
+    v = judge("compare", candidate=cand, base=base, best=None, margin=2)
+    assert not v.publish and v.verdict == "rejected" and "wins 2 - losses 1 < margin 2" in v.reason
+    assert judge("regression", candidate=cand, base=base, best=0.8, margin=0.05).publish  # 0.75 within 0.05
+    v = judge("regression", candidate=cand, base=base, best=0.9, margin=0.05)
+    assert not v.publish and v.metrics["best"] == 0.9
+    assert judge("regression", candidate=cand, base=base, best=None, margin=0.0).publish  # vs the base, 0.5
+    pending = judge("review", candidate=None, base=None, best=None)
+    assert not pending.publish and pending.verdict == "pending"
+    with pytest.raises(BadRequest, match="eval_family"):
+        judge("compare", candidate=None, base=None, best=None)
+    with pytest.raises(BadRequest, match="unknown gate"):
+        judge("nope", candidate=cand, base=base, best=None)
