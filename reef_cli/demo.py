@@ -218,7 +218,11 @@ def demo(
         table = Table(title=f"release chain of {name}", box=None, header_style="bold")
         for col in ("", "step", "operation", "release", "validation", "batch reward"):
             table.add_column(col)
-        for r in chain["releases"]:
+        shown = chain["releases"]
+        if len(shown) > 16:  # newest first: the last 14 and the init release
+            table.caption = f"{len(shown) - 15} releases between not shown (reef releases list -s {name})"
+            shown = shown[:14] + shown[-1:]
+        for r in shown:
             m = r.get("metrics") or {}
             table.add_row("*" if r["release_id"] == head else "", str(r["step"]), r["operation"],
                           r["release_id"][:12], f"{m['eval_reward']:.2f}" if "eval_reward" in m else "-",
