@@ -120,19 +120,27 @@ def test_scenario_settings_are_checked(daemon: Daemon) -> None:
 
 
 def test_kill_9_during_training_loses_nothing(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory(settings_toml(steps_per_batch=1500))
+    d: Daemon = daemon_factory(settings_toml(steps_per_batch=600))  # a few seconds a batch
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": "crash", "recipe": "online-rl"})
-        receipts = serve_and_report(c, "crash", 4)
+        first = serve_and_report(c, "crash", 4)
+        published = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["operation"] == "train" and r,
+                             timeout=180, what="the first trained release")["releases"][0]
+        second = serve_and_report(c, "crash", 4)  # served by the first trained release
         wait_for(lambda: c.get("/reef/status").json()["learning"].get("crash") == "training", what="training")
     d.kill9()
     d.start()
     with d.http() as c:
-        assert [r["operation"] for r in releases(c, "crash")["releases"]] == ["init"]  # nothing half-published
-        chain = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["operation"] == "train" and r,
+        # the head is the last published release, nothing of the interrupted step half-published
+        chain = releases(c, "crash", True)
+        assert chain["head"] == published["release_id"] and not chain["rejected"]
+        assert [r["operation"] for r in chain["releases"]] == ["train", "init"]
+        # training continues: the interrupted batch is trained again
+        chain = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 2 and r,
                          timeout=180, what="training after the restart")
+        assert chain["releases"][0]["parent"] == published["release_id"]
     consumed = [rec for r in chain["releases"] for rec in r["receipts"]]
-    assert sorted(consumed) == sorted(receipts)  # each consumed exactly once
+    assert sorted(consumed) == sorted(first + second)  # each consumed exactly once, none lost
 
 
 def test_a_dead_trainer_worker_is_restarted_and_the_batch_retried(daemon_factory: Any) -> None:
