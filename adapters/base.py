@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +82,11 @@ class Adapter:
                 force: bool = False) -> dict[str, Any]:
         """Install the pinned version with npm into ``agents_dir/<name>`` (atomically: a failed or interrupted
         install leaves what was there). Returns what was done."""
+        import shutil
+        import subprocess
+        import tempfile
+        import time
+
         say = progress or (lambda _msg: None)
         current = self.installed_version(agents_dir)
         if current == self.version and not force:

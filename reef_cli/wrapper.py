@@ -15,7 +15,6 @@ wrapper adds little to the agent's own start-up (``bench/wrapper_overhead.py``).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -39,53 +38,48 @@ TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends thes
 # --- a light client of the daemon (stdlib only) ------------------------------------------------------------
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        try:
-            s.connect(self._path)
-        except OSError:
-            s.close()
-            raise
-        self.sock = s
-
-
 def call(config: Config, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> Any:
-    """One request to the daemon; JSON answer, or a ``ReefError`` carrying the daemon's message."""
-    headers = {"Host": "localhost"}
+    """One request to the daemon; JSON answer, or a ``ReefError`` carrying the daemon's message.
+
+    A plain HTTP/1.0 exchange on a socket (the daemon closes the connection after answering): ``http.client``
+    would cost the wrapper more start-up time than the whole request."""
     if config.url:
         from urllib.parse import urlsplit
 
         u = urlsplit(config.url)
-        conn: http.client.HTTPConnection = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80,
-                                                                      timeout=timeout)
-        headers = {"Authorization": f"Bearer {config.token or ''}"}
+        sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        auth = f"Authorization: Bearer {config.token or ''}\r\n"
     else:
-        conn = _UnixConnection(str(config.socket_path), timeout)
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        headers["Content-Type"] = "application/json"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        auth = ""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.0\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
     try:
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
+        if not config.url:
+            sock.connect(str(config.socket_path))
+        sock.sendall(head + data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
     finally:
-        conn.close()
-    if resp.status >= 400:
+        sock.close()
+    raw = b"".join(chunks)
+    header, _, payload = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(header.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise ReefError(f"the daemon sent no valid HTTP answer to {method} {path}") from None
+    if status >= 400:
         from reef_cli.client import _BY_STATUS
 
         try:
-            message = json.loads(raw)["error"]["message"]
+            message = json.loads(payload)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = raw.decode("utf-8", "replace") or resp.reason
-        raise _BY_STATUS.get(resp.status, ReefError)(message)
-    return json.loads(raw) if raw else None
+            message = payload.decode("utf-8", "replace") or f"HTTP {status}"
+        raise _BY_STATUS.get(status, ReefError)(message)
+    return json.loads(payload) if payload else None
 
 
 def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
@@ -218,6 +212,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     record = {"run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
               "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
               "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}
+    record["spawned_at"] = time.time()
     save_run(config, record)
     code = spawn(adapter.argv(binary, args, target), env)
     record.update(ended_at=time.time(), exit_code=code)
