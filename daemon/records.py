@@ -4,9 +4,13 @@ Design choices:
 - WAL with ``synchronous=FULL``: a committed record survives ``kill -9`` and power loss. A receipt is handed out
   only after the transaction holding its record has committed.
 - One writer thread owns the only write connection. Callers enqueue writes and await a future; the writer drains
-  everything queued, runs it in one transaction (a SAVEPOINT per write, so one bad write cannot sink the others)
-  and commits once: group commit, so concurrent requests share an fsync instead of queueing behind each other,
-  and the event loop never blocks on disk.
+  everything queued, runs it in one transaction (retried with a SAVEPOINT per write if one fails, so one bad
+  write cannot sink the others) and commits once: group commit, so concurrent requests share an fsync instead of
+  queueing behind each other, and the event loop never blocks on disk.
+- The hand-off between the event loop and the writer is batched both ways: writes made during one iteration of
+  a loop are collected in a list and handed to the writer in one queue put (one thread wake-up), and the writer
+  resolves all of a commit's futures on that loop with one ``call_soon_threadsafe`` (one loop wake-up), not one
+  per write. Under load the per-record cross-thread cost was most of what recording cost.
 - Reads use short-lived per-thread connections off the event loop.
 - WAL checkpoints run in their own thread (``PASSIVE``, every half second after writes), not inside a commit:
   with SQLite's automatic checkpoint the request whose commit crossed the threshold paid for copying the WAL
@@ -149,6 +153,20 @@ class Scenario:
         }
 
 
+# one queued write: the function, its future (an asyncio one with its loop, or a concurrent one with None)
+_Write = tuple[Callable[[sqlite3.Connection], Any], Any, "asyncio.AbstractEventLoop | None"]
+
+
+def _resolve(group: list[tuple[Any, Any, BaseException | None]]) -> None:
+    """On a loop: resolve the futures of one commit's writes (a waiter that was cancelled is skipped)."""
+    for fut, value, exc in group:
+        if not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+
 _RECORD_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
     "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report"
@@ -165,9 +183,10 @@ class RecordStore:
     def __init__(self, path: Path, *, connect: Callable[[str], sqlite3.Connection] | None = None) -> None:
         self.path = Path(path)
         self._connect_fn = connect or (lambda p: sqlite3.connect(p, check_same_thread=False, isolation_level=None))
-        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[list[_Write] | None] = queue.SimpleQueue()
+        self._queue_lock = threading.Lock()
+        self._stopping = False
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Write]] = {}  # per loop: writes not yet handed over
         self._local = threading.local()
         self._scenario_cache: dict[str, Scenario] = {}
         self._writer_conn = self._open(write=True)
@@ -200,7 +219,9 @@ class RecordStore:
         return conn
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._queue_lock:
+            self._stopping = True
+            self._queue.put(None)
         self._thread.join(timeout=30)
         self._closed.set()
         self._dirty.set()
@@ -230,7 +251,7 @@ class RecordStore:
             item = self._queue.get()
             if item is None:
                 return
-            batch = [item]
+            batch = list(item)
             stop = False
             while len(batch) < 256:
                 try:
@@ -240,12 +261,12 @@ class RecordStore:
                 if nxt is None:
                     stop = True
                     break
-                batch.append(nxt)
+                batch.extend(nxt)
             self._run_batch(batch)
             if stop:
                 return
 
-    def _run_batch(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]]) -> None:
+    def _run_batch(self, batch: list[_Write]) -> None:
         conn = self._writer_conn
         try:
             results = self._apply(conn, batch, savepoints=False)
@@ -257,28 +278,39 @@ class RecordStore:
         except sqlite3.Error as e:
             err = StorageError(f"record store write failed: {e}", path=str(self.path))
             self._reopen_writer()
-            for _, fut in batch:
+            results = [(fut, loop, None, err) for _, fut, loop in batch]
+        # nothing below runs before the COMMIT above returned: a future resolves only once its write is durable
+        on_loops: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+        for fut, loop, value, exc in results:
+            if loop is None:  # a concurrent future (write_sync, another thread)
                 if not fut.done():
-                    fut.set_exception(err)
-            return
-        for fut, value, exc in results:
-            if exc is not None:
-                fut.set_exception(exc)
+                    if exc is not None:
+                        fut.set_exception(exc)
+                    else:
+                        fut.set_result(value)
             else:
-                fut.set_result(value)
+                group = on_loops.get(loop)
+                if group is None:
+                    group = on_loops[loop] = []
+                group.append((fut, value, exc))
+        for loop, group in on_loops.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, group)
+            except RuntimeError:  # that loop is closed: nobody is waiting any more
+                pass
 
     @staticmethod
-    def _apply(conn: sqlite3.Connection, batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]],
-               *, savepoints: bool) -> list[tuple[Future[Any], Any, BaseException | None]] | None:
+    def _apply(conn: sqlite3.Connection, batch: list[_Write], *,
+               savepoints: bool) -> list[tuple[Any, Any, Any, BaseException | None]] | None:
         """Run a batch's writes in one open transaction. Without savepoints (the common case: two statements
         fewer per write) a failing write rolls everything back and gives ``None``; with them, a failing write is
         undone alone and its exception kept for its caller."""
-        results: list[tuple[Future[Any], Any, BaseException | None]] = []
+        results: list[tuple[Any, Any, Any, BaseException | None]] = []
         conn.execute("BEGIN IMMEDIATE")
-        for i, (fn, fut) in enumerate(batch):
+        for i, (fn, fut, loop) in enumerate(batch):
             if not savepoints:
                 try:
-                    results.append((fut, fn(conn), None))
+                    results.append((fut, loop, fn(conn), None))
                 except Exception:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -286,12 +318,12 @@ class RecordStore:
                 continue
             conn.execute(f"SAVEPOINT w{i}")
             try:
-                results.append((fut, fn(conn), None))
+                results.append((fut, loop, fn(conn), None))
                 conn.execute(f"RELEASE w{i}")
             except Exception as e:  # one bad write must not sink the batch
                 conn.execute(f"ROLLBACK TO w{i}")
                 conn.execute(f"RELEASE w{i}")
-                results.append((fut, None, e))
+                results.append((fut, loop, None, e))
         return results
 
     def _reopen_writer(self) -> None:
@@ -306,14 +338,35 @@ class RecordStore:
         except sqlite3.Error:
             pass
 
+    def _enqueue(self, writes: list[_Write]) -> bool:
+        with self._queue_lock:
+            if self._stopping:
+                return False
+            self._queue.put(writes)
+            return True
+
     def _submit(self, fn: Callable[[sqlite3.Connection], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
-        self._queue.put((fn, fut))
+        if not self._enqueue([(fn, fut, None)]):
+            fut.set_exception(StorageError("record store is closed", path=str(self.path)))
         return fut
 
     async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
-        return await asyncio.wrap_future(self._submit(fn))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        pending = self._pending.get(loop)
+        if pending is None:  # the first write of this loop iteration: hand the batch over at the next one
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append((fn, fut, loop))
+        return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        writes = self._pending.pop(loop, None)
+        if writes and not self._enqueue(writes):
+            _resolve([(fut, None, StorageError("record store is closed", path=str(self.path)))
+                      for _, fut, _ in writes])
 
     def write_sync(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         return self._submit(fn).result()
