@@ -6,7 +6,10 @@ same requests directly and through Reef (keep-alive connections on both paths; e
 record with a receipt). Figures:
 
 1. latency at concurrency 1, non-streaming: p50 / p99 direct and through Reef; goal: Reef adds <= 2 ms p50;
-2. throughput at concurrency 16, non-streaming: req/s direct and through Reef; goal: Reef keeps >= 1/2;
+2. throughput at concurrency 16, non-streaming: req/s direct and through Reef; goal: Reef keeps >= 1/2. Measured
+   in alternating rounds (direct, reef, reef, direct, ...) so that a change in the shared machine's load during the
+   run falls on both sides alike; the per-round ratios are printed too, and Reef's CPU per request (event-loop
+   thread and the others: record writer, checkpointer);
 3. time to first token of a stream at concurrency 1 (first content chunk): p50 direct and through Reef;
    goal: Reef adds <= 2 ms.
 
@@ -160,6 +163,24 @@ class Target:
         return first
 
 
+ROUNDS = 4
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of a process's main thread (the event loop) and of its other threads (the record
+    writer, the checkpointer, to_thread workers)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = "main thread" if task.name == str(pid) else "other threads"
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -207,12 +228,31 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
 
         lat = {t.name: await latency(t, session, n) for t in (direct, reef)}
         split = reef.server_timing[:]
-        tput, cpu = {}, {}
-        for t in (direct, reef):
-            before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
-            tput[t.name] = await throughput(t, session, max(n * 2, 400), 16)
-            after = [cpu_s(p.pid) for p in procs] + [time.process_time()]
-            cpu[t.name] = [(a - b) * 1e3 / max(n * 2, 400) for a, b in zip(after, before, strict=True)]
+        # throughput in alternating rounds (direct, reef, reef, direct, ...): a drift in the machine's load during
+        # the run (other processes on shared cores) falls on both sides alike instead of on whichever ran second
+        per_round = max(n, 250)
+        tput_n = {t.name: 0 for t in (direct, reef)}
+        tput_s = {t.name: 0.0 for t in (direct, reef)}
+        cpu_sum = {t.name: [0.0] * (len(procs) + 1) for t in (direct, reef)}
+        threads_sum: dict[str, float] = {}
+        round_ratios = []
+        for r in range(ROUNDS):
+            rate = {}
+            for t in (direct, reef) if r % 2 == 0 else (reef, direct):
+                before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+                threads0 = thread_cpu_s(procs[1].pid) if t is reef else {}
+                t0 = time.perf_counter()
+                rate[t.name] = await throughput(t, session, per_round, 16)
+                tput_s[t.name] += time.perf_counter() - t0
+                tput_n[t.name] += per_round
+                after = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+                cpu_sum[t.name] = [c + a - b for c, a, b in zip(cpu_sum[t.name], after, before, strict=True)]
+                for name, secs in thread_cpu_s(procs[1].pid).items() if t is reef else ():
+                    threads_sum[name] = threads_sum.get(name, 0.0) + secs - threads0.get(name, 0.0)
+            round_ratios.append(rate["reef"] / rate["direct"])
+        tput = {k: tput_n[k] / tput_s[k] for k in tput_n}
+        cpu = {k: [c * 1e3 / tput_n[k] for c in v] for k, v in cpu_sum.items()}
+        threads_ms = {k: v * 1e3 / tput_n["reef"] for k, v in threads_sum.items()}
         conc_split = reef.server_timing[len(split):]
         first = {t.name: await ttft(t, session, max(n // 2, 100)) for t in (direct, reef)}
 
@@ -224,7 +264,7 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
     def ok(flag: bool) -> str:
         return "ok" if flag else "MISSED"
 
-    print(f"requests per figure: {n} (latency), {max(n * 2, 400)} (throughput), {max(n // 2, 100)} (ttft);"
+    print(f"requests per figure: {n} (latency), {ROUNDS * max(n, 250)} (throughput), {max(n // 2, 100)} (ttft);"
           f" load average {load0:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (above the client, Reef and"
           " upstream's own share, other processes took CPU from the run)")
     print(f"1. latency c=1, non-streaming   direct p50 {d50:6.3f} ms  p99 {d99:6.3f} ms")
@@ -233,6 +273,8 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
           f"  (ratio {r50 / d50:.2f}x)  goal <= +2 ms p50: {ok(r50 - d50 <= 2)}")
     print(f"2. throughput c=16              direct {tput['direct']:7.0f} req/s   reef {tput['reef']:7.0f} req/s"
           f"  ratio {ratio:.2f}  goal >= 0.50: {ok(ratio >= 0.5)}")
+    print(f"   ({ROUNDS} alternating rounds of {per_round} requests each side; ratio per round "
+          f"{' '.join(f'{x:.2f}' for x in round_ratios)})")
     print(f"3. time to first token c=1      direct p50 {f50d:6.3f} ms   reef p50 {f50r:6.3f} ms"
           f"  adds {f50r - f50d:+6.3f} ms (ratio {f50r / f50d:.2f}x)  goal <= +2 ms: {ok(f50r - f50d <= 2)}")
     for name, rows in (("c=1", split), ("c=16", conc_split)):
@@ -243,6 +285,8 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
     for name in ("direct", "reef"):
         up, daemon, client = cpu[name]
         print(f"   CPU per request at c=16, {name:6}: upstream {up:.3f} ms  reef {daemon:.3f} ms  client {client:.3f} ms")
+    busy = sorted(((ms, name) for name, ms in threads_ms.items() if ms >= 0.0005), reverse=True)
+    print("   reef CPU per request at c=16: " + "  ".join(f"{name} {ms:.3f} ms" for ms, name in busy))
 
 
 def main() -> None:
