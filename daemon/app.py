@@ -99,6 +99,11 @@ def _no_constants(name: str) -> Any:
 
 def parse_json(raw: bytes) -> Any:
     """Decode a request body strictly; every failure is a ``BadRequest`` that says what is wrong."""
+    return parse_json_text(raw)[0]
+
+
+def parse_json_text(raw: bytes) -> tuple[Any, str]:
+    """``parse_json``, and the body's text: valid JSON as received, what the record stores (no re-encoding)."""
     if not raw:
         raise BadRequest("request body is empty; send a JSON object")
     if raw.startswith(b"\xef\xbb\xbf"):
@@ -122,20 +127,28 @@ def parse_json(raw: bytes) -> Any:
             raise BadRequest("request body contains a lone UTF-16 surrogate escape (like \\ud800)") from None
         except RecursionError:
             raise BadRequest("request body is nested too deeply") from None
-    return value
+    return value, text
 
 
 async def read_json(request: web.Request, limit: int) -> Any:
+    return (await read_json_text(request, limit))[0]
+
+
+async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
+    """The request's JSON body and its text (``parse_json_text``)."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
+        if request.content.is_eof():  # all of it already came with the head: nothing to wait for, no timer
             raw = await request.read()
+        else:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
     except TimeoutError:
         raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
-    return parse_json(raw)
+    return parse_json_text(raw)
 
 
 def _protocol_for_path(path: str) -> ModuleType | None:
@@ -248,11 +261,11 @@ def provider_handler(proto: ModuleType) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         reef = request.app[REEF_KEY]
         scenario, run = _scenario_and_run(request)
-        body = await read_json(request, reef.config.max_body_bytes)
+        body, text = await read_json_text(request, reef.config.max_body_bytes)
         exchange = proto.parse_request(body)
         exchange.headers, exchange.query = request.headers, request.query_string
         served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers,
-                                  pinned_release=request.headers.get("x-reef-release-id"))
+                                  pinned_release=request.headers.get("x-reef-release-id"), request_text=text)
         response_id = new_id(_ID_PREFIX[proto.FORMAT])
         created = int(time.time())
         headers = {"x-reef-agent-record-id": served.receipt}
@@ -269,14 +282,15 @@ def provider_handler(proto: ModuleType) -> Handler:
                 else:
                     response = proto.render_response(exchange, completion, response_id=response_id,
                                                      created=created, receipt=receipt)
-                await reef.record(served, completion, response)
+                payload = _dumpb(response)  # encoded once: what the record stores is what the client gets
+                await reef.record(served, completion, response, response_text=payload.decode())
                 headers["Server-Timing"] = (
                     f"engine;dur={served.engine_ms:.3f}, record;dur={served.record_ms:.3f}, "
                     f"total;dur={(time.perf_counter() - served.started) * 1e3:.3f}"
                 )
                 reef.metrics.requests.labels(route, "200").inc()
                 reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
-                return _json(response, headers=headers)
+                return web.Response(body=payload, content_type="application/json", headers=headers)
             return await _stream(request, reef, proto, served, response_id, created, headers, receipt)
         finally:
             await reef.abandon(served)

@@ -428,7 +428,10 @@ class RecordStore:
     # --- records -------------------------------------------------------------------------------------------
 
     async def append_exchange(self, rec: dict[str, Any]) -> None:
-        """Store one served exchange; returns once it is durable."""
+        """Store one served exchange; returns once it is durable. ``request_json`` / ``response_json``, when
+        given, are the request and response already as JSON text, stored as they are (not encoded again)."""
+        request_json = rec.get("request_json")
+        response_json = rec.get("response_json")
         row = (
             rec["id"],
             "exchange",
@@ -442,8 +445,8 @@ class RecordStore:
             rec.get("release_id"),
             rec.get("content_id"),
             rec.get("runtime_load_id"),
-            _dumps(rec.get("request")),
-            _dumps(rec.get("response")),
+            request_json if request_json is not None else _dumps(rec.get("request")),
+            response_json if response_json is not None else _dumps(rec.get("response")),
             _dumps(rec.get("headers")),
             _dumps(rec.get("timings")),
             _dumps(rec.get("usage")),

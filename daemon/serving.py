@@ -83,6 +83,7 @@ class Served:
     engine_started: float = 0.0
     finished_at: float | None = None
     record_ms: float | None = None
+    request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
 
     @property
     def engine_ms(self) -> float | None:
@@ -177,6 +178,7 @@ class Reef:
         run: str | None,
         headers: Mapping[str, str],
         pinned_release: str | None = None,
+        request_text: str | None = None,
     ) -> Served:
         """Resolve scenario, release and engine and start generating; raises before anything is sent.
 
@@ -206,6 +208,7 @@ class Reef:
             first=None,
             headers=safe_headers(headers),
             engine_started=engine_started,
+            request_text=request_text,
         )
         try:
             first = served.first = await anext(events)
@@ -254,8 +257,10 @@ class Reef:
         *,
         status: str = "complete",
         error: ReefError | None = None,
+        response_text: str | None = None,
     ) -> None:
-        """Store the exchange durably; returns when the receipt may be handed out."""
+        """Store the exchange durably; returns when the receipt may be handed out. ``response_text``: the
+        response already encoded as JSON (what the client gets), stored as it is."""
         now = time.perf_counter()
         ex = served.exchange
         timings = {
@@ -283,7 +288,9 @@ class Reef:
             "content_id": served.content_id,
             "runtime_load_id": completion.runtime_load_id if completion else served.engine.runtime_load_id,
             "request": ex.body,
+            "request_json": served.request_text,
             "response": response if error is None else {"error": error.to_dict(), "partial": response},
+            "response_json": response_text if error is None else None,
             "headers": served.headers,
             "timings": timings,
             "usage": usage,
