@@ -196,7 +196,6 @@ def _guard(reef: Reef) -> Callable[[web.Request, Handler], Awaitable[web.StreamR
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         try:
             if not _host_ok(request.headers.get("Host")):
                 raise BadRequest(
@@ -216,21 +215,27 @@ def _guard(reef: Reef) -> Callable[[web.Request, Handler], Awaitable[web.StreamR
                 )
             return await handler(request)
         except ReefError as err:
-            reef.metrics.errors.labels(route, err.type).inc()
+            reef.metrics.errors.labels(_route_of(request), err.type).inc()
             return error_response(request, err)
         except web.HTTPException as exc:
             err = _from_http_exception(exc)
-            reef.metrics.errors.labels(route, err.type).inc()
+            reef.metrics.errors.labels(_route_of(request), err.type).inc()
             return error_response(request, err)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:
             log.exception("unexpected error on %s %s", request.method, request.path)
             err = ReefError(f"internal error: {type(exc).__name__}")
-            reef.metrics.errors.labels(route, err.type).inc()
+            reef.metrics.errors.labels(_route_of(request), err.type).inc()
             return error_response(request, err)
 
     return guard
+
+
+def _route_of(request: web.Request) -> str:
+    """The route's pattern, for the error metric (worked out only when there is an error)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource else "unmatched"
 
 
 def _from_http_exception(exc: web.HTTPException) -> ReefError:
@@ -266,7 +271,6 @@ def provider_handler(proto: ModuleType) -> Handler:
         exchange.headers, exchange.query = request.headers, request.query_string
         served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers,
                                   pinned_release=request.headers.get("x-reef-release-id"), request_text=text)
-        response_id = new_id(_ID_PREFIX[proto.FORMAT])
         created = int(time.time())
         headers = {"x-reef-agent-record-id": served.receipt}
         if served.release_id:
@@ -280,7 +284,7 @@ def provider_handler(proto: ModuleType) -> Handler:
                 if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
                     response = {**finish.body, "reef": receipt.to_dict()}
                 else:
-                    response = proto.render_response(exchange, completion, response_id=response_id,
+                    response = proto.render_response(exchange, completion, response_id=new_id(_ID_PREFIX[route]),
                                                      created=created, receipt=receipt)
                 payload = _dumpb(response)  # encoded once: what the record stores is what the client gets
                 await reef.record(served, completion, response, response_text=payload.decode())
@@ -291,7 +295,7 @@ def provider_handler(proto: ModuleType) -> Handler:
                 reef.metrics.requests.labels(route, "200").inc()
                 reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
                 return web.Response(body=payload, content_type="application/json", headers=headers)
-            return await _stream(request, reef, proto, served, response_id, created, headers, receipt)
+            return await _stream(request, reef, proto, served, new_id(_ID_PREFIX[route]), created, headers, receipt)
         finally:
             await reef.abandon(served)
 
