@@ -100,6 +100,31 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def serve_relay(port: int, up_port: int) -> None:
+    """A do-nothing relay: aiohttp's server and Reef's own lean upstream client (``daemon/engines/http.py``), the
+    body passed through as bytes: no parsing, no auth, no record. What any proxy built like Reef costs at least."""
+    import uvloop
+    from aiohttp import web
+
+    from daemon.engines import http
+
+    pool = http.Pool("http", "127.0.0.1", up_port, connect_timeout=5)
+
+    async def chat(request: web.Request) -> web.Response:
+        raw = await request.read()
+        head = http.request_head("POST", "/v1/chat/completions", pool.host_header,
+                                 "Content-Type: application/json\r\n", len(raw))
+        resp, _ = await pool.request(head, raw, timeout=30)
+        data = await resp.read(30)
+        resp.release()
+        return web.Response(body=data, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
 # --- measuring ------------------------------------------------------------------------------------------------
 
 
@@ -216,15 +241,19 @@ async def ttft(t: Target, session: aiohttp.ClientSession, n: int) -> list[float]
     return [await t.first_token(session, body) for _ in range(n)]
 
 
-async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[subprocess.Popen[bytes]]) -> None:
+async def bench(n: int, up_port: int, reef_port: int, relay_port: int, token: str,
+                procs: list[subprocess.Popen[bytes]]) -> None:
     direct = Target("direct", f"http://127.0.0.1:{up_port}/v1/chat/completions", {"Content-Type": "application/json"})
     reef = Target("reef", f"http://127.0.0.1:{reef_port}/v1/chat/completions",
                   {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    relay = Target("relay", f"http://127.0.0.1:{relay_port}/v1/chat/completions", {"Content-Type": "application/json"})
     load0 = os.getloadavg()[0]
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as session:
         await wait_up(session, f"http://127.0.0.1:{up_port}/", procs[0], "upstream")
         await wait_up(session, f"http://127.0.0.1:{reef_port}/healthz", procs[1], "reef")
+        await wait_up(session, f"http://127.0.0.1:{relay_port}/", procs[2], "relay")
+        await latency(relay, session, 50)
         for t in (direct, reef):  # warm up: connections, caches, the scenario's first record
             await latency(t, session, 50)
             await ttft(t, session, 20)
@@ -235,14 +264,15 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
         # throughput in alternating rounds (direct, reef, reef, direct, ...): a drift in the machine's load during
         # the run (other processes on shared cores) falls on both sides alike instead of on whichever ran second
         per_round = max(n, 250)
-        tput_n = {t.name: 0 for t in (direct, reef)}
-        tput_s = {t.name: 0.0 for t in (direct, reef)}
-        cpu_sum = {t.name: [0.0] * (len(procs) + 1) for t in (direct, reef)}
+        sides = (direct, reef, relay)
+        tput_n = {t.name: 0 for t in sides}
+        tput_s = {t.name: 0.0 for t in sides}
+        cpu_sum = {t.name: [0.0] * (len(procs) + 1) for t in sides}
         threads_sum: dict[str, float] = {}
         round_ratios = []
         for r in range(ROUNDS):
             rate = {}
-            for t in (direct, reef) if r % 2 == 0 else (reef, direct):
+            for t in sides if r % 2 == 0 else sides[::-1]:
                 before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
                 threads0 = thread_cpu_s(procs[1].pid) if t is reef else {}
                 t0 = time.perf_counter()
@@ -279,6 +309,9 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
           f"  ratio {ratio:.2f}  goal >= 0.50: {ok(ratio >= 0.5)}")
     print(f"   ({ROUNDS} alternating rounds of {per_round} requests each side; ratio per round "
           f"{' '.join(f'{x:.2f}' for x in round_ratios)})")
+    print(f"   floor: a do-nothing relay (aiohttp server + Reef's upstream client, no parsing, no record) "
+          f"{tput['relay']:7.0f} req/s  ratio {tput['relay'] / tput['direct']:.2f}; Reef keeps "
+          f"{tput['reef'] / tput['relay']:.2f} of the relay's throughput")
     print(f"3. time to first token c=1      direct p50 {f50d:6.3f} ms   reef p50 {f50r:6.3f} ms"
           f"  adds {f50r - f50d:+6.3f} ms (ratio {f50r / f50d:.2f}x)  goal <= +2 ms: {ok(f50r - f50d <= 2)}")
     for name, rows in (("c=1", split), ("c=16", conc_split)):
@@ -286,9 +319,10 @@ async def bench(n: int, up_port: int, reef_port: int, token: str, procs: list[su
             keys = sorted({k for s in rows for k in s})
             parts = "  ".join(f"{k} {statistics.median(s.get(k, 0.0) for s in rows):.3f} ms" for k in keys)
             print(f"   reef Server-Timing p50 ({name}): {parts}")
-    for name in ("direct", "reef"):
-        up, daemon, client = cpu[name]
-        print(f"   CPU per request at c=16, {name:6}: upstream {up:.3f} ms  reef {daemon:.3f} ms  client {client:.3f} ms")
+    for name in ("direct", "reef", "relay"):
+        up, daemon, relay_cpu, client = cpu[name]
+        middle = {"direct": "", "reef": f"  reef {daemon:.3f} ms", "relay": f"  relay {relay_cpu:.3f} ms"}[name]
+        print(f"   CPU per request at c=16, {name:6}: upstream {up:.3f} ms{middle}  client {client:.3f} ms")
     busy = sorted(((ms, name) for name, ms in threads_ms.items() if ms >= 0.0005), reverse=True)
     print("   reef CPU per request at c=16: " + "  ".join(f"{name} {ms:.3f} ms" for ms, name in busy))
 
@@ -298,11 +332,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--profile", metavar="FILE", help="run the daemon under cProfile and write its stats here")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-relay", type=int, nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
         return
-    up_port, reef_port = free_port(), free_port()
+    if args.serve_relay:
+        sys.path.insert(0, str(ROOT))
+        serve_relay(*args.serve_relay)
+        return
+    up_port, reef_port, relay_port = free_port(), free_port(), free_port()
     home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
     (home / "logs").mkdir()
     (home / "config.toml").write_text(
@@ -319,6 +358,7 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, *profile, "-m", "daemon", "--log-file"], env=env,
                                       stdout=log, stderr=log, cwd=home))
         log.close()
+        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-relay", str(relay_port), str(up_port)]))
         deadline = time.monotonic() + 60
         while not (home / "token").exists():
             if time.monotonic() > deadline or procs[1].poll() is not None:
@@ -328,7 +368,7 @@ def main() -> None:
         token = (home / "token").read_text().strip()
         import uvloop
 
-        uvloop.run(bench(args.requests, up_port, reef_port, token, procs))
+        uvloop.run(bench(args.requests, up_port, reef_port, relay_port, token, procs))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
