@@ -13,6 +13,7 @@ is the auth); a declared ``Content-Length`` over the limit is refused with 413 b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -306,9 +307,14 @@ _ID_PREFIX = {"openai-chat": "chatcmpl-", "openai-responses": "resp_", "anthropi
 
 
 async def _collect(reef: Reef, served: Any) -> Finish:
-    async for event in reef.stream(served):
-        if isinstance(event, Finish):
-            return event
+    if isinstance(served.first, Finish):  # the common case: the engine's first event is its whole answer
+        return served.first
+    # closed here, not left to the garbage collector: an async generator dropped unfinished costs the loop a
+    # finalizer task (call_soon_threadsafe + create_task(aclose())) per request
+    async with contextlib.aclosing(reef.stream(served)) as events:
+        async for event in events:
+            if isinstance(event, Finish):
+                return event
     raise ReefError("engine ended without finishing")
 
 
@@ -336,11 +342,13 @@ async def _stream(
     final: tuple[str | None, str] | None = None
     # an upstream of the client's format: its bytes go out as they are (Relay events), not re-rendered
     pending = [] if isinstance(served.first, Relay) else renderer.start()
+    events = reef.stream(served)
     try:
         try:
-            async for event in reef.stream(served):
+            async for event in events:
                 if isinstance(event, Finish):
                     completion, final = event.completion, event.final
+                    await events.aclose()  # finished: closed now rather than by a finalizer task
                     break
                 if isinstance(event, Relay):
                     pending.append(event.data)
