@@ -215,6 +215,7 @@ def demo(
     else:
         from rich.table import Table
 
+        console.print()  # piped output: the live panel's last frame ends without a newline
         table = Table(title=f"release chain of {name}", box=None, header_style="bold")
         for col in ("", "step", "operation", "release", "validation", "batch reward"):
             table.add_column(col)
