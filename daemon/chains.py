@@ -63,11 +63,49 @@ class Chains:
         self._checkouts: dict[str, Path] = {}
         self._checkout_locks: dict[str, asyncio.Lock] = {}
         self._init_locks: dict[str, asyncio.Lock] = {}
+        self._announced: dict[str, str | None] = {}  # scenario -> the head last announced on /reef/events
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         report = await asyncio.to_thread(self.store.recover)
         if report.get("removed"):
             log.warning("removed stale release-chain locks left by a crash: %s", report["removed"])
+        self._announced = await asyncio.to_thread(self._heads)
+        self._watch = asyncio.ensure_future(self._watch_heads())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+
+    def _heads(self) -> dict[str, str | None]:
+        return {name: self.store.head(name) for name in self.store.scenarios()}
+
+    async def _watch_heads(self, every: float = 1.0) -> None:
+        """Announce heads moved by other processes (a trainer, a tool writing to git, another daemon) as
+        ``release`` events, so followers of ``/reef/events`` (the TUI) see every change, not only this
+        daemon's own publishes. A stat per scenario per second."""
+        seen: dict[str, str | None] = {}
+        while True:
+            await asyncio.sleep(every)
+            try:
+                heads = await asyncio.to_thread(self._heads)
+                # a head counts once two looks agree: this daemon's own publish is announced by its publisher
+                # in the meantime, never twice
+                stable = {name: head for name, head in heads.items() if seen.get(name) == head}
+                seen = heads
+                for name, head in stable.items():
+                    if head is not None and self._announced.get(name) != head:
+                        self._announced[name] = head
+                        rel = await self.release(head)
+                        self.events.publish(
+                            "release", scenario=rel.scenario, release_id=rel.release_id, content_id=rel.content_id,
+                            step=rel.step, operation=rel.operation, source=rel.source, metrics=rel.metrics,
+                            external=True,
+                        )
+            except Exception:  # a torn read while another process writes: look again next time
+                log.debug("watching release heads", exc_info=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
 
     # --- reading -------------------------------------------------------------------------------------------
@@ -228,6 +266,7 @@ class Chains:
 
     def _published(self, rel: Release) -> None:
         self._releases[rel.release_id] = rel
+        self._announced[rel.scenario] = rel.release_id
         self.metrics.publishes.labels(rel.operation).inc()
         self.events.publish(
             "release", scenario=rel.scenario, release_id=rel.release_id, content_id=rel.content_id,

@@ -116,6 +116,7 @@ class Reef:
         await self.learner.start()
 
     async def close(self) -> None:
+        await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():
             try:

@@ -107,3 +107,36 @@ def test_a_proposer_model_phrases_the_rule_and_failures_fall_back(daemon_factory
         assert plain.json()["applied"][0]["rule"] == "keep it short [stub:status=500]"
         assert_canonical_error(c.post("/reef/scenarios", json={"name": "nobody", "recipe": "lessons",
                                                                "settings": {"proposer": "nope"}}), 400)
+
+
+def test_heads_moved_by_other_processes_are_announced_once_on_the_event_stream(daemon: Daemon) -> None:
+    import json
+    import time
+
+    from daemon.releases import ReleaseStore
+
+    with daemon.unix() as c:
+        head = create(c, "watched")["head"]
+        own = c.post("/reef/scenarios/watched/evolve", json={"instruction": "name things plainly"}).json()
+        store = ReleaseStore(daemon.home / "artifacts.git")
+        outside = store.publish("watched", {"AGENTS.md": b"# Rules\n\nwritten by another tool\n"},
+                                expected_head=own["release_id"], operation="train", kind="harness",
+                                recipe="lessons").release_id
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and outside not in {e.get("release_id") for e in seen}:
+            time.sleep(0.5)
+            with c.stream("GET", "/reef/events", params={"after": 0}, timeout=2) as resp:
+                seen = []
+                try:
+                    for line in resp.iter_lines():
+                        if line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            if event.get("kind") == "release" and event.get("scenario") == "watched":
+                                seen.append(event)
+                except Exception:  # the read timeout ends one look at the stream
+                    pass
+    ids = [e["release_id"] for e in seen]
+    assert outside in ids and ids.count(outside) == 1 and ids.count(own["release_id"]) == 1
+    assert next(e for e in seen if e["release_id"] == outside)["external"] is True
+    assert head in ids  # the init release, published by this daemon, announced by it
