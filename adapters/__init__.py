@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adapters.base import Adapter, Target, agents_root
+from adapters.base import Adapter, Target
 from adapters.claude import Claude
 from adapters.opencode import Opencode
 from adapters.pi import Pi
@@ -19,4 +19,4 @@ def get_adapter(name: str) -> Adapter:
         raise BadRequest(f"unknown adapter {name!r}; adapters: {', '.join(ADAPTERS)}", param="adapter") from None
 
 
-__all__ = ["ADAPTERS", "Adapter", "Target", "agents_root", "get_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "Target", "get_adapter"]

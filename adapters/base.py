@@ -38,12 +38,6 @@ class Target:
         return f"{self.url.rstrip('/')}/s/{self.scenario}/r/{self.run}"
 
 
-def agents_root(home: Path, env: Mapping[str, str] | None = None) -> Path:
-    """Where agents are installed for the Reef home ``home`` (``REEF_AGENTS_DIR`` overrides)."""
-    env = os.environ if env is None else env
-    return Path(env["REEF_AGENTS_DIR"]).expanduser() if env.get("REEF_AGENTS_DIR") else home / "agents"
-
-
 class Adapter:
     name: str  # pi | claude | opencode
     package: str  # the npm package
@@ -66,17 +60,14 @@ class Adapter:
     def binary_path(self, agents_dir: Path) -> Path:
         return self.prefix(agents_dir) / "node_modules" / ".bin" / self.binary
 
-    def installed_version(self, home_or_agents_dir: Path) -> str | None:
-        """The installed version, or None. Accepts a Reef home (``<home>/agents``) or an agents directory."""
-        for agents_dir in (home_or_agents_dir, agents_root(home_or_agents_dir)):
-            manifest = self.prefix(agents_dir) / "node_modules" / self.package / "package.json"
-            try:
-                version = json.loads(manifest.read_text())["version"]
-            except (OSError, ValueError, KeyError):
-                continue
-            if self.binary_path(agents_dir).exists():
-                return str(version)
-        return None
+    def installed_version(self, agents_dir: Path) -> str | None:
+        """The installed version in ``agents_dir`` (``Config.agents_path``), or None."""
+        manifest = self.prefix(agents_dir) / "node_modules" / self.package / "package.json"
+        try:
+            version = json.loads(manifest.read_text())["version"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return str(version) if self.binary_path(agents_dir).exists() else None
 
     def install(self, agents_dir: Path, *, progress: Callable[[str], None] | None = None,
                 force: bool = False) -> dict[str, Any]:
@@ -159,6 +150,16 @@ class Adapter:
                     out[dst + path[len(src):]] = data
                     break
         return out
+
+
+def write_json(path: Path, value: object) -> None:
+    """Write a config file the agent reads, atomically, and only when its content changes."""
+    data = json.dumps(value, indent=2) + "\n"
+    if path.exists() and path.read_text() == data:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(data)
+    tmp.replace(path)
 
 
 def safe_join(root: Path, rel: str) -> Path:

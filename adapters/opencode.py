@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapters.base import Adapter, Target
-from adapters.pi import _write_json
+from adapters.base import Adapter, Target, write_json
 
 
 class Opencode(Adapter):
@@ -50,7 +49,7 @@ class Opencode(Adapter):
         cfg = self.config_dir(home)
         cfg.mkdir(parents=True, exist_ok=True)
         model = f"reef/{target.model}"
-        _write_json(cfg / "opencode.json", {
+        write_json(cfg / "opencode.json", {
             "$schema": "https://opencode.ai/config.json",
             "provider": {"reef": {
                 "npm": "@ai-sdk/openai-compatible",
@@ -78,8 +77,5 @@ class Opencode(Adapter):
         plugin_pkg = cfg / "node_modules" / "@opencode-ai" / "plugin" / "package.json"
         if not plugin_pkg.exists():
             plugin_pkg.write_text(json.dumps({"name": "@opencode-ai/plugin", "version": self.version}) + "\n")
-        _write_json(cfg / "package.json", pkg)
-        _write_json(cfg / "package-lock.json", lock)
-
-    def argv(self, binary: Path, args: list[str], target: Target) -> list[str]:
-        return [str(binary), *args]
+        write_json(cfg / "package.json", pkg)
+        write_json(cfg / "package-lock.json", lock)

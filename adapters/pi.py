@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapters.base import Adapter, Target
+from adapters.base import Adapter, Target, write_json
 
 
 class Pi(Adapter):
@@ -40,20 +40,12 @@ class Pi(Adapter):
             "models": [{"id": target.model, "name": f"{target.model} (Reef)",
                         "contextWindow": target.context_window, "maxTokens": 4096}],
         }}}
-        _write_json(agent / "models.json", models)
+        write_json(agent / "models.json", models)
         settings_path = agent / "settings.json"
         try:
             settings = json.loads(settings_path.read_text())
         except (OSError, ValueError):
             settings = {}
         settings.update(defaultProvider="reef", defaultModel=target.model, quietStartup=True)
-        _write_json(settings_path, settings)
+        write_json(settings_path, settings)
 
-
-def _write_json(path: Path, value: object) -> None:
-    data = json.dumps(value, indent=2) + "\n"
-    if path.exists() and path.read_text() == data:
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(data)
-    tmp.replace(path)

@@ -98,7 +98,7 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     skill = body.get("skill")
     if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.match(skill)):
         raise BadRequest("skill must be a name of a-z, 0-9 and - (at most 63 characters)", param="skill")
-    scenario = await reef.store.get_scenario(name)
+    scenario = await scenario_for_agent(reef, name)
     if scenario.recipe != HARNESS_RECIPE:
         raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}; evolve needs {HARNESS_RECIPE!r}",
                          param="scenario")

@@ -149,7 +149,7 @@ def check_node() -> Check:
     return check
 
 
-def check_agents(home: Path) -> list[Check]:
+def check_agents(agents_dir: Path) -> list[Check]:
     try:
         from adapters import ADAPTERS
     except ImportError:
@@ -157,7 +157,7 @@ def check_agents(home: Path) -> list[Check]:
     checks = []
     for name, adapter in sorted(ADAPTERS.items()):
         try:
-            installed = adapter.installed_version(home)
+            installed = adapter.installed_version(agents_dir)
         except Exception as e:  # one broken adapter must not hide the others
             checks.append(Check(f"agent {name}", FAIL, f"cannot tell: {e}", f"reef agents install {name}"))
             continue
@@ -206,7 +206,7 @@ def run_checks() -> list[Check]:
     checks.append(check_tool("git", "to read release chains with git tools", "install git (e.g. apt-get install git)"))
     checks.append(check_node())
     checks.append(check_tool("npm", "installs the coding agents", "install npm (e.g. apt-get install npm)"))
-    checks.extend(check_agents(cfg.home))
+    checks.extend(check_agents(cfg.agents_path))
     model = check_model(cfg)
     if model is not None:
         checks.append(model)

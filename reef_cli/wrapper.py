@@ -169,21 +169,19 @@ def install_agent(config: Config, adapter: Adapter) -> Path:
     return binary
 
 
-def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, Any], *, force: bool) -> str | None:
+def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, Any]) -> str | None:
     """Install the scenario's current harness release (or say a newer one exists); returns the release the
     agent will run with."""
     current = installed_release(home)
     head = start.get("release_id")
     if head is None or head == current:
         return current if head is not None else None
-    if not force and current is not None and config.harness_updates == "notify":
+    if current is not None and config.harness_updates == "notify":
         say(f"a newer harness (step {start['step']}, {head}) is available for scenario {start['scenario']}; "
             f"run `{adapter.command} update` to install it")
         return current
-    files = start.get("files")
-    if files is None:  # the daemon skipped them (it thought this release was installed): ask for them
-        files = call(config, "GET", f"/reef/scenarios/{start['scenario']}/harness?adapter={adapter.name}")["files"]
-    result = install_harness(home, head, {p: t.encode() for p, t in files.items()})
+    # the daemon sends the files whenever its head differs from the release named installed (``current``)
+    result = install_harness(home, head, {p: t.encode() for p, t in start["files"].items()})
     if current is not None and (result["written"] or result["removed"]):
         say(f"installed harness step {start['step']} of scenario {start['scenario']} ({head})")
     return head
@@ -191,17 +189,16 @@ def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, 
 
 def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     config = load_config()
-    home_hint = None
     if scenario is None:
         scenario = os.environ.get("REEF_SCENARIO") or adapter.name
     body = {"adapter": adapter.name, "scenario": scenario}
     home = adapter.home(config.homes_dir, scenario)
-    home_hint = installed_release(home)
-    if home_hint:
-        body["installed_release"] = home_hint
+    installed = installed_release(home)
+    if installed:
+        body["installed_release"] = installed
     start = call_starting(config, "POST", "/reef/runs", body)
     binary = install_agent(config, adapter)
-    release = sync_harness(config, adapter, home, start, force=False)
+    release = sync_harness(config, adapter, home, start)
     target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
                     model=start["model"], release_id=release, context_window=int(start["context_length"]))
     adapter.prepare(home, target)

@@ -123,7 +123,6 @@ def subcommands(adapter: Adapter) -> Any:
 
         cfg = config()
         name = scenario or adapter.name
-        call_starting(cfg, "POST", "/reef/runs", {"adapter": adapter.name, "scenario": name})  # scenario exists
         body: dict[str, Any] = {"instruction": instruction}
         if skill:
             body["skill"] = skill
