@@ -20,14 +20,13 @@ import logging
 import math
 import os
 import re
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 import orjson
-from aiohttp import web
+from daemon import web
 
 from daemon.errors import (
     BadRequest,
@@ -49,11 +48,10 @@ BODY_TIMEOUT_S = 60.0
 MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
 
-REEF_KEY: web.AppKey[Reef] = web.AppKey("reef", Reef)
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"}
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.Request], Awaitable["web.Response | web.StreamResponse"]]
 
 
 # --- request helpers ---------------------------------------------------------------------------------------
@@ -67,14 +65,6 @@ def _host_ok(host: str | None) -> bool:
         name = name[: name.index("]") + 1]
     name = name.lower().rstrip(".")
     return name in _LOOPBACK or name.endswith(".localhost") or re.fullmatch(r"127(\.\d{1,3}){3}", name) is not None
-
-
-def _over_unix_socket(request: web.Request) -> bool:
-    transport = request.transport
-    if transport is None:
-        return False
-    sock = transport.get_extra_info("socket")
-    return sock is not None and sock.family == socket.AF_UNIX
 
 
 def _token_of(request: web.Request) -> str | None:
@@ -98,6 +88,9 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+
+
 def parse_json(raw: bytes) -> Any:
     """Decode a request body strictly; every failure is a ``BadRequest`` that says what is wrong."""
     return parse_json_text(raw)[0]
@@ -114,7 +107,7 @@ def parse_json_text(raw: bytes) -> tuple[Any, str]:
     except UnicodeDecodeError as e:
         raise BadRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+        value = _DECODER.decode(text)
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
     except json.JSONDecodeError as e:
@@ -140,12 +133,12 @@ async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
     try:
-        if request.content.is_eof():  # all of it already came with the head: nothing to wait for, no timer
+        if request.body_complete:  # all of it already came with the head: nothing to wait for, no timer
             raw = await request.read()
         else:
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
+    except web.BodyTooLarge:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
     except TimeoutError:
         raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
@@ -164,9 +157,7 @@ def error_response(request: web.Request, err: ReefError) -> web.Response:
     proto = _protocol_for_path(request.path)
     body = proto.error_body(err) if proto is not None else {"error": err.to_dict()}
     status = err.data.get("status") if isinstance(err.data.get("status"), int) else err.status
-    resp = web.json_response(body, status=status, dumps=_dumps)
-    if status == 413:
-        resp.force_close()
+    resp = web.Response(_dumpb(body), status=status, close=status == 413)
     if isinstance(rid := err.data.get("record_id"), str):  # a failed exchange that was recorded
         resp.headers["x-reef-agent-record-id"] = rid
     if isinstance(retry := err.data.get("retry_after"), dict):  # an upstream's 429/503: when to try again
@@ -186,69 +177,58 @@ def _dumps(value: Any) -> str:
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=_dumpb(value), status=status, content_type="application/json", headers=headers)
+    return web.Response(_dumpb(value), status=status, headers=headers)
 
 
 # --- middleware --------------------------------------------------------------------------------------------
 
 
-def _guard(reef: Reef) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _dispatcher(reef: Reef, router: web.Router) -> Handler:
+    """Every request's way in: guards, route, handler, and its errors mapped to responses."""
     token = reef.token.encode()
+    max_body = reef.config.max_body_bytes
 
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def dispatch(request: web.Request) -> web.Response | web.StreamResponse:
         try:
-            if not _host_ok(request.headers.get("Host")):
+            headers = request.headers
+            if not _host_ok(headers.get("host")):
                 raise BadRequest(
-                    f"Host header {request.headers.get('Host')!r} is not a loopback name; Reef only answers"
+                    f"Host header {headers.get('host')!r} is not a loopback name; Reef only answers"
                     " requests addressed to localhost"
                 )
-            if request.path != "/healthz" and not _over_unix_socket(request):
+            if not request.over_unix and request.path != "/healthz":
                 given = _token_of(request)
                 if given is None:
                     raise Unauthorized("missing token: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'")
                 if not hmac.compare_digest(given.encode(), token):
                     raise Unauthorized("invalid token")
-            if request.content_length is not None and request.content_length > reef.config.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"request body of {request.content_length} bytes is over the "
-                    f"{reef.config.max_body_bytes}-byte limit"
-                )
+            if request.content_length is not None and request.content_length > max_body:
+                raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {max_body}-byte limit")
+            try:
+                handler = router.resolve(request)
+            except web.MethodNotAllowed as e:
+                raise BadRequest(f"method not allowed here: {e}", status=405) from None
+            if handler is None:
+                raise NotFound("no such route; see GET /reef/status for the API")
             return await handler(request)
         except ReefError as err:
-            reef.metrics.errors.labels(_route_of(request), err.type).inc()
-            return error_response(request, err)
-        except web.HTTPException as exc:
-            err = _from_http_exception(exc)
-            reef.metrics.errors.labels(_route_of(request), err.type).inc()
+            reef.metrics.errors.labels(request.route, err.type).inc()
             return error_response(request, err)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:
             log.exception("unexpected error on %s %s", request.method, request.path)
             err = ReefError(f"internal error: {type(exc).__name__}")
-            reef.metrics.errors.labels(_route_of(request), err.type).inc()
+            reef.metrics.errors.labels(request.route, err.type).inc()
             return error_response(request, err)
 
-    return guard
+    return dispatch
 
 
-def _route_of(request: web.Request) -> str:
-    """The route's pattern, for the error metric (worked out only when there is an error)."""
-    resource = request.match_info.route.resource
-    return resource.canonical if resource else "unmatched"
-
-
-def _from_http_exception(exc: web.HTTPException) -> ReefError:
-    if exc.status == 404:
-        return NotFound("no such route; see GET /reef/status for the API")
-    if exc.status == 405:
-        return BadRequest(f"method not allowed here: {exc.reason}", status=405)
-    if exc.status == 413:
-        return PayloadTooLarge("request body is over the size limit")
-    err = BadRequest(exc.reason or "bad request")
-    err.data["status"] = exc.status if 400 <= exc.status < 500 else 400
-    return err
+def refusal_body(status: int, message: str) -> bytes:
+    """The body of an answer to a request refused before it reached a route (malformed, head too large)."""
+    err = ReefError(message) if status >= 500 else BadRequest(message, status=status)
+    return _dumpb({"error": err.to_dict()})
 
 
 # --- provider routes ---------------------------------------------------------------------------------------
@@ -264,8 +244,8 @@ def _scenario_and_run(request: web.Request) -> tuple[str, str | None]:
 
 
 def provider_handler(proto: ModuleType) -> Handler:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        reef = request.app[REEF_KEY]
+    async def handle(request: web.Request) -> web.Response | web.StreamResponse:
+        reef = request.ctx
         scenario, run = _scenario_and_run(request)
         body, text = await read_json_text(request, reef.config.max_body_bytes)
         exchange = proto.parse_request(body)
@@ -295,7 +275,7 @@ def provider_handler(proto: ModuleType) -> Handler:
                 )
                 reef.metrics.requests.labels(route, "200").inc()
                 reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
-                return web.Response(body=payload, content_type="application/json", headers=headers)
+                return web.Response(payload, headers=headers)
             return await _stream(request, reef, proto, served, new_id(_ID_PREFIX[route]), created, headers, receipt)
         finally:
             await reef.abandon(served)
@@ -387,7 +367,7 @@ async def _stream(
 
 
 async def handle_count_tokens(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     scenario, _ = _scenario_and_run(request)
     body = await read_json(request, reef.config.max_body_bytes)
     exchange = anthropic.parse_count_tokens(body)
@@ -400,7 +380,7 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     created = int(reef.started_at)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
     data = [
@@ -427,7 +407,7 @@ async def handle_models(request: web.Request) -> web.Response:
 
 
 async def handle_head(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    return web.Response(content_type=None)
 
 
 async def handle_root(request: web.Request) -> web.Response:
@@ -435,7 +415,7 @@ async def handle_root(request: web.Request) -> web.Response:
 
 
 async def handle_healthz(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     return _json({"ok": True, "pid": _pid(), "uptime_s": round(time.time() - reef.started_at, 3)})
 
 
@@ -447,7 +427,7 @@ def _pid() -> int:
 
 
 async def _object_body(request: web.Request) -> dict[str, Any]:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     body = await read_json(request, reef.config.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -467,7 +447,7 @@ def _finite_number(value: Any, param: str) -> float:
 
 
 async def handle_report(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     body = await _object_body(request)
     known = {"score", "feedback", "references", "metadata", "report_id", "scenario"}
     unknown = sorted(set(body) - known)
@@ -527,7 +507,7 @@ def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
 async def handle_start_run(request: web.Request) -> web.Response:
     from daemon import harness
 
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     return _json(await harness.start_run(reef, await _object_body(request)), status=201)
 
 
@@ -545,7 +525,7 @@ def _adapter_param(request: web.Request, required: bool) -> str | None:
 async def handle_harness(request: web.Request) -> web.Response:
     from daemon import harness
 
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     name = check_name(request.match_info["name"])
     return _json(await harness.harness_view(reef, name, _adapter_param(request, required=False)))
 
@@ -553,7 +533,7 @@ async def handle_harness(request: web.Request) -> web.Response:
 async def handle_evolve(request: web.Request) -> web.Response:
     from daemon import harness
 
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     name = check_name(request.match_info["name"])
     return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
 
@@ -561,20 +541,21 @@ async def handle_evolve(request: web.Request) -> web.Response:
 async def handle_harness_install(request: web.Request) -> web.Response:
     from daemon import harness
 
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     adapter = _adapter_param(request, required=True)
     assert adapter is not None
     scenario = check_name(request.query.get("scenario") or adapter)
-    return web.Response(text=harness.install_script(reef, adapter, scenario), content_type="text/x-shellscript")
+    return web.Response(harness.install_script(reef, adapter, scenario).encode(),
+                        content_type="text/x-shellscript; charset=utf-8")
 
 
 async def handle_scenarios(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     return _json({"scenarios": await reef.store.list_scenarios()})
 
 
 async def handle_create_scenario(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     body = await _object_body(request)
     name = body.get("name")
     if not isinstance(name, str):
@@ -601,7 +582,7 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
 
 
 async def handle_scenario(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     name = check_name(request.match_info["name"])
     for s in await reef.store.list_scenarios():
         if s["name"] == name:
@@ -623,13 +604,13 @@ def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi
 
 
 async def handle_scenario_records(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     name = check_name(request.match_info["name"])
     return await _list_records(request, reef, name)
 
 
 async def handle_records(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     scenario = request.query.get("scenario")
     if scenario is not None:
         check_name(scenario)
@@ -653,7 +634,7 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
 
 
 async def handle_record(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     return _json(await reef.store.get_record(request.match_info["receipt"]))
 
 
@@ -664,7 +645,7 @@ async def _existing_scenario(reef: Reef, name: str) -> Any:
 
 
 async def handle_releases(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     scen = await _existing_scenario(reef, request.match_info["name"])
     head = await reef.chains.head(scen)
     limit = _int_param(request, "limit", None, 1, 100_000)
@@ -681,7 +662,7 @@ async def handle_releases(request: web.Request) -> web.Response:
 
 
 async def _release_body(request: web.Request, release_id: str, scenario: str | None) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     rel = await reef.chains.release(release_id)
     if scenario is not None and rel.scenario != scenario:
         raise NotFound(f"release {release_id} is not a release of scenario {scenario!r}", release_id=release_id)
@@ -703,7 +684,7 @@ async def handle_release(request: web.Request) -> web.Response:
 
 def steer_handler(op: str) -> Handler:
     async def handle(request: web.Request) -> web.Response:
-        reef = request.app[REEF_KEY]
+        reef = request.ctx
         scen = await _existing_scenario(reef, request.match_info["name"])
         body = await _object_body(request)
         release_id = body.get("release_id")
@@ -721,7 +702,7 @@ def steer_handler(op: str) -> Handler:
 
 
 async def handle_status(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     counts = await reef.store.count()
     return _json(
         {
@@ -748,7 +729,7 @@ async def handle_status(request: web.Request) -> web.Response:
 
 
 async def handle_events(request: web.Request) -> web.StreamResponse:
-    reef = request.app[REEF_KEY]
+    reef = request.ctx
     after = request.headers.get("Last-Event-ID") or request.query.get("after")
     try:
         after_seq = int(after) if after else None
@@ -776,46 +757,45 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    reef = request.app[REEF_KEY]
-    return web.Response(body=reef.metrics.render(), content_type="text/plain", charset="utf-8")
+    reef = request.ctx
+    return web.Response(reef.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
 # --- the app -----------------------------------------------------------------------------------------------
 
 
-def make_app(reef: Reef) -> web.Application:
-    app = web.Application(middlewares=[_guard(reef)], client_max_size=reef.config.max_body_bytes)
-    app[REEF_KEY] = reef
-    r = app.router
+def make_app(reef: Reef) -> Handler:
+    """The daemon's routes behind its guards: the handler ``web.Server`` serves."""
+    r = web.Router()
     chat, responses, messages = (provider_handler(p) for p in (openai_chat, openai_responses, anthropic))
     for prefix in ("", "/s/{scenario}", "/s/{scenario}/r/{run}"):
-        r.add_post(prefix + "/v1/chat/completions", chat)
-        r.add_post(prefix + "/v1/responses", responses)
-        r.add_post(prefix + "/v1/messages", messages)
-        r.add_post(prefix + "/v1/messages/count_tokens", handle_count_tokens)
-        r.add_get(prefix + "/v1/models", handle_models)
+        r.add("POST", prefix + "/v1/chat/completions", chat)
+        r.add("POST", prefix + "/v1/responses", responses)
+        r.add("POST", prefix + "/v1/messages", messages)
+        r.add("POST", prefix + "/v1/messages/count_tokens", handle_count_tokens)
+        r.add("GET", prefix + "/v1/models", handle_models)
         if prefix:
-            r.add_route("HEAD", prefix, handle_head)
-            r.add_route("HEAD", prefix + "/", handle_head)
-    r.add_get("/", handle_root)  # aiohttp answers HEAD / from the GET route
-    r.add_get("/healthz", handle_healthz)
-    r.add_get("/metrics", handle_metrics)
-    r.add_post("/reef/report", handle_report)
-    r.add_get("/reef/scenarios", handle_scenarios)
-    r.add_post("/reef/scenarios", handle_create_scenario)
-    r.add_get("/reef/scenarios/{name}", handle_scenario)
-    r.add_get("/reef/scenarios/{name}/records", handle_scenario_records)
-    r.add_get("/reef/records", handle_records)
-    r.add_get("/reef/records/{receipt}", handle_record)
-    r.add_get("/reef/scenarios/{name}/releases", handle_releases)
-    r.add_get("/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
-    r.add_post("/reef/scenarios/{name}/rollback", steer_handler("rollback"))
-    r.add_post("/reef/scenarios/{name}/promote", steer_handler("promote"))
-    r.add_get("/reef/releases/{release}", handle_release)
-    r.add_post("/reef/runs", handle_start_run)
-    r.add_get("/reef/scenarios/{name}/harness", handle_harness)
-    r.add_post("/reef/scenarios/{name}/evolve", handle_evolve)
-    r.add_get("/reef/harness/install", handle_harness_install)
-    r.add_get("/reef/status", handle_status)
-    r.add_get("/reef/events", handle_events)
-    return app
+            r.add("HEAD", prefix, handle_head)
+            r.add("HEAD", prefix + "/", handle_head)
+    r.add("GET", "/", handle_root)  # HEAD / is answered from the GET route
+    r.add("GET", "/healthz", handle_healthz)
+    r.add("GET", "/metrics", handle_metrics)
+    r.add("POST", "/reef/report", handle_report)
+    r.add("GET", "/reef/scenarios", handle_scenarios)
+    r.add("POST", "/reef/scenarios", handle_create_scenario)
+    r.add("GET", "/reef/scenarios/{name}", handle_scenario)
+    r.add("GET", "/reef/scenarios/{name}/records", handle_scenario_records)
+    r.add("GET", "/reef/records", handle_records)
+    r.add("GET", "/reef/records/{receipt}", handle_record)
+    r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)
+    r.add("GET", "/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
+    r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))
+    r.add("POST", "/reef/scenarios/{name}/promote", steer_handler("promote"))
+    r.add("GET", "/reef/releases/{release}", handle_release)
+    r.add("POST", "/reef/runs", handle_start_run)
+    r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
+    r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
+    r.add("GET", "/reef/harness/install", handle_harness_install)
+    r.add("GET", "/reef/status", handle_status)
+    r.add("GET", "/reef/events", handle_events)
+    return _dispatcher(reef, r)

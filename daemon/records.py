@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import queue
+import random
 import sqlite3
 import threading
 import time
@@ -102,9 +103,15 @@ _PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits -> 2 charact
 _SHIFTS = tuple(range(120, -1, -10))
 
 
+# ids need to be unique, not secret (the token guards the API): a generator seeded from the OS once, and again
+# in a forked child, instead of a getrandom system call per id
+_random = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _random.seed(os.urandom(32)))
+
+
 def new_id(prefix: str) -> str:
     """Time-sortable id: 48-bit milliseconds + 80 random bits, Crockford base32 (ULID layout)."""
-    n = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10))
+    n = (int(time.time() * 1000) << 80) | _random.getrandbits(80)
     return prefix + "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])
 
 
@@ -175,6 +182,33 @@ _SUMMARY_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
     "runtime_load_id, timings, usage, report"
 )
+
+
+_EXCHANGE_COLUMNS = (
+    "id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, runtime_load_id,"
+    " request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs"
+)
+_EXCHANGE_VALUES = "(" + ",".join("?" * 20) + ")"
+_MAX_ROWS_PER_INSERT = 256  # 20 values each: well under SQLite's limit of 32766 variables
+
+
+class _ExchangeRow:
+    """The write of one exchange record: callable like any write, and insertable with its neighbours in one
+    statement (``RecordStore._apply``)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: tuple[Any, ...]) -> None:
+        self.row = row
+
+    def __call__(self, conn: sqlite3.Connection) -> None:
+        self.insert(conn, [self.row])
+
+    @staticmethod
+    def insert(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+        values = rows[0] if len(rows) == 1 else tuple(v for row in rows for v in row)
+        conn.execute(f"INSERT INTO records({_EXCHANGE_COLUMNS}) VALUES {','.join([_EXCHANGE_VALUES] * len(rows))}",
+                     values)
 
 
 class RecordStore:
@@ -268,6 +302,19 @@ class RecordStore:
 
     def _run_batch(self, batch: list[_Write]) -> None:
         conn = self._writer_conn
+        if len(batch) <= _MAX_ROWS_PER_INSERT and all(type(w[0]) is _ExchangeRow for w in batch):
+            # the common case, only exchange records: one statement is the whole transaction (SQLite commits it
+            # on its own), so the writer takes the GIL once for the batch instead of once per BEGIN, INSERT and
+            # COMMIT; a failure falls through to the general path below, which reports each write's own error
+            try:
+                _ExchangeRow.insert(conn, [w[0].row for w in batch])  # type: ignore[attr-defined]
+            except sqlite3.Error:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            else:
+                self._dirty.set()
+                self._deliver([(fut, loop, None, None) for _, fut, loop in batch])
+                return
         try:
             results = self._apply(conn, batch, savepoints=False)
             if results is None:  # a write failed: again, each in its own savepoint, so that the others commit
@@ -280,6 +327,11 @@ class RecordStore:
             self._reopen_writer()
             results = [(fut, loop, None, err) for _, fut, loop in batch]
         # nothing below runs before the COMMIT above returned: a future resolves only once its write is durable
+        self._deliver(results)
+
+    @staticmethod
+    def _deliver(results: list[tuple[Any, Any, Any, BaseException | None]]) -> None:
+        """Resolve the futures of committed (or failed) writes: one ``call_soon_threadsafe`` per event loop."""
         on_loops: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
         for fut, loop, value, exc in results:
             if loop is None:  # a concurrent future (write_sync, another thread)
@@ -304,10 +356,28 @@ class RecordStore:
                savepoints: bool) -> list[tuple[Any, Any, Any, BaseException | None]] | None:
         """Run a batch's writes in one open transaction. Without savepoints (the common case: two statements
         fewer per write) a failing write rolls everything back and gives ``None``; with them, a failing write is
-        undone alone and its exception kept for its caller."""
+        undone alone and its exception kept for its caller. Without savepoints, consecutive exchange records go in
+        as one multi-row ``INSERT``: the writer thread takes the GIL once for them, not once per record (under
+        load, waiting for the GIL between statements was most of the writer's time)."""
         results: list[tuple[Any, Any, Any, BaseException | None]] = []
         conn.execute("BEGIN IMMEDIATE")
-        for i, (fn, fut, loop) in enumerate(batch):
+        i, n = 0, len(batch)
+        while i < n:
+            fn, fut, loop = batch[i]
+            if not savepoints and isinstance(fn, _ExchangeRow):
+                j = i + 1
+                while j < n and j - i < _MAX_ROWS_PER_INSERT and isinstance(batch[j][0], _ExchangeRow):
+                    j += 1
+                try:
+                    _ExchangeRow.insert(conn, [w[0].row for w in batch[i:j]])  # type: ignore[attr-defined]
+                except Exception:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    return None
+                results.extend((f, lp, None, None) for _, f, lp in batch[i:j])
+                i = j
+                continue
+            i += 1
             if not savepoints:
                 try:
                     results.append((fut, loop, fn(conn), None))
@@ -454,14 +524,7 @@ class RecordStore:
             _pack_ints(rec.get("token_ids")),
             _pack_floats(rec.get("logprobs")),
         )
-        await self.write(
-            lambda c: c.execute(
-                "INSERT INTO records(id, kind, scenario, run, created_at, status, format, engine, model, release_id,"
-                " content_id, runtime_load_id, request, response, headers, timings, usage, prompt_token_ids,"
-                " token_ids, logprobs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                row,
-            )
-        )
+        await self.write(_ExchangeRow(row))
 
     async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:

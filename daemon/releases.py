@@ -86,6 +86,7 @@ REJECTION = "reef-rejection.json"
 KINDS = ("weights", "harness")
 OPERATIONS = ("init", "train", "rollback", "promote")
 SCENARIOS_REF = "refs/reef/scenarios/"
+_FRESH_S = 0.001  # a head checked this recently is not checked again: see ReleaseStore.head
 _RACY_NS = 100_000_000  # a ref file younger than this (0.1 s) is looked up again: see ReleaseStore.head
 PENDING_REF = "refs/reef/pending/"
 PROMOTED_REF = "refs/reef/promoted/"
@@ -257,6 +258,7 @@ class ReleaseStore:
         self._guard_path = self.path / GUARD
         self._local = threading.local()
         self._heads: dict[str, tuple[tuple[int, int, int], str | None]] = {}  # ref -> (stat key, target)
+        self._fresh: dict[str, tuple[float, str | None]] = {}  # ref -> (monotonic time of the check, target)
         self._cache: dict[str, tuple[str, bytes, str]] = {}
         self._cache_lock = threading.Lock()
         pygit2.settings.enable_fsync_gitdir(True)
@@ -325,8 +327,19 @@ class ReleaseStore:
         file, so the answer is kept per ref and reused while the file's inode, mtime and size are unchanged
         (every ref update renames a new file into place). As in git's "racy" index rule, a file modified less
         than ``_RACY_NS`` before it was looked at is never trusted from the cache: two updates within one
-        timestamp tick could otherwise look alike. A ref git has packed (no loose file) is always looked up."""
+        timestamp tick could otherwise look alike. A ref git has packed (no loose file) is always looked up. Requests
+        within ``_FRESH_S`` of a check share it (a burst of requests served in one turn of the event loop costs one
+        ``stat``); this store's own ref updates drop it at once."""
         name = SCENARIOS_REF + check_scenario(scenario)
+        now = time.monotonic()
+        fresh = self._fresh.get(name)
+        if fresh is not None and now - fresh[0] < _FRESH_S:
+            return fresh[1]
+        target = self._head(name)
+        self._fresh[name] = (now, target)
+        return target
+
+    def _head(self, name: str) -> str | None:
         try:
             st = os.stat(f"{self.path}/{name}")
         except OSError:
@@ -1045,7 +1058,9 @@ class ReleaseStore:
                                 tx.remove(u.name)
                             else:
                                 tx.set_target(u.name, u.new, message=message)
-                    return  # committed when the with-block closed
+                    for u in updates:  # committed when the with-block closed
+                        self._fresh.pop(u.name, None)
+                    return
                 except pygit2.GitError as e:
                     m = _LOCK_MSG.search(str(e))
                     if m is None:

@@ -17,9 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
-from aiohttp import web
-
-from daemon.app import make_app
+from daemon import web
+from daemon.app import make_app, refusal_body
 from daemon.config import Config
 from daemon.errors import ReefError
 from daemon.serving import Reef
@@ -108,14 +107,13 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     tcp = _tcp_socket(config.host, config.port)
     unix = _unix_socket(config.socket_path)
     reef = Reef(config, token)
-    runner: web.AppRunner | None = None
+    server: web.Server | None = None
     try:
         await reef.start()
-        app = make_app(reef)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=DRAIN_TIMEOUT_S)
-        await runner.setup()
-        await web.SockSite(runner, tcp).start()
-        await web.SockSite(runner, unix).start()
+        server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
+                            log_exception=_log_exception)
+        await server.listen(tcp)
+        await server.listen(unix)
         _write_pid(config.pid_path)
         port = tcp.getsockname()[1]
         log.info("reef serving on http://%s:%s and %s (pid %s)", config.host, port, config.socket_path, os.getpid())
@@ -128,9 +126,9 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("stopping: draining in-flight requests")
     finally:
-        if runner is not None:
+        if server is not None:
             reef.events.close()  # ends event streams (TUI, progress bars): they are not work to drain
-            await runner.cleanup()  # stops accepting, waits for in-flight handlers
+            await server.shutdown(DRAIN_TIMEOUT_S)  # stops accepting, waits for in-flight requests
         await reef.close()
         for path in (config.pid_path, config.socket_path):
             with contextlib.suppress(FileNotFoundError):
@@ -140,6 +138,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         tcp.close()
         unix.close()
         log.info("stopped")
+
+
+def _log_exception(request: web.Request) -> None:
+    log.exception("unexpected error answering %s %s", request.method, request.path)
 
 
 def setup_logging(config: Config, *, to_file: bool) -> None:

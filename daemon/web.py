@@ -1,0 +1,504 @@
+"""The daemon's HTTP/1.1 server: ``httptools`` (llhttp) on ``uvloop`` transports, routes, responses, drain.
+
+Why not aiohttp's server: Reef is a proxy, and a proxy's CPU per request is its throughput. aiohttp's request,
+response, router and middleware objects cost about as much CPU per request as all of Reef's own serve path, and
+on a machine the client and the upstream share, that CPU is taken from them. This server does what the daemon's
+routes need and nothing more, in the way uvicorn's httptools protocol does:
+
+- Requests: ``Content-Length`` or chunked bodies, ``Expect: 100-continue``, keep-alive (HTTP/1.1 by default,
+  HTTP/1.0 when asked), pipelined requests answered in order; a head over ``MAX_HEAD_BYTES`` is a 431 and a
+  malformed request a 400, both closing the connection. A body over the route's limit is refused as soon as it is
+  declared (413, before any of it is read) or, when chunked, as soon as it passes the limit.
+- The handler of a request starts once its head is in; ``Request.read`` waits for the body.
+- Responses: ``Response`` (one write: head and body) or ``StreamResponse`` (chunked; close-delimited for an
+  HTTP/1.0 client), with flow control (a write waits while the client's socket buffer is full). A client that
+  left makes the next stream write raise ``ConnectionResetError``; handlers are never cancelled by a disconnect
+  (a stream still records what was produced).
+- Idle connections close after ``KEEPALIVE_S`` (checked once a second); a head that does not arrive within it
+  closes the connection too.
+- ``Server.shutdown``: stop accepting, close idle connections, let in-flight requests finish (up to a timeout),
+  then cancel what is left and close everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+import httptools
+
+KEEPALIVE_S = 75.0
+MAX_HEAD_BYTES = 64 * 1024
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+class Headers(dict[str, str]):
+    """Request headers: names in lower case, looked up case-insensitively; repeated ones joined by ', '."""
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name.lower() if isinstance(name, str) else name)
+
+
+class BodyTooLarge(Exception):
+    """``Request.read``: the body passed the limit."""
+
+
+class Request:
+    """One request: method, path, query, headers and a body that ``read`` waits for."""
+
+    __slots__ = ("method", "path", "query_string", "headers", "version", "ctx", "match_info", "route",
+                 "content_length", "over_unix", "_conn", "_query", "_chunks", "_size", "_limit", "_complete",
+                 "_too_large", "_waiter")
+
+    def __init__(self, method: str, target: bytes, headers: Headers, version: str, conn: _Connection, ctx: Any,
+                 limit: int, over_unix: bool) -> None:
+        raw_path, _, query = target.partition(b"?")
+        self.method = method
+        self.path = unquote(raw_path.decode("latin-1")) if b"%" in raw_path else raw_path.decode("latin-1")
+        self.query_string = query.decode("latin-1")
+        self.headers = headers
+        self.version = version
+        self._conn = conn
+        self.ctx = ctx
+        self.match_info: dict[str, str] = {}
+        self.route = "unmatched"
+        length = headers.get("content-length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.over_unix = over_unix
+        self._query: dict[str, str] | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._complete = False
+        self._too_large = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The query parameters, percent-decoded (the first of a repeated name)."""
+        if self._query is None:
+            q: dict[str, str] = {}
+            for k, v in parse_qsl(self.query_string, keep_blank_values=True):
+                q.setdefault(k, v)
+            self._query = q
+        return self._query
+
+    @property
+    def body_complete(self) -> bool:
+        """All of the body is in: ``read`` returns without waiting."""
+        return self._complete
+
+    async def read(self) -> bytes:
+        """The whole body; raises ``BodyTooLarge`` past the limit and ``ConnectionResetError`` when the client
+        left before sending all of it."""
+        if not self._complete:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self._too_large:
+            raise BodyTooLarge()
+        return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+
+    # fed by the connection
+
+    def _feed(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._limit:
+            self._too_large = True
+            self._chunks.clear()
+            self._finish()
+        elif not self._too_large:
+            self._chunks.append(data)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._complete = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            if error is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(None)
+
+
+class Response:
+    """A whole response, written at once."""
+
+    __slots__ = ("body", "status", "headers", "close")
+
+    def __init__(self, body: bytes = b"", status: int = 200, content_type: str | None = "application/json",
+                 headers: dict[str, str] | None = None, close: bool = False) -> None:
+        self.body = body
+        self.status = status
+        self.headers = headers if headers is not None else {}
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+        self.close = close  # close the connection after this response
+
+
+def _head(status: int, headers: dict[str, str], extra: str) -> bytes:
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if "\r" not in v and "\n" not in v)
+    return f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n{lines}{extra}\r\n".encode("latin-1", "replace")
+
+
+class StreamResponse:
+    """A response written piece by piece (server-sent events): chunked, or close-delimited for HTTP/1.0."""
+
+    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.headers = headers if headers is not None else {}
+        self._conn: _Connection | None = None
+        self._chunked = True
+        self._head_only = False
+        self.finished = False
+
+    async def prepare(self, request: Request) -> None:
+        conn = self._conn = request._conn
+        conn.responded = True
+        self._chunked = request.version != "1.0"
+        self._head_only = request.method == "HEAD"
+        if not self._chunked:
+            conn.close_after = True
+        extra = "Transfer-Encoding: chunked\r\n" if self._chunked else "Connection: close\r\n"
+        conn.write(_head(self.status, self.headers, extra))
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        assert conn is not None, "prepare() first"
+        if not data or self._head_only:
+            return
+        if conn.lost:
+            raise ConnectionResetError("the client closed the connection")
+        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        if conn.paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked and not self._head_only and not conn.lost:
+            conn.write(b"0\r\n\r\n")
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
+
+
+class Router:
+    """Routes by method and path; ``{name}`` matches one path segment (``Request.match_info[name]``)."""
+
+    def __init__(self) -> None:
+        self._static: dict[str, dict[str, Handler]] = {}
+        self._dynamic: list[tuple[re.Pattern[str], str, dict[str, Handler]]] = []
+
+    def add(self, method: str, pattern: str, handler: Handler) -> None:
+        if "{" not in pattern:
+            self._static.setdefault(pattern, {})[method] = handler
+            return
+        for rx, pat, methods in self._dynamic:
+            if pat == pattern:
+                methods[method] = handler
+                return
+        rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", pattern) + "$")
+        self._dynamic.append((rx, pattern, {method: handler}))
+
+    def resolve(self, request: Request) -> Handler | None:
+        """The handler, with ``match_info`` and ``route`` set; ``None`` when nothing matches the path. A path that
+        matches without the method gives ``MethodNotAllowed``."""
+        path = request.path
+        methods = self._static.get(path)
+        if methods is not None:
+            request.route = path
+        else:
+            for rx, pattern, candidates in self._dynamic:
+                m = rx.match(path)
+                if m is not None:
+                    request.match_info = m.groupdict()
+                    request.route = pattern
+                    methods = candidates
+                    break
+            else:
+                return None
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            raise MethodNotAllowed(request.method, sorted(methods))
+        return handler
+
+
+class MethodNotAllowed(Exception):
+    def __init__(self, method: str, allowed: list[str]) -> None:
+        super().__init__(f"{method} is not allowed here (allowed: {', '.join(allowed)})")
+        self.allowed = allowed
+
+
+class ProtocolFailure(Exception):
+    """A request that is not HTTP/1.x, or one whose head is too large (``status``)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs their handlers in order, writes the answers."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.lost = False
+        self.paused = False
+        self.close_after = False
+        self.responded = False  # the current request's answer has started
+        self._refusal: bytes | None = None  # a malformed request after those in flight: answered after them
+        self._drain: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers = Headers()
+        self._head_bytes = 0
+        self._current: Request | None = None  # the request whose head or body is being parsed
+        self._queue: deque[Request] = deque()  # parsed heads waiting for their turn (pipelining)
+        self._task: asyncio.Task[None] | None = None
+        self.idle_since: float | None = None  # waiting for a request's head since (None: a request is in)
+        self._over_unix = False
+        self._loop = server.loop
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        self._over_unix = sock is not None and sock.family == socket.AF_UNIX
+        self.server.connections.add(self)
+        self.idle_since = self._loop.time()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        self.server.connections.discard(self)
+        if self._current is not None and not self._current._complete:
+            self._current._finish(ConnectionResetError("the client closed the connection mid-body"))
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("the client closed the connection"))
+        self._queue.clear()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except ProtocolFailure as e:
+            self._refuse(e.status, str(e))
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            self._refuse(400, f"malformed HTTP request: {e}")
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drain(self) -> None:
+        if self.paused and not self.lost:
+            self._drain = self._loop.create_future()
+            await self._drain
+
+    def write(self, data: bytes) -> None:
+        if not self.lost:
+            self.transport.write(data)
+
+    # --- httptools callbacks ------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = Headers()
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ProtocolFailure("request line too long", 431)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ProtocolFailure(f"request head over {MAX_HEAD_BYTES} bytes", 431)
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        old = dict.get(self._headers, key)
+        dict.__setitem__(self._headers, key, text if old is None else f"{old}, {text}")
+
+    def on_headers_complete(self) -> None:
+        self.idle_since = None
+        parser = self._parser
+        request = Request(parser.get_method().decode("latin-1"), self._url, self._headers,
+                          parser.get_http_version(), self, self.server.ctx, self.server.max_body,
+                          self._over_unix)
+        self._current = request
+        if request.headers.get("expect", "").lower() == "100-continue" and (
+                request.content_length is None or request.content_length <= self.server.max_body):
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._task is None:
+            self._start(request)
+        else:
+            self._queue.append(request)
+            self.transport.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        if self._current is not None:
+            self._current._feed(body)
+
+    def on_message_complete(self) -> None:
+        request, self._current = self._current, None
+        if request is not None and not request._complete:
+            request._finish()
+
+    # --- serving ------------------------------------------------------------------------------------------
+
+    def _start(self, request: Request) -> None:
+        self._task = self._loop.create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        close = False
+        self.responded = False
+        try:
+            response = await self.server.handler(request)
+            if isinstance(response, StreamResponse):
+                await response.write_eof()
+                close = not response._chunked
+            else:
+                close = response.close
+                self._send(request, response)
+        except Exception:  # the handler maps its errors to responses: anything here is a bug or a lost client
+            close = True
+            if not self.lost:
+                self.server.log_exception(request)
+                if not self.responded:
+                    self.write(self.server.refusal(500, "internal error"))
+        finally:
+            self._task = None
+        # a request answered before all of its body was in (a 413, an early error) leaves bytes that cannot be
+        # skipped safely: the connection closes
+        if close or self.close_after or self.lost or not request._complete or not self._parser.should_keep_alive():
+            self._close()
+        elif self._queue:
+            self._start(self._queue.popleft())
+            if not self._queue and self._refusal is None:
+                self.transport.resume_reading()
+        elif self._refusal is not None:
+            self.write(self._refusal)
+            self._close()
+        else:
+            self.idle_since = self._loop.time()
+
+    def _send(self, request: Request, response: Response) -> None:
+        body = response.body
+        extra = f"Content-Length: {len(body)}\r\n"
+        if response.close:
+            extra += "Connection: close\r\n"
+        head = _head(response.status, response.headers, extra)
+        self.responded = True
+        self.write(head if request.method == "HEAD" else head + body)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that could not be parsed and close; after the requests before it, if any."""
+        if self._task is None:
+            self.write(self.server.refusal(status, message))
+            self._close()
+        else:
+            self._refusal = self.server.refusal(status, message)
+            if not self.lost:
+                self.transport.pause_reading()
+
+    def _close(self) -> None:
+        if not self.lost and not self.transport.is_closing():
+            self.transport.close()
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None
+
+
+class Server:
+    """Serves ``handler`` on listening sockets. ``ctx`` is handed to every request (``Request.ctx``);
+    ``refusal(status, message)`` renders the JSON body answering a request refused before it reached a handler."""
+
+    def __init__(self, handler: Handler, *, ctx: Any, max_body: int, refusal: Callable[[int, str], bytes],
+                 log_exception: Callable[[Request], None], keepalive_s: float = KEEPALIVE_S) -> None:
+        self.handler = handler
+        self.ctx = ctx
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+        self._refusal_body = refusal
+        self.log_exception = log_exception
+        self.connections: set[_Connection] = set()
+        self.loop = asyncio.get_running_loop()
+        self._servers: list[asyncio.AbstractServer] = []
+        # one sweep a second closes idle connections (a timer per request cost more than the sweep)
+        self._sweeper = self.loop.call_later(1.0, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            if conn._task is None and conn.idle_since is not None and now - conn.idle_since > self.keepalive_s:
+                conn._close()
+        self._sweeper = self.loop.call_later(min(1.0, self.keepalive_s / 2), self._sweep)
+
+    def refusal(self, status: int, message: str) -> bytes:
+        """A whole response (closing the connection) for a request that never reached the handler."""
+        body = self._refusal_body(status, message)
+        extra = f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        return _head(status, {"Content-Type": "application/json"}, extra) + body
+
+    async def listen(self, sock: socket.socket) -> None:
+        factory = lambda: _Connection(self)  # noqa: E731
+        if sock.family == socket.AF_UNIX:
+            server = await self.loop.create_unix_server(factory, sock=sock)
+        else:
+            server = await self.loop.create_server(factory, sock=sock)
+        self._servers.append(server)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop accepting; close idle connections; wait up to ``timeout`` for requests in flight; close the rest."""
+        self._sweeper.cancel()
+        for server in self._servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for conn in list(self.connections):
+                if not conn.busy:
+                    conn.close_after = True
+                    conn._close()
+            busy = [c for c in self.connections if c.busy]
+            if not busy or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            task = conn._task
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            conn._close()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+
