@@ -7,17 +7,21 @@ record with a receipt). Figures:
 
 1. latency at concurrency 1, non-streaming: p50 / p99 direct and through Reef; goal: Reef adds <= 2 ms p50;
 2. throughput at concurrency 16, non-streaming: req/s direct and through Reef; goal: Reef keeps >= 1/2. Measured
-   in alternating rounds (direct, reef, reef, direct, ...) so that a change in the shared machine's load during the
-   run falls on both sides alike; the per-round ratios are printed too, and Reef's CPU per request (event-loop
-   thread and the others: record writer, checkpointer);
+   in two arrangements, each in alternating rounds (direct, reef, relay, relay, reef, direct, ...) so that a change
+   in the machine's load falls on every side alike:
+   a. "own core": Reef on one CPU, the client and the upstream on the other, for the direct rounds too. This is
+      what the goal asks: does a proxy with a core of its own keep up with what client and upstream produce?
+   b. "shared": every process on every CPU. On a 2-core machine this mostly measures how much CPU Reef takes
+      from the client and the upstream: even the do-nothing relay keeps only about 0.5-0.7 of direct here.
+   Printed with each: the per-round ratios, the do-nothing relay's figure (the floor any proxy built like Reef
+   has), and CPU per request of each process and of Reef's threads (event loop; record writer, checkpointer);
 3. time to first token of a stream at concurrency 1 (first content chunk): p50 direct and through Reef;
    goal: Reef adds <= 2 ms.
 
 Also printed: Reef's own ``Server-Timing`` split (engine = upstream round trip, record = durable write) at
 concurrency 1, to show where Reef's time goes.
 
-Run: ``.venv/bin/python bench/proxy_overhead.py [--requests N]``. Note that client, Reef and upstream share the
-machine's cores, so the concurrency-16 ratio also measures the CPU Reef takes from the other two.
+Run: ``.venv/bin/python bench/proxy_overhead.py [--requests N]`` (about a minute).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -101,28 +106,38 @@ def serve_upstream(port: int) -> None:
 
 
 def serve_relay(port: int, up_port: int) -> None:
-    """A do-nothing relay: aiohttp's server and Reef's own lean upstream client (``daemon/engines/http.py``), the
-    body passed through as bytes: no parsing, no auth, no record. What any proxy built like Reef costs at least."""
+    """A do-nothing relay: Reef's own HTTP server (``daemon/web.py``) and upstream client (``daemon/engines/http.py``),
+    the body passed through as bytes: no parsing, no auth, no record. What any proxy built like Reef costs at least."""
     import uvloop
-    from aiohttp import web
 
+    from daemon import web
     from daemon.engines import http
 
-    pool = http.Pool("http", "127.0.0.1", up_port, connect_timeout=5)
+    async def main() -> None:
+        pool = http.Pool("http", "127.0.0.1", up_port, connect_timeout=5)
 
-    async def chat(request: web.Request) -> web.Response:
-        raw = await request.read()
-        head = http.request_head("POST", "/v1/chat/completions", pool.host_header,
-                                 "Content-Type: application/json\r\n", len(raw))
-        resp, _ = await pool.request(head, raw, timeout=30)
-        data = await resp.read(30)
-        resp.release()
-        return web.Response(body=data, content_type="application/json")
+        async def chat(request: web.Request) -> web.Response:
+            if request.method != "POST":
+                return web.Response(b"", status=404)
+            raw = await request.read()
+            head = http.request_head("POST", "/v1/chat/completions", pool.host_header,
+                                     "Content-Type: application/json\r\n", len(raw))
+            resp, _ = await pool.request(head, raw, timeout=30)
+            data = await resp.read(30)
+            resp.release()
+            return web.Response(data)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+        server = web.Server(chat, ctx=None, max_body=1 << 20, refusal=lambda status, msg: b"{}",
+                            log_exception=lambda request: None)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        sock.setblocking(False)
+        await server.listen(sock)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 # --- measuring ------------------------------------------------------------------------------------------------
@@ -261,57 +276,45 @@ async def bench(n: int, up_port: int, reef_port: int, relay_port: int, token: st
 
         lat = {t.name: await latency(t, session, n) for t in (direct, reef)}
         split = Target.timings(reef.server_timing)
-        # throughput in alternating rounds (direct, reef, reef, direct, ...): a drift in the machine's load during
-        # the run (other processes on shared cores) falls on both sides alike instead of on whichever ran second
         per_round = max(n, 250)
-        sides = (direct, reef, relay)
-        tput_n = {t.name: 0 for t in sides}
-        tput_s = {t.name: 0.0 for t in sides}
-        cpu_sum = {t.name: [0.0] * (len(procs) + 1) for t in sides}
-        threads_sum: dict[str, float] = {}
-        round_ratios = []
-        for r in range(ROUNDS):
-            rate = {}
-            for t in sides if r % 2 == 0 else sides[::-1]:
-                before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
-                threads0 = thread_cpu_s(procs[1].pid) if t is reef else {}
-                t0 = time.perf_counter()
-                rate[t.name] = await throughput(t, session, per_round, 16)
-                tput_s[t.name] += time.perf_counter() - t0
-                tput_n[t.name] += per_round
-                after = [cpu_s(p.pid) for p in procs] + [time.process_time()]
-                cpu_sum[t.name] = [c + a - b for c, a, b in zip(cpu_sum[t.name], after, before, strict=True)]
-                for name, secs in thread_cpu_s(procs[1].pid).items() if t is reef else ():
-                    threads_sum[name] = threads_sum.get(name, 0.0) + secs - threads0.get(name, 0.0)
-            round_ratios.append(rate["reef"] / rate["direct"])
-        tput = {k: tput_n[k] / tput_s[k] for k in tput_n}
-        cpu = {k: [c * 1e3 / tput_n[k] for c in v] for k, v in cpu_sum.items()}
-        threads_ms = {k: v * 1e3 / tput_n["reef"] for k, v in threads_sum.items()}
+        arrangements = [a for a in ("own core", "shared") if a == "shared" or len(CPUS) >= 2]
+        tput = {a: await throughput_rounds(a, (direct, reef, relay), session, per_round, procs) for a in arrangements}
         conc_split = Target.timings(reef.server_timing[len(split):])
+        pin(procs, None)
         first = {t.name: await ttft(t, session, max(n // 2, 100)) for t in (direct, reef)}
 
     d50, r50 = statistics.median(lat["direct"]) * 1e3, statistics.median(lat["reef"]) * 1e3
     d99, r99 = pct(lat["direct"], 0.99) * 1e3, pct(lat["reef"], 0.99) * 1e3
     f50d, f50r = statistics.median(first["direct"]) * 1e3, statistics.median(first["reef"]) * 1e3
-    ratio = tput["reef"] / tput["direct"]
 
     def ok(flag: bool) -> str:
         return "ok" if flag else "MISSED"
 
-    print(f"requests per figure: {n} (latency), {ROUNDS * max(n, 250)} (throughput), {max(n // 2, 100)} (ttft);"
-          f" load average {load0:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (above the client, Reef and"
-          " upstream's own share, other processes took CPU from the run)")
+    print(f"requests per figure: {n} (latency), {ROUNDS * per_round} per side and arrangement (throughput),"
+          f" {max(n // 2, 100)} (ttft); load average {load0:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+          " (above the client, Reef and upstream's own share, other processes took CPU from the run)")
     print(f"1. latency c=1, non-streaming   direct p50 {d50:6.3f} ms  p99 {d99:6.3f} ms")
     print(f"                                reef   p50 {r50:6.3f} ms  p99 {r99:6.3f} ms")
     print(f"   reef adds                    p50 {r50 - d50:+6.3f} ms  p99 {r99 - d99:+6.3f} ms"
           f"  (ratio {r50 / d50:.2f}x)  goal <= +2 ms p50: {ok(r50 - d50 <= 2)}")
-    print(f"2. throughput c=16              direct {tput['direct']:7.0f} req/s   reef {tput['reef']:7.0f} req/s"
-          f"  ratio {ratio:.2f}  goal >= 0.50: {ok(ratio >= 0.5)}")
-    print(f"   ({ROUNDS} alternating rounds of {per_round} requests each side; ratio per round "
-          f"{' '.join(f'{x:.2f}' for x in round_ratios)})")
-    print(f"   floor: a do-nothing relay (aiohttp server + Reef's upstream client, no parsing, no record) "
-          f"{tput['relay']:7.0f} req/s  ratio {tput['relay'] / tput['direct']:.2f}; Reef keeps "
-          f"{tput['reef'] / tput['relay']:.2f} of the relay's throughput")
+    for a, (rate, ratios, cpu, threads_ms) in tput.items():
+        ratio = rate["reef"] / rate["direct"]
+        where = ("Reef (and the relay) on CPU 0; client and upstream on CPU 1, for the direct runs too"
+                 if a == "own core" else "client, upstream and Reef all share every CPU")
+        label = "2a" if a == "own core" else "2b"
+        print(f"{label}. throughput c=16, {a + ':':9} direct {rate['direct']:7.0f} req/s   reef {rate['reef']:7.0f} req/s"
+              f"  ratio {ratio:.2f}  goal >= 0.50: {ok(ratio >= 0.5)}")
+        print(f"    ({where}; {ROUNDS} alternating rounds of {per_round} requests each side; ratio per round "
+              f"{' '.join(f'{x:.2f}' for x in ratios)})")
+        print(f"    floor: a do-nothing relay (Reef's HTTP server and upstream client, no parsing, no record) "
+              f"{rate['relay']:7.0f} req/s  ratio {rate['relay'] / rate['direct']:.2f}; Reef keeps "
+              f"{rate['reef'] / rate['relay']:.2f} of the relay's throughput")
+        for name in ("direct", "reef", "relay"):
+            up, daemon, relay_cpu, client = cpu[name]
+            middle = {"direct": "", "reef": f"  reef {daemon:.3f} ms", "relay": f"  relay {relay_cpu:.3f} ms"}[name]
+            print(f"    CPU per request, {name:6}: upstream {up:.3f} ms{middle}  client {client:.3f} ms")
+        busy = sorted(((ms, name) for name, ms in threads_ms.items() if ms >= 0.0005), reverse=True)
+        print("    reef CPU per request: " + "  ".join(f"{name} {ms:.3f} ms" for ms, name in busy))
     print(f"3. time to first token c=1      direct p50 {f50d:6.3f} ms   reef p50 {f50r:6.3f} ms"
           f"  adds {f50r - f50d:+6.3f} ms (ratio {f50r / f50d:.2f}x)  goal <= +2 ms: {ok(f50r - f50d <= 2)}")
     for name, rows in (("c=1", split), ("c=16", conc_split)):
@@ -319,12 +322,56 @@ async def bench(n: int, up_port: int, reef_port: int, relay_port: int, token: st
             keys = sorted({k for s in rows for k in s})
             parts = "  ".join(f"{k} {statistics.median(s.get(k, 0.0) for s in rows):.3f} ms" for k in keys)
             print(f"   reef Server-Timing p50 ({name}): {parts}")
-    for name in ("direct", "reef", "relay"):
-        up, daemon, relay_cpu, client = cpu[name]
-        middle = {"direct": "", "reef": f"  reef {daemon:.3f} ms", "relay": f"  relay {relay_cpu:.3f} ms"}[name]
-        print(f"   CPU per request at c=16, {name:6}: upstream {up:.3f} ms{middle}  client {client:.3f} ms")
-    busy = sorted(((ms, name) for name, ms in threads_ms.items() if ms >= 0.0005), reverse=True)
-    print("   reef CPU per request at c=16: " + "  ".join(f"{name} {ms:.3f} ms" for ms, name in busy))
+
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def pin(procs: list[subprocess.Popen[bytes]], arrangement: str | None) -> None:
+    """``own core``: Reef and the relay on the first CPU, upstream and client (this process) on the second; else
+    every process on every CPU. Every thread of each process is moved (the record writer too)."""
+    everything = set(CPUS)
+    mine, others = ({CPUS[0]}, set(CPUS[1:])) if arrangement == "own core" else (everything, everything)
+    for i, p in enumerate(procs):  # upstream, reef, relay
+        cpus = mine if i in (1, 2) else others
+        for task in Path(f"/proc/{p.pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:
+                pass
+    os.sched_setaffinity(0, others)
+
+
+async def throughput_rounds(arrangement: str, sides: tuple[Target, ...], session: aiohttp.ClientSession,
+                            per_round: int, procs: list[subprocess.Popen[bytes]]) -> tuple[Any, ...]:
+    """Throughput at concurrency 16 of each side in alternating rounds (direct, reef, relay, relay, reef, ...): a
+    drift in the machine's load during the run falls on every side alike instead of on whichever ran last."""
+    pin(procs, arrangement)
+    await throughput(sides[0], session, 200, 16)  # settle after the move
+    tput_n = {t.name: 0 for t in sides}
+    tput_s = {t.name: 0.0 for t in sides}
+    cpu_sum = {t.name: [0.0] * (len(procs) + 1) for t in sides}
+    threads_sum: dict[str, float] = {}
+    round_ratios = []
+    reef_pid = procs[1].pid
+    for r in range(ROUNDS):
+        rate = {}
+        for t in sides if r % 2 == 0 else sides[::-1]:
+            before = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+            threads0 = thread_cpu_s(reef_pid) if t.name == "reef" else {}
+            t0 = time.perf_counter()
+            rate[t.name] = await throughput(t, session, per_round, 16)
+            tput_s[t.name] += time.perf_counter() - t0
+            tput_n[t.name] += per_round
+            after = [cpu_s(p.pid) for p in procs] + [time.process_time()]
+            cpu_sum[t.name] = [c + a - b for c, a, b in zip(cpu_sum[t.name], after, before, strict=True)]
+            for name, secs in thread_cpu_s(reef_pid).items() if t.name == "reef" else ():
+                threads_sum[name] = threads_sum.get(name, 0.0) + secs - threads0.get(name, 0.0)
+        round_ratios.append(rate["reef"] / rate["direct"])
+    rates = {k: tput_n[k] / tput_s[k] for k in tput_n}
+    cpu = {k: [c * 1e3 / tput_n[k] for c in v] for k, v in cpu_sum.items()}
+    threads_ms = {k: v * 1e3 / tput_n["reef"] for k, v in threads_sum.items()}
+    return rates, round_ratios, cpu, threads_ms
 
 
 def main() -> None:

@@ -273,7 +273,11 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._current: Request | None = None  # the request whose head or body is being parsed
         self._queue: deque[Request] = deque()  # parsed heads waiting for their turn (pipelining)
-        self._task: asyncio.Task[None] | None = None
+        # one task per connection serves its requests in turn (a task per request cost more: creation and
+        # asyncio's registry of tasks); ``busy`` from the moment a request is handed to it until it is answered
+        self._worker: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Future[None] | None = None
+        self.busy = False
         self.idle_since: float | None = None  # waiting for a request's head since (None: a request is in)
         self._over_unix = False
         self._loop = server.loop
@@ -295,6 +299,8 @@ class _Connection(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
         self._queue.clear()
+        if self._worker is not None and not self.busy:
+            self._worker.cancel()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -355,11 +361,15 @@ class _Connection(asyncio.Protocol):
         if request.headers.get("expect", "").lower() == "100-continue" and (
                 request.content_length is None or request.content_length <= self.server.max_body):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if self._task is None:
-            self._start(request)
-        else:
-            self._queue.append(request)
+        self._queue.append(request)
+        if self.busy:  # pipelined behind one in flight: no more reading until it is answered
             self.transport.pause_reading()
+            return
+        self.busy = True
+        if self._worker is None:
+            self._worker = self._loop.create_task(self._work())
+        elif self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         if self._current is not None:
@@ -372,10 +382,34 @@ class _Connection(asyncio.Protocol):
 
     # --- serving ------------------------------------------------------------------------------------------
 
-    def _start(self, request: Request) -> None:
-        self._task = self._loop.create_task(self._serve(request))
+    async def _work(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup = self._loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+            request = self._queue.popleft()
+            keep = await self._serve(request)
+            # a request answered before all of its body was in (a 413, an early error) leaves bytes that cannot
+            # be skipped safely: the connection closes
+            if not keep or self.close_after or self.lost or not request._complete or \
+                    not self._parser.should_keep_alive():
+                self.busy = False
+                self._close()
+                return
+            if self._queue:
+                if len(self._queue) == 1 and self._refusal is None:
+                    self.transport.resume_reading()
+                continue
+            self.busy = False
+            if self._refusal is not None:
+                self.write(self._refusal)
+                self._close()
+                return
+            self.idle_since = self._loop.time()
 
-    async def _serve(self, request: Request) -> None:
+    async def _serve(self, request: Request) -> bool:
+        """Answer one request; whether the connection may stay open."""
         close = False
         self.responded = False
         try:
@@ -392,21 +426,7 @@ class _Connection(asyncio.Protocol):
                 self.server.log_exception(request)
                 if not self.responded:
                     self.write(self.server.refusal(500, "internal error"))
-        finally:
-            self._task = None
-        # a request answered before all of its body was in (a 413, an early error) leaves bytes that cannot be
-        # skipped safely: the connection closes
-        if close or self.close_after or self.lost or not request._complete or not self._parser.should_keep_alive():
-            self._close()
-        elif self._queue:
-            self._start(self._queue.popleft())
-            if not self._queue and self._refusal is None:
-                self.transport.resume_reading()
-        elif self._refusal is not None:
-            self.write(self._refusal)
-            self._close()
-        else:
-            self.idle_since = self._loop.time()
+        return not close
 
     def _send(self, request: Request, response: Response) -> None:
         body = response.body
@@ -419,7 +439,7 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request that could not be parsed and close; after the requests before it, if any."""
-        if self._task is None:
+        if not self.busy:
             self.write(self.server.refusal(status, message))
             self._close()
         else:
@@ -430,10 +450,6 @@ class _Connection(asyncio.Protocol):
     def _close(self) -> None:
         if not self.lost and not self.transport.is_closing():
             self.transport.close()
-
-    @property
-    def busy(self) -> bool:
-        return self._task is not None
 
 
 class Server:
@@ -457,7 +473,7 @@ class Server:
     def _sweep(self) -> None:
         now = self.loop.time()
         for conn in list(self.connections):
-            if conn._task is None and conn.idle_since is not None and now - conn.idle_since > self.keepalive_s:
+            if not conn.busy and conn.idle_since is not None and now - conn.idle_since > self.keepalive_s:
                 conn._close()
         self._sweeper = self.loop.call_later(min(1.0, self.keepalive_s / 2), self._sweep)
 
@@ -484,16 +500,16 @@ class Server:
         deadline = loop.time() + timeout
         while True:
             for conn in list(self.connections):
+                conn.close_after = True  # answered requests end their connection
                 if not conn.busy:
-                    conn.close_after = True
                     conn._close()
             busy = [c for c in self.connections if c.busy]
             if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            task = conn._task
-            if task is not None:
+            task = conn._worker
+            if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task

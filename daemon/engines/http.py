@@ -216,7 +216,10 @@ class Pool:
     async def request(self, head: bytes, body: bytes, *, timeout: float | None) -> tuple[Response, bool]:
         """Send ``head`` (request line and headers, up to the blank line) and ``body``; returns the response once
         its headers are in (within ``timeout``), and whether the connection was a new one."""
-        conn, fresh = await self._get()
+        conn = self._idle_connection()
+        fresh = conn is None
+        if conn is None:
+            conn = await self._connect()
         loop = asyncio.get_running_loop()
         conn._reset(loop)
         assert conn.transport is not None and conn.head is not None
@@ -232,16 +235,17 @@ class Pool:
                 timer.cancel()
         return Response(self, conn), fresh
 
-    async def _get(self) -> tuple[_Connection, bool]:
+    def _idle_connection(self) -> _Connection | None:
+        """A kept-alive connection still open and not idle too long (the most recently used), else ``None``."""
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
             transport = conn.transport
             if not conn.lost and transport is not None and not transport.is_closing() and \
                     now - conn.idle_since < self.keepalive_s:
-                return conn, False
+                return conn
             self._discard(conn)
-        return await self._connect(), True
+        return None
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
