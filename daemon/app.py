@@ -26,8 +26,8 @@ from types import ModuleType
 from typing import Any
 
 import orjson
-from daemon import web
 
+from daemon import web
 from daemon.errors import (
     BadRequest,
     NotFound,

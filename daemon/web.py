@@ -61,7 +61,7 @@ class Request:
     """One request: method, path, query, headers and a body that ``read`` waits for."""
 
     __slots__ = ("method", "path", "query_string", "headers", "version", "ctx", "match_info", "route",
-                 "content_length", "over_unix", "_conn", "_query", "_chunks", "_size", "_limit", "_complete",
+                 "content_length", "over_unix", "keep_alive", "_conn", "_query", "_chunks", "_size", "_limit", "_complete",
                  "_too_large", "_waiter")
 
     def __init__(self, method: str, target: bytes, headers: Headers, version: str, conn: _Connection, ctx: Any,
@@ -79,6 +79,7 @@ class Request:
         length = headers.get("content-length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self.over_unix = over_unix
+        self.keep_alive = True  # the client's wish (HTTP/1.1 unless "Connection: close"; HTTP/1.0 if it asks)
         self._query: dict[str, str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
@@ -209,7 +210,7 @@ class Router:
         if "{" not in pattern:
             self._static.setdefault(pattern, {})[method] = handler
             return
-        for rx, pat, methods in self._dynamic:
+        for _, pat, methods in self._dynamic:
             if pat == pattern:
                 methods[method] = handler
                 return
@@ -271,6 +272,9 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = Headers()
         self._head_bytes = 0
+        self._unparsed = 0
+        self._failure: ProtocolFailure | None = None
+        self._lingering = False
         self._current: Request | None = None  # the request whose head or body is being parsed
         self._queue: deque[Request] = deque()  # parsed heads waiting for their turn (pipelining)
         # one task per connection serves its requests in turn (a task per request cost more: creation and
@@ -303,14 +307,23 @@ class _Connection(asyncio.Protocol):
             self._worker.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # refused: what the client still sends is read and dropped
+            return
+        if self._current is None:  # a head being read: httptools buffers a header whole, so bound it here
+            self._unparsed += len(data)
+            if self._unparsed > 2 * MAX_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                return
         try:
             self._parser.feed_data(data)
-        except ProtocolFailure as e:
-            self._refuse(e.status, str(e))
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as e:
-            self._refuse(400, f"malformed HTTP request: {e}")
+            failure = self._failure or e.__context__
+            if isinstance(failure, ProtocolFailure):
+                self._refuse(failure.status, str(failure))
+            else:
+                self._refuse(400, f"malformed HTTP request: {e}")
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -340,12 +353,14 @@ class _Connection(asyncio.Protocol):
         self._url += url
         self._head_bytes += len(url)
         if self._head_bytes > MAX_HEAD_BYTES:
-            raise ProtocolFailure("request line too long", 431)
+            self._failure = ProtocolFailure("request line too long", 431)
+            raise self._failure
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
-            raise ProtocolFailure(f"request head over {MAX_HEAD_BYTES} bytes", 431)
+            self._failure = ProtocolFailure(f"request head over {MAX_HEAD_BYTES} bytes", 431)
+            raise self._failure
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         old = dict.get(self._headers, key)
@@ -353,10 +368,12 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.idle_since = None
+        self._unparsed = 0
         parser = self._parser
         request = Request(parser.get_method().decode("latin-1"), self._url, self._headers,
                           parser.get_http_version(), self, self.server.ctx, self.server.max_body,
                           self._over_unix)
+        request.keep_alive = parser.should_keep_alive()  # read now: the parser forgets it once the message ends
         self._current = request
         if request.headers.get("expect", "").lower() == "100-continue" and (
                 request.content_length is None or request.content_length <= self.server.max_body):
@@ -392,8 +409,7 @@ class _Connection(asyncio.Protocol):
             keep = await self._serve(request)
             # a request answered before all of its body was in (a 413, an early error) leaves bytes that cannot
             # be skipped safely: the connection closes
-            if not keep or self.close_after or self.lost or not request._complete or \
-                    not self._parser.should_keep_alive():
+            if not keep or self.close_after or self.lost or not request._complete or not request.keep_alive:
                 self.busy = False
                 self._close()
                 return
@@ -404,7 +420,7 @@ class _Connection(asyncio.Protocol):
             self.busy = False
             if self._refusal is not None:
                 self.write(self._refusal)
-                self._close()
+                self._linger()
                 return
             self.idle_since = self._loop.time()
 
@@ -431,8 +447,10 @@ class _Connection(asyncio.Protocol):
     def _send(self, request: Request, response: Response) -> None:
         body = response.body
         extra = f"Content-Length: {len(body)}\r\n"
-        if response.close:
+        if response.close or not request.keep_alive:
             extra += "Connection: close\r\n"
+        elif request.version == "1.0":
+            extra += "Connection: keep-alive\r\n"
         head = _head(response.status, response.headers, extra)
         self.responded = True
         self.write(head if request.method == "HEAD" else head + body)
@@ -441,11 +459,25 @@ class _Connection(asyncio.Protocol):
         """Answer a request that could not be parsed and close; after the requests before it, if any."""
         if not self.busy:
             self.write(self.server.refusal(status, message))
-            self._close()
+            self._linger()
         else:
             self._refusal = self.server.refusal(status, message)
             if not self.lost:
                 self.transport.pause_reading()
+
+    def _linger(self) -> None:
+        """Close after a refusal without losing it: closing a socket with unread input resets the connection,
+        and the client may never see the answer. So: send it, end our side, drop the client's further bytes
+        for up to two seconds (or until it closes), then close."""
+        self._lingering = True
+        if self.lost or self.transport.is_closing():
+            return
+        try:
+            self.transport.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            self._close()
+            return
+        self._loop.call_later(2.0, self._close)
 
     def _close(self) -> None:
         if not self.lost and not self.transport.is_closing():
