@@ -221,6 +221,7 @@ class RecordStore:
         self._queue_lock = threading.Lock()
         self._stopping = False
         self._pending: dict[asyncio.AbstractEventLoop, list[_Write]] = {}  # per loop: writes not yet handed over
+        self._loops: dict[int, asyncio.AbstractEventLoop] = {}  # per thread: the loop it last wrote from
         self._local = threading.local()
         self._scenario_cache: dict[str, Scenario] = {}
         self._writer_conn = self._open(write=True)
@@ -423,7 +424,9 @@ class RecordStore:
 
     async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
-        loop = asyncio.get_running_loop()
+        loop = self._loops.get(threading.get_ident())
+        if loop is None or not loop.is_running():  # a thread runs one loop at a time: a running one is this one
+            loop = self._loops[threading.get_ident()] = asyncio.get_running_loop()  # (a getpid() call on 3.11)
         fut = loop.create_future()
         pending = self._pending.get(loop)
         if pending is None:  # the first write of this loop iteration: hand the batch over at the next one

@@ -56,6 +56,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by Pool._connect
         self.lost = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
@@ -148,7 +149,7 @@ class Response:
         conn = self._conn
         if conn.error is not None:
             raise conn.error
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         waiter = conn.waiter = loop.create_future()
         timer = None if timeout is None else loop.call_later(timeout, _late, waiter)
         try:
@@ -220,7 +221,7 @@ class Pool:
         fresh = conn is None
         if conn is None:
             conn = await self._connect()
-        loop = asyncio.get_running_loop()
+        loop = conn.loop  # not asyncio.get_running_loop(): on Python 3.11 that is a getpid() system call
         conn._reset(loop)
         assert conn.transport is not None and conn.head is not None
         conn.transport.write(head + body)
@@ -266,6 +267,7 @@ class Pool:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s", timeout=True) from None
         except OSError as e:
             raise ConnectFailed(str(e) or type(e).__name__) from None
+        conn.loop = loop
         return conn
 
     def _put(self, conn: _Connection) -> None:
