@@ -790,6 +790,22 @@ def test_openai_reasoning_model_upstream(front: Daemon, stub: str) -> None:
     assert "max_tokens" not in sent and "temperature" not in sent
 
 
+@pytest.mark.parametrize(("budget", "effort"), [(1024, "low"), (10_000, "medium"), (31_999, "high")])
+def test_thinking_budget_becomes_reasoning_effort(front: Daemon, stub: str, budget: int, effort: str) -> None:
+    """Claude Code's "think" / "think hard" / "ultrathink" budgets reach an OpenAI reasoning model as its effort;
+    a model that is not a reasoning model (which would refuse the field) gets none and still answers."""
+    thinking = {"type": "enabled", "budget_tokens": budget}
+    with anthropic.Anthropic(base_url=front.url, api_key=front.token, max_retries=0) as c, httpx.Client() as s:
+        for scen, model in (("stub-o3", "o3-mini"), ("stub-chat", "stub-model")):
+            with c.messages.stream(model="claude-x", max_tokens=budget + 100, thinking=thinking,  # type: ignore[arg-type]
+                                   messages=[{"role": "user", "content": "hi"}],
+                                   extra_headers={"x-reef-scenario": scen}) as events:
+                msg = events.get_final_message()
+            sent = s.get(stub + "/_stub/requests").json()[-1]["body"]
+            assert msg.content[-1].text == "stub says hello" and sent["model"] == model
+            assert sent.get("reasoning_effort") == (effort if model == "o3-mini" else None)
+
+
 def test_count_tokens(front: Daemon, upstream: Daemon, stub: str) -> None:
     body = {"model": "m", "system": "be brief", "messages": [{"role": "user", "content": "count these words"}]}
     with front.http() as http, upstream.http() as direct, httpx.Client() as s:

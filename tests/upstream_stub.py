@@ -16,7 +16,8 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``text=...``: answer this text;
 - ``thinking`` (Anthropic): a thinking block with its signature and a ``redacted_thinking`` block come first.
 
-Like OpenAI, a chat request for a reasoning model (``o3-mini``...) that sends ``max_tokens`` or a ``temperature``
+Like OpenAI, a request with a reasoning effort for a model that is not a reasoning model is refused, and a chat
+request for a reasoning model (``o3-mini``...) that sends ``max_tokens`` or a ``temperature``
 is refused (400). Chat chunks and bodies carry ``system_fingerprint: fp_stub`` (a field Reef does not model).
 
 Without directives it answers ``stub says hello``, or ``tool said: <result>`` when the last message is a tool
@@ -270,6 +271,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
         headers = {"Retry-After": "7"} if status in (429, 503) else None
         return web.json_response(error_body(fmt, status, f"stub refuses: status {status}"), status=status,
                                  headers=headers)
+    if fmt != "anthropic" and not re.match(r"o\d", model) and ("reasoning_effort" in body or "reasoning" in body):
+        param = "reasoning_effort" if "reasoning_effort" in body else "reasoning.effort"
+        message = f"Unsupported parameter: '{param}' is not supported with this model."
+        return web.json_response(error_body(fmt, 400, message), status=400)
     if fmt == "chat" and re.match(r"o\d", model) and ("max_tokens" in body or "temperature" in body):
         param = "max_tokens" if "max_tokens" in body else "temperature"
         message = (f"Unsupported parameter: '{param}' is not supported with this model."

@@ -280,8 +280,9 @@ def error_body(err: ReefError) -> dict:
 # (chat allows them anywhere; multi-block system prompts are joined by blank lines). Thinking of earlier turns is
 # dropped (chat servers take none back, and some refuse it). A tool result with ``is_error`` gets an ``Error: ``
 # prefix (chat has no error flag); images in tool results follow the tool messages as one user message (chat tool
-# messages carry text only). ``top_k`` and Anthropic's ``thinking`` / ``metadata`` / cache hints have no chat
-# equivalent and are dropped; the token limit goes out as ``max_tokens``, the field every chat server accepts,
+# messages carry text only). ``top_k``, Anthropic's ``metadata`` and cache hints have no chat equivalent and are
+# dropped; Anthropic's ``thinking`` budget becomes ``reasoning_effort`` (``sse.thinking_effort``) for a reasoning
+# model and is dropped for any other (they refuse the field); the token limit goes out as ``max_tokens``, the field every chat server accepts,
 # except to OpenAI's reasoning models (``o1``, ``o3-mini``, ``o4-mini``, ``gpt-5``..., by name, with or without a
 # ``provider/`` prefix): those refuse ``max_tokens`` and take ``max_completion_tokens`` (which counts reasoning
 # tokens too), and refuse any ``temperature`` / ``top_p`` but the default, so those are dropped for them.
@@ -376,7 +377,7 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
             else {"type": "json_schema",
                   "json_schema": {"name": fmt["name"], "schema": fmt["schema"], "strict": fmt["strict"]}}
         )
-    if intent.reasoning_effort is not None:
+    if intent.reasoning_effort is not None and (reasoning_model(model) or not intent.effort_from_thinking):
         body["reasoning_effort"] = intent.reasoning_effort
     if stream:
         body["stream"] = True

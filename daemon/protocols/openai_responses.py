@@ -33,6 +33,7 @@ from daemon.exchange import (
     Usage,
 )
 from daemon.protocols.openai_chat import error_body as error_body  # the same error shape as chat
+from daemon.protocols.openai_chat import reasoning_model
 from daemon.protocols.sse import (
     bad_upstream,
     check_translatable,
@@ -419,7 +420,9 @@ def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list
 # defaults to strict schemas, which ordinary tool schemas fail); thinking of earlier turns is dropped (Responses
 # takes reasoning back only as its own encrypted items); a tool result with ``is_error`` gets an ``Error: ``
 # prefix. ``seed`` and ``top_k`` have no equivalent and are dropped; stop sequences have none either and are
-# refused (400), since dropping them would let the answer run past where the client wants it cut.
+# refused (400), since dropping them would let the answer run past where the client wants it cut. OpenAI's
+# reasoning models (``openai_chat.reasoning_model``) get no ``temperature`` / ``top_p`` (they refuse them), and
+# Anthropic's ``thinking`` budget as ``reasoning.effort``; other models get no effort read from a budget.
 
 
 def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
@@ -481,12 +484,15 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
         if intent.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = intent.parallel_tool_calls
     s = ex.sampling
-    for key, value in (("max_output_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p)):
+    thinks = reasoning_model(model)  # OpenAI's reasoning models refuse temperature and top_p but the default
+    sampling = (("max_output_tokens", s.max_tokens),) if thinks else (
+        ("max_output_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p))
+    for key, value in sampling:
         if value is not None:
             body[key] = value
     if (fmt := intent.json_format) is not None:
         body["text"] = {"format": fmt}
-    if intent.reasoning_effort is not None:
+    if intent.reasoning_effort is not None and (thinks or not intent.effort_from_thinking):
         body["reasoning"] = {"effort": intent.reasoning_effort}
     body["store"] = False
     if stream:

@@ -302,11 +302,19 @@ class Intent:
     # {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"}
     json_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # the effort was read from Anthropic's thinking budget, not asked by name: sent only to reasoning models
+    effort_from_thinking: bool = False
     # (param, kind) of tools the neutral form has no schema for
     builtin_tools: list[tuple[str, str]] = dc_field(default_factory=list)
     # (param, what): asked for, with no equivalent in any other format
     unsupported: list[tuple[str, str]] = dc_field(default_factory=list)
     logprobs: str | None = None  # the param that asked for log-probs
+
+
+def thinking_effort(budget_tokens: int) -> str:
+    """Anthropic's thinking budget as an OpenAI reasoning effort: Claude Code asks 4,000 tokens to "think",
+    10,000 to "think hard" and 31,999 to "ultrathink"."""
+    return "low" if budget_tokens < 4096 else "medium" if budget_tokens < 16384 else "high"
 
 
 def request_intent(ex: Exchange) -> Intent:
@@ -328,6 +336,11 @@ def request_intent(ex: Exchange) -> Intent:
         for key in ("mcp_servers", "container"):
             if body.get(key):
                 intent.unsupported.append((key, "Anthropic-hosted MCP servers and containers"))
+        thinking = body.get("thinking")
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        if isinstance(thinking, dict) and thinking.get("type") == "enabled" and type(budget) is int:
+            intent.reasoning_effort = thinking_effort(budget)
+            intent.effort_from_thinking = True
         return intent
     if isinstance(body.get("parallel_tool_calls"), bool):
         intent.parallel_tool_calls = body["parallel_tool_calls"]
