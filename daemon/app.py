@@ -140,6 +140,8 @@ async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
                 raw = await request.read()
     except web.BodyTooLarge:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+    except web.MalformedBody as e:
+        raise BadRequest(f"malformed request body: {e}") from None
     except TimeoutError:
         raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
     return parse_json_text(raw)

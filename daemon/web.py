@@ -61,8 +61,8 @@ class Request:
     """One request: method, path, query, headers and a body that ``read`` waits for."""
 
     __slots__ = ("method", "path", "query_string", "headers", "version", "ctx", "match_info", "route",
-                 "content_length", "over_unix", "keep_alive", "_conn", "_query", "_chunks", "_size", "_limit", "_complete",
-                 "_too_large", "_waiter")
+                 "content_length", "over_unix", "keep_alive", "expect_continue", "_conn", "_query", "_chunks",
+                 "_size", "_limit", "_complete", "_error", "_waiter")
 
     def __init__(self, method: str, target: bytes, headers: Headers, version: str, conn: _Connection, ctx: Any,
                  limit: int, over_unix: bool) -> None:
@@ -80,12 +80,15 @@ class Request:
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self.over_unix = over_unix
         self.keep_alive = True  # the client's wish (HTTP/1.1 unless "Connection: close"; HTTP/1.0 if it asks)
+        # "Expect: 100-continue" (HTTP/1.1): answered when the handler first reads the body, not before (a request
+        # refused by its head never has its body sent; a pipelined one never interrupts the answer before it)
+        self.expect_continue = version == "1.1" and headers.get("expect", "").lower() == "100-continue"
         self._query: dict[str, str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
         self._limit = limit
         self._complete = False
-        self._too_large = False
+        self._error: BaseException | None = None  # why the body cannot be had: raised by every read
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -100,38 +103,47 @@ class Request:
 
     @property
     def body_complete(self) -> bool:
-        """All of the body is in: ``read`` returns without waiting."""
+        """All of the body is in, or it never will be: ``read`` answers without waiting."""
         return self._complete
 
     async def read(self) -> bytes:
-        """The whole body; raises ``BodyTooLarge`` past the limit and ``ConnectionResetError`` when the client
-        left before sending all of it."""
+        """The whole body. Raises ``BodyTooLarge`` past the limit, ``MalformedBody`` when its framing is broken and
+        ``ConnectionResetError`` when the client left before sending all of it (every time it is called)."""
         if not self._complete:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        if self._too_large:
-            raise BodyTooLarge()
+            if self.expect_continue:
+                self.expect_continue = False
+                self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self._waiter is None:
+                self._waiter = self._conn._loop.create_future()
+            await asyncio.shield(self._waiter)
+        if self._error is not None:
+            raise self._error
         return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
 
     # fed by the connection
 
     def _feed(self, data: bytes) -> None:
+        if self._complete:
+            return
         self._size += len(data)
         if self._size > self._limit:
-            self._too_large = True
             self._chunks.clear()
-            self._finish()
-        elif not self._too_large:
+            self._finish(BodyTooLarge())
+        else:
             self._chunks.append(data)
 
     def _finish(self, error: BaseException | None = None) -> None:
+        if self._complete:
+            return
         self._complete = True
+        self._error = error
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            if error is not None:
-                waiter.set_exception(error)
-            else:
-                waiter.set_result(None)
+            waiter.set_result(None)
+
+
+class MalformedBody(Exception):
+    """``Request.read``: the body's framing is broken (a bad chunk size, oversized trailers)."""
 
 
 class Response:
@@ -172,16 +184,20 @@ class StreamResponse:
         self._head_only = request.method == "HEAD"
         if not self._chunked:
             conn.close_after = True
-        extra = "Transfer-Encoding: chunked\r\n" if self._chunked else "Connection: close\r\n"
+        extra = "Transfer-Encoding: chunked\r\n" if self._chunked else ""
+        if not self._chunked or not request.keep_alive or conn.close_after:
+            extra += "Connection: close\r\n"
         conn.write(_head(self.status, self.headers, extra))
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
         assert conn is not None, "prepare() first"
-        if not data or self._head_only:
-            return
         if conn.lost:
             raise ConnectionResetError("the client closed the connection")
+        if self._head_only:  # the head is the whole answer to HEAD: a stream's producer stops here
+            raise ConnectionResetError("HEAD: the answer has no body")
+        if not data:
+            return
         conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         if conn.paused:
             await conn.drain()
@@ -264,7 +280,7 @@ class _Connection(asyncio.Protocol):
         self.transport: Any = None
         self.lost = False
         self.paused = False
-        self.close_after = False
+        self.close_after = False  # answer what is in flight, then close (shutdown, a broken body, HTTP/1.0 stream)
         self.responded = False  # the current request's answer has started
         self._refusal: bytes | None = None  # a malformed request after those in flight: answered after them
         self._drain: asyncio.Future[None] | None = None
@@ -272,10 +288,12 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = Headers()
         self._head_bytes = 0
+        self._in_head = False  # between the start of a message and the end of its head
+        self._began = False  # a message began during the current data_received
         self._unparsed = 0
         self._failure: ProtocolFailure | None = None
         self._lingering = False
-        self._current: Request | None = None  # the request whose head or body is being parsed
+        self._current: Request | None = None  # the request whose body is being parsed
         self._queue: deque[Request] = deque()  # parsed heads waiting for their turn (pipelining)
         # one task per connection serves its requests in turn (a task per request cost more: creation and
         # asyncio's registry of tasks); ``busy`` from the moment a request is handed to it until it is answered
@@ -297,33 +315,39 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
-        self.server.connections.discard(self)
-        if self._current is not None and not self._current._complete:
+        if self._current is not None:
             self._current._finish(ConnectionResetError("the client closed the connection mid-body"))
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
         self._queue.clear()
-        if self._worker is not None and not self.busy:
+        if self.busy:  # a handler still runs (nothing cancels it): shutdown waits for it like any other
+            return
+        self.server.connections.discard(self)
+        if self._worker is not None:
             self._worker.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:  # refused: what the client still sends is read and dropped
             return
-        if self._current is None:  # a head being read: httptools buffers a header whole, so bound it here
-            self._unparsed += len(data)
-            if self._unparsed > 2 * MAX_HEAD_BYTES:
-                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
-                return
+        self._began = False
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as e:
             failure = self._failure or e.__context__
             if isinstance(failure, ProtocolFailure):
                 self._refuse(failure.status, str(failure))
+            elif isinstance(e, httptools.HttpParserUpgrade):
+                self._refuse(400, "protocol upgrades are not supported")
             else:
                 self._refuse(400, f"malformed HTTP request: {e}")
+            return
+        # httptools buffers a header until it is whole: bound a head that never ends here. A read in which the
+        # head began is not counted (part of it may be what came before), so a head holds at most the limit + one
+        # read; every later read of a head still unfinished is head through and through.
+        if self._in_head and not self._began:
+            self._unparsed += len(data)
+            if self._unparsed > MAX_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -334,9 +358,11 @@ class _Connection(asyncio.Protocol):
             self._drain.set_result(None)
 
     async def drain(self) -> None:
+        """Until the client has taken what was written (raises ``ConnectionResetError`` if it left)."""
         if self.paused and not self.lost:
-            self._drain = self._loop.create_future()
-            await self._drain
+            if self._drain is None or self._drain.done():
+                self._drain = self._loop.create_future()
+            await asyncio.shield(self._drain)
 
     def write(self, data: bytes) -> None:
         if not self.lost:
@@ -348,36 +374,43 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = Headers()
         self._head_bytes = 0
+        self._in_head = True
+        self._began = True
+        self._unparsed = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_bytes += len(url)
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._failure = ProtocolFailure("request line too long", 431)
-            raise self._failure
+            self._fail(ProtocolFailure("request line too long", 431))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._failure = ProtocolFailure(f"request head over {MAX_HEAD_BYTES} bytes", 431)
-            raise self._failure
+            self._fail(ProtocolFailure(f"request head over {MAX_HEAD_BYTES} bytes", 431))
+        if not self._in_head:
+            return  # a chunked body's trailers: not headers of the request (its guards have run)
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         old = dict.get(self._headers, key)
         dict.__setitem__(self._headers, key, text if old is None else f"{old}, {text}")
 
+    def _fail(self, failure: ProtocolFailure) -> None:
+        """Stop parsing (httptools wraps what a callback raises; ``data_received`` finds it here)."""
+        self._failure = failure
+        raise failure
+
     def on_headers_complete(self) -> None:
         self.idle_since = None
-        self._unparsed = 0
+        self._in_head = False
         parser = self._parser
+        if parser.should_upgrade():  # CONNECT, or an Upgrade: there is no other protocol here
+            self._fail(ProtocolFailure("protocol upgrades (and CONNECT) are not supported"))
         request = Request(parser.get_method().decode("latin-1"), self._url, self._headers,
                           parser.get_http_version(), self, self.server.ctx, self.server.max_body,
                           self._over_unix)
         request.keep_alive = parser.should_keep_alive()  # read now: the parser forgets it once the message ends
         self._current = request
-        if request.headers.get("expect", "").lower() == "100-continue" and (
-                request.content_length is None or request.content_length <= self.server.max_body):
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._queue.append(request)
         if self.busy:  # pipelined behind one in flight: no more reading until it is answered
             self.transport.pause_reading()
@@ -394,35 +427,47 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         request, self._current = self._current, None
-        if request is not None and not request._complete:
+        if request is not None:
             request._finish()
 
     # --- serving ------------------------------------------------------------------------------------------
 
     async def _work(self) -> None:
-        while True:
-            if not self._queue:
-                self._wakeup = self._loop.create_future()
-                await self._wakeup
-                self._wakeup = None
-            request = self._queue.popleft()
-            keep = await self._serve(request)
-            # a request answered before all of its body was in (a 413, an early error) leaves bytes that cannot
-            # be skipped safely: the connection closes
-            if not keep or self.close_after or self.lost or not request._complete or not request.keep_alive:
+        try:
+            while True:
+                if not self._queue:
+                    self._wakeup = self._loop.create_future()
+                    await self._wakeup
+                    self._wakeup = None
+                    if not self._queue:  # woken by a connection that went away meanwhile
+                        return
+                request = self._queue.popleft()
+                keep = await self._serve(request)
+                if self.paused and not self.lost:  # the client is not reading: no next answer until it does
+                    await self.drain()
+                # a request answered before all of its body was in (a 413, a refusal by its head) leaves bytes that
+                # cannot be skipped safely: the connection ends too (lingering: the client still gets the answer)
+                if not keep or self.close_after or self.lost or not request.keep_alive or not request._complete:
+                    self._linger()
+                    return
+                if self._queue:
+                    if len(self._queue) == 1 and self._refusal is None:
+                        self.transport.resume_reading()
+                    continue
+                self.busy = False
+                if self._refusal is not None:
+                    self.write(self._refusal)
+                    self._linger()
+                    return
+                self.idle_since = self._loop.time()
+        except ConnectionResetError:
+            pass
+        finally:
+            if self.busy:
                 self.busy = False
                 self._close()
-                return
-            if self._queue:
-                if len(self._queue) == 1 and self._refusal is None:
-                    self.transport.resume_reading()
-                continue
-            self.busy = False
-            if self._refusal is not None:
-                self.write(self._refusal)
-                self._linger()
-                return
-            self.idle_since = self._loop.time()
+            if self.lost:
+                self.server.connections.discard(self)
 
     async def _serve(self, request: Request) -> bool:
         """Answer one request; whether the connection may stay open."""
@@ -447,7 +492,7 @@ class _Connection(asyncio.Protocol):
     def _send(self, request: Request, response: Response) -> None:
         body = response.body
         extra = f"Content-Length: {len(body)}\r\n"
-        if response.close or not request.keep_alive:
+        if response.close or not request.keep_alive or not request._complete or self.close_after:
             extra += "Connection: close\r\n"
         elif request.version == "1.0":
             extra += "Connection: keep-alive\r\n"
@@ -457,6 +502,14 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request that could not be parsed and close; after the requests before it, if any."""
+        current = self._current
+        if current is not None and not current._complete:
+            # the body of a request already handed on is broken: its handler's read says so (400), then close
+            current._finish(MalformedBody(message))
+            self.close_after = True
+            if not self.lost:
+                self.transport.pause_reading()
+            return
         if not self.busy:
             self.write(self.server.refusal(status, message))
             self._linger()
@@ -466,13 +519,15 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
 
     def _linger(self) -> None:
-        """Close after a refusal without losing it: closing a socket with unread input resets the connection,
-        and the client may never see the answer. So: send it, end our side, drop the client's further bytes
-        for up to two seconds (or until it closes), then close."""
+        """Close without losing the last answer: closing a socket with unread input resets the connection, and
+        the client may never see the answer. So: end our side, drop the client's further bytes for up to two
+        seconds (or until it closes), then close."""
         self._lingering = True
+        self.busy = False
         if self.lost or self.transport.is_closing():
             return
         try:
+            self.transport.resume_reading()  # keep taking (and dropping) what the client sends
             self.transport.write_eof()
         except (NotImplementedError, OSError, RuntimeError):
             self._close()

@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 from tests.conftest import Daemon
 
@@ -190,3 +191,124 @@ def test_stop_lets_a_request_in_flight_finish(daemon_factory: object) -> None:
         pass
     else:
         raise AssertionError("the stopped daemon still accepts connections")
+
+
+def rss_mb(d: Daemon) -> float:
+    assert d.proc is not None
+    status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def test_large_bodies_on_a_kept_alive_connection(daemon: Daemon) -> None:
+    """Large bodies one after another on one connection: each is read as a body, never taken for a head."""
+    with daemon.http() as c:
+        receipt = c.post("/v1/chat/completions", json=CHAT).headers["x-reef-agent-record-id"]
+    with connect(daemon) as s:
+        buf = bytearray()
+        for i in range(4):
+            body = json.dumps({"references": [receipt], "score": 1, "feedback": f"{i} " + "long " * 50_000}).encode()
+            s.sendall(post("/reef/report", body, daemon.token))  # ~250 kB each
+            status, _, answer = read_response(s, buf)
+            assert status.startswith("HTTP/1.1 201"), (status, answer[:200])
+            assert json.loads(answer)["feedback"].startswith(f"{i} long")
+
+
+def test_a_client_that_never_reads_cannot_grow_the_daemon(daemon: Daemon) -> None:
+    """Pipelined requests from a client that reads nothing: the daemon stops reading once the answers fill the
+    socket's buffers, instead of queueing answers in memory."""
+    before = rss_mb(daemon)
+    req = f"GET /metrics HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {daemon.token}\r\n\r\n".encode()
+    s = connect(daemon)
+    s.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sent < 64 * 1024 * 1024:
+        try:
+            sent += s.send(req * 64)
+        except BlockingIOError:
+            time.sleep(0.01)
+    grown = rss_mb(daemon) - before
+    s.close()
+    assert sent < 16 * 1024 * 1024, f"the daemon kept reading: {sent} bytes taken"
+    assert grown < 64, f"daemon memory grew by {grown:.0f} MB"
+    with daemon.http() as c:
+        assert c.get("/healthz").status_code == 200
+
+
+def test_head_of_a_stream_route_answers_and_keeps_the_connection(daemon: Daemon) -> None:
+    with connect(daemon) as s:
+        s.sendall(f"HEAD /reef/events HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {daemon.token}\r\n\r\n"
+                  .encode())
+        head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n"), head
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        buf = bytearray()
+        assert read_response(s, buf)[0] == "HTTP/1.1 200 OK"
+
+
+def test_broken_chunked_body_is_400_at_once(daemon: Daemon) -> None:
+    with connect(daemon) as s:
+        t0 = time.monotonic()
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {daemon.token}\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\nZZZ\r\n".encode())
+        data = read_all(s)
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert b"malformed request body" in data and time.monotonic() - t0 < 10
+
+
+def test_upgrade_and_connect_are_refused_without_serving(daemon: Daemon) -> None:
+    def records() -> int:
+        with daemon.http() as c:
+            return int(c.get("/reef/status").json()["records"])
+
+    before = records()
+    body = json.dumps(CHAT).encode()
+    for raw in (post("/v1/chat/completions", body, daemon.token, extra="Connection: Upgrade\r\nUpgrade: h2c\r\n"),
+                b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"):
+        with connect(daemon) as s:
+            s.sendall(raw)
+            data = read_all(s)
+        assert data.startswith(b"HTTP/1.1 400") and data.count(b"HTTP/1.1") == 1, data[:300]
+    assert records() == before  # the chat request was never served
+
+
+def test_expect_100_is_not_sent_to_a_request_refused_by_its_head(daemon: Daemon) -> None:
+    with connect(daemon) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000\r\n"
+                  b"Expect: 100-continue\r\n\r\n")  # no token: refused before the body is wanted
+        buf = bytearray()
+        status, headers, _ = read_response(s, buf)
+    assert status.startswith("HTTP/1.1 401") and headers.get("connection") == "close"
+
+
+def test_trailers_do_not_change_the_request(daemon: Daemon) -> None:
+    body = json.dumps(CHAT).encode()
+    with connect(daemon) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {daemon.token}\r\n"
+                  f"Transfer-Encoding: chunked\r\nx-reef-scenario: web-trailers\r\n\r\n"
+                  f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\nx-reef-scenario: elsewhere\r\n\r\n")
+        status, headers, _ = read_response(s, bytearray())
+    assert status == "HTTP/1.1 200 OK"
+    with daemon.http() as c:
+        rec = c.get(f"/reef/records/{headers['x-reef-agent-record-id']}").json()
+    assert rec["scenario"] == "web-trailers"
+
+
+def test_refused_large_upload_still_gets_its_answer(daemon_factory: object) -> None:
+    """A body over the limit, sent whole by a client that does not wait (urllib, http.client): it reads the 413,
+    not a connection reset."""
+    import http.client
+
+    d = daemon_factory(start=False)  # type: ignore[operator]
+    (d.home / "config.toml").write_text("max_body_bytes = 1000\n" + (d.home / "config.toml").read_text())
+    d.start()
+    for _ in range(3):
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=b"x" * (8 * 1024 * 1024),
+                         headers={"Authorization": f"Bearer {d.token}", "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 413 and resp.getheader("connection") == "close"
+            assert "limit" in json.loads(resp.read())["error"]["message"]
+        finally:
+            conn.close()
