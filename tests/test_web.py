@@ -229,7 +229,7 @@ def test_a_client_that_never_reads_cannot_grow_the_daemon(daemon: Daemon) -> Non
             time.sleep(0.01)
     grown = rss_mb(daemon) - before
     s.close()
-    assert sent < 16 * 1024 * 1024, f"the daemon kept reading: {sent} bytes taken"
+    assert sent < 32 * 1024 * 1024, f"the daemon kept reading: {sent} bytes taken"
     assert grown < 64, f"daemon memory grew by {grown:.0f} MB"
     with daemon.http() as c:
         assert c.get("/healthz").status_code == 200
