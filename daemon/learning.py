@@ -79,6 +79,9 @@ class Learner:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._consumed: dict[str, set[str]] = {}
+        # scenario -> (seq of the last report read, its scored exchanges not yet consumed: receipt -> record)
+        self._scored: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+        self._feedback_seen: dict[str, int] = {}  # scenario -> seq of the last feedback report consumed
         # scenario -> (head release the lineage follows, candidate key, candidate dir)
         self._lineage: dict[str, tuple[str, str, str]] = {}
         self._head_eval: dict[str, tuple[str, list[float]]] = {}  # scenario -> (release, its gate scores)
@@ -198,10 +201,20 @@ class Learner:
         chains = self.reef.chains
         head = await chains.head(scenario)
         consumed = await self.consumed(scenario.name)
+        # the scored exchanges not yet consumed, oldest score first, kept between rounds: each round reads only
+        # the reports that came since the last one (a scenario's whole history would be read every step)
+        seen, pool = self._scored.get(scenario.name, (0, {}))
+        rows, seen = await self.reef.store.scored_exchanges(scenario.name, after=seen)
+        for rec in rows:
+            pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
+            if rec["id"] not in consumed:
+                pool[rec["id"]] = rec
+        self._scored[scenario.name] = (seen, pool)
         eligible = []
-        for rec in await self.reef.store.scored_exchanges(scenario.name, exclude=consumed):
+        for rid, rec in list(pool.items()):
             served_by = await chains.release(rec["release_id"]) if rec["release_id"] else None
-            if served_by is None or head.step - served_by.step > trainer["max_staleness"]:
+            if rid in consumed or served_by is None or head.step - served_by.step > trainer["max_staleness"]:
+                del pool[rid]  # consumed, or too stale for good: the head's step only grows
                 continue
             eligible.append(rec)
         if len(eligible) < need:
@@ -302,8 +315,11 @@ class Learner:
         lock = self._lessons_locks.setdefault(scenario.name, asyncio.Lock())
         async with lock:
             consumed = await self.consumed(scenario.name)
-            reports = await self.reef.store.feedback_reports(scenario.name, exclude=consumed)
+            reports, seen = await self.reef.store.feedback_reports(scenario.name,
+                                                                   after=self._feedback_seen.get(scenario.name, 0))
+            reports = [r for r in reports if r["id"] not in consumed]
             if not reports:
+                self._feedback_seen[scenario.name] = seen
                 self.state[scenario.name] = "waiting"
                 return None
             settings = settings_from({**self.reef.config.recipes.get("lessons", {}), **scenario.settings})
@@ -356,6 +372,7 @@ class Learner:
                                     base=head.release_id, **record)
                 result.update(verdict="rejected", release_id=None)
             consumed.update(receipts)
+            self._feedback_seen[scenario.name] = seen  # read from here on next time (a failed round reads again)
             events.publish("gate", scenario=scenario.name, verdict=result["verdict"], reason=outcome.summary(),
                            metrics=metrics, release_id=result.get("release_id"))
             self.state[scenario.name] = "waiting"

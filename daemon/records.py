@@ -94,6 +94,7 @@ CREATE TABLE IF NOT EXISTS report_refs (
     receipt     TEXT NOT NULL,
     PRIMARY KEY (receipt, report_id)
 );
+CREATE INDEX IF NOT EXISTS report_refs_report ON report_refs(report_id);
 """
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
@@ -662,51 +663,49 @@ class RecordStore:
             raise BadRequest("references must name at least one receipt", param="references")
         return await self.write(op)
 
-    async def scored_exchanges(self, scenario: str, *, exclude: set[str]) -> list[dict[str, Any]]:
-        """Exchanges of a scenario with a scored report, oldest report first, the latest score per receipt;
-        receipts in ``exclude`` (already consumed by a candidate) left out. What learning recipes train on."""
+    async def scored_exchanges(self, scenario: str, *, after: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Exchanges of a scenario scored by reports newer than report seq ``after``, in report order (an exchange
+        scored again comes again, with its new score), and the seq of the last report read (``after`` when there
+        is none): what learning recipes train on, read a little at a time."""
 
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
                 """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
                           json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq
-                   FROM report_refs rr
-                   JOIN records rep ON rep.id = rr.report_id
+                   FROM records rep
+                   JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
-                   WHERE r.scenario = ? AND r.kind = 'exchange' AND r.status = 'complete'
+                   WHERE rep.kind = 'report' AND rep.seq > ? AND r.scenario = ? AND r.kind = 'exchange'
+                     AND r.status = 'complete' AND r.token_ids IS NOT NULL
                      AND json_extract(rep.report, '$.score') IS NOT NULL
                    ORDER BY rep.seq""",
-                (scenario,),
+                (after, scenario),
             ).fetchall()
-            latest: dict[str, dict[str, Any]] = {}
-            for row in rows:
-                if row["id"] in exclude or row["token_ids"] is None:
-                    continue
-                latest.pop(row["id"], None)
-                latest[row["id"]] = {
-                    "id": row["id"],
-                    "release_id": row["release_id"],
-                    "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
-                    "token_ids": _unpack(row["token_ids"], "i"),
-                    "logprobs": _unpack(row["logprobs"], "f"),
-                    "score": float(row["score"]),
-                }
-            return list(latest.values())
+            out = [{
+                "id": row["id"],
+                "release_id": row["release_id"],
+                "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
+                "token_ids": _unpack(row["token_ids"], "i"),
+                "logprobs": _unpack(row["logprobs"], "f"),
+                "score": float(row["score"]),
+                "report_seq": row["report_seq"],
+            } for row in rows]
+            return out, (rows[-1]["report_seq"] if rows else after)
 
         return await self.read(op)
 
-    async def feedback_reports(self, scenario: str, *, exclude: set[str]) -> list[dict[str, Any]]:
-        """Reports on a scenario that carry written feedback, oldest first, those in ``exclude`` left out: what
-        harness recipes learn from."""
+    async def feedback_reports(self, scenario: str, *, after: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Reports on a scenario that carry written feedback, newer than seq ``after``, oldest first, and the seq
+        of the last one (``after`` when there is none): what harness recipes learn from."""
 
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
                 f"""SELECT {_SUMMARY_COLUMNS} FROM records
-                    WHERE kind = 'report' AND scenario = ? AND json_extract(report, '$.feedback') IS NOT NULL
+                    WHERE kind = 'report' AND scenario = ? AND seq > ? AND json_extract(report, '$.feedback') IS NOT NULL
                     ORDER BY seq""",
-                (scenario,),
+                (scenario, after),
             ).fetchall()
-            return [_record(r) for r in rows if r["id"] not in exclude]
+            return [_record(r) for r in rows], (rows[-1]["seq"] if rows else after)
 
         return await self.read(op)
 

@@ -217,11 +217,14 @@ def test_reef_demo_shows_a_model_learning(daemon_factory: Any) -> None:
     measured by bench/learning.py."""
     d: Daemon = daemon_factory()
     out = d.cli("demo", "--json", "--seed", "0", "--minutes", str(100 / 60), check=False, timeout=600)
+    assert out.stdout.lstrip().startswith("{"), (out.returncode, out.stderr[-3000:], d.log_tail())
     result = json.loads(out.stdout)
     assert result["held_out_before"] <= 0.3  # the warm-up gives a start, not the skill
     assert result["held_out_after"] >= result["held_out_before"] + 0.2, result
     assert result["training_steps"] > 20 and result["releases"] > 2
-    chain = json.loads(d.cli("releases", "list", "-s", result["scenario"], "--all", "--json").stdout)
+    listed = d.cli("releases", "list", "-s", result["scenario"], "--all", "--json", check=False)
+    assert listed.stdout.lstrip().startswith("{"), (listed.returncode, listed.stderr[-3000:], d.log_tail())
+    chain = json.loads(listed.stdout)
     consumed = [rec for r in chain["releases"] for rec in r.get("receipts", [])]
     consumed += [rec for r in chain.get("rejected", []) for rec in r.get("receipts", [])]
     assert len(consumed) == len(set(consumed)) > 0  # every report trained on at most once
