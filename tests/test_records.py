@@ -106,3 +106,37 @@ async def test_a_closed_store_refuses_writes(tmp_path: Path) -> None:
         await asyncio.wait_for(store.write(lambda c: c.execute("INSERT INTO t VALUES (1, 'x')")), 5)
     with pytest.raises(StorageError):
         store.write_sync(lambda c: c.execute("INSERT INTO t VALUES (2, 'x')"))
+
+
+def _exchange(receipt: str, scenario: str = "s") -> dict[str, object]:
+    return {"id": receipt, "scenario": scenario, "status": "complete", "format": "openai-chat", "engine": "e",
+            "model": "m", "release_id": "rel", "request": {}, "response": {}, "prompt_token_ids": [1, 2],
+            "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+
+
+async def test_learning_reads_only_what_came_since_its_last_read(tmp_path: Path) -> None:
+    """The learning loop's reads: scored exchanges and feedback since a cursor, re-scores included, oldest
+    first; a round with nothing new reads nothing."""
+    store = RecordStore(tmp_path / "records.sqlite3")
+    try:
+        for r in ("rec_a", "rec_b", "rec_other"):
+            await store.append_exchange(_exchange(r, "other" if r == "rec_other" else "s"))
+
+        async def report(refs: list[str], score: float | None, feedback: str | None = None) -> None:
+            await store.append_report(scenario=None, score=score, feedback=feedback, references=refs, metadata=None,
+                                      report_id=None)
+
+        await report(["rec_a", "rec_b"], 0.5)
+        await report(["rec_other"], 1.0)
+        rows, seen = await store.scored_exchanges("s")
+        assert [(r["id"], r["score"]) for r in rows] == [("rec_a", 0.5), ("rec_b", 0.5)]
+        assert rows[0]["token_ids"] == [3, 4] and rows[0]["logprobs"] == [-0.5, -0.25]
+        assert await store.scored_exchanges("s", after=seen) == ([], seen)
+        await report(["rec_a"], 1.0, "better")  # scored again: comes again, with the new score
+        rows, seen2 = await store.scored_exchanges("s", after=seen)
+        assert [(r["id"], r["score"]) for r in rows] == [("rec_a", 1.0)] and seen2 > seen
+        feedback, fseen = await store.feedback_reports("s")
+        assert [f["report"]["feedback"] for f in feedback] == ["better"]
+        assert await store.feedback_reports("s", after=fseen) == ([], fseen)
+    finally:
+        store.close()
