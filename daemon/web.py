@@ -5,15 +5,19 @@ response, router and middleware objects cost about as much CPU per request as al
 on a machine the client and the upstream share, that CPU is taken from them. This server does what the daemon's
 routes need and nothing more, in the way uvicorn's httptools protocol does:
 
-- Requests: ``Content-Length`` or chunked bodies, ``Expect: 100-continue``, keep-alive (HTTP/1.1 by default,
-  HTTP/1.0 when asked), pipelined requests answered in order; a head over ``MAX_HEAD_BYTES`` is a 431 and a
-  malformed request a 400, both closing the connection. A body over the route's limit is refused as soon as it is
-  declared (413, before any of it is read) or, when chunked, as soon as it passes the limit.
-- The handler of a request starts once its head is in; ``Request.read`` waits for the body.
+- Requests: ``Content-Length`` or chunked bodies (trailers ignored), keep-alive (HTTP/1.1 by default, HTTP/1.0
+  when asked), pipelined requests answered in order; a head over ``MAX_HEAD_BYTES`` is a 431 (bounded before
+  httptools buffers it), a malformed request, an Upgrade or a CONNECT a 400, all closing the connection. A body
+  over the limit is refused as soon as it is declared (413, before any of it is read) or, when chunked, as soon
+  as it passes the limit; a broken chunked body makes ``Request.read`` raise ``MalformedBody``.
+- The handler of a request starts once its head is in; ``Request.read`` waits for the body (and sends
+  ``100 Continue`` first when the client asked for it).
 - Responses: ``Response`` (one write: head and body) or ``StreamResponse`` (chunked; close-delimited for an
-  HTTP/1.0 client), with flow control (a write waits while the client's socket buffer is full). A client that
-  left makes the next stream write raise ``ConnectionResetError``; handlers are never cancelled by a disconnect
-  (a stream still records what was produced).
+  HTTP/1.0 client), with flow control: a stream write waits while the client's socket buffer is full, and the
+  next pipelined request waits until the last answer drained. A client that left makes the next stream write
+  raise ``ConnectionResetError``; handlers are never cancelled by a disconnect (a stream still records what was
+  produced). An answer given before the body was all in ends the connection with a lingering close, so that
+  the client reads it instead of a reset.
 - Idle connections close after ``KEEPALIVE_S`` (checked once a second); a head that does not arrive within it
   closes the connection too.
 - ``Server.shutdown``: stop accepting, close idle connections, let in-flight requests finish (up to a timeout),
