@@ -73,6 +73,11 @@ def test_install_is_isolated_linked_and_idempotent(tmp_path: Path) -> None:
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import daemon; print(daemon.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert str(venv) in where.stdout
+    # what the daemon runs on comes with a plain install (the dev extra's packages are for tests and benches)
+    serving = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              "import daemon.server, daemon.app, daemon.engines.upstream, reef_cli.main"],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert serving.returncode == 0, serving.stderr[-2000:]
     second = run(["--venv", str(venv), "--bin-dir", str(bindir)], env)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "using the virtual environment" in second.stdout
