@@ -129,9 +129,8 @@ async def read_json(request: web.Request, limit: int) -> Any:
 
 
 async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
-    """The request's JSON body and its text (``parse_json_text``)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+    """The request's JSON body and its text (``parse_json_text``). A declared length over the limit never gets
+    here (``_dispatcher`` refuses it); a chunked body is cut off at the limit by the server."""
     try:
         if request.body_complete:  # all of it already came with the head: nothing to wait for, no timer
             raw = await request.read()

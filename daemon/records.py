@@ -194,8 +194,8 @@ _MAX_ROWS_PER_INSERT = 256  # 20 values each: well under SQLite's limit of 32766
 
 
 class _ExchangeRow:
-    """The write of one exchange record: callable like any write, and insertable with its neighbours in one
-    statement (``RecordStore._apply``)."""
+    """The write of one exchange record: callable like any write, and insertable with the others of its batch in
+    one statement (``RecordStore._run_batch``)."""
 
     __slots__ = ("row",)
 
@@ -333,21 +333,15 @@ class RecordStore:
 
     @staticmethod
     def _deliver(results: list[tuple[Any, Any, Any, BaseException | None]]) -> None:
-        """Resolve the futures of committed (or failed) writes: one ``call_soon_threadsafe`` per event loop."""
-        on_loops: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+        """Resolve the futures of committed (or failed) writes: one ``call_soon_threadsafe`` per event loop; a
+        concurrent future (``write_sync``) at once."""
+        on_loops: dict[asyncio.AbstractEventLoop | None, list[tuple[Any, Any, BaseException | None]]] = {}
         for fut, loop, value, exc in results:
-            if loop is None:  # a concurrent future (write_sync, another thread)
-                if not fut.done():
-                    if exc is not None:
-                        fut.set_exception(exc)
-                    else:
-                        fut.set_result(value)
-            else:
-                group = on_loops.get(loop)
-                if group is None:
-                    group = on_loops[loop] = []
-                group.append((fut, value, exc))
+            on_loops.setdefault(loop, []).append((fut, value, exc))
         for loop, group in on_loops.items():
+            if loop is None:
+                _resolve(group)
+                continue
             try:
                 loop.call_soon_threadsafe(_resolve, group)
             except RuntimeError:  # that loop is closed: nobody is waiting any more
@@ -358,28 +352,10 @@ class RecordStore:
                savepoints: bool) -> list[tuple[Any, Any, Any, BaseException | None]] | None:
         """Run a batch's writes in one open transaction. Without savepoints (the common case: two statements
         fewer per write) a failing write rolls everything back and gives ``None``; with them, a failing write is
-        undone alone and its exception kept for its caller. Without savepoints, consecutive exchange records go in
-        as one multi-row ``INSERT``: the writer thread takes the GIL once for them, not once per record (under
-        load, waiting for the GIL between statements was most of the writer's time)."""
+        undone alone and its exception kept for its caller."""
         results: list[tuple[Any, Any, Any, BaseException | None]] = []
         conn.execute("BEGIN IMMEDIATE")
-        i, n = 0, len(batch)
-        while i < n:
-            fn, fut, loop = batch[i]
-            if not savepoints and isinstance(fn, _ExchangeRow):
-                j = i + 1
-                while j < n and j - i < _MAX_ROWS_PER_INSERT and isinstance(batch[j][0], _ExchangeRow):
-                    j += 1
-                try:
-                    _ExchangeRow.insert(conn, [w[0].row for w in batch[i:j]])  # type: ignore[attr-defined]
-                except Exception:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    return None
-                results.extend((f, lp, None, None) for _, f, lp in batch[i:j])
-                i = j
-                continue
-            i += 1
+        for i, (fn, fut, loop) in enumerate(batch):
             if not savepoints:
                 try:
                     results.append((fut, loop, fn(conn), None))

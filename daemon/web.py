@@ -265,7 +265,6 @@ class Router:
 class MethodNotAllowed(Exception):
     def __init__(self, method: str, allowed: list[str]) -> None:
         super().__init__(f"{method} is not allowed here (allowed: {', '.join(allowed)})")
-        self.allowed = allowed
 
 
 class ProtocolFailure(Exception):

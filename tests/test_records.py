@@ -140,3 +140,20 @@ async def test_learning_reads_only_what_came_since_its_last_read(tmp_path: Path)
         assert await store.feedback_reports("s", after=fseen) == ([], fseen)
     finally:
         store.close()
+
+
+async def test_a_failing_record_in_a_batch_of_records_fails_alone(tmp_path: Path) -> None:
+    """A batch of exchange records goes in as one statement; when that statement fails, each record is tried on
+    its own: the good ones are stored, the bad one gets its own error."""
+    store = RecordStore(tmp_path / "records.sqlite3")
+    try:
+        outcomes = await asyncio.gather(
+            *(store.append_exchange(_exchange(r)) for r in ("rec_1", "rec_dup", "rec_dup", "rec_2")),
+            return_exceptions=True,
+        )
+        assert outcomes[:2] == [None, None] and outcomes[3] is None
+        assert isinstance(outcomes[2], sqlite3.IntegrityError)
+        for r in ("rec_1", "rec_dup", "rec_2"):
+            assert (await store.get_record(r))["id"] == r
+    finally:
+        store.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon import releases
 from daemon.errors import BadRequest, HeadMoved, InvalidName, LockBusy, NotFound
 from daemon.releases import MANIFEST, SCENARIOS_REF, ReleaseStore, files_from_dir, lfs_pointer
 
@@ -532,3 +533,17 @@ def test_bad_input_is_refused(store: ReleaseStore) -> None:
         store.read_file(r0, "missing.md")
     with pytest.raises(NotFound):
         store.promote("demo", r0)
+
+
+def test_head_checks_are_shared_briefly_and_dropped_by_own_publishes(store: ReleaseStore,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of requests shares one look at the head; this store's own publish is seen at once, another
+    process's change once the short window has passed."""
+    monkeypatch.setattr(releases, "_FRESH_S", 0.2)
+    r0 = init(store)
+    assert store.head("demo") == r0
+    r1 = train(store, "demo", r0, {"AGENTS.md": "v1\n"})
+    assert store.head("demo") == r1  # own publish: the shared look is dropped, not waited out
+    git(store.path, "update-ref", SCENARIOS_REF + "demo", r0, r1)  # another process moves the head back
+    time.sleep(0.25)
+    assert store.head("demo") == r0

@@ -9,7 +9,6 @@ the field OpenAI-compatible servers use for it. Neutral conventions: see ``daemo
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
@@ -40,6 +39,7 @@ from daemon.protocols.sse import (
     missing_events,
     need_object,
     new_id,
+    reasoning_model,
     request_intent,
     sampling,
     sse,
@@ -281,19 +281,11 @@ def error_body(err: ReefError) -> dict:
 # dropped (chat servers take none back, and some refuse it). A tool result with ``is_error`` gets an ``Error: ``
 # prefix (chat has no error flag); images in tool results follow the tool messages as one user message (chat tool
 # messages carry text only). ``top_k``, Anthropic's ``metadata`` and cache hints have no chat equivalent and are
-# dropped; Anthropic's ``thinking`` budget becomes ``reasoning_effort`` (``sse.thinking_effort``) for a reasoning
-# model and is dropped for any other (they refuse the field); the token limit goes out as ``max_tokens``, the field every chat server accepts,
+# dropped; Anthropic's ``thinking`` budget becomes ``reasoning_effort`` for a reasoning model only
+# (``sse.Intent.effort_for``); the token limit goes out as ``max_tokens``, the field every chat server accepts,
 # except to OpenAI's reasoning models (``o1``, ``o3-mini``, ``o4-mini``, ``gpt-5``..., by name, with or without a
 # ``provider/`` prefix): those refuse ``max_tokens`` and take ``max_completion_tokens`` (which counts reasoning
 # tokens too), and refuse any ``temperature`` / ``top_p`` but the default, so those are dropped for them.
-
-_REASONING_MODEL = re.compile(r"(?:^|/)(?:o\d|gpt-5)(?:$|[-.:_])")
-
-
-def reasoning_model(model: str) -> bool:
-    """Whether ``model`` names one of OpenAI's reasoning models (``o3-mini``, ``openai/gpt-5``...)."""
-    return _REASONING_MODEL.search(model) is not None
-
 
 _FROM_FINISH: dict[str, Any] = {
     "stop": "stop",
@@ -377,8 +369,8 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
             else {"type": "json_schema",
                   "json_schema": {"name": fmt["name"], "schema": fmt["schema"], "strict": fmt["strict"]}}
         )
-    if intent.reasoning_effort is not None and (reasoning_model(model) or not intent.effort_from_thinking):
-        body["reasoning_effort"] = intent.reasoning_effort
+    if (effort := intent.effort_for(model)) is not None:
+        body["reasoning_effort"] = effort
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

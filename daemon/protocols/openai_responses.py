@@ -33,7 +33,6 @@ from daemon.exchange import (
     Usage,
 )
 from daemon.protocols.openai_chat import error_body as error_body  # the same error shape as chat
-from daemon.protocols.openai_chat import reasoning_model
 from daemon.protocols.sse import (
     bad_upstream,
     check_translatable,
@@ -45,6 +44,7 @@ from daemon.protocols.sse import (
     missing_events,
     need_object,
     new_id,
+    reasoning_model,
     request_intent,
     sampling,
     sse,
@@ -421,7 +421,7 @@ def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list
 # takes reasoning back only as its own encrypted items); a tool result with ``is_error`` gets an ``Error: ``
 # prefix. ``seed`` and ``top_k`` have no equivalent and are dropped; stop sequences have none either and are
 # refused (400), since dropping them would let the answer run past where the client wants it cut. OpenAI's
-# reasoning models (``openai_chat.reasoning_model``) get no ``temperature`` / ``top_p`` (they refuse them), and
+# reasoning models (``sse.reasoning_model``) get no ``temperature`` / ``top_p`` (they refuse them), and
 # Anthropic's ``thinking`` budget as ``reasoning.effort``; other models get no effort read from a budget.
 
 
@@ -484,16 +484,16 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
         if intent.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = intent.parallel_tool_calls
     s = ex.sampling
-    thinks = reasoning_model(model)  # OpenAI's reasoning models refuse temperature and top_p but the default
-    sampling = (("max_output_tokens", s.max_tokens),) if thinks else (
-        ("max_output_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p))
+    sampling: tuple[tuple[str, Any], ...] = (("max_output_tokens", s.max_tokens),)
+    if not reasoning_model(model):  # OpenAI's reasoning models refuse temperature and top_p but the default
+        sampling += (("temperature", s.temperature), ("top_p", s.top_p))
     for key, value in sampling:
         if value is not None:
             body[key] = value
     if (fmt := intent.json_format) is not None:
         body["text"] = {"format": fmt}
-    if intent.reasoning_effort is not None and (thinks or not intent.effort_from_thinking):
-        body["reasoning"] = {"effort": intent.reasoning_effort}
+    if (effort := intent.effort_for(model)) is not None:
+        body["reasoning"] = {"effort": effort}
     body["store"] = False
     if stream:
         body["stream"] = True

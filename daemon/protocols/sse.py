@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -309,6 +310,21 @@ class Intent:
     # (param, what): asked for, with no equivalent in any other format
     unsupported: list[tuple[str, str]] = dc_field(default_factory=list)
     logprobs: str | None = None  # the param that asked for log-probs
+
+    def effort_for(self, model: str) -> str | None:
+        """The reasoning effort to send ``model``: the one asked by name, or the one read from a thinking budget
+        when ``model`` is a reasoning model (other models refuse the field)."""
+        if self.effort_from_thinking and not reasoning_model(model):
+            return None
+        return self.reasoning_effort
+
+
+_REASONING_MODEL = re.compile(r"(?:^|/)(?:o\d|gpt-5)(?:$|[-.:_])")
+
+
+def reasoning_model(model: str) -> bool:
+    """Whether ``model`` names one of OpenAI's reasoning models (``o3-mini``, ``openai/gpt-5``...)."""
+    return _REASONING_MODEL.search(model) is not None
 
 
 def thinking_effort(budget_tokens: int) -> str:
