@@ -40,7 +40,7 @@ from daemon.exchange import Completion, Finish, Receipt, Relay
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
 from daemon.serving import Reef, check_name
-from recipes import check_recipe_name
+from recipes import load_recipe, report_schemas
 
 log = logging.getLogger("reef.http")
 
@@ -483,6 +483,13 @@ async def handle_report(request: web.Request) -> web.Response:
         if not isinstance(scenario, str):
             raise BadRequest("scenario must be a string", param="scenario")
         check_name(scenario)
+    if report_schemas():  # a bound recipe declares structured report fields: check them before storing
+        target = scenario
+        if target is None:
+            with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
+                target = (await reef.store.get_record(refs[0], full=False))["scenario"]
+        if target is not None:
+            await reef.learner.check_report(target, metadata)
     stored = await reef.store.append_report(
         scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
     )
@@ -492,9 +499,8 @@ async def handle_report(request: web.Request) -> web.Response:
         feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,
     )
     view = _report_view(stored)
-    scen = await reef.store.get_scenario(stored["scenario"]) if feedback is not None else None
-    if scen is not None and scen.recipe == "lessons":  # a harness edit takes milliseconds: answer its outcome
-        view["learning"] = await reef.learner.lessons(scen)
+    if await reef.learner.inline(stored["scenario"]):  # a harness edit takes milliseconds: answer its outcome
+        view["learning"] = await reef.learner.step(stored["scenario"])
     else:
         reef.learner.notify(stored["scenario"])
     return _json(view, status=201)
@@ -563,7 +569,7 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
         raise BadRequest("name is required (a string)", param="name")
     recipe = body.get("recipe")
     if recipe is not None:
-        check_recipe_name(recipe)
+        load_recipe(recipe)  # unknown, fails to import, not a recipe: 400 saying which
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", param="model")
@@ -573,10 +579,9 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     if base is not None:
         await reef.chains.release(base)  # unknown: 404 before the scenario exists
     settings = body.get("settings")
-    if settings is not None:
-        if not isinstance(settings, dict):
-            raise BadRequest("settings must be a JSON object of recipe settings", param="settings")
-        reef.learner.check_settings(recipe or reef.config.default_recipe, settings)
+    if settings is not None and not isinstance(settings, dict):
+        raise BadRequest("settings must be a JSON object of recipe settings", param="settings")
+    reef.learner.check_settings(recipe or reef.config.default_recipe, settings or {})
     scenario = await reef.scenario(name, recipe=recipe, model=model, settings=settings)
     head = await reef.chains.head(scenario, base=base)
     return _json({**scenario.to_dict(), "head": head.release_id}, status=201)

@@ -37,10 +37,10 @@ log = logging.getLogger("reef.chains")
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
     """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model needs."""
-    from recipes import recipe_kind
+    from recipes import load_recipe
 
-    kind = recipe_kind(scenario.recipe)
-    if kind is not None:
+    kind = load_recipe(scenario.recipe).kind
+    if kind != "none":
         return kind
     return "weights" if config.model(scenario.model).engine == "transformers" else "harness"
 

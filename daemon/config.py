@@ -76,6 +76,7 @@ class Config:
     max_body_bytes: int = DEFAULT_MAX_BODY
     default_model: str = "tiny"
     default_recipe: str = "record"
+    harness_recipe: str = "lessons"  # the recipe of scenarios a wrapper (reef-pi, ...) creates on first use
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     log_level: str = "info"
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
@@ -84,6 +85,8 @@ class Config:
     # wrappers: install a newer harness release before a run ("install") or only say it exists ("notify")
     harness_updates: str = "install"
     agents_dir: Path | None = None  # where coding agents are installed (default $REEF_HOME/agents)
+    # directories put first on the import path for ``module:Class`` recipes (daemon and trainer worker)
+    recipe_paths: tuple[Path, ...] = ()
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
     token: str | None = None
@@ -205,7 +208,7 @@ def load_config(
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
-               "harness_updates", "agents_dir"}
+               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -231,6 +234,12 @@ def load_config(
 
     if values.get("agents_dir") is not None:
         values["agents_dir"] = Path(str(values["agents_dir"])).expanduser()
+    if env.get("REEF_RECIPE_PATHS"):
+        values["recipe_paths"] = [p for p in env["REEF_RECIPE_PATHS"].split(os.pathsep) if p]
+    paths = values.get("recipe_paths", ())
+    if isinstance(paths, str) or not all(isinstance(p, (str, Path)) for p in paths):
+        raise BadRequest('config: recipe_paths must be a list of directories, e.g. ["~/reef-recipes"]')
+    values["recipe_paths"] = tuple(home / Path(str(p)).expanduser() for p in paths)  # relative: to REEF_HOME
     if values.get("harness_updates", "install") not in ("install", "notify"):
         raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
     extra_models = values.pop("models", None)

@@ -8,6 +8,7 @@ them into one-line messages and exit codes. Nothing else maps errors.
     ReefError                          500  internal_error
     ├── BadRequest                     400  invalid_request_error
     │   ├── InvalidName                400  (scenario / run names)
+    │   ├── RecipeError                400  (a recipe that cannot load or does not implement the interface)
     │   ├── Unsupported                400  (what the engine cannot do: images for a text-only model)
     │   └── ContextLengthExceeded      400  (prompt beyond the model's context)
     ├── Unauthorized                   401  authentication_error
@@ -17,10 +18,12 @@ them into one-line messages and exit codes. Nothing else maps errors.
     │   ├── ReportConflict             409  (same report_id, different body)
     │   ├── RecipeConflict             409  (scenario already bound to another recipe)
     │   ├── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
+    │   ├── Unchanged                  409  (a candidate whose content equals its parent's: no release)
     │   └── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
     ├── EngineError                    500  engine_error
+    │   ├── StepFailed                 500  (a recipe's training step raised in the trainer worker)
     │   ├── UpstreamError              502  upstream_error
     │   └── UpstreamTimeout            504  timeout_error
     ├── Unavailable                    503  overloaded_error (draining, not ready)
@@ -62,6 +65,14 @@ class BadRequest(ReefError):
 
 class InvalidName(BadRequest):
     pass
+
+
+class RecipeError(BadRequest):
+    """A recipe that cannot be used: unknown, fails to import, does not implement the interface."""
+
+    def __init__(self, message: str, recipe: str) -> None:
+        super().__init__(message, param="recipe", recipe=recipe)
+        self.recipe = recipe
 
 
 class Unsupported(BadRequest):
@@ -128,6 +139,14 @@ class HeadMoved(Conflict):
         self.actual = actual
 
 
+class Unchanged(Conflict):
+    """A candidate whose content equals its parent's: publishing it would make a release that changes nothing."""
+
+    def __init__(self, scenario: str, content_id: str) -> None:
+        super().__init__(f"the candidate for {scenario!r} has the same content as the head ({content_id}); "
+                         "not published", scenario=scenario, content_id=content_id)
+
+
 class PayloadTooLarge(ReefError):
     status = 413
     type = "request_too_large"
@@ -143,6 +162,10 @@ class StorageError(ReefError):
 class EngineError(ReefError):
     status = 500
     type = "engine_error"
+
+
+class StepFailed(EngineError):
+    """A recipe's training step raised in the trainer worker; the message is the exception's, no traceback."""
 
 
 class UpstreamError(EngineError):

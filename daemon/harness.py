@@ -20,15 +20,12 @@ if TYPE_CHECKING:
     from daemon.releases import Release
     from daemon.serving import Reef
 
-HARNESS_RECIPE = "lessons"
-
-
 async def scenario_for_agent(reef: Reef, name: str) -> Scenario:
-    """The scenario, created with the ``lessons`` recipe when it does not exist yet."""
+    """The scenario, created with the ``harness_recipe`` of the config (``lessons``) when it does not exist."""
     try:
         return await reef.store.get_scenario(name)
     except NotFound:
-        return await reef.scenario(name, recipe=HARNESS_RECIPE)
+        return await reef.scenario(name, recipe=reef.config.harness_recipe)
 
 
 async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: str | None) -> dict[str, str]:
@@ -99,16 +96,18 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.match(skill)):
         raise BadRequest("skill must be a name of a-z, 0-9 and - (at most 63 characters)", param="skill")
     scenario = await scenario_for_agent(reef, name)
-    if scenario.recipe != HARNESS_RECIPE:
-        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}; evolve needs {HARNESS_RECIPE!r}",
-                         param="scenario")
+    from recipes import load_recipe
+
+    if load_recipe(scenario.recipe).kind != "harness":
+        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; "
+                         "evolve needs a harness recipe (such as lessons)", param="scenario")
     stored = await reef.store.append_report(
         scenario=name, score=None, feedback=instruction, references=[],
         metadata={"kind": "instruction", **({"skill": skill} if skill else {})}, report_id=None,
     )
     reef.events.publish("report", id=stored["id"], scenario=name, score=None, references=[],
                         feedback=instruction[:500])
-    outcome = await reef.learner.lessons(scenario) or {"verdict": "unchanged", "summary": "nothing to learn"}
+    outcome = await reef.learner.step(name) or {"verdict": "unchanged", "summary": "nothing to learn"}
     return {"report_id": stored["id"], **outcome}
 
 

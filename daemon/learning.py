@@ -1,118 +1,137 @@
-"""The learning loop: eligible records -> trainer -> gate -> release chain, per scenario.
+"""The learning loop: one generic path over the recipe interface (``recipes/base.py``), per scenario:
+
+    eligible records -> batch -> candidate -> gate -> publish | hold for review | reject (written down)
 
 Design choices:
-- A scenario whose recipe trains gets one loop task, woken by each report on it. The loop gathers eligible
-  records (a scored report, not yet consumed, served by a release at most ``max_staleness`` steps behind the
-  head) and, once there are ``batch_prompts * group_size`` of them, sends the oldest as one batch to the trainer
-  worker, with the head release as the base.
+- Each scenario whose recipe learns gets one ``ScenarioLearning`` (its recipe instance, cursor, pool, lineage,
+  state) and one loop task, woken by each report on it. Nothing here names a recipe: what a recipe reads
+  (``source``), which records are eligible, how they batch, how a candidate is made and judged is the recipe's.
+- Reads are incremental: each round reads only the records that came since the last one (a cursor per
+  scenario) into a pool of unconsumed ones, kept between rounds (a receipt scored again moves to the back with
+  its new score; a consumed or no longer eligible one leaves the pool).
 - Consumption is written down where the outcome is: a published release lists the receipts it consumed in its
-  manifest, a rejected candidate in its rejection record. The consumed set is rebuilt from git at start-up, so
-  a ``kill -9`` mid-training consumes nothing (nothing was published) and the batch is trained again after the
-  restart; nothing is consumed twice.
-- Training follows a lineage: each batch continues from the previous candidate while the head is still the
-  release that lineage started from (or the one it last published), whatever the gate said; a rejected
-  candidate is not lost progress, it is the starting point of the next step. When the head moves for another
-  reason (a rollback, another publisher), the lineage restarts from the head; it also does after
-  ``restart_after`` rejections in a row: such a lineage has drifted from the release whose answers it trains on
-  (measured: one that kept training past a bad step reached a KL of 7-13 nats per token from the head and was
-  rejected 200 times running).
-- The gate (``daemon/gate.py``) judges the candidate against the serving head on the trainer's evaluation
-  scores; a winner is published through the chain's compare-and-swap with the head as expected parent (a head
-  that moved meanwhile rejects the candidate, written down) and loaded by the engine; a loser is written down
-  with its verdict and reason. Every step is an event on ``/reef/events`` (``train.start``, ``train.step``,
+  manifest, a rejected, skipped or failed step in its rejection record. The consumed set is rebuilt from git at
+  start-up, so a ``kill -9`` mid-step consumes nothing and the batch is learned from again after the restart.
+- Weights: the step runs in the trainer worker (``daemon/trainer/``). Training follows a lineage: each batch
+  continues from the previous candidate while the head is still the release that lineage started from (or the
+  one it last published), whatever the gate said; when the head moves for another reason (a rollback, another
+  publisher) the lineage restarts from the head, and also after the recipe's ``restart_after`` rejections in a
+  row (measured: a lineage that kept training past a bad step reached a KL of 7-13 nats per token from the head
+  and was rejected 200 times running).
+- Harness: the recipe edits the tree in the daemon; ``inline`` recipes step inside the report's own request and
+  answer its outcome. A head that moves meanwhile makes the (cheap) edit again on the new head, up to 3 times.
+- The gate is the recipe's ``judge``; a winner is published by compare-and-swap with the head as expected parent
+  (a head that moved meanwhile rejects a weights candidate, written down) and preloaded by the engine. A
+  candidate whose content equals its parent's is not a release: that step is written down as skipped, as is one
+  the recipe skipped (nothing to learn). A step that raises is written down as failed with the exception's
+  message; serving goes on. Every step is an event on ``/reef/events`` (``train.start``, ``train.step``,
   ``gate``, ``release``).
-- Recipe settings come from ``[recipes.<name>]`` in the config over the recipe's defaults and are recorded in
-  each release's manifest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field, fields
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from daemon.errors import BadRequest, HeadMoved
-from daemon.gate import judge
-from daemon.records import Scenario, new_id
-
-if TYPE_CHECKING:
-    from daemon.serving import Reef
+from daemon.chains import Chains
+from daemon.config import Config
+from daemon.engines.base import Engine
+from daemon.errors import HeadMoved, ReefError, Unchanged
+from daemon.events import EventBus
+from daemon.records import RecordStore, Scenario, new_id
+from recipes import load_recipe
+from recipes.base import Candidate, Head, Recipe, TrainJob
 
 log = logging.getLogger("reef.learning")
 
 
 @dataclass
-class LoopSettings:
-    """Daemon-side settings of a training recipe (the trainer's own settings travel to the worker as is)."""
+class ScenarioLearning:
+    """Everything the loop keeps about one scenario."""
 
-    gate: str = "always"  # always | floor | compare | regression | review
-    floor: float = 0.0  # gate floor: minimum mean evaluation score
-    margin: float = 0.0  # gate compare: wins - losses needed; regression: allowed drop from the best
-    eval_family: str | None = None  # task family for the gate's evaluation (recipes/tasks.py)
-    eval_n: int = 64  # evaluation tasks
-    eval_seed: int = 0
-    restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
-    trainer: dict[str, Any] = field(default_factory=dict)  # OnlineRLSettings fields
+    name: str
+    recipe: Recipe | None = None  # loaded on first use
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    task: asyncio.Task[None] | None = None
+    state: str = "idle"  # idle | waiting | training | judging
+    consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
+    cursor: int = 0  # seq of the last report read
+    pool: dict[str, dict[str, Any]] = field(default_factory=dict)  # unconsumed records read so far, oldest first
+    lineage: tuple[str, str, str] | None = None  # (head release it follows, candidate key, candidate dir)
+    head_eval: tuple[str, list[float]] | None = None  # (release, its gate scores), when the loop knows them
+    rejected_run: int = 0  # candidates of the lineage rejected in a row
+    base: tuple[str, str] | None = None  # what the current weights step starts from (None: the head)
 
 
-def loop_settings(raw: dict[str, Any]) -> LoopSettings:
-    from recipes.online_rl import OnlineRLSettings
+class _Answers:
+    """The ``HarnessContext`` a harness recipe gets: greedy answers from configured models."""
 
-    own = {f.name for f in fields(LoopSettings)} - {"trainer"}
-    trainer_fields = {f.name for f in fields(OnlineRLSettings)}
-    unknown = set(raw) - own - trainer_fields
-    if unknown:
-        raise BadRequest(f"unknown recipe settings: {', '.join(sorted(unknown))}", param="settings")
-    trainer = OnlineRLSettings(**{k: v for k, v in raw.items() if k in trainer_fields})
-    return LoopSettings(**{k: v for k, v in raw.items() if k in own}, trainer=trainer.to_dict())
+    def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str) -> None:
+        self._engine, self.model = engine, model
+
+    async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str:
+        from daemon.exchange import Finish
+
+        name = model or self.model
+        engine = await self._engine(name)
+        text = ""
+        async for event in engine.generate(internal_exchange(name, system, user, max_tokens), None):
+            if isinstance(event, Finish):
+                text = event.completion.text
+        return text
 
 
 class Learner:
-    def __init__(self, reef: Reef) -> None:
-        self.reef = reef
-        self.dir = reef.config.home / "candidates"
-        self._wake: dict[str, asyncio.Event] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._consumed: dict[str, set[str]] = {}
-        # scenario -> (seq of the last report read, its scored exchanges not yet consumed: receipt -> record)
-        self._scored: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
-        self._feedback_seen: dict[str, int] = {}  # scenario -> seq of the last feedback report consumed
-        # scenario -> (head release the lineage follows, candidate key, candidate dir)
-        self._lineage: dict[str, tuple[str, str, str]] = {}
-        self._head_eval: dict[str, tuple[str, list[float]]] = {}  # scenario -> (release, its gate scores)
-        self._rejected_run: dict[str, int] = {}  # scenario -> candidates of its lineage rejected in a row
-        self.state: dict[str, str] = {}  # scenario -> idle | waiting | training | judging
+    """Runs the learning loop of every scenario. Gets what it uses, not the daemon: the config, the record
+    store, the release chains, the event bus, and a way to get a model's engine."""
+
+    def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus,
+                 engine: Callable[[str], Awaitable[Engine]]) -> None:
+        self.config, self.store, self.chains, self.events, self.engine = config, store, chains, events, engine
+        self.dir = config.home / "candidates"
+        self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
-        self._lessons_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def trainer(self) -> Any:
         if self._trainer is None:
             from daemon.trainer.worker import TrainerClient
 
-            self._trainer = TrainerClient(threads=self.reef.config.trainer_threads)
+            self._trainer = TrainerClient(threads=self.config.trainer_threads,
+                                          recipe_paths=[str(p) for p in self.config.recipe_paths])
         return self._trainer
 
     @property
     def trainer_pid(self) -> int | None:
         return None if self._trainer is None else self._trainer.pid
 
+    @property
+    def state(self) -> dict[str, str]:
+        return {name: st.state for name, st in self._scenarios.items()}
+
     async def start(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)  # candidates of a crashed run: never published, retrained
         self.dir.mkdir(parents=True, exist_ok=True)
-        for s in await self.reef.store.list_scenarios():
-            if self._trains(s["recipe"]):
-                self.notify(s["name"])
+        for s in await self.store.list_scenarios():
+            try:
+                if load_recipe(s["recipe"]).source is not None:
+                    self.notify(s["name"])
+            except ReefError as e:  # a recipe that no longer loads: that scenario serves, and says why
+                log.error("scenario %s does not learn: %s", s["name"], e.message)
 
     async def close(self) -> None:
-        for task in self._tasks.values():
+        tasks = [st.task for st in self._scenarios.values() if st.task is not None]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks.values():
+        for task in tasks:
             try:
                 await task
             except (asyncio.CancelledError, Exception):
@@ -120,302 +139,284 @@ class Learner:
         if self._trainer is not None:
             await asyncio.to_thread(self._trainer.close)
 
-    @staticmethod
-    def _trains(recipe: str) -> bool:
-        return recipe in ("online-rl", "lessons")
+    # --- recipes and settings ------------------------------------------------------------------------------
 
-    def settings(self, scenario: Scenario) -> LoopSettings:
-        """Recipe defaults < ``[recipes.<name>]`` in the config < the scenario's own settings."""
-        return loop_settings({**self.reef.config.recipes.get(scenario.recipe, {}), **scenario.settings})
+    def make_recipe(self, recipe: str, settings: dict[str, Any] | None = None) -> Recipe:
+        """The recipe instance a scenario's step uses: defaults < ``[recipes.<name>]`` < the scenario's
+        settings. Raises ``BadRequest`` (the recipe cannot load, refuses the settings, names an unknown model)."""
+        cls = load_recipe(recipe)
+        made = cls(cls.parse_settings({**self.config.recipes.get(recipe, {}), **(settings or {})}))
+        for model in made.models_used():
+            self.config.model(model)  # an unknown model: 400 naming the configured ones
+        return made
 
     def check_settings(self, recipe: str, settings: dict[str, Any]) -> None:
-        if recipe == "lessons":
-            from recipes.lessons import settings_from
+        self.make_recipe(recipe, settings)
 
-            try:
-                lessons = settings_from({**self.reef.config.recipes.get(recipe, {}), **settings})
-            except TypeError as e:
-                raise BadRequest(f"invalid recipe settings: {e}", param="settings") from None
-            if lessons.proposer is not None:
-                self.reef.config.model(lessons.proposer)  # an unknown model: 400 naming the configured ones
-            return
-        if not self._trains(recipe):
-            if settings:
-                raise BadRequest(f"recipe {recipe!r} takes no settings", param="settings")
-            return
+    async def _get(self, name: str) -> ScenarioLearning:
+        st = self._scenarios.setdefault(name, ScenarioLearning(name))
+        if st.recipe is None:
+            scenario = await self.store.get_scenario(name)
+            st.recipe = self.make_recipe(scenario.recipe, scenario.settings)
+        return st
+
+    async def inline(self, name: str) -> bool:
+        """Whether reports on this scenario are learned from inside the report's request."""
         try:
-            loop_settings({**self.reef.config.recipes.get(recipe, {}), **settings})
-        except TypeError as e:
-            raise BadRequest(f"invalid recipe settings: {e}", param="settings") from None
+            recipe = (await self._get(name)).recipe
+        except ReefError:  # a recipe that no longer loads: the report is stored, the loop says why
+            return False
+        return recipe is not None and recipe.inline
 
-    def notify(self, scenario: str) -> None:
+    async def check_report(self, name: str, metadata: dict[str, Any] | None) -> None:
+        """A report on this scenario against its recipe's report schema (a 400 naming the field)."""
+        try:
+            recipe = (await self._get(name)).recipe
+        except ReefError:  # unknown scenario (the store says so next) or a recipe that no longer loads
+            return
+        if recipe is not None:
+            type(recipe).check_report(metadata)
+
+    def notify(self, name: str) -> None:
         """A report arrived (or the daemon started): look for a batch."""
-        event = self._wake.setdefault(scenario, asyncio.Event())
-        event.set()
-        if scenario not in self._tasks or self._tasks[scenario].done():
-            self._tasks[scenario] = asyncio.ensure_future(self._loop(scenario))
+        st = self._scenarios.setdefault(name, ScenarioLearning(name))
+        st.wake.set()
+        if st.task is None or st.task.done():
+            st.task = asyncio.ensure_future(self._loop(name))
 
     async def _loop(self, name: str) -> None:
-        event = self._wake[name]
+        try:
+            st = await self._get(name)
+        except ReefError as e:
+            log.error("scenario %s does not learn: %s", name, e.message)
+            return
+        assert st.recipe is not None
+        if st.recipe.source is None:
+            return
         while True:
-            await event.wait()
-            event.clear()
+            await st.wake.wait()
+            st.wake.clear()
             try:
-                scenario = await self.reef.store.get_scenario(name)
-                if not self._trains(scenario.recipe):
-                    self.state[name] = "idle"
-                    return
-                if scenario.recipe == "lessons":
-                    await self.lessons(scenario)
-                else:
-                    while await self._round(scenario):
-                        pass
+                while (outcome := await self.step(name)) is not None and outcome["consumed"]:
+                    pass  # a step that consumed nothing (skipped, the recipe keeps its receipts) waits for news
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
-                self.reef.events.publish("train.error", scenario=name)
-            self.state[name] = "waiting"
+                self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
+            st.state = "waiting"
 
-    async def consumed(self, scenario: str) -> set[str]:
-        got = self._consumed.get(scenario)
-        if got is None:
-            store = self.reef.chains.store
+    # --- one step ------------------------------------------------------------------------------------------
+
+    async def step(self, name: str) -> dict[str, Any] | None:
+        """Learn from one batch if one is ready: what happened (None when there was nothing to learn from)."""
+        st = await self._get(name)
+        recipe = st.recipe
+        if recipe is None or recipe.source is None:
+            return None
+        async with st.lock:
+            scenario = await self.store.get_scenario(name)
+            head = await self.chains.head(scenario)
+            consumed = await self._consumed(st)
+            batch = recipe.batch(await self._eligible(st, scenario, head))
+            if not batch:
+                st.state = "waiting"
+                return None
+            receipts = [r["id"] for r in batch]
+            job_id = new_id("job_")
+            record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
+            st.state = "training"
+            extra = {}
+            if recipe.kind == "weights":
+                st.base = self._base(st, head)
+                extra["from_head"] = st.base is None
+            self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=len(batch),
+                                **extra)
+            t0 = time.perf_counter()
+            outcome: dict[str, Any] = {"scenario": name, "base": head.release_id, "job": job_id}
+            try:
+                for _attempt in range(3):
+                    try:
+                        outcome.update(await self._make_and_judge(st, scenario, head, batch, job_id,
+                                                                  record_settings, t0))
+                        break
+                    except HeadMoved:  # only harness edits get here: redo the (cheap) edit on the new head
+                        head = await self.chains.head(scenario)
+                        outcome["base"] = head.release_id
+                else:
+                    await self._write_down(scenario, head, "rejected", "the head kept moving; not published",
+                                           {}, receipts, record_settings)
+                    outcome.update(verdict="rejected", release_id=None, reason="the head kept moving; not published")
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
+                reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
+                log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
+                await self._write_down(scenario, head, "failed", reason, {}, receipts, record_settings)
+                outcome.update(verdict="failed", release_id=None, reason=reason)
+            outcome.setdefault("summary", outcome.get("reason") or outcome["verdict"])
+            kept = outcome.pop("_consumed", receipts)
+            consumed.update(kept)
+            outcome["consumed"] = len(kept)
+            self.events.publish("gate", scenario=name, job=job_id, verdict=outcome["verdict"],
+                                reason=outcome.get("reason"), metrics=outcome.get("metrics") or {},
+                                release_id=outcome.get("release_id"))
+            st.state = "waiting"
+            return outcome
+
+    async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[dict[str, Any]],
+                              job_id: str, record_settings: dict[str, Any], t0: float) -> dict[str, Any]:
+        recipe = st.recipe
+        assert recipe is not None
+        receipts = [r["id"] for r in batch]
+        if recipe.kind == "weights":
+            candidate = await self._train(st, scenario, head, batch, job_id)
+        else:
+            tree = await self.chains.harness_tree(head)
+            candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model))
+            if not isinstance(candidate, Candidate):
+                raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
+                                "not a Candidate")
+            if candidate.tree is not None and candidate.tree == tree and candidate.skipped is None:
+                candidate.skipped = "the candidate's content equals its parent's"
+        metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
+                   **({"batch_reward": round(sum(r["score"] for r in batch) / len(batch), 4)}
+                      if all(isinstance(r.get("score"), (int, float)) for r in batch) else {})}
+        self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
+                            seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
+        out: dict[str, Any] = {**candidate.details, "metrics": metrics}
+        if candidate.skipped is not None:
+            kept = receipts if candidate.consume else []
+            await self._write_down(scenario, head, "skipped", candidate.skipped, metrics, kept, record_settings)
+            self._follow(st, head.release_id, candidate, job_id, published=False)
+            return {**out, "verdict": "skipped", "release_id": None, "reason": candidate.skipped,
+                    "summary": candidate.details.get("summary", candidate.skipped), "_consumed": kept}
+        st.state = "judging"
+        best = None
+        if recipe.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
+            best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(self.chains.store.history,
+                                                                                       scenario.name)
+                        if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
+        verdict = recipe.judge(candidate, best=best)
+        metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
+        artifact: Any = candidate.tree if candidate.tree is not None else candidate.path
+        record = {"settings": record_settings, "metrics": metrics, "receipts": receipts}
+        reason = verdict.reason
+        if verdict.verdict == "pending":
+            rel = await self.chains.hold(scenario, artifact, base=head.release_id, **record)
+            self._follow(st, head.release_id, candidate, job_id, published=False)
+            return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": reason}
+        if verdict.publish:
+            try:
+                engine = await self.engine(scenario.model) if recipe.kind == "weights" else None
+                rel = await self.chains.publish_candidate(scenario, artifact, expected_head=head.release_id,
+                                                          engine=engine, **record)
+            except Unchanged as e:
+                await self._write_down(scenario, head, "skipped", e.message, metrics, receipts, record_settings)
+                self._follow(st, head.release_id, candidate, job_id, published=False)
+                return {**out, "verdict": "skipped", "release_id": None, "reason": e.message}
+            except HeadMoved as e:
+                if recipe.kind != "weights":
+                    raise
+                reason = f"the head moved during training (now {e.actual}); not published"
+            else:
+                if candidate.eval is not None:
+                    st.head_eval = (rel.release_id, candidate.eval.candidate)
+                self._follow(st, rel.release_id, candidate, job_id, published=True)
+                return {**out, "verdict": "accepted", "release_id": rel.release_id, "step": rel.step,
+                        "reason": reason}
+        await self._write_down(scenario, head, "rejected", reason, metrics, receipts, record_settings)
+        self._follow(st, head.release_id, candidate, job_id, published=False)
+        return {**out, "verdict": "rejected", "release_id": None, "reason": reason}
+
+    async def _write_down(self, scenario: Scenario, head: Any, verdict: str, reason: str, metrics: dict[str, Any],
+                          receipts: list[str], settings: dict[str, Any]) -> None:
+        await self.chains.reject(scenario, verdict=verdict, reason=reason, base=head.release_id, metrics=metrics,
+                                 receipts=receipts, settings=settings)
+
+    def _follow(self, st: ScenarioLearning, follows: str, candidate: Candidate, job_id: str, *,
+                published: bool) -> None:
+        """Where the next weights step starts: the lineage goes on from this candidate (or restarts)."""
+        if st.recipe is None or st.recipe.kind != "weights":
+            return
+        st.rejected_run = 0 if published else st.rejected_run + (candidate.skipped is None)
+        if candidate.path is None:  # skipped: the lineage (and the model in the worker) did not move
+            if st.lineage is not None:
+                st.lineage = (follows, st.lineage[1], st.lineage[2])
+            return
+        old = st.lineage
+        st.lineage = (follows, f"candidate:{job_id}", candidate.path)
+        if old and old[2] != candidate.path:
+            shutil.rmtree(old[2], ignore_errors=True)
+
+    @staticmethod
+    def _base(st: ScenarioLearning, head: Any) -> tuple[str, str] | None:
+        """The lineage's last candidate (key, dir) when the next step continues it; None: start from the head."""
+        assert st.recipe is not None
+        lineage = st.lineage
+        restart_after = int(getattr(st.recipe.settings, "restart_after", 0) or 0)
+        if (lineage and lineage[0] == head.release_id and Path(lineage[2]).exists()
+                and not (restart_after and st.rejected_run >= restart_after)):
+            return lineage[1], lineage[2]
+        st.rejected_run = 0
+        return None
+
+    async def _train(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[dict[str, Any]],
+                     job_id: str) -> Candidate:
+        assert st.recipe is not None
+        ref = await self.chains.ref(scenario, head)
+        base_key, base_path = st.base or (head.content_id, str(ref.path))
+        known = st.head_eval
+        job = TrainJob(
+            id=job_id, recipe=scenario.recipe, settings=dataclasses.asdict(st.recipe.settings), batch=batch,
+            base_key=base_key, base_path=base_path, head_key=head.content_id, head_path=str(ref.path),
+            candidate_key=f"candidate:{job_id}",
+            head_scores=known[1] if known and known[0] == head.release_id else None,
+            recipe_paths=[str(p) for p in self.config.recipe_paths],
+        )
+        candidate: Candidate = await self.trainer.run(job, self.dir / job_id)
+        return candidate
+
+    # --- what a step reads ---------------------------------------------------------------------------------
+
+    async def _consumed(self, st: ScenarioLearning) -> set[str]:
+        if st.consumed is None:
+            store = self.chains.store
 
             def read() -> set[str]:
                 out: set[str] = set()
-                for rel in store.history(scenario):
+                for rel in store.history(st.name):
                     out.update(rel.receipts)
-                for rej in store.rejections(scenario):
+                for rej in store.rejections(st.name):
                     out.update(rej.receipts)
                 return out
 
-            got = self._consumed[scenario] = await asyncio.to_thread(read)
-        return got
+            st.consumed = await asyncio.to_thread(read)
+        return st.consumed
 
-    async def _round(self, scenario: Scenario) -> bool:
-        """Train on one batch if one is ready; returns whether it did."""
-        settings = self.settings(scenario)
-        trainer = settings.trainer
-        need = trainer["batch_prompts"] * trainer["group_size"]
-        chains = self.reef.chains
-        head = await chains.head(scenario)
-        consumed = await self.consumed(scenario.name)
-        # the scored exchanges not yet consumed, oldest score first, kept between rounds: each round reads only
-        # the reports that came since the last one (a scenario's whole history would be read every step)
-        seen, pool = self._scored.get(scenario.name, (0, {}))
-        rows, seen = await self.reef.store.scored_exchanges(scenario.name, after=seen)
-        for rec in rows:
-            pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
-            if rec["id"] not in consumed:
-                pool[rec["id"]] = rec
-        self._scored[scenario.name] = (seen, pool)
-        eligible = []
-        for rid, rec in list(pool.items()):
-            served_by = await chains.release(rec["release_id"]) if rec["release_id"] else None
-            if rid in consumed or served_by is None or head.step - served_by.step > trainer["max_staleness"]:
-                del pool[rid]  # consumed, or too stale for good: the head's step only grows
-                continue
-            eligible.append(rec)
-        if len(eligible) < need:
-            self.state[scenario.name] = "waiting"
-            return False
-        batch = eligible[:need]
-        receipts = [r["id"] for r in batch]
-        job_id = new_id("job_")
-        ref = await chains.ref(scenario, head)
-        lineage = self._lineage.get(scenario.name)
-        rejected_run = self._rejected_run.get(scenario.name, 0)
-        if (lineage and lineage[0] == head.release_id and Path(lineage[2]).exists()
-                and not (settings.restart_after and rejected_run >= settings.restart_after)):
-            base_key, base_path = lineage[1], lineage[2]
+    async def _eligible(self, st: ScenarioLearning, scenario: Scenario, head: Any) -> list[dict[str, Any]]:
+        """The recipe's unconsumed, eligible records, oldest first; reads only what came since the last round."""
+        consumed = await self._consumed(st)
+        assert st.recipe is not None
+        if st.recipe.source == "scores":
+            rows, st.cursor = await self.store.scored_exchanges(scenario.name, after=st.cursor)
         else:
-            base_key, base_path, rejected_run = head.content_id, str(ref.path), 0
-        job = {
-            "id": job_id,
-            "base_key": base_key,
-            "base_path": base_path,
-            "head_key": head.content_id,
-            "head_path": str(ref.path),
-            "candidate_key": f"candidate:{job_id}",
-            "out_dir": str(self.dir / job_id),
-            "settings": trainer,
-            "samples": [
-                {"prompt_token_ids": r["prompt_token_ids"], "token_ids": r["token_ids"], "logprobs": r["logprobs"],
-                 "reward": r["score"], "group": hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest()}
-                for r in batch
-            ],
-        }
-        if settings.eval_family:
-            job["eval"] = {"family": settings.eval_family, "n": settings.eval_n, "seed": settings.eval_seed,
-                           "max_new_tokens": trainer["max_new_tokens"]}
-            known = self._head_eval.get(scenario.name)
-            if known and known[0] == head.release_id:  # the head is a candidate scored when it was judged
-                job["eval"]["head_scores"] = known[1]
-        self.state[scenario.name] = "training"
-        events = self.reef.events
-        events.publish("train.start", scenario=scenario.name, job=job_id, base=head.release_id, samples=need,
-                       from_head=base_key == head.content_id)
-        t0 = time.perf_counter()
-        result = await self.trainer.run(job)
-        if not result.get("ok"):
-            raise RuntimeError(f"trainer failed on {job_id}: {result.get('error')}")
-        mean_reward = sum(r["score"] for r in batch) / len(batch)
-        metrics = {**{k: v for k, v in result["train_metrics"].items() if isinstance(v, (int, float))},
-                   "batch_reward": round(mean_reward, 4), "train_s": result["train_s"]}
-        events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
-                       seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
-        self.state[scenario.name] = "judging"
-        ev = result.get("eval") or {}
-        best = None
-        if settings.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
-            best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(chains.store.history,
-                                                                                       scenario.name)
-                        if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
-        verdict = judge(settings.gate, candidate=ev.get("candidate"), base=ev.get("base"), best=best,
-                        floor=settings.floor, margin=settings.margin)
-        metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
-        candidate = result["candidate"]
-        record = {"settings": {**trainer, "gate": settings.gate}, "metrics": metrics, "receipts": receipts}
-        published = None
-        reason = verdict.reason
-        if verdict.publish:
-            try:
-                published = await chains.publish_candidate(scenario, candidate, expected_head=head.release_id,
-                                                           engine=await self.reef.engine(scenario.model), **record)
-            except HeadMoved as e:
-                reason = f"the head moved during training (now {e.actual}); not published"
-        elif verdict.verdict == "pending":
-            await chains.hold(scenario, candidate, base=head.release_id, **record)
-        if published is None and verdict.verdict != "pending":
-            await chains.reject(scenario, verdict="rejected", reason=reason, base=head.release_id, **record)
-        consumed.update(receipts)
-        if published is not None and ev.get("candidate"):
-            self._head_eval[scenario.name] = (published.release_id, ev["candidate"])
-        self._rejected_run[scenario.name] = 0 if published is not None else rejected_run + 1
-        follows = published.release_id if published is not None else head.release_id
-        self._lineage[scenario.name] = (follows, job["candidate_key"], candidate)
-        if lineage and lineage[2] != candidate:
-            shutil.rmtree(lineage[2], ignore_errors=True)
-        events.publish("gate", scenario=scenario.name, job=job_id, verdict="accepted" if published else
-                       verdict.verdict if verdict.verdict == "pending" else "rejected", reason=reason,
-                       metrics=metrics, release_id=published.release_id if published else None)
-        return True
-
-    # --- harness recipes ---------------------------------------------------------------------------------------
-
-    async def lessons(self, scenario: Scenario) -> dict[str, Any] | None:
-        """Turn the scenario's unconsumed written feedback into one harness candidate, gate it, publish it.
-
-        Runs in the daemon (an edit of a few text files takes milliseconds), one round at a time per scenario;
-        returns what happened (None when there was nothing to learn). The reports it read are consumed whatever
-        the outcome, and listed in the release's or the rejection's manifest."""
-        from recipes.lessons import apply, check_tree, lesson_from_report, settings_from
-
-        lock = self._lessons_locks.setdefault(scenario.name, asyncio.Lock())
-        async with lock:
-            consumed = await self.consumed(scenario.name)
-            reports, seen = await self.reef.store.feedback_reports(scenario.name,
-                                                                   after=self._feedback_seen.get(scenario.name, 0))
-            reports = [r for r in reports if r["id"] not in consumed]
-            if not reports:
-                self._feedback_seen[scenario.name] = seen
-                self.state[scenario.name] = "waiting"
-                return None
-            settings = settings_from({**self.reef.config.recipes.get("lessons", {}), **scenario.settings})
-            lessons = [x for x in map(lesson_from_report, reports) if x is not None]
-            if settings.proposer:
-                await self._propose(settings.proposer, lessons)
-            receipts = [r["id"] for r in reports]
-            chains, events = self.reef.chains, self.reef.events
-            self.state[scenario.name] = "training"
-            events.publish("train.start", scenario=scenario.name, base=None, samples=len(lessons))
-            for _attempt in range(3):  # a head that moves meanwhile: redo the (cheap) edit on the new head
-                head = await chains.head(scenario)
-                tree = await chains.harness_tree(head)
-                outcome = apply(tree, lessons, settings)
-                metrics = {"lessons": len(lessons), "applied": len(outcome.applied), "refused": len(outcome.refused),
-                           "unchanged": len(outcome.unchanged), "tree_files": len(outcome.tree)}
-                record = {"settings": {**settings.to_dict()}, "metrics": metrics, "receipts": receipts}
-                result: dict[str, Any] = {"scenario": scenario.name, "base": head.release_id,
-                                          "applied": outcome.applied, "refused": outcome.refused,
-                                          "unchanged": outcome.unchanged, "summary": outcome.summary()}
-                if not outcome.changed:
-                    await chains.reject(scenario, verdict="rejected", reason=f"no change: {outcome.summary()}",
-                                        base=head.release_id, **record)
-                    result.update(verdict="unchanged", release_id=None)
-                    break
-                check_tree(outcome.tree)
-                if settings.gate == "compare":
-                    verdict = judge("compare", candidate=await self._task_scores(scenario, outcome.tree, settings),
-                                    base=await self._task_scores(scenario, tree, settings), best=None,
-                                    margin=settings.margin)
-                    metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
-                    if not verdict.publish:
-                        await chains.reject(scenario, verdict="rejected", reason=verdict.reason,
-                                            base=head.release_id, **record)
-                        result.update(verdict="rejected", release_id=None, reason=verdict.reason)
-                        break
-                if settings.gate == "review":
-                    rel = await chains.hold(scenario, outcome.tree, base=head.release_id, **record)
-                    result.update(verdict="pending", release_id=rel.release_id, step=rel.step)
-                    break
-                try:
-                    rel = await chains.publish_candidate(scenario, outcome.tree, expected_head=head.release_id,
-                                                         **record)
-                except HeadMoved:
-                    continue
-                result.update(verdict="accepted", release_id=rel.release_id, step=rel.step)
-                break
-            else:
-                await chains.reject(scenario, verdict="rejected", reason="the head kept moving; not published",
-                                    base=head.release_id, **record)
-                result.update(verdict="rejected", release_id=None)
-            consumed.update(receipts)
-            self._feedback_seen[scenario.name] = seen  # read from here on next time (a failed round reads again)
-            events.publish("gate", scenario=scenario.name, verdict=result["verdict"], reason=outcome.summary(),
-                           metrics=metrics, release_id=result.get("release_id"))
-            self.state[scenario.name] = "waiting"
-            return result
-
-    async def _task_scores(self, scenario: Scenario, tree: dict[str, bytes], settings: Any) -> list[float]:
-        """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
-        from daemon.exchange import Finish
-        from recipes.lessons import RULES_FILE, task_score
-
-        engine = await self.reef.engine(scenario.model)
-        rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")
-        scores = []
-        for task in settings.tasks:
-            exchange = internal_exchange(scenario.model, rules, task["prompt"], int(task.get("max_tokens", 32)))
-            answer = ""
-            async for event in engine.generate(exchange, None):
-                if isinstance(event, Finish):
-                    answer = event.completion.text
-            scores.append(task_score(task, answer))
-        return scores
-
-    async def _propose(self, model: str, lessons: list[Any]) -> None:
-        """Ask the proposer model to phrase each rule lesson; failures leave the plain, deterministic edit."""
-        from daemon.exchange import Finish
-        from recipes.lessons import PROPOSER_PROMPT, proposal
-
-        try:
-            engine = await self.reef.engine(model)
-        except Exception:
-            log.exception("proposer model %s is unavailable; making plain edits", model)
-            return
-        for lesson in lessons:
-            if lesson.skill is not None:
+            rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
+        for rec in rows:
+            st.pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
+            if rec["id"] not in consumed:
+                st.pool[rec["id"]] = rec
+        view = Head(head.release_id, head.content_id, head.step)
+        out = []
+        for rid, rec in list(st.pool.items()):
+            served_step = None
+            if rec.get("release_id"):
+                served_step = (await self.chains.release(rec["release_id"])).step
+            if rid in consumed or not st.recipe.eligible(rec, head=view, served_step=served_step):
+                del st.pool[rid]  # consumed, or no longer eligible for good: the head's step only grows
                 continue
-            exchange = internal_exchange(model, PROPOSER_PROMPT, lesson.text, 64)
-            try:
-                async for event in engine.generate(exchange, None):
-                    if isinstance(event, Finish):
-                        lesson.proposed = proposal(event.completion.text)
-                        lesson.proposer = model
-            except Exception:
-                log.warning("proposer model %s failed on %s; making a plain edit", model, lesson.id, exc_info=True)
+            out.append(rec)
+        return out
 
 
 def internal_exchange(model: str, system: str, user: str, max_tokens: int) -> Any:
@@ -429,3 +430,5 @@ def internal_exchange(model: str, system: str, user: str, max_tokens: int) -> An
             "messages": [{"role": m.role, "content": m.text} for m in messages]}
     return Exchange(format="openai-chat", model=model, messages=messages, body=body,
                     sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+
+

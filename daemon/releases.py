@@ -79,6 +79,7 @@ from daemon.errors import (
     NotFound,
     ReefError,
     StorageError,
+    Unchanged,
 )
 
 MANIFEST = "reef-artifact.json"
@@ -562,6 +563,8 @@ class ReleaseStore:
         if source is not None:
             source = self._resolve(source)
         content, lfs = self._write_content(files)
+        if operation == "train" and expected is not None and content == self._content_tree(self._repo()[expected]):
+            raise Unchanged(scenario, content)  # a release that changes nothing is no release
         return self._publish_tree(
             scenario,
             content,

@@ -25,7 +25,7 @@ from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.records import RecordStore, Scenario, new_id
-from recipes import check_recipe_name
+from recipes import add_recipe_paths, load_recipe
 
 log = logging.getLogger("reef")
 
@@ -103,7 +103,7 @@ class Reef:
         self.events = EventBus()
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
-        self.learner = Learner(self)
+        self.learner = Learner(config, self.store, self.chains, self.events, self.engine)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -111,6 +111,12 @@ class Reef:
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        add_recipe_paths(self.config.recipe_paths)
+        try:  # a default recipe that cannot load, or refuses its configured settings: refuse to start
+            self.learner.make_recipe(self.config.default_recipe)
+        except ReefError as e:
+            log.error("default_recipe %s: %s", self.config.default_recipe, e.message)
+            raise
         await self.chains.start()
         await self.engine(self.config.default_model)
         await self.learner.start()
@@ -154,7 +160,7 @@ class Reef:
                        settings: dict[str, Any] | None = None) -> Scenario:
         check_name(name)
         if recipe is not None:
-            check_recipe_name(recipe)
+            load_recipe(recipe)  # one that cannot load is refused before the scenario exists
         if model is not None:
             self.config.model(model)
         created_before = name in self.store._scenario_cache

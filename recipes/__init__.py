@@ -1,43 +1,78 @@
-"""Learning recipes. A scenario's recipe is named by a built-in name or ``module:Class``."""
+"""Learning recipes. A scenario's recipe is named by a built-in name or ``module:Class``; ``load_recipe`` turns
+the name into the class (``recipes/base.py`` is the interface every recipe implements)."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from daemon.errors import BadRequest
+from daemon.errors import RecipeError
+
+if TYPE_CHECKING:
+    from recipes.base import Recipe
 
 BUILTIN: dict[str, str] = {
     "record": "recipes.record:RecordOnly",
-    "online-rl": "recipes.online_rl",
-    "lessons": "recipes.lessons",
+    "online-rl": "recipes.online_rl:OnlineRL",
+    "lessons": "recipes.lessons:Lessons",
 }
 
-# what each built-in recipe's releases hold; ``record`` follows its model (weights locally, else a harness)
-KINDS: dict[str, str] = {"online-rl": "weights", "lessons": "harness"}
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+_loaded: dict[str, type[Recipe]] = {}
 
 
 def check_recipe_name(name: object) -> str:
-    """Validate a recipe name: a built-in one or ``module:Class``."""
-    if not isinstance(name, str) or not (name in BUILTIN or _IMPORT_PATH.match(name)):
-        raise BadRequest(
+    """Validate a recipe name's form: a built-in one or ``module:Class`` (``load_recipe`` checks the rest)."""
+    if not isinstance(name, str) or not (name in BUILTIN or _IMPORT_PATH.fullmatch(name)):
+        raise RecipeError(
             f"unknown recipe {name!r}; built-in recipes: {', '.join(sorted(BUILTIN))}, or give module:Class",
-            param="recipe",
+            recipe=str(name),
         )
     return name
 
 
-def recipe_kind(name: str) -> str | None:
-    """``weights`` or ``harness`` for recipes that make one kind of release; None when the model decides."""
-    if name in KINDS:
-        return KINDS[name]
-    if name in BUILTIN:
-        return None
-    import importlib
+def add_recipe_paths(paths: Iterable[str | Path]) -> None:
+    """Put configured recipe directories on the import path (first, so they win over installed modules)."""
+    for p in paths:
+        p = str(Path(p).expanduser())
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
-    module, _, cls = name.partition(":")
+
+def load_recipe(name: str, paths: Iterable[str | Path] = ()) -> type[Recipe]:
+    """The recipe class a name binds to; a ``RecipeError`` that says what is wrong when it cannot be used."""
+    got = _loaded.get(name)
+    if got is not None:
+        return got
+    from recipes.base import Recipe
+
+    check_recipe_name(name)
+    add_recipe_paths(paths)
+    module_name, _, cls_name = BUILTIN.get(name, name).partition(":")
     try:
-        return getattr(getattr(importlib.import_module(module), cls), "kind", None)
-    except (ImportError, AttributeError):
-        return None
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a syntax error or a failing import inside the recipe's module counts too
+        raise RecipeError(f"recipe {name}: cannot import module {module_name}: {type(e).__name__}: {e}",
+                          recipe=name) from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise RecipeError(f"recipe {name}: module {module_name} has no {cls_name}", recipe=name)
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise RecipeError(f"recipe {name}: {cls_name} does not implement the recipe interface "
+                          "(subclass recipes.base.Recipe)", recipe=name)
+    try:
+        cls.check_class()
+    except TypeError as e:
+        raise RecipeError(f"recipe {name}: {cls_name} does not implement the recipe interface: {e}",
+                          recipe=name) from None
+    _loaded[name] = cls
+    return cls
+
+
+def report_schemas() -> bool:
+    """Whether any recipe loaded so far declares a report schema (the report path skips the check otherwise)."""
+    return any(cls.Report is not None for cls in _loaded.values())

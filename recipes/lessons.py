@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from daemon.errors import BadRequest
-
-kind = "harness"
+from recipes.base import Candidate, HarnessContext, Recipe, Scores
 
 RULES_FILE = "AGENTS.md"
 LESSONS_HEADING = "## Lessons"
@@ -330,3 +329,67 @@ def lesson_from_report(report: dict[str, Any]) -> Lesson | None:
         instruction=isinstance(meta, dict) and meta.get("kind") == "instruction",
         skill=skill if isinstance(skill, str) else None,
     )
+
+
+class Lessons(Recipe):
+    """``lessons``: each written feedback (or ``evolve`` instruction) becomes a screened rule or skill edit of
+    the harness tree, in the daemon, at once: the report's answer says what happened."""
+
+    name = "lessons"
+    kind = "harness"
+    source = "feedback"
+    inline = True
+    Settings = LessonsSettings
+
+    @classmethod
+    def parse_settings(cls, raw: dict[str, Any]) -> LessonsSettings:
+        try:
+            return settings_from(dict(raw))
+        except TypeError as e:
+            raise BadRequest(f"invalid settings for recipe lessons: {e}", param="settings") from None
+
+    def models_used(self) -> list[str]:
+        return [self.settings.proposer] if self.settings.proposer else []
+
+    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        return records or None  # every unconsumed feedback at once: an edit of a few files takes milliseconds
+
+    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
+        settings: LessonsSettings = self.settings
+        lessons = [x for x in map(lesson_from_report, batch) if x is not None]
+        if settings.proposer:
+            await self._propose(ctx, lessons)
+        outcome = apply(tree, lessons, settings)
+        metrics = {"lessons": len(lessons), "applied": len(outcome.applied), "refused": len(outcome.refused),
+                   "unchanged": len(outcome.unchanged), "tree_files": len(outcome.tree)}
+        details = {"applied": outcome.applied, "refused": outcome.refused, "unchanged": outcome.unchanged,
+                   "summary": outcome.summary()}
+        if not outcome.changed:
+            return Candidate(metrics=metrics, skipped=f"no change: {outcome.summary()}", details=details)
+        check_tree(outcome.tree)
+        scores = None
+        if settings.gate == "compare":  # the scenario's model answers each task under both sets of rules
+            scores = Scores(candidate=await self._task_scores(ctx, outcome.tree),
+                            base=await self._task_scores(ctx, tree))
+        return Candidate(tree=outcome.tree, metrics=metrics, eval=scores, details=details)
+
+    async def _task_scores(self, ctx: HarnessContext, tree: dict[str, bytes]) -> list[float]:
+        """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
+        rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")
+        return [task_score(task, await ctx.answer(None, rules, task["prompt"], int(task.get("max_tokens", 32))))
+                for task in self.settings.tasks]
+
+    async def _propose(self, ctx: HarnessContext, lessons: list[Lesson]) -> None:
+        """Ask the proposer model to phrase each rule lesson; failures leave the plain, deterministic edit."""
+        import logging
+
+        model = self.settings.proposer
+        for lesson in lessons:
+            if lesson.skill is not None:
+                continue
+            try:
+                lesson.proposed = proposal(await ctx.answer(model, PROPOSER_PROMPT, lesson.text, 64))
+                lesson.proposer = model
+            except Exception:
+                logging.getLogger("reef.learning").warning(
+                    "proposer model %s failed on %s; making a plain edit", model, lesson.id, exc_info=True)

@@ -24,14 +24,20 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
+import shutil
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from daemon.errors import BadRequest
+from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.tasks import Task, TaskFamily
 
 
@@ -47,7 +53,7 @@ class Sample:
 
 
 @dataclass
-class OnlineRLSettings:
+class OnlineRLSettings(GateSettings):
     lr: float = 2e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     batch_prompts: int = 8  # prompts per training batch
@@ -65,6 +71,12 @@ class OnlineRLSettings:
     lora: bool = False  # train LoRA adapters (peft) instead of all weights
     lora_rank: int = 8
     lora_alpha: int = 16
+    # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
+    # validation prompts (recipes/tasks.py), scored by the trainer for the candidate and the serving head
+    eval_family: str | None = None
+    eval_n: int = 64  # evaluation tasks
+    eval_seed: int = 0
+    restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -331,3 +343,110 @@ def evaluate(
             text = tokenizer.decode(ids, skip_special_tokens=True)
             total += family.exact(task, text) if exact else family.score(task, text)
     return total / len(tasks)
+
+
+# --- the recipe -------------------------------------------------------------------------------------------------
+
+
+def _eval_scores(model: Any, tokenizer: Any, settings: OnlineRLSettings) -> list[float]:
+    """The gate's evaluation: greedy exact answers to the family's validation prompts (never trained on, and not
+    the held-out ones a demo or benchmark reports at the end)."""
+    from recipes.tasks import get_family
+
+    assert settings.eval_family is not None
+    family = get_family(settings.eval_family)
+    tasks = family.validation(settings.eval_n, seed=settings.eval_seed)
+    outs = generate(model, [render_prompt(tokenizer, t.prompt) for t in tasks], eos=eos_ids(model, tokenizer),
+                    max_new_tokens=settings.max_new_tokens, temperature=0)
+    return [family.exact(t, tokenizer.decode(ids, skip_special_tokens=True))
+            for t, (ids, _) in zip(tasks, outs, strict=True)]
+
+
+class OnlineRL(Recipe):
+    """``online-rl``: the clipped, group-normalised policy gradient above, on explicitly scored exchanges.
+
+    Eligible: a scored exchange served by a release at most ``max_staleness`` steps behind the head. A batch is
+    the oldest ``batch_prompts * group_size`` of them. The worker keeps the model and optimizer of its last
+    candidate in memory: when the next job's base is that candidate (the lineage goes on), training continues
+    with the optimizer state intact; otherwise it loads the base release and starts a fresh optimizer. A batch
+    whose groups all carry no signal is skipped (no optimizer step, nothing published, its receipts consumed:
+    their rewards will not change)."""
+
+    name = "online-rl"
+    kind = "weights"
+    source = "scores"
+    Settings = OnlineRLSettings
+
+    @classmethod
+    def check_settings(cls, settings: Any) -> None:
+        super().check_settings(settings)
+        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
+            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
+                             param="settings.eval_family")
+        if settings.eval_family:
+            from recipes.tasks import get_family
+
+            get_family(settings.eval_family)
+        for key in ("batch_prompts", "group_size", "steps_per_batch", "eval_n"):
+            if getattr(settings, key) < 1:
+                raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
+
+    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+        return served_step is not None and head.step - served_step <= self.settings.max_staleness
+
+    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        need = self.settings.batch_prompts * self.settings.group_size
+        return records[:need] if len(records) >= need else None
+
+    def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        settings: OnlineRLSettings = self.settings
+        t0 = time.perf_counter()
+        if state.get("key") != job.base_key:
+            base = Path(job.base_path)
+            state["tokenizer"] = AutoTokenizer.from_pretrained(base)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            if settings.lora:  # fresh adapters on the base release's weights; candidates are saved merged
+                model = wrap_lora(model, settings)
+            state.update(model=model, optimizer=make_optimizer(model, settings), key=job.base_key)
+        model, tokenizer = state["model"], state["tokenizer"]
+        base_scores = None
+        t_eval = time.perf_counter()
+        if settings.eval_family:  # the gate compares with the serving head, which the lineage may have moved past
+            base_scores = job.head_scores or state.get("head_eval", {}).get(job.head_key)
+            if base_scores is None:
+                head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
+                    job.head_path, dtype=torch.float32)
+                base_scores = _eval_scores(head, tokenizer, settings)
+                state["head_eval"] = {job.head_key: base_scores}  # only the head's is needed
+        eval_s = time.perf_counter() - t_eval
+        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
+                          reward=r["score"], group=hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest())
+                   for r in job.batch]
+        t_train = time.perf_counter()
+        model.train()
+        metrics = train_step(model, samples, settings, state["optimizer"])  # its own steps_per_batch steps
+        model.eval()
+        t_save = time.perf_counter()
+        metrics["train_s"] = round(t_save - t0, 3)  # loading and evaluating the base included
+        if metrics.get("skipped"):  # no sample carried signal: no optimizer step, the model in memory unchanged
+            return Candidate(metrics=metrics, skipped="no signal: every group's rewards were equal")
+        out = Path(job.work_dir)
+        if settings.lora:  # a release is a whole model the engine loads as is: adapters merged into a copy
+            import copy
+
+            copy.deepcopy(model).merge_and_unload().save_pretrained(out, safe_serialization=True)
+        else:
+            model.save_pretrained(out, safe_serialization=True)
+        for f in Path(job.base_path).iterdir():  # tokenizer and generation files travel with the weights
+            if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
+                shutil.copyfile(f, out / f.name)
+        state["key"] = job.candidate_key  # if the lineage goes on, the next job continues from here
+        metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
+        scores = None
+        if settings.eval_family:
+            t_eval = time.perf_counter()
+            scores = Scores(candidate=_eval_scores(model, tokenizer, settings), base=base_scores)
+            metrics["eval_s"] = round(eval_s + time.perf_counter() - t_eval, 3)
+        return Candidate(path=str(out), metrics=metrics, eval=scores)

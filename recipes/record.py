@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from recipes.base import Recipe
 
-class RecordOnly:
+
+class RecordOnly(Recipe):
     name = "record"
-    trains = False
+    kind = "none"  # its releases follow its model: weights for a local model, a harness for an upstream

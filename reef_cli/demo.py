@@ -12,6 +12,7 @@ gate's figure nears the target, and at the end for the head and the first releas
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -138,7 +139,7 @@ def demo(
     from rich.console import Console
     from rich.live import Live
 
-    from daemon.learning import loop_settings
+    from recipes.online_rl import OnlineRL
     from recipes.tasks import get_family
     from reef_cli.client import Client, ensure_daemon
     from reef_cli.common import config
@@ -149,7 +150,7 @@ def demo(
         client = ensure_daemon(cfg)
     family = get_family("say")
     wanted = dict(DEMO_SETTINGS, eval_seed=seed)
-    trainer = loop_settings(wanted).trainer
+    trainer = dataclasses.asdict(OnlineRL.parse_settings(wanted))
     name = scenario or f"demo-{int(time.time())}"
     with console.status("creating the scenario (the first time, the daemon builds the demo model: a supervised "
                         "warm-up of well under a minute)"):

@@ -151,12 +151,14 @@ def _say_learning(outcome: dict[str, Any] | None, cmd: str) -> None:
         print(f"refused: {r['text'][:80]!r}: {r['reason']}")
     verdict = outcome.get("verdict")
     if verdict == "accepted":
-        print(f"harness: {outcome['summary']}; released step {outcome['step']} ({outcome['release_id']}); "
+        print(f"harness: {outcome.get('summary')}; released step {outcome['step']} ({outcome['release_id']}); "
               f"the next {cmd} run installs it")
     elif verdict == "pending":
-        print(f"harness: {outcome['summary']}; candidate {outcome['release_id']} is pending review "
+        print(f"harness: {outcome.get('summary')}; candidate {outcome['release_id']} is pending review "
               f"(reef releases promote {outcome['release_id']})")
-    elif verdict == "unchanged":
+    elif verdict in ("unchanged", "skipped"):
         print(f"harness: unchanged ({outcome.get('summary')})")
     elif verdict == "rejected":
         print(f"harness: not released ({outcome.get('summary')})")
+    elif verdict == "failed":
+        print(f"harness: the learning step failed ({outcome.get('reason')})")

@@ -201,7 +201,8 @@ def test_warm_up_is_deterministic_and_teaches_something(tiny):
 def test_lora_trains_adapters_only_and_merges_into_a_plain_model(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from daemon.trainer.worker import _State, run_job
+    from daemon.trainer.worker import run_job
+    from recipes.base import TrainJob
 
     tokenizer, model = fresh(tiny)
     save_model(tokenizer, model, tmp_path / "base")
@@ -209,20 +210,23 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_model(tiny, tmp_path)
     for i, s in enumerate(batch):  # every group carries signal
         s.reward = float(i % 2)
     settings = OnlineRLSettings(lora=True, lr=1e-2)
-    job = {"id": "j1", "base_key": "base", "base_path": str(tmp_path / "base"), "head_key": "base",
-           "head_path": str(tmp_path / "base"), "candidate_key": "cand", "out_dir": str(tmp_path / "cand"),
-           "settings": settings.to_dict(), "samples": [vars(s) for s in batch]}
-    state = _State()
-    result = run_job(state, job)
-    assert result["ok"] and result["train_metrics"]["skipped"] == 0.0
-    trained = [n for n, p in state.model.named_parameters() if p.requires_grad]
+    records = [{"id": f"rec_{i}", "prompt_token_ids": s.prompt_token_ids, "token_ids": s.token_ids,
+                "logprobs": s.logprobs, "score": s.reward} for i, s in enumerate(batch)]
+    job = TrainJob(id="j1", recipe="online-rl", settings=settings.to_dict(), batch=records, base_key="base",
+                   base_path=str(tmp_path / "base"), head_key="base", head_path=str(tmp_path / "base"),
+                   candidate_key="cand")
+    states: dict = {}
+    result = run_job(states, job, tmp_path / "cand")
+    assert result.path == str(tmp_path / "cand") and result.metrics["skipped"] == 0.0
+    state = states["online-rl"]
+    trained = [n for n, p in state["model"].named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)  # the base weights stay frozen
     # the candidate is a plain model directory whose weights are base + adapters, merged
     cand = AutoModelForCausalLM.from_pretrained(tmp_path / "cand")
     assert not any("lora" in k for k in cand.state_dict())
     ids = torch.tensor([batch[0].prompt_token_ids])
     with torch.no_grad():
-        assert torch.allclose(cand(ids).logits, state.model(ids).logits, atol=1e-4)
+        assert torch.allclose(cand(ids).logits, state["model"](ids).logits, atol=1e-4)
         assert not torch.allclose(cand(ids).logits, model(ids).logits, atol=1e-4)
 
 

@@ -1,0 +1,262 @@
+"""The recipe interface: what every learning recipe implements, built-in or not, and what crosses the trainer
+boundary.
+
+A recipe is a subclass of ``Recipe`` named by a built-in name (``record``, ``online-rl``, ``lessons``) or by
+``module:Class`` (from the daemon's Python path or a configured ``recipe_paths`` directory). The daemon runs
+one generic loop over it (``daemon/learning.py``), per scenario:
+
+    eligible records -> batch -> candidate -> gate -> publish | hold for review | reject (written down)
+
+What the daemon calls, and where:
+
+- ``parse_settings(raw)`` (class method, daemon): the recipe's typed settings from ``[recipes.<name>]`` and the
+  scenario's ``settings``; unknown keys and bad values are a ``BadRequest`` naming them. The instance the loop
+  uses is ``Recipe(settings)``.
+- ``check_report(metadata)`` (class method, daemon, at ingress): the recipe's report schema (``Report``, a
+  dataclass of structured fields a report's ``metadata`` may carry); a violation is a 400 naming the field and
+  nothing is stored.
+- ``eligible(record, ...)`` and ``batch(records)`` (daemon): which of the records it reads (``source``: scored
+  exchanges, or reports with written feedback) it learns from, and which of them form the next batch.
+- weights recipes: ``train(job, state)`` runs in the trainer worker process, never in the daemon. It gets a
+  ``TrainJob`` (the batch, the base to start from, the serving head, a fresh directory to write the candidate
+  into) and a dict that lives as long as the worker (for a model kept in memory between steps), and returns a
+  ``Candidate``: the directory it wrote, its metrics and the gate's evaluation scores, or ``skipped`` with the
+  reason when the batch had nothing to teach. The worker fsyncs and renames the directory to its final name.
+- harness recipes: ``edit(tree, batch, ctx)`` runs in the daemon (an edit of text files) and returns a
+  ``Candidate`` holding the new tree.
+- ``judge(candidate, best)`` (daemon): the gate's ``Verdict`` (``daemon/gate.py``; the ``gate`` setting by
+  default).
+
+Guarantees the daemon gives every recipe: a batch's receipts are consumed exactly once (listed in the release
+or the rejection that came of them, rebuilt from the chain at start-up); a crash (``kill -9``, a dead worker)
+retries the step, since nothing was consumed; a candidate is never half published (the chain's compare-and-swap
+moves the head to a complete release or not at all); a candidate whose content equals its parent is not
+published; a step that raises is written down as failed with the exception's message, and serving goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from daemon.errors import BadRequest
+from daemon.gate import Verdict, judge
+
+KINDS = ("weights", "harness", "none")  # what a recipe's releases hold; none: it never makes a candidate
+SOURCES = ("scores", "feedback")  # scored exchanges (with their token ids), or reports with written feedback
+
+
+@dataclass
+class NoSettings:
+    """Settings of a recipe that takes none."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """The release a candidate is judged against (the scenario's head when the step started)."""
+
+    release_id: str
+    content_id: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The gate's evaluation: one score per task, same tasks for the candidate and the serving head."""
+
+    candidate: list[float]
+    base: list[float] | None = None
+
+
+@dataclass
+class TrainJob:
+    """One training step, as it crosses to the trainer worker (picklable, no live objects)."""
+
+    id: str
+    recipe: str  # the recipe's name as bound: a built-in name or module:Class
+    settings: dict[str, Any]  # as parsed by the recipe's Settings (asdict)
+    batch: list[dict[str, Any]]  # the records, as the record store gives them
+    base_key: str  # what the step starts from: the head's content id, or the lineage's last candidate
+    base_path: str  # its model directory
+    head_key: str  # the serving head's content id (the gate compares with it)
+    head_path: str
+    candidate_key: str  # the key of what this step makes (the next step's base_key if the lineage goes on)
+    work_dir: str = ""  # set by the worker: an empty directory to write the candidate into
+    head_scores: list[float] | None = None  # the head's evaluation scores, when the daemon knows them
+    recipe_paths: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Candidate:
+    """What a step made. Weights: ``path`` (a model directory); harness: ``tree`` (path -> bytes)."""
+
+    path: str | None = None
+    tree: dict[str, bytes] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    eval: Scores | None = None
+    skipped: str | None = None  # why the step had nothing to learn: nothing is published
+    consume: bool = True  # whether a skipped step's receipts are consumed (False: they stay eligible)
+    details: dict[str, Any] = field(default_factory=dict)  # what the daemon answers about the step (harness)
+
+
+@dataclass
+class GateSettings:
+    """The settings every recipe's gate reads (a recipe's Settings may inherit them)."""
+
+    gate: str = "always"  # always | floor | compare | regression | review
+    floor: float = 0.0  # floor: minimum mean evaluation score
+    margin: float = 0.0  # compare: wins - losses needed; regression: allowed drop from the best so far
+
+
+class HarnessContext(typing.Protocol):
+    """What the daemon lends a harness recipe's ``edit``: greedy answers from a configured model (``None``: the
+    scenario's own), asked with a system prompt and one user message."""
+
+    async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str: ...
+
+
+class Recipe:
+    """Base of every recipe. Subclasses set the class attributes and override what their kind needs."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = "none"
+    Settings: ClassVar[type] = NoSettings
+    Report: ClassVar[type | None] = None  # structured report fields (in a report's ``metadata``)
+    source: ClassVar[str | None] = None  # which records feed it (SOURCES); None: it never learns
+    inline: ClassVar[bool] = False  # step at once, in the report's request, answering the outcome (harness edits)
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings if settings is not None else type(self).Settings()
+
+    # --- settings and reports (class level: checked before anything is stored) ----------------------------
+
+    @classmethod
+    def parse_settings(cls, raw: dict[str, Any]) -> Any:
+        """Typed settings from a mapping; unknown keys or wrong types are a ``BadRequest`` naming them."""
+        known = {f.name: f for f in dataclasses.fields(cls.Settings)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise BadRequest(f"unknown settings for recipe {cls.name}: {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known)) or 'none'})", param="settings")
+        hints = typing.get_type_hints(cls.Settings)
+        for key, value in raw.items():
+            if not _fits(value, hints.get(key, Any)):
+                raise BadRequest(f"recipe {cls.name} setting {key} must be {_type_name(hints[key])}, "
+                                 f"not {value!r}", param=f"settings.{key}")
+        try:
+            settings = cls.Settings(**raw)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"invalid settings for recipe {cls.name}: {e}", param="settings") from None
+        cls.check_settings(settings)
+        return settings
+
+    @classmethod
+    def check_settings(cls, settings: Any) -> None:
+        """Checks beyond types (a known gate, ranges); raise ``BadRequest``. The default checks ``gate``."""
+        gate = getattr(settings, "gate", None)
+        if gate is not None:
+            from daemon.gate import GATES
+
+            if gate not in GATES:
+                raise BadRequest(f"unknown gate {gate!r}; gates: {', '.join(GATES)}", param="settings.gate")
+
+    @classmethod
+    def check_report(cls, metadata: dict[str, Any] | None) -> None:
+        """Validate the structured fields the recipe's ``Report`` declares; a 400 naming the field."""
+        if cls.Report is None:
+            return
+        metadata = metadata or {}
+        hints = typing.get_type_hints(cls.Report)
+        for f in dataclasses.fields(cls.Report):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if f.name not in metadata:
+                if required:
+                    raise BadRequest(f"recipe {cls.name} needs metadata.{f.name} in every report "
+                                     f"({_type_name(hints[f.name])})", param=f"metadata.{f.name}")
+                continue
+            if not _fits(metadata[f.name], hints[f.name]):
+                raise BadRequest(f"metadata.{f.name} must be {_type_name(hints[f.name])} for recipe {cls.name}, "
+                                 f"not {metadata[f.name]!r}", param=f"metadata.{f.name}")
+
+    def models_used(self) -> list[str]:
+        """Configured model names the settings refer to (a proposer, a judge): the daemon checks they exist."""
+        return []
+
+    # --- the step --------------------------------------------------------------------------------------------
+
+    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+        """Whether a record (not yet consumed) may feed a step; ``served_step``: the step of its release."""
+        return True
+
+    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The next batch from the eligible records (oldest first), or None to wait for more."""
+        return records or None
+
+    def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
+        """Weights recipes: one training step in the trainer worker; write the candidate into ``job.work_dir``."""
+        raise NotImplementedError
+
+    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
+        """Harness recipes: a new tree from the current one and the batch (in the daemon)."""
+        raise NotImplementedError
+
+    @property
+    def gate(self) -> str:
+        return str(getattr(self.settings, "gate", "always"))
+
+    def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
+        """The gate's verdict on a candidate; ``best``: the best evaluation mean published so far (regression)."""
+        ev = candidate.eval
+        return judge(self.gate, candidate=ev.candidate if ev else None, base=ev.base if ev else None, best=best,
+                     floor=float(getattr(self.settings, "floor", 0.0)),
+                     margin=float(getattr(self.settings, "margin", 0.0)))
+
+    @classmethod
+    def check_class(cls) -> None:
+        """That a class implements the interface for its kind; raises ``TypeError`` saying what is missing."""
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError("it has no name (a class attribute `name = \"...\"`)")
+        if cls.kind not in KINDS:
+            raise TypeError(f"kind must be one of {', '.join(KINDS)}, not {cls.kind!r}")
+        if not dataclasses.is_dataclass(cls.Settings):
+            raise TypeError("Settings must be a dataclass")
+        if cls.Report is not None and not dataclasses.is_dataclass(cls.Report):
+            raise TypeError("Report must be a dataclass or None")
+        if cls.kind != "none" and cls.source not in SOURCES:
+            raise TypeError(f"source must be one of {', '.join(SOURCES)} for a {cls.kind} recipe")
+        if cls.kind == "weights" and cls.train is Recipe.train:
+            raise TypeError("a weights recipe implements train(job, state)")
+        if cls.kind == "harness" and cls.edit is Recipe.edit:
+            raise TypeError("a harness recipe implements edit(tree, batch, ctx)")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """A JSON value against a settings annotation (bool is not a number; an int is a float)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint) or hint
+    return {int: "an integer", float: "a number", str: "text", bool: "true or false", list: "a list",
+            dict: "an object"}.get(origin, getattr(origin, "__name__", str(hint)))
