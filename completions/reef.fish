@@ -92,7 +92,7 @@ complete -c reef -n '__reef_at /releases' -a rollback -d 'Publish an earlier rel
 complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, metrics, receipts, and optionally its diff to the parent'
 complete -c reef -n '__reef_at /releases' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/list' -l scenario -s s -d 'The scenario (default: default)'
-complete -c reef -n '__reef_at /releases/list' -l all -d 'Also show rejected candidates and pending releases'
+complete -c reef -n '__reef_at /releases/list' -l all -d 'Also show pending releases and steps not published (rejected, skipped, failed)'
 complete -c reef -n '__reef_at /releases/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /releases/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/promote' -l scenario -s s -d 'The scenario (default: default)'

@@ -29,7 +29,8 @@ def _metrics(m: dict[str, Any] | None) -> str:
 @edge
 def list_releases(
     scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
-    all_: bool = typer.Option(False, "--all", help="Also show rejected candidates and pending releases."),
+    all_: bool = typer.Option(False, "--all", help="Also show pending releases and steps not published (rejected, "
+                              "skipped, failed)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """List a scenario's releases, newest first, the head marked."""
@@ -52,7 +53,7 @@ def list_releases(
         table.add_row("?", _short(r["release_id"]), str(r["step"]), "pending", _short(r["content_id"]),
                       ago(r.get("created_at")), _metrics(r.get("metrics")), "reef releases promote to publish")
     for r in data.get("rejected", []):
-        table.add_row("x", "-", str(r.get("step", "-")), "rejected", "-", ago(r.get("created_at")),
+        table.add_row("x", "-", str(r.get("step", "-")), str(r.get("verdict") or "rejected"), "-", ago(r.get("created_at")),
                       _metrics(r.get("metrics")), r.get("reason", ""))
     out = console()
     out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
