@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from daemon.models import DEMO_CONFIG, TinyConfig, build_tiny, warm_up  # noqa: E402
+from daemon.models import DEMO_CONFIG, TinyConfig, build_tiny  # noqa: E402
 from recipes.online_rl import (  # noqa: E402
     OnlineRLSettings,
     Sample,
@@ -37,6 +37,7 @@ from recipes.online_rl import (  # noqa: E402
     train_step,
 )
 from recipes.tasks import get_family  # noqa: E402
+from recipes.warmup import warm_up  # noqa: E402
 
 
 def run(seed: int, args: argparse.Namespace, settings: OnlineRLSettings) -> dict:

@@ -143,12 +143,11 @@ class Reef:
             if model not in self._engines:
                 entry = self.config.model(model)
                 if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
-                    built_in = {"tiny": None, "tiny-demo": "say"}
-                    if entry.path.parent == self.config.models_dir and entry.path.name in built_in:
-                        from daemon.models import init_tiny
+                    from recipes.warmup import BUILT_IN, init_built_in
 
+                    if entry.path.parent == self.config.models_dir and entry.path.name in BUILT_IN:
                         log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
-                        await asyncio.to_thread(init_tiny, entry.path, warmup=built_in[entry.path.name])
+                        await asyncio.to_thread(init_built_in, entry.path, entry.path.name)
                 engine = build_engine(entry, self.config.secrets, self.metrics)
                 await engine.start()
                 self._engines[model] = engine

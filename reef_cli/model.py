@@ -20,14 +20,14 @@ def init(
     force: bool = typer.Option(False, "--force", help="Rebuild even if it exists."),
 ) -> None:
     """Build the tiny model (a tokenizer trained on the spot, random weights) into $REEF_HOME/models/<name>."""
-    warmups = {"tiny": None, "tiny-demo": "say"}
-    if name not in warmups:
-        fail(f"unknown model {name!r}; reef can build: {', '.join(warmups)}", 2)
+    built_in = ("tiny", "tiny-demo")  # recipes.warmup.BUILT_IN (not imported here: it pulls in torch)
+    if name not in built_in:
+        fail(f"unknown model {name!r}; reef can build: {', '.join(built_in)}", 2)
     import shutil
 
     from rich.console import Console
 
-    from daemon.models import init_tiny
+    from recipes.warmup import init_built_in
 
     cfg = config()
     dest = cfg.models_dir / name
@@ -35,5 +35,5 @@ def init(
         shutil.rmtree(dest)
     t0 = time.monotonic()
     with Console(stderr=True).status(f"building the {name} model") as status:
-        init_tiny(dest, seed=seed, progress=lambda msg: status.update(msg), warmup=warmups[name])
+        init_built_in(dest, name, seed=seed, progress=lambda msg: status.update(msg))
     print(f"{name} model ready at {dest} ({time.monotonic() - t0:.1f}s)")

@@ -15,7 +15,8 @@ from daemon.config import ModelEntry
 from daemon.engines.transformers import Load, SamplingParams, TransformersEngine, _Seq
 from daemon.errors import BadRequest, ContextLengthExceeded, Unsupported
 from daemon.exchange import Completion, Exchange, Finish, Message, Part, Sampling, TextDelta, Tool
-from daemon.models import init_tiny, no_progress_bars
+from daemon.hf import no_progress_bars
+from daemon.models import init_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from daemon.models import build_tiny, save_model, warm_up
+from daemon.models import build_tiny, save_model
 from recipes.online_rl import (
     OnlineRLSettings,
     Sample,
@@ -23,6 +23,7 @@ from recipes.online_rl import (
     train_step,
 )
 from recipes.tasks import FAMILIES, SayWord, Task, get_family
+from recipes.warmup import warm_up
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,11 @@ def test_scenarios_api_and_recipe_binding(daemon: Daemon) -> None:
         created = c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "record"})
         assert created.status_code == 201 and created.json()["recipe"] == "record"
         assert c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "record"}).status_code == 201
-        err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "other:Recipe"}), 409)
-        assert "record" in err["message"] and "other:Recipe" in err["message"]
+        err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "lessons"}), 409)
+        assert "record" in err["message"] and "lessons" in err["message"]
+        # a module:Class that does not import is refused before any binding is looked at
+        err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "other:Recipe"}), 400)
+        assert "cannot import module other" in err["message"]
         assert_canonical_error(c.post("/reef/scenarios", json={"name": "scen-y", "recipe": "no such"}), 400)
         assert_canonical_error(c.post("/reef/scenarios", json={"name": "../x"}), 400)
         assert_canonical_error(c.get("/reef/scenarios/never-made"), 404)

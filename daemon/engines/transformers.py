@@ -52,7 +52,7 @@ from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
 from daemon.errors import BadRequest, ContextLengthExceeded, EngineError, Unavailable, Unsupported
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, StopReason, TextDelta, Usage
-from daemon.models import no_progress_bars
+from daemon.hf import no_progress_bars
 
 
 def _device(name: str) -> torch.device:
