@@ -30,7 +30,7 @@ async def scenario_for_agent(reef: Reef, name: str) -> Scenario:
 
 async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: str | None) -> dict[str, str]:
     """The harness files of ``rel`` as text, rendered for an adapter (or in the neutral layout)."""
-    from recipes.lessons import check_tree
+    from daemon.layout import check_tree
 
     tree = await reef.chains.harness_tree(rel)
     check_tree(tree)  # a tree that was written around the daemon (a tampered chain) is refused here too
@@ -85,7 +85,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
 
 async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     """A direct instruction: stored as a report (kind ``instruction``) and learned from at once."""
-    from recipes.lessons import SKILL_NAME
+    from daemon.layout import SKILL_NAME
 
     instruction = body.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
@@ -93,7 +93,7 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     if len(instruction) > 10_000:
         raise BadRequest(f"instruction is {len(instruction)} characters; the limit is 10000", param="instruction")
     skill = body.get("skill")
-    if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.match(skill)):
+    if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.fullmatch(skill)):
         raise BadRequest("skill must be a name of a-z, 0-9 and - (at most 63 characters)", param="skill")
     scenario = await scenario_for_agent(reef, name)
     from recipes import load_recipe

@@ -45,6 +45,7 @@ from daemon.config import Config
 from daemon.engines.base import Engine
 from daemon.errors import HeadMoved, ReefError, Unchanged
 from daemon.events import EventBus
+from daemon.layout import check_tree
 from daemon.records import RecordStore, Scenario, new_id
 from recipes import load_recipe
 from recipes.base import Candidate, Head, Recipe, TrainJob
@@ -277,8 +278,10 @@ class Learner:
             if not isinstance(candidate, Candidate):
                 raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
                                 "not a Candidate")
-            if candidate.tree is not None and candidate.tree == tree and candidate.skipped is None:
-                candidate.skipped = "the candidate's content equals its parent's"
+            if candidate.tree is not None and candidate.skipped is None:
+                check_tree(candidate.tree)  # whatever recipe made it: only the harness layout, text, size caps
+                if candidate.tree == tree:
+                    candidate.skipped = "the candidate's content equals its parent's"
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
                    **({"batch_reward": round(sum(r["score"] for r in batch) / len(batch), 4)}
                       if all(isinstance(r.get("score"), (int, float)) for r in batch) else {})}

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from daemon.errors import BadRequest
+from daemon.layout import MAX_FILE_BYTES, SKILL_NAME, check_tree, check_tree_path  # noqa: F401 (re-exported)
 from recipes.base import Candidate, HarnessContext, Recipe, Scores
 
 RULES_FILE = "AGENTS.md"
@@ -32,12 +33,6 @@ RULES_PREAMBLE = (
     "# Rules\n\nThese rules are maintained by Reef from feedback on earlier runs. Follow them.\n\n"
     f"{LESSONS_HEADING}\n\n"
 )
-
-SKILL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_TOP_LEVEL = re.compile(r"^(AGENTS\.md|settings\.json|skills/[a-z0-9][a-z0-9-]{0,62}/[A-Za-z0-9._-]{1,100}"
-                        r"|commands/[A-Za-z0-9][A-Za-z0-9._-]{0,100}\.md)$")
-MAX_FILE_BYTES = 256 * 1024
-
 
 @dataclass
 class LessonsSettings:
@@ -174,36 +169,6 @@ def screen(text: str) -> str | None:
     return None
 
 
-def check_tree_path(path: str) -> str:
-    """A path allowed in a harness tree: relative, inside the tree, one of the known kinds of file."""
-    if (
-        not isinstance(path, str)
-        or not path
-        or "\x00" in path
-        or "\\" in path
-        or path.startswith("/")
-        or any(part in ("", ".", "..") for part in path.split("/"))
-        or not _TOP_LEVEL.match(path)
-    ):
-        raise BadRequest(
-            f"harness path {path!r} is not allowed: paths are relative, stay inside the tree, and are one of "
-            "AGENTS.md, settings.json, skills/<name>/<file>, commands/<name>.md",
-            param="path",
-        )
-    return path
-
-
-def check_tree(tree: dict[str, bytes]) -> None:
-    for path, data in tree.items():
-        check_tree_path(path)
-        if len(data) > MAX_FILE_BYTES:
-            raise BadRequest(f"harness file {path} is {len(data)} bytes; the limit is {MAX_FILE_BYTES}", param="path")
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest(f"harness file {path} is not UTF-8 text", param="path") from None
-
-
 # --- editing --------------------------------------------------------------------------------------------------
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -275,7 +240,7 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
             out.refused.append({**view, "reason": reason})
             continue
         if lesson.skill is not None:
-            if not SKILL_NAME.match(lesson.skill):
+            if not SKILL_NAME.fullmatch(lesson.skill):
                 out.refused.append({**view, "reason": f"skill name {lesson.skill!r} is not a-z, 0-9 and -"})
                 continue
             path = f"skills/{lesson.skill}/SKILL.md"

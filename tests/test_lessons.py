@@ -94,7 +94,8 @@ def test_the_same_inputs_give_the_same_candidate() -> None:
 
 
 @pytest.mark.parametrize("path", ["../x", "/etc/passwd", ".profile", "skills/../AGENTS.md", "skills/a", "a\\b",
-                                  "commands/x.sh", "skills/UP/SKILL.md", ""])
+                                  "commands/x.sh", "skills/UP/SKILL.md", "", "AGENTS.md\n",
+                                  "commands/x.md\n", "skills/a/SKILL.md\n"])
 def test_paths_outside_the_harness_layout_are_refused(path: str) -> None:
     with pytest.raises(BadRequest):
         check_tree_path(path)
