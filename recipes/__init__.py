@@ -4,6 +4,7 @@ the name into the class (``recipes/base.py`` is the interface every recipe imple
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import sys
 from collections.abc import Iterable
@@ -48,6 +49,16 @@ def load_recipe(name: str, paths: Iterable[str | Path] = ()) -> type[Recipe]:
     got = _loaded.get(name)
     if got is not None:
         return got
+    try:
+        cls = _load(name, paths)
+    except RecipeError as e:  # the user sees it at once; the daemon's log says it too
+        logging.getLogger("reef.recipes").warning("%s", e.message)
+        raise
+    _loaded[name] = cls
+    return cls
+
+
+def _load(name: str, paths: Iterable[str | Path]) -> type[Recipe]:
     from recipes.base import Recipe
 
     check_recipe_name(name)
@@ -69,7 +80,6 @@ def load_recipe(name: str, paths: Iterable[str | Path] = ()) -> type[Recipe]:
     except TypeError as e:
         raise RecipeError(f"recipe {name}: {cls_name} does not implement the recipe interface: {e}",
                           recipe=name) from None
-    _loaded[name] = cls
     return cls
 
 

@@ -216,6 +216,7 @@ def test_a_recipe_that_cannot_load_is_refused_at_once(daemon_factory, recipe_dir
     out = d.cli("scenarios", "create", "y", "--recipe", "plugins:NotARecipe", check=False)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "does not implement the recipe interface" in out.stderr and "Traceback" not in out.stderr
+    assert "recipe plugins:NotARecipe: NotARecipe does not implement" in d.log_tail(200)  # the log says why too
 
 
 def test_settings_a_recipe_refuses_are_a_400_naming_them(daemon_factory, recipe_dir):
