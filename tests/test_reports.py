@@ -72,6 +72,36 @@ def test_report_id_makes_retries_idempotent(daemon: Daemon) -> None:
         assert len(rec["reports"]) == 1 and rec["reports"][0]["report"]["feedback"] == {"why": "ok"}
 
 
+def test_report_id_retry_with_any_other_field_changed_is_409(daemon: Daemon) -> None:
+    """The idempotency check covers the whole body, not just the score: a retry that changes only the feedback,
+    only the metadata or only the references is a different report, refused with 409, and stores nothing."""
+    with daemon.http() as c:
+        receipt, other = serve_one(c, "rep-e"), serve_one(c, "rep-e")
+        body = {"score": 1, "feedback": "tests pass", "metadata": {"source": "ci"}, "references": [receipt],
+                "report_id": "retry-2"}
+        first = c.post("/reef/report", json=body)
+        assert first.status_code == 201, first.text
+        for changed in (
+            {"feedback": "tests fail"},
+            {"feedback": {"why": "tests pass"}},
+            {"feedback": None},
+            {"metadata": {"source": "human"}},
+            {"metadata": None},
+            {"references": [other]},
+            {"references": [receipt, other]},
+        ):
+            retry = {**body, **changed}
+            err = assert_canonical_error(c.post("/reef/report", json=retry), 409)
+            assert "retry-2" in err["message"], (changed, err)
+        again = c.post("/reef/report", json=body)
+        assert again.status_code == 201 and again.json() == first.json()
+        for r in (receipt, other):
+            reports = c.get(f"/reef/records/{r}").json()["reports"]
+            assert len(reports) == (1 if r == receipt else 0), (r, reports)
+        stored = c.get(f"/reef/records/{receipt}").json()["reports"][0]["report"]
+        assert stored["feedback"] == "tests pass" and stored["metadata"] == {"source": "ci"}
+
+
 def test_scenarios_api_and_recipe_binding(daemon: Daemon) -> None:
     with daemon.http() as c:
         created = c.post("/reef/scenarios", json={"name": "scen-x", "recipe": "record"})

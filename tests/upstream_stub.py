@@ -14,6 +14,8 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``error_event``: stream one text piece, then the format's in-stream error event;
 - ``tool``: answer with one call of ``get_weather`` ``{"city": "Paris"}`` (id ``call_stub1`` / ``toolu_stub1``);
 - ``text=...``: answer this text;
+- ``echo_system``: answer the request's system prompt (chat and Responses: its system and developer messages,
+  Responses ``instructions``; Anthropic: ``system``), or ``no system prompt``: a model that follows its harness;
 - ``thinking`` (Anthropic): a thinking block with its signature and a ``redacted_thinking`` block come first.
 
 Like OpenAI, a request with a reasoning effort for a model that is not a reasoning model is refused, and a chat
@@ -77,9 +79,29 @@ def plan(fmt: str, body: dict[str, Any], header: str) -> dict[str, str]:
     last = last_message(fmt, body)
     directives = {m.group(1): m.group(2) or "" for m in DIRECTIVE.finditer(dumps(last) + " " + header)}
     result = tool_result_text(fmt, last)
+    if "echo_system" in directives:
+        directives["text"] = system_text(fmt, body) or "no system prompt"
     if "text" not in directives:
         directives["text"] = f"tool said: {result}" if result is not None else "stub says hello"
     return directives
+
+
+def system_text(fmt: str, body: dict[str, Any]) -> str:
+    """The system prompt of a request, as plain text."""
+
+    def text(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+
+    if fmt == "anthropic":
+        return text(body.get("system"))
+    items = body.get("messages") if fmt == "chat" else body.get("input")
+    parts = [body.get("instructions") or ""] if fmt == "responses" else []
+    system = ("system", "developer")
+    if isinstance(items, list):
+        parts += [text(m.get("content")) for m in items if isinstance(m, dict) and m.get("role") in system]
+    return "\n".join(p for p in parts if p)
 
 
 def error_body(fmt: str, status: int, message: str) -> dict[str, Any]:
