@@ -28,8 +28,9 @@ def publish_scored(d: Daemon, scenario: str, weights: Path, eval_rewards: list[f
 
     store = ReleaseStore(d.home / "artifacts.git")
     out = []
-    for score in eval_rewards:
-        rel = store.publish(scenario, files_from_dir(weights), expected_head=store.head(scenario), operation="train",
+    for i, score in enumerate(eval_rewards):  # a note makes each release's content differ (no empty releases)
+        files = {**files_from_dir(weights), "note.txt": f"published {i}\n".encode()}
+        rel = store.publish(scenario, files, expected_head=store.head(scenario), operation="train",
                             kind="weights", recipe="online-rl", metrics={"eval_reward": score})
         out.append(rel.release_id)
     return out
