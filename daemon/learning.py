@@ -35,7 +35,8 @@ import dataclasses
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,9 @@ from daemon.errors import HeadMoved, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
 from daemon.records import RecordStore, Scenario, new_id
+from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
-from recipes.base import Candidate, Head, Recipe, TrainJob
+from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict
 
 log = logging.getLogger("reef.learning")
 
@@ -70,6 +72,9 @@ class ScenarioLearning:
     head_eval: tuple[str, list[float]] | None = None  # (release, its gate scores), when the loop knows them
     rejected_run: int = 0  # candidates of the lineage rejected in a row
     base: tuple[str, str] | None = None  # what the current weights step starts from (None: the head)
+    sessions: SessionIndex = field(default_factory=SessionIndex)  # judging recipes: which turn a request continues
+    judged: OrderedDict[str, None] = field(default_factory=OrderedDict)  # turns already judged (bounded)
+    verdicts: Counter[str] = field(default_factory=Counter)  # judge verdicts so far (good, bad, neutral, unparseable)
 
 
 class _Answers:
@@ -100,6 +105,7 @@ class Learner:
         self.dir = config.home / "candidates"
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
+        self._judging: set[asyncio.Task[None]] = set()
 
     @property
     def trainer(self) -> Any:
@@ -129,7 +135,7 @@ class Learner:
                 log.error("scenario %s does not learn: %s", s["name"], e.message)
 
     async def close(self) -> None:
-        tasks = [st.task for st in self._scenarios.values() if st.task is not None]
+        tasks = [st.task for st in self._scenarios.values() if st.task is not None] + list(self._judging)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -206,6 +212,67 @@ class Learner:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
             st.state = "waiting"
+
+    # --- judging turns by what came next ------------------------------------------------------------------
+
+    def observe(self, scenario: str, receipt: str, run: str | None, headers: Mapping[str, str], messages: Any,
+                completion: Any) -> None:
+        """A served exchange was recorded: for a judging recipe, judge the turn it continues (in the background,
+        never on the serve path). One dict look-up for scenarios whose recipe does not judge."""
+        st = self._scenarios.get(scenario)
+        if st is not None and st.recipe is not None and not st.recipe.judges:
+            return
+        turn = Turn(receipt, session_key(headers, run), tuple(messages), completion.text or "",
+                    tuple(completion.tool_calls))
+        task = asyncio.ensure_future(self._observe(scenario, turn))
+        self._judging.add(task)
+        task.add_done_callback(self._judging.discard)
+
+    async def _observe(self, name: str, turn: Turn) -> None:
+        try:
+            st = await self._get(name)
+        except ReefError:
+            return
+        recipe = st.recipe
+        if recipe is None or not recipe.judges:
+            return
+        found = st.sessions.follow(name, turn)
+        if found is None or found[0].receipt in st.judged:
+            return
+        prev, nxt = found
+        st.judged[prev.receipt] = None
+        while len(st.judged) > 4 * st.sessions.capacity:
+            st.judged.popitem(last=False)
+        scenario = await self.store.get_scenario(name)
+        timeout = float(getattr(recipe.settings, "judge_timeout_s", 30.0))
+        try:
+            verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, _Answers(self.engine, scenario.model)),
+                                             timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a judge that fails or times out is a neutral verdict, never a reward
+            reason = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            verdict = TurnVerdict("neutral", f"the judge failed: {reason}", judge="error", unparseable=True)
+        if verdict is None:
+            return
+        st.verdicts[verdict.verdict] += 1
+        if verdict.unparseable:
+            st.verdicts["unparseable"] += 1
+        score = {"good": 1.0, "bad": 0.0}.get(verdict.verdict)
+        metadata = {"source": "judge", "judge": verdict.judge, "verdict": verdict.verdict,
+                    **({"hint": verdict.hint} if verdict.hint else {}),
+                    **({"unparseable": True} if verdict.unparseable else {})}
+        try:
+            stored = await self.store.append_report(scenario=name, score=score, feedback=verdict.reason or
+                                                    verdict.verdict, references=[prev.receipt], metadata=metadata,
+                                                    report_id=None)
+        except ReefError as e:
+            log.warning("could not store the judge's verdict on %s: %s", prev.receipt, e.message)
+            return
+        self.events.publish("report", id=stored["id"], scenario=name, score=score, references=[prev.receipt],
+                            feedback=verdict.reason[:500], source="judge", verdict=verdict.verdict)
+        if score is not None:
+            self.notify(name)
 
     # --- one step ------------------------------------------------------------------------------------------
 
@@ -285,6 +352,8 @@ class Learner:
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
                    **({"batch_reward": round(sum(r["score"] for r in batch) / len(batch), 4)}
                       if all(isinstance(r.get("score"), (int, float)) for r in batch) else {})}
+        if recipe.judges:
+            metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
                             seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
         out: dict[str, Any] = {**candidate.details, "metrics": metrics}
@@ -406,6 +475,9 @@ class Learner:
         else:
             rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
         for rec in rows:
+            old = st.pool.get(rec["id"])
+            if rec.get("source") == "judge" and old is not None and old.get("source") != "judge":
+                continue  # an explicit report takes precedence over a judge's verdict
             st.pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
             if rec["id"] not in consumed:
                 st.pool[rec["id"]] = rec

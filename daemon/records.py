@@ -647,7 +647,9 @@ class RecordStore:
         def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
                 """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
-                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq
+                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq,
+                          json_extract(rep.report, '$.metadata.source') AS source,
+                          json_extract(rep.report, '$.metadata.hint') AS hint
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
@@ -665,6 +667,8 @@ class RecordStore:
                 "logprobs": _unpack(row["logprobs"], "f"),
                 "score": float(row["score"]),
                 "report_seq": row["report_seq"],
+                "source": row["source"] if isinstance(row["source"], str) else None,  # "judge": a judge's verdict
+                "hint": row["hint"] if isinstance(row["hint"], str) else None,
             } for row in rows]
             return out, (rows[-1]["report_seq"] if rows else after)
 

@@ -326,6 +326,9 @@ class Reef:
             timings=timings,
             usage=usage,
         )
+        if status == "complete" and completion is not None:
+            self.learner.observe(served.scenario.name, served.receipt, served.run, served.headers, ex.messages,
+                                 completion)
 
     async def abandon(self, served: Served) -> None:
         await _aclose(served.events)

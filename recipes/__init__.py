@@ -20,6 +20,7 @@ BUILTIN: dict[str, str] = {
     "record": "recipes.record:RecordOnly",
     "online-rl": "recipes.online_rl:OnlineRL",
     "lessons": "recipes.lessons:Lessons",
+    "openclaw-rl": "recipes.openclaw_rl:OpenClawRL",
 }
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -102,6 +102,17 @@ class Candidate:
     details: dict[str, Any] = field(default_factory=dict)  # what the daemon answers about the step (harness)
 
 
+@dataclass(frozen=True)
+class TurnVerdict:
+    """A judge's verdict on one turn, from what came next."""
+
+    verdict: str  # good | bad | neutral
+    reason: str
+    judge: str  # "rules", or the judge model's name
+    hint: str | None = None  # what the next state said was wrong (hindsight hints train toward it)
+    unparseable: bool = False  # a judge model's answer that did not parse (counted, neutral)
+
+
 @dataclass
 class GateSettings:
     """The settings every recipe's gate reads (a recipe's Settings may inherit them)."""
@@ -127,6 +138,7 @@ class Recipe:
     Report: ClassVar[type | None] = None  # structured report fields (in a report's ``metadata``)
     source: ClassVar[str | None] = None  # which records feed it (SOURCES); None: it never learns
     inline: ClassVar[bool] = False  # step at once, in the report's request, answering the outcome (harness edits)
+    judges: ClassVar[bool] = False  # judge each turn by what came next (judge_turn): verdicts are stored as reports
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else type(self).Settings()
@@ -203,6 +215,12 @@ class Recipe:
         """Harness recipes: a new tree from the current one and the batch (in the daemon)."""
         raise NotImplementedError
 
+    async def judge_turn(self, turn: Any, next_state: Any, ctx: HarnessContext) -> TurnVerdict | None:
+        """Judging recipes: a verdict on ``turn`` (``daemon/sessions.Turn``) from ``next_state`` (what came after
+        it), in the daemon, off the serve path. The loop stores it as a report on the turn's receipt (metadata
+        ``source = "judge"``; good scores 1, bad 0, neutral no score); an explicit report takes precedence."""
+        raise NotImplementedError
+
     @property
     def gate(self) -> str:
         return str(getattr(self.settings, "gate", "always"))
@@ -232,6 +250,8 @@ class Recipe:
             raise TypeError("a weights recipe implements train(job, state)")
         if cls.kind == "harness" and cls.edit is Recipe.edit:
             raise TypeError("a harness recipe implements edit(tree, batch, ctx)")
+        if cls.judges and cls.judge_turn is Recipe.judge_turn:
+            raise TypeError("a judging recipe implements judge_turn(turn, next_state, ctx)")
 
 
 def _fits(value: Any, hint: Any) -> bool:

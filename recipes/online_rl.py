@@ -50,6 +50,8 @@ class Sample:
     logprobs: list[float]  # behaviour log-probs of ``token_ids`` (raw logits, temperature 1)
     reward: float
     group: str  # same prompt, same group
+    # per-token additions to the advantage (hindsight hints: teacher minus behaviour log-prob), or None
+    token_bonus: list[float] | None = None
 
 
 @dataclass
@@ -193,15 +195,18 @@ def train_step(
         "tokens": float(sum(len(s.token_ids) for s in batch)),
     }
     # zero-advantage samples (all-equal groups) would only add compute and dilute the token mean: leave them out
-    used = [(s, a) for s, a in zip(batch, adv_list, strict=True) if a != 0]
+    used = [(s, a) for s, a in zip(batch, adv_list, strict=True) if a != 0 or s.token_bonus]
     if not used:
         return {**summary, "skipped": 1.0}
     batch = [s for s, _ in used]
     longest = max(len(s.token_ids) for s in batch)
     old = torch.zeros(len(batch), longest)
+    bonus = torch.zeros(len(batch), longest)
     for row, s in enumerate(batch):
         old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    adv = torch.tensor([a for _, a in used])[:, None]
+        if s.token_bonus:
+            bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
+    adv = torch.tensor([a for _, a in used])[:, None] + bonus  # [B, T]
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
@@ -398,6 +403,12 @@ class OnlineRL(Recipe):
         need = self.settings.batch_prompts * self.settings.group_size
         return records[:need] if len(records) >= need else None
 
+    def samples(self, batch: list[dict[str, Any]], model: Any, tokenizer: Any) -> list[Sample]:
+        """The training samples of a batch of scored exchanges (a subclass may add per-token signal)."""
+        return [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
+                       reward=r["score"], group=hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest())
+                for r in batch]
+
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -421,9 +432,7 @@ class OnlineRL(Recipe):
                 base_scores = _eval_scores(head, tokenizer, settings)
                 state["head_eval"] = {job.head_key: base_scores}  # only the head's is needed
         eval_s = time.perf_counter() - t_eval
-        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
-                          reward=r["score"], group=hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest())
-                   for r in job.batch]
+        samples = self.samples(job.batch, model, tokenizer)
         t_train = time.perf_counter()
         model.train()
         metrics = train_step(model, samples, settings, state["optimizer"])  # its own steps_per_batch steps
