@@ -49,6 +49,7 @@ log = logging.getLogger("reef.http")
 BODY_TIMEOUT_S = 60.0
 MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
+EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
 
 _LOOPBACK = {"localhost", "ip6-localhost"}
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -768,7 +769,10 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
         after_seq = int(after) if after else None
     except ValueError:
         raise BadRequest("after / Last-Event-ID must be an integer", param="after") from None
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # a bounded send buffer: a subscriber that stops reading falls behind in its queue, where the bound (and the
+    # drop) applies, instead of in megabytes of socket buffers that hide how far behind it is
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+                              send_buffer=EVENTS_SEND_BUFFER)
     await resp.prepare(request)
     q = reef.events.subscribe(after_seq)
     try:
