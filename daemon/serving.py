@@ -352,7 +352,8 @@ class Reef:
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:
-    """Whether a record write went through (a failure was already said by the write that failed)."""
+    """Whether a record write went through; its failure (``StorageError``) is not raised here: the caller goes on
+    to record the exchange's own error as well as it can."""
     try:
         await write
     except ReefError:
