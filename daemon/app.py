@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -37,9 +38,10 @@ from daemon.errors import (
     Unauthorized,
 )
 from daemon.exchange import Completion, Finish, Receipt, Relay
+from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
-from daemon.serving import Reef, check_name
+from daemon.serving import Reef
 from recipes import load_recipe, report_schemas
 
 log = logging.getLogger("reef.http")
@@ -47,8 +49,9 @@ log = logging.getLogger("reef.http")
 BODY_TIMEOUT_S = 60.0
 MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
+EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
 
-_LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"}
+_LOOPBACK = {"localhost", "ip6-localhost"}
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 Handler = Callable[[web.Request], Awaitable["web.Response | web.StreamResponse"]]
@@ -57,14 +60,42 @@ Handler = Callable[[web.Request], Awaitable["web.Response | web.StreamResponse"]
 # --- request helpers ---------------------------------------------------------------------------------------
 
 
+# Host = name [ ":" port ], name a DNS name or dotted quad, or "[" IPv6 "]" (RFC 9110 7.2, RFC 3986 3.2.2): parsed
+# strictly as a whole, so nothing can ride along (``localhost:80@evil.com``, ``127.0.0.1.evil.example``)
+_HOST = re.compile(r"(?:(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?\.?)|\[(?P<ip6>[0-9A-Fa-f:.]+)\])"
+                   r"(?::(?P<port>[0-9]{1,5}))?")
+_HOST_MEMO: dict[str, bool] = {}  # Host values seen (a handful in practice): parsed once
+
+
 def _host_ok(host: str | None) -> bool:
+    """Whether a ``Host`` header names this machine's loopback (no DNS rebinding): ``localhost``, a name under
+    ``.localhost``, ``127.x.y.z`` or ``[::1]``, with an optional port."""
     if not host:
         return False
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    if name.startswith("[") and "]" in name:
-        name = name[: name.index("]") + 1]
-    name = name.lower().rstrip(".")
-    return name in _LOOPBACK or name.endswith(".localhost") or re.fullmatch(r"127(\.\d{1,3}){3}", name) is not None
+    ok = _HOST_MEMO.get(host)
+    if ok is None:
+        ok = _parse_host_ok(host)
+        if len(_HOST_MEMO) < 256:  # values are the client's: bounded memo
+            _HOST_MEMO[host] = ok
+    return ok
+
+
+def _parse_host_ok(host: str) -> bool:
+    m = _HOST.fullmatch(host)
+    if m is None or (m["port"] is not None and int(m["port"]) > 65535):
+        return False
+    if m["ip6"] is not None:
+        try:
+            return ipaddress.IPv6Address(m["ip6"]).is_loopback
+        except ValueError:
+            return False
+    name = m["name"].lower().rstrip(".")
+    if name in _LOOPBACK or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.IPv4Address(name).is_loopback  # 127.0.0.0/8, each part a number up to 255
+    except ValueError:
+        return False
 
 
 def _token_of(request: web.Request) -> str | None:
@@ -238,9 +269,9 @@ def refusal_body(status: int, message: str) -> bytes:
 def _scenario_and_run(request: web.Request) -> tuple[str, str | None]:
     scenario = request.match_info.get("scenario") or request.headers.get("x-reef-scenario") or "default"
     run = request.match_info.get("run") or request.headers.get("x-reef-run") or None
-    check_name(scenario, "scenario")
+    check_scenario(scenario)
     if run is not None:
-        check_name(run, "run")
+        check_run(run)
     return scenario, run
 
 
@@ -482,7 +513,7 @@ async def handle_report(request: web.Request) -> web.Response:
     if scenario is not None:
         if not isinstance(scenario, str):
             raise BadRequest("scenario must be a string", param="scenario")
-        check_name(scenario)
+        check_scenario(scenario)
     if report_schemas():  # a bound recipe declares structured report fields: check them before storing
         target = scenario
         if target is None:
@@ -533,7 +564,7 @@ async def handle_harness(request: web.Request) -> web.Response:
     from daemon import harness
 
     reef = request.ctx
-    name = check_name(request.match_info["name"])
+    name = check_scenario(request.match_info["name"])
     return _json(await harness.harness_view(reef, name, _adapter_param(request, required=False)))
 
 
@@ -541,7 +572,7 @@ async def handle_evolve(request: web.Request) -> web.Response:
     from daemon import harness
 
     reef = request.ctx
-    name = check_name(request.match_info["name"])
+    name = check_scenario(request.match_info["name"])
     return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
 
 
@@ -551,7 +582,7 @@ async def handle_harness_install(request: web.Request) -> web.Response:
     reef = request.ctx
     adapter = _adapter_param(request, required=True)
     assert adapter is not None
-    scenario = check_name(request.query.get("scenario") or adapter)
+    scenario = check_scenario(request.query.get("scenario") or adapter)
     return web.Response(harness.install_script(reef, adapter, scenario).encode(),
                         content_type="text/x-shellscript; charset=utf-8")
 
@@ -567,6 +598,7 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     name = body.get("name")
     if not isinstance(name, str):
         raise BadRequest("name is required (a string)", param="name")
+    check_scenario(name)
     recipe = body.get("recipe")
     if recipe is not None:
         load_recipe(recipe)  # unknown, fails to import, not a recipe: 400 saying which
@@ -589,7 +621,7 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
 
 async def handle_scenario(request: web.Request) -> web.Response:
     reef = request.ctx
-    name = check_name(request.match_info["name"])
+    name = check_scenario(request.match_info["name"])
     for s in await reef.store.list_scenarios():
         if s["name"] == name:
             return _json(s)
@@ -611,7 +643,7 @@ def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi
 
 async def handle_scenario_records(request: web.Request) -> web.Response:
     reef = request.ctx
-    name = check_name(request.match_info["name"])
+    name = check_scenario(request.match_info["name"])
     return await _list_records(request, reef, name)
 
 
@@ -619,7 +651,7 @@ async def handle_records(request: web.Request) -> web.Response:
     reef = request.ctx
     scenario = request.query.get("scenario")
     if scenario is not None:
-        check_name(scenario)
+        check_scenario(scenario)
     return await _list_records(request, reef, scenario)
 
 
@@ -628,7 +660,7 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
     limit = _int_param(request, "limit", 50, 1, 1000)
     run = request.query.get("run")
     if run is not None:
-        check_name(run, "run")
+        check_run(run)
     kind = request.query.get("kind")
     if kind not in (None, "exchange", "report"):
         raise BadRequest("kind must be exchange or report", param="kind")
@@ -645,7 +677,7 @@ async def handle_record(request: web.Request) -> web.Response:
 
 
 async def _existing_scenario(reef: Reef, name: str) -> Any:
-    check_name(name)
+    check_scenario(name)
     scenario = await reef.store.get_scenario(name)
     return await reef.scenario(scenario.name)
 
@@ -680,7 +712,7 @@ async def _release_body(request: web.Request, release_id: str, scenario: str | N
 
 
 async def handle_scenario_release(request: web.Request) -> web.Response:
-    name = check_name(request.match_info["name"])
+    name = check_scenario(request.match_info["name"])
     return await _release_body(request, request.match_info["release"], name)
 
 
@@ -729,6 +761,7 @@ async def handle_status(request: web.Request) -> web.Response:
             "reports": counts.get("report", 0),
             "scenarios": len(await reef.store.list_scenarios()),
             "learning": dict(reef.learner.state),
+            "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
             "trainer_pid": reef.learner.trainer_pid,
         }
     )
@@ -741,7 +774,10 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
         after_seq = int(after) if after else None
     except ValueError:
         raise BadRequest("after / Last-Event-ID must be an integer", param="after") from None
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # a bounded send buffer: a subscriber that stops reading falls behind in its queue, where the bound (and the
+    # drop) applies, instead of in megabytes of socket buffers that hide how far behind it is
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+                              send_buffer=EVENTS_SEND_BUFFER)
     await resp.prepare(request)
     q = reef.events.subscribe(after_seq)
     try:
@@ -752,9 +788,11 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
-            if event is None:
+            if event is None:  # the daemon is stopping, or this subscriber was dropped (after a ``dropped`` event)
                 break
-            await resp.write(f"id: {event['seq']}\nevent: {event['kind']}\ndata: {_dumps(event)}\n\n".encode())
+            # a dropped event's id is where to resume: a client's Last-Event-ID follows it on reconnect
+            seq = event["seq"] if event["seq"] is not None else event["resume_after"]
+            await resp.write(f"id: {seq}\nevent: {event['kind']}\ndata: {_dumps(event)}\n\n".encode())
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     finally:

@@ -10,6 +10,7 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     max_body_bytes = 67108864
     default_model = "tiny"
     default_recipe = "record"
+    events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
 
     [models.tiny]
     engine = "transformers"
@@ -79,6 +80,7 @@ class Config:
     harness_recipe: str = "lessons"  # the recipe of scenarios a wrapper (reef-pi, ...) creates on first use
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     log_level: str = "info"
+    events_queue: int = 4096  # events held for one /reef/events subscriber that is not reading (then: dropped)
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
@@ -208,7 +210,7 @@ def load_config(
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
-               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe"}
+               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -242,6 +244,9 @@ def load_config(
     values["recipe_paths"] = tuple(home / Path(str(p)).expanduser() for p in paths)  # relative: to REEF_HOME
     if values.get("harness_updates", "install") not in ("install", "notify"):
         raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
+    queue = values.get("events_queue", 4096)
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+        raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")
     extra_models = values.pop("models", None)
     if extra_models:
         models.update(extra_models)

@@ -183,4 +183,7 @@ class Receipt:
     release_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"record_id": self.record_id, "release_id": self.release_id}
+        """The ``reef`` object of an answer: the receipt under both of its names (``agent_record_id``, as in the
+        ``x-reef-agent-record-id`` header and Reef's own clients; ``record_id``, as in the record store), and the
+        release."""
+        return {"agent_record_id": self.record_id, "record_id": self.record_id, "release_id": self.release_id}

@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest, NotFound
+from daemon.names import check_scenario
 from daemon.records import new_id
 
 if TYPE_CHECKING:
@@ -58,9 +59,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(adapter_name, str):
         raise BadRequest("adapter is required (pi, claude or opencode)", param="adapter")
     adapter = get_adapter(adapter_name)
-    name = body.get("scenario") or adapter.name
-    if not isinstance(name, str):
-        raise BadRequest("scenario must be a string", param="scenario")
+    name = check_scenario(body.get("scenario") or adapter.name)
     installed = body.get("installed_release")
     if installed is not None and not isinstance(installed, str):
         raise BadRequest("installed_release must be a release id", param="installed_release")

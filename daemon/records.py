@@ -20,8 +20,12 @@ Design choices:
   the same transaction blindly (SQLite rolls the journal back on reopen).
 - Token ids are stored as packed int32 and log-probs as packed float32 (a 20k-token prompt is 80 kB, not 200 kB
   of JSON text).
-- Records are never rewritten. Reports are records too (kind ``report``); ``report_refs`` indexes which receipts
-  a report names.
+- Records are never rewritten, with one exception: a stream's receipt goes out in its response headers, before
+  the answer exists, so its record is opened first (``open_exchange``: the request, status ``incomplete``, NULL
+  timings) and filled in once at the end (``complete_exchange``: only a row with NULL timings can be, so twice is
+  refused). A ``kill -9`` or a full disk mid-stream leaves the opened record, ``incomplete``: a receipt a client
+  saw always names a record. Reports are records too (kind ``report``); ``report_refs`` indexes which receipts a
+  report names.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from daemon.errors import (
     BadRequest,
     NotFound,
     RecipeConflict,
+    ReefError,
     ReportConflict,
     StorageError,
     UnknownReceipts,
@@ -401,6 +406,11 @@ class RecordStore:
 
     async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
+        return await self.write_soon(fn)
+
+    def write_soon(self, fn: Callable[[sqlite3.Connection], Any]) -> asyncio.Future[Any]:
+        """``write`` without waiting for it: queued now (called on the event loop), the future resolves once the
+        write is durable. Await it, or cancel it, so that a failure is not left unread."""
         loop = self._loops.get(threading.get_ident())
         if loop is None or not loop.is_running():  # a thread runs one loop at a time: a running one is this one
             loop = self._loops[threading.get_ident()] = asyncio.get_running_loop()  # (a getpid() call on 3.11)
@@ -410,7 +420,7 @@ class RecordStore:
             pending = self._pending[loop] = []
             loop.call_soon(self._flush, loop)
         pending.append((fn, fut, loop))
-        return await fut
+        return fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         writes = self._pending.pop(loop, None)
@@ -480,9 +490,47 @@ class RecordStore:
     async def append_exchange(self, rec: dict[str, Any]) -> None:
         """Store one served exchange; returns once it is durable. ``request_json`` / ``response_json``, when
         given, are the request and response already as JSON text, stored as they are (not encoded again)."""
+        await self.write(_ExchangeRow(self._exchange_row(rec)))
+
+    def open_exchange(self, rec: dict[str, Any]) -> asyncio.Future[None]:
+        """Store the opening of a streamed exchange (status ``incomplete``, no timings yet) so that its receipt
+        can go out in the stream's headers; the future resolves once it is durable. ``complete_exchange`` fills
+        it in at the end: that is the one change a record ever gets."""
+        return self.write_soon(_ExchangeRow(self._exchange_row({**rec, "status": "incomplete", "timings": None})))
+
+    async def complete_exchange(self, rec: dict[str, Any]) -> None:
+        """Fill in an exchange opened with ``open_exchange``: its outcome (status, response, timings, usage,
+        tokens), once; the request and everything known at the start stay as they were written. Returns once
+        it is durable."""
+        response_json = rec.get("response_json")
+        values = (
+            rec.get("status", "complete"),
+            rec.get("runtime_load_id"),
+            response_json if response_json is not None else _dumps(rec.get("response")),
+            _dumps(rec.get("timings") or {}),  # never NULL once complete: NULL timings mark an open record
+            _dumps(rec.get("usage")),
+            _pack_ints(rec.get("prompt_token_ids")),
+            _pack_ints(rec.get("token_ids")),
+            _pack_floats(rec.get("logprobs")),
+            rec["id"],
+        )
+
+        def op(conn: sqlite3.Connection) -> None:
+            cur = conn.execute(
+                "UPDATE records SET status=?, runtime_load_id=?, response=?, timings=?, usage=?, prompt_token_ids=?,"
+                " token_ids=?, logprobs=? WHERE id=? AND kind='exchange' AND timings IS NULL",
+                values,
+            )
+            if cur.rowcount != 1:
+                raise ReefError(f"exchange {rec['id']} is not open: it was completed already or never opened")
+
+        await self.write(op)
+
+    @staticmethod
+    def _exchange_row(rec: dict[str, Any]) -> tuple[Any, ...]:
         request_json = rec.get("request_json")
         response_json = rec.get("response_json")
-        row = (
+        return (
             rec["id"],
             "exchange",
             rec["scenario"],
@@ -504,7 +552,6 @@ class RecordStore:
             _pack_ints(rec.get("token_ids")),
             _pack_floats(rec.get("logprobs")),
         )
-        await self.write(_ExchangeRow(row))
 
     async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:

@@ -74,13 +74,13 @@ from daemon.errors import (
     BadRequest,
     Conflict,
     HeadMoved,
-    InvalidName,
     LockBusy,
     NotFound,
     ReefError,
     StorageError,
     Unchanged,
 )
+from daemon.names import check_scenario  # the one validator of scenario names
 
 MANIFEST = "reef-artifact.json"
 REJECTION = "reef-rejection.json"
@@ -97,7 +97,6 @@ GUARD = "reef-refs.guard"
 LFS_VERSION = "https://git-lfs.github.com/spec/v1"
 DEFAULT_LFS_THRESHOLD = 1 << 20
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{4,40}$")
 # libgit2's two messages for GIT_ELOCKED (the lock file seen first, or lost in the O_EXCL race)
 _LOCK_MSG = re.compile(r"failed to (?:lock file|create locked file) '(.+?\.lock)'")
@@ -188,22 +187,6 @@ def files_from_dir(root: str | os.PathLike[str]) -> dict[str, Path]:
 
 def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version {LFS_VERSION}\noid sha256:{sha256}\nsize {size}\n".encode()
-
-
-def check_scenario(name: str) -> str:
-    if (
-        not isinstance(name, str)
-        or not _NAME_RE.match(name)
-        or ".." in name
-        or name.endswith(".lock")
-        or name.endswith(".")
-    ):
-        raise InvalidName(
-            f"invalid scenario name {name!r}: use 1-64 of A-Z a-z 0-9 . _ - (starting with a letter or digit,"
-            " no '..', not ending in '.' or '.lock')",
-            param="scenario",
-        )
-    return name
 
 
 def _check_path(path: str) -> list[str]:

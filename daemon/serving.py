@@ -19,32 +19,19 @@ from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
-from daemon.errors import InvalidName, ReefError
+from daemon.errors import ReefError
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
 from daemon.metrics import Metrics
+from daemon.names import check_scenario
 from daemon.records import RecordStore, Scenario, new_id
 from recipes import add_recipe_paths, load_recipe
 
 log = logging.getLogger("reef")
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-
 # headers never stored: credentials, and anything that looks like one
 _SECRET_HEADER = re.compile(r"auth|key|token|secret|cookie|password|credential", re.I)
-
-
-def check_name(value: str, what: str = "scenario") -> str:
-    pattern = NAME_RE if what == "scenario" else RUN_RE
-    if not pattern.match(value):
-        raise InvalidName(
-            f"invalid {what} name {value!r}: use letters, digits, '.', '_' or '-', starting with a letter or digit"
-            f" (at most {64 if what == 'scenario' else 128} characters)",
-            param=what,
-        )
-    return value
 
 
 _RECORDED_NAME: dict[str, str | None] = {}  # header name as sent -> its recorded name, None for a secret one
@@ -84,6 +71,7 @@ class Served:
     finished_at: float | None = None
     record_ms: float | None = None
     request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
+    opened: bool = False  # a stream's record was opened (``RecordStore.open_exchange``): recording completes it
 
     @property
     def engine_ms(self) -> float | None:
@@ -100,7 +88,7 @@ class Reef:
         self.config = config
         self.token = token
         self.store = RecordStore(config.records_path)
-        self.events = EventBus()
+        self.events = EventBus(config.events_queue)
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
         self.learner = Learner(config, self.store, self.chains, self.events, self.engine)
@@ -157,7 +145,7 @@ class Reef:
 
     async def scenario(self, name: str, *, recipe: str | None = None, model: str | None = None,
                        settings: dict[str, Any] | None = None) -> Scenario:
-        check_name(name)
+        check_scenario(name)  # before anything is stored: a refused name leaves no row behind
         if recipe is not None:
             load_recipe(recipe)  # one that cannot load is refused before the scenario exists
         if model is not None:
@@ -216,20 +204,54 @@ class Reef:
             engine_started=engine_started,
             request_text=request_text,
         )
+        # A stream's receipt goes out in its headers, before the answer exists: its record is opened first, durably,
+        # so that the receipt names a record whatever happens next (kill -9, a full disk). The write runs while
+        # the engine works on its first event, so a stream's time to first token pays for it only where the
+        # engine answers faster than a commit (an instant upstream).
+        opening = self._open_record(served) if exchange.stream else None
         try:
             first = served.first = await anext(events)
         except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
             await _aclose(events)
+            if opening is not None:
+                served.opened = await _succeeded(opening)
             await self._record_failure(served, err)
             raise
         except BaseException:
             await _aclose(events)
+            if opening is not None:
+                opening.cancel()  # the write goes on; nobody saw its receipt (an honest incomplete record)
             raise
+        if opening is not None:
+            try:
+                await opening  # a record that cannot be opened (disk full) is a 507 before any byte is sent
+            except BaseException:
+                await _aclose(events)
+                raise
+            served.opened = True
         if isinstance(first, Finish):
             served.finished_at = time.perf_counter()
         else:
             served.first_token_at = time.perf_counter()
         return served
+
+    def _open_record(self, served: Served) -> asyncio.Future[None]:
+        """Start the durable write of a stream's opening record: what is known before the first event."""
+        ex = served.exchange
+        return self.store.open_exchange({
+            "id": served.receipt,
+            "scenario": served.scenario.name,
+            "run": served.run,
+            "format": ex.format,
+            "engine": served.engine.info.name,
+            "model": served.engine.info.model,
+            "release_id": served.release_id,
+            "content_id": served.content_id,
+            "runtime_load_id": served.engine.runtime_load_id,
+            "request": ex.body,
+            "request_json": served.request_text,
+            "headers": served.headers,
+        })
 
     async def _record_failure(self, served: Served, err: ReefError) -> None:
         """Store an exchange that failed before its first event; its receipt goes out with the error."""
@@ -305,7 +327,10 @@ class Reef:
             "logprobs": completion.logprobs if completion else None,
         }
         t0 = time.perf_counter()
-        await self.store.append_exchange(rec)
+        if served.opened:  # a stream: its record exists since before the first byte; its outcome fills it in
+            await self.store.complete_exchange(rec)
+        else:
+            await self.store.append_exchange(rec)
         served.record_ms = (time.perf_counter() - t0) * 1e3
         m = self.metrics
         m.records.labels("exchange").inc()
@@ -332,6 +357,16 @@ class Reef:
 
     async def abandon(self, served: Served) -> None:
         await _aclose(served.events)
+
+
+async def _succeeded(write: asyncio.Future[None]) -> bool:
+    """Whether a record write went through; its failure (``StorageError``) is not raised here: the caller goes on
+    to record the exchange's own error as well as it can."""
+    try:
+        await write
+    except ReefError:
+        return False
+    return True
 
 
 async def _aclose(events: AsyncIterator[EngineEvent]) -> None:

@@ -173,9 +173,11 @@ def _head(status: int, headers: dict[str, str], extra: str) -> bytes:
 class StreamResponse:
     """A response written piece by piece (server-sent events): chunked, or close-delimited for HTTP/1.0."""
 
-    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int = 200, headers: dict[str, str] | None = None, *,
+                 send_buffer: int | None = None) -> None:
         self.status = status
         self.headers = headers if headers is not None else {}
+        self._send_buffer = send_buffer  # bytes the kernel and the transport may hold unsent (None: their default)
         self._conn: _Connection | None = None
         self._chunked = True
         self._head_only = False
@@ -184,6 +186,8 @@ class StreamResponse:
     async def prepare(self, request: Request) -> None:
         conn = self._conn = request._conn
         conn.responded = True
+        if self._send_buffer is not None:
+            conn.limit_send_buffer(self._send_buffer)
         self._chunked = request.version != "1.0"
         self._head_only = request.method == "HEAD"
         if not self._chunked:
@@ -370,6 +374,15 @@ class _Connection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if not self.lost:
             self.transport.write(data)
+
+    def limit_send_buffer(self, size: int) -> None:
+        """Hold at most about ``size`` unsent bytes in the kernel and as much again in the transport, so that a
+        client that stops reading makes ``drain`` wait soon (the kernel's own sizing lets megabytes pile up)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        self.transport.set_write_buffer_limits(high=size)
 
     # --- httptools callbacks ------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """A small synchronous client of the daemon's HTTP API, for the CLI, the wrappers and the TUI.
 
-It reaches the daemon over ``$REEF_HOME/reef.sock``, or over TCP when ``REEF_URL`` (and ``REEF_TOKEN``) are
-set, and can start the daemon when it is not running (``ensure_daemon``). Error bodies come back as
-``daemon.errors`` instances, so the CLI maps them to one message and one exit code.
+It reaches the daemon over ``$REEF_HOME/reef.sock``, or over TCP when ``REEF_URL`` is set (with ``REEF_TOKEN``,
+or else the token in ``$REEF_HOME/token``), and can start the daemon when it is not running (``ensure_daemon``).
+Error bodies come back as ``daemon.errors`` instances, so the CLI maps them to one message and one exit code.
 """
 
 from __future__ import annotations
@@ -43,12 +43,24 @@ _BY_STATUS: dict[int, type[ReefError]] = {
 START_TIMEOUT_S = 120.0
 
 
+def tcp_token(config: Config) -> str | None:
+    """The token for ``REEF_URL``: ``REEF_TOKEN``, else the token file of ``$REEF_HOME`` where there is one (a
+    daemon of this home reached over TCP needs no token copied into the environment)."""
+    if config.token:
+        return config.token
+    try:
+        return config.token_path.read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 class Client:
     def __init__(self, config: Config, *, timeout: float = 30.0) -> None:
         self.config = config
         if config.url:
             self.base_url = config.url.rstrip("/")
-            headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+            token = tcp_token(config)
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         else:
             self.base_url = "http://localhost"

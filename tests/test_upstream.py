@@ -676,11 +676,12 @@ def test_same_format_stream_is_relayed_byte_for_byte(front: Daemon, stub: str, c
         assert got[:-2] == want[:-1] and got[-1] == want[-1] == "data: [DONE]"
         assert _data(got[-2]) == {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1,
                                   "model": "stub-model", "choices": [],
-                                  "reef": {"record_id": receipt, "release_id": via.headers["x-reef-release-id"]}}
+                                  "reef": {"agent_record_id": receipt, "record_id": receipt,
+                                           "release_id": via.headers["x-reef-release-id"]}}
     else:
         assert got[:-1] == want[:-1]
         assert got[-1].split("\n")[0] == want[-1].split("\n")[0]  # event: message_stop / response.completed
-        assert _data(got[-1]) == {**_data(want[-1]), "reef": {"record_id": receipt,
+        assert _data(got[-1]) == {**_data(want[-1]), "reef": {"agent_record_id": receipt, "record_id": receipt,
                                                               "release_id": via.headers["x-reef-release-id"]}}
     rec = record(front, receipt)
     assert rec["status"] == "complete" and answer_text(up, rec["response"]) == "stub says hello"

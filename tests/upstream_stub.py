@@ -12,6 +12,7 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``slow=S``: wait S seconds before the response headers;
 - ``cut=N``: stream N text pieces, then drop the connection (no final event; non-streaming: half a body);
 - ``error_event``: stream one text piece, then the format's in-stream error event;
+- ``stall=S``: stream up to the first text piece, then wait S seconds before the rest;
 - ``tool``: answer with one call of ``get_weather`` ``{"city": "Paris"}`` (id ``call_stub1`` / ``toolu_stub1``);
 - ``text=...``: answer this text;
 - ``echo_system``: answer the request's system prompt (chat and Responses: its system and developer messages,
@@ -339,6 +340,11 @@ async def handle(request: web.Request) -> web.StreamResponse:
         assert request.transport is not None
         request.transport.close()
         return resp
+    if "stall" in d:
+        first = next((i for i, f in enumerate(frames) if any(dumps(p).encode() in f for p in pieces(text))), 0)
+        await resp.write(b"".join(frames[: first + 1]))
+        await asyncio.sleep(float(d["stall"]))
+        frames = frames[first + 1 :]
     for f in frames:
         await resp.write(f)
     await resp.write_eof()

@@ -17,7 +17,7 @@ import httpx
 
 from daemon.config import Config
 from daemon.errors import DaemonNotRunning, Unavailable
-from reef_cli.client import _error_from
+from reef_cli.client import _error_from, tcp_token
 
 
 class Source(Protocol):
@@ -42,7 +42,8 @@ class Api:
     def __init__(self, config: Config, *, timeout: float = 15.0) -> None:
         self.config = config
         if config.url:
-            headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+            token = tcp_token(config)
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._http = httpx.AsyncClient(base_url=config.url.rstrip("/"), headers=headers, timeout=timeout)
         else:
             transport = httpx.AsyncHTTPTransport(uds=str(config.socket_path))

@@ -153,7 +153,8 @@ class ReefApp(App[None]):
     # --- the connection --------------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        """Follow the daemon's events forever: reconnect when it goes away, and say so."""
+        """Follow the daemon's events forever: reconnect when it goes away or ends the stream (a subscriber that
+        fell behind is dropped after a ``dropped`` event: the screen reloads), and say so."""
         after: int | None = 0
         down_since: float | None = None
         while True:
@@ -170,6 +171,11 @@ class ReefApp(App[None]):
                 self.daemon_pid, down_since = pid, None
                 self.connection = f"connected to {self.source.where()} (daemon pid {pid})"
                 async for ev in self.source.events(after):
+                    if ev.get("kind") == "dropped":  # fell behind: its stream ends; resume after the drop, reload
+                        after = int(ev.get("resume_after") or 0)
+                        self.say("fell behind the daemon's events; reloading", severity="warning")
+                        self.refresh_screen()
+                        continue
                     after = int(ev.get("seq") or after or 0)
                     self.dispatch(ev)
             except asyncio.CancelledError:
