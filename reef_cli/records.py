@@ -75,7 +75,9 @@ def show_record(
     out.rule(f"reports ({len(rec.get('reports', []))})")
     for rep in rec.get("reports", []):
         r = rep.get("report") or {}
-        out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}  {ago(rep['created_at'])}")
+        meta = r.get("metadata") if isinstance(r.get("metadata"), dict) else {}
+        source = f"  ({meta['source']}: {meta.get('judge', '?')})" if meta.get("source") else ""
+        out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}{source}  {ago(rep['created_at'])}")
 
 
 @edge
