@@ -231,3 +231,10 @@ def test_bad_settings_for_the_judge_are_refused(daemon_factory: Any) -> None:
                                             "settings": {"judge_timeout_s": 0}})
         assert r.status_code == 400 and "judge_timeout_s" in r.text
         assert "ob" not in json.dumps(c.get("/reef/scenarios").json())
+
+
+def test_the_training_screen_shows_the_judges_counts() -> None:
+    from reef_cli.tui.format import key_metrics
+
+    shown = key_metrics({"kl": 0.1, "grad_norm": 1.0, "judge_good": 5, "batch_reward": 0.5, "judge_bad": 2}, 3)
+    assert shown.startswith("batch_reward 0.5") and "judge_bad 2" in shown and "judge_good 5" in shown

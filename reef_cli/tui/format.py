@@ -32,7 +32,7 @@ def number(v: Any) -> str:
 
 
 # the metrics a person looks at first, when a release has them
-KEY_METRICS = ("eval_reward", "batch_reward", "reward", "loss", "eval_base", "margin")
+KEY_METRICS = ("eval_reward", "batch_reward", "judge_bad", "judge_good", "reward", "loss", "eval_base", "margin")
 
 
 def key_metrics(metrics: dict[str, Any] | None, n: int = 3) -> str:
