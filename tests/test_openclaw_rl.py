@@ -137,9 +137,10 @@ def test_a_token_bonus_alone_moves_the_policy_its_way(tiny_model: Any) -> None:
 # --- through a real daemon ----------------------------------------------------------------------------------------
 
 
-def chat(c: httpx.Client, scenario: str, messages: list[dict[str, Any]], **headers: str) -> tuple[str, str]:
+def chat(c: httpx.Client, scenario: str, messages: list[dict[str, Any]], sampling: dict[str, Any] | None = None,
+         **headers: str) -> tuple[str, str]:
     r = c.post(f"/s/{scenario}/v1/chat/completions", headers=headers, json={
-        "model": "tiny", "max_tokens": 4, "temperature": 0, "messages": messages})
+        "model": "tiny", "max_tokens": 4, "temperature": 0, "messages": messages, **(sampling or {})})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"], r.headers["x-reef-agent-record-id"]
 
@@ -238,3 +239,35 @@ def test_the_training_screen_shows_the_judges_counts() -> None:
 
     shown = key_metrics({"kl": 0.1, "grad_norm": 1.0, "judge_good": 5, "batch_reward": 0.5, "judge_bad": 2}, 3)
     assert shown.startswith("batch_reward 0.5") and "judge_bad 2" in shown and "judge_good 5" in shown
+
+
+def test_judged_sessions_train_toward_what_the_user_accepted(daemon_factory: Any, tmp_path: Any) -> None:
+    """Learning from the next state alone: two sessions, one answer the user moved on from and one they
+    corrected; the trained release makes the accepted answer more likely and the corrected one less likely."""
+    from transformers import AutoModelForCausalLM
+
+    from daemon.releases import ReleaseStore
+    from tests.test_hot_swap_weights import rescored
+
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\nbatch_prompts = 2\ngate = "always"\nlr = 0.01\n'
+                               "steps_per_batch = 4\n")
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "ol", "recipe": "openclaw-rl"}).status_code == 201
+        init = releases(c, "ol")["head"]
+        turns = {}
+        for prompt, reply in (("Say file.", "thanks, now the next one"), ("Say door.", "No, that's wrong")):
+            # sampled (two different answers: a greedy random model could give both prompts the same tokens)
+            answer, receipt = chat(c, "ol", [{"role": "user", "content": prompt}], {"temperature": 1, "seed": 7},
+                                   **{"x-reef-session": prompt})
+            chat(c, "ol", [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
+                           {"role": "user", "content": reply}], **{"x-reef-session": prompt})
+            turns[reply] = receipt
+        head = wait_for(lambda: (x := releases(c, "ol"))["releases"][0]["step"] == 1 and x, what="a release")
+        trained = head["releases"][0]["release_id"]
+        records = {k: c.get(f"/reef/records/{r}").json() for k, r in turns.items()}
+    store = ReleaseStore(d.home / "artifacts.git")
+    before = AutoModelForCausalLM.from_pretrained(store.checkout(init, tmp_path / "before")).eval()
+    after = AutoModelForCausalLM.from_pretrained(store.checkout(trained, tmp_path / "after")).eval()
+    good, bad = records["thanks, now the next one"], records["No, that's wrong"]
+    assert sum(rescored(after, good)) > sum(rescored(before, good))
+    assert sum(rescored(after, bad)) < sum(rescored(before, bad))
