@@ -271,3 +271,26 @@ def test_judged_sessions_train_toward_what_the_user_accepted(daemon_factory: Any
     good, bad = records["thanks, now the next one"], records["No, that's wrong"]
     assert sum(rescored(after, good)) > sum(rescored(before, good))
     assert sum(rescored(after, bad)) < sum(rescored(before, bad))
+
+
+def test_hints_give_only_the_hinted_turns_a_teacher_signal(tiny_model: Any) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.openclaw_rl import OpenClawRL
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = tok.backend_tokenizer.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Say file."}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False).ids
+    base = {"prompt_token_ids": prompt, "token_ids": [11, 12, 13], "logprobs": [-8.0, -8.0, -8.0], "score": 0.0}
+    batch = [{**base, "id": "a", "hint": "just the word"}, {**base, "id": "b", "hint": None}]
+    on = OpenClawRL(OpenClawRL.parse_settings({"hints": True, "hint_coef": 0.5})).samples(batch, model, tok)
+    assert on[0].token_bonus is not None and len(on[0].token_bonus) == 3 and on[1].token_bonus is None
+    teacher = Sample(prompt_token_ids=hinted_prompt(tok, prompt, "just the word"), token_ids=[11, 12, 13],
+                     logprobs=[0.0] * 3, reward=0.0, group="t")
+    with torch.no_grad():
+        t = token_logprobs(model, [teacher])[0][0].tolist()
+    assert on[0].token_bonus == [0.5 * (x + 8.0) for x in t]
+    off = OpenClawRL(OpenClawRL.parse_settings({})).samples(batch, model, tok)
+    assert all(s.token_bonus is None for s in off)  # hints are off by default
