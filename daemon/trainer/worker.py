@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from daemon import durable
 from daemon.errors import EngineError
 
 log = logging.getLogger("reef.trainer")
@@ -48,18 +49,6 @@ class _State:
         self.tokenizer: Any = None
         self.optimizer: Any = None
         self.base_eval: dict[str, list[float]] = {}
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _eval_scores(model: Any, tokenizer: Any, ev: dict[str, Any]) -> list[float]:
@@ -124,8 +113,9 @@ def run_job(state: _State, job: dict[str, Any]) -> dict[str, Any]:
         for f in Path(job["base_path"]).iterdir():  # tokenizer and generation files travel with the weights
             if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
                 shutil.copyfile(f, tmp / f.name)
-        _fsync_tree(tmp)
+        durable.sync_tree(tmp)
         os.rename(tmp, out)
+        durable.sync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
