@@ -36,7 +36,9 @@ Design choices:
   hour; a publisher that keeps finding a lock busy applies it to that lock, so a crash never blocks for long.
 - Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
   asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
-  every ``refs/reef/*`` ref; LFS objects go through temp + fsync + rename.
+  every ``refs/reef/*`` ref; LFS objects and checkouts go through ``daemon.durable`` (temp + fsync + rename +
+  fsync of the directory). libgit2 syncs neither its init nor its config writes: a new repo is made and synced
+  in a temp dir and renamed into place, and the config is synced after Reef sets it.
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the

@@ -50,9 +50,9 @@ FLAVOURS = ("fsync", "journal", "torn")
 
 
 def build_shim(dest_dir: Path) -> Path:
-    """Compile the recorder with the system C compiler (``cc``; install.sh --dev installs gcc)."""
+    """Compile the recorder with the system C compiler (install.sh --dev installs gcc)."""
     out = dest_dir / "powerloss.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out),
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out),
                     str(HERE / "powerloss_shim.c"), "-ldl"], check=True, capture_output=True, text=True)
     return out
 

@@ -11,7 +11,7 @@
  *
  * Environment: POWERLOSS_ROOT (absolute, no trailing slash) = the directory watched; POWERLOSS_LOG = the log.
  * Files are identified by inode (fstat/lstat), so renames and fds opened by any route are followed.
- * Build: cc -shared -fPIC -O1 -o powerloss.so powerloss_shim.c -ldl
+ * Build: gcc -shared -fPIC -O1 -o powerloss.so powerloss_shim.c -ldl
  *
  * Record: "<c B H I Q Q Q q Q I I" = op, flags, 0, pid, ino, ino2, ino3, off, len, len(path1), len(path2),
  * then path1, path2 and len bytes of data.  Ops: C create (ino2 = parent; flag 2 = a directory, flag 4 = a
