@@ -37,8 +37,9 @@ Design choices:
 - Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
   asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
   every ``refs/reef/*`` ref; LFS objects and checkouts go through ``daemon.durable`` (temp + fsync + rename +
-  fsync of the directory). libgit2 syncs neither its init nor its config writes: a new repo is made and synced
-  in a temp dir and renamed into place, and the config is synced after Reef sets it.
+  fsync of the directory). libgit2's init syncs nothing, so a new repo is made and synced in a temp dir and
+  renamed into place. Its config writes are not synced either; a config a power cut empties is set again at
+  the next open.
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
@@ -271,14 +272,9 @@ class ReleaseStore:
         wanted = {"core.logAllRefUpdates": "always", "core.fsync": "objects,reference"}
         for attempt in range(50):
             try:
-                changed = False
                 for key, value in wanted.items():
                     if key not in repo.config or repo.config[key] != value:
                         repo.config[key] = value
-                        changed = True
-                if changed:  # libgit2 does not fsync its config writes
-                    durable.sync_file(self.path / "config")
-                    durable.sync_dir(self.path)
                 break
             except pygit2.GitError:  # config.lock held by a process configuring the same new repo
                 if attempt == 49:

@@ -39,6 +39,7 @@ import random
 import stat
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,30 @@ def log_position(log: Path) -> int:
         return log.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+def wait_for(log: Path, op: str, path_suffix: str, after: int, timeout: float = 60) -> int:
+    """Wait until a traced process logs ``op`` (a record letter, see powerloss_shim.c) on a path ending in
+    ``path_suffix``, in a record ending after log position ``after``; return where that record ends."""
+    deadline = time.monotonic() + timeout  # a hang guard only
+    while time.monotonic() < deadline:
+        raw = log.read_bytes()
+        for end, o, *_, p1, _p2, _data in Trace._parse(raw[: _whole(raw)]):
+            if end > after and o == op and p1.endswith(path_suffix):
+                return end
+        time.sleep(0.02)
+    raise TimeoutError(f"no {op!r} on *{path_suffix} in {timeout}s")
+
+
+def _whole(raw: bytes) -> int:
+    """The length of the whole records at the start of ``raw`` (a traced process may be appending one)."""
+    i = 0
+    while i + RECORD.size <= len(raw):
+        *_, n, l1, l2 = RECORD.unpack_from(raw, i)
+        if i + RECORD.size + l1 + l2 + n > len(raw):
+            break
+        i += RECORD.size + l1 + l2 + n
+    return i
 
 
 @dataclass
