@@ -502,9 +502,8 @@ class ReleaseStore:
                         shutil.copyfile(obj, target)
                 if mode == _EXEC:
                     os.chmod(target, 0o755)
-            durable.sync_tree(tmp)
+            durable.sync_tree(tmp)  # the contents are durable before the name is (the caller syncs dest.parent)
             os.rename(tmp, dest)
-            durable.sync_dir(dest.parent)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):

@@ -10,9 +10,10 @@ their LFS objects intact, holding every release acknowledged before the cut and 
 names. The final images must pass ``git fsck`` and serve again: a daemon started on one answers for every
 receipt and serves the acknowledged head.
 
-The double earns its place by failing: with SQLite's ``synchronous=OFF``, with the file fsync skipped in
-Reef's atomic writes, or with libgit2's fsync left off, the same checks find the losses (the mutations run in
-the daemon through a ``sitecustomize`` in its ``PYTHONPATH``; the daemon's own code is unchanged).
+The double earns its place by failing: with SQLite's ``synchronous=OFF`` (on every connection, or only on the
+checkpointer's), with the file fsync skipped in ``daemon/durable.py``, or with libgit2's fsync left off, the
+same checks find the losses (the mutations run in the daemon through a ``sitecustomize`` in its
+``PYTHONPATH``; the daemon's own code is unchanged).
 """
 
 from __future__ import annotations
