@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from daemon import durable
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
 from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound
@@ -157,7 +156,7 @@ class Chains:
                 if dest.exists():
                     await asyncio.to_thread(shutil.rmtree, dest)  # a checkout a crash left half-done
                 await asyncio.to_thread(self.store.checkout, rel.release_id, dest, link=True)
-                await asyncio.to_thread(durable.write_atomic, done, b"")  # only after the checkout is durable
+                done.touch()
             self._checkouts[rel.content_id] = dest
             return dest
 

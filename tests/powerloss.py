@@ -40,7 +40,7 @@ import stat
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,17 +84,18 @@ def log_position(log: Path) -> int:
         return 0
 
 
-def wait_for(log: Path, op: str, path_suffix: str, after: int, timeout: float = 60) -> int:
-    """Wait until a traced process logs ``op`` (a record letter, see powerloss_shim.c) on a path ending in
-    ``path_suffix``, in a record ending after log position ``after``; return where that record ends."""
+Op = tuple[int, str, int, int, int, int, int, str, str, bytes]  # end, op, flags, ino, ino2, ino3, off, p1, p2, data
+
+
+def wait_until(log: Path, done: Callable[[list[Op]], bool], what: str, timeout: float = 60) -> None:
+    """Wait until the log's records so far satisfy ``done`` (an event in the traced processes)."""
     deadline = time.monotonic() + timeout  # a hang guard only
     while time.monotonic() < deadline:
         raw = log.read_bytes()
-        for end, o, *_, p1, _p2, _data in Trace._parse(raw[: _whole(raw)]):
-            if end > after and o == op and p1.endswith(path_suffix):
-                return end
+        if done(list(Trace._parse(raw[: _whole(raw)]))):
+            return
         time.sleep(0.02)
-    raise TimeoutError(f"no {op!r} on *{path_suffix} in {timeout}s")
+    raise TimeoutError(f"{what}: not seen in {timeout}s")
 
 
 def _whole(raw: bytes) -> int:
@@ -203,7 +204,7 @@ class Trace:
             self.counts[rec[1]] = self.counts.get(rec[1], 0) + 1
 
     @staticmethod
-    def _parse(raw: bytes) -> Iterator[tuple[int, str, int, int, int, int, int, str, str, bytes]]:
+    def _parse(raw: bytes) -> Iterator[Op]:
         i = 0
         while i < len(raw):
             op, flags, _, _pid, ino, ino2, ino3, off, n, l1, l2 = RECORD.unpack_from(raw, i)
