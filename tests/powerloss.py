@@ -129,7 +129,7 @@ class _NameOp:
 
 @dataclass
 class CutStats:
-    dropped_writes: int  # unsynced data operations (write, truncate) left out of the image
+    dropped_writes: int  # unsynced data operations (write, truncate) left out of the image (torn: some sectors kept)
     dropped_names: int  # unsynced name operations left out of the image
     kept_writes: int  # data operations the image holds that were logged since the snapshot
 
