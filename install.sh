@@ -68,9 +68,10 @@ fi
 
 if [ "$DEV" = 1 ]; then
   # test tools from the system: strace (the agent tests prove no connection leaves loopback), zsh and fish
-  # (the completion tests run the generated scripts in the real shells)
+  # (the completion tests run the generated scripts in the real shells), gcc (the power-loss test builds its
+  # LD_PRELOAD recorder)
   missing=""
-  for tool in strace zsh fish; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+  for tool in strace zsh fish gcc; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
   if [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
       say "installing test tools:$missing"

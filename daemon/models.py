@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon import durable
 from daemon.hf import no_progress_bars
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -114,7 +115,7 @@ def init_tiny(
             if not is_complete(dest):  # someone else's half-written or unrelated directory: not ours to replace
                 raise
         else:
-            _fsync_dir(dest.parent)
+            durable.sync_dir(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -168,10 +169,7 @@ def save_model(tokenizer: Any, model: Any, path: Path) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(path)
+    durable.sync_tree(path)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int):
@@ -198,14 +196,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int):
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- the synthetic corpus ---------------------------------------------------------------------------------------

@@ -36,7 +36,10 @@ Design choices:
   hour; a publisher that keeps finding a lock busy applies it to that lock, so a crash never blocks for long.
 - Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
   asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
-  every ``refs/reef/*`` ref; LFS objects go through temp + fsync + rename.
+  every ``refs/reef/*`` ref; LFS objects and checkouts go through ``daemon.durable`` (temp + fsync + rename +
+  fsync of the directory). libgit2's init syncs nothing, so a new repo is made and synced in a temp dir and
+  renamed into place. Its config writes are not synced either; a config a power cut empties is set again at
+  the next open.
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
@@ -70,6 +73,7 @@ from typing import Any
 
 import pygit2
 
+from daemon import durable
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -200,14 +204,6 @@ def _check_path(path: str) -> list[str]:
     return parts
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _json(value: Any) -> str:
     try:
         return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
@@ -255,9 +251,7 @@ class ReleaseStore:
 
     def _open_or_create(self) -> None:
         if not (self.path / "HEAD").exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            pygit2.init_repository(str(self.path), bare=True)
-            _fsync_dir(self.path.parent)
+            self._create()
         repo = self._repo()
         wanted = {"core.logAllRefUpdates": "always", "core.fsync": "objects,reference"}
         for attempt in range(50):
@@ -271,8 +265,28 @@ class ReleaseStore:
                     raise
                 time.sleep(0.02)
         for d in (self.lfs_dir, self._lfs_tmp):
-            d.mkdir(parents=True, exist_ok=True)
+            durable.mkdirs(d)
         os.close(os.open(self._guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+    def _create(self) -> None:
+        """Create the repository all or nothing: made and synced in a temp dir beside it, renamed into place.
+
+        libgit2's init fsyncs nothing, so a power cut soon after would leave a repo with an empty HEAD or config
+        that opens later and breaks git (found by tests/test_power_loss.py)."""
+        durable.mkdirs(self.path.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent))
+        try:
+            pygit2.init_repository(str(tmp), bare=True)
+            durable.sync_tree(tmp)
+            try:
+                os.rename(tmp, self.path)  # replaces nothing but a missing or empty directory
+            except OSError:
+                if not (self.path / "HEAD").exists():
+                    raise
+                return  # another process created it first
+            durable.sync_dir(self.path.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _repo(self) -> pygit2.Repository:
         repo = getattr(self._local, "repo", None)
@@ -472,6 +486,7 @@ class ReleaseStore:
                         shutil.copyfile(obj, target)
                 if mode == _EXEC:
                     os.chmod(target, 0o755)
+            durable.sync_tree(tmp)  # the contents are durable before the name is (the caller syncs dest.parent)
             os.rename(tmp, dest)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -981,16 +996,13 @@ class ReleaseStore:
                 else:
                     with open(fd, "wb", closefd=False) as out:
                         out.write(src)
-                os.fsync(fd)
+                durable.sync_fd(fd)
             finally:
                 os.close(fd)
             os.chmod(tmp, 0o444)
-            for d in (final.parent.parent, final.parent):
-                if not d.exists():
-                    d.mkdir(exist_ok=True)
-                    _fsync_dir(d.parent)
+            durable.mkdirs(final.parent)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            durable.sync_dir(final.parent)
             return sha, size
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from daemon import web
+from daemon import durable, web
 from daemon.app import make_app, refusal_body
 from daemon.config import Config
 from daemon.errors import ReefError
@@ -45,14 +45,7 @@ def ensure_token(path: Path) -> str:
     except FileNotFoundError:
         pass
     token = "reef-" + secrets.token_urlsafe(32)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    durable.write_atomic(path, (token + "\n").encode(), mode=0o600)
     return token
 
 

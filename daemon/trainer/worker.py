@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from daemon import durable
 from daemon.errors import EngineError, StepFailed
 from recipes.base import Candidate, TrainJob
 
@@ -38,19 +39,6 @@ log = logging.getLogger("reef.trainer")
 
 
 # --- the worker process -----------------------------------------------------------------------------------
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    for d in [*(p for p in path.rglob("*") if p.is_dir()), path]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
@@ -75,8 +63,9 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
             return replace(candidate, path=None)
         if not any(tmp.iterdir()):
             raise ValueError(f"recipe {job.recipe}: train() wrote no files into the candidate directory")
-        _fsync_tree(tmp)
+        durable.sync_tree(tmp)
         os.rename(tmp, out_dir)
+        durable.sync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
