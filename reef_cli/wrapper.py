@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters import Adapter, Target, get_adapter
-from adapters.base import install_harness, installed_release
+from adapters.base import install_harness, installed_release, write_file
 from daemon.config import Config, load_config
 from daemon.errors import ReefError
 
@@ -122,12 +122,8 @@ def runs_dir(config: Config) -> Path:
 
 def save_run(config: Config, run: dict[str, Any]) -> None:
     d = runs_dir(config)
-    tmp = d / f".{run['run']}.json.tmp"
-    tmp.write_text(json.dumps(run, indent=2) + "\n")
-    os.replace(tmp, d / f"{run['run']}.json")
-    last = d / f".last-{run['adapter']}.tmp"
-    last.write_text(run["run"] + "\n")
-    os.replace(last, d / f"last-{run['adapter']}")
+    write_file(d / f"{run['run']}.json", (json.dumps(run, indent=2) + "\n").encode())
+    write_file(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
 
 
 def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
