@@ -23,6 +23,7 @@ import pytest
 
 from adapters import ADAPTERS
 from tests.conftest import Daemon
+from tests.procs import wait_until_forwarding
 
 BIN = Path(sys.executable).parent
 PI = ADAPTERS["pi"]
@@ -54,24 +55,6 @@ def wrapped(d: Daemon, agents: Path, args: list[str], cwd: Path, **extra: str) -
 def last_run(d: Daemon) -> dict[str, Any]:
     runs = d.home / "runs"
     return json.loads((runs / f"{(runs / 'last-pi').read_text().strip()}.json").read_text())
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` has a handler installed for ``sig`` (its SigCgt mask in /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    return False
-
-
-def wait_until_catching(proc: subprocess.Popen[Any], sig: int) -> None:
-    """Block until ``proc`` has installed its handler for ``sig`` (or has exited): an event, not a sleep."""
-    import time
-
-    deadline = time.monotonic() + 60  # hang guard only
-    while proc.poll() is None and not catches(proc.pid, sig):
-        assert time.monotonic() < deadline, "the process never installed its signal handler"
-        time.sleep(0.01)
 
 
 def one_line(stderr: str) -> str:
@@ -110,7 +93,7 @@ def test_ctrl_c_to_a_wrapped_run_reaches_the_agent_and_exits_130(daemon: Daemon,
     try:
         assert proc.stdout is not None
         agent_pid = int(proc.stdout.readline())  # the agent runs
-        wait_until_catching(proc, signal.SIGTERM)  # the wrapper forwards signals from here on
+        wait_until_forwarding(proc)  # the wrapper forwards signals from here on
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
