@@ -10,8 +10,12 @@ and stay off the network.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import secrets
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,63 +158,163 @@ class Adapter:
 
 def write_json(path: Path, value: object) -> None:
     """Write a config file the agent reads, atomically, and only when its content changes."""
-    data = json.dumps(value, indent=2) + "\n"
-    if path.exists() and path.read_text() == data:
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(data)
-    tmp.replace(path)
+    data = (json.dumps(value, indent=2) + "\n").encode()
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _read_regular(dir_fd, path.name) != data:
+            _replace_at(dir_fd, path.name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically (fresh temp name, fsync, rename) without following a symlink at either name."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _replace_at(dir_fd, path.name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def _replace_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``name`` in the directory ``dir_fd`` atomically, never following a symlink.
+
+    The data goes to a fresh random temp name opened with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a file or symlink
+    planted at a temp name makes the open fail and another name is drawn; nothing planted can redirect the write),
+    then is renamed over ``name``: a symlink at ``name`` is replaced itself, its target is never opened."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temp name for {name}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)  # the new name is durable too
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _read_regular(dir_fd: int, name: str) -> bytes | None:
+    """The bytes of ``name`` in ``dir_fd`` if it is a regular file (not a symlink, FIFO or directory), else None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read() if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+
+
+def _open_dir(root: Path, parts: list[str], *, create: bool) -> int:
+    """A descriptor of ``root/parts...``, each step opened with ``O_NOFOLLOW`` from the one before (made when
+    ``create``), so no symlink or file below ``root`` can lead elsewhere, even one planted after the checks."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                where = "/".join(parts[:i + 1])
+                raise BadRequest(f"refusing harness path {where!r}: it is a symlink or a file in {root}",
+                                 param="path") from None
+            os.close(fd)
+            fd = step
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def safe_join(root: Path, rel: str) -> Path:
-    """``root/rel``, refusing anything that would land outside ``root`` (absolute paths, ``..``, symlinks)."""
+    """``root/rel``, refusing anything that would land outside ``root`` (absolute paths, ``..``, a symlinked
+    directory on the way). Paths are compared as paths, so a sibling ``root-evil`` is outside ``root``. A symlink
+    at ``rel`` itself is no escape: writes replace the link, never follow it."""
     if not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel or any(p in ("", ".", "..")
                                                                             for p in rel.split("/")):
         raise BadRequest(f"refusing harness path {rel!r}: it is not a plain relative path", param="path")
     dest = root / rel
     real_root = root.resolve()
     parent = dest.parent
-    while not parent.exists():
+    while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
-    if not str(parent.resolve()).startswith(str(real_root)) or (dest.is_symlink()):
+    if not parent.resolve().is_relative_to(real_root):
         raise BadRequest(f"refusing harness path {rel!r}: it leads outside {root}", param="path")
     return dest
 
 
 def install_harness(home: Path, release_id: str | None, files: Mapping[str, bytes]) -> dict[str, Any]:
     """Write a rendered harness into an agent's config home, removing files the previous release wrote and this
-    one does not have. Every path is checked before anything is written. Idempotent."""
+    one does not have. Every path is checked before anything is written. Idempotent.
+
+    No write follows a symlink: directories are walked with ``O_NOFOLLOW`` from ``home``, files are written to a
+    fresh ``O_EXCL`` temp name and renamed into place (a symlink at a file's own name is replaced)."""
     home.mkdir(parents=True, exist_ok=True)
-    targets = {rel: safe_join(home, rel) for rel in files}
-    marker = home / HARNESS_MARKER
+    for rel in files:
+        safe_join(home, rel)
     try:
-        before = json.loads(marker.read_text())
-    except (OSError, ValueError):
+        before = json.loads(_read_marker(home) or b"{}")
+    except ValueError:
         before = {}
     written = []
-    for rel, dest in targets.items():
-        data = files[rel]
-        if dest.exists() and dest.read_bytes() == data:
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
-        written.append(rel)
+    for rel, data in files.items():
+        *dirs, name = rel.split("/")
+        dir_fd = _open_dir(home, dirs, create=True)
+        try:
+            if _read_regular(dir_fd, name) != data:
+                _replace_at(dir_fd, name, data)
+                written.append(rel)
+        finally:
+            os.close(dir_fd)
     removed = []
-    for rel in before.get("files", []):
-        if rel not in files:
-            try:
-                safe_join(home, rel).unlink()
-                removed.append(rel)
-            except (OSError, BadRequest):
-                pass
-    marker.write_text(json.dumps({"release_id": release_id, "files": sorted(files)}, indent=1) + "\n")
+    for rel in before.get("files", []) if isinstance(before, dict) else []:
+        if rel in files:
+            continue
+        try:
+            safe_join(home, rel)
+            *dirs, name = rel.split("/")
+            dir_fd = _open_dir(home, dirs, create=False)
+        except (OSError, BadRequest, TypeError, AttributeError):
+            continue
+        try:
+            os.unlink(name, dir_fd=dir_fd)  # unlink removes a symlink itself, never its target
+            removed.append(rel)
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
+    marker = {"release_id": release_id, "files": sorted(files)}
+    write_file(home / HARNESS_MARKER, (json.dumps(marker, indent=1) + "\n").encode())
     return {"release_id": release_id, "written": written, "removed": removed}
+
+
+def _read_marker(home: Path) -> bytes | None:
+    try:
+        dir_fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _read_regular(dir_fd, HARNESS_MARKER)
+    finally:
+        os.close(dir_fd)
 
 
 def installed_release(home: Path) -> str | None:
     try:
-        return json.loads((home / HARNESS_MARKER).read_text()).get("release_id")
-    except (OSError, ValueError):
+        return json.loads(_read_marker(home) or b"{}").get("release_id")
+    except (ValueError, AttributeError):
         return None

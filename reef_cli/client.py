@@ -208,13 +208,13 @@ def ensure_daemon(config: Config) -> Client:
     return client
 
 
-def tail(path: Path, lines: int) -> str:
+def tail(path: Path, lines: int, *, end: int | None = None) -> str:
+    """The last ``lines`` lines of ``path`` (of its first ``end`` bytes when given)."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
+            size = f.seek(0, os.SEEK_END) if end is None else end
             f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode("utf-8", "replace")
+            data = f.read(size - f.tell()).decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
     return "\n".join(data.splitlines()[-lines:])

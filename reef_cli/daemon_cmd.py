@@ -121,19 +121,17 @@ def logs(
     path = cfg.logs_dir / "daemon.log"
     if not path.exists():
         fail(f"no log yet at {path}", 1)
-    text = tail(path, lines)
-    if text:
-        print(text)
-    if follow:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            try:
-                while True:
-                    chunk = f.read()
-                    if chunk:
-                        sys.stdout.write(chunk.decode("utf-8", "replace"))
-                        sys.stdout.flush()
-                    else:
-                        time.sleep(0.2)
-            except KeyboardInterrupt:
-                return
+    with open(path, "rb") as f:
+        # the tail and the follow share one end offset: a line written in between is shown once, never lost
+        end = f.seek(0, os.SEEK_END)
+        text = tail(path, lines, end=end)
+        if text:
+            print(text, flush=follow)  # piped, the tail would otherwise wait in the buffer for the next new line
+        # Ctrl-C ends the follow like any interrupted command: the edge says so and exits 130 (as tail -f does)
+        while follow:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode("utf-8", "replace"))
+                sys.stdout.flush()
+            else:
+                time.sleep(0.2)

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from adapters import Adapter, Target, get_adapter
-from adapters.base import install_harness, installed_release
-from daemon import durable
+from adapters.base import install_harness, installed_release, write_file
 from daemon.config import Config, load_config
-from daemon.errors import ReefError
+from daemon.errors import AgentError, ReefError
 
 SUBCOMMANDS = ("report", "runs", "update", "evolve", "reef-help")
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -123,8 +122,8 @@ def runs_dir(config: Config) -> Path:
 
 def save_run(config: Config, run: dict[str, Any]) -> None:
     d = runs_dir(config)
-    durable.write_atomic(d / f"{run['run']}.json", (json.dumps(run, indent=2) + "\n").encode())
-    durable.write_atomic(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
+    write_file(d / f"{run['run']}.json", (json.dumps(run, indent=2) + "\n").encode())  # no-follow, durable
+    write_file(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
 
 
 def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
@@ -231,8 +230,9 @@ def spawn(argv: list[str], env: dict[str, str]) -> int:
     """Run the agent in the foreground; forward signals; return its exit code (128+N when killed by signal N)."""
     try:
         proc = subprocess.Popen(argv, env=env)
-    except OSError as e:
-        raise ReefError(f"could not start {argv[0]}: {e}") from None
+    except OSError as e:  # not executable, a bad interpreter line, gone: the agent cannot be started (exit 8)
+        raise AgentError(f"could not start {argv[0]}: {e.strerror or e}; reinstall it with "
+                         f"`reef agents install --force`") from None
 
     def forward(signum: int, _frame: Any) -> None:
         if signum in TTY_SIGNALS and _foreground():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -314,26 +316,41 @@ def claude_code_like(n_tools: int = 24) -> Exchange:
     return ex
 
 
-async def test_claude_code_sized_prompt_prefills_and_samples_fast(engine: TransformersEngine) -> None:
+async def test_claude_code_sized_prompt_prefills_while_the_event_loop_runs(engine: TransformersEngine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Claude Code sized prompt fits and answers, and its prefill runs off the event loop: the loop runs while
+    the long forward is in progress (how fast is bench/prefill_tiny.py's to say)."""
     ex = claude_code_like()
     size = len(json.dumps([t.__dict__ for t in ex.tools])) + len(ex.messages[0].text)
     assert size > 75_000
-    lags: list[float] = []
+    in_prefill = threading.Event()
+    forward = Load.forward
 
-    async def ticker() -> None:  # the event loop must stay responsive while the engine works
+    def watched(self: Load, ids: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+        long = ids.shape[-1] > 10_000
+        if long:
+            in_prefill.set()
+        try:
+            return forward(self, ids, cache, **kw)
+        finally:
+            if long:
+                in_prefill.clear()
+
+    monkeypatch.setattr(Load, "forward", watched)
+    seen_during_prefill = 0
+
+    async def ticker() -> None:  # counts the loop's turns that happen while the prefill is running
+        nonlocal seen_during_prefill
         while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lags.append(time.perf_counter() - t - 0.005)
+            await asyncio.sleep(0.001)
+            seen_during_prefill += in_prefill.is_set()
 
     tick = asyncio.create_task(ticker())
-    t0 = time.perf_counter()
-    _, c = await run(engine, ex)
-    elapsed = time.perf_counter() - t0
-    tick.cancel()
+    try:
+        _, c = await run(engine, ex)
+    finally:
+        tick.cancel()
     n = c.usage.input_tokens
-    print(f"\n{size / 1000:.0f} kB -> {n} tokens; prefill + 16 tokens in {elapsed:.2f}s; max loop lag {max(lags):.3f}s")
     assert 10_000 < n < engine.info.context_length
     assert len(c.token_ids) == 16
-    assert elapsed < 10
-    assert max(lags) < 0.5
+    assert seen_during_prefill > 0, "the event loop did not run while the prefill was in progress"

@@ -248,12 +248,13 @@ def test_head_of_a_stream_route_answers_and_keeps_the_connection(daemon: Daemon)
 
 def test_broken_chunked_body_is_400_at_once(daemon: Daemon) -> None:
     with connect(daemon) as s:
-        t0 = time.monotonic()
+        # nothing more is sent: the answer (and the close) must come from the bad chunk itself, not from a timeout,
+        # which would name another reason
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {daemon.token}\r\n"
                   "Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\nZZZ\r\n".encode())
         data = read_all(s)
     assert data.startswith(b"HTTP/1.1 400"), data[:200]
-    assert b"malformed request body" in data and time.monotonic() - t0 < 10
+    assert b"malformed request body" in data
 
 
 def test_upgrade_and_connect_are_refused_without_serving(daemon: Daemon) -> None:

@@ -6,17 +6,22 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.procs import wait_until_forwarding
 
 RUN = "import os, sys; from reef_cli.wrapper import spawn; sys.exit(spawn(sys.argv[1:], dict(os.environ)))"
 
 
-def start(*argv: str) -> subprocess.Popen[bytes]:
+def start(*argv: str, ready: bool = False) -> subprocess.Popen[bytes]:
+    """The wrapper's ``spawn`` running ``argv``, once it forwards signals (and, with ``ready``, once the agent
+    has printed its first line)."""
     proc = subprocess.Popen([sys.executable, "-c", RUN, *argv], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # the agent is running
+    if ready:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    wait_until_forwarding(proc)  # spawn's handlers are in place: signals are forwarded from here
     return proc
 
 
@@ -24,18 +29,16 @@ def start(*argv: str) -> subprocess.Popen[bytes]:
 def test_a_signal_to_the_wrapper_reaches_the_agent_and_its_exit_code_is_kept(sig: signal.Signals) -> None:
     # the agent handles the signal itself and exits 7: the wrapper must forward it and keep that code
     proc = start("sh", "-c", f"trap 'echo got-{sig.name}; kill $!; exit 7' {sig.name.removeprefix('SIG')}; "
-                             "sleep 30 & wait")
-    t0 = time.monotonic()
+                             "echo ready; sleep 30 & wait", ready=True)
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=10)
+    out, _ = proc.communicate(timeout=60)  # hang guard only
     assert proc.returncode == 7 and f"got-{sig.name}".encode() in out
-    assert time.monotonic() - t0 < 5
 
 
 def test_an_agent_killed_by_a_signal_gives_128_plus_the_signal() -> None:
     proc = start("sleep", "30")
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=10)
+    proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
 
 

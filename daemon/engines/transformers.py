@@ -20,12 +20,13 @@ Design choices:
   (and padding no row needs trimmed) as sequences finish. Models whose caches are not plain full-attention
   layers (sliding windows) decode each sequence on its own. A long prompt's prefill pauses running streams
   for its duration (about 2.5 s for 20k tokens on one CPU thread with the tiny model).
-- **Sampling.** temperature (default 1, 0 = greedy), top_k, top_p, on float32 logits on the CPU with a
-  ``torch.Generator`` per request (``seed`` makes a request repeatable: exactly when it runs alone, and up to
-  float rounding of the logits when batched with others). Stops: an EOS token (``"stop"``), a stop
-  string in the decoded text (trimmed, ``"stop_sequence"``; text that could begin a stop string is held back
-  until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``, clamped to the room left in the context;
-  ``"length"``).
+- **Sampling.** temperature (default 1; 0, and anything below ``GREEDY_BELOW`` = 1e-5, is greedy), top_k,
+  top_p, on float32 logits on the CPU with a ``torch.Generator`` per request (``seed`` makes a request
+  repeatable: exactly when it runs alone, and up to float rounding of the logits when batched with others). A
+  row with NaN or +inf after scaling is greedy on its raw logits: non-finite values never reach the draw.
+  Stops: an EOS token (``"stop"``), a stop string in the decoded text (trimmed, ``"stop_sequence"``; text that
+  could begin a stop string is held back until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``,
+  clamped to the room left in the context; ``"length"``).
 - **Log-probs.** ``Completion.logprobs[i]`` is the log-softmax of the raw logits (temperature 1, before top-k /
   top-p) at the sampled token: the model's own distribution, which is what RL recomputes and compares against.
   ``token_ids`` are exactly the sampled ids, EOS included; ``text`` leaves out special tokens.
@@ -165,11 +166,31 @@ class SamplingParams:
     capped: bool = False
 
 
+# Temperatures below this are greedy: at 1e-5 a logit lead of 1e-4 already weighs e^10 to 1, and far smaller ones
+# overflow float32 when the logits are divided by them (1e-300 turns every logit into +-inf or NaN).
+GREEDY_BELOW = 1e-5
+
+
+def _greedy(logits: torch.Tensor) -> int:
+    """The most likely token; a NaN never wins (``argmax`` takes NaN for the largest value)."""
+    clean = logits.masked_fill(logits.isnan(), float("-inf"))
+    top = int(clean.argmax())
+    if not clean[top] > float("-inf"):
+        raise EngineError("the model produced no finite logits")
+    return top
+
+
 def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """One token from one row of float32 logits."""
-    if p.temperature == 0:
-        return int(logits.argmax())
+    """One token from one row of float32 logits.
+
+    Non-finite values never reach the sampler: a row whose scaled maximum is NaN or +inf (a NaN from the model, or
+    logits too large for the temperature) has no distribution to draw from, so it falls back to greedy on the raw
+    logits; a row with nothing above -inf is an ``EngineError``."""
+    if p.temperature < GREEDY_BELOW:
+        return _greedy(logits)
     x = logits / p.temperature
+    if not torch.isfinite(x.max()):  # max is NaN if any value is, +inf if any is, -inf if all are
+        return _greedy(logits)
     if 0 < p.top_k < x.numel():
         x = x.masked_fill(x < x.topk(p.top_k).values[-1], float("-inf"))
     if p.top_p < 1:

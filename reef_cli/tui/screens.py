@@ -283,6 +283,8 @@ class ChainScreen(ReefScreen):
             if ok:
                 steer = functools.partial(self._do_steer, op, row["release_id"], expected)
                 self.run_worker(steer, group="steer", exit_on_error=False)
+            else:
+                self.reef.say(f"{op} of {self.scenario} to {short(row['release_id'])} cancelled; nothing changed")
 
         self.app.push_screen(ConfirmScreen(lines, "Roll back" if op == "rollback" else "Promote"), done)
 
