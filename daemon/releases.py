@@ -64,6 +64,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -239,32 +240,57 @@ def _storing(what: str, path: Path) -> Iterator[None]:
         raise StorageError(f"{what} failed: {e}", path=str(path)) from e
 
 
-def _intact(repo: pygit2.Repository, commit_id: str) -> str | None:
+def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
+    """``repo[oid]``, its loose file (if it has one) checked first: complete, and hashing to its id. libgit2 1.9
+    never returns from inflating a truncated loose object, so a half-written one must not reach it."""
+    key = str(oid)
+    path = Path(repo.path) / "objects" / key[:2] / key[2:]
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        pass  # packed, or not there: libgit2 says which
+    else:
+        inflate = zlib.decompressobj()
+        try:
+            raw = inflate.decompress(data)
+        except zlib.error as e:
+            raise ValueError(f"object {key} is corrupt: {e}") from None
+        if not inflate.eof:
+            raise ValueError(f"object {key} is truncated ({len(data)} bytes on disk)")
+        if hashlib.sha1(raw).hexdigest() != key:
+            raise ValueError(f"object {key} does not hash to its id")
+    return repo[oid]
+
+
+def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | None = None) -> str | None:
     """None when the commit, its tree and every object under it (the manifest among them) read back from ``repo``'s
     object database; else what does not. Give it a freshly opened repository, so that nothing comes from its
-    object cache: libgit2 can hand back the id of an object whose write a full disk lost."""
+    object cache: libgit2 can hand back the id of an object whose write a full disk lost. ``whole``, shared
+    between calls, remembers the objects already found whole with everything under them (releases share trees)."""
     try:
-        commit = repo[commit_id]
+        commit = _object(repo, commit_id)
     except KeyError:
         return f"commit {commit_id} is not in the object database"
     except Exception as e:  # corrupt or truncated: a finding, not a crash
         return f"commit {commit_id} does not read back: {e}"
     if not isinstance(commit, pygit2.Commit):
         return f"{commit_id} is not a commit"
+    whole = set() if whole is None else whole
     stack, seen = [commit.tree_id], set()
     while stack:
         oid = stack.pop()
-        if oid in seen:
+        if oid in seen or oid in whole:
             continue
         seen.add(oid)
         try:
-            obj = repo[oid]
+            obj = _object(repo, oid)
         except KeyError:
             return f"object {oid} of commit {commit_id} is not in the object database"
         except Exception as e:
             return f"object {oid} of commit {commit_id} does not read back: {e}"
         if isinstance(obj, pygit2.Tree):
             stack.extend(e.id for e in obj)
+    whole |= seen  # only now: a tree counts as whole once everything under it was read
     return None
 
 
@@ -311,15 +337,14 @@ def _entry_ok(line: bytes, readable: Callable[[str], bool]) -> bool:
 
 
 def _readable_in(repo: pygit2.Repository) -> Callable[[str], bool]:
+    """Whether a commit named by a reflog reads back whole (``_intact``): git fsck takes reflog entries as roots,
+    so an entry naming a commit whose tree is gone fails it as surely as one naming a missing commit."""
     known: dict[str, bool] = {}
+    whole: set[pygit2.Oid] = set()
 
     def readable(oid: str) -> bool:
         if oid not in known:
-            try:
-                repo[oid]
-                known[oid] = True
-            except Exception:  # missing (KeyError) or unreadable
-                known[oid] = False
+            known[oid] = _intact(repo, oid, whole) is None
         return known[oid]
 
     return readable
@@ -337,10 +362,10 @@ def _restore_point(repo: pygit2.Repository, reflog: Path, ref: str, target: str)
             if m is not None:
                 candidates += [m.group(2).decode(), m.group(1).decode()]
     with contextlib.suppress(Exception):
-        commit = repo[target]
+        commit = _object(repo, target)
         while commit.parent_ids:
             candidates.append(str(commit.parent_ids[0]))
-            commit = repo[commit.parent_ids[0]]
+            commit = _object(repo, commit.parent_ids[0])
     for c in candidates:
         if c not in (_ZERO, target) and _intact(repo, c) is None:
             return c
@@ -1459,7 +1484,7 @@ class ReleaseStore:
                     continue
                 seen.add(key)
                 try:
-                    obj = repo[oid]
+                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
                     if isinstance(obj, pygit2.Tree):
                         counts["trees"] += 1
                         stack.extend(e.id for e in obj)
@@ -1484,7 +1509,7 @@ class ReleaseStore:
                     continue
                 seen.add(key)
                 try:
-                    commit = repo[oid]
+                    commit = _object(repo, oid)
                     counts["commits"] += 1
                     walk_tree(commit.tree_id)
                     stack.extend(commit.parent_ids)
@@ -1510,8 +1535,8 @@ class ReleaseStore:
                 errors.append(f"reflog of {name}: {e}")
                 continue
             for n, line in enumerate(lines, 1):
-                if not _entry_ok(line, readable):  # what git fsck calls an invalid reflog entry
-                    errors.append(f"reflog of {name}, entry {n}: names an object that is not there, or is malformed")
+                if not _entry_ok(line, readable):  # git fsck: "invalid reflog entry", or a broken link from it
+                    errors.append(f"reflog of {name}, entry {n}: malformed, or names a commit that does not read back whole")
         counts["lfs_objects"] = len(lfs_ok)
         return {"ok": not errors, "errors": errors, **counts}
 
