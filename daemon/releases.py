@@ -240,38 +240,52 @@ def _storing(what: str, path: Path) -> Iterator[None]:
         raise StorageError(f"{what} failed: {e}", path=str(path)) from e
 
 
+class _Corrupt(ValueError):
+    """A loose object file that is truncated, corrupt, or hashes to another id."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _check_loose(path: Path, key: str) -> None:
+    """Raise ``_Corrupt`` unless the loose object file inflates completely and hashes to ``key``;
+    ``FileNotFoundError`` when there is no such file."""
+    data = path.read_bytes()
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(data)
+    except zlib.error as e:
+        raise _Corrupt(f"object {key} is corrupt: {e}", path) from None
+    if not inflate.eof:
+        raise _Corrupt(f"object {key} is truncated ({len(data)} bytes on disk)", path)
+    if hashlib.sha1(raw).hexdigest() != key:
+        raise _Corrupt(f"object {key} does not hash to its id", path)
+
+
 def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
     """``repo[oid]``, its loose file (if it has one) checked first: complete, and hashing to its id. libgit2 1.9
     never returns from inflating a truncated loose object, so a half-written one must not reach it."""
     key = str(oid)
-    path = Path(repo.path) / "objects" / key[:2] / key[2:]
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        pass  # packed, or not there: libgit2 says which
-    else:
-        inflate = zlib.decompressobj()
-        try:
-            raw = inflate.decompress(data)
-        except zlib.error as e:
-            raise ValueError(f"object {key} is corrupt: {e}") from None
-        if not inflate.eof:
-            raise ValueError(f"object {key} is truncated ({len(data)} bytes on disk)")
-        if hashlib.sha1(raw).hexdigest() != key:
-            raise ValueError(f"object {key} does not hash to its id")
+    with contextlib.suppress(FileNotFoundError):  # packed, or not there: libgit2 says which
+        _check_loose(Path(repo.path) / "objects" / key[:2] / key[2:], key)
     return repo[oid]
 
 
-def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | None = None) -> str | None:
+def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | None = None,
+            corrupt: list[Path] | None = None) -> str | None:
     """None when the commit, its tree and every object under it (the manifest among them) read back from ``repo``'s
     object database; else what does not. Give it a freshly opened repository, so that nothing comes from its
     object cache: libgit2 can hand back the id of an object whose write a full disk lost. ``whole``, shared
-    between calls, remembers the objects already found whole with everything under them (releases share trees)."""
+    between calls, remembers the objects already found whole with everything under them (releases share trees);
+    the files of corrupt loose objects met are added to ``corrupt``."""
     try:
         commit = _object(repo, commit_id)
     except KeyError:
         return f"commit {commit_id} is not in the object database"
     except Exception as e:  # corrupt or truncated: a finding, not a crash
+        if isinstance(e, _Corrupt) and corrupt is not None:
+            corrupt.append(e.path)
         return f"commit {commit_id} does not read back: {e}"
     if not isinstance(commit, pygit2.Commit):
         return f"{commit_id} is not a commit"
@@ -287,6 +301,8 @@ def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | No
         except KeyError:
             return f"object {oid} of commit {commit_id} is not in the object database"
         except Exception as e:
+            if isinstance(e, _Corrupt) and corrupt is not None:
+                corrupt.append(e.path)
             return f"object {oid} of commit {commit_id} does not read back: {e}"
         if isinstance(obj, pygit2.Tree):
             stack.extend(e.id for e in obj)
@@ -1294,8 +1310,14 @@ class ReleaseStore:
         except (pygit2.GitError, OSError) as e:
             raise StorageError(f"cannot read back the release store {self.path}: {e}", path=str(self.path)) from e
         for commit_id in new:
-            problem = _intact(repo, commit_id)
+            corrupt: list[Path] = []
+            problem = _intact(repo, commit_id, corrupt=corrupt)
             if problem is not None:
+                # A half-written object must go: libgit2 never rewrites an object it finds present, so the same
+                # content written again would stay broken (and git fsck fails on it, referenced or not).
+                for path in corrupt:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 raise StorageError(
                     f"{problem}: the write did not reach the disk (full or failing?); {updates[0].name} was not moved",
                     path=str(self.path), release_id=commit_id,
@@ -1527,6 +1549,15 @@ class ReleaseStore:
                     errors.append(f"chain {name}: does not start with an init at step 0")
             except Exception as e:
                 errors.append(f"chain {name}: {e}")
+        for obj_dir in sorted((self.path / "objects").glob("[0-9a-f][0-9a-f]")):  # every loose one, as git fsck
+            for f in sorted(obj_dir.iterdir()):
+                key = obj_dir.name + f.name
+                if key in seen or len(key) != 40 or not _HEX_RE.fullmatch(key):
+                    continue
+                try:
+                    _check_loose(f, key)
+                except (_Corrupt, OSError) as e:
+                    errors.append(f"object {key}: {e}")
         readable = _readable_in(pygit2.Repository(str(self.path)))  # fresh: what is on disk, not in a cache
         for name, path in _reflogs(self.path):
             try:

@@ -106,7 +106,7 @@ def chain(store: ReleaseStore, scenario: str = "demo", n: int = 3) -> list[str]:
 # --- the compare-and-swap refuses a commit that does not read back ---------------------------------------
 
 
-@pytest.mark.parametrize("lost", ["commit", "tree", "manifest", "truncated commit"])
+@pytest.mark.parametrize("lost", ["commit", "tree", "manifest"])
 def test_no_ref_moves_to_a_commit_that_does_not_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           lost: str) -> None:
     store = ReleaseStore(tmp_path / "artifacts.git")
@@ -118,12 +118,7 @@ def test_no_ref_moves_to_a_commit_that_does_not_read_back(tmp_path: Path, monkey
         oid = real(self, *args)
         commit = pygit2.Repository(str(store.path))[oid]
         victim = {"tree": str(commit.tree_id), "manifest": str(commit.tree[MANIFEST].id)}.get(lost, str(oid))
-        path = loose(store.path, victim)
-        if lost == "truncated commit":
-            path.chmod(0o644)
-            os.truncate(path, path.stat().st_size // 2)
-        else:
-            path.unlink()
+        loose(store.path, victim).unlink()
         return oid
 
     monkeypatch.setattr(pygit2.Repository, "create_commit", create_commit)
@@ -137,6 +132,45 @@ def test_no_ref_moves_to_a_commit_that_does_not_read_back(tmp_path: Path, monkey
     assert find_damage(store.path) == []
     # the chain goes on: the next rollback, with the disk healthy, is published
     assert store.rollback("demo", r0, expected_head=r1).step == 2
+
+
+TRUNCATED = """
+import json, os, sys
+import pygit2
+from daemon.errors import StorageError
+from daemon.releases import ReleaseStore
+store = ReleaseStore(sys.argv[1])
+r0 = store.publish("demo", {"a": "0"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+r1 = store.publish("demo", {"a": "1"}, expected_head=r0.release_id, operation="train", kind="harness", recipe="lessons")
+real = pygit2.Repository.create_commit
+def create_commit(self, *args):
+    oid = real(self, *args)
+    path = store.path / "objects" / str(oid)[:2] / str(oid)[2:]
+    path.chmod(0o644)
+    os.truncate(path, path.stat().st_size // 2)  # half of it reached the disk
+    return oid
+pygit2.Repository.create_commit = create_commit
+try:
+    store.rollback("demo", r0.release_id, expected_head=r1.release_id)
+    error = None
+except StorageError as e:
+    error = e.message
+print(json.dumps({"error": error, "head": ReleaseStore(sys.argv[1]).head("demo"), "before": r1.release_id}))
+"""
+
+
+def test_a_half_written_commit_is_refused_without_hanging(tmp_path: Path) -> None:
+    """Its own process: libgit2 1.9 never returns from inflating a truncated loose object (holding the GIL, so no
+    in-process timeout can stop it); the store must find the truncation itself before libgit2 reads the object."""
+    try:
+        res = subprocess.run([sys.executable, "-c", TRUNCATED, str(tmp_path / "artifacts.git")], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the rollback hung: libgit2 was left to read a truncated object")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["error"] and "truncated" in out["error"] and out["head"] == out["before"], out
+    assert_both_checks_pass(tmp_path / "artifacts.git")
 
 
 def test_a_held_candidate_that_does_not_read_back_is_not_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -181,6 +215,21 @@ def test_the_store_check_agrees_with_git_fsck_on_a_reflog_naming_a_lost_commit(t
     assert result["reflog_trimmed"] == {SCENARIOS_REF + "demo": 1} and result["repaired"] == []
     assert_both_checks_pass(repo)
     assert reflog(repo, "demo") == [["0" * 40, r0], [r0, r1]] and store.head("demo") == r1
+
+
+def test_the_store_check_agrees_with_git_fsck_on_a_corrupt_object_nothing_names(tmp_path: Path) -> None:
+    repo = tmp_path / "artifacts.git"
+    store = ReleaseStore(repo)
+    chain(store, n=1)
+    blob = str(pygit2.Repository(str(repo)).create_blob(b"half of a file nobody names\n"))
+    assert_both_checks_pass(repo)  # unreferenced is fine: dangling
+    path = loose(repo, blob)
+    path.chmod(0o644)
+    os.truncate(path, path.stat().st_size - 4)
+    res = git_fsck(repo)
+    assert res.returncode != 0 and blob in res.stderr, res.stderr
+    report = store.fsck()
+    assert not report["ok"] and any(blob in e and "truncated" in e for e in report["errors"]), report
 
 
 def test_recover_leaves_a_healthy_store_as_it_is(tmp_path: Path) -> None:
@@ -472,3 +521,15 @@ def test_doctor_reports_a_dangling_head_and_start_up_recovery_repairs_it(daemon_
     _, checks = doctor()
     assert checks["releases"]["status"] == "ok", checks["releases"]
     assert_both_checks_pass(repo)
+
+
+def test_a_log_line_the_disk_refuses_prints_no_traceback(tiny_model: Path) -> None:
+    home, _, env = make_home(tiny_model)
+    try:
+        (home / "logs" / "daemon.log").symlink_to("/dev/full")  # every write to the log: ENOSPC
+        code = ("import logging\nfrom daemon.config import load_config\nfrom daemon.server import setup_logging\n"
+                "setup_logging(load_config(), to_file=True)\nlogging.getLogger('reef').warning('a line')\n")
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stderr == "", res.stderr  # not "--- Logging error ---" and a traceback
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
