@@ -37,6 +37,16 @@ Design choices:
 - Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
   asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
   every ``refs/reef/*`` ref; LFS objects go through temp + fsync + rename.
+- Lost writes. On a full disk libgit2 can return the id of a commit it never wrote, and it appends the reflog line
+  before renaming the new ref into place. So no ref moves to a commit that does not read back whole through a
+  freshly opened repository (``_check_written``: commit, tree, manifest, files; a half-written object of ours is
+  removed, since libgit2 never rewrites an object it finds present), a failed ref update truncates the reflog
+  line it left (``_drop_unapplied``), and ``recover()`` moves a dangling ref back to the newest intact commit of
+  its reflog or first parents (or removes it when none is left) and drops reflog entries naming commits that do
+  not read back whole, logging each as an error; ``find_damage`` reports the same without changing anything
+  (``reef doctor``). Loose objects are checked in Python before libgit2 reads them: libgit2 1.9 never returns
+  from inflating a truncated one. ``fsck()`` reads reflogs and every loose object as ``git fsck --full`` does.
+  Object writes that fail are ``StorageError`` (507, exit 6).
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
