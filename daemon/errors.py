@@ -3,7 +3,8 @@
 Every error that crosses a module boundary is a ``ReefError``. Each class carries the data a caller needs
 (the scenario, the missing receipts, the expected and actual head) and knows its HTTP status and its ``type``
 string; ``daemon/app.py`` turns them into provider-shaped or Reef-shaped error bodies, and ``reef_cli`` turns
-them into one-line messages and exit codes. Nothing else maps errors.
+them into one-line messages and exit codes. Nothing else maps errors. ``storage_error()`` says which ``OSError``
+and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507, exit 6).
 
     ReefError                          500  internal_error
     ├── BadRequest                     400  invalid_request_error
@@ -32,6 +33,7 @@ them into one-line messages and exit codes. Nothing else maps errors.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -157,6 +159,25 @@ class StorageError(ReefError):
     status = 507
     type = "storage_error"
     exit_code = 6
+
+
+# what a full, over-quota, failing or read-only disk raises (SQLite: SQLITE_FULL, SQLITE_IOERR, SQLITE_READONLY)
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+_STORAGE_SQLITE = frozenset({13, 10, 8})
+_STORAGE_TEXT = ("No space left on device", "Disk quota exceeded", "Input/output error", "Read-only file system",
+                 "File too large")
+
+
+def storage_error(exc: BaseException, what: str) -> StorageError | None:
+    """``exc`` as a ``StorageError`` saying ``what`` failed, when it is a storage failure (disk full, quota, I/O
+    error, read-only file system); else None. libgit2's ``OSError`` often carries only the message, no errno."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if (
+        (isinstance(exc, OSError) and (exc.errno in _STORAGE_ERRNOS or any(t in str(exc) for t in _STORAGE_TEXT)))
+        or (isinstance(code, int) and (code & 0xFF) in _STORAGE_SQLITE)
+    ):
+        return StorageError(f"{what} failed: {exc}")
+    return None
 
 
 class EngineError(ReefError):

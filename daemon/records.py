@@ -287,7 +287,10 @@ class RecordStore:
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
                 except sqlite3.Error:
                     pass  # busy or failing disk: the next round tries again; nothing acknowledged depends on it
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            try:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:
+                pass  # a full or failing disk at shutdown: the WAL keeps every record; the next start checkpoints it
         finally:
             conn.close()
 

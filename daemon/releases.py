@@ -40,6 +40,16 @@ Design choices:
   fsync of the directory). libgit2's init syncs nothing, so a new repo is made and synced in a temp dir and
   renamed into place. Its config writes are not synced either; a config a power cut empties is set again at
   the next open.
+- Lost writes. On a full disk libgit2 can return the id of a commit it never wrote, and it appends the reflog line
+  before renaming the new ref into place. So no ref moves to a commit that does not read back whole through a
+  freshly opened repository (``_check_written``: commit, tree, manifest, files; a half-written object of ours is
+  removed, since libgit2 never rewrites an object it finds present), a failed ref update truncates the reflog
+  line it left (``_drop_unapplied``), and ``recover()`` moves a dangling ref back to the newest intact commit of
+  its reflog or first parents (or removes it when none is left) and drops reflog entries naming commits that do
+  not read back whole, logging each as an error; ``find_damage`` reports the same without changing anything
+  (``reef doctor``). Loose objects are checked in Python before libgit2 reads them: libgit2 1.9 never returns
+  from inflating a truncated one. ``fsck()`` reads reflogs and every loose object as ``git fsck --full`` does.
+  Object writes that fail are ``StorageError`` (507, exit 6).
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
@@ -58,6 +68,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -66,6 +77,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,6 +98,8 @@ from daemon.errors import (
 )
 from daemon.names import check_scenario  # the one validator of scenario names
 
+log = logging.getLogger("reef.releases")
+
 MANIFEST = "reef-artifact.json"
 REJECTION = "reef-rejection.json"
 KINDS = ("weights", "harness")
@@ -104,6 +118,8 @@ DEFAULT_LFS_THRESHOLD = 1 << 20
 _HEX_RE = re.compile(r"^[0-9a-f]{4,40}$")
 # libgit2's two messages for GIT_ELOCKED (the lock file seen first, or lost in the O_EXCL race)
 _LOCK_MSG = re.compile(r"failed to (?:lock file|create locked file) '(.+?\.lock)'")
+_REFLOG_LINE = re.compile(rb"([0-9a-f]{40}) ([0-9a-f]{40}) ")  # "<old> <new> <ident> <when>\t<message>"
+_ZERO = "0" * 40
 _BLOB = int(pygit2.enums.FileMode.BLOB)
 _EXEC = int(pygit2.enums.FileMode.BLOB_EXECUTABLE)
 _TREE = int(pygit2.enums.FileMode.TREE)
@@ -202,6 +218,192 @@ def _check_path(path: str) -> list[str]:
     ):
         raise BadRequest(f"invalid artifact path {path!r}", param="files")
     return parts
+
+
+@contextlib.contextmanager
+def _storing(what: str, path: Path) -> Iterator[None]:
+    """Turn a failed write into ``StorageError`` (507, exit 6): libgit2 reports a full disk, a quota, an I/O error
+    or a read-only file system as ``OSError`` (often with no errno) or ``GitError``."""
+    try:
+        yield
+    except (OSError, pygit2.GitError) as e:
+        raise StorageError(f"{what} failed: {e}", path=str(path)) from e
+
+
+class _Corrupt(ValueError):
+    """A loose object file that is truncated, corrupt, or hashes to another id."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _check_loose(path: Path, key: str) -> None:
+    """Raise ``_Corrupt`` unless the loose object file inflates completely and hashes to ``key``;
+    ``FileNotFoundError`` when there is no such file."""
+    data = path.read_bytes()
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(data)
+    except zlib.error as e:
+        raise _Corrupt(f"object {key} is corrupt: {e}", path) from None
+    if not inflate.eof:
+        raise _Corrupt(f"object {key} is truncated ({len(data)} bytes on disk)", path)
+    if hashlib.sha1(raw).hexdigest() != key:
+        raise _Corrupt(f"object {key} does not hash to its id", path)
+
+
+def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
+    """``repo[oid]``, its loose file (if it has one) checked first: complete, and hashing to its id. libgit2 1.9
+    never returns from inflating a truncated loose object, so a half-written one must not reach it."""
+    key = str(oid)
+    with contextlib.suppress(FileNotFoundError):  # packed, or not there: libgit2 says which
+        _check_loose(Path(repo.path) / "objects" / key[:2] / key[2:], key)
+    return repo[oid]
+
+
+def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | None = None,
+            corrupt: list[Path] | None = None) -> str | None:
+    """None when the commit, its tree and every object under it (the manifest among them) read back from ``repo``'s
+    object database; else what does not. Give it a freshly opened repository, so that nothing comes from its
+    object cache: libgit2 can hand back the id of an object whose write a full disk lost. ``whole``, shared
+    between calls, remembers the objects already found whole with everything under them (releases share trees);
+    the files of corrupt loose objects met are added to ``corrupt``."""
+    try:
+        commit = _object(repo, commit_id)
+    except KeyError:
+        return f"commit {commit_id} is not in the object database"
+    except Exception as e:  # corrupt or truncated: a finding, not a crash
+        if isinstance(e, _Corrupt) and corrupt is not None:
+            corrupt.append(e.path)
+        return f"commit {commit_id} does not read back: {e}"
+    if not isinstance(commit, pygit2.Commit):
+        return f"{commit_id} is not a commit"
+    whole = set() if whole is None else whole
+    stack, seen = [commit.tree_id], set()
+    while stack:
+        oid = stack.pop()
+        if oid in seen or oid in whole:
+            continue
+        seen.add(oid)
+        try:
+            obj = _object(repo, oid)
+        except KeyError:
+            return f"object {oid} of commit {commit_id} is not in the object database"
+        except Exception as e:
+            if isinstance(e, _Corrupt) and corrupt is not None:
+                corrupt.append(e.path)
+            return f"object {oid} of commit {commit_id} does not read back: {e}"
+        if isinstance(obj, pygit2.Tree):
+            stack.extend(e.id for e in obj)
+    whole |= seen  # only now: a tree counts as whole once everything under it was read
+    return None
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A ref under ``refs/reef/`` whose commit does not read back (a dangling head), or a reflog with entries naming
+    objects that are not there (``git fsck``: "invalid reflog entry"): what a write lost to a full or failing disk
+    leaves behind. ``ReleaseStore.recover()`` repairs both; ``find_damage`` only looks."""
+
+    ref: str
+    target: str | None  # what a damaged ref points at (None: the ref is fine, only its reflog is damaged)
+    problem: str | None
+    restore: str | None  # the newest intact commit in the ref's reflog or history: where it goes back to
+    bad_reflog_entries: int
+
+    def describe(self) -> str:
+        """One sentence for people: what is wrong and what start-up recovery does about it."""
+        parts = []
+        if self.target is not None:
+            what = f"the head of {self.ref[len(SCENARIOS_REF):]!r}" if self.ref.startswith(SCENARIOS_REF) else self.ref
+            fix = f"moves it back to {self.restore}, the newest commit of it that exists" if self.restore else (
+                "removes it (no commit of it exists)")
+            parts.append(f"{what} names {self.target}, which does not read back ({self.problem}): recovery {fix}")
+        if self.bad_reflog_entries:
+            parts.append(f"the reflog of {self.ref} has {self.bad_reflog_entries} entries naming missing objects "
+                         "(git fsck rejects them): recovery drops them")
+        return "; ".join(parts)
+
+
+def _reflogs(path: Path) -> Iterator[tuple[str, Path]]:
+    """(ref name, reflog file) for every reflog in the repository."""
+    logs = path / "logs"
+    if not logs.is_dir():
+        return
+    for f in sorted(logs.rglob("*")):
+        if f.is_file() and not f.name.endswith(".lock"):
+            yield f.relative_to(logs).as_posix(), f
+
+
+def _entry_ok(line: bytes, readable: Callable[[str], bool]) -> bool:
+    """A reflog line git accepts: well formed, and naming only objects that read back (or the zero id)."""
+    m = _REFLOG_LINE.match(line)
+    return m is not None and all(o == _ZERO or readable(o) for o in (m.group(1).decode(), m.group(2).decode()))
+
+
+def _readable_in(repo: pygit2.Repository) -> Callable[[str], bool]:
+    """Whether a commit named by a reflog reads back whole (``_intact``): git fsck takes reflog entries as roots,
+    so an entry naming a commit whose tree is gone fails it as surely as one naming a missing commit."""
+    known: dict[str, bool] = {}
+    whole: set[pygit2.Oid] = set()
+
+    def readable(oid: str) -> bool:
+        if oid not in known:
+            known[oid] = _intact(repo, oid, whole) is None
+        return known[oid]
+
+    return readable
+
+
+def _restore_point(repo: pygit2.Repository, reflog: Path, ref: str, target: str) -> str | None:
+    """The newest intact commit a damaged ref held before (its reflog, newest first; else its commit's first
+    parents when the commit itself reads); None for refs named after their commit (pending, promoted)."""
+    if ref.startswith((PENDING_REF, PROMOTED_REF)):
+        return None
+    candidates: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in reversed(reflog.read_bytes().splitlines()):
+            m = _REFLOG_LINE.match(line)
+            if m is not None:
+                candidates += [m.group(2).decode(), m.group(1).decode()]
+    with contextlib.suppress(Exception):
+        commit = _object(repo, target)
+        while commit.parent_ids:
+            candidates.append(str(commit.parent_ids[0]))
+            commit = _object(repo, commit.parent_ids[0])
+    for c in candidates:
+        if c not in (_ZERO, target) and _intact(repo, c) is None:
+            return c
+    return None
+
+
+def find_damage(path: str | os.PathLike[str]) -> list[Damage]:
+    """Dangling refs and damaged reflogs of the store at ``path`` (see ``Damage``). Changes nothing: ``reef
+    doctor`` calls it on a store it must leave alone."""
+    path = Path(path)
+    repo = pygit2.Repository(str(path))  # fresh: no object comes from a cache
+    readable = _readable_in(repo)
+    found: dict[str, Damage] = {}
+    for name in repo.listall_references():
+        if not name.startswith("refs/reef/"):
+            continue
+        oid = repo.references[name].target
+        if not isinstance(oid, pygit2.Oid):  # a symbolic ref: Reef makes none
+            continue
+        target = str(oid)
+        problem = _intact(repo, target)
+        if problem is not None:
+            found[name] = Damage(name, target, problem, _restore_point(repo, path / "logs" / name, name, target), 0)
+    for name, f in _reflogs(path):
+        try:
+            bad = sum(not _entry_ok(line, readable) for line in f.read_bytes().splitlines())
+        except OSError:
+            continue
+        if bad:
+            d = found.get(name) or Damage(name, None, None, None, 0)
+            found[name] = Damage(d.ref, d.target, d.problem, d.restore, bad)
+    return [found[k] for k in sorted(found)]
 
 
 def _json(value: Any) -> str:
@@ -745,11 +947,13 @@ class ReleaseStore:
             "receipts": list(receipts or []),
             "created_at": now,
         }
-        tb = repo.TreeBuilder()
-        tb.insert(REJECTION, repo.create_blob(_json(record).encode()), _BLOB)
-        if cand_tree is not None:
-            tb.insert("candidate", pygit2.Oid(hex=cand_tree), _TREE)
-        tree = tb.write()
+        record_bytes = _json(record).encode()
+        with _storing("writing the rejection", self.path):
+            tb = repo.TreeBuilder()
+            tb.insert(REJECTION, repo.create_blob(record_bytes), _BLOB)
+            if cand_tree is not None:
+                tb.insert("candidate", pygit2.Oid(hex=cand_tree), _TREE)
+            tree = tb.write()
         message = (
             f"reject {scenario} step {step}: {_one_line(verdict, 40)}: {_one_line(reason, 80)}\n\n"
             f"Reef-Scenario: {scenario}\nReef-Step: {step}\nReef-Verdict: {_one_line(verdict, 40)}\n"
@@ -760,7 +964,8 @@ class ReleaseStore:
         for _ in range(100):  # an append-only log: a lost race just re-parents onto the new tip
             tip_ref = repo.references.get(rej_ref)
             tip = None if tip_ref is None else str(tip_ref.target)
-            commit_id = str(repo.create_commit(None, sig, sig, message, tree, [tip] if tip else []))
+            with _storing("writing the rejection", self.path):
+                commit_id = str(repo.create_commit(None, sig, sig, message, tree, [tip] if tip else []))
             updates = [_RefUpdate(rej_ref, commit_id, tip, lambda a, t=tip: HeadMoved(scenario, t, a))]
             if pending_ref is not None:
                 updates.append(
@@ -879,9 +1084,11 @@ class ReleaseStore:
             "content_id": content,
             "lfs": {k: dict(v) for k, v in sorted(lfs.items())},
         }
-        tb = repo.TreeBuilder(repo[content])
-        tb.insert(MANIFEST, repo.create_blob(_json(manifest).encode()), _BLOB)
-        tree = tb.write()
+        manifest_bytes = _json(manifest).encode()
+        with _storing("writing the release manifest", self.path):
+            tb = repo.TreeBuilder(repo[content])
+            tb.insert(MANIFEST, repo.create_blob(manifest_bytes), _BLOB)
+            tree = tb.write()
         default = {"init": "base artifact", "train": "new candidate"}.get(operation, operation)
         trailers = [
             f"Reef-Scenario: {scenario}",
@@ -896,10 +1103,8 @@ class ReleaseStore:
             f"{operation} {scenario} step {step}: {_one_line(summary or default)}\n\n" + "\n".join(trailers) + "\n"
         )
         sig = self._signature(now)
-        try:
+        with _storing("writing the release commit", self.path):
             commit_id = repo.create_commit(None, sig, sig, message, tree, [parent] if parent else [])
-        except pygit2.GitError as e:
-            raise StorageError(f"writing release commit failed: {e}", path=str(self.path)) from e
         return str(commit_id), step
 
     def _write_content(self, files: Mapping[str, FileSource]) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -1034,12 +1239,17 @@ class ReleaseStore:
 
     def _update_refs(self, updates: list[_RefUpdate], *, message: str) -> None:
         """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
-        expected value, then write. A busy lock is retried with backoff until ``lock_timeout``."""
+        expected value, then write. A busy lock is retried with backoff until ``lock_timeout``.
+
+        No ref is moved to a commit that does not read back (``_check_written``), and a write that fails part-way
+        takes back the reflog line libgit2 appended before it failed (``_drop_unapplied``)."""
         repo = self._repo()
+        self._check_written(updates)
         start = time.monotonic()
         delay = 0.002
         while True:
             busy: str | None = None
+            failed: Exception | None = None
             with self._guard(exclusive=False, blocking=True):
                 tx = repo.transaction()
                 try:
@@ -1059,15 +1269,22 @@ class ReleaseStore:
                     for u in updates:  # committed when the with-block closed
                         self._fresh.pop(u.name, None)
                     return
-                except pygit2.GitError as e:
+                except (pygit2.GitError, OSError) as e:
                     m = _LOCK_MSG.search(str(e))
                     if m is None:
-                        raise StorageError(f"updating {updates[0].name} failed: {e}", path=str(self.path)) from e
-                    busy = m.group(1)
+                        failed = e
+                    else:
+                        busy = m.group(1)
                 finally:
                     # A commit that failed inside __exit__ leaves the transaction unfreed, and with it any ref
                     # locks it still holds; free it now, before sleeping, not whenever it is collected.
                     tx.__exit__(RuntimeError, None, None)
+            if failed is not None:  # a full or failing disk (the transaction is freed: its locks are released)
+                for u in updates:
+                    self._fresh.pop(u.name, None)
+                self._drop_unapplied(updates)
+                raise StorageError(f"updating {updates[0].name} failed: {failed}", path=str(self.path)) from failed
+            assert busy is not None
             waited = time.monotonic() - start
             if waited >= self.lock_timeout:
                 raise LockBusy(updates[0].name, busy, waited)
@@ -1087,6 +1304,150 @@ class ReleaseStore:
                 return False
             return True
 
+    # --- what a full or failing disk can leave: checked before a ref moves, repaired at start-up ---------
+
+    def _check_written(self, updates: list[_RefUpdate]) -> None:
+        """Refuse to point a ref at a commit that does not read back whole (commit, tree, manifest, files): on a
+        full disk libgit2 can return the id of a commit it never wrote, and a head naming it makes every read of
+        the scenario fail. Read through a freshly opened repository, so nothing comes from a cache."""
+        new = sorted({u.new for u in updates if u.new is not None})
+        if not new:
+            return
+        try:
+            repo = pygit2.Repository(str(self.path))
+        except (pygit2.GitError, OSError) as e:
+            raise StorageError(f"cannot read back the release store {self.path}: {e}", path=str(self.path)) from e
+        for commit_id in new:
+            corrupt: list[Path] = []
+            problem = _intact(repo, commit_id, corrupt=corrupt)
+            if problem is not None:
+                # A half-written object must go: libgit2 never rewrites an object it finds present, so the same
+                # content written again would stay broken (and git fsck fails on it, referenced or not).
+                for path in corrupt:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                raise StorageError(
+                    f"{problem}: the write did not reach the disk (full or failing?); {updates[0].name} was not moved",
+                    path=str(self.path), release_id=commit_id,
+                )
+
+    @contextlib.contextmanager
+    def _ref_locked(self, name: str) -> Iterator[None]:
+        """Hold git's lock on ``name`` (``<ref>.lock``) without changing the ref, for an edit of its reflog (git
+        edits reflogs under the same lock). Busy: retried with backoff until ``lock_timeout``, then ``LockBusy``."""
+        repo = self._repo()
+        start = time.monotonic()
+        delay = 0.002
+        while True:
+            busy: str | None = None
+            with self._guard(exclusive=False, blocking=True):
+                tx = repo.transaction()
+                try:
+                    try:
+                        tx.lock_ref(name)
+                    except pygit2.GitError as e:
+                        m = _LOCK_MSG.search(str(e))
+                        if m is None:
+                            raise StorageError(f"locking {name} failed: {e}", path=str(self.path)) from e
+                        busy = m.group(1)
+                    else:
+                        yield
+                        return
+                finally:
+                    tx.__exit__(RuntimeError, None, None)  # frees it: the lock goes, nothing is applied
+            waited = time.monotonic() - start
+            if waited >= self.lock_timeout:
+                raise LockBusy(name, busy, waited)
+            self._clear_if_stale(Path(busy))
+            time.sleep(min(delay, max(0.0, self.lock_timeout - waited)) * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.1)
+
+    def _drop_unapplied(self, updates: list[_RefUpdate]) -> None:
+        """After a ref update failed: libgit2 appends the reflog line before it renames the new ref into place, so
+        a full disk can fail the rename after the line is written, leaving a reflog that claims a move that never
+        happened (and, if the commit was lost too, one that ``git fsck`` rejects). Truncate that last line away
+        (truncating needs no free space); what cannot be fixed now ``recover()`` fixes at start-up."""
+        for u in updates:
+            if u.new is None:
+                continue
+            path = self.path / "logs" / u.name
+            try:
+                with self._ref_locked(u.name):
+                    ref = self._repo().references.get(u.name)
+                    if ref is not None and str(ref.target) == u.new:
+                        continue  # this one did apply
+                    data = path.read_bytes()
+                    lines = data.splitlines(keepends=True)
+                    m = _REFLOG_LINE.match(lines[-1]) if lines else None
+                    if m is None or m.group(2).decode() != u.new:
+                        continue
+                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        os.ftruncate(fd, len(data) - len(lines[-1]))
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    log.warning("dropped the reflog line of a failed update of %s to %s", u.name, u.new)
+            except (ReefError, OSError, pygit2.GitError) as e:
+                log.warning("could not drop the reflog line of a failed update of %s: %s (start-up recovery will)",
+                            u.name, e)
+
+    def _repair(self) -> dict[str, Any]:
+        """Move each dangling ref back to the newest intact commit it held (or remove it when none is left), then
+        drop reflog entries naming missing objects. Every change is a compare-and-swap or done under the ref's
+        lock, so a live writer elsewhere loses nothing; each is logged as an error, since it means a write was
+        lost."""
+        repaired: list[dict[str, Any]] = []
+        failed: list[str] = []
+        try:
+            damage = find_damage(self.path)
+        except (pygit2.GitError, OSError) as e:
+            log.error("release store: cannot look for damage in %s: %s", self.path, e)
+            return {"repaired": [], "reflog_trimmed": {}, "unrepaired": [str(e)]}
+        for d in damage:
+            if d.target is None:
+                continue
+            how = f"back to {d.restore}" if d.restore else "removed"
+            update = _RefUpdate(d.ref, d.restore, d.target, lambda a, r=d.ref: Conflict(f"{r} moved meanwhile"))
+            try:
+                self._update_refs([update], message=f"reef repair: {d.target} does not read back; {how}")
+            except ReefError as e:
+                if isinstance(e, Conflict) and not isinstance(e, LockBusy):
+                    continue  # another writer moved it meanwhile: no longer this damage
+                failed.append(f"{d.ref}: {e.message}")
+                log.error("release store: %s points at %s, which does not read back (%s); could not repair it: %s",
+                          d.ref, d.target, d.problem, e.message)
+                continue
+            repaired.append({"ref": d.ref, "was": d.target, "now": d.restore, "problem": d.problem})
+            log.error("release store: %s pointed at %s, which does not read back (%s: a write lost to a full or "
+                      "failing disk); moved it %s", d.ref, d.target, d.problem,
+                      f"back to {d.restore}, the newest commit of it that exists" if d.restore else
+                      "away: removed, since no commit of it exists")
+        trimmed: dict[str, int] = {}
+        readable = _readable_in(pygit2.Repository(str(self.path)))  # fresh: what is on disk, not in a cache
+        for name, path in _reflogs(self.path):
+            try:
+                if not any(not _entry_ok(line, readable) for line in path.read_bytes().splitlines()):
+                    continue
+                with self._ref_locked(name):  # read again under the lock: a writer may have appended meanwhile
+                    lines = path.read_bytes().splitlines(keepends=True)
+                    keep = [line for line in lines if _entry_ok(line, readable)]
+                    tmp = path.with_name(f"{path.name}.lock")  # git's own name for a reflog being rewritten
+                    with open(tmp, "xb") as f:
+                        f.writelines(keep)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                    durable.sync_dir(path.parent)
+            except (ReefError, OSError) as e:
+                failed.append(f"reflog of {name}: {e}")
+                log.error("release store: the reflog of %s names missing objects; could not trim it: %s", name, e)
+                continue
+            trimmed[name] = len(lines) - len(keep)
+            log.error("release store: dropped %d reflog entries of %s naming objects that are not there (a write "
+                      "lost to a full or failing disk; git fsck rejects such entries)", trimmed[name], name)
+        return {"repaired": repaired, "reflog_trimmed": trimmed, "unrepaired": failed}
+
     # --- maintenance ---------------------------------------------------------------------------------------
 
     def _lock_files(self) -> list[Path]:
@@ -1097,7 +1458,12 @@ class ReleaseStore:
     def recover(self, *, stale_after: float | None = None, tmp_after: float = 3600.0) -> dict[str, Any]:
         """Remove stale ``*.lock`` files (see the module docstring for how staleness is decided) and temp files
         older than ``tmp_after`` left by killed writers. Locks of live Reef writers are never touched: if one
-        is inside a ref update the exclusive guard is not granted and nothing is removed (``busy``)."""
+        is inside a ref update the exclusive guard is not granted and nothing is removed (``busy``).
+
+        Then repair what a write lost to a full or failing disk left (``Damage``): a ref pointing at a commit
+        that does not read back goes back to the newest intact commit it held (``repaired``: ref, was, now),
+        and reflog entries naming missing objects are dropped (``reflog_trimmed``: ref -> count), each logged
+        as an error."""
         stale_after = self.stale_lock_after if stale_after is None else stale_after
         removed: list[str] = []
         kept: list[str] = []
@@ -1117,7 +1483,8 @@ class ReleaseStore:
                             pass
                     break
             if time.monotonic() >= deadline:
-                return {"removed": [], "kept": [str(p) for p in self._lock_files()], "temp_removed": [], "busy": True}
+                return {"removed": [], "kept": [str(p) for p in self._lock_files()], "temp_removed": [], "busy": True,
+                        **self._repair()}
             time.sleep(0.01)
         temp_removed: list[str] = []
         now = time.time()
@@ -1127,7 +1494,7 @@ class ReleaseStore:
                 if now - tmp.stat().st_mtime >= tmp_after:
                     tmp.unlink()
                     temp_removed.append(str(tmp))
-        return {"removed": removed, "kept": kept, "temp_removed": temp_removed, "busy": False}
+        return {"removed": removed, "kept": kept, "temp_removed": temp_removed, "busy": False, **self._repair()}
 
     def fsck(self) -> dict[str, Any]:
         """Read back every object reachable from every ref (libgit2 verifies object hashes on read), check each
@@ -1147,7 +1514,7 @@ class ReleaseStore:
                     continue
                 seen.add(key)
                 try:
-                    obj = repo[oid]
+                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
                     if isinstance(obj, pygit2.Tree):
                         counts["trees"] += 1
                         stack.extend(e.id for e in obj)
@@ -1172,7 +1539,7 @@ class ReleaseStore:
                     continue
                 seen.add(key)
                 try:
-                    commit = repo[oid]
+                    commit = _object(repo, oid)
                     counts["commits"] += 1
                     walk_tree(commit.tree_id)
                     stack.extend(commit.parent_ids)
@@ -1190,6 +1557,25 @@ class ReleaseStore:
                     errors.append(f"chain {name}: does not start with an init at step 0")
             except Exception as e:
                 errors.append(f"chain {name}: {e}")
+        for obj_dir in sorted((self.path / "objects").glob("[0-9a-f][0-9a-f]")):  # every loose one, as git fsck
+            for f in sorted(obj_dir.iterdir()):
+                key = obj_dir.name + f.name
+                if key in seen or len(key) != 40 or not _HEX_RE.fullmatch(key):
+                    continue
+                try:
+                    _check_loose(f, key)
+                except (_Corrupt, OSError) as e:
+                    errors.append(f"object {key}: {e}")
+        readable = _readable_in(pygit2.Repository(str(self.path)))  # fresh: what is on disk, not in a cache
+        for name, path in _reflogs(self.path):
+            try:
+                lines = path.read_bytes().splitlines()
+            except OSError as e:
+                errors.append(f"reflog of {name}: {e}")
+                continue
+            for n, line in enumerate(lines, 1):
+                if not _entry_ok(line, readable):  # git fsck: "invalid reflog entry", or a broken link from it
+                    errors.append(f"reflog of {name}, entry {n}: malformed, or names a commit that does not read back whole")
         counts["lfs_objects"] = len(lfs_ok)
         return {"ok": not errors, "errors": errors, **counts}
 
@@ -1308,10 +1694,11 @@ class ReleaseStore:
         return self._repo()[entry.id].data
 
     def _content_tree(self, commit: pygit2.Commit) -> str:
-        tb = self._repo().TreeBuilder(commit.tree)
-        if tb.get(MANIFEST) is not None:
-            tb.remove(MANIFEST)
-        return str(tb.write())
+        with _storing("writing the content tree", self.path):  # it exists already but for a lost write
+            tb = self._repo().TreeBuilder(commit.tree)
+            if tb.get(MANIFEST) is not None:
+                tb.remove(MANIFEST)
+            return str(tb.write())
 
 
 def _tensor_diff(old: bytes | Path | None, new: bytes | Path | None) -> dict[str, Any]:

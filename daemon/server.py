@@ -2,6 +2,10 @@
 
 ``run(config)`` serves until SIGTERM/SIGINT, then stops accepting, lets in-flight requests finish (up to
 ``DRAIN_TIMEOUT_S``), closes the engines and the record store, and removes its pid file and socket.
+
+A start-up that a full, failing or read-only disk stops (the token, the record store, the release store, the
+pid file) raises ``StorageError`` naming what could not be written: ``python -m daemon`` prints it as one line
+and exits 6, never with a traceback.
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ import os
 import secrets
 import signal
 import socket
+import sqlite3
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from daemon import durable, web
 from daemon.app import make_app, refusal_body
 from daemon.config import Config
-from daemon.errors import ReefError
+from daemon.errors import ReefError, storage_error
 from daemon.serving import Reef
 
 log = logging.getLogger("reef")
@@ -88,6 +94,18 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def storing(what: str) -> Iterator[None]:
+    """Raise the ``StorageError`` of a full, failing or read-only disk met while doing ``what``."""
+    try:
+        yield
+    except (OSError, sqlite3.Error) as e:
+        err = storage_error(e, what)
+        if err is None:
+            raise
+        raise err from e
+
+
 def _write_pid(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(f"{os.getpid()}\n")
@@ -95,21 +113,28 @@ def _write_pid(path: Path) -> None:
 
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
-    ensure_home(config)
-    token = ensure_token(config.token_path)
+    with storing(f"preparing the state dir {config.home}"):
+        ensure_home(config)
+        token = ensure_token(config.token_path)
     tcp = _tcp_socket(config.host, config.port)
     unix = _unix_socket(config.socket_path)
-    reef = Reef(config, token)
+    reef: Reef | None = None
     server: web.Server | None = None
+    serving = False
     try:
-        await reef.start()
+        with storing(f"opening the record store {config.records_path}"):
+            reef = Reef(config, token)
+        with storing("starting the daemon"):
+            await reef.start()
         server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
                             log_exception=_log_exception)
         await server.listen(tcp)
         await server.listen(unix)
-        _write_pid(config.pid_path)
+        with storing(f"writing the pid file {config.pid_path}"):
+            _write_pid(config.pid_path)
         port = tcp.getsockname()[1]
         log.info("reef serving on http://%s:%s and %s (pid %s)", config.host, port, config.socket_path, os.getpid())
+        serving = True
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,10 +144,11 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("stopping: draining in-flight requests")
     finally:
-        if server is not None:
+        if server is not None and reef is not None:
             reef.events.close()  # ends event streams (TUI, progress bars): they are not work to drain
             await server.shutdown(DRAIN_TIMEOUT_S)  # stops accepting, waits for in-flight requests
-        await reef.close()
+        if reef is not None:
+            await reef.close()
         for path in (config.pid_path, config.socket_path):
             with contextlib.suppress(FileNotFoundError):
                 if path == config.pid_path and path.read_text().strip() != str(os.getpid()):
@@ -130,7 +156,8 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
                 path.unlink()
         tcp.close()
         unix.close()
-        log.info("stopped")
+        if serving:  # a start that failed says why in one line (``python -m daemon``), not twice
+            log.info("stopped")
 
 
 def _log_exception(request: web.Request) -> None:
@@ -138,6 +165,8 @@ def _log_exception(request: web.Request) -> None:
 
 
 def setup_logging(config: Config, *, to_file: bool) -> None:
+    # A log line that cannot be written (a full disk) is dropped: logging's default prints a traceback for each one
+    logging.raiseExceptions = False
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if to_file:
         config.logs_dir.mkdir(parents=True, exist_ok=True)

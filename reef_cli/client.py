@@ -179,7 +179,9 @@ def start_daemon(config: Config, *, timeout: float = START_TIMEOUT_S, progress: 
             if probe.healthy():
                 return proc.pid
             if proc.poll() is not None:
-                raise ReefError(
+                # a full or failing disk stopped it: exit 6 here too (its own line went to the log, if it could)
+                cls = StorageError if proc.returncode == StorageError.exit_code else ReefError
+                raise cls(
                     f"the daemon exited with status {proc.returncode} while starting; last log lines:\n"
                     + tail(log_path, 15)
                 )

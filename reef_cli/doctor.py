@@ -1,9 +1,11 @@
 """``reef doctor``: check what Reef needs and say how to fix each problem.
 
 Checks: the config, the state dir, the token file's permissions (0600), the socket's, the daemon (reachable,
-and over TCP whether the token is accepted), free disk space, git, node and npm, the coding agents (installed
-at their pinned versions, via ``adapters.ADAPTERS`` when that package is there) and the default model. It never
-starts the daemon or changes anything. Exit 0 when nothing failed (warnings allowed), 1 otherwise.
+and over TCP whether the token is accepted), the release chains (no head or reflog entry naming a commit that a
+full or failing disk lost), free disk space, git, node and npm, the coding agents (installed at their pinned
+versions, via ``adapters.ADAPTERS`` when that package is there) and the default model. It never starts the daemon
+or changes anything: damaged release chains are reported with the fix (the daemon's start-up recovery repairs
+them). Exit 0 when nothing failed (warnings allowed), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def check_daemon(cfg: Any) -> Check:
                  f"{info['records']} records, {info['scenarios']} scenarios")
 
 
+def check_releases(cfg: Any, daemon: Check) -> Check | None:
+    """Dangling heads and reflog entries naming lost commits, found read-only (``daemon.releases.find_damage``)."""
+    path = cfg.artifacts_path
+    if not (path / "HEAD").exists():
+        return None  # no release published yet
+    from daemon.releases import find_damage
+
+    try:
+        damage = find_damage(path)
+    except Exception as e:  # an unreadable store is a finding, not a crash
+        return Check("releases", FAIL, f"cannot read {path}: {e}", "reef daemon logs")
+    if not damage:
+        return Check("releases", OK, f"{path}: every head and reflog entry names a commit that reads back")
+    restart = "reef daemon stop && reef daemon start" if daemon.status == OK else "reef daemon start"
+    return Check("releases", FAIL, f"{path}: " + "; ".join(d.describe() for d in damage),
+                 f"{restart} (start-up recovery repairs it and logs what it did)")
+
+
 def check_disk(home: Path) -> Check:
     probe = home if home.exists() else home.parent
     while not probe.exists() and probe != probe.parent:
@@ -201,7 +221,11 @@ def run_checks() -> list[Check]:
     sock = check_socket(cfg.socket_path)
     if sock is not None:
         checks.append(sock)
-    checks.append(check_daemon(cfg))
+    daemon = check_daemon(cfg)
+    checks.append(daemon)
+    releases = check_releases(cfg, daemon)
+    if releases is not None:
+        checks.append(releases)
     checks.append(check_disk(cfg.home))
     checks.append(check_tool("git", "to read release chains with git tools", "install git (e.g. apt-get install git)"))
     checks.append(check_node())
