@@ -106,7 +106,6 @@ class Chains:
                         )
             except Exception:  # a torn read while another process writes: look again next time
                 log.debug("watching release heads", exc_info=True)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
 
     # --- reading -------------------------------------------------------------------------------------------
 
