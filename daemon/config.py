@@ -95,6 +95,16 @@ class Config:
     # environment values engines may need (upstream API keys), captured once at load time
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
 
+    def tcp_token(self) -> str | None:
+        """The token for ``REEF_URL``: ``REEF_TOKEN``, else the token file of ``$REEF_HOME`` where there is one (a
+        daemon of this home reached over TCP needs no token copied into the environment)."""
+        if self.token:
+            return self.token
+        try:
+            return self.token_path.read_text().strip() or None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     @property
     def socket_path(self) -> Path:
         return self.home / "reef.sock"

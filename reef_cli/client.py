@@ -44,14 +44,8 @@ START_TIMEOUT_S = 120.0
 
 
 def tcp_token(config: Config) -> str | None:
-    """The token for ``REEF_URL``: ``REEF_TOKEN``, else the token file of ``$REEF_HOME`` where there is one (a
-    daemon of this home reached over TCP needs no token copied into the environment)."""
-    if config.token:
-        return config.token
-    try:
-        return config.token_path.read_text().strip() or None
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+    """The token for ``REEF_URL`` (``Config.tcp_token``)."""
+    return config.tcp_token()
 
 
 class Client:

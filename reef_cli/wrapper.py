@@ -48,7 +48,7 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
 
         u = urlsplit(config.url)
         sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
-        auth = f"Authorization: Bearer {config.token or ''}\r\n"
+        auth = f"Authorization: Bearer {config.tcp_token() or ''}\r\n"
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
@@ -104,7 +104,7 @@ def say(message: str) -> None:
 
 def token(config: Config) -> str:
     if config.url:
-        return config.token or ""
+        return config.tcp_token() or ""
     try:
         return config.token_path.read_text().strip()
     except FileNotFoundError:

@@ -444,6 +444,14 @@ def test_reef_url_without_reef_token_uses_the_homes_token_file(daemon: Daemon, t
     assert out.returncode != 0 and "invalid token" in out.stderr + out.stdout
 
 
+def test_a_wrapper_over_reef_url_without_reef_token(daemon: Daemon) -> None:
+    env = {**daemon.env, "REEF_URL": daemon.url}
+    env.pop("REEF_TOKEN", None)
+    out = subprocess.run([sys.executable, "-m", "reef_cli.wrapper", "pi", "evolve", "write type hints"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "released step" in out.stdout, out.stdout + out.stderr
+
+
 async def test_the_tui_over_reef_url_without_reef_token(daemon: Daemon) -> None:
     from daemon.config import load_config
     from reef_cli.tui.api import Api
