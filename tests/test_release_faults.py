@@ -495,7 +495,8 @@ def test_doctor_reports_a_dangling_head_and_start_up_recovery_repairs_it(daemon_
         head = c.get("/reef/scenarios/dangle/releases").json()["head"]
     repo = d.home / "artifacts.git"
     store = ReleaseStore(repo)
-    good = store.publish("dangle", files_from_dir(tiny_model), expected_head=head, operation="train",
+    files = {**files_from_dir(tiny_model), "note.txt": b"a second release\n"}  # not the head's content again
+    good = store.publish("dangle", files, expected_head=head, operation="train",
                          kind="weights", recipe=store.get(head).recipe).release_id
     d.stop()
     missing = dangle(repo, "dangle")
