@@ -90,6 +90,7 @@ class TrainJob:
     model_key: str = ""  # its content id
     model_release: str = ""  # a release holding it
     model_path: str = ""  # its model directory ("": base_path and head_path are whole models)
+    device: str = "cpu"  # where to train: the model entry's device (cpu | cuda | auto)
     work_dir: str = ""  # set by the worker: an empty directory to write the candidate into
     head_scores: list[float] | None = None  # the head's evaluation scores, when the daemon knows them
     recipe_paths: list[str] = field(default_factory=list)

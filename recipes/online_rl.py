@@ -180,14 +180,15 @@ def _padded(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask."""
     pad = model.config.pad_token_id or 0
-    ids, mask, starts, lengths = _padded(batch, pad)
+    dev = model.device
+    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
     longest = max(len(s.token_ids) for s in batch)
     # positions predicting completion token t of row b: starts[b] - 1 + t
-    pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
+    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
     tmask = pos < (lengths[:, None] - 1)
     pos = pos.clamp(max=ids.shape[1] - 2)
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    rows = torch.arange(len(batch))[:, None]
+    rows = torch.arange(len(batch), device=dev)[:, None]
     picked = logits[rows, pos]  # [B, T, V]
     logp_all = torch.log_softmax(picked, dim=-1)
     targets = ids[rows, pos + 1]
@@ -222,10 +223,10 @@ def train_step(
         return {**summary, "skipped": 1.0}
     batch = [s for s, _ in used]
     longest = max(len(s.token_ids) for s in batch)
-    old = torch.zeros(len(batch), longest)
+    old = torch.zeros(len(batch), longest, device=model.device)
     for row, s in enumerate(batch):
         old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    adv = torch.tensor([a for _, a in used])[:, None]
+    adv = torch.tensor([a for _, a in used], device=model.device)[:, None]
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
@@ -302,8 +303,8 @@ def generate(
     model.eval()
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -336,7 +337,7 @@ def generate(
         # finished rows keep decoding (cheaper than reshaping the cache for a few steps); their output is ignored
         step_ids = tokens[:, None]
         step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
     model.train(was_training)
     return out
 
@@ -429,7 +430,7 @@ class OnlineRL(Recipe):
         t0 = time.perf_counter()
         if state.get("key") != job.base_key:
             state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
-            model = load_policy(job.base_path, job.model_path, settings, trainable=True)
+            model = load_policy(job.base_path, job.model_path, settings, trainable=True, device=job.device)
             state.update(model=model, optimizer=make_optimizer(model, settings), key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]
         base_scores = None
@@ -437,8 +438,8 @@ class OnlineRL(Recipe):
         if settings.eval_family:  # the gate compares with the serving head, which the lineage may have moved past
             base_scores = job.head_scores or state.get("head_eval", {}).get(job.head_key)
             if base_scores is None:
-                head = model if job.head_key == state["key"] else load_policy(job.head_path, job.model_path,
-                                                                              settings, trainable=False)
+                head = model if job.head_key == state["key"] else load_policy(
+                    job.head_path, job.model_path, settings, trainable=False, device=job.device)
                 base_scores = _eval_scores(head, tokenizer, settings)
                 state["head_eval"] = {job.head_key: base_scores}  # only the head's is needed
         eval_s = time.perf_counter() - t_eval
@@ -483,17 +484,19 @@ def is_adapter(model: Any) -> bool:
 
 
 def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,
-                trainable: bool) -> Any:
+                trainable: bool, device: str = "cpu") -> Any:
     """The policy a release or candidate directory holds, in float32: a whole model, or (``reef-adapter.json``)
-    the whole model at ``model_path`` with that adapter. With ``trainable``, the LoRA setting decides what
+    the whole model at ``model_path`` with that adapter, on ``device`` (``auto``: CUDA when there is one). With ``trainable``, the LoRA setting decides what
     trains: an adapter goes on training (the lineage continues it), a whole model gets fresh adapters when
     ``lora`` is true (or unset and the model has ``LORA_AUTO_PARAMS`` parameters or more); ``lora = false`` on an
     adapter merges it and trains all weights."""
     from transformers import AutoModelForCausalLM
 
     manifest = lora.read_dir(path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(Path(model_path or path) if manifest else Path(path),
-                                                 dtype=torch.float32)
+                                                 dtype=torch.float32).to(device)
     if manifest is not None:
         with _quiet_peft():
             model = _peft().PeftModel.from_pretrained(model, str(path),
