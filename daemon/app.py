@@ -706,6 +706,8 @@ async def _release_body(request: web.Request, release_id: str, scenario: str | N
         raise NotFound(f"release {release_id} is not a release of scenario {scenario!r}", release_id=release_id)
     body = rel.to_dict()
     body["head"] = reef.chains.store.head(rel.scenario)
+    adapter = await asyncio.to_thread(reef.chains.store.adapter, rel.release_id)  # a LoRA adapter: on which base
+    body["adapter"] = adapter.to_dict() if adapter is not None else None
     if request.query.get("diff", "1") not in ("0", "false", "no"):
         body["diff"] = await asyncio.to_thread(reef.chains.store.diff, rel.release_id)
     return _json(body)

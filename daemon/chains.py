@@ -61,6 +61,7 @@ class Chains:
         self.cache_dir = config.home / "cache" / "releases"
         self._releases: dict[str, Release] = {}
         self._checkouts: dict[str, Path] = {}
+        self._bases: dict[str, ReleaseRef | None] = {}  # content id -> the base of an adapter release (or None)
         self._checkout_locks: dict[str, asyncio.Lock] = {}
         self._init_locks: dict[str, asyncio.Lock] = {}
         self._announced: dict[str, str | None] = {}  # scenario -> the head last announced on /reef/events
@@ -140,8 +141,30 @@ class Chains:
         return rel
 
     async def ref(self, scenario: Scenario, rel: Release) -> ReleaseRef:
-        path = await self.checkout(rel) if rel.kind == "weights" else None
-        return ReleaseRef(rel.release_id, rel.content_id, path)
+        if rel.kind != "weights":
+            return ReleaseRef(rel.release_id, rel.content_id, None)
+        return ReleaseRef(rel.release_id, rel.content_id, await self.checkout(rel), await self._adapter_base(rel))
+
+    async def _adapter_base(self, rel: Release) -> ReleaseRef | None:
+        """For an adapter release, the release of whole weights it applies to (checked out); None otherwise.
+        A function of the content (the manifest is part of it), so it is looked up once per content id."""
+        if rel.content_id in self._bases:
+            return self._bases[rel.content_id]
+        manifest = await asyncio.to_thread(self.store.adapter, rel.release_id)
+        base = None
+        if manifest is not None:
+            try:
+                base_rel = await self.release(manifest.base_release_id)
+            except NotFound:
+                raise EngineError(f"release {rel.release_id} is an adapter on release {manifest.base_release_id}, "
+                                  "which is not in the store; not served") from None
+            if base_rel.content_id != manifest.base_content_id or await asyncio.to_thread(self.store.adapter,
+                                                                                           base_rel.release_id):
+                raise EngineError(f"release {rel.release_id} is an adapter on base {manifest.base_content_id}, but "
+                                  f"release {base_rel.release_id} does not hold that model; not served")
+            base = ReleaseRef(base_rel.release_id, base_rel.content_id, await self.checkout(base_rel))
+        self._bases[rel.content_id] = base
+        return base
 
     async def checkout(self, rel: Release) -> Path:
         path = self._checkouts.get(rel.content_id)

@@ -11,6 +11,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── InvalidName                400  (scenario / run names)
     │   ├── RecipeError                400  (a recipe that cannot load or does not implement the interface)
     │   ├── Unsupported                400  (what the engine cannot do: images for a text-only model)
+    │   ├── BaseMismatch               400  (an adapter release whose base is not the scenario's base model)
     │   └── ContextLengthExceeded      400  (prompt beyond the model's context)
     ├── Unauthorized                   401  authentication_error
     ├── NotFound                       404  not_found_error
@@ -79,6 +80,15 @@ class RecipeError(BadRequest):
 
 class Unsupported(BadRequest):
     pass
+
+
+class BaseMismatch(BadRequest):
+    """A LoRA adapter release whose base model (by content id) is not the one it would be served on."""
+
+    def __init__(self, message: str, *, expected: str | None, actual: str | None, **data: Any) -> None:
+        super().__init__(message, param="files", expected_base=expected, actual_base=actual, **data)
+        self.expected = expected
+        self.actual = actual
 
 
 class ContextLengthExceeded(BadRequest):

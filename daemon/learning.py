@@ -438,11 +438,13 @@ class Learner:
         assert st.recipe is not None
         ref = await self.chains.ref(scenario, head)
         base_key, base_path = st.base or (head.content_id, str(ref.path))
+        model = ref.base or ref  # the whole model: the head, or the base its adapter applies to
         known = st.head_eval
         job = TrainJob(
             id=job_id, recipe=scenario.recipe, settings=dataclasses.asdict(st.recipe.settings), batch=batch,
             base_key=base_key, base_path=base_path, head_key=head.content_id, head_path=str(ref.path),
-            candidate_key=f"candidate:{job_id}",
+            candidate_key=f"candidate:{job_id}", model_key=model.content_id, model_release=model.release_id,
+            model_path=str(model.path), device=self.config.model(scenario.model).device,
             head_scores=known[1] if known and known[0] == head.release_id else None,
             recipe_paths=[str(p) for p in self.config.recipe_paths],
         )

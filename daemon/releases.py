@@ -85,9 +85,10 @@ from typing import Any
 
 import pygit2
 
-from daemon import durable
+from daemon import durable, lora
 from daemon.errors import (
     BadRequest,
+    BaseMismatch,
     Conflict,
     HeadMoved,
     LockBusy,
@@ -762,6 +763,8 @@ class ReleaseStore:
         self._precheck(scenario, expected)
         if source is not None:
             source = self._resolve(source)
+        if kind == "weights" and lora.MANIFEST in files:
+            self._check_adapter(scenario, files, expected)
         content, lfs = self._write_content(files)
         if operation == "train" and expected is not None and content == self._content_tree(self._repo()[expected]):
             raise Unchanged(scenario, content)  # a release that changes nothing is no release
@@ -779,6 +782,49 @@ class ReleaseStore:
             settings=settings,
             summary=summary,
         )
+
+    def adapter(self, release_id: str) -> lora.AdapterManifest | None:
+        """The base an adapter release applies to (``daemon/lora.py``), or None for a release of whole weights."""
+        rel = self.get(release_id)
+        try:
+            entry = self._repo()[rel.release_id].tree[lora.MANIFEST]
+        except KeyError:
+            return None
+        return lora.AdapterManifest.parse(self._repo()[entry.id].data, f"release {rel.release_id}: {lora.MANIFEST}")
+
+    def base_model(self, scenario: str) -> str | None:
+        """The content id of the whole model the scenario's head serves: the head's own content, or the base its
+        adapter applies to; None for a chain that does not exist yet."""
+        head = self.head(scenario)
+        if head is None:
+            return None
+        adapter = self.adapter(head)
+        return adapter.base_content_id if adapter is not None else self.get(head).content_id
+
+    def _check_adapter(self, scenario: str, files: Mapping[str, FileSource], expected: str | None) -> None:
+        """An adapter is published only on the model it was trained on: its manifest names a release of whole
+        weights by id and content id, and (unless this is the chain's first release) that content is the model
+        the scenario's head serves. Otherwise ``BaseMismatch``: nothing is written."""
+        src = files[lora.MANIFEST]
+        data = Path(src).read_bytes() if isinstance(src, os.PathLike) else src.encode() if isinstance(src, str) \
+            else bytes(src)
+        manifest = lora.AdapterManifest.parse(data)
+        lora.check_layout(files)
+        try:
+            base = self.get(manifest.base_release_id)
+        except NotFound:
+            raise BaseMismatch(f"the adapter's base release {manifest.base_release_id} is not in the store; "
+                               "not published", expected=None, actual=manifest.base_content_id) from None
+        if base.content_id != manifest.base_content_id or base.kind != "weights" or self.adapter(base.release_id):
+            raise BaseMismatch(
+                f"the adapter names base content {manifest.base_content_id}, but release {base.release_id} holds "
+                f"{'an adapter' if self.adapter(base.release_id) else base.content_id}; not published",
+                expected=base.content_id, actual=manifest.base_content_id)
+        serving = self.base_model(scenario) if expected is not None else manifest.base_content_id
+        if serving != manifest.base_content_id:
+            raise BaseMismatch(
+                f"the adapter was trained on base {manifest.base_content_id}, but scenario {scenario!r} serves base "
+                f"{serving}; not published", expected=serving, actual=manifest.base_content_id, scenario=scenario)
 
     def rollback(
         self, scenario: str, release_id: str, *, expected_head: str | None = None, summary: str | None = None
@@ -1640,7 +1686,13 @@ class ReleaseStore:
 
     def _file_map(self, release: Release) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
         tree = self._repo()[release.release_id].tree
-        return {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree) if p != MANIFEST}
+        files = {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree) if p != MANIFEST}
+        adapter = self.adapter(release.release_id)
+        if adapter is None:
+            return files
+        # what an adapter release serves is its base with the adapter on top: diffed as such, an adapter against
+        # its base adds the adapter's files, two adapters differ in their tensors, a rollback to the base removes them
+        return {**self._file_map(self.get(adapter.base_release_id)), **files}
 
     def _side(self, side: tuple[str, int, dict[str, Any] | None] | None) -> tuple[int, Any]:
         """(size, bytes-or-Path) of one side of a diff; LFS objects stay on disk as a Path."""

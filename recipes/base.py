@@ -20,7 +20,8 @@ What the daemon calls, and where:
 - weights recipes: ``train(job, state)`` runs in the trainer worker process, never in the daemon. It gets a
   ``TrainJob`` (the batch, the base to start from, the serving head, a fresh directory to write the candidate
   into) and a dict that lives as long as the worker (for a model kept in memory between steps), and returns a
-  ``Candidate``: the directory it wrote, its metrics and the gate's evaluation scores, or ``skipped`` with the
+  ``Candidate``: the directory it wrote (a whole model, or a LoRA adapter on ``job.model_key``: ``daemon/lora.py``),
+  its metrics and the gate's evaluation scores, or ``skipped`` with the
   reason when the batch had nothing to teach. The worker fsyncs and renames the directory to its final name.
 - harness recipes: ``edit(tree, batch, ctx)`` runs in the daemon (an edit of text files) and returns a
   ``Candidate`` holding the new tree.
@@ -84,6 +85,12 @@ class TrainJob:
     head_key: str  # the serving head's content id (the gate compares with it)
     head_path: str
     candidate_key: str  # the key of what this step makes (the next step's base_key if the lineage goes on)
+    # the whole model that LoRA adapters apply to: the head's own weights, or the base the head's adapter is on.
+    # base_path / head_path may be adapter directories (daemon/lora.py); an adapter candidate names this model.
+    model_key: str = ""  # its content id
+    model_release: str = ""  # a release holding it
+    model_path: str = ""  # its model directory ("": base_path and head_path are whole models)
+    device: str = "cpu"  # where to train: the model entry's device (cpu | cuda | auto)
     work_dir: str = ""  # set by the worker: an empty directory to write the candidate into
     head_scores: list[float] | None = None  # the head's evaluation scores, when the daemon knows them
     recipe_paths: list[str] = field(default_factory=list)

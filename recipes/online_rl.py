@@ -18,24 +18,33 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   records were sampled by the serving release, which may be up to ``max_staleness`` releases behind.
   Optional entropy bonus; no KL term or reference model (the gate is the guard against drift).
 - **Steps.** ``steps_per_batch`` optimizer steps on one batch (later steps are off-policy, hence the clip);
-  AdamW, gradient-norm clipping. Full fine-tuning by default (the tiny model is 0.4M parameters); ``lora``
-  wraps the model with peft if it is installed.
+  AdamW, gradient-norm clipping.
+- **What trains.** LoRA adapters (peft, rank ``lora_rank`` on the attention and MLP projections) for every model
+  of ``LORA_AUTO_PARAMS`` parameters or more, all weights below (the built-in tiny models, 0.4M parameters,
+  whose demo was tuned with full fine-tuning); the ``lora`` setting decides instead when set. An adapter
+  candidate holds only the adapter and names the whole model it applies to (``daemon/lora.py``); the next step
+  of a lineage goes on training that adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import json
 import math
 import shutil
 import time
+import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from daemon import lora
 from daemon.errors import BadRequest
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.tasks import Task, TaskFamily
@@ -70,7 +79,9 @@ class OnlineRLSettings(GateSettings):
     temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8  # tokens per answer in the demo
     train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
-    lora: bool = False  # train LoRA adapters (peft) instead of all weights
+    # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
+    # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below
+    lora: bool | None = None
     lora_rank: int = 8
     lora_alpha: int = 16
     # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
@@ -95,21 +106,34 @@ def make_optimizer(model: Any, settings: OnlineRLSettings) -> torch.optim.Optimi
     return torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.99), weight_decay=settings.weight_decay)
 
 
-def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
-    """The model with LoRA adapters on its attention and MLP projections (needs ``peft``)."""
+LORA_AUTO_PARAMS = 20_000_000  # ``lora`` unset: adapters from this size up (the built-in tiny models are 0.4M)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft() -> Any:
     try:
-        from peft import LoraConfig, get_peft_model
+        import peft
     except ImportError as e:
         raise RuntimeError("online-rl with lora = true needs peft: pip install peft") from e
+    return peft
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    with warnings.catch_warnings():  # peft asks transformers a question its newer versions deprecate
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
+    """The model with LoRA adapters on its attention and MLP projections (needs ``peft``)."""
+    LoraConfig, get_peft_model = _peft().LoraConfig, _peft().get_peft_model
     config = LoraConfig(
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=LORA_TARGETS,
     )
-    import warnings
-
-    with warnings.catch_warnings():  # peft asks transformers a question its newer versions deprecate
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with _quiet_peft():
         return get_peft_model(model, config)
 
 
@@ -158,14 +182,15 @@ def _padded(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask."""
     pad = model.config.pad_token_id or 0
-    ids, mask, starts, lengths = _padded(batch, pad)
+    dev = model.device
+    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
     longest = max(len(s.token_ids) for s in batch)
     # positions predicting completion token t of row b: starts[b] - 1 + t
-    pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
+    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
     tmask = pos < (lengths[:, None] - 1)
     pos = pos.clamp(max=ids.shape[1] - 2)
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    rows = torch.arange(len(batch))[:, None]
+    rows = torch.arange(len(batch), device=dev)[:, None]
     picked = logits[rows, pos]  # [B, T, V]
     logp_all = torch.log_softmax(picked, dim=-1)
     targets = ids[rows, pos + 1]
@@ -200,13 +225,13 @@ def train_step(
         return {**summary, "skipped": 1.0}
     batch = [s for s, _ in used]
     longest = max(len(s.token_ids) for s in batch)
-    old = torch.zeros(len(batch), longest)
-    bonus = torch.zeros(len(batch), longest)
+    old = torch.zeros(len(batch), longest, device=model.device)
+    bonus = torch.zeros(len(batch), longest, device=model.device)
     for row, s in enumerate(batch):
         old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
         if s.token_bonus:
             bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
-    adv = torch.tensor([a for _, a in used])[:, None] + bonus  # [B, T]
+    adv = torch.tensor([a for _, a in used], device=model.device)[:, None] + bonus  # [B, T]
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
@@ -283,8 +308,8 @@ def generate(
     model.eval()
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -317,7 +342,7 @@ def generate(
         # finished rows keep decoding (cheaper than reshaping the cache for a few steps); their output is ignored
         step_ids = tokens[:, None]
         step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
     model.train(was_training)
     return out
 
@@ -410,16 +435,13 @@ class OnlineRL(Recipe):
                 for r in batch]
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         settings: OnlineRLSettings = self.settings
         t0 = time.perf_counter()
         if state.get("key") != job.base_key:
-            base = Path(job.base_path)
-            state["tokenizer"] = AutoTokenizer.from_pretrained(base)
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-            if settings.lora:  # fresh adapters on the base release's weights; candidates are saved merged
-                model = wrap_lora(model, settings)
+            state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
+            model = load_policy(job.base_path, job.model_path, settings, trainable=True, device=job.device)
             state.update(model=model, optimizer=make_optimizer(model, settings), key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]
         base_scores = None
@@ -427,8 +449,8 @@ class OnlineRL(Recipe):
         if settings.eval_family:  # the gate compares with the serving head, which the lineage may have moved past
             base_scores = job.head_scores or state.get("head_eval", {}).get(job.head_key)
             if base_scores is None:
-                head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
-                    job.head_path, dtype=torch.float32)
+                head = model if job.head_key == state["key"] else load_policy(
+                    job.head_path, job.model_path, settings, trainable=False, device=job.device)
                 base_scores = _eval_scores(head, tokenizer, settings)
                 state["head_eval"] = {job.head_key: base_scores}  # only the head's is needed
         eval_s = time.perf_counter() - t_eval
@@ -442,15 +464,17 @@ class OnlineRL(Recipe):
         if metrics.get("skipped"):  # no sample carried signal: no optimizer step, the model in memory unchanged
             return Candidate(metrics=metrics, skipped="no signal: every group's rewards were equal")
         out = Path(job.work_dir)
-        if settings.lora:  # a release is a whole model the engine loads as is: adapters merged into a copy
-            import copy
-
-            copy.deepcopy(model).merge_and_unload().save_pretrained(out, safe_serialization=True)
+        if is_adapter(model):  # a release holds only the adapter, naming the whole model it applies to
+            if not (job.model_key and job.model_release):
+                raise ValueError("a LoRA candidate names its base model: the job has no model_key / model_release")
+            save_adapter(model, out, lora.AdapterManifest(job.model_key, job.model_release))
+            metrics["adapter_bytes"] = (out / lora.WEIGHTS).stat().st_size
         else:
             model.save_pretrained(out, safe_serialization=True)
-        for f in Path(job.base_path).iterdir():  # tokenizer and generation files travel with the weights
-            if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
-                shutil.copyfile(f, out / f.name)
+            source = Path(job.model_path or job.base_path)
+            for f in source.iterdir():  # tokenizer and generation files travel with the weights
+                if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
+                    shutil.copyfile(f, out / f.name)
         state["key"] = job.candidate_key  # if the lineage goes on, the next job continues from here
         metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
         scores = None
@@ -459,3 +483,53 @@ class OnlineRL(Recipe):
             scores = Scores(candidate=_eval_scores(model, tokenizer, settings), base=base_scores)
             metrics["eval_s"] = round(eval_s + time.perf_counter() - t_eval, 3)
         return Candidate(path=str(out), metrics=metrics, eval=scores)
+
+
+# --- LoRA adapters as releases ------------------------------------------------------------------------------------
+
+
+def is_adapter(model: Any) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,
+                trainable: bool, device: str = "cpu") -> Any:
+    """The policy a release or candidate directory holds, in float32: a whole model, or (``reef-adapter.json``)
+    the whole model at ``model_path`` with that adapter, on ``device`` (``auto``: CUDA when there is one). With ``trainable``, the LoRA setting decides what
+    trains: an adapter goes on training (the lineage continues it), a whole model gets fresh adapters when
+    ``lora`` is true (or unset and the model has ``LORA_AUTO_PARAMS`` parameters or more); ``lora = false`` on an
+    adapter merges it and trains all weights."""
+    from transformers import AutoModelForCausalLM
+
+    manifest = lora.read_dir(path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(Path(model_path or path) if manifest else Path(path),
+                                                 dtype=torch.float32).to(device)
+    if manifest is not None:
+        with _quiet_peft():
+            model = _peft().PeftModel.from_pretrained(model, str(path),
+                                                      is_trainable=trainable and settings.lora is not False)
+        if settings.lora is False or not trainable:
+            model = model.merge_and_unload()
+        return model
+    use = settings.lora if settings.lora is not None else sum(p.numel() for p in model.parameters()) >= \
+        LORA_AUTO_PARAMS
+    return wrap_lora(model, settings) if trainable and use else model
+
+
+def save_adapter(model: Any, out: Path, manifest: lora.AdapterManifest) -> None:
+    """peft's two files (written here so that they are a function of the adapter only: no model card, no local
+    paths, sorted keys) and Reef's manifest."""
+    from safetensors.torch import save_file
+
+    peft = _peft()
+    name = model.active_adapter
+    tensors = {k: v.detach().contiguous() for k, v in peft.get_peft_model_state_dict(
+        model, adapter_name=name, save_embedding_layers=False).items()}
+    save_file(tensors, str(out / lora.WEIGHTS), metadata={"format": "pt"})
+    config = model.peft_config[name].to_dict()
+    config.update(base_model_name_or_path=f"reef:{manifest.base_content_id}", inference_mode=True, revision=None)
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    (out / lora.CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    lora.write_dir(out, manifest)

@@ -80,6 +80,9 @@ def show_release(
               f"{ago(rel.get('created_at'))}")
     if rel.get("source"):
         out.print(f"restores {rel['source']}")
+    if rel.get("adapter"):
+        out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
+                  f"(release {_short(rel['adapter']['base_release_id'])})")
     if rel.get("metrics"):
         out.print("metrics " + json.dumps(rel["metrics"]))
     receipts = rel.get("receipts") or []
@@ -97,6 +100,9 @@ def _print_diff(out: Any, diff: dict[str, Any]) -> None:
         if f["kind"] == "safetensors":
             for t in f.get("tensors", []):
                 if t.get("status") == "unchanged":
+                    continue
+                if t.get("status") == "added":
+                    out.print(f"    {t['name']}: added |w| {t.get('norm') or 0:.4g}")
                     continue
                 out.print(f"    {t['name']}: {t.get('status', 'changed')} |Δ| {t.get('diff_norm') or 0:.4g}"
                           f" (|w| {t.get('old_norm') or 0:.4g})")

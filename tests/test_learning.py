@@ -1,5 +1,5 @@
 """The learning loop through a real daemon: scored reports become a trained release with its lineage and its
-recipe settings, LoRA works like full fine-tuning, bad reports never reach training, the gate writes down what it
+recipe settings, LoRA trains adapter-only releases, bad reports never reach training, the gate writes down what it
 rejects, consumed receipts are never used twice, a kill -9 (of the daemon or of the trainer worker) loses
 nothing, and ``reef demo`` shows a model learning (the one slow test)."""
 
@@ -158,7 +158,10 @@ def test_a_dead_trainer_worker_is_restarted_and_the_batch_retried(daemon_factory
         assert c.get("/reef/status").json()["trainer_pid"] != status["trainer_pid"]
 
 
-def test_lora_and_the_recipe_settings_are_recorded_in_each_release(daemon_factory: Any) -> None:
+def test_lora_releases_hold_only_the_adapter_and_the_recipe_settings(daemon_factory: Any) -> None:
+    from daemon import lora
+    from daemon.releases import ReleaseStore
+
     d: Daemon = daemon_factory(settings_toml(lr=0.005))
     with d.http() as c:
         created = c.post("/reef/scenarios", json={"name": "lora", "recipe": "online-rl",
@@ -173,10 +176,20 @@ def test_lora_and_the_recipe_settings_are_recorded_in_each_release(daemon_factor
         settings = head["settings"]
         assert settings["lora"] is True and settings["lora_rank"] == 4 and settings["lr"] == 0.005
         assert settings["batch_prompts"] == 2 and settings["gate"] == "always"
-        # the release is a plain model directory (adapters merged): the engine serves it
+        # a second step, served by the adapter release, continues the lineage: another adapter on the same base
+        serve_and_report(c, "lora", 4)
+        chain = wait_for(lambda: (r := releases(c, "lora"))["releases"][0]["step"] == 2 and r,
+                         what="a second LoRA-trained release")
+        init = chain["releases"][-1]
+        store = ReleaseStore(d.home / "artifacts.git")
+        for rel in chain["releases"][:2]:
+            # only the adapter and the manifest naming the base by content id: no copy of the base's files
+            assert sorted(f.path for f in store.files(rel["release_id"])) == sorted(lora.FILES)
+            assert store.adapter(rel["release_id"]) == lora.AdapterManifest(init["content_id"], init["release_id"])
+        # the engine serves the adapter release
         r = c.post("/s/lora/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
                                                         "messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 200 and r.headers["x-reef-release-id"] == head["release_id"]
+        assert r.status_code == 200 and r.headers["x-reef-release-id"] == chain["releases"][0]["release_id"]
         # the scenario is bound to its recipe
         err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "lora", "recipe": "record"}), 409)
         assert "online-rl" in err["message"] and "record" in err["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import pytest
 import torch
@@ -199,36 +200,83 @@ def test_warm_up_is_deterministic_and_teaches_something(tiny):
     assert 0.0 <= score <= 1.0
 
 
-def test_lora_trains_adapters_only_and_merges_into_a_plain_model(tiny, tmp_path):
+def lora_job(tmp_path, records, base_path, *, key: str, candidate: str, settings=None):
+    from recipes.base import TrainJob
+
+    settings = settings or OnlineRLSettings(lora=True, lr=1e-2)
+    return TrainJob(id=candidate, recipe="online-rl", settings=settings.to_dict(), batch=records, base_key=key,
+                    base_path=str(base_path), head_key="base", head_path=str(tmp_path / "base"),
+                    candidate_key=candidate, model_key="c" * 40, model_release="d" * 40,
+                    model_path=str(tmp_path / "base"))
+
+
+def test_lora_candidates_hold_only_the_adapter_and_a_lineage_goes_on_training_it(tiny, tmp_path):
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from daemon import lora
     from daemon.trainer.worker import run_job
-    from recipes.base import TrainJob
 
     tokenizer, model = fresh(tiny)
     save_model(tokenizer, model, tmp_path / "base")
     batch = sample_batch(tokenizer, model, ["Say file.", "Echo window back."], group_size=4)
     for i, s in enumerate(batch):  # every group carries signal
         s.reward = float(i % 2)
-    settings = OnlineRLSettings(lora=True, lr=1e-2)
     records = [{"id": f"rec_{i}", "prompt_token_ids": s.prompt_token_ids, "token_ids": s.token_ids,
                 "logprobs": s.logprobs, "score": s.reward} for i, s in enumerate(batch)]
-    job = TrainJob(id="j1", recipe="online-rl", settings=settings.to_dict(), batch=records, base_key="base",
-                   base_path=str(tmp_path / "base"), head_key="base", head_path=str(tmp_path / "base"),
-                   candidate_key="cand")
     states: dict = {}
-    result = run_job(states, job, tmp_path / "cand")
-    assert result.path == str(tmp_path / "cand") and result.metrics["skipped"] == 0.0
-    state = states["online-rl"]
-    trained = [n for n, p in state["model"].named_parameters() if p.requires_grad]
+    result = run_job(states, lora_job(tmp_path, records, tmp_path / "base", key="base", candidate="c1"),
+                     tmp_path / "c1")
+    assert result.path == str(tmp_path / "c1") and result.metrics["skipped"] == 0.0
+    trained = [n for n, p in states["online-rl"]["model"].named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)  # the base weights stay frozen
-    # the candidate is a plain model directory whose weights are base + adapters, merged
-    cand = AutoModelForCausalLM.from_pretrained(tmp_path / "cand")
-    assert not any("lora" in k for k in cand.state_dict())
+    # the candidate is the adapter alone, naming the whole model it applies to: no copy of any base file
+    assert sorted(p.name for p in (tmp_path / "c1").iterdir()) == sorted(lora.FILES)
+    assert lora.read_dir(tmp_path / "c1") == lora.AdapterManifest("c" * 40, "d" * 40)
     ids = torch.tensor([batch[0].prompt_token_ids])
+
+    def served(adapter_dir):  # the base with the adapter, as any peft user would load it
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return PeftModel.from_pretrained(base, str(adapter_dir)).eval()(ids).logits
+
     with torch.no_grad():
-        assert torch.allclose(cand(ids).logits, state["model"](ids).logits, atol=1e-4)
-        assert not torch.allclose(cand(ids).logits, model(ids).logits, atol=1e-4)
+        c1 = served(tmp_path / "c1")
+        assert torch.allclose(c1, states["online-rl"]["model"](ids).logits, atol=1e-5)
+        assert not torch.allclose(c1, model(ids).logits, atol=1e-4)
+    # the lineage goes on from the adapter: in memory, and in a worker that starts afresh (read from c1)
+    for label, st in (("kept", states), ("restarted", {})):
+        job = lora_job(tmp_path, records, tmp_path / "c1", key="c1", candidate=f"c2-{label}")
+        if label == "restarted":
+            from recipes.online_rl import load_policy
+
+            continued = load_policy(tmp_path / "c1", tmp_path / "base", OnlineRLSettings(lora=True), trainable=True)
+            with torch.no_grad():
+                assert torch.allclose(continued(ids).logits, c1, atol=1e-5)  # starts where c1 ended, not fresh
+            assert all("lora_" in n for n, p in continued.named_parameters() if p.requires_grad)
+        run_job(st, job, tmp_path / f"c2-{label}")
+        c2 = served(tmp_path / f"c2-{label}")
+        assert not torch.allclose(c2, c1, atol=1e-4)
+
+
+def test_lora_unset_trains_adapters_on_real_sized_models_only(tiny, tmp_path):
+    from recipes import online_rl
+
+    tokenizer, model = fresh(tiny)
+    save_model(tokenizer, model, tmp_path / "base")
+    unset = OnlineRLSettings()
+    assert unset.lora is None
+    small = online_rl.load_policy(tmp_path / "base", None, unset, trainable=True)
+    assert not online_rl.is_adapter(small)  # the tiny model (0.4M parameters) trains all its weights
+    old = online_rl.LORA_AUTO_PARAMS
+    online_rl.LORA_AUTO_PARAMS = sum(p.numel() for p in model.parameters())  # as big as a real model
+    try:
+        assert online_rl.is_adapter(online_rl.load_policy(tmp_path / "base", None, unset, trainable=True))
+        assert not online_rl.is_adapter(online_rl.load_policy(tmp_path / "base", None,
+                                                              OnlineRLSettings(lora=False), trainable=True))
+    finally:
+        online_rl.LORA_AUTO_PARAMS = old
 
 
 # --- gates -------------------------------------------------------------------------------------------------------

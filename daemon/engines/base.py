@@ -27,6 +27,7 @@ class ReleaseRef:
     release_id: str
     content_id: str
     path: Path | None = None  # the materialised artifact (weights engines load from here)
+    base: ReleaseRef | None = None  # a LoRA adapter release: the release of whole weights the adapter applies to
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,13 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import inspect
 import secrets
 import threading
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -51,9 +54,11 @@ import torch
 
 from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.lora import Adapters, read_adapter
 from daemon.errors import BadRequest, ContextLengthExceeded, EngineError, Unavailable, Unsupported
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, StopReason, TextDelta, Usage
 from daemon.hf import no_progress_bars
+from daemon.lora import read_dir as adapter_manifest
 
 
 def _device(name: str) -> torch.device:
@@ -76,10 +81,18 @@ class Load:
     batchable: bool  # plain full-attention KV caches: sequences can share a left-padded cache
     cache_arg: str
     nbytes: int = 0  # parameter memory, for the resident-load budget
+    # LoRA: the adapters resident on this model (shared by the base's load and its adapter loads), and the one
+    # this load decodes with (None: the model's own weights)
+    lora: Adapters = field(default_factory=Adapters)
+    adapter: str | None = None
 
-    def forward(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
-        """Run the model over ``ids`` [rows, n], extending ``cache`` in place; returns the last logits [rows, vocab]."""
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}, **kwargs)
+    def forward(self, ids: torch.Tensor, cache: Any, adapters: list[str | None] | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        """Run the model over ``ids`` [rows, n], extending ``cache`` in place; returns the last logits [rows, vocab].
+        ``adapters`` names each row's LoRA adapter (rows of several loads of one base decode together); default:
+        this load's, for every row."""
+        with self.lora.select(adapters or [self.adapter] * ids.shape[0], self.device):
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}, **kwargs)
         return out.logits[:, -1]
 
     def new_cache(self) -> Any:
@@ -298,7 +311,8 @@ def _lpad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 class _Batch:
-    """The decoding sequences of one load: KV caches left-padded into one cache, one forward per step."""
+    """The decoding sequences of one model (one load, or the loads of LoRA adapters on one base): KV caches
+    left-padded into one cache, one forward per step."""
 
     def __init__(self, load: Load) -> None:
         self.load = load
@@ -328,6 +342,7 @@ class _Batch:
         if not rows:
             self.cache = self.mask = None
             return
+        self.load = self.seqs[0].load  # rows may be of several adapter loads: hold a live one, not a finished one
         index = torch.tensor(rows, device=self.load.device)
         mask = self.mask[index]
         pad = int(mask.argmax(dim=1).min())  # first real column of the least padded row
@@ -342,7 +357,8 @@ class _Batch:
         ids = torch.tensor([[s.token_ids[-1]] for s in self.seqs], device=device)
         positions = torch.tensor([[s.position] for s in self.seqs], device=device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.seqs), 1)], dim=1)
-        return self.load.forward(ids, self.cache, attention_mask=self.mask, position_ids=positions)
+        return self.load.forward(ids, self.cache, [s.load.adapter for s in self.seqs], attention_mask=self.mask,
+                                 position_ids=positions)
 
 
 def _choose(logits: torch.Tensor, seqs: list[_Seq]) -> list[tuple[int, float]]:
@@ -372,6 +388,7 @@ class TransformersEngine(Engine):
         self._active: Counter[str] = Counter()  # load id -> running sequences
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
+        self._calls: deque[Callable[[], None]] = deque()  # model changes the generation thread makes between steps
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -420,10 +437,58 @@ class TransformersEngine(Engine):
         if task is None:
             if release.path is None:
                 raise EngineError(f"release {release.release_id} has no checked-out artifact to load")
-            task = asyncio.ensure_future(self._open(release.path))
+            task = asyncio.ensure_future(self._open_adapter(release) if release.base else self._open(release.path))
             self._loading[key] = task
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
         return await asyncio.shield(task)
+
+    async def _open_adapter(self, release: ReleaseRef) -> Load:
+        """A LoRA adapter release: its base resident (shared with every other release on it), the adapter attached
+        beside the others. The adapter is detached once its load is dropped and no request holds it."""
+        assert release.base is not None and release.path is not None
+        base = await self._acquire(release.base)
+        manifest = await asyncio.to_thread(adapter_manifest, release.path)
+        if manifest is None or manifest.base_content_id != release.base.content_id:
+            raise EngineError(f"release {release.release_id}: the adapter's manifest names base "
+                              f"{manifest and manifest.base_content_id}, not the resident base "
+                              f"{release.base.content_id}; not served")
+        weights = await asyncio.to_thread(read_adapter, release.path, base.model, base.device)
+        async with self._load_lock:
+            self._loads += 1
+            load_id = f"{self.incarnation}:{self._loads}"
+        await self._between_steps(functools.partial(base.lora.attach, base.model, load_id, weights))
+        self._resident.setdefault(release.base.content_id, base)  # dropped meanwhile: it stays while adapters do
+        load = dataclasses.replace(base, id=load_id, path=release.path, adapter=load_id, nbytes=weights.nbytes)
+        detach = weakref.finalize(load, self._post, functools.partial(base.lora.detach, load_id))
+        detach.atexit = False
+        return load
+
+    async def _between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the generation thread between two steps (it owns the models) and return its result."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn()  # no generation thread (yet): nothing else touches the models
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def call() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(settle, result, error)
+
+        self._post(call)
+        return await done
+
+    def _post(self, call: Callable[[], None]) -> None:
+        with self._cond:
+            self._calls.append(call)
+            self._cond.notify()
 
     def _loaded(self, key: str, task: asyncio.Task[Load]) -> None:
         self._loading.pop(key, None)
@@ -438,7 +503,8 @@ class TransformersEngine(Engine):
         for key, load in list(self._resident.items()):
             if total <= budget or len(self._resident) <= 1:
                 break
-            if self._active[load.id] == 0:
+            based_on = load.adapter is None and len(load.lora)  # a base with adapters attached stays with them
+            if self._active[load.id] == 0 and not based_on:
                 del self._resident[key]
                 total -= load.nbytes
 
@@ -534,22 +600,30 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._closing or self._pending or batches):
+                    while not (self._closing or self._pending or batches or self._calls):
                         self._cond.wait()
                     if self._closing:
                         break
+                    calls = [self._calls.popleft() for _ in range(len(self._calls))]
                     while self._pending and self._pending[0].cancelled:
                         self._pending.popleft()
                     room = self.entry.max_batch > sum(len(b.seqs) for b in batches)
                     seq = self._pending.popleft() if self._pending and room else None
+                for call in calls:  # model changes (LoRA adapters attached, detached), between two steps
+                    call()
                 if seq:
                     self._prefill(seq, batches)
                 for batch in batches:
                     self._decode(batch)
                 batches = [b for b in batches if b.seqs]
+                seq = batch = None  # while idle, hold no finished request's load (LoRA adapters detach when free)
         with self._cond:
             left = [*self._pending, *(s for b in batches for s in b.seqs)]
             self._pending.clear()
+            calls = [*self._calls]
+            self._calls.clear()
+        for call in calls:  # an attach still awaited gets its answer
+            call()
         for seq in left:
             seq.emit(Unavailable("the engine is shutting down"))
 
@@ -559,7 +633,8 @@ class TransformersEngine(Engine):
             cache = seq.load.new_cache()
             logits = seq.load.forward(torch.tensor([seq.prompt], device=seq.load.device), cache)
             if not seq.push(*_choose(logits, [seq])[0]):
-                batch = next((b for b in batches if b.load is seq.load and b.load.batchable), None)
+                # one batch per model: loads of LoRA adapters on one base share it, each row with its adapter
+                batch = next((b for b in batches if b.load.model is seq.load.model and b.load.batchable), None)
                 if batch is None:
                     batch = _Batch(seq.load)
                     batches.append(batch)

@@ -1,0 +1,197 @@
+"""LoRA adapters in the embedded engine, in-process: the base is resident once, adapter releases attach beside
+each other on it, rows of different releases decode in one batch with their own adapter, a request keeps its
+adapter however releases come and go, a dropped adapter is detached, and adapters that do not fit are refused.
+
+Every log-prob is compared with peft's own loading of the same files (an independent implementation), and
+with the other releases', which must differ."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from daemon.config import ModelEntry
+from daemon.engines.base import ReleaseRef
+from daemon.engines.transformers import Load, TransformersEngine
+from daemon.errors import EngineError
+from daemon.exchange import Completion, Exchange, Finish, Message, Part, Sampling, TextDelta
+from daemon.lora import AdapterManifest
+
+BASE = ReleaseRef("b" * 40, "a" * 40)  # the base release's ids (its path is the tiny model)
+
+
+def make_adapter(base_dir: Path, dest: Path, seed: int, base: AdapterManifest, *, std: float = 0.5,
+                 model: Any = None) -> Path:
+    """A LoRA adapter on the model in ``base_dir`` with random (non-zero) weights, saved as the trainer saves one."""
+    from transformers import AutoModelForCausalLM
+
+    from recipes.online_rl import OnlineRLSettings, save_adapter, wrap_lora
+
+    torch.manual_seed(seed)
+    peft_model = wrap_lora(model or AutoModelForCausalLM.from_pretrained(base_dir), OnlineRLSettings(lora_rank=4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    dest.mkdir(parents=True)
+    save_adapter(peft_model, dest, base)
+    return dest
+
+
+def peft_model(base_dir: Path, adapter_dir: Path | None) -> Any:
+    """The base with the adapter, loaded by peft itself (the reference)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    if adapter_dir is None:
+        return model
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+
+
+def rescored(model: Any, c: Completion) -> list[float]:
+    ids = c.prompt_token_ids + c.token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    n = len(c.prompt_token_ids)
+    return [float(logp[n - 1 + k, t]) for k, t in enumerate(c.token_ids)]
+
+
+def chat(i: int, max_tokens: int = 12) -> Exchange:
+    return Exchange(format="openai-chat", model="tiny",
+                    messages=[Message("user", [Part("text", f"tell me about caches number {i}")])],
+                    sampling=Sampling(max_tokens=max_tokens, seed=i))
+
+
+async def run(engine: TransformersEngine, exchange: Exchange, ref: ReleaseRef | None,
+              started: asyncio.Event | None = None) -> Completion:
+    async for event in engine.generate(exchange, ref):
+        if isinstance(event, TextDelta) and started is not None:
+            started.set()
+        if isinstance(event, Finish):
+            return event.completion
+    raise AssertionError("no Finish")
+
+
+async def until(cond: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed bound
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        gc.collect()
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ReleaseRef]:
+    base = ReleaseRef(BASE.release_id, BASE.content_id, tiny_model)
+    root = tmp_path_factory.mktemp("adapters")
+    manifest = AdapterManifest(BASE.content_id, BASE.release_id)
+    return {
+        "base": base,
+        "a": ReleaseRef("1" * 40, "c" * 40, make_adapter(tiny_model, root / "a", 1, manifest), base),
+        "b": ReleaseRef("2" * 40, "d" * 40, make_adapter(tiny_model, root / "b", 2, manifest), base),
+    }
+
+
+@pytest.fixture
+async def engine(tiny_model: Path):
+    eng = TransformersEngine(ModelEntry(name="tiny", path=tiny_model, threads=1, max_batch=8, max_new_tokens=24))
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+def hooks(model: Any) -> int:
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+async def test_adapter_releases_share_the_base_and_decode_in_one_batch_with_their_own_weights(
+        engine: TransformersEngine, adapters: dict[str, ReleaseRef], tiny_model: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    steps: list[list[str | None]] = []
+    forward = Load.forward
+
+    def spy(self: Load, ids: torch.Tensor, cache: Any, rows: Any = None, **kw: Any) -> torch.Tensor:
+        steps.append(list(rows or [self.adapter] * ids.shape[0]))
+        return forward(self, ids, cache, rows, **kw)
+
+    monkeypatch.setattr(Load, "forward", spy)
+    jobs = [(i, name) for i in range(2) for name in adapters]  # base, a, b, base, a, b: all in flight together
+    done = await asyncio.gather(*(run(engine, chat(i), adapters[name]) for i, name in jobs))
+    loads = {name: engine._resident[ref.content_id] for name, ref in adapters.items()}
+    # one base in memory: both adapter loads decode on the base load's model, each under its own load id
+    assert loads["a"].model is loads["b"].model is loads["base"].model
+    assert len({load.id for load in loads.values()}) == 3 and loads["base"].adapter is None
+    assert {c.runtime_load_id for c, (_, n) in zip(done, jobs, strict=True) if n == "a"} == {loads["a"].id}
+    # the premise: some decode step carried rows of all three releases
+    assert any(len(set(rows)) == 3 for rows in steps), steps[:20]
+    refs = {name: peft_model(tiny_model, ref.path if ref.base else None) for name, ref in adapters.items()}
+    for c, (_, name) in zip(done, jobs, strict=True):
+        assert len(c.token_ids) > 3
+        assert c.logprobs == pytest.approx(rescored(refs[name], c), abs=1e-4), name
+        for other in set(adapters) - {name}:  # every token after the first, decoded in the shared batch
+            worst = max(abs(x - y) for x, y in zip(c.logprobs[1:], rescored(refs[other], c)[1:], strict=True))
+            # the tiny model's small random embeddings bound its logits: 0.05 is still 500x the tolerance above
+            assert worst > 0.05, (name, other, worst)
+
+
+async def test_a_request_keeps_its_adapter_and_dropped_adapters_are_detached(
+        tiny_model: Path, adapters: dict[str, ReleaseRef]) -> None:
+    # budget 0: no load is kept for later; a load lives as long as a request holds it
+    engine = TransformersEngine(ModelEntry(name="tiny", path=tiny_model, threads=1, memory_budget_mb=0))
+    await engine.start()
+    try:
+        started = asyncio.Event()
+        task = asyncio.ensure_future(run(engine, chat(3, max_tokens=40), adapters["a"], started))
+        await started.wait()
+        base = engine._resident[BASE.content_id]
+        on_b = engine.generate(chat(5, max_tokens=40), adapters["b"])  # a new release while the request on a runs
+        await on_b.__anext__()  # b is attached and decoding; this generator holds its load until it is closed
+        c = await task
+        assert c.logprobs == pytest.approx(rescored(peft_model(tiny_model, adapters["a"].path), c), abs=1e-4)
+        layers = base.lora._layers
+        del task
+        await until(lambda: all(c.runtime_load_id not in layer.adapters for layer in layers.values()),
+                    "a to be detached once its last request ended")
+        assert len(base.lora) == 1 and hooks(base.model) == len(layers) > 0  # b's: one hook per targeted layer
+        await on_b.aclose()
+        await until(lambda: len(base.lora) == 0, "b to be detached")
+        assert hooks(base.model) == 0  # the base alone runs as a plain model again
+        plain = await run(engine, chat(4), adapters["base"])
+        assert plain.logprobs == pytest.approx(rescored(peft_model(tiny_model, None), plain), abs=1e-4)
+    finally:
+        await engine.close()
+
+
+async def test_adapters_that_do_not_fit_the_resident_base_are_never_served(
+        engine: TransformersEngine, adapters: dict[str, ReleaseRef], tiny_model: Path, tmp_path: Path) -> None:
+    from daemon.models import TinyConfig, build_tiny
+
+    base = adapters["base"]
+    other = AdapterManifest("f" * 40, "e" * 40)  # trained on another base
+    wrong_base = make_adapter(tiny_model, tmp_path / "wrong-base", 5, other)
+    _, narrow = build_tiny(config=TinyConfig(hidden_size=32, corpus_chars=20_000))
+    misfit = make_adapter(tiny_model, tmp_path / "misfit", 6, AdapterManifest(BASE.content_id, BASE.release_id),
+                          model=narrow)  # names the right base, but its tensors are another model's shapes
+    dora = make_adapter(tiny_model, tmp_path / "dora", 7, AdapterManifest(BASE.content_id, BASE.release_id))
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    for n, (path, words) in enumerate([(wrong_base, "not the resident base"), (misfit, "do not fit"),
+                                       (dora, "DoRA")]):
+        ref = ReleaseRef(f"{n + 4}" * 40, f"{n + 4}" * 40, path, base)
+        with pytest.raises(EngineError, match=words):
+            await run(engine, chat(n), ref)
+        assert ref.content_id not in engine.resident
+    base_load = engine._resident[BASE.content_id]
+    assert len(base_load.lora) == 0 and hooks(base_load.model) == 0  # nothing of them was attached

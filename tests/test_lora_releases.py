@@ -1,0 +1,157 @@
+"""LoRA adapter releases through a real daemon: the chain stores the base once and each adapter release as the
+adapter alone; requests pinned to two adapter releases and to the base decode at the same time, every record's
+log-probs those of its own release (re-scored offline by peft from the chain's files); rollback to an adapter
+and to the base; ``reef releases show --diff`` names the adapter tensors that changed; an adapter on another
+base is refused at publish, and one whose manifest lies about its base is never served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon import lora
+from daemon.errors import BadRequest, BaseMismatch
+from daemon.lora import AdapterManifest
+from daemon.releases import ReleaseStore, files_from_dir
+from tests.conftest import Daemon, assert_canonical_error
+from tests.test_hot_swap_weights import pinned_burst, rescored
+from tests.test_lora_engine import make_adapter, peft_model
+from tests.test_release_serving import BODY, chat, make_weights
+
+
+def init(d: Daemon, scenario: str) -> dict[str, Any]:
+    """The scenario's init release (its first request publishes it)."""
+    with d.http() as c:
+        chat(c, scenario)
+        return c.get(f"/reef/scenarios/{scenario}/releases").json()["releases"][-1]
+
+
+def publish_adapter(d: Daemon, scenario: str, dest: Path, seed: int, base: dict[str, Any], model: Path) -> str:
+    """A random adapter on the scenario's base, published as a trainer would."""
+    store = ReleaseStore(d.home / "artifacts.git")
+    adapter = make_adapter(model, dest, seed, AdapterManifest(base["content_id"], base["release_id"]))
+    rel = store.publish(scenario, files_from_dir(adapter), expected_head=store.head(scenario), operation="train",
+                        kind="weights", recipe="record")
+    return rel.release_id
+
+
+def test_adapter_releases_are_stored_alone_and_decode_beside_the_base_with_their_own_weights(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    d: Daemon = daemon_factory()
+    base = init(d, "lora")
+    a = publish_adapter(d, "lora", tmp_path / "a", 1, base, tiny_model)
+    b = publish_adapter(d, "lora", tmp_path / "b", 2, base, tiny_model)
+    store = ReleaseStore(d.home / "artifacts.git")
+    base_bytes = sum(f.size for f in store.files(base["release_id"]))
+    for rel in (a, b):
+        assert sorted(f.path for f in store.files(rel)) == sorted(lora.FILES)
+        assert sum(f.size for f in store.files(rel)) < base_bytes / 10
+
+    served = pinned_burst(d, "lora", [base["release_id"], a, b])
+    with d.http() as c:
+        records = {rid: c.get(f"/reef/records/{rid}").json() for _, rid in served}
+    checkout = store.checkout(base["release_id"], tmp_path / "base")
+    models = {base["release_id"]: peft_model(checkout, None),
+              **{rel: peft_model(checkout, store.checkout(rel, tmp_path / f"check-{rel}")) for rel in (a, b)}}
+    spans = {rid: (rec["created_at"] - rec["timings"]["total_ms"] / 1e3, rec["created_at"])
+             for rid, rec in records.items()}
+    by_rel = {rel: [spans[rid] for r, rid in served if r == rel] for rel in models}
+    assert any(sa < eb and sb < ea for sa, ea in by_rel[a] for sb, eb in by_rel[b]), spans  # at the same time
+    for rel, rid in served:
+        rec = records[rid]
+        assert rec["release_id"] == rel and len(rec["token_ids"]) == len(rec["logprobs"]) > 1, rec
+        assert rec["logprobs"] == pytest.approx(rescored(models[rel], rec), abs=1e-4), (rid, rel)
+        for other in set(models) - {rel}:
+            worst = max(abs(x - y) for x, y in zip(rec["logprobs"][1:], rescored(models[other], rec)[1:],
+                                                   strict=True))
+            assert worst > 0.05, (rid, rel, other, worst)  # told apart (tiny's random embeddings bound logits)
+    loads = {rel: {records[rid]["runtime_load_id"] for r, rid in served if r == rel} for rel in models}
+    assert all(len(ids) == 1 for ids in loads.values()) and len(set.union(*loads.values())) == 3
+
+
+def test_rollback_to_an_adapter_and_to_the_base_and_the_diff_names_adapter_tensors(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    d: Daemon = daemon_factory()
+    base = init(d, "roll")
+    a = publish_adapter(d, "roll", tmp_path / "a", 1, base, tiny_model)
+    b = publish_adapter(d, "roll", tmp_path / "b", 2, base, tiny_model)
+    store = ReleaseStore(d.home / "artifacts.git")
+    checkout = store.checkout(base["release_id"], tmp_path / "base")
+    with d.http() as c:
+        for target, adapter_dir in ((a, tmp_path / "a"), (base["release_id"], None)):
+            head = store.head("roll")
+            resp = c.post("/reef/scenarios/roll/rollback", json={"release_id": target, "expected_head": head})
+            assert resp.status_code == 201, resp.text
+            rolled = resp.json()
+            assert rolled["operation"] == "rollback" and rolled["content_id"] == store.get(target).content_id
+            body = {**BODY, "max_tokens": 12, "seed": 3}
+            served = c.post("/s/roll/v1/chat/completions", json=body)
+            assert served.headers["x-reef-release-id"] == rolled["release_id"]
+            rec = c.get(f"/reef/records/{served.headers['x-reef-agent-record-id']}").json()
+            assert rec["content_id"] == store.get(target).content_id
+            assert rec["logprobs"] == pytest.approx(rescored(peft_model(checkout, adapter_dir), rec), abs=1e-4)
+    to_base = store.head("roll")
+
+    # the diff of an adapter release is against the model its parent serves: the base, or another adapter
+    first = json.loads(d.cli("releases", "show", a, "--diff", "--json").stdout)["diff"]
+    assert first["added"] == sorted(lora.FILES) and first["removed"] == [] and first["changed"] == []
+    [weights] = [f for f in first["files"] if f["path"] == lora.WEIGHTS]
+    assert weights["tensors"] and all(t["status"] == "added" and "lora_" in t["name"] and t["norm"] > 0
+                                      for t in weights["tensors"])
+    second = json.loads(d.cli("releases", "show", b, "--diff", "--json").stdout)["diff"]
+    assert second["changed"] == [lora.WEIGHTS] and second["added"] == second["removed"] == []
+    [weights] = second["files"]
+    assert weights["tensors"] and all(t["status"] == "changed" and "lora_" in t["name"] and t["diff_norm"] > 0
+                                      for t in weights["tensors"])
+    assert {t["name"] for t in weights["tensors"]} == {t["name"] for f in first["files"] if f["path"] == lora.WEIGHTS
+                                                       for t in f["tensors"]}
+    back = json.loads(d.cli("releases", "show", to_base, "--diff", "--json").stdout)["diff"]
+    assert back["removed"] == sorted(lora.FILES) and back["added"] == back["changed"] == []
+    shown = d.cli("releases", "show", b, "--diff").stdout
+    assert f"~ {lora.WEIGHTS}" in shown and "lora_A" in shown and "|Δ|" in shown and "LoRA adapter on base" in shown
+
+
+def test_an_adapter_on_another_base_is_refused_at_publish_and_a_lying_one_is_never_served(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d: Daemon = daemon_factory()
+    base = init(d, "mine")
+    store = ReleaseStore(d.home / "artifacts.git")
+    other_model = make_weights(tiny_model, tmp_path / "other-model", seed=7)
+    other = store.publish("theirs", files_from_dir(other_model), expected_head=None, operation="init",
+                          kind="weights", recipe="record")
+    head = store.head("mine")
+
+    def attempt(manifest: AdapterManifest, name: str, extra: dict[str, Any] | None = None) -> Any:
+        adapter = make_adapter(tiny_model, tmp_path / name, 3, manifest)
+        with pytest.raises(BadRequest) as err:
+            store.publish("mine", {**files_from_dir(adapter), **(extra or {})}, expected_head=head,
+                          operation="train", kind="weights", recipe="record")
+        return err.value
+
+    # trained on another base (a real release, with its real content id)
+    e = attempt(AdapterManifest(other.content_id, other.release_id), "on-other")
+    assert isinstance(e, BaseMismatch) and (e.expected, e.actual) == (base["content_id"], other.content_id)
+    assert "not published" in e.message and e.status == 400
+    # a manifest naming the right base content in a release that holds another
+    e = attempt(AdapterManifest(base["content_id"], other.release_id), "forged")
+    assert isinstance(e, BaseMismatch) and other.release_id in e.message
+    # an adapter release carrying a copy of a base file
+    e = attempt(AdapterManifest(base["content_id"], base["release_id"]), "extra",
+                {"config.json": (tiny_model / "config.json").read_bytes()})
+    assert "holds exactly" in e.message and "config.json" in e.message
+    assert store.head("mine") == head and len(store.history("mine")) == 1  # nothing was published
+
+    # a lying manifest that got onto the chain by a path that skips the check is still never served
+    monkeypatch.setattr(ReleaseStore, "_check_adapter", lambda *a, **k: None)
+    liar = make_adapter(tiny_model, tmp_path / "liar", 4, AdapterManifest(base["content_id"], other.release_id))
+    rel = store.publish("mine", files_from_dir(liar), expected_head=head, operation="train", kind="weights",
+                        recipe="record")
+    with d.http() as c:
+        err = assert_canonical_error(c.post("/s/mine/v1/chat/completions", json=BODY,
+                                            headers={"x-reef-release-id": rel.release_id}), 500, shape="openai")
+        assert "not served" in err["message"] and other.release_id in err["message"]
+        ok = c.post("/s/mine/v1/chat/completions", json=BODY, headers={"x-reef-release-id": base["release_id"]})
+        assert ok.status_code == 200  # the rest of the chain serves on
