@@ -326,12 +326,12 @@ async def test_claude_code_sized_prompt_prefills_while_the_event_loop_runs(engin
     in_prefill = threading.Event()
     forward = Load.forward
 
-    def watched(self: Load, ids: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+    def watched(self: Load, ids: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         long = ids.shape[-1] > 10_000
         if long:
             in_prefill.set()
         try:
-            return forward(self, ids, cache, **kw)
+            return forward(self, ids, *args, **kw)
         finally:
             if long:
                 in_prefill.clear()
