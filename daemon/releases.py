@@ -37,6 +37,9 @@ Design choices:
 - Durability: libgit2's fsync of objects and refs is switched on (a process-wide option) and the repo config
   asks the same of git (``core.fsync=objects,reference``); ``core.logAllRefUpdates=always`` keeps a reflog for
   every ``refs/reef/*`` ref; LFS objects go through temp + fsync + rename.
+- LoRA adapter releases (``daemon/lora.py``) hold only the adapter and ``reef-adapter.json`` naming their base
+  by content id; ``publish`` refuses one whose base is not the model the scenario's head serves (``BaseMismatch``,
+  before anything is written), and ``diff`` compares what a release serves (an adapter over its base's files).
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the
