@@ -85,10 +85,10 @@ def throughput(url: str, token: str, concurrency: int, seconds: float, max_token
 
 
 def learn(url: str, token: str, *, clients: int, group_size: int, max_tokens: int, steps: int,
-          until: float) -> list[tuple[float, str]]:
-    """Scored traffic on scenario ``gpu`` until ``steps`` train releases exist or ``until``; (answer time,
+          until: float) -> list[tuple[float, float, str]]:
+    """Scored traffic on scenario ``gpu`` until ``steps`` train releases exist or ``until``; (sent, answered,
     release id) of every answer."""
-    served: list[tuple[float, str]] = []
+    served: list[tuple[float, float, str]] = []
     stop = threading.Event()
     errors: list[str] = []
 
@@ -98,13 +98,14 @@ def learn(url: str, token: str, *, clients: int, group_size: int, max_tokens: in
             while not stop.is_set() and time.monotonic() < until:
                 prompt = PROMPTS[i % len(PROMPTS)]
                 for _ in range(group_size):
+                    sent = time.time()
                     r = c.post("/s/gpu/v1/chat/completions", json={
                         "model": "m", "max_tokens": max_tokens, "temperature": 1,
                         "messages": [{"role": "user", "content": prompt}]})
                     if r.status_code != 200:
                         errors.append(f"{r.status_code} {r.text[:200]}")
                         continue
-                    served.append((time.time(), r.headers["x-reef-release-id"]))
+                    served.append((sent, time.time(), r.headers["x-reef-release-id"]))
                     c.post("/reef/report", json={"score": reward(r.json()["choices"][0]["message"]["content"] or ""),
                                                  "references": [r.headers["x-reef-agent-record-id"]]})
                 i += clients
@@ -198,14 +199,15 @@ def main() -> None:
         step_s = [float(r["metrics"]["step_s"]) for r in trained if "step_s" in r["metrics"]]
         swaps = []
         for r in trained:
-            answers = [t for t, rid in served if rid == r["release_id"]]
+            answers = [t for _, t, rid in served if rid == r["release_id"]]
             if answers:
                 swaps.append(min(answers) - float(r["created_at"]))
         size = max((r["metrics"].get("adapter_bytes", 0) for r in trained), default=0) / 2**20
         print(f"adapter releases: {len(trained)} ({len(rejected)} steps not published), adapter {size:.1f} MiB each")
         print(f"training step (the worker's optimizer steps, {batch_prompts * group_size} samples): {med(step_s)}; "
               f"with loading: {med(train_s)}")
-        print(f"swap (release published -> first answer from it, under load): {med(swaps)}")
+        print(f"swap (release published -> first answer from it, under load): {med(swaps)}; one answer took "
+              f"{med([end - sent for sent, end, _ in served])}")
         print(f"answers: {len(served)}; total {time.monotonic() - t_start:.0f} s")
     finally:
         if proc is not None:

@@ -9,6 +9,8 @@ checked out, and publishing (init, rollback, promote, and later train) with even
 - A weights release is checked out once per ``content_id`` under ``$REEF_HOME/cache/releases/<content_id>``
   (large files hard-linked from the store, so a checkout costs milliseconds) and loaded by the engine beside
   what is serving.
+- A LoRA adapter release (``daemon/lora.py``) is checked out the same way (a few MB); its ``ReleaseRef`` names the
+  release holding its base (checked out too), which the engine keeps resident once for all releases on it.
 - A scenario's chain starts with an ``init`` release of its base artifact, published on first use: for a local
   model the model directory (weights stored once per distinct content), for an upstream model an empty harness.
 - Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking.

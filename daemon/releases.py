@@ -50,6 +50,9 @@ Design choices:
   (``reef doctor``). Loose objects are checked in Python before libgit2 reads them: libgit2 1.9 never returns
   from inflating a truncated one. ``fsck()`` reads reflogs and every loose object as ``git fsck --full`` does.
   Object writes that fail are ``StorageError`` (507, exit 6).
+- LoRA adapter releases (``daemon/lora.py``) hold only the adapter and ``reef-adapter.json`` naming their base
+  by content id; ``publish`` refuses one whose base is not the model the scenario's head serves (``BaseMismatch``,
+  before anything is written), and ``diff`` compares what a release serves (an adapter over its base's files).
 - History is never rewritten. Rollback and promote publish existing content as a new release (step + 1).
   A pending candidate (review-mode gates) is a commit on ``refs/reef/pending/<scenario>/<id>`` whose parent
   is the head it was built on; promoting it moves that ref to ``refs/reef/promoted/<scenario>/<id>`` in the

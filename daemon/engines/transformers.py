@@ -9,6 +9,11 @@ Design choices:
   or several scenarios) serve at once; when the resident loads exceed ``entry.memory_budget_mb``, the least
   recently used load with no running sequence is dropped (and freed by refcounting once nothing holds it).
   Concurrent requests for a release being loaded wait on one shared load.
+- **LoRA adapter releases** (``daemon/lora.py``) are loads too, each with its own ``runtime_load_id``, sharing the
+  model of their base's load (resident once per base content id): the adapter is attached beside the others
+  (``daemon/engines/lora.py``, in the generation thread between two steps), the rows of all releases on one base
+  decode in one batch, each with its own adapter, and an adapter is detached once its load is dropped and no
+  request holds it (a finaliser, as whole loads are freed by refcounting). A base stays while adapters are on it.
 - **Threading.** One generation thread owns the models and runs a step loop; torch releases the GIL in its
   kernels, so the event loop stays responsive. Rendering and tokenising a prompt run in ``asyncio.to_thread``.
   Events go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. A request whose
