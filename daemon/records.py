@@ -647,7 +647,8 @@ class RecordStore:
         def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
                 """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
-                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq
+                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq,
+                          json_extract(rep.report, '$.metadata') AS metadata
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
@@ -665,6 +666,7 @@ class RecordStore:
                 "logprobs": _unpack(row["logprobs"], "f"),
                 "score": float(row["score"]),
                 "report_seq": row["report_seq"],
+                "metadata": json.loads(row["metadata"]) if row["metadata"] else None,  # the report's, for typed reports
             } for row in rows]
             return out, (rows[-1]["report_seq"] if rows else after)
 

@@ -20,6 +20,8 @@ BUILTIN: dict[str, str] = {
     "record": "recipes.record:RecordOnly",
     "online-rl": "recipes.online_rl:OnlineRL",
     "lessons": "recipes.lessons:Lessons",
+    "sao": "recipes.sao:SAO",
+    "ttt-discover": "recipes.ttt_discover:TTTDiscover",
 }
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
