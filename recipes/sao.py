@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.online_rl import Sample, _eval_scores, _padded
 
 VALUE_FILE = "value_head.pt"
+MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the worker keeps in memory
 
 
 @dataclass
@@ -223,13 +225,13 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         # --- the critic: fit V(s_t) to the reward, on detached features
         v = value(features)
         value_loss = (((v - rewards) ** 2) * tmask).sum() / n
+        # --- the advantage: reward minus the value before this update
+        adv = (rewards - v.detach()).masked_fill(~tmask, 0.0)
+        if float(adv.abs().max()) < 1e-6:  # the critic predicted the reward: nothing to learn, nothing moves
+            return {**summary, "value_loss": float(value_loss.detach()), "skipped": 1.0}
         learner.value_optimizer.zero_grad(set_to_none=True)
         value_loss.backward()
         learner.value_optimizer.step()
-        # --- the advantage: reward minus the value before this update, scaled by the running RMS
-        adv = (rewards - v.detach()).masked_fill(~tmask, 0.0)
-        if not bool((adv != 0).any()) and float(value_loss.detach()) == 0.0:
-            return {**summary, "value_loss": 0.0, "skipped": 1.0}
         rms_now = float(((adv**2 * tmask).sum() / n).sqrt())
         prev = learner.adv_rms
         learner.adv_rms = rms_now if prev is None else math.sqrt(
@@ -357,28 +359,34 @@ class SAO(Recipe):
 
         s: SAOSettings = self.settings
         t0 = time.perf_counter()
-        continued = state.get("key") == job.base_key
+        # one entry per lineage (keyed by its last candidate), so that scenarios sharing the worker do not evict
+        # each other's model, critic and optimizers at every step
+        lineages: OrderedDict[str, dict[str, Any]] = state.setdefault("lineages", OrderedDict())
+        lin = lineages.pop(job.base_key, None)
         # the last candidate was not published when the head has not moved since: probation, check this step
-        probation = continued and state.get("head") == job.head_key and state.get("made")
-        if not continued:
+        probation = lin is not None and lin["head"] == job.head_key and lin["made"]
+        if lin is None:
             base = Path(job.base_path)
-            state.clear()
-            state["tokenizer"] = AutoTokenizer.from_pretrained(base)
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             saved = load_value(base, model.config.hidden_size + CONFIDENCE_FEATURES)
             learner = make_learner(model, s, saved[0] if saved else None)
             if saved:
                 learner.adv_rms = saved[1]
-            state.update(model=model, learner=learner, key=job.base_key, since_check=0)
-        model, tokenizer, learner = state["model"], state["tokenizer"], state["learner"]
-        state["head"] = job.head_key
+            # a fresh start (the worker's first job, a restart from the head): its first step is checked
+            lin = {"tokenizer": AutoTokenizer.from_pretrained(base), "model": model, "learner": learner,
+                   "since_check": s.eval_every, "made": False}
+        model, tokenizer, learner = lin["model"], lin["tokenizer"], lin["learner"]
+        lin["head"] = job.head_key
         samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
                           reward=r["score"], group=r["id"]) for r in job.batch]
         t_train = time.perf_counter()
         metrics = sao_step(model, samples, s, learner)
         model.eval()
+        lineages[job.base_key if metrics["skipped"] else job.candidate_key] = lin
+        while len(lineages) > MAX_LINEAGES:
+            lineages.popitem(last=False)
         if metrics["skipped"]:  # reward equal to the value everywhere: neither the policy nor the critic moved
-            state["made"] = False
+            lin["made"] = False
             metrics["train_s"] = round(time.perf_counter() - t0, 3)
             return Candidate(metrics=metrics, skipped="no signal: the reward equals the critic's value")
         t_save = time.perf_counter()
@@ -388,12 +396,12 @@ class SAO(Recipe):
         for f in Path(job.base_path).iterdir():  # tokenizer and generation files travel with the weights
             if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin", ".pt")):
                 shutil.copyfile(f, out / f.name)
-        state["key"], state["made"] = job.candidate_key, True
-        state["since_check"] = state.get("since_check", 0) + 1
+        lin["made"] = True
+        lin["since_check"] += 1
         metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
         scores = None
         evaluate = s.gate in ("floor", "compare", "regression") or (s.gate == "periodic" and (
-            not continued or probation or state["since_check"] >= s.eval_every))
+            probation or lin["since_check"] >= s.eval_every))
         if evaluate and s.eval_family:
             t_eval = time.perf_counter()
             if job.head_scores is not None:
@@ -402,7 +410,7 @@ class SAO(Recipe):
                 head = AutoModelForCausalLM.from_pretrained(job.head_path, dtype=torch.float32)
                 base_scores = _eval_scores(head, tokenizer, s)  # type: ignore[arg-type]
             scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)  # type: ignore[arg-type]
-            state["since_check"] = 0
+            lin["since_check"] = 0
             metrics["eval_s"] = round(time.perf_counter() - t_eval, 3)
         metrics["train_s"] = round(time.perf_counter() - t0, 3)
         return Candidate(path=str(out), metrics=metrics, eval=scores)
