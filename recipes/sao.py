@@ -71,6 +71,7 @@ class SAOSettings(GateSettings):
     clip_low: float = 0.2  # PPO clip of pi / pi_prox (steps_per_batch > 1)
     clip_high: float = 0.28
     steps_per_batch: int = 1  # optimizer steps per rollout
+    beta1: float = 0.9  # AdamW momentum: averages about 1 / (1 - beta1) rollouts' gradients
     beta2: float = 0.999  # AdamW second-moment decay (long: small advantages must give small steps)
     adv_norm: bool = False  # divide advantages by their running RMS
     adv_ema: float = 0.05  # weight of the newest advantage in that running RMS
@@ -130,7 +131,7 @@ def make_learner(model: Any, settings: SAOSettings, value: ValueHead | None = No
     value = value or ValueHead(model.config.hidden_size + CONFIDENCE_FEATURES)
     return Learner(
         value=value,
-        optimizer=torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, settings.beta2), weight_decay=settings.weight_decay),
+        optimizer=torch.optim.AdamW(params, lr=settings.lr, betas=(settings.beta1, settings.beta2), weight_decay=settings.weight_decay),
         value_optimizer=torch.optim.AdamW(value.parameters(), lr=settings.value_lr, betas=(0.9, 0.99)),
     )
 

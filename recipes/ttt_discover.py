@@ -44,6 +44,7 @@ import hashlib
 import math
 import shutil
 import time
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,16 +69,16 @@ class TTTReport:
 @dataclass
 class TTTSettings(GateSettings):
     gate: str = "best"  # best (the candidate's attempts must score at least the head's) | always | review
-    adv_temperature: float = 0.1  # tau of the entropic advantage (reward units): smaller pushes harder to the best
-    group_size: int = 8  # sibling attempts per group
+    adv_temperature: float = 0.05  # tau of the entropic advantage (reward units): smaller pushes harder to the best
+    group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
-    lr: float = 2e-3  # AdamW learning rate
+    lr: float = 2e-4  # AdamW learning rate (higher collapses onto the first good attempt and stops searching)
     weight_decay: float = 0.0
     clip_low: float = 0.2
     clip_high: float = 0.28
     entropy_coef: float = 0.0
     grad_clip: float = 1.0
-    steps_per_batch: int = 2
+    steps_per_batch: int = 1
     max_staleness: int = 1  # releases: attempts served by a release older than head - this are not used
     temperature: float = 1.0  # sampling temperature of the attempts (the ratio assumes raw logits)
     max_new_tokens: int = 8
@@ -229,13 +230,14 @@ class TTTDiscover(Recipe):
         judged = s.gate == "best" and s.problem is not None
         prompt = Counter(tuple(r["prompt_token_ids"]) for r in job.batch).most_common(1)[0][0]
         base_scores, eval_s = None, 0.0
+        # fresh common random numbers for each comparison: reusing the head's own scores from when it won would
+        # compare every candidate with a lucky draw (the winner's curse) and reject them all
+        seed = (s.eval_seed * 1_000_003 + zlib.crc32(job.id.encode())) % 2**63
         if judged:  # the head's attempts, before this step trains the model in memory (which may be the head)
             t_eval = time.perf_counter()
-            base_scores = job.head_scores
-            if base_scores is None:
-                head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
-                    job.head_path, dtype=torch.float32)
-                base_scores = attempt_scores(head, tokenizer, list(prompt), s)
+            head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
+                job.head_path, dtype=torch.float32)
+            base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
             eval_s = time.perf_counter() - t_eval
         metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
         model.eval()
@@ -254,20 +256,20 @@ class TTTDiscover(Recipe):
         ev = None
         if judged:
             t_eval = time.perf_counter()
-            cand_scores = attempt_scores(model, tokenizer, list(prompt), s)
+            cand_scores = attempt_scores(model, tokenizer, list(prompt), s, seed)
             ev = Scores(candidate=cand_scores, base=base_scores)
             metrics.update(eval_s=round(eval_s + time.perf_counter() - t_eval, 3), eval_best=max(cand_scores))
         metrics["train_s"] = round(time.perf_counter() - t0, 3)
         return Candidate(path=str(out), metrics=metrics, eval=ev)
 
 
-def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTSettings) -> list[float]:
-    """The problem's scores of ``eval_attempts`` attempts sampled from ``model`` (same seed for every model)."""
+def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTSettings, seed: int) -> list[float]:
+    """The problem's scores of ``eval_attempts`` attempts sampled from ``model`` with the random stream ``seed``."""
     from recipes.tasks import get_problem
 
     assert settings.problem is not None
     problem = get_problem(settings.problem)
-    gen = torch.Generator().manual_seed(settings.eval_seed)
+    gen = torch.Generator().manual_seed(seed)
     outs = generate(model, [prompt] * settings.eval_attempts, eos=eos_ids(model, tokenizer),
                     max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, generator=gen)
     return [problem.score(tokenizer.decode(ids, skip_special_tokens=True)) for ids, _ in outs]

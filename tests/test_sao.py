@@ -17,7 +17,7 @@ from daemon.models import build_tiny
 from recipes.online_rl import Sample, eos_ids, generate, render_prompt, token_logprobs
 from recipes.sao import SAOSettings, load_value, make_learner, sao_step, save_value
 from tests.conftest import Daemon, assert_canonical_error
-from tests.demo_model import demo_config, tiny_demo_model  # noqa: F401 - a fixture
+from tests.demo_model import demo_config
 from tests.test_learning import releases, wait_for
 
 
