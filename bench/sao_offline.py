@@ -100,6 +100,8 @@ def main() -> None:
     for f in dataclasses.fields(SAOSettings):
         if f.type in ("float", "int") and not f.name.startswith("eval"):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int)
+        elif f.type == "str" and f.name == "optimizer":
+            p.add_argument("--optimizer")
         elif f.type == "bool":
             p.add_argument(f"--{f.name.replace('_', '-')}", type=lambda x: x in ("1", "true", "yes"))
     args = p.parse_args()
