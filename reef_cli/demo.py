@@ -31,11 +31,12 @@ TARGET = 0.8
 LEAD = 2  # rounds the client may be ahead of the trainer
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "say", "eval_n": 128}
 # sao (one rollout per step, each step a release): its periodic gate checks every 20th step on the same validation
-# prompts; the client keeps SAO_PARALLEL requests in flight and at most SAO_LEAD reports ahead of the trainer, since
-# a record served more than one release behind the head is not trained on (its staleness bound)
+# prompts; the client asks SAO_PARALLEL prompts at once and waits until the trainer has taken them (SAO_LEAD rounds
+# ahead: none), since a record served more than one release behind the head is not trained on (its staleness
+# bound): measured, a client 2 rounds ahead had most of its reports dropped and waited out its timeouts
 SAO_SETTINGS: dict[str, Any] = {"gate": "periodic", "margin": 0.05, "eval_family": "say", "eval_n": 128,
                                 "eval_every": 20}
-SAO_PARALLEL, SAO_LEAD = 2, 2
+SAO_PARALLEL, SAO_LEAD = 2, 0
 RECIPES = ("online-rl", "sao")
 
 
