@@ -124,7 +124,9 @@ class Board:
 
 
 def _follow(client_factory: Any, board: Board, stop: threading.Event) -> None:
-    last = None
+    # from the daemon's recent history, not from now: a step that lands before the stream is connected must still
+    # count (the client paces itself on the steps; sao's first step comes within a tenth of a second)
+    last = 0
     while not stop.is_set():
         try:
             with client_factory() as c:
