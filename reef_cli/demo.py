@@ -69,6 +69,7 @@ class Board:
         self.requests = 0
         self.rewards: deque[float] = deque(maxlen=256)
         self.steps = 0
+        self.done = 0  # steps finished (their gate verdict given, a release published or not): what the client paces on
         self.accepted = 0
         self.rejected = 0
         self.releases: list[dict[str, Any]] = []
@@ -90,6 +91,7 @@ class Board:
                 self.log.append(f"train step {e['step']}: batch reward {m.get('batch_reward', 0):.2f}{value}, "
                                 f"{m.get('train_s', 0):.2f}s")
             elif kind == "gate":
+                self.done += 1
                 m = e.get("metrics", {})
                 if e["verdict"] == "accepted":
                     self.accepted += 1
@@ -199,7 +201,7 @@ def demo(
             board.requests += 1
             board.rewards.append(family.exact(task, text))
 
-    rounds, reached = 0, False
+    rounds, reached, forgiven = 0, False, 0
     measured_at = (None, -1e9)  # (head release, when)
     with Live(board.render(), console=console, refresh_per_second=4, transient=json_out) as live, \
             ThreadPoolExecutor(prompts * group) as pool:
@@ -208,8 +210,12 @@ def demo(
             # current head (fresh samples), not on a backlog; a trainer that stops does not stop the client (a
             # record dropped as too stale makes no step, hence the bounded wait)
             wait_until = min(deadline, time.monotonic() + (2 if sao else 10))
-            while board.steps < (rounds - lead) * steps_per_round and time.monotonic() < wait_until:
+            # (paced on finished steps: a round asked while the last step's release is still being published is
+            # served by the release before it, and its second answer would then be too stale to train on)
+            need = (rounds - lead) * steps_per_round - forgiven
+            while board.done < need and time.monotonic() < wait_until:
                 time.sleep(0.005 if sao else 0.02)
+            forgiven += max(0, need - board.done)  # dropped as too stale (they never make a step): not waited on again
             rounds += 1
             round_tasks = [t for t in rng.sample(tasks, prompts) for _ in range(group)]
             list(pool.map(one, round_tasks, [seed * 1_000_003 + next(counter) for _ in round_tasks]))
