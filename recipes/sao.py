@@ -165,6 +165,19 @@ def load_value(directory: Path, width: int) -> ValueHead | None:
     return value
 
 
+def save_weights(model: Any, out: Path, base: Path, *, frozen_embeddings: bool) -> None:
+    """The candidate's model directory: its weights, and the base's tokenizer and generation files. With frozen
+    embeddings the weights are split so that the embeddings are a shard of their own, byte for byte the same in
+    every release: the chain stores that shard once (an LFS object), and each release adds only the layers that
+    changed (for the demo model 0.23 MB instead of 1.3 MB: one release per step adds up)."""
+    split = {"max_shard_size": model.get_input_embeddings().weight.numel() * 4 - 1} if frozen_embeddings else {}
+    model.save_pretrained(out, safe_serialization=True, **split)
+    for f in base.iterdir():
+        if f.is_file() and not (out / f.name).exists() and not f.name.endswith(
+                (".safetensors", ".bin", ".pt", ".safetensors.index.json")):
+            shutil.copyfile(f, out / f.name)
+
+
 # --- the training step -------------------------------------------------------------------------------------------
 
 
@@ -382,11 +395,8 @@ class SAO(Recipe):
             return Candidate(metrics=metrics, skipped="no signal: the reward equals the critic's value")
         t_save = time.perf_counter()
         out = Path(job.work_dir)
-        model.save_pretrained(out, safe_serialization=True)
+        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
         save_value(learner, out)
-        for f in Path(job.base_path).iterdir():  # tokenizer and generation files travel with the weights
-            if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin", ".pt")):
-                shutil.copyfile(f, out / f.name)
         lin["made"] = True
         lin["since_check"] += 1
         metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shutil
 import time
 import zlib
 from collections import Counter
@@ -56,6 +55,7 @@ from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.online_rl import Sample, eos_ids, generate, make_optimizer, train_step
+from recipes.sao import save_weights
 
 
 @dataclass
@@ -247,10 +247,7 @@ class TTTDiscover(Recipe):
             return Candidate(metrics=metrics, skipped="no signal: every group's attempts scored alike")
         t_save = time.perf_counter()
         out = Path(job.work_dir)
-        model.save_pretrained(out, safe_serialization=True)
-        for f in Path(job.base_path).iterdir():  # tokenizer and generation files travel with the weights
-            if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin")):
-                shutil.copyfile(f, out / f.name)
+        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
         state["key"] = job.candidate_key
         metrics["save_s"] = round(time.perf_counter() - t_save, 3)
         ev = None

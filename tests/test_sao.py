@@ -157,6 +157,9 @@ def test_each_report_is_one_step_and_one_release(daemon_factory: Any) -> None:
         assert [(r["verdict"], r["receipts"]) for r in skipped] == [("skipped", [first])]
         files = c.get(f"/reef/releases/{head['release_id']}").json()["diff"]
         assert "value_head.pt" in files["changed"]  # the critic is saved beside the weights
+        # the frozen embeddings are a shard of their own, the same in every release: only the layers change
+        assert "model-00002-of-00002.safetensors" in files["changed"]
+        assert "model-00001-of-00002.safetensors" not in files["changed"] + files["added"]
 
 
 def test_records_served_more_than_one_release_behind_are_not_trained_on(daemon_factory: Any) -> None:
@@ -240,6 +243,8 @@ def test_bad_settings_are_a_400_naming_them_and_the_cli_binds_the_recipe(daemon_
             err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "bad", "recipe": "sao",
                                                                           "settings": settings}), 400)
             assert err["param"] == param, (settings, err)
+    demo = d.cli("demo", "--recipe", "lessons", check=False)  # the demo runs online-rl or sao, nothing else
+    assert demo.returncode == 2 and "online-rl, sao" in demo.stderr, demo.stderr
     out = d.cli("scenarios", "create", "cli-sao", "--recipe", "sao")
     assert out.returncode == 0
     with d.http() as c:
