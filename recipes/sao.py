@@ -86,8 +86,7 @@ class SAOSettings(GateSettings):
     beta1: float = 0.9  # AdamW momentum: averages about 1 / (1 - beta1) rollouts' gradients
     beta2: float = 0.999  # AdamW second-moment decay (long: small advantages must give small steps)
     entropy_coef: float = 0.0
-    grad_clip: float = 10.0  # max gradient norm: a guard only (one rollout's norm is 3-7; clipping at 1 made every step
-    # the same size whatever its advantage)
+    grad_clip: float = 10.0  # max gradient norm: a guard only (one rollout's is 3-7; see the module docstring)
     temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8
     train_embeddings: bool = False
@@ -106,7 +105,7 @@ class SAOSettings(GateSettings):
 
 
 class ValueHead(torch.nn.Module):
-    """``V(h) = w . h + b`` on the policy's last hidden state (detached), one value per position."""
+    """``V(s) = w . f(s) + b`` on the critic's features of a state (``critic_features``), one value per position."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -121,7 +120,7 @@ class ValueHead(torch.nn.Module):
 
 @dataclass
 class Learner:
-    """What a SAO lineage keeps between steps (in the worker's state): the critic, both optimizers, the scale."""
+    """What a SAO lineage keeps between steps (in the worker's state) besides its model: the critic, both optimizers."""
 
     value: ValueHead
     optimizer: torch.optim.Optimizer

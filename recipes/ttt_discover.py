@@ -22,12 +22,16 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
   signal and is counted (``degenerate_groups``), not faked.
 - **Objective.** online-rl's clipped surrogate on the behaviour log-probs recorded at serving time (the ratio
   corrects for staleness, the clip bounds it), per-token mean, AdamW on all but the tied embeddings, gradient
-  clipping; ``steps_per_batch`` optimizer steps per group.
+  clipping; ``steps_per_batch`` optimizer steps per group. Measured on ``longest-word``: at lr 2e-3 with 2 steps a
+  group of 8, the demo model collapsed onto its first good answer in 5 steps and never searched again; lr 2e-4, one
+  step, groups of 16 and tau 0.05 keep it searching while the mean climbs.
 - **Gate: best so far.** With a built-in ``problem`` scorer (``recipes/tasks.py``), the trainer samples
   ``eval_attempts`` attempts from the candidate and from the serving head on the problem's prompt as the client
   asks it (the batch's prompt tokens), at the sampling temperature with the same random stream for both (common
-  random numbers: a paired comparison), and scores them; the candidate is published when its mean attempt score is
-  at least the head's (minus ``margin``). Since every published release passed that test against its parent, the
+  random numbers: a paired comparison), fresh for each step, and scores them; the candidate is published when its
+  mean attempt score is at least the head's (minus ``margin``). Measured: reusing the head's scores from the step
+  it won compared every later candidate with a lucky draw (the winner's curse), and from step 25 of 100 nearly all
+  were rejected with the head stuck at 0.37; with fresh streams the head climbed to 0.83. Since every published release passed that test against its parent, the
   head is the release with the best attempt score so far; a rejected candidate leaves the head serving and the
   lineage goes on from it, back to the head after ``restart_after`` rejections in a row. Without a scorer (the
   client alone can score its problem) a candidate cannot be scored before it serves, so every candidate is
