@@ -8,6 +8,9 @@ checker, and reports the score by receipt. The daemon trains on those reports in
 compares each candidate with the serving release on validation prompts, and winners go live. The demo measures
 the head on held-out prompts (words never trained on, and not the gate's), greedy, through the API: when the
 gate's figure nears the target, and at the end for the head and the first release.
+
+``--recipe sao`` runs the same with one scored answer per training step (each step a release): two prompts at a
+time, each its own step, the client waiting until the trainer has taken them before it asks the next two.
 """
 
 from __future__ import annotations
