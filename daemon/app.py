@@ -624,8 +624,28 @@ async def handle_scenario(request: web.Request) -> web.Response:
     name = check_scenario(request.match_info["name"])
     for s in await reef.store.list_scenarios():
         if s["name"] == name:
-            return _json(s)
+            return _json({**s, **await _recipe_status(reef, s)})
     raise NotFound(f"no scenario named {name!r}", scenario=name)
+
+
+async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's own summary of its progress (``Recipe.status``), for recipes that have one."""
+    from recipes.base import Recipe
+
+    try:
+        recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
+    except ReefError:  # a recipe that no longer loads: the view still shows the scenario
+        return {}
+    if type(recipe).status is Recipe.status:
+        return {}
+    store = reef.chains.store
+
+    def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        return ([r.to_dict() for r in store.history(scenario["name"])],
+                [r.to_dict() for r in store.rejections(scenario["name"])])
+
+    releases, rejected = await asyncio.to_thread(read)
+    return {"recipe_status": recipe.status(releases, rejected)}
 
 
 def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:

@@ -705,7 +705,8 @@ class RecordStore:
                 """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
                           json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq,
                           json_extract(rep.report, '$.metadata.source') AS source,
-                          json_extract(rep.report, '$.metadata.hint') AS hint
+                          json_extract(rep.report, '$.metadata.hint') AS hint,
+                          json_extract(rep.report, '$.metadata') AS metadata
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
@@ -725,6 +726,7 @@ class RecordStore:
                 "report_seq": row["report_seq"],
                 "source": row["source"] if isinstance(row["source"], str) else None,  # "judge": a judge's verdict
                 "hint": row["hint"] if isinstance(row["hint"], str) else None,
+                "metadata": json.loads(row["metadata"]) if row["metadata"] else None,  # the report's, for typed reports
             } for row in rows]
             return out, (rows[-1]["report_seq"] if rows else after)
 

@@ -21,6 +21,8 @@ BUILTIN: dict[str, str] = {
     "online-rl": "recipes.online_rl:OnlineRL",
     "lessons": "recipes.lessons:Lessons",
     "openclaw-rl": "recipes.openclaw_rl:OpenClawRL",
+    "sao": "recipes.sao:SAO",
+    "ttt-discover": "recipes.ttt_discover:TTTDiscover",
 }
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -27,6 +27,8 @@ What the daemon calls, and where:
   ``Candidate`` holding the new tree.
 - ``judge(candidate, best)`` (daemon): the gate's ``Verdict`` (``daemon/gate.py``; the ``gate`` setting by
   default).
+- ``status(releases, rejected)`` (daemon, optional): a summary the scenario's view shows (``recipe_status``),
+  computed from the chain (e.g. ttt-discover's best attempt and the release that found it).
 
 Guarantees the daemon gives every recipe: a batch's receipts are consumed exactly once (listed in the release
 or the rejection that came of them, rebuilt from the chain at start-up); a crash (``kill -9``, a dead worker)
@@ -199,6 +201,12 @@ class Recipe:
             if not _fits(metadata[f.name], hints[f.name]):
                 raise BadRequest(f"metadata.{f.name} must be {_type_name(hints[f.name])} for recipe {cls.name}, "
                                  f"not {metadata[f.name]!r}", param=f"metadata.{f.name}")
+
+    def status(self, releases: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """What the scenario's view (``GET /reef/scenarios/{s}``) shows about this recipe's progress, from the
+        chain: its releases and its rejected, skipped or failed steps (each as ``to_dict``, newest first, with
+        their ``metrics``). None (the default): nothing to show."""
+        return None
 
     def models_used(self) -> list[str]:
         """Configured model names the settings refer to (a proposer, a judge): the daemon checks they exist."""

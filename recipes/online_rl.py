@@ -200,16 +200,19 @@ def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch
 
 
 def train_step(
-    model: Any, batch: list[Sample], settings: OnlineRLSettings, optimizer: torch.optim.Optimizer | None = None
+    model: Any, batch: list[Sample], settings: OnlineRLSettings, optimizer: torch.optim.Optimizer | None = None,
+    adv: tuple[list[float], int] | None = None,
 ) -> dict[str, float]:
-    """``settings.steps_per_batch`` clipped policy-gradient steps on ``batch``; returns metrics of the first."""
+    """``settings.steps_per_batch`` clipped policy-gradient steps on ``batch``; returns metrics of the first.
+    ``adv``: per-sample advantages and the count of groups without signal, when the caller computes its own
+    (another recipe's baseline); group-normalised ones by default."""
     if not batch:
         raise ValueError("train_step needs at least one sample")
     for s in batch:
         if len(s.token_ids) != len(s.logprobs) or not s.token_ids or not s.prompt_token_ids:
             raise ValueError(f"sample of group {s.group!r}: needs a prompt and one logprob per sampled token")
     optimizer = optimizer or make_optimizer(model, settings)
-    adv_list, degenerate = advantages(batch, settings)
+    adv_list, degenerate = adv if adv is not None else advantages(batch, settings)
     rewards = [s.reward for s in batch]
     summary = {
         "reward_mean": sum(rewards) / len(rewards),

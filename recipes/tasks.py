@@ -131,3 +131,67 @@ def get_family(name: str) -> TaskFamily:
         return FAMILIES[name]()
     except KeyError:
         raise ValueError(f"unknown task family {name!r}; known: {', '.join(sorted(FAMILIES))}") from None
+
+
+# --- single problems with a continuous score (ttt-discover: one problem, many attempts) ------------------------
+
+
+class Problem:
+    """One problem asked again and again, and a continuous score of an attempt (higher is better)."""
+
+    name = ""
+    prompt = ""
+
+    def score(self, completion: str) -> float:
+        raise NotImplementedError
+
+
+class LongestWord(Problem):
+    """``longest-word``: "Say one long word." The score of an attempt is the length of the word it answers
+    with over the longest word the tiny tokenizer knows (12 letters: ``conversation``, ``professional``), when the
+    answer is one known word; half that when a known word comes first and more follows; 0 otherwise.
+
+    Why this one: the score is continuous (12 levels), the best is known and rare (2 of 1030 words have 12 letters,
+    9 have 11), and the demo model, warmed up to say one word and stop, starts by copying a word of the prompt
+    (``Answer``: 6/12) or sampling another word at temperature 1, so the best attempt has room to rise through
+    search and the mean through learning where the long words are."""
+
+    name = "longest-word"
+    prompt = "Say one long word."
+
+    def __init__(self, words: list[str] | None = None) -> None:
+        self.words = set(words or _vocabulary())
+        self.longest = max(len(w) for w in self.words)
+
+    def score(self, completion: str) -> float:
+        bare = [w.strip(".,;:!?\"'`") for w in completion.split()]
+        if not bare or bare[0] not in self.words:
+            return 0.0
+        full = len(bare[0]) / self.longest
+        return full if len(bare) == 1 else full / 2
+
+
+class ManyWords(Problem):
+    """``many-words``: "Say many different words." The score is the number of distinct words the tiny tokenizer
+    knows in the answer over ``target`` (10), capped at 1."""
+
+    name = "many-words"
+    prompt = "Say many different words."
+    target = 10
+
+    def __init__(self, words: list[str] | None = None) -> None:
+        self.words = set(words or _vocabulary())
+
+    def score(self, completion: str) -> float:
+        bare = {w.strip(".,;:!?\"'`") for w in completion.split()}
+        return min(1.0, len(bare & self.words) / self.target)
+
+
+PROBLEMS: dict[str, type[Problem]] = {LongestWord.name: LongestWord, ManyWords.name: ManyWords}
+
+
+def get_problem(name: str) -> Problem:
+    try:
+        return PROBLEMS[name]()
+    except KeyError:
+        raise ValueError(f"unknown problem {name!r}; known: {', '.join(sorted(PROBLEMS))}") from None

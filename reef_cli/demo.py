@@ -8,6 +8,9 @@ checker, and reports the score by receipt. The daemon trains on those reports in
 compares each candidate with the serving release on validation prompts, and winners go live. The demo measures
 the head on held-out prompts (words never trained on, and not the gate's), greedy, through the API: when the
 gate's figure nears the target, and at the end for the head and the first release.
+
+``--recipe sao`` runs the same with one scored answer per training step (each step a release): two prompts at a
+time, each its own step, the client waiting until the trainer has taken them before it asks the next two.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ TARGET = 0.8
 # it answers more of the validation prompts wrong than the serving release does (wins - losses >= 0).
 LEAD = 2  # rounds the client may be ahead of the trainer
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "say", "eval_n": 128}
+# sao (one rollout per step, each step a release): its periodic gate checks every 20th step on the same validation
+# prompts; the client asks SAO_PARALLEL prompts at once and waits until the trainer has taken them (SAO_LEAD rounds
+# ahead: none), since a record served more than one release behind the head is not trained on (its staleness
+# bound): measured, a client 2 rounds ahead had most of its reports dropped and waited out its timeouts
+SAO_SETTINGS: dict[str, Any] = {"gate": "periodic", "margin": 0.05, "eval_family": "say", "eval_n": 128,
+                                "eval_every": 20}
+SAO_PARALLEL, SAO_LEAD = 2, 0
+RECIPES = ("online-rl", "sao")
 
 
 def _answer(c: Any, scenario: str, prompt: str, *, temperature: float, max_tokens: int,
@@ -56,11 +67,12 @@ def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], famil
 class Board:
     """What the live display shows; fed by the client loop and the daemon's event stream."""
 
-    def __init__(self, scenario: str) -> None:
-        self.scenario = scenario
+    def __init__(self, scenario: str, target: float = TARGET, recipe: str = "online-rl") -> None:
+        self.scenario, self.target, self.recipe = scenario, target, recipe
         self.requests = 0
         self.rewards: deque[float] = deque(maxlen=256)
         self.steps = 0
+        self.done = 0  # steps finished (their gate verdict given, a release published or not): what the client paces on
         self.accepted = 0
         self.rejected = 0
         self.releases: list[dict[str, Any]] = []
@@ -78,9 +90,11 @@ class Board:
             if kind == "train.step":
                 self.steps += 1
                 m = e.get("metrics", {})
-                self.log.append(f"train step {e['step']}: batch reward {m.get('batch_reward', 0):.2f}, "
+                value = f", value loss {m['value_loss']:.3f}" if isinstance(m.get("value_loss"), (int, float)) else ""
+                self.log.append(f"train step {e['step']}: batch reward {m.get('batch_reward', 0):.2f}{value}, "
                                 f"{m.get('train_s', 0):.2f}s")
             elif kind == "gate":
+                self.done += 1
                 m = e.get("metrics", {})
                 if e["verdict"] == "accepted":
                     self.accepted += 1
@@ -108,14 +122,16 @@ class Board:
             gate = "-" if self.gate_reward is None else f"{self.gate_reward:.3f}"
             t.add_row("head validation", f"{gate} (the gate's prompts)")
             held = "-" if self.held_out is None else f"{self.held_out:.3f}"
-            t.add_row("head held-out", f"{held} (target {TARGET})")
+            t.add_row("head held-out", f"{held} (target {self.target})")
             for line in self.log:
                 t.add_row("", line)
         return Panel(t, title="reef demo: learning to answer with the word asked for")
 
 
 def _follow(client_factory: Any, board: Board, stop: threading.Event) -> None:
-    last = None
+    # from the daemon's recent history, not from now: a step that lands before the stream is connected must still
+    # count (the client paces itself on the steps; sao's first step comes within a tenth of a second)
+    last = 0
     while not stop.is_set():
         try:
             with client_factory() as c:
@@ -134,38 +150,49 @@ def demo(
     minutes: float = typer.Option(5.0, help="Stop after this many minutes."),
     scenario: str = typer.Option(None, help="Scenario name (default: a fresh demo-<time>)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a live display."),
+    recipe: str = typer.Option("online-rl", help="The recipe that learns: online-rl (batches of scored groups) "
+                               "or sao (one scored answer per step)."),
+    target: float = typer.Option(TARGET, help="Stop once the head's held-out reward reaches this."),
+    max_reports: int = typer.Option(0, help="Stop after this many reports (0: no limit)."),
 ) -> None:
     """Show the whole loop on the CPU: answers, feedback, training, gate, live releases, a better model."""
     from rich.console import Console
     from rich.live import Live
 
-    from recipes.online_rl import OnlineRL
+    from recipes import load_recipe
     from recipes.tasks import get_family
     from reef_cli.client import Client, ensure_daemon
     from reef_cli.common import config
 
+    if recipe not in RECIPES:
+        fail(f"reef demo runs one of the recipes {', '.join(RECIPES)}, not {recipe!r}", 2)
     cfg = config()
     console = Console(stderr=json_out)
     with console.status("starting the daemon"):
         client = ensure_daemon(cfg)
     family = get_family("say")
-    wanted = dict(DEMO_SETTINGS, eval_seed=seed)
-    trainer = dataclasses.asdict(OnlineRL.parse_settings(wanted))
+    sao = recipe == "sao"
+    wanted = dict(SAO_SETTINGS if sao else DEMO_SETTINGS, eval_seed=seed)
+    trainer = dataclasses.asdict(load_recipe(recipe).parse_settings(wanted))
     name = scenario or f"demo-{int(time.time())}"
     with console.status("creating the scenario (the first time, the daemon builds the demo model: a supervised "
                         "warm-up of well under a minute)"):
-        created = client.post("/reef/scenarios", {"name": name, "recipe": "online-rl", "model": DEMO_MODEL,
+        created = client.post("/reef/scenarios", {"name": name, "recipe": recipe, "model": DEMO_MODEL,
                                                   "settings": wanted}, timeout=600)
     first_release = created["head"]
     rng = random.Random(seed)
     tasks = family.train_tasks(seed)
     held = family.held_out(64, seed)
-    board = Board(name)
+    board = Board(name, target, recipe)
     stop = threading.Event()
     follower = threading.Thread(target=_follow, args=(lambda: Client(cfg, timeout=None), board, stop), daemon=True)
     follower.start()
     deadline = time.monotonic() + minutes * 60
-    prompts, group, max_tokens = trainer["batch_prompts"], trainer["group_size"], trainer["max_new_tokens"]
+    max_tokens = trainer["max_new_tokens"]
+    # one round: online-rl's batch (batch_prompts prompts, each asked group_size times at once), trained as one
+    # step; or sao's SAO_PARALLEL single prompts, each its own step
+    prompts, group = (SAO_PARALLEL, 1) if sao else (trainer["batch_prompts"], trainer["group_size"])
+    steps_per_round, lead = (prompts, SAO_LEAD) if sao else (1, LEAD)
     counter = iter(range(1 << 62))
 
     def one(task: Any, request_seed: int) -> None:
@@ -177,27 +204,31 @@ def demo(
             board.requests += 1
             board.rewards.append(family.exact(task, text))
 
-    rounds, reached = 0, False
+    rounds, reached, forgiven = 0, False, 0
     measured_at = (None, -1e9)  # (head release, when)
     with Live(board.render(), console=console, refresh_per_second=4, transient=json_out) as live, \
             ThreadPoolExecutor(prompts * group) as pool:
-        while time.monotonic() < deadline:
-            # at most LEAD rounds ahead of training: the trainer stays busy, and it trains on answers of the
-            # current head (fresh samples), not on a backlog; a trainer that stops does not stop the client
-            wait_until = min(deadline, time.monotonic() + 10)
-            while board.steps < rounds - LEAD and time.monotonic() < wait_until:
-                time.sleep(0.02)
+        while time.monotonic() < deadline and not (max_reports and board.requests >= max_reports):
+            # at most `lead` steps ahead of training: the trainer stays busy, and it trains on answers of the
+            # current head (fresh samples), not on a backlog; a trainer that stops does not stop the client (a
+            # record dropped as too stale makes no step, hence the bounded wait)
+            wait_until = min(deadline, time.monotonic() + (2 if sao else 10))
+            # (paced on finished steps: a round asked while the last step's release is still being published is
+            # served by the release before it, and its second answer would then be too stale to train on)
+            need = (rounds - lead) * steps_per_round - forgiven
+            while board.done < need and time.monotonic() < wait_until:
+                time.sleep(0.005 if sao else 0.02)
+            forgiven += max(0, need - board.done)  # dropped as too stale (they never make a step): not waited on again
             rounds += 1
-            # one round = one training batch: batch_prompts prompts, each asked group_size times at once
             round_tasks = [t for t in rng.sample(tasks, prompts) for _ in range(group)]
             list(pool.map(one, round_tasks, [seed * 1_000_003 + next(counter) for _ in round_tasks]))
             live.update(board.render())
-            if board.gate_reward is not None and board.gate_reward >= TARGET - 0.1:
-                head = client.get(f"/reef/scenarios/{name}/releases")["head"]
+            if board.gate_reward is not None and board.gate_reward >= target - 0.1:
+                head = client.get(f"/reef/scenarios/{name}/releases", limit=1)["head"]
                 if head != measured_at[0] and time.monotonic() - measured_at[1] > 5:
                     board.held_out = held_out_reward(client, name, head, held, family, max_tokens)
                     measured_at = (head, time.monotonic())
-                    if board.held_out >= TARGET:
+                    if board.held_out >= target:
                         reached = True
                         break
     stop.set()
@@ -208,7 +239,7 @@ def demo(
     after = board.held_out if reached else held_out_reward(client, name, head, held, family, max_tokens)
     result = {"scenario": name, "seed": seed, "seconds": round(elapsed, 1), "reports": board.requests,
               "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
-              "held_out_after": after, "reached_target": after >= TARGET}
+              "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target}
     if json_out:
         import json
 
@@ -232,5 +263,6 @@ def demo(
         console.print(table)
         console.print(f"held-out reward (64 prompts with words never trained on, greedy): "
                       f"{before:.2f} before -> {after:.2f} after, in {elapsed:.0f}s and {board.requests} reports")
-    if after < TARGET:
-        fail(f"the head reached {after:.2f}, below {TARGET}, within {minutes:g} minutes", 1)
+    if after < target:
+        limit = f"{minutes:g} minutes" + (f" or {max_reports} reports" if max_reports else "")
+        fail(f"the head reached {after:.2f}, below {target}, within {limit}", 1)

@@ -146,6 +146,8 @@ def show_scenario(
     for key in ("name", "recipe", "model", "records", "reports", "mean_score"):
         print(f"{key:11} {s.get(key)}")
     print(f"{'created':11} {ago(s['created_at'])}")
+    for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
+        print(f"{key:11} {value}")
 
 
 @scenarios_app.command("create")

@@ -73,6 +73,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny-demo`` (the tiny model warmed up on the ``say`` family) as ``reef model init tiny-demo`` builds it:
+    seed 0, deterministic, 15-60 s on a busy 2-core machine; for the tests that show a recipe learning."""
+    from recipes.warmup import init_built_in
+
+    return init_built_in(tmp_path_factory.mktemp("models") / "tiny-demo", "tiny-demo", seed=0)
+
+
 @dataclass
 class Daemon:
     home: Path

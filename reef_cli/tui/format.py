@@ -32,7 +32,8 @@ def number(v: Any) -> str:
 
 
 # the metrics a person looks at first, when a release has them
-KEY_METRICS = ("eval_reward", "batch_reward", "judge_bad", "judge_good", "reward", "loss", "eval_base", "margin")
+KEY_METRICS = ("eval_reward", "batch_reward", "value_loss", "batch_best", "judge_bad", "judge_good", "reward", "loss",
+               "eval_base", "margin")
 
 
 def key_metrics(metrics: dict[str, Any] | None, n: int = 3) -> str:
@@ -40,6 +41,25 @@ def key_metrics(metrics: dict[str, Any] | None, n: int = 3) -> str:
         return ""
     keys = [k for k in KEY_METRICS if k in metrics] + [k for k in metrics if k not in KEY_METRICS]
     return "  ".join(f"{k} {number(metrics[k])}" for k in keys[:n])
+
+
+def recipe_summary(steps: list[dict[str, Any]], window: int = 16) -> str:
+    """What recipes' own metrics say across ``train.step`` events: sao's critic (its value loss, averaged over the
+    last ``window`` steps: one rollout's is noisy) and ttt-discover's best attempt so far, with the release that
+    served it. Empty when no step carries them."""
+    parts = []
+    losses = [m["value_loss"] for m in (e.get("metrics") or {} for e in steps)
+              if isinstance(m.get("value_loss"), (int, float))][-window:]
+    if losses:
+        parts.append(f"value loss {number(sum(losses) / len(losses))}")
+    best: tuple[float, Any] | None = None
+    for m in (e.get("metrics") or {} for e in steps):
+        b = m.get("batch_best")
+        if isinstance(b, (int, float)) and (best is None or b > best[0]):
+            best = (float(b), m.get("batch_best_release"))
+    if best is not None:
+        parts.append(f"best attempt {number(best[0])} (release {short(best[1])})")
+    return "   ".join(parts)
 
 
 def verdict(release: dict[str, Any]) -> str:

@@ -22,7 +22,17 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Static
 
 from daemon.errors import Conflict, ReefError
-from reef_cli.tui.format import age, conversation, key_metrics, number, one_line, score, short, verdict
+from reef_cli.tui.format import (
+    age,
+    conversation,
+    key_metrics,
+    number,
+    one_line,
+    recipe_summary,
+    score,
+    short,
+    verdict,
+)
 from reef_cli.tui.widgets import ConnectionBar
 
 
@@ -538,9 +548,11 @@ class TrainingScreen(ReefScreen):
         states.update(tr.state)
         shown = {k: v for k, v in sorted(states.items()) if mine(k)}
         trainer = ", ".join(f"{k}: {v}" for k, v in shown.items()) or "no trainer activity yet"
+        summary = recipe_summary(steps)
         self.query_one("#state", Static).update(
             f"trainer {trainer}   steps {len(steps)}   reports {len(scores)}"
             + (f"   last score {number(scores[-1][1])}" if scores else "")
+            + (f"   {summary}" if summary else "")
         )
 
 

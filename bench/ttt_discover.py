@@ -1,0 +1,114 @@
+"""ttt-discover on one problem through a real daemon: do the best and the mean attempt scores rise over steps?
+
+One fresh daemon builds ``tiny-demo`` (the demo model, warmed up to say one word and stop), a ``ttt-discover``
+scenario is created with a built-in problem scorer (``longest-word`` by default: "Say one long word.", scored by the
+length of the known word answered over 12), and the bench plays the client: each round it asks the problem
+``group_size`` times at once (temperature 1), scores every attempt with the problem's scorer, and reports each score
+by receipt with the round as its ``group``; then it waits until the daemon has learned from that round (the step
+published a release or was rejected) before the next round, so every round is served by the current head. It prints
+one line per step: the round's mean and best attempt, the best attempt so far, and the gate's figures (the mean
+score of the candidate's and the head's sampled attempts), then the scenario's status (the best attempt found and
+the release that served it).
+
+Run: ``.venv/bin/python bench/ttt_discover.py [--steps 60] [--problem longest-word] [--seed 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    from recipes.tasks import get_problem
+    from recipes.ttt_discover import TTTSettings
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--problem", default="longest-word")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default="{}", help="extra recipe settings (JSON)")
+    args = ap.parse_args()
+    problem = get_problem(args.problem)
+    settings = {"problem": args.problem, **json.loads(args.settings)}
+    group = int(settings.get("group_size", TTTSettings.group_size))
+    max_tokens = int(settings.get("max_new_tokens", TTTSettings.max_new_tokens))
+    home = Path(tempfile.mkdtemp(prefix="reef-bench-ttt-"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (home / "config.toml").write_text(f"port = {port}\n")
+    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
+    reef = [sys.executable, "-m", "reef_cli.main"]
+    try:
+        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
+        t0 = time.monotonic()
+        subprocess.run([*reef, "model", "init", "tiny-demo"], env=env, check=True, capture_output=True)
+        print(f"tiny-demo built in {time.monotonic() - t0:.1f} s; problem {args.problem}: {problem.prompt!r}")
+        token = (home / "token").read_text().strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=300) as c, \
+                ThreadPoolExecutor(group) as pool:
+            c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover", "model": "tiny-demo",
+                                            "settings": settings}).raise_for_status()
+
+            def attempt(seed: int) -> tuple[str, str]:
+                r = c.post("/s/ttt/v1/chat/completions", json={
+                    "model": "tiny-demo", "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+                    "messages": [{"role": "user", "content": problem.prompt}]})
+                r.raise_for_status()
+                return r.headers["x-reef-agent-record-id"], r.json()["choices"][0]["message"]["content"] or ""
+
+            best, started = 0.0, time.monotonic()
+            print("step  mean   best-in-step  best-so-far  verdict   candidate  head   answer")
+            for step in range(1, args.steps + 1):
+                done = len(chain(c, all_=True))
+                results = list(pool.map(attempt, [args.seed * 1_000_003 + step * group + i for i in range(group)]))
+                scores = [problem.score(text) for _, text in results]
+                for (receipt, _), score in zip(results, scores, strict=True):
+                    c.post("/reef/report", json={"score": score, "references": [receipt],
+                                                 "metadata": {"group": f"round-{step}"}}).raise_for_status()
+                deadline = time.monotonic() + 300
+                while len(steps := chain(c, all_=True)) == done and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                last = steps[0] if len(steps) > done else {}
+                m = last.get("metrics") or {}
+                best = max(best, *scores)
+                top = max(zip(scores, (t for _, t in results), strict=True))[1]
+                verdict = "accepted" if last.get("operation") == "train" else last.get("verdict", "?")
+                print(f"{step:4d}  {sum(scores) / len(scores):.3f}  {max(scores):.3f}         {best:.3f}        "
+                      f"{verdict:8s}  {fmt(m.get('eval_reward'))}      "
+                      f"{fmt(m.get('base_reward'))}  {top.strip()!r}", flush=True)
+            status = c.get("/reef/scenarios/ttt").json().get("recipe_status")
+            print(f"{args.steps} steps in {time.monotonic() - started:.0f} s; scenario status: {json.dumps(status)}")
+    finally:
+        subprocess.run([*reef, "daemon", "stop"], env=env, capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def chain(c: httpx.Client, all_: bool) -> list[dict]:
+    """The scenario's steps, newest first: releases (but the init one) and rejected or skipped candidates."""
+    body = c.get("/reef/scenarios/ttt/releases", params={"all": "1"} if all_ else {}).json()
+    steps = [r for r in body["releases"] if r["operation"] != "init"] + body.get("rejected", [])
+    return sorted(steps, key=lambda r: r["created_at"], reverse=True)
+
+
+def fmt(v: object) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "  -  "
+
+
+if __name__ == "__main__":
+    main()

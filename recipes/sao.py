@@ -1,0 +1,420 @@
+"""SAO: single-rollout asynchronous optimisation. Each scored exchange is one training step, trained as soon as
+its report arrives, and each step is a release that serves the next request.
+
+Design choices (compact; the numbers are ``SAOSettings`` defaults, measured with ``bench/sao_offline.py`` on the
+demo model and ``bench/learning.py`` through the daemon):
+
+- **Data.** As online-rl: the record's ``prompt_token_ids``, sampled ``token_ids`` and their behaviour
+  ``logprobs`` (raw logits, under the release that served it), and the report's ``score``. ``batch_size``
+  rollouts per step (1 by default: no waiting for siblings, no group).
+- **Baseline.** With no group to normalise against, a learned value baseline: a linear critic head on the policy's
+  last hidden state at each completion position (the state a token is sampled from), plus the policy's own
+  confidence there (entropy, top log-prob, the log-prob of the token just sampled: functions of the state only, so
+  the baseline stays unbiased). The advantage of token ``t`` is the Monte-Carlo one, ``A_t = r - V(s_t)`` (one
+  reward at the end, undiscounted): the stop token after a right word is judged against a state that already
+  "knows" the word. Measured: the hidden state alone left the critic no better than a constant (value loss 0.2 at
+  reward 0.4); with the confidence features it halved that, and held-out 0.8 came after 4750 rollouts instead of
+  not by 4000 (0.40). The critic reads its features detached (its loss never shapes the policy), has its own AdamW
+  at ``value_lr = 1e-3`` (at 1e-2 its own noise became the advantage's and the policy collapsed onto a zero-reward
+  answer), is fit by squared error, and its bias starts at the first reward seen (that first report then carries no
+  signal and is written down as skipped). It lives in the worker's state with the policy, and is saved beside each
+  candidate (``value_head.pt``, a few hundred bytes) so that a restart, a rollback or another worker resumes it.
+- **Off-policy correction (decoupled).** The record was sampled by the serving release, which may be up to
+  ``max_staleness`` releases behind the weights being trained. Following decoupled PPO, the proximal policy is the
+  trained weights before this step: the behaviour correction ``w_t = min(is_cap, pi_prox / mu)`` is a truncated
+  importance weight (IMPALA's rho-bar: a stale sample counts at most ``is_cap`` times), and the update itself is
+  PPO's clipped ratio ``pi / pi_prox`` (which only bites when ``steps_per_batch > 1``). Tokens whose behaviour
+  log-prob is implausible (``pi_prox / mu`` below ``1 / is_cap**4``: the record no longer looks like this policy's)
+  are counted and masked out rather than trained on with a vanishing weight.
+- **Step size.** AdamW on all but the (tied) token embeddings and the last norm's scale (the policy's temperature
+  knob: noise alone would sharpen it), ``lr = 5e-4``: 1e-3 collapsed, 2e-4 learned at half the speed. ``beta2 =
+  0.999`` (a long second moment, so a small advantage makes a small step) and ``grad_clip = 10`` (a guard only:
+  one rollout's gradient norm is 3-7, and clipping it at 1 made every step the same size whatever its advantage,
+  which drove the policy to a zero-reward answer). ``beta1 = 0.95`` learned faster early on one seed and no better
+  on another; SGD with momentum learned slower.
+- **Gate: cheap, periodic.** Every step is a release, so the default gate (``periodic``) publishes each candidate
+  without evaluating it, and every ``eval_every`` steps (and on the first step of a fresh start) runs the
+  regression check: the trainer scores the candidate and the serving head greedily on ``eval_n`` validation prompts
+  (``eval_family``; none by default, then there is nothing to check) and the candidate is published unless it
+  falls more than ``margin`` below the head. A failed check puts the lineage on probation: the worker sees that its
+  last candidate was not published (the head did not move) and checks every following step until one passes, so
+  nothing unchecked follows a failure; after ``restart_after`` failures in a row training restarts from the head.
+  The reference is the serving head, not the best so far: the unchecked steps between checks move the head, and
+  measured through the daemon, an early dip of the head (validation 0.08 to 0.01, which offline runs recover from)
+  left every later candidate below "best - margin", and the scenario checked and rejected every step from then on.
+  So the check guards against a step that breaks the model, and slow drift is left to learning, as without a
+  gate. The other gates (``always``, ``floor``,
+  ``compare``, ``regression``, ``review``) also work and evaluate every step (costly at one release per step).
+- **Worker state.** One entry per lineage (model, critic, both optimizers; keyed by its last candidate, up to
+  ``MAX_LINEAGES``), so scenarios that share the worker do not reload each other's at every step.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.errors import BadRequest
+from daemon.gate import GATES, Verdict, judge
+from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.online_rl import Sample, _eval_scores, _padded
+
+VALUE_FILE = "value_head.pt"
+MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the worker keeps in memory
+
+
+@dataclass
+class SAOSettings(GateSettings):
+    gate: str = "periodic"  # periodic (regression check every eval_every steps) | always | floor | compare | ...
+    margin: float = 0.05  # the periodic check: allowed drop from the serving head's score
+    lr: float = 5e-4  # policy AdamW learning rate
+    value_lr: float = 1e-3  # critic AdamW learning rate (faster is noisier: its noise is the advantage's)
+    weight_decay: float = 0.0
+    batch_size: int = 1  # scored rollouts per step
+    max_staleness: int = 1  # releases: records served by a release older than head - this are not used
+    is_cap: float = 2.0  # truncation of the behaviour importance weight pi_prox / mu
+    clip_low: float = 0.2  # PPO clip of pi / pi_prox (steps_per_batch > 1)
+    clip_high: float = 0.28
+    steps_per_batch: int = 1  # optimizer steps per rollout
+    beta1: float = 0.9  # AdamW momentum: averages about 1 / (1 - beta1) rollouts' gradients
+    beta2: float = 0.999  # AdamW second-moment decay (long: small advantages must give small steps)
+    entropy_coef: float = 0.0
+    grad_clip: float = 10.0  # max gradient norm: a guard only (one rollout's is 3-7; see the module docstring)
+    temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
+    max_new_tokens: int = 8
+    train_embeddings: bool = False
+    train_final_norm: bool = False  # train the last norm's scale (the policy's temperature knob)
+    eval_family: str | None = None  # validation prompts of the periodic check (recipes/tasks.py)
+    eval_n: int = 64
+    eval_seed: int = 0
+    eval_every: int = 10  # steps between periodic checks (the first step after a restart is checked too)
+    restart_after: int = 3  # failed checks in a row after which training restarts from the head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- the critic -------------------------------------------------------------------------------------------------
+
+
+class ValueHead(torch.nn.Module):
+    """``V(s) = w . f(s) + b`` on the critic's features of a state (``critic_features``), one value per position."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+        self.seeded = False  # whether the bias has been set from a first reward
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden)[..., 0]
+
+
+@dataclass
+class Learner:
+    """What a SAO lineage keeps between steps (in the worker's state) besides its model: the critic, both optimizers."""
+
+    value: ValueHead
+    optimizer: torch.optim.Optimizer
+    value_optimizer: torch.optim.Optimizer
+
+
+def make_learner(model: Any, settings: SAOSettings, value: ValueHead | None = None) -> Learner:
+    if not settings.train_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    if not settings.train_final_norm:
+        for name, p in model.named_parameters():
+            if name.endswith("model.norm.weight"):
+                p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    value = value if value is not None else ValueHead(model.config.hidden_size + CONFIDENCE_FEATURES)
+    return Learner(
+        value=value,
+        optimizer=torch.optim.AdamW(params, lr=settings.lr, betas=(settings.beta1, settings.beta2),
+                                    weight_decay=settings.weight_decay),
+        value_optimizer=torch.optim.AdamW(value.parameters(), lr=settings.value_lr, betas=(0.9, 0.99)),
+    )
+
+
+def save_value(learner: Learner, directory: Path) -> None:
+    torch.save({"state": learner.value.state_dict(), "seeded": learner.value.seeded},
+               directory / VALUE_FILE)
+
+
+def load_value(directory: Path, width: int) -> ValueHead | None:
+    """The critic saved beside a release, or None (an older release, another recipe's, a mismatched width)."""
+    path = directory / VALUE_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+        value = ValueHead(width)
+        value.load_state_dict(saved["state"])
+    except Exception:  # unreadable or another shape: start the critic afresh rather than fail the step
+        return None
+    value.seeded = bool(saved.get("seeded", True))
+    return value
+
+
+def save_weights(model: Any, out: Path, base: Path, *, frozen_embeddings: bool) -> None:
+    """The candidate's model directory: its weights, and the base's tokenizer and generation files. With frozen
+    embeddings the weights are split so that the embeddings are a shard of their own, byte for byte the same in
+    every release: the chain stores that shard once (an LFS object), and each release adds only the layers that
+    changed (for the demo model 0.23 MB instead of 1.3 MB: one release per step adds up)."""
+    split = {"max_shard_size": model.get_input_embeddings().weight.numel() * 4 - 1} if frozen_embeddings else {}
+    model.save_pretrained(out, safe_serialization=True, **split)
+    for f in base.iterdir():
+        if f.is_file() and not (out / f.name).exists() and not f.name.endswith(
+                (".safetensors", ".bin", ".pt", ".safetensors.index.json")):
+            shutil.copyfile(f, out / f.name)
+
+
+# --- the training step -------------------------------------------------------------------------------------------
+
+
+def _forward(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per completion token [B, T]: log-prob (with grad), entropy, the hidden state it was sampled from, and a mask."""
+    pad = model.config.pad_token_id or 0
+    ids, mask, starts, lengths = _padded(batch, pad)
+    longest = max(len(s.token_ids) for s in batch)
+    pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
+    tmask = pos < (lengths[:, None] - 1)
+    pos = pos.clamp(max=ids.shape[1] - 2)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    rows = torch.arange(len(batch))[:, None]
+    logp_all = torch.log_softmax(out.logits.float()[rows, pos], dim=-1)
+    logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    hidden = out.hidden_states[-1][rows, pos]  # [B, T, H]
+    return logp, entropy, critic_features(hidden, logp_all, logp), tmask
+
+
+CONFIDENCE_FEATURES = 4
+
+
+def critic_features(hidden: torch.Tensor, logp_all: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """What the critic reads at each completion position [B, T, H + 4], all detached and functions of the state
+    only (never of the token sampled there, which would bias the baseline): the hidden state, and the policy's own
+    confidence there (entropy, top log-prob) and in the step before (the log-prob of the token it just sampled;
+    0 and a first-position flag at t = 0). A likely answer is a confident one, so these predict reward well."""
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        top = logp_all.max(-1).values
+        prev = torch.cat([torch.zeros_like(logp[:, :1]), logp[:, :-1]], dim=1)
+        first = torch.zeros_like(prev)
+        first[:, 0] = 1.0
+        extra = torch.stack([entropy, top, prev, first], dim=-1)
+        return torch.cat([hidden.detach().float(), extra], dim=-1)
+
+
+def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Learner) -> dict[str, float]:
+    """One SAO update on ``batch`` (usually one rollout): critic baseline, truncated behaviour weights, clipped
+    ratio; updates the policy and the critic in place and returns the step's metrics."""
+    if not batch:
+        raise ValueError("sao_step needs at least one sample")
+    for s in batch:
+        if len(s.token_ids) != len(s.logprobs) or not s.token_ids or not s.prompt_token_ids:
+            raise ValueError(f"sample of group {s.group!r}: needs a prompt and one logprob per sampled token")
+        if not math.isfinite(s.reward):
+            raise ValueError("a reward must be a finite number")
+    summary = {"reward_mean": sum(s.reward for s in batch) / len(batch), "samples": float(len(batch))}
+    longest = max(len(s.token_ids) for s in batch)
+    behaviour = torch.zeros(len(batch), longest)
+    for row, s in enumerate(batch):
+        behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    rewards = torch.tensor([s.reward for s in batch])[:, None]
+    value = learner.value
+    if not value.seeded:  # the first reward seeds the baseline: no early steps spent learning the reward's mean
+        with torch.no_grad():
+            value.linear.bias.fill_(float(rewards.mean()))
+        value.seeded = True
+    was_training = model.training
+    model.train()
+    metrics: dict[str, float] = {}
+    try:
+        logp, entropy, features, tmask = _forward(model, batch)
+        prox = logp.detach()
+        n = tmask.sum().clamp(min=1)
+        # --- the critic: fit V(s_t) to the reward, on detached features
+        v = value(features)
+        value_loss = (((v - rewards) ** 2) * tmask).sum() / n
+        # --- the advantage: reward minus the value before this update
+        adv = (rewards - v.detach()).masked_fill(~tmask, 0.0)
+        if float(adv.abs().max()) < 1e-6:  # the critic predicted the reward: nothing to learn, nothing moves
+            return {**summary, "value_loss": float(value_loss.detach()), "skipped": 1.0}
+        learner.value_optimizer.zero_grad(set_to_none=True)
+        value_loss.backward()
+        learner.value_optimizer.step()
+        # --- the behaviour correction: truncated weight pi_prox / mu, implausible tokens masked out
+        log_w = (prox - behaviour).masked_fill(~tmask, 0.0)
+        implausible = (log_w < -4 * math.log(settings.is_cap)) & tmask
+        used = tmask & ~implausible
+        w = log_w.exp().clamp(max=settings.is_cap).masked_fill(~used, 0.0)
+        n_used = used.sum().clamp(min=1)
+        for step in range(settings.steps_per_batch):
+            if step:
+                logp, entropy, _, _ = _forward(model, batch)
+            ratio = (logp - prox).masked_fill(~used, 0.0).exp()
+            clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+            surrogate = torch.minimum(ratio * adv, clipped * adv)
+            pg_loss = -(w * surrogate * used).sum() / n_used
+            mean_entropy = (entropy * tmask).sum() / n
+            loss = pg_loss - settings.entropy_coef * mean_entropy
+            learner.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], settings.grad_clip)
+            learner.optimizer.step()
+            if step == 0:
+                metrics = {
+                    "pg_loss": float(pg_loss.detach()),
+                    "entropy": float(mean_entropy.detach()),
+                    "grad_norm": float(grad_norm),
+                }
+    finally:
+        model.train(was_training)
+    with torch.no_grad():
+        iw = log_w.exp()
+        metrics.update(
+            **summary,
+            skipped=0.0,
+            tokens=float(tmask.sum()),
+            value_loss=float(value_loss),
+            value=float((v.detach()[:, :1]).mean()),  # the critic's value of the prompt (first position)
+            advantage=float((adv[:, :1]).mean()),
+            iw_mean=float((iw * tmask).sum() / n),
+            iw_max=float(iw.masked_fill(~tmask, 0).max()),
+            iw_truncated=float(((iw > settings.is_cap) & tmask).sum() / n),
+            masked_tokens=float(implausible.sum()),
+            # k3 estimator of KL(behaviour || proximal) per token: how far the trained weights are from the server
+            kl_behaviour=float(((iw - 1 - log_w) * tmask).sum() / n),
+        )
+    return metrics
+
+
+# --- the recipe -------------------------------------------------------------------------------------------------
+
+
+class SAO(Recipe):
+    """``sao``: one scored rollout per step, trained as soon as it is scored, each step a release.
+
+    Eligible: a scored exchange served by a release at most ``max_staleness`` steps behind the head. A batch is the
+    oldest ``batch_size`` of them. The worker keeps the model, the critic and both optimizers of its last candidate
+    in memory (keyed by that candidate, as online-rl does) and continues from them while the lineage goes on."""
+
+    name = "sao"
+    kind = "weights"
+    source = "scores"
+    Settings = SAOSettings
+
+    @classmethod
+    def check_settings(cls, settings: Any) -> None:
+        if settings.gate != "periodic" and settings.gate not in GATES:
+            raise BadRequest(f"unknown gate {settings.gate!r}; gates: periodic, {', '.join(GATES)}",
+                             param="settings.gate")
+        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
+            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
+                             param="settings.eval_family")
+        if settings.eval_family:
+            from recipes.tasks import get_family
+
+            try:
+                get_family(settings.eval_family)
+            except ValueError as e:
+                raise BadRequest(str(e), param="settings.eval_family") from None
+        for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
+            if getattr(settings, key) < 1:
+                raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
+        if settings.is_cap < 1:
+            raise BadRequest("recipe sao setting is_cap must be at least 1", param="settings.is_cap")
+        if settings.max_staleness < 0:
+            raise BadRequest("recipe sao setting max_staleness must be at least 0", param="settings.max_staleness")
+
+    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+        return served_step is not None and head.step - served_step <= self.settings.max_staleness
+
+    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        n = self.settings.batch_size
+        return records[:n] if len(records) >= n else None
+
+    def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
+        s: SAOSettings = self.settings
+        if s.gate != "periodic":
+            return super().judge(candidate, best=best)
+        ev = candidate.eval
+        if ev is None:
+            why = f"not a check step (checks every {s.eval_every})" if s.eval_family else \
+                "no eval_family to check on, so every step publishes"
+            return Verdict(True, "accepted", f"periodic gate: {why}", {"checked": 0})
+        # against the serving head, scored on the same prompts in the same step (not the best so far: see the
+        # module docstring)
+        verdict = judge("regression", candidate=ev.candidate, base=ev.base, best=None, margin=s.margin)
+        return Verdict(verdict.publish, verdict.verdict, f"periodic check: {verdict.reason.replace('best', 'head')}",
+                       {**verdict.metrics, "checked": 1})
+
+    def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        s: SAOSettings = self.settings
+        t0 = time.perf_counter()
+        # one entry per lineage (keyed by its last candidate), so that scenarios sharing the worker do not evict
+        # each other's model, critic and optimizers at every step
+        lineages: OrderedDict[str, dict[str, Any]] = state.setdefault("lineages", OrderedDict())
+        lin = lineages.pop(job.base_key, None)
+        # the last candidate was not published when the head has not moved since: probation, check this step
+        probation = lin is not None and lin["head"] == job.head_key and lin["made"]
+        if lin is None:
+            base = Path(job.base_path)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            learner = make_learner(model, s, load_value(base, model.config.hidden_size + CONFIDENCE_FEATURES))
+            # a fresh start (the worker's first job, a restart from the head): its first step is checked
+            lin = {"tokenizer": AutoTokenizer.from_pretrained(base), "model": model, "learner": learner,
+                   "since_check": s.eval_every, "made": False}
+        model, tokenizer, learner = lin["model"], lin["tokenizer"], lin["learner"]
+        lin["head"] = job.head_key
+        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
+                          reward=r["score"], group=r["id"]) for r in job.batch]
+        t_train = time.perf_counter()
+        metrics = sao_step(model, samples, s, learner)
+        model.eval()
+        lineages[job.base_key if metrics["skipped"] else job.candidate_key] = lin
+        while len(lineages) > MAX_LINEAGES:
+            lineages.popitem(last=False)
+        if metrics["skipped"]:  # reward equal to the value everywhere: neither the policy nor the critic moved
+            lin["made"] = False
+            metrics["train_s"] = round(time.perf_counter() - t0, 3)
+            return Candidate(metrics=metrics, skipped="no signal: the reward equals the critic's value")
+        t_save = time.perf_counter()
+        out = Path(job.work_dir)
+        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
+        save_value(learner, out)
+        lin["made"] = True
+        lin["since_check"] += 1
+        metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
+        scores = None
+        evaluate = s.gate in ("floor", "compare", "regression") or (s.gate == "periodic" and (
+            probation or lin["since_check"] >= s.eval_every))
+        if evaluate and s.eval_family:
+            t_eval = time.perf_counter()
+            if job.head_scores is not None:
+                base_scores = job.head_scores
+            else:
+                head = AutoModelForCausalLM.from_pretrained(job.head_path, dtype=torch.float32)
+                base_scores = _eval_scores(head, tokenizer, s)  # type: ignore[arg-type]
+            scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)  # type: ignore[arg-type]
+            lin["since_check"] = 0
+            metrics["eval_s"] = round(time.perf_counter() - t_eval, 3)
+        metrics["train_s"] = round(time.perf_counter() - t0, 3)
+        return Candidate(path=str(out), metrics=metrics, eval=scores)
+
+
+def _mean(xs: list[float] | None) -> float | None:
+    return None if not xs else sum(xs) / len(xs)

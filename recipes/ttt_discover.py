@@ -1,0 +1,276 @@
+"""TTT-Discover: test-time training on one problem through many scored attempts. The client asks the same problem
+again and again and scores every attempt; each step learns from a group of sibling attempts with an entropic
+advantage that pushes toward the best of them, and the release that matters is the one whose attempts score best.
+
+Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with ``bench/ttt_discover.py``):
+
+- **Report.** A report's ``score`` is the attempt's score (higher is better; the reward trained on). Its typed
+  ``metadata`` (``TTTReport``, checked at ingress: a wrong type is a 400 naming the field) may carry ``group`` (the
+  sibling attempts it belongs to: attempts of one round, or of one starting state) and ``attempt_score`` (the
+  attempt's score on the problem's own scale when the reward is a transform of it; the best attempt is ranked on
+  it, and it defaults to ``score``).
+- **Groups.** Siblings are the attempts of one ``group`` when the client names it, otherwise of one prompt (the same
+  problem, token for token). A step takes the first ``groups_per_step`` groups that have ``group_size`` attempts;
+  attempts served more than ``max_staleness`` releases behind the head are dropped (their policy is gone).
+- **Entropic advantage.** Within a group of n attempts with rewards r, the weights are ``w = n * softmax(r / tau)``
+  (``tau``: ``adv_temperature``, in reward units) and the advantage is ``A = w - 1``: zero mean over the group, the
+  best attempt pulled up hardest, and, unlike mean baselines (GRPO), an attempt just above the mean but far below
+  the best pushed *down* when tau is small. This is the gradient of the entropic objective ``tau * log E[exp(r /
+  tau)]``, which tends to the max as tau goes to 0 and to the mean as it grows (then ``A ~ (r - mean) / tau``). A
+  fixed tau in reward units rather than the paper's adaptive one: the user knows one problem's reward scale, and a
+  fixed tau keeps "how much better is better" stable across steps. A group whose rewards are all equal has no
+  signal and is counted (``degenerate_groups``), not faked.
+- **Objective.** online-rl's clipped surrogate on the behaviour log-probs recorded at serving time (the ratio
+  corrects for staleness, the clip bounds it), per-token mean, AdamW on all but the tied embeddings, gradient
+  clipping; ``steps_per_batch`` optimizer steps per group. Measured on ``longest-word``: at lr 2e-3 with 2 steps a
+  group of 8, the demo model collapsed onto its first good answer in 5 steps and never searched again; lr 2e-4, one
+  step, groups of 16 and tau 0.05 keep it searching while the mean climbs.
+- **Gate: best so far.** With a built-in ``problem`` scorer (``recipes/tasks.py``), the trainer samples
+  ``eval_attempts`` attempts from the candidate and from the serving head on the problem's prompt as the client
+  asks it (the batch's prompt tokens), at the sampling temperature with the same random stream for both (common
+  random numbers: a paired comparison), fresh for each step, and scores them; the candidate is published when its
+  mean attempt score is at least the head's (minus ``margin``). Measured: reusing the head's scores from the step
+  it won compared every later candidate with a lucky draw (the winner's curse), and from step 25 of 100 nearly all
+  were rejected with the head stuck at 0.37; with fresh streams the head climbed to 0.83. Since every published release passed that test against its parent, the
+  head is the release with the best attempt score so far; a rejected candidate leaves the head serving and the
+  lineage goes on from it, back to the head after ``restart_after`` rejections in a row. Without a scorer (the
+  client alone can score its problem) a candidate cannot be scored before it serves, so every candidate is
+  published and the best attempt stays visible in the scenario's status (serve it again with ``x-reef-release-id``
+  or roll back to it).
+- **Status.** Each step's metrics carry its batch's best attempt (score, receipt, the release that served it);
+  ``status`` folds them over the whole chain (releases and rejected steps alike, since a rejected step's attempts
+  were real attempts): the best attempt found, by which release, and the number of attempts learned from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.errors import BadRequest
+from daemon.gate import GATES, Verdict
+from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.online_rl import Sample, eos_ids, generate, make_optimizer, train_step
+from recipes.sao import save_weights
+
+
+@dataclass
+class TTTReport:
+    """The typed fields of a ttt-discover report's ``metadata`` (both optional)."""
+
+    group: str | None = None  # the sibling attempts this one belongs to (default: its prompt)
+    attempt_score: float | None = None  # the attempt's score on the problem's own scale (default: the report's score)
+
+
+@dataclass
+class TTTSettings(GateSettings):
+    gate: str = "best"  # best (the candidate's attempts must score at least the head's) | always | review
+    adv_temperature: float = 0.05  # tau of the entropic advantage (reward units): smaller pushes harder to the best
+    group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
+    groups_per_step: int = 1  # groups per training step
+    lr: float = 2e-4  # AdamW learning rate (higher collapses onto the first good attempt and stops searching)
+    weight_decay: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    entropy_coef: float = 0.0
+    grad_clip: float = 1.0
+    steps_per_batch: int = 1
+    max_staleness: int = 1  # releases: attempts served by a release older than head - this are not used
+    temperature: float = 1.0  # sampling temperature of the attempts (the ratio assumes raw logits)
+    max_new_tokens: int = 8
+    train_embeddings: bool = False
+    problem: str | None = None  # a built-in problem scorer for the gate (recipes/tasks.py PROBLEMS)
+    eval_attempts: int = 32  # attempts the gate samples from the candidate and from the head
+    eval_seed: int = 0
+    restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def group_key(record: dict[str, Any]) -> str:
+    """The sibling group of an attempt: its report's ``group``, else its prompt (the same problem, same tokens)."""
+    group = (record.get("metadata") or {}).get("group")
+    if isinstance(group, str):
+        return "g:" + group
+    return "p:" + hashlib.sha1(repr(record["prompt_token_ids"]).encode()).hexdigest()
+
+
+def entropic_advantages(rewards: list[float], tau: float) -> list[float]:
+    """``n * softmax(r / tau) - 1`` over one group: zero mean, the best attempt highest (see the module doc)."""
+    if not rewards:
+        return []
+    top = max(rewards)
+    e = [math.exp((r - top) / tau) for r in rewards]  # shifted by the max: no overflow for small tau
+    total = sum(e)
+    return [len(rewards) * x / total - 1 for x in e]
+
+
+def attempt_score(record: dict[str, Any]) -> float:
+    value = (record.get("metadata") or {}).get("attempt_score")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float(record["score"])
+
+
+class TTTDiscover(Recipe):
+    """``ttt-discover``: one problem, many attempts; entropic advantage over groups of sibling attempts; the head
+    stays on the release whose attempts score best."""
+
+    name = "ttt-discover"
+    kind = "weights"
+    source = "scores"
+    Settings = TTTSettings
+    Report = TTTReport
+
+    @classmethod
+    def check_settings(cls, settings: Any) -> None:
+        if settings.gate != "best" and settings.gate not in GATES:
+            raise BadRequest(f"unknown gate {settings.gate!r}; gates: best, {', '.join(GATES)}",
+                             param="settings.gate")
+        if settings.gate in ("floor", "compare", "regression"):
+            raise BadRequest(f"recipe ttt-discover judges with gate best, always or review, not {settings.gate!r}",
+                             param="settings.gate")
+        if settings.problem is not None:
+            from recipes.tasks import get_problem
+
+            try:
+                get_problem(settings.problem)
+            except ValueError as e:
+                raise BadRequest(str(e), param="settings.problem") from None
+        if not settings.adv_temperature > 0:
+            raise BadRequest("recipe ttt-discover setting adv_temperature must be above 0",
+                             param="settings.adv_temperature")
+        for key in ("group_size", "groups_per_step", "steps_per_batch", "eval_attempts", "max_new_tokens"):
+            if getattr(settings, key) < 1:
+                raise BadRequest(f"recipe ttt-discover setting {key} must be at least 1", param=f"settings.{key}")
+        if settings.group_size < 2:
+            raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
+                             param="settings.group_size")
+
+    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+        return served_step is not None and head.step - served_step <= self.settings.max_staleness
+
+    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in records:
+            groups.setdefault(group_key(r), []).append(r)
+        full = [g[: self.settings.group_size] for g in groups.values() if len(g) >= self.settings.group_size]
+        if len(full) < self.settings.groups_per_step:
+            return None
+        return [r for g in full[: self.settings.groups_per_step] for r in g]
+
+    def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
+        s: TTTSettings = self.settings
+        if s.gate == "always":
+            return Verdict(True, "accepted", "gate always", {})
+        if s.gate == "review":
+            return Verdict(False, "pending", "held for review: reef releases promote ID publishes it", {})
+        ev = candidate.eval
+        if ev is None or not ev.candidate or not ev.base:
+            return Verdict(True, "accepted", "gate best: no problem scorer, so every candidate serves (the best "
+                           "attempt is in the scenario's status)", {})
+        c, b = sum(ev.candidate) / len(ev.candidate), sum(ev.base) / len(ev.base)
+        ok = c >= b - s.margin
+        metrics = {"eval_reward": c, "base_reward": b, "eval_best": max(ev.candidate)}
+        return Verdict(ok, "accepted" if ok else "rejected",
+                       f"attempts {c:.3f} {'>=' if ok else '<'} head's {b:.3f}" + (f" - {s.margin}" if s.margin else ""),
+                       metrics)
+
+    def status(self, releases: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
+        best: dict[str, Any] | None = None
+        attempts = 0
+        for step in [*releases, *rejected]:
+            m = step.get("metrics") or {}
+            attempts += int(m.get("samples") or 0)
+            score = m.get("batch_best")
+            if isinstance(score, (int, float)) and (best is None or score > best["best_attempt"]):
+                best = {"best_attempt": score, "best_attempt_receipt": m.get("batch_best_receipt"),
+                        "best_attempt_release": m.get("batch_best_release"), "best_attempt_step": step.get("step")}
+        head = releases[0] if releases else {}
+        out: dict[str, Any] = {"attempts_learned_from": attempts, "head_step": head.get("step")}
+        if best is not None:
+            out.update(best)
+        if isinstance((head.get("metrics") or {}).get("eval_reward"), (int, float)):
+            out["head_attempt_score"] = head["metrics"]["eval_reward"]
+        return out
+
+    def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        s: TTTSettings = self.settings
+        t0 = time.perf_counter()
+        if state.get("key") != job.base_key:
+            base = Path(job.base_path)
+            state.clear()
+            state["tokenizer"] = AutoTokenizer.from_pretrained(base)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            state.update(model=model, optimizer=make_optimizer(model, s), key=job.base_key)  # type: ignore[arg-type]
+        model, tokenizer = state["model"], state["tokenizer"]
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(job.batch):
+            groups.setdefault(group_key(r), []).append(i)
+        adv = [0.0] * len(job.batch)
+        degenerate = 0
+        for members in groups.values():
+            rewards = [float(job.batch[i]["score"]) for i in members]
+            if max(rewards) == min(rewards):
+                degenerate += 1
+                continue
+            for i, a in zip(members, entropic_advantages(rewards, s.adv_temperature), strict=True):
+                adv[i] = a
+        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
+                          reward=float(r["score"]), group=group_key(r)) for r in job.batch]
+        scores = [attempt_score(r) for r in job.batch]
+        top = max(range(len(scores)), key=scores.__getitem__)
+        found = {"batch_best": scores[top], "batch_mean": sum(scores) / len(scores),
+                 "batch_best_receipt": job.batch[top]["id"], "batch_best_release": job.batch[top].get("release_id")}
+        judged = s.gate == "best" and s.problem is not None
+        prompt = Counter(tuple(r["prompt_token_ids"]) for r in job.batch).most_common(1)[0][0]
+        base_scores, eval_s = None, 0.0
+        # fresh common random numbers for each comparison: reusing the head's own scores from when it won would
+        # compare every candidate with a lucky draw (the winner's curse) and reject them all
+        seed = (s.eval_seed * 1_000_003 + zlib.crc32(job.id.encode())) % 2**63
+        if judged:  # the head's attempts, before this step trains the model in memory (which may be the head)
+            t_eval = time.perf_counter()
+            head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
+                job.head_path, dtype=torch.float32)
+            base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
+            eval_s = time.perf_counter() - t_eval
+        metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
+        model.eval()
+        metrics.update(found)
+        if metrics.get("skipped"):
+            metrics["train_s"] = round(time.perf_counter() - t0, 3)
+            return Candidate(metrics=metrics, skipped="no signal: every group's attempts scored alike")
+        t_save = time.perf_counter()
+        out = Path(job.work_dir)
+        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
+        state["key"] = job.candidate_key
+        metrics["save_s"] = round(time.perf_counter() - t_save, 3)
+        ev = None
+        if judged:
+            t_eval = time.perf_counter()
+            cand_scores = attempt_scores(model, tokenizer, list(prompt), s, seed)
+            ev = Scores(candidate=cand_scores, base=base_scores)
+            metrics.update(eval_s=round(eval_s + time.perf_counter() - t_eval, 3), eval_best=max(cand_scores))
+        metrics["train_s"] = round(time.perf_counter() - t0, 3)
+        return Candidate(path=str(out), metrics=metrics, eval=ev)
+
+
+def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTSettings, seed: int) -> list[float]:
+    """The problem's scores of ``eval_attempts`` attempts sampled from ``model`` with the random stream ``seed``."""
+    from recipes.tasks import get_problem
+
+    assert settings.problem is not None
+    problem = get_problem(settings.problem)
+    gen = torch.Generator().manual_seed(seed)
+    outs = generate(model, [prompt] * settings.eval_attempts, eos=eos_ids(model, tokenizer),
+                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, generator=gen)
+    return [problem.score(tokenizer.decode(ids, skip_special_tokens=True)) for ids, _ in outs]

@@ -1,0 +1,221 @@
+"""The ``ttt-discover`` recipe: the entropic advantage, sibling groups, the best-so-far gate and the status it
+shows, on their own; and through a real daemon: typed reports (a bad field is a 400 naming it), the scenario's
+status (the best attempt and the release that found it), a kill -9 mid-step, the CLI, and (slow) that the best and
+the mean attempt scores rise on the demo model's problem."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from recipes.base import Candidate, Head, Scores
+from recipes.tasks import get_problem
+from recipes.ttt_discover import TTTDiscover, TTTSettings, entropic_advantages, group_key
+from tests.conftest import Daemon, assert_canonical_error
+from tests.demo_model import demo_config
+from tests.test_learning import releases, wait_for
+
+# --- on their own -------------------------------------------------------------------------------------------------
+
+
+def test_the_entropic_advantage_pushes_toward_the_best_not_the_mean():
+    rewards = [0.2, 0.5, 0.6, 1.0]
+    sharp, flat = entropic_advantages(rewards, 0.05), entropic_advantages(rewards, 10.0)
+    for adv in (sharp, flat):
+        assert sum(adv) == pytest.approx(0.0, abs=1e-9)  # zero mean over the group
+        assert adv == sorted(adv)  # better attempts, higher advantage
+    # at a small temperature only the best is pulled up: 0.6 is above the mean (0.575) yet pushed down
+    assert sharp[3] == pytest.approx(3.0, abs=2e-3) and sharp[2] < 0 and sharp[1] < 0
+    # at a large one it is the mean baseline, scaled: (r - mean) / tau
+    mean = sum(rewards) / len(rewards)
+    assert flat == pytest.approx([(r - mean) / 10.0 for r in rewards], abs=2e-3)
+    assert flat[2] > 0
+    assert entropic_advantages([0.3, 0.3], 0.05) == [0.0, 0.0]
+    assert entropic_advantages([0.0, 1e6], 1e-3) == [-1.0, 1.0]  # no overflow
+
+
+def record(rid: str, score: float, prompt: list[int], group: str | None = None, release: str = "r0") -> dict[str, Any]:
+    return {"id": rid, "score": score, "prompt_token_ids": prompt, "token_ids": [5], "logprobs": [-1.0],
+            "release_id": release, "metadata": {"group": group} if group else None}
+
+
+def test_a_step_takes_a_full_group_of_sibling_attempts():
+    recipe = TTTDiscover(TTTSettings(group_size=3))
+    a = [record(f"a{i}", 0.1 * i, [1, 2]) for i in range(2)]
+    b = [record(f"b{i}", 0.1 * i, [1, 2], group="round-1") for i in range(3)]
+    assert recipe.batch(a) is None  # two of three siblings: wait
+    assert [r["id"] for r in recipe.batch(a + b)] == ["b0", "b1", "b2"]  # same prompt, but the group named
+    assert recipe.batch(a + [record("a2", 0.9, [1, 2])]) is not None
+    assert group_key(a[0]) != group_key(b[0]) != group_key(record("c", 0, [1, 3]))
+    two = TTTDiscover(TTTSettings(group_size=2, groups_per_step=2))
+    assert two.batch(a) is None and len(two.batch(a + b[:2])) == 4
+    head = Head("h", "c", 5)
+    assert recipe.eligible(a[0], head=head, served_step=4) and not recipe.eligible(a[0], head=head, served_step=3)
+
+
+def test_the_gate_publishes_only_attempts_at_least_as_good_as_the_heads():
+    recipe = TTTDiscover(TTTSettings(problem="longest-word"))
+    better = recipe.judge(Candidate(eval=Scores(candidate=[0.5, 0.7], base=[0.5, 0.6])), best=None)
+    assert better.publish and better.metrics["eval_reward"] == pytest.approx(0.6) and better.metrics["eval_best"] == 0.7
+    equal = recipe.judge(Candidate(eval=Scores(candidate=[0.6, 0.5], base=[0.5, 0.6])), best=None)
+    assert equal.publish  # a tie keeps the search moving
+    worse = recipe.judge(Candidate(eval=Scores(candidate=[0.5, 0.5], base=[0.5, 0.6])), best=None)
+    assert not worse.publish and worse.verdict == "rejected" and "head's 0.550" in worse.reason
+    blind = TTTDiscover(TTTSettings()).judge(Candidate(), best=None)  # no scorer: nothing to compare before serving
+    assert blind.publish and "no problem scorer" in blind.reason
+    assert TTTDiscover(TTTSettings(gate="review")).judge(Candidate(), best=None).verdict == "pending"
+
+
+def test_the_status_is_the_best_attempt_over_releases_and_rejected_steps():
+    def step(n: int, best: float, receipt: str, release: str, **extra: Any) -> dict[str, Any]:
+        return {"step": n, "metrics": {"samples": 4, "batch_best": best, "batch_best_receipt": receipt,
+                                       "batch_best_release": release, **extra}}
+
+    releases_ = [step(2, 0.5, "rec_b", "rel_1", eval_reward=0.45), step(1, 0.4, "rec_a", "rel_0"),
+                 {"step": 0, "metrics": {}}]
+    rejected = [step(3, 0.9, "rec_c", "rel_2")]  # a rejected step's attempts were real attempts
+    status = TTTDiscover(TTTSettings()).status(releases_, rejected)
+    assert status == {"attempts_learned_from": 12, "head_step": 2, "best_attempt": 0.9,
+                      "best_attempt_receipt": "rec_c", "best_attempt_release": "rel_2", "best_attempt_step": 3,
+                      "head_attempt_score": 0.45}
+    assert TTTDiscover(TTTSettings()).status([{"step": 0, "metrics": {}}], []) == {
+        "attempts_learned_from": 0, "head_step": 0}
+
+
+def test_the_longest_word_problem_scores_known_words_by_length():
+    problem = get_problem("longest-word")
+    assert problem.score(" conversation") == 1.0 and problem.score("professional.") == 1.0
+    assert problem.score("file") == pytest.approx(4 / 12)
+    assert problem.score("file and more") == pytest.approx(2 / 12)  # a known word first, then more: half
+    assert problem.score("zzzzzzzzzzzzzzzz") == 0.0 and problem.score("") == 0.0
+
+
+# --- through a real daemon --------------------------------------------------------------------------------------
+
+
+def ttt_toml(**kw: Any) -> str:
+    return "\n[recipes.ttt-discover]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kw.items())
+
+
+def attempt(c: httpx.Client, scenario: str, prompt: str = "Say one long word.", model: str = "tiny",
+            seed: int | None = None) -> tuple[str, str, str]:
+    body: dict[str, Any] = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]}
+    if seed is not None:
+        body["seed"] = seed
+    r = c.post(f"/s/{scenario}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.headers["x-reef-agent-record-id"], r.headers["x-reef-release-id"], \
+        r.json()["choices"][0]["message"]["content"] or ""
+
+
+def consumed(c: httpx.Client, scenario: str) -> list[str]:
+    chain = releases(c, scenario, True)
+    return [r for x in chain["releases"] + chain["rejected"] for r in x.get("receipts", [])]
+
+
+def test_reports_that_break_the_schema_are_a_400_naming_the_field_and_the_status_shows_the_best(
+        daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(ttt_toml(group_size=2))
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover"}).status_code == 201
+        receipts = [attempt(c, "ttt")[0] for _ in range(4)]
+        for metadata, param in (({"group": 7}, "metadata.group"), ({"attempt_score": "high"}, "metadata.attempt_score"),
+                                ({"attempt_score": True}, "metadata.attempt_score")):
+            r = c.post("/reef/report", json={"score": 0.5, "references": [receipts[0]], "metadata": metadata})
+            assert assert_canonical_error(r, 400)["param"] == param, (metadata, r.text)
+        assert c.get(f"/reef/records/{receipts[0]}").json()["reports"] == []  # nothing stored
+        # two groups of two: the second round's best (attempt_score 9, on the problem's own scale) is the best
+        for receipt, score, metadata in ((receipts[0], 0.2, {"group": "r1"}), (receipts[1], 0.6, {"group": "r1"}),
+                                         (receipts[2], 0.1, {"group": "r2"}),
+                                         (receipts[3], 0.9, {"group": "r2", "attempt_score": 9})):
+            assert c.post("/reef/report", json={"score": score, "references": [receipt], "metadata": metadata}
+                          ).status_code == 201
+        wait_for(lambda: len(consumed(c, "ttt")) == 4, what="both groups learned from")
+        chain = releases(c, "ttt")
+        assert [sorted(r["receipts"]) for r in chain["releases"][:2]] == [sorted(receipts[2:]), sorted(receipts[:2])]
+        status = c.get("/reef/scenarios/ttt").json()["recipe_status"]
+        served_by = c.get(f"/reef/records/{receipts[3]}").json()["release_id"]
+        assert status["best_attempt"] == 9 and status["best_attempt_receipt"] == receipts[3]
+        assert status["best_attempt_release"] == served_by and status["attempts_learned_from"] == 4
+        # a recipe without a status hook shows none; the same metadata is free on it
+        c.post("/reef/scenarios", json={"name": "plain", "recipe": "online-rl"})
+        assert "recipe_status" not in c.get("/reef/scenarios/plain").json()
+        other = attempt(c, "plain")[0]
+        assert c.post("/reef/report", json={"score": 1, "references": [other], "metadata": {"group": 7}}
+                      ).status_code == 201
+    shown = d.cli("scenarios", "show", "ttt").stdout
+    assert f"best_attempt_receipt {receipts[3]}" in shown and "best_attempt 9" in shown
+    out = d.cli("scenarios", "create", "cli-ttt", "--recipe", "ttt-discover")
+    assert out.returncode == 0
+    with d.http() as c:
+        assert c.get("/reef/scenarios/cli-ttt").json()["recipe"] == "ttt-discover"
+        bad = c.post("/reef/scenarios", json={"name": "b", "recipe": "ttt-discover", "settings": {"problem": "x"}})
+        assert assert_canonical_error(bad, 400)["param"] == "settings.problem"
+        bad = c.post("/reef/scenarios", json={"name": "b", "recipe": "ttt-discover", "settings": {"group_size": 1}})
+        assert assert_canonical_error(bad, 400)["param"] == "settings.group_size"
+
+
+def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(ttt_toml(group_size=2, steps_per_batch=1500))  # a few seconds a step
+    with d.http() as c:
+        c.post("/reef/scenarios", json={"name": "crash", "recipe": "ttt-discover"})
+
+        def round_(name: str, scores: tuple[float, float]) -> list[str]:
+            got = [attempt(c, "crash")[0] for _ in scores]
+            for receipt, score in zip(got, scores, strict=True):
+                assert c.post("/reef/report", json={"score": score, "references": [receipt],
+                                                    "metadata": {"group": name}}).status_code == 201
+            return got
+
+        first = round_("r1", (0.0, 1.0))
+        published = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 1 and r, timeout=180,
+                             what="the first release")["releases"][0]
+        second = round_("r2", (1.0, 0.0))
+        wait_for(lambda: c.get("/reef/status").json()["learning"].get("crash") == "training", what="training")
+    d.kill9()
+    d.start()
+    with d.http() as c:
+        chain = releases(c, "crash", True)
+        assert chain["head"] == published["release_id"] and not chain["rejected"]
+        chain = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 2 and r, timeout=180,
+                         what="the interrupted step trained again")
+        assert chain["releases"][0]["parent"] == published["release_id"]
+        got = consumed(c, "crash")
+        assert sorted(got) == sorted(first + second) and len(got) == len(set(got))
+
+
+@pytest.mark.slow
+def test_the_best_and_mean_attempt_scores_rise_on_the_demo_models_problem(daemon_factory: Any,
+                                                                          tiny_demo_model: Any) -> None:
+    """``longest-word`` on the demo model, 40 rounds of 16 attempts (the bench runs longer): the head's attempt
+    score (the gate's, on fresh samples) rises well above the first head's, every published release scored at
+    least its parent on the same samples, and the status names the best attempt reported and its release."""
+    problem = get_problem("longest-word")
+    d: Daemon = daemon_factory(demo_config(tiny_demo_model, "ttt-discover", problem="longest-word"))
+    scores: dict[str, float] = {}
+    with d.http() as c, ThreadPoolExecutor(16) as pool:
+        assert c.post("/reef/scenarios", json={"name": "find", "recipe": "ttt-discover", "model": "tiny-demo"}
+                      ).status_code == 201
+        for n in range(40):
+            got = list(pool.map(lambda i, n=n: attempt(c, "find", problem.prompt, "tiny-demo", seed=n * 16 + i),
+                                range(16)))
+            for receipt, _, text in got:
+                scores[receipt] = problem.score(text)
+                assert c.post("/reef/report", json={"score": scores[receipt], "references": [receipt],
+                                                    "metadata": {"group": f"round-{n}"}}).status_code == 201
+            wait_for(lambda n=n: len(consumed(c, "find")) == 16 * (n + 1), timeout=120, what=f"round {n}")
+        chain = releases(c, "find", True)
+        status = c.get("/reef/scenarios/find").json()["recipe_status"]
+        best_release = c.get(f"/reef/records/{status['best_attempt_receipt']}").json()["release_id"]
+    trained = [r for r in chain["releases"] if r["operation"] == "train"]
+    assert trained and all(r["metrics"]["eval_reward"] >= r["metrics"]["base_reward"] for r in trained)
+    assert all(r["metrics"]["eval_reward"] < r["metrics"]["base_reward"] for r in chain["rejected"]
+               if r["verdict"] == "rejected")
+    first = min(trained, key=lambda r: r["step"])["metrics"]["base_reward"]
+    assert chain["releases"][0]["metrics"]["eval_reward"] >= first + 0.15, (first, chain["releases"][0]["metrics"])
+    assert status["best_attempt"] == max(scores.values()) and status["best_attempt_release"] == best_release
+    assert status["attempts_learned_from"] == 16 * 40
