@@ -294,3 +294,38 @@ def test_hints_give_only_the_hinted_turns_a_teacher_signal(tiny_model: Any) -> N
     assert on[0].token_bonus == [0.5 * (x + 8.0) for x in t]
     off = OpenClawRL(OpenClawRL.parse_settings({})).samples(batch, model, tok)
     assert all(s.token_bonus is None for s in off)  # hints are off by default
+
+
+def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(daemon_factory: Any) -> None:
+    """The judged turns of an interrupted step are trained on again after a restart, once: the verdicts are
+    reports (durable), and the interrupted candidate never reaches the chain."""
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\nbatch_prompts = 2\ngate = "always"\n'
+                               "steps_per_batch = 800\n")  # a few seconds a step
+
+    def session(c: httpx.Client, prompt: str, reply: str) -> str:
+        answer, receipt = chat(c, "crash", [{"role": "user", "content": prompt}], **{"x-reef-session": prompt})
+        chat(c, "crash", [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": reply}], **{"x-reef-session": prompt})
+        judged(c, receipt)
+        return receipt
+
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "crash", "recipe": "openclaw-rl"}).status_code == 201
+        first = [session(c, "Say file.", "thanks, next"), session(c, "Say door.", "No, that's wrong")]
+        published = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 1 and r, timeout=180,
+                             what="the first release")["releases"][0]
+        second = [session(c, "Say a.", "thanks"), session(c, "Say b.", "no")]
+        wait_for(lambda: c.get("/reef/status").json()["learning"].get("crash") == "training", what="training")
+    d.kill9()
+    d.start()
+    with d.http() as c:
+        chain = releases(c, "crash", True)
+        assert chain["head"] == published["release_id"]  # nothing of the interrupted step published
+        assert [r["operation"] for r in chain["releases"]] == ["train", "init"]
+        chain = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 2 and r, timeout=180,
+                         what="the interrupted step trained again")
+        assert chain["releases"][0]["parent"] == published["release_id"]
+        assert sorted(chain["releases"][0]["receipts"]) == sorted(second)
+        full = releases(c, "crash", True)
+        got = [r for x in full["releases"] + full["rejected"] for r in x.get("receipts", [])]
+        assert sorted(got) == sorted(first + second) and len(got) == len(set(got))
