@@ -223,7 +223,7 @@ def test_the_judge_model_gets_the_documented_request_and_garbage_is_neutral(
         assert v.get("score") is None and "timed out" in v["feedback"] and v["metadata"]["verdict"] == "neutral"
 
 
-def test_bad_settings_for_the_judge_are_refused(daemon_factory: Any) -> None:
+def test_bad_settings_for_the_judge_are_refused_and_the_cli_binds_the_recipe(daemon_factory: Any) -> None:
     d: Daemon = daemon_factory()
     with d.http() as c:
         r = c.post("/reef/scenarios", json={"name": "ob", "recipe": "openclaw-rl", "settings": {"judge": "nope"}})
@@ -232,6 +232,10 @@ def test_bad_settings_for_the_judge_are_refused(daemon_factory: Any) -> None:
                                             "settings": {"judge_timeout_s": 0}})
         assert r.status_code == 400 and "judge_timeout_s" in r.text
         assert "ob" not in json.dumps(c.get("/reef/scenarios").json())
+    out = d.cli("scenarios", "create", "cli-oc", "--recipe", "openclaw-rl")
+    assert out.returncode == 0, out.stderr
+    with d.http() as c:
+        assert c.get("/reef/scenarios/cli-oc").json()["recipe"] == "openclaw-rl"
 
 
 def test_the_training_screen_shows_the_judges_counts() -> None:
