@@ -26,8 +26,8 @@ Design choices:
 - **Opening a model.** The directory is checked first (missing, not a model, truncated weights: an error naming
   the path, ``daemon/model_dirs.py``) and loaded with ``local_files_only``: a path never turns into a download.
 - **Sampling.** temperature (default 1, 0 = greedy), top_k, top_p, on float32 logits on the CPU with a
-  ``torch.Generator`` per request (``seed`` makes a request repeatable: exactly when it runs alone, and up to
-  float rounding of the logits when batched with others). Stops: an EOS token (``"stop"``), a stop
+  ``torch.Generator`` per request (``seed`` makes a request repeatable: exactly when it runs alone from a cold
+  prefill, and up to float rounding of the logits when batched with others or prefilled from the prefix cache). Stops: an EOS token (``"stop"``), a stop
   string in the decoded text (trimmed, ``"stop_sequence"``; text that could begin a stop string is held back
   until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``, clamped to the room left in the context;
   ``"length"``).
