@@ -27,10 +27,10 @@ Design choices:
   the path, ``daemon/model_dirs.py``) and loaded with ``local_files_only``: a path never turns into a download.
 - **Sampling.** temperature (default 1, 0 = greedy), top_k, top_p, on float32 logits on the CPU with a
   ``torch.Generator`` per request (``seed`` makes a request repeatable: exactly when it runs alone from a cold
-  prefill, and up to float rounding of the logits when batched with others or prefilled from the prefix cache). Stops: an EOS token (``"stop"``), a stop
-  string in the decoded text (trimmed, ``"stop_sequence"``; text that could begin a stop string is held back
-  until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``, clamped to the room left in the context;
-  ``"length"``).
+  prefill, and up to float rounding of the logits when batched with others or prefilled from the prefix cache).
+  Stops: an EOS token (``"stop"``), a stop string in the decoded text (trimmed, ``"stop_sequence"``; text that
+  could begin a stop string is held back until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``,
+  clamped to the room left in the context; ``"length"``).
 - **Log-probs.** ``Completion.logprobs[i]`` is the log-softmax of the raw logits (temperature 1, before top-k /
   top-p) at the sampled token: the model's own distribution, which is what RL recomputes and compares against.
   ``token_ids`` are exactly the sampled ids, EOS included; ``text`` leaves out special tokens.
