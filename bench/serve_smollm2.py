@@ -75,12 +75,14 @@ PI_TOOLS = [
     )
 ]
 PROJECT_NOTES = "\n".join(f"- src/module_{k}.py: {json.dumps({'owner': f'team-{k % 5}', 'lines': 40 * k})}"
-                          for k in range(60))
+                          for k in range(30))
 
 
 def pi_system(variant: int) -> str:
     tools = "\n".join(json.dumps(t) for t in PI_TOOLS)
-    return (f"{PI_SYSTEM}\n# Tools\n{tools}\n\n# Project context (session {variant})\n{PROJECT_NOTES}\n"
+    # the variant comes first: a conversation's turn 1 must not share a prefix with another's (in real use it
+    # does: pi sends the same system prompt in every run, so a new run's first turn is served warm too)
+    return (f"Session {variant}. {PI_SYSTEM}\n# Tools\n{tools}\n\n# Project context\n{PROJECT_NOTES}\n"
             f"Current working directory: /home/user/project-{variant}")
 
 
