@@ -223,3 +223,25 @@ async def test_the_prefix_cache_is_kept_per_load_never_shared_between_adapters_o
         assert c.logprobs == pytest.approx(rescored(refs[name], c), abs=1e-4), name
     # the premise: the releases' weights differ on this prompt (a shared entry would change the answer)
     assert max(abs(x - y) for x, y in zip(first["a"].logprobs, rescored(refs["base"], first["a"]), strict=True)) > 0.05
+
+
+async def test_a_dropped_load_leaves_no_prefix_cache_entry(tiny_model: Path, adapters: dict[str, ReleaseRef]) -> None:
+    """Budget 0: a release's load is dropped as soon as it is loaded, while its request runs on. That request's KV
+    could only serve the same load, which no later request gets (the release loads again under a new id), so it is
+    not kept; a load the engine keeps (the model's own) still keeps its entries."""
+    engine = TransformersEngine(ModelEntry(name="tiny", path=tiny_model, threads=1, memory_budget_mb=0))
+    await engine.start()
+    try:
+        prompt = "You are a coding agent. Read the files, run the tests and explain the change. " * 6
+        ex = Exchange(format="openai-chat", model="tiny", messages=[Message("user", [Part("text", prompt)])],
+                      sampling=Sampling(max_tokens=8, temperature=0))
+        on_a = await run(engine, ex, adapters["a"])
+        assert adapters["a"].content_id not in engine.resident
+        again = await run(engine, ex, adapters["a"])  # runs after the first one's step: its entry would be in
+        assert again.runtime_load_id != on_a.runtime_load_id and again.usage.cache_read_tokens == 0
+        plain = [await run(engine, ex, None) for _ in range(2)]
+        assert plain[1].usage.cache_read_tokens == len(plain[1].prompt_token_ids) - 1
+        held = {e.load_id for e in engine.prefix_cache._entries.values()}
+        assert on_a.runtime_load_id not in held and plain[0].runtime_load_id in held
+    finally:
+        await engine.close()

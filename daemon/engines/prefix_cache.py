@@ -19,7 +19,8 @@ Design choices:
   the matmul shapes differ, so logits agree up to float rounding.
 - **Bounded.** At most ``max_entries`` entries and ``budget_bytes`` of tensors, least recently used out first. An
   entry that a newer one extends is dropped (it can never match longer than its extension), and one that an existing
-  entry already extends is not kept. Entries of a load that the engine dropped are forgotten with it.
+  entry already extends is not kept. Entries of a load that the engine dropped are forgotten with it, and a
+  request still running on it stores none (no later request gets that load: its release loads again, under a new id).
 - **Threads.** The generation thread looks up and stores; the event loop forgets dropped loads. One lock.
 """
 

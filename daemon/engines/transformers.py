@@ -107,6 +107,9 @@ class Load:
     # this load decodes with (None: the model's own weights)
     lora: Adapters = field(default_factory=Adapters)
     adapter: str | None = None
+    # set once the engine has dropped this load: a request still running on it keeps no prefix cache entry (a
+    # later request on the same release gets a new load, with a new id, so the entry could never be used)
+    dropped: bool = False
 
     def forward(self, ids: torch.Tensor, cache: Any, adapters: list[str | None] | None = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -501,8 +504,11 @@ class TransformersEngine(Engine):
             self._loads += 1
             load_id = f"{self.incarnation}:{self._loads}"
         await self._between_steps(functools.partial(base.lora.attach, base.model, load_id, weights))
-        self._resident.setdefault(release.base.content_id, base)  # dropped meanwhile: it stays while adapters do
-        load = dataclasses.replace(base, id=load_id, path=release.path, adapter=load_id, nbytes=weights.nbytes)
+        # the base may have been dropped meanwhile: it stays (and keeps prefix cache entries again) while adapters do
+        if self._resident.setdefault(release.base.content_id, base) is base:
+            base.dropped = False
+        load = dataclasses.replace(base, id=load_id, path=release.path, adapter=load_id, nbytes=weights.nbytes,
+                                   dropped=False)
         detach = weakref.finalize(load, self._post, functools.partial(base.lora.detach, load_id))
         detach.atexit = False
         return load
@@ -551,6 +557,7 @@ class TransformersEngine(Engine):
             if self._active[load.id] == 0 and not based_on:
                 del self._resident[key]
                 total -= load.nbytes
+                load.dropped = True  # before forget: a store racing the two leaves at most one entry, aged out
                 self.prefix_cache.forget(load.id)
 
     @property
@@ -701,7 +708,7 @@ class TransformersEngine(Engine):
         return n
 
     def _remember(self, seq: _Seq, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if seq.load.batchable:
+        if seq.load.batchable and not seq.load.dropped:
             self.prefix_cache.store(seq.load.id, seq.fed, layers)
 
     def _decode(self, batch: _Batch) -> None:
