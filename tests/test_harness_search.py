@@ -41,7 +41,7 @@ def one(**m: Any) -> str:
 # --- the mutation form and its screens (no daemon) ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer, why", [
+MALFORMED = [
     ("Sure! Remove the French rule.", "not one JSON object"),
     ('{"mutations": []}', "non-empty list"),
     ('{"mutations": [{"op": "remove", "kind": "rule", "id": "french"}]}', "reason is required"),
@@ -50,9 +50,14 @@ def one(**m: Any) -> str:
     ('{"mutations": [{"op": "create", "kind": "rule", "id": "a", "text": "t", "path": "/etc/x", "reason": "x"}]}',
      "unknown or misplaced keys path"),
     ('{"mutations": [], "note": 1}', "nothing else"),
+    (json.dumps({"mutations": [{"op": "remove", "kind": "rule", "id": f"r{i}", "reason": "x"} for i in range(9)]}),
+     "at most 8 per proposal"),
     ('{"mutations": [{"op": "create", "kind": "skill", "id": "s", "files": {"notes.md": "x"}, "reason": "x"}]}',
      "needs SKILL.md"),
-])
+]
+
+
+@pytest.mark.parametrize("answer, why", MALFORMED, ids=[why for _, why in MALFORMED])
 def test_malformed_proposals_are_refused_with_a_reason(answer: str, why: str) -> None:
     with pytest.raises(Refused) as e:
         apply(TREE, parse(answer))
@@ -111,12 +116,39 @@ def test_executable_content_passes_only_where_allowed_and_is_flagged() -> None:
 def test_the_pareto_front_keeps_a_tree_that_is_best_on_one_task() -> None:
     pool = Pool()
     a, b, c = {"AGENTS.md": b"a"}, {"AGENTS.md": b"b"}, {"AGENTS.md": b"c"}
-    for tree, scores in ((a, (1, 0)), (b, (0, 1)), (c, (0, 0.5))):  # a: best mean-ties b; c: dominated by b
+    for tree, scores in ((a, (1, 0)), (b, (0.5, 1)), (c, (0, 0.5))):  # a: best on x, lowest mean but c's; c: dominated
         pool.record(tree, "x", scores[0])
         pool.record(tree, "y", scores[1])
     assert {m.id for m in pool.front(["x", "y"])} == {tree_id(a), tree_id(b)}
     drawn = {pool.sample(["x", "y"], seed=str(i), fallback=pool.members[tree_id(a)]).id for i in range(30)}
     assert drawn == {tree_id(a), tree_id(b)}  # both are parents; the dominated one never is
+
+
+def test_the_gate_publishes_on_margin_and_holds_executables_and_review_for_a_person() -> None:
+    from daemon.errors import BadRequest
+    from recipes.base import Candidate, Scores
+    from recipes.harness_search import HarnessSearch
+
+    tasks = [{"id": "a", "prompt": "p", "check": "true"}, {"id": "b", "prompt": "p", "check": "true"}]
+    recipe = HarnessSearch(HarnessSearch.parse_settings({"tasks": tasks}))
+    mixed = Scores(candidate=[1.0, 0.0], base=[0.0, 1.0])  # better on one task, worse on the other
+    better = Scores(candidate=[1.0, 1.0], base=[0.0, 1.0])
+    assert not recipe.judge(Candidate(tree={}, eval=mixed, details={"origin": "proposal"}), best=None).publish
+    assert recipe.judge(Candidate(tree={}, eval=better, details={"origin": "proposal"}), best=None).publish
+    # a retirement needs only to lose nothing: a skill whose removal ties did not help
+    assert recipe.judge(Candidate(tree={}, eval=mixed, details={"origin": "retire"}), best=None).publish
+    held = recipe.judge(Candidate(tree={}, eval=better, details={"executable": ["skills/s/run.sh"]}), best=None)
+    assert (held.publish, held.verdict) == (False, "pending") and "executable" in held.reason
+    review = HarnessSearch(HarnessSearch.parse_settings({"tasks": tasks, "gate": "review"}))
+    assert review.judge(Candidate(tree={}, eval=better, details={}), best=None).verdict == "pending"
+    assert review.judge(Candidate(tree={}, eval=mixed, details={}), best=None).verdict == "rejected"
+    loose = HarnessSearch(HarnessSearch.parse_settings({"tasks": tasks, "margin": 0}))
+    assert loose.judge(Candidate(tree={}, eval=mixed, details={}), best=None).publish  # the gate's rule says so
+    for bad, why in (({}, "needs tasks"), ({"tasks": tasks, "max_episodes": 3}, "cannot pair 2 task"),
+                     ({"tasks": [{"id": "a", "prompt": "p"}]}, "check is required"),
+                     ({"tasks": tasks, "gate": "always"}, "compare or review")):
+        with pytest.raises(BadRequest, match=why):
+            HarnessSearch.parse_settings(bad)
 
 
 # --- the loop with the real agent ---------------------------------------------------------------------------

@@ -122,14 +122,14 @@ class HarnessSearch(Recipe):
         spend: dict[str, Any] = {"proposer_calls": 0, "episodes": 0, "proposer_s": 0.0, "episode_s": 0.0}
         await self._remember(batch, ctx)
         serving = self.pool.add(tree, origin="serving")
-        details: dict[str, Any] = {"refused": [], "mutations": [], "spend": spend}
+        details: dict[str, Any] = {"proposals_refused": [], "mutations": [], "spend": spend}
 
         made = self._retirement(serving)
         if made is None:
             made = await self._propose(serving, tasks, ctx, spend, details)
         if made is None:
             summary = f"no usable proposal in {spend['proposer_calls']} call(s): " + \
-                "; ".join(r["reason"] for r in details["refused"])
+                "; ".join(r["reason"] for r in details["proposals_refused"])
             details["summary"] = summary
             return Candidate(skipped=summary, consume=False, metrics=self._metrics(spend, details), details=details)
         candidate, origin, parent = made
@@ -183,14 +183,18 @@ class HarnessSearch(Recipe):
     async def _remember(self, batch: list[dict[str, Any]], ctx: HarnessContext) -> None:
         s: HarnessSearchSettings = self.settings
         reader = getattr(ctx, "record", None)
+        known = {r["report"] for r in self.bad_runs}
         for rep in batch:
+            if rep["id"] in known:  # a batch kept by a step that found no usable proposal comes again
+                continue
             body = rep.get("report") or {}
             meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
             feedback = body.get("feedback")
             if not isinstance(feedback, str):
                 feedback = json.dumps(feedback)
             if meta.get("kind") == "instruction":
-                self.instructions.append(feedback[:2000])
+                if feedback[:2000] not in self.instructions:
+                    self.instructions.append(feedback[:2000])
                 continue
             score = body.get("score")
             if isinstance(score, (int, float)) and score >= s.bad_below:
@@ -242,7 +246,7 @@ class HarnessSearch(Recipe):
                 if applied.tree == parent.tree or tree_id(applied.tree) == serving.id:
                     raise Refused("the mutations change nothing")
             except Refused as e:
-                details["refused"].append({"attempt": attempt, "reason": e.reason, "answer": answer[:500]})
+                details["proposals_refused"].append({"attempt": attempt, "reason": e.reason, "answer": answer[:500]})
                 log.info("harness-search proposal refused: %s", e.reason)
                 continue
             details["mutations"] = applied.mutations
@@ -280,14 +284,15 @@ class HarnessSearch(Recipe):
         return out
 
     def _metrics(self, spend: dict[str, Any], details: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {**spend, "refused_proposals": len(details["refused"]), "pool": len(self.pool.members)}
+        out: dict[str, Any] = {**spend, "refused_proposals": len(details["proposals_refused"]),
+                               "pool": len(self.pool.members)}
         for tid, v in (details.get("tasks") or {}).items():
             out[f"task.{tid}.candidate"] = round(v["candidate"], 4)
             out[f"task.{tid}.serving"] = round(v["serving"], 4)
         if details.get("mutations"):
             out["mutations"] = json.dumps(details["mutations"])[:2000]
         if details.get("refused"):
-            out["refusals"] = json.dumps([r["reason"] for r in details["refused"]])[:2000]
+            out["refusals"] = json.dumps([r["reason"] for r in details["proposals_refused"]])[:2000]
         if details.get("origin"):
             out.update(origin=details["origin"], parent=details["parent"], candidate_id=details["candidate"],
                        serving_id=details["serving"])
