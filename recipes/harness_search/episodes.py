@@ -159,10 +159,10 @@ async def run_episode(task: Task, files: dict[str, str], env: EpisodeEnv, *, sid
         cmd = sandbox.argv([sys.executable, "-m", "recipes.harness_search.inside", "/tmp/reef-episode.json"],
                            workspace=ws, env=_env(), socket=env.socket, hide=hide,
                            ro_binds={str(spec): "/tmp/reef-episode.json"})
-        t1 = time.perf_counter()
+        t1, spawned_at = time.perf_counter(), time.time()
         code, out = await _run(cmd, task.time_limit_s)
         agent_s = time.perf_counter() - t1
-        timings = {"setup_s": round(t1 - t0, 3), "agent_s": round(agent_s, 3)}
+        timings = {"setup_s": round(t1 - t0, 3), "agent_s": round(agent_s, 3), "spawned_at": spawned_at}
         if code is None:
             return Episode(task.id, side, repeat, 0.0, "timeout", seconds=round(agent_s, 3), timings=timings,
                            output=f"killed at the time limit ({task.time_limit_s} s)")
