@@ -4,7 +4,8 @@ The search is episode-bound: a step costs 2 x tasks x repeats episodes of the re
 sandbox. This starts the stand-ins of ``tests/harness_standins.py`` (agent model and proposer over real HTTP) and a
 daemon serving them, then:
 
-1. the sandbox's own cost: ``bwrap ... true`` and ``bwrap ... python -c pass`` (median of 5);
+1. the sandbox's own cost: ``bwrap ... true``, ``bwrap ... python -c pass`` and ``bwrap ... pi --version``
+   (pi's own start-up; median of 5);
 2. ``--episodes`` episodes of one task run back to back (``run_episode``, the recipe's own path: workspace copy,
    sandbox, relay, real ``reef-pi`` and pi, a real check), split into: setup (copy), start (spawn to the agent's
    first request, from the daemon's record of it: bubblewrap, the wrapper, pi's start-up), model (the daemon's
@@ -84,7 +85,12 @@ def main() -> None:
         ws.mkdir()
         bare = median_run(sandbox.argv(["/bin/true"], workspace=ws, env=_env()))
         py = median_run(sandbox.argv([sys.executable, "-c", "pass"], workspace=ws, env=_env()))
-        print(f"sandbox: bwrap true {bare * 1e3:.0f} ms, bwrap python -c pass {py * 1e3:.0f} ms (median of 5)")
+        from adapters import get_adapter
+
+        pi = median_run(sandbox.argv([str(get_adapter("pi").binary_path(Path(args.agents_dir))), "--version"],
+                                     workspace=ws, env=_env()))
+        print(f"sandbox: bwrap true {bare * 1e3:.0f} ms, bwrap python -c pass {py * 1e3:.0f} ms, "
+              f"bwrap pi --version {pi * 1e3:.0f} ms (median of 5)")
 
         scenario = episodes_scenario("bench")
         with d.http() as c:

@@ -183,9 +183,9 @@ def world(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:  # no
     (template / "README.md").write_text("Write the greeting into answer.txt.\n")
     d = Daemon(home=home, port=port, env=env).start()
     yield {"daemon": d, "standin": standin, "template": template, "work": work, "agents_dir": agents_dir}
-    d.stop()
-    stub.kill()
+    stub.kill()  # first: the daemon's request to the hanging stand-in ends with it, so the daemon stops at once
     stub.wait()
+    d.stop()
     shutil.rmtree(home, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -221,10 +221,12 @@ def script(world: dict[str, Any], *answers: str) -> None:
     assert httpx.post(f"{world['standin']}/_script", json={"proposer": list(answers)}).status_code == 200
 
 
-def step(c: httpx.Client, name: str, n: int, instruction: str = "make the greeting tasks pass") -> dict[str, Any]:
-    """Trigger a step (an evolve instruction) and wait until the chain has written down ``n`` outcomes."""
-    r = c.post(f"/reef/scenarios/{name}/evolve", json={"instruction": instruction})
-    assert r.status_code == 201 and r.json()["verdict"] == "queued", r.text
+def step(c: httpx.Client, name: str, n: int, instruction: str | None = "make the greeting tasks pass") -> dict[str, Any]:
+    """Trigger a step (an evolve instruction, unless a report did) and wait until the chain has written down ``n``
+    outcomes."""
+    if instruction is not None:
+        r = c.post(f"/reef/scenarios/{name}/evolve", json={"instruction": instruction})
+        assert r.status_code == 201 and r.json()["verdict"] == "queued", r.text
 
     def outcomes() -> list[dict[str, Any]] | None:
         body = c.get(f"/reef/scenarios/{name}/releases", params={"all": "1"}).json()
@@ -248,7 +250,15 @@ def test_a_wrong_rule_is_removed_because_episodes_show_it_hurts(world: dict[str,
         script(world, "Let me think: remove it.",  # malformed: refused, written down, the next call tries again
                one(op="create", kind="rule", id="key", text="Set api_key=abcdefgh12345678XYZ before calling."),
                one(op="remove", kind="rule", id=wrong))
-        out = step(c, "hs-wrong", 1)
+        # a run that went badly, as a user would report it: the proposer is shown it with its tool call
+        r = c.post("/s/hs-wrong/v1/chat/completions", json={"model": "agent", "messages": [
+            {"role": "system", "content": "Write greetings in French."},
+            {"role": "user", "content": "Write the greeting into answer.txt."}]})
+        assert r.status_code == 200, r.text
+        report = c.post("/reef/report", json={"score": 0, "feedback": "it wrote bonjour; I wanted hello",
+                                               "references": [r.headers["x-reef-agent-record-id"]]})
+        assert report.status_code == 201, report.text
+        out = step(c, "hs-wrong", 1, instruction=None)
         assert out["operation"] == "train", out  # published
         m = out["metrics"]
         assert m["task.greet.candidate"] == 1.0 and m["task.greet.serving"] == 0.0, m
@@ -260,6 +270,36 @@ def test_a_wrong_rule_is_removed_because_episodes_show_it_hurts(world: dict[str,
         assert all(runs) and {e["side"] for e in eps} == {"serving", "candidate"}
         recorded = c.get("/reef/records", params={"run": runs[0], "kind": "exchange"}).json()["records"]
         assert recorded and all(r["scenario"] == episodes_scenario("hs-wrong") for r in recorded)
+        pinned = {e["side"]: c.get("/reef/records", params={"run": e["run"]}).json()["records"][0]["release_id"]
+                  for e in eps}  # each episode's agent pinned the release holding the tree it ran with
+        shown = c.get(f"/reef/releases/{pinned['serving']}").json()
+        assert pinned["serving"] != pinned["candidate"] and shown["scenario"] == episodes_scenario("hs-wrong")
+    prompts = [x["user"] for x in httpx.get(f"{world['standin']}/_requests").json() if x["model"] == "proposer"]
+    assert len(prompts) == 3 and all(f"[{wrong}] Write greetings in French." in p for p in prompts)
+    assert "it wrote bonjour; I wanted hello" in prompts[0] and "[tool call write" in prompts[0]
+    shown_run = prompts[0]
+    assert '"content": "bonjour' in shown_run and ", score 0.0)" in shown_run, shown_run
+    assert "- greet: Write the greeting" in shown_run, shown_run
+
+
+def test_a_skill_that_does_not_help_is_retired(world: dict[str, Any]) -> None:
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "hs-skill-seed", "recipe": "lessons"}).status_code == 201
+        r = c.post("/reef/scenarios/hs-skill-seed/evolve", json={"instruction": "Greet warmly.", "skill": "warm"})
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        base = c.get("/reef/scenarios/hs-skill-seed/releases").json()["head"]
+        assert "skills/warm/SKILL.md" in c.get("/reef/scenarios/hs-skill-seed/harness").json()["files"]
+        r = c.post("/reef/scenarios", json={"name": "hs-skill", "recipe": "harness-search", "model": "agent",
+                                            "base_release": base, "settings": {
+                                                "proposer": "proposer", "tasks": [task(world, "greet", "hello")]}})
+        assert r.status_code == 201, r.text
+        calls = httpx.get(f"{world['standin']}/_stats").json()["proposer"]
+        out = step(c, "hs-skill", 1)
+        assert out["operation"] == "train" and out["metrics"]["origin"] == "retire", out
+        assert out["metrics"]["proposer_calls"] == 0 and httpx.get(f"{world['standin']}/_stats").json()[
+            "proposer"] == calls
+        assert not [p for p in head_tree(c, "hs-skill") if p.startswith("skills/")]
 
 
 def test_a_useful_rule_is_kept_and_an_all_refused_step_changes_nothing(world: dict[str, Any]) -> None:

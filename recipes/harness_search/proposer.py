@@ -47,29 +47,33 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 15] + " ...[cut]"
 
 
+def _message(m: dict[str, Any], limit: int) -> str:
+    """One chat message as a line: its text, and its tool calls with their arguments."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    text = str(content or "")
+    for c in m.get("tool_calls") or []:
+        if isinstance(c, dict):
+            fn = c.get("function") or {}
+            text += f" [tool call {fn.get('name')} {fn.get('arguments')}]"
+    return f"{m.get('role')}: {_cut(text.strip(), limit)}"
+
+
 def render_exchange(record: dict[str, Any], limit: int) -> str:
-    """A recorded exchange as the proposer reads it: the request's messages (tool results included), the answer."""
-    lines = []
+    """A recorded exchange as the proposer reads it: the request's messages after the system prompt (which is the
+    harness, shown above), tool calls and tool results included, then the answer."""
     body = record.get("request") or {}
-    for m in (body.get("messages") or [])[1:] if isinstance(body, dict) else []:  # the system prompt: the harness
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        if isinstance(content, list):
-            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        calls = m.get("tool_calls") or []
-        text = content or ""
-        if calls:
-            text += " " + " ".join(f"[tool call {c.get('function', {}).get('name')} "
-                                   f"{c.get('function', {}).get('arguments')}]" for c in calls if isinstance(c, dict))
-        lines.append(f"{m.get('role')}: {_cut(str(text).strip(), limit // 4)}")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    lines = [_message(m, limit // 4) for m in (messages or [])
+             if isinstance(m, dict) and m.get("role") not in ("system", "developer")]
     response = record.get("response")
     if isinstance(response, dict):
         choices = response.get("choices")
         message = choices[0].get("message") if isinstance(choices, list) and choices and \
             isinstance(choices[0], dict) else None
-        answer = json.dumps(message if isinstance(message, dict) else response, ensure_ascii=False)
-        lines.append(f"answer: {_cut(str(answer), limit // 4)}")
+        lines.append("answer: " + (_message(message, limit // 4) if isinstance(message, dict)
+                                   else _cut(json.dumps(response, ensure_ascii=False), limit // 4)))
     return _cut("\n".join(lines), limit)
 
 

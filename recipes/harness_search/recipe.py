@@ -291,7 +291,7 @@ class HarnessSearch(Recipe):
             out[f"task.{tid}.serving"] = round(v["serving"], 4)
         if details.get("mutations"):
             out["mutations"] = json.dumps(details["mutations"])[:2000]
-        if details.get("refused"):
+        if details.get("proposals_refused"):
             out["refusals"] = json.dumps([r["reason"] for r in details["proposals_refused"]])[:2000]
         if details.get("origin"):
             out.update(origin=details["origin"], parent=details["parent"], candidate_id=details["candidate"],
