@@ -344,8 +344,9 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     d: Daemon = world["daemon"]
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": episodes_scenario("hs-hang"), "recipe": "record", "model": "agent"})
+    # the agents hidden like the rest of a daemon home ($REEF_HOME/agents by default): the episode binds them back
     env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=episodes_scenario("hs-hang"),
-                     agents_dir=world["agents_dir"], home=d.home)
+                     agents_dir=world["agents_dir"], home=d.home, hide=(str(world["agents_dir"]),))
     before = httpx.get(f"{world['standin']}/_stats").json()["hang"]
     hang = Task("hang", "[hang] Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = hello',
                 workspace=str(world["template"]), time_limit_s=20)
@@ -399,6 +400,30 @@ for name, path in (("outside_file", outside), ("outside_tmp", outside_tmp), ("wo
         out[name] = type(e).__name__
 print(json.dumps(out))
 """
+
+
+def test_hidden_paths_are_empty_in_the_sandbox_but_the_agents_under_them_stay(tmp_path: Path) -> None:
+    from recipes.harness_search import sandbox
+    from recipes.harness_search.episodes import _env
+
+    base = ROOT / ".cache" / f"hs-hide-{os.getpid()}"  # outside /tmp, which the sandbox replaces anyway
+    home, netrc = base / "home", base / ".netrc"
+    (home / "agents" / "pi").mkdir(parents=True, exist_ok=True)
+    (home / "agents" / "pi" / "bin").write_text("agent\n")
+    (home / "token").write_text("secret-token\n")
+    netrc.write_text("machine x password y\n")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    try:
+        script = (f"cat {home}/agents/pi/bin; test -e {home}/token && echo token-visible; "
+                  f"wc -c < {netrc}")
+        cmd = sandbox.argv(["/bin/sh", "-c", script], workspace=ws, env=_env(),
+                           hide=[str(home), str(netrc)],
+                           ro_binds={str(home / "agents"): str(home / "agents")})
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert got.stdout.split() == ["agent", "0"], got.stdout + got.stderr  # the agent yes; token no; file empty
+    finally:
+        shutil.rmtree(base)
 
 
 def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world: dict[str, Any]) -> None:

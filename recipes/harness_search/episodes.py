@@ -153,12 +153,12 @@ async def run_episode(task: Task, files: dict[str, str], env: EpisodeEnv, *, sid
             ws.mkdir()
         spec = root / "spec.json"
         spec.write_text(json.dumps({"adapter": env.adapter, "scenario": env.scenario, "port": env.port,
-                                    "agents_dir": str(env.agents_dir), "files": files, "prompt": task.prompt, "release_id": release_id,
-                                    "workspace": str(ws)}))
+                                    "agents_dir": str(env.agents_dir), "files": files, "prompt": task.prompt,
+                                    "release_id": release_id, "workspace": str(ws)}))
         hide = (str(env.home), *env.hide)
         cmd = sandbox.argv([sys.executable, "-m", "recipes.harness_search.inside", "/tmp/reef-episode.json"],
                            workspace=ws, env=_env(), socket=env.socket, hide=hide,
-                           ro_binds={str(spec): "/tmp/reef-episode.json"})
+                           ro_binds={str(env.agents_dir): str(env.agents_dir), str(spec): "/tmp/reef-episode.json"})
         t1, spawned_at = time.perf_counter(), time.time()
         code, out = await _run(cmd, task.time_limit_s)
         agent_s = time.perf_counter() - t1

@@ -41,6 +41,10 @@ from recipes.harness_search.proposer import PROPOSER_SYSTEM, proposer_prompt, re
 log = logging.getLogger("reef.learning")
 
 
+HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.docker", "~/.kube", "~/.npmrc",
+        "~/.pypirc", "~/.config/gh")
+
+
 @dataclass
 class HarnessSearchSettings:
     gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
@@ -63,7 +67,8 @@ class HarnessSearchSettings:
     retire_skills: bool = True  # test each skill of the serving tree once by leaving it out
     pool_size: int = 16
     seed: int = 0
-    hide: list[str] = field(default_factory=list)  # host directories hidden from the sandbox (besides REEF_HOME)
+    # host paths hidden from the sandbox besides REEF_HOME (the agent reads the rest of the file system)
+    hide: list[str] = field(default_factory=lambda: list(HIDE))
 
 
 class HarnessSearch(Recipe):

@@ -13,6 +13,7 @@ the one path bound writable. The process tree gets its own PID namespace and die
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,16 +31,33 @@ def bwrap() -> str:
     return found
 
 
+def _empty() -> Path:
+    """An empty read-only regular file to bind over hidden files."""
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / "reef-sandbox-empty"
+    if not path.is_file() or path.stat().st_size:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(b"")
+        tmp.chmod(0o444)
+        os.replace(tmp, path)
+    return path
+
+
 def argv(cmd: list[str], *, workspace: Path, env: Mapping[str, str], socket: Path | None = None,
          hide: Iterable[str | Path] = (), ro_binds: Mapping[str, str] | None = None) -> list[str]:
     """The bubblewrap command line that runs ``cmd`` in ``workspace`` (writable) and nothing else writable;
     ``socket``: the daemon's Unix socket, bound at ``SOCKET_INSIDE``; ``hide``: host directories replaced by an
-    empty tmpfs; ``ro_binds``: host file -> path inside (read-only)."""
+    empty tmpfs (files by an empty file; ``~`` expanded); ``ro_binds``: host path -> path inside (read-only), bound
+    after the hiding, so a directory under a hidden one (the agents in ``$REEF_HOME/agents``) stays visible."""
     out = [bwrap(), "--die-with-parent", "--unshare-all", "--new-session", "--ro-bind", "/", "/",
            "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
     for h in hide:
-        if Path(h).is_dir():
-            out += ["--tmpfs", str(h)]
+        path = Path(h).expanduser()
+        if path.is_dir():
+            out += ["--tmpfs", str(path)]
+        elif path.exists():  # a file: an empty one in its place (not /dev/null: tmpfs mounts are nodev)
+            out += ["--ro-bind", str(_empty()), str(path)]
     out += ["--bind", str(workspace), str(workspace)]
     if socket is not None:
         out += ["--bind", str(socket), SOCKET_INSIDE]
