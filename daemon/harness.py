@@ -106,6 +106,10 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     )
     reef.events.publish("report", id=stored["id"], scenario=name, score=None, references=[],
                         feedback=instruction[:500])
+    if not await reef.learner.inline(name):  # a searching recipe runs episodes: it learns in the background
+        reef.learner.notify(name)
+        return {"report_id": stored["id"], "verdict": "queued",
+                "summary": f"recipe {scenario.recipe} learns from it in the background"}
     outcome = await reef.learner.step(name) or {"verdict": "unchanged", "summary": "nothing to learn"}
     return {"report_id": stored["id"], **outcome}
 

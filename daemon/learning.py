@@ -78,10 +78,40 @@ class ScenarioLearning:
 
 
 class _Answers:
-    """The ``HarnessContext`` a harness recipe gets: greedy answers from configured models."""
+    """The ``HarnessContext`` a harness recipe gets: greedy answers from configured models, and (for recipes that
+    run episodes of the agent against this daemon) the scenario, the config, its records, episode scenarios."""
 
-    def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str) -> None:
+    def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str, *, scenario: str | None = None,
+                 config: Config | None = None, store: RecordStore | None = None, chains: Chains | None = None) -> None:
         self._engine, self.model = engine, model
+        self.scenario, self.config, self._store, self._chains = scenario, config, store, chains
+
+    async def record(self, receipt: str) -> dict[str, Any]:
+        """A stored record (an exchange with its request and response), by receipt."""
+        assert self._store is not None
+        return await self._store.get_record(receipt)
+
+    async def episode_release(self, name: str, tree: dict[str, bytes]) -> str:
+        """A release whose content is ``tree`` on the chain of scenario ``name`` (created with recipe ``record`` and
+        this scenario's model unless it exists): its head when the content is the same, else a new release. An
+        episode's agent pins it, so its records name the exact harness it ran with."""
+        assert self._store is not None and self.config is not None and self._chains is not None
+        scenario = await self._store.ensure_scenario(name, recipe="record", model=self.model,
+                                                     default_recipe=self.config.default_recipe, settings=None)
+        head = None
+        for _ in range(3):
+            head = await self._chains.head(scenario)
+            if head.kind != "harness":
+                raise ReefError(f"scenario {name} serves {head.kind}, not a harness: episodes need a harness chain")
+            if await self._chains.harness_tree(head) == tree:
+                return head.release_id
+            try:
+                rel = await self._chains.publish_candidate(scenario, tree, expected_head=head.release_id, metrics={},
+                                                           receipts=[], settings={"for": "episodes"})
+            except HeadMoved:
+                continue
+            return rel.release_id
+        raise HeadMoved(name, head.release_id if head else None, None)
 
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str:
         from daemon.exchange import Finish
@@ -341,7 +371,8 @@ class Learner:
             candidate = await self._train(st, scenario, head, batch, job_id)
         else:
             tree = await self.chains.harness_tree(head)
-            candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model))
+            candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model, scenario=scenario.name,
+                                                                config=self.config, store=self.store, chains=self.chains))
             if not isinstance(candidate, Candidate):
                 raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
                                 "not a Candidate")

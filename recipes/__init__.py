@@ -23,6 +23,7 @@ BUILTIN: dict[str, str] = {
     "openclaw-rl": "recipes.openclaw_rl:OpenClawRL",
     "sao": "recipes.sao:SAO",
     "ttt-discover": "recipes.ttt_discover:TTTDiscover",
+    "harness-search": "recipes.harness_search:HarnessSearch",
 }
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -133,7 +133,11 @@ class GateSettings:
 
 class HarnessContext(typing.Protocol):
     """What the daemon lends a harness recipe's ``edit``: greedy answers from a configured model (``None``: the
-    scenario's own), asked with a system prompt and one user message."""
+    scenario's own), asked with a system prompt and one user message. The daemon's context also carries
+    ``model`` and ``scenario`` (names), ``config`` (the daemon's ``Config``), ``record(receipt)`` (a stored record)
+    and ``episode_release(scenario, tree)`` (a release of ``tree`` on a side scenario's chain, for an episode's
+    agent to pin), for recipes that run the agent against the daemon
+    (``harness-search``); read them with ``getattr``, since a recipe's own tests may lend less."""
 
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str: ...
 

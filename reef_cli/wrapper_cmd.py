@@ -162,3 +162,5 @@ def _say_learning(outcome: dict[str, Any] | None, cmd: str) -> None:
         print(f"harness: not released ({outcome.get('summary')})")
     elif verdict == "failed":
         print(f"harness: the learning step failed ({outcome.get('reason')})")
+    elif verdict == "queued":  # a searching recipe (harness-search) runs its episodes in the background
+        print(f"harness: {outcome.get('summary')}; `reef releases list` shows what it decides")

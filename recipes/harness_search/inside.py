@@ -1,0 +1,137 @@
+"""What runs inside the episode sandbox: a relay from the sandbox's loopback to the daemon's socket, the agent's
+config home with the episode's harness, and the real wrapper (``reef-pi``...) run headless.
+
+Run as ``python -m recipes.harness_search.inside SPEC`` (``SPEC``: a read-only JSON file, see ``episodes.py``).
+Prints one JSON line: ``{"run", "exit", "output"}`` (the wrapper's run id, its exit status, its output's tail).
+
+The relay is a filter, not only a pipe: each connection carries one request (``Connection: close`` is forced),
+and only the routes a wrapped run uses pass (the episode scenario's ``/s/<scenario>/...`` provider routes,
+``POST /reef/runs``, ``GET /reef/records?run=``); anything else is answered 403, so an agent in an episode cannot
+reach the rest of the daemon's API (reports, rollbacks, other scenarios' records) through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's socket is bound at HOME/reef.sock
+
+AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); only pi is exercised by the tests here
+    "pi": lambda prompt: ["-p", "--no-session", prompt],
+    "claude": lambda prompt: ["-p", prompt],
+    "opencode": lambda prompt: ["run", *prompt.split()],
+}
+
+
+def allowed(method: str, target: str, scenario: str) -> bool:
+    if target.startswith(f"/s/{scenario}/") and ".." not in target:
+        return True
+    return (method, target) == ("POST", "/reef/runs") or (method == "GET" and target.startswith("/reef/records?run="))
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+def _serve(client: socket.socket, scenario: str) -> None:
+    try:
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < 65536:
+            chunk = client.recv(65536)
+            if not chunk:
+                return
+            head += chunk
+        raw_head, _, rest = head.partition(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        method, target = (lines[0].split(" ") + ["", ""])[:2]
+        if not allowed(method, target, scenario):
+            body = json.dumps({"error": {"type": "forbidden", "message": f"{method} {target} is not reachable "
+                                         "from an episode sandbox"}}).encode()
+            client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            return
+        kept = [h for h in lines[1:] if h.split(":", 1)[0].strip().lower() not in ("connection", "keep-alive")]
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.connect(str(HOME / "reef.sock"))
+        upstream.sendall("\r\n".join([lines[0], *kept, "Connection: close"]).encode("latin-1") + b"\r\n\r\n" + rest)
+        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back.start()
+        _pump(client, upstream)
+        back.join()
+        upstream.close()
+    except OSError:
+        pass
+    finally:
+        client.close()
+
+
+def relay(port: int, scenario: str) -> socket.socket:
+    """Listen on the sandbox's 127.0.0.1:``port``; each connection goes to the daemon's socket (filtered)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(64)
+
+    def loop() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=_serve, args=(c, scenario), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv
+
+
+def main(spec_path: str) -> int:
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    from adapters import get_adapter
+    from adapters.base import install_harness
+
+    adapter = get_adapter(spec["adapter"])
+    scenario = spec["scenario"]
+    (HOME / "logs").mkdir(parents=True, exist_ok=True)
+    (HOME / "config.toml").write_text(
+        f"port = {int(spec['port'])}\nagents_dir = {json.dumps(spec['agents_dir'])}\nharness_updates = \"notify\"\n")
+    (HOME / "token").write_text("episode\n")  # over the socket no token is checked; the agent needs some value
+    agent_home = adapter.home(HOME / "homes", scenario)
+    # installed as the release that holds it, and harness_updates = notify: the wrapper keeps it and pins it
+    install_harness(agent_home, spec.get("release_id"), {p: t.encode() for p, t in spec["files"].items()})
+    relay(int(spec["port"]), scenario)
+    user_home = Path("/tmp/home")
+    user_home.mkdir(exist_ok=True)
+    env = {**os.environ, "REEF_HOME": str(HOME), "HOME": str(user_home), "REEF_QUIET": "1"}
+    log = HOME / "agent.log"
+    with open(log, "wb") as out:
+        code = subprocess.call([sys.executable, "-m", "reef_cli.wrapper", adapter.name, "--reef-scenario", scenario,
+                                *AGENT_ARGS[adapter.name](spec["prompt"])], env=env, stdout=out, stderr=out,
+                               stdin=subprocess.DEVNULL, cwd=spec["workspace"])
+    run = None
+    try:
+        run = (HOME / "runs" / f"last-{adapter.name}").read_text().strip()
+    except OSError:
+        pass
+    tail = log.read_bytes()[-2000:].decode("utf-8", "replace")
+    sys.stdout.write(json.dumps({"run": run, "exit": code, "output": tail}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,95 @@
+"""The GEPA-style candidate pool: trees with per-task scores, parents drawn from the Pareto front.
+
+A tree is on the front when no other tree in the pool scores at least as well on every task and better on one
+(so a tree that is best on some task survives even when its mean is lower). Parents are drawn from the front
+with a seeded generator, weighted by the number of tasks each is best on (GEPA's selection), so a crash and
+retry of the same step draws the same parent. The pool lives in the daemon's memory (bounded by ``capacity``;
+off-front trees leave first); after a restart it starts again from the serving tree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+
+def tree_id(tree: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(tree):
+        h.update(path.encode() + b"\0" + tree[path] + b"\0")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Member:
+    id: str
+    tree: dict[str, bytes]
+    scores: dict[str, list[float]] = field(default_factory=dict)  # task -> every episode's score
+    parent: str | None = None
+    origin: str = "serving"  # serving | proposal | retire
+
+    def mean(self, task: str) -> float | None:
+        xs = self.scores.get(task)
+        return None if not xs else sum(xs) / len(xs)
+
+    def task_means(self) -> dict[str, float]:
+        return {t: m for t in self.scores if (m := self.mean(t)) is not None}
+
+
+@dataclass
+class Pool:
+    capacity: int = 16
+    members: dict[str, Member] = field(default_factory=dict)
+
+    def add(self, tree: dict[str, bytes], *, parent: str | None = None, origin: str = "proposal") -> Member:
+        tid = tree_id(tree)
+        member = self.members.get(tid)
+        if member is None:
+            member = self.members[tid] = Member(tid, dict(tree), parent=parent, origin=origin)
+        return member
+
+    def record(self, tree: dict[str, bytes], task: str, score: float) -> None:
+        self.add(tree).scores.setdefault(task, []).append(score)
+
+    def front(self, tasks: list[str]) -> list[Member]:
+        """The members no other member dominates on ``tasks`` (members with no scores yet are left out)."""
+        scored = [m for m in self.members.values() if any(m.mean(t) is not None for t in tasks)]
+
+        def vec(m: Member) -> list[float]:
+            return [m.mean(t) if m.mean(t) is not None else 0.0 for t in tasks]  # type: ignore[misc]
+
+        out = []
+        for m in scored:
+            a = vec(m)
+            if not any(all(x >= y for x, y in zip(vec(o), a, strict=True)) and vec(o) != a
+                       for o in scored if o is not m):
+                out.append(m)
+        return out
+
+    def sample(self, tasks: list[str], seed: str, fallback: Member) -> Member:
+        """A parent from the front, weighted by the tasks it is best on; ``fallback`` when nothing is scored."""
+        front = self.front(tasks)
+        if not front:
+            return fallback
+        best = {t: max((m.mean(t) or 0.0) for m in front) for t in tasks}
+        weights = [1 + sum((m.mean(t) or 0.0) >= best[t] for t in tasks) for m in front]
+        front_sorted = sorted(zip(front, weights, strict=True), key=lambda x: x[0].id)
+        rng = random.Random(seed)
+        return rng.choices([m for m, _ in front_sorted], weights=[w for _, w in front_sorted])[0]
+
+    def prune(self, tasks: list[str], keep: set[str]) -> None:
+        """Keep at most ``capacity`` members: off-front ones go first, oldest first; ``keep`` always stays."""
+        if len(self.members) <= self.capacity:
+            return
+        on_front = {m.id for m in self.front(tasks)} | keep
+        for mid in list(self.members):
+            if len(self.members) <= self.capacity:
+                break
+            if mid not in on_front:
+                del self.members[mid]
+        for mid in list(self.members):
+            if len(self.members) <= self.capacity:
+                break
+            if mid not in keep:
+                del self.members[mid]

@@ -1,0 +1,337 @@
+"""The ``harness-search`` recipe: a proposer rewrites the harness tree from the runs that went badly, and paired
+episodes of the real agent on the scenario's tasks decide what is published.
+
+One step (woken by each written feedback; never inline, since episodes take seconds to minutes):
+
+1. Experience: the batch's reports that went badly (a score below ``bad_below``, or feedback without a score)
+   with their runs' recorded exchanges, and the ``evolve`` instructions, join a bounded memory the proposer sees.
+2. Candidate: a parent drawn from the pool's Pareto front (``pool.py``), mutated by the proposer (``proposer.py``;
+   up to ``max_proposer_calls`` tries, each malformed or refused answer written down with its reason). When the
+   serving tree holds a skill no step has tested yet, the step's candidate is instead the serving tree without it
+   (a retirement), judged with margin 0: a skill whose removal loses nothing does not help, and goes.
+3. Gate: every task under the serving tree and the candidate, ``repeats`` times, interleaved (the order of the
+   pair alternates), within ``max_episodes``; each (task, repeat) pair is a win, a loss or a tie, and the
+   candidate is published when wins - losses >= ``margin`` (1 by default: a strict improvement). Both trees'
+   scores join the pool, published or not, so a tree best on one task stays a parent.
+4. Written down: per-task means of both sides, the spend (episodes, proposer calls, seconds), the mutations and
+   refusals, in the step's metrics (release or rejection) and in the step's answer.
+
+Executable content is refused unless ``allow_executable``; a candidate holding some is never published by the gate
+alone: it is held for review (``reef releases promote``). ``gate = "review"`` holds every candidate that passes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.errors import BadRequest
+from daemon.gate import Verdict
+from daemon.gate import judge as gate_judge
+from recipes.base import Candidate, HarnessContext, Recipe, Scores
+from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
+from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
+from recipes.harness_search.pool import Member, Pool, tree_id
+from recipes.harness_search.proposer import PROPOSER_SYSTEM, proposer_prompt, render_exchange
+
+log = logging.getLogger("reef.learning")
+
+
+HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.docker", "~/.kube", "~/.npmrc",
+        "~/.pypirc", "~/.config/gh")
+
+
+@dataclass
+class HarnessSearchSettings:
+    gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
+    margin: float = 1.0  # wins - losses (over task x repeat pairs) needed to publish
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # see episodes.py: {id, prompt, check, workspace?}
+    repeats: int = 1  # episodes per task and side
+    adapter: str = "pi"  # the wrapped agent the episodes run
+    proposer: str | None = None  # a configured model name; None: the scenario's own model
+    proposer_max_tokens: int = 2048
+    max_episodes: int = 16  # budget per step (the gate's repeats are cut to fit)
+    max_proposer_calls: int = 3  # budget per step (malformed or refused answers count)
+    bad_below: float = 0.5  # a report scoring below this is a run that went badly
+    max_runs_in_prompt: int = 4  # bad runs the proposer sees (the newest)
+    max_prompt_chars: int = 24_000
+    allow_executable: bool = False  # scripts in skills: refused, or (true) allowed but only held for review
+    max_file_bytes: int = 16 * 1024
+    max_tree_bytes: int = 128 * 1024
+    max_mutations: int = 8  # per proposal
+    similarity: float = 0.6  # a new rule or skill this similar (word overlap) to an existing one merges into it
+    retire_skills: bool = True  # test each skill of the serving tree once by leaving it out
+    pool_size: int = 16
+    seed: int = 0
+    # host paths hidden from the sandbox besides REEF_HOME (the agent reads the rest of the file system)
+    hide: list[str] = field(default_factory=lambda: list(HIDE))
+
+
+class HarnessSearch(Recipe):
+    """``harness-search``: proposer mutations of the harness, judged by paired episodes of the real agent."""
+
+    name = "harness-search"
+    kind = "harness"
+    source = "feedback"
+    inline = False
+    Settings = HarnessSearchSettings
+
+    def __init__(self, settings: Any = None) -> None:
+        super().__init__(settings)
+        s: HarnessSearchSettings = self.settings
+        self.pool = Pool(capacity=s.pool_size)
+        self.bad_runs: deque[dict[str, Any]] = deque(maxlen=s.max_runs_in_prompt)
+        self.instructions: deque[str] = deque(maxlen=10)
+        self.retire_tested: set[tuple[str, str]] = set()
+        self.steps = 0
+
+    @classmethod
+    def check_settings(cls, settings: Any) -> None:
+        s: HarnessSearchSettings = settings
+        if s.gate not in ("compare", "review"):
+            raise BadRequest(f"harness-search gate must be compare or review, not {s.gate!r}", param="settings.gate")
+        tasks = parse_tasks(s.tasks)
+        if not tasks:
+            raise BadRequest("harness-search needs tasks: [{id, prompt, check, workspace?}, ...] (the gate runs "
+                             "the agent on them)", param="settings.tasks")
+        for key in ("repeats", "max_episodes", "max_proposer_calls", "max_runs_in_prompt", "pool_size",
+                    "max_mutations"):
+            if getattr(s, key) < 1:
+                raise BadRequest(f"harness-search {key} must be at least 1", param=f"settings.{key}")
+        if s.max_episodes < 2 * len(tasks):
+            raise BadRequest(f"max_episodes {s.max_episodes} cannot pair {len(tasks)} task(s) once "
+                             f"(needs {2 * len(tasks)})", param="settings.max_episodes")
+        from adapters import ADAPTERS
+
+        if s.adapter not in ADAPTERS:
+            raise BadRequest(f"unknown adapter {s.adapter!r} ({', '.join(ADAPTERS)})", param="settings.adapter")
+
+    def models_used(self) -> list[str]:
+        return [self.settings.proposer] if self.settings.proposer else []
+
+    def limits(self) -> Limits:
+        s: HarnessSearchSettings = self.settings
+        return Limits(max_mutations=s.max_mutations, max_file_bytes=s.max_file_bytes, max_tree_bytes=s.max_tree_bytes,
+                      allow_executable=s.allow_executable, similarity=s.similarity)
+
+    # --- the step -----------------------------------------------------------------------------------------
+
+    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
+        s: HarnessSearchSettings = self.settings
+        tasks = parse_tasks(s.tasks)
+        self.steps += 1
+        spend: dict[str, Any] = {"proposer_calls": 0, "episodes": 0, "proposer_s": 0.0, "episode_s": 0.0}
+        await self._remember(batch, ctx)
+        serving = self.pool.add(tree, origin="serving")
+        details: dict[str, Any] = {"proposals_refused": [], "mutations": [], "spend": spend}
+
+        made = self._retirement(serving)
+        if made is None:
+            made = await self._propose(serving, tasks, ctx, spend, details)
+        if made is None:
+            summary = f"no usable proposal in {spend['proposer_calls']} call(s): " + \
+                "; ".join(r["reason"] for r in details["proposals_refused"])
+            details["summary"] = summary
+            return Candidate(skipped=summary, consume=False, metrics=self._metrics(spend, details), details=details)
+        candidate, origin, parent = made
+        details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
+
+        env = await self._env(ctx)
+        trees = {"serving": tree, "candidate": candidate}
+        files = {side: self._render(t) for side, t in trees.items()}
+        pinned = {side: await ctx.episode_release(env.scenario, t)  # type: ignore[attr-defined]
+                  for side, t in trees.items()}
+        repeats = max(1, min(s.repeats, s.max_episodes // (2 * len(tasks))))
+        pairs: list[tuple[Episode, Episode]] = []
+        for r in range(repeats):
+            for i, task in enumerate(tasks):
+                sides = ["serving", "candidate"]
+                if (r + i) % 2:
+                    sides.reverse()  # interleaved: drift (a warming cache, a busy machine) falls on both
+                got = {}
+                for side in sides:
+                    ep = await run_episode(task, files[side], env, side=side, repeat=r, release_id=pinned[side])
+                    spend["episodes"] += 1
+                    spend["episode_s"] = round(spend["episode_s"] + ep.seconds + ep.check_seconds, 3)
+                    got[side] = ep
+                    self.pool.record(tree if side == "serving" else candidate, task.id, ep.score)
+                pairs.append((got["candidate"], got["serving"]))
+        self.pool.add(candidate, parent=parent.id, origin=origin)
+        self.pool.prune([t.id for t in tasks], keep={serving.id, tree_id(candidate)})
+        details["episodes"] = [e.to_dict() for pair in pairs for e in pair]
+        details["tasks"] = self._per_task(tasks, pairs)
+        details["summary"] = (f"{origin} candidate: " + ", ".join(
+            f"{t}: candidate {v['candidate']:.2f} vs serving {v['serving']:.2f}" for t, v in details["tasks"].items()))
+        metrics = self._metrics(spend, details)
+        return Candidate(tree=candidate, metrics=metrics, details=details,
+                         eval=Scores(candidate=[c.score for c, _ in pairs], base=[b.score for _, b in pairs]))
+
+    def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
+        s: HarnessSearchSettings = self.settings
+        ev = candidate.eval
+        assert ev is not None
+        retire = candidate.details.get("origin") == "retire"
+        margin = 0.0 if retire else s.margin
+        v = gate_judge("compare", candidate=ev.candidate, base=ev.base, best=best, margin=margin)
+        if v.publish and (s.gate == "review" or candidate.details.get("executable")):
+            why = "it holds executable content" if candidate.details.get("executable") else "gate review"
+            return Verdict(False, "pending", f"{v.reason}; held for review ({why}): reef releases promote ID "
+                           "publishes it", v.metrics)
+        return v
+
+    # --- parts ---------------------------------------------------------------------------------------------
+
+    async def _remember(self, batch: list[dict[str, Any]], ctx: HarnessContext) -> None:
+        s: HarnessSearchSettings = self.settings
+        reader = getattr(ctx, "record", None)
+        known = {r["report"] for r in self.bad_runs}
+        for rep in batch:
+            if rep["id"] in known:  # a batch kept by a step that found no usable proposal comes again
+                continue
+            body = rep.get("report") or {}
+            meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+            feedback = body.get("feedback")
+            if not isinstance(feedback, str):
+                feedback = json.dumps(feedback)
+            if meta.get("kind") == "instruction":
+                if feedback[:2000] not in self.instructions:
+                    self.instructions.append(feedback[:2000])
+                continue
+            score = body.get("score")
+            if isinstance(score, (int, float)) and score >= s.bad_below:
+                continue
+            exchanges = []
+            refs = body.get("references") or []
+            if reader is not None and refs:  # the last exchange's request holds the run's conversation
+                try:
+                    exchanges.append(render_exchange(await reader(refs[-1]), s.max_prompt_chars // 4))
+                except Exception as e:  # a record that cannot be read: the feedback alone still helps
+                    exchanges.append(f"(the run's record could not be read: {e})")
+            self.bad_runs.append({"report": rep["id"], "score": score, "feedback": feedback[:2000],
+                                  "exchanges": exchanges})
+
+    def _retirement(self, serving: Member) -> tuple[dict[str, bytes], str, Member] | None:
+        if not self.settings.retire_skills:
+            return None
+        for name in sorted(skills(serving.tree)):
+            if (serving.id, name) not in self.retire_tested:
+                self.retire_tested.add((serving.id, name))
+                tree = {p: d for p, d in serving.tree.items() if not p.startswith(f"skills/{name}/")}
+                return tree, "retire", serving
+        return None
+
+    async def _propose(self, serving: Member, tasks: list[Task], ctx: HarnessContext, spend: dict[str, Any],
+                       details: dict[str, Any]) -> tuple[dict[str, bytes], str, Member] | None:
+        s: HarnessSearchSettings = self.settings
+        ids = [t.id for t in tasks]
+        parent = self.pool.sample(ids, seed=f"{s.seed}:{self.steps}", fallback=serving)
+        task_view = [{"id": t.id, "prompt": t.prompt,
+                      **({"score": round(m, 3)} if (m := parent.mean(t.id)) is not None else {})} for t in tasks]
+        prompt = proposer_prompt(parent.tree, list(self.bad_runs), list(self.instructions), task_view,
+                                 s.max_prompt_chars)
+        limits = self.limits()
+        for attempt in range(s.max_proposer_calls):
+            t0 = time.perf_counter()
+            try:
+                answer = await ctx.answer(s.proposer, PROPOSER_SYSTEM, prompt, s.proposer_max_tokens)
+            except Exception as e:  # a proposer that fails is a refused proposal; the next step tries again
+                answer, error = "", f"the proposer failed: {type(e).__name__}: {e}"
+            else:
+                error = None
+            spend["proposer_calls"] += 1
+            spend["proposer_s"] = round(spend["proposer_s"] + time.perf_counter() - t0, 3)
+            try:
+                if error is not None:
+                    raise Refused(error)
+                applied = apply(parent.tree, parse(answer, limits), limits)
+                if applied.tree == parent.tree or tree_id(applied.tree) == serving.id:
+                    raise Refused("the mutations change nothing")
+            except Refused as e:
+                details["proposals_refused"].append({"attempt": attempt, "reason": e.reason, "answer": answer[:500]})
+                log.info("harness-search proposal refused: %s", e.reason)
+                continue
+            details["mutations"] = applied.mutations
+            if applied.executable:
+                details["executable"] = applied.executable
+            return applied.tree, "proposal", parent
+        return None
+
+    def _render(self, tree: dict[str, bytes]) -> dict[str, str]:
+        from adapters import get_adapter
+
+        return {p: d.decode("utf-8") for p, d in get_adapter(self.settings.adapter).render(tree).items()}
+
+    async def _env(self, ctx: HarnessContext) -> EpisodeEnv:
+        config = getattr(ctx, "config", None)
+        scenario = getattr(ctx, "scenario", None)
+        if config is None or scenario is None:
+            raise BadRequest("harness-search needs the daemon's harness context (config, scenario) to run episodes")
+        episodes = episodes_scenario(scenario)
+        return EpisodeEnv(socket=config.socket_path, port=config.port, scenario=episodes,
+                          agents_dir=config.agents_path, home=config.home, adapter=self.settings.adapter,
+                          hide=tuple(self.settings.hide))
+
+    @staticmethod
+    def _per_task(tasks: list[Task], pairs: list[tuple[Episode, Episode]]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for t in tasks:
+            mine = [(c, b) for c, b in pairs if c.task == t.id]
+            out[t.id] = {"candidate": sum(c.score for c, _ in mine) / len(mine),
+                         "serving": sum(b.score for _, b in mine) / len(mine),
+                         "wins": sum(c.score > b.score for c, b in mine),
+                         "losses": sum(c.score < b.score for c, b in mine),
+                         "candidate_status": [c.status for c, _ in mine], "serving_status": [b.status for _, b in mine],
+                         "runs": {"candidate": [c.run for c, _ in mine], "serving": [b.run for _, b in mine]}}
+        return out
+
+    def _metrics(self, spend: dict[str, Any], details: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {**spend, "refused_proposals": len(details["proposals_refused"]),
+                               "pool": len(self.pool.members)}
+        for tid, v in (details.get("tasks") or {}).items():
+            out[f"task.{tid}.candidate"] = round(v["candidate"], 4)
+            out[f"task.{tid}.serving"] = round(v["serving"], 4)
+        if details.get("mutations"):
+            out["mutations"] = json.dumps(details["mutations"])[:2000]
+        if details.get("proposals_refused"):
+            out["refusals"] = json.dumps([r["reason"] for r in details["proposals_refused"]])[:2000]
+        if details.get("origin"):
+            out.update(origin=details["origin"], parent=details["parent"], candidate_id=details["candidate"],
+                       serving_id=details["serving"])
+        if details.get("episodes"):
+            out["episode_runs"] = json.dumps([
+                {**{k: e[k] for k in ("task", "side", "repeat", "status", "run")},
+                 **({"why": (e["check_output"] or e["output"])[-200:]} if e["status"] != "passed" else {})}
+                for e in details["episodes"]])
+        return out
+
+    def status(self, releases: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The pool's Pareto front as the chain wrote it down (every judged tree's per-task means), and the spend."""
+        tasks = [t.id for t in parse_tasks(self.settings.tasks)]
+        pool = Pool(capacity=10_000)
+        spent = {"episodes": 0, "proposer_calls": 0}
+        for out in [*releases, *rejected]:
+            m = out.get("metrics") or {}
+            for k in spent:
+                spent[k] += int(m.get(k) or 0)
+            if "candidate_id" not in m:
+                continue
+            for side, mid, origin in (("serving", m["serving_id"], "serving"),
+                                      ("candidate", m["candidate_id"], m.get("origin", "proposal"))):
+                member = pool.members.setdefault(mid, Member(mid, {}, origin=origin))
+                for t in tasks:
+                    if isinstance(m.get(f"task.{t}.{side}"), (int, float)):
+                        member.scores.setdefault(t, []).append(float(m[f"task.{t}.{side}"]))
+        front = [{"id": f.id, "origin": f.origin, "tasks": f.task_means()} for f in pool.front(tasks)]
+        return {"front": front, "judged": len(pool.members), "spent": spent}
+
+
+def episodes_scenario(scenario: str) -> str:
+    """The scenario an episode's requests are recorded in (recipe ``record``, the same model)."""
+    import hashlib
+
+    name = f"{scenario}-episodes"
+    return name if len(name) <= 64 else f"{scenario[:40]}-episodes-{hashlib.sha1(scenario.encode()).hexdigest()[:8]}"
