@@ -69,9 +69,12 @@ fi
 if [ "$DEV" = 1 ]; then
   # test tools from the system: strace (the agent tests prove no connection leaves loopback), zsh and fish
   # (the completion tests run the generated scripts in the real shells), gcc (the power-loss test builds its
-  # LD_PRELOAD recorder)
+  # LD_PRELOAD recorder), postgresql (the record-store tests start a throwaway cluster: initdb, pg_ctl)
   missing=""
   for tool in strace zsh fish gcc; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+  if ! command -v pg_ctl >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+    missing="$missing postgresql"
+  fi
   if [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
       say "installing test tools:$missing"

@@ -11,6 +11,8 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     default_model = "tiny"
     default_recipe = "record"
     events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
+    records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
+                                  # (shared by several daemons; env REEF_RECORDS; see README "Several machines")
 
     [models.tiny]
     engine = "transformers"
@@ -81,6 +83,7 @@ class Config:
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     log_level: str = "info"
     events_queue: int = 4096  # events held for one /reef/events subscriber that is not reading (then: dropped)
+    records: str = "sqlite"  # "sqlite" ($REEF_HOME/records.sqlite3) or a postgresql:// URL
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
@@ -124,6 +127,18 @@ class Config:
     @property
     def records_path(self) -> Path:
         return self.home / "records.sqlite3"
+
+    @property
+    def records_location(self) -> str | Path:
+        """Where the record store is: a ``postgresql://`` URL, or the SQLite file."""
+        return self.records if self.records != "sqlite" else self.records_path
+
+    @property
+    def records_shown(self) -> str:
+        """``records_location`` for messages: a URL without its password."""
+        from daemon.records import redact
+
+        return redact(str(self.records_location))
 
     @property
     def artifacts_path(self) -> Path:
@@ -220,7 +235,8 @@ def load_config(
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
-               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue"}
+               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
+               "records"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -234,6 +250,7 @@ def load_config(
         ("log_level", "REEF_LOG_LEVEL", str),
         ("agents_dir", "REEF_AGENTS_DIR", str),
         ("harness_updates", "REEF_HARNESS_UPDATES", str),
+        ("records", "REEF_RECORDS", str),
     ):
         if env.get(var):
             try:
@@ -254,6 +271,10 @@ def load_config(
     values["recipe_paths"] = tuple(home / Path(str(p)).expanduser() for p in paths)  # relative: to REEF_HOME
     if values.get("harness_updates", "install") not in ("install", "notify"):
         raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
+    records = values.get("records", "sqlite")
+    if not isinstance(records, str) or not (records == "sqlite" or records.startswith(("postgresql://",
+                                                                                        "postgres://"))):
+        raise BadRequest(f'config: records must be "sqlite" or a postgresql:// URL, got {records!r}')
     queue = values.get("events_queue", 4096)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")
