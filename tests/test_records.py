@@ -153,3 +153,189 @@ async def test_a_failing_record_in_a_batch_of_records_fails_alone(records_at: st
             assert (await store.get_record(r))["id"] == r
     finally:
         store.close()
+
+
+# --- schema versions -----------------------------------------------------------------------------------------
+
+
+def _raw(records_at: str, statements: list[str]) -> None:
+    """Run SQL on the store's database with the driver itself, as an older (or newer) Reef would have."""
+    if records_at.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(records_at, autocommit=True) as conn:
+            for s in statements:
+                conn.execute(s)
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(records_at, isolation_level=None)
+        for s in statements:
+            conn.execute(s)
+        conn.close()
+
+
+async def test_a_store_written_before_versioning_opens_migrated(records_at: str) -> None:
+    """A store as the first Reef wrote it (its tables, no schema_version) opens: its records are there and the
+    newer tables were added."""
+    from daemon.records.migrations import LATEST, MIGRATIONS, ddl
+
+    dialect = "postgresql" if records_at.startswith("postgresql://") else "sqlite"
+    _raw(records_at, ddl(MIGRATIONS[1], dialect) + [
+        "INSERT INTO records(id, kind, scenario, created_at, status, request) "
+        "VALUES ('rec_old', 'exchange', 's', 1.0, 'complete', '{\"q\": 1}')"])
+    store = open_store(records_at)
+    try:
+        assert store.schema_version == LATEST > 1
+        assert (await store.get_record("rec_old"))["request"] == {"q": 1}
+        versions = await store.read(lambda c: [r[0] for r in c.execute(
+            "SELECT version FROM schema_version ORDER BY version").fetchall()])
+        assert versions == list(range(1, LATEST + 1))
+        assert (await store.lease("trainer", "a", ttl_s=60)).held  # a table of a later migration, usable
+    finally:
+        store.close()
+    again = open_store(records_at)  # opening a current store changes nothing
+    try:
+        assert again.schema_version == LATEST
+    finally:
+        again.close()
+
+
+async def test_a_store_written_by_a_newer_reef_is_refused(records_at: str) -> None:
+    from daemon.errors import StoreTooNew
+    from daemon.records.migrations import LATEST
+
+    open_store(records_at).close()
+    _raw(records_at, [f"INSERT INTO schema_version(version, applied_at) VALUES ({LATEST + 1}, 0)"])
+    with pytest.raises(StoreTooNew) as caught:
+        open_store(records_at)
+    assert caught.value.exit_code == 10
+    assert f"schema version {LATEST + 1}" in caught.value.message and f"up to {LATEST}" in caught.value.message
+
+
+def test_the_daemon_refuses_a_newer_store_with_its_exit_code(tmp_path: Any) -> None:
+    """Through ``python -m daemon``: one line saying why, exit 10, before anything is served."""
+    import subprocess
+    import sys
+
+    from daemon.records.migrations import LATEST
+    from tests.conftest import make_home
+
+    home, _, env = make_home(tmp_path / "no-model")
+    open_store(str(home / "records.sqlite3")).close()
+    _raw(str(home / "records.sqlite3"), [f"INSERT INTO schema_version(version, applied_at) VALUES ({LATEST + 7}, 0)"])
+    proc = subprocess.run([sys.executable, "-m", "daemon"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 10, proc.stderr
+    assert f"schema version {LATEST + 7}, newer than this Reef knows" in proc.stderr
+    assert not (home / "reef.pid").exists()
+
+
+# --- the training lease and consumption ----------------------------------------------------------------------
+
+
+async def _until(what: str, check: Any, guard_s: float = 30) -> Any:
+    """Poll ``check()`` (a coroutine function) until it gives something true; a hang guard, not a bound."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: still not true after {guard_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
+    """Two daemons (two stores on one place): one holds the lease while it renews it; once it stops, the other
+    takes it over with a new epoch, and the old holder learns it lost it (renewing and claiming fail)."""
+    from daemon.errors import LeaseLost
+
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        held = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert held.held and held.holder == "daemon-a"
+        refused = await b.lease("trainer", "daemon-b", ttl_s=0.5)
+        assert not refused.held and refused.holder == "daemon-a"
+        renewed = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert renewed.held and renewed.epoch == held.epoch and renewed.expires_at > held.expires_at
+        # daemon-a stops renewing: daemon-b gets it once it expired
+        taken = await _until("daemon-b takes the lease over", lambda: _held(b, "daemon-b", 30))
+        assert taken.epoch == held.epoch + 1
+        lost = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert not lost.held and lost.holder == "daemon-b"
+        with pytest.raises(LeaseLost):
+            await a.claim("s", ["rec_1"], renewed)
+        assert await b.claim("s", ["rec_1"], taken) == ["rec_1"]
+    finally:
+        a.close()
+        b.close()
+
+
+async def _held(store: RecordStore, holder: str, ttl_s: float) -> Any:
+    lease = await store.lease("trainer", holder, ttl_s=ttl_s)
+    return lease if lease.held else None
+
+
+async def test_a_released_lease_is_taken_at_once(records_at: str) -> None:
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        held = await a.lease("trainer", "daemon-a", ttl_s=3600)
+        assert not (await b.lease("trainer", "daemon-b", ttl_s=3600)).held
+        assert await a.release_lease(held)
+        assert not await a.release_lease(held)  # once
+        taken = await b.lease("trainer", "daemon-b", ttl_s=3600)  # long before the hour is out
+        assert taken.held and taken.epoch == held.epoch + 1
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_daemons_asking_at_once_get_one_holder(records_at: str) -> None:
+    stores = [open_store(records_at) for _ in range(3)]
+    try:
+        got = await asyncio.gather(*(s.lease("trainer", f"daemon-{i}-{j}", ttl_s=3600)
+                                     for j in range(10) for i, s in enumerate(stores)))
+        winners = {lease.holder for lease in got if lease.held}
+        assert len(winners) == 1 and {lease.holder for lease in got} == winners
+    finally:
+        for s in stores:
+            s.close()
+
+
+async def test_receipts_are_claimed_exactly_once_across_stores(records_at: str) -> None:
+    """Two connections claiming the same receipts at once (what two daemons would do): each receipt goes to
+    exactly one of them, none to both, none lost."""
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        lease = await a.lease("trainer", "daemon-a", ttl_s=3600)
+        receipts = [f"rec_{i}" for i in range(60)]
+        chunks = [receipts[i:i + 6] for i in range(0, 60, 6)]
+        got = await asyncio.gather(*(s.claim("s", chunk, lease) for chunk in chunks for s in (a, b)))
+        claimed = [r for g in got for r in g]
+        assert sorted(claimed) == sorted(receipts)
+        assert await a.claim("s", receipts, lease) == []
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_takeover_gives_back_what_the_old_holder_claimed_but_never_settled(records_at: str) -> None:
+    """Daemon A claims three receipts, settles one (its release was published), publishes a second without
+    settling it (killed right after), and dies before the third's outcome. Daemon B, taking over, cannot claim
+    any of them until it recovers A's claims: the one with a written-down outcome stays consumed, the other
+    comes back to be learned from."""
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        la = await a.lease("trainer", "daemon-a", ttl_s=0.3)
+        assert await a.claim("s", ["r1", "r2", "r3"], la) == ["r1", "r2", "r3"]
+        assert await a.settle("s", ["r1"], la, "release-1") == 1
+        lb = await _until("daemon-b takes over", lambda: _held(b, "daemon-b", 3600))
+        assert await b.claim("s", ["r1", "r2", "r3", "r4"], lb) == ["r4"]
+        assert await b.recover_claims("s", lb, consumed={"r2"}) == ["r3"]  # r2: found in the published release
+        assert await b.claim("s", ["r1", "r2", "r3"], lb) == ["r3"]
+        assert await b.consumed("s") == {"r1": "consumed", "r2": "consumed", "r3": "claimed", "r4": "claimed"}
+        assert await a.settle("s", ["r3"], la, "release-2") == 0  # A's late outcome settles nothing of B's
+    finally:
+        a.close()
+        b.close()
