@@ -17,11 +17,12 @@ from pathlib import Path
 
 
 def _bindir() -> Path | None:
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).parent
+    """Debian's server binaries (``/usr/lib/postgresql/<major>/bin``, the newest), else where ``initdb`` is."""
     dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name))
-    return Path(dirs[-1]) if dirs else None
+    if dirs:
+        return Path(dirs[-1])
+    found = shutil.which("initdb")
+    return Path(found).resolve().parent if found else None
 
 
 def _free_port() -> int:

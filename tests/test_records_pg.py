@@ -1,0 +1,129 @@
+"""A daemon whose records live in PostgreSQL (``records = "postgresql://..."``), against a real cluster.
+
+- It serves and records as with SQLite: receipts name records that another connection reads.
+- The database goes away (the cluster stopped) while requests arrive: each gets a clear 503 in its provider's
+  shape and no receipt, nothing is recorded for it, the daemon stays up; once the cluster is back, service
+  resumes by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Daemon, assert_canonical_error
+from tests.pg import PgCluster
+
+CHAT = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[PgCluster]:
+    """A cluster of this test's own, since the test stops it (the session's cluster serves the others)."""
+    cluster = PgCluster()
+    yield cluster
+    cluster.close()
+
+
+def _pg_daemon(daemon_factory: Callable[..., Daemon], url: str) -> Daemon:
+    d = daemon_factory(start=False)
+    d.env["REEF_RECORDS"] = url
+    return d.start()
+
+
+def _exchanges(url: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        return [r[0] for r in conn.execute("SELECT id FROM records WHERE kind='exchange' ORDER BY seq")]
+
+
+def test_records_go_to_postgresql(daemon_factory: Callable[..., Daemon], pg_url: str) -> None:
+    d = _pg_daemon(daemon_factory, pg_url)
+    with d.http() as c:
+        r = c.post("/s/pg/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        receipt = r.headers["x-reef-agent-record-id"]
+        with c.stream("POST", "/s/pg/v1/messages", json={**MESSAGES, "stream": True}) as s:
+            assert s.status_code == 200
+            streamed = s.headers["x-reef-agent-record-id"]
+            s.read()
+        rep = c.post("/reef/report", json={"score": 1.0, "references": [receipt, streamed], "report_id": "once"})
+        assert rep.status_code == 201, rep.text
+        again = c.post("/reef/report", json={"score": 1.0, "references": [receipt, streamed], "report_id": "once"})
+        assert again.json()["report_id"] == rep.json()["report_id"]  # idempotent, as with SQLite
+        other = c.post("/reef/report", json={"score": 0.0, "references": [receipt, streamed], "report_id": "once"})
+        assert_canonical_error(other, 409)
+        assert c.get(f"/reef/records/{streamed}").json()["status"] == "complete"
+    assert _exchanges(pg_url) == [receipt, streamed]  # in the database, not beside it
+    assert not (d.home / "records.sqlite3").exists()
+
+
+def _until(what: str, check: Callable[[], Any], guard_s: float = 60) -> Any:
+    deadline = time.monotonic() + guard_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not true after {guard_s} s")
+        time.sleep(0.1)
+
+
+def test_the_database_going_away_is_a_503_without_receipt_and_service_resumes(
+        daemon_factory: Callable[..., Daemon], own_cluster: PgCluster) -> None:
+    url = own_cluster.create_database()
+    d = _pg_daemon(daemon_factory, url)
+    stored: list[str] = []
+    with d.http() as c:
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200, r.text
+            stored.append(r.headers["x-reef-agent-record-id"])
+
+        own_cluster.stop("fast")  # the database goes away while requests keep coming
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json=CHAT)
+            err = assert_canonical_error(r, 503, shape="openai")
+            assert "cannot be reached" in err["message"] and "x-reef-agent-record-id" not in r.headers
+            s = c.post("/v1/messages", json={**MESSAGES, "stream": True})  # a stream: refused before its headers
+            err = assert_canonical_error(s, 503, shape="anthropic")
+            assert "x-reef-agent-record-id" not in s.headers
+            rep = c.post("/reef/report", json={"scenario": "default", "score": 1.0, "references": [stored[0]]})
+            assert_canonical_error(rep, 503)
+        assert c.get("/healthz").status_code == 200  # the daemon itself stays up
+
+        own_cluster.start()
+        r = _until("a request is served again", lambda: (lambda r: r if r.status_code == 200 else None)(
+            c.post("/v1/chat/completions", json=CHAT)))
+        stored.append(r.headers["x-reef-agent-record-id"])
+        assert c.get(f"/reef/records/{stored[-1]}").status_code == 200
+        with c.stream("POST", "/v1/messages", json={**MESSAGES, "stream": True}) as s:
+            assert s.status_code == 200
+            stored.append(s.headers["x-reef-agent-record-id"])
+            s.read()
+        assert c.post("/reef/report", json={"score": 1.0, "references": stored[-2:]}).status_code == 201
+    # what was refused left nothing behind; what got a receipt is there, once
+    assert _exchanges(url) == stored
+    assert d.proc is not None and d.proc.poll() is None
+
+
+def test_a_daemon_that_cannot_reach_its_database_at_start_says_so(daemon_factory: Callable[..., Daemon],
+                                                                   own_cluster: PgCluster) -> None:
+    import subprocess
+    import sys
+
+    url = own_cluster.create_database().replace("reef@", "reef:hunter2@")
+    own_cluster.stop("fast")
+    d = daemon_factory(start=False)
+    proc = subprocess.run([sys.executable, "-m", "daemon"], env={**d.env, "REEF_RECORDS": url},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert "cannot be reached" in proc.stderr and "hunter2" not in proc.stderr and ":***@" in proc.stderr
+    with pytest.raises(httpx.TransportError):
+        httpx.get(d.url + "/healthz", timeout=2)
