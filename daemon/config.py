@@ -13,6 +13,7 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
     records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
                                   # (shared by several daemons; env REEF_RECORDS; see README "Several machines")
+    lease_ttl_s = 15              # PostgreSQL records: the training lease lasts this long unless renewed
 
     [models.tiny]
     engine = "transformers"
@@ -84,6 +85,7 @@ class Config:
     log_level: str = "info"
     events_queue: int = 4096  # events held for one /reef/events subscriber that is not reading (then: dropped)
     records: str = "sqlite"  # "sqlite" ($REEF_HOME/records.sqlite3) or a postgresql:// URL
+    lease_ttl_s: float = 15.0  # shared records: the training lease's term, renewed every third of it
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
@@ -236,7 +238,7 @@ def load_config(
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
-               "records"}
+               "records", "lease_ttl_s"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -275,6 +277,9 @@ def load_config(
     if not isinstance(records, str) or not (records == "sqlite" or records.startswith(("postgresql://",
                                                                                         "postgres://"))):
         raise BadRequest(f'config: records must be "sqlite" or a postgresql:// URL, got {records!r}')
+    ttl = values.get("lease_ttl_s", 15.0)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise BadRequest(f"config: lease_ttl_s must be a positive number of seconds, got {ttl!r}")
     queue = values.get("events_queue", 4096)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")

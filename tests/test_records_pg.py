@@ -127,3 +127,69 @@ def test_a_daemon_that_cannot_reach_its_database_at_start_says_so(daemon_factory
     assert "cannot be reached" in proc.stderr and "hunter2" not in proc.stderr and ":***@" in proc.stderr
     with pytest.raises(httpx.TransportError):
         httpx.get(d.url + "/healthz", timeout=2)
+
+
+# --- two daemons, one store: exactly one trains ------------------------------------------------------------
+
+NOTES = '''
+from recipes.base import Candidate, Recipe
+
+
+class Notes(Recipe):
+    """Each written feedback becomes one line of AGENTS.md (a harness step: milliseconds, no trainer)."""
+
+    name = "notes"
+    kind = "harness"
+    source = "feedback"
+
+    async def edit(self, tree, batch, ctx):
+        text = tree.get("AGENTS.md", b"# Rules\\n").decode()
+        for r in batch:
+            text += f"- {r['report']['feedback']}\\n"
+        return Candidate(tree={**tree, "AGENTS.md": text.encode()})
+'''
+
+
+def _sharing(daemon_factory: Callable[..., Daemon], url: str, recipes: Any) -> Daemon:
+    d = daemon_factory(start=False)
+    cfg = d.home / "config.toml"
+    cfg.write_text(f'recipe_paths = ["{recipes}"]\nlease_ttl_s = 1.0\n' + cfg.read_text())
+    d.env["REEF_RECORDS"] = url
+    return d.start()
+
+
+def _feedback(c: httpx.Client, text: str) -> str:
+    r = c.post("/s/notes/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    rep = c.post("/reef/report", json={"references": [r.headers["x-reef-agent-record-id"]], "feedback": text})
+    assert rep.status_code == 201, rep.text
+    return str(rep.json()["report_id"])
+
+
+def _trained(c: httpx.Client) -> list[list[str]]:
+    chain = c.get("/reef/scenarios/notes/releases", params={"all": "1"}).json()
+    return [r["receipts"] for r in chain["releases"] if r["operation"] == "train"]
+
+
+def test_of_two_daemons_only_the_lease_holder_trains_and_the_other_takes_over(
+        daemon_factory: Callable[..., Daemon], pg_url: str, tmp_path: Any) -> None:
+    """Two daemons share one PostgreSQL (each with its own release chain here: chain remotes are another
+    setting). Feedback reported to the one that does not hold the lease is learned by the holder; once the
+    holder is killed (-9), the other takes the lease over and learns what comes next, and nothing is learned
+    from twice."""
+    (tmp_path / "notes_recipe.py").write_text(NOTES)
+    a = _sharing(daemon_factory, pg_url, tmp_path)  # first up: it takes the lease
+    with a.http() as ca:
+        assert ca.post("/reef/scenarios", json={"name": "notes", "recipe": "notes_recipe:Notes"}).status_code == 201
+        _until("a holds the lease", lambda: "training here" in a.log_tail(200))
+    b = _sharing(daemon_factory, pg_url, tmp_path)
+    with a.http() as ca, b.http() as cb:
+        first = _feedback(cb, "run the tests first")  # reported to b, which does not train
+        assert _until("a learns b's report", lambda: _trained(ca)) == [[first]]
+        assert _trained(cb) == []
+        assert "training here" not in b.log_tail(200)
+        a.kill9()
+        second = _feedback(cb, "keep diffs small")
+        assert _until("b takes over and learns", lambda: _trained(cb)) == [[second]]  # not the first again
+        assert "training here" in b.log_tail(200)
+

@@ -223,6 +223,7 @@ class RecordStore:
     BEGIN: ClassVar[str] = "BEGIN"
     NOW: ClassVar[str]  # SQL: the database's clock, seconds since the epoch (one clock for every daemon)
     FOR_UPDATE: ClassVar[str] = ""  # SQL: what locks the rows a SELECT read, until the transaction ends
+    shared: ClassVar[bool] = False  # whether several daemons may use this store at once (then: lease to train)
     DriverError: ClassVar[type[BaseException] | tuple[type[BaseException], ...]]
     IntegrityError: ClassVar[type[BaseException]]  # what a write that breaks a constraint raises
 
@@ -863,6 +864,20 @@ class RecordStore:
                     " AND epoch=? AND state='claimed'",
                     (outcome, scenario, receipt, lease.holder, lease.epoch),
                 ).rowcount
+            return n
+
+        return await self.write(op)
+
+    async def release_claims(self, scenario: str, receipts: Sequence[str], lease: Lease) -> int:
+        """Give back claims of this lease that the step did not consume (a skipped step that keeps its
+        receipts): they can be claimed again."""
+
+        def op(conn: Conn) -> int:
+            n = 0
+            for receipt in receipts:
+                n += conn.execute(
+                    "DELETE FROM consumption WHERE scenario=? AND receipt=? AND holder=? AND epoch=?"
+                    " AND state='claimed'", (scenario, receipt, lease.holder, lease.epoch)).rowcount
             return n
 
         return await self.write(op)
