@@ -132,6 +132,10 @@ def test_a_daemon_that_cannot_reach_its_database_at_start_says_so(daemon_factory
 # --- two daemons, one store: exactly one trains ------------------------------------------------------------
 
 NOTES = '''
+import asyncio
+import os
+from pathlib import Path
+
 from recipes.base import Candidate, Recipe
 
 
@@ -143,6 +147,9 @@ class Notes(Recipe):
     source = "feedback"
 
     async def edit(self, tree, batch, ctx):
+        if os.environ.get("NOTES_HANG"):  # a step that never ends: the test kills its daemon in it
+            Path(os.environ["NOTES_HANG"]).write_text(",".join(r["id"] for r in batch))
+            await asyncio.sleep(3600)
         text = tree.get("AGENTS.md", b"# Rules\\n").decode()
         for r in batch:
             text += f"- {r['report']['feedback']}\\n"
@@ -150,11 +157,11 @@ class Notes(Recipe):
 '''
 
 
-def _sharing(daemon_factory: Callable[..., Daemon], url: str, recipes: Any) -> Daemon:
+def _sharing(daemon_factory: Callable[..., Daemon], url: str, recipes: Any, **env: str) -> Daemon:
     d = daemon_factory(start=False)
     cfg = d.home / "config.toml"
     cfg.write_text(f'recipe_paths = ["{recipes}"]\nlease_ttl_s = 1.0\n' + cfg.read_text())
-    d.env["REEF_RECORDS"] = url
+    d.env.update(REEF_RECORDS=url, **env)
     return d.start()
 
 
@@ -193,3 +200,25 @@ def test_of_two_daemons_only_the_lease_holder_trains_and_the_other_takes_over(
         assert _until("b takes over and learns", lambda: _trained(cb)) == [[second]]  # not the first again
         assert "training here" in b.log_tail(200)
 
+
+
+def test_a_trainer_killed_mid_step_hands_its_batch_to_the_next(daemon_factory: Callable[..., Daemon], pg_url: str,
+                                                              tmp_path: Any) -> None:
+    """The holder claims a batch and is killed (-9) inside the step: the daemon that takes the lease over gives
+    that claim back and learns the batch itself, once."""
+    (tmp_path / "notes_recipe.py").write_text(NOTES)
+    marker = tmp_path / "in-step"
+    a = _sharing(daemon_factory, pg_url, tmp_path, NOTES_HANG=str(marker))
+    with a.http() as ca:
+        assert ca.post("/reef/scenarios", json={"name": "notes", "recipe": "notes_recipe:Notes"}).status_code == 201
+        _until("a holds the lease", lambda: "training here" in a.log_tail(200))
+    b = _sharing(daemon_factory, pg_url, tmp_path)
+    with b.http() as cb:
+        first = _feedback(cb, "run the tests first")
+        _until("a is inside its step", marker.exists)
+        assert marker.read_text() == first
+        a.kill9()
+        assert _until("b takes over and learns the batch a died with", lambda: _trained(cb)) == [[first]]
+        assert "come back to learn from" in b.log_tail(200)
+        second = _feedback(cb, "keep diffs small")
+        assert _until("b learns on", lambda: len(_trained(cb)) == 2 and _trained(cb)) == [[second], [first]]

@@ -132,6 +132,8 @@ class PostgresStore(RecordStore):
         return PgConn(raw)
 
     def _failure(self, exc: BaseException) -> StorageError:
+        if str(getattr(exc, "sqlstate", None) or "").startswith("53"):  # the server's disk is full, out of memory
+            return StorageError(f"record store write failed: {_first_line(exc)}", path=self.where)
         if isinstance(exc, psycopg.OperationalError):  # cannot connect, connection lost, server shut down
             return RecordsUnavailable(f"the record store {self.where} cannot be reached: {_first_line(exc)}",
                                       path=self.where)
