@@ -11,6 +11,9 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     default_model = "tiny"
     default_recipe = "record"
     events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
+    records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
+                                  # (shared by several daemons; env REEF_RECORDS; see README "Several machines")
+    lease_ttl_s = 15              # PostgreSQL records: the training lease lasts this long unless renewed
 
     [models.tiny]
     engine = "transformers"
@@ -82,6 +85,8 @@ class Config:
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     log_level: str = "info"
     events_queue: int = 4096  # events held for one /reef/events subscriber that is not reading (then: dropped)
+    records: str = "sqlite"  # "sqlite" ($REEF_HOME/records.sqlite3) or a postgresql:// URL
+    lease_ttl_s: float = 15.0  # shared records: the training lease's term, renewed every third of it
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
@@ -125,6 +130,18 @@ class Config:
     @property
     def records_path(self) -> Path:
         return self.home / "records.sqlite3"
+
+    @property
+    def records_location(self) -> str | Path:
+        """Where the record store is: a ``postgresql://`` URL, or the SQLite file."""
+        return self.records if self.records != "sqlite" else self.records_path
+
+    @property
+    def records_shown(self) -> str:
+        """``records_location`` for messages: a URL without its password."""
+        from daemon.records import redact
+
+        return redact(str(self.records_location))
 
     @property
     def artifacts_path(self) -> Path:
@@ -223,7 +240,8 @@ def load_config(
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
-               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue"}
+               "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
+               "records", "lease_ttl_s"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -237,6 +255,7 @@ def load_config(
         ("log_level", "REEF_LOG_LEVEL", str),
         ("agents_dir", "REEF_AGENTS_DIR", str),
         ("harness_updates", "REEF_HARNESS_UPDATES", str),
+        ("records", "REEF_RECORDS", str),
     ):
         if env.get(var):
             try:
@@ -257,6 +276,13 @@ def load_config(
     values["recipe_paths"] = tuple(home / Path(str(p)).expanduser() for p in paths)  # relative: to REEF_HOME
     if values.get("harness_updates", "install") not in ("install", "notify"):
         raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
+    records = values.get("records", "sqlite")
+    if not isinstance(records, str) or not (records == "sqlite" or records.startswith(("postgresql://",
+                                                                                        "postgres://"))):
+        raise BadRequest(f'config: records must be "sqlite" or a postgresql:// URL, got {records!r}')
+    ttl = values.get("lease_ttl_s", 15.0)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise BadRequest(f"config: lease_ttl_s must be a positive number of seconds, got {ttl!r}")
     queue = values.get("events_queue", 4096)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")

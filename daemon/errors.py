@@ -22,9 +22,12 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── RecipeConflict             409  (scenario already bound to another recipe)
     │   ├── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
     │   ├── Unchanged                  409  (a candidate whose content equals its parent's: no release)
-    │   └── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
+    │   ├── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
+    │   └── LeaseLost                  409  (the training lease was taken over: this daemon no longer trains)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
+    │   └── RecordsUnavailable         503  storage_unavailable (the records database cannot be reached)
+    ├── StoreTooNew                    500  store_too_new   (a record store written by a newer Reef: exit 10)
     ├── EngineError                    500  engine_error
     │   ├── StepFailed                 500  (a recipe's training step raised in the trainer worker)
     │   ├── UpstreamError              502  upstream_error
@@ -182,6 +185,30 @@ class StorageError(ReefError):
     exit_code = 6
 
 
+class RecordsUnavailable(StorageError):
+    """The records database (PostgreSQL) cannot be reached: nothing was stored, so nothing is acknowledged.
+    A 503: the client may retry, and service resumes by itself once the database is back."""
+
+    status = 503
+    type = "storage_unavailable"
+    exit_code = 7
+
+
+class StoreTooNew(ReefError):
+    """A record store whose schema is newer than this Reef knows: refused rather than misread."""
+
+    type = "store_too_new"
+    exit_code = 10
+
+    def __init__(self, where: str, version: int, supported: int) -> None:
+        super().__init__(
+            f"the record store {where} has schema version {version}, newer than this Reef knows (up to "
+            f"{supported}): upgrade Reef, or point it at another store", path=where, version=version,
+            supported=supported)
+        self.version = version
+        self.supported = supported
+
+
 # what a full, over-quota, failing or read-only disk raises (SQLite: SQLITE_FULL, SQLITE_IOERR, SQLITE_READONLY)
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 _STORAGE_SQLITE = frozenset({13, 10, 8})
@@ -247,6 +274,14 @@ class LockBusy(Conflict):
         )
         self.ref = ref
         self.lock_path = path
+
+
+class LeaseLost(Conflict):
+    """A step's lease is no longer its caller's (another daemon took it over after it was not renewed)."""
+
+    def __init__(self, name: str, holder: str | None, current: str | None) -> None:
+        super().__init__(f"lease {name!r} is no longer held by {holder!r} (held by {current!r})", lease=name,
+                         holder=holder, current_holder=current)
 
 
 class AgentError(ReefError):

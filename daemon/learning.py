@@ -26,6 +26,13 @@ Design choices:
   the recipe skipped (nothing to learn). A step that raises is written down as failed with the exception's
   message; serving goes on. Every step is an event on ``/reef/events`` (``train.start``, ``train.step``,
   ``gate``, ``release``).
+- Several daemons on one shared record store (PostgreSQL): only the holder of the training lease
+  (``RecordStore.lease``, renewed every third of ``lease_ttl_s``) steps; while it holds it, it also looks for
+  work every renewal, since reports may have reached another daemon. A step claims its batch's receipts in the
+  store (exactly once across daemons) and settles them once its outcome is written down; the consumed set is
+  git's and the store's together. A daemon that takes the lease over gives back the claims of the previous
+  holder whose outcome was never written down (a ``kill -9`` mid-step), so that batch is learned from again.
+  A store only this daemon uses (SQLite) needs no lease: the code path is the same with the lease left out.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
+import socket
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -44,15 +53,17 @@ from typing import Any
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
-from daemon.errors import HeadMoved, ReefError, Unchanged
+from daemon.errors import HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
-from daemon.records import RecordStore, Scenario, new_id
+from daemon.records import Lease, RecordStore, Scenario, new_id
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
 from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict
 
 log = logging.getLogger("reef.learning")
+
+LEASE = "trainer"  # the one training lease of a shared store: exactly one daemon trains
 
 
 @dataclass
@@ -136,6 +147,11 @@ class Learner:
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
         self._judging: set[asyncio.Task[None]] = set()
+        # this process, as a lease holder (a restarted daemon is a new holder: it waits out the old lease)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{new_id('')[-6:]}"
+        self._lease: Lease | None = None
+        self._lease_until = 0.0  # loop time until which the lease is surely still ours
+        self._lease_task: asyncio.Task[None] | None = None
 
     @property
     def trainer(self) -> Any:
@@ -157,14 +173,72 @@ class Learner:
     async def start(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)  # candidates of a crashed run: never published, retrained
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.store.shared:
+            self._lease_task = asyncio.ensure_future(self._keep_lease())
+        await self._notify_learning(log_errors=True)
+
+    async def _notify_learning(self, *, log_errors: bool = False) -> None:
         for s in await self.store.list_scenarios():
             try:
                 if load_recipe(s["recipe"]).source is not None:
                     self.notify(s["name"])
             except ReefError as e:  # a recipe that no longer loads: that scenario serves, and says why
-                log.error("scenario %s does not learn: %s", s["name"], e.message)
+                if log_errors:
+                    log.error("scenario %s does not learn: %s", s["name"], e.message)
+
+    # --- the training lease (shared stores) ----------------------------------------------------------------
+
+    def _held(self) -> Lease | None:
+        """The lease while it is surely ours (renewed less than its term ago, on this machine's clock)."""
+        if self._lease is not None and asyncio.get_running_loop().time() < self._lease_until:
+            return self._lease
+        return None
+
+    async def _keep_lease(self) -> None:
+        ttl = self.config.lease_ttl_s
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            try:
+                lease: Lease | None = await self.store.lease(LEASE, self.holder, ttl_s=ttl)
+            except ReefError as e:  # the store is away: whether we still hold it is unknown, so we do not
+                log.warning("could not renew the training lease: %s", e.message)
+                lease = None
+            previous = self._lease
+            self._lease = lease if lease is not None and lease.held else None
+            self._lease_until = asked + ttl * 0.9  # from before the request: the database counted from later
+            try:
+                if self._lease is not None:
+                    if previous is None or previous.epoch != self._lease.epoch:
+                        log.info("training here: holding the training lease (epoch %d)", self._lease.epoch)
+                        await self._took_over(self._lease)
+                    await self._notify_learning()  # reports may have reached another daemon
+                elif previous is not None:
+                    log.warning("the training lease is no longer ours (held by %s)",
+                                lease.holder if lease is not None else "unknown")
+            except ReefError as e:
+                log.warning("the training lease's holder could not look for work: %s", e.message)
+            await asyncio.sleep(ttl / 3)
+
+    async def _took_over(self, lease: Lease) -> None:
+        """This daemon just became the trainer: forget what it read under no lease, and give back the claims of
+        earlier holders whose outcome was never written down (their step died with them)."""
+        for st in self._scenarios.values():
+            st.consumed, st.cursor = None, 0
+            st.pool.clear()
+        for s in await self.store.list_scenarios():
+            back = await self.store.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
+            if back:
+                log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
+                         s["name"], len(back))
 
     async def close(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            try:
+                await self._lease_task
+            except (asyncio.CancelledError, Exception):
+                pass
         tasks = [st.task for st in self._scenarios.values() if st.task is not None] + list(self._judging)
         for task in tasks:
             task.cancel()
@@ -175,6 +249,11 @@ class Learner:
                 pass
         if self._trainer is not None:
             await asyncio.to_thread(self._trainer.close)
+        if self._lease is not None:  # a clean stop hands training over at once, not after the lease's term
+            try:
+                await self.store.release_lease(self._lease)
+            except ReefError:
+                pass  # the store is away: the lease runs out by itself
 
     # --- recipes and settings ------------------------------------------------------------------------------
 
@@ -313,6 +392,10 @@ class Learner:
         if recipe is None or recipe.source is None:
             return None
         async with st.lock:
+            lease = self._held()
+            if self.store.shared and lease is None:
+                st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
+                return None
             scenario = await self.store.get_scenario(name)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
@@ -321,6 +404,19 @@ class Learner:
                 st.state = "waiting"
                 return None
             receipts = [r["id"] for r in batch]
+            if lease is not None:
+                try:
+                    claimed = await self.store.claim(name, receipts, lease)
+                except LeaseLost:
+                    self._lease = None
+                    st.state = "waiting"
+                    return None
+                if len(claimed) != len(receipts):  # consumed elsewhere meanwhile: out of the pool, batch again
+                    taken = set(receipts) - set(claimed)
+                    consumed.update(taken)
+                    await self.store.release_claims(name, claimed, lease)
+                    st.state = "waiting"
+                    return {"scenario": name, "verdict": "skipped", "consumed": len(taken)}
             job_id = new_id("job_")
             record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
             st.state = "training"
@@ -356,6 +452,12 @@ class Learner:
             kept = outcome.pop("_consumed", receipts)
             consumed.update(kept)
             outcome["consumed"] = len(kept)
+            if lease is not None:
+                try:
+                    await self.store.settle(name, kept, lease, outcome.get("release_id") or outcome["verdict"])
+                    await self.store.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
+                except ReefError as e:  # the outcome is in git; a takeover settles these claims from there
+                    log.warning("learning on %s: could not settle the step's claims: %s", name, e.message)
             self.events.publish("gate", scenario=name, job=job_id, verdict=outcome["verdict"],
                                 reason=outcome.get("reason"), metrics=outcome.get("metrics") or {},
                                 release_id=outcome.get("release_id"))
@@ -484,19 +586,26 @@ class Learner:
 
     # --- what a step reads ---------------------------------------------------------------------------------
 
+    async def _git_consumed(self, name: str) -> set[str]:
+        """Receipts listed in a release or a rejection of the scenario's chain."""
+        store = self.chains.store
+
+        def read() -> set[str]:
+            out: set[str] = set()
+            for rel in store.history(name):
+                out.update(rel.receipts)
+            for rej in store.rejections(name):
+                out.update(rej.receipts)
+            return out
+
+        return await asyncio.to_thread(read)
+
     async def _consumed(self, st: ScenarioLearning) -> set[str]:
         if st.consumed is None:
-            store = self.chains.store
-
-            def read() -> set[str]:
-                out: set[str] = set()
-                for rel in store.history(st.name):
-                    out.update(rel.receipts)
-                for rej in store.rejections(st.name):
-                    out.update(rej.receipts)
-                return out
-
-            st.consumed = await asyncio.to_thread(read)
+            consumed = await self._git_consumed(st.name)
+            if self.store.shared:  # and what any daemon sharing the store consumed or claimed
+                consumed.update(await self.store.consumed(st.name))
+            st.consumed = consumed
         return st.consumed
 
     async def _eligible(self, st: ScenarioLearning, scenario: Scenario, head: Any) -> list[dict[str, Any]]:

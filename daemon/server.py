@@ -122,7 +122,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     server: web.Server | None = None
     serving = False
     try:
-        with storing(f"opening the record store {config.records_path}"):
+        with storing(f"opening the record store {config.records_shown}"):
             reef = Reef(config, token)
         with storing("starting the daemon"):
             await reef.start()

@@ -25,7 +25,7 @@ from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.names import check_scenario
-from daemon.records import RecordStore, Scenario, new_id
+from daemon.records import Scenario, new_id, open_store
 from recipes import add_recipe_paths, load_recipe
 
 log = logging.getLogger("reef")
@@ -87,7 +87,7 @@ class Reef:
     def __init__(self, config: Config, token: str) -> None:
         self.config = config
         self.token = token
-        self.store = RecordStore(config.records_path)
+        self.store = open_store(config.records_location)
         self.events = EventBus(config.events_queue)
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)

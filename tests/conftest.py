@@ -214,3 +214,27 @@ def sse_events(text: str) -> list[tuple[str | None, Any]]:
             except ValueError:
                 out.append((event, raw))
     return out
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Any]:
+    """One throwaway PostgreSQL cluster for the session (``tests/pg.py``); each test takes a fresh database."""
+    from tests.pg import PgCluster
+
+    cluster = PgCluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Any) -> str:
+    """The URL of a new, empty database in the session's cluster."""
+    return str(pg_cluster.create_database())
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a record store lives, once per backend: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "records.sqlite3")
+    return str(request.getfixturevalue("pg_url"))

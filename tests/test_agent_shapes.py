@@ -115,7 +115,7 @@ def test_models_are_bound_per_scenario(daemon_factory: Any, tiny_model: Path) ->
     d: Daemon = daemon_factory(f'\n[models.tiny2]\nengine = "transformers"\npath = "{tiny_model}"\n')
     with d.http() as c:
         ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
-        assert ids == ["tiny", "tiny-demo", "tiny2"]
+        assert ids == ["smollm2", "tiny", "tiny-demo", "tiny2"]  # the built-in entries, made on first use
         assert c.post("/reef/scenarios", json={"name": "second", "model": "tiny2"}).json()["model"] == "tiny2"
         bad = c.post("/reef/scenarios", json={"name": "third", "model": "nope"})
         assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]

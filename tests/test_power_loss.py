@@ -46,22 +46,22 @@ REF = f"refs/reef/scenarios/{SCENARIO}"
 # the mutations, each a sitecustomize the daemon (and its children) import at start-up
 MUTATIONS = {
     "synchronous-off": """
-        import daemon.records
-        daemon.records.SYNCHRONOUS = "OFF"
+        import daemon.records.sqlite
+        daemon.records.sqlite.SYNCHRONOUS = "OFF"
     """,
     "no-file-fsync": """
         import daemon.durable
         daemon.durable.sync_fd = lambda fd: None
     """,
     "checkpoint-unsynced": """
-        import daemon.records
-        _open = daemon.records.RecordStore._open
+        import daemon.records.sqlite
+        _open = daemon.records.sqlite.SQLiteStore._open
         def _open_unsynced(self, *, write):
             conn = _open(self, write=write)
             if not write:
                 conn.execute("PRAGMA synchronous=OFF")
             return conn
-        daemon.records.RecordStore._open = _open_unsynced
+        daemon.records.sqlite.SQLiteStore._open = _open_unsynced
     """,
     "no-libgit2-fsync": """
         import pygit2

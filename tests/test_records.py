@@ -3,66 +3,68 @@
 Writes made during one loop iteration reach the writer as one batch and are resolved with one callback per
 commit; each must still get its own result, a failing write must fail alone, nothing may resolve before its
 commit, and a store that is closed must refuse writes rather than leave them waiting forever.
+
+Every test runs against both backends (``records_at``: a SQLite file, a fresh PostgreSQL database in the
+session's throwaway cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import threading
-from pathlib import Path
+from typing import Any
 
 import pytest
 
 from daemon.errors import StorageError
-from daemon.records import RecordStore
+from daemon.records import Conn, RecordStore, open_store
 
 
-def _store(tmp_path: Path) -> RecordStore:
-    store = RecordStore(tmp_path / "records.sqlite3")
+def _store(records_at: str) -> RecordStore:
+    store = open_store(records_at)
     store.write_sync(lambda c: c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT)"))
     return store
 
 
-async def test_concurrent_writes_each_get_their_own_result(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def _insert(k: int, v: str) -> Any:
+    """A write that inserts one row and returns its key (from the database, not from the argument)."""
+    return lambda c: c.execute("INSERT INTO t VALUES (?, ?) RETURNING k", (k, v)).fetchone()[0]
+
+
+async def test_concurrent_writes_each_get_their_own_result(records_at: str) -> None:
+    store = _store(records_at)
     try:
-        results = await asyncio.gather(*(
-            store.write(lambda c, i=i: c.execute("INSERT INTO t VALUES (?, ?)", (i, str(i))).lastrowid)
-            for i in range(500)
-        ))
+        results = await asyncio.gather(*(store.write(_insert(i, str(i))) for i in range(500)))
         assert results == list(range(500))
-        # a write resolved means committed: a fresh connection sees every row
-        fresh = sqlite3.connect(tmp_path / "records.sqlite3")
-        assert fresh.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 500
-        fresh.close()
+        # a write resolved means committed: another store on the same place (another daemon) sees every row
+        fresh = open_store(records_at)
+        try:
+            assert await fresh.read(lambda c: c.execute("SELECT COUNT(*) FROM t").fetchone()[0]) == 500
+        finally:
+            fresh.close()
     finally:
         store.close()
 
 
-async def test_a_failing_write_fails_alone(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+async def test_a_failing_write_fails_alone(records_at: str) -> None:
+    store = _store(records_at)
     try:
         store.write_sync(lambda c: c.execute("INSERT INTO t VALUES (1, 'taken')"))
-
-        def insert(k: int):
-            return lambda c: c.execute("INSERT INTO t VALUES (?, 'x')", (k,)).lastrowid
-
-        outcomes = await asyncio.gather(store.write(insert(2)), store.write(insert(1)), store.write(insert(3)),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(store.write(_insert(2, "x")), store.write(_insert(1, "x")),
+                                        store.write(_insert(3, "x")), return_exceptions=True)
         assert outcomes[0] == 2 and outcomes[2] == 3
-        assert isinstance(outcomes[1], sqlite3.IntegrityError)
+        assert isinstance(outcomes[1], store.IntegrityError)
         rows = await store.read(lambda c: c.execute("SELECT k FROM t ORDER BY k").fetchall())
         assert [r[0] for r in rows] == [1, 2, 3]
     finally:
         store.close()
 
 
-async def test_nothing_resolves_before_the_commit(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+async def test_nothing_resolves_before_the_commit(records_at: str) -> None:
+    store = _store(records_at)
     gate = threading.Event()
     try:
-        def slow(c: sqlite3.Connection) -> str:
+        def slow(c: Conn) -> str:
             gate.wait(5)
             c.execute("INSERT INTO t VALUES (7, 'late')")
             return "done"
@@ -77,30 +79,24 @@ async def test_nothing_resolves_before_the_commit(tmp_path: Path) -> None:
         store.close()
 
 
-async def test_writes_from_two_loops_and_a_thread(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+async def test_writes_from_two_loops_and_a_thread(records_at: str) -> None:
+    store = _store(records_at)
     try:
         def other_loop() -> list[int]:
             async def run() -> list[int]:
-                return list(await asyncio.gather(*(
-                    store.write(lambda c, i=i: c.execute("INSERT INTO t VALUES (?, 'b')", (i,)).lastrowid)
-                    for i in range(1000, 1100)
-                )))
+                return list(await asyncio.gather(*(store.write(_insert(i, "b")) for i in range(1000, 1100))))
             return asyncio.run(run())
 
         theirs = asyncio.get_running_loop().run_in_executor(None, other_loop)
-        ours = await asyncio.gather(*(
-            store.write(lambda c, i=i: c.execute("INSERT INTO t VALUES (?, 'a')", (i,)).lastrowid) for i in range(100)
-        ))
-        sync = await asyncio.to_thread(store.write_sync,
-                                       lambda c: c.execute("INSERT INTO t VALUES (5000, 's')").lastrowid)
+        ours = await asyncio.gather(*(store.write(_insert(i, "a")) for i in range(100)))
+        sync = await asyncio.to_thread(store.write_sync, _insert(5000, "s"))
         assert ours == list(range(100)) and await theirs == list(range(1000, 1100)) and sync == 5000
     finally:
         store.close()
 
 
-async def test_a_closed_store_refuses_writes(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+async def test_a_closed_store_refuses_writes(records_at: str) -> None:
+    store = _store(records_at)
     store.close()
     with pytest.raises(StorageError):
         await asyncio.wait_for(store.write(lambda c: c.execute("INSERT INTO t VALUES (1, 'x')")), 5)
@@ -114,10 +110,10 @@ def _exchange(receipt: str, scenario: str = "s") -> dict[str, object]:
             "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
 
 
-async def test_learning_reads_only_what_came_since_its_last_read(tmp_path: Path) -> None:
+async def test_learning_reads_only_what_came_since_its_last_read(records_at: str) -> None:
     """The learning loop's reads: scored exchanges and feedback since a cursor, re-scores included, oldest
     first; a round with nothing new reads nothing."""
-    store = RecordStore(tmp_path / "records.sqlite3")
+    store = open_store(records_at)
     try:
         for r in ("rec_a", "rec_b", "rec_other"):
             await store.append_exchange(_exchange(r, "other" if r == "rec_other" else "s"))
@@ -142,18 +138,204 @@ async def test_learning_reads_only_what_came_since_its_last_read(tmp_path: Path)
         store.close()
 
 
-async def test_a_failing_record_in_a_batch_of_records_fails_alone(tmp_path: Path) -> None:
+async def test_a_failing_record_in_a_batch_of_records_fails_alone(records_at: str) -> None:
     """A batch of exchange records goes in as one statement; when that statement fails, each record is tried on
     its own: the good ones are stored, the bad one gets its own error."""
-    store = RecordStore(tmp_path / "records.sqlite3")
+    store = open_store(records_at)
     try:
         outcomes = await asyncio.gather(
             *(store.append_exchange(_exchange(r)) for r in ("rec_1", "rec_dup", "rec_dup", "rec_2")),
             return_exceptions=True,
         )
         assert outcomes[:2] == [None, None] and outcomes[3] is None
-        assert isinstance(outcomes[2], sqlite3.IntegrityError)
+        assert isinstance(outcomes[2], store.IntegrityError)
         for r in ("rec_1", "rec_dup", "rec_2"):
             assert (await store.get_record(r))["id"] == r
     finally:
         store.close()
+
+
+# --- schema versions -----------------------------------------------------------------------------------------
+
+
+def _raw(records_at: str, statements: list[str]) -> None:
+    """Run SQL on the store's database with the driver itself, as an older (or newer) Reef would have."""
+    if records_at.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(records_at, autocommit=True) as conn:
+            for s in statements:
+                conn.execute(s)
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(records_at, isolation_level=None)
+        for s in statements:
+            conn.execute(s)
+        conn.close()
+
+
+async def test_a_store_written_before_versioning_opens_migrated(records_at: str) -> None:
+    """A store as the first Reef wrote it (its tables, no schema_version) opens: its records are there and the
+    newer tables were added."""
+    from daemon.records.migrations import LATEST, MIGRATIONS, ddl
+
+    dialect = "postgresql" if records_at.startswith("postgresql://") else "sqlite"
+    _raw(records_at, ddl(MIGRATIONS[1], dialect) + [
+        "INSERT INTO records(id, kind, scenario, created_at, status, request) "
+        "VALUES ('rec_old', 'exchange', 's', 1.0, 'complete', '{\"q\": 1}')"])
+    store = open_store(records_at)
+    try:
+        assert store.schema_version == LATEST > 1
+        assert (await store.get_record("rec_old"))["request"] == {"q": 1}
+        versions = await store.read(lambda c: [r[0] for r in c.execute(
+            "SELECT version FROM schema_version ORDER BY version").fetchall()])
+        assert versions == list(range(1, LATEST + 1))
+        assert (await store.lease("trainer", "a", ttl_s=60)).held  # a table of a later migration, usable
+    finally:
+        store.close()
+    again = open_store(records_at)  # opening a current store changes nothing
+    try:
+        assert again.schema_version == LATEST
+    finally:
+        again.close()
+
+
+async def test_a_store_written_by_a_newer_reef_is_refused(records_at: str) -> None:
+    from daemon.errors import StoreTooNew
+    from daemon.records.migrations import LATEST
+
+    open_store(records_at).close()
+    _raw(records_at, [f"INSERT INTO schema_version(version, applied_at) VALUES ({LATEST + 1}, 0)"])
+    with pytest.raises(StoreTooNew) as caught:
+        open_store(records_at)
+    assert caught.value.exit_code == 10
+    assert f"schema version {LATEST + 1}" in caught.value.message and f"up to {LATEST}" in caught.value.message
+
+
+def test_the_daemon_refuses_a_newer_store_with_its_exit_code(tmp_path: Any) -> None:
+    """Through ``python -m daemon``: one line saying why, exit 10, before anything is served."""
+    import subprocess
+    import sys
+
+    from daemon.records.migrations import LATEST
+    from tests.conftest import make_home
+
+    home, _, env = make_home(tmp_path / "no-model")
+    open_store(str(home / "records.sqlite3")).close()
+    _raw(str(home / "records.sqlite3"), [f"INSERT INTO schema_version(version, applied_at) VALUES ({LATEST + 7}, 0)"])
+    proc = subprocess.run([sys.executable, "-m", "daemon"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 10, proc.stderr
+    assert f"schema version {LATEST + 7}, newer than this Reef knows" in proc.stderr
+    assert not (home / "reef.pid").exists()
+
+
+# --- the training lease and consumption ----------------------------------------------------------------------
+
+
+async def _until(what: str, check: Any, guard_s: float = 30) -> Any:
+    """Poll ``check()`` (a coroutine function) until it gives something true; a hang guard, not a bound."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: still not true after {guard_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
+    """Two daemons (two stores on one place): one holds the lease while it renews it; once it stops, the other
+    takes it over with a new epoch, and the old holder learns it lost it (renewing and claiming fail)."""
+    from daemon.errors import LeaseLost
+
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        held = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert held.held and held.holder == "daemon-a"
+        refused = await b.lease("trainer", "daemon-b", ttl_s=0.5)
+        assert not refused.held and refused.holder == "daemon-a"
+        renewed = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert renewed.held and renewed.epoch == held.epoch and renewed.expires_at > held.expires_at
+        # daemon-a stops renewing: daemon-b gets it once it expired
+        taken = await _until("daemon-b takes the lease over", lambda: _held(b, "daemon-b", 30))
+        assert taken.epoch == held.epoch + 1
+        lost = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        assert not lost.held and lost.holder == "daemon-b"
+        with pytest.raises(LeaseLost):
+            await a.claim("s", ["rec_1"], renewed)
+        assert await b.claim("s", ["rec_1"], taken) == ["rec_1"]
+    finally:
+        a.close()
+        b.close()
+
+
+async def _held(store: RecordStore, holder: str, ttl_s: float) -> Any:
+    lease = await store.lease("trainer", holder, ttl_s=ttl_s)
+    return lease if lease.held else None
+
+
+async def test_a_released_lease_is_taken_at_once(records_at: str) -> None:
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        held = await a.lease("trainer", "daemon-a", ttl_s=3600)
+        assert not (await b.lease("trainer", "daemon-b", ttl_s=3600)).held
+        assert await a.release_lease(held)
+        assert not await a.release_lease(held)  # once
+        taken = await b.lease("trainer", "daemon-b", ttl_s=3600)  # long before the hour is out
+        assert taken.held and taken.epoch == held.epoch + 1
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_daemons_asking_at_once_get_one_holder(records_at: str) -> None:
+    stores = [open_store(records_at) for _ in range(3)]
+    try:
+        got = await asyncio.gather(*(s.lease("trainer", f"daemon-{i}-{j}", ttl_s=3600)
+                                     for j in range(10) for i, s in enumerate(stores)))
+        winners = {lease.holder for lease in got if lease.held}
+        assert len(winners) == 1 and {lease.holder for lease in got} == winners
+    finally:
+        for s in stores:
+            s.close()
+
+
+async def test_receipts_are_claimed_exactly_once_across_stores(records_at: str) -> None:
+    """Two connections claiming the same receipts at once (what two daemons would do): each receipt goes to
+    exactly one of them, none to both, none lost."""
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        lease = await a.lease("trainer", "daemon-a", ttl_s=3600)
+        receipts = [f"rec_{i}" for i in range(60)]
+        chunks = [receipts[i:i + 6] for i in range(0, 60, 6)]
+        got = await asyncio.gather(*(s.claim("s", chunk, lease) for chunk in chunks for s in (a, b)))
+        claimed = [r for g in got for r in g]
+        assert sorted(claimed) == sorted(receipts)
+        assert await a.claim("s", receipts, lease) == []
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_takeover_gives_back_what_the_old_holder_claimed_but_never_settled(records_at: str) -> None:
+    """Daemon A claims three receipts, settles one (its release was published), publishes a second without
+    settling it (killed right after), and dies before the third's outcome. Daemon B, taking over, cannot claim
+    any of them until it recovers A's claims: the one with a written-down outcome stays consumed, the other
+    comes back to be learned from."""
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        la = await a.lease("trainer", "daemon-a", ttl_s=0.3)
+        assert await a.claim("s", ["r1", "r2", "r3"], la) == ["r1", "r2", "r3"]
+        assert await a.settle("s", ["r1"], la, "release-1") == 1
+        lb = await _until("daemon-b takes over", lambda: _held(b, "daemon-b", 3600))
+        assert await b.claim("s", ["r1", "r2", "r3", "r4"], lb) == ["r4"]
+        assert await b.recover_claims("s", lb, consumed={"r2"}) == ["r3"]  # r2: found in the published release
+        assert await b.claim("s", ["r1", "r2", "r3"], lb) == ["r3"]
+        assert await b.consumed("s") == {"r1": "consumed", "r2": "consumed", "r3": "claimed", "r4": "claimed"}
+        assert await a.settle("s", ["r3"], la, "release-2") == 0  # A's late outcome settles nothing of B's
+    finally:
+        a.close()
+        b.close()

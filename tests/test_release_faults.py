@@ -35,7 +35,7 @@ import pygit2
 import pytest
 
 from daemon.errors import StorageError
-from daemon.records import RecordStore
+from daemon.records import SQLiteStore
 from daemon.releases import MANIFEST, SCENARIOS_REF, ReleaseStore, files_from_dir, find_damage
 from tests.conftest import ROOT, assert_canonical_error, make_home
 
@@ -475,7 +475,7 @@ def test_the_last_checkpoint_failing_at_shutdown_stays_quiet(tmp_path: Path, mon
                 raise sqlite3.OperationalError("database or disk is full")
             return super().execute(sql, *args)
 
-    store = RecordStore(tmp_path / "records.sqlite3", connect=lambda p: sqlite3.connect(
+    store = SQLiteStore(tmp_path / "records.sqlite3", connect=lambda p: sqlite3.connect(
         p, check_same_thread=False, isolation_level=None, factory=FullDisk))
     raised: list[BaseException | None] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))

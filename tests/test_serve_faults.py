@@ -156,9 +156,9 @@ def test_a_non_streamed_answer_names_its_receipt_both_ways(daemon: Daemon) -> No
 
 def test_an_open_record_is_completed_at_most_once(tmp_path: Path) -> None:
     from daemon.errors import ReefError
-    from daemon.records import RecordStore
+    from daemon.records import SQLiteStore
 
-    store = RecordStore(tmp_path / "records.sqlite3")
+    store = SQLiteStore(tmp_path / "records.sqlite3")
 
     async def go() -> None:
         await store.open_exchange({"id": "rec_x", "scenario": "s", "request": {"q": 1}})

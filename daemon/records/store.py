@@ -1,23 +1,27 @@
-"""The record store: every served exchange and every report, durably, in one SQLite file.
+"""The record store: every served exchange and every report, durably; the logic both backends share.
+
+The backends are ``daemon/records/sqlite.py`` (one file under ``$REEF_HOME``, the default) and
+``daemon/records/postgresql.py`` (``records = "postgresql://..."``: several daemons share one store). Everything a
+caller sees is written once, here: the SQL (portable, ``?`` placeholders), the write path and the guarantees. A
+backend supplies connections, the few dialect fragments that differ (JSON fields, the clock) and how its driver's
+errors read.
 
 Design choices:
-- WAL with ``synchronous=FULL``: a committed record survives ``kill -9`` and power loss. A receipt is handed out
-  only after the transaction holding its record has committed.
+- A receipt is handed out only after the transaction holding its record has committed (SQLite: WAL with
+  ``synchronous=FULL``; PostgreSQL: a commit with ``synchronous_commit`` on, the server's default).
 - One writer thread owns the only write connection. Callers enqueue writes and await a future; the writer drains
   everything queued, runs it in one transaction (retried with a SAVEPOINT per write if one fails, so one bad
   write cannot sink the others) and commits once: group commit, so concurrent requests share an fsync instead of
-  queueing behind each other, and the event loop never blocks on disk.
+  queueing behind each other, and the event loop never blocks on disk or network.
 - The hand-off between the event loop and the writer is batched both ways: writes made during one iteration of
   a loop are collected in a list and handed to the writer in one queue put (one thread wake-up), and the writer
   resolves all of a commit's futures on that loop with one ``call_soon_threadsafe`` (one loop wake-up), not one
   per write. Under load the per-record cross-thread cost was most of what recording cost.
-- Reads use short-lived per-thread connections off the event loop.
-- WAL checkpoints run in their own thread (``PASSIVE``, every half second after writes), not inside a commit:
-  with SQLite's automatic checkpoint the request whose commit crossed the threshold paid for copying the WAL
-  into the database (a 10 ms p99 spike).
-- A commit that fails (disk full, I/O error) fails every write in it with ``StorageError``; nothing is
-  acknowledged that was not stored. After a failed fsync the writer reopens its connection rather than retrying
-  the same transaction blindly (SQLite rolls the journal back on reopen).
+- Reads run off the event loop (``asyncio.to_thread``) on connections of their own.
+- A commit that fails (disk full, I/O error, the database gone) fails every write in it with ``StorageError``
+  (``RecordsUnavailable``, a 503, when the database cannot be reached); nothing is acknowledged that was not
+  stored. After a failed commit the writer reopens its connection rather than retrying the same transaction
+  blindly.
 - Token ids are stored as packed int32 and log-probs as packed float32 (a 20k-token prompt is 80 kB, not 200 kB
   of JSON text).
 - Records are never rewritten, with one exception: a stream's receipt goes out in its response headers, before
@@ -26,6 +30,11 @@ Design choices:
   refused). A ``kill -9`` or a full disk mid-stream leaves the opened record, ``incomplete``: a receipt a client
   saw always names a record. Reports are records too (kind ``report``); ``report_refs`` indexes which receipts a
   report names.
+- A training lease (``lease``) and the consumption of receipts (``claim``, ``settle``) live in the store too, so
+  that several daemons sharing one store agree on who trains and on what was learned from: the lease row and the
+  consumption rows are what the database locks, never a lock in one process.
+- The schema is versioned (``daemon/records/migrations.py``): an older store is migrated on open, a newer one
+  refused (``StoreTooNew``).
 """
 
 from __future__ import annotations
@@ -36,20 +45,20 @@ import json
 import os
 import queue
 import random
-import sqlite3
 import threading
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
 from daemon.errors import (
     BadRequest,
+    LeaseLost,
     NotFound,
     RecipeConflict,
     ReefError,
@@ -58,53 +67,38 @@ from daemon.errors import (
     UnknownReceipts,
 )
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS scenarios (
-    name        TEXT PRIMARY KEY,
-    recipe      TEXT NOT NULL,
-    model       TEXT NOT NULL,
-    created_at  REAL NOT NULL,
-    settings    TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS records (
-    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
-    id              TEXT NOT NULL UNIQUE,
-    kind            TEXT NOT NULL,              -- exchange | report
-    scenario        TEXT NOT NULL,
-    run             TEXT,
-    created_at      REAL NOT NULL,
-    status          TEXT NOT NULL,              -- complete | incomplete | error
-    format          TEXT,                       -- openai-chat | openai-responses | anthropic
-    engine          TEXT,
-    model           TEXT,
-    release_id      TEXT,
-    content_id      TEXT,
-    runtime_load_id TEXT,
-    request         TEXT,                       -- JSON: the body as received
-    response        TEXT,                       -- JSON: the full answer (assembled from the stream)
-    headers         TEXT,                       -- JSON: client headers without credentials
-    timings         TEXT,                       -- JSON: ttft_ms, total_ms, engine_ms
-    usage           TEXT,                       -- JSON
-    prompt_token_ids BLOB,                      -- packed int32
-    token_ids       BLOB,                       -- packed int32
-    logprobs        BLOB,                       -- packed float32
-    report          TEXT,                       -- JSON (kind=report): score, feedback, metadata, references
-    report_key      TEXT UNIQUE,                -- client report_id, for idempotent retries
-    report_hash     TEXT
-);
-CREATE INDEX IF NOT EXISTS records_scenario ON records(scenario, seq);
-CREATE INDEX IF NOT EXISTS records_run ON records(run, seq);
-CREATE TABLE IF NOT EXISTS report_refs (
-    report_id   TEXT NOT NULL,
-    receipt     TEXT NOT NULL,
-    PRIMARY KEY (receipt, report_id)
-);
-CREATE INDEX IF NOT EXISTS report_refs_report ON report_refs(report_id);
-"""
 
-# FULL: a commit fsyncs the WAL before it returns, so a receipt survives a power cut. Only the power-loss test
-# changes it (to OFF, in a daemon process, to show that its double catches a commit that was not fsynced).
-SYNCHRONOUS = "FULL"
+class Cursor(Protocol):
+    rowcount: int
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Conn(Protocol):
+    """What a write or a read gets: a DB-API connection taking ``?`` placeholders, rows readable by column name
+    and by position (``sqlite3.Connection`` with ``sqlite3.Row``; the PostgreSQL backend adapts psycopg's)."""
+
+    in_transaction: bool
+
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any: ...
+
+    def executemany(self, sql: str, params: Iterable[Sequence[Any]], /) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The training lease as one ``lease`` call found it. ``held``: whether the caller holds it now (until
+    ``expires_at``, on the database's clock); ``epoch`` grows by one each time the lease changes hands, so a
+    holder can tell a takeover happened even if it was its own name before."""
+
+    name: str
+    holder: str | None
+    epoch: int
+    expires_at: float
+    held: bool
+
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -171,7 +165,7 @@ class Scenario:
 
 
 # one queued write: the function, its future (an asyncio one with its loop, or a concurrent one with None)
-_Write = tuple[Callable[[sqlite3.Connection], Any], Any, "asyncio.AbstractEventLoop | None"]
+_Write = tuple[Callable[[Conn], Any], Any, "asyncio.AbstractEventLoop | None"]
 
 
 def _resolve(group: list[tuple[Any, Any, BaseException | None]]) -> None:
@@ -211,88 +205,101 @@ class _ExchangeRow:
     def __init__(self, row: tuple[Any, ...]) -> None:
         self.row = row
 
-    def __call__(self, conn: sqlite3.Connection) -> None:
+    def __call__(self, conn: Conn) -> None:
         self.insert(conn, [self.row])
 
     @staticmethod
-    def insert(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    def insert(conn: Conn, rows: list[tuple[Any, ...]]) -> None:
         values = rows[0] if len(rows) == 1 else tuple(v for row in rows for v in row)
         conn.execute(f"INSERT INTO records({_EXCHANGE_COLUMNS}) VALUES {','.join([_EXCHANGE_VALUES] * len(rows))}",
                      values)
 
 
 class RecordStore:
-    """Durable store of scenarios, records and reports. Thread-safe; async methods never block the loop."""
+    """Durable store of scenarios, records, reports, consumption and leases. Thread-safe; async methods never
+    block the loop. Abstract: ``SQLiteStore`` and ``PostgresStore`` are the backends (``open_store`` picks)."""
 
-    def __init__(self, path: Path, *, connect: Callable[[str], sqlite3.Connection] | None = None) -> None:
-        self.path = Path(path)
-        self._connect_fn = connect or (lambda p: sqlite3.connect(p, check_same_thread=False, isolation_level=None))
+    dialect: ClassVar[str]
+    BEGIN: ClassVar[str] = "BEGIN"
+    NOW: ClassVar[str]  # SQL: the database's clock, seconds since the epoch (one clock for every daemon)
+    FOR_UPDATE: ClassVar[str] = ""  # SQL: what locks the rows a SELECT read, until the transaction ends
+    shared: ClassVar[bool] = False  # whether several daemons may use this store at once (then: lease to train)
+    DriverError: ClassVar[type[BaseException] | tuple[type[BaseException], ...]]
+    IntegrityError: ClassVar[type[BaseException]]  # what a write that breaks a constraint raises
+
+    def __init__(self, where: str) -> None:
+        from daemon.records.migrations import migrate
+
+        self.where = where  # for messages: a path, or a URL without its password
         self._queue: queue.SimpleQueue[list[_Write] | None] = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
         self._stopping = False
         self._pending: dict[asyncio.AbstractEventLoop, list[_Write]] = {}  # per loop: writes not yet handed over
         self._loops: dict[int, asyncio.AbstractEventLoop] = {}  # per thread: the loop it last wrote from
-        self._local = threading.local()
         self._scenario_cache: dict[str, Scenario] = {}
-        self._writer_conn = self._open(write=True)
-        self._writer_conn.executescript(SCHEMA)
-        self._dirty = threading.Event()
-        self._closed = threading.Event()
+        self._writer_conn: Any = self._open_writer()
+        try:
+            self.schema_version = migrate(self, self._writer_conn)
+        except BaseException:
+            self._close_conn(self._writer_conn)
+            raise
         self._thread = threading.Thread(target=self._writer_loop, name="reef-records-writer", daemon=True)
         self._thread.start()
-        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="reef-records-checkpoint",
-                                              daemon=True)
-        self._checkpointer.start()
 
-    # --- connections ---------------------------------------------------------------------------------------
+    # --- what a backend supplies ---------------------------------------------------------------------------
 
-    def _open(self, *, write: bool) -> sqlite3.Connection:
-        conn = self._connect_fn(str(self.path))
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA busy_timeout=10000")
-        # every connection, not only the writer: the checkpointer's checkpoints write the database file, and a
-        # build's default may be NORMAL (no fsync per commit in WAL mode)
-        conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
-        if write:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
-        return conn
+    def _open_writer(self) -> Conn:
+        """A new write connection (raises the driver's error when it cannot)."""
+        raise NotImplementedError
 
-    def _reader(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._open(write=False)
-            self._local.conn = conn
-        return conn
+    def _close_conn(self, conn: Any) -> None:
+        try:
+            conn.close()
+        except Exception:  # closing a broken connection: nothing to keep
+            pass
+
+    def _failure(self, exc: BaseException) -> StorageError:
+        """The ``StorageError`` that a failed commit gives every write in it."""
+        return StorageError(f"record store write failed: {exc}", path=self.where)
+
+    def _lock(self, conn: Conn) -> None:
+        """Run first in every write transaction (PostgreSQL: serialises writers across daemons, see there)."""
+
+    def _committed(self) -> None:
+        """Called after each commit (SQLite: wakes the checkpointer)."""
+
+    def _insert_exchanges(self, conn: Conn, rows: list[tuple[Any, ...]]) -> None:
+        """Commit a batch made only of exchange records, the common case."""
+        conn.execute(self.BEGIN)
+        self._lock(conn)
+        _ExchangeRow.insert(conn, rows)
+        conn.execute("COMMIT")
+
+    def json_field(self, column: str, key: str) -> str:
+        """SQL: the top-level ``key`` of a JSON text column, as SQL text/number (NULL when absent or null)."""
+        raise NotImplementedError
+
+    def json_number(self, column: str, key: str) -> str:
+        return self.json_field(column, key)
+
+    def has_table(self, conn: Conn, name: str) -> bool:
+        raise NotImplementedError
+
+    async def read(self, fn: Callable[[Conn], Any]) -> Any:
+        """Run ``fn(conn)`` on a read connection, off the event loop."""
+        raise NotImplementedError
+
+    def integrity_check(self) -> str:
+        """``ok``, or what the backend's own check found wrong."""
+        raise NotImplementedError
 
     def close(self) -> None:
         with self._queue_lock:
             self._stopping = True
             self._queue.put(None)
         self._thread.join(timeout=30)
-        self._closed.set()
-        self._dirty.set()
-        self._checkpointer.join(timeout=30)
-        self._writer_conn.close()
-
-    def _checkpoint_loop(self) -> None:
-        conn = self._open(write=False)
-        try:
-            while not self._closed.is_set():
-                self._dirty.wait()
-                if self._closed.wait(0.5):
-                    break
-                self._dirty.clear()
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                except sqlite3.Error:
-                    pass  # busy or failing disk: the next round tries again; nothing acknowledged depends on it
-            try:
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            except sqlite3.Error:
-                pass  # a full or failing disk at shutdown: the WAL keeps every record; the next start checkpoints it
-        finally:
-            conn.close()
+        if self._writer_conn is not None:
+            self._close_conn(self._writer_conn)
 
     # --- the writer ----------------------------------------------------------------------------------------
 
@@ -318,17 +325,23 @@ class RecordStore:
 
     def _run_batch(self, batch: list[_Write]) -> None:
         conn = self._writer_conn
+        if conn is None:  # the last reconnect failed (the database is away): try again, once per batch
+            self._reopen_writer()
+            conn = self._writer_conn
+            if conn is None:
+                err = self._failure(self._reopen_error or StorageError("no connection"))
+                self._deliver([(fut, loop, None, err) for _, fut, loop in batch])
+                return
         if len(batch) <= _MAX_ROWS_PER_INSERT and all(type(w[0]) is _ExchangeRow for w in batch):
             # the common case, only exchange records: one statement is the whole transaction (SQLite commits it
             # on its own), so the writer takes the GIL once for the batch instead of once per BEGIN, INSERT and
             # COMMIT; a failure falls through to the general path below, which reports each write's own error
             try:
-                _ExchangeRow.insert(conn, [w[0].row for w in batch])  # type: ignore[attr-defined]
-            except sqlite3.Error:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                self._insert_exchanges(conn, [w[0].row for w in batch])  # type: ignore[attr-defined]
+            except self.DriverError:
+                self._rollback(conn)
             else:
-                self._dirty.set()
+                self._committed()
                 self._deliver([(fut, loop, None, None) for _, fut, loop in batch])
                 return
         try:
@@ -337,13 +350,20 @@ class RecordStore:
                 results = self._apply(conn, batch, savepoints=True)
             assert results is not None
             conn.execute("COMMIT")
-            self._dirty.set()
-        except sqlite3.Error as e:
-            err = StorageError(f"record store write failed: {e}", path=str(self.path))
+            self._committed()
+        except self.DriverError as e:
+            err = self._failure(e)
             self._reopen_writer()
             results = [(fut, loop, None, err) for _, fut, loop in batch]
         # nothing below runs before the COMMIT above returned: a future resolves only once its write is durable
         self._deliver(results)
+
+    def _rollback(self, conn: Conn) -> None:
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        except self.DriverError:
+            pass  # a broken connection: the general path fails and reopens it
 
     @staticmethod
     def _deliver(results: list[tuple[Any, Any, Any, BaseException | None]]) -> None:
@@ -361,14 +381,14 @@ class RecordStore:
             except RuntimeError:  # that loop is closed: nobody is waiting any more
                 pass
 
-    @staticmethod
-    def _apply(conn: sqlite3.Connection, batch: list[_Write], *,
+    def _apply(self, conn: Conn, batch: list[_Write], *,
                savepoints: bool) -> list[tuple[Any, Any, Any, BaseException | None]] | None:
         """Run a batch's writes in one open transaction. Without savepoints (the common case: two statements
         fewer per write) a failing write rolls everything back and gives ``None``; with them, a failing write is
         undone alone and its exception kept for its caller."""
         results: list[tuple[Any, Any, Any, BaseException | None]] = []
-        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(self.BEGIN)
+        self._lock(conn)
         for i, (fn, fut, loop) in enumerate(batch):
             if not savepoints:
                 try:
@@ -388,17 +408,20 @@ class RecordStore:
                 results.append((fut, loop, None, e))
         return results
 
+    _reopen_error: BaseException | None = None
+
     def _reopen_writer(self) -> None:
-        # After a failed commit (ENOSPC, EIO) the state of the file is unknown; reopen instead of retrying the
-        # same transaction (SQLite recovers from the WAL/journal on open).
+        # After a failed commit (ENOSPC, EIO, a lost connection) the state of the connection is unknown; reopen
+        # instead of retrying the same transaction (SQLite recovers from the WAL/journal on open; PostgreSQL rolled
+        # back whatever did not commit)
+        if self._writer_conn is not None:
+            self._close_conn(self._writer_conn)
+            self._writer_conn = None
         try:
-            self._writer_conn.close()
-        except sqlite3.Error:
-            pass
-        try:
-            self._writer_conn = self._open(write=True)
-        except sqlite3.Error:
-            pass
+            self._writer_conn = self._open_writer()
+            self._reopen_error = None
+        except self.DriverError as e:
+            self._reopen_error = e
 
     def _enqueue(self, writes: list[_Write]) -> bool:
         with self._queue_lock:
@@ -407,17 +430,17 @@ class RecordStore:
             self._queue.put(writes)
             return True
 
-    def _submit(self, fn: Callable[[sqlite3.Connection], Any]) -> Future[Any]:
+    def _submit(self, fn: Callable[[Conn], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
         if not self._enqueue([(fn, fut, None)]):
-            fut.set_exception(StorageError("record store is closed", path=str(self.path)))
+            fut.set_exception(StorageError("record store is closed", path=self.where))
         return fut
 
-    async def write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    async def write(self, fn: Callable[[Conn], Any]) -> Any:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
         return await self.write_soon(fn)
 
-    def write_soon(self, fn: Callable[[sqlite3.Connection], Any]) -> asyncio.Future[Any]:
+    def write_soon(self, fn: Callable[[Conn], Any]) -> asyncio.Future[Any]:
         """``write`` without waiting for it: queued now (called on the event loop), the future resolves once the
         write is durable. Await it, or cancel it, so that a failure is not left unread."""
         loop = self._loops.get(threading.get_ident())
@@ -434,14 +457,12 @@ class RecordStore:
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         writes = self._pending.pop(loop, None)
         if writes and not self._enqueue(writes):
-            _resolve([(fut, None, StorageError("record store is closed", path=str(self.path)))
+            _resolve([(fut, None, StorageError("record store is closed", path=self.where))
                       for _, fut, _ in writes])
 
-    def write_sync(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    def write_sync(self, fn: Callable[[Conn], Any]) -> Any:
+        """``write`` from a thread that runs no event loop: blocks until durable."""
         return self._submit(fn).result()
-
-    async def read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        return await asyncio.to_thread(lambda: fn(self._reader()))
 
     # --- scenarios -----------------------------------------------------------------------------------------
 
@@ -452,7 +473,7 @@ class RecordStore:
         if cached is not None and (recipe is None or recipe == cached.recipe):
             return cached
 
-        def op(conn: sqlite3.Connection) -> Scenario:
+        def op(conn: Conn) -> Scenario:
             row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
             if row is None:
                 conn.execute(
@@ -475,15 +496,15 @@ class RecordStore:
         return _scenario(row)
 
     async def list_scenarios(self) -> list[dict[str, Any]]:
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        def op(conn: Conn) -> list[dict[str, Any]]:
             rows = conn.execute(
                 """SELECT s.*,
                      (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='exchange') AS records,
                      (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='report') AS reports,
-                     (SELECT AVG(json_extract(r.report,'$.score')) FROM
-                        (SELECT report FROM records WHERE scenario=s.name AND kind='report'
-                         AND json_extract(report,'$.score') IS NOT NULL ORDER BY seq DESC LIMIT 50) r) AS mean_score
-                   FROM scenarios s ORDER BY s.name"""
+                     (SELECT AVG(r.score) FROM
+                        (SELECT {score} AS score FROM records WHERE scenario=s.name AND kind='report'
+                         AND {score} IS NOT NULL ORDER BY seq DESC LIMIT 50) r) AS mean_score
+                   FROM scenarios s ORDER BY s.name""".format(score=self.json_number("report", "score"))
             ).fetchall()
             out = []
             for row in rows:
@@ -524,7 +545,7 @@ class RecordStore:
             rec["id"],
         )
 
-        def op(conn: sqlite3.Connection) -> None:
+        def op(conn: Conn) -> None:
             cur = conn.execute(
                 "UPDATE records SET status=?, runtime_load_id=?, response=?, timings=?, usage=?, prompt_token_ids=?,"
                 " token_ids=?, logprobs=? WHERE id=? AND kind='exchange' AND timings IS NULL",
@@ -563,7 +584,7 @@ class RecordStore:
         )
 
     async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
-        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
+        def op(conn: Conn) -> dict[str, Any] | None:
             row = conn.execute(
                 f"SELECT {_RECORD_COLUMNS if full else _SUMMARY_COLUMNS} FROM records WHERE id=?", (receipt,)
             ).fetchone()
@@ -608,7 +629,7 @@ class RecordStore:
         sql = f"SELECT {_SUMMARY_COLUMNS} FROM records {where} ORDER BY seq {order} LIMIT ?"
         args.append(limit)
 
-        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        def op(conn: Conn) -> list[dict[str, Any]]:
             out = [_record(r) for r in conn.execute(sql, args).fetchall()]
             ids = [r["id"] for r in out if r["kind"] == "exchange"]
             if ids:
@@ -630,7 +651,7 @@ class RecordStore:
         return await self.read(op)
 
     async def count(self) -> dict[str, int]:
-        def op(conn: sqlite3.Connection) -> dict[str, int]:
+        def op(conn: Conn) -> dict[str, int]:
             return {
                 r["kind"]: r["n"] for r in conn.execute("SELECT kind, COUNT(*) AS n FROM records GROUP BY kind")
             }
@@ -655,7 +676,7 @@ class RecordStore:
             json.dumps({**body, "scenario": scenario}, sort_keys=True, ensure_ascii=False).encode()
         ).hexdigest()
 
-        def op(conn: sqlite3.Connection) -> dict[str, Any]:
+        def op(conn: Conn) -> dict[str, Any]:
             if report_id is not None:
                 prior = conn.execute(
                     f"SELECT {_SUMMARY_COLUMNS}, report_hash FROM records WHERE report_key=?", (report_id,)
@@ -686,7 +707,7 @@ class RecordStore:
                 (rid, "report", scen, now, "complete", _dumps(body), report_id, digest),
             )
             conn.executemany(
-                "INSERT OR IGNORE INTO report_refs(report_id, receipt) VALUES (?,?)", [(rid, r) for r in references]
+                "INSERT INTO report_refs(report_id, receipt) VALUES (?,?) ON CONFLICT DO NOTHING", [(rid, r) for r in references]
             )
             row = conn.execute(f"SELECT {_SUMMARY_COLUMNS} FROM records WHERE id=?", (rid,)).fetchone()
             return _record(row)
@@ -700,34 +721,39 @@ class RecordStore:
         scored again comes again, with its new score), and the seq of the last report read (``after`` when there
         is none): what learning recipes train on, read a little at a time."""
 
-        def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+        score = self.json_number("rep.report", "score")
+
+        def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
-                """SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
-                          json_extract(rep.report, '$.score') AS score, rep.seq AS report_seq,
-                          json_extract(rep.report, '$.metadata.source') AS source,
-                          json_extract(rep.report, '$.metadata.hint') AS hint,
-                          json_extract(rep.report, '$.metadata') AS metadata
+                f"""SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
+                          rep.report, rep.seq AS report_seq
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
                    WHERE rep.kind = 'report' AND rep.seq > ? AND r.scenario = ? AND r.kind = 'exchange'
                      AND r.status = 'complete' AND r.token_ids IS NOT NULL
-                     AND json_extract(rep.report, '$.score') IS NOT NULL
+                     AND {score} IS NOT NULL
                    ORDER BY rep.seq""",
                 (after, scenario),
             ).fetchall()
-            out = [{
-                "id": row["id"],
-                "release_id": row["release_id"],
-                "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
-                "token_ids": _unpack(row["token_ids"], "i"),
-                "logprobs": _unpack(row["logprobs"], "f"),
-                "score": float(row["score"]),
-                "report_seq": row["report_seq"],
-                "source": row["source"] if isinstance(row["source"], str) else None,  # "judge": a judge's verdict
-                "hint": row["hint"] if isinstance(row["hint"], str) else None,
-                "metadata": json.loads(row["metadata"]) if row["metadata"] else None,  # the report's, for typed reports
-            } for row in rows]
+            out = []
+            for row in rows:
+                report = json.loads(row["report"])
+                metadata = report.get("metadata")
+                meta = metadata if isinstance(metadata, dict) else {}
+                source, hint = meta.get("source"), meta.get("hint")
+                out.append({
+                    "id": row["id"],
+                    "release_id": row["release_id"],
+                    "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
+                    "token_ids": _unpack(row["token_ids"], "i"),
+                    "logprobs": _unpack(row["logprobs"], "f"),
+                    "score": float(report["score"]),
+                    "report_seq": row["report_seq"],
+                    "source": source if isinstance(source, str) else None,  # "judge": a judge's verdict
+                    "hint": hint if isinstance(hint, str) else None,
+                    "metadata": metadata,  # the report's, for typed reports
+                })
             return out, (rows[-1]["report_seq"] if rows else after)
 
         return await self.read(op)
@@ -736,10 +762,12 @@ class RecordStore:
         """Reports on a scenario that carry written feedback, newer than seq ``after``, oldest first, and the seq
         of the last one (``after`` when there is none): what harness recipes learn from."""
 
-        def op(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+        feedback = self.json_field("report", "feedback")
+
+        def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
                 f"""SELECT {_SUMMARY_COLUMNS} FROM records
-                    WHERE kind = 'report' AND scenario = ? AND seq > ? AND json_extract(report, '$.feedback') IS NOT NULL
+                    WHERE kind = 'report' AND scenario = ? AND seq > ? AND {feedback} IS NOT NULL
                     ORDER BY seq""",
                 (scenario, after),
             ).fetchall()
@@ -747,13 +775,147 @@ class RecordStore:
 
         return await self.read(op)
 
-    # --- maintenance ---------------------------------------------------------------------------------------
+    # --- the training lease --------------------------------------------------------------------------------
 
-    def integrity_check(self) -> str:
-        return str(self._reader().execute("PRAGMA integrity_check").fetchone()[0])
+    async def lease(self, name: str, holder: str, *, ttl_s: float) -> Lease:
+        """Take the lease ``name`` for ``holder``, or renew it, for ``ttl_s`` seconds from now on the database's
+        clock; a lease its holder did not renew in time is taken over. Returns the lease as it now stands:
+        ``held`` says whether ``holder`` has it. One statement, an upsert whose row lock decides between daemons
+        asking at once."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
 
+        def op(conn: Conn) -> Lease:
+            row = conn.execute(
+                f"""INSERT INTO leases(name, holder, epoch, expires_at, acquired_at)
+                    VALUES (?, ?, 1, {self.NOW} + ?, {self.NOW})
+                    ON CONFLICT (name) DO UPDATE SET
+                        epoch = CASE WHEN leases.holder = excluded.holder THEN leases.epoch ELSE leases.epoch + 1 END,
+                        acquired_at = CASE WHEN leases.holder = excluded.holder THEN leases.acquired_at
+                                           ELSE excluded.acquired_at END,
+                        holder = excluded.holder,
+                        expires_at = excluded.expires_at
+                    WHERE leases.holder = excluded.holder OR leases.holder IS NULL
+                       OR leases.expires_at <= excluded.acquired_at
+                    RETURNING holder, epoch, expires_at""",
+                (name, holder, float(ttl_s)),
+            ).fetchone()
+            if row is not None:
+                return Lease(name, row["holder"], row["epoch"], row["expires_at"], held=True)
+            row = conn.execute("SELECT holder, epoch, expires_at FROM leases WHERE name=?", (name,)).fetchone()
+            return Lease(name, row["holder"], row["epoch"], row["expires_at"], held=False)
 
-def _scenario(row: sqlite3.Row) -> Scenario:
+        return await self.write(op)
+
+    async def release_lease(self, lease: Lease) -> bool:
+        """Give the lease up at once (a clean stop), so that another daemon need not wait for it to expire.
+        Only its holder at that epoch can; returns whether it did."""
+
+        def op(conn: Conn) -> bool:
+            cur = conn.execute(
+                "UPDATE leases SET holder=NULL, expires_at=0 WHERE name=? AND holder=? AND epoch=?",
+                (lease.name, lease.holder, lease.epoch),
+            )
+            return bool(cur.rowcount == 1)
+
+        return await self.write(op)
+
+    # --- consumption ---------------------------------------------------------------------------------------
+
+    def _check_lease(self, conn: Conn, lease: Lease) -> None:
+        row = conn.execute(
+            f"SELECT holder, epoch, expires_at > {self.NOW} AS live FROM leases WHERE name=?{self.FOR_UPDATE}",
+            (lease.name,),
+        ).fetchone()
+        if row is None or row["holder"] != lease.holder or row["epoch"] != lease.epoch or not row["live"]:
+            raise LeaseLost(lease.name, lease.holder, row["holder"] if row is not None else None)
+
+    async def claim(self, scenario: str, receipts: Sequence[str], lease: Lease) -> list[str]:
+        """Claim receipts for a step of ``lease``'s holder: returns those it now has (in the order given); a
+        receipt consumed or claimed already is left out. Raises ``LeaseLost`` when the lease is no longer the
+        caller's (taken over): a holder that paused past its expiry learns so before it trains. Exactly once
+        across daemons: the claim is a row keyed by (scenario, receipt), inserted only where none exists."""
+
+        def op(conn: Conn) -> list[str]:
+            self._check_lease(conn, lease)
+            got = []
+            now = time.time()
+            for receipt in dict.fromkeys(receipts):
+                row = conn.execute(
+                    "INSERT INTO consumption(scenario, receipt, holder, epoch, state, claimed_at)"
+                    " VALUES (?,?,?,?,'claimed',?) ON CONFLICT DO NOTHING RETURNING receipt",
+                    (scenario, receipt, lease.holder, lease.epoch, now),
+                ).fetchone()
+                if row is not None:
+                    got.append(receipt)
+            return got
+
+        return await self.write(op)
+
+    async def settle(self, scenario: str, receipts: Sequence[str], lease: Lease, outcome: str) -> int:
+        """Mark claimed receipts consumed for good, with the step's ``outcome`` (a release id, or a rejection):
+        called once the outcome is written down. Returns how many were settled."""
+
+        def op(conn: Conn) -> int:
+            n = 0
+            for receipt in receipts:
+                n += conn.execute(
+                    "UPDATE consumption SET state='consumed', outcome=? WHERE scenario=? AND receipt=? AND holder=?"
+                    " AND epoch=? AND state='claimed'",
+                    (outcome, scenario, receipt, lease.holder, lease.epoch),
+                ).rowcount
+            return n
+
+        return await self.write(op)
+
+    async def release_claims(self, scenario: str, receipts: Sequence[str], lease: Lease) -> int:
+        """Give back claims of this lease that the step did not consume (a skipped step that keeps its
+        receipts): they can be claimed again."""
+
+        def op(conn: Conn) -> int:
+            n = 0
+            for receipt in receipts:
+                n += conn.execute(
+                    "DELETE FROM consumption WHERE scenario=? AND receipt=? AND holder=? AND epoch=?"
+                    " AND state='claimed'", (scenario, receipt, lease.holder, lease.epoch)).rowcount
+            return n
+
+        return await self.write(op)
+
+    async def recover_claims(self, scenario: str, lease: Lease, consumed: Iterable[str]) -> list[str]:
+        """After taking the lease over: claims of earlier holders that were never settled are theirs no more.
+        Those in ``consumed`` (their outcome was written down, e.g. a published release lists them) are settled;
+        the rest go back to the pool, to be learned from again. Returns the receipts given back."""
+        done = set(consumed)
+
+        def op(conn: Conn) -> list[str]:
+            self._check_lease(conn, lease)
+            rows = conn.execute(
+                "SELECT receipt FROM consumption WHERE scenario=? AND state='claimed' AND NOT (holder=? AND epoch=?)",
+                (scenario, lease.holder, lease.epoch),
+            ).fetchall()
+            back = []
+            for row in rows:
+                if row["receipt"] in done:
+                    conn.execute("UPDATE consumption SET state='consumed' WHERE scenario=? AND receipt=?",
+                                 (scenario, row["receipt"]))
+                else:
+                    conn.execute("DELETE FROM consumption WHERE scenario=? AND receipt=?", (scenario, row["receipt"]))
+                    back.append(row["receipt"])
+            return back
+
+        return await self.write(op)
+
+    async def consumed(self, scenario: str) -> dict[str, str]:
+        """Receipts of a scenario consumed or claimed, with their state (``consumed`` or ``claimed``)."""
+
+        def op(conn: Conn) -> dict[str, str]:
+            return {r["receipt"]: r["state"] for r in conn.execute(
+                "SELECT receipt, state FROM consumption WHERE scenario=?", (scenario,)).fetchall()}
+
+        return await self.read(op)
+
+def _scenario(row: Any) -> Scenario:
     return Scenario(
         name=row["name"],
         recipe=row["recipe"],
@@ -763,7 +925,7 @@ def _scenario(row: sqlite3.Row) -> Scenario:
     )
 
 
-def _record(row: sqlite3.Row) -> dict[str, Any]:
+def _record(row: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in row.keys():
         value = row[key]
