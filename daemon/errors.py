@@ -12,7 +12,8 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── RecipeError                400  (a recipe that cannot load or does not implement the interface)
     │   ├── Unsupported                400  (what the engine cannot do: images for a text-only model)
     │   ├── BaseMismatch               400  (an adapter release whose base is not the scenario's base model)
-    │   └── ContextLengthExceeded      400  (prompt beyond the model's context)
+    │   ├── ContextLengthExceeded      400  (prompt beyond the model's context)
+    │   └── ModelUnavailable           400  (a model directory missing, truncated or not a model; a package to install)
     ├── Unauthorized                   401  authentication_error
     ├── NotFound                       404  not_found_error
     │   └── UnknownReceipts            404  (names the receipts)
@@ -98,6 +99,16 @@ class ContextLengthExceeded(BadRequest):
             prompt_tokens=prompt_tokens,
             context_length=context_length,
         )
+
+
+class ModelUnavailable(BadRequest):
+    """A model that cannot be served: its directory is missing, truncated or not a model (``path``), or a package
+    it is made from is not installed (``install`` says what to install). The daemon goes on serving its others."""
+
+    def __init__(self, message: str, *, path: object = None, install: str | None = None) -> None:
+        super().__init__(message, param="model", path=None if path is None else str(path), install=install)
+        self.path = None if path is None else str(path)
+        self.install = install
 
 
 class Unauthorized(ReefError):

@@ -131,13 +131,17 @@ class Reef:
             if model not in self._engines:
                 entry = self.config.model(model)
                 if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
-                    from recipes.warmup import BUILT_IN, init_built_in
+                    from daemon.model_dirs import BUILT_IN, init_built_in
 
                     if entry.path.parent == self.config.models_dir and entry.path.name in BUILT_IN:
                         log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
                         await asyncio.to_thread(init_built_in, entry.path, entry.path.name)
                 engine = build_engine(entry, self.config.secrets, self.metrics)
-                await engine.start()
+                try:
+                    await engine.start()
+                except ReefError as e:  # a broken model directory: this model fails, the others go on serving
+                    log.warning("model %s cannot be served: %s", model, e.message)
+                    raise
                 self._engines[model] = engine
                 self.metrics.loads.labels(model).inc()
                 self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
@@ -337,6 +341,8 @@ class Reef:
         if completion is not None:
             m.tokens.labels(rec["model"], "input").inc(completion.usage.input_tokens)
             m.tokens.labels(rec["model"], "output").inc(completion.usage.output_tokens)
+            if completion.usage.cache_read_tokens:  # prompt tokens the engine's prefix cache supplied
+                m.tokens.labels(rec["model"], "cache_read").inc(completion.usage.cache_read_tokens)
         if timings["ttft_ms"] is not None:
             m.ttft.labels(rec["model"]).observe(timings["ttft_ms"] / 1e3)
         self.events.publish(

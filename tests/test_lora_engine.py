@@ -195,3 +195,31 @@ async def test_adapters_that_do_not_fit_the_resident_base_are_never_served(
         assert ref.content_id not in engine.resident
     base_load = engine._resident[BASE.content_id]
     assert len(base_load.lora) == 0 and hooks(base_load.model) == 0  # nothing of them was attached
+
+
+async def test_the_prefix_cache_is_kept_per_load_never_shared_between_adapters_on_one_base(
+        engine: TransformersEngine, adapters: dict[str, ReleaseRef], tiny_model: Path) -> None:
+    """The base and adapter release ``a`` answer the same prompt side by side (one batch on one model); each keeps
+    its own cache entry. A request on ``b`` (no entry of its own) then prefills everything, and later requests on
+    ``a`` and the base reuse only their own keys and values: every answer's log-probs are peft's for its release."""
+    prompt = "You are a coding agent. Read the files, run the tests and explain the change. " * 6
+    ex = Exchange(format="openai-chat", model="tiny", messages=[Message("user", [Part("text", prompt)])],
+                  sampling=Sampling(max_tokens=8, temperature=0))
+    first = dict(zip(["base", "a"], await asyncio.gather(run(engine, ex, adapters["base"]),
+                                                         run(engine, ex, adapters["a"])), strict=True))
+    loads = {name: c.runtime_load_id for name, c in first.items()}
+    assert all(c.usage.cache_read_tokens == 0 for c in first.values())
+    on_b = await run(engine, ex, adapters["b"])  # the same prompt on a third load: nothing of the others' is used
+    again = {name: await run(engine, ex, adapters[name]) for name in ("a", "base")}
+    n = len(on_b.prompt_token_ids)
+    assert on_b.usage.cache_read_tokens == 0
+    assert all(c.usage.cache_read_tokens == n - 1 for c in again.values())  # each reused its own entry
+    assert all(c.runtime_load_id == loads[name] for name, c in again.items())
+    # one entry per load (stored in the generation thread after the step that finished it: read once later steps ran)
+    entries = sorted(e.load_id for e in engine.prefix_cache._entries.values())
+    assert entries == sorted([*loads.values(), on_b.runtime_load_id])
+    refs = {name: peft_model(tiny_model, ref.path if ref.base else None) for name, ref in adapters.items()}
+    for name, c in [*first.items(), ("b", on_b), *again.items()]:
+        assert c.logprobs == pytest.approx(rescored(refs[name], c), abs=1e-4), name
+    # the premise: the releases' weights differ on this prompt (a shared entry would change the answer)
+    assert max(abs(x - y) for x, y in zip(first["a"].logprobs, rescored(refs["base"], first["a"]), strict=True)) > 0.05

@@ -25,10 +25,18 @@ Design choices:
   (and padding no row needs trimmed) as sequences finish. Models whose caches are not plain full-attention
   layers (sliding windows) decode each sequence on its own. A long prompt's prefill pauses running streams
   for its duration (about 2.5 s for 20k tokens on one CPU thread with the tiny model).
+- **Prefix cache.** A finished sequence's KV cache is kept (``daemon/engines/prefix_cache.py``, bounded by
+  ``entry.prefix_cache_mb``); a new prompt on the same load that starts with the same tokens copies that part and
+  prefills only the rest (``Usage.cache_read_tokens`` says how many tokens were reused). Entries are keyed by the
+  load (``runtime_load_id``), not the model: the loads of LoRA adapters on one base share its model but never each
+  other's (or the bare base's) keys and values, which the adapters change from the first layer on.
+- **Opening a model.** The directory is checked first (missing, not a model, truncated weights: an error naming
+  the path, ``daemon/model_dirs.py``) and loaded with ``local_files_only``: a path never turns into a download.
 - **Sampling.** temperature (default 1; 0, and anything below ``GREEDY_BELOW`` = 1e-5, is greedy), top_k,
   top_p, on float32 logits on the CPU with a ``torch.Generator`` per request (``seed`` makes a request
-  repeatable: exactly when it runs alone, and up to float rounding of the logits when batched with others). A
-  row with NaN or +inf after scaling is greedy on its raw logits: non-finite values never reach the draw.
+  repeatable: exactly when it runs alone from a cold prefill, and up to float rounding of the logits when batched
+  with others or prefilled from the prefix cache). A row with NaN or +inf after scaling is greedy on its raw
+  logits: non-finite values never reach the draw.
   Stops: an EOS token (``"stop"``), a stop string in the decoded text (trimmed, ``"stop_sequence"``; text that
   could begin a stop string is held back until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``,
   clamped to the room left in the context; ``"length"``).
@@ -60,7 +68,16 @@ import torch
 from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
 from daemon.engines.lora import Adapters, read_adapter
-from daemon.errors import BadRequest, ContextLengthExceeded, EngineError, Unavailable, Unsupported
+from daemon.engines.prefix_cache import PrefixCache
+from daemon.errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    EngineError,
+    ModelUnavailable,
+    ReefError,
+    Unavailable,
+    Unsupported,
+)
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, StopReason, TextDelta, Usage
 from daemon.hf import no_progress_bars
 from daemon.lora import read_dir as adapter_manifest
@@ -110,11 +127,20 @@ class Load:
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.cache_utils import DynamicLayer
 
-        with no_progress_bars():
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
+        from daemon.model_dirs import check_model_dir
+
+        check_model_dir(Path(path))
+        try:
+            with no_progress_bars():
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
+                model = model.to(device).eval()
+        except ReefError:
+            raise
+        except Exception as e:  # whatever the loaders raise for a broken directory: name the path, no traceback
+            raise ModelUnavailable(f"cannot load the model at {path}: {type(e).__name__}: {e}", path=path) from None
         if getattr(tokenizer, "backend_tokenizer", None) is None:
-            raise EngineError(f"{path}: the transformers engine needs a fast tokenizer (tokenizer.json)")
+            raise ModelUnavailable(f"{path}: the transformers engine needs a fast tokenizer (tokenizer.json)", path=path)
         eos = model.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         if tokenizer.eos_token_id is not None:
@@ -237,11 +263,17 @@ class _Seq:
     sent: int = 0  # chars of ``text`` already emitted
     window: tuple[int, int] = (0, 0)  # detokeniser prefix/read offsets into token_ids
     cancelled: bool = False
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def position(self) -> int:
         """Position of the last sampled token, the input of the next decode step."""
         return len(self.prompt) + len(self.token_ids) - 1
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens whose keys and values are in this sequence's cache: all but the last sampled one."""
+        return (self.prompt + self.token_ids)[: self.position]
 
     def emit(self, item: list[EngineEvent] | BaseException) -> None:
         try:
@@ -296,7 +328,7 @@ class _Seq:
             text=self.text,
             stop_reason=reason,
             stop_sequence=stop,
-            usage=Usage(input_tokens=len(self.prompt), output_tokens=len(self.token_ids)),
+            usage=Usage(input_tokens=len(self.prompt), output_tokens=len(self.token_ids), cache_read_tokens=self.cached),
             model=self.model_name,
             prompt_token_ids=self.prompt,
             token_ids=self.token_ids,
@@ -356,6 +388,12 @@ class _Batch:
             layer.values = layer.values[index, :, pad:]
         self.mask = mask[:, pad:]
 
+    def row(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``i``'s keys and values without its padding, copied out of the batch (for the prefix cache)."""
+        n = self.seqs[i].position  # the row's real columns: the last n (rows are left-padded)
+        return [(layer.keys[i : i + 1, :, -n:].clone(), layer.values[i : i + 1, :, -n:].clone())
+                for layer in self.cache.layers]
+
     def step(self) -> torch.Tensor:
         """One decode step for every row; returns the next-token logits, [rows, vocab]."""
         device = self.load.device
@@ -396,6 +434,7 @@ class TransformersEngine(Engine):
         self._calls: deque[Callable[[], None]] = deque()  # model changes the generation thread makes between steps
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.prefix_cache = PrefixCache(budget_bytes=entry.prefix_cache_mb * 2**20)
 
     @property
     def runtime_load_id(self) -> str | None:
@@ -512,6 +551,7 @@ class TransformersEngine(Engine):
             if self._active[load.id] == 0 and not based_on:
                 del self._resident[key]
                 total -= load.nbytes
+                self.prefix_cache.forget(load.id)
 
     @property
     def resident(self) -> dict[str, str]:
@@ -636,8 +676,11 @@ class TransformersEngine(Engine):
         """Run a new prompt; sample its first token; unless that ends it, add it to its load's batch."""
         try:
             cache = seq.load.new_cache()
-            logits = seq.load.forward(torch.tensor([seq.prompt], device=seq.load.device), cache)
-            if not seq.push(*_choose(logits, [seq])[0]):
+            reused = self._reuse_prefix(seq, cache)
+            logits = seq.load.forward(torch.tensor([seq.prompt[reused:]], device=seq.load.device), cache)
+            if seq.push(*_choose(logits, [seq])[0]):
+                self._remember(seq, [(layer.keys, layer.values) for layer in cache.layers])
+            else:
                 # one batch per model: loads of LoRA adapters on one base share it, each row with its adapter
                 batch = next((b for b in batches if b.load.model is seq.load.model and b.load.batchable), None)
                 if batch is None:
@@ -647,13 +690,31 @@ class TransformersEngine(Engine):
         except Exception as e:  # a failing request must not take the generation thread down
             seq.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))
 
+    def _reuse_prefix(self, seq: _Seq, cache: Any) -> int:
+        """Fill a new ``cache`` with the longest cached prefix of the prompt (same load); returns its length."""
+        if not seq.load.batchable:  # sliding-window caches cannot be cut at any length
+            return 0
+        n, layers = self.prefix_cache.lookup(seq.load.id, seq.prompt)
+        for layer, (keys, values) in zip(cache.layers, layers, strict=bool(layers)):
+            layer.update(keys, values)  # concatenates onto an empty layer: a copy, the entry stays as it was
+        seq.cached = n
+        return n
+
+    def _remember(self, seq: _Seq, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if seq.load.batchable:
+            self.prefix_cache.store(seq.load.id, seq.fed, layers)
+
     def _decode(self, batch: _Batch) -> None:
         batch.keep([not s.cancelled for s in batch.seqs])
         if not batch.seqs:
             return
         try:
             picks = _choose(batch.step(), batch.seqs)
-            batch.keep([not seq.push(*pick) for seq, pick in zip(batch.seqs, picks, strict=True)])
+            done = [seq.push(*pick) for seq, pick in zip(batch.seqs, picks, strict=True)]
+            for i, seq in enumerate(batch.seqs):
+                if done[i] and self.prefix_cache.enabled:
+                    self._remember(seq, batch.row(i))
+            batch.keep([not d for d in done])
         except Exception as e:
             for seq in batch.seqs:
                 seq.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))

