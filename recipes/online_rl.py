@@ -336,7 +336,9 @@ def generate(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # (a peft model's forward takes **kwargs: ask the model it wraps which name its cache argument has)
+    inner = model.get_base_model() if is_adapter(model) else model
+    cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
     live = torch.ones(len(prompts), dtype=torch.bool)
     step_ids, step_pos = ids, positions

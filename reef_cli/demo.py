@@ -165,6 +165,24 @@ def _example(c: Any, scenario: str, model: str, held: list[Any], family: Any, be
     return {"question": asked[pick].prompt, "before": old[pick], "after": new[pick]}
 
 
+def _make_built_in(cfg: Any, model: str, console: Any) -> None:
+    """A built-in real model (smollm2) that is not made yet is made here, as ``reef model init`` makes it, so the
+    wait shows; without the package it is made from, the error says what to install (``ModelUnavailable``)."""
+    from daemon.model_dirs import BUILT_IN, init_built_in
+    from daemon.models import is_complete
+
+    entry = cfg.models[model]
+    path = entry.path
+    if path is None or path.parent != cfg.models_dir or path.name not in BUILT_IN or is_complete(path):
+        return
+    if path.name == "smollm2":
+        from daemon.smollm2 import gguf_path
+
+        gguf_path()  # what to install, before anything else
+    with console.status(f"making the {path.name} model (once; reef model init {path.name} does the same)") as status:
+        init_built_in(path, path.name, progress=lambda msg: status.update(msg))
+
+
 def _follow(client_factory: Any, board: Board, stop: threading.Event) -> None:
     # from the daemon's recent history, not from now: a step that lands before the stream is connected must still
     # count (the client paces itself on the steps; sao's first step comes within a tenth of a second)
@@ -215,6 +233,8 @@ def demo(
     if real and recipe != "online-rl":
         fail(f"reef demo on a real model runs the online-rl recipe (not {recipe!r})", 2)
     console = Console(stderr=json_out)
+    if real:
+        _make_built_in(cfg, model, console)
     with console.status("starting the daemon"):
         client = ensure_daemon(cfg)
     if real:  # a round's answers queue behind the engine's batches, on a CPU that also trains: minutes, not seconds
