@@ -24,6 +24,10 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   whose demo was tuned with full fine-tuning); the ``lora`` setting decides instead when set. An adapter
   candidate holds only the adapter and names the whole model it applies to (``daemon/lora.py``); the next step
   of a lineage goes on training that adapter.
+- **Real models** (``reef demo --model smollm2``: SmolLM2-135M-Instruct): lr 3e-3, batches of 4 prompts x 8,
+  one step per batch (``REAL_SETTINGS`` in ``reef_cli/demo.py``, measured with ``bench/preference_offline.py``).
+  The log-probs are computed from the decoder's hidden states with the output head applied only where a
+  completion token is predicted (``_decoder_and_head``): a 49k vocabulary over every prompt position was 7 GB.
 """
 
 from __future__ import annotations
