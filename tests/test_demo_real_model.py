@@ -170,11 +170,12 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a hang guard: five steps of sampling and training on a loaded 2-core machine
 def test_the_demo_settings_teach_the_real_model_a_preference_nobody_tuned_them_for(smollm2_dir: Path):
     """The demo's recipe settings (``REAL_SETTINGS``: LoRA, batch, rate), on SmolLM2-135M-Instruct, in-process on
     one thread: the greedy rate of answers saying "indeed" on 16 held-out questions rises by at least 0.3 from
-    where it starts, within at most 8 training steps of 32 scored samples (measured: after 1-2 steps; about
-    2-4 minutes on a loaded 2-core machine, most of it sampling)."""
+    where it starts, within at most 5 training steps of 32 scored samples (measured: after 1-2 steps; about
+    3.5 minutes on a 2-core machine at load average 12-16, most of it sampling)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from reef_cli.demo import REAL_SETTINGS
@@ -192,7 +193,7 @@ def test_the_demo_settings_teach_the_real_model_a_preference_nobody_tuned_them_f
     assert start <= 0.5, start  # room to learn: the model does not already do it
     rng, gen, eos = random.Random(0), torch.Generator().manual_seed(0), eos_ids(model, tokenizer)
     reached, rates = None, [start]
-    for step in range(8):  # a hang guard, not a time bound: the claim is "within 8 steps"
+    for step in range(5):  # the claim is "within 5 steps" (measured: 1-2)
         tasks = [family.sample(rng) for _ in range(settings.batch_prompts)]
         prompts = [render_prompt(tokenizer, t.prompt) for t in tasks]
         rows = [i for i in range(len(tasks)) for _ in range(settings.group_size)]
