@@ -22,7 +22,7 @@ _reef() {
         /daemon/start) words='--timeout --help' ;;
         /daemon/status) words='--json --help' ;;
         /daemon/stop) words='--timeout --help' ;;
-        /demo) words='--seed --minutes --scenario --json --help' ;;
+        /demo) words='--seed --minutes --scenario --json --recipe --target --model --max-reports --help' ;;
         /doctor) words='--json --help' ;;
         /model) words='init --help' ;;
         /model/init) words='--seed --force --help' ;;

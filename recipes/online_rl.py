@@ -24,6 +24,10 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   whose demo was tuned with full fine-tuning); the ``lora`` setting decides instead when set. An adapter
   candidate holds only the adapter and names the whole model it applies to (``daemon/lora.py``); the next step
   of a lineage goes on training that adapter.
+- **Real models** (``reef demo --model smollm2``: SmolLM2-135M-Instruct): lr 3e-3, batches of 4 prompts x 8,
+  one step per batch (``REAL_SETTINGS`` in ``reef_cli/demo.py``, measured with ``bench/preference_offline.py``).
+  The log-probs are computed from the decoder's hidden states with the output head applied only where a
+  completion token is predicted (``_decoder_and_head``): a 49k vocabulary over every prompt position was 7 GB.
 """
 
 from __future__ import annotations
@@ -189,14 +193,35 @@ def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch
     pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
     tmask = pos < (lengths[:, None] - 1)
     pos = pos.clamp(max=ids.shape[1] - 2)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
     rows = torch.arange(len(batch), device=dev)[:, None]
-    picked = logits[rows, pos]  # [B, T, V]
+    parts = _decoder_and_head(model)
+    if parts is None:
+        picked = model(input_ids=ids, attention_mask=mask).logits.float()[rows, pos]  # [B, T, V]
+    else:  # the output head only where a completion token is predicted (not over every prompt position)
+        decoder, head = parts
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        picked = head(hidden[rows, pos]).float()
     logp_all = torch.log_softmax(picked, dim=-1)
     targets = ids[rows, pos + 1]
     logp = logp_all.gather(-1, targets[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy, tmask
+
+
+def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
+    """The decoder body and output head of a causal LM whose logits are just ``head(decoder(...))`` (no logit
+    scaling or soft-capping), or None. Why: a real model's vocabulary is large (SmolLM2: 49152), and the logits
+    of every prompt position (a chat template's system prompt included) cost more memory and time than the
+    completion tokens' that training needs (measured: 7 GB for a batch of 64 SmolLM2 answers)."""
+    base = model.get_base_model() if is_adapter(model) else model
+    config = base.config
+    if getattr(config, "final_logit_softcapping", None) is not None or getattr(config, "logit_scale", None) is not None:
+        return None
+    get_decoder, head = getattr(base, "get_decoder", None), base.get_output_embeddings()
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
 
 
 def train_step(
@@ -315,7 +340,9 @@ def generate(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # (a peft model's forward takes **kwargs: ask the model it wraps which name its cache argument has)
+    inner = model.get_base_model() if is_adapter(model) else model
+    cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
     live = torch.ones(len(prompts), dtype=torch.bool)
     step_ids, step_pos = ids, positions

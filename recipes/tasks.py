@@ -123,7 +123,93 @@ class SayWord(TaskFamily):
         return 0.2 if word in bare else 0.0
 
 
-FAMILIES: dict[str, type[TaskFamily]] = {SayWord.name: SayWord}
+class YesNoFirst(TaskFamily):
+    """``yes-no`` (the ``reef demo --model smollm2`` preference): the user asks a yes/no question (``Can cats
+    swim?``) and wants the answer to start with ``Yes`` or ``No``, the direct answer first, whatever follows.
+
+    Why this one: a person sees it at a glance, and SmolLM2-135M-Instruct does not have it: greedy, it opens with
+    a sentence about the subject (``Cats are known for...``), 0 of 16 questions tried; sampled at temperature 1 it
+    opens with Yes or No about 16% of the time, which is what RL needs (most groups of 8 samples hold one). The
+    verifier looks at the first word only, so answers need only a few tokens (``max_new_tokens`` 8: cheap on a
+    CPU). It does not check that the answer is true (a 135M model's facts are not the point: the preference is).
+
+    Questions are templates over plural nouns (``Can {x} swim?``), split by ``crc32(noun) % 5`` like ``say``: 0
+    held out, 1 validation (the gate's), 2-4 training. Score: 1.0 when the first word is yes or no (any case,
+    punctuation ignored); 0.3 when yes or no comes later in the answer (``The answer is yes``: closer); else 0.
+    """
+
+    name = "yes-no"
+    nouns = (
+        "cats dogs horses cows sheep goats pigs rabbits mice rats bats owls eagles ducks geese chickens penguins "
+        "parrots crows pigeons frogs toads snakes lizards turtles crocodiles sharks whales dolphins salmon trout "
+        "crabs lobsters snails worms bees ants spiders butterflies mosquitoes elephants giraffes lions tigers "
+        "bears wolves foxes deer camels zebras monkeys gorillas kangaroos koalas squirrels hedgehogs "
+        "apples bananas oranges lemons grapes strawberries cherries peaches pears tomatoes potatoes carrots onions "
+        "cabbages mushrooms peanuts almonds eggs cookies cakes sandwiches pizzas noodles cheeses "
+        "chairs tables beds sofas lamps clocks mirrors windows doors keys coins books pencils pens scissors "
+        "hammers nails bottles cups plates spoons forks knives candles pillows blankets shoes socks hats gloves "
+        "umbrellas bicycles cars buses trains boats ships airplanes rockets balloons kites phones computers "
+        "televisions radios cameras guitars pianos drums violins trumpets rocks pebbles bricks diamonds "
+        "mountains rivers lakes clouds volcanoes deserts forests islands stars planets rainbows snowflakes "
+        "raindrops trees flowers roses tulips cactuses ferns leaves seeds acorns"
+    ).split()
+    templates = (
+        "Can {x} swim?",
+        "Can {x} fly?",
+        "Are {x} alive?",
+        "Are {x} animals?",
+        "Do {x} need water?",
+        "Can you eat {x}?",
+        "Are {x} bigger than a house?",
+        "Are {x} made of metal?",
+        "Do people keep {x} at home?",
+        "Can {x} talk?",
+        "Are {x} heavy?",
+        "Do {x} live in the sea?",
+    )
+    words = frozenset({"yes", "no"})
+
+    def __init__(self) -> None:
+        part = {n: zlib.crc32(n.encode()) % 5 for n in sorted(set(self.nouns))}
+        self.held_nouns = [n for n in sorted(part) if part[n] == 0]
+        self.validation_nouns = [n for n in sorted(part) if part[n] == 1]
+        self.train_nouns = [n for n in sorted(part) if part[n] >= 2]
+
+    def _task(self, noun: str, template: str) -> Task:
+        return Task(prompt=template.format(x=noun), answer="")
+
+    def sample(self, rng: random.Random) -> Task:
+        return self._task(rng.choice(self.train_nouns), rng.choice(self.templates))
+
+    def train_tasks(self, seed: int = 0) -> list[Task]:
+        tasks = [self._task(n, t) for n in self.train_nouns for t in self.templates]
+        random.Random(seed).shuffle(tasks)
+        return tasks
+
+    def held_out(self, n: int, seed: int = 0) -> list[Task]:
+        return self._pick(self.held_nouns, n, f"held-out:{seed}")
+
+    def validation(self, n: int, seed: int = 0) -> list[Task]:
+        return self._pick(self.validation_nouns, n, f"validation:{seed}")
+
+    def _pick(self, pool: list[str], n: int, key: str) -> list[Task]:
+        """``n`` distinct (noun, template) questions from ``pool`` (cycling only past all of them)."""
+        rng = random.Random(key)
+        pairs = [(x, t) for x in pool for t in self.templates]
+        rng.shuffle(pairs)
+        return [self._task(*pairs[i % len(pairs)]) for i in range(n)]
+
+    def target(self, task: Task) -> str:
+        return "Yes."
+
+    def score(self, task: Task, completion: str) -> float:
+        bare = [w.strip(".,;:!?\"'`*").lower() for w in completion.split()]
+        if bare and bare[0] in self.words:
+            return 1.0
+        return 0.3 if self.words & set(bare) else 0.0
+
+
+FAMILIES: dict[str, type[TaskFamily]] = {SayWord.name: SayWord, YesNoFirst.name: YesNoFirst}
 
 
 def get_family(name: str) -> TaskFamily:

@@ -11,6 +11,14 @@ gate's figure nears the target, and at the end for the head and the first releas
 
 ``--recipe sao`` runs the same with one scored answer per training step (each step a release): two prompts at a
 time, each its own step, the client waiting until the trainer has taken them before it asks the next two.
+
+``--model smollm2`` (or any configured model other than the tiny ones: a real model) runs the same loop on
+SmolLM2-135M-Instruct with a user preference it does not have: yes/no questions answered with ``Yes`` or ``No``
+first (the ``yes-no`` family, recipes/tasks.py; held-out questions are about nouns training never asks about).
+The recipe trains LoRA adapters (each release a few-MB adapter); the target is a rise of ``RISE`` over the head's
+measured start, and at the end the demo prints one held-out answer before and after, verbatim. Settings
+(``REAL_SETTINGS``, tuned offline with bench/preference_offline.py on one thread): see the README's "The demo on
+a real model".
 """
 
 from __future__ import annotations
@@ -41,14 +49,26 @@ SAO_SETTINGS: dict[str, Any] = {"gate": "periodic", "margin": 0.05, "eval_family
                                 "eval_every": 20}
 SAO_PARALLEL, SAO_LEAD = 2, 0
 RECIPES = ("online-rl", "sao")
+TINY_MODELS = ("tiny", "tiny-demo")  # built for the say family; any other model is a real one (yes-no)
+# a real model (SmolLM2-135M-Instruct): the yes-no preference, LoRA adapters; batch and rate tuned offline
+# (bench/preference_offline.py, README "The demo on a real model"): a smaller batch than the tiny model's
+# (each answer costs ~300x more), one optimizer step per batch, and a higher learning rate (LoRA's usual range)
+REAL_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "yes-no", "eval_n": 32,
+                                 "batch_prompts": 4, "group_size": 8, "steps_per_batch": 1, "lr": 3e-3,
+                                 "lora": True, "lora_rank": 8, "lora_alpha": 16, "max_new_tokens": 8}
+REAL_TIMEOUT_S = 600.0  # a real model's requests (the default client's 30 s is the tiny model's)
+RISE = 0.3  # a real model's target: its measured held-out start plus this
+EXAMPLE_TOKENS = 40  # the before/after example answer: long enough to read as an answer
+TITLES = {"say": "learning to answer with the word asked for",
+          "yes-no": "learning to answer yes/no questions with Yes or No first"}
 
 
 def _answer(c: Any, scenario: str, prompt: str, *, temperature: float, max_tokens: int,
-            release: str | None = None, seed: int | None = None) -> tuple[str, str, str]:
+            release: str | None = None, seed: int | None = None, model: str = DEMO_MODEL) -> tuple[str, str, str]:
     headers = {"x-reef-scenario": scenario}
     if release:
         headers["x-reef-release-id"] = release
-    body: dict[str, Any] = {"model": DEMO_MODEL, "max_tokens": max_tokens, "temperature": temperature,
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                             "messages": [{"role": "user", "content": prompt}]}
     if seed is not None:
         body["seed"] = seed
@@ -57,18 +77,19 @@ def _answer(c: Any, scenario: str, prompt: str, *, temperature: float, max_token
     return text, resp.headers["x-reef-agent-record-id"], resp.headers["x-reef-release-id"]
 
 
-def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], family: Any, max_tokens: int) -> float:
+def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], family: Any, max_tokens: int,
+                    model: str = DEMO_MODEL) -> float:
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda t: _answer(c, scenario, t.prompt, temperature=0, max_tokens=max_tokens,
-                                                release=release)[0], tasks))
+                                                release=release, model=model)[0], tasks))
     return sum(family.exact(t, x) for t, x in zip(tasks, texts, strict=True)) / len(tasks)
 
 
 class Board:
     """What the live display shows; fed by the client loop and the daemon's event stream."""
 
-    def __init__(self, scenario: str, target: float = TARGET, recipe: str = "online-rl") -> None:
-        self.scenario, self.target, self.recipe = scenario, target, recipe
+    def __init__(self, scenario: str, target: float = TARGET, recipe: str = "online-rl", family: str = "say") -> None:
+        self.scenario, self.target, self.recipe, self.family = scenario, target, recipe, family
         self.requests = 0
         self.rewards: deque[float] = deque(maxlen=256)
         self.steps = 0
@@ -115,7 +136,7 @@ class Board:
             t = Table.grid(padding=(0, 2))
             t.add_row("elapsed", f"{time.monotonic() - self.started:.0f}s")
             t.add_row("requests", str(self.requests))
-            t.add_row("moving reward", f"{mean:.3f} (exact answers, last {len(self.rewards)}, temperature 1)")
+            t.add_row("moving reward", f"{mean:.3f} (right answers, last {len(self.rewards)}, temperature 1)")
             t.add_row("training steps", str(self.steps))
             t.add_row("gate", f"{self.accepted} accepted, {self.rejected} rejected")
             t.add_row("releases", str(len(self.releases)))
@@ -125,7 +146,41 @@ class Board:
             t.add_row("head held-out", f"{held} (target {self.target})")
             for line in self.log:
                 t.add_row("", line)
-        return Panel(t, title="reef demo: learning to answer with the word asked for")
+        return Panel(t, title=f"reef demo: {TITLES.get(self.family, self.family)}")
+
+
+def _example(c: Any, scenario: str, model: str, held: list[Any], family: Any, before: str, after: str
+             ) -> dict[str, str]:
+    """A held-out question answered greedily by the first release and the head (``EXAMPLE_TOKENS`` tokens): the
+    first one the head answers the preferred way and the first release does not, else the first question."""
+    def ask(job: tuple[Any, str]) -> str:
+        return _answer(c, scenario, job[0].prompt, temperature=0, max_tokens=EXAMPLE_TOKENS, release=job[1],
+                       model=model)[0]
+
+    asked = held[:8]
+    with ThreadPoolExecutor(8) as pool:  # batched by the engine
+        old = list(pool.map(ask, [(t, before) for t in asked]))
+        new = list(pool.map(ask, [(t, after) for t in asked]))
+    pick = next((i for i, t in enumerate(asked) if family.exact(t, new[i]) and not family.exact(t, old[i])), 0)
+    return {"question": asked[pick].prompt, "before": old[pick], "after": new[pick]}
+
+
+def _make_built_in(cfg: Any, model: str, console: Any) -> None:
+    """A built-in real model (smollm2) that is not made yet is made here, as ``reef model init`` makes it, so the
+    wait shows; without the package it is made from, the error says what to install (``ModelUnavailable``)."""
+    from daemon.model_dirs import BUILT_IN, init_built_in
+    from daemon.models import is_complete
+
+    entry = cfg.models[model]
+    path = entry.path
+    if path is None or path.parent != cfg.models_dir or path.name not in BUILT_IN or is_complete(path):
+        return
+    if path.name == "smollm2":
+        from daemon.smollm2 import gguf_path
+
+        gguf_path()  # what to install, before anything else
+    with console.status(f"making the {path.name} model (once; reef model init {path.name} does the same)") as status:
+        init_built_in(path, path.name, progress=lambda msg: status.update(msg))
 
 
 def _follow(client_factory: Any, board: Board, stop: threading.Event) -> None:
@@ -152,7 +207,10 @@ def demo(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a live display."),
     recipe: str = typer.Option("online-rl", help="The recipe that learns: online-rl (batches of scored groups) "
                                "or sao (one scored answer per step)."),
-    target: float = typer.Option(TARGET, help="Stop once the head's held-out reward reaches this."),
+    target: float = typer.Option(None, help=f"Stop once the head's held-out reward reaches this (default: {TARGET} "
+                                 f"on the tiny demo model, the measured start + {RISE} on a real model)."),
+    model: str = typer.Option(DEMO_MODEL, help="The model that learns: tiny-demo (the say task), or a real model "
+                              "such as smollm2 (a configured [models.NAME] entry: the yes-no preference, LoRA)."),
     max_reports: int = typer.Option(0, help="Stop after this many reports (0: no limit)."),
 ) -> None:
     """Show the whole loop on the CPU: answers, feedback, training, gate, live releases, a better model."""
@@ -167,28 +225,48 @@ def demo(
     if recipe not in RECIPES:
         fail(f"reef demo runs one of the recipes {', '.join(RECIPES)}, not {recipe!r}", 2)
     cfg = config()
+    if model not in cfg.models:
+        fail(f"unknown model {model!r}: configure it in {cfg.home / 'config.toml'} ([models.{model}] with "
+             f"engine = \"transformers\" and path = \"/a/model/directory\"), or pick one of "
+             f"{', '.join(sorted(cfg.models))}", 2)
+    real = model not in TINY_MODELS
+    if real and recipe != "online-rl":
+        fail(f"reef demo on a real model runs the online-rl recipe (not {recipe!r})", 2)
     console = Console(stderr=json_out)
+    if real:
+        _make_built_in(cfg, model, console)
     with console.status("starting the daemon"):
         client = ensure_daemon(cfg)
-    family = get_family("say")
+    if real:  # a round's answers queue behind the engine's batches, on a CPU that also trains: minutes, not seconds
+        client = Client(cfg, timeout=REAL_TIMEOUT_S)
+    family = get_family("yes-no" if real else "say")
     sao = recipe == "sao"
-    wanted = dict(SAO_SETTINGS if sao else DEMO_SETTINGS, eval_seed=seed)
+    wanted = dict(REAL_SETTINGS if real else SAO_SETTINGS if sao else DEMO_SETTINGS, eval_seed=seed)
     trainer = dataclasses.asdict(load_recipe(recipe).parse_settings(wanted))
     name = scenario or f"demo-{int(time.time())}"
-    with console.status("creating the scenario (the first time, the daemon builds the demo model: a supervised "
-                        "warm-up of well under a minute)"):
-        created = client.post("/reef/scenarios", {"name": name, "recipe": recipe, "model": DEMO_MODEL,
+    building = "loading the model" if real else "the first time, the daemon builds the demo model: a supervised " \
+        "warm-up of well under a minute"
+    with console.status(f"creating the scenario ({building})"):
+        created = client.post("/reef/scenarios", {"name": name, "recipe": recipe, "model": model,
                                                   "settings": wanted}, timeout=600)
     first_release = created["head"]
     rng = random.Random(seed)
     tasks = family.train_tasks(seed)
     held = family.held_out(64, seed)
-    board = Board(name, target, recipe)
+    max_tokens = trainer["max_new_tokens"]
+    start = None
+    if real:  # the target is a rise over where this model starts, so measure the start first
+        with console.status("measuring the model's start on 64 held-out questions"):
+            start = held_out_reward(client, name, first_release, held, family, max_tokens, model)
+        if target is None:
+            target = min(1.0, round(start + RISE, 4))
+    target = TARGET if target is None else target
+    board = Board(name, target, recipe, family.name)
+    board.held_out = start
     stop = threading.Event()
     follower = threading.Thread(target=_follow, args=(lambda: Client(cfg, timeout=None), board, stop), daemon=True)
     follower.start()
     deadline = time.monotonic() + minutes * 60
-    max_tokens = trainer["max_new_tokens"]
     # one round: online-rl's batch (batch_prompts prompts, each asked group_size times at once), trained as one
     # step; or sao's SAO_PARALLEL single prompts, each its own step
     prompts, group = (SAO_PARALLEL, 1) if sao else (trainer["batch_prompts"], trainer["group_size"])
@@ -197,7 +275,7 @@ def demo(
 
     def one(task: Any, request_seed: int) -> None:
         text, receipt, _ = _answer(client, name, task.prompt, temperature=trainer["temperature"],
-                                   max_tokens=max_tokens, seed=request_seed)
+                                   max_tokens=max_tokens, seed=request_seed, model=model)
         score = family.score(task, text)
         client.post("/reef/report", {"score": score, "references": [receipt], "scenario": name})
         with board.lock:
@@ -226,7 +304,7 @@ def demo(
             if board.gate_reward is not None and board.gate_reward >= target - 0.1:
                 head = client.get(f"/reef/scenarios/{name}/releases", limit=1)["head"]
                 if head != measured_at[0] and time.monotonic() - measured_at[1] > 5:
-                    board.held_out = held_out_reward(client, name, head, held, family, max_tokens)
+                    board.held_out = held_out_reward(client, name, head, held, family, max_tokens, model)
                     measured_at = (head, time.monotonic())
                     if board.held_out >= target:
                         reached = True
@@ -235,11 +313,16 @@ def demo(
     elapsed = time.monotonic() - board.started
     chain = client.get(f"/reef/scenarios/{name}/releases")
     head = chain["head"]
-    before = held_out_reward(client, name, first_release, held, family, max_tokens)
-    after = board.held_out if reached else held_out_reward(client, name, head, held, family, max_tokens)
+    before = start if start is not None else held_out_reward(client, name, first_release, held, family, max_tokens,
+                                                             model)
+    after = board.held_out if reached else held_out_reward(client, name, head, held, family, max_tokens, model)
     result = {"scenario": name, "seed": seed, "seconds": round(elapsed, 1), "reports": board.requests,
               "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
-              "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target}
+              "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target,
+              "model": model, "family": family.name}
+    if real:  # one held-out question the head now gets right (the first one, if none), answered by both, verbatim
+        example = _example(client, name, model, held, family, first_release, head)
+        result["example"] = example
     if json_out:
         import json
 
@@ -261,8 +344,12 @@ def demo(
                           r["release_id"][:12], f"{m['eval_reward']:.2f}" if "eval_reward" in m else "-",
                           f"{m['batch_reward']:.2f}" if "batch_reward" in m else "-")
         console.print(table)
-        console.print(f"held-out reward (64 prompts with words never trained on, greedy): "
+        unseen = "questions about nouns never trained on" if real else "prompts with words never trained on"
+        console.print(f"held-out reward (64 {unseen}, greedy): "
                       f"{before:.2f} before -> {after:.2f} after, in {elapsed:.0f}s and {board.requests} reports")
+        if real:
+            console.print(f"{example['question']}\n  before: {example['before']!r}\n  after:  {example['after']!r}",
+                          markup=False, highlight=False)
     if after < target:
         limit = f"{minutes:g} minutes" + (f" or {max_reports} reports" if max_reports else "")
         fail(f"the head reached {after:.2f}, below {target}, within {limit}", 1)
