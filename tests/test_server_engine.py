@@ -304,3 +304,26 @@ def test_server_never_healthy_is_a_503_and_other_models_serve(tiny_model: Path, 
     finally:
         d.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_doctor_reports_the_servers_health_and_version(stubbed: Stubbed, tiny_model: Path) -> None:
+    """``reef doctor`` names each inference server: healthy with its version and weight version from the running
+    daemon; and, with no daemon, a server interpreter that does not exist is a failure with the install fix."""
+    from tests.test_doctor import by_name, doctor
+
+    out, data = doctor(stubbed.d.env, "--json")
+    checks = by_name(data)
+    assert checks["vllm (fake)"]["status"] == "ok", checks["vllm (fake)"]
+    assert "0.0-stub" in checks["vllm (fake)"]["detail"]
+    assert stubbed.server("fake")["weight_version"] in checks["vllm (fake)"]["detail"]
+    assert checks["sglang (fakesg)"]["status"] == "ok"
+
+    extra = f'\n[models.gone]\nengine = "vllm"\npath = "{tiny_model}"\nserver = "/nonexistent/bin/python"\n'
+    home, _, env = make_home(tiny_model, extra)
+    try:
+        out, data = doctor(env, "--json")
+        gone = by_name(data)["vllm (gone)"]
+        assert gone["status"] == "fail" and "install.sh --vllm" in gone["fix"]
+        assert out.returncode == 1
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -707,7 +707,10 @@ class ServerEngine(Engine):
                             self._check_versions(events, versions, version, where, step, started)
                         yield events
                     if done:
-                        return  # a stop Reef found (stop string, EOS, max_tokens): the connection is dropped below
+                        if step.finish is not None:  # the server ended too: read its last bytes, keep the connection
+                            with contextlib.suppress(http.HTTPClientError, TimeoutError, OSError):
+                                await resp.read(1.0)
+                        return  # else a stop Reef found first (a stop string): the connection is dropped below
                     if step.finish is not None:
                         reason: StopReason = "length" if step.finish == "length" and not params.capped else "stop"
                         seq.text += seq._detokenise(True)
