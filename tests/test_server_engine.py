@@ -38,7 +38,7 @@ class Stubbed:
         extra = ""
         for name, engine in (("fake", "vllm"), ("fakesg", "sglang")):
             extra += (f'\n[models.{name}]\nengine = "{engine}"\npath = "{tiny_model}"\nserver = "{STUB_PYTHON}"\n'
-                      f'server_log = "{tmp}/{name}.log"\nstartup_timeout_s = 30\nretry_after_s = 2\n'
+                      f'server_log = "{tmp}/{name}.log"\nstartup_timeout_s = 120\nretry_after_s = 2\n'
                       f'max_tokens_limit = 8\ntimeout_s = 10\n')
         home, port, env = make_home(tiny_model, extra)
         env.update(REEF_STUB_CONTROL=str(self.control), REEF_STUB_LOG=str(self.log), REEF_STUB_PYTHON=sys.executable)

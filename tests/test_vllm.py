@@ -211,9 +211,13 @@ def test_killed_vllm_is_restarted(vd: Daemon) -> None:
     import os
     import signal
 
+    # the scenario of the test before: its head's weights are the server's now (another scenario's head would be
+    # another release, which the server would first be restarted onto)
+    oa = openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0,
+                       default_headers={"x-reef-scenario": "live"})
+    oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     before = status(vd)
     os.killpg(before["pid"], signal.SIGKILL)
-    oa = openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0)
     deadline = time.monotonic() + 60  # a hang guard: the supervisor notices the exit
     while status(vd)["healthy"] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -224,4 +228,6 @@ def test_killed_vllm_is_restarted(vd: Daemon) -> None:
     assert after["pid"] != before["pid"] and after["weight_version"] != before["weight_version"]
     raw = oa.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                        max_tokens=2)
-    assert record(vd, raw.headers["x-reef-agent-record-id"])["runtime_load_id"] == after["weight_version"]
+    rec = record(vd, raw.headers["x-reef-agent-record-id"])
+    assert rec["status"] == "complete"
+    assert rec["runtime_load_id"] == status(vd)["weight_version"] == after["weight_version"]
