@@ -200,9 +200,10 @@ def test_adapter_and_full_weight_releases_go_live_under_load(vd: Daemon, model32
         sample = [rec for rec in records if rec["release_id"] == rel][:3]
         for rec in sample:
             assert rec["logprobs"] == pytest.approx(rescored(models[rel], rec), abs=2e-3), (rel, rec["id"])
-            other = next(m for r, m in models.items() if r != rel)
-            worst = max(abs(x - y) for x, y in zip(rec["logprobs"], rescored(other, rec), strict=True))
-            assert worst > 0.01, (rel, worst)  # the releases really are told apart
+        for other in set(models) - {rel}:  # the releases really are told apart by these records' tokens
+            worst = max(abs(x - y) for rec in sample
+                        for x, y in zip(rec["logprobs"], rescored(models[other], rec), strict=True))
+            assert worst > 0.05, (rel, other, worst)
 
 
 def test_killed_vllm_is_restarted(vd: Daemon) -> None:
