@@ -91,9 +91,22 @@ def stubbed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         shutil.rmtree(s.d.home, ignore_errors=True)
 
 
+_clients: list[openai.OpenAI] = []
+
+
 def client(d: Daemon, scenario: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.token, max_retries=0,
-                         default_headers={"x-reef-scenario": scenario})
+    """An SDK client on the scenario, closed when the module's tests end (an unclosed pool warns)."""
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.token, max_retries=0,
+                      default_headers={"x-reef-scenario": scenario})
+    _clients.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
 
 
 def record(d: Daemon, receipt: str) -> dict[str, Any]:

@@ -89,8 +89,21 @@ def test_sdks_through_reef_to_vllm(vd: Daemon, model32: Path) -> None:
     the load vLLM reported as its weight version."""
     from transformers import AutoModelForCausalLM
 
-    oa = openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0)
-    an = anthropic.Anthropic(base_url=vd.url, api_key=vd.token, max_retries=0)
+    with openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0) as oa, \
+            anthropic.Anthropic(base_url=vd.url, api_key=vd.token, max_retries=0) as an:
+        receipts = sdk_calls(oa, an)
+    model = AutoModelForCausalLM.from_pretrained(model32).eval()
+    version = status(vd)["weight_version"]
+    for receipt in receipts:
+        rec = record(vd, receipt)
+        assert rec["status"] == "complete" and rec["engine"] == "vllm"
+        assert rec["runtime_load_id"] == version
+        assert len(rec["token_ids"]) == len(rec["logprobs"]) >= 1
+        assert rec["logprobs"] == pytest.approx(rescored(model, rec), abs=2e-3), receipt
+
+
+def sdk_calls(oa: openai.OpenAI, an: anthropic.Anthropic) -> list[str]:
+    """Chat completions and messages, each streamed and not; the receipts."""
     msgs = [{"role": "user", "content": "tell me about caches"}]
     receipts = []
     raw = oa.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
@@ -109,15 +122,7 @@ def test_sdks_through_reef_to_vllm(vd: Daemon, model32: Path) -> None:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens") and isinstance(streamed, str)
-
-    model = AutoModelForCausalLM.from_pretrained(model32).eval()
-    version = status(vd)["weight_version"]
-    for receipt in receipts:
-        rec = record(vd, receipt)
-        assert rec["status"] == "complete" and rec["engine"] == "vllm"
-        assert rec["runtime_load_id"] == version
-        assert len(rec["token_ids"]) == len(rec["logprobs"]) >= 1
-        assert rec["logprobs"] == pytest.approx(rescored(model, rec), abs=2e-3), receipt
+    return receipts
 
 
 def load(d: Daemon, scenario: str, stop: threading.Event, failures: list[str], receipts: list[str], i: int) -> None:
@@ -208,14 +213,18 @@ def test_adapter_and_full_weight_releases_go_live_under_load(vd: Daemon, model32
 
 def test_killed_vllm_is_restarted(vd: Daemon) -> None:
     """kill -9 of the vLLM server: requests get a 503 with Retry-After, never a hang, until the supervisor has a
-    new server healthy under a new load id; then they are served again."""
+    new server healthy under a new load id; then they are served again.
+    The scenario is the one of the test before: its head's weights are the server's now (another scenario's
+    head would be another release, which the server would first be restarted onto)."""
+    with openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0,
+                       default_headers={"x-reef-scenario": "live"}) as oa:
+        killed_and_back(vd, oa)
+
+
+def killed_and_back(vd: Daemon, oa: openai.OpenAI) -> None:
     import os
     import signal
 
-    # the scenario of the test before: its head's weights are the server's now (another scenario's head would be
-    # another release, which the server would first be restarted onto)
-    oa = openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0,
-                       default_headers={"x-reef-scenario": "live"})
     oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     before = status(vd)
     os.killpg(before["pid"], signal.SIGKILL)
