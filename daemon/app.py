@@ -776,6 +776,8 @@ async def handle_status(request: web.Request) -> web.Response:
                     "engine": e.engine,
                     "loaded": name in reef._engines,
                     "resident": reef._engines[name].resident if name in reef._engines else {},
+                    **({"server": reef._engines[name].status} if name in reef._engines and reef._engines[name].status
+                       else {}),
                 }
                 for name, e in reef.config.models.items()
             },

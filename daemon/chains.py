@@ -35,6 +35,7 @@ from daemon.records import Scenario
 from daemon.releases import Release, ReleaseStore, files_from_dir
 
 log = logging.getLogger("reef.chains")
+WEIGHTS_ENGINES = ("transformers", "vllm", "sglang")  # engines that serve a release's weights
 
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
@@ -44,7 +45,7 @@ def artifact_kind(config: Config, scenario: Scenario) -> str:
     kind = load_recipe(scenario.recipe).kind
     if kind != "none":
         return kind
-    return "weights" if config.model(scenario.model).engine == "transformers" else "harness"
+    return "weights" if config.model(scenario.model).engine in WEIGHTS_ENGINES else "harness"
 
 
 def _files(candidate: str | Path | Mapping[str, bytes]) -> Mapping[str, Any]:

@@ -3,7 +3,8 @@
 Checks: the config, the state dir, the token file's permissions (0600), the socket's, the daemon (reachable,
 and over TCP whether the token is accepted), the release chains (no head or reflog entry naming a commit that a
 full or failing disk lost), free disk space, git, node and npm, the coding agents (installed at their pinned
-versions, via ``adapters.ADAPTERS`` when that package is there) and the default model. It never starts the daemon
+versions, via ``adapters.ADAPTERS`` when that package is there), the default model, and each inference server
+(vLLM, SGLang) a model entry names: its interpreter, and from a running daemon its health, version and restarts. It never starts the daemon
 or changes anything: damaged release chains are reported with the fix (the daemon's start-up recovery repairs
 them). Exit 0 when nothing failed (warnings allowed), 1 otherwise.
 """
@@ -208,6 +209,48 @@ def check_model(cfg: Any) -> Check | None:
     return Check("model", OK, f"{cfg.default_model} at {path}")
 
 
+SERVER_ENGINES = ("vllm", "sglang")
+
+
+def check_servers(cfg: Any, daemon: Check) -> list[Check]:
+    """One check per model served by an inference server: what the daemon reports of it, else whether it can start."""
+    entries = [e for e in cfg.models.values() if e.engine in SERVER_ENGINES]
+    if not entries:
+        return []
+    reported: dict[str, Any] = {}
+    if daemon.status == OK:
+        from daemon.errors import ReefError
+        from reef_cli.client import Client
+
+        try:
+            with Client(cfg, timeout=3.0) as c:
+                reported = c.get("/reef/status").get("models", {})
+        except ReefError:
+            reported = {}
+    out = []
+    for e in entries:
+        name = f"{e.engine} ({e.name})"
+        server = reported.get(e.name, {}).get("server")
+        if server:
+            where = f"{server['url']}" + (f", pid {server['pid']}" if server.get("pid") else "")
+            if server["healthy"]:
+                out.append(Check(name, OK, f"healthy at {where}, {e.engine} {server.get('version') or '?'}, "
+                                 f"weight version {server.get('weight_version')}, {server['restarts']} restarts"))
+            else:
+                out.append(Check(name, FAIL, f"not healthy at {where}: {server.get('last_error') or 'starting'}",
+                                 f"see {server.get('log') or 'the server log'}; reef daemon logs"))
+            continue
+        if e.url is None and e.server and not Path(e.server).exists():
+            fix = "./install.sh --vllm (its own venv), then point server at its bin/python" if e.engine == "vllm" \
+                else "install SGLang in a venv of its own (it needs a GPU) and point server at its python"
+            out.append(Check(name, FAIL, f"models.{e.name}.server = {e.server} does not exist", fix))
+        else:
+            what = f"attaches to {e.url}" if e.url else f"starts with the daemon ({e.server or 'python3'})"
+            out.append(Check(name, OK if daemon.status == OK else WARN, f"{what}; not started yet",
+                             "a request to the model starts it"))
+    return out
+
+
 def run_checks() -> list[Check]:
     checks: list[Check] = []
     cfg_check, cfg = check_config()
@@ -234,6 +277,7 @@ def run_checks() -> list[Check]:
     model = check_model(cfg)
     if model is not None:
         checks.append(model)
+    checks.extend(check_servers(cfg, daemon))
     for c in checks:
         if c.status == OK:
             c.fix = None

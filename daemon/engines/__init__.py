@@ -24,4 +24,12 @@ def build_engine(entry: ModelEntry, secrets: Mapping[str, str] | None = None, me
         from daemon.engines.upstream import UpstreamEngine
 
         return UpstreamEngine(entry, secrets or {}, metrics)
-    raise BadRequest(f"model {entry.name!r}: unknown engine {entry.engine!r} (transformers, upstream)")
+    if entry.engine in ("vllm", "sglang"):
+        from daemon.engines.server import ServerEngine
+
+        if entry.engine == "vllm":
+            from daemon.engines.vllm import VLLM as Dialect
+        else:
+            from daemon.engines.sglang import SGLang as Dialect  # type: ignore[assignment]
+        return ServerEngine(entry, Dialect(), metrics)
+    raise BadRequest(f"model {entry.name!r}: unknown engine {entry.engine!r} (transformers, upstream, vllm, sglang)")

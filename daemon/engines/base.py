@@ -7,7 +7,8 @@ cannot serve (images for a text-only model, a prompt beyond the context) is a ``
 the first event, so the HTTP layer can still answer with a clean 400.
 
 Embedded engines (``transformers``) fill ``Completion.token_ids``/``logprobs``/``runtime_load_id``; remote ones
-(``upstream``, ``sglang``) fill what their server reports.
+(``upstream``) fill what their server reports; inference servers (``vllm``, ``sglang``) fill the token ids and
+log-probs the server sampled, and the load id whose weight version it reported.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ReleaseRef:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    name: str  # engine kind: transformers, upstream, sglang
+    name: str  # engine kind: transformers, upstream, vllm, sglang
     model: str  # the model name clients use
     context_length: int | None = None
     accepts_images: bool = False
@@ -68,6 +69,11 @@ class Engine(abc.ABC):
     async def preload(self, release: ReleaseRef) -> str | None:
         """Make a release resident before requests need it (after a publish); returns its load id, if any."""
         return None
+
+    @property
+    def status(self) -> dict[str, object]:
+        """What ``/reef/status`` and ``reef doctor`` show of a server the engine runs or talks to (empty: none)."""
+        return {}
 
     @property
     def runtime_load_id(self) -> str | None:

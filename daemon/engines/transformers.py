@@ -163,18 +163,7 @@ class Load:
         )
 
     def render(self, exchange: Exchange) -> str:
-        from jinja2 import TemplateError
-
-        tools = [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in exchange.tools
-        ]
-        try:
-            return self.tokenizer.apply_chat_template(
-                _chat_messages(exchange), tools=tools or None, add_generation_prompt=True, tokenize=False
-            )
-        except TemplateError as e:
-            raise BadRequest(f"the model's chat template rejected the messages: {e}", param="messages") from None
+        return render_chat(self.tokenizer, exchange)
 
     def encode(self, exchange: Exchange) -> list[int]:
         # the backend (Rust) tokenizer directly: no per-call state, safe to share between threads
@@ -182,6 +171,23 @@ class Load:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def render_chat(tokenizer: Any, exchange: Exchange) -> str:
+    """The prompt text of an exchange: the tokenizer's chat template over its messages and tools (also used by the
+    inference-server engines, which tokenise on Reef's side)."""
+    from jinja2 import TemplateError
+
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in exchange.tools
+    ]
+    try:
+        return tokenizer.apply_chat_template(
+            _chat_messages(exchange), tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as e:
+        raise BadRequest(f"the model's chat template rejected the messages: {e}", param="messages") from None
 
 
 def _chat_messages(exchange: Exchange) -> list[dict[str, Any]]:
