@@ -5,7 +5,7 @@
 #   ./install.sh --venv DIR           another venv location
 #   ./install.sh --bin-dir DIR        another bin dir
 #   ./install.sh --no-link            do not link commands anywhere
-#   ./install.sh --dev                editable install plus what the tests need
+#   ./install.sh --dev                editable install plus what the tests need (with the ray extra)
 #
 # Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
 # pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
@@ -60,7 +60,7 @@ say "installing $TORCH_PIN (CPU build)"
 "${PIP[@]}" install -q "$TORCH_PIN" || die "installing $TORCH_PIN failed"
 if [ "$DEV" = 1 ]; then
   say "installing Reef (editable) with test dependencies"
-  "${PIP[@]}" install -q -e "$SRC[dev]" || die "installing Reef failed"
+  "${PIP[@]}" install -q -e "$SRC[dev,ray]" || die "installing Reef failed"  # ray: the Ray trainer's tests
 else
   say "installing Reef"
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"

@@ -110,10 +110,16 @@ class Learner:
     @property
     def trainer(self) -> Any:
         if self._trainer is None:
-            from daemon.trainer.worker import TrainerClient
+            paths = [str(p) for p in self.config.recipe_paths]
+            if self.config.trainer == "ray":  # steps as Ray actor tasks (daemon/trainer/ray_trainer.py)
+                from daemon.trainer.ray_trainer import RayTrainerClient
 
-            self._trainer = TrainerClient(threads=self.config.trainer_threads,
-                                          recipe_paths=[str(p) for p in self.config.recipe_paths])
+                self._trainer = RayTrainerClient(self.config.ray_address, threads=self.config.trainer_threads,
+                                                 recipe_paths=paths)
+            else:
+                from daemon.trainer.worker import TrainerClient
+
+                self._trainer = TrainerClient(threads=self.config.trainer_threads, recipe_paths=paths)
         return self._trainer
 
     @property
