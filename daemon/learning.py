@@ -110,16 +110,12 @@ class Learner:
     @property
     def trainer(self) -> Any:
         if self._trainer is None:
-            paths = [str(p) for p in self.config.recipe_paths]
-            if self.config.trainer == "ray":  # steps as Ray actor tasks (daemon/trainer/ray_trainer.py)
-                from daemon.trainer.ray_trainer import RayTrainerClient
+            from daemon.trainer.worker import TrainerClient
 
-                self._trainer = RayTrainerClient(self.config.ray_address, threads=self.config.trainer_threads,
-                                                 recipe_paths=paths)
-            else:
-                from daemon.trainer.worker import TrainerClient
-
-                self._trainer = TrainerClient(threads=self.config.trainer_threads, recipe_paths=paths)
+            # trainer = "ray": the worker is a Ray driver and the steps run on the cluster (daemon/trainer/ray_trainer.py)
+            ray = (self.config.ray_address,) if self.config.trainer == "ray" else None
+            self._trainer = TrainerClient(threads=self.config.trainer_threads,
+                                          recipe_paths=[str(p) for p in self.config.recipe_paths], ray=ray)
         return self._trainer
 
     @property

@@ -1351,9 +1351,11 @@ class ReleaseStore:
         if self.remote is None:
             return []
         with self._follow_lock:
-            remote = self.remote.fetch()
             repo = self._repo()
+            # the local refs before the fetch: each was on the remote before it was here (pushes come first), so
+            # one the fetch does not bring was removed there, not made here meanwhile
             local = {n: str(repo.references[n].target) for n in repo.listall_references() if n.startswith("refs/reef/")}
+            remote = self.remote.fetch()
             moved = []
             for name, oid in sorted(remote.items()):
                 cur = local.get(name)
@@ -1379,11 +1381,19 @@ class ReleaseStore:
                 moved.append(name)
             if not self._seeded:
                 for name, cur in sorted(local.items()):
-                    if name not in remote and name.startswith((SCENARIOS_REF, REJECTED_REF)):
+                    if name not in remote:
                         with contextlib.suppress(HeadMoved):  # another daemon seeded it first: followed next time
                             self.remote.upload(self._lfs_between([(cur, None)]))
                             self.remote.push([RefPush(name, cur, None)], name.rsplit("/", 1)[-1])
                 self._seeded = True
+            else:  # every local ref is on the remote since the seeding: a pending one gone there was promoted or
+                # discarded by another daemon
+                for name, cur in sorted(local.items()):
+                    if name not in remote and name.startswith(PENDING_REF):
+                        with contextlib.suppress(Conflict):
+                            self._update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
+                                              message="reef follow", push=False)
+                            moved.append(name)
             return moved
 
     def _apply_local(self, updates: list[_RefUpdate], message: str) -> None:

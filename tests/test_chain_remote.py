@@ -170,6 +170,26 @@ def test_store_compare_and_swap_is_against_the_remote_ref(tmp_path: Path) -> Non
     assert remote_head(remote, "s") == won.release_id
 
 
+def test_held_candidates_and_rejections_travel_too(tmp_path: Path) -> None:
+    """A candidate held for review on one daemon is pending on the other; promoted on one, it leaves the other's
+    pending list; a rejection (the record of consumed receipts) is on both."""
+    remote = bare(tmp_path / "r.git")
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    b = ReleaseStore(tmp_path / "b.git", remote=ChainRemote(tmp_path / "b.git", str(remote)))
+    init = a.publish("p", {"f.txt": "0"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    held = a.hold("p", {"f.txt": "1"}, kind="harness", recipe="lessons")
+    a.record_rejection("p", verdict="rejected", reason="worse", receipts=["rec_1"])
+    b.follow()
+    assert [r.release_id for r in b.pending("p")] == [held.release_id]
+    assert [r.receipts for r in b.rejections("p")] == [["rec_1"]]
+    b.record_rejection("p", verdict="failed", reason="boom", receipts=["rec_2"])  # appended to the shared log
+    promoted = a.promote("p", held.release_id, expected_head=init.release_id)
+    b.follow()
+    assert b.pending("p") == [] and b.head("p") == promoted.release_id
+    a.follow()
+    assert [r.receipts for r in a.rejections("p")] == [["rec_2"], ["rec_1"]]
+
+
 def test_git_daemon_remote(tmp_path: Path) -> None:
     """A ``git://`` remote served by ``git daemon`` on 127.0.0.1; no LFS store there: a large file is refused."""
     bare(tmp_path / "srv" / "chains.git")

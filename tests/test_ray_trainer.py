@@ -79,7 +79,7 @@ def ray_address() -> Iterator[str]:
         probe = [sys.executable, "-c", f"import ray; ray.init(address={address!r}, log_to_driver=False); "
                  "print(ray.cluster_resources()['CPU'])"]
         wait_for(lambda: proc.poll() is None and subprocess.run(probe, env=env, capture_output=True).returncode == 0,
-                 timeout=120, what="the Ray cluster")
+                 timeout=300, what="the Ray cluster")  # a hang guard: a busy machine is slow
         yield address
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # its own session: the head and what it started
@@ -111,9 +111,9 @@ def test_a_step_runs_on_the_ray_cluster_and_its_candidate_is_published(ray_daemo
         assert head["operation"] == "train" and sorted(head["receipts"]) == sorted(receipts)
         # it ran in a Ray actor, from a copy of the model the actor received (not the daemon's own path)
         assert head["metrics"]["ray_actor"] is True and head["metrics"]["same_base_path"] is True
-        status = c.get("/reef/status").json()
-        assert status["trainer"] == "ray" and status["trainer_pid"] == head["metrics"]["pid"]
-        assert not any(p.info_pid == head["metrics"]["pid"] for p in _children(ray_daemon)), "ran in the daemon"
+        assert c.get("/reef/status").json()["trainer"] == "ray"
+        assert ray_daemon.proc is not None  # not in the daemon, nor in a process it started: on the cluster
+        assert head["metrics"]["pid"] not in descendants(ray_daemon.proc.pid) | {ray_daemon.proc.pid}
         diff = c.get(f"/reef/releases/{head['release_id']}").json()["diff"]
         assert diff["added"] == ["note.txt"]  # the candidate's files came back and were published
         nxt = c.post("/s/rt/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
@@ -141,13 +141,17 @@ def test_killing_the_ray_worker_mid_step_retries_it_and_publishes_once(ray_daemo
         assert releases(c, "rk", all_=True)["rejected"] == []  # the killed attempt left no failed step behind
 
 
-class _Proc:
-    def __init__(self, pid: int) -> None:
-        self.info_pid = pid
-
-
-def _children(d: Daemon) -> list[_Proc]:
-    """The daemon's child processes (the local trainer worker would be one)."""
-    assert d.proc is not None
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(d.proc.pid)], capture_output=True, text=True).stdout
-    return [_Proc(int(x)) for x in out.split()]
+def descendants(pid: int) -> set[int]:
+    """Every process under ``pid`` (children, theirs, ...)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = (int(x) for x in line.split())
+        children.setdefault(pp, []).append(p)
+    found, stack = set(), [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            if c not in found:
+                found.add(c)
+                stack.append(c)
+    return found

@@ -1,8 +1,12 @@
-"""The Ray trainer (``trainer = "ray"``): training steps run as tasks of a Ray actor instead of the local worker
+"""The Ray trainer (``trainer = "ray"``): training steps run as tasks of a Ray actor instead of in the local worker
 process, with the same ``TrainJob`` in and ``Candidate`` out, and the candidate comes back as files the daemon
 publishes.
 
 Design choices:
+- The Ray driver (``RayDriver``) lives in the trainer worker process (``daemon/trainer/worker.py``), not in the
+  daemon: the daemon talks to it over the same pipe as to the local trainer, and Ray's threads, its fatal-signal
+  handlers (which turn the daemon's SIGTERM into an abort at exit) and its 250 MB of imports stay out of the
+  serving process. The worker does not train; it forwards each job to the cluster.
 - One long-lived actor (``_StepActor``) per device class, so a recipe keeps its ``state`` (a model in memory, an
   optimizer) between steps exactly as in the worker process; its step is the worker's own ``run_job``, so a
   recipe cannot tell the two apart. The actor asks for one CPU (and one GPU where the job's device is ``cuda``,
@@ -20,13 +24,13 @@ Design choices:
   step had consumed nothing and published nothing (the daemon publishes only what comes back), so a retry cannot
   publish twice. A step that raises inside the actor is not retried (the same batch would fail again): it comes
   back as ``StepFailed`` with the exception's message.
-- ``ray_address`` joins an existing cluster (``ray.init(address=...)``); without it Reef starts a local cluster in
-  the daemon (``ray.init()``, a few seconds) on first use and stops it when the daemon stops.
+- ``ray_address`` joins an existing cluster (``ray.init(address=...)``); without it the worker starts a local
+  cluster (``ray.init()``, a few seconds) on the first step and stops it when it stops (with the daemon, or when
+  the daemon dies: the worker follows its parent).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -71,7 +75,7 @@ def _write_dir(files: dict[str, bytes], dest: Path) -> None:
 
 
 class _StepActor:
-    """Runs training steps on a Ray worker (made a Ray actor class by ``RayTrainerClient``)."""
+    """Runs training steps on a Ray worker (made a Ray actor class by ``RayDriver``)."""
 
     def __init__(self, threads: int, paths: list[str]) -> None:
         import torch
@@ -117,8 +121,9 @@ def _safe(key: str) -> str:
     return key.replace(":", "_").replace("/", "_")
 
 
-class RayTrainerClient:
-    """Runs jobs on a Ray cluster, with the interface of ``TrainerClient`` (``run``, ``close``, ``pid``)."""
+class RayDriver:
+    """Runs jobs on a Ray cluster, from the trainer worker process: ``run`` gives the candidate (complete at
+    ``out_dir``) or raises ``StepFailed``; ``close`` stops the actors (and the local cluster it started)."""
 
     def __init__(self, address: str | None = None, threads: int = 1, retries: int = 2,
                  recipe_paths: list[str] | None = None) -> None:
@@ -131,7 +136,6 @@ class RayTrainerClient:
         self._inputs: dict[str, Any] = {}  # content key -> ObjectRef of its files
         self._connected = False
         self._closed = False
-        self._pid: int | None = None
         self.restarts = 0
 
     def _connect(self) -> Any:
@@ -158,11 +162,6 @@ class RayTrainerClient:
             self._actors[key] = actor
         return actor
 
-    @property
-    def pid(self) -> int | None:
-        """The pid of the actor's worker process (on its node) that ran or runs the latest step."""
-        return self._pid
-
     def _put(self, ray: Any, key: str, path: str) -> Any:
         ref = self._inputs.get(key)
         if ref is None:
@@ -171,7 +170,8 @@ class RayTrainerClient:
             ref = self._inputs[key] = ray.put((key, _read_dir(path)))
         return ref
 
-    def _run(self, job: TrainJob, out_dir: Path) -> Candidate:
+    def run(self, job: TrainJob, out_dir: Path) -> Candidate:
+        """One step on the cluster, retried on a fresh actor when the one running it dies."""
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
 
@@ -186,7 +186,6 @@ class RayTrainerClient:
                     raise EngineError("the trainer is shutting down")
                 actor = self._actor(ray, job.device)
                 try:
-                    self._pid = int(ray.get(actor.pid.remote()))
                     lacking = set(ray.get(actor.missing.remote(sorted(set(inputs.values())))))
                     blobs = [self._put(ray, k, p) for p, k in inputs.items() if k in lacking]
                     pending = actor.run.remote(job, inputs, *blobs)
@@ -215,10 +214,6 @@ class RayTrainerClient:
                 _write_dir(files, out_dir)
                 return replace(candidate, path=str(out_dir))
             raise AssertionError("unreachable")
-
-    async def run(self, job: TrainJob, out_dir: Path) -> Candidate:
-        """Run one step on the cluster: the candidate (complete at ``out_dir``), or ``StepFailed``."""
-        return await asyncio.to_thread(self._run, job, out_dir)
 
     def close(self) -> None:
         """Stop the actors, and the local cluster if Reef started it (a cluster it joined keeps running)."""
