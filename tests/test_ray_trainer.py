@@ -63,16 +63,22 @@ class Marked(Recipe):
 '''
 
 
+# Ray 2.60 turns token auth on for every cluster started once a token exists in ~/.ray, and a driver whose token
+# differs is refused: the test cluster and its daemons run without, so what another cluster left there cannot matter
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     """A local Ray cluster for this module: ``ray start --head --block``, stopped through its pid (which stops the
     processes it started), never ``ray stop`` (that would stop every Ray cluster on the machine)."""
     port = free_port()
     temp = tempfile.mkdtemp(prefix="rayt-", dir="/tmp")  # short: Ray's socket paths must fit in 108 bytes
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **RAY_ENV}
     ray_cli = Path(sys.executable).parent / "ray"
     proc = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
+                             "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
+                             "--node-ip-address=127.0.0.1"],  # loopback only
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
@@ -96,6 +102,7 @@ def ray_daemon(daemon_factory: Any, ray_address: str, tmp_path: Path) -> Daemon:
     recipes.mkdir()
     (recipes / "rayrec.py").write_text(RECIPES)
     d: Daemon = daemon_factory(start=False)
+    d.env.update(RAY_ENV)
     cfg = d.home / "config.toml"
     cfg.write_text(f'trainer = "ray"\nray_address = "{ray_address}"\nrecipe_paths = [{json.dumps(str(recipes))}]\n'
                    + cfg.read_text())

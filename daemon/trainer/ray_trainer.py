@@ -147,7 +147,8 @@ class RayDriver:
                                            "env_vars": {"PYTHONPATH": paths} if paths else {}}
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False, logging_level="warning",
                      runtime_env=runtime_env, configure_logging=False,
-                     **({} if self.address else {"num_cpus": max(1, os.cpu_count() or 1)}))
+                     **({} if self.address else {"num_cpus": max(1, os.cpu_count() or 1),
+                                                 "_node_ip_address": "127.0.0.1"}))  # a local cluster: loopback
             self._connected = True
             log.info("trainer: connected to Ray %s", self.address or "(a local cluster started by Reef)")
         return ray
