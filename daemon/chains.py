@@ -13,6 +13,10 @@ checked out, and publishing (init, rollback, promote, and later train) with even
   release holding its base (checked out too), which the engine keeps resident once for all releases on it.
 - A scenario's chain starts with an ``init`` release of its base artifact, published on first use: for a local
   model the model directory (weights stored once per distinct content), for an upstream model an empty harness.
+- With ``chain_remote``, publishing is compare-and-swap against the remote's refs (``daemon/chain_remote.py``),
+  and a follow task fetches the remote's heads every ``chain_fetch_s``: a release another daemon published is
+  taken in (LFS objects, then the local head), so the next request here serves it, as any local publish.
+  A remote that cannot be reached is logged (once per outage) and shown in ``status()``; serving goes on.
 - Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking.
 """
 
@@ -60,7 +64,15 @@ class Chains:
         self.ensure_model = ensure_model  # builds a built-in model on first use, before its init release
         self.events = events
         self.metrics = metrics
-        self.store = ReleaseStore(config.artifacts_path)
+        remote = None
+        if config.chain_remote is not None:
+            from daemon.chain_remote import ChainRemote
+
+            remote = ChainRemote(config.artifacts_path, config.chain_remote, lfs_store=config.chain_lfs)
+        self.store = ReleaseStore(config.artifacts_path, remote=remote)
+        self._follow: asyncio.Task[None] | None = None
+        self.remote_state: dict[str, Any] = {} if remote is None else {"url": remote.shown, "last_fetch": None,
+                                                                       "error": None}
         self.cache_dir = config.home / "cache" / "releases"
         self._releases: dict[str, Release] = {}
         self._checkouts: dict[str, Path] = {}
@@ -74,14 +86,57 @@ class Chains:
         report = await asyncio.to_thread(self.store.recover)
         if report.get("removed"):
             log.warning("removed stale release-chain locks left by a crash: %s", report["removed"])
+        if self.store.remote is not None:
+            await self._follow_once()  # serve what the remote has from the first request on
+            self._follow = asyncio.ensure_future(self._follow_remote())
         self._announced = await asyncio.to_thread(self._heads)
         self._watch = asyncio.ensure_future(self._watch_heads())
 
+    async def _follow_once(self) -> list[str]:
+        import time
+
+        from daemon.errors import ReefError
+
+        try:
+            moved = await asyncio.to_thread(self.store.follow)
+        except ReefError as e:
+            if self.remote_state.get("error") != e.message:
+                log.warning("following the chain remote: %s", e.message)
+            self.remote_state["error"] = e.message
+            return []
+        if self.remote_state.get("error"):
+            log.warning("the chain remote %s answers again", self.remote_state["url"])
+        self.remote_state.update(error=None, last_fetch=time.time())
+        return moved
+
+    async def _follow_remote(self) -> None:
+        """Fetch the remote's heads every ``chain_fetch_s``; a moved scenario head is announced at once."""
+        while True:
+            await asyncio.sleep(self.config.chain_fetch_s)
+            try:
+                for name in await self._follow_once():
+                    if name.startswith("refs/reef/scenarios/"):
+                        self._announce(name[len("refs/reef/scenarios/"):], await asyncio.to_thread(
+                            self.store.head, name[len("refs/reef/scenarios/"):]))
+            except Exception:  # never let the follower die: the next round looks again
+                log.warning("following the chain remote", exc_info=True)
+
+    def _announce(self, name: str, head: str | None) -> None:
+        if head is None or self._announced.get(name) == head:
+            return
+        self._announced[name] = head
+        rel = self.store.get(head)
+        self.events.publish(
+            "release", scenario=rel.scenario, release_id=rel.release_id, content_id=rel.content_id,
+            step=rel.step, operation=rel.operation, source=rel.source, metrics=rel.metrics, external=True,
+        )
+
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._follow):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def _heads(self) -> dict[str, str | None]:
         return {name: self.store.head(name) for name in self.store.scenarios()}

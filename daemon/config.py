@@ -14,6 +14,12 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
                                   # (shared by several daemons; env REEF_RECORDS; see README "Several machines")
     lease_ttl_s = 15              # PostgreSQL records: the training lease lasts this long unless renewed
+    chain_remote = "/shared/reef-chains.git"  # release chains shared through a git remote (a path, git://,
+                                  # http(s):// or ssh:// URL); see daemon/chain_remote.py
+    chain_lfs = "/shared/reef-lfs"  # the remote's LFS store (default for a path remote: <remote>/lfs/objects)
+    chain_fetch_s = 2.0           # how often the remote's heads are fetched
+    trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
+    ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
 
     [models.tiny]
     engine = "transformers"
@@ -108,6 +114,11 @@ class Config:
     agents_dir: Path | None = None  # where coding agents are installed (default $REEF_HOME/agents)
     # directories put first on the import path for ``module:Class`` recipes (daemon and trainer worker)
     recipe_paths: tuple[Path, ...] = ()
+    chain_remote: str | None = None  # the release chains' git remote (daemon/chain_remote.py); None: local only
+    chain_lfs: Path | None = None  # the remote's LFS store directory (None: <remote>/lfs/objects for a path remote)
+    chain_fetch_s: float = 2.0  # seconds between fetches of the remote's heads
+    trainer: str = "local"  # local | ray
+    ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
     token: str | None = None
@@ -261,7 +272,7 @@ def load_config(
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
-               "records", "lease_ttl_s"}
+               "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "trainer", "ray_address"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -306,6 +317,7 @@ def load_config(
     queue = values.get("events_queue", 4096)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")
+    _check_distributed(values, home)
     extra_models = values.pop("models", None)
     if extra_models:
         models.update(extra_models)
@@ -322,6 +334,40 @@ def load_config(
     if cfg.default_model not in cfg.models:
         raise BadRequest(f"config: default_model {cfg.default_model!r} is not a configured model")
     return cfg
+
+
+def _check_distributed(values: dict[str, Any], home: Path) -> None:
+    """The several-machines settings: each one works or is refused here, never accepted and ignored."""
+    from daemon.chain_remote import check_remote
+
+    if values.get("chain_remote") is not None:
+        values["chain_remote"] = check_remote(values["chain_remote"], home)
+    else:
+        for key in ("chain_lfs", "chain_fetch_s"):
+            if key in values:
+                raise BadRequest(f"config: {key} needs chain_remote (it configures the chains' git remote)")
+    if values.get("chain_lfs") is not None:
+        p = Path(str(values["chain_lfs"])).expanduser()
+        if "://" in str(values["chain_lfs"]):
+            raise BadRequest("config: chain_lfs must be a directory (shared storage in the Git LFS layout), "
+                             f"not {values['chain_lfs']!r}")
+        values["chain_lfs"] = p if p.is_absolute() else home / p
+    every = values.get("chain_fetch_s", 2.0)
+    if isinstance(every, bool) or not isinstance(every, int | float) or not 0 < every <= 3600:
+        raise BadRequest(f"config: chain_fetch_s must be a number of seconds in (0, 3600], got {every!r}")
+    trainer = values.get("trainer", "local")
+    if trainer not in ("local", "ray"):
+        raise BadRequest(f"config: trainer must be local or ray, got {trainer!r}")
+    if trainer == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise BadRequest('config: trainer = "ray" needs Ray installed (pip install "reef[ray]")')
+    if values.get("ray_address") is not None:
+        if trainer != "ray":
+            raise BadRequest('config: ray_address needs trainer = "ray"')
+        if not isinstance(values["ray_address"], str) or not values["ray_address"].strip():
+            raise BadRequest("config: ray_address must be a Ray cluster address, e.g. \"10.0.0.5:6379\"")
 
 
 def with_overrides(cfg: Config, **changes: Any) -> Config:

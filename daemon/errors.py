@@ -32,6 +32,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── StepFailed                 500  (a recipe's training step raised in the trainer worker)
     │   ├── UpstreamError              502  upstream_error
     │   └── UpstreamTimeout            504  timeout_error
+    ├── RemoteRefused                  502  remote_error    (a chain remote refused a push or fetch: says why)
     ├── Unavailable                    503  overloaded_error (draining, not ready)
     └── DaemonNotRunning               (CLI side: cannot reach the daemon)
 """
@@ -245,6 +246,21 @@ class UpstreamError(EngineError):
 class UpstreamTimeout(EngineError):
     status = 504
     type = "timeout_error"
+
+
+class RemoteRefused(ReefError):
+    """The release chain's git remote refused a push or a fetch (unreachable, no such repository, auth, a hook):
+    nothing was published; the scenario keeps serving its head. A push refused because the remote's head moved
+    is ``HeadMoved`` instead."""
+
+    status = 502
+    type = "remote_error"
+
+    def __init__(self, remote: str, why: str) -> None:
+        super().__init__(f"the chain remote {remote} refused: {why}; nothing was published", remote=remote,
+                         reason=why)
+        self.remote = remote
+        self.why = why
 
 
 class Unavailable(ReefError):

@@ -158,8 +158,10 @@ class Learner:
         if self._trainer is None:
             from daemon.trainer.worker import TrainerClient
 
+            # trainer = "ray": the worker is a Ray driver and the steps run on the cluster (daemon/trainer/ray_trainer.py)
+            ray = (self.config.ray_address,) if self.config.trainer == "ray" else None
             self._trainer = TrainerClient(threads=self.config.trainer_threads,
-                                          recipe_paths=[str(p) for p in self.config.recipe_paths])
+                                          recipe_paths=[str(p) for p in self.config.recipe_paths], ray=ray)
         return self._trainer
 
     @property

@@ -59,6 +59,9 @@ Design choices:
   same transaction as the chain update, so it stays reachable. Rejected candidates are a chain of their own,
   ``refs/reef/rejected/<scenario>`` (one commit per verdict, with ``reef-rejection.json``, and the
   candidate's content as ``candidate/`` when it was held).
+- A git remote (``remote``, ``daemon/chain_remote.py``): every ref update under ``refs/reef/`` is pushed to the
+  remote first, compare-and-swap on the remote's refs, and made locally only once the remote took it; ``follow``
+  takes in what others pushed (LFS objects first, then the local ref, by the same local compare-and-swap).
 - Threads: a ``pygit2.Repository`` per thread (libgit2 objects must not be shared across threads); processes
   exclude each other through the ref locks. Releases are immutable, so their manifests are cached by id.
 """
@@ -89,6 +92,7 @@ from typing import Any
 import pygit2
 
 from daemon import durable, lora
+from daemon.chain_remote import ChainRemote, RefPush
 from daemon.errors import (
     BadRequest,
     BaseMismatch,
@@ -432,6 +436,7 @@ class ReleaseStore:
         lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
         lock_timeout: float = 10.0,
         stale_lock_after: float = 5.0,
+        remote: ChainRemote | None = None,
     ) -> None:
         if not hasattr(pygit2.Repository, "transaction"):
             raise StorageError(f"pygit2 {pygit2.__version__} lacks reference transactions; need pygit2 >= 1.19")
@@ -439,6 +444,9 @@ class ReleaseStore:
         self.lfs_threshold = lfs_threshold
         self.lock_timeout = lock_timeout
         self.stale_lock_after = stale_lock_after
+        self.remote = remote
+        self._seeded = False  # local refs the remote lacks were pushed to it (the first follow does it)
+        self._follow_lock = threading.Lock()
         self.lfs_dir = self.path / "lfs" / "objects"
         self._lfs_tmp = self.path / "lfs" / "tmp"
         self._guard_path = self.path / GUARD
@@ -1028,6 +1036,8 @@ class ReleaseStore:
             try:
                 self._update_refs(updates, message=f"reef reject: {scenario} step {step}")
             except HeadMoved:
+                if self.remote is not None:  # another daemon appended to the shared log: take its tip in
+                    self.follow()
                 continue
             return self.rejections(scenario, limit=1)[0]
         raise Conflict(f"the rejection log of {scenario!r} kept moving; nothing was recorded", scenario=scenario)
@@ -1286,14 +1296,108 @@ class ReleaseStore:
         finally:
             os.close(fd)
 
-    def _update_refs(self, updates: list[_RefUpdate], *, message: str) -> None:
+    def _update_refs(self, updates: list[_RefUpdate], *, message: str, push: bool = True) -> None:
         """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
         expected value, then write. A busy lock is retried with backoff until ``lock_timeout``.
 
         No ref is moved to a commit that does not read back (``_check_written``), and a write that fails part-way
-        takes back the reflog line libgit2 appended before it failed (``_drop_unapplied``)."""
-        repo = self._repo()
+        takes back the reflog line libgit2 appended before it failed (``_drop_unapplied``). With a remote (and
+        ``push``), the updates are pushed first, compare-and-swap on the remote's refs (``_push``)."""
         self._check_written(updates)
+        if push and self.remote is not None:
+            self._push(updates, message)
+        else:
+            self._apply_local(updates, message)
+
+    def _push(self, updates: list[_RefUpdate], message: str) -> None:
+        """Push ``updates`` to the remote (their LFS objects first); the remote's refs must be at the expected
+        values. Then the same updates locally (or, when a follow took the remote's refs in meanwhile, a follow)."""
+        assert self.remote is not None
+        scenario = next((u.name.rsplit("/", 1)[-1] for u in updates if u.name.startswith(SCENARIOS_REF)),
+                        updates[0].name)
+        self.remote.upload(self._lfs_between([(u.new, u.expected) for u in updates if u.new is not None]))
+        try:
+            self.remote.push([RefPush(u.name, u.new, u.expected) for u in updates], scenario)
+        except HeadMoved:
+            with contextlib.suppress(ReefError):  # take in what won, so the caller can serve it at once
+                self.follow()
+            raise
+        try:
+            self._apply_local(updates, message)
+        except Conflict:  # a follow took the remote's refs in meanwhile: match the remote again
+            self.follow()
+
+    def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
+        """The local LFS objects ``(sha256, size, path)`` the releases from each ``new`` back to (not including)
+        ``stop`` name, first parents only."""
+        repo = self._repo()
+        out: dict[str, tuple[str, int, Path]] = {}
+        for new, stop in ranges:
+            rid: str | None = new
+            while rid is not None and rid != stop:
+                commit = repo[rid]
+                if MANIFEST in commit.tree:
+                    for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                        sha = str(entry["oid"]).split(":", 1)[-1]
+                        out[sha] = (sha, int(entry["size"]), self._lfs_object(entry))
+                rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+        return list(out.values())
+
+    def follow(self) -> list[str]:
+        """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the
+        remote's value (its LFS objects copied in first). Returns the refs moved. On the first call, local refs
+        the remote lacks (chains made before it was configured) are pushed to it. ``RemoteRefused`` when the
+        remote cannot be read; nothing local changes then."""
+        if self.remote is None:
+            return []
+        with self._follow_lock:
+            repo = self._repo()
+            # the local refs before the fetch: each was on the remote before it was here (pushes come first), so
+            # one the fetch does not bring was removed there, not made here meanwhile
+            local = {n: str(repo.references[n].target) for n in repo.listall_references() if n.startswith("refs/reef/")}
+            remote = self.remote.fetch()
+            moved = []
+            for name, oid in sorted(remote.items()):
+                cur = local.get(name)
+                if cur == oid:
+                    continue
+                rid: str | None = oid
+                while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
+                    commit = repo[rid]
+                    if MANIFEST in commit.tree:
+                        for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                            sha = str(entry["oid"]).split(":", 1)[-1]
+                            if not self.lfs_path(sha).exists():
+                                self.remote.download(sha, int(entry["size"]), self.lfs_path(sha))
+                    rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+                if cur is not None and not repo.descendant_of(oid, cur):
+                    log.warning("%s: local %s is not an ancestor of the remote's %s; following the remote", name,
+                                cur, oid)
+                try:
+                    self._update_refs([_RefUpdate(name, oid, cur, lambda a: Conflict("moved meanwhile"))],
+                                      message="reef follow", push=False)
+                except Conflict:
+                    continue  # moved meanwhile (a publish of ours): the next follow looks again
+                moved.append(name)
+            if not self._seeded:
+                for name, cur in sorted(local.items()):
+                    if name not in remote:
+                        with contextlib.suppress(HeadMoved):  # another daemon seeded it first: followed next time
+                            self.remote.upload(self._lfs_between([(cur, None)]))
+                            self.remote.push([RefPush(name, cur, None)], name.rsplit("/", 1)[-1])
+                self._seeded = True
+            else:  # every local ref is on the remote since the seeding: a pending one gone there was promoted or
+                # discarded by another daemon
+                for name, cur in sorted(local.items()):
+                    if name not in remote and name.startswith(PENDING_REF):
+                        with contextlib.suppress(Conflict):
+                            self._update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
+                                              message="reef follow", push=False)
+                            moved.append(name)
+            return moved
+
+    def _apply_local(self, updates: list[_RefUpdate], message: str) -> None:
+        repo = self._repo()
         start = time.monotonic()
         delay = 0.002
         while True:
@@ -1459,7 +1563,8 @@ class ReleaseStore:
             how = f"back to {d.restore}" if d.restore else "removed"
             update = _RefUpdate(d.ref, d.restore, d.target, lambda a, r=d.ref: Conflict(f"{r} moved meanwhile"))
             try:
-                self._update_refs([update], message=f"reef repair: {d.target} does not read back; {how}")
+                # local damage, repaired locally: the remote's copy is whole, and the next follow takes it in again
+                self._update_refs([update], message=f"reef repair: {d.target} does not read back; {how}", push=False)
             except ReefError as e:
                 if isinstance(e, Conflict) and not isinstance(e, LockBusy):
                     continue  # another writer moved it meanwhile: no longer this damage

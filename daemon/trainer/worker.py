@@ -10,6 +10,8 @@ Design choices:
 - The worker gives the recipe an empty directory beside the candidate's final name; after ``train`` returns,
   every file is fsynced and the directory renamed: a half-written candidate never exists under its final name,
   so it can never become a release, whatever the recipe does.
+- With ``ray`` (``trainer = "ray"``) the worker is a Ray driver instead (``daemon/trainer/ray_trainer.py``): each job
+  runs on a Ray actor and its candidate comes back as files; the pipe, the job and the candidate are the same.
 - ``TrainerClient.run`` restarts a dead worker and retries the job (up to ``retries`` times); a job that fails
   inside the worker with an exception is not retried (the same batch would fail again): it comes back as a
   ``StepFailed`` carrying the exception's message.
@@ -18,6 +20,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import durable
-from daemon.errors import EngineError, StepFailed
+from daemon.errors import EngineError, ReefError, StepFailed
 from recipes.base import Candidate, TrainJob
 
 log = logging.getLogger("reef.trainer")
@@ -72,40 +75,59 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
     return replace(candidate, path=str(out_dir))
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A worker must not outlive its daemon (``kill -9`` of the daemon leaves no orphan training on)."""
+def _exit_with_parent(parent: int, driver: Any = None) -> None:
+    """A worker must not outlive its daemon (``kill -9`` of the daemon leaves no orphan training on, nor a local
+    Ray cluster the worker started)."""
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
+            if driver is not None:
+                with contextlib.suppress(Exception):
+                    driver.close()
             os._exit(0)
 
 
-def worker_main(conn: Connection, threads: int, parent: int, paths: list[str]) -> None:
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+def worker_main(conn: Connection, threads: int, parent: int, paths: list[str],
+                ray: tuple[str | None] | None = None) -> None:
+    """The worker's loop: a job in, its candidate (or the exception's message) out. ``ray``: ``(address,)`` to
+    run the jobs on a Ray cluster (None: a local cluster) instead of here."""
     for p in reversed(paths):  # the daemon's recipe directories, found first as in the daemon
         if p not in sys.path:
             sys.path.insert(0, p)
-    torch.set_num_threads(threads)
-    hf_logging.disable_progress_bar()
+    driver = None
+    if ray is not None:
+        from daemon.trainer.ray_trainer import RayDriver
+
+        driver = RayDriver(ray[0], threads=threads, recipe_paths=paths)
+    else:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()
+    threading.Thread(target=_exit_with_parent, args=(parent, driver), daemon=True).start()
     states: dict[str, dict[str, Any]] = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        job, out_dir = msg
-        t0 = time.perf_counter()
-        try:
-            result: Any = run_job(states, job, Path(out_dir))
-        except Exception as e:  # the daemon decides; the worker stays up
-            result = f"{type(e).__name__}: {e}"
-            log.debug("job %s failed after %.1f s", job.id, time.perf_counter() - t0, exc_info=True)
-        conn.send(result)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg is None:
+                return
+            job, out_dir = msg
+            t0 = time.perf_counter()
+            try:
+                result: Any = driver.run(job, Path(out_dir)) if driver else run_job(states, job, Path(out_dir))
+            except ReefError as e:
+                result = e.message
+            except Exception as e:  # the daemon decides; the worker stays up
+                result = f"{type(e).__name__}: {e}"
+                log.debug("job %s failed after %.1f s", job.id, time.perf_counter() - t0, exc_info=True)
+            conn.send(result)
+    finally:
+        if driver is not None:
+            driver.close()
 
 
 # --- the daemon side ---------------------------------------------------------------------------------------
@@ -114,7 +136,9 @@ def worker_main(conn: Connection, threads: int, parent: int, paths: list[str]) -
 class TrainerClient:
     """Runs jobs in the worker process, restarting it when it dies."""
 
-    def __init__(self, threads: int = 1, retries: int = 2, recipe_paths: list[str] | None = None) -> None:
+    def __init__(self, threads: int = 1, retries: int = 2, recipe_paths: list[str] | None = None,
+                 ray: tuple[str | None] | None = None) -> None:
+        self.ray = ray  # (address,): the worker is a Ray driver (trainer = "ray")
         self.threads = threads
         self.retries = retries
         self.recipe_paths = list(recipe_paths or [])
@@ -132,7 +156,7 @@ class TrainerClient:
             log.warning("trainer worker died (exit %s); restarting it", self._proc.exitcode)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=worker_main, args=(child, self.threads, os.getpid(), self.recipe_paths),
+        self._proc = ctx.Process(target=worker_main, args=(child, self.threads, os.getpid(), self.recipe_paths, self.ray),
                                  name="reef-trainer", daemon=True)
         self._proc.start()
         child.close()

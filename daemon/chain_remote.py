@@ -1,0 +1,255 @@
+"""A release store's git remote: publishing as compare-and-swap against the remote's refs, large files in the
+remote's LFS store, and following the remote's heads.
+
+``daemon/releases.py`` owns the local store; with ``chain_remote`` set, every ref update it makes under
+``refs/reef/`` goes through ``ChainRemote.push`` first, and the daemon calls ``ReleaseStore.follow`` on an
+interval (``chain_fetch_s``) to take in what other daemons published.
+
+Design choices:
+- The git binary does the transport (``git push`` / ``git fetch`` with ``--git-dir`` on the local bare store):
+  libgit2 has no push with an expected old value, and the git binary speaks every transport a team has (a path,
+  ``git://``, ``http(s)://``, ``ssh://``) with the credentials already set up for it. Prompts are off
+  (``GIT_TERMINAL_PROMPT=0``, ssh ``BatchMode``), every call has a timeout: a remote that asks for a password,
+  hangs or is gone is a refusal (``RemoteRefused``, 502), never a stalled publish.
+- Compare-and-swap: one ``git push --atomic --porcelain`` per ref update, with ``--force-with-lease=<ref>:<old>``
+  for each ref (an empty ``<old>``: the ref must not exist). git's receive-pack checks each old value under the
+  remote's ref lock, so two daemons publishing on the same head cannot both win; the loser's push is refused as
+  "stale info" / "fetch first" / "failed to update ref", which is ``HeadMoved`` (409) with the remote's actual
+  head, exactly as a local head move. The local ref moves only after the remote accepted, so a refused push
+  publishes nothing anywhere.
+- Large files: the LFS objects a pushed release names are copied into the remote's LFS store before the push
+  (temp file + fsync + rename, sha256 checked), and copied back when a follower takes in a release, before its
+  local head moves: a head never names bytes that are not there. The store is a directory in the Git LFS
+  layout (``objects/<aa>/<bb>/<sha256>``): by default ``<remote>/lfs/objects`` for a path remote, the layout
+  ``git lfs`` itself uses for a file remote (so a Reef store is a valid remote, and ``git lfs`` tooling can read
+  it); for a URL remote, ``chain_lfs`` names such a directory on shared storage, and without one a release with
+  large files is refused before anything is pushed.
+- Following: ``git fetch --prune`` of ``+refs/reef/*`` into ``refs/reef-remote/*`` (a mirror namespace nothing
+  else reads), then each local ref that differs is moved to the remote's value by the store's own local
+  compare-and-swap (after its LFS objects are in). The remote is the shared truth: a local ref that is not an
+  ancestor of the remote's is moved anyway, with a warning naming both. Local chains the remote lacks (made
+  before the remote was configured) are pushed to it on the first follow, as an init would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon import durable
+from daemon.errors import BadRequest, HeadMoved, LockBusy, RemoteRefused
+
+log = logging.getLogger("reef.remote")
+
+MIRROR_REF = "refs/reef-remote/"
+URL_SCHEMES = ("git://", "http://", "https://", "ssh://")
+_ZERO = "0" * 40
+# what git says when the remote's ref is not at the value the push expected (client side or under the remote's lock)
+_MOVED = re.compile(r"stale info|fetch first|non-fast-forward|failed to update ref|but expected|already exists|"
+                    r"cannot lock ref")
+_CHUNK = 4 << 20
+
+
+def check_remote(remote: str, home: Path) -> str:
+    """A ``chain_remote`` as the git binary is given it: a URL with a known scheme, or a path (relative to
+    ``home``, made absolute). Anything else is a ``BadRequest`` naming what is accepted."""
+    if not isinstance(remote, str) or not remote.strip():
+        raise BadRequest("config: chain_remote must be a path or a git://, http(s):// or ssh:// URL")
+    remote = remote.strip()
+    if remote.startswith("file://"):
+        remote = remote[len("file://"):]
+    elif "://" in remote:
+        if not remote.startswith(URL_SCHEMES):
+            raise BadRequest(f"config: chain_remote {remote!r}: unknown scheme; use a path or a "
+                             f"{', '.join(s[:-3] for s in URL_SCHEMES)} URL")
+        return remote
+    p = Path(remote).expanduser()
+    return str(p if p.is_absolute() else home / p)
+
+
+def is_path(remote: str) -> bool:
+    return not remote.startswith(URL_SCHEMES)
+
+
+@dataclass(frozen=True)
+class RefPush:
+    """One ref of an atomic push: move ``name`` from ``old`` (None: absent) to ``new`` (None: delete)."""
+
+    name: str
+    new: str | None
+    old: str | None
+
+
+class ChainRemote:
+    """The git remote of a release store (``path``: the local bare repository)."""
+
+    def __init__(self, path: Path, url: str, *, lfs_store: str | os.PathLike[str] | None = None,
+                 timeout: float = 60.0) -> None:
+        if shutil.which("git") is None:
+            raise BadRequest("config: chain_remote needs the git binary on PATH (apt-get install git)")
+        self.path = Path(path)
+        self.url = url
+        self.shown = re.sub(r"//[^/@]*@", "//***@", url)  # the URL as messages and logs show it: no credentials
+        self.timeout = timeout
+        # the directory that must exist already (a missing share or remote is refused, never created here)
+        self._lfs_root: Path | None = None
+        if lfs_store is not None:
+            self.lfs_dir: Path | None = Path(lfs_store)
+            self._lfs_root = self.lfs_dir
+        elif is_path(url):
+            self.lfs_dir = Path(url) / "lfs" / "objects"
+            self._lfs_root = Path(url)
+        else:
+            self.lfs_dir = None  # a URL remote without a shared LFS directory: large files are refused
+
+    # --- git -----------------------------------------------------------------------------------------------
+
+    def _git(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        env.update(GIT_TERMINAL_PROMPT="0", GIT_SSH_COMMAND="ssh -o BatchMode=yes -o ConnectTimeout=10",
+                   GIT_ASKPASS="true", LC_ALL="C")
+        try:
+            return subprocess.run(["git", f"--git-dir={self.path}", *args], env=env, capture_output=True, text=True,
+                                  timeout=self.timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise RemoteRefused(self.shown, f"git {args[0]} did not finish in {self.timeout:.0f} s") from None
+
+    def _why(self, proc: subprocess.CompletedProcess[str]) -> str:
+        lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:", "remote:"))]
+        return " ".join((fatal or lines or [f"git exited {proc.returncode}"])[-3:]).replace(self.url, self.shown)
+
+    def remote_heads(self, prefix: str = "refs/reef/") -> dict[str, str]:
+        """The remote's refs under ``prefix`` as it has them now (``git ls-remote``)."""
+        proc = self._git("ls-remote", self.url, f"{prefix}*")
+        if proc.returncode != 0:
+            raise RemoteRefused(self.shown, self._why(proc))
+        out = {}
+        for line in proc.stdout.splitlines():
+            oid, _, name = line.partition("\t")
+            if name.startswith(prefix):
+                out[name] = oid
+        return out
+
+    def push(self, updates: Iterable[RefPush], scenario: str) -> None:
+        """Apply ``updates`` on the remote, all or none, each only if the remote's ref is at its ``old`` value.
+
+        ``HeadMoved`` when a ref was not (its actual value read back from the remote); ``RemoteRefused`` for
+        anything else (unreachable, no such repository, auth, a hook's refusal): nothing was changed."""
+        updates = list(updates)
+        args = ["push", "--atomic", "--porcelain", "--no-verify"]
+        specs = []
+        for u in updates:
+            args.append(f"--force-with-lease={u.name}:{u.old or ''}")
+            specs.append(f"{u.new}:{u.name}" if u.new is not None else f":{u.name}")
+        proc = self._git(*args, self.url, *specs)
+        if proc.returncode == 0:
+            return
+        text = f"{proc.stdout}\n{proc.stderr}"
+        rejected = [ln for ln in proc.stdout.splitlines() if ln.startswith("!")]
+        # the ref check fails client side ("stale info") or under the remote's lock (receive-pack prints "cannot lock
+        # ref ...: is at X but expected Y" and, with --atomic, rejects every ref as "atomic transaction failed")
+        if _MOVED.search(text):
+            main = next((u for u in updates if u.name.startswith("refs/reef/scenarios/")), updates[0])
+            try:
+                actual = self.remote_heads(main.name).get(main.name)
+            except RemoteRefused:
+                actual = None
+            if actual == main.old:  # the remote's ref is where we expected: its lock was busy, not moved
+                raise LockBusy(main.name, f"{self.shown} (remote)", self.timeout)
+            raise HeadMoved(scenario, main.old, actual)
+        why = self._why(proc)
+        if rejected:  # what the remote said about each ref, and what its hooks printed
+            said = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("remote:") and ln[7:].strip()]
+            why = "; ".join([ln.split("\t")[-1] for ln in rejected] + said[-3:])
+        log.warning("push to %s refused: %s", self.shown, text.strip()[-2000:].replace(self.url, self.shown))
+        raise RemoteRefused(self.shown, why)
+
+    def fetch(self) -> dict[str, str]:
+        """Take the remote's ``refs/reef/*`` into the mirror namespace; returns ``{local ref name: commit}``."""
+        proc = self._git("fetch", "--prune", "--no-tags", "--quiet", self.url, f"+refs/reef/*:{MIRROR_REF}*")
+        if proc.returncode != 0:
+            raise RemoteRefused(self.shown, self._why(proc))
+        out = {}
+        listed = self._git("for-each-ref", "--format=%(objectname) %(refname)", MIRROR_REF)
+        for line in listed.stdout.splitlines():
+            oid, _, name = line.partition(" ")
+            out["refs/reef/" + name[len(MIRROR_REF):]] = oid
+        return out
+
+    # --- LFS -----------------------------------------------------------------------------------------------
+
+    def _remote_lfs(self, sha: str) -> Path:
+        assert self.lfs_dir is not None
+        return self.lfs_dir / sha[:2] / sha[2:4] / sha
+
+    def upload(self, objects: Iterable[tuple[str, int, Path]]) -> None:
+        """Copy LFS objects ``(sha256, size, local file)`` into the remote's LFS store unless already there."""
+        objects = list(objects)
+        if not objects:
+            return
+        if self.lfs_dir is None:
+            raise RemoteRefused(self.shown, f"a release with {len(objects)} large file(s) needs an LFS store, and "
+                                "this remote is a URL: set chain_lfs to a directory all daemons share")
+        assert self._lfs_root is not None
+        if not self._lfs_root.is_dir():
+            raise RemoteRefused(self.shown, f"{self._lfs_root} does not exist or is not a directory, so the LFS store "
+                                f"{self.lfs_dir} cannot take this release's large files")
+        try:
+            for sha, size, src in objects:
+                final = self._remote_lfs(sha)
+                if final.exists() and final.stat().st_size == size:
+                    continue
+                _copy_verified(src, final, sha, size)
+        except OSError as e:
+            raise RemoteRefused(self.shown, f"cannot write the LFS store {self.lfs_dir}: {e}") from e
+
+    def download(self, sha: str, size: int, dest: Path) -> None:
+        """Copy one LFS object from the remote's store to ``dest`` (checked against its sha256 and size)."""
+        if self.lfs_dir is None:
+            raise RemoteRefused(self.shown, f"LFS object {sha} is not here and this remote has no LFS store "
+                                "(set chain_lfs)")
+        src = self._remote_lfs(sha)
+        try:
+            _copy_verified(src, dest, sha, size)
+        except FileNotFoundError:
+            raise RemoteRefused(self.shown, f"LFS object {sha} is missing from {self.lfs_dir}") from None
+        except OSError as e:
+            raise RemoteRefused(self.shown, f"cannot read LFS object {sha} from {self.lfs_dir}: {e}") from e
+
+
+def _copy_verified(src: Path, final: Path, sha: str, size: int) -> None:
+    """Copy ``src`` to ``final`` durably (temp beside it, fsync, rename, fsync the directory), refusing bytes that
+    do not hash to ``sha`` (a torn or foreign file is never put in place)."""
+    durable.mkdirs(final.parent)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".obj-")
+    try:
+        h = hashlib.sha256()
+        n = 0
+        with open(src, "rb") as f, open(fd, "wb", closefd=False) as out:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                n += len(chunk)
+                out.write(chunk)
+        if h.hexdigest() != sha or n != size:
+            raise OSError(f"{src} does not hold LFS object {sha} ({n} bytes, sha256 {h.hexdigest()})")
+        durable.sync_fd(fd)
+        os.close(fd)
+        fd = -1
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, final)
+        durable.sync_dir(final.parent)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
