@@ -223,13 +223,16 @@ def test_bad_reports_are_refused_and_never_trained_on(daemon_factory: Any) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a hang guard: the test is bounded by reports, which take longer on a loaded machine
 def test_reef_demo_shows_a_model_learning(daemon_factory: Any) -> None:
     """The claim of ``reef demo``, cut to fit the suite (about 2-3 minutes, most of this file's time): a fresh
-    daemon builds the demo model (with its warm-up), and in 100 seconds of the demo the head's reward on
-    held-out prompts rises well above where the warm-up left it. The full claim (0.8 within 5 minutes) is
-    measured by bench/learning.py."""
+    daemon builds the demo model (with its warm-up), and the demo runs until the head's reward on held-out
+    prompts reaches 0.3 or 8,000 reports were scored (a bound on work, not on time: a loaded machine takes longer
+    for the same reports); by then it has risen well above where the warm-up left it. The full claim (0.8 within
+    5 minutes) is measured by bench/learning.py."""
     d: Daemon = daemon_factory()
-    out = d.cli("demo", "--json", "--seed", "0", "--minutes", str(100 / 60), check=False, timeout=600)
+    out = d.cli("demo", "--json", "--seed", "0", "--target", "0.3", "--max-reports", "8000", "--minutes", "12",
+                check=False, timeout=900)  # --minutes and timeout: hang guards only
     assert out.stdout.lstrip().startswith("{"), (out.returncode, out.stderr[-3000:], d.log_tail())
     result = json.loads(out.stdout)
     assert result["held_out_before"] <= 0.3  # the warm-up gives a start, not the skill
