@@ -608,17 +608,10 @@ class ServerEngine(Engine):
         return self._tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def _prepare(self, exchange: Exchange) -> tuple[list[int], Any]:
-        from daemon.engines.transformers import SamplingParams
+        from daemon.engines.transformers import SamplingParams, check_sampling
 
         s = exchange.sampling
-        if s.max_tokens is not None and s.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens")
-        if s.temperature is not None and s.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0, got {s.temperature}", param="temperature")
-        if s.top_p is not None and not 0 < s.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
-        if s.top_k is not None and s.top_k < 0:
-            raise BadRequest(f"top_k must be >= 0, got {s.top_k}", param="top_k")
+        check_sampling(s)
         prompt = self._encode(exchange)
         if len(prompt) >= self._context:
             raise ContextLengthExceeded(len(prompt), self._context)

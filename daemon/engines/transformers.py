@@ -173,6 +173,18 @@ class Load:
         return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
 
 
+
+def check_sampling(s: Any) -> None:
+    """The sampling values every engine refuses (400 naming the field), whatever it serves with."""
+    if s.max_tokens is not None and s.max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens")
+    if s.temperature is not None and s.temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {s.temperature}", param="temperature")
+    if s.top_p is not None and not 0 < s.top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
+    if s.top_k is not None and s.top_k < 0:
+        raise BadRequest(f"top_k must be >= 0, got {s.top_k}", param="top_k")
+
 def render_chat(tokenizer: Any, exchange: Exchange) -> str:
     """The prompt text of an exchange: the tokenizer's chat template over its messages and tools (also used by the
     inference-server engines, which tokenise on Reef's side)."""
@@ -625,14 +637,7 @@ class TransformersEngine(Engine):
 
     def _prepare(self, load: Load, exchange: Exchange) -> tuple[list[int], SamplingParams, torch.Generator]:
         s = exchange.sampling
-        if s.max_tokens is not None and s.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens")
-        if s.temperature is not None and s.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0, got {s.temperature}", param="temperature")
-        if s.top_p is not None and not 0 < s.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
-        if s.top_k is not None and s.top_k < 0:
-            raise BadRequest(f"top_k must be >= 0, got {s.top_k}", param="top_k")
+        check_sampling(s)
         prompt = load.encode(exchange)
         if len(prompt) >= load.context_length:
             raise ContextLengthExceeded(len(prompt), load.context_length)
