@@ -109,13 +109,7 @@ def init_tiny(
             transform(tokenizer, model)
         say("saving")
         save_model(tokenizer, model, tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not is_complete(dest):  # someone else's half-written or unrelated directory: not ours to replace
-                raise
-        else:
-            durable.sync_dir(dest.parent)
+        move_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -157,6 +151,18 @@ def build_tiny(*, seed: int = 0, config: TinyConfig = TinyConfig(), progress: Ca
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos, pad_token_id=ids["<|endoftext|>"]
     )
     return tokenizer, model
+
+
+def move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename a finished model directory into place, durably; a complete one already there (another process
+    made it meanwhile) is kept, anything else there is an error."""
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not is_complete(dest):  # someone else's half-written or unrelated directory: not ours to replace
+            raise
+    else:
+        durable.sync_dir(dest.parent)
 
 
 def save_model(tokenizer: Any, model: Any, path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,7 +54,7 @@ def gguf_path() -> Path:
 
 def init_smollm2(dest: Path, *, progress: Callable[[str], None] | None = None) -> Path:
     """Make the SmolLM2 model directory at ``dest`` (atomically) unless a complete one is there; return ``dest``."""
-    from daemon.models import is_complete, save_model
+    from daemon.models import is_complete, move_into_place, save_model
 
     dest = Path(dest)
     if is_complete(dest):
@@ -82,17 +81,7 @@ def init_smollm2(dest: Path, *, progress: Callable[[str], None] | None = None) -
         model = model.to(torch.bfloat16).eval()
         say(f"saving to {dest}")
         save_model(tokenizer, model, tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not is_complete(dest):  # someone else's half-written or unrelated directory: not ours to replace
-                raise
-        else:
-            fd = os.open(dest.parent, os.O_RDONLY)  # the rename itself survives a crash
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        move_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
