@@ -7,6 +7,8 @@ real sockets with the official SDKs, httpx and the ``reef`` CLI.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -66,11 +68,38 @@ def probe_unix(path: Path) -> bool:
         s.close()
 
 
+@contextlib.contextmanager
+def machine_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``: one pytest process (of the xdist workers, or of two runs) at a time
+    builds or installs what they share."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build: Any) -> Path:
+    """``build(dir)`` once per test run, shared by its xdist workers (their base temp dirs share a parent): the
+    first worker builds under the lock, the others wait and reuse the finished directory."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    target, done = root / "shared-models" / name, root / "shared-models" / f"{name}.done"
+    with machine_lock(root / "shared-models" / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)
+            build(target)
+            done.touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from daemon.models import init_tiny
 
-    return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+    return shared_build(tmp_path_factory, "tiny", lambda d: init_tiny(d, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +108,7 @@ def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     seed 0, deterministic, 15-60 s on a busy 2-core machine; for the tests that show a recipe learning."""
     from recipes.warmup import init_built_in
 
-    return init_built_in(tmp_path_factory.mktemp("models") / "tiny-demo", "tiny-demo", seed=0)
+    return shared_build(tmp_path_factory, "tiny-demo", lambda d: init_built_in(d, "tiny-demo", seed=0))
 
 
 @dataclass
@@ -113,7 +142,7 @@ class Daemon:
             base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path)), timeout=60, **kw
         )
 
-    def start(self, timeout: float = 60) -> Daemon:
+    def start(self, timeout: float = 180) -> Daemon:
         log = open(self.home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "--log-file"], env=self.env, stdout=log, stderr=log, cwd=self.home
@@ -126,6 +155,8 @@ class Daemon:
             if probe_unix(self.socket_path):
                 return self
             time.sleep(0.05)
+        self.proc.kill()  # not left running for a later test to trip over
+        self.proc.wait()
         raise RuntimeError(f"daemon not healthy in {timeout}s:\n{self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
@@ -238,3 +269,17 @@ def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "records.sqlite3")
     return str(request.getfixturevalue("pg_url"))
+
+
+# The slowest modules first (measured, whole module on 2 cores): xdist (``-n 2 --dist loadfile``, pyproject's
+# addopts) hands modules out in collection order, so a long one taken last would run alone at the end.
+SLOWEST_FIRST = (
+    "test_learning.py", "test_durability.py", "test_vllm.py", "test_install.py", "test_sao.py",
+    "test_ttt_discover.py", "test_openclaw_rl.py", "test_harness_search.py", "test_model_dirs.py",
+    "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

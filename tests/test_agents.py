@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from adapters import ADAPTERS
-from tests.conftest import ROOT, Daemon, make_home
+from tests.conftest import ROOT, Daemon, machine_lock, make_home
 
 pytestmark = pytest.mark.agents
 
@@ -42,8 +42,9 @@ def agents_dir() -> Path:
     """The three agents installed from npm (pinned versions), shared by the session and later sessions."""
     where = Path(os.environ.get("REEF_TEST_AGENTS_DIR") or ROOT / ".cache" / "agents")
     env = dict(os.environ, REEF_AGENTS_DIR=str(where), REEF_HOME=tempfile.mkdtemp(prefix="reef-agents-"))
-    out = subprocess.run([sys.executable, "-m", "reef_cli.main", "agents", "install"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    with machine_lock(where.parent / f"{where.name}.lock"):  # xdist workers (and runs) install one at a time
+        out = subprocess.run([sys.executable, "-m", "reef_cli.main", "agents", "install"], env=env,
+                             capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     listed = subprocess.run([sys.executable, "-m", "reef_cli.main", "agents", "list", "--json"], env=env,
                             capture_output=True, text=True, timeout=60)

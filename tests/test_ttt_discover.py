@@ -189,18 +189,21 @@ def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_best_and_mean_attempt_scores_rise_on_the_demo_models_problem(daemon_factory: Any,
                                                                           tiny_demo_model: Any) -> None:
-    """``longest-word`` on the demo model, 40 rounds of 16 attempts (the bench runs longer): the head's attempt
-    score (the gate's, on fresh samples) rises well above the first head's, every published release scored at
-    least its parent on the same samples, and the status names the best attempt reported and its release."""
+    """``longest-word`` on the demo model, rounds of 16 attempts until the head's attempt score (the gate's, on
+    fresh samples) is 0.15 above the first head's, at most 80 rounds (bounded by work, not by time: a loaded
+    machine batches rounds differently; the bench runs longer): every published release scored at least its
+    parent on the same samples, and the status names the best attempt reported and its release."""
     problem = get_problem("longest-word")
     d: Daemon = daemon_factory(demo_config(tiny_demo_model, "ttt-discover", problem="longest-word"))
     scores: dict[str, float] = {}
+    risen = False
     with d.http() as c, ThreadPoolExecutor(16) as pool:
         assert c.post("/reef/scenarios", json={"name": "find", "recipe": "ttt-discover", "model": "tiny-demo"}
                       ).status_code == 201
-        for n in range(40):
+        for n in range(80):
             got = list(pool.map(lambda i, n=n: attempt(c, "find", problem.prompt, "tiny-demo", seed=n * 16 + i),
                                 range(16)))
             for receipt, _, text in got:
@@ -208,14 +211,17 @@ def test_the_best_and_mean_attempt_scores_rise_on_the_demo_models_problem(daemon
                 assert c.post("/reef/report", json={"score": scores[receipt], "references": [receipt],
                                                     "metadata": {"group": f"round-{n}"}}).status_code == 201
             wait_for(lambda n=n: len(consumed(c, "find")) == 16 * (n + 1), timeout=120, what=f"round {n}")
-        chain = releases(c, "find", True)
+            chain = releases(c, "find", True)
+            trained = [r for r in chain["releases"] if r["operation"] == "train"]
+            first = min(trained, key=lambda r: r["step"])["metrics"]["base_reward"] if trained else None
+            if first is not None and chain["releases"][0]["metrics"].get("eval_reward", 0) >= first + 0.15:
+                risen = True
+                break
         status = c.get("/reef/scenarios/find").json()["recipe_status"]
         best_release = c.get(f"/reef/records/{status['best_attempt_receipt']}").json()["release_id"]
-    trained = [r for r in chain["releases"] if r["operation"] == "train"]
     assert trained and all(r["metrics"]["eval_reward"] >= r["metrics"]["base_reward"] for r in trained)
     assert all(r["metrics"]["eval_reward"] < r["metrics"]["base_reward"] for r in chain["rejected"]
                if r["verdict"] == "rejected")
-    first = min(trained, key=lambda r: r["step"])["metrics"]["base_reward"]
-    assert chain["releases"][0]["metrics"]["eval_reward"] >= first + 0.15, (first, chain["releases"][0]["metrics"])
+    assert risen, (first, chain["releases"][0]["metrics"])
     assert status["best_attempt"] == max(scores.values()) and status["best_attempt_release"] == best_release
-    assert status["attempts_learned_from"] == 16 * 40
+    assert status["attempts_learned_from"] == 16 * (n + 1)
