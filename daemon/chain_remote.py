@@ -69,6 +69,12 @@ def check_remote(remote: str, home: Path) -> str:
     if not isinstance(remote, str) or not remote.strip():
         raise BadRequest("config: chain_remote must be a path or a git://, http(s):// or ssh:// URL")
     remote = remote.strip()
+    host, colon, path = remote.partition(":")
+    if colon and "/" not in host and "://" not in remote and not remote.startswith(("/", ".", "~")):
+        # git reads ``host:path`` (``git@host:org/chains.git``) as ssh; taken as a path here it would name a
+        # directory that never exists, so it is refused with the URL that means the same
+        where = path if path.startswith("/") else f"/~/{path}"
+        raise BadRequest(f"config: chain_remote {remote!r} is scp-style; write it as the URL ssh://{host}{where}")
     if remote.startswith("file://"):
         remote = remote[len("file://"):]
     elif "://" in remote:

@@ -228,6 +228,8 @@ def test_git_daemon_remote(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("toml", "message"), [
     ('chain_remote = "ftp://host/x.git"', "unknown scheme"),
+    ('chain_remote = "git@host:org/chains.git"', "scp-style; write it as the URL ssh://git@host/~/org/chains.git"),
+    ('chain_remote = "host:/srv/chains.git"', "write it as the URL ssh://host/srv/chains.git"),
     ('chain_fetch_s = 1', "needs chain_remote"),
     ('chain_lfs = "/x"', "needs chain_remote"),
     ('chain_remote = "/r.git"\nchain_lfs = "https://lfs.example"', "must be a directory"),

@@ -3,7 +3,8 @@ in test_chain_remote.py), with the servers those hosts run (``tests/git_servers.
 
 - http://: ``git http-backend``. Two daemons: a publish on one is served by the other (weights through the shared
   ``chain_lfs`` directory); a push the server refuses (401 asking for credentials, 403) publishes nothing, says
-  why, and does not wait for a password nobody types.
+  why, and does not wait for a password nobody types; a fetch that fails is shown in the follower's status while
+  it serves on.
 - https://: the same with a self-signed certificate the client is set up to trust (git's ``http.sslCAInfo``), and
   refused, naming the certificate, where it is not.
 - ssh://: OpenSSH's sshd; the key and host key come from git's ``core.sshCommand`` or ``GIT_SSH_COMMAND``, as a
@@ -27,6 +28,7 @@ from daemon.releases import ReleaseStore, files_from_dir
 from tests.conftest import assert_canonical_error
 from tests.git_servers import GitHttp, Sshd, self_signed
 from tests.test_chain_remote import bare, remote_head, served_by, wait_served, with_top_level
+from tests.test_records_pg import _until
 from tests.test_release_serving import make_weights
 
 HARNESS = {"operation": "train", "kind": "harness", "recipe": "lessons"}
@@ -94,6 +96,11 @@ def test_http_remote_serves_a_publish_on_the_other_daemon_and_a_refused_push_pub
             assert served_by(ca, "web") == new and served_by(cb, "web") == new
         assert not (tmp_path / "asked").exists()  # git asked nobody for a user name or a password
         git_http.refuse_push = None
+        remote.rename(remote.with_name("gone.git"))  # the server loses the repository: B cannot fetch
+        said = _until("B says it cannot fetch", lambda: cb.get("/reef/status").json()["chain_remote"]["error"])
+        assert "not found" in said and url in said, said
+        assert served_by(cb, "web") == new  # and serves on from its own store
+        remote.with_name("gone.git").rename(remote)
         rolled = ca.post("/reef/scenarios/web/rollback", json={"release_id": first, "expected_head": new})
         assert rolled.status_code == 201, rolled.text
         wait_served(cb, "web", rolled.json()["release_id"])
