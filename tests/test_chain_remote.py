@@ -190,6 +190,28 @@ def test_held_candidates_and_rejections_travel_too(tmp_path: Path) -> None:
     assert [r.receipts for r in a.rejections("p")] == [["rec_2"], ["rec_1"]]
 
 
+def test_chains_made_before_the_remote_are_pushed_and_a_diverged_one_follows_the_remote(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that made chains before ``chain_remote`` was set: on its first follow, a chain the remote lacks is
+    pushed to it (as an init would be), and one the remote has with another history is moved to the remote's
+    (the shared truth), with a warning naming both."""
+    remote = bare(tmp_path / "r.git")
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    shared = a.publish("both", {"f.txt": "a"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    alone = ReleaseStore(tmp_path / "b.git")  # b, before its remote was configured
+    only_b = alone.publish("only-b", {"f.txt": "b"}, expected_head=None, operation="init", kind="harness",
+                           recipe="lessons")
+    mine = alone.publish("both", {"f.txt": "b"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    b = ReleaseStore(tmp_path / "b.git", remote=ChainRemote(tmp_path / "b.git", str(remote)))
+    with caplog.at_level("WARNING", logger="reef.releases"):
+        b.follow()
+    assert b.head("both") == shared.release_id and remote_head(remote, "both") == shared.release_id
+    assert f"local {mine.release_id} is not an ancestor of the remote's {shared.release_id}" in caplog.text
+    assert remote_head(remote, "only-b") == only_b.release_id
+    a.follow()
+    assert a.head("only-b") == only_b.release_id and a.read_file(only_b.release_id, "f.txt") == b"b"
+
+
 def test_git_daemon_remote(tmp_path: Path) -> None:
     """A ``git://`` remote served by ``git daemon`` on 127.0.0.1; no LFS store there: a large file is refused."""
     bare(tmp_path / "srv" / "chains.git")
