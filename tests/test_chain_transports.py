@@ -69,7 +69,7 @@ def test_http_remote_serves_a_publish_on_the_other_daemon_and_a_refused_push_pub
         daemon_factory, git_http: GitHttp, tiny_model: Path, tmp_path: Path) -> None:
     url, lfs, remote = git_http.url("chains.git"), tmp_path / "lfs", tmp_path / "srv" / "chains.git"
     lfs.mkdir()
-    config = f'chain_remote = "{url}"\nchain_lfs = "{lfs}"\nchain_fetch_s = 0.2\n'
+    config = f'chain_remote = "{url}"\nchain_lfs = "{lfs}"\nchain_fetch_s = 0.5\n'  # a fetch: 2-3 CGI runs
     a, b = daemon_factory(start=False), daemon_factory(start=False)
     a.env.update(askpass(tmp_path))
     a, b = with_top_level(a, config), with_top_level(b, config)
