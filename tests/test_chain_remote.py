@@ -18,7 +18,7 @@ import pytest
 
 from daemon.chain_remote import ChainRemote
 from daemon.config import load_config
-from daemon.errors import BadRequest, HeadMoved, RemoteRefused
+from daemon.errors import BadRequest, HeadMoved, LockBusy, RemoteRefused
 from daemon.releases import ReleaseStore, files_from_dir
 from tests.conftest import Daemon, assert_canonical_error, free_port
 from tests.test_release_serving import chat, make_weights
@@ -168,6 +168,25 @@ def test_store_compare_and_swap_is_against_the_remote_ref(tmp_path: Path) -> Non
     assert (e.value.expected, e.value.actual) == (init.release_id, won.release_id)
     assert b.head("s") == won.release_id  # the loser took in what won, so it serves it at once
     assert remote_head(remote, "s") == won.release_id
+
+
+def test_a_remote_ref_lock_held_by_another_writer_is_lock_busy_not_a_moved_head(tmp_path: Path) -> None:
+    """The remote's ref is where the publisher expects, but its lock is held (another push under way, or one that
+    died): git says "cannot lock ref", as for a moved head. Reef reads the remote's head back to tell the two
+    apart: ``LockBusy`` (retry), not a 409 naming a head that did not move; nothing is published."""
+    remote = bare(tmp_path / "r.git")
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    init = a.publish("l", {"f.txt": "0"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    lock = remote / "refs" / "reef" / "scenarios" / "l.lock"
+    lock.write_text("")
+    with pytest.raises(LockBusy):
+        a.publish("l", {"f.txt": "1"}, expected_head=init.release_id, operation="train", kind="harness",
+                  recipe="lessons")
+    assert a.head("l") == init.release_id and remote_head(remote, "l") == init.release_id
+    lock.unlink()
+    won = a.publish("l", {"f.txt": "1"}, expected_head=init.release_id, operation="train", kind="harness",
+                    recipe="lessons")
+    assert remote_head(remote, "l") == won.release_id
 
 
 def test_held_candidates_and_rejections_travel_too(tmp_path: Path) -> None:
