@@ -8,7 +8,11 @@ throwaway cluster (``tests/pg.py``, fsync on, ``synchronous_commit`` on) on loop
 
 A third store, PostgreSQL with fsync off (not durable, never for real use), separates what the protocol and
 Reef's code cost from what the disk's flush costs: on a virtual disk whose flush takes milliseconds, that flush
-is most of a PostgreSQL commit. ``pg_test_fsync`` (printed first) says what one flush costs on this disk.
+is most of a PostgreSQL commit. ``pg_test_fsync`` (printed first) says what one flush costs on this disk, and two
+rows that are no store measure it in the same rounds, at concurrency 1: one 8 kB ``pwrite`` and ``fdatasync`` of a
+preallocated file per record, in a worker thread, either over the same page each time (``flush-rewrite``: what
+PostgreSQL does for a small commit, which rewrites the WAL's last, partly filled page) or at the next page each
+time (``flush-append``: what SQLite's WAL does, appending frames).
 
 Figures:
 1. concurrency 1: p50 / p99 of one durable write; goal: PostgreSQL adds <= 1 ms p50;
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -46,7 +51,7 @@ def _record() -> dict[str, Any]:
             "prompt_token_ids": list(range(64)), "token_ids": list(range(64)), "logprobs": [-0.5] * 64}
 
 
-async def _round(store: RecordStore, requests: int, concurrency: int) -> dict[str, float]:
+async def _round(store: RecordStore | _FlushFloor, requests: int, concurrency: int) -> dict[str, float]:
     commits = 0
     committed = store._committed
 
@@ -55,7 +60,7 @@ async def _round(store: RecordStore, requests: int, concurrency: int) -> dict[st
         commits += 1
         committed()
 
-    store._committed = count  # type: ignore[method-assign]
+    store._committed = count  # type: ignore[method-assign,assignment]
     latencies: list[float] = []
     todo = iter(range(requests))
 
@@ -72,6 +77,35 @@ async def _round(store: RecordStore, requests: int, concurrency: int) -> dict[st
     latencies.sort()
     return {"p50": statistics.median(latencies), "p99": latencies[int(len(latencies) * 0.99) - 1],
             "rps": requests / wall, "per_commit": requests / max(commits, 1)}
+
+
+class _FlushFloor:
+    """Not a record store: per record, one 8 kB write and ``fdatasync`` of a preallocated file (what PostgreSQL's
+    WAL flush does, without the server), off the event loop as the stores' writers are."""
+
+    def __init__(self, path: Path, *, advance: bool) -> None:
+        self._advance = advance
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.write(self._fd, b"\0" * (16 << 20))  # like a WAL segment: overwritten, never grown
+        os.fsync(self._fd)
+        self._page = b"r" * 8192
+        self._offset = 0
+
+    def _committed(self) -> None:
+        pass
+
+    def _flush(self) -> None:
+        os.pwrite(self._fd, self._page, self._offset)
+        if self._advance:
+            self._offset = (self._offset + 8192) % (16 << 20)
+        os.fdatasync(self._fd)
+        self._committed()
+
+    async def append_exchange(self, rec: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._flush)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _fsync_cost(cluster: PgCluster) -> None:
@@ -92,13 +126,15 @@ async def main(requests: int, rounds: int) -> None:
     cluster, unsynced = PgCluster(durable=True), PgCluster(durable=False)
     _fsync_cost(cluster)
     stores = {"sqlite": open_store(str(tmp / "records.sqlite3")), "postgresql": open_store(cluster.create_database()),
-              "pg-nofsync": open_store(unsynced.create_database())}
+              "pg-nofsync": open_store(unsynced.create_database()), "flush-rewrite": _FlushFloor(tmp / "rewrite", advance=False),
+              "flush-append": _FlushFloor(tmp / "append", advance=True)}
     try:
         for store in stores.values():  # warm up: connections, prepared statements, the page cache
             await _round(store, 200, 4)
         for concurrency in (1, 16):
-            got: dict[str, list[dict[str, float]]] = {name: [] for name in stores}
-            names = list(stores)
+            # the floor only at concurrency 1: it has no group commit, so at 16 it would measure the thread pool
+            names = [n for n in stores if concurrency == 1 or not n.startswith("flush-")]
+            got: dict[str, list[dict[str, float]]] = {name: [] for name in names}
             for i in range(rounds):  # each round every store once, the order turning, so load drifts fall alike
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     got[name].append(await _round(stores[name], requests, concurrency))
@@ -106,10 +142,10 @@ async def main(requests: int, rounds: int) -> None:
             print(f"concurrency {concurrency} ({requests} records x {rounds} rounds each, medians of rounds):")
             for name in names:
                 r = _summary(got[name])
-                print(f"  {name:<10}  p50 {r['p50']:6.3f} ms  p99 {r['p99']:6.3f} ms  {r['rps']:8.0f} records/s"
+                print(f"  {name:<13} p50 {r['p50']:6.3f} ms  p99 {r['p99']:6.3f} ms  {r['rps']:8.0f} records/s"
                       f"  {r['per_commit']:5.1f} records per commit"
-                      + ("" if name == "sqlite" else f"  (vs sqlite: {r['p50'] - s['p50']:+.3f} ms p50,"
-                                                     f" x{r['rps'] / s['rps']:.2f} throughput)"))
+                      + ("" if name == "sqlite" or name.startswith("flush-") else
+                         f"  (vs sqlite: {r['p50'] - s['p50']:+.3f} ms p50, x{r['rps'] / s['rps']:.2f} throughput)"))
     finally:
         for store in stores.values():
             store.close()

@@ -8,9 +8,11 @@ interval (``chain_fetch_s``) to take in what other daemons published.
 Design choices:
 - The git binary does the transport (``git push`` / ``git fetch`` with ``--git-dir`` on the local bare store):
   libgit2 has no push with an expected old value, and the git binary speaks every transport a team has (a path,
-  ``git://``, ``http(s)://``, ``ssh://``) with the credentials already set up for it. Prompts are off
-  (``GIT_TERMINAL_PROMPT=0``, ssh ``BatchMode``), every call has a timeout: a remote that asks for a password,
-  hangs or is gone is a refusal (``RemoteRefused``, 502), never a stalled publish.
+  ``git://``, ``http(s)://``, ``ssh://``) with the credentials already set up for it in git's config (a
+  credential helper, ``http.sslCAInfo``, ``core.sshCommand`` or ``GIT_SSH_COMMAND`` naming a key and a known-hosts
+  file). Prompts are off (``GIT_TERMINAL_PROMPT=0``, an empty askpass, ssh ``BatchMode``), every call has a timeout
+  and runs in its own process group (killed whole on the timeout): a remote that asks for a password, hangs or is
+  gone is a refusal (``RemoteRefused``, 502), never a stalled publish or a lingering transport process.
 - Compare-and-swap: one ``git push --atomic --porcelain`` per ref update, with ``--force-with-lease=<ref>:<old>``
   for each ref (an empty ``<old>``: the ref must not exist). git's receive-pack checks each old value under the
   remote's ref lock, so two daemons publishing on the same head cannot both win; the loser's push is refused as
@@ -39,6 +41,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -57,6 +60,7 @@ _ZERO = "0" * 40
 _MOVED = re.compile(r"stale info|fetch first|non-fast-forward|failed to update ref|but expected|already exists|"
                     r"cannot lock ref")
 _CHUNK = 4 << 20
+_ADVICE = {"Please make sure you have the correct access rights", "and the repository exists."}
 
 
 def check_remote(remote: str, home: Path) -> str:
@@ -65,6 +69,12 @@ def check_remote(remote: str, home: Path) -> str:
     if not isinstance(remote, str) or not remote.strip():
         raise BadRequest("config: chain_remote must be a path or a git://, http(s):// or ssh:// URL")
     remote = remote.strip()
+    host, colon, path = remote.partition(":")
+    if colon and "/" not in host and "://" not in remote and not remote.startswith(("/", ".", "~")):
+        # git reads ``host:path`` (``git@host:org/chains.git``) as ssh; taken as a path here it would name a
+        # directory that never exists, so it is refused with the URL that means the same
+        where = path if path.startswith("/") else f"/~/{path}"
+        raise BadRequest(f"config: chain_remote {remote!r} is scp-style; write it as the URL ssh://{host}{where}")
     if remote.startswith("file://"):
         remote = remote[len("file://"):]
     elif "://" in remote:
@@ -115,18 +125,38 @@ class ChainRemote:
 
     def _git(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-        env.update(GIT_TERMINAL_PROMPT="0", GIT_SSH_COMMAND="ssh -o BatchMode=yes -o ConnectTimeout=10",
-                   GIT_ASKPASS="true", LC_ALL="C")
+        env.update(GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", LC_ALL="C")
+        if self.url.startswith("ssh://") and args[0] != "config":
+            env["GIT_SSH_COMMAND"] = self._ssh_command()
+        argv = ["git", f"--git-dir={self.path}", *args]
+        # its own process group: on a timeout the transport helper (git-remote-http, ssh) it started dies with it,
+        # rather than hanging on the remote for as long as the daemon runs
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            return subprocess.run(["git", f"--git-dir={self.path}", *args], env=env, capture_output=True, text=True,
-                                  timeout=self.timeout, stdin=subprocess.DEVNULL)
+            out, err = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             raise RemoteRefused(self.shown, f"git {args[0]} did not finish in {self.timeout:.0f} s") from None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def _ssh_command(self) -> str:
+        """The ssh git is set up to use here (``GIT_SSH_COMMAND``, else ``core.sshCommand`` from any git config
+        level, else ``ssh``: how a key, a known-hosts file or a port is chosen), with prompts off: a passphrase, a
+        password or an unknown host key is a refusal, never a question nobody answers."""
+        chosen = os.environ.get("GIT_SSH_COMMAND", "").strip()
+        if not chosen:
+            chosen = self._git("config", "--get", "core.sshCommand").stdout.strip()
+        return f"{chosen or 'ssh'} -o BatchMode=yes -o ConnectTimeout=10"
 
     def _why(self, proc: subprocess.CompletedProcess[str]) -> str:
-        lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
-        fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:", "remote:"))]
-        return " ".join((fatal or lines or [f"git exited {proc.returncode}"])[-3:]).replace(self.url, self.shown)
+        # the last lines that say something: git's own, or its transport's (ssh's "Permission denied (publickey)"
+        # comes before git's "Could not read from remote repository"), without git's stock advice and hints
+        lines = [ln.strip() for ln in (proc.stderr or "").splitlines()
+                 if ln.strip() and not ln.startswith("hint:") and ln.strip() not in _ADVICE]
+        return " ".join((lines or [f"git exited {proc.returncode}"])[-3:]).replace(self.url, self.shown)
 
     def remote_heads(self, prefix: str = "refs/reef/") -> dict[str, str]:
         """The remote's refs under ``prefix`` as it has them now (``git ls-remote``)."""

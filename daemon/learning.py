@@ -38,6 +38,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -431,25 +432,35 @@ class Learner:
             t0 = time.perf_counter()
             outcome: dict[str, Any] = {"scenario": name, "base": head.release_id, "job": job_id}
             try:
-                for _attempt in range(3):
-                    try:
-                        outcome.update(await self._make_and_judge(st, scenario, head, batch, job_id,
-                                                                  record_settings, t0))
-                        break
-                    except HeadMoved:  # only harness edits get here: redo the (cheap) edit on the new head
-                        head = await self.chains.head(scenario)
-                        outcome["base"] = head.release_id
-                else:
-                    await self._write_down(scenario, head, "rejected", "the head kept moving; not published",
-                                           {}, receipts, record_settings)
-                    outcome.update(verdict="rejected", release_id=None, reason="the head kept moving; not published")
-            except (asyncio.CancelledError, KeyboardInterrupt):
+                try:
+                    for _attempt in range(3):
+                        try:
+                            outcome.update(await self._make_and_judge(st, scenario, head, batch, job_id,
+                                                                      record_settings, t0))
+                            break
+                        except HeadMoved:  # only harness edits get here: redo the (cheap) edit on the new head
+                            head = await self.chains.head(scenario)
+                            outcome["base"] = head.release_id
+                    else:
+                        await self._write_down(scenario, head, "rejected", "the head kept moving; not published",
+                                               {}, receipts, record_settings)
+                        outcome.update(verdict="rejected", release_id=None,
+                                       reason="the head kept moving; not published")
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
+                    reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
+                    log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
+                    await self._write_down(scenario, head, "failed", reason, {}, receipts, record_settings)
+                    outcome.update(verdict="failed", release_id=None, reason=reason)
+            except Exception:
+                # not even the failure could be written down (the chain remote refuses every push, say): nothing was
+                # consumed, so this lease's claims go back and the batch is learned from once the remote answers
+                # (kept, they would block this holder's own next claim of the same receipts for good)
+                if lease is not None:
+                    with contextlib.suppress(ReefError):
+                        await self.store.release_claims(name, receipts, lease)
                 raise
-            except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
-                reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
-                log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
-                await self._write_down(scenario, head, "failed", reason, {}, receipts, record_settings)
-                outcome.update(verdict="failed", release_id=None, reason=reason)
             outcome.setdefault("summary", outcome.get("reason") or outcome["verdict"])
             kept = outcome.pop("_consumed", receipts)
             consumed.update(kept)

@@ -18,7 +18,7 @@ import pytest
 
 from daemon.chain_remote import ChainRemote
 from daemon.config import load_config
-from daemon.errors import BadRequest, HeadMoved, RemoteRefused
+from daemon.errors import BadRequest, HeadMoved, LockBusy, RemoteRefused
 from daemon.releases import ReleaseStore, files_from_dir
 from tests.conftest import Daemon, assert_canonical_error, free_port
 from tests.test_release_serving import chat, make_weights
@@ -170,6 +170,25 @@ def test_store_compare_and_swap_is_against_the_remote_ref(tmp_path: Path) -> Non
     assert remote_head(remote, "s") == won.release_id
 
 
+def test_a_remote_ref_lock_held_by_another_writer_is_lock_busy_not_a_moved_head(tmp_path: Path) -> None:
+    """The remote's ref is where the publisher expects, but its lock is held (another push under way, or one that
+    died): git says "cannot lock ref", as for a moved head. Reef reads the remote's head back to tell the two
+    apart: ``LockBusy`` (retry), not a 409 naming a head that did not move; nothing is published."""
+    remote = bare(tmp_path / "r.git")
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    init = a.publish("l", {"f.txt": "0"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    lock = remote / "refs" / "reef" / "scenarios" / "l.lock"
+    lock.write_text("")
+    with pytest.raises(LockBusy):
+        a.publish("l", {"f.txt": "1"}, expected_head=init.release_id, operation="train", kind="harness",
+                  recipe="lessons")
+    assert a.head("l") == init.release_id and remote_head(remote, "l") == init.release_id
+    lock.unlink()
+    won = a.publish("l", {"f.txt": "1"}, expected_head=init.release_id, operation="train", kind="harness",
+                    recipe="lessons")
+    assert remote_head(remote, "l") == won.release_id
+
+
 def test_held_candidates_and_rejections_travel_too(tmp_path: Path) -> None:
     """A candidate held for review on one daemon is pending on the other; promoted on one, it leaves the other's
     pending list; a rejection (the record of consumed receipts) is on both."""
@@ -188,6 +207,28 @@ def test_held_candidates_and_rejections_travel_too(tmp_path: Path) -> None:
     assert b.pending("p") == [] and b.head("p") == promoted.release_id
     a.follow()
     assert [r.receipts for r in a.rejections("p")] == [["rec_2"], ["rec_1"]]
+
+
+def test_chains_made_before_the_remote_are_pushed_and_a_diverged_one_follows_the_remote(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that made chains before ``chain_remote`` was set: on its first follow, a chain the remote lacks is
+    pushed to it (as an init would be), and one the remote has with another history is moved to the remote's
+    (the shared truth), with a warning naming both."""
+    remote = bare(tmp_path / "r.git")
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    shared = a.publish("both", {"f.txt": "a"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    alone = ReleaseStore(tmp_path / "b.git")  # b, before its remote was configured
+    only_b = alone.publish("only-b", {"f.txt": "b"}, expected_head=None, operation="init", kind="harness",
+                           recipe="lessons")
+    mine = alone.publish("both", {"f.txt": "b"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    b = ReleaseStore(tmp_path / "b.git", remote=ChainRemote(tmp_path / "b.git", str(remote)))
+    with caplog.at_level("WARNING", logger="reef.releases"):
+        b.follow()
+    assert b.head("both") == shared.release_id and remote_head(remote, "both") == shared.release_id
+    assert f"local {mine.release_id} is not an ancestor of the remote's {shared.release_id}" in caplog.text
+    assert remote_head(remote, "only-b") == only_b.release_id
+    a.follow()
+    assert a.head("only-b") == only_b.release_id and a.read_file(only_b.release_id, "f.txt") == b"b"
 
 
 def test_git_daemon_remote(tmp_path: Path) -> None:
@@ -228,6 +269,8 @@ def test_git_daemon_remote(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("toml", "message"), [
     ('chain_remote = "ftp://host/x.git"', "unknown scheme"),
+    ('chain_remote = "git@host:org/chains.git"', "scp-style; write it as the URL ssh://git@host/~/org/chains.git"),
+    ('chain_remote = "host:/srv/chains.git"', "write it as the URL ssh://host/srv/chains.git"),
     ('chain_fetch_s = 1', "needs chain_remote"),
     ('chain_lfs = "/x"', "needs chain_remote"),
     ('chain_remote = "/r.git"\nchain_lfs = "https://lfs.example"', "must be a directory"),

@@ -155,6 +155,26 @@ async def test_a_failing_record_in_a_batch_of_records_fails_alone(records_at: st
         store.close()
 
 
+async def test_one_report_id_sent_to_two_daemons_at_once_is_stored_once(records_at: str) -> None:
+    """A client retrying a report on another daemon while its first attempt is still in flight: one report is
+    stored and both answers name it. On PostgreSQL two defences give this, and the test fails only without both:
+    the writers' advisory lock orders the two check-then-inserts, and without it the loser's insert hits the
+    unique key and its write is retried alone (in a savepoint), where it finds the winner's report."""
+    a, b = open_store(records_at), open_store(records_at)
+    try:
+        await a.append_exchange(_exchange("rec_r"))
+        for i in range(20):
+            args: dict[str, Any] = {"scenario": None, "score": 1.0, "feedback": None, "references": ["rec_r"],
+                                    "metadata": None, "report_id": f"retry-{i}"}
+            first, second = await asyncio.gather(a.append_report(**args), b.append_report(**args))
+            assert first["id"] == second["id"], i
+        count = await b.read(lambda c: c.execute("SELECT COUNT(*) FROM records WHERE kind='report'").fetchone()[0])
+        assert count == 20
+    finally:
+        a.close()
+        b.close()
+
+
 # --- schema versions -----------------------------------------------------------------------------------------
 
 

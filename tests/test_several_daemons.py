@@ -1,7 +1,8 @@
 """Several daemons, one scenario: two daemons (two homes, two ports, as if on two machines) share one PostgreSQL
 (records, reports, consumption, the training lease) and one chain remote (the releases). Exactly one trains;
 when it is killed (-9) inside a step, the other takes the lease over, learns the batch the first died with, once,
-and publishes it through the remote; the first, started again, serves that release."""
+and publishes it through the remote; the first, started again, serves that release. A step whose pushes the
+remote refuses publishes nothing and loses nothing: its batch is learned once the remote answers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import Daemon
-from tests.test_chain_remote import bare
+from tests.test_chain_remote import bare, remote_head
 from tests.test_records_pg import NOTES, _feedback, _trained, _until
 
 
@@ -58,3 +59,36 @@ def test_the_trainer_killed_mid_step_is_taken_over_and_both_serve_what_the_other
         second = _feedback(ca, "keep diffs small")  # reported to a, learned by b (the holder)
         assert _until("b learns a's report", lambda: len(_trained(cb)) == 2 and _trained(cb)) == [[second], [first]]
         assert _until("a serves that too", lambda: _head(ca) == _head(cb))
+    # one request and one report to each daemon: each in the shared store once, whichever daemon took it
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        kinds = dict(conn.execute("SELECT kind, COUNT(*) FROM records GROUP BY kind").fetchall())
+        refs = conn.execute("SELECT COUNT(*), COUNT(DISTINCT receipt) FROM report_refs").fetchone()
+    assert kinds == {"exchange": 2, "report": 2} and refs == (2, 2)
+
+
+def test_a_step_the_remote_refuses_is_learned_once_the_remote_answers(
+        daemon_factory: Callable[..., Daemon], pg_url: str, tmp_path: Any) -> None:
+    """The chain remote refuses every push while a step runs (its release, then the record of its failure): nothing
+    is published, the scenario keeps its head, and the batch is not lost: once the remote answers, the holder
+    learns it. (Claims kept after such a step would block the holder's own next claim of those receipts, and the
+    batch would never be learned.)"""
+    (tmp_path / "notes_recipe.py").write_text(NOTES)
+    remote = bare(tmp_path / "chains.git")
+    a = _both(daemon_factory, pg_url, remote, tmp_path)
+    with a.http() as ca:
+        created = ca.post("/reef/scenarios", json={"name": "notes", "recipe": "notes_recipe:Notes"})
+        assert created.status_code == 201, created.text
+        init = created.json()["head"]
+        _until("a holds the lease", lambda: "training here" in a.log_tail(200))
+        hook = remote / "hooks" / "pre-receive"
+        hook.write_text("#!/bin/sh\necho 'this token is read-only' >&2\nexit 1\n")
+        hook.chmod(0o755)
+        first = _feedback(ca, "run the tests first")
+        _until("the step met the refusal", lambda: "learning on notes failed" in a.log_tail(400))
+        assert "this token is read-only" in a.log_tail(400)
+        assert _head(ca) == init and remote_head(remote, "notes") == init and _trained(ca) == []
+        hook.unlink()
+        assert _until("a learns the batch once the remote answers", lambda: _trained(ca)) == [[first]]
+        assert remote_head(remote, "notes") == _head(ca) != init
