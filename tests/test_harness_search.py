@@ -151,6 +151,23 @@ def test_the_gate_publishes_on_margin_and_holds_executables_and_review_for_a_per
             HarnessSearch.parse_settings(bad)
 
 
+def test_the_wrapper_words_any_shape_of_refusal_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from reef_cli.wrapper_cmd import _say_learning
+
+    _say_learning({"verdict": "skipped", "summary": "nothing usable", "refused": [
+        {"text": "Use the key sk-...", "reason": "holds an API key"},  # lessons' shape
+        {"reason": "not one JSON object", "answer": "Sure!"},  # a proposal's: no text
+        {"reason": "too short"}, "a bare string", {}]}, "reef-pi")
+    _say_learning({"verdict": "accepted", "summary": "1 rule"}, "reef-pi")  # no step, no release id
+    _say_learning({"verdict": "queued", "refused": "not a list"}, "reef-pi")
+    _say_learning(["not", "an", "object"], "reef-pi")  # type: ignore[arg-type]
+    out = capsys.readouterr().out.splitlines()
+    assert out[:5] == ["refused: 'Use the key sk-...': holds an API key", "refused: 'Sure!': not one JSON object",
+                       "refused: too short", "refused: a bare string", "refused: no reason given"], out
+    assert out[5] == "harness: unchanged (nothing usable)", out
+    assert out[6].startswith("harness: 1 rule; released step None") and out[7].startswith("harness: None;"), out
+
+
 # --- the loop with the real agent ---------------------------------------------------------------------------
 
 
