@@ -402,6 +402,22 @@ def post(path, body):
 out["daemon"] = post(f"/s/{scenario}/v1/chat/completions",
                      {"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
 out["daemon_other_route"] = post("/reef/report", {"score": 1, "references": ["x"]})
+out["runs_own"] = post("/reef/runs", {"adapter": "pi", "scenario": scenario})
+out["runs_other"] = post("/reef/runs", {"adapter": "pi", "scenario": scenario + "-other"})  # its harness, or a new one
+out["runs_default"] = post("/reef/runs", {"adapter": "pi"})  # the adapter's scenario: the user's own "pi"
+def raw(data):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(data)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got.decode("latin-1")
+runs = json.dumps({"adapter": "pi", "scenario": scenario + "-smuggled"}).encode()
+smuggled = (f"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(runs)}\r\n\r\n").encode() + runs
+out["chunked"] = raw(b"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(runs):x}\r\n".encode() + runs + b"\r\n0\r\n\r\n").split(" ")[1]
+out["pipelined"] = raw(f"GET /s/{scenario}/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode() + smuggled)
+out["pipelined"] = out["pipelined"].count("HTTP/1.1 ")  # answers: the first request's only
 try:
     socket.create_connection(("127.0.0.1", standin_port), timeout=5); out["standin"] = "reached"
 except OSError as e:
@@ -451,6 +467,7 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     scenario = episodes_scenario("hs-box")
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": scenario, "recipe": "record", "model": "agent"})
+        before = {x["name"] for x in c.get("/reef/scenarios").json()["scenarios"]}
     ws = world["work"] / "box"
     ws.mkdir()
     (ROOT / ".cache").mkdir(exist_ok=True)
@@ -465,6 +482,11 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     out = json.loads(got.stdout.strip().splitlines()[-1])
     assert out["daemon"] == 200, out  # the daemon, through the bound socket and the relay
     assert out["daemon_other_route"] == 403, out  # only the routes a wrapped run uses
+    assert out["runs_own"] == 201 and out["runs_other"] == 403 and out["runs_default"] == 403, out
+    assert out["chunked"] == "403" and out["pipelined"] == 1, out
+    with d.http() as c:  # nor did any of them reach the daemon: no scenario was made
+        made = {x["name"] for x in c.get("/reef/scenarios").json()["scenarios"]} - before
+    assert not made, made  # (scenario-other, scenario-smuggled or pi, had the relay let them through)
     assert out["standin"] == "ConnectionRefusedError", out  # the host's loopback is not the sandbox's
     assert out["outside"] in ("OSError", "ConnectionRefusedError", "TimeoutError"), out
     assert out["outside_file"] == "OSError" and not outside.exists(), out  # read-only everywhere else
