@@ -72,6 +72,7 @@ class ScenarioLearning:
 
     name: str
     recipe: Recipe | None = None  # loaded on first use
+    settings: dict[str, Any] | None = None  # the scenario's settings the recipe was made with (they can change)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
@@ -276,7 +277,15 @@ class Learner:
         if st.recipe is None:
             scenario = await self.store.get_scenario(name)
             st.recipe = self.make_recipe(scenario.recipe, scenario.settings)
+            st.settings = scenario.settings
         return st
+
+    def _follow_settings(self, st: ScenarioLearning, scenario: Scenario) -> None:
+        """The scenario's settings changed since its recipe was made (a task promoted, here or on another daemon
+        sharing the store): the recipe takes the new ones and keeps what it holds in memory."""
+        if st.recipe is not None and scenario.settings != st.settings:
+            st.recipe.settings = self.make_recipe(scenario.recipe, scenario.settings).settings
+        st.settings = scenario.settings
 
     async def inline(self, name: str) -> bool:
         """Whether reports on this scenario are learned from inside the report's request."""
@@ -399,6 +408,7 @@ class Learner:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
             scenario = await self.store.get_scenario(name)
+            self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
             batch = recipe.batch(await self._eligible(st, scenario, head))

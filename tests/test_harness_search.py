@@ -124,6 +124,36 @@ def test_the_pareto_front_keeps_a_tree_that_is_best_on_one_task() -> None:
     assert drawn == {tree_id(a), tree_id(b)}  # both are parents; the dominated one never is
 
 
+def test_the_pool_goes_to_a_file_and_back_and_a_damaged_file_starts_it_again(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from recipes.harness_search import HarnessSearch
+
+    recipe = HarnessSearch(HarnessSearch.parse_settings({"tasks": [{"id": "x", "prompt": "p", "check": "true"}]}))
+    a, b = {"AGENTS.md": b"a", "skills/s/SKILL.md": b"\xff\xfe not utf-8"}, {"AGENTS.md": b"b"}
+    recipe.pool.record(a, "x", 1.0)
+    recipe.pool.record(b, "x", 0.0)
+    recipe.steps = 3
+    ctx = SimpleNamespace(config=SimpleNamespace(home=tmp_path), scenario="s")
+    recipe._save(ctx)  # type: ignore[arg-type]
+    path = tmp_path / "scenarios" / "s" / "harness-search.json"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    again = HarnessSearch(recipe.settings)
+    again._load(ctx)  # type: ignore[arg-type]
+    assert again.steps == 3 and again.pool.members[tree_id(a)].tree == a  # bytes that are not text come back too
+    assert [m.id for m in again.pool.front(["x"])] == [tree_id(a)]
+    raw = json.loads(path.read_text())
+    raw["pool"][1]["tree"]["AGENTS.md"] = "tampered"  # a member whose tree is not its id is left out
+    path.write_text(json.dumps(raw))
+    third = HarnessSearch(recipe.settings)
+    third._load(ctx)  # type: ignore[arg-type]
+    assert set(third.pool.members) == {tree_id(a)}
+    path.write_text("{not json")
+    fourth = HarnessSearch(recipe.settings)
+    fourth._load(ctx)  # type: ignore[arg-type]  # logged; the search starts again from the serving tree
+    assert not fourth.pool.members and fourth.steps == 0
+
+
 def test_the_gate_publishes_on_margin_and_holds_executables_and_review_for_a_person() -> None:
     from daemon.errors import BadRequest
     from recipes.base import Candidate, Scores
@@ -339,15 +369,29 @@ def test_a_useful_rule_is_kept_and_an_all_refused_step_changes_nothing(world: di
         assert "upper case" in head_tree(c, "hs-useful")["AGENTS.md"]
 
 
-def test_better_on_one_task_worse_on_another_stays_in_the_pool_unpublished(world: dict[str, Any]) -> None:
+def test_a_promoted_run_is_a_task_and_a_tree_best_on_one_task_stays_in_the_pool_across_a_restart(
+        world: dict[str, Any]) -> None:
     d: Daemon = world["daemon"]
     with d.http() as c:
-        head = seeded_scenario(c, "hs-mixed", [], {"tasks": [task(world, "lower", "hello"),
-                                                             task(world, "upper", "HELLO")]})
+        head = seeded_scenario(c, "hs-mixed", [], {"tasks": [task(world, "lower", "hello")]})
+        # a run that went badly (the user wanted upper case): its prompt becomes a task, with the user's check
+        r = c.post("/s/hs-mixed/v1/chat/completions", json={"model": "agent", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Greet me into answer.txt."},
+            {"role": "assistant", "content": "Which greeting?"},
+            {"role": "user", "content": "Write the greeting into answer.txt."}]})
+        assert r.status_code == 200, r.text
+        receipt = r.headers["x-reef-agent-record-id"]
+        promoted = json.loads(d.cli("scenarios", "tasks", "promote", receipt, "--check",
+                                    'test "$(cat answer.txt)" = HELLO', "--workspace", str(world["template"]),
+                                    "--id", "upper", "--json").stdout)
+        assert promoted["tasks"] == ["lower", "upper"], promoted
+        assert promoted["task"]["prompt"] == "Write the greeting into answer.txt."  # the last user message
+        listed = d.cli("scenarios", "tasks", "list", "hs-mixed").stdout
+        assert "upper: 'Write the greeting into answer.txt.' checked by" in listed, listed
         script(world, one(op="create", kind="rule", id="shout", text="Write greetings in upper case."))
         out = step(c, "hs-mixed", 1)
         m = out["metrics"]
-        assert out["verdict"] == "rejected" and "wins 1 - losses 1" in out["reason"], m
+        assert out["verdict"] == "rejected" and "wins 1 - losses 1" in out["reason"], m  # the promoted task counts
         assert (m["task.lower.candidate"], m["task.upper.candidate"]) == (0.0, 1.0)
         assert (m["task.lower.serving"], m["task.upper.serving"]) == (1.0, 0.0)
         assert c.get("/reef/scenarios/hs-mixed/releases").json()["head"] == head
@@ -355,6 +399,55 @@ def test_better_on_one_task_worse_on_another_stays_in_the_pool_unpublished(world
         front = {f["origin"]: f for f in status["front"]}
         assert set(front) == {"serving", "proposal"}, status  # both stay parents: each is best on one task
         assert front["proposal"]["tasks"] == {"lower": 0.0, "upper": 1.0}
+    d.stop()
+    d.start()
+    asked = len(httpx.get(f"{world['standin']}/_requests").json())
+    with d.http() as c:  # the stand-in has no answer scripted: three refused proposals, no episodes
+        assert step(c, "hs-mixed", 2)["verdict"] == "skipped"
+    prompts = [x["user"] for x in httpx.get(f"{world['standin']}/_requests").json()[asked:] if x["model"] == "proposer"]
+    # the parent came from the pool the restart kept (a fresh pool knows no scores: "score unknown")
+    assert prompts and "score unknown" not in prompts[0] and "- upper: Write the greeting" in prompts[0], prompts
+    assert "(score 1.0)" in prompts[0] and "(score 0.0)" in prompts[0], prompts[0]
+
+
+def test_promoting_a_run_refuses_what_cannot_be_a_task(world: dict[str, Any]) -> None:
+    from tests.conftest import assert_canonical_error
+
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        seeded_scenario(c, "hs-promote", [], {"tasks": [task(world, "lower", "hello")]})
+
+        def chat(scenario: str, text: str) -> str:
+            r = c.post(f"/s/{scenario}/v1/chat/completions", json={"model": "agent", "messages": [
+                {"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-reef-agent-record-id"])
+
+        good, blank, other = chat("hs-promote", "Write it."), chat("hs-promote", "   "), chat("hs-promote-other", "x")
+        report = c.post("/reef/report", json={"score": 1, "references": [good]}).json()["report_id"]  # no step
+        c.post("/reef/scenarios", json={"name": "hs-promote-lessons", "recipe": "lessons"})
+        lessons = chat("hs-promote-lessons", "Write it.")
+        check = {"check": "true"}
+        for scenario, body, status, why in (
+            ("hs-promote", {"receipt": "rec_nope", **check}, 404, "rec_nope"),
+            ("hs-promote", {"receipt": other, **check}, 404, "is a record of scenario 'hs-promote-other'"),
+            ("hs-promote", {"receipt": blank, **check}, 400, "without a user prompt"),
+            ("hs-promote", {"receipt": report, **check}, 400, "is a report without a user prompt"),
+            ("hs-promote", {"receipt": good}, 400, "check is required"),
+            ("hs-promote", {"receipt": good, "check": "true", "workspace": "/nonexistent"}, 400, "not a directory"),
+            ("hs-promote", {"receipt": good, "check": "true", "id": "lower"}, 409, "has a task 'lower' already"),
+            ("hs-promote", {"receipt": good, "check": "true", "id": "Bad Id"}, 400, "must be a-z"),
+            ("hs-promote", {"receipt": good, "check": "true", "time_limit_s": 0}, 400, "positive number"),
+            ("hs-promote", {"receipt": good, "check": "true", "cwd": "/"}, 400, "unknown keys cwd"),
+            ("hs-promote-lessons", {"receipt": lessons, **check}, 400, "runs no episodes of the agent"),
+            ("hs-nope", {"receipt": good, **check}, 404, "no scenario named 'hs-nope'"),
+        ):
+            err = assert_canonical_error(c.post(f"/reef/scenarios/{scenario}/tasks", json=body), status)
+            assert why in err["message"], (body, err)
+        settings = c.get("/reef/scenarios/hs-promote").json()["settings"]
+        assert [t["id"] for t in settings["tasks"]] == ["lower"]  # nothing refused was added
+    bad = d.cli("scenarios", "tasks", "promote", other, "--check", "true", "-s", "hs-promote", check=False)
+    assert bad.returncode == 4 and "is a record of scenario 'hs-promote-other'" in bad.stderr, bad
 
 
 def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any]) -> None:
