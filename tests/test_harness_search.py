@@ -4,7 +4,8 @@ agent through the real wrapper in a real bubblewrap sandbox, judged by a real ch
 What cannot run here, the outside provider that would play proposer and agent model, is a stand-in served over
 real HTTP (``tests/harness_standins.py``): a scripted proposer returning given (and malformed) mutations, and an
 agent model that follows its harness exactly (it writes ``bonjour`` when the rules say French, ``HELLO`` when
-they say upper case, ``hello`` otherwise, with pi's real ``write`` tool).
+they say upper case, ``hello`` otherwise, with the agent's real ``write`` tool). One episode runs opencode, the
+other agent whose episode parts (headless arguments, harness layout) differ from pi's.
 """
 
 from __future__ import annotations
@@ -399,7 +400,7 @@ def test_a_promoted_run_is_a_task_and_a_tree_best_on_one_task_stays_in_the_pool_
         front = {f["origin"]: f for f in status["front"]}
         assert set(front) == {"serving", "proposal"}, status  # both stay parents: each is best on one task
         assert front["proposal"]["tasks"] == {"lower": 0.0, "upper": 1.0}
-    d.stop()
+    d.kill9()  # the memory was written with the step (a clean stop would also wait ~10 s for the daemon to drain)
     d.start()
     asked = len(httpx.get(f"{world['standin']}/_requests").json())
     with d.http() as c:  # the stand-in has no answer scripted: three refused proposals, no episodes
@@ -464,6 +465,29 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     assert ep.status == "timeout" and ep.score == 0.0, ep
     assert httpx.get(f"{world['standin']}/_stats").json()["hang"] == before + 1  # it hung in the model call
     assert not [p for p in _cmdlines() if "recipes.harness_search.inside" in p], "the sandbox outlived its kill"
+
+
+def test_an_opencode_episode_runs_with_its_harness_in_opencode_s_layout(world: dict[str, Any]) -> None:
+    """The agent-specific parts of an episode (the headless arguments, the adapter's rendering and config home)
+    for one more agent than pi: opencode follows the rule its harness holds."""
+    d: Daemon = world["daemon"]
+    name = "hs-oc-episodes"
+    with d.http() as c:  # a chain whose head holds the rule, as the recipe's episode releases do
+        assert c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", "model": "agent"}).status_code == 201
+        r = c.post(f"/reef/scenarios/{name}/evolve", json={"instruction": "Write greetings in French."})
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        shown = c.get(f"/reef/scenarios/{name}/harness", params={"adapter": "opencode"}).json()
+    assert list(shown["files"]) == [".config/opencode/AGENTS.md"], shown
+    env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=name, agents_dir=world["agents_dir"], home=d.home,
+                     adapter="opencode")
+    greet = Task("greet", "Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = bonjour',
+                 workspace=str(world["template"]))
+    ep = asyncio.run(run_episode(greet, shown["files"], env, side="candidate", repeat=0,
+                                 release_id=shown["release_id"]))
+    assert ep.status == "passed", ep
+    with d.http() as c:
+        recorded = c.get("/reef/records", params={"run": ep.run, "kind": "exchange"}).json()["records"]
+    assert recorded and {r["release_id"] for r in recorded} == {shown["release_id"]}, recorded
 
 
 def _cmdlines() -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 
 HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's socket is bound at HOME/reef.sock
 
-AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); only pi is exercised by the tests here
+AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); the tests run pi and opencode, not Claude Code
     "pi": lambda prompt: ["-p", "--no-session", prompt],
     "claude": lambda prompt: ["-p", prompt],
     "opencode": lambda prompt: ["run", *prompt.split()],
