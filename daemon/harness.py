@@ -1,5 +1,6 @@
 """The daemon's side of wrapped coding agents: starting a run, serving a scenario's harness in an agent's layout,
-direct instructions (``evolve``), and the shell installer behind ``GET /reef/harness/install``.
+direct instructions (``evolve``), a recorded run's prompt promoted into a task (``promote_task``), and the shell
+installer behind ``GET /reef/harness/install``.
 
 A wrapper (``reef-pi`` ...) asks ``POST /reef/runs`` once before it starts the agent: that creates the
 scenario on first use (recipe ``lessons``, the daemon's default model), mints the run id, and answers the
