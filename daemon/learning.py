@@ -6,6 +6,9 @@ Design choices:
 - Each scenario whose recipe learns gets one ``ScenarioLearning`` (its recipe instance, cursor, pool, lineage,
   state) and one loop task, woken by each report on it. Nothing here names a recipe: what a recipe reads
   (``source``), which records are eligible, how they batch, how a candidate is made and judged is the recipe's.
+- A scenario's recipe binding never changes, its settings can (a task promoted from a run, ``POST
+  /reef/scenarios/{s}/tasks``): each step reads them from the store, and a recipe whose settings changed takes
+  the new ones and keeps its memory, so a change made on another daemon sharing the store reaches the trainer too.
 - Reads are incremental: each round reads only the records that came since the last one (a cursor per
   scenario) into a pool of unconsumed ones, kept between rounds (a receipt scored again moves to the back with
   its new score; a consumed or no longer eligible one leaves the pool).
