@@ -445,6 +445,8 @@ def test_promoting_a_run_refuses_what_cannot_be_a_task(world: dict[str, Any]) ->
         ):
             err = assert_canonical_error(c.post(f"/reef/scenarios/{scenario}/tasks", json=body), status)
             assert why in err["message"], (body, err)
+        for raw in (b"[" * 100_000, b"not json", b'{"receipt": "\\ud800", "check": "true"}'):  # bad bodies: a 4xx
+            assert_canonical_error(c.post("/reef/scenarios/hs-promote/tasks", content=raw), (400, 404))
         settings = c.get("/reef/scenarios/hs-promote").json()["settings"]
         assert [t["id"] for t in settings["tasks"]] == ["lower"]  # nothing refused was added
     bad = d.cli("scenarios", "tasks", "promote", other, "--check", "true", "-s", "hs-promote", check=False)
