@@ -6,8 +6,9 @@ Run: ``python tests/harness_standins.py PORT``. ``POST [<prefix>]/v1/chat/comple
   is left: ``not json``);
 - any other model, a coding agent's model that follows its harness exactly: on a request whose last message is
   a tool result, or asking for a title (opencode's first request), it answers ``done``; otherwise it calls the
-  agent's ``write`` tool (pi's ``path``, opencode's ``filePath``; pi's form without tools) with ``answer.txt`` and the greeting
-  ``hello``, or ``bonjour`` when the system prompt holds the rule text ``Write greetings in French``, upper-cased
+  agent's ``write`` tool (pi's ``path``, opencode's ``filePath``, Claude Code's ``Write`` ``file_path``; pi's
+  form without tools) with ``answer.txt`` and the greeting ``hello``, or ``bonjour`` when the harness (the system
+  prompt, or Claude Code's user message holding CLAUDE.md) holds the rule text ``Write greetings in French``, upper-cased
   when it holds ``Write greetings in upper case``. A prompt holding ``[hang]`` gets no answer at all (the request
   is counted in ``GET /_stats`` first, so a test can wait for it).
 
@@ -38,6 +39,15 @@ def system_text(body: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def user_texts(body: dict[str, Any]) -> list[str]:
+    out = []
+    for m in body.get("messages") or []:
+        if m.get("role") == "user":
+            c = m.get("content")
+            out.append(c if isinstance(c, str) else " ".join(str(p.get("text", "")) for p in c or []))
+    return out
+
+
 def last_user(body: dict[str, Any]) -> str:
     for m in reversed(body.get("messages") or []):
         if m.get("role") == "user":
@@ -47,7 +57,8 @@ def last_user(body: dict[str, Any]) -> str:
 
 
 def write_tool(body: dict[str, Any]) -> tuple[str, str] | None:
-    """The agent's file-writing tool and its path parameter (pi: write/path, opencode: write/filePath)."""
+    """The agent's file-writing tool and its path parameter (pi: write/path, opencode: write/filePath, Claude Code:
+    Write/file_path)."""
     for t in body.get("tools") or []:
         fn = t.get("function") or {}
         if str(fn.get("name", "")).lower() == "write":
@@ -65,8 +76,10 @@ def agent_answer(body: dict[str, Any]) -> dict[str, Any]:
     if (messages and messages[-1].get("role") == "tool") or "title generator" in system:
         return {"text": "done"}
     tool = write_tool(body) or ("write", "path")
-    greeting = "bonjour" if "Write greetings in French" in system else "hello"
-    if "Write greetings in upper case" in system:
+    # the harness: pi and opencode put it in the system prompt, Claude Code CLAUDE.md in a user message
+    harness = system + "\n".join(user_texts(body))
+    greeting = "bonjour" if "Write greetings in French" in harness else "hello"
+    if "Write greetings in upper case" in harness:
         greeting = greeting.upper()
     return {"tool": tool[0], "arguments": {tool[1]: "answer.txt", "content": greeting + "\n"}}
 

@@ -4,8 +4,8 @@ agent through the real wrapper in a real bubblewrap sandbox, judged by a real ch
 What cannot run here, the outside provider that would play proposer and agent model, is a stand-in served over
 real HTTP (``tests/harness_standins.py``): a scripted proposer returning given (and malformed) mutations, and an
 agent model that follows its harness exactly (it writes ``bonjour`` when the rules say French, ``HELLO`` when
-they say upper case, ``hello`` otherwise, with the agent's real ``write`` tool). One episode runs opencode, the
-other agent whose episode parts (headless arguments, harness layout) differ from pi's.
+they say upper case, ``hello`` otherwise, with the agent's real ``write`` tool). One episode each runs opencode
+and Claude Code, whose episode parts (headless arguments, harness layout) differ from pi's.
 """
 
 from __future__ import annotations
@@ -469,19 +469,21 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     assert not [p for p in _cmdlines() if "recipes.harness_search.inside" in p], "the sandbox outlived its kill"
 
 
-def test_an_opencode_episode_runs_with_its_harness_in_opencode_s_layout(world: dict[str, Any]) -> None:
+@pytest.mark.parametrize("agent, layout", [("opencode", ".config/opencode/AGENTS.md"), ("claude", ".claude/CLAUDE.md")])
+def test_episodes_of_the_other_agents_follow_the_harness_in_their_layout(world: dict[str, Any], agent: str,
+                                                                          layout: str) -> None:
     """The agent-specific parts of an episode (the headless arguments, the adapter's rendering and config home)
-    for one more agent than pi: opencode follows the rule its harness holds."""
+    for the agents besides pi: each follows the rule its harness holds (Claude Code only with edits allowed)."""
     d: Daemon = world["daemon"]
-    name = "hs-oc-episodes"
+    name = f"hs-{agent}-episodes"
     with d.http() as c:  # a chain whose head holds the rule, as the recipe's episode releases do
         assert c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", "model": "agent"}).status_code == 201
         r = c.post(f"/reef/scenarios/{name}/evolve", json={"instruction": "Write greetings in French."})
         assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
-        shown = c.get(f"/reef/scenarios/{name}/harness", params={"adapter": "opencode"}).json()
-    assert list(shown["files"]) == [".config/opencode/AGENTS.md"], shown
+        shown = c.get(f"/reef/scenarios/{name}/harness", params={"adapter": agent}).json()
+    assert list(shown["files"]) == [layout], shown
     env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=name, agents_dir=world["agents_dir"], home=d.home,
-                     adapter="opencode")
+                     adapter=agent)
     greet = Task("greet", "Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = bonjour',
                  workspace=str(world["template"]))
     ep = asyncio.run(run_episode(greet, shown["files"], env, side="candidate", repeat=0,

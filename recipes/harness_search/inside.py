@@ -29,9 +29,9 @@ from typing import Any
 
 HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's socket is bound at HOME/reef.sock
 
-AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); the tests run pi and opencode, not Claude Code
+AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); Claude Code asks before each edit unless told not to
     "pi": lambda prompt: ["-p", "--no-session", prompt],
-    "claude": lambda prompt: ["-p", prompt],
+    "claude": lambda prompt: ["-p", "--permission-mode", "acceptEdits", prompt],
     "opencode": lambda prompt: ["run", *prompt.split()],
 }
 
