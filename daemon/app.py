@@ -576,6 +576,14 @@ async def handle_evolve(request: web.Request) -> web.Response:
     return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
 
 
+async def handle_promote_task(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    return _json(await harness.promote_task(reef, name, await _object_body(request)), status=201)
+
+
 async def handle_harness_install(request: web.Request) -> web.Response:
     from daemon import harness
 
@@ -865,6 +873,7 @@ def make_app(reef: Reef) -> Handler:
     r.add("POST", "/reef/runs", handle_start_run)
     r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
+    r.add("POST", "/reef/scenarios/{name}/tasks", handle_promote_task)
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
     r.add("GET", "/reef/events", handle_events)

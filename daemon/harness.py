@@ -1,5 +1,6 @@
 """The daemon's side of wrapped coding agents: starting a run, serving a scenario's harness in an agent's layout,
-direct instructions (``evolve``), and the shell installer behind ``GET /reef/harness/install``.
+direct instructions (``evolve``), a recorded run's prompt promoted into a task (``promote_task``), and the shell
+installer behind ``GET /reef/harness/install``.
 
 A wrapper (``reef-pi`` ...) asks ``POST /reef/runs`` once before it starts the agent: that creates the
 scenario on first use (recipe ``lessons``, the daemon's default model), mints the run id, and answers the
@@ -112,6 +113,87 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
                 "summary": f"recipe {scenario.recipe} learns from it in the background"}
     outcome = await reef.learner.step(name) or {"verdict": "unchanged", "summary": "nothing to learn"}
     return {"report_id": stored["id"], **outcome}
+
+
+def user_prompt(record: dict[str, Any]) -> str | None:
+    """The user's prompt in a recorded exchange: the last user message with text (tool results left out), read
+    through the protocol of the request's format; None when there is none."""
+    from daemon.protocols import anthropic, openai_chat, openai_responses
+
+    proto = {p.FORMAT: p for p in (openai_chat, openai_responses, anthropic)}.get(record.get("format") or "")
+    if proto is None or not isinstance(record.get("request"), dict):
+        return None
+    try:
+        messages = proto.parse_request(record["request"]).messages
+    except Exception:  # a request recorded as it came, then refused: it has no prompt to take
+        return None
+    texts = [m.text.strip() for m in messages if m.role == "user" and m.text.strip()]
+    return texts[-1] if texts else None
+
+
+async def promote_task(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A run that went badly becomes one of the scenario's tasks: the user prompt of the recorded exchange
+    ``receipt``, scored by the user's ``check`` in a copy of ``workspace``. The gate runs it from the next step on.
+    Refused: a receipt that does not exist (404), of another scenario (404), without a user prompt (400); a
+    recipe that runs no episodes (400); a task id taken (409)."""
+    import re
+    from pathlib import Path
+
+    from daemon.errors import Conflict
+
+    extra = sorted(set(body) - {"receipt", "check", "workspace", "id", "time_limit_s", "check_timeout_s"})
+    if extra:
+        raise BadRequest(f"unknown keys {', '.join(extra)} (known: receipt, check, workspace, id, time_limit_s, "
+                         "check_timeout_s)", param=extra[0])
+    receipt = body.get("receipt")
+    if not isinstance(receipt, str) or not receipt:
+        raise BadRequest("receipt is required (the receipt of the exchange whose prompt becomes a task)",
+                         param="receipt")
+    check = body.get("check")
+    if not isinstance(check, str) or not check.strip():
+        raise BadRequest("check is required: a shell command run in the workspace after the agent (exit status 0 "
+                         "passes)", param="check")
+    scenario = await reef.store.get_scenario(name)
+    recipe = reef.learner.make_recipe(scenario.recipe, scenario.settings)
+    if not recipe.episode_tasks:
+        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which runs no episodes of the agent; "
+                         "promoting a run into a task needs one that does (harness-search)", param="scenario")
+    record = await reef.store.get_record(receipt)
+    if record["scenario"] != name:
+        raise NotFound(f"receipt {receipt} is a record of scenario {record['scenario']!r}, not of {name!r}",
+                       receipt=receipt)
+    prompt = user_prompt(record) if record.get("kind") == "exchange" else None
+    if prompt is None:
+        what = "an exchange" if record.get("kind") == "exchange" else f"a {record.get('kind')}"
+        raise BadRequest(f"receipt {receipt} is {what} without a user prompt; there is nothing to make a task of",
+                         param="receipt")
+    task: dict[str, Any] = {"id": body.get("id") or "run-" + re.sub(r"[^a-z0-9]", "", receipt.lower())[-12:],
+                            "prompt": prompt, "check": check}
+    workspace = body.get("workspace")
+    if workspace is not None:
+        where = Path(workspace) if isinstance(workspace, str) else None
+        if where is not None and not where.is_absolute():
+            where = reef.config.home / where
+        if where is None or not where.is_dir():
+            raise BadRequest(f"workspace {workspace!r} is not a directory (absolute, or relative to the daemon's "
+                             "home)", param="workspace")
+        task["workspace"] = str(where)
+    for key in ("time_limit_s", "check_timeout_s"):
+        if body.get(key) is not None:
+            task[key] = body[key]
+
+    def change(current: Scenario) -> dict[str, Any]:
+        made = reef.learner.make_recipe(current.recipe, current.settings)
+        tasks = list(made.settings.tasks)  # type: ignore[attr-defined]  # with the config's, if they came from there
+        if any(t.get("id") == task["id"] for t in tasks if isinstance(t, dict)):
+            raise Conflict(f"scenario {name!r} has a task {task['id']!r} already", task=task["id"])
+        settings = {**current.settings, "tasks": [*tasks, task]}
+        reef.learner.check_settings(current.recipe, settings)  # a bad time limit, too many tasks for the budget
+        return settings
+
+    changed = await reef.store.change_settings(name, change)
+    reef.events.publish("scenario.task", scenario=name, task=task["id"], receipt=receipt)
+    return {"scenario": name, "task": task, "tasks": [t["id"] for t in changed.settings["tasks"]]}
 
 
 def _q(value: str) -> str:

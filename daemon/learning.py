@@ -6,6 +6,9 @@ Design choices:
 - Each scenario whose recipe learns gets one ``ScenarioLearning`` (its recipe instance, cursor, pool, lineage,
   state) and one loop task, woken by each report on it. Nothing here names a recipe: what a recipe reads
   (``source``), which records are eligible, how they batch, how a candidate is made and judged is the recipe's.
+- A scenario's recipe binding never changes, its settings can (a task promoted from a run, ``POST
+  /reef/scenarios/{s}/tasks``): each step reads them from the store, and a recipe whose settings changed takes
+  the new ones and keeps its memory, so a change made on another daemon sharing the store reaches the trainer too.
 - Reads are incremental: each round reads only the records that came since the last one (a cursor per
   scenario) into a pool of unconsumed ones, kept between rounds (a receipt scored again moves to the back with
   its new score; a consumed or no longer eligible one leaves the pool).
@@ -73,6 +76,7 @@ class ScenarioLearning:
 
     name: str
     recipe: Recipe | None = None  # loaded on first use
+    settings: dict[str, Any] | None = None  # the scenario's settings the recipe was made with (they can change)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
@@ -277,7 +281,15 @@ class Learner:
         if st.recipe is None:
             scenario = await self.store.get_scenario(name)
             st.recipe = self.make_recipe(scenario.recipe, scenario.settings)
+            st.settings = scenario.settings
         return st
+
+    def _follow_settings(self, st: ScenarioLearning, scenario: Scenario) -> None:
+        """The scenario's settings changed since its recipe was made (a task promoted, here or on another daemon
+        sharing the store): the recipe takes the new ones and keeps what it holds in memory."""
+        if st.recipe is not None and scenario.settings != st.settings:
+            st.recipe.settings = self.make_recipe(scenario.recipe, scenario.settings).settings
+        st.settings = scenario.settings
 
     async def inline(self, name: str) -> bool:
         """Whether reports on this scenario are learned from inside the report's request."""
@@ -400,6 +412,7 @@ class Learner:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
             scenario = await self.store.get_scenario(name)
+            self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
             batch = recipe.batch(await self._eligible(st, scenario, head))

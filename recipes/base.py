@@ -152,6 +152,9 @@ class Recipe:
     source: ClassVar[str | None] = None  # which records feed it (SOURCES); None: it never learns
     inline: ClassVar[bool] = False  # step at once, in the report's request, answering the outcome (harness edits)
     judges: ClassVar[bool] = False  # judge each turn by what came next (judge_turn): verdicts are stored as reports
+    # its settings' ``tasks`` are episodes of the agent ({id, prompt, check, workspace?}): a recorded run's prompt
+    # can be promoted into one (``POST /reef/scenarios/{s}/tasks``)
+    episode_tasks: ClassVar[bool] = False
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else type(self).Settings()

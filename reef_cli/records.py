@@ -1,4 +1,4 @@
-"""``reef records list|show``, ``reef report`` and ``reef scenarios list|show|create``."""
+"""``reef records list|show``, ``reef report``, ``reef scenarios list|show|create`` and ``reef scenarios tasks``."""
 
 from __future__ import annotations
 
@@ -170,3 +170,55 @@ def create_scenario(
         print_json(s)
     else:
         print(f"scenario {s['name']} (recipe {s['recipe']}, model {s['model']})")
+
+
+tasks_app = typer.Typer(help="The tasks a scenario's gate runs the agent on (harness-search).", no_args_is_help=True)
+scenarios_app.add_typer(tasks_app, name="tasks")
+
+
+@tasks_app.command("promote")
+@edge
+def promote_task(
+    receipt: str = typer.Argument(..., help="The receipt of an exchange of the run that went badly."),
+    check: str = typer.Option(..., "--check", help="Shell command run in the workspace after the agent; exit 0 "
+                              "passes (e.g. 'pytest -q')."),
+    workspace: str = typer.Option(None, "--workspace", help="Directory copied fresh for each episode (default: an "
+                                  "empty one)."),
+    task_id: str = typer.Option(None, "--id", help="The task's id (a-z, 0-9, -; default: from the receipt)."),
+    scenario: str = typer.Option(None, "--scenario", "-s", help="The scenario (default: the receipt's own)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Make a recorded run's user prompt a task of its scenario, scored by CHECK; the next step's gate runs it."""
+    from pathlib import Path
+
+    body: dict[str, Any] = {"receipt": receipt, "check": check}
+    if workspace is not None:
+        body["workspace"] = str(Path(workspace).expanduser().resolve())  # the daemon resolves from its own home
+    if task_id is not None:
+        body["id"] = task_id
+    with client() as c:
+        name = scenario or c.get(f"/reef/records/{receipt}")["scenario"]
+        out = c.post(f"/reef/scenarios/{name}/tasks", body)
+    if json_out:
+        print_json(out)
+        return
+    print(f"task {out['task']['id']} of scenario {name}: {out['task']['prompt'][:60]!r}, checked by {check!r} "
+          f"({len(out['tasks'])} task(s); the next step's gate runs it)")
+
+
+@tasks_app.command("list")
+@edge
+def list_tasks(
+    name: str = typer.Argument(..., help="The scenario."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the tasks in a scenario's settings: id, check and prompt."""
+    with client() as c:
+        tasks = (c.get(f"/reef/scenarios/{name}").get("settings") or {}).get("tasks") or []
+    if json_out:
+        print_json(tasks)
+        return
+    if not tasks:
+        print(f"scenario {name} has no tasks in its settings")
+    for t in tasks:
+        print(f"{t.get('id')}: {str(t.get('prompt'))[:60]!r} checked by {t.get('check')!r}")

@@ -144,18 +144,31 @@ def subcommands(adapter: Adapter) -> Any:
     return app
 
 
-def _say_learning(outcome: dict[str, Any] | None, cmd: str) -> None:
-    if not outcome:
+def _refusal(r: Any) -> str:
+    """One refused edit as a line, whatever its recipe put in it (lessons: text and reason; others: a reason, an
+    answer, or only a string)."""
+    if not isinstance(r, dict):
+        return str(r)[:200]
+    what = r.get("text") or r.get("answer") or r.get("id")
+    reason = r.get("reason") or "no reason given"
+    return f"{str(what)[:80]!r}: {reason}" if what else str(reason)
+
+
+def _say_learning(outcome: Any, cmd: str) -> None:
+    """What the learning step made of a report or an instruction, in a line or two; an outcome shaped in a way this
+    does not know (another recipe's, a newer daemon's) prints what it has, never a traceback."""
+    if not isinstance(outcome, dict):
         return
-    for r in outcome.get("refused") or []:
-        print(f"refused: {r['text'][:80]!r}: {r['reason']}")
+    refused = outcome.get("refused")
+    for r in refused if isinstance(refused, list) else []:
+        print(f"refused: {_refusal(r)}")
     verdict = outcome.get("verdict")
     if verdict == "accepted":
-        print(f"harness: {outcome.get('summary')}; released step {outcome['step']} ({outcome['release_id']}); "
-              f"the next {cmd} run installs it")
+        print(f"harness: {outcome.get('summary')}; released step {outcome.get('step')} ({outcome.get('release_id')});"
+              f" the next {cmd} run installs it")
     elif verdict == "pending":
-        print(f"harness: {outcome.get('summary')}; candidate {outcome['release_id']} is pending review "
-              f"(reef releases promote {outcome['release_id']})")
+        rel = outcome.get("release_id")
+        print(f"harness: {outcome.get('summary')}; candidate {rel} is pending review (reef releases promote {rel})")
     elif verdict in ("unchanged", "skipped"):
         print(f"harness: unchanged ({outcome.get('summary')})")
     elif verdict == "rejected":

@@ -5,8 +5,10 @@ Run: ``python tests/harness_standins.py PORT``. ``POST [<prefix>]/v1/chat/comple
 - model ``proposer``: the next scripted answer (``POST /_script {"proposer": [text, ...]}`` queues them; when none
   is left: ``not json``);
 - any other model, a coding agent's model that follows its harness exactly: on a request whose last message is
-  a tool result it answers ``done``; otherwise it calls pi's ``write`` tool with ``answer.txt`` and the greeting
-  ``hello``, or ``bonjour`` when the system prompt holds the rule text ``Write greetings in French``, upper-cased
+  a tool result, or asking for a title (opencode's first request), it answers ``done``; otherwise it calls the
+  agent's ``write`` tool (pi's ``path``, opencode's ``filePath``, Claude Code's ``Write`` ``file_path``; pi's
+  form without tools) with ``answer.txt`` and the greeting ``hello``, or ``bonjour`` when the harness (the system
+  prompt, or Claude Code's user message holding CLAUDE.md) holds the rule text ``Write greetings in French``, upper-cased
   when it holds ``Write greetings in upper case``. A prompt holding ``[hang]`` gets no answer at all (the request
   is counted in ``GET /_stats`` first, so a test can wait for it).
 
@@ -37,6 +39,15 @@ def system_text(body: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def user_texts(body: dict[str, Any]) -> list[str]:
+    out = []
+    for m in body.get("messages") or []:
+        if m.get("role") == "user":
+            c = m.get("content")
+            out.append(c if isinstance(c, str) else " ".join(str(p.get("text", "")) for p in c or []))
+    return out
+
+
 def last_user(body: dict[str, Any]) -> str:
     for m in reversed(body.get("messages") or []):
         if m.get("role") == "user":
@@ -45,16 +56,32 @@ def last_user(body: dict[str, Any]) -> str:
     return ""
 
 
+def write_tool(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The agent's file-writing tool and its path parameter (pi: write/path, opencode: write/filePath, Claude Code:
+    Write/file_path)."""
+    for t in body.get("tools") or []:
+        fn = t.get("function") or {}
+        if str(fn.get("name", "")).lower() == "write":
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            for key in ("path", "filePath", "file_path"):
+                if key in props:
+                    return fn["name"], key
+    return None
+
+
 def agent_answer(body: dict[str, Any]) -> dict[str, Any]:
     """{"text": ...} or {"tool": name, "arguments": {...}}."""
     messages = body.get("messages") or []
-    if messages and messages[-1].get("role") == "tool":
-        return {"text": "done"}
     system = system_text(body)
-    greeting = "bonjour" if "Write greetings in French" in system else "hello"
-    if "Write greetings in upper case" in system:
+    if (messages and messages[-1].get("role") == "tool") or "title generator" in system:
+        return {"text": "done"}
+    tool = write_tool(body) or ("write", "path")
+    # the harness: pi and opencode put it in the system prompt, Claude Code CLAUDE.md in a user message
+    harness = system + "\n".join(user_texts(body))
+    greeting = "bonjour" if "Write greetings in French" in harness else "hello"
+    if "Write greetings in upper case" in harness:
         greeting = greeting.upper()
-    return {"tool": "write", "arguments": {"path": "answer.txt", "content": greeting + "\n"}}
+    return {"tool": tool[0], "arguments": {tool[1]: "answer.txt", "content": greeting + "\n"}}
 
 
 def chunk(model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:

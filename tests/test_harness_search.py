@@ -4,7 +4,8 @@ agent through the real wrapper in a real bubblewrap sandbox, judged by a real ch
 What cannot run here, the outside provider that would play proposer and agent model, is a stand-in served over
 real HTTP (``tests/harness_standins.py``): a scripted proposer returning given (and malformed) mutations, and an
 agent model that follows its harness exactly (it writes ``bonjour`` when the rules say French, ``HELLO`` when
-they say upper case, ``hello`` otherwise, with pi's real ``write`` tool).
+they say upper case, ``hello`` otherwise, with the agent's real ``write`` tool). One episode each runs opencode
+and Claude Code, whose episode parts (headless arguments, harness layout) differ from pi's.
 """
 
 from __future__ import annotations
@@ -124,6 +125,36 @@ def test_the_pareto_front_keeps_a_tree_that_is_best_on_one_task() -> None:
     assert drawn == {tree_id(a), tree_id(b)}  # both are parents; the dominated one never is
 
 
+def test_the_pool_goes_to_a_file_and_back_and_a_damaged_file_starts_it_again(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from recipes.harness_search import HarnessSearch
+
+    recipe = HarnessSearch(HarnessSearch.parse_settings({"tasks": [{"id": "x", "prompt": "p", "check": "true"}]}))
+    a, b = {"AGENTS.md": b"a", "skills/s/SKILL.md": b"\xff\xfe not utf-8"}, {"AGENTS.md": b"b"}
+    recipe.pool.record(a, "x", 1.0)
+    recipe.pool.record(b, "x", 0.0)
+    recipe.steps = 3
+    ctx = SimpleNamespace(config=SimpleNamespace(home=tmp_path), scenario="s")
+    recipe._save(ctx)  # type: ignore[arg-type]
+    path = tmp_path / "scenarios" / "s" / "harness-search.json"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    again = HarnessSearch(recipe.settings)
+    again._load(ctx)  # type: ignore[arg-type]
+    assert again.steps == 3 and again.pool.members[tree_id(a)].tree == a  # bytes that are not text come back too
+    assert [m.id for m in again.pool.front(["x"])] == [tree_id(a)]
+    raw = json.loads(path.read_text())
+    raw["pool"][1]["tree"]["AGENTS.md"] = "tampered"  # a member whose tree is not its id is left out
+    path.write_text(json.dumps(raw))
+    third = HarnessSearch(recipe.settings)
+    third._load(ctx)  # type: ignore[arg-type]
+    assert set(third.pool.members) == {tree_id(a)}
+    path.write_text("{not json")
+    fourth = HarnessSearch(recipe.settings)
+    fourth._load(ctx)  # type: ignore[arg-type]  # logged; the search starts again from the serving tree
+    assert not fourth.pool.members and fourth.steps == 0
+
+
 def test_the_gate_publishes_on_margin_and_holds_executables_and_review_for_a_person() -> None:
     from daemon.errors import BadRequest
     from recipes.base import Candidate, Scores
@@ -149,6 +180,23 @@ def test_the_gate_publishes_on_margin_and_holds_executables_and_review_for_a_per
                      ({"tasks": tasks, "gate": "always"}, "compare or review")):
         with pytest.raises(BadRequest, match=why):
             HarnessSearch.parse_settings(bad)
+
+
+def test_the_wrapper_words_any_shape_of_refusal_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from reef_cli.wrapper_cmd import _say_learning
+
+    _say_learning({"verdict": "skipped", "summary": "nothing usable", "refused": [
+        {"text": "Use the key sk-...", "reason": "holds an API key"},  # lessons' shape
+        {"reason": "not one JSON object", "answer": "Sure!"},  # a proposal's: no text
+        {"reason": "too short"}, "a bare string", {}]}, "reef-pi")
+    _say_learning({"verdict": "accepted", "summary": "1 rule"}, "reef-pi")  # no step, no release id
+    _say_learning({"verdict": "queued", "refused": "not a list"}, "reef-pi")
+    _say_learning(["not", "an", "object"], "reef-pi")  # type: ignore[arg-type]
+    out = capsys.readouterr().out.splitlines()
+    assert out[:5] == ["refused: 'Use the key sk-...': holds an API key", "refused: 'Sure!': not one JSON object",
+                       "refused: too short", "refused: a bare string", "refused: no reason given"], out
+    assert out[5] == "harness: unchanged (nothing usable)", out
+    assert out[6].startswith("harness: 1 rule; released step None") and out[7].startswith("harness: None;"), out
 
 
 # --- the loop with the real agent ---------------------------------------------------------------------------
@@ -322,15 +370,29 @@ def test_a_useful_rule_is_kept_and_an_all_refused_step_changes_nothing(world: di
         assert "upper case" in head_tree(c, "hs-useful")["AGENTS.md"]
 
 
-def test_better_on_one_task_worse_on_another_stays_in_the_pool_unpublished(world: dict[str, Any]) -> None:
+def test_a_promoted_run_is_a_task_and_a_tree_best_on_one_task_stays_in_the_pool_across_a_restart(
+        world: dict[str, Any]) -> None:
     d: Daemon = world["daemon"]
     with d.http() as c:
-        head = seeded_scenario(c, "hs-mixed", [], {"tasks": [task(world, "lower", "hello"),
-                                                             task(world, "upper", "HELLO")]})
+        head = seeded_scenario(c, "hs-mixed", [], {"tasks": [task(world, "lower", "hello")]})
+        # a run that went badly (the user wanted upper case): its prompt becomes a task, with the user's check
+        r = c.post("/s/hs-mixed/v1/chat/completions", json={"model": "agent", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Greet me into answer.txt."},
+            {"role": "assistant", "content": "Which greeting?"},
+            {"role": "user", "content": "Write the greeting into answer.txt."}]})
+        assert r.status_code == 200, r.text
+        receipt = r.headers["x-reef-agent-record-id"]
+        promoted = json.loads(d.cli("scenarios", "tasks", "promote", receipt, "--check",
+                                    'test "$(cat answer.txt)" = HELLO', "--workspace", str(world["template"]),
+                                    "--id", "upper", "--json").stdout)
+        assert promoted["tasks"] == ["lower", "upper"], promoted
+        assert promoted["task"]["prompt"] == "Write the greeting into answer.txt."  # the last user message
+        listed = d.cli("scenarios", "tasks", "list", "hs-mixed").stdout
+        assert "upper: 'Write the greeting into answer.txt.' checked by" in listed, listed
         script(world, one(op="create", kind="rule", id="shout", text="Write greetings in upper case."))
         out = step(c, "hs-mixed", 1)
         m = out["metrics"]
-        assert out["verdict"] == "rejected" and "wins 1 - losses 1" in out["reason"], m
+        assert out["verdict"] == "rejected" and "wins 1 - losses 1" in out["reason"], m  # the promoted task counts
         assert (m["task.lower.candidate"], m["task.upper.candidate"]) == (0.0, 1.0)
         assert (m["task.lower.serving"], m["task.upper.serving"]) == (1.0, 0.0)
         assert c.get("/reef/scenarios/hs-mixed/releases").json()["head"] == head
@@ -338,6 +400,57 @@ def test_better_on_one_task_worse_on_another_stays_in_the_pool_unpublished(world
         front = {f["origin"]: f for f in status["front"]}
         assert set(front) == {"serving", "proposal"}, status  # both stay parents: each is best on one task
         assert front["proposal"]["tasks"] == {"lower": 0.0, "upper": 1.0}
+    d.kill9()  # the memory was written with the step (a clean stop would also wait ~10 s for the daemon to drain)
+    d.start()
+    asked = len(httpx.get(f"{world['standin']}/_requests").json())
+    with d.http() as c:  # the stand-in has no answer scripted: three refused proposals, no episodes
+        assert step(c, "hs-mixed", 2)["verdict"] == "skipped"
+    prompts = [x["user"] for x in httpx.get(f"{world['standin']}/_requests").json()[asked:] if x["model"] == "proposer"]
+    # the parent came from the pool the restart kept (a fresh pool knows no scores: "score unknown")
+    assert prompts and "score unknown" not in prompts[0] and "- upper: Write the greeting" in prompts[0], prompts
+    assert "(score 1.0)" in prompts[0] and "(score 0.0)" in prompts[0], prompts[0]
+
+
+def test_promoting_a_run_refuses_what_cannot_be_a_task(world: dict[str, Any]) -> None:
+    from tests.conftest import assert_canonical_error
+
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        seeded_scenario(c, "hs-promote", [], {"tasks": [task(world, "lower", "hello")]})
+
+        def chat(scenario: str, text: str) -> str:
+            r = c.post(f"/s/{scenario}/v1/chat/completions", json={"model": "agent", "messages": [
+                {"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-reef-agent-record-id"])
+
+        good, blank, other = chat("hs-promote", "Write it."), chat("hs-promote", "   "), chat("hs-promote-other", "x")
+        report = c.post("/reef/report", json={"score": 1, "references": [good]}).json()["report_id"]  # no step
+        c.post("/reef/scenarios", json={"name": "hs-promote-lessons", "recipe": "lessons"})
+        lessons = chat("hs-promote-lessons", "Write it.")
+        check = {"check": "true"}
+        for scenario, body, status, why in (
+            ("hs-promote", {"receipt": "rec_nope", **check}, 404, "rec_nope"),
+            ("hs-promote", {"receipt": other, **check}, 404, "is a record of scenario 'hs-promote-other'"),
+            ("hs-promote", {"receipt": blank, **check}, 400, "without a user prompt"),
+            ("hs-promote", {"receipt": report, **check}, 400, "is a report without a user prompt"),
+            ("hs-promote", {"receipt": good}, 400, "check is required"),
+            ("hs-promote", {"receipt": good, "check": "true", "workspace": "/nonexistent"}, 400, "not a directory"),
+            ("hs-promote", {"receipt": good, "check": "true", "id": "lower"}, 409, "has a task 'lower' already"),
+            ("hs-promote", {"receipt": good, "check": "true", "id": "Bad Id"}, 400, "must be a-z"),
+            ("hs-promote", {"receipt": good, "check": "true", "time_limit_s": 0}, 400, "positive number"),
+            ("hs-promote", {"receipt": good, "check": "true", "cwd": "/"}, 400, "unknown keys cwd"),
+            ("hs-promote-lessons", {"receipt": lessons, **check}, 400, "runs no episodes of the agent"),
+            ("hs-nope", {"receipt": good, **check}, 404, "no scenario named 'hs-nope'"),
+        ):
+            err = assert_canonical_error(c.post(f"/reef/scenarios/{scenario}/tasks", json=body), status)
+            assert why in err["message"], (body, err)
+        for raw in (b"[" * 100_000, b"not json", b'{"receipt": "\\ud800", "check": "true"}'):  # bad bodies: a 4xx
+            assert_canonical_error(c.post("/reef/scenarios/hs-promote/tasks", content=raw), (400, 404))
+        settings = c.get("/reef/scenarios/hs-promote").json()["settings"]
+        assert [t["id"] for t in settings["tasks"]] == ["lower"]  # nothing refused was added
+    bad = d.cli("scenarios", "tasks", "promote", other, "--check", "true", "-s", "hs-promote", check=False)
+    assert bad.returncode == 4 and "is a record of scenario 'hs-promote-other'" in bad.stderr, bad
 
 
 def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any]) -> None:
@@ -354,6 +467,31 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     assert ep.status == "timeout" and ep.score == 0.0, ep
     assert httpx.get(f"{world['standin']}/_stats").json()["hang"] == before + 1  # it hung in the model call
     assert not [p for p in _cmdlines() if "recipes.harness_search.inside" in p], "the sandbox outlived its kill"
+
+
+@pytest.mark.parametrize("agent, layout", [("opencode", ".config/opencode/AGENTS.md"), ("claude", ".claude/CLAUDE.md")])
+def test_episodes_of_the_other_agents_follow_the_harness_in_their_layout(world: dict[str, Any], agent: str,
+                                                                          layout: str) -> None:
+    """The agent-specific parts of an episode (the headless arguments, the adapter's rendering and config home)
+    for the agents besides pi: each follows the rule its harness holds (Claude Code only with edits allowed)."""
+    d: Daemon = world["daemon"]
+    name = f"hs-{agent}-episodes"
+    with d.http() as c:  # a chain whose head holds the rule, as the recipe's episode releases do
+        assert c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", "model": "agent"}).status_code == 201
+        r = c.post(f"/reef/scenarios/{name}/evolve", json={"instruction": "Write greetings in French."})
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        shown = c.get(f"/reef/scenarios/{name}/harness", params={"adapter": agent}).json()
+    assert list(shown["files"]) == [layout], shown
+    env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=name, agents_dir=world["agents_dir"], home=d.home,
+                     adapter=agent)
+    greet = Task("greet", "Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = bonjour',
+                 workspace=str(world["template"]))
+    ep = asyncio.run(run_episode(greet, shown["files"], env, side="candidate", repeat=0,
+                                 release_id=shown["release_id"]))
+    assert ep.status == "passed", ep
+    with d.http() as c:
+        recorded = c.get("/reef/records", params={"run": ep.run, "kind": "exchange"}).json()["records"]
+    assert recorded and {r["release_id"] for r in recorded} == {shown["release_id"]}, recorded
 
 
 def _cmdlines() -> list[str]:
@@ -385,6 +523,22 @@ def post(path, body):
 out["daemon"] = post(f"/s/{scenario}/v1/chat/completions",
                      {"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
 out["daemon_other_route"] = post("/reef/report", {"score": 1, "references": ["x"]})
+out["runs_own"] = post("/reef/runs", {"adapter": "pi", "scenario": scenario})
+out["runs_other"] = post("/reef/runs", {"adapter": "pi", "scenario": scenario + "-other"})  # its harness, or a new one
+out["runs_default"] = post("/reef/runs", {"adapter": "pi"})  # the adapter's scenario: the user's own "pi"
+def raw(data):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(data)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got.decode("latin-1")
+runs = json.dumps({"adapter": "pi", "scenario": scenario + "-smuggled"}).encode()
+smuggled = (f"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(runs)}\r\n\r\n").encode() + runs
+out["chunked"] = raw(b"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(runs):x}\r\n".encode() + runs + b"\r\n0\r\n\r\n").split(" ")[1]
+out["pipelined"] = raw(f"GET /s/{scenario}/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode() + smuggled)
+out["pipelined"] = out["pipelined"].count("HTTP/1.1 ")  # answers: the first request's only
 try:
     socket.create_connection(("127.0.0.1", standin_port), timeout=5); out["standin"] = "reached"
 except OSError as e:
@@ -434,6 +588,7 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     scenario = episodes_scenario("hs-box")
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": scenario, "recipe": "record", "model": "agent"})
+        before = {x["name"] for x in c.get("/reef/scenarios").json()["scenarios"]}
     ws = world["work"] / "box"
     ws.mkdir()
     (ROOT / ".cache").mkdir(exist_ok=True)
@@ -448,6 +603,11 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     out = json.loads(got.stdout.strip().splitlines()[-1])
     assert out["daemon"] == 200, out  # the daemon, through the bound socket and the relay
     assert out["daemon_other_route"] == 403, out  # only the routes a wrapped run uses
+    assert out["runs_own"] == 201 and out["runs_other"] == 403 and out["runs_default"] == 403, out
+    assert out["chunked"] == "403" and out["pipelined"] == 1, out
+    with d.http() as c:  # nor did any of them reach the daemon: no scenario was made
+        made = {x["name"] for x in c.get("/reef/scenarios").json()["scenarios"]} - before
+    assert not made, made  # (scenario-other, scenario-smuggled or pi, had the relay let them through)
     assert out["standin"] == "ConnectionRefusedError", out  # the host's loopback is not the sandbox's
     assert out["outside"] in ("OSError", "ConnectionRefusedError", "TimeoutError"), out
     assert out["outside_file"] == "OSError" and not outside.exists(), out  # read-only everywhere else

@@ -359,3 +359,31 @@ async def test_a_takeover_gives_back_what_the_old_holder_claimed_but_never_settl
     finally:
         a.close()
         b.close()
+
+
+async def test_settings_changes_at_once_lose_none_and_a_refused_one_changes_nothing(records_at: str) -> None:
+    from daemon.errors import Conflict
+
+    store = open_store(records_at)
+    try:
+        await store.ensure_scenario("s", recipe="record", model="m", default_recipe="record", settings={"k": 1})
+
+        def add(i: int) -> Any:
+            return lambda scen: {**scen.settings, "tasks": [*scen.settings.get("tasks", []), i]}
+
+        await asyncio.gather(*(store.change_settings("s", add(i)) for i in range(20)))
+
+        def refuse(scen: Any) -> dict[str, Any]:
+            raise Conflict("no")
+
+        with pytest.raises(Conflict):
+            await store.change_settings("s", refuse)
+        fresh = open_store(records_at)  # another daemon on the same store reads what was committed
+        try:
+            got = (await fresh.get_scenario("s")).settings
+        finally:
+            fresh.close()
+        assert got["k"] == 1 and sorted(got["tasks"]) == list(range(20)), got  # read and written in one transaction
+        assert (await store.ensure_scenario("s", recipe=None, model="m", default_recipe="record")).settings == got
+    finally:
+        store.close()

@@ -489,6 +489,21 @@ class RecordStore:
         self._scenario_cache[name] = scenario
         return scenario
 
+    async def change_settings(self, name: str, change: Callable[[Scenario], dict[str, Any]]) -> Scenario:
+        """Replace a scenario's settings by ``change(scenario)`` (which may raise to refuse), read and written in one
+        transaction, so two changes at once never lose one. The recipe binding never changes."""
+
+        def op(conn: Conn) -> Scenario:
+            row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
+            if row is None:
+                raise NotFound(f"no scenario named {name!r}", scenario=name)
+            conn.execute("UPDATE scenarios SET settings=? WHERE name=?", (_dumps(change(_scenario(row))), name))
+            return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+
+        scenario = await self.write(op)
+        self._scenario_cache[name] = scenario
+        return scenario
+
     async def get_scenario(self, name: str) -> Scenario:
         row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
         if row is None:

@@ -8,6 +8,12 @@ The relay is a filter, not only a pipe: each connection carries one request (``C
 and only the routes a wrapped run uses pass (the episode scenario's ``/s/<scenario>/...`` provider routes,
 ``POST /reef/runs``, ``GET /reef/records?run=``); anything else is answered 403, so an agent in an episode cannot
 reach the rest of the daemon's API (reports, rollbacks, other scenarios' records) through it.
+
+Bodies: a provider request's body cannot leave its scenario (the path names it, and the daemon takes the path's
+over any header), but ``POST /reef/runs`` names its scenario in the body: unchecked, an agent could read any
+scenario's harness through it, and create scenarios. So that body is read whole (``Content-Length`` only, at most
+64 kB) and passes only when it names the episode's scenario; a request pipelined behind any request is never
+served (``Connection: close`` is forced, and the daemon answers one request of such a connection).
 """
 
 from __future__ import annotations
@@ -23,11 +29,44 @@ from typing import Any
 
 HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's socket is bound at HOME/reef.sock
 
-AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); only pi is exercised by the tests here
+AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); Claude Code asks before each edit unless told not to
     "pi": lambda prompt: ["-p", "--no-session", prompt],
-    "claude": lambda prompt: ["-p", prompt],
+    "claude": lambda prompt: ["-p", "--permission-mode", "acceptEdits", prompt],
     "opencode": lambda prompt: ["run", *prompt.split()],
 }
+
+
+MAX_RUNS_BODY = 65536
+
+
+def _forbidden(client: socket.socket, why: str) -> None:
+    body = json.dumps({"error": {"type": "forbidden", "message": why}}).encode()
+    client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def _runs_body(client: socket.socket, headers: list[str], rest: bytes, scenario: str) -> bytes | str:
+    """The whole body of a ``POST /reef/runs`` when it names ``scenario``; else why it does not pass."""
+    names = [h.split(":", 1) for h in headers if ":" in h]
+    if any(k.strip().lower() == "transfer-encoding" for k, _ in names):
+        return "POST /reef/runs from an episode sandbox must send a Content-Length body, not a chunked one"
+    lengths = [v.strip() for k, v in names if k.strip().lower() == "content-length"]
+    if len(lengths) != 1 or not lengths[0].isdigit() or int(lengths[0]) > MAX_RUNS_BODY:
+        return f"POST /reef/runs from an episode sandbox needs one Content-Length of at most {MAX_RUNS_BODY}"
+    n = int(lengths[0])
+    while len(rest) < n:
+        chunk = client.recv(65536)
+        if not chunk:
+            return "the body ended early"
+        rest += chunk
+    try:
+        body = json.loads(rest[:n])
+    except ValueError:
+        return "POST /reef/runs needs a JSON body"
+    if not isinstance(body, dict) or body.get("scenario") != scenario:
+        got = body.get("scenario") if isinstance(body, dict) else None
+        return f"an episode sandbox starts runs of scenario {scenario!r} only, not {got!r}"
+    return rest[:n]  # bytes after it would be a request pipelined behind: dropped
 
 
 def allowed(method: str, target: str, scenario: str) -> bool:
@@ -61,11 +100,14 @@ def _serve(client: socket.socket, scenario: str) -> None:
         lines = raw_head.decode("latin-1").split("\r\n")
         method, target = (lines[0].split(" ") + ["", ""])[:2]
         if not allowed(method, target, scenario):
-            body = json.dumps({"error": {"type": "forbidden", "message": f"{method} {target} is not reachable "
-                                         "from an episode sandbox"}}).encode()
-            client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            _forbidden(client, f"{method} {target} is not reachable from an episode sandbox")
             return
+        if method == "POST":
+            checked = _runs_body(client, lines[1:], rest, scenario) if target == "/reef/runs" else rest
+            if isinstance(checked, str):
+                _forbidden(client, checked)
+                return
+            rest = checked
         kept = [h for h in lines[1:] if h.split(":", 1)[0].strip().lower() not in ("connection", "keep-alive")]
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         upstream.connect(str(HOME / "reef.sock"))

@@ -3,15 +3,18 @@
 A tree is on the front when no other tree in the pool scores at least as well on every task and better on one
 (so a tree that is best on some task survives even when its mean is lower). Parents are drawn from the front
 with a seeded generator, weighted by the number of tasks each is best on (GEPA's selection), so a crash and
-retry of the same step draws the same parent. The pool lives in the daemon's memory (bounded by ``capacity``;
-off-front trees leave first); after a restart it starts again from the serving tree.
+retry of the same step draws the same parent. The pool is bounded by ``capacity`` (off-front trees leave first)
+and goes to and from JSON (``to_json``, ``from_json``): the recipe keeps it in a file beside its other memory, so a
+restart keeps the front.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def tree_id(tree: dict[str, bytes]) -> str:
@@ -78,6 +81,23 @@ class Pool:
         rng = random.Random(seed)
         return rng.choices([m for m, _ in front_sorted], weights=[w for _, w in front_sorted])[0]
 
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"id": m.id, "parent": m.parent, "origin": m.origin, "scores": m.scores,
+                 "tree": {p: _text(d) for p, d in m.tree.items()}} for m in self.members.values()]
+
+    @classmethod
+    def from_json(cls, raw: list[dict[str, Any]], capacity: int) -> Pool:
+        """The pool ``to_json`` wrote; a member whose tree does not hash to its id is left out (a damaged file)."""
+        pool = cls(capacity=capacity)
+        for m in raw:
+            tree = {p: _bytes(d) for p, d in m["tree"].items()}
+            if tree_id(tree) != m["id"]:
+                continue
+            scores = {str(t): [float(x) for x in xs] for t, xs in m.get("scores", {}).items()}
+            pool.members[m["id"]] = Member(m["id"], tree, scores, parent=m.get("parent"),
+                                           origin=str(m.get("origin", "proposal")))
+        return pool
+
     def prune(self, tasks: list[str], keep: set[str]) -> None:
         """Keep at most ``capacity`` members: off-front ones go first, oldest first; ``keep`` always stays."""
         if len(self.members) <= self.capacity:
@@ -93,3 +113,14 @@ class Pool:
                 break
             if mid not in keep:
                 del self.members[mid]
+
+
+def _text(data: bytes) -> str | dict[str, str]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode()}
+
+
+def _bytes(value: str | dict[str, str]) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else base64.b64decode(value["base64"])

@@ -16,6 +16,11 @@ One step (woken by each written feedback; never inline, since episodes take seco
 4. Written down: per-task means of both sides, the spend (episodes, proposer calls, seconds), the mutations and
    refusals, in the step's metrics (release or rejection) and in the step's answer.
 
+Memory: the pool, the bad runs and instructions the proposer sees, the skills tested for retirement and the step
+count are written after every step to ``$REEF_HOME/scenarios/<scenario>/harness-search.json`` (temp file, fsync,
+rename), and read back by the first step after a restart, so the Pareto front survives one. The file is the
+machine's own: daemons sharing a record store each keep theirs (only the training lease holder steps).
+
 Executable content is refused unless ``allow_executable``; a candidate holding some is never published by the gate
 alone: it is held for review (``reef releases promote``). ``gate = "review"`` holds every candidate that passes.
 """
@@ -27,6 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from daemon.errors import BadRequest
@@ -78,6 +84,7 @@ class HarnessSearch(Recipe):
     kind = "harness"
     source = "feedback"
     inline = False
+    episode_tasks = True
     Settings = HarnessSearchSettings
 
     def __init__(self, settings: Any = None) -> None:
@@ -88,6 +95,7 @@ class HarnessSearch(Recipe):
         self.instructions: deque[str] = deque(maxlen=10)
         self.retire_tested: set[tuple[str, str]] = set()
         self.steps = 0
+        self._loaded = False  # the memory file read (once, at the first step)
 
     @classmethod
     def check_settings(cls, settings: Any) -> None:
@@ -123,6 +131,7 @@ class HarnessSearch(Recipe):
     async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
         s: HarnessSearchSettings = self.settings
         tasks = parse_tasks(s.tasks)
+        self._load(ctx)
         self.steps += 1
         spend: dict[str, Any] = {"proposer_calls": 0, "episodes": 0, "proposer_s": 0.0, "episode_s": 0.0}
         await self._remember(batch, ctx)
@@ -136,6 +145,7 @@ class HarnessSearch(Recipe):
             summary = f"no usable proposal in {spend['proposer_calls']} call(s): " + \
                 "; ".join(r["reason"] for r in details["proposals_refused"])
             details["summary"] = summary
+            self._save(ctx)
             return Candidate(skipped=summary, consume=False, metrics=self._metrics(spend, details), details=details)
         candidate, origin, parent = made
         details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
@@ -167,6 +177,7 @@ class HarnessSearch(Recipe):
         details["summary"] = (f"{origin} candidate: " + ", ".join(
             f"{t}: candidate {v['candidate']:.2f} vs serving {v['serving']:.2f}" for t, v in details["tasks"].items()))
         metrics = self._metrics(spend, details)
+        self._save(ctx)
         return Candidate(tree=candidate, metrics=metrics, details=details,
                          eval=Scores(candidate=[c.score for c, _ in pairs], base=[b.score for _, b in pairs]))
 
@@ -182,6 +193,51 @@ class HarnessSearch(Recipe):
             return Verdict(False, "pending", f"{v.reason}; held for review ({why}): reef releases promote ID "
                            "publishes it", v.metrics)
         return v
+
+    # --- memory (survives a restart) ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _memory_path(ctx: HarnessContext) -> Path | None:
+        config, scenario = getattr(ctx, "config", None), getattr(ctx, "scenario", None)
+        if config is None or scenario is None:
+            return None
+        return Path(config.home) / "scenarios" / scenario / "harness-search.json"
+
+    def _load(self, ctx: HarnessContext) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        path = self._memory_path(ctx)
+        if path is None or not path.exists():
+            return
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("version") != 1:
+                raise ValueError(f"version {raw.get('version')!r}, not 1")
+            pool = Pool.from_json(raw["pool"], self.settings.pool_size)
+            bad_runs, instructions = list(raw["bad_runs"]), [str(x) for x in raw["instructions"]]
+            tested = {(str(a), str(b)) for a, b in raw["retire_tested"]}
+            steps = int(raw["steps"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: start again, say so
+            log.warning("harness-search: could not read %s (%s); the pool starts again from the serving tree", path, e)
+            return
+        self.pool, self.retire_tested, self.steps = pool, tested, steps
+        self.bad_runs.extend(bad_runs)
+        self.instructions.extend(instructions)
+
+    def _save(self, ctx: HarnessContext) -> None:
+        from daemon import durable
+
+        path = self._memory_path(ctx)
+        if path is None:
+            return
+        data = {"version": 1, "steps": self.steps, "pool": self.pool.to_json(), "bad_runs": list(self.bad_runs),
+                "instructions": list(self.instructions), "retire_tested": sorted(self.retire_tested)}
+        try:
+            durable.mkdirs(path.parent)
+            durable.write_atomic(path, json.dumps(data).encode(), mode=0o600)
+        except OSError as e:  # the step's outcome still stands; only a restart would lose this step's memory
+            log.warning("harness-search: could not write %s: %s", path, e)
 
     # --- parts ---------------------------------------------------------------------------------------------
 
