@@ -458,15 +458,18 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": episodes_scenario("hs-hang"), "recipe": "record", "model": "agent"})
     # the agents hidden like the rest of a daemon home ($REEF_HOME/agents by default): the episode binds them back
+    work_root = Path(tempfile.mkdtemp(prefix="hs-hang-"))  # this episode's own: other runs' sandboxes are not it
     env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=episodes_scenario("hs-hang"),
-                     agents_dir=world["agents_dir"], home=d.home, hide=(str(world["agents_dir"]),))
+                     agents_dir=world["agents_dir"], home=d.home, hide=(str(world["agents_dir"]),),
+                     work_root=work_root)
     before = httpx.get(f"{world['standin']}/_stats").json()["hang"]
     hang = Task("hang", "[hang] Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = hello',
                 workspace=str(world["template"]), time_limit_s=20)
     ep = asyncio.run(run_episode(hang, {}, env, side="candidate", repeat=0))
     assert ep.status == "timeout" and ep.score == 0.0, ep
     assert httpx.get(f"{world['standin']}/_stats").json()["hang"] == before + 1  # it hung in the model call
-    assert not [p for p in _cmdlines() if "recipes.harness_search.inside" in p], "the sandbox outlived its kill"
+    assert not _in_episode(work_root), "the sandbox outlived its kill"
+    shutil.rmtree(work_root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("agent, layout", [("opencode", ".config/opencode/AGENTS.md"), ("claude", ".claude/CLAUDE.md")])
@@ -494,14 +497,19 @@ def test_episodes_of_the_other_agents_follow_the_harness_in_their_layout(world: 
     assert recorded and {r["release_id"] for r in recorded} == {shown["release_id"]}, recorded
 
 
-def _cmdlines() -> list[str]:
+def _in_episode(work_root: Path) -> list[str]:
+    """The processes of episodes under ``work_root``: bwrap names the workspace on its command line, and what runs
+    inside has its working directory there."""
     out = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                out.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                cmdline = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                cwd = os.readlink(p / "cwd")
             except OSError:
-                pass
+                continue
+            if str(work_root) in cmdline or cwd.startswith(str(work_root)):
+                out.append(cmdline)
     return out
 
 
