@@ -84,14 +84,21 @@ def record(d: Daemon, receipt: str) -> dict[str, Any]:
 
 
 def test_sdks_through_reef_to_vllm(vd: Daemon, model32: Path) -> None:
-    """OpenAI and Anthropic SDKs, streaming and not: answers come from vLLM token by token; each record holds the
-    prompt Reef rendered, vLLM's sampled ids and log-probs (those of the model's own weights, re-scored here) and
-    the load vLLM reported as its weight version."""
+    """OpenAI and Anthropic SDKs, streaming and not: answers come from vLLM token by token (collected ones in
+    gathered chunks); each record holds the prompt Reef rendered, vLLM's sampled ids and log-probs (those of the
+    model's own weights, re-scored here) and the load vLLM reported as its weight version; a seed is vLLM's."""
     from transformers import AutoModelForCausalLM
 
     with openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0) as oa, \
             anthropic.Anthropic(base_url=vd.url, api_key=vd.token, max_retries=0) as an:
         receipts = sdk_calls(oa, an)
+        seeded = []  # the client's seed reaches vLLM: at temperature 1 the same seed samples the same tokens
+        for seed in (7, 7, 8):
+            raw = oa.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "seeded"}], max_tokens=12, temperature=1.0,
+                seed=seed)
+            seeded.append(record(vd, raw.headers["x-reef-agent-record-id"])["token_ids"])
+        assert seeded[0] == seeded[1] != seeded[2], seeded
     model = AutoModelForCausalLM.from_pretrained(model32).eval()
     version = status(vd)["weight_version"]
     for receipt in receipts:
