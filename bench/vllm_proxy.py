@@ -92,14 +92,16 @@ async def load(url: str, headers: dict[str, str], model: str, n: int, conc: int,
             t = time.perf_counter()
             if stream:
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                    r.raise_for_status()
+                    if r.status_code != 200:
+                        raise SystemExit(f"{url}: {r.status_code} {(await r.aread())[:500]!r}")
                     async for line in r.aiter_lines():
                         if line.startswith("data: {") and '"usage"' in line:
                             usage = json.loads(line[6:]).get("usage")
                             out += usage["completion_tokens"] if usage else 0
             else:
                 r = await c.post("/v1/chat/completions", json=body)
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise SystemExit(f"{url}: {r.status_code} {r.text[:500]}")
                 out += r.json()["usage"]["completion_tokens"]
             lat.append((time.perf_counter() - t) * 1e3)
 

@@ -88,6 +88,9 @@ log = logging.getLogger("reef.server")
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STOP_GRACE_S = 10.0
 HEALTH_EVERY_S = 2.0
+# idle connections to the server are reused for less than its own keep-alive (vLLM's and SGLang's uvicorn: 5 s), so
+# Reef does not send a request on one the server is closing; one that still meets a close is sent again
+KEEPALIVE_S = 4.0
 STOP_CHECK_TOKENS = 16  # an answer collected whole, with stop strings: tokens per server chunk (see _chunk_tokens)
 
 
@@ -297,7 +300,8 @@ class ServerEngine(Engine):
         self._tokenizer, self._eos, ctx = await asyncio.to_thread(open_tokenizer)
         self._context = min(ctx, self.entry.max_model_len) if self.entry.max_model_len else ctx
         self.info = EngineInfo(name=self.dialect.name, model=self.entry.name, context_length=self._context)
-        self._pool = http.Pool("http", self.host, self.port, connect_timeout=self.entry.connect_timeout_s)
+        self._pool = http.Pool("http", self.host, self.port, connect_timeout=self.entry.connect_timeout_s,
+                               keepalive_s=KEEPALIVE_S, resend_on_stale=True)
         assert self.entry.path is not None
         self._base = _Base(self._new_id(), None, self.entry.path)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"reef-server-{self.entry.name}")
