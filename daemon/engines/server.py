@@ -45,7 +45,9 @@ Design choices:
   (SIGTERM, then SIGKILL after 10 s).
 - **Failures.** A server that answers malformed JSON, an error status, or drops the stream mid-way raises
   ``UpstreamError`` (502) naming the server; after the first token it is flagged ``incomplete`` (the client's
-  stream ends with its format's error event, the record is stored as incomplete).
+  stream ends with its format's error event, the record is stored as incomplete). Connections to the server are
+  kept alive for less than its own keep-alive (5 s), and a request that meets the server closing an idle
+  connection (nothing answered) is sent again on a new one instead of failing.
 """
 
 from __future__ import annotations
