@@ -1,10 +1,12 @@
 """Reef in front of vLLM vs the same vLLM server called directly, and adapter releases going live, in one run.
 
-1. Throughput and latency at concurrency 8 on non-trivial generations (``--tokens``, default 64): the same
-   requests sent to Reef's ``/v1/chat/completions`` (which renders the template, calls vLLM's token-id generate
-   endpoint, detokenises and records durably) and to the vLLM server's own ``/v1/chat/completions``, in
-   alternating rounds. Printed: output tokens/s of each and the ratio (goal: at least 0.9 of direct), and p50
-   latency per request with the difference (what Reef adds).
+1. Throughput and latency at concurrency 8 on non-trivial generations (``--tokens``, default 128): the same
+   requests (same prompt, ``max_tokens``, temperature 1 and per-request seed; output tokens as each answer's
+   ``usage`` counts them) sent to Reef's ``/v1/chat/completions`` (which renders the template, calls vLLM's
+   token-id generate endpoint with log-probs, detokenises and records durably) and to the vLLM server's own
+   ``/v1/chat/completions``, in alternating rounds, collected and then streamed. Printed: output tokens/s of each
+   and the ratio (goal: at least 0.9 of direct), and p50 latency per request with the difference (what Reef
+   adds), and the load average (the machine is shared).
 2. Adapter releases: publish -> first answer from the new release (LoRA loaded into vLLM, selected per request),
    and p99 latency with an adapter release published every ``--every`` seconds vs none.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -71,22 +74,36 @@ def start_reef(home: Path, port: int, timeout: float = 1200) -> tuple[subprocess
     raise SystemExit("vLLM did not become healthy")
 
 
-async def load(url: str, headers: dict[str, str], model: str, n: int, conc: int, tokens: int) -> tuple[float, list[float], int]:
-    """``n`` chat requests, ``conc`` at a time: (wall seconds, latencies ms, output tokens)."""
+async def load(url: str, headers: dict[str, str], model: str, n: int, conc: int, tokens: int,
+               stream: bool = False) -> tuple[float, list[float], int]:
+    """``n`` chat requests, ``conc`` at a time, streamed or not: (wall seconds, latencies ms, output tokens as the
+    answers' usage counts them)."""
     sem = asyncio.Semaphore(conc)
     lat: list[float] = []
     out = 0
 
     async def one(c: httpx.AsyncClient, i: int) -> None:
         nonlocal out
-        body = {"model": model, "max_tokens": tokens, "temperature": 1.0, "seed": i,
-                "messages": [{"role": "user", "content": f"write about caches, part {i}"}]}
+        body: dict[str, Any] = {"model": model, "max_tokens": tokens, "temperature": 1.0, "seed": i,
+                                "messages": [{"role": "user", "content": f"write about caches, part {i}"}]}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         async with sem:
             t = time.perf_counter()
-            r = await c.post("/v1/chat/completions", json=body)
-            r.raise_for_status()
+            if stream:
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise SystemExit(f"{url}: {r.status_code} {(await r.aread())[:500]!r}")
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and '"usage"' in line:
+                            usage = json.loads(line[6:]).get("usage")
+                            out += usage["completion_tokens"] if usage else 0
+            else:
+                r = await c.post("/v1/chat/completions", json=body)
+                if r.status_code != 200:
+                    raise SystemExit(f"{url}: {r.status_code} {r.text[:500]}")
+                out += r.json()["usage"]["completion_tokens"]
             lat.append((time.perf_counter() - t) * 1e3)
-            out += r.json()["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
                                  limits=httpx.Limits(max_connections=conc)) as c:
@@ -117,18 +134,20 @@ def run(args: argparse.Namespace, work: Path, model: Path) -> None:
     try:
         asyncio.run(load(*reef, "m", 8, 8, 4))  # warm both paths
         asyncio.run(load(*direct, "m", 8, 8, 4))
-        rates: dict[str, list[float]] = {"direct": [], "reef": []}
-        lats: dict[str, list[float]] = {"direct": [], "reef": []}
-        for _ in range(args.rounds):
-            for name, (url, headers) in (("direct", direct), ("reef", reef)):
-                wall, lat, out = asyncio.run(load(url, headers, "m", args.requests, 8, args.tokens))
-                rates[name].append(out / wall)
-                lats[name] += lat
-        d, r = statistics.median(rates["direct"]), statistics.median(rates["reef"])
-        print(f"concurrency 8, {args.tokens} tokens: direct {d:.0f} tok/s, through Reef {r:.0f} tok/s: "
-              f"ratio {r / d:.2f} (goal >= 0.9)")
-        pd, pr = statistics.median(lats["direct"]), statistics.median(lats["reef"])
-        print(f"latency p50: direct {pd:.0f} ms, through Reef {pr:.0f} ms (+{pr - pd:.0f} ms per request)")
+        for stream in (False, True):
+            rates: dict[str, list[float]] = {"direct": [], "reef": []}
+            lats: dict[str, list[float]] = {"direct": [], "reef": []}
+            for _ in range(args.rounds):
+                for name, (url, headers) in (("direct", direct), ("reef", reef)):
+                    wall, lat, out = asyncio.run(load(url, headers, "m", args.requests, 8, args.tokens, stream))
+                    rates[name].append(out / wall)
+                    lats[name] += lat
+            d, r = statistics.median(rates["direct"]), statistics.median(rates["reef"])
+            pd, pr = statistics.median(lats["direct"]), statistics.median(lats["reef"])
+            print(f"concurrency 8, {args.tokens} tokens, {'streamed' if stream else 'collected'}: direct {d:.0f} "
+                  f"tok/s, through Reef {r:.0f} tok/s: ratio {r / d:.2f} (goal >= 0.9); latency p50 direct {pd:.0f} "
+                  f"ms, through Reef {pr:.0f} ms ({pr - pd:+.0f} ms per request)", flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f} (2 cores: other work on the machine shares them)")
 
         store = ReleaseStore(home / "artifacts.git")
         body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -190,7 +209,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a local HF model directory (default: a random Llama, head size 32)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32, help="requests per round and side")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=2.0, help="seconds between adapter releases")
     args = ap.parse_args()

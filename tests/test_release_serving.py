@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from daemon.releases import ReleaseStore
 from tests.conftest import Daemon, assert_canonical_error, sse_events
 
 BODY = {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "hello there"}]}
@@ -162,11 +164,21 @@ def daemon_cli_argv() -> list[str]:
 
 @pytest.mark.slow
 def test_hot_swap_under_load(daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
-    """TESTING.md 5: streaming and non-streaming clients while releases are published and rolled back."""
+    """TESTING.md 5 on the embedded engine: whole-weights releases published and rolled back under load."""
     d: Daemon = daemon_factory()
-    variants = [make_weights(tiny_model, tmp_path / f"v{i}", 10 + i) for i in range(3)]
+    hot_swap_under_load(d, "swap", [make_weights(tiny_model, tmp_path / f"v{i}", 10 + i) for i in range(3)], BODY,
+                        full_weights)
+
+
+def hot_swap_under_load(d: Daemon, scenario: str, variants: list[Path], body: dict[str, Any],
+                        model_for: Callable[[ReleaseStore, dict[str, Any], Path], Any]) -> None:
+    """TESTING.md 5: streaming and non-streaming clients while releases (``variants``: artifact directories) are
+    published and rolled back many times: no request fails, every record names one release and one load, no load
+    serves two contents, and the recorded log-probs are those of the named release (``model_for`` builds the
+    reference model for a record from the chain)."""
     with d.http() as c:
-        chat(c, "swap")
+        first = c.post(f"/s/{scenario}/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
     failures: list[str] = []
     receipts: list[str] = []
     stop = threading.Event()
@@ -176,7 +188,8 @@ def test_hot_swap_under_load(daemon_factory: Any, tiny_model: Path, tmp_path: Pa
         with d.http() as c:
             while not stop.is_set():
                 stream = rng.random() < 0.5
-                resp = c.post("/s/swap/v1/chat/completions", json={**BODY, "stream": stream, "seed": rng.randint(0, 9)})
+                resp = c.post(f"/s/{scenario}/v1/chat/completions",
+                              json={**body, "stream": stream, "seed": rng.randint(0, 9)})
                 if resp.status_code != 200:
                     failures.append(resp.text)
                     continue
@@ -193,29 +206,31 @@ def test_hot_swap_under_load(daemon_factory: Any, tiny_model: Path, tmp_path: Pa
     for t in threads:
         t.start()
     published: list[str] = []
-    with d.http() as c:
-        for i in range(12):
-            if i % 3 == 2 and published:
-                head = c.get("/reef/scenarios/swap/releases").json()["head"]
-                resp = c.post("/reef/scenarios/swap/rollback",
-                              json={"release_id": random.Random(i).choice(published), "expected_head": head})
-                assert resp.status_code == 201, resp.text
-            else:
-                from daemon.errors import Unchanged
+    try:
+        with d.http() as c:
+            for i in range(12):
+                if i % 3 == 2 and published:
+                    head = c.get(f"/reef/scenarios/{scenario}/releases").json()["head"]
+                    resp = c.post(f"/reef/scenarios/{scenario}/rollback",
+                                  json={"release_id": random.Random(i).choice(published), "expected_head": head})
+                    assert resp.status_code == 201, resp.text
+                else:
+                    from daemon.errors import Unchanged
 
-                try:
-                    published.append(publish(d, "swap", variants[i % 3]))
-                except Unchanged:  # a rollback made that variant the head already: the next one is a change
-                    published.append(publish(d, "swap", variants[(i + 1) % 3]))
-            time.sleep(0.25)
-    stop.set()
-    for t in threads:
-        t.join()
+                    try:
+                        published.append(publish(d, scenario, variants[i % 3]))
+                    except Unchanged:  # a rollback made that variant the head already: the next one is a change
+                        published.append(publish(d, scenario, variants[(i + 1) % 3]))
+                time.sleep(0.25)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert not failures, failures[:3]
     assert len(receipts) > 20
     with d.http() as c:
         records = [c.get(f"/reef/records/{r}").json() for r in receipts]
-        chain = c.get("/reef/scenarios/swap/releases").json()["releases"]
+        chain = c.get(f"/reef/scenarios/{scenario}/releases").json()["releases"]
     content_of = {r["release_id"]: r["content_id"] for r in chain}
     load_content: dict[str, str] = {}
     for rec in records:
@@ -223,23 +238,25 @@ def test_hot_swap_under_load(daemon_factory: Any, tiny_model: Path, tmp_path: Pa
         assert load_content.setdefault(rec["runtime_load_id"], rec["content_id"]) == rec["content_id"]
     assert len(set(load_content.values())) >= 3
     # the recorded log-probs are those of the named release's weights: re-score a sample with each release
-    check_logprobs(d, records[:: max(1, len(records) // 12)])
+    check_logprobs(d, records[:: max(1, len(records) // 12)], model_for)
 
 
-def check_logprobs(d: Daemon, records: list[dict[str, Any]]) -> None:
-    import torch
+def full_weights(store: ReleaseStore, rec: dict[str, Any], dest: Path) -> Any:
+    """The reference model of a whole-weights release: its checked-out directory."""
     from transformers import AutoModelForCausalLM
 
-    from daemon.releases import ReleaseStore
+    return AutoModelForCausalLM.from_pretrained(store.checkout(rec["release_id"], dest)).eval()
+
+
+def check_logprobs(d: Daemon, records: list[dict[str, Any]],
+                   model_for: Callable[[ReleaseStore, dict[str, Any], Path], Any] = full_weights) -> None:
+    import torch
 
     store = ReleaseStore(d.home / "artifacts.git")
     models: dict[str, Any] = {}
     for rec in records:
         if rec["content_id"] not in models:
-            dest = d.home / "check" / rec["content_id"]
-            if not dest.exists():
-                store.checkout(rec["release_id"], dest)
-            models[rec["content_id"]] = AutoModelForCausalLM.from_pretrained(dest).eval()
+            models[rec["content_id"]] = model_for(store, rec, d.home / "check" / rec["content_id"])
         model = models[rec["content_id"]]
         with d.http() as c:
             full = c.get(f"/reef/records/{rec['id']}").json()

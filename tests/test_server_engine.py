@@ -150,6 +150,30 @@ def test_sdk_through_reef_records_the_servers_tokens(stubbed: Stubbed, model: st
     assert text == answer  # same prompt, same (deterministic) server: same text streamed as collected
 
 
+def test_collected_answers_ask_vllm_for_few_chunks_and_pass_the_seed(stubbed: Stubbed) -> None:
+    """A stream is read from vLLM token by token; an answer the client gets whole asks vLLM to gather its tokens
+    (``stream_interval``: all of them in one chunk after the first, or 16 per chunk where Reef looks for stop
+    strings), and is read the same from those chunks. The client's seed reaches the server (an ignored seed
+    would make a seeded request irreproducible)."""
+    c = client(stubbed.d, "fake")
+    msgs = [{"role": "user", "content": "chunks"}]
+    before = len(stubbed.requests("/inference/v1/generate"))
+    whole = c.chat.completions.with_raw_response.create(model="fake", messages=msgs, max_tokens=7, seed=5)
+    stopped = c.chat.completions.with_raw_response.create(model="fake", messages=msgs, max_tokens=7, stop=["\x00z"])
+    with c.chat.completions.with_streaming_response.create(model="fake", messages=msgs, max_tokens=7,
+                                                           stream=True) as resp:
+        streamed = resp.headers["x-reef-agent-record-id"]
+        list(resp.parse())
+    sent = [b["sampling_params"] for b in stubbed.requests("/inference/v1/generate")[before:]]
+    assert [sp.get("stream_interval") for sp in sent] == [7, 16, None]
+    assert [sp.get("seed") for sp in sent] == [5, None, None]
+    prompt = stubbed.requests("/inference/v1/generate")[-1]["token_ids"]
+    for receipt in (receipt_of(whole), receipt_of(stopped), streamed):
+        rec = record(stubbed.d, receipt)
+        assert rec["token_ids"] == expected_ids(prompt, 7), receipt
+        assert rec["logprobs"] == pytest.approx([-(i + 1) / 100 for i in range(7)]), receipt
+
+
 def test_sglang_request_shapes(stubbed: Stubbed) -> None:
     """What Reef sends SGLang matches ``GenerateReqInput`` (SGLang's io_struct): input ids, max_new_tokens,
     return_logprob, stream; and the vLLM dialect sends vLLM's ``GenerateRequest``."""
@@ -236,23 +260,32 @@ def test_version_mismatch_is_never_recorded_as_the_release(stubbed: Stubbed) -> 
         stubbed.set()
 
 
-@pytest.mark.parametrize("fault", [{"malformed_after": 2}, {"drop_after": 2}])
-def test_bad_server_streams_end_in_the_clients_error(stubbed: Stubbed, fault: dict[str, int]) -> None:
-    """Malformed JSON, or a connection cut mid-stream: the client's stream ends with its format's error event,
-    the record is incomplete, and the next request is served."""
+@pytest.mark.parametrize(("fault", "said"), [({"malformed_after": 2}, "malformed JSON"),
+                                           ({"drop_after": 2}, "broke off")])
+def test_bad_server_streams_end_in_the_clients_error(stubbed: Stubbed, fault: dict[str, int], said: str) -> None:
+    """Malformed JSON, or a connection cut mid-stream: the client's stream ends with its format's error event
+    (OpenAI and Anthropic), a collected answer is a 502 in its format, each record says what happened (incomplete
+    or error, with the server's fault), the daemon's other models serve meanwhile, and the next request is
+    served."""
     stubbed.set(**fault)
+    body = {"model": "fake", "max_tokens": 6, "messages": [{"role": "user", "content": "x"}]}
     try:
         with httpx.Client(base_url=stubbed.d.url, timeout=30,
                           headers={"Authorization": f"Bearer {stubbed.d.token}", "x-reef-scenario": "fake"}) as h:
-            r = h.post("/v1/chat/completions", json={"model": "fake", "stream": True, "max_tokens": 6,
-                                                      "messages": [{"role": "user", "content": "x"}]})
+            r = h.post("/v1/chat/completions", json={**body, "stream": True})
             assert r.status_code == 200 and '"error"' in r.text and "[DONE]" not in r.text
             rec = record(stubbed.d, r.headers["x-reef-agent-record-id"])
-            assert rec["status"] == "incomplete"
-            r = h.post("/v1/chat/completions", json={"model": "fake", "max_tokens": 6,
-                                                      "messages": [{"role": "user", "content": "x"}]})
-            assert r.status_code == 502
-            assert_canonical_error(r, 502, "openai")
+            assert rec["status"] == "incomplete" and said in rec["response"]["error"]["message"]
+            r = h.post("/v1/messages", json={**body, "stream": True})
+            assert r.status_code == 200 and "event: error" in r.text and "message_stop" not in r.text
+            assert record(stubbed.d, r.headers["x-reef-agent-record-id"])["status"] == "incomplete"
+            r = h.post("/v1/chat/completions", json=body)
+            assert said in assert_canonical_error(r, 502, "openai")["message"]
+            rec = record(stubbed.d, r.headers["x-reef-agent-record-id"])
+            assert rec["status"] == "error" and said in rec["response"]["error"]["message"]
+            assert_canonical_error(h.post("/v1/messages", json=body), 502, "anthropic")
+            r = h.post("/v1/chat/completions", json={**body, "model": "tiny"}, headers={"x-reef-scenario": "default"})
+            assert r.status_code == 200, r.text
     finally:
         stubbed.set()
     c = client(stubbed.d, "fake")

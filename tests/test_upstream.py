@@ -1015,6 +1015,46 @@ def test_upstream_connections_closed_by_the_server_are_not_reused() -> None:
     assert all(f"q{i}".encode() in g for i, g in enumerate(got))
 
 
+def test_a_request_meeting_the_servers_idle_close_is_resent_only_where_asked() -> None:
+    """A kept-alive connection the server closes as the next request arrives, answering nothing (its idle timeout
+    racing the request: vLLM's and SGLang's uvicorn close idle connections after 5 s; a 502 in the middle of a
+    benchmark here): the inference-server engines' pool (``resend_on_stale``) sends the request again on a new
+    connection and gets its answer; the default pool (outside providers, where a resend could run a request
+    twice) reports the lost connection."""
+    import asyncio
+
+    from daemon.engines import http
+
+    sized = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def run(port: int, resend: bool) -> list[tuple[int, bytes, bool]]:
+        pool = http.Pool("http", "127.0.0.1", port, connect_timeout=5, resend_on_stale=resend)
+        out = []
+        try:
+            for i in range(2):
+                head = http.request_head("POST", f"/q{i}", pool.host_header, "", 2)
+                resp, fresh = await pool.request(head, b"{}", timeout=10)
+                out.append((resp.status, await resp.read(10), fresh))
+                resp.release()
+        finally:
+            await pool.close()
+        return out
+
+    port, got, stop = _raw_upstream([(sized, False), (b"", True), (sized, False)])
+    try:
+        assert asyncio.run(run(port, True)) == [(200, b"{}", True), (200, b"{}", True)]
+    finally:
+        stop()
+    assert [g.split(b" ")[1] for g in got] == [b"/q0", b"/q1", b"/q1"]  # the second one, sent again
+    port, got, stop = _raw_upstream([(sized, False), (b"", True)])
+    try:
+        with pytest.raises(http.ConnectionLost):
+            asyncio.run(run(port, False))
+    finally:
+        stop()
+    assert len(got) == 2
+
+
 def test_exchange_built_in_the_daemon_reaches_a_same_format_upstream(stub: str) -> None:
     """The daemon's own requests (gate tasks, proposers) are exchanges without a client body: translated."""
     import asyncio

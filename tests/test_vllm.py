@@ -28,7 +28,7 @@ from daemon.releases import ReleaseStore, files_from_dir
 from tests.conftest import ROOT, Daemon, make_home, sse_events
 from tests.test_hot_swap_weights import rescored
 from tests.test_lora_engine import make_adapter, peft_model
-from tests.test_release_serving import make_weights
+from tests.test_release_serving import hot_swap_under_load, make_weights
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODEL = "v"
@@ -84,14 +84,21 @@ def record(d: Daemon, receipt: str) -> dict[str, Any]:
 
 
 def test_sdks_through_reef_to_vllm(vd: Daemon, model32: Path) -> None:
-    """OpenAI and Anthropic SDKs, streaming and not: answers come from vLLM token by token; each record holds the
-    prompt Reef rendered, vLLM's sampled ids and log-probs (those of the model's own weights, re-scored here) and
-    the load vLLM reported as its weight version."""
+    """OpenAI and Anthropic SDKs, streaming and not: answers come from vLLM token by token (collected ones in
+    gathered chunks); each record holds the prompt Reef rendered, vLLM's sampled ids and log-probs (those of the
+    model's own weights, re-scored here) and the load vLLM reported as its weight version; a seed is vLLM's."""
     from transformers import AutoModelForCausalLM
 
     with openai.OpenAI(base_url=f"{vd.url}/v1", api_key=vd.token, max_retries=0) as oa, \
             anthropic.Anthropic(base_url=vd.url, api_key=vd.token, max_retries=0) as an:
         receipts = sdk_calls(oa, an)
+        seeded = []  # the client's seed reaches vLLM: at temperature 1 the same seed samples the same tokens
+        for seed in (7, 7, 8):
+            raw = oa.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "seeded"}], max_tokens=12, temperature=1.0,
+                seed=seed)
+            seeded.append(record(vd, raw.headers["x-reef-agent-record-id"])["token_ids"])
+        assert seeded[0] == seeded[1] != seeded[2], seeded
     model = AutoModelForCausalLM.from_pretrained(model32).eval()
     version = status(vd)["weight_version"]
     for receipt in receipts:
@@ -123,6 +130,29 @@ def sdk_calls(oa: openai.OpenAI, an: anthropic.Anthropic) -> list[str]:
         final = s.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens") and isinstance(streamed, str)
     return receipts
+
+
+def test_hot_swap_under_load_on_vllm(vd: Daemon, model32: Path, tmp_path: Path) -> None:
+    """The daemon's own hot-swap test (TESTING.md 5, ``test_release_serving``) on vLLM: adapter releases published
+    and rolled back under streaming and non-streaming load (each a LoRA load into vLLM or one already there; the
+    base stays, so no restart), zero failed requests, one load per content, log-probs re-scored by peft.
+    Before the full-weights test below: this scenario's base is the server's starting weights."""
+    with vd.http() as c:
+        first = c.post("/s/swap/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+        assert first.status_code == 200, first.text
+        init = c.get("/reef/scenarios/swap/releases").json()["releases"][-1]
+    base = AdapterManifest(init["content_id"], init["release_id"])
+    variants = [make_adapter(model32, tmp_path / f"ad{i}", 20 + i, base) for i in range(3)]
+
+    def with_adapter(store: ReleaseStore, rec: dict[str, Any], dest: Path) -> Any:
+        if rec["content_id"] == init["content_id"]:  # served before the first adapter went live
+            return peft_model(model32, None)
+        return peft_model(model32, store.checkout(rec["release_id"], dest))
+
+    hot_swap_under_load(vd, "swap", variants, {"model": MODEL, "max_tokens": 6,
+                                               "messages": [{"role": "user", "content": "hello there"}]},
+                        with_adapter)
 
 
 def load(d: Daemon, scenario: str, stop: threading.Event, failures: list[str], receipts: list[str], i: int) -> None:

@@ -201,10 +201,14 @@ class Pool:
     """Kept-alive connections to one origin (``scheme://host:port``)."""
 
     def __init__(self, scheme: str, host: str, port: int, *, connect_timeout: float, keepalive_s: float = 30.0,
-                 max_idle: int = 64) -> None:
+                 max_idle: int = 64, resend_on_stale: bool = False) -> None:
         self.scheme, self.host, self.port = scheme, host, port
         self.connect_timeout = connect_timeout
         self.keepalive_s = keepalive_s
+        # a kept-alive connection the server closes as the request arrives (its idle timeout) ends before any byte
+        # of an answer: send the request once more on a new connection. Only for servers where that cannot run a
+        # request twice (an inference server Reef supervises closes only idle connections), never by default.
+        self.resend_on_stale = resend_on_stale
         self.max_idle = max_idle
         default = 443 if scheme == "https" else 80
         self.host_header = host if port == default else f"{host}:{port}"
@@ -218,9 +222,16 @@ class Pool:
         """Send ``head`` (request line and headers, up to the blank line) and ``body``; returns the response once
         its headers are in (within ``timeout``), and whether the connection was a new one."""
         conn = self._idle_connection()
-        fresh = conn is None
         if conn is None:
-            conn = await self._connect()
+            return await self._send(await self._connect(), head, body, timeout), True
+        try:
+            return await self._send(conn, head, body, timeout), False
+        except ConnectionLost:
+            if not self.resend_on_stale:
+                raise
+        return await self._send(await self._connect(), head, body, timeout), True
+
+    async def _send(self, conn: _Connection, head: bytes, body: bytes, timeout: float | None) -> Response:
         loop = conn.loop  # not asyncio.get_running_loop(): on Python 3.11 that is a getpid() system call
         conn._reset(loop)
         assert conn.transport is not None and conn.head is not None
@@ -234,7 +245,7 @@ class Pool:
         finally:
             if timer is not None:
                 timer.cancel()
-        return Response(self, conn), fresh
+        return Response(self, conn)
 
     def _idle_connection(self) -> _Connection | None:
         """A kept-alive connection still open and not idle too long (the most recently used), else ``None``."""

@@ -66,6 +66,8 @@ class VLLM(Dialect):
         }
         if params.seed is not None:
             sampling["seed"] = params.seed
+        if params.chunk_tokens > 1:
+            sampling["stream_interval"] = params.chunk_tokens
         body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling, "stream": True,
                                 "output_mode": "tokens"}
         if adapter is not None:

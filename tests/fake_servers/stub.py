@@ -10,7 +10,7 @@ Reef sent. ``$REEF_STUB_CONTROL`` names a JSON file read on every request, to mi
     malformed_after   after N tokens, a chunk that is not JSON
     drop_after        after N tokens, the connection is cut
     report_version    the weight version reported, whatever was set
-    token_delay_s     pause between tokens
+    token_delay_s     pause between chunks (one token each, unless vLLM's stream_interval gathers several)
     die_on_generate   the process exits at once on its next generate request
 """
 
@@ -104,35 +104,45 @@ class Stub:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         version = ctl.get("report_version") or self.version
-        for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
-            if ctl.get("drop_after") is not None and i >= ctl["drop_after"]:
-                assert request.transport is not None
-                request.transport.abort()
-                return resp
-            if ctl.get("malformed_after") is not None and i >= ctl["malformed_after"]:
-                await resp.write(b"data: {not json\n\n")
-                await resp.write_eof()
-                return resp
-            last = i == n - 1
-            await resp.write(b"data: " + json.dumps(self.chunk(i, t, lp, ids, lps, last, version)).encode() + b"\n\n")
+        # vLLM's stream_interval: the first token at once, then chunks of that many tokens, the last one at once
+        interval = (sp.get("stream_interval") or 1) if self.dialect == "vllm" else 1
+        ends = sorted({1, n, *range(1 + interval, n, interval)}) if n else []
+        start = 0
+        for end in ends:
+            for i in range(start, end):
+                if ctl.get("drop_after") is not None and i >= ctl["drop_after"]:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                if ctl.get("malformed_after") is not None and i >= ctl["malformed_after"]:
+                    await resp.write(b"data: {not json\n\n")
+                    await resp.write_eof()
+                    return resp
+            chunk = self.chunk(start, end, ids, lps, end == n, version)
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            start = end
             if ctl.get("token_delay_s"):
                 await asyncio.sleep(ctl["token_delay_s"])
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    def chunk(self, i: int, t: int, lp: float, ids: list[int], lps: list[float], last: bool, version: str) -> Any:
+    def chunk(self, start: int, end: int, ids: list[int], lps: list[float], last: bool, version: str) -> Any:
+        """The chunk carrying tokens ``start:end``."""
         if self.dialect == "vllm":
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None, "token_ids": [t],
-                                      "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}]}}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None,
+                                      "token_ids": ids[start:end],
+                                      "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
+                                                               for t, lp in zip(ids[start:end], lps[start:end],
+                                                                                strict=True)]}}
             if last:
                 choice["weight_versions"] = [{"version": version, "start": 0, "end": len(ids)}]
             return {"request_id": "stub", "output_mode": "tokens", "choices": [choice]}
         # SGLang's default stream: cumulative output_ids and log-probs, meta_info on every chunk
-        return {"text": "", "output_ids": ids[: i + 1],
+        return {"text": "", "output_ids": ids[:end],
                 "meta_info": {"id": "stub", "finish_reason": {"type": "length", "length": len(ids)} if last else None,
-                              "prompt_tokens": 3, "completion_tokens": i + 1, "weight_version": version,
-                              "output_token_logprobs": [[x, y, None] for x, y in zip(lps[: i + 1], ids[: i + 1],
+                              "prompt_tokens": 3, "completion_tokens": end, "weight_version": version,
+                              "output_token_logprobs": [[x, y, None] for x, y in zip(lps[:end], ids[:end],
                                                                                      strict=True)]}}
 
 
