@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/create /scenarios/list /scenarios/show /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/create /scenarios/list /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -119,6 +119,7 @@ complete -c reef -n '__reef_at /report' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios' -a create -d 'Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)'
 complete -c reef -n '__reef_at /scenarios' -a list -d 'List scenarios with their recipe, records, reports and mean recent score'
 complete -c reef -n '__reef_at /scenarios' -a show -d 'Show one scenario'
+complete -c reef -n '__reef_at /scenarios' -a tasks -d 'The tasks a scenario\'s gate runs the agent on (harness-search)'
 complete -c reef -n '__reef_at /scenarios' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/create' -l recipe -d 'Learning recipe (default from config)'
 complete -c reef -n '__reef_at /scenarios/create' -l model -d 'Model to serve it (default from config)'
@@ -128,6 +129,17 @@ complete -c reef -n '__reef_at /scenarios/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/show' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/show' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/tasks' -a list -d 'List the tasks in a scenario\'s settings: id, check and prompt'
+complete -c reef -n '__reef_at /scenarios/tasks' -a promote -d 'Make a recorded run\'s user prompt a task of its scenario, scored by CHECK; the next step\'s gate runs it'
+complete -c reef -n '__reef_at /scenarios/tasks' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/tasks/list' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/tasks/list' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l check -d 'Shell command run in the workspace after the agent; exit 0 passes (e.g. \'pytest -q\')'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l workspace -d 'Directory copied fresh for each episode (default: an empty one)'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l id -d 'The task\'s id (a-z, 0-9, -; default: from the receipt)'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l scenario -s s -d 'The scenario (default: the receipt\'s own)'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/tasks/promote' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /serve' -l host -d 'Address to listen on (default 127.0.0.1)'
 complete -c reef -n '__reef_at /serve' -l port -d 'TCP port (default 8900)'
 complete -c reef -n '__reef_at /serve' -l model -d 'Default model for new scenarios (a name from config.toml)'
