@@ -33,7 +33,6 @@ directory after the daemon died.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import random
 import stat
@@ -43,6 +42,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.conftest import machine_lock
 
 HERE = Path(__file__).resolve().parent
 RECORD = struct.Struct("<cBHIQQQqQII")
@@ -68,12 +69,8 @@ def quiesced(log: Path) -> Iterator[None]:
     """Hold the recorder's lock: no traced process is between doing a file operation and logging it.
 
     Kill the traced processes inside this block and the log matches the disk exactly."""
-    with open(log, "ab") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with machine_lock(log):  # the shim takes the same flock on the log around each operation and its entry
+        yield
 
 
 def log_position(log: Path) -> int:
