@@ -277,8 +277,14 @@ async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
         assert held.held and held.holder == "daemon-a"
         refused = await b.lease("trainer", "daemon-b", ttl_s=0.5)
         assert not refused.held and refused.holder == "daemon-a"
-        renewed = await a.lease("trainer", "daemon-a", ttl_s=0.5)
-        assert renewed.held and renewed.epoch == held.epoch and renewed.expires_at > held.expires_at
+
+        async def renew() -> Any:
+            lease = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+            assert lease.held and lease.epoch == held.epoch, lease
+            return lease if lease.expires_at > held.expires_at else None
+
+        # a renewal moves the expiry on (SQLite's clock moves in milliseconds: one within the same one is equal)
+        renewed = await _until("a renewal moves the expiry on", renew)
         # daemon-a stops renewing: daemon-b gets it once it expired
         taken = await _until("daemon-b takes the lease over", lambda: _held(b, "daemon-b", 30))
         assert taken.epoch == held.epoch + 1
