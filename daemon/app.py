@@ -42,7 +42,7 @@ from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
 from daemon.serving import Reef
-from recipes import load_recipe, report_schemas
+from recipes import check_api_recipe, load_recipe, report_schemas
 
 log = logging.getLogger("reef.http")
 
@@ -609,6 +609,11 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     check_scenario(name)
     recipe = body.get("recipe")
     if recipe is not None:
+        if not isinstance(recipe, str):
+            raise BadRequest("recipe must be a recipe name (a string)", param="recipe")
+        cfg = reef.config
+        check_api_recipe(recipe, paths=cfg.recipe_paths,
+                         allowed=(*cfg.allowed_recipes, cfg.default_recipe, cfg.harness_recipe))
         load_recipe(recipe)  # unknown, fails to import, not a recipe: 400 saying which
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -114,6 +114,8 @@ class Config:
     agents_dir: Path | None = None  # where coding agents are installed (default $REEF_HOME/agents)
     # directories put first on the import path for ``module:Class`` recipes (daemon and trainer worker)
     recipe_paths: tuple[Path, ...] = ()
+    # module:Class recipes from outside recipe_paths that the API may bind (``POST /reef/scenarios``)
+    allowed_recipes: tuple[str, ...] = ()
     chain_remote: str | None = None  # the release chains' git remote (daemon/chain_remote.py); None: local only
     chain_lfs: Path | None = None  # the remote's LFS store directory (None: <remote>/lfs/objects for a path remote)
     chain_fetch_s: float = 2.0  # seconds between fetches of the remote's heads
@@ -272,6 +274,7 @@ def load_config(
         raise BadRequest("config: [recipes.<name>] entries must be tables")
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
+               "allowed_recipes",
                "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "trainer", "ray_address"}
     unknown = set(raw) - allowed
     if unknown:
@@ -305,6 +308,10 @@ def load_config(
     if isinstance(paths, str) or not all(isinstance(p, (str, Path)) for p in paths):
         raise BadRequest('config: recipe_paths must be a list of directories, e.g. ["~/reef-recipes"]')
     values["recipe_paths"] = tuple(home / Path(str(p)).expanduser() for p in paths)  # relative: to REEF_HOME
+    allowed_recipes = values.get("allowed_recipes", ())
+    if isinstance(allowed_recipes, str) or not all(isinstance(r, str) and ":" in r for r in allowed_recipes):
+        raise BadRequest('config: allowed_recipes must be a list of module:Class names, e.g. ["mypkg.rl:MyRecipe"]')
+    values["allowed_recipes"] = tuple(allowed_recipes)
     if values.get("harness_updates", "install") not in ("install", "notify"):
         raise BadRequest(f"config: harness_updates must be install or notify, got {values['harness_updates']!r}")
     records = values.get("records", "sqlite")

@@ -48,8 +48,29 @@ def add_recipe_paths(paths: Iterable[str | Path]) -> None:
             sys.path.insert(0, p)
 
 
+def check_api_recipe(name: object, *, paths: Iterable[str | Path] = (), allowed: Iterable[str] = ()) -> str:
+    """A recipe name the HTTP API may bind, checked before anything is imported: a built-in one, one the config
+    names (``allowed``: its ``allowed_recipes``, ``default_recipe``, ``harness_recipe``), or a ``module:Class``
+    whose top-level module lies in a configured recipe directory (``paths``). Importing a module runs its code,
+    so a name from a request never imports an arbitrary installed module (``this:X`` printed the Zen of Python
+    into the log); the config file, which only the user writes, may name any module."""
+    name = check_recipe_name(name)
+    if name in BUILTIN or name in set(allowed):
+        return name
+    top = name.partition(":")[0].split(".")[0]
+    for p in paths:
+        d = Path(p).expanduser()
+        if (d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file():
+            return name
+    raise RecipeError(
+        f"recipe {name}: the API binds built-in recipes, and module:Class recipes whose module is in a configured "
+        f"recipe directory (recipe_paths) or named in allowed_recipes in config.toml; {top!r} is in neither",
+        recipe=name)
+
+
 def load_recipe(name: str, paths: Iterable[str | Path] = ()) -> type[Recipe]:
     """The recipe class a name binds to; a ``RecipeError`` that says what is wrong when it cannot be used."""
+    check_recipe_name(name)  # before the cache: a name that is not even a string (``{}``) is a 400, not a TypeError
     got = _loaded.get(name)
     if got is not None:
         return got

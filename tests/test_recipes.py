@@ -5,6 +5,7 @@ refused at once or written down, and a step with nothing to learn publishes noth
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -202,7 +203,7 @@ def test_a_recipe_that_cannot_load_is_refused_at_once(daemon_factory, recipe_dir
         "plugins:Missing": "module plugins has no Missing",
         "plugins:NotARecipe": "does not implement the recipe interface",
         "plugins:NoTrain": "a weights recipe implements train(job, state)",
-        "nosuch.module:X": "cannot import module nosuch.module",
+        "nosuch.module:X": "'nosuch' is in neither",  # outside the recipe directories: never imported
     }
     with d.http() as c:
         for name, why in cases.items():
@@ -217,6 +218,45 @@ def test_a_recipe_that_cannot_load_is_refused_at_once(daemon_factory, recipe_dir
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "does not implement the recipe interface" in out.stderr and "Traceback" not in out.stderr
     assert "recipe plugins:NotARecipe: NotARecipe does not implement" in d.log_tail(200)  # the log says why too
+
+
+SIDE_EFFECT = """
+import os, pathlib
+pathlib.Path(os.environ["REEF_HOME"], "imported-{name}").write_text("ran")
+from recipes.base import Recipe
+class Thing(Recipe):
+    name = "{name}"
+"""
+
+
+def test_the_api_imports_no_module_outside_the_recipe_directories(daemon_factory, recipe_dir, tmp_path):
+    """Importing runs a module's code: a request naming an installed module (on the daemon's import path, but in
+    no recipe directory) is refused before the import, unless the config allows it by name; ``this:X`` (the
+    standard library's Zen of Python, printed at import) never reaches the log; a recipe that is not a string is a
+    400 naming the field, not a 500."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for mod in ("sneaky", "trusted"):
+        (site / f"{mod}.py").write_text(SIDE_EFFECT.replace("{name}", mod))
+    d = with_recipe_paths(daemon_factory, recipe_dir, start=False)
+    d.env["PYTHONPATH"] += os.pathsep + str(site)
+    cfg = d.home / "config.toml"
+    cfg.write_text('allowed_recipes = ["trusted:Thing"]\n' + cfg.read_text())
+    d.start()
+    with d.http() as c:
+        for name in ("sneaky:Thing", "this:X"):
+            err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "x", "recipe": name}), 400)
+            assert "recipe_paths" in err["message"] and "allowed_recipes" in err["message"], err
+        assert not (d.home / "imported-sneaky").exists()
+        assert "Beautiful is better than ugly" not in d.log_tail(400)
+        for bad in ({}, [], 7):
+            err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "x", "recipe": bad}), 400)
+            assert err.get("param") == "recipe", err
+        assert "x" not in [s["name"] for s in c.get("/reef/scenarios").json()["scenarios"]]
+        # the same kind of module, named in the config, binds; one in a recipe directory binds without being named
+        assert c.post("/reef/scenarios", json={"name": "t", "recipe": "trusted:Thing"}).status_code == 201
+        assert (d.home / "imported-trusted").read_text() == "ran"
+        assert c.post("/reef/scenarios", json={"name": "r", "recipe": "rwl:RewardWeighted"}).status_code == 201
 
 
 def test_settings_a_recipe_refuses_are_a_400_naming_them(daemon_factory, recipe_dir):
