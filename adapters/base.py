@@ -51,6 +51,9 @@ class Adapter:
     # neutral harness path prefix -> path under the config home
     layout: Mapping[str, str]
     override_home: bool = True  # the agent reads other config under $HOME: give it the isolated home as HOME
+    # the size of the agent's first request in SmolLM2 tokens (its system prompt and tool schemas), measured with the
+    # pinned version; None: not measured. The wrapper and ``reef doctor`` hold it against a model's context.
+    first_request_tokens: int | None = None
 
     @property
     def command(self) -> str:

@@ -19,6 +19,7 @@ class Claude(Adapter):
     name = "claude"
     package = "@anthropic-ai/claude-code"
     version = "2.1.197"
+    first_request_tokens = 21600  # its system prompt and tool schemas as JSON (DESIGN.md's measured facts)
     binary = "claude"
     wire = "anthropic"
     layout = {"AGENTS.md": ".claude/CLAUDE.md", "skills/": ".claude/skills/", "commands/": ".claude/commands/"}

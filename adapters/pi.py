@@ -18,6 +18,7 @@ class Pi(Adapter):
     name = "pi"
     package = "@mariozechner/pi-coding-agent"
     version = "0.73.1"
+    first_request_tokens = 1546  # bench/serve_smollm2.py
     binary = "pi"
     wire = "openai-chat"
     layout = {"AGENTS.md": ".pi/agent/AGENTS.md", "skills/": ".pi/agent/skills/", "commands/": ".pi/agent/prompts/"}

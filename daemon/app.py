@@ -38,6 +38,7 @@ from daemon.errors import (
     Unauthorized,
 )
 from daemon.exchange import Completion, Finish, Receipt, Relay
+from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
@@ -423,7 +424,8 @@ async def handle_models(request: web.Request) -> web.Response:
             "created": created,
             "created_at": stamp,
             "owned_by": f"reef:{entry.engine}",
-            "display_name": name,
+            "display_name": f"{name} (test model)" if is_test_model(name) else name,
+            **({"reef": {"test_model": True}} if is_test_model(name) else {}),
         }
         for name, entry in sorted(reef.config.models.items())
     ]
@@ -574,6 +576,14 @@ async def handle_evolve(request: web.Request) -> web.Response:
     reef = request.ctx
     name = check_scenario(request.match_info["name"])
     return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
+
+
+async def handle_move_model(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    return _json(await harness.move_model(reef, name, await _object_body(request)))
 
 
 async def handle_promote_task(request: web.Request) -> web.Response:
@@ -787,6 +797,7 @@ async def handle_status(request: web.Request) -> web.Response:
             "models": {
                 name: {
                     "engine": e.engine,
+                    "test_model": is_test_model(name),
                     "loaded": name in reef._engines,
                     "resident": reef._engines[name].resident if name in reef._engines else {},
                     **({"server": reef._engines[name].status} if name in reef._engines and reef._engines[name].status
@@ -879,6 +890,7 @@ def make_app(reef: Reef) -> Handler:
     r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
     r.add("POST", "/reef/scenarios/{name}/tasks", handle_promote_task)
+    r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
     r.add("GET", "/reef/events", handle_events)

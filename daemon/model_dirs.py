@@ -26,6 +26,27 @@ BUILT_IN = {  # name -> what it is (``reef model init --help``)
 }
 
 
+TEST_MODELS = ("tiny", "tiny-demo")  # random or barely trained weights: for tests and `--model tiny`, never a default
+TEST_MODEL_NOTE = "a test model: random weights, its answers are noise"
+
+
+def is_test_model(name: str) -> bool:
+    return name in TEST_MODELS
+
+
+def context_of(path: Path | None) -> int | None:
+    """A local model directory's context length from its ``config.json`` (``max_position_embeddings``), read
+    without loading the model; None when unknown."""
+    if path is None:
+        return None
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n = raw.get("max_position_embeddings") if isinstance(raw, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def init_built_in(dest: Path, name: str, *, seed: int = 0, progress: Callable[[str], None] | None = None) -> Path:
     """Make the built-in model ``name`` into ``dest`` (atomically) unless a complete one is there; return ``dest``.
 

