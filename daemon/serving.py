@@ -188,6 +188,10 @@ class Reef:
             if entry.path.parent == self.config.models_dir and entry.path.name in BUILT_IN:
                 log.info("building the %s model into %s (first use)", entry.path.name, entry.path)
                 await asyncio.to_thread(init_built_in, entry.path, entry.path.name)
+        if entry.engine == "transformers":  # torch's import takes seconds: not on the event loop
+            import importlib
+
+            await asyncio.to_thread(importlib.import_module, "daemon.engines.transformers")
         engine = build_engine(entry, self.config.secrets, self.metrics)
         try:
             await engine.start()
