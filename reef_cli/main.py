@@ -60,12 +60,9 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -
     if json_out:
         print_json(info)
         return
-    print(f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}")
-    print(f"listen   {info['listen']['tcp']} and {info['listen']['unix']}")
-    models = ", ".join(f"{n} ({m['engine']}{', test model' if m.get('test_model') else ''}"
-                       f"{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
-    print(f"models   {models}; default {info['default_model']}")
-    print(f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios")
+    from reef_cli.fast import status_lines
+
+    print("\n".join(status_lines(info)))
 
 
 def main() -> None:

@@ -118,3 +118,36 @@ def test_errors_are_one_line_with_an_exit_code(args: list[str], code: int, says:
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("reef: ") and says in lines[0], out.stderr
     assert "secret-token" not in out.stderr + out.stdout
+
+
+def test_the_entry_points_help_is_typers_own() -> None:
+    """``reef --help`` prints ``reef_cli/help.txt`` without importing typer: it must be what typer prints (after
+    a command is added or its help changes: ``python -m reef_cli.fast --write-help``)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="80")
+    typer_help = subprocess.run([sys.executable, "-m", "reef_cli.main", "--help"], env=env, capture_output=True,
+                                text=True, timeout=120).stdout
+    for args in (["--help"], ["-h"], []):
+        fast = subprocess.run([sys.executable, "-m", "reef_cli.fast", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert fast.returncode == 0 and fast.stdout == typer_help, "run: python -m reef_cli.fast --write-help"
+
+
+def test_reef_status_is_answered_without_typer_and_says_what_the_full_command_says(daemon: Any) -> None:
+    import json
+
+    probe = ("import sys, runpy; sys.argv = ['reef'] + sys.argv[1:]\n"
+             "runpy.run_module('reef_cli.fast', run_name='__main__')\n"
+             "sys.stderr.write('TYPER=%s' % ('typer' in sys.modules))")
+    for args in (["status"], ["status", "--json"]):
+        fast = subprocess.run([sys.executable, "-c", probe, *args], env=daemon.env, capture_output=True, text=True,
+                              timeout=120)
+        assert fast.returncode == 0 and "TYPER=False" in fast.stderr, fast.stderr
+        full = daemon.cli(*args)
+        if args[-1] == "--json":
+            mine, theirs = json.loads(fast.stdout), json.loads(full.stdout)
+            for d in (mine, theirs):
+                d.pop("uptime_s")
+            assert mine == theirs
+        else:  # the uptime may differ by a second
+            assert fast.stdout.splitlines()[1:] == full.stdout.splitlines()[1:] and len(full.stdout.splitlines()) == 4
+            assert fast.stdout.split(", up")[0] == full.stdout.split(", up")[0]

