@@ -55,10 +55,10 @@ def _status() -> dict[str, Any] | None:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args in ([], ["--help"], ["-h"]):
+    if args in ([], ["--help"]):
         with open(HELP, encoding="utf-8") as f:
             sys.stdout.write(f.read())
-        return
+        sys.exit(0 if args else 2)  # as typer's app: `reef` alone is a usage error that shows the help
     if args in (["status"], ["status", "--json"]) and not os.environ.get("REEF_URL"):
         info = _status()
         if info is not None:
