@@ -623,3 +623,20 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     shutil.rmtree(host_dir)
     assert out["workspace_file"] == "written" and (ws / "written.txt").read_text() == "x"
     assert os.path.isdir(d.home)
+
+
+def test_episodes_that_cannot_run_fail_the_step_and_are_never_scored(world: dict[str, Any]) -> None:
+    """A sandbox that cannot start the interpreter (Reef's own environment hidden from it) makes every episode an
+    ``error``: the step is written down as failed with the reason, not rejected as a tie (wins 0 - losses 0), and
+    neither tree's pool scores take a 0 from it."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        seeded_scenario(c, "hs-norun", ["Write greetings in French."],
+                        {"tasks": [task(world, "greet", "hello")], "repeats": 1, "hide": [sys.prefix]})
+        script(world, one(op="remove", kind="rule", id=rule_id("Write greetings in French.")))
+        out = step(c, "hs-norun", 1)
+        assert out["verdict"] == "failed", out
+        assert "no episode pair could run (2 of 2 episodes did not run)" in out["reason"], out
+        assert "error" in out["reason"] and "wins" not in out["reason"], out
+        status = c.get("/reef/scenarios/hs-norun").json()["recipe_status"]
+        assert status["judged"] == 0, status  # no tree got a score from episodes that did not run

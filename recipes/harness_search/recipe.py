@@ -12,7 +12,10 @@ One step (woken by each written feedback; never inline, since episodes take seco
 3. Gate: every task under the serving tree and the candidate, ``repeats`` times, interleaved (the order of the
    pair alternates), within ``max_episodes``; each (task, repeat) pair is a win, a loss or a tie, and the
    candidate is published when wins - losses >= ``margin`` (1 by default: a strict improvement). Both trees'
-   scores join the pool, published or not, so a tree best on one task stays a parent.
+   scores join the pool, published or not, so a tree best on one task stays a parent. A pair with an episode that
+   did not run (``error``: the sandbox, the wrapper or the agent could not start or crashed; ``timeout``: killed
+   at its limit) is no result: it is left out of the gate and the pool, and a step with no pair left fails with
+   the reasons (a failed step is written down as such, never as a tie).
 4. Written down: per-task means of both sides, the spend (episodes, proposer calls, seconds), the mutations and
    refusals, in the step's metrics (release or rejection) and in the step's answer.
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.errors import BadRequest
+from daemon.errors import BadRequest, StepFailed
 from daemon.gate import Verdict
 from daemon.gate import judge as gate_judge
 from recipes.base import Candidate, HarnessContext, Recipe, Scores
@@ -45,6 +48,15 @@ from recipes.harness_search.pool import Member, Pool, tree_id
 from recipes.harness_search.proposer import PROPOSER_SYSTEM, proposer_prompt, render_exchange
 
 log = logging.getLogger("reef.learning")
+
+
+NOT_RUN = ("error", "timeout")  # episode statuses that are no result: the sandbox, the agent or the check did not run
+
+
+def _why_not_run(pairs: list[tuple[Episode, Episode]]) -> str:
+    eps = [e for pair in pairs for e in pair if e.status in NOT_RUN]
+    shown = "; ".join(f"{e.task}/{e.side}#{e.repeat} {e.status}: {' '.join(e.output.split())[-240:]}" for e in eps[:4])
+    return shown + (f"; and {len(eps) - 4} more" if len(eps) > 4 else "")
 
 
 HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.docker", "~/.kube", "~/.npmrc",
@@ -156,7 +168,8 @@ class HarnessSearch(Recipe):
         pinned = {side: await ctx.episode_release(env.scenario, t)  # type: ignore[attr-defined]
                   for side, t in trees.items()}
         repeats = max(1, min(s.repeats, s.max_episodes // (2 * len(tasks))))
-        pairs: list[tuple[Episode, Episode]] = []
+        pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
+        not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
         for r in range(repeats):
             for i, task in enumerate(tasks):
                 sides = ["serving", "candidate"]
@@ -168,12 +181,24 @@ class HarnessSearch(Recipe):
                     spend["episodes"] += 1
                     spend["episode_s"] = round(spend["episode_s"] + ep.seconds + ep.check_seconds, 3)
                     got[side] = ep
-                    self.pool.record(tree if side == "serving" else candidate, task.id, ep.score)
-                pairs.append((got["candidate"], got["serving"]))
+                pair = (got["candidate"], got["serving"])
+                if any(e.status in NOT_RUN for e in pair):  # a failure is not a result: not a loss, not a tie
+                    not_run.append(pair)
+                    continue
+                for side in sides:
+                    self.pool.record(tree if side == "serving" else candidate, task.id, got[side].score)
+                pairs.append(pair)
+        spend["episodes_not_run"] = sum(e.status in NOT_RUN for pair in not_run for e in pair)
+        if not pairs:  # nothing was judged: the step failed, with the reasons, and nothing joins the pool
+            self._save(ctx)
+            raise StepFailed(f"no episode pair could run ({spend['episodes_not_run']} of {spend['episodes']} episodes "
+                             "did not run): " + _why_not_run(not_run))
         self.pool.add(candidate, parent=parent.id, origin=origin)
         self.pool.prune([t.id for t in tasks], keep={serving.id, tree_id(candidate)})
-        details["episodes"] = [e.to_dict() for pair in pairs for e in pair]
-        details["tasks"] = self._per_task(tasks, pairs)
+        details["episodes"] = [e.to_dict() for pair in [*pairs, *not_run] for e in pair]
+        if not_run:
+            details["not_run"] = _why_not_run(not_run)
+        details["tasks"] = self._per_task([t for t in tasks if any(c.task == t.id for c, _ in pairs)], pairs)
         details["summary"] = (f"{origin} candidate: " + ", ".join(
             f"{t}: candidate {v['candidate']:.2f} vs serving {v['serving']:.2f}" for t, v in details["tasks"].items()))
         metrics = self._metrics(spend, details)
@@ -357,6 +382,8 @@ class HarnessSearch(Recipe):
         if details.get("origin"):
             out.update(origin=details["origin"], parent=details["parent"], candidate_id=details["candidate"],
                        serving_id=details["serving"])
+        if details.get("not_run"):
+            out["not_run"] = details["not_run"][:2000]
         if details.get("episodes"):
             out["episode_runs"] = json.dumps([
                 {**{k: e[k] for k in ("task", "side", "repeat", "status", "run")},
