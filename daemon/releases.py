@@ -92,7 +92,7 @@ from typing import Any
 import pygit2
 
 from daemon import durable, lora
-from daemon.chain_remote import ChainRemote, RefPush
+from daemon.chain_remote import MIRROR_REF, ChainRemote, RefPush
 from daemon.errors import (
     BadRequest,
     BaseMismatch,
@@ -1917,8 +1917,8 @@ class ReleaseStore:
                     errors.append(f"object {key}: {e}")
 
         for name in repo.listall_references():
-            if not name.startswith("refs/"):
-                continue
+            if not name.startswith("refs/") or name.startswith(MIRROR_REF):
+                continue  # the mirror is what the remote has; only what passed ``_incoming`` is the store's
             try:
                 stack = [repo.references[name].target]
             except Exception as e:
