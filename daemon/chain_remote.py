@@ -31,6 +31,19 @@ Design choices:
   compare-and-swap (after its LFS objects are in). The remote is the shared truth: a local ref that is not an
   ancestor of the remote's is moved anyway, with a warning naming both. Local chains the remote lacks (made
   before the remote was configured) are pushed to it on the first follow, as an init would be.
+- What a remote is trusted with: to say which releases exist, not to write anywhere else. Before a ref moves to a
+  fetched commit, the store checks every commit it newly reaches (``ReleaseStore._incoming``): tree entry names
+  safe on disk, a ``content_id`` that is the commit's content tree (it names a checkout directory), LFS ids that
+  are sha256 ids, and sizes under ``max_blob_bytes`` (a git object, read from its header before it is inflated)
+  and ``max_lfs_bytes`` (an LFS object, from the manifest before the copy, and the copy stops at the declared
+  size). A release that fails is refused by name, its ref stays, and serving goes on.
+- Credentials in the URL (``https://user:token@host/...``) never reach a command line (``/proc/<pid>/cmdline`` is
+  readable by every local user): git is given the URL without them, and a credential helper configured through
+  ``GIT_CONFIG_*`` environment variables (readable by this user only) answers with them from its environment.
+  Messages and logs show the URL as ``//***@host``.
+- A path remote's hooks would run as this daemon's user (git runs ``receive-pack`` in the remote repository on
+  a push); the push runs it with ``core.hooksPath=/dev/null``, so they never do. A remote's own policy belongs on
+  a git server (its hooks run as the server's user).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from daemon import durable
 from daemon.errors import BadRequest, HeadMoved, LockBusy, RemoteRefused
@@ -60,6 +74,17 @@ _ZERO = "0" * 40
 _MOVED = re.compile(r"stale info|fetch first|non-fast-forward|failed to update ref|but expected|already exists|"
                     r"cannot lock ref")
 _CHUNK = 4 << 20
+# The size bounds on what a remote sends (``chain_max_blob_bytes`` / ``chain_max_lfs_bytes``). Reef stores every
+# file over ``lfs_threshold`` (1 MiB) as an LFS object, so the git objects of a release it published are small: a
+# manifest, harness text, configs; 64 MiB is far above any of them. LFS objects are weights files: single safetensors
+# shards are <= 5-50 GB as transformers writes them and a 70B GGUF at 4 bits is about 40 GB, so 64 GiB takes any
+# one weights file while refusing what only an attacker or a mistake sends. LFS objects are streamed (never held in
+# memory); the bound is on disk.
+DEFAULT_MAX_BLOB_BYTES = 64 << 20
+DEFAULT_MAX_LFS_BYTES = 64 << 30
+# answers git's "get" with the URL's credentials from its own environment (never from its command line)
+_HELPER = ('!f() { if test "$1" = get; then printf \'username=%s\\npassword=%s\\n\' "$REEF_CHAIN_USERNAME" '
+           '"$REEF_CHAIN_PASSWORD"; fi; }; f')
 _ADVICE = {"Please make sure you have the correct access rights", "and the repository exists."}
 
 
@@ -90,6 +115,24 @@ def is_path(remote: str) -> bool:
     return not remote.startswith(URL_SCHEMES)
 
 
+def split_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """``(url without credentials, user name, password)``. An ssh URL keeps its user name (ssh logs in as it; a
+    password there is dropped: ssh takes none from a URL), a git:// URL loses both (it has no authentication)."""
+    if is_path(url):
+        return url, None, None
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url, None, None
+    user, colon, password = userinfo.partition(":")
+    if url.startswith("ssh://"):
+        return parts._replace(netloc=f"{user}@{host}").geturl(), None, None
+    bare = parts._replace(netloc=host).geturl()
+    if url.startswith("git://"):
+        return bare, None, None
+    return bare, unquote(user), unquote(password) if colon else ""
+
+
 @dataclass(frozen=True)
 class RefPush:
     """One ref of an atomic push: move ``name`` from ``old`` (None: absent) to ``new`` (None: delete)."""
@@ -103,13 +146,18 @@ class ChainRemote:
     """The git remote of a release store (``path``: the local bare repository)."""
 
     def __init__(self, path: Path, url: str, *, lfs_store: str | os.PathLike[str] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES,
+                 max_lfs_bytes: int = DEFAULT_MAX_LFS_BYTES) -> None:
         if shutil.which("git") is None:
             raise BadRequest("config: chain_remote needs the git binary on PATH (apt-get install git)")
         self.path = Path(path)
-        self.url = url
+        # the URL git is given (no credentials: a command line is readable by every local user); the credentials
+        # reach git only through the environment of its credential helper (``_git``)
+        self.url, self._username, self._password = split_credentials(url)
         self.shown = re.sub(r"//[^/@]*@", "//***@", url)  # the URL as messages and logs show it: no credentials
         self.timeout = timeout
+        self.max_blob_bytes = max_blob_bytes  # the largest git object a fetched release may hold (its header)
+        self.max_lfs_bytes = max_lfs_bytes  # the largest LFS object a fetched release may name
         # the directory that must exist already (a missing share or remote is refused, never created here)
         self._lfs_root: Path | None = None
         if lfs_store is not None:
@@ -124,10 +172,18 @@ class ChainRemote:
     # --- git -----------------------------------------------------------------------------------------------
 
     def _git(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "REEF_CHAIN_"))}
         env.update(GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", LC_ALL="C")
         if self.url.startswith("ssh://") and args[0] != "config":
             env["GIT_SSH_COMMAND"] = self._ssh_command()
+        if self._username is not None:
+            # for this remote's host only: an empty helper first drops the helpers configured before it, so the
+            # URL's credentials are the ones used; the helper reads them from its environment
+            parts = urlsplit(self.url)
+            key = f"credential.{parts.scheme}://{parts.netloc}.helper"
+            env.update(GIT_CONFIG_COUNT="2", GIT_CONFIG_KEY_0=key, GIT_CONFIG_VALUE_0="", GIT_CONFIG_KEY_1=key,
+                       GIT_CONFIG_VALUE_1=_HELPER, REEF_CHAIN_USERNAME=self._username,
+                       REEF_CHAIN_PASSWORD=self._password or "")
         argv = ["git", f"--git-dir={self.path}", *args]
         # its own process group: on a timeout the transport helper (git-remote-http, ssh) it started dies with it,
         # rather than hanging on the remote for as long as the daemon runs
@@ -156,7 +212,17 @@ class ChainRemote:
         # comes before git's "Could not read from remote repository"), without git's stock advice and hints
         lines = [ln.strip() for ln in (proc.stderr or "").splitlines()
                  if ln.strip() and not ln.startswith("hint:") and ln.strip() not in _ADVICE]
-        return " ".join((lines or [f"git exited {proc.returncode}"])[-3:]).replace(self.url, self.shown)
+        return self._redact(" ".join((lines or [f"git exited {proc.returncode}"])[-3:]))
+
+    def _redact(self, text: str) -> str:
+        """``text`` with the URL as shown (no credentials), and no credential however git chose to print it."""
+        text = text.replace(self.url, self.shown)
+        # a user name alone is the token (``https://<token>@host``) when long enough to be one
+        token = self._username if not self._password and len(self._username or "") >= 8 else None
+        for secret in (self._password, token):
+            if secret:
+                text = text.replace(secret, "***")
+        return text
 
     def remote_heads(self, prefix: str = "refs/reef/") -> dict[str, str]:
         """The remote's refs under ``prefix`` as it has them now (``git ls-remote``)."""
@@ -177,6 +243,8 @@ class ChainRemote:
         anything else (unreachable, no such repository, auth, a hook's refusal): nothing was changed."""
         updates = list(updates)
         args = ["push", "--atomic", "--porcelain", "--no-verify"]
+        if is_path(self.url):  # receive-pack runs in the remote repository, as this user: never its hooks
+            args.append("--receive-pack=git -c core.hooksPath=/dev/null receive-pack")
         specs = []
         for u in updates:
             args.append(f"--force-with-lease={u.name}:{u.old or ''}")
@@ -201,7 +269,7 @@ class ChainRemote:
         if rejected:  # what the remote said about each ref, and what its hooks printed
             said = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("remote:") and ln[7:].strip()]
             why = "; ".join([ln.split("\t")[-1] for ln in rejected] + said[-3:])
-        log.warning("push to %s refused: %s", self.shown, text.strip()[-2000:].replace(self.url, self.shown))
+        log.warning("push to %s refused: %s", self.shown, self._redact(text.strip()[-2000:]))
         raise RemoteRefused(self.shown, why)
 
     def fetch(self) -> dict[str, str]:
@@ -248,6 +316,9 @@ class ChainRemote:
         if self.lfs_dir is None:
             raise RemoteRefused(self.shown, f"LFS object {sha} is not here and this remote has no LFS store "
                                 "(set chain_lfs)")
+        if size > self.max_lfs_bytes:
+            raise RemoteRefused(self.shown, f"LFS object {sha} is {size} bytes, over the bound of "
+                                f"{self.max_lfs_bytes} (chain_max_lfs_bytes)")
         src = self._remote_lfs(sha)
         try:
             _copy_verified(src, dest, sha, size)
@@ -266,7 +337,9 @@ def _copy_verified(src: Path, final: Path, sha: str, size: int) -> None:
         h = hashlib.sha256()
         n = 0
         with open(src, "rb") as f, open(fd, "wb", closefd=False) as out:
-            while chunk := f.read(_CHUNK):
+            if os.fstat(f.fileno()).st_size != size:  # never copy more than the release says the object holds
+                raise OSError(f"{src} holds {os.fstat(f.fileno()).st_size} bytes, not the {size} of LFS object {sha}")
+            while n <= size and (chunk := f.read(min(_CHUNK, size + 1 - n))):
                 h.update(chunk)
                 n += len(chunk)
                 out.write(chunk)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import shutil
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
-from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound
+from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, StorageError
 from daemon.events import EventBus
 from daemon.metrics import Metrics
 from daemon.records import Scenario
@@ -68,7 +69,8 @@ class Chains:
         if config.chain_remote is not None:
             from daemon.chain_remote import ChainRemote
 
-            remote = ChainRemote(config.artifacts_path, config.chain_remote, lfs_store=config.chain_lfs)
+            remote = ChainRemote(config.artifacts_path, config.chain_remote, lfs_store=config.chain_lfs,
+                                 max_blob_bytes=config.chain_max_blob_bytes, max_lfs_bytes=config.chain_max_lfs_bytes)
         self.store = ReleaseStore(config.artifacts_path, remote=remote)
         self._follow: asyncio.Task[None] | None = None
         self.remote_state: dict[str, Any] = {} if remote is None else {"url": remote.shown, "last_fetch": None,
@@ -95,10 +97,15 @@ class Chains:
     async def _follow_once(self) -> list[str]:
         import time
 
-        from daemon.errors import ReefError
+        from daemon.errors import ReefError, RemoteReleaseRefused
 
         try:
             moved = await asyncio.to_thread(self.store.follow)
+        except RemoteReleaseRefused as e:  # fetched, but some releases refused: the rest were taken in
+            if self.remote_state.get("error") != e.message:
+                log.warning("following the chain remote: %s", e.message)
+            self.remote_state.update(error=e.message, last_fetch=time.time())
+            return e.moved
         except ReefError as e:
             if self.remote_state.get("error") != e.message:
                 log.warning("following the chain remote: %s", e.message)
@@ -232,6 +239,10 @@ class Chains:
         async with lock:
             dest = self.cache_dir / rel.content_id
             done = self.cache_dir / f"{rel.content_id}.ok"
+            # the store reads only a tree id as a content id; a path that resolves elsewhere is never removed
+            if not re.fullmatch(r"[0-9a-f]{40}", rel.content_id) or dest.resolve().parent != self.cache_dir.resolve():
+                raise StorageError(f"release {rel.release_id}: content id {rel.content_id!r} is not a checkout "
+                                   f"directory under {self.cache_dir}; not served", release_id=rel.release_id)
             if not done.exists():
                 if dest.exists():
                     await asyncio.to_thread(shutil.rmtree, dest)  # a checkout a crash left half-done

@@ -18,6 +18,8 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
                                   # http(s):// or ssh:// URL); see daemon/chain_remote.py
     chain_lfs = "/shared/reef-lfs"  # the remote's LFS store (default for a path remote: <remote>/lfs/objects)
     chain_fetch_s = 2.0           # how often the remote's heads are fetched
+    chain_max_blob_bytes = 67108864  # the largest git object a release fetched from the remote may hold (64 MiB)
+    chain_max_lfs_bytes = 68719476736  # the largest large file (LFS object) it may name (64 GiB)
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
 
@@ -119,6 +121,8 @@ class Config:
     chain_remote: str | None = None  # the release chains' git remote (daemon/chain_remote.py); None: local only
     chain_lfs: Path | None = None  # the remote's LFS store directory (None: <remote>/lfs/objects for a path remote)
     chain_fetch_s: float = 2.0  # seconds between fetches of the remote's heads
+    chain_max_blob_bytes: int = 64 << 20  # the largest git object a release fetched from the remote may hold
+    chain_max_lfs_bytes: int = 64 << 30  # the largest LFS object it may name (daemon/chain_remote.py says why)
     trainer: str = "local"  # local | ray
     ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
@@ -275,7 +279,8 @@ def load_config(
     allowed = {"host", "port", "max_body_bytes", "default_model", "default_recipe", "log_level", "trainer_threads",
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
                "allowed_recipes",
-               "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "trainer", "ray_address"}
+               "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "chain_max_blob_bytes",
+               "chain_max_lfs_bytes", "trainer", "ray_address"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -350,7 +355,7 @@ def _check_distributed(values: dict[str, Any], home: Path) -> None:
     if values.get("chain_remote") is not None:
         values["chain_remote"] = check_remote(values["chain_remote"], home)
     else:
-        for key in ("chain_lfs", "chain_fetch_s"):
+        for key in ("chain_lfs", "chain_fetch_s", "chain_max_blob_bytes", "chain_max_lfs_bytes"):
             if key in values:
                 raise BadRequest(f"config: {key} needs chain_remote (it configures the chains' git remote)")
     if values.get("chain_lfs") is not None:
@@ -362,6 +367,10 @@ def _check_distributed(values: dict[str, Any], home: Path) -> None:
     every = values.get("chain_fetch_s", 2.0)
     if isinstance(every, bool) or not isinstance(every, int | float) or not 0 < every <= 3600:
         raise BadRequest(f"config: chain_fetch_s must be a number of seconds in (0, 3600], got {every!r}")
+    for key in ("chain_max_blob_bytes", "chain_max_lfs_bytes"):
+        bound = values.get(key, 1)
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise BadRequest(f"config: {key} must be a whole number of bytes, at least 1, got {bound!r}")
     trainer = values.get("trainer", "local")
     if trainer not in ("local", "ray"):
         raise BadRequest(f"config: trainer must be local or ray, got {trainer!r}")

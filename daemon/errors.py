@@ -33,6 +33,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── UpstreamError              502  upstream_error
     │   └── UpstreamTimeout            504  timeout_error
     ├── RemoteRefused                  502  remote_error    (a chain remote refused a push or fetch: says why)
+    │   └── RemoteReleaseRefused       502  (releases on the remote this daemon refuses to take in: says which)
     ├── Unavailable                    503  overloaded_error (draining, not ready)
     └── DaemonNotRunning               (CLI side: cannot reach the daemon)
 """
@@ -261,6 +262,22 @@ class RemoteRefused(ReefError):
                          reason=why)
         self.remote = remote
         self.why = why
+
+
+class RemoteReleaseRefused(RemoteRefused):
+    """Releases fetched from the chain remote that a follower refuses to take in (a path that would leave its
+    directory, a content id that is not the release's tree, an object over the configured size bound): their
+    refs stay where they were here and the daemon serves on; ``refused`` names each release, ``moved`` the refs of
+    the same follow that passed and were taken in."""
+
+    def __init__(self, remote: str, refused: list[str], moved: list[str]) -> None:
+        why = "; ".join(refused)
+        ReefError.__init__(self, f"the chain remote {remote} holds releases this daemon refuses to take in: {why}; "
+                           "it keeps serving what it has", remote=remote, refused=refused)
+        self.remote = remote
+        self.why = why
+        self.refused = refused
+        self.moved = moved
 
 
 class Unavailable(ReefError):

@@ -92,7 +92,7 @@ from typing import Any
 import pygit2
 
 from daemon import durable, lora
-from daemon.chain_remote import ChainRemote, RefPush
+from daemon.chain_remote import MIRROR_REF, ChainRemote, RefPush
 from daemon.errors import (
     BadRequest,
     BaseMismatch,
@@ -101,6 +101,7 @@ from daemon.errors import (
     LockBusy,
     NotFound,
     ReefError,
+    RemoteReleaseRefused,
     StorageError,
     Unchanged,
 )
@@ -124,6 +125,8 @@ LFS_VERSION = "https://git-lfs.github.com/spec/v1"
 DEFAULT_LFS_THRESHOLD = 1 << 20
 
 _HEX_RE = re.compile(r"^[0-9a-f]{4,40}$")
+_OID_RE = re.compile(r"[0-9a-f]{40}")  # a full git object id (fullmatch)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")  # an LFS object id (fullmatch)
 # libgit2's two messages for GIT_ELOCKED (the lock file seen first, or lost in the O_EXCL race)
 _LOCK_MSG = re.compile(r"failed to (?:lock file|create locked file) '(.+?\.lock)'")
 _REFLOG_LINE = re.compile(rb"([0-9a-f]{40}) ([0-9a-f]{40}) ")  # "<old> <new> <ident> <when>\t<message>"
@@ -132,6 +135,7 @@ _BLOB = int(pygit2.enums.FileMode.BLOB)
 _EXEC = int(pygit2.enums.FileMode.BLOB_EXECUTABLE)
 _TREE = int(pygit2.enums.FileMode.TREE)
 _CHUNK = 4 << 20
+_LOOSE_READ = 1 << 20  # bytes read, and at most inflated, per step of a loose object check
 _DIFF_TEXT_MAX = 4 << 20  # files above this are reported as binary (sizes), not diffed as text
 _DIFF_OUT_MAX = 256 << 10  # per-file cap on a unified diff
 
@@ -217,13 +221,16 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version {LFS_VERSION}\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
+def unsafe_name(name: str) -> bool:
+    """Whether ``name`` may not be one component of a path written to disk: empty, ``.``, ``..``, ``.git`` (any
+    case), or holding a separator or NUL. Git's tree format allows most of these in a crafted tree (git itself
+    refuses them at checkout), so every tree read from the store is held to this as well as every path published."""
+    return name in ("", ".", "..") or name.lower() == ".git" or any(c in name for c in "/\\\0")
+
+
 def _check_path(path: str) -> list[str]:
     parts = path.split("/") if isinstance(path, str) else []
-    if (
-        not parts
-        or any(p in ("", ".", "..", ".git") or "\0" in p or "\\" in p for p in parts)
-        or path in (MANIFEST, REJECTION)
-    ):
+    if not parts or any(unsafe_name(p) for p in parts) or path in (MANIFEST, REJECTION):
         raise BadRequest(f"invalid artifact path {path!r}", param="files")
     return parts
 
@@ -246,19 +253,60 @@ class _Corrupt(ValueError):
         self.path = path
 
 
-def _check_loose(path: Path, key: str) -> None:
-    """Raise ``_Corrupt`` unless the loose object file inflates completely and hashes to ``key``;
-    ``FileNotFoundError`` when there is no such file."""
-    data = path.read_bytes()
+class _TooLarge(ValueError):
+    """An object larger than a bound (``_check_loose``'s ``max_size``), found from its header alone."""
+
+
+def _check_loose(path: Path, key: str, max_size: int | None = None) -> tuple[str, int]:
+    """``(type, size)`` of a loose object file, or ``_Corrupt`` unless it inflates completely, holds as many bytes
+    as its header says and hashes to ``key``; ``FileNotFoundError`` when there is no such file. Streamed (bounded
+    memory whatever the object's size, and whatever the compression ratio); with ``max_size``, an object whose
+    header says it is larger is ``_TooLarge`` before the rest of it is inflated."""
     inflate = zlib.decompressobj()
-    try:
-        raw = inflate.decompress(data)
-    except zlib.error as e:
-        raise _Corrupt(f"object {key} is corrupt: {e}", path) from None
+    sha = hashlib.sha1()
+    head = b""
+    kind, size, seen = "", -1, 0
+    with open(path, "rb") as f:
+        while True:
+            pending = inflate.unconsumed_tail or f.read(_LOOSE_READ)
+            if not pending:
+                break
+            try:
+                out = inflate.decompress(pending, _LOOSE_READ)
+            except zlib.error as e:
+                raise _Corrupt(f"object {key} is corrupt: {e}", path) from None
+            sha.update(out)
+            if size < 0:
+                head += out
+                if b"\0" in head:
+                    kind, size = _parse_header(head[: head.index(b"\0")], key, path)
+                    if max_size is not None and size > max_size:
+                        raise _TooLarge(f"{kind} {key} is {size} bytes, over the bound of {max_size}")
+                    seen = len(head) - head.index(b"\0") - 1
+                elif len(head) > 64:
+                    raise _Corrupt(f"object {key} has no valid header", path)
+            else:
+                seen += len(out)
+            if inflate.eof:
+                break
     if not inflate.eof:
-        raise _Corrupt(f"object {key} is truncated ({len(data)} bytes on disk)", path)
-    if hashlib.sha1(raw).hexdigest() != key:
+        raise _Corrupt(f"object {key} is truncated ({path.stat().st_size} bytes on disk)", path)
+    if size < 0 or seen != size:
+        raise _Corrupt(f"object {key} holds {seen} bytes, not the {size} its header says", path)
+    if sha.hexdigest() != key:
         raise _Corrupt(f"object {key} does not hash to its id", path)
+    return kind, size
+
+
+def _parse_header(header: bytes, key: str, path: Path) -> tuple[str, int]:
+    kind, _, size = header.partition(b" ")
+    if kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit():
+        raise _Corrupt(f"object {key} has no valid header", path)
+    return kind.decode(), int(size)
+
+
+def _loose(repo: pygit2.Repository, key: str) -> Path:
+    return Path(repo.path) / "objects" / key[:2] / key[2:]
 
 
 def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
@@ -266,7 +314,7 @@ def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
     never returns from inflating a truncated loose object, so a half-written one must not reach it."""
     key = str(oid)
     with contextlib.suppress(FileNotFoundError):  # packed, or not there: libgit2 says which
-        _check_loose(Path(repo.path) / "objects" / key[:2] / key[2:], key)
+        _check_loose(_loose(repo, key), key)
     return repo[oid]
 
 
@@ -455,6 +503,9 @@ class ReleaseStore:
         self._fresh: dict[str, tuple[float, str | None]] = {}  # ref -> (monotonic time of the check, target)
         self._cache: dict[str, tuple[str, bytes, str]] = {}
         self._cache_lock = threading.Lock()
+        self._whole: set[str] = set()  # loose objects read back whole once (immutable: not checked again)
+        self._taken: set[str] = set()  # commits from the remote that passed ``_incoming``
+        self._refused: dict[str, str] = {}  # commits from the remote refused, and why (said once, not re-checked)
         pygit2.settings.enable_fsync_gitdir(True)
         try:
             self._open_or_create()
@@ -513,6 +564,91 @@ class ReleaseStore:
     def _signature(self, when: float) -> pygit2.Signature:
         return pygit2.Signature(IDENT[0], IDENT[1], int(when), 0)
 
+    # --- reading objects: every read of the object database goes through ``_read`` ------------------------
+
+    def _read(self, oid: str | pygit2.Oid) -> pygit2.Object:
+        """``repo[oid]``, its loose file (if it has one) checked first, as ``_object`` does: a damaged object is a
+        ``StorageError`` naming it and its file, never a read that libgit2 does not return from (libgit2 1.9 loops
+        for good, holding the GIL, on a truncated loose object: the daemon would stop answering). ``KeyError`` when
+        the store has no such object. Objects are immutable, so one found whole is not checked again."""
+        key = str(oid)
+        repo = self._repo()
+        if key not in self._whole:
+            try:
+                _check_loose(_loose(repo, key), key)
+            except FileNotFoundError:
+                return repo[oid]  # packed, or not there: libgit2 says which
+            except _Corrupt as e:
+                raise StorageError(f"the release store {self.path} is damaged: {e} (file {e.path})", path=str(e.path),
+                                   object=key) from None
+            except OSError as e:
+                raise StorageError(f"cannot read object {key} of the release store {self.path}: {e}",
+                                   path=str(self.path), object=key) from e
+            if len(self._whole) > 65536:
+                self._whole.clear()
+            self._whole.add(key)
+        return repo[oid]
+
+    def _tree(self, commit: pygit2.Commit) -> pygit2.Tree:
+        """A commit's root tree, read through ``_read`` (``commit.tree`` would let libgit2 read it unchecked)."""
+        tree = self._read(commit.tree_id)
+        assert isinstance(tree, pygit2.Tree)
+        return tree
+
+    def _size(self, oid: str | pygit2.Oid, max_size: int | None = None) -> int:
+        """The size of an object, from its header where it is packed; a loose one is checked whole as it is streamed
+        (``_check_loose``), in bounded memory. Over ``max_size``: ``_TooLarge``, before the rest is read."""
+        key = str(oid)
+        try:
+            size = _check_loose(_loose(self._repo(), key), key, max_size)[1]
+        except FileNotFoundError:
+            size = int(self._repo().odb.read_header(key)[1])  # packed: libgit2 reads only the entry's header
+            if max_size is not None and size > max_size:
+                raise _TooLarge(f"object {key} is {size} bytes, over the bound of {max_size}") from None
+            return size
+        except _Corrupt as e:
+            raise StorageError(f"the release store {self.path} is damaged: {e} (file {e.path})", path=str(e.path),
+                               object=key) from None
+        self._whole.add(key)
+        return size
+
+    def _walk(self, tree_id: str | pygit2.Oid, prefix: str = "", max_size: int | None = None
+              ) -> Iterator[tuple[str, str, int]]:
+        """``(path, blob id, mode)`` of every file under the tree ``tree_id``, each tree read through ``_read``
+        (with ``max_size``: its size checked first). An entry whose name is not safe on disk (``unsafe_name``:
+        ``..``, ``.git``, a separator...) or that is not a file or a directory (a symlink, a submodule) is a
+        ``StorageError``: no tree Reef writes holds one, so it can only come from a crafted release."""
+        if max_size is not None:
+            self._size(tree_id, max_size)
+        tree = self._read(tree_id)
+        for entry in tree:
+            mode = int(entry.filemode)
+            try:
+                name = entry.name
+            except UnicodeDecodeError:
+                name = ""
+            if not isinstance(name, str) or unsafe_name(name) or mode not in (_BLOB, _EXEC, _TREE):
+                raise StorageError(f"tree {tree_id} holds the entry {prefix}{entry.raw_name!r} (mode {mode:o}), which "
+                                   "is not a plain file or directory Reef would write; not read", path=str(self.path))
+            if mode == _TREE:
+                yield from self._walk(entry.id, f"{prefix}{name}/", max_size)
+            else:
+                yield f"{prefix}{name}", str(entry.id), mode
+
+    def _descends(self, new: str, old: str) -> bool:
+        """Whether ``old`` is an ancestor of ``new`` (every commit read through ``_read``)."""
+        stack, seen = [new], set()
+        while stack:
+            rid = stack.pop()
+            if rid in seen:
+                continue
+            seen.add(rid)
+            parents = [str(p) for p in self._read(rid).parent_ids]
+            if old in parents:
+                return True
+            stack.extend(parents)
+        return False
+
     def _resolve(self, release_id: str, what: str = "release") -> str:
         """Full commit id for a (possibly abbreviated) hex id; NotFound / BadRequest naming it."""
         rid = release_id.strip().lower() if isinstance(release_id, str) else ""
@@ -521,7 +657,7 @@ class ReleaseStore:
         repo = self._repo()
         try:
             oid = repo.expand_id(rid) if len(rid) < 40 else pygit2.Oid(hex=rid)
-            obj = repo.get(oid)
+            obj = self._read(oid)
         except pygit2.AmbiguousError:
             raise BadRequest(f"ambiguous {what} id {release_id!r}", param="release_id") from None
         except (KeyError, ValueError, pygit2.GitError):
@@ -582,12 +718,16 @@ class ReleaseStore:
             rid = self._resolve(release_id)
             raw = self._cache.get(rid)
             if raw is None:
-                commit = self._repo()[rid]
+                commit = self._read(rid)
                 try:
                     data = self._manifest_blob(commit, MANIFEST)
-                    json.loads(data)
-                except (KeyError, ValueError):
+                    content_id = json.loads(data)["content_id"]
+                except (KeyError, ValueError, TypeError):
                     raise NotFound(f"{rid} is not a release (no {MANIFEST})", release_id=rid) from None
+                if not isinstance(content_id, str) or not _OID_RE.fullmatch(content_id):
+                    # it names the release's checkout directory: a crafted one (``../../x``) must never be a path
+                    raise StorageError(f"release {rid}: its manifest's content_id {content_id!r} is not a git tree "
+                                       "id; not read", release_id=rid)
                 raw = (rid, data, commit.message)
                 with self._cache_lock:
                     if len(self._cache) > 8192:
@@ -617,10 +757,9 @@ class ReleaseStore:
         """The chain, newest first (first-parent walk from the head)."""
         out: list[Release] = []
         rid = self.head(scenario)
-        repo = self._repo()
         while rid is not None and (limit is None or len(out) < limit):
             out.append(self.get(rid))
-            parents = repo[rid].parent_ids
+            parents = self._read(rid).parent_ids
             rid = str(parents[0]) if parents else None
         return out
 
@@ -631,7 +770,7 @@ class ReleaseStore:
             rid = self._resolve(release_id)
         except ReefError:
             return False
-        return head is not None and (rid == head or self._repo().descendant_of(head, rid))
+        return head is not None and (rid == head or self._descends(head, rid))
 
     is_ancestor = belongs
 
@@ -639,31 +778,37 @@ class ReleaseStore:
         """The artifact's files (the manifest excluded), with sizes of the real bytes for LFS files."""
         release = self.get(release_id)
         out = []
-        for path, blob_id, mode in self._walk(self._repo()[release.release_id].tree):
+        for path, blob_id, mode in self._walk(self._read(release.release_id).tree_id):
             if path == MANIFEST:
                 continue
             lfs = release.lfs.get(path)
             if lfs is not None:
                 out.append(FileEntry(path, int(lfs["size"]), mode, blob_id, lfs["oid"].split(":", 1)[1]))
             else:
-                out.append(FileEntry(path, self._repo()[blob_id].size, mode, blob_id, None))
+                out.append(FileEntry(path, self._size(blob_id), mode, blob_id, None))
         return out
 
     def read_file(self, release_id: str, path: str) -> bytes:
         """The bytes of one file of a release (LFS pointers resolved)."""
         release = self.get(release_id)
+        node: pygit2.Object = self._tree(self._read(release.release_id))
         try:
-            entry = self._repo()[release.release_id].tree[path]
+            for part in path.split("/"):  # each tree on the way read through _read
+                if not isinstance(node, pygit2.Tree):
+                    raise KeyError(path)
+                node = self._read(node[part].id)
         except KeyError:
             raise NotFound(f"release {release.release_id} has no file {path!r}", path=path) from None
-        if not isinstance(entry, pygit2.Blob):
+        if not isinstance(node, pygit2.Blob):
             raise NotFound(f"{path!r} is a directory in release {release.release_id}", path=path)
         lfs = release.lfs.get(path)
         if lfs is None:
-            return entry.data
+            return node.data
         return self._lfs_object(lfs).read_bytes()
 
     def lfs_path(self, sha256: str) -> Path:
+        if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):  # it becomes a path
+            raise StorageError(f"{sha256!r} is not an LFS object id (sha256 hex)", path=str(self.lfs_dir))
         return self.lfs_dir / sha256[:2] / sha256[2:4] / sha256
 
     def checkout(self, release_id: str, dest: str | os.PathLike[str], *, link: bool = False) -> Path:
@@ -680,16 +825,19 @@ class ReleaseStore:
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         except OSError as e:
             raise StorageError(f"checkout of {release.release_id} into {dest} failed: {e}", path=str(dest)) from e
-        repo = self._repo()
+        root = tmp.resolve()
         try:
-            for path, blob_id, mode in self._walk(repo[release.release_id].tree):
+            for path, blob_id, mode in self._walk(self._read(release.release_id).tree_id):
                 if path == MANIFEST:
                     continue
                 target = tmp / path
+                if not target.resolve().is_relative_to(root):  # _walk refuses such names; this is the last word
+                    raise StorageError(f"release {release.release_id}: {path!r} would be written outside {dest}; "
+                                       "not checked out", path=str(dest))
                 target.parent.mkdir(parents=True, exist_ok=True)
                 lfs = release.lfs.get(path)
                 if lfs is None:
-                    target.write_bytes(repo[blob_id].data)
+                    target.write_bytes(self._read(blob_id).data)
                 else:
                     obj = self._lfs_object(lfs)
                     try:
@@ -721,10 +869,9 @@ class ReleaseStore:
         """Rejected candidates, newest first."""
         ref = self._repo().references.get(REJECTED_REF + check_scenario(scenario))
         out: list[Rejection] = []
-        repo = self._repo()
         rid = None if ref is None else str(ref.target)
         while rid is not None and (limit is None or len(out) < limit):
-            commit = repo[rid]
+            commit = self._read(rid)
             d = json.loads(self._manifest_blob(commit, REJECTION))
             out.append(
                 Rejection(
@@ -777,7 +924,7 @@ class ReleaseStore:
         if kind == "weights" and lora.MANIFEST in files:
             self._check_adapter(scenario, files, expected)
         content, lfs = self._write_content(files)
-        if operation == "train" and expected is not None and content == self._content_tree(self._repo()[expected]):
+        if operation == "train" and expected is not None and content == self._content_tree(expected):
             raise Unchanged(scenario, content)  # a release that changes nothing is no release
         return self._publish_tree(
             scenario,
@@ -798,10 +945,10 @@ class ReleaseStore:
         """The base an adapter release applies to (``daemon/lora.py``), or None for a release of whole weights."""
         rel = self.get(release_id)
         try:
-            entry = self._repo()[rel.release_id].tree[lora.MANIFEST]
+            data = self._manifest_blob(self._read(rel.release_id), lora.MANIFEST)
         except KeyError:
             return None
-        return lora.AdapterManifest.parse(self._repo()[entry.id].data, f"release {rel.release_id}: {lora.MANIFEST}")
+        return lora.AdapterManifest.parse(data, f"release {rel.release_id}: {lora.MANIFEST}")
 
     def base_model(self, scenario: str) -> str | None:
         """The content id of the whole model the scenario's head serves: the head's own content, or the base its
@@ -859,7 +1006,7 @@ class ReleaseStore:
         src = self.get(rid)
         return self._publish_tree(
             scenario,
-            self._content_tree(self._repo()[rid]),
+            self._content_tree(rid),
             src.lfs,
             expected=expected,
             operation="rollback",
@@ -937,7 +1084,7 @@ class ReleaseStore:
 
         return self._publish_tree(
             scenario,
-            self._content_tree(self._repo()[pid]),
+            self._content_tree(pid),
             cand.lfs,
             expected=expected,
             operation="promote",
@@ -982,7 +1129,7 @@ class ReleaseStore:
         if candidate is not None:
             cand = self.get(candidate)
             candidate = cand.release_id
-            cand_tree = self._content_tree(repo[candidate])
+            cand_tree = self._content_tree(candidate)
             content_id = cand.content_id
             kind, recipe = kind or cand.kind, recipe or cand.recipe
             metrics = metrics if metrics is not None else cand.metrics
@@ -1330,13 +1477,12 @@ class ReleaseStore:
     def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
         """The local LFS objects ``(sha256, size, path)`` the releases from each ``new`` back to (not including)
         ``stop`` name, first parents only."""
-        repo = self._repo()
         out: dict[str, tuple[str, int, Path]] = {}
         for new, stop in ranges:
             rid: str | None = new
             while rid is not None and rid != stop:
-                commit = repo[rid]
-                if MANIFEST in commit.tree:
+                commit = self._read(rid)
+                if MANIFEST in self._tree(commit):
                     for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
                         sha = str(entry["oid"]).split(":", 1)[-1]
                         out[sha] = (sha, int(entry["size"]), self._lfs_object(entry))
@@ -1347,7 +1493,10 @@ class ReleaseStore:
         """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the
         remote's value (its LFS objects copied in first). Returns the refs moved. On the first call, local refs
         the remote lacks (chains made before it was configured) are pushed to it. ``RemoteRefused`` when the
-        remote cannot be read; nothing local changes then."""
+        remote cannot be read; nothing local changes then.
+
+        Every commit a ref would newly reach is checked first (``_incoming``): a ref whose new releases fail is
+        left where it is (the rest are taken in) and the follow ends in ``RemoteReleaseRefused`` naming each."""
         if self.remote is None:
             return []
         with self._follow_lock:
@@ -1356,21 +1505,33 @@ class ReleaseStore:
             # one the fetch does not bring was removed there, not made here meanwhile
             local = {n: str(repo.references[n].target) for n in repo.listall_references() if n.startswith("refs/reef/")}
             remote = self.remote.fetch()
-            moved = []
+            moved: list[str] = []
+            refused: list[str] = []
+            checked: set[str] = set()
             for name, oid in sorted(remote.items()):
                 cur = local.get(name)
                 if cur == oid:
                     continue
+                why = self._refused.get(oid) or self._incoming_range(oid, cur, checked)
+                if why is not None:
+                    if oid not in self._refused:
+                        log.error("not taking in %s = %s from the chain remote %s: %s", name, oid, self.remote.shown,
+                                  why)
+                        if len(self._refused) > 1024:
+                            self._refused.clear()
+                        self._refused[oid] = why
+                    refused.append(f"{why} (ref {name})")
+                    continue
                 rid: str | None = oid
                 while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
-                    commit = repo[rid]
-                    if MANIFEST in commit.tree:
+                    commit = self._read(rid)
+                    if MANIFEST in self._tree(commit):
                         for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
                             sha = str(entry["oid"]).split(":", 1)[-1]
                             if not self.lfs_path(sha).exists():
                                 self.remote.download(sha, int(entry["size"]), self.lfs_path(sha))
                     rid = str(commit.parent_ids[0]) if commit.parent_ids else None
-                if cur is not None and not repo.descendant_of(oid, cur):
+                if cur is not None and not self._descends(oid, cur):
                     log.warning("%s: local %s is not an ancestor of the remote's %s; following the remote", name,
                                 cur, oid)
                 try:
@@ -1394,7 +1555,84 @@ class ReleaseStore:
                             self._update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
                                               message="reef follow", push=False)
                             moved.append(name)
+            if refused:
+                raise RemoteReleaseRefused(self.remote.shown, refused, moved)
             return moved
+
+    def _incoming_range(self, new: str, cur: str | None, checked: set[str]) -> str | None:
+        """Why the ref may not move from ``cur`` to ``new`` (fetched from the remote), or None: each commit from
+        ``new`` back to ``cur`` (first parents; ones taken in before are not checked again) through ``_incoming``."""
+        rid: str | None = new
+        passed = []
+        while rid is not None and rid != cur and rid not in self._taken:
+            why = self._incoming(rid, checked)
+            if why is not None:
+                return f"release {rid}: {why}"
+            passed.append(rid)
+            parents = self._read(rid).parent_ids
+            rid = str(parents[0]) if parents else None
+        if len(self._taken) > 65536:
+            self._taken.clear()
+        self._taken.update(passed)
+        return None
+
+    def _incoming(self, rid: str, checked: set[str]) -> str | None:
+        """Why the commit ``rid``, fetched from the remote, must not be taken in, or None. Nothing it holds is
+        read before its size is known: every object's header is checked against the remote's ``max_blob_bytes``
+        (so a small pack that inflates to gigabytes is refused without being inflated), every LFS object it names
+        against ``max_lfs_bytes``. Every tree entry name must be safe on disk (``_walk``), the manifest's
+        ``content_id`` must be the commit's content tree (it names a checkout directory), and LFS ids must be
+        sha256 ids (they name files). A chain is linear: a merge is refused."""
+        assert self.remote is not None
+        max_blob, max_lfs = self.remote.max_blob_bytes, self.remote.max_lfs_bytes
+        try:
+            self._size(rid, max_blob)
+            commit = self._read(rid)
+            if not isinstance(commit, pygit2.Commit):
+                return "it is not a commit"
+            if len(commit.parent_ids) > 1:
+                return "it has more than one parent (a release chain is linear)"
+            for _path, blob_id, _mode in self._walk(commit.tree_id, max_size=max_blob):
+                if blob_id not in checked:
+                    self._size(blob_id, max_blob)
+                    checked.add(blob_id)
+            tree = self._tree(commit)
+            if MANIFEST in tree:
+                manifest = json.loads(self._manifest_blob(commit, MANIFEST))
+                if not isinstance(manifest, dict):
+                    return f"its {MANIFEST} is not a JSON object"
+                cid = manifest.get("content_id")
+                if not isinstance(cid, str) or not _OID_RE.fullmatch(cid):
+                    return f"its content_id {cid!r} is not a git tree id"
+                actual = self._content_tree(rid)
+                if cid != actual:
+                    return f"its content_id {cid} is not its content ({actual})"
+                lfs = manifest.get("lfs") or {}
+                if not isinstance(lfs, dict):
+                    return f"its {MANIFEST} lfs table is not an object"
+                for path, entry in lfs.items():
+                    oid = entry.get("oid") if isinstance(entry, dict) else None
+                    size = entry.get("size") if isinstance(entry, dict) else None
+                    sha = oid[len("sha256:"):] if isinstance(oid, str) and oid.startswith("sha256:") else ""
+                    if not _SHA256_RE.fullmatch(sha) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                        return f"its large file {path!r} has no valid LFS id and size"
+                    if any(unsafe_name(part) for part in str(path).split("/")):
+                        return f"its large file {path!r} is not a safe path"
+                    if size > max_lfs:
+                        return (f"its large file {path!r} is {size} bytes, over the bound of {max_lfs} "
+                                "(chain_max_lfs_bytes)")
+                self.get(rid)  # and reads as a release
+            if REJECTION in tree:
+                cid = json.loads(self._manifest_blob(commit, REJECTION)).get("content_id")
+                if cid is not None and (not isinstance(cid, str) or not _OID_RE.fullmatch(cid)):
+                    return f"its {REJECTION} content_id {cid!r} is not a git tree id"
+        except _TooLarge as e:
+            return f"{e} (chain_max_blob_bytes)"
+        except ReefError as e:
+            return e.message
+        except (KeyError, ValueError, TypeError, AttributeError, pygit2.GitError) as e:
+            return f"it does not read as a release: {type(e).__name__}: {e}"
+        return None
 
     def _apply_local(self, updates: list[_RefUpdate], message: str) -> None:
         repo = self._repo()
@@ -1679,8 +1917,8 @@ class ReleaseStore:
                     errors.append(f"object {key}: {e}")
 
         for name in repo.listall_references():
-            if not name.startswith("refs/"):
-                continue
+            if not name.startswith("refs/") or name.startswith(MIRROR_REF):
+                continue  # the mirror is what the remote has; only what passed ``_incoming`` is the store's
             try:
                 stack = [repo.references[name].target]
             except Exception as e:
@@ -1697,7 +1935,7 @@ class ReleaseStore:
                     counts["commits"] += 1
                     walk_tree(commit.tree_id)
                     stack.extend(commit.parent_ids)
-                    if MANIFEST in commit.tree:
+                    if MANIFEST in self._tree(commit):
                         self._check_release(commit, lfs_ok, errors)
                 except Exception as e:
                     errors.append(f"commit {key} (from {name}): {e}")
@@ -1739,13 +1977,13 @@ class ReleaseStore:
         parent = str(commit.parent_ids[0]) if commit.parent_ids else None
         if len(commit.parent_ids) > 1 or manifest.get("parent") != parent:
             errors.append(f"release {rid}: manifest parent {manifest.get('parent')} vs commit parent {parent}")
-        if manifest.get("content_id") != self._content_tree(commit):
+        if manifest.get("content_id") != self._content_tree(rid):
             errors.append(f"release {rid}: content_id does not match its tree")
         for path, entry in (manifest.get("lfs") or {}).items():
             sha = str(entry["oid"]).split(":", 1)[-1]
             try:
-                blob = commit.tree[path]
-                if blob.data != lfs_pointer(sha, int(entry["size"])):
+                blob = self._read(self._tree(commit)[path].id)
+                if not isinstance(blob, pygit2.Blob) or blob.data != lfs_pointer(sha, int(entry["size"])):
                     errors.append(f"release {rid}: {path} is not the LFS pointer of {sha}")
             except KeyError:
                 errors.append(f"release {rid}: LFS path {path} missing from the tree")
@@ -1793,8 +2031,8 @@ class ReleaseStore:
         return out
 
     def _file_map(self, release: Release) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
-        tree = self._repo()[release.release_id].tree
-        files = {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree) if p != MANIFEST}
+        tree_id = self._read(release.release_id).tree_id
+        files = {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree_id) if p != MANIFEST}
         adapter = self.adapter(release.release_id)
         if adapter is None:
             return files
@@ -1809,7 +2047,7 @@ class ReleaseStore:
         blob_id, _, lfs = side
         if lfs is not None:
             return int(lfs["size"]), self._lfs_object(lfs)
-        data = self._repo()[blob_id].data
+        data = self._read(blob_id).data
         return len(data), data
 
     def _diff_file(self, path: str, o: Any, n: Any) -> dict[str, Any]:
@@ -1841,21 +2079,18 @@ class ReleaseStore:
 
     # --- small helpers -------------------------------------------------------------------------------------
 
-    def _walk(self, tree: pygit2.Tree, prefix: str = "") -> Iterator[tuple[str, str, int]]:
-        for entry in tree:
-            path = f"{prefix}{entry.name}"
-            if isinstance(entry, pygit2.Tree):
-                yield from self._walk(entry, path + "/")
-            else:
-                yield path, str(entry.id), int(entry.filemode)
-
     def _manifest_blob(self, commit: pygit2.Commit, name: str) -> bytes:
-        entry = commit.tree[name]
-        return self._repo()[entry.id].data
+        """The bytes of the top-level file ``name`` of a commit (``KeyError`` when it has none)."""
+        blob = self._read(self._tree(commit)[name].id)
+        if not isinstance(blob, pygit2.Blob):
+            raise KeyError(name)
+        return blob.data
 
-    def _content_tree(self, commit: pygit2.Commit) -> str:
+    def _content_tree(self, commit_id: str) -> str:
+        """The id of a release's content: its tree without the manifest."""
+        tree = self._tree(self._read(commit_id))
         with _storing("writing the content tree", self.path):  # it exists already but for a lost write
-            tb = self._repo().TreeBuilder(commit.tree)
+            tb = self._repo().TreeBuilder(tree)
             if tb.get(MANIFEST) is not None:
                 tb.remove(MANIFEST)
             return str(tb.write())

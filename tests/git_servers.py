@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import base64
 import http.server
 import os
 import pwd
@@ -52,6 +53,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self._body()
         push = "git-receive-pack" in url.path or "service=git-receive-pack" in url.query
         self.server.seen.append(f"{self.command} {self.path}")
+        if self.server.basic_auth is not None:  # a hosted remote's token: every request, fetch or push
+            wanted = "Basic " + base64.b64encode(":".join(self.server.basic_auth).encode()).decode()
+            if self.headers.get("Authorization") != wanted:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="reef-chains"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.server.authorized += 1
         if push and self.server.refuse_push:
             self.send_response(self.server.refuse_push)
             if self.server.refuse_push == 401:
@@ -89,15 +99,21 @@ class _Server(http.server.ThreadingHTTPServer):
     root: Path
     refuse_push: int | None
     seen: list[str]
+    basic_auth: tuple[str, str] | None
+    authorized: int
 
 
 class GitHttp:
     """Serves the bare repositories under ``root`` at ``url(name)``; ``tls``: (certificate, key) files for https.
-    Set ``refuse_push`` to 401 or 403 to refuse pushes (fetches still work); ``seen`` lists the requests."""
+    Set ``refuse_push`` to 401 or 403 to refuse pushes (fetches still work); ``seen`` lists the requests.
+    ``basic_auth``: (user, password) every request must carry (HTTP basic, as a hosted remote's token);
+    ``authorized`` counts the requests that did."""
 
-    def __init__(self, root: Path, *, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, root: Path, *, tls: tuple[Path, Path] | None = None,
+                 basic_auth: tuple[str, str] | None = None) -> None:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.root, self._server.refuse_push, self._server.seen = root, None, []
+        self._server.basic_auth, self._server.authorized = basic_auth, 0
         self.scheme = "http"
         if tls is not None:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -119,6 +135,10 @@ class GitHttp:
     @property
     def seen(self) -> list[str]:
         return self._server.seen
+
+    @property
+    def authorized(self) -> int:
+        return self._server.authorized
 
     def url(self, name: str) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}/{name}"

@@ -131,26 +131,32 @@ def test_the_remote_refusing_a_push_publishes_nothing_and_serving_goes_on(pair, 
     a, _b, remote = pair
     with a.http() as ca:
         init = served_by(ca, "refused")
-        hook = remote / "hooks" / "pre-receive"
-        hook.write_text("#!/bin/sh\necho 'permission denied for reef-bot' >&2\nexit 1\n")
-        hook.chmod(0o755)
-        resp = ca.post("/reef/scenarios/refused/rollback", json={"release_id": init, "expected_head": init})
-        err = assert_canonical_error(resp, 502)
-        assert err["type"] == "remote_error" and "permission denied for reef-bot" in err["message"]
-        assert remote_head(remote, "refused") == init
-        assert ca.get("/reef/scenarios/refused/releases").json()["releases"][0]["release_id"] == init
-        assert served_by(ca, "refused") == init
-        hook.unlink()
         moved = tmp_path / "moved.git"
         remote.rename(moved)  # the remote is gone (a wrong path, an unmounted share)
         resp = ca.post("/reef/scenarios/refused/rollback", json={"release_id": init, "expected_head": init})
         err = assert_canonical_error(resp, 502)
-        assert f"{remote} does not exist" in err["message"]  # its LFS store is checked before the push
+        assert err["type"] == "remote_error" and f"{remote} does not exist" in err["message"]  # its LFS store first
+        assert remote_head(moved, "refused") == init
+        assert ca.get("/reef/scenarios/refused/releases").json()["releases"][0]["release_id"] == init
         assert served_by(ca, "refused") == init
         moved.rename(remote)  # back: publishing works again
         resp = ca.post("/reef/scenarios/refused/rollback", json={"release_id": init, "expected_head": init})
         assert resp.status_code == 201, resp.text
         assert remote_head(remote, "refused") == resp.json()["release_id"]
+
+
+def test_a_path_remote_never_runs_its_hooks_as_the_daemons_user(tmp_path: Path) -> None:
+    """Whoever can write a shared path remote's ``hooks/`` would otherwise run code as every daemon pushing to it
+    (git runs ``receive-pack`` in the remote repository, as the pushing user): a push runs none of them."""
+    remote = bare(tmp_path / "r.git")
+    ran = tmp_path / "hook-ran"
+    for hook in ("pre-receive", "update", "post-receive", "post-update", "reference-transaction"):
+        (remote / "hooks" / hook).write_text(f"#!/bin/sh\necho {hook} >> {ran}\nexit 1\n")
+        (remote / "hooks" / hook).chmod(0o755)
+    a = ReleaseStore(tmp_path / "a.git", remote=ChainRemote(tmp_path / "a.git", str(remote)))
+    init = a.publish("h", {"f.txt": "0"}, expected_head=None, operation="init", kind="harness", recipe="lessons")
+    assert remote_head(remote, "h") == init.release_id  # pre-receive would have refused it
+    assert not ran.exists(), ran.read_text()
 
 
 def test_store_compare_and_swap_is_against_the_remote_ref(tmp_path: Path) -> None:

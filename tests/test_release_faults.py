@@ -534,3 +534,106 @@ def test_a_log_line_the_disk_refuses_prints_no_traceback(tiny_model: Path) -> No
         assert res.returncode == 0 and res.stderr == "", res.stderr  # not "--- Logging error ---" and a traceback
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+# --- a damaged object on the read paths: a clear error, never a read that does not return (issue 22) ----------
+
+READS = """
+import json, os, sys
+import pygit2
+from daemon.errors import StorageError
+from daemon.releases import ReleaseStore
+path, which = sys.argv[1], sys.argv[2]
+store = ReleaseStore(path)
+r0 = store.publish("demo", {"d/AGENTS.md": "0\\n"}, expected_head=None, operation="init", kind="harness",
+                   recipe="lessons").release_id
+r1 = store.publish("demo", {"d/AGENTS.md": "1\\n" * 1000}, expected_head=r0, operation="train", kind="harness",
+                   recipe="lessons").release_id
+repo = pygit2.Repository(path)
+commit = repo[r1]
+victim = {"blob": commit.tree["d"]["AGENTS.md"].id, "tree": commit.tree["d"].id, "commit": commit.id}[which]
+loose = os.path.join(path, "objects", str(victim)[:2], str(victim)[2:])
+os.chmod(loose, 0o644)
+os.truncate(loose, os.path.getsize(loose) // 2)
+out = {"victim": str(victim)}
+reads = {
+    "checkout": lambda s: s.checkout(r1, os.path.join(path + "-co", "x")),
+    "read_file": lambda s: s.read_file(r1, "d/AGENTS.md"),
+    "files": lambda s: s.files(r1),
+    "diff": lambda s: s.diff(r1),
+    "history": lambda s: s.history("demo"),
+}
+for name, read in reads.items():
+    try:
+        read(ReleaseStore(path))  # a fresh store: nothing from a cache
+        out[name] = None
+    except StorageError as e:
+        out[name] = e.message
+    print(name, file=sys.stderr, flush=True)  # how far it got, should it hang
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("which", ["blob", "tree", "commit"])
+def test_a_truncated_object_is_a_clear_error_on_every_read_path(tmp_path: Path, which: str) -> None:
+    """Its own process, as above: checkout, read_file, files, diff and history of a release whose blob, subtree or
+    commit is a truncated loose object each end in a ``StorageError`` naming the object (libgit2 1.9 would loop for
+    good inside the read, holding the GIL)."""
+    try:
+        res = subprocess.run([sys.executable, "-c", READS, str(tmp_path / "artifacts.git"), which],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"a read hung on a truncated {which}; it got past: {e.stderr!r}")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    victim = out.pop("victim")
+    expect_ok = {"history"} if which != "commit" else set()  # history reads commits and manifests only
+    for name, error in out.items():
+        if name in expect_ok:
+            assert error is None, (name, error)
+        else:
+            assert error is not None and victim in error and "truncated" in error, (name, error)
+
+
+def test_a_truncated_object_leaves_the_daemon_answering(tmp_path: Path, tiny_model: Path) -> None:
+    """The probe's freeze: a read of a release with a truncated loose object, through the daemon. The request is a
+    507 naming the object; ``/healthz`` answers within a second all the while, and after."""
+    home, port, env = make_home(tiny_model)
+    from tests.conftest import Daemon
+
+    d = Daemon(home=home, port=port, env=env).start()
+    failed = True
+    try:
+        store = ReleaseStore(home / "artifacts.git")
+        r0 = store.publish("frozen", {"AGENTS.md": "0\n"}, expected_head=None, operation="init", kind="harness",
+                           recipe="lessons").release_id
+        r1 = store.publish("frozen", {"AGENTS.md": "1\n" * 1000}, expected_head=r0, operation="train",
+                           kind="harness", recipe="lessons").release_id
+        blob = str(pygit2.Repository(str(store.path))[r1].tree["AGENTS.md"].id)
+        path = store.path / "objects" / blob[:2] / blob[2:]
+        path.chmod(0o644)
+        os.truncate(path, path.stat().st_size // 2)
+        answers: list[httpx.Response] = []
+
+        def read() -> None:
+            with d.http() as c:
+                answers.append(c.get(f"/reef/releases/{r1}"))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        with httpx.Client(base_url=d.url, timeout=1.0) as c:
+            while reader.is_alive():
+                assert c.get("/healthz").status_code == 200  # a ReadTimeout here: the daemon froze
+                time.sleep(0.05)
+            reader.join()
+            err = assert_canonical_error(answers[0], 507)
+            assert err["type"] == "storage_error" and blob in err["message"] and "truncated" in err["message"], err
+            assert c.get("/healthz").status_code == 200
+            with d.http() as ok:  # what is whole still reads
+                assert ok.get(f"/reef/releases/{r0}?diff=0").status_code == 200
+        failed = False
+    finally:
+        if failed and d.proc is not None and d.proc.poll() is None:
+            d.kill9()  # a frozen daemon answers no SIGTERM
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
