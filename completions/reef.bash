@@ -5,7 +5,7 @@ _reef() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/create|/scenarios/list|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/create|/scenarios/list|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -35,9 +35,10 @@ _reef() {
         /releases/rollback) words='--scenario -s --yes -y --json --help' ;;
         /releases/show) words='--diff --json --help' ;;
         /report) words='--score --feedback -f --metadata --report-id --json --help' ;;
-        /scenarios) words='create list show tasks --help' ;;
+        /scenarios) words='create list set-model show tasks --help' ;;
         /scenarios/create) words='--recipe --model --json --help' ;;
         /scenarios/list) words='--json --help' ;;
+        /scenarios/set-model) words='--json --help' ;;
         /scenarios/show) words='--json --help' ;;
         /scenarios/tasks) words='list promote --help' ;;
         /scenarios/tasks/list) words='--json --help' ;;

