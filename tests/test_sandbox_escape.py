@@ -125,7 +125,8 @@ def attack_output(c: httpx.Client, run: str) -> dict[str, Any]:
     """What the attack printed, as the agent's next request carried it back (the recorded run holds it)."""
     records = c.get("/reef/records", params={"run": run, "kind": "exchange"}).json()["records"]
     assert records, f"run {run} has no records"
-    for record in records:
+    for listed in records:
+        record = c.get(f"/reef/records/{listed['id']}").json()
         for text in _strings(record.get("request")):
             m = re.search(r"ATTACK (\{.*\})", text)
             if m:
