@@ -82,7 +82,7 @@ def unix(path):
 found = sorted(set(glob.glob("/tmp/reef-episode/*.sock") + glob.glob(daemon_home + "/*.sock")))
 targets = {p: unix(p) for p in found}
 targets["relay"] = lambda: socket.create_connection(("127.0.0.1", port))
-out = {"sockets": found, "daemon_home_visible": os.path.exists(os.path.join(daemon_home, "token")),
+out = {"token": token, "sockets": found, "daemon_home_visible": os.path.exists(os.path.join(daemon_home, "token")),
        "statuses": {}, "leaked": []}
 for where, connect in targets.items():
     for tok_name, tok in (("none", None), ("scoped", token)):
@@ -162,6 +162,9 @@ def test_an_episode_cannot_reach_another_scenario_through_any_socket_or_the_rela
             assert not got["leaked"], got
             # through the relay, its own filter refuses first (issue 26): the daemon's scope is the second line
             assert "not reachable from an episode sandbox" in got["relay_says"], got
+            # the episode's token ended with it: of no use to anything the episode left behind
+            gone = c.get(f"{d.url}/s/hs-escape-episodes/v1/models", headers={"Authorization": f"Bearer {got['token']}"})
+            assert gone.status_code == 401, gone.text
         # and the daemon shows no trace of any of it
         assert c.get(f"/reef/scenarios/{VICTIM}/releases").json()["head"] == victim_head  # no evolve
         reports = c.get(f"/reef/scenarios/{VICTIM}/records", params={"kind": "report"}).json()["records"]
