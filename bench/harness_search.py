@@ -87,16 +87,18 @@ def main() -> None:
         py = median_run(sandbox.argv([sys.executable, "-c", "pass"], workspace=ws, env=_env()))
         from adapters import get_adapter
 
+        agents = {str(Path(args.agents_dir)): str(Path(args.agents_dir))}  # bound in as an episode binds them
         pi = median_run(sandbox.argv([str(get_adapter("pi").binary_path(Path(args.agents_dir))), "--version"],
-                                     workspace=ws, env=_env()))
+                                     workspace=ws, env=_env(), ro_binds=agents))
         print(f"sandbox: bwrap true {bare * 1e3:.0f} ms, bwrap python -c pass {py * 1e3:.0f} ms, "
               f"bwrap pi --version {pi * 1e3:.0f} ms (median of 5)")
 
         scenario = episodes_scenario("bench")
         with d.http() as c:
             c.post("/reef/scenarios", json={"name": scenario, "recipe": "record", "model": "agent"})
-        ep_env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=scenario, agents_dir=Path(args.agents_dir),
-                            home=d.home)
+            token = c.post("/reef/tokens", json={"scenario": scenario, "ttl_s": 3600}).json()["token"]
+        ep_env = EpisodeEnv(socket=d.home / "scoped.sock", port=d.port, scenario=scenario,
+                            agents_dir=Path(args.agents_dir), home=d.home, token=token)
         task = Task("greet", "Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = hello',
                     workspace=str(template))
         rows = []

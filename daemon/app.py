@@ -216,8 +216,9 @@ def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) 
 # --- middleware --------------------------------------------------------------------------------------------
 
 
-def _dispatcher(reef: Reef, router: web.Router) -> Handler:
-    """Every request's way in: guards, route, handler, and its errors mapped to responses."""
+def _dispatcher(reef: Reef, router: web.Router, *, scoped_only: bool = False) -> Handler:
+    """Every request's way in: guards, route, handler, and its errors mapped to responses. ``scoped_only``: the
+    scoped socket's (``Config.scoped_socket_path``): every request needs a scoped token, the full one is refused."""
     token = reef.token.encode()
     max_body = reef.config.max_body_bytes
 
@@ -229,12 +230,15 @@ def _dispatcher(reef: Reef, router: web.Router) -> Handler:
                     f"Host header {headers.get('host')!r} is not a loopback name; Reef only answers"
                     " requests addressed to localhost"
                 )
-            if not request.over_unix and request.path != "/healthz":
+            scope = None  # a scoped token's limits (daemon/scopes.py); None: the full token, or the main socket
+            if (scoped_only or not request.over_unix) and request.path != "/healthz":
                 given = _token_of(request)
                 if given is None:
                     raise Unauthorized("missing token: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'")
-                if not hmac.compare_digest(given.encode(), token):
-                    raise Unauthorized("invalid token")
+                full = not scoped_only and hmac.compare_digest(given.encode(), token)
+                if not full and (scope := reef.scopes.get(given)) is None:
+                    raise Unauthorized("invalid token" + (" (this socket takes scoped tokens only)" if scoped_only
+                                                          else ""))
             if request.content_length is not None and request.content_length > max_body:
                 raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {max_body}-byte limit")
             try:
@@ -243,6 +247,8 @@ def _dispatcher(reef: Reef, router: web.Router) -> Handler:
                 raise BadRequest(f"method not allowed here: {e}", status=405) from None
             if handler is None:
                 raise NotFound("no such route; see GET /reef/status for the API")
+            if scope is not None:
+                return await scope.serve(request, handler, _object_body)
             return await handler(request)
         except ReefError as err:
             reef.metrics.errors.labels(request.route, err.type).inc()
@@ -852,6 +858,26 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def handle_mint_token(request: web.Request) -> web.Response:
+    """A scoped token (``daemon/scopes.py``) for code that runs on a scenario's behalf in a sandbox."""
+    reef = request.ctx
+    body = await _object_body(request)
+    scenario = check_scenario(body.get("scenario"))
+    ttl = body.get("ttl_s", 3600)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
+        raise BadRequest("ttl_s must be a number of seconds in (0, 86400]", param="ttl_s")
+    return _json({"token": reef.scopes.mint(scenario, float(ttl)), "scenario": scenario, "ttl_s": ttl,
+                  "socket": str(reef.config.scoped_socket_path)}, status=201)
+
+
+async def handle_revoke_token(request: web.Request) -> web.Response:
+    reef = request.ctx
+    token = (await _object_body(request)).get("token")
+    if not isinstance(token, str):
+        raise BadRequest("token is required (a scoped token)", param="token")
+    return _json({"revoked": reef.scopes.revoke(token)})
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     reef = request.ctx
     return web.Response(reef.metrics.render(), content_type="text/plain; charset=utf-8")
@@ -860,8 +886,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
 # --- the app -----------------------------------------------------------------------------------------------
 
 
-def make_app(reef: Reef) -> Handler:
-    """The daemon's routes behind its guards: the handler ``web.Server`` serves."""
+def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
+    """The daemon's routes behind its guards: the handler ``web.Server`` serves (``scoped_only``: on the scoped
+    socket, where only scoped tokens are taken)."""
     r = web.Router()
     chat, responses, messages = (provider_handler(p) for p in (openai_chat, openai_responses, anthropic))
     for prefix in ("", "/s/{scenario}", "/s/{scenario}/r/{run}"):
@@ -896,4 +923,6 @@ def make_app(reef: Reef) -> Handler:
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
     r.add("GET", "/reef/events", handle_events)
-    return _dispatcher(reef, r)
+    r.add("POST", "/reef/tokens", handle_mint_token)
+    r.add("POST", "/reef/tokens/revoke", handle_revoke_token)
+    return _dispatcher(reef, r, scoped_only=scoped_only)

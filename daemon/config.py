@@ -146,6 +146,11 @@ class Config:
         return self.home / "reef.sock"
 
     @property
+    def scoped_socket_path(self) -> Path:
+        """The second Unix socket, for sandboxes: every request on it needs a scoped token (``daemon/scopes.py``)."""
+        return self.home / "scoped.sock"
+
+    @property
     def token_path(self) -> Path:
         return self.home / "token"
 

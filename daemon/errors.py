@@ -15,6 +15,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── ContextLengthExceeded      400  (prompt beyond the model's context)
     │   └── ModelUnavailable           400  (a model directory missing, truncated or not a model; a package to install)
     ├── Unauthorized                   401  authentication_error
+    ├── Forbidden                      403  permission_error (a scoped token outside its scope)
     ├── NotFound                       404  not_found_error
     │   └── UnknownReceipts            404  (names the receipts)
     ├── Conflict                       409  conflict_error
@@ -119,6 +120,14 @@ class ModelUnavailable(BadRequest):
 class Unauthorized(ReefError):
     status = 401
     type = "authentication_error"
+    exit_code = 3
+
+
+class Forbidden(ReefError):
+    """A valid token that does not allow this request (a scoped token outside its scenario, ``daemon/scopes.py``)."""
+
+    status = 403
+    type = "permission_error"
     exit_code = 3
 
 

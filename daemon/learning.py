@@ -61,6 +61,7 @@ from daemon.errors import HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
 from daemon.records import Lease, RecordStore, Scenario, new_id
+from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
 from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict
@@ -98,9 +99,22 @@ class _Answers:
     run episodes of the agent against this daemon) the scenario, the config, its records, episode scenarios."""
 
     def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str, *, scenario: str | None = None,
-                 config: Config | None = None, store: RecordStore | None = None, chains: Chains | None = None) -> None:
+                 config: Config | None = None, store: RecordStore | None = None, chains: Chains | None = None,
+                 scopes: Scopes | None = None) -> None:
         self._engine, self.model = engine, model
         self.scenario, self.config, self._store, self._chains = scenario, config, store, chains
+        self._scopes = scopes
+
+    def scoped_token(self, name: str, ttl_s: float) -> str:
+        """A token that can only sample scenario ``name``, start its runs and read those (``daemon/scopes.py``),
+        for an episode's sandbox, which reaches the daemon on ``config.scoped_socket_path`` only. It expires after
+        ``ttl_s``; revoke it (``revoke_token``) when the episode ends."""
+        assert self._scopes is not None
+        return self._scopes.mint(name, ttl_s)
+
+    def revoke_token(self, token: str) -> None:
+        assert self._scopes is not None
+        self._scopes.revoke(token)
 
     async def record(self, receipt: str) -> dict[str, Any]:
         """A stored record (an exchange with its request and response), by receipt."""
@@ -146,8 +160,9 @@ class Learner:
     store, the release chains, the event bus, and a way to get a model's engine."""
 
     def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus,
-                 engine: Callable[[str], Awaitable[Engine]]) -> None:
+                 engine: Callable[[str], Awaitable[Engine]], *, scopes: Scopes | None = None) -> None:
         self.config, self.store, self.chains, self.events, self.engine = config, store, chains, events, engine
+        self.scopes = scopes if scopes is not None else Scopes()  # the scoped tokens episodes get
         self.dir = config.home / "candidates"
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
@@ -500,7 +515,8 @@ class Learner:
         else:
             tree = await self.chains.harness_tree(head)
             candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model, scenario=scenario.name,
-                                                                config=self.config, store=self.store, chains=self.chains))
+                                                                config=self.config, store=self.store, chains=self.chains,
+                                                                scopes=self.scopes))
             if not isinstance(candidate, Candidate):
                 raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
                                 "not a Candidate")

@@ -1,5 +1,9 @@
 """The daemon process: state dir, token, sockets, signals, pid file, graceful drain.
 
+It listens on TCP (the token required), on ``reef.sock`` (no token: its 0600 mode is the auth) and on
+``scoped.sock`` (0600 too, for sandboxes: every request needs a scoped token, ``daemon/scopes.py``; the full token
+is refused there), so a sandbox that gets only ``scoped.sock`` can do no more than its token allows.
+
 ``run(config)`` serves until SIGTERM/SIGINT, then stops accepting, lets in-flight requests finish (up to
 ``DRAIN_TIMEOUT_S``), closes the engines and the record store, and removes its pid file and socket.
 
@@ -118,8 +122,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         token = ensure_token(config.token_path)
     tcp = _tcp_socket(config.host, config.port)
     unix = _unix_socket(config.socket_path)
+    scoped = _unix_socket(config.scoped_socket_path)
     reef: Reef | None = None
     server: web.Server | None = None
+    scoped_server: web.Server | None = None
     serving = False
     try:
         with storing(f"opening the record store {config.records_shown}"):
@@ -130,6 +136,9 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
                             log_exception=_log_exception)
         await server.listen(tcp)
         await server.listen(unix)
+        scoped_server = web.Server(make_app(reef, scoped_only=True), ctx=reef, max_body=config.max_body_bytes,
+                                   refusal=refusal_body, log_exception=_log_exception)
+        await scoped_server.listen(scoped)
         with storing(f"writing the pid file {config.pid_path}"):
             _write_pid(config.pid_path)
         port = tcp.getsockname()[1]
@@ -147,15 +156,18 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         if server is not None and reef is not None:
             reef.events.close()  # ends event streams (TUI, progress bars): they are not work to drain
             await server.shutdown(DRAIN_TIMEOUT_S)  # stops accepting, waits for in-flight requests
+        if scoped_server is not None:
+            await scoped_server.shutdown(DRAIN_TIMEOUT_S)
         if reef is not None:
             await reef.close()
-        for path in (config.pid_path, config.socket_path):
+        for path in (config.pid_path, config.socket_path, config.scoped_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 if path == config.pid_path and path.read_text().strip() != str(os.getpid()):
                     continue
                 path.unlink()
         tcp.close()
         unix.close()
+        scoped.close()
         if serving:  # a start that failed says why in one line (``python -m daemon``), not twice
             log.info("stopped")
 

@@ -26,6 +26,7 @@ from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.names import check_scenario
 from daemon.records import Scenario, new_id, open_store
+from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
 log = logging.getLogger("reef")
@@ -90,11 +91,12 @@ class Reef:
     def __init__(self, config: Config, token: str) -> None:
         self.config = config
         self.token = token
+        self.scopes = Scopes()  # scoped tokens (episodes, sandboxes): in memory only
         self.store = open_store(config.records_location)
         self.events = EventBus(config.events_queue)
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
-        self.learner = Learner(config, self.store, self.chains, self.events, self.engine)
+        self.learner = Learner(config, self.store, self.chains, self.events, self.engine, scopes=self.scopes)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}

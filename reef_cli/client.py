@@ -22,6 +22,7 @@ from daemon.errors import (
     BadRequest,
     Conflict,
     DaemonNotRunning,
+    Forbidden,
     NotFound,
     PayloadTooLarge,
     ReefError,
@@ -33,6 +34,7 @@ from daemon.errors import (
 _BY_STATUS: dict[int, type[ReefError]] = {
     400: BadRequest,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,

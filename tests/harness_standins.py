@@ -10,7 +10,8 @@ Run: ``python tests/harness_standins.py PORT``. ``POST [<prefix>]/v1/chat/comple
   form without tools) with ``answer.txt`` and the greeting ``hello``, or ``bonjour`` when the harness (the system
   prompt, or Claude Code's user message holding CLAUDE.md) holds the rule text ``Write greetings in French``, upper-cased
   when it holds ``Write greetings in upper case``. A prompt holding ``[hang]`` gets no answer at all (the request
-  is counted in ``GET /_stats`` first, so a test can wait for it).
+  is counted in ``GET /_stats`` first, so a test can wait for it). A prompt ``[run] COMMAND`` gets a call of the
+  agent's ``bash`` tool with ``COMMAND`` (pi's), as an agent told to run something does.
 
 ``GET /_requests`` lists the bodies received (model, system prompt); ``GET /_stats`` the counts.
 """
@@ -75,6 +76,10 @@ def agent_answer(body: dict[str, Any]) -> dict[str, Any]:
     system = system_text(body)
     if (messages and messages[-1].get("role") == "tool") or "title generator" in system:
         return {"text": "done"}
+    prompt = last_user(body)
+    if prompt.startswith("[run] ") and any((t.get("function") or {}).get("name") == "bash"
+                                           for t in body.get("tools") or []):
+        return {"tool": "bash", "arguments": {"command": prompt[len("[run] "):]}}
     tool = write_tool(body) or ("write", "path")
     # the harness: pi and opencode put it in the system prompt, Claude Code CLAUDE.md in a user message
     harness = system + "\n".join(user_texts(body))

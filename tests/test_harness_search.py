@@ -285,6 +285,21 @@ def step(c: httpx.Client, name: str, n: int, instruction: str | None = "make the
     return max(done, key=lambda x: x.get("created_at") or 0)
 
 
+def scoped_token(d: Daemon, scenario: str, ttl_s: float = 600) -> str:
+    """A token scoped to ``scenario`` (what the recipe mints for each episode), from the daemon's route."""
+    with d.http() as c:
+        r = c.post("/reef/tokens", json={"scenario": scenario, "ttl_s": ttl_s})
+    assert r.status_code == 201, r.text
+    return str(r.json()["token"])
+
+
+def episode_env(world: dict[str, Any], scenario: str, **kw: Any) -> EpisodeEnv:
+    """Where an episode of ``scenario`` runs, as the recipe sets it up: the daemon's scoped socket and a token."""
+    d: Daemon = world["daemon"]
+    return EpisodeEnv(socket=d.home / "scoped.sock", port=d.port, scenario=scenario, agents_dir=world["agents_dir"],
+                      home=d.home, token=scoped_token(d, scenario), **kw)
+
+
 def head_tree(c: httpx.Client, name: str) -> dict[str, str]:
     return c.get(f"/reef/scenarios/{name}/harness").json()["files"]
 
@@ -457,11 +472,8 @@ def test_a_hanging_episode_is_killed_at_its_limit_and_fails(world: dict[str, Any
     d: Daemon = world["daemon"]
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": episodes_scenario("hs-hang"), "recipe": "record", "model": "agent"})
-    # the agents hidden like the rest of a daemon home ($REEF_HOME/agents by default): the episode binds them back
     work_root = Path(tempfile.mkdtemp(prefix="hs-hang-"))  # this episode's own: other runs' sandboxes are not it
-    env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=episodes_scenario("hs-hang"),
-                     agents_dir=world["agents_dir"], home=d.home, hide=(str(world["agents_dir"]),),
-                     work_root=work_root)
+    env = episode_env(world, episodes_scenario("hs-hang"), work_root=work_root)
     before = httpx.get(f"{world['standin']}/_stats").json()["hang"]
     hang = Task("hang", "[hang] Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = hello',
                 workspace=str(world["template"]), time_limit_s=20)
@@ -485,8 +497,7 @@ def test_episodes_of_the_other_agents_follow_the_harness_in_their_layout(world: 
         assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
         shown = c.get(f"/reef/scenarios/{name}/harness", params={"adapter": agent}).json()
     assert list(shown["files"]) == [layout], shown
-    env = EpisodeEnv(socket=d.socket_path, port=d.port, scenario=name, agents_dir=world["agents_dir"], home=d.home,
-                     adapter=agent)
+    env = episode_env(world, name, adapter=agent)
     greet = Task("greet", "Write the greeting into answer.txt.", 'test "$(cat answer.txt)" = bonjour',
                  workspace=str(world["template"]))
     ep = asyncio.run(run_episode(greet, shown["files"], env, side="candidate", repeat=0,
@@ -517,13 +528,13 @@ PROBE = r"""
 import json, socket, sys, urllib.request
 sys.path.insert(0, sys.argv[1])
 from recipes.harness_search import inside
-port, scenario, standin_port, outside, outside_tmp = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], \
-    sys.argv[6]
+port, scenario, standin_port, outside, outside_tmp, token = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
+    sys.argv[5], sys.argv[6], sys.argv[7]
 inside.relay(port, scenario)
 out = {}
 def post(path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     try:
         return urllib.request.urlopen(req, timeout=30).status
     except urllib.error.HTTPError as e:
@@ -542,10 +553,12 @@ def raw(data):
         got += chunk
     return got.decode("latin-1")
 runs = json.dumps({"adapter": "pi", "scenario": scenario + "-smuggled"}).encode()
-smuggled = (f"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(runs)}\r\n\r\n").encode() + runs
-out["chunked"] = raw(b"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+auth = f"Authorization: Bearer {token}\r\n"
+smuggled = (f"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Length: {len(runs)}\r\n\r\n").encode() \
+    + runs
+out["chunked"] = raw(f"POST /reef/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Transfer-Encoding: chunked\r\n\r\n".encode()
                      + f"{len(runs):x}\r\n".encode() + runs + b"\r\n0\r\n\r\n").split(" ")[1]
-out["pipelined"] = raw(f"GET /s/{scenario}/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode() + smuggled)
+out["pipelined"] = raw(f"GET /s/{scenario}/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode() + smuggled)
 out["pipelined"] = out["pipelined"].count("HTTP/1.1 ")  # answers: the first request's only
 try:
     socket.create_connection(("127.0.0.1", standin_port), timeout=5); out["standin"] = "reached"
@@ -604,12 +617,12 @@ def test_the_sandbox_reaches_only_the_daemon_and_writes_only_its_workspace(world
     outside, outside_tmp = host_dir / "outside.txt", world["work"] / "outside.txt"
     stand_port = int(world["standin"].rsplit(":", 1)[1])
     cmd = sandbox.argv([sys.executable, "-c", PROBE, str(ROOT), str(d.port), scenario, str(stand_port),
-                        str(outside), str(outside_tmp)], workspace=ws, env=_env(), socket=d.socket_path,
-                       hide=[str(d.home)])
+                        str(outside), str(outside_tmp), scoped_token(d, scenario)], workspace=ws, env=_env(),
+                       socket=d.home / "scoped.sock", hide=[str(d.home)])
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout.strip().splitlines()[-1])
-    assert out["daemon"] == 200, out  # the daemon, through the bound socket and the relay
+    assert out["daemon"] == 200, out  # the daemon, through the bound scoped socket and the relay
     assert out["daemon_other_route"] == 403, out  # only the routes a wrapped run uses
     assert out["runs_own"] == 201 and out["runs_other"] == 403 and out["runs_default"] == 403, out
     assert out["chunked"] == "403" and out["pipelined"] == 1, out

@@ -9,9 +9,10 @@ A task (in the scenario's ``tasks`` setting)::
 empty directory). ``check``: a shell command run in the workspace after the agent, in the same kind of sandbox
 but without even the daemon: exit status 0 scores 1, anything else 0; its output's tail is kept with the result.
 
-An episode: copy the workspace, write the spec (the tree rendered for the adapter, the prompt), start
-``inside.py`` in the sandbox (``sandbox.py``), which runs the real wrapper (``reef-pi -p ...``) against the
-daemon's episodes scenario, so the agent's requests are recorded as that run; at ``time_limit_s`` the whole
+An episode: copy the workspace, write the spec (the tree rendered for the adapter, the prompt, the episode's scoped
+token), start ``inside.py`` in the sandbox (``sandbox.py``), which runs the real wrapper (``reef-pi -p ...``)
+against the daemon's episodes scenario through the daemon's scoped socket, so the agent's requests are recorded as
+that run (and the token allows nothing else: ``daemon/scopes.py``); at ``time_limit_s`` the whole
 sandbox is killed and the episode scores 0 (``timeout``). Then the check. The copy is removed afterwards.
 """
 
@@ -78,16 +79,17 @@ def parse_tasks(raw: Any) -> list[Task]:
 
 @dataclass(frozen=True)
 class EpisodeEnv:
-    """Where episodes run: the daemon (socket, port), its episodes scenario, the agent."""
+    """Where episodes run: the daemon (its scoped socket, port, a scoped token), its episodes scenario, the agent."""
 
-    socket: Path
+    socket: Path  # the daemon's scoped socket (``Config.scoped_socket_path``), never its main one
     port: int
     scenario: str
     agents_dir: Path
     home: Path  # the daemon's home: its workspace templates resolve here; hidden from the sandbox
     adapter: str = "pi"
     work_root: Path | None = None  # where workspace copies go (default: the system temp dir)
-    hide: tuple[str, ...] = ()  # more host directories hidden from the sandbox (a user's ~/.ssh ...)
+    hide: tuple[str, ...] = ()  # host paths hidden even under a path the sandbox binds (``sandbox.allowed()``)
+    token: str | None = None  # a token scoped to ``scenario`` (``daemon/scopes.py``); the only one the sandbox gets
 
 
 @dataclass
@@ -154,7 +156,8 @@ async def run_episode(task: Task, files: dict[str, str], env: EpisodeEnv, *, sid
         spec = root / "spec.json"
         spec.write_text(json.dumps({"adapter": env.adapter, "scenario": env.scenario, "port": env.port,
                                     "agents_dir": str(env.agents_dir), "files": files, "prompt": task.prompt,
-                                    "release_id": release_id, "workspace": str(ws)}))
+                                    "release_id": release_id, "workspace": str(ws), "token": env.token}))
+        spec.chmod(0o600)  # the token: never on a command line (any local user reads those)
         hide = (str(env.home), *env.hide)
         cmd = sandbox.argv([sys.executable, "-m", "recipes.harness_search.inside", "/tmp/reef-episode.json"],
                            workspace=ws, env=_env(), socket=env.socket, hide=hide,

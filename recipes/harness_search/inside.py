@@ -4,6 +4,11 @@ config home with the episode's harness, and the real wrapper (``reef-pi``...) ru
 Run as ``python -m recipes.harness_search.inside SPEC`` (``SPEC``: a read-only JSON file, see ``episodes.py``).
 Prints one JSON line: ``{"run", "exit", "output"}`` (the wrapper's run id, its exit status, its output's tail).
 
+The sandbox has the daemon's scoped socket only (``/tmp/reef-episode/scoped.sock``), where every request needs a
+token scoped to the episodes scenario (``daemon/scopes.py``): the daemon refuses the rest whatever connects. The
+wrapper and the agent reach the daemon through the relay (``REEF_URL``) with that token (``REEF_TOKEN``, from the
+spec). The relay's filter stays as a second line, not the one the daemon relies on.
+
 The relay is a filter, not only a pipe: each connection carries one request (``Connection: close`` is forced),
 and only the routes a wrapped run uses pass (the episode scenario's ``/s/<scenario>/...`` provider routes,
 ``POST /reef/runs``, ``GET /reef/records?run=``); anything else is answered 403, so an agent in an episode cannot
@@ -27,7 +32,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's socket is bound at HOME/reef.sock
+HOME = Path("/tmp/reef-episode")  # the episode's REEF_HOME (tmpfs); the daemon's scoped socket is bound at SOCKET
+SOCKET = HOME / "scoped.sock"  # sandbox.SOCKET_INSIDE
 
 AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); Claude Code asks before each edit unless told not to
     "pi": lambda prompt: ["-p", "--no-session", prompt],
@@ -110,7 +116,7 @@ def _serve(client: socket.socket, scenario: str) -> None:
             rest = checked
         kept = [h for h in lines[1:] if h.split(":", 1)[0].strip().lower() not in ("connection", "keep-alive")]
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        upstream.connect(str(HOME / "reef.sock"))
+        upstream.connect(str(SOCKET))
         upstream.sendall("\r\n".join([lines[0], *kept, "Connection: close"]).encode("latin-1") + b"\r\n\r\n" + rest)
         back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
         back.start()
@@ -152,14 +158,16 @@ def main(spec_path: str) -> int:
     (HOME / "logs").mkdir(parents=True, exist_ok=True)
     (HOME / "config.toml").write_text(
         f"port = {int(spec['port'])}\nagents_dir = {json.dumps(spec['agents_dir'])}\nharness_updates = \"notify\"\n")
-    (HOME / "token").write_text("episode\n")  # over the socket no token is checked; the agent needs some value
+    token = spec.get("token") or ""
+    (HOME / "token").write_text(token + "\n")
     agent_home = adapter.home(HOME / "homes", scenario)
     # installed as the release that holds it, and harness_updates = notify: the wrapper keeps it and pins it
     install_harness(agent_home, spec.get("release_id"), {p: t.encode() for p, t in spec["files"].items()})
     relay(int(spec["port"]), scenario)
     user_home = Path("/tmp/home")
     user_home.mkdir(exist_ok=True)
-    env = {**os.environ, "REEF_HOME": str(HOME), "HOME": str(user_home), "REEF_QUIET": "1"}
+    env = {**os.environ, "REEF_HOME": str(HOME), "HOME": str(user_home), "REEF_QUIET": "1",
+           "REEF_URL": f"http://127.0.0.1:{int(spec['port'])}", "REEF_TOKEN": token}
     log = HOME / "agent.log"
     with open(log, "wb") as out:
         code = subprocess.call([sys.executable, "-m", "reef_cli.wrapper", adapter.name, "--reef-scenario", scenario,

@@ -30,6 +30,7 @@ alone: it is held for review (``reef releases promote``). ``gate = "review"`` ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -85,7 +86,8 @@ class HarnessSearchSettings:
     retire_skills: bool = True  # test each skill of the serving tree once by leaving it out
     pool_size: int = 16
     seed: int = 0
-    # host paths hidden from the sandbox besides REEF_HOME (the agent reads the rest of the file system)
+    # host paths hidden even where the sandbox binds a directory above them (it binds an allow-list only:
+    # sandbox.allowed(); REEF_HOME is always hidden)
     hide: list[str] = field(default_factory=lambda: list(HIDE))
 
 
@@ -177,7 +179,8 @@ class HarnessSearch(Recipe):
                     sides.reverse()  # interleaved: drift (a warming cache, a busy machine) falls on both
                 got = {}
                 for side in sides:
-                    ep = await run_episode(task, files[side], env, side=side, repeat=r, release_id=pinned[side])
+                    ep = await self._episode(ctx, task, files[side], env, side=side, repeat=r,
+                                             release_id=pinned[side])
                     spend["episodes"] += 1
                     spend["episode_s"] = round(spend["episode_s"] + ep.seconds + ep.check_seconds, 3)
                     got[side] = ep
@@ -341,6 +344,16 @@ class HarnessSearch(Recipe):
             return applied.tree, "proposal", parent
         return None
 
+    @staticmethod
+    async def _episode(ctx: HarnessContext, task: Task, files: dict[str, str], env: EpisodeEnv, **kw: Any) -> Episode:
+        """One episode with its own scoped token: valid for the episode's time limit (and a margin for the sandbox's
+        start), revoked when it ends, whatever the outcome."""
+        token = ctx.scoped_token(env.scenario, task.time_limit_s + 60.0)  # type: ignore[attr-defined]
+        try:
+            return await run_episode(task, files, dataclasses.replace(env, token=token), **kw)
+        finally:
+            ctx.revoke_token(token)  # type: ignore[attr-defined]
+
     def _render(self, tree: dict[str, bytes]) -> dict[str, str]:
         from adapters import get_adapter
 
@@ -352,7 +365,7 @@ class HarnessSearch(Recipe):
         if config is None or scenario is None:
             raise BadRequest("harness-search needs the daemon's harness context (config, scenario) to run episodes")
         episodes = episodes_scenario(scenario)
-        return EpisodeEnv(socket=config.socket_path, port=config.port, scenario=episodes,
+        return EpisodeEnv(socket=config.scoped_socket_path, port=config.port, scenario=episodes,
                           agents_dir=config.agents_path, home=config.home, adapter=self.settings.adapter,
                           hide=tuple(self.settings.hide))
 
