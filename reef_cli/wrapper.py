@@ -212,8 +212,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     code = spawn(adapter.argv(binary, args, target), env)
     record.update(ended_at=time.time(), exit_code=code)
     try:
-        got = call(config, "GET", f"/reef/records?run={target.run}&kind=exchange&limit=1000")
-        record["receipts"] = [r["id"] for r in got["records"]]
+        record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run)
     except (OSError, ReefError) as e:
         say(f"could not read the run's receipts ({e}); `{adapter.command} report` will ask the daemon again")
     save_run(config, record)
@@ -221,6 +220,22 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
         f"`{adapter.command} report --score S --feedback TEXT`")
     return code
+
+
+RECEIPTS_PAGE = 50  # receipts asked for at a time when collecting a run's (the daemon's default page)
+
+
+def run_receipts(get: Any, run: str) -> list[str]:
+    """Every exchange receipt of ``run``, oldest first, read page by page (``get(path)`` answers a GET): a run of
+    an agent can make many more model requests than one page holds."""
+    out: list[str] = []
+    after = ""
+    while True:
+        got = get(f"/reef/records?run={run}&kind=exchange&limit={RECEIPTS_PAGE}{after}")
+        out += [r["id"] for r in got["records"]]
+        if len(got["records"]) < RECEIPTS_PAGE or got.get("next_after") is None:
+            return out
+        after = f"&after={got['next_after']}"
 
 
 def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:

@@ -32,7 +32,7 @@ def subcommands(adapter: Adapter) -> Any:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Attach one report (score and/or feedback) to every receipt of the last run (or --run ID)."""
-        from reef_cli.wrapper import call_starting, load_run, save_run
+        from reef_cli.wrapper import call_starting, load_run, run_receipts, save_run
 
         cfg = config()
         if score is None and feedback is None:
@@ -40,8 +40,7 @@ def subcommands(adapter: Adapter) -> Any:
         rec = load_run(cfg, adapter, run)
         receipts = rec.get("receipts") or []
         if not receipts:  # the run's receipts were not stored (daemon unreachable then): ask again
-            got = call_starting(cfg, "GET", f"/reef/records?run={rec['run']}&kind=exchange&limit=1000")
-            receipts = rec["receipts"] = [r["id"] for r in got["records"]]
+            receipts = rec["receipts"] = run_receipts(lambda path: call_starting(cfg, "GET", path), rec["run"])
         if not receipts:
             raise NotFound(f"run {rec['run']} made no model requests; there is nothing to report on")
         body: dict[str, Any] = {"references": receipts, "scenario": rec["scenario"],

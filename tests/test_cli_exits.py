@@ -77,6 +77,43 @@ def test_the_wrapped_agents_exit_code_and_arguments_are_kept(daemon: Daemon, age
     assert run["exit_code"] == 42 and run["argv"] == args
 
 
+def test_a_long_run_keeps_every_receipt_and_its_report_scores_every_one(daemon: Daemon, agents: Path,
+                                                                       tmp_path: Path) -> None:
+    """An agent that makes more model requests than one page of records (60 > 50): the run keeps all 60 receipts,
+    ``reef-pi report`` scores every one of them (not only the last), and so does a report on a run whose receipts
+    were not stored (asked of the daemon again, page by page)."""
+    n = 60
+    agent = (f'import json, os, urllib.request\n'
+             f'for i in range({n}):\n'
+             f'    req = urllib.request.Request("{daemon.url}/s/exits/r/" + os.environ["REEF_RUN"]'
+             f' + "/v1/chat/completions", data=json.dumps({{"model": "tiny", "max_tokens": 1, "messages":'
+             f' [{{"role": "user", "content": "hi %d" % i}}]}}).encode(), headers={{"x-api-key": "{daemon.token}",'
+             f' "content-type": "application/json"}})\n'
+             f'    urllib.request.urlopen(req, timeout=60).read()\n')
+    (tmp_path / "agent.py").write_text(agent)
+    fake_agent(agents, f'exec "{sys.executable}" "{tmp_path / "agent.py"}"')
+    assert wrapped(daemon, agents, ["-p", "go"], tmp_path).returncode == 0
+    run = last_run(daemon)
+    with daemon.http() as c:
+        served = [r["id"] for r in c.get("/reef/records", params={"run": run["run"], "kind": "exchange",
+                                                                   "limit": 1000}).json()["records"]]
+    assert len(served) == n and run["receipts"] == served
+
+    def scores() -> list[Any]:
+        with daemon.http() as c:
+            got = c.get("/reef/records", params={"run": run["run"], "kind": "exchange", "limit": 1000}).json()
+        return [r.get("score") for r in got["records"]]
+
+    out = wrapped(daemon, agents, ["report", "--score", "0.25"], tmp_path)
+    assert out.returncode == 0 and f"on {n} receipt(s)" in out.stdout, out.stdout + out.stderr
+    assert scores() == [0.25] * n
+    path = daemon.home / "runs" / f"{run['run']}.json"  # as if the daemon was unreachable when the run ended
+    path.write_text(json.dumps({**json.loads(path.read_text()), "receipts": []}))
+    out = wrapped(daemon, agents, ["report", "--score", "0.75"], tmp_path)
+    assert out.returncode == 0 and f"on {n} receipt(s)" in out.stdout, out.stdout + out.stderr
+    assert scores() == [0.75] * n and last_run(daemon)["receipts"] == served
+
+
 def test_an_agent_killed_by_a_signal_gives_128_plus_the_signal(daemon: Daemon, agents: Path, tmp_path: Path) -> None:
     fake_agent(agents, "kill -TERM $$")
     out = wrapped(daemon, agents, ["-p", "hi"], tmp_path)

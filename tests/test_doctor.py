@@ -70,6 +70,26 @@ def test_no_daemon_is_a_warning_and_doctor_starts_nothing(tiny_model: Path) -> N
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_a_check_that_passed_shows_no_fix_even_when_the_config_does_not_load(tiny_model: Path) -> None:
+    """A config that does not parse ends the checks early; what passed before it (python) still shows no fix
+    line, in the table or in JSON, and the config's failure shows its own."""
+    home, _, env = make_home(tiny_model)
+    try:
+        (home / "config.toml").write_text("port = [\n")
+        out, data = doctor(env, "--json")
+        checks = by_name(data)
+        assert checks["python"]["status"] == "ok" and checks["python"]["fix"] is None
+        assert checks["config"]["status"] == "fail" and checks["config"]["fix"]
+        human, _ = doctor(env)
+        lines = human.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("fix:"):
+                assert lines[i - 1].startswith(("warn", "FAIL")), human.stdout  # under a problem only
+        assert any(line.strip().startswith("fix:") for line in lines) and human.returncode == 1
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_a_wrong_token_over_tcp_fails(daemon: Daemon) -> None:
     env = {**daemon.env, "REEF_URL": daemon.url, "REEF_TOKEN": "not-the-token"}
     out, data = doctor(env, "--json")

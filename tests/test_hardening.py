@@ -144,12 +144,22 @@ def test_healthz_is_open(daemon: Daemon) -> None:
 
 
 def test_wrong_host_is_400(daemon: Daemon) -> None:
-    for host in ("evil.example", "attacker.com:8900", "192.168.1.10"):
+    # look-alikes of loopback names: a suffix test without the dot would let "evillocalhost" through
+    for host in ("evil.example", "attacker.com:8900", "192.168.1.10", "evillocalhost", "xlocalhost:8900"):
         resp = httpx.get(daemon.url + "/reef/status", headers={"Host": host, "x-api-key": daemon.token})
         assert_canonical_error(resp, 400)
     for host in ("localhost", f"127.0.0.1:{daemon.port}", "[::1]:8900", "LOCALHOST"):
         resp = httpx.get(daemon.url + "/reef/status", headers={"Host": host, "x-api-key": daemon.token})
         assert resp.status_code == 200, host
+
+
+def test_host_check_refuses_look_alikes_of_localhost() -> None:
+    from daemon.app import _host_ok
+
+    for host in ("evillocalhost", "xlocalhost:8900", "localhost.evil.example", "notlocalhost.", "127.0.0.1.evil"):
+        assert not _host_ok(host), host
+    for host in ("localhost", "a.localhost", "app.localhost:8900", "localhost.", "127.9.9.9:1"):
+        assert _host_ok(host), host
 
 
 def test_socket_and_token_are_private(daemon: Daemon) -> None:

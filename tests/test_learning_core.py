@@ -158,6 +158,32 @@ def test_train_step_moves_the_policy_towards_reward(tiny):
     assert not model.get_input_embeddings().weight.requires_grad  # embeddings stay frozen by default
 
 
+def test_an_off_policy_sample_beyond_the_clip_carries_no_gradient(tiny):
+    """PPO's clip: a token whose ratio is already past 1 + clip_high with a positive advantage is clipped (the
+    surrogate is the constant clipped ratio times A) and moves nothing; with a negative advantage the same ratio
+    is not clipped (the pessimistic minimum keeps ratio * A) and trains. Every other test trains on-policy
+    (ratio 1), where the minimum and a maximum agree."""
+    tokenizer, model = fresh(tiny)
+    prompt = render_prompt(tokenizer, "Say file.")
+    tokens = tokenizer.backend_tokenizer.encode(" window", add_special_tokens=False).ids
+    with torch.no_grad():
+        logp, _, mask = token_logprobs(model, [Sample(prompt, tokens, [0.0] * len(tokens), 0.0, "g")])
+    now = logp[0, : int(mask[0].sum())].tolist()
+    behaviour = [lp - 2.0 for lp in now]  # the sample was far less likely when drawn: ratio e^2 ~ 7.4 per token
+    settings = OnlineRLSettings(steps_per_batch=1)
+    sample = Sample(prompt, tokens, behaviour, 1.0, "g")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = train_step(model, [sample], settings, adv=([1.0], 0))
+    assert metrics["ratio_mean"] == pytest.approx(torch.e ** 2, rel=1e-3)
+    assert metrics["clip_frac"] == 1.0
+    assert metrics["pg_loss"] == pytest.approx(-(1 + settings.clip_high), rel=1e-5)  # the clipped value
+    assert metrics["grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    metrics = train_step(model, [sample], settings, adv=([-1.0], 0))  # past the clip the other way: trains
+    assert metrics["clip_frac"] == 0.0 and metrics["grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_train_step_skips_batches_without_signal_and_rejects_bad_samples(tiny):
     tokenizer, model = fresh(tiny)
     before = {k: v.clone() for k, v in model.state_dict().items()}

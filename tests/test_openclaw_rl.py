@@ -71,6 +71,18 @@ def test_a_retry_in_the_same_session_judges_the_last_turn() -> None:
     assert idx.follow("s", Turn("r3", "x-session-id=10", (user("say hi"),), "hi")) is None  # another session
 
 
+def test_session_less_requests_with_the_same_last_user_message_are_no_retry() -> None:
+    """Without a session (no session header, no run) nothing ties two requests together: two clients asking the
+    same thing, or one asking it again in a new conversation, is not a retry of the other's turn (that would be
+    a "bad" verdict on a turn nobody complained about). Continuation still works without a session."""
+    idx = SessionIndex()
+    assert idx.follow("s", Turn("r1", None, (user("what is 2+2?"),), "4")) is None
+    assert idx.follow("s", Turn("r2", None, (user("what is 2+2?"),), "four")) is None
+    assert idx.follow("s", Turn("r3", None, (user("hello"), assistant("hi"), user("what is 2+2?")), "4")) is None
+    prev, nxt = idx.follow("s", Turn("r4", None, (user("what is 2+2?"), assistant("four"), user("thanks")), ""))
+    assert prev.receipt == "r2" and not nxt.retry
+
+
 # --- judges ----------------------------------------------------------------------------------------------------
 
 

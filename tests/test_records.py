@@ -175,6 +175,24 @@ async def test_one_report_id_sent_to_two_daemons_at_once_is_stored_once(records_
         b.close()
 
 
+async def test_a_report_id_reused_for_another_scenario_is_a_conflict(records_at: str) -> None:
+    """The same report id and body sent again naming another scenario is a different report: a 409, not the
+    first one's answer (the scenario is part of what a retry must repeat)."""
+    from daemon.errors import ReportConflict
+
+    store = open_store(records_at)
+    try:
+        await store.append_exchange(_exchange("rec_s"))
+        args: dict[str, Any] = {"score": 1.0, "feedback": "ok", "references": ["rec_s"], "metadata": None,
+                                "report_id": "rep-key"}
+        first = await store.append_report(scenario="s", **args)
+        assert (await store.append_report(scenario="s", **args))["id"] == first["id"]  # a true retry
+        with pytest.raises(ReportConflict):
+            await store.append_report(scenario="other", **args)
+    finally:
+        store.close()
+
+
 # --- schema versions -----------------------------------------------------------------------------------------
 
 
@@ -296,6 +314,30 @@ async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+async def test_a_claim_after_the_lease_expired_is_refused_with_no_other_holder(records_at: str) -> None:
+    """A holder that let its lease run out may not claim, even though no other daemon took the lease: another
+    could take it at any moment and claim the same receipts. Its claim raises and claims nothing."""
+    from daemon.errors import LeaseLost
+
+    store = open_store(records_at)
+    try:
+        lease = await store.lease("trainer", "daemon-a", ttl_s=0.2)
+        assert lease.held
+
+        async def expired() -> bool:
+            return bool(await store.read(lambda c: c.execute(
+                f"SELECT expires_at <= {store.NOW} FROM leases WHERE name='trainer'").fetchone()[0]))
+
+        await _until("the lease expires on the database's clock", expired)
+        with pytest.raises(LeaseLost):
+            await store.claim("s", ["rec_1"], lease)
+        assert await store.consumed("s") == {}
+        renewed = await store.lease("trainer", "daemon-a", ttl_s=3600)  # taking it again works, as a new lease
+        assert await store.claim("s", ["rec_1"], renewed) == ["rec_1"]
+    finally:
+        store.close()
 
 
 async def _held(store: RecordStore, holder: str, ttl_s: float) -> Any:

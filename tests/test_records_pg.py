@@ -222,3 +222,105 @@ def test_a_trainer_killed_mid_step_hands_its_batch_to_the_next(daemon_factory: C
         assert "come back to learn from" in b.log_tail(200)
         second = _feedback(cb, "keep diffs small")
         assert _until("b learns on", lambda: len(_trained(cb)) == 2 and _trained(cb)) == [[second], [first]]
+
+
+# --- commit order across daemons ------------------------------------------------------------------------------
+
+
+async def _paged_while_one_commits_late(url: str, late: Callable[[Any], None], quick: Callable[[Any], Any],
+                                        page: Callable[[Any, int], Any]) -> list[str]:
+    """Daemon A's writer holds a transaction open that inserted a row (``late``); daemon B then writes another
+    (``quick``) and a reader pages by cursor (``page(store, cursor)`` -> (ids, new cursor)) before and after A
+    commits. Returns every id the reader saw. Reef's write lock makes B wait for A, so seq is commit order and
+    the reader, whatever it saw first, misses nothing; without it B commits a higher seq first, the reader's
+    cursor moves past A's lower one, and A's row is never read."""
+    import asyncio
+    import threading
+
+    from daemon.records import open_store
+
+    a, b, reader = open_store(url), open_store(url), open_store(url)
+    inserted, go = threading.Event(), threading.Event()
+
+    def hold(conn: Any) -> None:
+        late(conn)
+        inserted.set()
+        go.wait(30)
+
+    try:
+        held = asyncio.ensure_future(a.write(hold))
+        assert await asyncio.to_thread(inserted.wait, 30)
+        quick_done = asyncio.ensure_future(quick(b))
+
+        async def b_done_or_waiting() -> bool:
+            waiting = await reader.read(lambda c: c.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype='advisory' AND NOT granted").fetchone()[0])
+            return quick_done.done() or waiting > 0
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await b_done_or_waiting():
+            assert asyncio.get_running_loop().time() < deadline, "daemon B neither wrote nor waited"
+            await asyncio.sleep(0.02)
+        seen, cursor = await page(reader, 0)  # B's row, if B did not wait for A
+        go.set()
+        await held
+        await quick_done
+        more, _ = await page(reader, cursor)
+        return list(seen) + list(more)
+    finally:
+        go.set()
+        for s in (a, b, reader):
+            s.close()
+
+
+async def test_exchanges_two_daemons_append_are_all_read_by_a_cursor(pg_url: str) -> None:
+    """Records paged by ``seq`` (``GET /reef/scenarios/{s}/records?after=``, a wrapper collecting a run's
+    receipts): an exchange whose transaction committed after a later one's lost no place. Fails with the write
+    lock left out of either path: the general one (A's write) or the exchange fast path (B's)."""
+    from daemon.records.store import RecordStore, _ExchangeRow
+
+    def late(conn: Any) -> None:
+        _ExchangeRow.insert(conn, [RecordStore._exchange_row(_exchange("rec_late"))])
+
+    async def page(store: Any, cursor: int) -> tuple[list[str], int]:
+        rows = await store.list_records(scenario="s", after=cursor, limit=50)
+        return [r["id"] for r in rows], (rows[-1]["seq"] if rows else cursor)
+
+    seen = await _paged_while_one_commits_late(
+        pg_url, late, lambda b: b.append_exchange(_exchange("rec_quick")), page)
+    assert sorted(seen) == ["rec_late", "rec_quick"]
+
+
+async def test_reports_two_daemons_append_are_all_read_by_the_learning_cursor(pg_url: str) -> None:
+    """The learning loop reads reports since its cursor (``scored_exchanges``): a report whose transaction
+    committed after a later one's is still learned from. Fails with the write lock left out of the general
+    write path (reports take it)."""
+    from daemon.records import open_store
+
+    setup = open_store(pg_url)
+    try:
+        await setup.append_exchange(_exchange("rec_1"))
+        await setup.append_exchange(_exchange("rec_2"))
+    finally:
+        setup.close()
+
+    def late(conn: Any) -> None:
+        conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report)"
+                     " VALUES ('rep_late', 'report', 's', 0, 'complete', '{\"score\": 1.0}')")
+        conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES ('rep_late', 'rec_1')")
+
+    async def quick(b: Any) -> Any:
+        return await b.append_report(scenario="s", score=0.5, feedback=None, references=["rec_2"], metadata=None,
+                                     report_id=None)
+
+    async def page(store: Any, cursor: int) -> tuple[list[str], int]:
+        rows, seen = await store.scored_exchanges("s", after=cursor)
+        return [r["id"] for r in rows], seen
+
+    assert sorted(await _paged_while_one_commits_late(pg_url, late, quick, page)) == ["rec_1", "rec_2"]
+
+
+def _exchange(receipt: str) -> dict[str, Any]:
+    return {"id": receipt, "scenario": "s", "status": "complete", "format": "openai-chat", "engine": "e",
+            "model": "m", "release_id": "rel", "request": {}, "response": {}, "prompt_token_ids": [1, 2],
+            "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}

@@ -108,6 +108,44 @@ def test_the_critic_travels_with_the_candidate(tiny, tmp_path):
     assert load_value(tmp_path / "nowhere", 68) is None
 
 
+def test_the_periodic_check_rejects_a_candidate_worse_than_the_head_at_the_default_margin(tiny, tmp_path):
+    """The check compares the candidate with the serving head, scored on the same prompts: a candidate 0.1 below
+    the head (more than the default margin, 0.05) is rejected, one within the margin published. Through the
+    worker's own path: the step scores the candidate, carries the head's scores it was given, and the recipe's
+    gate judges the two."""
+    from daemon.models import save_model
+    from recipes.base import Candidate, Scores, TrainJob
+    from recipes.sao import SAO
+
+    settings = SAOSettings(eval_family="say", eval_n=20, eval_every=10)
+    assert settings.margin == 0.05
+    recipe = SAO(settings)
+    assert not recipe.judge(Candidate(eval=Scores(candidate=[0.5] * 4, base=[0.6] * 4)), best=None).publish
+    assert recipe.judge(Candidate(eval=Scores(candidate=[0.58] * 4, base=[0.6] * 4)), best=None).publish
+
+    tokenizer, model = tiny
+    base = tmp_path / "head"
+    save_model(tokenizer, model, base)
+    prompt, out, logprobs = rollout(tiny)
+    head_scores = [1.0, 1.0] + [0.0] * 18  # the head answers 2 of 20: mean 0.10
+    state: dict[str, Any] = {}
+    made = None
+    for i, reward in enumerate((0.7, 0.2)):  # the first seeds the fresh critic (no signal), the second trains
+        work = tmp_path / f"c{i}"
+        work.mkdir()
+        job = TrainJob(id=f"j{i}", recipe="sao", settings=settings.to_dict(),
+                       batch=[{"id": f"r{i}", "prompt_token_ids": prompt, "token_ids": out, "logprobs": logprobs,
+                               "score": reward}],
+                       base_key="head", base_path=str(base), head_key="head", head_path=str(base),
+                       candidate_key=f"c{i}", work_dir=str(work), head_scores=head_scores)
+        made = recipe.train(job, state)
+    assert made is not None and made.skipped is None and made.eval is not None
+    assert made.eval.base == head_scores and sum(made.eval.candidate) == 0  # the tiny model answers none
+    verdict = recipe.judge(made, best=None)
+    assert not verdict.publish and verdict.verdict == "rejected" and "periodic check" in verdict.reason
+    assert verdict.metrics["base_reward"] == pytest.approx(0.1) and verdict.metrics["eval_reward"] == 0.0
+
+
 # --- through a real daemon --------------------------------------------------------------------------------------
 
 
