@@ -54,7 +54,11 @@ def main() -> None:
         home = work / "home"
         (home / "logs").mkdir(parents=True)
         port = free_port()
-        extra = 'kv_cache_gb = 1\nserver_args = ["--dtype", "float32"]\n' if args.cpu else 'device = "cuda"\n'
+        # the config refuses keys an engine does not read: kv_cache_gb and device are vLLM's (SGLang picks its own)
+        if args.cpu:
+            extra = ('kv_cache_gb = 1\n' if args.engine == "vllm" else "") + 'server_args = ["--dtype", "float32"]\n'
+        else:
+            extra = 'device = "cuda"\n' if args.engine == "vllm" else ""
         (home / "config.toml").write_text(
             f'port = {port}\ndefault_model = "m"\n[models.m]\nengine = "{args.engine}"\npath = "{model}"\n'
             f'server = "{args.server_python}"\nserver_log = "{work}/server.log"\nmax_model_len = 4096\n'
