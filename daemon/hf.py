@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+
+# Every load through transformers (``from_pretrained``, a GGUF conversion, the lazy ``from transformers import``
+# itself) holds this lock: loading patches process-global state (the default device and dtype, empty-weight
+# initialisation, its lazy module table), so two loads in two threads at once left the process unable to load
+# anything again ("Cannot copy out of meta tensor", "cannot import name AutoModelForCausalLM") until a restart.
+LOAD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager

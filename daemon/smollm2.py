@@ -62,10 +62,12 @@ def init_smollm2(dest: Path, *, progress: Callable[[str], None] | None = None) -
     src = gguf_path()
     say = progress or (lambda _msg: None)
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from daemon.hf import no_progress_bars
+    from daemon.hf import LOAD_LOCK, no_progress_bars
+
+    with LOAD_LOCK:  # transformers' lazy import table is not safe against a load in another thread
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # transformers 5 keeps GGUF weights packed unless asked to dequantize; 4.x always dequantizes
     quant = {"quantization_config": transformers.GgufConfig(dequantize=True)} if hasattr(transformers, "GgufConfig") \
@@ -74,7 +76,7 @@ def init_smollm2(dest: Path, *, progress: Callable[[str], None] | None = None) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
         say(f"reading {src.name}")
-        with no_progress_bars(), _quiet_gguf_reader():
+        with LOAD_LOCK, no_progress_bars(), _quiet_gguf_reader():  # one transformers load at a time (daemon/hf.py)
             tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
             say("dequantizing the GGUF weights")
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32, **quant)

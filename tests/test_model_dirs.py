@@ -239,3 +239,30 @@ def test_smollm2_made_by_model_init_answers_through_the_http_api(tiny_model: Pat
     finally:
         d.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_concurrent_first_loads_of_different_models_all_answer(daemon_factory: Any, tiny_model: Path) -> None:
+    """Loading through transformers patches process-global state: first requests for several models at once (and
+    the default model's own load in the background) all answer 200, and the engine loads again afterwards; two
+    loads in two threads at once had left every later load failing ('Cannot copy out of meta tensor', 'cannot
+    import name AutoModelForCausalLM') until a restart."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"m{i}" for i in range(4)]
+    d: Daemon = daemon_factory("".join(f'\n[models.{n}]\nengine = "transformers"\npath = "{tiny_model}"\n'
+                                       for n in names))
+    with d.http() as c:
+        def first(name: str) -> int:
+            if name != "tiny":
+                made = c.post("/reef/scenarios", json={"name": f"on-{name}", "model": name})
+                if made.status_code != 201:
+                    return made.status_code
+            return chat(c, f"/s/on-{name}/v1/chat/completions" if name != "tiny" else "/v1/chat/completions"
+                        ).status_code
+
+        with ThreadPoolExecutor(len(names) + 1) as pool:
+            codes = list(pool.map(first, [*names, "tiny"]))
+        assert codes == [200] * (len(names) + 1), (codes, d.log_tail(60))
+        health = c.get("/healthz").json()["models"]
+        assert sorted(health["loaded"]) == sorted([*names, "tiny"]) and health["failed"] == {}, health
+    assert "Traceback" not in d.log_tail(400)

@@ -278,12 +278,12 @@ class ServerEngine(Engine):
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from daemon.hf import no_progress_bars
+        from daemon.hf import LOAD_LOCK, no_progress_bars
 
         def open_tokenizer() -> tuple[Any, frozenset[int], int]:
-            from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+            with LOAD_LOCK, no_progress_bars():  # one transformers load at a time in the process (daemon/hf.py)
+                from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-            with no_progress_bars():
                 tok = AutoTokenizer.from_pretrained(self.entry.path)
                 cfg = AutoConfig.from_pretrained(self.entry.path)
                 try:

@@ -127,14 +127,15 @@ class Load:
 
     @classmethod
     def open(cls, path: Path, load_id: str, device: torch.device) -> Load:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
+        from daemon.hf import LOAD_LOCK
         from daemon.model_dirs import check_model_dir
 
         check_model_dir(Path(path))
         try:
-            with no_progress_bars():
+            with LOAD_LOCK, no_progress_bars():  # one transformers load at a time in the process (daemon/hf.py)
+                from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+                from transformers.cache_utils import DynamicLayer
+
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
                 model = model.to(device).eval()
