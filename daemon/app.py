@@ -51,6 +51,7 @@ BODY_TIMEOUT_S = 60.0
 MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
 EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
+EVENTS_DROPPED_GRACE_S = 10.0  # a dropped subscriber's connection closes when it has not taken its end by then
 
 _LOOPBACK = {"localhost", "ip6-localhost"}
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -837,7 +838,12 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                               send_buffer=EVENTS_SEND_BUFFER)
     await resp.prepare(request)
-    q = reef.events.subscribe(after_seq)
+    ended = False
+
+    def dropped() -> None:  # a client that takes its last events within the grace ends normally; else: closed
+        asyncio.get_running_loop().call_later(EVENTS_DROPPED_GRACE_S, lambda: None if ended else resp.abort())
+
+    q = reef.events.subscribe(after_seq, on_drop=dropped)
     try:
         await resp.write(b": reef events\n\n")
         while True:
@@ -854,6 +860,7 @@ async def handle_events(request: web.Request) -> web.StreamResponse:
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     finally:
+        ended = True
         reef.events.unsubscribe(q)
     return resp
 

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 HISTORY = 1024
@@ -29,6 +30,7 @@ class EventBus:
         self._seq = itertools.count(1)
         self._queue_size = queue_size
         self._subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._on_drop: dict[asyncio.Queue[dict[str, Any] | None], Callable[[], None]] = {}
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.dropped = 0  # subscribers dropped for falling behind, since start
 
@@ -44,6 +46,9 @@ class EventBus:
 
     def _drop(self, q: asyncio.Queue[dict[str, Any] | None], missed: int) -> None:
         self._subscribers.discard(q)
+        on_drop = self._on_drop.pop(q, None)
+        if on_drop is not None:
+            on_drop()
         self.dropped += 1
         while not q.empty():  # the backlog is stale: the subscriber reloads instead
             q.get_nowait()
@@ -54,14 +59,19 @@ class EventBus:
         })
         q.put_nowait(None)
 
-    def subscribe(self, after: int | None = None) -> asyncio.Queue[dict[str, Any] | None]:
-        """A new subscriber's queue, holding the recent events after seq ``after`` (if given) first."""
+    def subscribe(self, after: int | None = None, *,
+                  on_drop: Callable[[], None] | None = None) -> asyncio.Queue[dict[str, Any] | None]:
+        """A new subscriber's queue, holding the recent events after seq ``after`` (if given) first; ``on_drop``
+        is called when it is dropped for falling behind (its reader may be stuck writing to a client that stopped
+        reading: the caller ends that)."""
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(max(self._queue_size, 2))  # room for the end
         if after is not None:
             for event in self._history:
                 if event["seq"] > after and not q.full():
                     q.put_nowait(event)
         self._subscribers.add(q)
+        if on_drop is not None:
+            self._on_drop[q] = on_drop
         return q
 
     @property
@@ -70,6 +80,7 @@ class EventBus:
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
         self._subscribers.discard(q)
+        self._on_drop.pop(q, None)
 
     def close(self) -> None:
         """End every subscriber's stream (the daemon is stopping)."""

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -209,6 +210,15 @@ class StreamResponse:
         conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         if conn.paused:
             await conn.drain()
+
+    def abort(self) -> None:
+        """Close the connection at once, unsent data and all (a client that stopped reading holds it otherwise)."""
+        if self._conn is not None and not self._conn.lost:
+            sock = self._conn.transport.get_extra_info("socket")
+            if sock is not None:  # linger 0: a reset, not a FIN queued behind unsent data the client never takes
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._conn.transport.abort()
 
     async def write_eof(self) -> None:
         conn = self._conn

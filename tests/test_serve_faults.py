@@ -347,6 +347,43 @@ def test_a_subscriber_that_falls_behind_gets_dropped_and_its_stream_ends(daemon_
         assert int(replay[0]["id"]) == dropped["resume_after"] + 1 and replay[0]["event"] == "report"
 
 
+def _tcp_state(s: socket.socket) -> int:
+    """The kernel's TCP state of ``s`` (TCP_INFO's first byte; 1 = ESTABLISHED), read without reading data."""
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def test_a_dropped_subscriber_that_never_reads_has_its_connection_closed(daemon_factory: Callable[..., Daemon]
+                                                                        ) -> None:
+    """A subscriber that stops reading is dropped from the bus, and then, when it has not taken its last events
+    within the grace, the daemon closes its connection (it stayed open for good, the handler blocked in a write
+    that could never finish)."""
+    d = daemon_factory(start=False)
+    config = d.home / "config.toml"
+    config.write_text("events_queue = 8\n" + config.read_text())
+    d.start()
+    slow = _subscribe(d, rcvbuf=4096)  # it never reads again
+    with d.http() as http:
+        receipt = http.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}).headers[
+            "x-reef-agent-record-id"]
+        feedback = "a long note to make each event big " * 13
+        for n in range(20_000):
+            assert http.post("/reef/report", json={"references": [receipt], "feedback": feedback}).status_code == 201
+            if n % 10 == 9 and http.get("/reef/status").json()["events"]["dropped"] == 1:
+                break
+        else:
+            pytest.fail("the subscriber that reads nothing was never dropped")
+    assert _tcp_state(slow) == 1  # dropped from the bus, still connected: the grace to take its end
+    deadline = time.monotonic() + 60  # a hang guard: the daemon closes it after its 10 s grace
+    while _tcp_state(slow) == 1:
+        assert time.monotonic() < deadline, "the dropped subscriber's connection was never closed"
+        time.sleep(0.2)
+    with pytest.raises(ConnectionResetError):  # closed at once, unsent events and all
+        while slow.recv(65536):
+            pass
+    slow.close()
+
+
 async def test_the_tui_reloads_and_resumes_after_being_dropped() -> None:
     from reef_cli.tui.app import ReefApp
     from reef_cli.tui.screens import ScenariosScreen
