@@ -116,7 +116,32 @@ def _write_pid(path: Path) -> None:
     os.replace(tmp, path)
 
 
+FD_RESERVE = 256  # file descriptors kept for what is not a client: the record store, git, models, the trainer
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit of open files to the hard one (at most 65536) and return it: the common soft limit of
+    1,024 let about 1,000 idle client connections shut every other client out."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return want if soft == resource.RLIM_INFINITY else soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    except (ValueError, OSError):
+        return soft
+
+
+def max_connections(open_files: int) -> int:
+    """Client connections the daemon holds at once, leaving ``FD_RESERVE`` descriptors for its own files."""
+    return max(32, open_files - FD_RESERVE)
+
+
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    open_files = raise_open_files_limit()
     with storing(f"preparing the state dir {config.home}"):
         ensure_home(config)
         token = ensure_token(config.token_path)
@@ -132,7 +157,9 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
             reef = Reef(config, token)
         with storing("starting the daemon"):
             await reef.start()
+        log.info("open files: %d; client connections at most %d", open_files, max_connections(open_files))
         server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
+                            max_connections=max_connections(open_files),
                             log_exception=_log_exception)
         await server.listen(tcp)
         await server.listen(unix)

@@ -40,6 +40,7 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 
 KEEPALIVE_S = 75.0
+CROWDED_KEEPALIVE_S = 5.0  # idle keep-alive when connections pass three quarters of the bound
 MAX_HEAD_BYTES = 64 * 1024
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -329,6 +330,8 @@ class _Connection(asyncio.Protocol):
         self._over_unix = sock is not None and sock.family == socket.AF_UNIX
         self.server.connections.add(self)
         self.idle_since = self._loop.time()
+        if not self.server.admit(self):
+            transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
@@ -570,8 +573,13 @@ class Server:
     ``refusal(status, message)`` renders the JSON body answering a request refused before it reached a handler."""
 
     def __init__(self, handler: Handler, *, ctx: Any, max_body: int, refusal: Callable[[int, str], bytes],
-                 log_exception: Callable[[Request], None], keepalive_s: float = KEEPALIVE_S) -> None:
+                 log_exception: Callable[[Request], None], keepalive_s: float = KEEPALIVE_S,
+                 max_connections: int = 4096) -> None:
         self.handler = handler
+        # open connections at most: past it, the connections idle longest are closed to make room (a client
+        # holding many idle keep-alive connections cannot use up the daemon's file descriptors and shut others
+        # out); when none is idle, the new one is closed. Past three quarters of it, idle ones last 5 s.
+        self.max_connections = max(1, max_connections)
         self.ctx = ctx
         self.max_body = max_body
         self.keepalive_s = keepalive_s
@@ -583,10 +591,28 @@ class Server:
         # one sweep a second closes idle connections (a timer per request cost more than the sweep)
         self._sweeper = self.loop.call_later(1.0, self._sweep)
 
+    def admit(self, new: _Connection) -> bool:
+        """Room for ``new`` within ``max_connections``, closing the connections idle longest; False: none is idle,
+        and ``new`` is closed instead."""
+        over = len(self.connections) - self.max_connections
+        if over <= 0:
+            return True
+        idle = sorted((c for c in self.connections if c is not new and not c.busy and c.idle_since is not None
+                       and not c.lost), key=lambda c: c.idle_since or 0.0)
+        for conn in idle[:over]:
+            conn._close()
+            self.connections.discard(conn)
+        if len(self.connections) > self.max_connections:
+            self.connections.discard(new)
+            return False
+        return True
+
     def _sweep(self) -> None:
         now = self.loop.time()
+        crowded = len(self.connections) > self.max_connections * 3 // 4
+        keepalive = min(self.keepalive_s, CROWDED_KEEPALIVE_S) if crowded else self.keepalive_s
         for conn in list(self.connections):
-            if not conn.busy and conn.idle_since is not None and now - conn.idle_since > self.keepalive_s:
+            if not conn.busy and conn.idle_since is not None and now - conn.idle_since > keepalive:
                 conn._close()
         self._sweeper = self.loop.call_later(min(1.0, self.keepalive_s / 2), self._sweep)
 

@@ -271,3 +271,38 @@ def test_raw_bytes_never_5xx(daemon: Daemon, raw: bytes) -> None:
         for route, shape in ROUTES[:5]:
             resp = c.post(route, content=raw)
             assert_canonical_error(resp, tuple(range(400, 500)), shape)
+
+
+def test_idle_connections_past_the_open_file_limit_do_not_shut_others_out(daemon_factory) -> None:
+    """Under a small open-file limit (hard 400, so the daemon cannot raise it), more idle connections than it can
+    hold: the daemon closes the ones idle longest to make room, and a new client is answered at once. Without
+    the bound, accept() met EMFILE and new clients waited in the backlog until idle connections timed out (75 s)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import probe_unix
+
+    d: Daemon = daemon_factory(start=False)
+    log = open(d.home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
+    d.proc = subprocess.Popen(["prlimit", "--nofile=400:400", sys.executable, "-m", "daemon", "--log-file"],
+                              env=d.env, stdout=log, stderr=log, cwd=d.home)
+    log.close()
+    deadline = time.monotonic() + 180
+    while not probe_unix(d.socket_path):
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log_tail()
+        time.sleep(0.05)
+    assert "client connections at most 144" in d.log_tail()  # 400 - 256 kept for the daemon's own files
+    idle = []
+    try:
+        for _ in range(600):  # connected, never sending a byte
+            idle.append(socket.create_connection(("127.0.0.1", d.port)))
+        for _ in range(5):  # each new client (a new connection) makes its own room
+            with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=20) as c:
+                assert c.get("/reef/status").status_code == 200
+        with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=20) as c:
+            assert c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "hi"}]}).status_code == 200
+    finally:
+        for s in idle:
+            s.close()
