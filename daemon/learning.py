@@ -512,6 +512,10 @@ class Learner:
         receipts = [r["id"] for r in batch]
         if recipe.kind == "weights":
             candidate = await self._train(st, scenario, head, batch, job_id)
+            if candidate.path is not None and candidate.skipped is None:  # a cut-off file is a failed step
+                from daemon.model_dirs import check_weights_files
+
+                await asyncio.to_thread(check_weights_files, Path(candidate.path))
         else:
             tree = await self.chains.harness_tree(head)
             candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model, scenario=scenario.name,

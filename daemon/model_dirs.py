@@ -95,6 +95,13 @@ def check_model_dir(path: Path) -> None:
         _check_safetensors(weights, path)
 
 
+def check_weights_files(path: Path) -> None:
+    """Every ``*.safetensors`` file in a candidate's directory (full weights or an adapter) is whole: a
+    ``ModelUnavailable`` naming the first that is not, before it can become a release."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        _check_safetensors(file, Path(path))
+
+
 def _check_safetensors(file: Path, model: Path) -> None:
     """A safetensors file is an 8-byte header length, a JSON header, then the tensor data the header's offsets
     span: a file shorter than that was cut off (an interrupted copy)."""

@@ -134,6 +134,18 @@ class Copycat(Recipe):
         return Candidate(metrics={"copied": 1})
 
 
+class Truncating(Copycat):
+    """A weights recipe whose candidate's weights file is cut short (an interrupted write): never a release."""
+
+    name = "truncating"
+
+    def train(self, job, state):
+        super().train(job, state)
+        weights = Path(job.work_dir) / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return Candidate(metrics={"cut": 1})
+
+
 class NotARecipe:
     name = "plain"
 
@@ -285,6 +297,23 @@ def test_a_daemon_with_a_broken_default_recipe_refuses_to_start(daemon_factory, 
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("reef: recipe plugins:NotARecipe: NotARecipe does not")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_candidate_with_truncated_weights_is_a_failed_step_never_a_release(daemon_factory, recipe_dir):
+    """A weights file shorter than its own safetensors header says is refused when the candidate is published:
+    the step is written down as failed naming the file, the head stays, and serving goes on (it was published,
+    and serving it was a 500 with a traceback)."""
+    d = with_recipe_paths(daemon_factory, recipe_dir)
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "cut", "recipe": "plugins:Truncating"}).status_code == 201
+        serve_and_report(c, "cut", 2)
+        (failed,) = wait_for(lambda: releases(c, "cut", True)["rejected"], what="the failed step")
+        assert failed["verdict"] == "failed" and "model.safetensors is truncated" in failed["reason"], failed
+        assert len(releases(c, "cut")["releases"]) == 1  # only the init release
+        ok = c.post("/s/cut/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+    assert "Traceback" not in d.log_tail(300)
 
 
 def test_a_step_that_raises_is_written_down_as_failed_and_serving_goes_on(daemon_factory, recipe_dir):

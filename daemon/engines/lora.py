@@ -60,8 +60,8 @@ def read_adapter(path: Path, model: Any, device: torch.device) -> AdapterWeights
     try:
         config = json.loads((path / lora.CONFIG).read_text())
         tensors = load_file(path / lora.WEIGHTS, device="cpu")
-    except (OSError, ValueError) as e:
-        raise EngineError(f"{path}: not a readable LoRA adapter: {e}") from None
+    except Exception as e:  # safetensors' own error for a cut-off file is no OSError: one line, no traceback
+        raise EngineError(f"{path}: not a readable LoRA adapter: {type(e).__name__}: {e}") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise EngineError(f"{path / lora.CONFIG}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     refused = [what for key, what in _REFUSED.items() if config.get(key) not in (None, False, {}, [])]
