@@ -155,3 +155,24 @@ def test_an_adapter_on_another_base_is_refused_at_publish_and_a_lying_one_is_nev
         assert "not served" in err["message"] and other.release_id in err["message"]
         ok = c.post("/s/mine/v1/chat/completions", json=BODY, headers={"x-reef-release-id": base["release_id"]})
         assert ok.status_code == 200  # the rest of the chain serves on
+
+
+def test_a_truncated_adapter_that_reached_the_chain_is_a_clear_error_and_the_rest_serves(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """An adapter whose tensors file was cut short, published by a path that skips the learner's check: a request
+    for it is one clear error naming the file (it was a 500 with a traceback), and the base serves on."""
+    d: Daemon = daemon_factory()
+    base = init(d, "cut")
+    store = ReleaseStore(d.home / "artifacts.git")
+    adapter = make_adapter(tiny_model, tmp_path / "cut", 5, AdapterManifest(base["content_id"], base["release_id"]))
+    weights = adapter / lora.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    rel = store.publish("cut", files_from_dir(adapter), expected_head=store.head("cut"), operation="train",
+                        kind="weights", recipe="record")
+    with d.http() as c:
+        err = assert_canonical_error(c.post("/s/cut/v1/chat/completions", json=BODY,
+                                            headers={"x-reef-release-id": rel.release_id}), 500, shape="openai")
+        assert "not a readable LoRA adapter" in err["message"] and "Traceback" not in err["message"], err
+        ok = c.post("/s/cut/v1/chat/completions", json=BODY, headers={"x-reef-release-id": base["release_id"]})
+        assert ok.status_code == 200
+    assert "Traceback" not in d.log_tail(300)
