@@ -48,6 +48,8 @@ from recipes import check_api_recipe, load_recipe, report_schemas
 log = logging.getLogger("reef.http")
 
 BODY_TIMEOUT_S = 60.0
+PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are decoded in a worker thread, two at a time
+_BIG_PARSES = asyncio.Semaphore(2)
 MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
 EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
@@ -176,6 +178,9 @@ async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
         raise BadRequest(f"malformed request body: {e}") from None
     except TimeoutError:
         raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+    if len(raw) > PARSE_OFF_LOOP_BYTES:  # tens of thousands of objects cost the loop most of a second
+        async with _BIG_PARSES:
+            return await asyncio.to_thread(parse_json_text, raw)
     return parse_json_text(raw)
 
 

@@ -99,9 +99,10 @@ class BaseMismatch(BadRequest):
 
 
 class ContextLengthExceeded(BadRequest):
-    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+    def __init__(self, prompt_tokens: int, context_length: int, *, at_least: bool = False) -> None:
         super().__init__(
-            f"prompt is too long: {prompt_tokens} tokens > {context_length} maximum context length",
+            f"prompt is too long: {'at least ' if at_least else ''}{prompt_tokens} tokens > {context_length} "
+            "maximum context length",
             prompt_tokens=prompt_tokens,
             context_length=context_length,
         )

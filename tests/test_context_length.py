@@ -66,3 +66,29 @@ def test_a_prompt_beyond_the_context_is_a_400_in_the_clients_format_naming_both_
                                                   "messages": [{"role": "user", "content": "word " * 20}]})
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["prompt_tokens"] < CONTEXT
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_without_tokenising_it(short_model: Path,
+                                                                          daemon_factory: Any) -> None:
+    """A prompt longer than the context times the longest token (in characters) cannot fit: it is refused with a
+    lower bound of its size, untokenised (a 10 MB prompt took 9 s of tokenising and stalled the daemon;
+    bench/big_body.py), and the bound is true: at most the real count."""
+    d = daemon_factory(f'\n[models.short]\nengine = "transformers"\npath = "{short_model}"\n')
+    huge = "hello world " * 200_000  # 2.4 MB
+    headers = {"Authorization": f"Bearer {d.token}", "x-reef-scenario": "short"}
+    with httpx.Client(base_url=d.url, headers=headers, timeout=120) as c:
+        assert c.post("/reef/scenarios", json={"name": "short", "model": "short"}).status_code in (200, 201)
+        messages = [{"role": "user", "content": huge}]
+        err = assert_canonical_error(c.post("/v1/chat/completions", json={"model": "short", "messages": messages,
+                                                                          "max_tokens": 4}), 400, "openai")
+        assert "at least" in err["message"], err
+        bound, context = told(err["message"])
+        real = c.post("/v1/messages/count_tokens", json={"model": "short", "messages": messages}).json()
+        assert context == CONTEXT and CONTEXT < bound <= real["input_tokens"], (bound, real)
+        # just over the context: tokenised and told exactly, as before
+        err = assert_canonical_error(c.post("/v1/chat/completions", json={
+            "model": "short", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * (2 * CONTEXT)}]}),
+            400, "openai")
+        assert "at least" not in err["message"]
+    with httpx.Client(base_url=d.url, headers=headers, timeout=30) as c:
+        assert c.get("/healthz").status_code == 200

@@ -167,8 +167,18 @@ class Load:
         return render_chat(self.tokenizer, exchange)
 
     def encode(self, exchange: Exchange) -> list[int]:
+        return self.encode_text(self.render(exchange))
+
+    def encode_text(self, text: str) -> list[int]:
         # the backend (Rust) tokenizer directly: no per-call state, safe to share between threads
-        return self.tokenizer.backend_tokenizer.encode(self.render(exchange), add_special_tokens=False).ids
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary's longest symbol; a byte-level symbol is
+        one byte, at least one character, per symbol character): a bound for refusing a prompt untokenised."""
+        return max(1, max((len(t) for t in self.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)),
+                          default=1))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
@@ -639,7 +649,12 @@ class TransformersEngine(Engine):
     def _prepare(self, load: Load, exchange: Exchange) -> tuple[list[int], SamplingParams, torch.Generator]:
         s = exchange.sampling
         check_sampling(s)
-        prompt = load.encode(exchange)
+        text = load.render(exchange)
+        # no token spans more than ``max_token_chars`` characters: a prompt longer than that many per position of
+        # the context cannot fit, and is refused without tokenising it (10 MB took 9-13 s and held the GIL)
+        if len(text) > load.context_length * load.max_token_chars:
+            raise ContextLengthExceeded(-(-len(text) // load.max_token_chars), load.context_length, at_least=True)
+        prompt = load.encode_text(text)
         if len(prompt) >= load.context_length:
             raise ContextLengthExceeded(len(prompt), load.context_length)
         requested = s.max_tokens or self.entry.max_new_tokens
