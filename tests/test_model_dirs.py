@@ -266,3 +266,24 @@ def test_concurrent_first_loads_of_different_models_all_answer(daemon_factory: A
         health = c.get("/healthz").json()["models"]
         assert sorted(health["loaded"]) == sorted([*names, "tiny"]) and health["failed"] == {}, health
     assert "Traceback" not in d.log_tail(400)
+
+
+def test_concurrent_first_loads_of_different_releases_all_answer(daemon_factory: Any, tiny_model: Path,
+                                                                  tmp_path: Path) -> None:
+    """First requests pinned to five releases of one scenario that no request has loaded yet, all at once (the
+    probe's kill -9 run: 35% of exchanges answered 400 after two such loads met): every one answers 200 from its
+    own release, and later loads work."""
+    from tests.test_hot_swap_weights import pinned_burst
+    from tests.test_release_serving import chat as chat_on
+    from tests.test_release_serving import make_weights, publish
+
+    d: Daemon = daemon_factory()
+    with d.http() as c:
+        chat_on(c, "rels")  # the init release
+    releases = [publish(d, "rels", make_weights(tiny_model, tmp_path / f"w{i}", seed=i)) for i in range(5)]
+    served = pinned_burst(d, "rels", releases)  # asserts every answer is a 200 from the release it pinned
+    assert {rel for rel, _ in served} == set(releases)
+    fresh = publish(d, "rels", make_weights(tiny_model, tmp_path / "later", seed=9))
+    with d.http() as c:
+        assert chat_on(c, "rels", **{"x-reef-release-id": fresh}).headers["x-reef-release-id"] == fresh
+    assert "Traceback" not in d.log_tail(400)
