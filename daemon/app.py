@@ -813,6 +813,8 @@ async def handle_status(request: web.Request) -> web.Response:
                     "engine": e.engine,
                     "test_model": is_test_model(name),
                     "loaded": name in reef._engines,
+                    "loading": name in reef.loading,
+                    **({"load_error": reef.load_errors[name]} if name in reef.load_errors else {}),
                     "resident": reef._engines[name].resident if name in reef._engines else {},
                     **({"server": reef._engines[name].status} if name in reef._engines and reef._engines[name].status
                        else {}),

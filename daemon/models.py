@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import durable
-from daemon.hf import no_progress_bars
+from daemon.hf import LOAD_LOCK, no_progress_bars
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -120,7 +120,13 @@ def is_complete(path: Path) -> bool:
 
 
 def build_tiny(*, seed: int = 0, config: TinyConfig = TinyConfig(), progress: Callable[[str], None] | None = None):
-    """The tokenizer (``PreTrainedTokenizerFast``) and a random-weight ``LlamaForCausalLM``, in memory."""
+    """The tokenizer (``PreTrainedTokenizerFast``) and a random-weight ``LlamaForCausalLM``, in memory. Holds the
+    process's transformers lock (``daemon/hf.py``): a load in another thread must not patch the initialisers meanwhile."""
+    with LOAD_LOCK:
+        return _build_tiny(seed, config, progress)
+
+
+def _build_tiny(seed: int, config: TinyConfig, progress: Callable[[str], None] | None):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 

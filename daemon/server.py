@@ -157,7 +157,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
             reef = Reef(config, token)
         with storing("starting the daemon"):
             await reef.start()
-        log.info("open files: %d; client connections at most %d", open_files, max_connections(open_files))
+        log.debug("open files: %d; client connections at most %d", open_files, max_connections(open_files))
         server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
                             max_connections=max_connections(open_files),
                             log_exception=_log_exception)

@@ -159,6 +159,20 @@ class Daemon:
         self.proc.wait()
         raise RuntimeError(f"daemon not healthy in {timeout}s:\n{self.log_tail()}")
 
+    def wait_loaded(self, model: str = "tiny", timeout: float = 300) -> Daemon:
+        """Wait until ``model`` has loaded (the daemon answers at once and loads its default model in the
+        background); a load that failed raises with its reason. ``timeout`` is a hang guard only."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.http() as c:
+                models = c.get("/healthz").json()["models"]
+            if model in models["loaded"]:
+                return self
+            if model in models["failed"]:
+                raise AssertionError(f"model {model} failed to load: {models['failed'][model]}")
+            time.sleep(0.05)
+        raise AssertionError(f"model {model} not loaded in {timeout}s:\n{self.log_tail()}")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode

@@ -44,7 +44,7 @@ def _drive(d: Daemon, stop: threading.Event, noted: list[str], seed: int) -> Non
 
 
 def test_receipts_survive_kill_9(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory()
+    d: Daemon = daemon_factory().wait_loaded()
     noted: list[str] = []
     rng = random.Random(7)
     for cycle in range(CYCLES):
@@ -57,7 +57,7 @@ def test_receipts_survive_kill_9(daemon_factory: Any) -> None:
         stop.set()
         for t in threads:
             t.join()
-        d.start()
+        d.start().wait_loaded()  # the clients measure durability, not the model's load after each start
     assert len(noted) > CYCLES * 3, "the clients should have completed requests between kills"
     d.stop()
     db = sqlite3.connect(d.home / "records.sqlite3")

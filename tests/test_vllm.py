@@ -44,8 +44,11 @@ def model32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def status(d: Daemon) -> dict[str, Any]:
+    """The vLLM server's state; before the engine is made (it is loaded in the background) it is not healthy."""
     with d.http() as c:
-        return c.get("/reef/status").json()["models"][MODEL]["server"]
+        model = c.get("/reef/status").json()["models"][MODEL]
+    assert "load_error" not in model, model["load_error"]
+    return model.get("server", {"healthy": False, "restarts": 0, "loading": model["loading"]})
 
 
 def wait_healthy(d: Daemon, timeout: float = 900, restarts: int = 0) -> dict[str, Any]:
