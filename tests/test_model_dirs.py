@@ -287,3 +287,36 @@ def test_concurrent_first_loads_of_different_releases_all_answer(daemon_factory:
     with d.http() as c:
         assert chat_on(c, "rels", **{"x-reef-release-id": fresh}).headers["x-reef-release-id"] == fresh
     assert "Traceback" not in d.log_tail(400)
+
+
+BUILD_WHILE_LOADING = """
+import sys, tempfile, threading
+from pathlib import Path
+import torch
+from daemon.engines.transformers import Load
+from daemon.models import init_tiny
+errors = []
+def attempt(what, fn):
+    try:
+        fn()
+    except Exception as e:
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+threads = [threading.Thread(target=attempt, args=("build", lambda: init_tiny(Path(tempfile.mkdtemp()) / "t", seed=1))),
+           threading.Thread(target=attempt, args=("load", lambda: Load.open(Path(sys.argv[1]), "x", torch.device("cpu"))))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(errors)
+"""
+
+
+def test_a_tiny_model_built_while_another_loads_in_a_fresh_process(tiny_model: Path) -> None:
+    """``reef demo`` builds its model in the daemon while the default model loads in the background: in a fresh
+    process (transformers' names not yet imported) a build and a load in two threads at once both succeed. Without
+    the build holding the load lock the build failed five times of five ("cannot import name 'GenerationConfig'
+    from 'transformers'", seen in CI as the demo's 'internal error: ImportError')."""
+    proc = subprocess.run([sys.executable, "-c", BUILD_WHILE_LOADING, str(tiny_model)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
