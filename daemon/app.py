@@ -301,6 +301,8 @@ def provider_handler(proto: ModuleType) -> Handler:
         headers = {"x-reef-agent-record-id": served.receipt}
         if served.release_id:
             headers["x-reef-release-id"] = served.release_id
+        if not served.capture:
+            headers["x-reef-capture"] = "false"  # served and recorded, never trained on
         receipt = Receipt(served.receipt, served.release_id)
         route = proto.FORMAT
         try:
@@ -522,6 +524,10 @@ async def handle_report(request: web.Request) -> web.Response:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise BadRequest("metadata must be a JSON object", param="metadata")
+    training = (metadata or {}).get("training")
+    if training is not None and not (isinstance(training, dict) and isinstance(training.get("eligible", True), bool)):
+        raise BadRequest('metadata.training must be an object such as {"eligible": false} (eligible: true or false)',
+                         param="metadata.training")
     report_id = body.get("report_id")
     if report_id is not None and (not isinstance(report_id, str) or not 0 < len(report_id) <= 200):
         raise BadRequest("report_id must be a non-empty string of at most 200 characters", param="report_id")
@@ -651,9 +657,36 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     if settings is not None and not isinstance(settings, dict):
         raise BadRequest("settings must be a JSON object of recipe settings", param="settings")
     reef.learner.check_settings(recipe or reef.config.default_recipe, settings or {})
+    switches = {key: _switch(body, key) for key in ("capture", "paused") if key in body}
     scenario = await reef.scenario(name, recipe=recipe, model=model, settings=settings)
+    if switches:
+        scenario = await reef.store.set_switches(name, **switches)
     head = await reef.chains.head(scenario, base=base)
     return _json({**scenario.to_dict(), "head": head.release_id}, status=201)
+
+
+def _switch(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false", param=key)
+    return value
+
+
+def switch_handler(**fixed: bool) -> Handler:
+    """Pause or resume a scenario's learning (``paused``), or turn its capture on or off (the body's ``capture``):
+    the binding, its chain and its records stay as they are."""
+
+    async def handle(request: web.Request) -> web.Response:
+        reef = request.ctx
+        name = check_scenario(request.match_info["name"])
+        switches = fixed or {"capture": _switch(await _object_body(request), "capture")}
+        scenario = await reef.store.set_switches(name, **switches)
+        reef.events.publish("scenario", scenario=scenario.to_dict())
+        if switches.get("paused") is False:
+            reef.learner.notify(name)  # what came while it was paused is learned from now
+        return _json(scenario.to_dict())
+
+    return handle
 
 
 async def handle_scenario(request: web.Request) -> web.Response:
@@ -934,6 +967,9 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
     r.add("POST", "/reef/scenarios/{name}/tasks", handle_promote_task)
     r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
+    r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))
+    r.add("POST", "/reef/scenarios/{name}/resume", switch_handler(paused=False))
+    r.add("POST", "/reef/scenarios/{name}/capture", switch_handler())
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
     r.add("GET", "/reef/events", handle_events)

@@ -350,7 +350,8 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            st.state = "waiting"
+            if st.state != "paused":
+                st.state = "waiting"
 
     # --- judging turns by what came next ------------------------------------------------------------------
 
@@ -427,6 +428,10 @@ class Learner:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
             scenario = await self.store.get_scenario(name)
+            if scenario.paused:  # its reports wait; resuming looks for a batch again
+                st.state = "paused"
+                return {"verdict": "paused", "consumed": 0,
+                        "summary": f"scenario {name} is paused: reef scenarios resume {name}"}
             self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)

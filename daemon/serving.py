@@ -19,7 +19,7 @@ from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
-from daemon.errors import ReefError, Unavailable
+from daemon.errors import BadRequest, ReefError, Unavailable
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
@@ -73,6 +73,7 @@ class Served:
     record_ms: float | None = None
     request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
     opened: bool = False  # a stream's record was opened (``RecordStore.open_exchange``): recording completes it
+    capture: bool = True  # False: serve-only (``x-reef-capture: false`` or the scenario's switch), never trained on
 
     @property
     def engine_ms(self) -> float | None:
@@ -237,6 +238,7 @@ class Reef:
 
         The request is frozen here to one release: the scenario's head, or the release the client pinned."""
         started = time.perf_counter()
+        asked = capture_header(headers.get("x-reef-capture"))
         scen = await self.scenario(scenario)
         engine = await self.engine(scen.model)
         release = await self.chains.resolve(scen, pinned_release)
@@ -262,6 +264,7 @@ class Reef:
             headers=safe_headers(headers),
             engine_started=engine_started,
             request_text=request_text,
+            capture=asked and scen.capture,
         )
         # A stream's receipt goes out in its headers, before the answer exists: its record is opened first, durably,
         # so that the receipt names a record whatever happens next (kill -9, a full disk). The write runs while
@@ -310,6 +313,7 @@ class Reef:
             "request": ex.body,
             "request_json": served.request_text,
             "headers": served.headers,
+            "capture": served.capture,
         })
 
     async def _record_failure(self, served: Served, err: ReefError) -> None:
@@ -384,6 +388,7 @@ class Reef:
             "prompt_token_ids": completion.prompt_token_ids if completion else None,
             "token_ids": completion.token_ids if completion else None,
             "logprobs": completion.logprobs if completion else None,
+            "capture": served.capture,
         }
         t0 = time.perf_counter()
         if served.opened:  # a stream: its record exists since before the first byte; its outcome fills it in
@@ -437,3 +442,18 @@ async def _aclose(events: AsyncIterator[EngineEvent]) -> None:
             await aclose()
         except Exception:
             log.debug("closing an engine stream failed", exc_info=True)
+
+
+CAPTURE_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                  "off": False}
+
+
+def capture_header(value: str | None) -> bool:
+    """``x-reef-capture``: absent or true records the exchange for training; false serves it with a receipt and
+    never trains on it. Anything else is refused, never taken for either."""
+    if value is None:
+        return True
+    got = CAPTURE_VALUES.get(value.strip().lower())
+    if got is None:
+        raise BadRequest(f"x-reef-capture must be true or false, not {value[:40]!r}", param="x-reef-capture")
+    return got

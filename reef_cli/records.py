@@ -87,6 +87,8 @@ def report(
     feedback: str = typer.Option(None, "--feedback", "-f", help="Written feedback."),
     metadata: str = typer.Option(None, "--metadata", help="A JSON object stored with the report."),
     report_id: str = typer.Option(None, "--report-id", help="Makes retries idempotent."),
+    no_train: bool = typer.Option(False, "--no-train", help="Keep this report out of training (stored and shown, "
+                                  "metadata.training.eligible = false)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Attach a report (score and/or feedback) to receipts."""
@@ -100,6 +102,10 @@ def report(
             body["metadata"] = json.loads(metadata)
         except ValueError as e:
             fail(f"--metadata is not valid JSON: {e}", 2)
+    if no_train:
+        if not isinstance(body.setdefault("metadata", {}), dict):
+            fail("--metadata must be a JSON object with --no-train", 2)
+        body["metadata"]["training"] = {"eligible": False}
     if report_id is not None:
         body["report_id"] = report_id
     with client() as c:
@@ -143,8 +149,10 @@ def show_scenario(
     if json_out:
         print_json(s)
         return
-    for key in ("name", "recipe", "model", "records", "reports", "mean_score"):
+    for key in ("name", "recipe", "model", "records", "serve_only", "reports", "mean_score"):
         print(f"{key:11} {s.get(key)}")
+    print(f"{'capture':11} {'on' if s.get('capture', True) else 'off (serve-only: never trained on)'}")
+    print(f"{'learning':11} {'paused (reef scenarios resume ' + name + ')' if s.get('paused') else 'on'}")
     print(f"{'created':11} {ago(s['created_at'])}")
     for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
         print(f"{key:11} {value}")
@@ -156,10 +164,14 @@ def create_scenario(
     name: str = typer.Argument(..., help="The new scenario's name."),
     recipe: str = typer.Option(None, "--recipe", help="Learning recipe (default from config)."),
     model: str = typer.Option(None, "--model", help="Model to serve it (default from config)."),
+    capture: bool = typer.Option(None, "--capture/--serve-only", help="Serve-only: its exchanges get receipts "
+                                 "and are recorded, and are never trained on."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)."""
     body: dict[str, Any] = {"name": name}
+    if capture is not None:
+        body["capture"] = capture
     if recipe:
         body["recipe"] = recipe
     if model:
@@ -187,6 +199,45 @@ def set_model(
         print_json(s)
     else:
         print(f"scenario {s['name']}: model {s['previous_model']} -> {s['model']}")
+
+
+def _switched(s: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print_json(s)
+    else:
+        print(f"scenario {s['name']}: learning {'paused' if s['paused'] else 'on'}, capture "
+              f"{'on' if s['capture'] else 'off (serve-only)'}")
+
+
+@scenarios_app.command("pause")
+@edge
+def pause(name: str = typer.Argument(..., help="The scenario."),
+          json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Stop a scenario's learning: it serves on, its reports are kept, no step runs until it is resumed."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/pause", {}), json_out)
+
+
+@scenarios_app.command("resume")
+@edge
+def resume(name: str = typer.Argument(..., help="The scenario."),
+           json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Resume a paused scenario's learning, from the reports that came meanwhile."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/resume", {}), json_out)
+
+
+@scenarios_app.command("capture")
+@edge
+def set_capture(name: str = typer.Argument(..., help="The scenario."),
+                state: str = typer.Argument(..., help="on (its exchanges may be trained on) or off (serve-only)."),
+                json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Turn a scenario's capture on or off: off, its exchanges from now on are served and recorded, never trained
+    on (one request can ask the same with the header x-reef-capture: false)."""
+    if state not in ("on", "off"):
+        fail(f"capture is on or off, not {state!r}", 2)
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/capture", {"capture": state == "on"}), json_out)
 
 
 tasks_app = typer.Typer(help="The tasks a scenario's gate runs the agent on (harness-search).", no_args_is_help=True)

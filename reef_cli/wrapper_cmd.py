@@ -29,6 +29,8 @@ def subcommands(adapter: Adapter) -> Any:
         score: float | None = typer.Option(None, "--score", help="A numeric score for the run (e.g. 0 or 1)."),
         feedback: str | None = typer.Option(None, "--feedback", help="What went right or wrong, in words."),
         run: str | None = typer.Option(None, "--run", help="The run to report on (default: the last one)."),
+        no_train: bool = typer.Option(False, "--no-train", help="Keep this report out of training (stored and "
+                                      "shown only)."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Attach one report (score and/or feedback) to every receipt of the last run (or --run ID)."""
@@ -44,7 +46,8 @@ def subcommands(adapter: Adapter) -> Any:
         if not receipts:
             raise NotFound(f"run {rec['run']} made no model requests; there is nothing to report on")
         body: dict[str, Any] = {"references": receipts, "scenario": rec["scenario"],
-                                "metadata": {"run": rec["run"], "adapter": adapter.name}}
+                                "metadata": {"run": rec["run"], "adapter": adapter.name,
+                                             **({"training": {"eligible": False}} if no_train else {})}}
         if score is not None:
             body["score"] = score
         if feedback is not None:

@@ -110,6 +110,38 @@ def _exchange(receipt: str, scenario: str = "s") -> dict[str, object]:
             "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
 
 
+async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_training(records_at: str) -> None:
+    """Serve-only traffic (an exchange stored with ``capture`` false) and a report marked
+    ``metadata.training.eligible = false`` are stored and shown, and never in what learning reads: scored exchanges
+    (weights recipes) and feedback reports (harness recipes). A report naming a captured and a serve-only exchange
+    at once is feedback on serve-only traffic too: left out."""
+    store = open_store(records_at)
+    try:
+        await store.append_exchange(_exchange("rec_kept"))
+        await store.append_exchange({**_exchange("rec_serve_only"), "capture": False})
+        await store.append_exchange(_exchange("rec_ineligible"))
+
+        async def report(refs: list[str], feedback: str, metadata: dict[str, object] | None = None) -> None:
+            await store.append_report(scenario=None, score=1.0, feedback=feedback, references=refs,
+                                      metadata=metadata, report_id=None)
+
+        await report(["rec_serve_only"], "on serve-only traffic")
+        await report(["rec_kept", "rec_serve_only"], "on both")
+        await report(["rec_ineligible"], "not for training", {"training": {"eligible": False}})
+        await report(["rec_kept"], "kept", {"training": {"eligible": True}})
+        rows, _ = await store.scored_exchanges("s")
+        assert [r["id"] for r in rows] == ["rec_kept", "rec_kept"]  # from "on both", then "kept"
+        feedback, _ = await store.feedback_reports("s")
+        assert [f["report"]["feedback"] for f in feedback] == ["kept"]
+        # still stored and shown as they are
+        assert (await store.get_record("rec_serve_only"))["capture"] is False
+        assert (await store.get_record("rec_kept"))["capture"] is True
+        assert len((await store.get_record("rec_ineligible"))["reports"]) == 1
+        assert [s for s in await store.list_scenarios() if s["name"] == "s"] == []  # no scenario row: none made
+    finally:
+        store.close()
+
+
 async def test_learning_reads_only_what_came_since_its_last_read(records_at: str) -> None:
     """The learning loop's reads: scored exchanges and feedback since a cursor, re-scores included, oldest
     first; a round with nothing new reads nothing."""

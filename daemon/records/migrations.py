@@ -86,6 +86,12 @@ CREATE TABLE consumption (
     PRIMARY KEY (scenario, receipt)
 );
 """,
+    # 3: serve-only traffic (an exchange's capture: 0 = never trained on) and a scenario's own switches
+    3: """
+ALTER TABLE records ADD COLUMN capture INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE scenarios ADD COLUMN capture INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE scenarios ADD COLUMN paused INTEGER NOT NULL DEFAULT 0
+""",
 }
 LATEST = max(MIGRATIONS)
 

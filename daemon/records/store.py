@@ -153,6 +153,8 @@ class Scenario:
     model: str
     created_at: float
     settings: dict[str, Any]
+    capture: bool = True  # False: serve-only, its exchanges are never trained on
+    paused: bool = False  # True: its recipe takes no step until resumed (the binding stays)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,6 +163,8 @@ class Scenario:
             "model": self.model,
             "created_at": self.created_at,
             "settings": self.settings,
+            "capture": self.capture,
+            "paused": self.paused,
         }
 
 
@@ -180,20 +184,20 @@ def _resolve(group: list[tuple[Any, Any, BaseException | None]]) -> None:
 
 _RECORD_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
-    "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report"
+    "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report, capture"
 )
 _SUMMARY_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
-    "runtime_load_id, timings, usage, report"
+    "runtime_load_id, timings, usage, report, capture"
 )
 
 
 _EXCHANGE_COLUMNS = (
     "id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, runtime_load_id,"
-    " request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs"
+    " request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, capture"
 )
-_EXCHANGE_VALUES = "(" + ",".join("?" * 20) + ")"
-_MAX_ROWS_PER_INSERT = 256  # 20 values each: well under SQLite's limit of 32766 variables
+_EXCHANGE_VALUES = "(" + ",".join("?" * 21) + ")"
+_MAX_ROWS_PER_INSERT = 256  # 21 values each: well under SQLite's limit of 32766 variables
 
 
 class _ExchangeRow:
@@ -518,6 +522,23 @@ class RecordStore:
         self._scenario_cache[name] = scenario
         return scenario
 
+    async def set_switches(self, name: str, *, capture: bool | None = None, paused: bool | None = None) -> Scenario:
+        """Turn a scenario's capture (False: serve-only from now on) or its learning (paused) on or off."""
+
+        def op(conn: Conn) -> Scenario:
+            row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
+            if row is None:
+                raise NotFound(f"no scenario named {name!r}", scenario=name)
+            if capture is not None:
+                conn.execute("UPDATE scenarios SET capture=? WHERE name=?", (int(capture), name))
+            if paused is not None:
+                conn.execute("UPDATE scenarios SET paused=? WHERE name=?", (int(paused), name))
+            return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+
+        scenario = await self.write(op)
+        self._scenario_cache[name] = scenario
+        return scenario
+
     async def get_scenario(self, name: str) -> Scenario:
         row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
         if row is None:
@@ -529,6 +550,8 @@ class RecordStore:
             rows = conn.execute(
                 """SELECT s.*,
                      (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='exchange') AS records,
+                     (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='exchange'
+                        AND r.capture=0) AS serve_only,
                      (SELECT COUNT(*) FROM records r WHERE r.scenario=s.name AND r.kind='report') AS reports,
                      (SELECT AVG(r.score) FROM
                         (SELECT {score} AS score FROM records WHERE scenario=s.name AND kind='report'
@@ -538,7 +561,8 @@ class RecordStore:
             out = []
             for row in rows:
                 d = _scenario(row).to_dict()
-                d.update(records=row["records"], reports=row["reports"], mean_score=row["mean_score"])
+                d.update(records=row["records"], serve_only=row["serve_only"], reports=row["reports"],
+                         mean_score=row["mean_score"])
                 out.append(d)
             return out
 
@@ -610,6 +634,7 @@ class RecordStore:
             _pack_ints(rec.get("prompt_token_ids")),
             _pack_ints(rec.get("token_ids")),
             _pack_floats(rec.get("logprobs")),
+            0 if rec.get("capture") is False else 1,
         )
 
     async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
@@ -760,7 +785,7 @@ class RecordStore:
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
                    WHERE rep.kind = 'report' AND rep.seq > ? AND r.scenario = ? AND r.kind = 'exchange'
-                     AND r.status = 'complete' AND r.token_ids IS NOT NULL
+                     AND r.status = 'complete' AND r.token_ids IS NOT NULL AND r.capture = 1
                      AND {score} IS NOT NULL
                    ORDER BY rep.seq""",
                 (after, scenario),
@@ -768,6 +793,8 @@ class RecordStore:
             out = []
             for row in rows:
                 report = json.loads(row["report"])
+                if not training_eligible(report):
+                    continue
                 metadata = report.get("metadata")
                 meta = metadata if isinstance(metadata, dict) else {}
                 source, hint = meta.get("source"), meta.get("hint")
@@ -795,12 +822,15 @@ class RecordStore:
 
         def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
-                f"""SELECT {_SUMMARY_COLUMNS} FROM records
+                f"""SELECT {_SUMMARY_COLUMNS} FROM records rep
                     WHERE kind = 'report' AND scenario = ? AND seq > ? AND {feedback} IS NOT NULL
+                      AND NOT EXISTS (SELECT 1 FROM report_refs rr JOIN records r ON r.id = rr.receipt
+                                      WHERE rr.report_id = rep.id AND r.capture = 0)
                     ORDER BY seq""",
                 (scenario, after),
             ).fetchall()
-            return [_record(r) for r in rows], (rows[-1]["seq"] if rows else after)
+            out = [_record(r) for r in rows]
+            return [r for r in out if training_eligible(r["report"])], (rows[-1]["seq"] if rows else after)
 
         return await self.read(op)
 
@@ -944,6 +974,13 @@ class RecordStore:
 
         return await self.read(op)
 
+def training_eligible(report: Any) -> bool:
+    """Whether a stored report may be trained on: not when its ``metadata.training.eligible`` is false."""
+    metadata = report.get("metadata") if isinstance(report, dict) else None
+    training = metadata.get("training") if isinstance(metadata, dict) else None
+    return not (isinstance(training, dict) and training.get("eligible") is False)
+
+
 def _scenario(row: Any) -> Scenario:
     return Scenario(
         name=row["name"],
@@ -951,6 +988,8 @@ def _scenario(row: Any) -> Scenario:
         model=row["model"],
         created_at=row["created_at"],
         settings=json.loads(row["settings"] or "{}"),
+        capture=bool(row["capture"]),
+        paused=bool(row["paused"]),
     )
 
 
@@ -966,6 +1005,10 @@ def _record(row: Any) -> dict[str, Any]:
             value = _unpack(value, "f")
         elif key == "report_hash":
             continue
+        elif key == "capture":
+            if row["kind"] != "exchange":
+                continue
+            value = bool(value)
         out[key] = value
     return out
 
