@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from daemon import web
+from daemon import forgetting, web
 from daemon.errors import (
     BadRequest,
     NotFound,
@@ -564,6 +564,10 @@ def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
     return {"report_id": rec["id"], "scenario": rec["scenario"], "created_at": rec["created_at"], **report}
 
 
+async def handle_forget(request: web.Request) -> web.Response:
+    return _json(await forgetting.forget(request.ctx, await _object_body(request)))
+
+
 async def handle_start_run(request: web.Request) -> web.Response:
     from daemon import harness
 
@@ -782,7 +786,10 @@ async def handle_releases(request: web.Request) -> web.Response:
         "scenario": scen.name,
         "head": head.release_id,
         "releases": [r.to_dict() for r in await asyncio.to_thread(store.history, scen.name, limit)],
+        "forgotten": await forgetting.chain_view(reef, scen.name),
     }
+    for r in body["releases"]:
+        r["trained_on_forgotten"] = r["release_id"] in body["forgotten"]["trained_on_forgotten"]
     if request.query.get("all") in ("1", "true", "yes"):
         body["pending"] = [r.to_dict() for r in await asyncio.to_thread(store.pending, scen.name)]
         body["rejected"] = [r.to_dict() for r in await asyncio.to_thread(store.rejections, scen.name, limit)]
@@ -957,6 +964,7 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("GET", "/reef/scenarios/{name}/records", handle_scenario_records)
     r.add("GET", "/reef/records", handle_records)
     r.add("GET", "/reef/records/{receipt}", handle_record)
+    r.add("POST", "/reef/records/forget", handle_forget)
     r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
     r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))

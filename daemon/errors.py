@@ -155,6 +155,13 @@ class ReportConflict(Conflict):
     pass
 
 
+class Forgotten(Conflict):
+    def __init__(self, receipts: list[str]) -> None:
+        super().__init__(f"forgotten receipts (reef records forget) take no new reports: {', '.join(receipts)}",
+                         receipts=receipts)
+        self.receipts = receipts
+
+
 class RecipeConflict(Conflict):
     def __init__(self, scenario: str, bound: str, asked: str) -> None:
         super().__init__(

@@ -323,6 +323,14 @@ class Learner:
         if recipe is not None:
             type(recipe).check_report(metadata)
 
+    def forget(self, name: str) -> None:
+        """Records of this scenario were forgotten: drop what is held of them in memory and read the store again
+        (it no longer gives their bodies). A step already under way finishes with the batch it took."""
+        st = self._scenarios.get(name)
+        if st is not None:
+            st.pool.clear()
+            st.cursor = 0
+
     def notify(self, name: str) -> None:
         """A report arrived (or the daemon started): look for a batch."""
         st = self._scenarios.setdefault(name, ScenarioLearning(name))

@@ -80,6 +80,39 @@ def show_record(
         out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}{source}  {ago(rep['created_at'])}")
 
 
+@records_app.command("forget")
+@edge
+def forget(
+    ids: list[str] = typer.Argument(..., help="Receipts (rec_...) and runs to forget: each run's exchanges all go."),
+    scrub: bool = typer.Option(False, "--scrub", help="PostgreSQL: also rewrite the records table (VACUUM FULL, "
+                               "which locks it while it runs) so the old bytes leave its files."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Delete the prompts, answers and feedback of these exchanges for good. A tombstone stays (ids, times, a
+    hash of what was deleted); releases trained on them are marked, and cannot unlearn them: roll back to undo."""
+    receipts = [i for i in ids if i.startswith("rec_")]
+    runs = [i for i in ids if not i.startswith("rec_")]
+    if not yes and not typer.confirm(f"forget {len(receipts)} receipt(s) and every exchange of {len(runs)} run(s)? "
+                                     "this cannot be undone", default=False):
+        fail("nothing forgotten", 1)
+    with client() as c:
+        out = c.post("/reef/records/forget", {"receipts": receipts, "runs": runs, "scrub": scrub})
+    if json_out:
+        print_json(out)
+        return
+    print(f"forgot {len(out['forgotten'])} exchange(s) and the feedback of {out['reports']} report(s)"
+          + (f" ({len(out['already'])} forgotten before)" if out["already"] else ""))
+    print(out["remains"])
+    for scenario, view in out["releases"].items():
+        marked = view["trained_on_forgotten"]
+        if marked:
+            print(f"scenario {scenario}: {len(marked)} release(s) were trained on forgotten data; weights cannot "
+                  "unlearn it")
+            if view.get("command"):
+                print(f"  the newest release that was not: {view['command']}")
+
+
 @edge
 def report(
     receipts: list[str] = typer.Argument(..., help="One or more receipts to report on."),

@@ -46,6 +46,8 @@ def list_releases(
         table.add_column(col)
     for r in data["releases"]:
         note = f"restores {_short(r.get('source'))}" if r.get("source") else ""
+        if r.get("trained_on_forgotten"):
+            note = (note + "; " if note else "") + "trained on forgotten data"
         table.add_row("*" if r["release_id"] == data["head"] else "", _short(r["release_id"]), str(r["step"]),
                       r["operation"], _short(r["content_id"]), ago(r.get("created_at")), _metrics(r.get("metrics")),
                       note)
@@ -58,6 +60,9 @@ def list_releases(
     out = console()
     out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
     out.print(table)
+    if (data.get("forgotten") or {}).get("command"):
+        out.print(f"the head was trained on forgotten data; the newest release that was not: "
+                  f"{data['forgotten']['command']}", markup=False)
 
 
 @app.command("show")

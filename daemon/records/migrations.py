@@ -86,9 +86,12 @@ CREATE TABLE consumption (
     PRIMARY KEY (scenario, receipt)
 );
 """,
-    # 3: serve-only traffic (an exchange's capture: 0 = never trained on) and a scenario's own switches
+    # 3: serve-only traffic (an exchange's capture: 0 = never trained on), a scenario's own switches, and the
+    # tombstone of a forgotten exchange (when, and the hash of the bodies that were deleted)
     3: """
 ALTER TABLE records ADD COLUMN capture INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE records ADD COLUMN forgotten_at REAL;
+ALTER TABLE records ADD COLUMN content_hash TEXT;
 ALTER TABLE scenarios ADD COLUMN capture INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE scenarios ADD COLUMN paused INTEGER NOT NULL DEFAULT 0
 """,

@@ -139,6 +139,21 @@ class PostgresStore(RecordStore):
                                       path=self.where)
         return StorageError(f"record store write failed: {_first_line(exc)}", path=self.where)
 
+    def _scrub(self, full: bool) -> str:
+        # an UPDATE leaves the old row version in the table until VACUUM removes it; only VACUUM FULL rewrites the
+        # table so that the old bytes are gone from its files (it locks the records table while it runs)
+        try:
+            with self._pool.connection() as conn:
+                conn.execute("VACUUM (FULL) records" if full else "VACUUM records")
+        except psycopg.Error as e:
+            return f"{self.where}: deleted; VACUUM failed ({_first_line(e)}): old row versions remain until it runs"
+        if full:
+            return (f"{self.where}: deleted and the table rewritten (VACUUM FULL); PostgreSQL's WAL segments and "
+                    "archives, and backups, keep the old bytes until they are recycled")
+        return (f"{self.where}: deleted and vacuumed: no query can read them; the bytes may stay in the table's "
+                "free space until reused (reef records forget --scrub rewrites the table), and in PostgreSQL's WAL "
+                "segments, archives and backups until those are recycled")
+
     def _lock(self, conn: Conn) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (_WRITE_LOCK,))
 

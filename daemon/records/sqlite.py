@@ -59,6 +59,9 @@ class SQLiteStore(RecordStore):
         # build's default may be NORMAL (no fsync per commit in WAL mode)
         conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
         if write:
+            # what a write frees (an exchange forgotten, a row updated) is overwritten with zeros, not left in
+            # free space in the file for anyone reading its bytes
+            conn.execute("PRAGMA secure_delete=ON")
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
         return conn
@@ -93,6 +96,23 @@ class SQLiteStore(RecordStore):
 
     def integrity_check(self) -> str:
         return str(self._reader().execute("PRAGMA integrity_check").fetchone()[0])
+
+    def _scrub(self, full: bool) -> str:
+        # the writer zeroes freed space (secure_delete); the WAL still holds the pages as they were before, until
+        # a checkpoint copies the new ones into the file and TRUNCATE empties the WAL (a reader holding an old
+        # snapshot makes it wait: try again, then say so)
+        conn = self._open(write=False)
+        try:
+            for _ in range(100):
+                busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                if not busy:
+                    return (f"{self.path}: deleted in the file and its WAL (freed space zeroed); copies made "
+                            "earlier (backups, file-system snapshots) are untouched")
+                self._closed.wait(0.1)
+        finally:
+            conn.close()
+        return (f"{self.path}: deleted in the file; its WAL could not be emptied now (a reader held it) and may "
+                "hold the old bytes until the next checkpoint")
 
     def close(self) -> None:
         super().close()

@@ -48,7 +48,7 @@ import random
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +58,7 @@ import orjson
 
 from daemon.errors import (
     BadRequest,
+    Forgotten,
     LeaseLost,
     NotFound,
     RecipeConflict,
@@ -184,11 +185,12 @@ def _resolve(group: list[tuple[Any, Any, BaseException | None]]) -> None:
 
 _RECORD_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
-    "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report, capture"
+    "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report, capture,"
+    " forgotten_at, content_hash"
 )
 _SUMMARY_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
-    "runtime_load_id, timings, usage, report, capture"
+    "runtime_load_id, timings, usage, report, capture, forgotten_at"
 )
 
 
@@ -742,17 +744,18 @@ class RecordStore:
                         )
                     return _record(prior)
             marks = ",".join("?" * len(references))
-            found = {} if not references else {
-                r["id"]: r["scenario"]
-                for r in conn.execute(
-                    f"SELECT id, scenario FROM records WHERE kind='exchange' AND id IN ({marks})", references
-                )
-            }
+            rows = [] if not references else conn.execute(
+                f"SELECT id, scenario, forgotten_at FROM records WHERE kind='exchange' AND id IN ({marks})", references
+            ).fetchall()
+            found = {r["id"]: r["scenario"] for r in rows}
             missing = [r for r in references if r not in found]
             scen = scenario or (found[references[0]] if found else None)
             foreign = [r for r, s in found.items() if s != scen]
             if missing or foreign:
                 raise UnknownReceipts(missing + foreign, scen)
+            forgotten = [r["id"] for r in rows if r["forgotten_at"] is not None]
+            if forgotten:
+                raise Forgotten(forgotten)
             rid = new_id("rep_")
             now = time.time()
             conn.execute(
@@ -813,6 +816,66 @@ class RecordStore:
             return out, (rows[-1]["report_seq"] if rows else after)
 
         return await self.read(op)
+
+    # --- forgetting ----------------------------------------------------------------------------------------
+
+    async def forget(self, *, receipts: list[str], runs: list[str], scrub: bool = False) -> dict[str, Any]:
+        """Delete the bodies of these exchanges (and every exchange of these runs): request, answer, headers and
+        token ids, and the feedback and metadata of the reports on them, in one transaction (all or nothing).
+        What stays is a tombstone: the record's id, scenario, run, release, timings, the time it was forgotten and
+        the SHA-256 of the deleted bodies (``content_hash``); a report keeps its score, references and
+        ``report_hash``, so a retried report still conflicts as before. Then the backend clears what would still
+        hold the bytes (``_scrub``; ``scrub``: PostgreSQL rewrites the table). Returns what was forgotten."""
+        receipts, runs = list(dict.fromkeys(receipts)), list(dict.fromkeys(runs))
+
+        def op(conn: Conn) -> dict[str, Any]:
+            found: dict[str, Any] = {}
+            for col, values in (("id", receipts), ("run", runs)):
+                for chunk in _chunks(values):
+                    for r in conn.execute(f"SELECT id, scenario, run, forgotten_at FROM records WHERE kind='exchange'"
+                                          f" AND {col} IN ({','.join('?' * len(chunk))})", chunk).fetchall():
+                        found[r["id"]] = r
+            missing = [r for r in receipts if r not in found]
+            if missing:
+                raise UnknownReceipts(missing)
+            unknown_runs = [r for r in runs if not any(row["run"] == r for row in found.values())]
+            if unknown_runs:
+                raise NotFound(f"no exchanges in runs: {', '.join(unknown_runs)}", runs=unknown_runs)
+            todo = [rid for rid, r in found.items() if r["forgotten_at"] is None]
+            now, reports = time.time(), set()
+            for chunk in _chunks(todo):
+                marks = ",".join("?" * len(chunk))
+                bodies = conn.execute(f"SELECT id, request, response FROM records WHERE id IN ({marks})", chunk)
+                conn.executemany(
+                    "UPDATE records SET request=NULL, response=NULL, headers=NULL, prompt_token_ids=NULL,"
+                    " token_ids=NULL, logprobs=NULL, forgotten_at=?, content_hash=? WHERE id=?",
+                    [(now, _content_hash(b["request"], b["response"]), b["id"]) for b in bodies.fetchall()])
+                for r in conn.execute(f"SELECT rep.id, rep.report FROM records rep JOIN report_refs rr"
+                                      f" ON rr.report_id = rep.id WHERE rr.receipt IN ({marks})", chunk).fetchall():
+                    if r["id"] not in reports:
+                        reports.add(r["id"])
+                        kept = {k: v for k, v in json.loads(r["report"]).items() if k in ("score", "references")}
+                        conn.execute("UPDATE records SET report=? WHERE id=?", (_dumps({**kept, "forgotten": True}),
+                                                                              r["id"]))
+            scenarios = sorted({found[rid]["scenario"] for rid in todo})
+            return {"forgotten": todo, "already": [rid for rid in found if rid not in todo], "reports": len(reports),
+                    "scenarios": scenarios}
+
+        out = await self.write(op)
+        out["remains"] = await asyncio.to_thread(self._scrub, scrub)
+        return out
+
+    def _scrub(self, full: bool) -> str:
+        """After a forget: clear what still holds the deleted bytes (a WAL, free pages, old row versions) and say
+        in a sentence what may remain where."""
+        raise NotImplementedError
+
+    async def forgotten(self, scenario: str) -> set[str]:
+        """The receipts of a scenario that were forgotten."""
+        rows = await self.read(lambda c: c.execute(
+            "SELECT id FROM records WHERE scenario=? AND kind='exchange' AND forgotten_at IS NOT NULL",
+            (scenario,)).fetchall())
+        return {r["id"] for r in rows}
 
     async def feedback_reports(self, scenario: str, *, after: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Reports on a scenario that carry written feedback, newer than seq ``after``, oldest first, and the seq
@@ -974,6 +1037,19 @@ class RecordStore:
 
         return await self.read(op)
 
+def _chunks(values: list[str], size: int = 500) -> Iterator[list[str]]:
+    for i in range(0, len(values), size):
+        yield values[i:i + size]
+
+
+def _content_hash(request: Any, response: Any) -> str:
+    h = hashlib.sha256()
+    for part in (request, response):
+        data = part if isinstance(part, bytes) else (part or "").encode()
+        h.update(len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()
+
+
 def training_eligible(report: Any) -> bool:
     """Whether a stored report may be trained on: not when its ``metadata.training.eligible`` is false."""
     metadata = report.get("metadata") if isinstance(report, dict) else None
@@ -1005,10 +1081,11 @@ def _record(row: Any) -> dict[str, Any]:
             value = _unpack(value, "f")
         elif key == "report_hash":
             continue
-        elif key == "capture":
+        elif key in ("capture", "forgotten_at", "content_hash"):
             if row["kind"] != "exchange":
                 continue
-            value = bool(value)
+            if key == "capture":
+                value = bool(value)
         out[key] = value
     return out
 
