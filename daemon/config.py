@@ -20,6 +20,8 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     chain_fetch_s = 2.0           # how often the remote's heads are fetched
     chain_max_blob_bytes = 67108864  # the largest git object a release fetched from the remote may hold (64 MiB)
     chain_max_lfs_bytes = 68719476736  # the largest large file (LFS object) it may name (64 GiB)
+    retention_days = 30           # exchanges older than this are forgotten (reef records forget); none: kept
+    retention_max_mb = 500        # the oldest exchanges are forgotten while the bodies kept exceed this
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
 
@@ -123,6 +125,11 @@ class Config:
     chain_fetch_s: float = 2.0  # seconds between fetches of the remote's heads
     chain_max_blob_bytes: int = 64 << 20  # the largest git object a release fetched from the remote may hold
     chain_max_lfs_bytes: int = 64 << 30  # the largest LFS object it may name (daemon/chain_remote.py says why)
+    # retention: exchanges older than retention_days, and the oldest while the bodies kept exceed retention_max_mb,
+    # are forgotten (daemon/forgetting.py), checked every retention_check_s; None: no limit
+    retention_days: float | None = None
+    retention_max_mb: float | None = None
+    retention_check_s: float = 3600.0
     trainer: str = "local"  # local | ray
     ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
@@ -317,7 +324,8 @@ def load_config(
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
                "allowed_recipes",
                "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "chain_max_blob_bytes",
-               "chain_max_lfs_bytes", "trainer", "ray_address"}
+               "chain_max_lfs_bytes", "trainer", "ray_address", "retention_days", "retention_max_mb",
+               "retention_check_s"}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -366,6 +374,10 @@ def load_config(
     queue = values.get("events_queue", 4096)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise BadRequest(f"config: events_queue must be a positive integer, got {queue!r}")
+    for key in ("retention_days", "retention_max_mb", "retention_check_s"):
+        value = values.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise BadRequest(f"config: {key} must be a positive number, got {value!r}")
     _check_distributed(values, home)
     extra_models = values.pop("models", None)
     if extra_models:

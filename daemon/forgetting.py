@@ -11,11 +11,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from daemon.serving import Reef
+
+log = logging.getLogger("reef.forgetting")
 
 MAX_FORGET = 100_000  # receipts and runs in one request
 
@@ -77,3 +81,34 @@ async def forget(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     out["releases"] = {s: await chain_view(reef, s) for s in out["scenarios"]}
     reef.events.publish("forget", receipts=len(out["forgotten"]), scenarios=out["scenarios"])
     return out
+
+
+async def apply_retention(reef: Reef) -> dict[str, Any] | None:
+    """Forget what the retention settings say is due now (``retention_days``, ``retention_max_mb``); None when
+    nothing is."""
+    cfg = reef.config
+    before = time.time() - cfg.retention_days * 86400 if cfg.retention_days is not None else None
+    max_bytes = int(cfg.retention_max_mb * 1e6) if cfg.retention_max_mb is not None else None
+    due = await reef.store.retention_due(before=before, max_bytes=max_bytes)
+    if not due:
+        return None
+    out = await reef.store.forget(receipts=due, runs=[])
+    for scenario in out["scenarios"]:
+        reef.learner.forget(scenario)
+    log.info("retention: forgot %d exchanges (%s)", len(out["forgotten"]), out["remains"])
+    reef.events.publish("forget", receipts=len(out["forgotten"]), scenarios=out["scenarios"], retention=True)
+    return out
+
+
+async def retention_loop(reef: Reef) -> None:
+    """Apply the retention settings at start and every ``retention_check_s``; a round that fails is logged and
+    tried again at the next."""
+    from daemon.errors import ReefError
+
+    while True:
+        try:
+            while await apply_retention(reef) is not None:
+                pass  # more than one round's worth was due
+        except ReefError as e:
+            log.warning("retention: could not forget what is due: %s", e.message)
+        await asyncio.sleep(reef.config.retention_check_s)

@@ -104,6 +104,7 @@ class Reef:
         self.loading: set[str] = set()  # models whose load is under way
         self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
         self._warm: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 
@@ -122,6 +123,10 @@ class Reef:
         # log line and a clear error for its requests, while other models serve
         self._warm = asyncio.create_task(self._warm_default(), name="reef-load-default-model")
         await self.learner.start()
+        if self.config.retention_days is not None or self.config.retention_max_mb is not None:
+            from daemon.forgetting import retention_loop
+
+            self._retention = asyncio.create_task(retention_loop(self), name="reef-retention")
 
     async def _warm_default(self) -> None:
         try:
@@ -134,9 +139,10 @@ class Reef:
             log.exception("loading the default model %s", self.config.default_model)
 
     async def close(self) -> None:
-        if self._warm is not None and not self._warm.done():
-            self._warm.cancel()
-            await asyncio.gather(self._warm, return_exceptions=True)
+        for task in (self._warm, self._retention):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():

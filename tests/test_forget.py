@@ -218,3 +218,43 @@ def test_a_forget_killed_midway_is_all_or_nothing(daemon_factory: Any) -> None:
     assert (n, bodies) in ((0, 0), (2000, 2000)), (n, bodies, done)
     if done == [200]:
         assert n == 2000  # acknowledged: durable
+
+
+async def test_retention_picks_the_old_and_the_oldest_over_the_size_bound(records_at: str) -> None:
+    """Due: every exchange older than the age bound, and the oldest while the kept bodies exceed the size bound;
+    never one forgotten already, nor a stream still open. Catches a flipped order (the newest forgotten) or an
+    off-by-one at the bound."""
+    store = open_store(records_at)
+    now = time.time()
+    try:
+        for i in range(6):  # rec_0 oldest; bodies of known size
+            await store.append_exchange({**_exchange(f"rec_{i}", "x"), "created_at": now - (6 - i) * 86400,
+                                         "timings": {"total_ms": 1}})
+        await store.append_exchange({**_exchange("rec_open", "x"), "created_at": now - 60})  # a stream under way
+        await store.forget(receipts=["rec_1"], runs=[])
+        size = await store.read(lambda c: c.execute(
+            "SELECT LENGTH(request) + LENGTH(response) AS n FROM records WHERE id='rec_5'").fetchone()["n"])
+        assert await store.retention_due(before=now - 4.5 * 86400, max_bytes=None) == ["rec_0"]
+        assert await store.retention_due(before=now, max_bytes=None) == ["rec_0", "rec_2", "rec_3", "rec_4", "rec_5"]
+        # room for exactly three bodies: the three newest stay
+        assert await store.retention_due(before=None, max_bytes=3 * size) == ["rec_0", "rec_2"]
+        assert await store.retention_due(before=None, max_bytes=3 * size - 1) == ["rec_0", "rec_2", "rec_3"]
+        assert await store.retention_due(before=None, max_bytes=None) == []
+    finally:
+        store.close()
+
+
+def test_the_daemon_forgets_by_its_retention_settings(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(start=False)
+    cfg = d.home / "config.toml"
+    cfg.write_text("retention_max_mb = 0.002\nretention_check_s = 0.2\n" + cfg.read_text())
+    d.start()
+    ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "pad " * 200}]}
+    with d.http() as c:
+        receipts = [c.post("/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"] for _ in range(4)]
+        wait_for(lambda: c.get(f"/reef/records/{receipts[0]}").json()["request"] is None,
+                 what="the oldest exchange forgotten by retention")
+        assert c.get(f"/reef/records/{receipts[-1]}").json()["request"] is not None
+    cfg.write_text("retention_days = -1\n" + cfg.read_text())
+    refused = d.cli("status", check=False)
+    assert refused.returncode == 2 and "retention_days must be a positive number" in refused.stderr

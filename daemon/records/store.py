@@ -870,6 +870,32 @@ class RecordStore:
         in a sentence what may remain where."""
         raise NotImplementedError
 
+    async def retention_due(self, *, before: float | None, max_bytes: int | None, limit: int = 10_000) -> list[str]:
+        """Exchanges the retention settings forget now, oldest first: created before ``before``, and the oldest
+        while the bodies kept (request and answer, newest first) add up to more than ``max_bytes``. A stream still
+        open (no timings, younger than an hour) is left for the next round."""
+
+        def op(conn: Conn) -> list[str]:
+            live = ("kind='exchange' AND forgotten_at IS NULL AND NOT (timings IS NULL AND created_at > ?)")
+            hour_ago = time.time() - 3600
+            due: list[str] = []
+            if before is not None:
+                due += [r["id"] for r in conn.execute(
+                    f"SELECT id FROM records WHERE {live} AND created_at < ? ORDER BY seq LIMIT ?",
+                    (hour_ago, before, limit)).fetchall()]
+            if max_bytes is not None and len(due) < limit:
+                kept, over = 0, []
+                for r in conn.execute(f"SELECT id, COALESCE(LENGTH(request), 0) + COALESCE(LENGTH(response), 0) AS n"
+                                      f" FROM records WHERE {live} ORDER BY seq DESC", (hour_ago,)):
+                    kept += r["n"]
+                    if kept > max_bytes:
+                        over.append(r["id"])
+                seen = set(due)
+                due += [rid for rid in reversed(over) if rid not in seen][: limit - len(due)]
+            return due
+
+        return await self.read(op)
+
     async def forgotten(self, scenario: str) -> set[str]:
         """The receipts of a scenario that were forgotten."""
         rows = await self.read(lambda c: c.execute(
