@@ -5,7 +5,7 @@ _reef() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/create|/scenarios/list|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/forget|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -26,7 +26,8 @@ _reef() {
         /doctor) words='--json --help' ;;
         /model) words='init --help' ;;
         /model/init) words='--seed --force --help' ;;
-        /records) words='list show --help' ;;
+        /records) words='forget list show --help' ;;
+        /records/forget) words='--scrub --yes -y --json --help' ;;
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
         /releases) words='list promote rollback show --help' ;;
@@ -34,10 +35,13 @@ _reef() {
         /releases/promote) words='--scenario -s --yes -y --json --help' ;;
         /releases/rollback) words='--scenario -s --yes -y --json --help' ;;
         /releases/show) words='--diff --json --help' ;;
-        /report) words='--score --feedback -f --metadata --report-id --json --help' ;;
-        /scenarios) words='create list set-model show tasks --help' ;;
-        /scenarios/create) words='--recipe --model --json --help' ;;
+        /report) words='--score --feedback -f --metadata --report-id --no-train --json --help' ;;
+        /scenarios) words='capture create list pause resume set-model show tasks --help' ;;
+        /scenarios/capture) words='--json --help' ;;
+        /scenarios/create) words='--recipe --model --capture --serve-only --json --help' ;;
         /scenarios/list) words='--json --help' ;;
+        /scenarios/pause) words='--json --help' ;;
+        /scenarios/resume) words='--json --help' ;;
         /scenarios/set-model) words='--json --help' ;;
         /scenarios/show) words='--json --help' ;;
         /scenarios/tasks) words='list promote --help' ;;

@@ -25,6 +25,14 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
 
+    [outcomes.pi]                 # outcome reports on the receipts of reef-pi's runs (reef_cli/outcomes.py)
+    exit = true                   # the agent's exit code: 0 -> pass_score, else fail_score
+    check = "pytest -q"           # run in the project after the agent; exit 0 -> pass_score, else fail_score
+    check_timeout_s = 600
+    kept = true                   # the agent's changes still there at the next run (share kept, git projects)
+    pass_score = 1.0
+    fail_score = 0.0
+
     [models.tiny]
     engine = "transformers"
     path = "models/tiny"          # relative to REEF_HOME
@@ -112,6 +120,8 @@ class Config:
     lease_ttl_s: float = 15.0  # shared records: the training lease's term, renewed every third of it
     # recipe settings by recipe name ([recipes.online-rl] lr = ..., gate = ...), recorded in each release
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # outcome reports of wrapped runs, by scenario ([outcomes.pi] exit = true, check = "pytest -q")
+    outcomes: Mapping[str, OutcomeSettings] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
     # wrappers: install a newer harness release before a run ("install") or only say it exists ("notify")
     harness_updates: str = "install"
@@ -291,6 +301,43 @@ def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
     return ModelEntry(name=name, **values)
 
 
+@dataclass(frozen=True)
+class OutcomeSettings:
+    """What a wrapped run reports as outcomes on its receipts (reef_cli/outcomes.py says how each scores)."""
+
+    exit: bool = False
+    check: str | None = None
+    check_timeout_s: float = 600.0
+    kept: bool = False
+    pass_score: float = 1.0
+    fail_score: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return self.exit or self.kept or self.check is not None
+
+
+def parse_outcomes(raw: Any, where: str) -> OutcomeSettings:
+    """One ``[outcomes.NAME]`` table (or the flags' equivalent); every key works or is refused."""
+    if not isinstance(raw, dict):
+        raise BadRequest(f"config: {where} must be a table")
+    known = [f.name for f in fields(OutcomeSettings)]
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise BadRequest(f"config: {where}: unknown keys {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+    for key in ("exit", "kept"):
+        if key in raw and not isinstance(raw[key], bool):
+            raise BadRequest(f"config: {where}.{key} must be true or false")
+    if "check" in raw and not (isinstance(raw["check"], str) and raw["check"].strip()):
+        raise BadRequest(f"config: {where}.check must be a shell command (a non-empty string)")
+    for key in ("check_timeout_s", "pass_score", "fail_score"):
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], (int, float))):
+            raise BadRequest(f"config: {where}.{key} must be a number")
+    if raw.get("check_timeout_s", 1) <= 0:
+        raise BadRequest(f"config: {where}.check_timeout_s must be positive")
+    return OutcomeSettings(**raw)
+
+
 def load_config(
     env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Config:
@@ -317,6 +364,10 @@ def load_config(
             raise BadRequest(f"config: models.{name} must be a table")
         models[name] = _model_entry(name, entry, home)
 
+    outcomes_raw = raw.pop("outcomes", None) or {}
+    if not isinstance(outcomes_raw, dict):
+        raise BadRequest("config: [outcomes.<scenario>] entries must be tables")
+    outcomes = {name: parse_outcomes(table, f"outcomes.{name}") for name, table in outcomes_raw.items()}
     recipes = raw.pop("recipes", None) or {}
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
@@ -387,6 +438,7 @@ def load_config(
         home=home,
         models=models,
         recipes=recipes,
+        outcomes=outcomes,
         url=env.get("REEF_URL") or None,
         token=env.get("REEF_TOKEN") or None,
         secrets=secrets,

@@ -677,8 +677,9 @@ class Learner:
             rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
         for rec in rows:
             old = st.pool.get(rec["id"])
-            if rec.get("source") == "judge" and old is not None and old.get("source") != "judge":
-                continue  # an explicit report takes precedence over a judge's verdict
+            automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
+            if rec.get("source") in automatic and old is not None and old.get("source") not in automatic:
+                continue  # an explicit report takes precedence over an automatic one
             st.pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
             if rec["id"] not in consumed:
                 st.pool[rec["id"]] = rec

@@ -183,10 +183,15 @@ def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, 
     return head
 
 
-def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
+def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcome_flags: list[str] | None = None,
+              check: str | None = None) -> int:
+    from daemon.config import OutcomeSettings
+    from reef_cli import outcomes
+
     config = load_config()
     if scenario is None:
         scenario = os.environ.get("REEF_SCENARIO") or adapter.name
+    asked = outcomes.with_flags(config.outcomes.get(scenario, OutcomeSettings()), outcome_flags or [], check)
     body = {"adapter": adapter.name, "scenario": scenario}
     home = adapter.home(config.homes_dir, scenario)
     installed = installed_release(home)
@@ -207,6 +212,9 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
     record = {"run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
               "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
               "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}
+    if asked.kept:
+        report_kept(config, adapter, Path.cwd(), asked)
+    before = outcomes.snapshot(Path.cwd()) if asked.kept else None
     record["spawned_at"] = time.time()
     save_run(config, record)
     code = spawn(adapter.argv(binary, args, target), env)
@@ -215,11 +223,76 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None) -> int:
         record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run)
     except (OSError, ReefError) as e:
         say(f"could not read the run's receipts ({e}); `{adapter.command} report` will ask the daemon again")
+    if asked.kept:
+        changed = outcomes.changes(before, outcomes.snapshot(Path.cwd()))
+        if changed:
+            record["changes"] = {"root": before["root"] if before else None, "files": changed}
+    if asked.any:
+        report_outcomes(config, record, asked, code)
     save_run(config, record)
     n = len(record["receipts"])
     say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
         f"`{adapter.command} report --score S --feedback TEXT`")
     return code
+
+
+def _post_outcome(config: Config, run: dict[str, Any], report: dict[str, Any]) -> None:
+    body = {"references": run["receipts"], "scenario": run["scenario"], "score": report["score"],
+            "metadata": {**report["metadata"], "run": run["run"], "adapter": run["adapter"]}}
+    stored = call(config, "POST", "/reef/report", body)
+    run.setdefault("reports", []).append({"report_id": stored["report_id"], "score": report["score"],
+                                          "outcome": report["metadata"]["outcome"], "at": time.time()})
+
+
+def report_outcomes(config: Config, run: dict[str, Any], asked: Any, exit_code: int) -> None:
+    """The outcome reports of a run that just ended (exit code, the user's check), on its receipts; what could not
+    be measured is written in the run record with its reason, never scored."""
+    from reef_cli import outcomes
+
+    reports, failed = outcomes.reports_for_run(asked, exit_code, Path(run["cwd"]))
+    run["outcomes_failed"] = failed
+    for f in failed:
+        say(f"outcome {f['outcome']} not measured: {f['reason']}")
+    if not run["receipts"]:
+        if reports:
+            say("the run made no model requests: no outcome to report on")
+        return
+    for report in reports:
+        try:
+            _post_outcome(config, run, report)
+        except (OSError, ReefError) as e:
+            run["outcomes_failed"].append({"outcome": report["metadata"]["outcome"], "reason": f"not stored: {e}"})
+            say(f"outcome {report['metadata']['outcome']} could not be reported: {e}")
+            continue
+        m = report["metadata"]
+        say(f"outcome {m['outcome']}: score {report['score']:g}"
+            + (f" ({m['command']} exited {m['exit_code']})" if m["outcome"] == "check" else ""))
+
+
+def report_kept(config: Config, adapter: Adapter, cwd: Path, asked: Any) -> None:
+    """Before a run: for earlier runs of this agent in the same project whose changes were not judged yet, report
+    whether those changes are still there (kept) or were put back (reverted)."""
+    from reef_cli import outcomes
+
+    for run in list_runs(config, adapter):
+        changes = run.get("changes")
+        if not changes or run.get("kept_reported") or not run.get("receipts"):
+            continue
+        root = Path(changes["root"])
+        if root != Path(cwd).resolve() and root not in Path(cwd).resolve().parents:
+            continue  # another project
+        kept, reverted = outcomes.kept_share(changes["files"], root)
+        share = kept / (kept + reverted)
+        score = asked.fail_score + (asked.pass_score - asked.fail_score) * share
+        try:
+            _post_outcome(config, run, {"score": score, "metadata": {"source": "outcome", "outcome": "kept",
+                                                                   "kept": kept, "reverted": reverted}})
+        except (OSError, ReefError) as e:
+            say(f"outcome kept of run {run['run']} could not be reported: {e}")
+            continue
+        run["kept_reported"] = True
+        save_run(config, run)
+        say(f"outcome kept of run {run['run']}: {kept} of {kept + reverted} changed file(s) kept, score {score:g}")
 
 
 RECEIPTS_PAGE = 50  # receipts asked for at a time when collecting a run's (the daemon's default page)
@@ -313,22 +386,35 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
             return
         if args and args[0] == "--":
             args = args[1:]
-        scenario = None
-        for i, a in enumerate(args):
-            if a == "--reef-scenario" and i + 1 < len(args):
-                scenario = args[i + 1]
-                del args[i:i + 2]
-                break
-            if a.startswith("--reef-scenario="):
-                scenario = a.split("=", 1)[1]
-                del args[i]
-                break
-        sys.exit(run_agent(adapter, args, scenario))
+        scenario = (_take_flag(args, "--reef-scenario") or [None])[-1]
+        outcome_flags = _take_flag(args, "--reef-outcome")
+        check = (_take_flag(args, "--reef-check") or [None])[-1]
+        sys.exit(run_agent(adapter, args, scenario, outcome_flags=outcome_flags, check=check))
     except ReefError as e:
         sys.stderr.write(f"{'reef-' + adapter_name}: {e.message}\n")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _take_flag(args: list[str], name: str) -> list[str]:
+    """Remove every ``name VALUE`` and ``name=VALUE`` of the wrapper's own from ``args`` (before a ``--`` only:
+    what follows it is the agent's); their values, in order."""
+    values, i = [], 0
+    end = args.index("--") if "--" in args else len(args)
+    while i < end:
+        a = args[i]
+        if a == name and i + 1 < end:
+            values.append(args[i + 1])
+            del args[i:i + 2]
+            end -= 2
+        elif a.startswith(name + "="):
+            values.append(a.split("=", 1)[1])
+            del args[i]
+            end -= 1
+        else:
+            i += 1
+    return values
 
 
 def pi() -> None:
