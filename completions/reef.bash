@@ -5,7 +5,7 @@ _reef() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/forget|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/forget|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -36,7 +36,8 @@ _reef() {
         /releases/rollback) words='--scenario -s --yes -y --json --help' ;;
         /releases/show) words='--diff --json --help' ;;
         /report) words='--score --feedback -f --metadata --report-id --no-train --json --help' ;;
-        /scenarios) words='capture create list pause resume set-model show tasks --help' ;;
+        /scenarios) words='archive capture create list pause resume set-model show tasks unarchive --help' ;;
+        /scenarios/archive) words='--json --help' ;;
         /scenarios/capture) words='--json --help' ;;
         /scenarios/create) words='--recipe --model --capture --serve-only --json --help' ;;
         /scenarios/list) words='--json --help' ;;
@@ -47,6 +48,7 @@ _reef() {
         /scenarios/tasks) words='list promote --help' ;;
         /scenarios/tasks/list) words='--json --help' ;;
         /scenarios/tasks/promote) words='--check --workspace --id --scenario -s --json --help' ;;
+        /scenarios/unarchive) words='--json --help' ;;
         /serve) words='--host --port --model --upstream-url --upstream-format --upstream-model --help' ;;
         /status) words='--json --help' ;;
         /tui) words='--scenario -s --help' ;;

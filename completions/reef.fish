@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/forget /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/forget /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -122,6 +122,7 @@ complete -c reef -n '__reef_at /report' -l report-id -d 'Makes retries idempoten
 complete -c reef -n '__reef_at /report' -l no-train -d 'Keep this report out of training (stored and shown, metadata.training.eligible = false)'
 complete -c reef -n '__reef_at /report' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /report' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios' -a archive -d 'Stop serving and training a scenario; its records and release chain stay readable. Refused (exit 5) while a training step is under way'
 complete -c reef -n '__reef_at /scenarios' -a capture -d 'Turn a scenario\'s capture on or off: off, its exchanges from now on are served and recorded, never trained on (one request can ask the same with the header x-reef-capture: false)'
 complete -c reef -n '__reef_at /scenarios' -a create -d 'Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)'
 complete -c reef -n '__reef_at /scenarios' -a list -d 'List scenarios with their recipe, records, reports and mean recent score'
@@ -130,7 +131,10 @@ complete -c reef -n '__reef_at /scenarios' -a resume -d 'Resume a paused scenari
 complete -c reef -n '__reef_at /scenarios' -a set-model -d 'Serve a scenario from another model. Its chain must hold no weights (a wrapped agent\'s harness scenario, or records only): a weights chain was trained on its model and is refused (exit 5)'
 complete -c reef -n '__reef_at /scenarios' -a show -d 'Show one scenario'
 complete -c reef -n '__reef_at /scenarios' -a tasks -d 'The tasks a scenario\'s gate runs the agent on (harness-search)'
+complete -c reef -n '__reef_at /scenarios' -a unarchive -d 'Serve and train an archived scenario again'
 complete -c reef -n '__reef_at /scenarios' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/archive' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/archive' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/capture' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/capture' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/create' -l recipe -d 'Learning recipe (default from config)'
@@ -159,6 +163,8 @@ complete -c reef -n '__reef_at /scenarios/tasks/promote' -l id -d 'The task\'s i
 complete -c reef -n '__reef_at /scenarios/tasks/promote' -l scenario -s s -d 'The scenario (default: the receipt\'s own)'
 complete -c reef -n '__reef_at /scenarios/tasks/promote' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/tasks/promote' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/unarchive' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/unarchive' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /serve' -l host -d 'Address to listen on (default 127.0.0.1)'
 complete -c reef -n '__reef_at /serve' -l port -d 'TCP port (default 8900)'
 complete -c reef -n '__reef_at /serve' -l model -d 'Default model for new scenarios (a name from config.toml)'

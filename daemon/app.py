@@ -677,16 +677,21 @@ def _switch(body: dict[str, Any], key: str) -> bool:
 
 
 def switch_handler(**fixed: bool) -> Handler:
-    """Pause or resume a scenario's learning (``paused``), or turn its capture on or off (the body's ``capture``):
-    the binding, its chain and its records stay as they are."""
+    """Pause or resume a scenario's learning (``paused``), archive it or bring it back (``archived``: neither
+    served nor trained), or turn its capture on or off (the body's ``capture``): the binding, its chain and its
+    records stay as they are."""
 
     async def handle(request: web.Request) -> web.Response:
         reef = request.ctx
         name = check_scenario(request.match_info["name"])
         switches = fixed or {"capture": _switch(await _object_body(request), "capture")}
-        scenario = await reef.store.set_switches(name, **switches)
+        if switches.get("archived"):  # refused while a step is out; no step starts while it is written
+            async with reef.learner.no_step(name):
+                scenario = await reef.store.set_switches(name, **switches)
+        else:
+            scenario = await reef.store.set_switches(name, **switches)
         reef.events.publish("scenario", scenario=scenario.to_dict())
-        if switches.get("paused") is False:
+        if switches.get("paused") is False or switches.get("archived") is False:
             reef.learner.notify(name)  # what came while it was paused is learned from now
         return _json(scenario.to_dict())
 
@@ -978,6 +983,8 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))
     r.add("POST", "/reef/scenarios/{name}/resume", switch_handler(paused=False))
     r.add("POST", "/reef/scenarios/{name}/capture", switch_handler())
+    r.add("POST", "/reef/scenarios/{name}/archive", switch_handler(archived=True))
+    r.add("POST", "/reef/scenarios/{name}/unarchive", switch_handler(archived=False))
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
     r.add("GET", "/reef/events", handle_events)

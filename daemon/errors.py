@@ -162,6 +162,12 @@ class Forgotten(Conflict):
         self.receipts = receipts
 
 
+class Archived(Conflict):
+    def __init__(self, scenario: str) -> None:
+        super().__init__(f"scenario {scenario!r} is archived: its records and releases stay readable; "
+                         f"reef scenarios unarchive {scenario} serves it again", scenario=scenario)
+
+
 class RecipeConflict(Conflict):
     def __init__(self, scenario: str, bound: str, asked: str) -> None:
         super().__init__(

@@ -49,7 +49,7 @@ import shutil
 import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from typing import Any
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
-from daemon.errors import HeadMoved, LeaseLost, ReefError, Unchanged
+from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
 from daemon.records import Lease, RecordStore, Scenario, new_id
@@ -323,6 +323,18 @@ class Learner:
         if recipe is not None:
             type(recipe).check_report(metadata)
 
+    @contextlib.asynccontextmanager
+    async def no_step(self, name: str) -> AsyncIterator[None]:
+        """Hold off this scenario's steps while the body runs (archiving it); a step already under way is a
+        ``Conflict`` naming it, never waited for."""
+        st = self._scenarios.setdefault(name, ScenarioLearning(name))
+        if st.lock.locked():
+            head = await self.chains.head(await self.store.get_scenario(name))
+            raise Conflict(f"scenario {name!r} has a training step under way (step {head.step + 1}); try again "
+                           "when it ends (reef releases list --all shows it)", scenario=name, step=head.step + 1)
+        async with st.lock:
+            yield
+
     def forget(self, name: str) -> None:
         """Records of this scenario were forgotten: drop what is held of them in memory and read the store again
         (it no longer gives their bodies). A step already under way finishes with the batch it took."""
@@ -436,7 +448,7 @@ class Learner:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
             scenario = await self.store.get_scenario(name)
-            if scenario.paused:  # its reports wait; resuming looks for a batch again
+            if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
                 return {"verdict": "paused", "consumed": 0,
                         "summary": f"scenario {name} is paused: reef scenarios resume {name}"}

@@ -19,7 +19,7 @@ from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
-from daemon.errors import BadRequest, ReefError, Unavailable
+from daemon.errors import Archived, BadRequest, ReefError, Unavailable
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
@@ -246,6 +246,8 @@ class Reef:
         started = time.perf_counter()
         asked = capture_header(headers.get("x-reef-capture"))
         scen = await self.scenario(scenario)
+        if scen.archived:
+            raise Archived(scen.name)
         engine = await self.engine(scen.model)
         release = await self.chains.resolve(scen, pinned_release)
         ref: ReleaseRef | None = await self.chains.ref(scen, release)

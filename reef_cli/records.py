@@ -186,6 +186,8 @@ def show_scenario(
         print(f"{key:11} {s.get(key)}")
     print(f"{'capture':11} {'on' if s.get('capture', True) else 'off (serve-only: never trained on)'}")
     print(f"{'learning':11} {'paused (reef scenarios resume ' + name + ')' if s.get('paused') else 'on'}")
+    if s.get("archived"):
+        print(f"{'archived':11} yes: neither served nor trained (reef scenarios unarchive {name})")
     print(f"{'created':11} {ago(s['created_at'])}")
     for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
         print(f"{key:11} {value}")
@@ -238,8 +240,8 @@ def _switched(s: dict[str, Any], json_out: bool) -> None:
     if json_out:
         print_json(s)
     else:
-        print(f"scenario {s['name']}: learning {'paused' if s['paused'] else 'on'}, capture "
-              f"{'on' if s['capture'] else 'off (serve-only)'}")
+        print(f"scenario {s['name']}: {'archived (neither served nor trained), ' if s.get('archived') else ''}"
+              f"learning {'paused' if s['paused'] else 'on'}, capture {'on' if s['capture'] else 'off (serve-only)'}")
 
 
 @scenarios_app.command("pause")
@@ -258,6 +260,25 @@ def resume(name: str = typer.Argument(..., help="The scenario."),
     """Resume a paused scenario's learning, from the reports that came meanwhile."""
     with client() as c:
         _switched(c.post(f"/reef/scenarios/{name}/resume", {}), json_out)
+
+
+@scenarios_app.command("archive")
+@edge
+def archive(name: str = typer.Argument(..., help="The scenario."),
+            json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Stop serving and training a scenario; its records and release chain stay readable. Refused (exit 5) while
+    a training step is under way."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/archive", {}), json_out)
+
+
+@scenarios_app.command("unarchive")
+@edge
+def unarchive(name: str = typer.Argument(..., help="The scenario."),
+              json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Serve and train an archived scenario again."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/unarchive", {}), json_out)
 
 
 @scenarios_app.command("capture")

@@ -94,3 +94,60 @@ def test_a_harness_recipe_never_learns_from_feedback_on_serve_only_traffic(daemo
             "AGENTS.md", ""), what="the harness release")
         text = c.get("/reef/scenarios/nt/harness").json()["files"]["AGENTS.md"]
         assert "serve-only" not in text and "kept out" not in text, text
+
+
+WAITING = '''
+import time
+from pathlib import Path
+
+from recipes.base import Candidate, Recipe
+
+
+class Waiting(Recipe):
+    """A weights recipe whose step waits for a file the test writes: a step that is out for as long as needed."""
+
+    name = "waiting"
+    kind = "weights"
+    source = "scores"
+
+    def batch(self, records):
+        return records[:1] or None
+
+    def train(self, job, state):
+        go = Path(job.base_path).parent.parent / "go"
+        while not go.exists():
+            time.sleep(0.05)
+        for f in Path(job.base_path).iterdir():  # its base again: the step is written down as changing nothing
+            if f.is_file():
+                (Path(job.work_dir) / f.name).write_bytes(f.read_bytes())
+        return Candidate(metrics={"waited": 1})
+'''
+
+
+def test_archiving_is_refused_while_a_step_is_out_then_stops_serving_and_keeps_what_was_recorded(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    (recipe_dir / "waiting.py").write_text(WAITING)
+    d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "ar", "recipe": "waiting:Waiting"}).status_code == 201
+        receipt = serve(c, "ar")
+        report(c, receipt)
+        wait_for(lambda: state(c, "ar") == "training", what="the step to start")
+        err = assert_canonical_error(c.post("/reef/scenarios/ar/archive", json={}), 409)
+        assert "training step under way (step 1)" in err["message"], err
+        refused = d.cli("scenarios", "archive", "ar", check=False)
+        assert refused.returncode == 5 and "step 1" in refused.stderr
+        assert serve(c, "ar")  # still served: nothing changed
+    go = d.home / "cache" / "go"
+    go.parent.mkdir(parents=True, exist_ok=True)
+    go.write_text("")
+    with d.http() as c:
+        wait_for(lambda: state(c, "ar") == "waiting", what="the step to end")
+        assert "archived (neither served nor trained)" in d.cli("scenarios", "archive", "ar").stdout
+        gone = c.post("/s/ar/v1/chat/completions", json=ASK)
+        assert "archived" in assert_canonical_error(gone, 409)["message"]
+        assert c.get(f"/reef/records/{receipt}").json()["id"] == receipt  # records stay readable
+        assert releases(c, "ar")["releases"]  # and the chain
+        assert {s["name"]: s for s in c.get("/reef/scenarios").json()["scenarios"]}["ar"]["archived"] is True
+        d.cli("scenarios", "unarchive", "ar")
+        assert serve(c, "ar")

@@ -156,6 +156,7 @@ class Scenario:
     settings: dict[str, Any]
     capture: bool = True  # False: serve-only, its exchanges are never trained on
     paused: bool = False  # True: its recipe takes no step until resumed (the binding stays)
+    archived: bool = False  # True: neither served nor trained; its records and chain stay readable
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +167,7 @@ class Scenario:
             "settings": self.settings,
             "capture": self.capture,
             "paused": self.paused,
+            "archived": self.archived,
         }
 
 
@@ -524,8 +526,10 @@ class RecordStore:
         self._scenario_cache[name] = scenario
         return scenario
 
-    async def set_switches(self, name: str, *, capture: bool | None = None, paused: bool | None = None) -> Scenario:
-        """Turn a scenario's capture (False: serve-only from now on) or its learning (paused) on or off."""
+    async def set_switches(self, name: str, *, capture: bool | None = None, paused: bool | None = None,
+                           archived: bool | None = None) -> Scenario:
+        """Turn a scenario's capture (False: serve-only from now on), its learning (paused) or its being served at
+        all (archived) on or off."""
 
         def op(conn: Conn) -> Scenario:
             row = conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone()
@@ -535,6 +539,8 @@ class RecordStore:
                 conn.execute("UPDATE scenarios SET capture=? WHERE name=?", (int(capture), name))
             if paused is not None:
                 conn.execute("UPDATE scenarios SET paused=? WHERE name=?", (int(paused), name))
+            if archived is not None:
+                conn.execute("UPDATE scenarios SET archived=? WHERE name=?", (int(archived), name))
             return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
 
         scenario = await self.write(op)
@@ -1092,6 +1098,7 @@ def _scenario(row: Any) -> Scenario:
         settings=json.loads(row["settings"] or "{}"),
         capture=bool(row["capture"]),
         paused=bool(row["paused"]),
+        archived=bool(row["archived"]),
     )
 
 
