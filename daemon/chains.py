@@ -1,7 +1,7 @@
 """Release chains as the daemon serves them: which release a request is frozen to, where its artifact is
 checked out, and publishing (init, rollback, promote, and later train) with events, metrics and preloading.
 
-``daemon/releases.py`` is the git-backed store; this module is the daemon's view of it:
+``daemon/releases/`` is the git-backed store; this module is the daemon's view of it:
 
 - Each request reads its scenario's head (a loose-ref read, tens of microseconds) so that a publish by any
   process (the daemon, a trainer, a test) is picked up by the next request, and freezes to that release.
