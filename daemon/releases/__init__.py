@@ -3,7 +3,8 @@
 A scenario's chain is the ref ``refs/reef/scenarios/<name>``; a release is a commit whose tree is the artifact plus
 its manifest, published by compare-and-swap on the ref and never rewritten. One module per concept:
 
-- ``manifest.py``  names (refs, manifest file), ``Release``, ``Rejection``, ``FileEntry``
+- ``manifest.py``  names (refs, manifest file), ``Manifest`` (what every write takes), ``Release``, ``Rejection``,
+  ``FileEntry``
 - ``objects.py``   reading git objects back without trusting them (a truncated loose object must not hang libgit2)
 - ``repo.py``      the repository: created and opened durably, one handle per thread, the guarded ``_read``
 - ``reads.py``     heads, releases, files, checkouts, pending candidates, rejections
@@ -30,6 +31,7 @@ from daemon.releases.manifest import (
     SCENARIOS_REF,
     FileEntry,
     FileSource,
+    Manifest,
     Rejection,
     Release,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "Damage",
     "FileEntry",
     "FileSource",
+    "Manifest",
     "Rejection",
     "Release",
     "ReleaseStore",

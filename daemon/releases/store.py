@@ -34,15 +34,14 @@ from daemon.names import check_scenario  # the one validator of scenario names
 from daemon.releases.content import Content
 from daemon.releases.diff import Diffs
 from daemon.releases.manifest import (
-    KINDS,
     MANIFEST,
-    OPERATIONS,
     PENDING_REF,
     PROMOTED_REF,
     REJECTED_REF,
     REJECTION,
     SCENARIOS_REF,
     FileSource,
+    Manifest,
     Rejection,
     Release,
     _json,
@@ -58,51 +57,31 @@ class ReleaseStore(Recovery, Content, Diffs):
 
     # --- publishing ----------------------------------------------------------------------------------------
 
-    def publish(
-        self,
-        scenario: str,
-        files: Mapping[str, FileSource],
-        *,
-        expected_head: str | None,
-        operation: str,
-        kind: str,
-        recipe: str,
-        metrics: Mapping[str, Any] | None = None,
-        receipts: list[str] | None = None,
-        source: str | None = None,
-        settings: Mapping[str, Any] | None = None,
-        summary: str | None = None,
-    ) -> Release:
-        """Publish ``files`` as the next release of ``scenario`` if its head is still ``expected_head``.
+    def publish(self, manifest: Manifest | str, files: Mapping[str, FileSource], *, expected_head: str | None,
+                **fields: Any) -> Release:
+        """Publish ``files`` as the next release of ``manifest.scenario`` if its head is still ``expected_head``.
 
-        ``expected_head=None`` means the chain must not exist yet (and then ``operation`` must be ``init``).
+        ``expected_head=None`` means the chain must not exist yet (and then the operation must be ``init``).
         Raises ``HeadMoved`` (nothing changed) if the head is not ``expected_head``, ``LockBusy`` if another
-        writer held the ref lock past ``lock_timeout``."""
-        check_scenario(scenario)
-        self._check_meta(operation, kind, expected_head, source)
+        writer held the ref lock past ``lock_timeout``. ``publish("demo", files, expected_head=h, operation=...,
+        kind=..., recipe=...)`` spells the manifest's fields as keywords (scripts and tests)."""
+        manifest = Manifest.of(manifest, fields)
+        scenario = manifest.scenario
+        if (manifest.operation == "init") != (expected_head is None):
+            raise BadRequest(
+                "an init release starts a chain (expected_head must be None), and only an init may",
+                param="expected_head",
+            )
         expected = self._expected(expected_head)
         self._precheck(scenario, expected)
-        if source is not None:
-            source = self._resolve(source)
-        if kind == "weights" and lora.MANIFEST in files:
+        if manifest.source is not None:
+            manifest = manifest.replace(source=self._resolve(manifest.source))
+        if manifest.kind == "weights" and lora.MANIFEST in files:
             self._check_adapter(scenario, files, expected)
         content, lfs = self._write_content(files)
-        if operation == "train" and expected is not None and content == self._content_tree(expected):
+        if manifest.operation == "train" and expected is not None and content == self._content_tree(expected):
             raise Unchanged(scenario, content)  # a release that changes nothing is no release
-        return self._publish_tree(
-            scenario,
-            content,
-            lfs,
-            expected=expected,
-            operation=operation,
-            kind=kind,
-            recipe=recipe,
-            metrics=metrics,
-            receipts=receipts,
-            source=source,
-            settings=settings,
-            summary=summary,
-        )
+        return self._publish_tree(manifest, content, lfs, expected=expected)
 
     def _check_adapter(self, scenario: str, files: Mapping[str, FileSource], expected: str | None) -> None:
         """An adapter is published only on the model it was trained on: its manifest names a release of whole
@@ -149,39 +128,19 @@ class ReleaseStore(Recovery, Content, Diffs):
             )
         expected = head if expected_head is None else self._expected(expected_head)
         src = self.get(rid)
-        return self._publish_tree(
-            scenario,
-            self._content_tree(rid),
-            src.lfs,
-            expected=expected,
-            operation="rollback",
-            kind=src.kind,
-            recipe=src.recipe,
-            metrics=src.metrics,
-            receipts=[],
-            source=rid,
-            settings=src.settings,
-            summary=summary or f"roll back to step {src.step} ({rid[:12]})",
-        )
+        manifest = src.manifest(scenario=scenario, operation="rollback", receipts=(), source=rid,
+                                summary=summary or f"roll back to step {src.step} ({rid[:12]})")
+        return self._publish_tree(manifest, self._content_tree(rid), src.lfs, expected=expected)
 
-    def hold(
-        self,
-        scenario: str,
-        files: Mapping[str, FileSource],
-        *,
-        kind: str,
-        recipe: str,
-        base: str | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        receipts: list[str] | None = None,
-        settings: Mapping[str, Any] | None = None,
-        summary: str | None = None,
-    ) -> Release:
+    def hold(self, manifest: Manifest | str, files: Mapping[str, FileSource], *, base: str | None = None,
+             **fields: Any) -> Release:
         """Store a candidate for review without releasing it: a commit on ``refs/reef/pending/<s>/<id>`` whose
         parent is ``base`` (default: the current head). ``promote`` releases it; ``record_rejection`` with
-        ``candidate=`` discards it."""
-        check_scenario(scenario)
-        self._check_meta("train", kind, "0" * 40, None)
+        ``candidate=`` discards it. The manifest's operation is ``train`` (the keyword spelling sets it)."""
+        manifest = Manifest.of(manifest, {"operation": "train", **fields} if isinstance(manifest, str) else fields)
+        if manifest.operation != "train":
+            raise BadRequest(f"a held candidate is a train release, not {manifest.operation!r}", param="operation")
+        scenario = manifest.scenario
         head = self.head(scenario)
         if head is None:
             raise NotFound(f"scenario {scenario!r} has no releases", scenario=scenario)
@@ -189,20 +148,9 @@ class ReleaseStore(Recovery, Content, Diffs):
         if not self.belongs(scenario, base_id):
             raise BadRequest(f"base {base_id} is not on the chain of scenario {scenario!r}", param="base")
         content, lfs = self._write_content(files)
-        commit_id, _ = self._write_release_commit(
-            scenario,
-            content,
-            lfs,
-            parent=base_id,
-            operation="train",
-            kind=kind,
-            recipe=recipe,
-            metrics=metrics,
-            receipts=receipts,
-            source=None,
-            settings=settings,
-            summary=summary or "candidate held for review",
-        )
+        if manifest.summary is None:
+            manifest = manifest.replace(summary="candidate held for review")
+        commit_id, _ = self._write_release_commit(manifest, content, lfs, parent=base_id)
         ref = f"{PENDING_REF}{scenario}/{commit_id}"
         self._update_refs(
             [_RefUpdate(ref, commit_id, None, lambda actual: Conflict(f"{ref} already exists", ref=ref))],
@@ -227,25 +175,16 @@ class ReleaseStore(Recovery, Content, Diffs):
         def gone(actual: str | None) -> ReefError:
             return Conflict(f"pending candidate {pid} was promoted or discarded meanwhile", release_id=pid)
 
+        manifest = cand.manifest(scenario=scenario, operation="promote", source=pid,
+                                 summary=summary or f"promote candidate {pid[:12]}")
         return self._publish_tree(
-            scenario,
-            self._content_tree(pid),
-            cand.lfs,
-            expected=expected,
-            operation="promote",
-            kind=cand.kind,
-            recipe=cand.recipe,
-            metrics=cand.metrics,
-            receipts=cand.receipts,
-            source=pid,
-            settings=cand.settings,
-            summary=summary or f"promote candidate {pid[:12]}",
+            manifest, self._content_tree(pid), cand.lfs, expected=expected,
             extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],
         )
 
     def record_rejection(
         self,
-        scenario: str,
+        rejected: Manifest | str,
         *,
         verdict: str,
         reason: str,
@@ -262,8 +201,17 @@ class ReleaseStore(Recovery, Content, Diffs):
 
         ``step`` defaults to the step the candidate would have had (head step + 1); ``base`` to the head.
         ``candidate`` names a held candidate: its content is kept in the rejection (``candidate/``) and it
-        leaves the pending list."""
-        check_scenario(scenario)
+        leaves the pending list. ``rejected`` is the candidate's ``Manifest`` (its scenario, kind, recipe, metrics
+        and receipts are written down), or only the scenario's name with those as keywords."""
+        if isinstance(rejected, Manifest):
+            given = [k for k, v in (("metrics", metrics), ("kind", kind), ("recipe", recipe), ("receipts", receipts))
+                     if v is not None]
+            if given:
+                raise TypeError(f"a Manifest is given; {', '.join(given)} belong in it")
+            scenario, kind, recipe = rejected.scenario, rejected.kind, rejected.recipe
+            metrics, receipts = dict(rejected.metrics), list(rejected.receipts)
+        else:
+            scenario = check_scenario(rejected)
         head = self.head(scenario)
         base_id = head if base is None else self._resolve(base)
         if step is None:
@@ -337,20 +285,6 @@ class ReleaseStore(Recovery, Content, Diffs):
     # --- internals of publishing ---------------------------------------------------------------------------
 
     @staticmethod
-    def _check_meta(operation: str, kind: str, expected_head: str | None, source: str | None) -> None:
-        if operation not in OPERATIONS:
-            raise BadRequest(f"unknown operation {operation!r}: one of {', '.join(OPERATIONS)}", param="operation")
-        if kind not in KINDS:
-            raise BadRequest(f"unknown artifact kind {kind!r}: one of {', '.join(KINDS)}", param="kind")
-        if (operation == "init") != (expected_head is None):
-            raise BadRequest(
-                "an init release starts a chain (expected_head must be None), and only an init may",
-                param="expected_head",
-            )
-        if operation in ("rollback", "promote") and source is None:
-            raise BadRequest(f"a {operation} release names its source", param="source")
-
-    @staticmethod
     def _expected(expected_head: str | None) -> str | None:
         if expected_head is None:
             return None
@@ -364,58 +298,20 @@ class ReleaseStore(Recovery, Content, Diffs):
         if actual != expected:
             raise HeadMoved(scenario, expected, actual)
 
-    def _publish_tree(
-        self,
-        scenario: str,
-        content: str,
-        lfs: Mapping[str, dict[str, Any]],
-        *,
-        expected: str | None,
-        operation: str,
-        kind: str,
-        recipe: str,
-        metrics: Mapping[str, Any] | None,
-        receipts: list[str] | None,
-        source: str | None,
-        settings: Mapping[str, Any] | None,
-        summary: str | None,
-        extra: list[_RefUpdate] | None = None,
-    ) -> Release:
+    def _publish_tree(self, manifest: Manifest, content: str, lfs: Mapping[str, dict[str, Any]], *,
+                      expected: str | None, extra: list[_RefUpdate] | None = None) -> Release:
+        scenario = manifest.scenario
         self._precheck(scenario, expected)
-        commit_id, step = self._write_release_commit(
-            scenario,
-            content,
-            lfs,
-            parent=expected,
-            operation=operation,
-            kind=kind,
-            recipe=recipe,
-            metrics=metrics,
-            receipts=receipts,
-            source=source,
-            settings=settings,
-            summary=summary,
-        )
+        commit_id, step = self._write_release_commit(manifest, content, lfs, parent=expected)
         update = _RefUpdate(SCENARIOS_REF + scenario, commit_id, expected, lambda a: HeadMoved(scenario, expected, a))
-        self._update_refs([update, *(extra or [])], message=f"reef {operation}: {scenario} step {step}")
+        self._update_refs([update, *(extra or [])], message=f"reef {manifest.operation}: {scenario} step {step}")
         return self.get(commit_id)
 
-    def _write_release_commit(
-        self,
-        scenario: str,
-        content: str,
-        lfs: Mapping[str, dict[str, Any]],
-        *,
-        parent: str | None,
-        operation: str,
-        kind: str,
-        recipe: str,
-        metrics: Mapping[str, Any] | None,
-        receipts: list[str] | None,
-        source: str | None,
-        settings: Mapping[str, Any] | None,
-        summary: str | None,
-    ) -> tuple[str, int]:
+    def _write_release_commit(self, m: Manifest, content: str, lfs: Mapping[str, dict[str, Any]], *,
+                              parent: str | None) -> tuple[str, int]:
+        """Write the release commit of ``m`` over the content tree ``content`` (not yet on any ref): the manifest
+        file (``m`` and what the store decides: step, parent, time, content id, LFS table) and the message."""
+        scenario, operation, kind, source = m.scenario, m.operation, m.kind, m.source
         repo = self._repo()
         step = 0 if parent is None else self.get(parent).step + 1
         now = time.time()
@@ -423,14 +319,14 @@ class ReleaseStore(Recovery, Content, Diffs):
             "version": 1,
             "scenario": scenario,
             "kind": kind,
-            "recipe": recipe,
+            "recipe": m.recipe,
             "step": step,
             "operation": operation,
-            "metrics": dict(metrics or {}),
+            "metrics": dict(m.metrics),
             "parent": parent,
-            "receipts": [str(r) for r in (receipts or [])],
+            "receipts": list(m.receipts),
             "source": source,
-            "settings": dict(settings or {}),
+            "settings": dict(m.settings),
             "created_at": now,
             "content_id": content,
             "lfs": {k: dict(v) for k, v in sorted(lfs.items())},
@@ -451,7 +347,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         if source is not None:
             trailers.append(f"Reef-Source: {source}")
         message = (
-            f"{operation} {scenario} step {step}: {_one_line(summary or default)}\n\n" + "\n".join(trailers) + "\n"
+            f"{operation} {scenario} step {step}: {_one_line(m.summary or default)}\n\n" + "\n".join(trailers) + "\n"
         )
         sig = self._signature(now)
         with _storing("writing the release commit", self.path):
