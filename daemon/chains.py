@@ -36,6 +36,7 @@ from typing import Any
 from daemon import lora
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
+from daemon.engines.registry import engine_kind
 from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, StorageError
 from daemon.events import EventBus
 from daemon.metrics import Metrics
@@ -43,17 +44,17 @@ from daemon.records import Scenario
 from daemon.releases import Manifest, Rejection, Release, ReleaseStore, files_from_dir
 
 log = logging.getLogger("reef.chains")
-WEIGHTS_ENGINES = ("transformers", "vllm", "sglang")  # engines that serve a release's weights
 
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
-    """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model needs."""
+    """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model's engine
+    serves (``daemon/engines/registry.py``: weights, else a harness)."""
     from recipes import load_recipe
 
     kind = load_recipe(scenario.recipe).kind
     if kind != "none":
         return kind
-    return "weights" if config.model(scenario.model).engine in WEIGHTS_ENGINES else "harness"
+    return "weights" if engine_kind(config.model(scenario.model).engine).weights else "harness"
 
 
 def _files(candidate: str | Path | Mapping[str, bytes]) -> Mapping[str, Any]:
