@@ -717,13 +717,8 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
         return {}
     if type(recipe).status is Recipe.status:
         return {}
-    store = reef.chains.store
-
-    def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        return ([r.to_dict() for r in store.history(scenario["name"])],
-                [r.to_dict() for r in store.rejections(scenario["name"])])
-
-    releases, rejected = await asyncio.to_thread(read)
+    releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
+    rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
     return {"recipe_status": recipe.status(releases, rejected)}
 
 
@@ -786,18 +781,17 @@ async def handle_releases(request: web.Request) -> web.Response:
     scen = await _existing_scenario(reef, request.match_info["name"])
     head = await reef.chains.head(scen)
     limit = _int_param(request, "limit", None, 1, 100_000)
-    store = reef.chains.store
     body: dict[str, Any] = {
         "scenario": scen.name,
         "head": head.release_id,
-        "releases": [r.to_dict() for r in await asyncio.to_thread(store.history, scen.name, limit)],
+        "releases": [r.to_dict() for r in await reef.chains.history(scen.name, limit)],
         "forgotten": await forgetting.chain_view(reef, scen.name),
     }
     for r in body["releases"]:
         r["trained_on_forgotten"] = r["release_id"] in body["forgotten"]["trained_on_forgotten"]
     if request.query.get("all") in ("1", "true", "yes"):
-        body["pending"] = [r.to_dict() for r in await asyncio.to_thread(store.pending, scen.name)]
-        body["rejected"] = [r.to_dict() for r in await asyncio.to_thread(store.rejections, scen.name, limit)]
+        body["pending"] = [r.to_dict() for r in await reef.chains.pending(scen.name)]
+        body["rejected"] = [r.to_dict() for r in await reef.chains.rejections(scen.name, limit)]
     return _json(body)
 
 
@@ -807,11 +801,11 @@ async def _release_body(request: web.Request, release_id: str, scenario: str | N
     if scenario is not None and rel.scenario != scenario:
         raise NotFound(f"release {release_id} is not a release of scenario {scenario!r}", release_id=release_id)
     body = rel.to_dict()
-    body["head"] = reef.chains.store.head(rel.scenario)
-    adapter = await asyncio.to_thread(reef.chains.store.adapter, rel.release_id)  # a LoRA adapter: on which base
+    body["head"] = await reef.chains.head_id(rel.scenario)
+    adapter = await reef.chains.adapter(rel.release_id)  # a LoRA adapter: on which base
     body["adapter"] = adapter.to_dict() if adapter is not None else None
     if request.query.get("diff", "1") not in ("0", "false", "no"):
-        body["diff"] = await asyncio.to_thread(reef.chains.store.diff, rel.release_id)
+        body["diff"] = await reef.chains.diff(rel.release_id)
     return _json(body)
 
 

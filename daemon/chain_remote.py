@@ -1,9 +1,9 @@
 """A release store's git remote: publishing as compare-and-swap against the remote's refs, large files in the
 remote's LFS store, and following the remote's heads.
 
-``daemon/releases.py`` owns the local store; with ``chain_remote`` set, every ref update it makes under
-``refs/reef/`` goes through ``ChainRemote.push`` first, and the daemon calls ``ReleaseStore.follow`` on an
-interval (``chain_fetch_s``) to take in what other daemons published.
+``daemon/releases/`` owns the local store (its ``remote.py`` is the side that uses this transport); with
+``chain_remote`` set, every ref update it makes under ``refs/reef/`` goes through ``ChainRemote.push`` first, and
+the daemon calls ``ReleaseStore.follow`` on an interval (``chain_fetch_s``) to take in what other daemons published.
 
 Design choices:
 - The git binary does the transport (``git push`` / ``git fetch`` with ``--git-dir`` on the local bare store):

@@ -1,7 +1,7 @@
 """Release chains as the daemon serves them: which release a request is frozen to, where its artifact is
 checked out, and publishing (init, rollback, promote, and later train) with events, metrics and preloading.
 
-``daemon/releases.py`` is the git-backed store; this module is the daemon's view of it:
+``daemon/releases/`` is the git-backed store; this module is the daemon's view of it:
 
 - Each request reads its scenario's head (a loose-ref read, tens of microseconds) so that a publish by any
   process (the daemon, a trainer, a test) is picked up by the next request, and freezes to that release.
@@ -17,7 +17,9 @@ checked out, and publishing (init, rollback, promote, and later train) with even
   and a follow task fetches the remote's heads every ``chain_fetch_s``: a release another daemon published is
   taken in (LFS objects, then the local head), so the next request here serves it, as any local publish.
   A remote that cannot be reached is logged (once per outage) and shown in ``status()``; serving goes on.
-- Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking.
+- Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking. The
+  store is this module's own: the rest of the daemon reads and writes chains through ``Chains``, and every write
+  takes one ``Manifest`` (``manifest`` fills in the scenario's kind and recipe).
 """
 
 from __future__ import annotations
@@ -27,30 +29,32 @@ import contextlib
 import logging
 import re
 import shutil
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from daemon import lora
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
+from daemon.engines.registry import engine_kind
 from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, StorageError
 from daemon.events import EventBus
 from daemon.metrics import Metrics
 from daemon.records import Scenario
-from daemon.releases import Release, ReleaseStore, files_from_dir
+from daemon.releases import Manifest, Rejection, Release, ReleaseStore, files_from_dir
 
 log = logging.getLogger("reef.chains")
-WEIGHTS_ENGINES = ("transformers", "vllm", "sglang")  # engines that serve a release's weights
 
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
-    """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model needs."""
+    """What a scenario's releases hold: its recipe's kind, or (recipes that never train) what its model's engine
+    serves (``daemon/engines/registry.py``: weights, else a harness)."""
     from recipes import load_recipe
 
     kind = load_recipe(scenario.recipe).kind
     if kind != "none":
         return kind
-    return "weights" if config.model(scenario.model).engine in WEIGHTS_ENGINES else "harness"
+    return "weights" if engine_kind(config.model(scenario.model).engine).weights else "harness"
 
 
 def _files(candidate: str | Path | Mapping[str, bytes]) -> Mapping[str, Any]:
@@ -71,7 +75,7 @@ class Chains:
 
             remote = ChainRemote(config.artifacts_path, config.chain_remote, lfs_store=config.chain_lfs,
                                  max_blob_bytes=config.chain_max_blob_bytes, max_lfs_bytes=config.chain_max_lfs_bytes)
-        self.store = ReleaseStore(config.artifacts_path, remote=remote)
+        self._store = ReleaseStore(config.artifacts_path, remote=remote)
         self._follow: asyncio.Task[None] | None = None
         self.remote_state: dict[str, Any] = {} if remote is None else {"url": remote.shown, "last_fetch": None,
                                                                        "error": None}
@@ -85,10 +89,10 @@ class Chains:
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        report = await asyncio.to_thread(self.store.recover)
+        report = await asyncio.to_thread(self._store.recover)
         if report.get("removed"):
             log.warning("removed stale release-chain locks left by a crash: %s", report["removed"])
-        if self.store.remote is not None:
+        if self._store.remote is not None:
             await self._follow_once()  # serve what the remote has from the first request on
             self._follow = asyncio.ensure_future(self._follow_remote())
         self._announced = await asyncio.to_thread(self._heads)
@@ -100,7 +104,7 @@ class Chains:
         from daemon.errors import ReefError, RemoteReleaseRefused
 
         try:
-            moved = await asyncio.to_thread(self.store.follow)
+            moved = await asyncio.to_thread(self._store.follow)
         except RemoteReleaseRefused as e:  # fetched, but some releases refused: the rest were taken in
             if self.remote_state.get("error") != e.message:
                 log.warning("following the chain remote: %s", e.message)
@@ -124,7 +128,7 @@ class Chains:
                 for name in await self._follow_once():
                     if name.startswith("refs/reef/scenarios/"):
                         self._announce(name[len("refs/reef/scenarios/"):], await asyncio.to_thread(
-                            self.store.head, name[len("refs/reef/scenarios/"):]))
+                            self._store.head, name[len("refs/reef/scenarios/"):]))
             except Exception:  # never let the follower die: the next round looks again
                 log.warning("following the chain remote", exc_info=True)
 
@@ -132,7 +136,7 @@ class Chains:
         if head is None or self._announced.get(name) == head:
             return
         self._announced[name] = head
-        rel = self.store.get(head)
+        rel = self._store.get(head)
         self.events.publish(
             "release", scenario=rel.scenario, release_id=rel.release_id, content_id=rel.content_id,
             step=rel.step, operation=rel.operation, source=rel.source, metrics=rel.metrics, external=True,
@@ -146,7 +150,7 @@ class Chains:
                     await task
 
     def _heads(self) -> dict[str, str | None]:
-        return {name: self.store.head(name) for name in self.store.scenarios()}
+        return {name: self._store.head(name) for name in self._store.scenarios()}
 
     async def _watch_heads(self, every: float = 1.0) -> None:
         """Announce heads moved by other processes (a trainer, a tool writing to git, another daemon) as
@@ -178,13 +182,13 @@ class Chains:
     async def release(self, release_id: str) -> Release:
         rel = self._releases.get(release_id)
         if rel is None:
-            rel = await asyncio.to_thread(self.store.get, release_id)
+            rel = await asyncio.to_thread(self._store.get, release_id)
             self._releases[rel.release_id] = rel
         return rel
 
     async def head(self, scenario: Scenario, *, base: str | None = None) -> Release:
         """The release serving the scenario now, publishing its ``init`` release (from ``base``) on first use."""
-        head = self.store.head(scenario.name)
+        head = self._store.head(scenario.name)
         if head is None:
             return await self._init(scenario, base)
         return await self.release(head)
@@ -197,7 +201,7 @@ class Chains:
             rel = await self.release(pinned)
         except NotFound:
             raise NotFound(f"unknown release {pinned!r}", release_id=pinned, param="x-reef-release-id") from None
-        if rel.scenario != scenario.name or not await asyncio.to_thread(self.store.belongs, scenario.name,
+        if rel.scenario != scenario.name or not await asyncio.to_thread(self._store.belongs, scenario.name,
                                                                         rel.release_id):
             raise BadRequest(
                 f"release {pinned} is not on the release chain of scenario {scenario.name!r}",
@@ -215,7 +219,7 @@ class Chains:
         A function of the content (the manifest is part of it), so it is looked up once per content id."""
         if rel.content_id in self._bases:
             return self._bases[rel.content_id]
-        manifest = await asyncio.to_thread(self.store.adapter, rel.release_id)
+        manifest = await asyncio.to_thread(self._store.adapter, rel.release_id)
         base = None
         if manifest is not None:
             try:
@@ -223,7 +227,7 @@ class Chains:
             except NotFound:
                 raise EngineError(f"release {rel.release_id} is an adapter on release {manifest.base_release_id}, "
                                   "which is not in the store; not served") from None
-            if base_rel.content_id != manifest.base_content_id or await asyncio.to_thread(self.store.adapter,
+            if base_rel.content_id != manifest.base_content_id or await asyncio.to_thread(self._store.adapter,
                                                                                            base_rel.release_id):
                 raise EngineError(f"release {rel.release_id} is an adapter on base {manifest.base_content_id}, but "
                                   f"release {base_rel.release_id} does not hold that model; not served")
@@ -246,15 +250,51 @@ class Chains:
             if not done.exists():
                 if dest.exists():
                     await asyncio.to_thread(shutil.rmtree, dest)  # a checkout a crash left half-done
-                await asyncio.to_thread(self.store.checkout, rel.release_id, dest, link=True)
+                await asyncio.to_thread(self._store.checkout, rel.release_id, dest, link=True)
                 done.touch()
             self._checkouts[rel.content_id] = dest
             return dest
 
+    async def head_id(self, name: str) -> str | None:
+        """The scenario's head as git has it now (None: no chain yet); unlike ``head``, never publishes."""
+        return self._store.head(name)
+
+    async def history(self, name: str, limit: int | None = None) -> list[Release]:
+        """The scenario's chain, newest first."""
+        return await asyncio.to_thread(self._store.history, name, limit)
+
+    async def pending(self, name: str) -> list[Release]:
+        """Candidates held for review, newest first."""
+        return await asyncio.to_thread(self._store.pending, name)
+
+    async def rejections(self, name: str, limit: int | None = None) -> list[Rejection]:
+        """Candidates written down as not released, newest first."""
+        return await asyncio.to_thread(self._store.rejections, name, limit)
+
+    async def adapter(self, release_id: str) -> lora.AdapterManifest | None:
+        """The base a LoRA adapter release applies to; None for a release of whole weights or a harness."""
+        return await asyncio.to_thread(self._store.adapter, release_id)
+
+    async def diff(self, release_id: str) -> dict[str, Any]:
+        """What changed from the release's parent to the release."""
+        return await asyncio.to_thread(self._store.diff, release_id)
+
+    async def consumed(self, name: str) -> set[str]:
+        """Receipts listed in a release or a rejection of the scenario's chain."""
+        def read() -> set[str]:
+            out: set[str] = set()
+            for rel in self._store.history(name):
+                out.update(rel.receipts)
+            for rej in self._store.rejections(name):
+                out.update(rej.receipts)
+            return out
+
+        return await asyncio.to_thread(read)
+
     async def harness_tree(self, rel: Release) -> dict[str, bytes]:
         """The files of a harness release."""
         def read() -> dict[str, bytes]:
-            return {f.path: self.store.read_file(rel.release_id, f.path) for f in self.store.files(rel.release_id)}
+            return {f.path: self._store.read_file(rel.release_id, f.path) for f in self._store.files(rel.release_id)}
 
         return await asyncio.to_thread(read)
 
@@ -263,7 +303,7 @@ class Chains:
     async def _init(self, scenario: Scenario, base: str | None = None) -> Release:
         lock = self._init_locks.setdefault(scenario.name, asyncio.Lock())
         async with lock:
-            head = self.store.head(scenario.name)
+            head = self._store.head(scenario.name)
             if head is not None:
                 return await self.release(head)
             kind = artifact_kind(self.config, scenario)
@@ -276,8 +316,8 @@ class Chains:
                     raise BadRequest(f"base_release {base} holds {base_rel.kind}, scenario {scenario.name!r} "
                                      f"serves {kind}", param="base_release")
                 files = files_from_dir(await self.checkout(base_rel)) if kind == "weights" else {
-                    f.path: await asyncio.to_thread(self.store.read_file, base_rel.release_id, f.path)
-                    for f in await asyncio.to_thread(self.store.files, base_rel.release_id)
+                    f.path: await asyncio.to_thread(self._store.read_file, base_rel.release_id, f.path)
+                    for f in await asyncio.to_thread(self._store.files, base_rel.release_id)
                 }
                 source = base_rel.release_id
             elif kind == "weights" and entry.path is not None:
@@ -286,12 +326,10 @@ class Chains:
                 files = files_from_dir(entry.path)
                 if not files:
                     raise EngineError(f"model {scenario.model}: no files in {entry.path}")
+            manifest = Manifest(scenario.name, "init", kind, scenario.recipe, settings={"model": scenario.model},
+                                source=source, summary=f"init {scenario.name} from {source or scenario.model}")
             try:
-                rel = await asyncio.to_thread(
-                    self.store.publish, scenario.name, files, expected_head=None, operation="init", kind=kind,
-                    recipe=scenario.recipe, settings={"model": scenario.model}, source=source,
-                    summary=f"init {scenario.name} from {source or scenario.model}",
-                )
+                rel = await asyncio.to_thread(self._store.publish, manifest, files, expected_head=None)
             except HeadMoved as e:  # another process published the init first: serve that
                 assert e.actual is not None
                 return await self.release(e.actual)
@@ -309,7 +347,7 @@ class Chains:
     async def _steer(self, op: str, scenario: Scenario, release_id: str, expected_head: str | None,
                      engine: Engine | None) -> Release:
         await self.head(scenario)  # a chain to steer exists
-        fn = self.store.rollback if op == "rollback" else self.store.promote
+        fn = self._store.rollback if op == "rollback" else self._store.promote
         try:
             rel = await asyncio.to_thread(fn, scenario.name, release_id, expected_head=expected_head)
         except HeadMoved:
@@ -320,16 +358,22 @@ class Chains:
             await self.preload(scenario, rel, engine)
         return rel
 
-    async def publish_candidate(self, scenario: Scenario, path: str | Path | Mapping[str, bytes], *, expected_head: str,
-                                metrics: dict[str, Any], receipts: list[str], settings: dict[str, Any],
+    def manifest(self, scenario: Scenario, *, metrics: Mapping[str, Any] | None = None,
+                 receipts: Iterable[str] = (), settings: Mapping[str, Any] | None = None) -> Manifest:
+        """The ``Manifest`` of a trained candidate of ``scenario``: its kind (``artifact_kind``) and recipe filled in,
+        so a candidate's release can never say another kind than the chain serves."""
+        return Manifest(scenario.name, "train", artifact_kind(self.config, scenario), scenario.recipe,
+                        metrics=metrics or {}, receipts=tuple(receipts), settings=settings or {})
+
+    async def publish_candidate(self, scenario: Scenario, manifest: Manifest,
+                                path: str | Path | Mapping[str, bytes], *, expected_head: str,
                                 engine: Engine | None = None) -> Release:
-        """Publish a trained candidate (a model directory) as the next release, compare-and-swap on the base."""
+        """Publish a trained candidate (a model directory or a harness tree) as the next release, compare-and-swap
+        on the base; with ``engine``, loaded before the first request needs it."""
+        if manifest.scenario != scenario.name:
+            raise ValueError(f"a manifest of {manifest.scenario!r} published on {scenario.name!r}")
         try:
-            rel = await asyncio.to_thread(
-                self.store.publish, scenario.name, _files(path), expected_head=expected_head,
-                operation="train", kind=artifact_kind(self.config, scenario), recipe=scenario.recipe,
-                metrics=metrics, receipts=receipts, settings=settings,
-            )
+            rel = await asyncio.to_thread(self._store.publish, manifest, _files(path), expected_head=expected_head)
         except HeadMoved:
             self.metrics.conflicts.inc()
             raise
@@ -338,22 +382,17 @@ class Chains:
             await self.preload(scenario, rel, engine)
         return rel
 
-    async def hold(self, scenario: Scenario, path: str | Path | Mapping[str, bytes], *, base: str, metrics: dict[str, Any],
-                   receipts: list[str], settings: dict[str, Any]) -> Release:
-        rel = await asyncio.to_thread(
-            self.store.hold, scenario.name, _files(path), kind=artifact_kind(self.config, scenario),
-            recipe=scenario.recipe, base=base, metrics=metrics, receipts=receipts, settings=settings,
-        )
-        self.events.publish("release.pending", scenario=scenario.name, release_id=rel.release_id, step=rel.step,
-                            metrics=metrics)
+    async def hold(self, manifest: Manifest, path: str | Path | Mapping[str, bytes], *, base: str) -> Release:
+        """Keep a candidate for review (``reef releases promote``) without releasing it."""
+        rel = await asyncio.to_thread(self._store.hold, manifest, _files(path), base=base)
+        self.events.publish("release.pending", scenario=manifest.scenario, release_id=rel.release_id, step=rel.step,
+                            metrics=dict(manifest.metrics))
         return rel
 
-    async def reject(self, scenario: Scenario, *, verdict: str, reason: str, base: str, metrics: dict[str, Any],
-                     receipts: list[str], settings: dict[str, Any]) -> None:
-        await asyncio.to_thread(
-            self.store.record_rejection, scenario.name, verdict=verdict, reason=reason, metrics=metrics,
-            base=base, kind=artifact_kind(self.config, scenario), recipe=scenario.recipe, receipts=receipts,
-        )
+    async def reject(self, manifest: Manifest, *, verdict: str, reason: str, base: str) -> None:
+        """Write down a candidate that was not released (rejected, skipped, failed) on the scenario's rejection
+        log, with its receipts, so they count as consumed."""
+        await asyncio.to_thread(self._store.record_rejection, manifest, verdict=verdict, reason=reason, base=base)
 
     def _published(self, rel: Release) -> None:
         self._releases[rel.release_id] = rel

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from daemon.engines.registry import engine_kind, engine_names
 from daemon.errors import BadRequest
 
 DEFAULT_PORT = 8900
@@ -250,8 +251,8 @@ def default_home(env: Mapping[str, str]) -> Path:
     return Path(env.get("REEF_HOME") or Path(env.get("HOME", "~")) / ".reef").expanduser()
 
 
-ENGINES = ("transformers", "upstream", "vllm", "sglang")
-_SERVERS = ("vllm", "sglang")
+ENGINES = engine_names()  # the built-in engines; what each serves is said once, in daemon/engines/registry.py
+_SERVERS = tuple(name for name in ENGINES if engine_kind(name).server)
 # the model-entry keys that only some engines read (the others apply to every engine): a key given to an entry
 # whose engine does not read it is refused at load, not accepted and ignored
 ENGINE_KEYS: Mapping[str, tuple[str, ...]] = {
@@ -280,8 +281,8 @@ def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
     if unknown:
         raise BadRequest(f"config: models.{name}: unknown keys {', '.join(sorted(unknown))}")
     engine = raw.get("engine", "transformers")
-    if engine not in ENGINES:
-        raise BadRequest(f"config: models.{name}.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine not in engine_names():  # the registry's: an engine registered later is taken too
+        raise BadRequest(f"config: models.{name}.engine must be one of {', '.join(engine_names())}, got {engine!r}")
     for key in sorted(raw):
         takers = ENGINE_KEYS.get(key)
         if takers is not None and engine not in takers:

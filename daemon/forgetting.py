@@ -45,7 +45,7 @@ async def chain_view(reef: Reef, scenario: str) -> dict[str, Any]:
     forgotten = await reef.store.forgotten(scenario)
     if not forgotten:
         return {"trained_on_forgotten": [], "rollback_to": None}
-    history = await asyncio.to_thread(reef.chains.store.history, scenario, None)
+    history = await reef.chains.history(scenario, None)
     marked = tainted(history, forgotten)
     out: dict[str, Any] = {"trained_on_forgotten": [r.release_id for r in history if r.release_id in marked],
                            "rollback_to": None}

@@ -61,6 +61,7 @@ from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
 from daemon.records import Lease, RecordStore, Scenario, new_id
+from daemon.releases import Manifest
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
@@ -136,8 +137,8 @@ class _Answers:
             if await self._chains.harness_tree(head) == tree:
                 return head.release_id
             try:
-                rel = await self._chains.publish_candidate(scenario, tree, expected_head=head.release_id, metrics={},
-                                                           receipts=[], settings={"for": "episodes"})
+                manifest = self._chains.manifest(scenario, settings={"for": "episodes"})
+                rel = await self._chains.publish_candidate(scenario, manifest, tree, expected_head=head.release_id)
             except HeadMoved:
                 continue
             return rel.release_id
@@ -495,8 +496,9 @@ class Learner:
                             head = await self.chains.head(scenario)
                             outcome["base"] = head.release_id
                     else:
-                        await self._write_down(scenario, head, "rejected", "the head kept moving; not published",
-                                               {}, receipts, record_settings)
+                        await self._write_down(self.chains.manifest(scenario, receipts=receipts,
+                                                                    settings=record_settings),
+                                               head, "rejected", "the head kept moving; not published")
                         outcome.update(verdict="rejected", release_id=None,
                                        reason="the head kept moving; not published")
                 except (asyncio.CancelledError, KeyboardInterrupt):
@@ -504,7 +506,8 @@ class Learner:
                 except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
                     reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
                     log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
-                    await self._write_down(scenario, head, "failed", reason, {}, receipts, record_settings)
+                    await self._write_down(self.chains.manifest(scenario, receipts=receipts, settings=record_settings),
+                                           head, "failed", reason)
                     outcome.update(verdict="failed", release_id=None, reason=reason)
             except Exception:
                 # not even the failure could be written down (the chain remote refuses every push, say): nothing was
@@ -563,32 +566,32 @@ class Learner:
         out: dict[str, Any] = {**candidate.details, "metrics": metrics}
         if candidate.skipped is not None:
             kept = receipts if candidate.consume else []
-            await self._write_down(scenario, head, "skipped", candidate.skipped, metrics, kept, record_settings)
+            await self._write_down(self.chains.manifest(scenario, metrics=metrics, receipts=kept,
+                                                        settings=record_settings), head, "skipped", candidate.skipped)
             self._follow(st, head.release_id, candidate, job_id, published=False)
             return {**out, "verdict": "skipped", "release_id": None, "reason": candidate.skipped,
                     "summary": candidate.details.get("summary", candidate.skipped), "_consumed": kept}
         st.state = "judging"
         best = None
         if recipe.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
-            best = max((r.metrics.get("eval_reward") for r in await asyncio.to_thread(self.chains.store.history,
-                                                                                       scenario.name)
+            best = max((r.metrics.get("eval_reward") for r in await self.chains.history(scenario.name)
                         if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
         verdict = recipe.judge(candidate, best=best)
         metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
         artifact: Any = candidate.tree if candidate.tree is not None else candidate.path
-        record = {"settings": record_settings, "metrics": metrics, "receipts": receipts}
+        record = self.chains.manifest(scenario, metrics=metrics, receipts=receipts, settings=record_settings)
         reason = verdict.reason
         if verdict.verdict == "pending":
-            rel = await self.chains.hold(scenario, artifact, base=head.release_id, **record)
+            rel = await self.chains.hold(record, artifact, base=head.release_id)
             self._follow(st, head.release_id, candidate, job_id, published=False)
             return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": reason}
         if verdict.publish:
             try:
                 engine = await self.engine(scenario.model) if recipe.kind == "weights" else None
-                rel = await self.chains.publish_candidate(scenario, artifact, expected_head=head.release_id,
-                                                          engine=engine, **record)
+                rel = await self.chains.publish_candidate(scenario, record, artifact, expected_head=head.release_id,
+                                                          engine=engine)
             except Unchanged as e:
-                await self._write_down(scenario, head, "skipped", e.message, metrics, receipts, record_settings)
+                await self._write_down(record, head, "skipped", e.message)
                 self._follow(st, head.release_id, candidate, job_id, published=False)
                 return {**out, "verdict": "skipped", "release_id": None, "reason": e.message}
             except HeadMoved as e:
@@ -601,14 +604,12 @@ class Learner:
                 self._follow(st, rel.release_id, candidate, job_id, published=True)
                 return {**out, "verdict": "accepted", "release_id": rel.release_id, "step": rel.step,
                         "reason": reason}
-        await self._write_down(scenario, head, "rejected", reason, metrics, receipts, record_settings)
+        await self._write_down(record, head, "rejected", reason)
         self._follow(st, head.release_id, candidate, job_id, published=False)
         return {**out, "verdict": "rejected", "release_id": None, "reason": reason}
 
-    async def _write_down(self, scenario: Scenario, head: Any, verdict: str, reason: str, metrics: dict[str, Any],
-                          receipts: list[str], settings: dict[str, Any]) -> None:
-        await self.chains.reject(scenario, verdict=verdict, reason=reason, base=head.release_id, metrics=metrics,
-                                 receipts=receipts, settings=settings)
+    async def _write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
+        await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)
 
     def _follow(self, st: ScenarioLearning, follows: str, candidate: Candidate, job_id: str, *,
                 published: bool) -> None:
@@ -659,17 +660,7 @@ class Learner:
 
     async def _git_consumed(self, name: str) -> set[str]:
         """Receipts listed in a release or a rejection of the scenario's chain."""
-        store = self.chains.store
-
-        def read() -> set[str]:
-            out: set[str] = set()
-            for rel in store.history(name):
-                out.update(rel.receipts)
-            for rej in store.rejections(name):
-                out.update(rej.receipts)
-            return out
-
-        return await asyncio.to_thread(read)
+        return await self.chains.consumed(name)
 
     async def _consumed(self, st: ScenarioLearning) -> set[str]:
         if st.consumed is None:

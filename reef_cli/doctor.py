@@ -244,12 +244,11 @@ def check_fit(cfg: Any) -> list[Check]:
     return checks
 
 
-SERVER_ENGINES = ("vllm", "sglang")
-
-
 def check_servers(cfg: Any, daemon: Check) -> list[Check]:
     """One check per model served by an inference server: what the daemon reports of it, else whether it can start."""
-    entries = [e for e in cfg.models.values() if e.engine in SERVER_ENGINES]
+    from daemon.engines.registry import engine_kind  # the registry says which engines are servers
+
+    entries = [e for e in cfg.models.values() if engine_kind(e.engine).server]
     if not entries:
         return []
     reported: dict[str, Any] = {}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import releases
 from daemon.errors import BadRequest, HeadMoved, InvalidName, LockBusy, NotFound
 from daemon.releases import MANIFEST, SCENARIOS_REF, ReleaseStore, files_from_dir, lfs_pointer
+from daemon.releases import reads as release_reads
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "release_worker.py"
@@ -539,7 +539,7 @@ def test_head_checks_are_shared_briefly_and_dropped_by_own_publishes(store: Rele
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of requests shares one look at the head; this store's own publish is seen at once, another
     process's change once the short window has passed."""
-    monkeypatch.setattr(releases, "_FRESH_S", 0.2)
+    monkeypatch.setattr(release_reads, "_FRESH_S", 0.2)
     r0 = init(store)
     assert store.head("demo") == r0
     r1 = train(store, "demo", r0, {"AGENTS.md": "v1\n"})

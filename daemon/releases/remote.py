@@ -1,0 +1,224 @@
+"""The chain remote as the store uses it (the transport is ``daemon/chain_remote.py``).
+
+- Every ref update under ``refs/reef/`` is pushed to the remote first, compare-and-swap on the remote's refs, and
+  made locally only once the remote took it (``_update_refs``, ``_push``).
+- ``follow`` takes in what others pushed: LFS objects first, then the local ref, by the same local
+  compare-and-swap. Every commit a ref would newly reach is checked before it is taken in (``_incoming``: sizes
+  from headers before anything is inflated, safe names, content ids that are the commit's content, a linear
+  chain); a ref whose new releases fail stays where it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import pygit2
+
+from daemon.chain_remote import RefPush
+from daemon.errors import Conflict, HeadMoved, ReefError, RemoteReleaseRefused
+from daemon.releases.manifest import MANIFEST, PENDING_REF, REJECTION, SCENARIOS_REF
+from daemon.releases.objects import _OID_RE, _SHA256_RE, _TooLarge, unsafe_name
+from daemon.releases.reads import Reads
+from daemon.releases.refs import Refs, _RefUpdate
+
+log = logging.getLogger("reef.releases")
+
+
+class Remote(Refs, Reads):
+    """Every ref update goes through ``_update_refs``: pushed to the chain remote first when there is one; and
+    ``follow``, which takes in what the remote has, each new commit checked before any ref names it."""
+
+    def _update_refs(self, updates: list[_RefUpdate], *, message: str, push: bool = True) -> None:
+        """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
+        expected value, then write. A busy lock is retried with backoff until ``lock_timeout``.
+
+        No ref is moved to a commit that does not read back (``_check_written``), and a write that fails part-way
+        takes back the reflog line libgit2 appended before it failed (``_drop_unapplied``). With a remote (and
+        ``push``), the updates are pushed first, compare-and-swap on the remote's refs (``_push``)."""
+        self._check_written(updates)
+        if push and self.remote is not None:
+            self._push(updates, message)
+        else:
+            self._apply_local(updates, message)
+
+    def _push(self, updates: list[_RefUpdate], message: str) -> None:
+        """Push ``updates`` to the remote (their LFS objects first); the remote's refs must be at the expected
+        values. Then the same updates locally (or, when a follow took the remote's refs in meanwhile, a follow)."""
+        assert self.remote is not None
+        scenario = next((u.name.rsplit("/", 1)[-1] for u in updates if u.name.startswith(SCENARIOS_REF)),
+                        updates[0].name)
+        self.remote.upload(self._lfs_between([(u.new, u.expected) for u in updates if u.new is not None]))
+        try:
+            self.remote.push([RefPush(u.name, u.new, u.expected) for u in updates], scenario)
+        except HeadMoved:
+            with contextlib.suppress(ReefError):  # take in what won, so the caller can serve it at once
+                self.follow()
+            raise
+        try:
+            self._apply_local(updates, message)
+        except Conflict:  # a follow took the remote's refs in meanwhile: match the remote again
+            self.follow()
+
+    def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
+        """The local LFS objects ``(sha256, size, path)`` the releases from each ``new`` back to (not including)
+        ``stop`` name, first parents only."""
+        out: dict[str, tuple[str, int, Path]] = {}
+        for new, stop in ranges:
+            rid: str | None = new
+            while rid is not None and rid != stop:
+                commit = self._read(rid)
+                if MANIFEST in self._tree(commit):
+                    for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                        sha = str(entry["oid"]).split(":", 1)[-1]
+                        out[sha] = (sha, int(entry["size"]), self._lfs_object(entry))
+                rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+        return list(out.values())
+
+    def follow(self) -> list[str]:
+        """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the
+        remote's value (its LFS objects copied in first). Returns the refs moved. On the first call, local refs
+        the remote lacks (chains made before it was configured) are pushed to it. ``RemoteRefused`` when the
+        remote cannot be read; nothing local changes then.
+
+        Every commit a ref would newly reach is checked first (``_incoming``): a ref whose new releases fail is
+        left where it is (the rest are taken in) and the follow ends in ``RemoteReleaseRefused`` naming each."""
+        if self.remote is None:
+            return []
+        with self._follow_lock:
+            repo = self._repo()
+            # the local refs before the fetch: each was on the remote before it was here (pushes come first), so
+            # one the fetch does not bring was removed there, not made here meanwhile
+            local = {n: str(repo.references[n].target) for n in repo.listall_references() if n.startswith("refs/reef/")}
+            remote = self.remote.fetch()
+            moved: list[str] = []
+            refused: list[str] = []
+            checked: set[str] = set()
+            for name, oid in sorted(remote.items()):
+                cur = local.get(name)
+                if cur == oid:
+                    continue
+                why = self._refused.get(oid) or self._incoming_range(oid, cur, checked)
+                if why is not None:
+                    if oid not in self._refused:
+                        log.error("not taking in %s = %s from the chain remote %s: %s", name, oid, self.remote.shown,
+                                  why)
+                        if len(self._refused) > 1024:
+                            self._refused.clear()
+                        self._refused[oid] = why
+                    refused.append(f"{why} (ref {name})")
+                    continue
+                rid: str | None = oid
+                while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
+                    commit = self._read(rid)
+                    if MANIFEST in self._tree(commit):
+                        for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                            sha = str(entry["oid"]).split(":", 1)[-1]
+                            if not self.lfs_path(sha).exists():
+                                self.remote.download(sha, int(entry["size"]), self.lfs_path(sha))
+                    rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+                if cur is not None and not self._descends(oid, cur):
+                    log.warning("%s: local %s is not an ancestor of the remote's %s; following the remote", name,
+                                cur, oid)
+                try:
+                    self._update_refs([_RefUpdate(name, oid, cur, lambda a: Conflict("moved meanwhile"))],
+                                      message="reef follow", push=False)
+                except Conflict:
+                    continue  # moved meanwhile (a publish of ours): the next follow looks again
+                moved.append(name)
+            if not self._seeded:
+                for name, cur in sorted(local.items()):
+                    if name not in remote:
+                        with contextlib.suppress(HeadMoved):  # another daemon seeded it first: followed next time
+                            self.remote.upload(self._lfs_between([(cur, None)]))
+                            self.remote.push([RefPush(name, cur, None)], name.rsplit("/", 1)[-1])
+                self._seeded = True
+            else:  # every local ref is on the remote since the seeding: a pending one gone there was promoted or
+                # discarded by another daemon
+                for name, cur in sorted(local.items()):
+                    if name not in remote and name.startswith(PENDING_REF):
+                        with contextlib.suppress(Conflict):
+                            self._update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
+                                              message="reef follow", push=False)
+                            moved.append(name)
+            if refused:
+                raise RemoteReleaseRefused(self.remote.shown, refused, moved)
+            return moved
+
+    def _incoming_range(self, new: str, cur: str | None, checked: set[str]) -> str | None:
+        """Why the ref may not move from ``cur`` to ``new`` (fetched from the remote), or None: each commit from
+        ``new`` back to ``cur`` (first parents; ones taken in before are not checked again) through ``_incoming``."""
+        rid: str | None = new
+        passed = []
+        while rid is not None and rid != cur and rid not in self._taken:
+            why = self._incoming(rid, checked)
+            if why is not None:
+                return f"release {rid}: {why}"
+            passed.append(rid)
+            parents = self._read(rid).parent_ids
+            rid = str(parents[0]) if parents else None
+        if len(self._taken) > 65536:
+            self._taken.clear()
+        self._taken.update(passed)
+        return None
+
+    def _incoming(self, rid: str, checked: set[str]) -> str | None:
+        """Why the commit ``rid``, fetched from the remote, must not be taken in, or None. Nothing it holds is
+        read before its size is known: every object's header is checked against the remote's ``max_blob_bytes``
+        (so a small pack that inflates to gigabytes is refused without being inflated), every LFS object it names
+        against ``max_lfs_bytes``. Every tree entry name must be safe on disk (``_walk``), the manifest's
+        ``content_id`` must be the commit's content tree (it names a checkout directory), and LFS ids must be
+        sha256 ids (they name files). A chain is linear: a merge is refused."""
+        assert self.remote is not None
+        max_blob, max_lfs = self.remote.max_blob_bytes, self.remote.max_lfs_bytes
+        try:
+            self._size(rid, max_blob)
+            commit = self._read(rid)
+            if not isinstance(commit, pygit2.Commit):
+                return "it is not a commit"
+            if len(commit.parent_ids) > 1:
+                return "it has more than one parent (a release chain is linear)"
+            for _path, blob_id, _mode in self._walk(commit.tree_id, max_size=max_blob):
+                if blob_id not in checked:
+                    self._size(blob_id, max_blob)
+                    checked.add(blob_id)
+            tree = self._tree(commit)
+            if MANIFEST in tree:
+                manifest = json.loads(self._manifest_blob(commit, MANIFEST))
+                if not isinstance(manifest, dict):
+                    return f"its {MANIFEST} is not a JSON object"
+                cid = manifest.get("content_id")
+                if not isinstance(cid, str) or not _OID_RE.fullmatch(cid):
+                    return f"its content_id {cid!r} is not a git tree id"
+                actual = self._content_tree(rid)
+                if cid != actual:
+                    return f"its content_id {cid} is not its content ({actual})"
+                lfs = manifest.get("lfs") or {}
+                if not isinstance(lfs, dict):
+                    return f"its {MANIFEST} lfs table is not an object"
+                for path, entry in lfs.items():
+                    oid = entry.get("oid") if isinstance(entry, dict) else None
+                    size = entry.get("size") if isinstance(entry, dict) else None
+                    sha = oid[len("sha256:"):] if isinstance(oid, str) and oid.startswith("sha256:") else ""
+                    if not _SHA256_RE.fullmatch(sha) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                        return f"its large file {path!r} has no valid LFS id and size"
+                    if any(unsafe_name(part) for part in str(path).split("/")):
+                        return f"its large file {path!r} is not a safe path"
+                    if size > max_lfs:
+                        return (f"its large file {path!r} is {size} bytes, over the bound of {max_lfs} "
+                                "(chain_max_lfs_bytes)")
+                self.get(rid)  # and reads as a release
+            if REJECTION in tree:
+                cid = json.loads(self._manifest_blob(commit, REJECTION)).get("content_id")
+                if cid is not None and (not isinstance(cid, str) or not _OID_RE.fullmatch(cid)):
+                    return f"its {REJECTION} content_id {cid!r} is not a git tree id"
+        except _TooLarge as e:
+            return f"{e} (chain_max_blob_bytes)"
+        except ReefError as e:
+            return e.message
+        except (KeyError, ValueError, TypeError, AttributeError, pygit2.GitError) as e:
+            return f"it does not read as a release: {type(e).__name__}: {e}"
+        return None
+
