@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/forget /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -80,14 +80,24 @@ complete -c reef -n '__reef_at /model' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /model/init' -l seed -d 'Random seed (the tiny models)'
 complete -c reef -n '__reef_at /model/init' -l force -d 'Rebuild even if it exists'
 complete -c reef -n '__reef_at /model/init' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /records' -a export -d 'Write exchanges with their reports in the shape training tools read (TRL\'s prompt/completion messages, score and label, token ids and log-probs where recorded), streamed: any number of records'
 complete -c reef -n '__reef_at /records' -a forget -d 'Delete the prompts, answers and feedback of these exchanges for good. A tombstone stays (ids, times, a hash of what was deleted); releases trained on them are marked, and cannot unlearn them: roll back to undo'
+complete -c reef -n '__reef_at /records' -a import -d 'Bring existing traces in as exchanges (with a report where a line has a score or feedback): idempotent by id, each batch of lines stored whole or not at all; malformed lines are refused with their numbers and nothing is imported'
 complete -c reef -n '__reef_at /records' -a list -d 'List recent records, newest first'
 complete -c reef -n '__reef_at /records' -a show -d 'Show one record: request, response, timings and its reports'
 complete -c reef -n '__reef_at /records' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /records/export' -l output -s o -d 'The file to write (default: standard output, JSON Lines)'
+complete -c reef -n '__reef_at /records/export' -l scenario -s s -d 'Only this scenario\'s exchanges'
+complete -c reef -n '__reef_at /records/export' -l since -d 'Only exchanges since this time (seconds since the epoch)'
+complete -c reef -n '__reef_at /records/export' -l format -d 'jsonl or parquet (Parquet needs pyarrow: pip install pyarrow)'
+complete -c reef -n '__reef_at /records/export' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /records/forget' -l scrub -d 'PostgreSQL: also rewrite the records table (VACUUM FULL, which locks it while it runs) so the old bytes leave its files'
 complete -c reef -n '__reef_at /records/forget' -l yes -s y -d 'Do not ask for confirmation'
 complete -c reef -n '__reef_at /records/forget' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /records/forget' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /records/import' -l scenario -s s -d 'Scenario for lines that name none'
+complete -c reef -n '__reef_at /records/import' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /records/import' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /records/list' -l scenario -s s -d 'Only this scenario'
 complete -c reef -n '__reef_at /records/list' -l run -s r -d 'Only this run'
 complete -c reef -n '__reef_at /records/list' -l limit -s n -d 'How many (newest first)'

@@ -564,6 +564,56 @@ def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
     return {"report_id": rec["id"], "scenario": rec["scenario"], "created_at": rec["created_at"], **report}
 
 
+async def handle_export(request: web.Request) -> web.StreamResponse:
+    """The exchanges (of a scenario, since a time) as JSON Lines in the export shape (``daemon/export.py``),
+    streamed a page at a time: a million records never sit in memory."""
+    from daemon.export import to_line
+
+    reef = request.ctx
+    scenario = request.query.get("scenario")
+    if scenario is not None:
+        await _existing_scenario(reef, scenario)
+    since = request.query.get("since")
+    try:
+        since_t = float(since) if since is not None else None
+    except ValueError:
+        raise BadRequest("since must be a time in seconds since the epoch", param="since") from None
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    after: int | None = 0
+    while after is not None:
+        page, after = await reef.store.export_page(scenario=scenario, since=since_t, after=after)
+        if page:
+            await resp.write(b"".join(_dumpb(to_line(r)) + b"\n" for r in page))
+    return resp
+
+
+MAX_IMPORT = 1000  # lines in one import request (the CLI sends a file in batches of this many)
+
+
+async def handle_import(request: web.Request) -> web.Response:
+    """``{"items": [...], "scenario": default}``: exchanges in the export shape, stored in one transaction,
+    idempotent by id; a malformed item refuses the whole batch, naming its index."""
+    from daemon.export import from_line
+
+    reef = request.ctx
+    body = await _object_body(request)
+    items = body.get("items")
+    if not isinstance(items, list) or not items or len(items) > MAX_IMPORT:
+        raise BadRequest(f"items must be a list of 1 to {MAX_IMPORT} exchanges", param="items")
+    default = body.get("scenario") or "imported"
+    first = body.get("first_line", 1)
+    if not isinstance(first, int) or isinstance(first, bool):
+        raise BadRequest("first_line must be an integer", param="first_line")
+    parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
+    for name in sorted({p["record"]["scenario"] for p in parsed}):
+        await reef.scenario(name)
+    out = await reef.store.import_exchanges(parsed)
+    for name in sorted({p["record"]["scenario"] for p in parsed if p["report"] is not None}):
+        reef.learner.notify(name)
+    return _json(out, status=201)
+
+
 async def handle_forget(request: web.Request) -> web.Response:
     return _json(await forgetting.forget(request.ctx, await _object_body(request)))
 
@@ -962,6 +1012,8 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("GET", "/reef/scenarios/{name}", handle_scenario)
     r.add("GET", "/reef/scenarios/{name}/records", handle_scenario_records)
     r.add("GET", "/reef/records", handle_records)
+    r.add("GET", "/reef/records/export", handle_export)  # before {receipt}: a fixed path wins
+    r.add("POST", "/reef/records/import", handle_import)
     r.add("GET", "/reef/records/{receipt}", handle_record)
     r.add("POST", "/reef/records/forget", handle_forget)
     r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)

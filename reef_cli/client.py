@@ -106,6 +106,18 @@ class Client:
         except (httpx.HTTPError, OSError):
             return False
 
+    def lines(self, path: str, **params: Any) -> Iterator[str]:
+        """The lines of a streamed answer (JSON Lines), as they come."""
+        query = {k: v for k, v in params.items() if v is not None}
+        try:
+            with self._http.stream("GET", path, params=query, timeout=None) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _error_from(resp)
+                yield from (line for line in resp.iter_lines() if line)
+        except (httpx.ConnectError, FileNotFoundError) as e:
+            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+
     def events(self, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Follow ``/reef/events``; yields event dicts until the stream ends."""
         import json

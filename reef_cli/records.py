@@ -80,6 +80,133 @@ def show_record(
         out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}{source}  {ago(rep['created_at'])}")
 
 
+EXPORT_BATCH = 1000  # lines per Parquet row group and per import request
+
+
+@records_app.command("export")
+@edge
+def export(
+    out: str = typer.Option("-", "--output", "-o", help="The file to write (default: standard output, JSON Lines)."),
+    scenario: str = typer.Option(None, "--scenario", "-s", help="Only this scenario's exchanges."),
+    since: float = typer.Option(None, "--since", help="Only exchanges since this time (seconds since the epoch)."),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (Parquet needs pyarrow: pip install "
+                            "pyarrow)."),
+) -> None:
+    """Write exchanges with their reports in the shape training tools read (TRL's prompt/completion messages,
+    score and label, token ids and log-probs where recorded), streamed: any number of records."""
+    import sys
+
+    if fmt not in ("jsonl", "parquet"):
+        fail(f"--format is jsonl or parquet, not {fmt!r}", 2)
+    if fmt == "parquet":
+        if out == "-":
+            fail("--format parquet writes a file: give --output FILE", 2)
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            fail("--format parquet needs pyarrow (pip install pyarrow, or install Reef with its dev extra)", 2)
+    n = 0
+    with client() as c:
+        lines = c.lines("/reef/records/export", scenario=scenario, since=since)
+        if fmt == "jsonl":
+            sink = sys.stdout if out == "-" else open(out, "w", encoding="utf-8")  # noqa: SIM115
+            try:
+                for line in lines:
+                    sink.write(line + "\n")
+                    n += 1
+            finally:
+                if sink is not sys.stdout:
+                    sink.close()
+        else:
+            n = _write_parquet(lines, out)
+    if out != "-":
+        print(f"wrote {n} exchange(s) to {out}")
+
+
+def _write_parquet(lines: Any, out: str) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    writer, batch, n = None, [], 0
+    try:
+        for line in lines:
+            batch.append(json.loads(line))
+            if len(batch) == EXPORT_BATCH:
+                writer = _parquet_rows(pa, pq, writer, batch, out)
+                n, batch = n + len(batch), []
+        if batch or writer is None:
+            writer = _parquet_rows(pa, pq, writer, batch, out)
+            n += len(batch)
+    finally:
+        if writer is not None:
+            writer.close()
+    return n
+
+
+def _parquet_rows(pa: Any, pq: Any, writer: Any, rows: list[dict[str, Any]], out: str) -> Any:
+    # nested values as JSON text where their shape varies from row to row (messages with or without tool calls)
+    flat = [{**r, "reports": json.dumps(r["reports"]), "prompt": json.dumps(r["prompt"]),
+             "completion": json.dumps(r["completion"])} for r in rows]
+    schema = pa.schema([("id", pa.string()), ("scenario", pa.string()), ("run", pa.string()),
+                        ("created_at", pa.float64()), ("model", pa.string()), ("release_id", pa.string()),
+                        ("format", pa.string()), ("status", pa.string()), ("prompt", pa.string()),
+                        ("completion", pa.string()), ("score", pa.float64()), ("label", pa.bool_()),
+                        ("reports", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
+                        ("token_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32()))])
+    table = pa.Table.from_pylist(flat, schema=schema)
+    if writer is None:
+        writer = pq.ParquetWriter(out, schema)
+    writer.write_table(table)
+    return writer
+
+
+@records_app.command("import")
+@edge
+def import_records(
+    path: str = typer.Argument(..., help="A JSON Lines file of exchanges (the export shape; prompt and completion "
+                               "required)."),
+    scenario: str = typer.Option("imported", "--scenario", "-s", help="Scenario for lines that name none."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Bring existing traces in as exchanges (with a report where a line has a score or feedback): idempotent by
+    id, each batch of lines stored whole or not at all; malformed lines are refused with their numbers and
+    nothing is imported."""
+    from daemon.errors import ReefError
+    from daemon.export import from_line
+
+    items, bad = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                from_line(item, f"line {number}", scenario)
+            except ValueError as e:
+                bad.append(f"line {number}: not JSON ({e.args[0] if e.args else e})")
+                continue
+            except ReefError as e:
+                bad.append(e.message)
+                continue
+            items.append((number, item))
+    if bad:
+        fail(f"{len(bad)} malformed line(s) in {path}, nothing imported:\n  " + "\n  ".join(bad[:20])
+             + ("\n  ..." if len(bad) > 20 else ""), 2)
+    totals = {"imported": 0, "skipped": 0, "reports": 0}
+    with client() as c:
+        for i in range(0, len(items), EXPORT_BATCH):
+            chunk = items[i:i + EXPORT_BATCH]
+            got = c.post("/reef/records/import", {"items": [it for _, it in chunk], "scenario": scenario,
+                                                  "first_line": chunk[0][0]})
+            for key in totals:
+                totals[key] += got[key]
+    if json_out:
+        print_json(totals)
+    else:
+        print(f"imported {totals['imported']} exchange(s) ({totals['skipped']} already there), "
+              f"{totals['reports']} report(s)")
+
+
 @records_app.command("forget")
 @edge
 def forget(

@@ -823,6 +823,76 @@ class RecordStore:
 
         return await self.read(op)
 
+    # --- export and import ---------------------------------------------------------------------------------
+
+    async def export_page(self, *, scenario: str | None, since: float | None, after: int,
+                          limit: int = 500) -> tuple[list[dict[str, Any]], int | None]:
+        """Exchange records (bodies and reports) after seq ``after``, oldest first, at most ``limit``; and the
+        seq to continue after (None: no more)."""
+
+        def op(conn: Conn) -> tuple[list[dict[str, Any]], int | None]:
+            clauses, args = ["kind='exchange'", "seq>?"], [after]
+            if scenario is not None:
+                clauses.append("scenario=?")
+                args.append(scenario)
+            if since is not None:
+                clauses.append("created_at>=?")
+                args.append(since)
+            rows = conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {' AND '.join(clauses)}"
+                                f" ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
+            out = [_record(r) for r in rows]
+            by_id = {r["id"]: r for r in out}
+            for r in out:
+                r["reports"] = []
+            if by_id:
+                for r in conn.execute(
+                        f"SELECT rr.receipt, {_SUMMARY_COLUMNS} FROM report_refs rr JOIN records ON records.id ="
+                        f" rr.report_id WHERE rr.receipt IN ({','.join('?' * len(by_id))}) ORDER BY records.seq",
+                        list(by_id)).fetchall():
+                    rep = _record(r)
+                    by_id[rep.pop("receipt")]["reports"].append(rep)
+            return out, (out[-1]["seq"] if len(out) == limit else None)
+
+        return await self.read(op)
+
+    async def import_exchanges(self, items: list[dict[str, Any]]) -> dict[str, int]:
+        """Store imported exchanges (``daemon/export.from_line``'s records and reports) in one transaction:
+        those whose id is stored already are skipped (a re-import changes nothing)."""
+
+        def op(conn: Conn) -> dict[str, int]:
+            ids = [it["record"]["id"] for it in items]
+            have: set[str] = set()
+            for chunk in _chunks(ids):
+                have |= {r["id"] for r in conn.execute(
+                    f"SELECT id FROM records WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()}
+            rows, seen = [], set(have)
+            for it in items:  # the same id twice in one batch: the first one
+                if it["record"]["id"] not in seen:
+                    seen.add(it["record"]["id"])
+                    rows.append(it)
+            for it in rows:
+                _ExchangeRow(self._exchange_row(it["record"]))(conn)
+            reports = 0
+            for it in rows:
+                rep = it["report"]
+                if rep is None:
+                    continue
+                rec = it["record"]
+                body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec["id"]],
+                        "metadata": {"source": "import"}}
+                digest = hashlib.sha256(json.dumps({**body, "scenario": rec["scenario"]}, sort_keys=True,
+                                                   ensure_ascii=False).encode()).hexdigest()
+                rid = new_id("rep_")
+                conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
+                             " report_hash) VALUES (?,?,?,?,?,?,?,?)",
+                             (rid, "report", rec["scenario"], time.time(), "complete", _dumps(body),
+                              rep["report_id"], digest))
+                conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec["id"]))
+                reports += 1
+            return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": reports}
+
+        return await self.write(op)
+
     # --- forgetting ----------------------------------------------------------------------------------------
 
     async def forget(self, *, receipts: list[str], runs: list[str], scrub: bool = False) -> dict[str, Any]:
