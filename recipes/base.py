@@ -129,6 +129,7 @@ class GateSettings:
     gate: str = "always"  # always | floor | compare | regression | review
     floor: float = 0.0  # floor: minimum mean evaluation score
     margin: float = 0.0  # compare: wins - losses needed; regression: allowed drop from the best so far
+    alpha: float | None = None  # compare: decide on this error rate (sign test) instead of the margin
 
 
 class HarnessContext(typing.Protocol):
@@ -190,6 +191,7 @@ class Recipe:
 
             if gate not in GATES:
                 raise BadRequest(f"unknown gate {gate!r}; gates: {', '.join(GATES)}", param="settings.gate")
+        check_alpha(settings)
 
     @classmethod
     def check_report(cls, metadata: dict[str, Any] | None) -> None:
@@ -252,7 +254,7 @@ class Recipe:
         ev = candidate.eval
         return judge(self.gate, candidate=ev.candidate if ev else None, base=ev.base if ev else None, best=best,
                      floor=float(getattr(self.settings, "floor", 0.0)),
-                     margin=float(getattr(self.settings, "margin", 0.0)))
+                     margin=float(getattr(self.settings, "margin", 0.0)), alpha=getattr(self.settings, "alpha", None))
 
     @classmethod
     def check_class(cls) -> None:
@@ -302,3 +304,15 @@ def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint) or hint
     return {int: "an integer", float: "a number", str: "text", bool: "true or false", list: "a list",
             dict: "an object"}.get(origin, getattr(origin, "__name__", str(hint)))
+
+
+def check_alpha(settings: Any) -> None:
+    """``alpha`` works with the compare gate only, as an error rate in (0, 1); anything else is refused."""
+    alpha = getattr(settings, "alpha", None)
+    if alpha is None:
+        return
+    if not 0 < alpha < 1:
+        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {alpha}", param="settings.alpha")
+    if getattr(settings, "gate", None) != "compare":
+        raise BadRequest(f"alpha decides the compare gate; gate {getattr(settings, 'gate', None)!r} does not read it",
+                         param="settings.alpha")

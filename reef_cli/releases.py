@@ -88,8 +88,15 @@ def show_release(
     if rel.get("adapter"):
         out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
                   f"(release {_short(rel['adapter']['base_release_id'])})")
-    if rel.get("metrics"):
-        out.print("metrics " + json.dumps(rel["metrics"]))
+    m = rel.get("metrics") or {}
+    if "diff" in m:  # a paired gate: the difference with its uncertainty
+        lo, hi = (m.get("diff_ci95") or [None, None])[:2]
+        span = f"{lo:+.3f} .. {hi:+.3f}" if lo is not None and hi is not None else "unbounded (one pair)"
+        out.print(f"gate: candidate - base {m['diff']:+.3f} (95% interval {span}) over {m.get('pairs')} paired "
+                  f"task(s)" + (f"; p = {m['p_value']:.3g}" if "p_value" in m else "")
+                  + (f" at alpha {m['alpha']}" if "alpha" in m else ""), markup=False)
+    if m:
+        out.print("metrics " + json.dumps(m))
     receipts = rel.get("receipts") or []
     out.print(f"receipts {len(receipts)}" + (": " + ", ".join(receipts[:10]) if receipts else ""))
     if diff:

@@ -68,6 +68,7 @@ HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.do
 class HarnessSearchSettings:
     gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
     margin: float = 1.0  # wins - losses (over task x repeat pairs) needed to publish
+    alpha: float | None = None  # decide on this error rate (sign test over the pairs) instead of the margin
     tasks: list[dict[str, Any]] = field(default_factory=list)  # see episodes.py: {id, prompt, check, workspace?}
     repeats: int = 1  # episodes per task and side
     adapter: str = "pi"  # the wrapped agent the episodes run
@@ -116,6 +117,9 @@ class HarnessSearch(Recipe):
         s: HarnessSearchSettings = settings
         if s.gate not in ("compare", "review"):
             raise BadRequest(f"harness-search gate must be compare or review, not {s.gate!r}", param="settings.gate")
+        if s.alpha is not None and not 0 < s.alpha < 1:  # both gates compare the paired episodes first
+            raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {s.alpha}",
+                             param="settings.alpha")
         tasks = parse_tasks(s.tasks)
         if not tasks:
             raise BadRequest("harness-search needs tasks: [{id, prompt, check, workspace?}, ...] (the gate runs "
@@ -215,7 +219,8 @@ class HarnessSearch(Recipe):
         assert ev is not None
         retire = candidate.details.get("origin") == "retire"
         margin = 0.0 if retire else s.margin
-        v = gate_judge("compare", candidate=ev.candidate, base=ev.base, best=best, margin=margin)
+        v = gate_judge("compare", candidate=ev.candidate, base=ev.base, best=best, margin=margin,
+                       alpha=None if retire else s.alpha)
         if v.publish and (s.gate == "review" or candidate.details.get("executable")):
             why = "it holds executable content" if candidate.details.get("executable") else "gate review"
             return Verdict(False, "pending", f"{v.reason}; held for review ({why}): reef releases promote ID "
