@@ -5,7 +5,7 @@ _reef() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -32,7 +32,9 @@ _reef() {
         /records/import) words='--scenario -s --json --help' ;;
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
-        /releases) words='list promote rollback show --help' ;;
+        /releases) words='canary canary-end list promote rollback show --help' ;;
+        /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --json --help' ;;
+        /releases/canary-end) words='--scenario -s --promote --yes -y --json --help' ;;
         /releases/list) words='--scenario -s --all --json --help' ;;
         /releases/promote) words='--scenario -s --yes -y --json --help' ;;
         /releases/rollback) words='--scenario -s --yes -y --json --help' ;;

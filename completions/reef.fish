@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -105,11 +105,25 @@ complete -c reef -n '__reef_at /records/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /records/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /records/show' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /records/show' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases' -a canary -d 'Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always- valid test at the stated error rate), or end it when it fails too often'
+complete -c reef -n '__reef_at /releases' -a canary-end -d 'End a scenario\'s canary by hand, now: promote it or discard it (written on the chain either way)'
 complete -c reef -n '__reef_at /releases' -a list -d 'List a scenario\'s releases, newest first, the head marked'
 complete -c reef -n '__reef_at /releases' -a promote -d 'Publish a release held as pending (by a review gate)'
 complete -c reef -n '__reef_at /releases' -a rollback -d 'Publish an earlier release\'s content as the new head (history is kept)'
 complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, metrics, receipts, and optionally its diff to the parent'
 complete -c reef -n '__reef_at /releases' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases/canary' -l scenario -s s -d 'The scenario (default: default)'
+complete -c reef -n '__reef_at /releases/canary' -l share -d 'The share of new runs it serves (0 to 1)'
+complete -c reef -n '__reef_at /releases/canary' -l alpha -d 'The decision\'s error rate'
+complete -c reef -n '__reef_at /releases/canary' -l max-reports -d 'Reports per arm after which a tie ends it'
+complete -c reef -n '__reef_at /releases/canary' -l max-error-rate -d 'The share of failed exchanges that ends it'
+complete -c reef -n '__reef_at /releases/canary' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /releases/canary' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases/canary-end' -l scenario -s s -d 'The scenario (default: default)'
+complete -c reef -n '__reef_at /releases/canary-end' -l promote -d 'Publish the canary as the new head (default: discard it, the head stays)'
+complete -c reef -n '__reef_at /releases/canary-end' -l yes -s y -d 'Do not ask for confirmation'
+complete -c reef -n '__reef_at /releases/canary-end' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /releases/canary-end' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/list' -l scenario -s s -d 'The scenario (default: default)'
 complete -c reef -n '__reef_at /releases/list' -l all -d 'Also show pending releases and steps not published (rejected, skipped, failed)'
 complete -c reef -n '__reef_at /releases/list' -l json -d 'Print JSON'

@@ -614,6 +614,30 @@ async def handle_import(request: web.Request) -> web.Response:
     return _json(out, status=201)
 
 
+async def handle_canary(request: web.Request) -> web.Response:
+    """``POST``: start a canary (``release_id``, ``share``, ``alpha``, ``max_reports``, ``max_error_rate``,
+    ``min_exchanges``); ``GET``: the running one with its figures (404 when none)."""
+    reef = request.ctx
+    scen = await _existing_scenario(reef, request.match_info["name"])
+    if request.method == "GET":
+        status = await reef.canaries.status(scen.name)
+        if status is None:
+            raise NotFound(f"scenario {scen.name!r} has no canary", scenario=scen.name)
+        return _json(status)
+    return _json(await reef.canaries.begin(scen, await _object_body(request)), status=201)
+
+
+async def handle_canary_end(request: web.Request) -> web.Response:
+    reef = request.ctx
+    scen = await _existing_scenario(reef, request.match_info["name"])
+    body = await _object_body(request)
+    promote = body.get("promote", False)
+    if not isinstance(promote, bool):
+        raise BadRequest("promote must be true or false", param="promote")
+    async with reef.canaries._judging:  # never at the same time as the loop's own verdict
+        return _json(await reef.canaries.end(scen, promote=promote))
+
+
 async def handle_forget(request: web.Request) -> web.Response:
     return _json(await forgetting.forget(request.ctx, await _object_body(request)))
 
@@ -839,6 +863,7 @@ async def handle_releases(request: web.Request) -> web.Response:
     }
     for r in body["releases"]:
         r["trained_on_forgotten"] = r["release_id"] in body["forgotten"]["trained_on_forgotten"]
+    body["canary"] = await reef.canaries.status(scen.name)
     if request.query.get("all") in ("1", "true", "yes"):
         body["pending"] = [r.to_dict() for r in await reef.chains.pending(scen.name)]
         body["rejected"] = [r.to_dict() for r in await reef.chains.rejections(scen.name, limit)]
@@ -1029,6 +1054,9 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))
     r.add("POST", "/reef/scenarios/{name}/resume", switch_handler(paused=False))
     r.add("POST", "/reef/scenarios/{name}/capture", switch_handler())
+    r.add("POST", "/reef/scenarios/{name}/canary", handle_canary)
+    r.add("GET", "/reef/scenarios/{name}/canary", handle_canary)
+    r.add("POST", "/reef/scenarios/{name}/canary/end", handle_canary_end)
     r.add("POST", "/reef/scenarios/{name}/archive", switch_handler(archived=True))
     r.add("POST", "/reef/scenarios/{name}/unarchive", switch_handler(archived=False))
     r.add("GET", "/reef/harness/install", handle_harness_install)

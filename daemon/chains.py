@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import shutil
@@ -341,15 +342,19 @@ class Chains:
         return await self._steer("rollback", scenario, release_id, expected_head, engine)
 
     async def promote(self, scenario: Scenario, release_id: str, expected_head: str | None,
-                      engine: Engine | None) -> Release:
-        return await self._steer("promote", scenario, release_id, expected_head, engine)
+                      engine: Engine | None, *, summary: str | None = None,
+                      metrics: Mapping[str, Any] | None = None) -> Release:
+        return await self._steer("promote", scenario, release_id, expected_head, engine, summary=summary,
+                                 metrics=metrics)
 
     async def _steer(self, op: str, scenario: Scenario, release_id: str, expected_head: str | None,
-                     engine: Engine | None) -> Release:
+                     engine: Engine | None, **extra: Any) -> Release:
         await self.head(scenario)  # a chain to steer exists
         fn = self._store.rollback if op == "rollback" else self._store.promote
+        extra = {k: v for k, v in extra.items() if v is not None}
         try:
-            rel = await asyncio.to_thread(fn, scenario.name, release_id, expected_head=expected_head)
+            rel = await asyncio.to_thread(functools.partial(fn, scenario.name, release_id,
+                                                            expected_head=expected_head, **extra))
         except HeadMoved:
             self.metrics.conflicts.inc()
             raise
@@ -389,10 +394,12 @@ class Chains:
                             metrics=dict(manifest.metrics))
         return rel
 
-    async def reject(self, manifest: Manifest, *, verdict: str, reason: str, base: str) -> None:
+    async def reject(self, manifest: Manifest, *, verdict: str, reason: str, base: str,
+                     candidate: str | None = None) -> None:
         """Write down a candidate that was not released (rejected, skipped, failed) on the scenario's rejection
-        log, with its receipts, so they count as consumed."""
-        await asyncio.to_thread(self._store.record_rejection, manifest, verdict=verdict, reason=reason, base=base)
+        log, with its receipts, so they count as consumed; ``candidate``: a held one, discarded with it."""
+        await asyncio.to_thread(functools.partial(self._store.record_rejection, manifest, verdict=verdict,
+                                                  reason=reason, base=base, candidate=candidate))
 
     def _published(self, rel: Release) -> None:
         self._releases[rel.release_id] = rel

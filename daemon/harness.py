@@ -67,10 +67,13 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     if installed is not None and not isinstance(installed, str):
         raise BadRequest("installed_release must be a release id", param="installed_release")
     scenario = await scenario_for_agent(reef, name)
+    run = new_id("run_")
     head = await reef.chains.head(scenario)
+    if reef.canaries.active:  # a run in a canary's share gets the canary's harness, for the whole run
+        head = await reef.canaries.arm(scenario, f"run={run}") or head
     engine = await reef.engine(scenario.model)
     out: dict[str, Any] = {
-        "run": new_id("run_"),
+        "run": run,
         "scenario": scenario.name,
         "recipe": scenario.recipe,
         "model": scenario.model,

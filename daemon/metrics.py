@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 M = TypeVar("M", Counter, Histogram)
 
@@ -48,6 +48,11 @@ class Metrics:
         self.records = Counter("reef_records", "Records stored", ["kind"], registry=r)
         self.errors = Counter("reef_errors", "Requests answered with an error", ["route", "type"], registry=r)
         self.publishes = Counter("reef_release_publishes", "Releases published", ["operation"], registry=r)
+        self.canary_reports = Gauge("reef_canary_reports", "Reports on a running canary's arms", ["scenario", "arm"],
+                                    registry=r)
+        self.canary_mean = Gauge("reef_canary_mean_score", "Mean score of a running canary's arms",
+                                 ["scenario", "arm"], registry=r)
+        self.canary_ends = Counter("reef_canary_ends", "Canaries ended, by verdict", ["verdict"], registry=r)
         self.conflicts = Counter("reef_release_conflicts", "Publishes refused: head moved", registry=r)
         self.loads = Counter("reef_engine_loads", "Releases loaded into an engine", ["model"], registry=r)
         self.upstream_latency = Histogram(

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.canary import Canaries, arm_key
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
@@ -105,6 +106,7 @@ class Reef:
         self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
         self._warm: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
+        self.canaries = Canaries(self)
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 
@@ -123,6 +125,7 @@ class Reef:
         # log line and a clear error for its requests, while other models serve
         self._warm = asyncio.create_task(self._warm_default(), name="reef-load-default-model")
         await self.learner.start()
+        await self.canaries.start()
         if self.config.retention_days is not None or self.config.retention_max_mb is not None:
             from daemon.forgetting import retention_loop
 
@@ -143,6 +146,7 @@ class Reef:
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self.canaries.close()
         await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():
@@ -249,7 +253,12 @@ class Reef:
         if scen.archived:
             raise Archived(scen.name)
         engine = await self.engine(scen.model)
-        release = await self.chains.resolve(scen, pinned_release)
+        release = None
+        if self.canaries.active:  # a share of new runs goes to a running canary (daemon/canary.py)
+            release = (await self.canaries.pinned(scen, pinned_release) if pinned_release
+                       else await self.canaries.arm(scen, arm_key(headers, run)))
+        if release is None:
+            release = await self.chains.resolve(scen, pinned_release)
         ref: ReleaseRef | None = await self.chains.ref(scen, release)
         if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
             await self.chains.preload(scen, release, engine)

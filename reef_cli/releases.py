@@ -60,6 +60,14 @@ def list_releases(
     out = console()
     out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
     out.print(table)
+    canary = data.get("canary")
+    if canary:
+        f = canary.get("figures") or {}
+        out.print(f"canary {_short(canary['release_id'])} serves {canary['share']:.0%} of new runs against "
+                  f"{_short(canary['base_id'])}: canary {_fmt(f.get('canary_mean'))} over {f.get('canary_reports')} "
+                  f"report(s) {f.get('canary_interval')}, head {_fmt(f.get('head_mean'))} over "
+                  f"{f.get('head_reports')} {f.get('head_interval')}; reef releases canary-end [--promote] ends it",
+                  markup=False)
     if (data.get("forgotten") or {}).get("command"):
         out.print(f"the head was trained on forgotten data; the newest release that was not: "
                   f"{data['forgotten']['command']}", markup=False)
@@ -152,6 +160,57 @@ def _steer(op: str, scenario: str, release_id: str, yes: bool, json_out: bool) -
         print_json(rel)
     else:
         print(f"published {rel['release_id'][:12]} (step {rel['step']}, {rel['operation']}); it serves new requests now")
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+@app.command("canary")
+@edge
+def canary(
+    release_id: str = typer.Argument(..., help="A candidate held for review (reef releases list --all)."),
+    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    share: float = typer.Option(0.2, "--share", help="The share of new runs it serves (0 to 1)."),
+    alpha: float = typer.Option(0.05, "--alpha", help="The decision's error rate."),
+    max_reports: int = typer.Option(400, "--max-reports", help="Reports per arm after which a tie ends it."),
+    max_error_rate: float = typer.Option(0.2, "--max-error-rate", help="The share of failed exchanges that ends it."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always-
+    valid test at the stated error rate), or end it when it fails too often."""
+    with client() as c:
+        row = c.post(f"/reef/scenarios/{scenario}/canary", {"release_id": release_id, "share": share, "alpha": alpha,
+                                                             "max_reports": max_reports,
+                                                             "max_error_rate": max_error_rate})
+    if json_out:
+        print_json(row)
+    else:
+        print(f"canary {row['release_id'][:12]} serves {row['share']:.0%} of new runs of {scenario} beside "
+              f"{row['base_id'][:12]}; reef releases list -s {scenario} shows how it does")
+
+
+@app.command("canary-end")
+@edge
+def canary_end(
+    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    promote_it: bool = typer.Option(False, "--promote", help="Publish the canary as the new head (default: discard "
+                                    "it, the head stays)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """End a scenario's canary by hand, now: promote it or discard it (written on the chain either way)."""
+    if not yes and not typer.confirm(f"{'promote' if promote_it else 'end'} the canary of {scenario}?",
+                                     default=False):
+        fail("nothing changed", 1)
+    with client() as c:
+        out = c.post(f"/reef/scenarios/{scenario}/canary/end", {"promote": promote_it})
+    if json_out:
+        print_json(out)
+    elif out.get("release_id"):
+        print(f"canary {out['candidate'][:12]} promoted: release {out['release_id'][:12]} (step {out['step']})")
+    else:
+        print(f"canary {out['candidate'][:12]} ended; the head stays")
 
 
 @app.command("rollback")

@@ -94,7 +94,15 @@ ALTER TABLE records ADD COLUMN forgotten_at REAL;
 ALTER TABLE records ADD COLUMN content_hash TEXT;
 ALTER TABLE scenarios ADD COLUMN capture INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE scenarios ADD COLUMN paused INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE scenarios ADD COLUMN archived INTEGER NOT NULL DEFAULT 0
+ALTER TABLE scenarios ADD COLUMN archived INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE canaries (
+    scenario    TEXT PRIMARY KEY,
+    release_id  TEXT NOT NULL,                  -- the candidate served to a share of new runs (held as pending)
+    base_id     TEXT NOT NULL,                  -- the head it is compared with
+    share       REAL NOT NULL,
+    started_at  REAL NOT NULL,
+    settings    TEXT NOT NULL                   -- JSON: alpha, max_reports, max_error_rate, min_exchanges
+)
 """,
 }
 LATEST = max(MIGRATIONS)

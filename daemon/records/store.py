@@ -823,6 +823,57 @@ class RecordStore:
 
         return await self.read(op)
 
+    # --- canaries ------------------------------------------------------------------------------------------
+
+    async def start_canary(self, scenario: str, release_id: str, base_id: str, share: float,
+                           settings: dict[str, Any]) -> dict[str, Any]:
+        """Store a scenario's canary (one at a time: a second is a ``Conflict``)."""
+        from daemon.errors import Conflict
+
+        def op(conn: Conn) -> dict[str, Any]:
+            if conn.execute("SELECT 1 FROM canaries WHERE scenario=?", (scenario,)).fetchone():
+                raise Conflict(f"scenario {scenario!r} already has a canary; end it first "
+                               "(reef releases canary-end)", scenario=scenario)
+            conn.execute("INSERT INTO canaries(scenario, release_id, base_id, share, started_at, settings)"
+                         " VALUES (?,?,?,?,?,?)", (scenario, release_id, base_id, share, time.time(),
+                                                    _dumps(settings)))
+            return _canary(conn.execute("SELECT * FROM canaries WHERE scenario=?", (scenario,)).fetchone())
+
+        return await self.write(op)
+
+    async def canaries(self) -> list[dict[str, Any]]:
+        rows = await self.read(lambda c: c.execute("SELECT * FROM canaries ORDER BY scenario").fetchall())
+        return [_canary(r) for r in rows]
+
+    async def end_canary(self, scenario: str, release_id: str) -> None:
+        await self.write(lambda c: c.execute("DELETE FROM canaries WHERE scenario=? AND release_id=?",
+                                             (scenario, release_id)))
+
+    async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
+        """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
+        its exchanges, and how many of them failed."""
+
+        def op(conn: Conn) -> dict[str, Any]:
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0} for a in arms}
+            for r in conn.execute(
+                    "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
+                    " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
+                    (scenario, since, *arms)).fetchall():
+                out[r["release_id"]]["exchanges"] += r["n"]
+                if r["status"] == "error":
+                    out[r["release_id"]]["errors"] += r["n"]
+            for r in conn.execute(  # one score per report and arm: a run's report names all its exchanges
+                    "SELECT DISTINCT e.release_id, rep.id, rep.seq, rep.report FROM records e JOIN report_refs rr"
+                    " ON rr.receipt = e.id JOIN records rep ON rep.id = rr.report_id WHERE e.scenario=?"
+                    " AND e.kind='exchange' AND e.created_at>=? AND e.release_id IN (?,?) ORDER BY rep.seq",
+                    (scenario, since, *arms)).fetchall():
+                score = json.loads(r["report"]).get("score")
+                if isinstance(score, (int, float)) and not isinstance(score, bool):
+                    out[r["release_id"]]["scores"].append(float(score))
+            return out
+
+        return await self.read(op)
+
     # --- export and import ---------------------------------------------------------------------------------
 
     async def export_page(self, *, scenario: str | None, since: float | None, after: int,
@@ -1138,6 +1189,11 @@ class RecordStore:
                 "SELECT receipt, state FROM consumption WHERE scenario=?", (scenario,)).fetchall()}
 
         return await self.read(op)
+
+def _canary(row: Any) -> dict[str, Any]:
+    return {"scenario": row["scenario"], "release_id": row["release_id"], "base_id": row["base_id"],
+            "share": row["share"], "started_at": row["started_at"], "settings": json.loads(row["settings"])}
+
 
 def _chunks(values: list[str], size: int = 500) -> Iterator[list[str]]:
     for i in range(0, len(values), size):

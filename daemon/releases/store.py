@@ -159,9 +159,11 @@ class ReleaseStore(Recovery, Content, Diffs):
         return self.get(commit_id)
 
     def promote(
-        self, scenario: str, pending_id: str, *, expected_head: str | None = None, summary: str | None = None
+        self, scenario: str, pending_id: str, *, expected_head: str | None = None, summary: str | None = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> Release:
-        """Release a held candidate: its content becomes the next release (operation ``promote``)."""
+        """Release a held candidate: its content becomes the next release (operation ``promote``); ``metrics``
+        are added to the candidate's own (a canary's verdict and figures)."""
         check_scenario(scenario)
         pid = self._resolve(pending_id, "pending candidate")
         pending_ref = f"{PENDING_REF}{scenario}/{pid}"
@@ -176,7 +178,8 @@ class ReleaseStore(Recovery, Content, Diffs):
             return Conflict(f"pending candidate {pid} was promoted or discarded meanwhile", release_id=pid)
 
         manifest = cand.manifest(scenario=scenario, operation="promote", source=pid,
-                                 summary=summary or f"promote candidate {pid[:12]}")
+                                 summary=summary or f"promote candidate {pid[:12]}",
+                                 metrics={**cand.metrics, **(metrics or {})})
         return self._publish_tree(
             manifest, self._content_tree(pid), cand.lfs, expected=expected,
             extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],

@@ -1,0 +1,277 @@
+"""Canary releases: a candidate serves a share of new runs beside the head, live scores decide.
+
+- Start: a candidate held for review (a pending release) becomes a scenario's canary (``POST
+  /reef/scenarios/<s>/canary``, ``reef releases canary ID``): a ``share`` of new runs goes to it, the rest to the
+  head it is compared with. One canary per scenario; its row in the record store (``canaries``) is what survives a
+  restart, with the same arms and counts (both are derived, never kept in memory only).
+- Arms. A run stays on one release from start to end: the arm is a hash of the canary's release id and the run
+  (or, for clients without runs, the session: ``daemon/sessions.session_key``); a request with neither is drawn
+  on its own. A pinned release (``x-reef-release-id``) is served as pinned. Every record names the release that
+  served it, so the arms' exchanges and reports are read back from the store.
+- Decision: an always-valid test, checked every ``CHECK_S`` while a canary runs. Each arm's scores (one per report
+  on its exchanges, clipped to [0, 1]) get a Hoeffding confidence sequence with a union bound over sample sizes
+  (radius ``sqrt(log(pi^2 n^2 / (3 delta)) / 2n)``, ``delta = alpha / 2`` per arm): both arms' intervals hold at
+  every moment at once with probability at least ``1 - alpha``, so checking after every report never inflates the
+  error rate. Chosen over an SPRT because it needs no model of the score distribution (any scores in [0, 1],
+  not only pass/fail) and is simple to verify; the price is more reports (``bench/canary.py`` measures how many).
+  The canary is promoted when its lower bound is above the head's upper bound, ended when its upper bound is below
+  the head's lower bound, ended as a tie when both arms have ``max_reports`` reports, and ended early when its
+  share of failed exchanges exceeds ``max_error_rate`` (after ``min_exchanges``).
+- Ending is on the chain: a promotion is a ``promote`` release whose manifest holds the verdict and the figures;
+  an end is the candidate's rejection, with the same. ``reef releases canary-end [--promote]`` does it by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from daemon.errors import BadRequest, NotFound, ReefError
+
+if TYPE_CHECKING:
+    from daemon.records.store import Scenario
+    from daemon.releases import Release
+    from daemon.serving import Reef
+
+log = logging.getLogger("reef.canary")
+
+CHECK_S = 0.5  # how often running canaries are judged
+DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20}
+
+
+def radius(n: int, delta: float) -> float:
+    """Half-width of the anytime-valid Hoeffding interval for the mean of ``n`` scores in [0, 1]."""
+    if n == 0:
+        return math.inf
+    return math.sqrt(math.log(math.pi ** 2 * n ** 2 / (3 * delta)) / (2 * n))
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: str | None  # promoted | ended | tie | errors | None (keep going)
+    reason: str
+    figures: dict[str, Any]
+
+
+def decide(head: list[float], canary: list[float], *, alpha: float, max_reports: int,
+           errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20) -> Decision:
+    """The canary's verdict from both arms' scores so far (clipped to [0, 1]) and its failed exchanges."""
+    h = [min(1.0, max(0.0, x)) for x in head]
+    c = [min(1.0, max(0.0, x)) for x in canary]
+    delta = alpha / 2
+    mh = sum(h) / len(h) if h else None
+    mc = sum(c) / len(c) if c else None
+    rh, rc = radius(len(h), delta), radius(len(c), delta)
+    figures: dict[str, Any] = {
+        "canary_reports": len(c), "head_reports": len(h), "canary_mean": mc, "head_mean": mh,
+        "canary_interval": _interval(mc, rc), "head_interval": _interval(mh, rh), "alpha": alpha,
+        "canary_exchanges": exchanges, "canary_errors": errors,
+    }
+    if exchanges >= min_exchanges and errors / exchanges > max_error_rate:
+        return Decision("errors", f"the canary failed {errors} of {exchanges} exchanges, more than "
+                        f"{max_error_rate:.0%}", figures)
+    if mh is not None and mc is not None:
+        if mc - rc > mh + rh:
+            return Decision("promoted", f"canary {mc:.3f} > head {mh:.3f} at error rate {alpha} "
+                            f"({len(c)} and {len(h)} reports)", figures)
+        if mc + rc < mh - rh:
+            return Decision("ended", f"canary {mc:.3f} < head {mh:.3f} at error rate {alpha} "
+                            f"({len(c)} and {len(h)} reports)", figures)
+    if len(c) >= max_reports and len(h) >= max_reports:
+        return Decision("tie", f"no difference found in {max_reports} reports per arm (canary "
+                        f"{mc:.3f}, head {mh:.3f}): the head stays", figures)
+    return Decision(None, "undecided", figures)
+
+
+def _interval(mean: float | None, r: float) -> list[float] | None:
+    if mean is None or not math.isfinite(r):
+        return None
+    return [round(max(0.0, mean - r), 4), round(min(1.0, mean + r), 4)]
+
+
+def arm_key(headers: Any, run: str | None) -> str | None:
+    """What keeps a request on one arm: its run (a wrapped agent's), else its session (``session_key``)."""
+    from daemon.sessions import session_key
+
+    return f"run={run}" if run else session_key(headers, None)
+
+
+def in_canary(release_id: str, key: str | None, share: float) -> bool:
+    """Whether the run (or session) ``key`` is served by the canary: a stable hash, so a run never changes arm."""
+    if key is None:
+        return random.random() < share
+    digest = hashlib.blake2b(f"{release_id}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2 ** 64 < share
+
+
+class Canaries:
+    """The running canaries of a daemon: arm assignment on the serve path (a dict look-up and a hash), and the
+    loop that judges them."""
+
+    def __init__(self, reef: Reef) -> None:
+        self.reef = reef
+        self.active: dict[str, dict[str, Any]] = {}  # scenario -> its canaries row
+        self._releases: dict[str, Release] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._judging = asyncio.Lock()
+
+    async def start(self) -> None:
+        for row in await self.reef.store.canaries():
+            self.active[row["scenario"]] = row
+        if self.active:
+            self._ensure_loop()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="reef-canaries")
+
+    # --- the serve path ------------------------------------------------------------------------------------
+
+    async def arm(self, scenario: Scenario, key: str | None) -> Release | None:
+        """The canary's release when this run is in its share; None: the head serves."""
+        row = self.active.get(scenario.name)
+        if row is None or not in_canary(row["release_id"], key, row["share"]):
+            return None
+        return await self._release(row)
+
+    async def pinned(self, scenario: Scenario, release_id: str) -> Release | None:
+        """The running canary when a request pins it (a wrapper pins the harness it installed for the run)."""
+        row = self.active.get(scenario.name)
+        if row is None or row["release_id"] != release_id:
+            return None
+        return await self._release(row)
+
+    async def _release(self, row: dict[str, Any]) -> Release:
+        rel = self._releases.get(row["release_id"])
+        if rel is None:
+            rel = self._releases[row["release_id"]] = await self.reef.chains.release(row["release_id"])
+        return rel
+
+    # --- starting and ending -------------------------------------------------------------------------------
+
+    async def begin(self, scenario: Scenario, body: dict[str, Any]) -> dict[str, Any]:
+        release_id = body.get("release_id")
+        if not isinstance(release_id, str) or not release_id:
+            raise BadRequest("release_id is required: a candidate held for review (reef releases list --all)",
+                             param="release_id")
+        share = body.get("share", 0.2)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+            raise BadRequest(f"share must be a fraction of new runs in (0, 1), got {share!r}", param="share")
+        settings = dict(DEFAULTS)
+        for key, default in DEFAULTS.items():
+            value = body.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                    key in ("alpha", "max_error_rate") and value >= 1) or (
+                    key in ("max_reports", "min_exchanges") and value != int(value)):
+                raise BadRequest(f"{key} must be {'a fraction in (0, 1)' if key in ('alpha', 'max_error_rate') else 'a positive whole number'}, "
+                                 f"got {value!r}", param=key)
+            settings[key] = value
+        unknown = sorted(set(body) - {"release_id", "share", *DEFAULTS})
+        if unknown:
+            raise BadRequest(f"unknown keys {', '.join(unknown)}", param=unknown[0])
+        pending = {r.release_id: r for r in await self.reef.chains.pending(scenario.name)}
+        rel = pending.get(release_id) or next((r for rid, r in pending.items() if rid.startswith(release_id)
+                                               and len(release_id) >= 7), None)
+        if rel is None:
+            raise NotFound(f"no candidate {release_id} held for review in scenario {scenario.name!r}; a canary "
+                           "serves a pending release (reef releases list --all)", release_id=release_id)
+        head = await self.reef.chains.head(scenario)
+        row = await self.reef.store.start_canary(scenario.name, rel.release_id, head.release_id, float(share),
+                                                 settings)
+        self.active[scenario.name] = row
+        self.reef.events.publish("canary.start", scenario=scenario.name, release_id=rel.release_id,
+                                 base_id=head.release_id, share=share, settings=settings)
+        self._ensure_loop()
+        return row
+
+    async def end(self, scenario: Scenario, *, promote: bool, reason: str | None = None,
+                  figures: dict[str, Any] | None = None, verdict: str | None = None) -> dict[str, Any]:
+        """End the scenario's canary: promote its candidate (a release) or discard it (a rejection), with the
+        verdict and figures on the chain either way."""
+        row = self.active.get(scenario.name)
+        if row is None:
+            raise NotFound(f"scenario {scenario.name!r} has no canary", scenario=scenario.name)
+        if figures is None:
+            figures = (await self._judge(row)).figures
+        verdict = verdict or ("promoted" if promote else "ended")
+        reason = reason or f"{'promoted' if promote else 'ended'} by hand"
+        metrics = {f"canary_{k}" if not k.startswith(("canary_", "head_")) else k: v for k, v in figures.items()}
+        metrics["canary_verdict"] = verdict
+        chains = self.reef.chains
+        if promote:
+            engine = await self.reef.engine(scenario.model)
+            rel = await chains.promote(scenario, row["release_id"], None, engine,
+                                       summary=f"canary {verdict}: {reason}", metrics=metrics)
+            out = {"verdict": verdict, "reason": reason, "release_id": rel.release_id, "step": rel.step}
+        else:
+            cand = await chains.release(row["release_id"])
+            await chains.reject(cand.manifest(metrics={**cand.metrics, **metrics}), verdict=f"canary-{verdict}",
+                                reason=reason, base=row["base_id"], candidate=row["release_id"])
+            out = {"verdict": verdict, "reason": reason, "release_id": None}
+        await self.reef.store.end_canary(scenario.name, row["release_id"])
+        self.reef.metrics.canary_ends.labels(verdict).inc()
+        for arm in ("head", "canary"):
+            for gauge in (self.reef.metrics.canary_reports, self.reef.metrics.canary_mean):
+                with contextlib.suppress(KeyError):  # never judged: never set
+                    gauge.remove(scenario.name, arm)
+        self.active.pop(scenario.name, None)
+        self._releases.pop(row["release_id"], None)
+        self.reef.events.publish("canary.end", scenario=scenario.name, candidate=row["release_id"], figures=figures,
+                                 **out)
+        log.info("canary of %s %s: %s", scenario.name, verdict, reason)
+        return {**out, "figures": figures, "candidate": row["release_id"]}
+
+    async def status(self, name: str) -> dict[str, Any] | None:
+        row = self.active.get(name)
+        if row is None:
+            return None
+        d = await self._judge(row)
+        return {**row, "figures": d.figures, "decision": d.verdict, "reason": d.reason}
+
+    # --- judging -------------------------------------------------------------------------------------------
+
+    async def _judge(self, row: dict[str, Any]) -> Decision:
+        arms = (row["base_id"], row["release_id"])
+        got = await self.reef.store.arm_outcomes(row["scenario"], row["started_at"], arms)
+        s = row["settings"]
+        head, cand = got[row["base_id"]], got[row["release_id"]]
+        m = self.reef.metrics
+        for arm, got_arm in (("head", head), ("canary", cand)):
+            m.canary_reports.labels(row["scenario"], arm).set(len(got_arm["scores"]))
+            if got_arm["scores"]:
+                m.canary_mean.labels(row["scenario"], arm).set(sum(got_arm["scores"]) / len(got_arm["scores"]))
+        return decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
+                      errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
+                      min_exchanges=int(s["min_exchanges"]))
+
+    async def _loop(self) -> None:
+        while self.active:
+            await asyncio.sleep(CHECK_S)
+            for name, row in list(self.active.items()):
+                try:
+                    async with self._judging:
+                        if self.active.get(name) is not row:
+                            continue
+                        d = await self._judge(row)
+                        if d.verdict is None:
+                            continue
+                        scenario = await self.reef.store.get_scenario(name)
+                        await self.end(scenario, promote=d.verdict == "promoted", reason=d.reason,
+                                       figures=d.figures, verdict=d.verdict)
+                except ReefError as e:  # the store or the chain is away: judged again at the next round
+                    log.warning("canary of %s could not be judged: %s", name, e.message)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("judging the canary of %s", name)
