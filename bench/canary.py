@@ -54,7 +54,7 @@ def main() -> None:
     keys = [f"run=run_{i:024x}" for i in range(100_000)]
     table = {"pi": {"release_id": "r" * 40, "share": 0.2}}
     t0 = time.perf_counter()
-    for k in keys:
+    for _ in keys:
         table.get("pi")
     base = (time.perf_counter() - t0) / len(keys)
     t0 = time.perf_counter()
