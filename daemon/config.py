@@ -12,7 +12,7 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     default_recipe = "record"
     events_queue = 4096           # events held for a slow /reef/events subscriber before it is dropped
     records = "sqlite"            # the record store: $REEF_HOME/records.sqlite3, or "postgresql://user@host/db"
-                                  # (shared by several daemons; env REEF_RECORDS; see README "Several machines")
+                                  # (shared by several daemons; env REEF_RECORDS; see docs/several-machines.md)
     lease_ttl_s = 15              # PostgreSQL records: the training lease lasts this long unless renewed
     chain_remote = "/shared/reef-chains.git"  # release chains shared through a git remote (a path, git://,
                                   # http(s):// or ssh:// URL); see daemon/chain_remote.py

@@ -7,7 +7,7 @@ later loads take about a second), written beside ``dest`` and renamed into place
 complete. Without the packages it raises ``ModelUnavailable`` saying what to install.
 
 Design choice: the weights are saved in **bfloat16**. On this machine's CPU (AVX512-BF16) bf16 decoding was as fast
-as float32 at batch 1 and 1.3-3x faster at batch 8 (measured side by side, one thread; the README has the figures),
+as float32 at batch 1 and 1.3-3x faster at batch 8 (measured side by side, one thread; docs/models.md has the figures),
 it halves memory and the directory (270 MB), and greedy answers stay sensible. The embedded engine loads a
 directory with ``dtype="auto"``, i.e. in the dtype it was saved in.
 """

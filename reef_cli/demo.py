@@ -17,8 +17,8 @@ SmolLM2-135M-Instruct with a user preference it does not have: yes/no questions 
 first (the ``yes-no`` family, recipes/tasks.py; held-out questions are about nouns training never asks about).
 The recipe trains LoRA adapters (each release a few-MB adapter); the target is a rise of ``RISE`` over the head's
 measured start, and at the end the demo prints one held-out answer before and after, verbatim. Settings
-(``REAL_SETTINGS``, tuned offline with bench/preference_offline.py on one thread): see the README's "The demo on
-a real model".
+(``REAL_SETTINGS``, tuned offline with bench/preference_offline.py on one thread): see docs/learning.md, "The
+demo on a real model".
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SAO_PARALLEL, SAO_LEAD = 2, 0
 RECIPES = ("online-rl", "sao")
 TINY_MODELS = ("tiny", "tiny-demo")  # built for the say family; any other model is a real one (yes-no)
 # a real model (SmolLM2-135M-Instruct): the yes-no preference, LoRA adapters; batch and rate tuned offline
-# (bench/preference_offline.py, README "The demo on a real model"): a smaller batch than the tiny model's
+# (bench/preference_offline.py, docs/learning.md "The demo on a real model"): a smaller batch than the tiny model's
 # (each answer costs ~300x more), one optimizer step per batch, and a higher learning rate (LoRA's usual range)
 REAL_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "yes-no", "eval_n": 32,
                                  "batch_prompts": 4, "group_size": 8, "steps_per_batch": 1, "lr": 3e-3,

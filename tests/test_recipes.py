@@ -18,7 +18,8 @@ import pytest
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_learning import releases, serve_and_report, wait_for
 
-# The README's "Write a recipe" example, as a user would save it (kept in step with the README by a test below).
+# The "Write a recipe" example (docs/writing-a-recipe.md), as a user would save it (kept in step with the page by a test
+# below).
 REWARD_WEIGHTED = '''
 import shutil
 from dataclasses import dataclass
@@ -390,10 +391,10 @@ def test_a_step_with_nothing_to_learn_publishes_nothing(daemon_factory, recipe_d
     assert "skipped" in out.stdout
 
 
-def test_the_readme_example_is_the_one_tested():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("## Write a recipe", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    assert textwrap.dedent(block).strip() == textwrap.dedent(README_EXAMPLE).strip()
+def test_the_documented_example_is_the_one_tested():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "writing-a-recipe.md").read_text()
+    block = page.split("# Write a recipe", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert textwrap.dedent(block).strip() == textwrap.dedent(DOCUMENTED_EXAMPLE).strip()
 
 
-README_EXAMPLE = REWARD_WEIGHTED
+DOCUMENTED_EXAMPLE = REWARD_WEIGHTED
