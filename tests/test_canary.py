@@ -14,7 +14,6 @@ import pytest
 from daemon.canary import decide, in_canary
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_harness import create
-from tests.test_learning import wait_for
 
 
 def held_candidate(c: Any, name: str, rule: str) -> tuple[str, str]:
