@@ -585,6 +585,24 @@ class Learner:
             rel = await self.chains.hold(record, artifact, base=head.release_id)
             self._follow(st, head.release_id, candidate, job_id, published=False)
             return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": reason}
+        if verdict.publish and recipe.kind == "weights":  # the reward-hacking watchdog (daemon/watchdog.py)
+            from daemon import watchdog
+
+            published = []  # the train steps since the last rollback or promote, newest first
+            for r in await self.chains.history(scenario.name, watchdog.WINDOW + 1):
+                if r.operation != "train":
+                    break
+                published.append(r.metrics)
+            alarm = watchdog.check(published, metrics)
+            if alarm is not None:
+                record = self.chains.manifest(scenario, metrics={**metrics, "watchdog": alarm["reason"]},
+                                              receipts=receipts, settings=record_settings)
+                rel = await self.chains.hold(record, artifact, base=head.release_id)
+                self.events.publish("watchdog", scenario=scenario.name, release_id=rel.release_id,
+                                    **{k: v for k, v in alarm.items()})
+                self._follow(st, head.release_id, candidate, job_id, published=False)
+                return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step,
+                        "reason": alarm["reason"]}
         if verdict.publish:
             try:
                 engine = await self.engine(scenario.model) if recipe.kind == "weights" else None

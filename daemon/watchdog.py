@@ -1,0 +1,43 @@
+"""The reward-hacking watchdog: a weights candidate whose training reward keeps rising while its held-out score
+falls is held for review instead of published.
+
+Over the last ``WINDOW`` published train releases and the candidate, the training reward (``batch_reward``: the
+mean score of the reports each step trained on) rose by at least ``RISE`` while the held-out score
+(``eval_reward``: the gate's evaluation on tasks the recipe never trains on) fell by at least ``FALL``: the policy is
+learning what the scores reward, not what they were meant to measure. Both figures are in the hold's reason and on
+``/reef/events`` (``watchdog``); ``reef releases promote ID`` publishes the candidate anyway. A recipe without
+held-out evaluation gives the watchdog nothing to compare: it never holds there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+WINDOW = 3  # published steps before the candidate
+RISE = 0.1  # training reward, first to last
+FALL = 0.05  # held-out score, first to last
+
+
+def _num(m: Mapping[str, Any], key: str) -> float | None:
+    v = m.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def check(published: Sequence[Mapping[str, Any]], candidate: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``published``: the metrics of the chain's train releases, newest first; ``candidate``: the candidate's.
+    The figures and reason when the candidate must be held, else None."""
+    series = [candidate, *published[:WINDOW]][::-1]  # oldest first, the candidate last
+    points = [(_num(m, "batch_reward"), _num(m, "eval_reward")) for m in series]
+    if len(points) < WINDOW + 1 or any(t is None or h is None for t, h in points):
+        return None
+    train = [t for t, _ in points]
+    held = [h for _, h in points]
+    rose, fell = train[-1] - train[0], held[0] - held[-1]  # type: ignore[operator]
+    if rose >= RISE and fell >= FALL:
+        return {"train_from": train[0], "train_to": train[-1], "held_from": held[0], "held_to": held[-1],
+                "steps": WINDOW + 1,
+                "reason": f"watchdog: training reward rose {train[0]:.3f} -> {train[-1]:.3f} over {WINDOW + 1} "
+                          f"steps while held-out fell {held[0]:.3f} -> {held[-1]:.3f}; held for review "
+                          "(reef releases promote ID publishes it)"}
+    return None

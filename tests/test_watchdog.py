@@ -1,0 +1,86 @@
+"""The reward-hacking watchdog (``daemon/watchdog.py``): a weights candidate whose training reward keeps rising
+while its held-out score falls is held for review, with the figures; a healthy run is published. Through a real
+daemon and its trainer worker, with a recipe whose held-out score is scripted per step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon import watchdog
+from tests.conftest import Daemon
+from tests.test_learning import releases, wait_for
+from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
+
+DRIFTING = '''
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.base import Candidate, Recipe, Scores
+
+
+@dataclass
+class Settings:
+    falling: bool = True  # the held-out score falls as the batch's reward rises (a hacked reward), or rises with it
+
+
+class Drifting(Recipe):
+    """A weights recipe whose step nudges every weight and reports a held-out score scripted from its batch's
+    reward."""
+
+    name = "drifting"
+    kind = "weights"
+    source = "scores"
+    Settings = Settings
+
+    def batch(self, records):
+        return records[:2] if len(records) >= 2 else None
+
+    def train(self, job, state):
+        from safetensors.torch import load_file, save_file
+
+        base, out = Path(job.base_path), Path(job.work_dir)
+        for f in base.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copyfile(f, out / f.name)
+        reward = sum(r["score"] for r in job.batch) / len(job.batch)
+        weights = {k: v + 1e-3 * reward for k, v in load_file(base / "model.safetensors").items()}
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        held = 1.0 - reward if job.settings["falling"] else reward
+        return Candidate(metrics={}, eval=Scores(candidate=[held] * 4, base=[held] * 4))
+'''
+
+
+def test_the_decision_needs_both_a_rise_and_a_fall_over_the_window() -> None:
+    def m(train: float, held: float) -> dict[str, float]:
+        return {"batch_reward": train, "eval_reward": held}
+
+    hacked = [m(0.8, 0.6), m(0.5, 0.7), m(0.2, 0.8)]  # newest first
+    assert watchdog.check(hacked, m(0.95, 0.5)) is not None
+    assert watchdog.check(hacked[:2], m(0.95, 0.5)) is None  # not enough steps yet
+    assert watchdog.check([m(0.8, 0.8), m(0.5, 0.7), m(0.2, 0.6)], m(0.95, 0.9)) is None  # both rise: healthy
+    assert watchdog.check([m(0.2, 0.6), m(0.2, 0.7), m(0.2, 0.8)], m(0.2, 0.5)) is None  # held falls alone
+    assert watchdog.check([{"batch_reward": 0.5}] * 3, m(0.9, 0.1)) is None  # no held-out score: nothing to judge
+
+
+def test_a_hacked_run_is_held_and_a_healthy_one_published(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    (recipe_dir / "drifting.py").write_text(DRIFTING)
+    d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
+    ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with d.http() as c:
+        for name in ("hacked", "healthy"):
+            assert c.post("/reef/scenarios", json={"name": name, "recipe": "drifting:Drifting",
+                                                   "settings": {"falling": name == "hacked"}}).status_code == 201
+            for step, score in enumerate((0.2, 0.5, 0.8, 0.95), start=1):
+                for _ in range(2):
+                    rec = c.post(f"/s/{name}/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"]
+                    assert c.post("/reef/report", json={"references": [rec], "score": score}).status_code == 201
+                wait_for(lambda s=step, n=name: (x := releases(c, n, True))["releases"][0]["step"] == s
+                         or len(x.get("pending", [])) > 0, what=f"step {step} of {name}")
+        hacked = releases(c, "hacked", True)
+        assert hacked["releases"][0]["step"] == 3 and len(hacked["pending"]) == 1
+        held = hacked["pending"][0]
+        assert held["metrics"]["watchdog"].startswith("watchdog: training reward rose 0.200 -> 0.950")
+        assert "held-out fell 0.800 -> 0.050" in held["metrics"]["watchdog"]
+        healthy = releases(c, "healthy", True)
+        assert healthy["releases"][0]["step"] == 4 and healthy["pending"] == []
