@@ -164,6 +164,9 @@ class Learner:
                  engine: Callable[[str], Awaitable[Engine]], *, scopes: Scopes | None = None) -> None:
         self.config, self.store, self.chains, self.events, self.engine = config, store, chains, events, engine
         self.scopes = scopes if scopes is not None else Scopes()  # the scoped tokens episodes get
+        # starts a canary of a held candidate (``daemon/canary.py``; set by the daemon): for recipes whose
+        # ``canary_share`` sends what the gate passes through a canary instead of straight to the head
+        self.start_canary: Callable[[Scenario, dict[str, Any]], Awaitable[Any]] | None = None
         self.dir = config.home / "candidates"
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
@@ -603,6 +606,16 @@ class Learner:
                 self._follow(st, head.release_id, candidate, job_id, published=False)
                 return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step,
                         "reason": alarm["reason"]}
+        share = float(getattr(recipe.settings, "canary_share", 0) or 0)
+        if verdict.publish and share > 0 and self.start_canary is not None:  # live scores decide, not the gate
+            rel = await self.chains.hold(record, artifact, base=head.release_id)
+            try:
+                await self.start_canary(scenario, {"release_id": rel.release_id, "share": share})
+                why = f"{reason}; serving {share:.0%} of new runs as a canary (reef releases list shows it)"
+            except ReefError as e:  # one canary at a time: this one waits for review
+                why = f"{reason}; held for review: no canary could start ({e.message})"
+            self._follow(st, head.release_id, candidate, job_id, published=False)
+            return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": why}
         if verdict.publish:
             try:
                 engine = await self.engine(scenario.model) if recipe.kind == "weights" else None

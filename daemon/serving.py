@@ -107,6 +107,7 @@ class Reef:
         self._warm: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
         self.canaries = Canaries(self)
+        self.learner.start_canary = self.canaries.begin
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 

@@ -130,6 +130,9 @@ class GateSettings:
     floor: float = 0.0  # floor: minimum mean evaluation score
     margin: float = 0.0  # compare: wins - losses needed; regression: allowed drop from the best so far
     alpha: float | None = None  # compare: decide on this error rate (sign test) instead of the margin
+    # what the gate passes serves this share of new runs as a canary, live scores promote or end it
+    # (daemon/canary.py); 0: published to the head at once
+    canary_share: float = 0.0
 
 
 class HarnessContext(typing.Protocol):
@@ -192,6 +195,7 @@ class Recipe:
             if gate not in GATES:
                 raise BadRequest(f"unknown gate {gate!r}; gates: {', '.join(GATES)}", param="settings.gate")
         check_alpha(settings)
+        check_canary_share(settings)
 
     @classmethod
     def check_report(cls, metadata: dict[str, Any] | None) -> None:
@@ -304,6 +308,16 @@ def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint) or hint
     return {int: "an integer", float: "a number", str: "text", bool: "true or false", list: "a list",
             dict: "an object"}.get(origin, getattr(origin, "__name__", str(hint)))
+
+
+def check_canary_share(settings: Any) -> None:
+    share = getattr(settings, "canary_share", 0.0)
+    if not 0 <= share < 1:
+        raise BadRequest(f"canary_share must be a fraction of new runs in [0, 1), got {share}",
+                         param="settings.canary_share")
+    if share and getattr(settings, "gate", None) == "review":
+        raise BadRequest("canary_share and gate review both decide what the gate passes: pick one",
+                         param="settings.canary_share")
 
 
 def check_alpha(settings: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 from daemon.canary import decide, in_canary
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_harness import create
+from tests.test_recipes import recipe_dir  # noqa: F401 - the fixture, used by name
 
 
 def held_candidate(c: Any, name: str, rule: str) -> tuple[str, str]:
@@ -145,3 +146,36 @@ def test_a_canary_that_fails_too_often_ends_before_its_scores_decide() -> None:
 def test_arms_split_runs_by_the_share(share: float) -> None:
     hits = sum(in_canary("rel", f"run=run_{i}", share) for i in range(20_000))
     assert abs(hits / 20_000 - share) < 0.02
+
+
+def test_the_learning_loop_can_publish_through_a_canary(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """With ``canary_share``, what the gate passes is held and served as a canary (weights here: the pending
+    release's weights answer the canary's share of runs), never straight to the head."""
+    from tests.test_recipes import with_recipe_paths
+    from tests.test_watchdog import DRIFTING
+
+    (recipe_dir / "drifting.py").write_text(DRIFTING)
+    d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
+    ask = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    with d.http() as c:
+        for bad in ({"canary_share": 1.5}, {"canary_share": 0.5, "gate": "review"}):
+            r = c.post("/reef/scenarios", json={"name": "lc", "recipe": "drifting:Drifting", "settings": bad})
+            assert "canary_share" in assert_canonical_error(r, 400)["message"]
+        made = c.post("/reef/scenarios", json={"name": "lc", "recipe": "drifting:Drifting",
+                                               "settings": {"falling": False, "canary_share": 0.5}})
+        head = made.json()["head"]
+        for _ in range(2):
+            rec = c.post("/s/lc/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"]
+            assert c.post("/reef/report", json={"references": [rec], "score": 1.0}).status_code == 201
+        import time
+
+        deadline = time.monotonic() + 300  # a hang guard: the loop waits on the canary's appearance
+        while canary_of(c, "lc") is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        running = canary_of(c, "lc")
+        assert running is not None and running["base_id"] == head and running["share"] == 0.5
+        chain = c.get("/reef/scenarios/lc/releases", params={"all": "1"}).json()
+        assert chain["head"] == head and [p["release_id"] for p in chain["pending"]] == [running["release_id"]]
+        served = {c.post(f"/s/lc/r/run_{i:04d}/v1/chat/completions", json=ask).headers["x-reef-release-id"]
+                  for i in range(16)}
+        assert served == {head, running["release_id"]}

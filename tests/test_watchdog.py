@@ -16,11 +16,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.base import Candidate, Recipe, Scores
+from recipes.base import Candidate, GateSettings, Recipe, Scores
 
 
 @dataclass
-class Settings:
+class Settings(GateSettings):
     falling: bool = True  # the held-out score falls as the batch's reward rises (a hacked reward), or rises with it
 
 
