@@ -398,3 +398,23 @@ def test_the_documented_example_is_the_one_tested():
 
 
 DOCUMENTED_EXAMPLE = REWARD_WEIGHTED
+
+
+def test_a_failed_batch_is_never_trained_on_again_after_a_restart(daemon_factory, recipe_dir):
+    """A failed step consumes its receipts (written down on the chain's rejection log): after a daemon restart the
+    next step's batch holds only what came since. Catches a consumed set read from releases alone (rejections
+    ignored): the restarted learner would take the failed receipts again."""
+    d = with_recipe_paths(daemon_factory, recipe_dir)
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "ex2", "recipe": "plugins:Exploding"}).status_code == 201
+        first = serve_and_report(c, "ex2", 2)
+        wait_for(lambda: sorted(r for f in releases(c, "ex2", True)["rejected"] for r in f["receipts"])
+                 == sorted(first), what="the failed steps")
+    d.stop()
+    d.start()
+    with d.http() as c:
+        later = serve_and_report(c, "ex2", 1)
+        done = wait_for(lambda: (x := releases(c, "ex2", True)["rejected"]) and later[0] in x[0]["receipts"] and x,
+                        what="the step after the restart")
+        assert done[0]["receipts"] == later, done[0]
+        assert sorted(r for f in done for r in f["receipts"]) == sorted(first + later)  # each once
