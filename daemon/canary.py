@@ -118,6 +118,7 @@ class Canaries:
         self.reef = reef
         self.active: dict[str, dict[str, Any]] = {}  # scenario -> its canaries row
         self._releases: dict[str, Release] = {}
+        self.ended: dict[str, set[str]] = {}  # scenario -> canaries ended while this daemon ran
         self._task: asyncio.Task[None] | None = None
         self._judging = asyncio.Lock()
 
@@ -146,11 +147,14 @@ class Canaries:
         return await self._release(row)
 
     async def pinned(self, scenario: Scenario, release_id: str) -> Release | None:
-        """The running canary when a request pins it (a wrapper pins the harness it installed for the run)."""
+        """The running canary when a request pins it (a wrapper pins the harness it installed for the run), or
+        one that ended while a run on its arm was still going: that run is served to its end on the arm it got."""
         row = self.active.get(scenario.name)
-        if row is None or row["release_id"] != release_id:
-            return None
-        return await self._release(row)
+        if row is not None and row["release_id"] == release_id:
+            return await self._release(row)
+        if release_id in self.ended.get(scenario.name, ()):
+            return await self.reef.chains.release(release_id)
+        return None
 
     async def _release(self, row: dict[str, Any]) -> Release:
         rel = self._releases.get(row["release_id"])
@@ -227,6 +231,7 @@ class Canaries:
                     gauge.remove(scenario.name, arm)
         self.active.pop(scenario.name, None)
         self._releases.pop(row["release_id"], None)
+        self.ended.setdefault(scenario.name, set()).add(row["release_id"])
         self.reef.events.publish("canary.end", scenario=scenario.name, candidate=row["release_id"], figures=figures,
                                  **out)
         log.info("canary of %s %s: %s", scenario.name, verdict, reason)

@@ -157,7 +157,9 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
             reef = Reef(config, token)
         with storing("starting the daemon"):
             await reef.start()
-        log.debug("open files: %d; client connections at most %d", open_files, max_connections(open_files))
+        # said only where the limit binds: a user behind a small hard limit (ulimit -Hn) learns why clients wait
+        log.log(logging.INFO if max_connections(open_files) < 1024 else logging.DEBUG,
+                "open files: %d; client connections at most %d", open_files, max_connections(open_files))
         server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
                             max_connections=max_connections(open_files),
                             log_exception=_log_exception)

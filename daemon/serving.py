@@ -255,9 +255,10 @@ class Reef:
             raise Archived(scen.name)
         engine = await self.engine(scen.model)
         release = None
-        if self.canaries.active:  # a share of new runs goes to a running canary (daemon/canary.py)
-            release = (await self.canaries.pinned(scen, pinned_release) if pinned_release
-                       else await self.canaries.arm(scen, arm_key(headers, run)))
+        if pinned_release and (self.canaries.active or self.canaries.ended):  # a run on a canary's arm
+            release = await self.canaries.pinned(scen, pinned_release)
+        elif self.canaries.active:  # a share of new runs goes to a running canary (daemon/canary.py)
+            release = await self.canaries.arm(scen, arm_key(headers, run))
         if release is None:
             release = await self.chains.resolve(scen, pinned_release)
         ref: ReleaseRef | None = await self.chains.ref(scen, release)

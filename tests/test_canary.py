@@ -115,6 +115,29 @@ def test_a_tie_ends_at_the_bound_and_a_kill_9_resumes_the_same_arms_and_counts(d
         assert_canonical_error(c.post("/reef/scenarios/ch/canary/end", json={}), 404)
 
 
+def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daemon: Daemon) -> None:
+    """A run's wrapper installed the canary's harness and pins it; the canary ending between two of its requests
+    (a verdict reached on another run's report) must not fail the rest of that run. A held candidate that never
+    served as a canary stays refused."""
+    with daemon.unix() as c:
+        head, cand = held_candidate(c, "cm", "be terse")
+        c.post("/reef/scenarios/cm/canary", json={"release_id": cand, "share": 0.5}).raise_for_status()
+        for _ in range(64):
+            start = c.post("/reef/runs", json={"adapter": "pi", "scenario": "cm"}).json()
+            if start["release_id"] == cand:
+                break
+        assert start["release_id"] == cand
+        c.post("/reef/scenarios/cm/canary/end", json={}).raise_for_status()
+        r = c.post(f"/s/cm/r/{start['run']}/v1/chat/completions", headers={"x-reef-release-id": cand},
+                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-reef-release-id"] == cand
+        other = c.post("/reef/scenarios/cm/evolve", json={"instruction": "cite the file"}).json()["release_id"]
+        r = c.post("/s/cm/v1/chat/completions", headers={"x-reef-release-id": other},
+                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert_canonical_error(r, 400)
+
+
 def test_equal_arms_are_decided_at_most_at_the_stated_error_rate() -> None:
     """1,000 canaries whose arms are equal (pass rate 0.6), each checked after every report as the daemon does:
     one decided better or worse at most alpha of the time. Catches an interval too narrow for being checked
