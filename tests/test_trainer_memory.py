@@ -126,3 +126,33 @@ def test_a_budget_too_small_for_one_sample_is_refused_when_the_scenario_is_creat
         ok = c.post("/reef/scenarios", json={"name": f"roomy-{recipe}", "recipe": recipe,
                                              "settings": {"memory_budget_mb": 2}})
         assert ok.status_code == 201, ok.text
+
+
+def test_sao_in_micro_batches_makes_the_same_update_as_the_whole_batch(tiny_model: Path) -> None:
+    """sao with several rollouts per step: a forward without grad first (the critic, the proximal log-probs),
+    then each step's in micro-batches, gives the update of the batch at once (one forward serving both)."""
+    from transformers import AutoModelForCausalLM
+
+    from recipes.sao import SAOSettings, make_learner, sao_step
+
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    batch = [Sample(r["prompt_token_ids"], r["token_ids"], [-8.0] * 12, r["score"], r["id"])
+             for r in records(8, 40, 12, seed=3)]
+    after = {}
+    for budget in (2, 4096):
+        model = copy.deepcopy(base)
+        settings = SAOSettings(batch_size=8, steps_per_batch=2, memory_budget_mb=budget, entropy_coef=0.01,
+                               grad_clip=1e9)
+        learner = make_learner(model, settings)
+        learner.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        learner.value.seeded = True  # a zero critic: every token carries the reward as its advantage
+        metrics = sao_step(model, batch, settings, learner)
+        after[budget] = (metrics, {k: v.detach().clone() for k, v in model.named_parameters()})
+    assert after[2][0]["micro_batches"] > 1 and after[4096][0]["micro_batches"] == 1
+    assert after[2][0]["masked_tokens"] == 0 and after[2][0]["pg_loss"] != 0
+    for key in ("pg_loss", "entropy", "value_loss", "iw_mean", "kl_behaviour", "grad_norm"):
+        assert after[2][0][key] == pytest.approx(after[4096][0][key], rel=1e-4, abs=1e-6), key
+    for name, small in after[2][1].items():
+        assert torch.allclose(small, after[4096][1][name], rtol=1e-4, atol=1e-6), name
+    assert any(not torch.equal(v, base.get_parameter(k)) for k, v in after[2][1].items())
