@@ -51,7 +51,7 @@ import torch
 from daemon import lora
 from daemon.errors import BadRequest
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
-from recipes.memory import Shape, check_budget, micro_batches
+from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
 
 
@@ -203,10 +203,10 @@ def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
     rows = torch.arange(len(batch), device=dev)[:, None]
     parts = _decoder_and_head(model)
     if parts is None:
-        picked = model(input_ids=ids, attention_mask=mask).logits.float()[rows, pos]  # [B, T, V]
+        picked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[rows, pos]  # [B, T, V]
     else:  # the output head only where a completion token is predicted (not over every prompt position)
         decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         picked = head(hidden[rows, pos]).float()
     logp_all = torch.log_softmax(picked, dim=-1)
     targets = ids[rows, pos + 1]
@@ -274,7 +274,9 @@ def train_step(
             optimizer.zero_grad(set_to_none=True)
             sums: defaultdict[str, float] = defaultdict(float)
             for part in parts:
-                _accumulate(model, [batch[i] for i in part], [adv_of[i] for i in part], settings, n, sums)
+                with checkpointing(model, part.checkpoint):
+                    _accumulate(model, [batch[i] for i in part.rows], [adv_of[i] for i in part.rows], settings, n,
+                                sums)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if step == 0:
@@ -289,6 +291,7 @@ def train_step(
                     "kl": sums["kl"],
                     "grad_norm": float(grad_norm),
                     "micro_batches": float(len(parts)),
+                    "checkpointed": float(sum(len(p.rows) for p in parts if p.checkpoint)),
                 }
     finally:
         model.train(was_training)

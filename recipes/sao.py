@@ -64,7 +64,7 @@ import torch
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
-from recipes.memory import Shape, check_budget, micro_batches
+from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.online_rl import Sample, _decoder_and_head, _eval_scores, _padded
 
 VALUE_FILE = "value_head.pt"
@@ -195,11 +195,11 @@ def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True
     rows = torch.arange(len(batch))[:, None]
     parts = _decoder_and_head(model)
     if parts is None:
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
         picked, hidden = out.logits.float()[rows, pos], out.hidden_states[-1][rows, pos]  # [B, T, V], [B, T, H]
     else:
         decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state[rows, pos]  # [B, T, H]
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[rows, pos]  # [B, T, H]
         picked = head(hidden).float()
     logp_all = torch.log_softmax(picked, dim=-1)
     logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
@@ -244,15 +244,18 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         value.seeded = True
     # micro-batches that fit the memory budget (recipes/memory.py); one (the default single rollout): its forward
     # with grad serves the first step too, several: a forward without grad first, then each step's with grad
-    parts = [[batch[i] for i in p] for p in micro_batches(
-        [(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model), settings.memory_budget_mb)]
+    micro = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model),
+                          settings.memory_budget_mb)
+    parts = [[batch[i] for i in p.rows] for p in micro]
     entropy_grad = settings.entropy_coef != 0
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
     try:
-        with torch.set_grad_enabled(len(parts) == 1):
-            first = [_forward(model, part, entropy_grad=entropy_grad) for part in parts]
+        first = []
+        for part, mb in zip(parts, micro, strict=True):
+            with torch.set_grad_enabled(len(parts) == 1), checkpointing(model, mb.checkpoint and len(parts) == 1):
+                first.append(_forward(model, part, entropy_grad=entropy_grad))
         per: list[dict[str, torch.Tensor]] = []
         for part, (logp, entropy, features, tmask) in zip(parts, first, strict=True):
             behaviour = torch.zeros_like(logp)
@@ -283,17 +286,18 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         for step in range(settings.steps_per_batch):
             learner.optimizer.zero_grad(set_to_none=True)
             pg_total = entropy_total = 0.0
-            for part, p in zip(parts, per, strict=True):
-                if step or len(parts) > 1:
-                    logp, entropy, _, _ = _forward(model, part, entropy_grad=entropy_grad)
-                else:
-                    logp, entropy = p["logp"], p["entropy"]
-                ratio = (logp - p["prox"]).masked_fill(~p["used"], 0.0).exp()
-                clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
-                surrogate = torch.minimum(ratio * p["adv"], clipped * p["adv"])
-                pg_loss = -(p["w"] * surrogate * p["used"]).sum() / n_used
-                mean_entropy = (entropy * p["tmask"]).sum() / n
-                (pg_loss - settings.entropy_coef * mean_entropy).backward()
+            for part, mb, p in zip(parts, micro, per, strict=True):
+                with checkpointing(model, mb.checkpoint):
+                    if step or len(parts) > 1:
+                        logp, entropy, _, _ = _forward(model, part, entropy_grad=entropy_grad)
+                    else:
+                        logp, entropy = p["logp"], p["entropy"]
+                    ratio = (logp - p["prox"]).masked_fill(~p["used"], 0.0).exp()
+                    clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+                    surrogate = torch.minimum(ratio * p["adv"], clipped * p["adv"])
+                    pg_loss = -(p["w"] * surrogate * p["used"]).sum() / n_used
+                    mean_entropy = (entropy * p["tmask"]).sum() / n
+                    (pg_loss - settings.entropy_coef * mean_entropy).backward()
                 pg_total += float(pg_loss.detach())
                 entropy_total += float(mean_entropy.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)

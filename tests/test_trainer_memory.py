@@ -68,35 +68,39 @@ def test_a_steps_peak_memory_follows_the_budget_not_the_batch(tiny_model: Path, 
     assert large >= 10 * max(small, 16), (small, large)
 
 
-def test_micro_batches_make_the_same_update_as_the_whole_batch(tiny_model: Path) -> None:
+@pytest.mark.parametrize(("prompt", "budget"), [(40, 2), (400, 8)], ids=["micro-batches", "checkpointed"])
+def test_micro_batches_make_the_same_update_as_the_whole_batch(tiny_model: Path, prompt: int, budget: int) -> None:
     """Gradient accumulation is exact: the weights after two steps in micro-batches equal those after the same
     steps on the batch at once (a mis-scaled share of the loss, e.g. divided by the micro-batch's own token
-    count, or gradients not cleared between steps, moves them differently). Plain SGD, so that the weights
+    count, or gradients not cleared between steps, moves them differently); so do rows too long for the budget,
+    run one at a time with gradient checkpointing (400-token prompts, 12-token answers: 9.3 MB each by the estimate, 5.4 MB
+    checkpointed, the budget 8 MB). Plain SGD, so that the weights
     move by the gradient itself (Adam's normalisation would blow float noise in near-zero gradients up)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    rows = records(16, 40, 12, seed=1)
+    rows = records(16, prompt, 12, seed=1)
     rng = random.Random(2)
     batch = [Sample(r["prompt_token_ids"], r["token_ids"][: rng.randrange(3, 13)], [], r["score"], str(i // 4))
              for i, r in enumerate(rows)]
     for s in batch:
         s.logprobs = [-8.0] * len(s.token_ids)
     after = {}
-    for budget in (2, 4096):
+    for budget_mb in (budget, 4096):
         model = copy.deepcopy(base)
-        settings = OnlineRLSettings(memory_budget_mb=budget, steps_per_batch=2, entropy_coef=0.01, grad_clip=1e9)
+        settings = OnlineRLSettings(memory_budget_mb=budget_mb, steps_per_batch=2, entropy_coef=0.01, grad_clip=1e9)
         make_optimizer(model, settings)  # freezes the embeddings, as in training
         sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         metrics = train_step(model, batch, settings, sgd)
-        after[budget] = (metrics, {k: v.detach().clone() for k, v in model.named_parameters()})
-    assert after[2][0]["micro_batches"] > 1 and after[4096][0]["micro_batches"] == 1
+        after[budget_mb] = (metrics, {k: v.detach().clone() for k, v in model.named_parameters()})
+    assert after[budget][0]["micro_batches"] > 1 and after[4096][0]["micro_batches"] == 1
+    assert after[budget][0]["checkpointed"] == (16 if prompt == 400 else 0) and after[4096][0]["checkpointed"] == 0
     for key in ("pg_loss", "entropy", "ratio_mean", "kl", "grad_norm"):
-        assert after[2][0][key] == pytest.approx(after[4096][0][key], rel=1e-4, abs=1e-6), key
+        assert after[budget][0][key] == pytest.approx(after[4096][0][key], rel=1e-4, abs=1e-6), key
     moved = 0
-    for name, small in after[2][1].items():
+    for name, small in after[budget][1].items():
         large = after[4096][1][name]
         assert torch.allclose(small, large, rtol=1e-4, atol=1e-6), (name, (small - large).abs().max())
         moved += int(not torch.equal(large, base.get_parameter(name)))
