@@ -28,6 +28,11 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   one step per batch (``REAL_SETTINGS`` in ``reef_cli/demo.py``, measured with ``bench/preference_offline.py``).
   The log-probs are computed from the decoder's hidden states with the output head applied only where a
   completion token is predicted (``_decoder_and_head``): a 49k vocabulary over every prompt position was 7 GB.
+- **Memory.** A batch runs in micro-batches whose estimated activations fit ``memory_budget_mb`` (longest
+  samples first, gradients accumulated: the same update), and a sample too long for the budget alone runs with
+  gradient checkpointing (``recipes/memory.py``). The whole default batch at once kept about 2 MB a token on
+  SmolLM2 (64 samples of 360 tokens: some 45 GB; the kernel killed the trainer at 23 GB). No entropy gradient is
+  kept unless ``entropy_coef`` is set.
 """
 
 from __future__ import annotations
