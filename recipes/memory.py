@@ -4,8 +4,10 @@ Why: the activations a step keeps for backward grow with every token of every sa
 (8 prompts x 8 samples) of agent-like prompts (300 tokens) with 60-token answers on SmolLM2-135M (LoRA) keeps
 about 2 MB a token, some 45 GB for the whole batch at once; the kernel killed the trainer at 23 GB. A step now
 runs its batch in micro-batches whose estimated cost fits the recipe's ``memory_budget_mb`` and accumulates their
-gradients: the loss is a sum over the batch's tokens divided by their count, so the update is the same
-(measured with ``bench/trainer_memory.py``).
+gradients: the loss is a sum over the batch's tokens divided by their count, so the update is the same. Measured
+with ``bench/trainer_memory.py`` (the default batch, 300 + 60 tokens, SmolLM2, LoRA): the trainer's peak RSS
+1.93 GB at the default ``memory_budget_mb = 1024`` (1.15 GB of it the model, its adapters and the runtime),
+against 3.1 GB more for every 4 samples at once before (51 GB for the batch, scaled).
 
 The estimate, float32, for a row padded to ``width`` tokens with ``answer`` completion positions:
 
