@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import os
 import random
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -104,10 +105,16 @@ def main() -> None:
     ap.add_argument("--full-logits", action="store_true", help="'before' also computes full-vocabulary logits")
     ap.add_argument("--skip-before", action="store_true")
     args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="reef-trainer-memory-"))
+    try:
+        measure(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def measure(args: argparse.Namespace, tmp: Path) -> None:
     from recipes.online_rl import OnlineRLSettings
 
-    tmp = Path(tempfile.mkdtemp(prefix="reef-trainer-memory-"))
     model = args.model
     if model is None:
         from daemon.smollm2 import init_smollm2
