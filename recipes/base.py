@@ -32,9 +32,11 @@ What the daemon calls, and where:
 
 Guarantees the daemon gives every recipe: a batch's receipts are consumed exactly once (listed in the release
 or the rejection that came of them, rebuilt from the chain at start-up); a crash (``kill -9``, a dead worker)
-retries the step, since nothing was consumed; a candidate is never half published (the chain's compare-and-swap
-moves the head to a complete release or not at all); a candidate whose content equals its parent is not
-published; a step that raises is written down as failed with the exception's message, and serving goes on.
+retries the step, since nothing was consumed, but a worker that dies twice on the same batch (the kernel's
+out-of-memory killer would only kill it again) is a failed step naming how it died, never a loop; a candidate
+is never half published (the chain's compare-and-swap moves the head to a complete release or not at all); a
+candidate whose content equals its parent is not published; a step that raises is written down as failed with
+the exception's message, and serving goes on.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   one step per batch (``REAL_SETTINGS`` in ``reef_cli/demo.py``, measured with ``bench/preference_offline.py``).
   The log-probs are computed from the decoder's hidden states with the output head applied only where a
   completion token is predicted (``_decoder_and_head``): a 49k vocabulary over every prompt position was 7 GB.
+- **Memory.** A batch runs in micro-batches whose estimated activations fit ``memory_budget_mb`` (longest
+  samples first, gradients accumulated: the same update), and a sample too long for the budget alone runs with
+  gradient checkpointing (``recipes/memory.py``). The whole default batch at once kept about 2 MB a token on
+  SmolLM2 (64 samples of 360 tokens: some 45 GB; the kernel killed the trainer at 23 GB). No entropy gradient is
+  kept unless ``entropy_coef`` is set.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 from daemon import lora
 from daemon.errors import BadRequest
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
 
 
@@ -94,6 +100,10 @@ class OnlineRLSettings(GateSettings):
     eval_n: int = 64  # evaluation tasks
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
+    # memory (MB) one micro-batch's forward and backward may keep, besides the model and optimizer: the batch is
+    # split into micro-batches that fit and their gradients accumulated (recipes/memory.py). 1024: SmolLM2 with
+    # 300-token prompts and 60-token answers then peaks under 2 GB (bench/trainer_memory.py)
+    memory_budget_mb: int = 1024
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,8 +193,10 @@ def _padded(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask, starts, torch.tensor(lengths)
 
 
-def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask."""
+def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask.
+    ``entropy_grad=False``: the entropies carry no grad (nothing vocabulary-wide is kept for them)."""
     pad = model.config.pad_token_id or 0
     dev = model.device
     ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
@@ -196,15 +208,16 @@ def token_logprobs(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch
     rows = torch.arange(len(batch), device=dev)[:, None]
     parts = _decoder_and_head(model)
     if parts is None:
-        picked = model(input_ids=ids, attention_mask=mask).logits.float()[rows, pos]  # [B, T, V]
+        picked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[rows, pos]  # [B, T, V]
     else:  # the output head only where a completion token is predicted (not over every prompt position)
         decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         picked = head(hidden[rows, pos]).float()
     logp_all = torch.log_softmax(picked, dim=-1)
     targets = ids[rows, pos + 1]
     logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy, tmask
 
 
@@ -252,51 +265,74 @@ def train_step(
     if not used:
         return {**summary, "skipped": 1.0}
     batch = [s for s, _ in used]
-    longest = max(len(s.token_ids) for s in batch)
-    old = torch.zeros(len(batch), longest, device=model.device)
-    bonus = torch.zeros(len(batch), longest, device=model.device)
-    for row, s in enumerate(batch):
-        old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-        if s.token_bonus:
-            bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
-    adv = torch.tensor([a for _, a in used], device=model.device)[:, None] + bonus  # [B, T]
+    adv_of = [a for _, a in used]
+    # micro-batches that fit the memory budget, their gradients accumulated (recipes/memory.py)
+    parts = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model),
+                          settings.memory_budget_mb)
+    n = float(sum(len(s.token_ids) for s in batch))  # every completion token of the batch weighs the same
+    params = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
     try:
         for step in range(settings.steps_per_batch):
-            logp, entropy, tmask = token_logprobs(model, batch)
-            n = tmask.sum().clamp(min=1)
-            log_ratio = (logp - old).masked_fill(~tmask, 0.0)
-            ratio = log_ratio.exp()
-            clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
-            surrogate = torch.minimum(ratio * adv, clipped * adv)
-            pg_loss = -(surrogate * tmask).sum() / n
-            mean_entropy = (entropy * tmask).sum() / n
-            loss = pg_loss - settings.entropy_coef * mean_entropy
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], settings.grad_clip
-            )
+            sums: defaultdict[str, float] = defaultdict(float)
+            for part in parts:
+                with checkpointing(model, part.checkpoint):
+                    _accumulate(model, [batch[i] for i in part.rows], [adv_of[i] for i in part.rows], settings, n,
+                                sums)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if step == 0:
-                with torch.no_grad():
-                    is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
-                    metrics = {
-                        "loss": float(loss),
-                        "pg_loss": float(pg_loss),
-                        "entropy": float(mean_entropy),
-                        "ratio_mean": float((ratio * tmask).sum() / n),
-                        "ratio_max": float(ratio.masked_fill(~tmask, 0).max()),
-                        "clip_frac": float((is_clipped & tmask).sum() / n),
-                        # k3 estimator of KL(behaviour || current) per token
-                        "kl": float(((ratio - 1 - log_ratio) * tmask).sum() / n),
-                        "grad_norm": float(grad_norm),
-                    }
+                metrics = {
+                    "loss": sums["pg_loss"] - settings.entropy_coef * sums["entropy"],
+                    "pg_loss": sums["pg_loss"],
+                    "entropy": sums["entropy"],
+                    "ratio_mean": sums["ratio"],
+                    "ratio_max": sums["ratio_max"],
+                    "clip_frac": sums["clipped"],
+                    # k3 estimator of KL(behaviour || current) per token
+                    "kl": sums["kl"],
+                    "grad_norm": float(grad_norm),
+                    "micro_batches": float(len(parts)),
+                    "checkpointed": float(sum(len(p.rows) for p in parts if p.checkpoint)),
+                }
     finally:
         model.train(was_training)
     return {**summary, **metrics, "skipped": 0.0}
+
+
+def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: OnlineRLSettings, n: float,
+                sums: defaultdict[str, float]) -> None:
+    """Forward and backward of one micro-batch, its loss a share of the whole batch's (divided by the batch's
+    token count ``n``, not its own): the accumulated gradient is the whole batch's. Adds its share of the
+    step's metrics to ``sums``."""
+    dev = model.device
+    longest = max(len(s.token_ids) for s in batch)
+    old = torch.zeros(len(batch), longest, device=dev)
+    bonus = torch.zeros(len(batch), longest, device=dev)
+    for row, s in enumerate(batch):
+        old[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+        if s.token_bonus:
+            bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
+    adv = torch.tensor(adv_of, device=dev)[:, None] + bonus  # [B, T]
+    logp, entropy, tmask = token_logprobs(model, batch, entropy_grad=settings.entropy_coef != 0)
+    log_ratio = (logp - old).masked_fill(~tmask, 0.0)
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    pg_loss = -(surrogate * tmask).sum() / n
+    mean_entropy = (entropy * tmask).sum() / n
+    (pg_loss - settings.entropy_coef * mean_entropy).backward()
+    with torch.no_grad():
+        is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
+        sums["pg_loss"] += float(pg_loss)
+        sums["entropy"] += float(mean_entropy)
+        sums["ratio"] += float((ratio * tmask).sum() / n)
+        sums["ratio_max"] = max(sums["ratio_max"], float(ratio.masked_fill(~tmask, 0).max()))
+        sums["clipped"] += float((is_clipped & tmask).sum() / n)
+        sums["kl"] += float(((ratio - 1 - log_ratio) * tmask).sum() / n)
 
 
 # --- sampling and evaluation ------------------------------------------------------------------------------------
@@ -450,6 +486,7 @@ class OnlineRL(Recipe):
         for key in ("batch_prompts", "group_size", "steps_per_batch", "eval_n"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
+        check_budget(cls.name, settings.memory_budget_mb)
 
     def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness

@@ -64,7 +64,8 @@ import torch
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
-from recipes.online_rl import Sample, _eval_scores, _padded
+from recipes.memory import Shape, check_budget, checkpointing, micro_batches
+from recipes.online_rl import Sample, _decoder_and_head, _eval_scores, _padded
 
 VALUE_FILE = "value_head.pt"
 MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the worker keeps in memory
@@ -96,6 +97,7 @@ class SAOSettings(GateSettings):
     eval_seed: int = 0
     eval_every: int = 10  # steps between periodic checks (the first step after a restart is checked too)
     restart_after: int = 3  # failed checks in a row after which training restarts from the head
+    memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,20 +182,29 @@ def save_weights(model: Any, out: Path, base: Path, *, frozen_embeddings: bool) 
 # --- the training step -------------------------------------------------------------------------------------------
 
 
-def _forward(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per completion token [B, T]: log-prob (with grad), entropy, the hidden state it was sampled from, and a mask."""
+def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per completion token [B, T]: log-prob (with grad), entropy, the critic's features of the state it was
+    sampled from, and a mask. The output head runs only at the completion positions (``_decoder_and_head``)."""
     pad = model.config.pad_token_id or 0
     ids, mask, starts, lengths = _padded(batch, pad)
     longest = max(len(s.token_ids) for s in batch)
     pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
     tmask = pos < (lengths[:, None] - 1)
     pos = pos.clamp(max=ids.shape[1] - 2)
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     rows = torch.arange(len(batch))[:, None]
-    logp_all = torch.log_softmax(out.logits.float()[rows, pos], dim=-1)
+    parts = _decoder_and_head(model)
+    if parts is None:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        picked, hidden = out.logits.float()[rows, pos], out.hidden_states[-1][rows, pos]  # [B, T, V], [B, T, H]
+    else:
+        decoder, head = parts
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[rows, pos]  # [B, T, H]
+        picked = head(hidden).float()
+    logp_all = torch.log_softmax(picked, dim=-1)
     logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    hidden = out.hidden_states[-1][rows, pos]  # [B, T, H]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy, critic_features(hidden, logp_all, logp), tmask
 
 
@@ -226,76 +237,92 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         if not math.isfinite(s.reward):
             raise ValueError("a reward must be a finite number")
     summary = {"reward_mean": sum(s.reward for s in batch) / len(batch), "samples": float(len(batch))}
-    longest = max(len(s.token_ids) for s in batch)
-    behaviour = torch.zeros(len(batch), longest)
-    for row, s in enumerate(batch):
-        behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    rewards = torch.tensor([s.reward for s in batch])[:, None]
     value = learner.value
     if not value.seeded:  # the first reward seeds the baseline: no early steps spent learning the reward's mean
         with torch.no_grad():
-            value.linear.bias.fill_(float(rewards.mean()))
+            value.linear.bias.fill_(sum(s.reward for s in batch) / len(batch))
         value.seeded = True
+    # micro-batches that fit the memory budget (recipes/memory.py); one (the default single rollout): its forward
+    # with grad serves the first step too, several: a forward without grad first, then each step's with grad
+    micro = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model),
+                          settings.memory_budget_mb)
+    parts = [[batch[i] for i in p.rows] for p in micro]
+    entropy_grad = settings.entropy_coef != 0
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
     try:
-        logp, entropy, features, tmask = _forward(model, batch)
-        prox = logp.detach()
-        n = tmask.sum().clamp(min=1)
+        first = []
+        for part, mb in zip(parts, micro, strict=True):
+            with torch.set_grad_enabled(len(parts) == 1), checkpointing(model, mb.checkpoint and len(parts) == 1):
+                first.append(_forward(model, part, entropy_grad=entropy_grad))
+        per: list[dict[str, torch.Tensor]] = []
+        for part, (logp, entropy, features, tmask) in zip(parts, first, strict=True):
+            behaviour = torch.zeros_like(logp)
+            for row, s in enumerate(part):
+                behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+            rewards = torch.tensor([s.reward for s in part])[:, None]
+            v = value(features)  # the critic's grads only: its features are detached
+            per.append({"logp": logp, "entropy": entropy, "tmask": tmask, "prox": logp.detach(), "v": v,
+                        "rewards": rewards, "behaviour": behaviour,
+                        "adv": (rewards - v.detach()).masked_fill(~tmask, 0.0)})
+        n = sum(p["tmask"].sum() for p in per).clamp(min=1)
         # --- the critic: fit V(s_t) to the reward, on detached features
-        v = value(features)
-        value_loss = (((v - rewards) ** 2) * tmask).sum() / n
+        value_loss = sum((((p["v"] - p["rewards"]) ** 2) * p["tmask"]).sum() for p in per) / n
         # --- the advantage: reward minus the value before this update
-        adv = (rewards - v.detach()).masked_fill(~tmask, 0.0)
-        if float(adv.abs().max()) < 1e-6:  # the critic predicted the reward: nothing to learn, nothing moves
+        if max(float(p["adv"].abs().max()) for p in per) < 1e-6:  # the critic predicted the reward: nothing moves
             return {**summary, "value_loss": float(value_loss.detach()), "skipped": 1.0}
         learner.value_optimizer.zero_grad(set_to_none=True)
         value_loss.backward()
         learner.value_optimizer.step()
         # --- the behaviour correction: truncated weight pi_prox / mu, implausible tokens masked out
-        log_w = (prox - behaviour).masked_fill(~tmask, 0.0)
-        implausible = (log_w < -4 * math.log(settings.is_cap)) & tmask
-        used = tmask & ~implausible
-        w = log_w.exp().clamp(max=settings.is_cap).masked_fill(~used, 0.0)
-        n_used = used.sum().clamp(min=1)
+        for p in per:
+            p["log_w"] = (p["prox"] - p["behaviour"]).masked_fill(~p["tmask"], 0.0)
+            p["implausible"] = (p["log_w"] < -4 * math.log(settings.is_cap)) & p["tmask"]
+            p["used"] = p["tmask"] & ~p["implausible"]
+            p["w"] = p["log_w"].exp().clamp(max=settings.is_cap).masked_fill(~p["used"], 0.0)
+        n_used = sum(p["used"].sum() for p in per).clamp(min=1)
+        params = [q for q in model.parameters() if q.requires_grad]
         for step in range(settings.steps_per_batch):
-            if step:
-                logp, entropy, _, _ = _forward(model, batch)
-            ratio = (logp - prox).masked_fill(~used, 0.0).exp()
-            clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
-            surrogate = torch.minimum(ratio * adv, clipped * adv)
-            pg_loss = -(w * surrogate * used).sum() / n_used
-            mean_entropy = (entropy * tmask).sum() / n
-            loss = pg_loss - settings.entropy_coef * mean_entropy
             learner.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], settings.grad_clip)
+            pg_total = entropy_total = 0.0
+            for part, mb, p in zip(parts, micro, per, strict=True):
+                with checkpointing(model, mb.checkpoint):
+                    if step or len(parts) > 1:
+                        logp, entropy, _, _ = _forward(model, part, entropy_grad=entropy_grad)
+                    else:
+                        logp, entropy = p["logp"], p["entropy"]
+                    ratio = (logp - p["prox"]).masked_fill(~p["used"], 0.0).exp()
+                    clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+                    surrogate = torch.minimum(ratio * p["adv"], clipped * p["adv"])
+                    pg_loss = -(p["w"] * surrogate * p["used"]).sum() / n_used
+                    mean_entropy = (entropy * p["tmask"]).sum() / n
+                    (pg_loss - settings.entropy_coef * mean_entropy).backward()
+                pg_total += float(pg_loss.detach())
+                entropy_total += float(mean_entropy.detach())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             learner.optimizer.step()
             if step == 0:
-                metrics = {
-                    "pg_loss": float(pg_loss.detach()),
-                    "entropy": float(mean_entropy.detach()),
-                    "grad_norm": float(grad_norm),
-                }
+                metrics = {"pg_loss": pg_total, "entropy": entropy_total, "grad_norm": float(grad_norm),
+                           "micro_batches": float(len(parts))}
     finally:
         model.train(was_training)
     with torch.no_grad():
-        iw = log_w.exp()
+        iws = [(p["log_w"].exp(), p) for p in per]
         metrics.update(
             **summary,
             skipped=0.0,
-            tokens=float(tmask.sum()),
+            tokens=float(n),
             value_loss=float(value_loss),
-            value=float((v.detach()[:, :1]).mean()),  # the critic's value of the prompt (first position)
-            advantage=float((adv[:, :1]).mean()),
-            iw_mean=float((iw * tmask).sum() / n),
-            iw_max=float(iw.masked_fill(~tmask, 0).max()),
-            iw_truncated=float(((iw > settings.is_cap) & tmask).sum() / n),
-            masked_tokens=float(implausible.sum()),
+            # the critic's value of the prompt (first position), and the advantage there
+            value=sum(float(p["v"][:, 0].sum()) for p in per) / len(batch),
+            advantage=sum(float(p["adv"][:, 0].sum()) for p in per) / len(batch),
+            iw_mean=sum(float((iw * p["tmask"]).sum()) for iw, p in iws) / float(n),
+            iw_max=max(float(iw.masked_fill(~p["tmask"], 0).max()) for iw, p in iws),
+            iw_truncated=sum(float(((iw > settings.is_cap) & p["tmask"]).sum()) for iw, p in iws) / float(n),
+            masked_tokens=sum(float(p["implausible"].sum()) for p in per),
             # k3 estimator of KL(behaviour || proximal) per token: how far the trained weights are from the server
-            kl_behaviour=float(((iw - 1 - log_w) * tmask).sum() / n),
+            kl_behaviour=sum(float(((iw - 1 - p["log_w"]) * p["tmask"]).sum()) for iw, p in iws) / float(n),
         )
     return metrics
 
@@ -333,6 +360,7 @@ class SAO(Recipe):
         for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
+        check_budget(cls.name, settings.memory_budget_mb)
         if settings.is_cap < 1:
             raise BadRequest("recipe sao setting is_cap must be at least 1", param="settings.is_cap")
         if settings.max_staleness < 0:

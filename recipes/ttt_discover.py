@@ -58,6 +58,7 @@ import torch
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.memory import check_budget
 from recipes.online_rl import Sample, eos_ids, generate, make_optimizer, train_step
 from recipes.sao import save_weights
 
@@ -91,6 +92,7 @@ class TTTSettings(GateSettings):
     eval_attempts: int = 32  # attempts the gate samples from the candidate and from the head
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
+    memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +152,7 @@ class TTTDiscover(Recipe):
         for key in ("group_size", "groups_per_step", "steps_per_batch", "eval_attempts", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe ttt-discover setting {key} must be at least 1", param=f"settings.{key}")
+        check_budget(cls.name, settings.memory_budget_mb)
         if settings.group_size < 2:
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")

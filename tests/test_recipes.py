@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,25 @@ class Truncating(Copycat):
         weights = Path(job.work_dir) / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         return Candidate(metrics={"cut": 1})
+
+
+@dataclass
+class TallySettings:
+    tally: str = ""  # a file each attempt appends a line to
+
+
+class KillsItself(Copycat):
+    """A weights recipe whose step kills its own worker process, as the kernel's OOM killer would."""
+
+    name = "kills-itself"
+    Settings = TallySettings
+
+    def train(self, job, state):
+        import os
+
+        with open(self.settings.tally, "a") as f:
+            f.write(job.id + "\\n")
+        os.kill(os.getpid(), 9)
 
 
 class NotARecipe:
@@ -341,6 +361,37 @@ def test_a_step_that_raises_is_written_down_as_failed_and_serving_goes_on(daemon
         assert r.status_code == 201, r.text
         learning = r.json()["learning"]
         assert learning["verdict"] == "failed" and "cannot edit today" in learning["reason"]
+
+
+def test_a_worker_killed_twice_on_one_batch_is_a_failed_step_with_its_reason_never_a_loop(daemon_factory, recipe_dir,
+                                                                                          tmp_path):
+    """A step whose worker is SIGKILLed (the kernel's OOM killer at 23 GB, issue 23) is tried twice, then written
+    down as failed naming how the worker died: in the chain, on /reef/events, in ``releases list --all``; the
+    batch is consumed, never tried a third time, and serving goes on."""
+    tally = tmp_path / "tally"
+    d = with_recipe_paths(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "oom", "recipe": "plugins:KillsItself",
+                                               "settings": {"tally": str(tally)}})
+        assert made.status_code == 201, made.text
+        with c.stream("GET", "/reef/events", timeout=httpx.Timeout(60, read=120)) as events:
+            receipts = serve_and_report(c, "oom", 2)
+            for line in events.iter_lines():
+                if line.startswith("data:") and '"gate"' in line and '"oom"' in line:
+                    gate = json.loads(line[5:])
+                    break
+        assert gate["verdict"] == "failed" and "died 2 times" in gate["reason"] and "SIGKILL" in gate["reason"], gate
+        (failed,) = releases(c, "oom", True)["rejected"]
+        assert failed["verdict"] == "failed" and failed["reason"] == gate["reason"]
+        assert sorted(failed["receipts"]) == sorted(receipts)
+        time.sleep(3)  # time for a third attempt, were there one
+        assert len(tally.read_text().splitlines()) == 2, tally.read_text()
+        assert len(releases(c, "oom", True)["rejected"]) == 1 and len(releases(c, "oom")["releases"]) == 1
+        ok = c.post("/s/oom/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+    listed = d.cli("releases", "list", "-s", "oom", "--all").stdout
+    assert "failed" in listed and "died 2 times" in " ".join(listed.split()), listed
 
 
 def test_a_report_that_violates_the_recipes_schema_is_refused_and_not_stored(daemon_factory, recipe_dir):

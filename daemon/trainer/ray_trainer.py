@@ -20,7 +20,7 @@ Design choices:
 - Reef's own packages (``daemon``, ``recipes``) travel with the job (Ray ``py_modules``), so every node runs the
   daemon's code; ``recipe_paths`` directories are put on the workers' ``PYTHONPATH`` and must exist at the same
   path on the nodes (they do on a local cluster). Torch and transformers must be installed on the nodes.
-- A dead actor (its worker killed, its node lost) is replaced and the step retried, up to ``retries`` times: the
+- A dead actor (its worker killed, its node lost) is replaced and the step retried once (``retries``): the
   step had consumed nothing and published nothing (the daemon publishes only what comes back), so a retry cannot
   publish twice. A step that raises inside the actor is not retried (the same batch would fail again): it comes
   back as ``StepFailed`` with the exception's message.
@@ -125,7 +125,7 @@ class RayDriver:
     """Runs jobs on a Ray cluster, from the trainer worker process: ``run`` gives the candidate (complete at
     ``out_dir``) or raises ``StepFailed``; ``close`` stops the actors (and the local cluster it started)."""
 
-    def __init__(self, address: str | None = None, threads: int = 1, retries: int = 2,
+    def __init__(self, address: str | None = None, threads: int = 1, retries: int = 1,
                  recipe_paths: list[str] | None = None) -> None:
         self.address = address
         self.threads = threads

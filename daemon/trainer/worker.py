@@ -12,9 +12,13 @@ Design choices:
   so it can never become a release, whatever the recipe does.
 - With ``ray`` (``trainer = "ray"``) the worker is a Ray driver instead (``daemon/trainer/ray_trainer.py``): each job
   runs on a Ray actor and its candidate comes back as files; the pipe, the job and the candidate are the same.
-- ``TrainerClient.run`` restarts a dead worker and retries the job (up to ``retries`` times); a job that fails
-  inside the worker with an exception is not retried (the same batch would fail again): it comes back as a
-  ``StepFailed`` carrying the exception's message.
+- ``TrainerClient.run`` restarts a dead worker and retries the job once (``retries``): a worker killed from outside
+  (``kill -9``, a lost node) deserves another go. A worker that dies twice on the same job is a ``StepFailed``
+  naming how it died (the kernel's OOM killer sends SIGKILL): the daemon writes the step down as failed and moves
+  on, so a batch that cannot fit is never retried in a loop. A job that fails inside the worker with an exception
+  is not retried at all (the same batch would fail again): it comes back as a ``StepFailed`` carrying the
+  exception's message.
+- The worker adds its peak resident memory so far (``trainer_peak_rss_mb``) to every step's metrics.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -61,6 +67,8 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
             raise
         if not isinstance(candidate, Candidate):
             raise TypeError(f"recipe {job.recipe}: train() returned {type(candidate).__name__}, not a Candidate")
+        # ru_maxrss is in KiB on Linux: the worker's peak so far (this step's, or an earlier one's if higher)
+        candidate.metrics["trainer_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         if candidate.skipped is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return replace(candidate, path=None)
@@ -133,10 +141,28 @@ def worker_main(conn: Connection, threads: int, parent: int, paths: list[str],
 # --- the daemon side ---------------------------------------------------------------------------------------
 
 
+def _death(proc: Any) -> str:
+    """How a dead worker died, in words."""
+    proc.join(5)
+    code = proc.exitcode
+    if code is None:
+        return "its pipe closed"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return f"killed by {name}: the kernel's out-of-memory killer, or kill -9; lower the recipe's " \
+                   "memory_budget_mb or its batch size"
+        return f"killed by {name}"
+    return f"exit status {code}"
+
+
 class TrainerClient:
     """Runs jobs in the worker process, restarting it when it dies."""
 
-    def __init__(self, threads: int = 1, retries: int = 2, recipe_paths: list[str] | None = None,
+    def __init__(self, threads: int = 1, retries: int = 1, recipe_paths: list[str] | None = None,
                  ray: tuple[str | None] | None = None) -> None:
         self.ray = ray  # (address,): the worker is a Ray driver (trainer = "ray")
         self.threads = threads
@@ -182,8 +208,11 @@ class TrainerClient:
                 except (EOFError, OSError, BrokenPipeError):
                     self._conn = None
                     shutil.rmtree(out_dir, ignore_errors=True)
+                    how = _death(self._proc)
                     if attempt == self.retries:
-                        raise EngineError(f"the trainer worker died {attempt + 1} times on job {job.id}") from None
+                        raise StepFailed(f"the trainer worker died {attempt + 1} times on this batch ({how}); "
+                                         "not retried again", job=job.id) from None
+                    log.warning("trainer worker died during job %s (%s); retrying the job once", job.id, how)
                     continue
                 if isinstance(result, str):
                     raise StepFailed(result, job=job.id)
