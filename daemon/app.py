@@ -783,17 +783,22 @@ async def handle_scenario(request: web.Request) -> web.Response:
 
 async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]:
     """The recipe's own summary of its progress (``Recipe.status``), for recipes that have one."""
+    from daemon.learning import left_out
     from recipes.base import Recipe
 
     try:
         recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
     except ReefError:  # a recipe that no longer loads: the view still shows the scenario
         return {}
+    out: dict[str, Any] = {}
+    skipped = await left_out(reef.store, recipe, scenario["name"])
+    if skipped is not None:
+        out["left_out"] = skipped
     if type(recipe).status is Recipe.status:
-        return {}
+        return out
     releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
     rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
-    return {"recipe_status": recipe.status(releases, rejected)}
+    return {**out, "recipe_status": recipe.status(releases, rejected)}
 
 
 def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:

@@ -86,7 +86,6 @@ class OnlineRLSettings(GateSettings):
     grad_clip: float = 1.0  # max global gradient norm
     steps_per_batch: int = 2  # optimizer steps per batch
     max_staleness: int = 2  # releases: records served by a release older than head - this are not used
-    temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8  # tokens per answer in the demo
     train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
     # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
@@ -471,6 +470,7 @@ class OnlineRL(Recipe):
     name = "online-rl"
     kind = "weights"
     source = "scores"
+    behaviour_logprobs = True
     Settings = OnlineRLSettings
 
     @classmethod
