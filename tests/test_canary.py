@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.canary import decide, in_canary
+from daemon.canary import decide, in_canary, radius
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_harness import create
 from tests.test_recipes import recipe_dir  # noqa: F401 - the fixture, used by name
@@ -136,6 +136,19 @@ def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daem
         r = c.post("/s/cm/v1/chat/completions", headers={"x-reef-release-id": other},
                    json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
         assert_canonical_error(r, 400)
+
+
+def test_the_radii_spend_at_most_delta_over_every_sample_size() -> None:
+    """Anytime validity is a union bound: Hoeffding's two-sided miss probability at the radius for n scores,
+    2 exp(-2 n r^2), summed over every n the canary may look at, stays within delta. A fixed-n radius (delta at
+    every n) passes the simulation above, since Hoeffding is loose for these scores, but spends delta at each look:
+    this sum catches it."""
+    import math
+
+    for delta in (0.05, 0.01):
+        spent = sum(2 * math.exp(-2 * n * radius(n, delta) ** 2) for n in range(1, 200_000))
+        assert spent <= delta, (delta, spent)
+        assert spent > 0.9 * delta  # and is not needlessly wide: most of delta is used
 
 
 def test_equal_arms_are_decided_at_most_at_the_stated_error_rate() -> None:
