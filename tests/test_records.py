@@ -499,3 +499,24 @@ async def test_the_sampling_of_scored_exchanges_is_read_from_the_request(records
         assert counts == [(0.7, 1, 0, 2), (1, 0.9, 40, 1), (1, 1, 0, 1)]
     finally:
         store.close()
+
+
+async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str) -> None:
+    """The canary's latency bound (test_canary) reads each arm's complete exchanges' total_ms, on both backends'
+    JSON functions: failed exchanges count as errors, not times, and a third release's exchanges are in neither."""
+    store = open_store(records_at)
+    try:
+        def exchange(receipt: str, release: str, ms: float, status: str = "complete") -> dict[str, Any]:
+            return {"id": receipt, "scenario": "s", "status": status, "format": "openai-chat", "engine": "e",
+                    "model": "m", "release_id": release, "request": {}, "response": {},
+                    "timings": {"total_ms": ms, "ttft_ms": 1.0}}
+
+        for i, (release, ms, status) in enumerate([("head", 100, "complete"), ("head", 120, "complete"),
+                                                   ("cand", 300, "complete"), ("cand", 5, "error"),
+                                                   ("other", 7, "complete")]):
+            await store.append_exchange(exchange(f"rec_{i}", release, ms, status))
+        got = await store.arm_outcomes("s", 0, ("head", "cand"))
+        assert sorted(got["head"]["ms"]) == [100.0, 120.0] and got["cand"]["ms"] == [300.0]
+        assert (got["cand"]["exchanges"], got["cand"]["errors"]) == (2, 1)
+    finally:
+        store.close()

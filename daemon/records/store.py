@@ -876,10 +876,17 @@ class RecordStore:
 
     async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
         """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, and how many of them failed."""
+        its exchanges, how many of them failed, and the times of the complete ones (``ms``)."""
+        total_ms = self.json_number("timings", "total_ms")
 
         def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0} for a in arms}
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": []} for a in arms}
+            for r in conn.execute(
+                    f"SELECT release_id, {total_ms} AS ms FROM records WHERE scenario=? AND kind='exchange'"
+                    " AND created_at>=? AND release_id IN (?,?) AND status='complete'",
+                    (scenario, since, *arms)).fetchall():
+                if r["ms"] is not None:
+                    out[r["release_id"]]["ms"].append(float(r["ms"]))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
