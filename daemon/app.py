@@ -31,6 +31,7 @@ import orjson
 from daemon import forgetting, web
 from daemon.errors import (
     BadRequest,
+    Conflict,
     NotFound,
     PayloadTooLarge,
     ReefError,
@@ -909,6 +910,11 @@ def steer_handler(op: str) -> Handler:
         expected = body.get("expected_head")
         if expected is not None and not isinstance(expected, str):
             raise BadRequest("expected_head must be a release id (a string)", param="expected_head")
+        canary = reef.canaries.active.get(scen.name)
+        if op == "promote" and canary is not None and canary["release_id"].startswith(release_id):
+            raise Conflict(f"release {canary['release_id']} is serving as a canary of {scen.name!r}: promote it with "
+                           f"`reef releases canary-end -s {scen.name} --promote` (its live figures go on the chain)",
+                           release_id=canary["release_id"])
         engine = await reef.engine(scen.model)
         fn = reef.chains.rollback if op == "rollback" else reef.chains.promote
         rel = await fn(scen, release_id, expected, engine)

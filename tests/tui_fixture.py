@@ -158,6 +158,14 @@ class FixedSource:
         self.steered.append((op, scenario, release_id, expected_head))
         return {**RELEASES[0], "step": 5, "operation": op}
 
+    async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]:
+        self.steered.append(("canary", scenario, release_id, None))
+        return {"scenario": scenario, "release_id": release_id, "base_id": RELEASES[0]["release_id"], "share": share}
+
+    async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]:
+        self.steered.append(("canary-end", scenario, "promote" if promote else "end", None))
+        return {"verdict": "promoted" if promote else "ended", "release_id": None}
+
     async def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]:
         for ev in events():
             yield ev
