@@ -596,7 +596,7 @@ class Learner:
                 if r.operation != "train":
                     break
                 published.append(r.metrics)
-            alarm = watchdog.check(published, metrics)
+            alarm = watchdog.check(published, metrics, getattr(recipe.settings, "max_kl", None))
             if alarm is not None:
                 record = self.chains.manifest(scenario, metrics={**metrics, "watchdog": alarm["reason"]},
                                               receipts=receipts, settings=record_settings)
