@@ -218,6 +218,8 @@ class ChainScreen(ReefScreen):
                 note = one_line(r.get("reason"), 48)
             elif self.canary is not None and r["release_id"] == self.canary["release_id"]:
                 note = "canary: p promotes, e ends"
+            elif r["operation"] == "pending" and (r.get("metrics") or {}).get("watchdog"):
+                note = one_line(r["metrics"]["watchdog"], 48)  # held by the reward-hacking watchdog: why
             elif r["operation"] == "pending":
                 note = "p promotes, c serves as a canary"
             style = "bold" if mark == "▶" else "dim" if r["operation"] == "rejected" else ""
