@@ -1,5 +1,6 @@
-"""The ``reef`` command's entry point: ``reef --help`` and ``reef status`` answered with the standard library
-alone, everything else handed to the typer app (``reef_cli/main.py``).
+"""The ``reef`` command's entry point: ``reef --help``, ``reef status`` and the shell completions' questions
+(``reef __complete scenarios|releases``) answered with the standard library alone, everything else handed to the
+typer app (``reef_cli/main.py``).
 
 Why: typer and its click fork cost 120-350 ms of imports and rendering before a command runs, several times a
 bare interpreter's start. ``reef --help`` prints ``help.txt`` (typer's own help, written by
@@ -31,12 +32,17 @@ def status_lines(info: dict[str, Any]) -> list[str]:
 
 def _status() -> dict[str, Any] | None:
     """``GET /reef/status`` over the daemon's socket; None when it cannot be asked this way."""
+    return _get("/reef/status", 30)
+
+
+def _get(path: str, timeout: float) -> Any:
+    """``GET path`` over the daemon's Unix socket, as JSON; None when it cannot be asked this way."""
     home = os.environ.get("REEF_HOME") or os.path.join(os.path.expanduser("~"), ".reef")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
+    s.settimeout(timeout)
     try:
         s.connect(os.path.join(home, "reef.sock"))
-        s.sendall(b"GET /reef/status HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -53,8 +59,35 @@ def _status() -> dict[str, Any] | None:
         return None
 
 
+COMPLETE_TIMEOUT_S = 0.5  # a Tab waits at most this for the daemon
+
+
+def complete(args: list[str]) -> list[str]:
+    """What the shell completions offer from the running daemon: ``scenarios`` (their names), ``releases
+    [SCENARIO]`` (its release and pending ids, newest first). Nothing when the daemon is down or slow, or the
+    question is not one of these: a completion never prints an error."""
+    from urllib.parse import quote
+
+    if args[:1] == ["scenarios"]:
+        data = _get("/reef/scenarios", COMPLETE_TIMEOUT_S)
+        return [s["name"] for s in (data or {}).get("scenarios", []) if isinstance(s, dict) and "name" in s]
+    if args[:1] == ["releases"]:
+        scenario = (args[1:2] or [""])[0] or "default"
+        data = _get(f"/reef/scenarios/{quote(scenario, safe='')}/releases?all=1", COMPLETE_TIMEOUT_S) or {}
+        rows = [*data.get("pending", []), *data.get("releases", [])]
+        return [r["release_id"] for r in rows if isinstance(r, dict) and "release_id" in r]
+    return []
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if args[:1] == ["__complete"]:
+        try:
+            words = complete(args[1:])
+        except (ValueError, TypeError, AttributeError):  # an answer of another shape: offer nothing
+            words = []
+        sys.stdout.write("".join(f"{w}\n" for w in words))
+        return
     if args in ([], ["--help"]):
         with open(HELP, encoding="utf-8") as f:
             sys.stdout.write(f.read())

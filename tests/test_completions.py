@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,12 +25,13 @@ def test_committed_completions_are_current(shell: str) -> None:
     )
 
 
-def bash_complete(*words: str) -> list[str]:
+def bash_complete(*words: str, env: dict[str, str] | None = None) -> list[str]:
     script = (
         f"source {ROOT / 'completions' / 'reef.bash'}\n"
         'COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); _reef; printf "%s\\n" "${COMPREPLY[@]}"\n'
     )
-    out = subprocess.run(["bash", "-c", script, "bash", "reef", *words], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["bash", "-c", script, "bash", "reef", *words], capture_output=True, text=True, timeout=30,
+                         env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -85,3 +87,40 @@ def test_install_and_show(tmp_path: Path) -> None:
     assert (tmp_path / ".zfunc/_reef").exists() and "fpath=" in zsh.stdout
     unknown = reef("completions", "install", env={**env, "SHELL": "/bin/tcsh"})
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "tcsh" in unknown.stderr
+
+
+def shell_env(home: Path) -> dict[str, str]:
+    """The user's shell: this checkout's ``reef`` on PATH, a daemon's home (or one where none runs)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+            "REEF_HOME": str(home)}
+
+
+def test_scenarios_and_release_ids_come_from_the_running_daemon(daemon: Any, tmp_path: Path) -> None:
+    """A scenario option, a scenario argument and a release id argument are completed with what the daemon has
+    (the release ids of the scenario named on the command line, pending ones too), in bash, zsh and fish; with no
+    daemon the static words still come and nothing is printed on the terminal."""
+    with daemon.unix() as c:
+        for name in ("cmpl-alpha", "cmpl-beta"):
+            c.post("/reef/scenarios", json={"name": name})
+        alpha_head = c.get("/reef/scenarios/cmpl-alpha/releases").json()["head"]
+        beta_head = c.get("/reef/scenarios/cmpl-beta/releases").json()["head"]
+    env = shell_env(daemon.home)
+    assert {"cmpl-alpha", "cmpl-beta"} <= set(bash_complete("releases", "list", "-s", "", env=env))
+    assert bash_complete("scenarios", "pause", "cmpl-a", env=env) == ["cmpl-alpha"]
+    ids = bash_complete("releases", "rollback", "-s", "cmpl-alpha", "", env=env)
+    assert alpha_head in ids and beta_head not in ids  # the scenario on the command line, not another's
+    assert "--yes" in ids  # the static words stay
+    zsh = subprocess.run(["zsh", "-f", "-c", (
+        "compadd() { shift; print -l -- \"$@\" }; _describe() { print -l -- \"${(P@)4}\" }; compdef() {}\n"
+        f"source {ROOT / 'completions' / '_reef'}\n"
+        'words=(reef releases list -s ""); CURRENT=5; _reef\n')], capture_output=True, text=True, timeout=30, env=env)
+    assert {"cmpl-alpha", "cmpl-beta"} <= set(zsh.stdout.split()), zsh.stdout + zsh.stderr
+    fish = subprocess.run(["fish", "--no-config", "-c", f"source {ROOT / 'completions' / 'reef.fish'}; "
+                           "complete -C 'reef releases show -s cmpl-beta '"], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert beta_head in fish.stdout and alpha_head not in fish.stdout, fish.stdout + fish.stderr
+    down = shell_env(tmp_path)  # no daemon here
+    out = subprocess.run(["reef", "__complete", "scenarios"], capture_output=True, text=True, env=down, timeout=30)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert bash_complete("releases", "rollback", "", env=down) == ["--scenario", "-s", "--yes", "-y", "--json",
+                                                                    "--help"]
