@@ -144,8 +144,8 @@ class Daemon:
     def unix(self, **kw: Any) -> httpx.Client:
         """An httpx client over the Unix socket (no token)."""
         return httpx.Client(
-            base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path), verify=TLS), timeout=60,
-            **kw,
+            base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path), verify=TLS),
+            timeout=60, **kw,
         )
 
     def start(self, timeout: float = 180) -> Daemon:
@@ -297,8 +297,8 @@ def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 SLOWEST_FIRST = (
     "test_learning.py", "test_durability.py", "test_vllm.py", "test_install.py", "test_sao.py",
     "test_ttt_discover.py", "test_openclaw_rl.py", "test_harness_search.py", "test_model_dirs.py",
-    "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py", "test_serve_only.py",
-    "test_canary.py", "test_forget.py", "test_outcomes.py",
+    "test_daemon_cli.py", "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py",
+    "test_serve_only.py", "test_canary.py", "test_forget.py", "test_outcomes.py",
 )
 
 
