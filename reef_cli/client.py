@@ -60,7 +60,8 @@ class Client:
             self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         else:
             self.base_url = "http://localhost"
-            transport = httpx.HTTPTransport(uds=str(config.socket_path))
+            # no TLS on a Unix socket: no CA bundle to load (30-70 ms of every command's CPU)
+            transport = httpx.HTTPTransport(uds=str(config.socket_path), verify=False)
             self._http = httpx.Client(base_url=self.base_url, transport=transport, timeout=timeout)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+# httpx loads the CA bundle into a new SSL context for every client (60-70 ms of CPU each on a busy 2-core machine);
+# the tests' clients speak plain HTTP to loopback and a Unix socket: they share this one
+TLS = ssl.create_default_context()
 
 
 def free_port() -> int:
@@ -134,12 +138,14 @@ class Daemon:
 
     def http(self, **kw: Any) -> httpx.Client:
         """An httpx client over TCP with the token."""
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=60, **kw)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=60,
+                            verify=TLS, **kw)
 
     def unix(self, **kw: Any) -> httpx.Client:
         """An httpx client over the Unix socket (no token)."""
         return httpx.Client(
-            base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path)), timeout=60, **kw
+            base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(self.socket_path), verify=TLS),
+            timeout=60, **kw,
         )
 
     def start(self, timeout: float = 180) -> Daemon:
@@ -163,14 +169,14 @@ class Daemon:
         """Wait until ``model`` has loaded (the daemon answers at once and loads its default model in the
         background); a load that failed raises with its reason. ``timeout`` is a hang guard only."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.http() as c:
+        with self.http() as c:  # one client: a new one per poll cost more CPU than the daemon's load beside it
+            while time.monotonic() < deadline:
                 models = c.get("/healthz").json()["models"]
-            if model in models["loaded"]:
-                return self
-            if model in models["failed"]:
-                raise AssertionError(f"model {model} failed to load: {models['failed'][model]}")
-            time.sleep(0.05)
+                if model in models["loaded"]:
+                    return self
+                if model in models["failed"]:
+                    raise AssertionError(f"model {model} failed to load: {models['failed'][model]}")
+                time.sleep(0.05)
         raise AssertionError(f"model {model} not loaded in {timeout}s:\n{self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
@@ -291,8 +297,8 @@ def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 SLOWEST_FIRST = (
     "test_learning.py", "test_durability.py", "test_vllm.py", "test_install.py", "test_sao.py",
     "test_ttt_discover.py", "test_openclaw_rl.py", "test_harness_search.py", "test_model_dirs.py",
-    "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py", "test_serve_only.py",
-    "test_canary.py", "test_forget.py", "test_outcomes.py",
+    "test_daemon_cli.py", "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py",
+    "test_serve_only.py", "test_canary.py", "test_forget.py", "test_outcomes.py",
 )
 
 

@@ -48,7 +48,7 @@ class Api:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._http = httpx.AsyncClient(base_url=config.url.rstrip("/"), headers=headers, timeout=timeout)
         else:
-            transport = httpx.AsyncHTTPTransport(uds=str(config.socket_path))
+            transport = httpx.AsyncHTTPTransport(uds=str(config.socket_path), verify=False)  # no TLS on a socket
             self._http = httpx.AsyncClient(base_url="http://localhost", transport=transport, timeout=timeout)
 
     def where(self) -> str:
