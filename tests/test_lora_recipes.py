@@ -154,3 +154,23 @@ def test_the_model_is_one_online_rl_trains_lora_on(lora_sized_model: Any) -> Non
     cfg = AutoConfig.from_pretrained(lora_sized_model)
     h, layers, mlp, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     assert vocab * h + layers * (4 * h * h + 3 * h * mlp) >= LORA_AUTO_PARAMS
+
+
+def test_a_whole_weights_setting_on_a_step_that_trains_lora_fails_naming_it(tiny_model: Any,
+                                                                            monkeypatch: Any) -> None:
+    """``lora`` unset decides by the model's size in the trainer; where it picks LoRA, ``train_embeddings`` or
+    sao's ``train_final_norm`` would train nothing: the step fails saying which setting to change."""
+    import pytest
+
+    from recipes import online_rl
+    from recipes.sao import SAOSettings
+    from recipes.ttt_discover import TTTSettings
+
+    monkeypatch.setattr(online_rl, "LORA_AUTO_PARAMS", 0)  # the tiny model as big as a real one
+    for settings, key in ((SAOSettings(train_final_norm=True), "train_final_norm"),
+                          (TTTSettings(train_embeddings=True), "train_embeddings")):
+        with pytest.raises(ValueError, match=f"{key} = true trains whole weights.*set lora = false"):
+            online_rl.load_policy(tiny_model, None, settings, trainable=True)  # type: ignore[arg-type]
+        settings.lora = False  # what the message says to do: whole weights, the setting at work
+        assert not online_rl.is_adapter(online_rl.load_policy(tiny_model, None, settings, trainable=True))
+    assert online_rl.is_adapter(online_rl.load_policy(tiny_model, None, SAOSettings(), trainable=True))
