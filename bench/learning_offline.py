@@ -82,7 +82,7 @@ def run(seed: int, args: argparse.Namespace, settings: OnlineRLSettings) -> dict
             [prompts[i] for i in rows],
             eos=eos,
             max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
+            temperature=1.0,
             generator=gen,
         )
         batch = []

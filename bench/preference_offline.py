@@ -96,7 +96,7 @@ def main() -> None:
         rows = [i for i in range(len(tasks)) for _ in range(settings.group_size)]
         ts = time.monotonic()
         outs = generate(model, [prompts[i] for i in rows], eos=eos, max_new_tokens=settings.max_new_tokens,
-                        temperature=settings.temperature, generator=gen)
+                        temperature=1.0, generator=gen)
         batch = [Sample(prompts[i], ids, lps, family.score(tasks[i], tokenizer.decode(ids, skip_special_tokens=True)),
                         group=f"{step}:{i}") for i, (ids, lps) in zip(rows, outs, strict=True)]
         tt = time.monotonic()

@@ -33,7 +33,7 @@ _reef() {
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
         /releases) words='canary canary-end list promote rollback show --help' ;;
-        /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --json --help' ;;
+        /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --max-latency-ratio --json --help' ;;
         /releases/canary-end) words='--scenario -s --promote --yes -y --json --help' ;;
         /releases/list) words='--scenario -s --all --json --help' ;;
         /releases/promote) words='--scenario -s --yes -y --json --help' ;;

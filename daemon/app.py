@@ -31,6 +31,7 @@ import orjson
 from daemon import forgetting, web
 from daemon.errors import (
     BadRequest,
+    Conflict,
     NotFound,
     PayloadTooLarge,
     ReefError,
@@ -783,17 +784,22 @@ async def handle_scenario(request: web.Request) -> web.Response:
 
 async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]:
     """The recipe's own summary of its progress (``Recipe.status``), for recipes that have one."""
+    from daemon.learning import left_out
     from recipes.base import Recipe
 
     try:
         recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
     except ReefError:  # a recipe that no longer loads: the view still shows the scenario
         return {}
+    out: dict[str, Any] = {}
+    skipped = await left_out(reef.store, recipe, scenario["name"])
+    if skipped is not None:
+        out["left_out"] = skipped
     if type(recipe).status is Recipe.status:
-        return {}
+        return out
     releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
     rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
-    return {"recipe_status": recipe.status(releases, rejected)}
+    return {**out, "recipe_status": recipe.status(releases, rejected)}
 
 
 def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -904,6 +910,11 @@ def steer_handler(op: str) -> Handler:
         expected = body.get("expected_head")
         if expected is not None and not isinstance(expected, str):
             raise BadRequest("expected_head must be a release id (a string)", param="expected_head")
+        canary = reef.canaries.active.get(scen.name)
+        if op == "promote" and canary is not None and canary["release_id"].startswith(release_id):
+            raise Conflict(f"release {canary['release_id']} is serving as a canary of {scen.name!r}: promote it with "
+                           f"`reef releases canary-end -s {scen.name} --promote` (its live figures go on the chain)",
+                           release_id=canary["release_id"])
         engine = await reef.engine(scen.model)
         fn = reef.chains.rollback if op == "rollback" else reef.chains.promote
         rel = await fn(scen, release_id, expected, engine)

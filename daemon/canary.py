@@ -16,7 +16,9 @@
   not only pass/fail) and is simple to verify; the price is more reports (``bench/canary.py`` measures how many).
   The canary is promoted when its lower bound is above the head's upper bound, ended when its upper bound is below
   the head's lower bound, ended as a tie when both arms have ``max_reports`` reports, and ended early when its
-  share of failed exchanges exceeds ``max_error_rate`` (after ``min_exchanges``).
+  share of failed exchanges exceeds ``max_error_rate`` (after ``min_exchanges``), or when its median exchange
+  takes more than ``max_latency_ratio`` times the head's (after ``min_exchanges`` complete ones on each arm: a
+  release that makes the agent's every request slower is worse whatever its scores).
 - Ending is on the chain: a promotion is a ``promote`` release whose manifest holds the verdict and the figures;
   an end is the candidate's rejection, with the same. ``reef releases canary-end [--promote]`` does it by hand.
 """
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("reef.canary")
 
 CHECK_S = 0.5  # how often running canaries are judged
-DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20}
+DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0}
 
 
 def radius(n: int, delta: float) -> float:
@@ -60,8 +62,11 @@ class Decision:
 
 
 def decide(head: list[float], canary: list[float], *, alpha: float, max_reports: int,
-           errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20) -> Decision:
-    """The canary's verdict from both arms' scores so far (clipped to [0, 1]) and its failed exchanges."""
+           errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20,
+           head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
+           max_latency_ratio: float = math.inf) -> Decision:
+    """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, and both
+    arms' times of complete exchanges (ms)."""
     h = [min(1.0, max(0.0, x)) for x in head]
     c = [min(1.0, max(0.0, x)) for x in canary]
     delta = alpha / 2
@@ -72,10 +77,16 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         "canary_reports": len(c), "head_reports": len(h), "canary_mean": mc, "head_mean": mh,
         "canary_interval": _interval(mc, rc), "head_interval": _interval(mh, rh), "alpha": alpha,
         "canary_exchanges": exchanges, "canary_errors": errors,
+        "canary_p50_ms": _median(canary_ms), "head_p50_ms": _median(head_ms),
     }
     if exchanges >= min_exchanges and errors / exchanges > max_error_rate:
         return Decision("errors", f"the canary failed {errors} of {exchanges} exchanges, more than "
                         f"{max_error_rate:.0%}", figures)
+    ch, hh = figures["canary_p50_ms"], figures["head_p50_ms"]
+    if (ch is not None and hh is not None and min(len(canary_ms or ()), len(head_ms or ())) >= min_exchanges
+            and ch > max_latency_ratio * max(hh, 1e-3)):
+        return Decision("latency", f"the canary's median exchange took {ch:.0f} ms, more than {max_latency_ratio:g}x "
+                        f"the head's {hh:.0f} ms", figures)
     if mh is not None and mc is not None:
         if mc - rc > mh + rh:
             return Decision("promoted", f"canary {mc:.3f} > head {mh:.3f} at error rate {alpha} "
@@ -87,6 +98,14 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         return Decision("tie", f"no difference found in {max_reports} reports per arm (canary "
                         f"{mc:.3f}, head {mh:.3f}): the head stays", figures)
     return Decision(None, "undecided", figures)
+
+
+def _median(xs: list[float] | None) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    mid = len(s) // 2
+    return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
 
 
 def _interval(mean: float | None, r: float) -> list[float] | None:
@@ -177,9 +196,11 @@ class Canaries:
             value = body.get(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
                     key in ("alpha", "max_error_rate") and value >= 1) or (
+                    key == "max_latency_ratio" and value < 1) or (
                     key in ("max_reports", "min_exchanges") and value != int(value)):
-                raise BadRequest(f"{key} must be {'a fraction in (0, 1)' if key in ('alpha', 'max_error_rate') else 'a positive whole number'}, "
-                                 f"got {value!r}", param=key)
+                kind = ("a fraction in (0, 1)" if key in ("alpha", "max_error_rate") else
+                        "a ratio of at least 1" if key == "max_latency_ratio" else "a positive whole number")
+                raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
             settings[key] = value
         unknown = sorted(set(body) - {"release_id", "share", *DEFAULTS})
         if unknown:
@@ -258,7 +279,8 @@ class Canaries:
                 m.canary_mean.labels(row["scenario"], arm).set(sum(got_arm["scores"]) / len(got_arm["scores"]))
         return decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
                       errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
-                      min_exchanges=int(s["min_exchanges"]))
+                      min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
+                      max_latency_ratio=s.get("max_latency_ratio", math.inf))  # (rows from before the bound)
 
     async def _loop(self) -> None:
         while self.active:

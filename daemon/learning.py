@@ -65,7 +65,7 @@ from daemon.releases import Manifest
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
-from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict
+from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict, off_policy_sampling
 
 log = logging.getLogger("reef.learning")
 
@@ -596,7 +596,7 @@ class Learner:
                 if r.operation != "train":
                     break
                 published.append(r.metrics)
-            alarm = watchdog.check(published, metrics)
+            alarm = watchdog.check(published, metrics, getattr(recipe.settings, "max_kl", None))
             if alarm is not None:
                 record = self.chains.manifest(scenario, metrics={**metrics, "watchdog": alarm["reason"]},
                                               receipts=receipts, settings=record_settings)
@@ -723,11 +723,28 @@ class Learner:
             served_step = None
             if rec.get("release_id"):
                 served_step = (await self.chains.release(rec["release_id"])).step
-            if rid in consumed or not st.recipe.eligible(rec, head=view, served_step=served_step):
+            if (rid in consumed or (st.recipe.behaviour_logprobs and off_policy_sampling(rec))
+                    or not st.recipe.eligible(rec, head=view, served_step=served_step)):
                 del st.pool[rid]  # consumed, or no longer eligible for good: the head's step only grows
                 continue
             out.append(rec)
         return out
+
+
+async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: str) -> dict[str, Any] | None:
+    """For a recipe trained on behaviour log-probs: how many of the scenario's scored exchanges it cannot use
+    because of how they were sampled (``recipes.base.off_policy_sampling``), by setting, and why."""
+    if not recipe.behaviour_logprobs:
+        return None
+    counts: Counter[str] = Counter()
+    for row in await store.scored_sampling(scenario):
+        reason = off_policy_sampling({"sampling": row})
+        if reason is not None:
+            counts[reason] += row["n"]
+    return {"sampling": dict(counts), "total": sum(counts.values()),
+            "why": "trained only on answers sampled at temperature 1 without top_p or top_k: the engine records "
+                   "each token's log-prob under the raw logits, so the importance ratio of any other sampling "
+                   "would be wrong"}
 
 
 def internal_exchange(model: str, system: str, user: str, max_tokens: int) -> Any:

@@ -148,6 +148,24 @@ class HarnessContext(typing.Protocol):
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str: ...
 
 
+def off_policy_sampling(record: dict[str, Any]) -> str | None:
+    """Why a record's answer was not sampled from the distribution its behaviour log-probs describe, or None.
+
+    The engines record each sampled token's log-prob under the raw logits (temperature 1, before top-p / top-k:
+    what vLLM and SGLang return too), so an answer sampled at another temperature, or with top-p or top-k
+    truncation, came from a distribution those log-probs do not describe, and a recipe's importance ratio on it
+    would be wrong. The reason names the setting (``temperature``, ``top_p``, ``top_k``)."""
+    s = record.get("sampling") or {}
+    t, p, k = s.get("temperature"), s.get("top_p"), s.get("top_k")
+    if t is not None and t != 1:
+        return "temperature"
+    if p is not None and p < 1:
+        return "top_p"
+    if k is not None and k > 0:
+        return "top_k"
+    return None
+
+
 class Recipe:
     """Base of every recipe. Subclasses set the class attributes and override what their kind needs."""
 
@@ -161,6 +179,9 @@ class Recipe:
     # its settings' ``tasks`` are episodes of the agent ({id, prompt, check, workspace?}): a recorded run's prompt
     # can be promoted into one (``POST /reef/scenarios/{s}/tasks``)
     episode_tasks: ClassVar[bool] = False
+    # trains on the behaviour log-probs recorded at serving time: only records sampled at temperature 1 without
+    # top-p / top-k are eligible (``off_policy_sampling``); the scenario's view counts the others and says why
+    behaviour_logprobs: ClassVar[bool] = False
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else type(self).Settings()

@@ -86,7 +86,6 @@ class OnlineRLSettings(GateSettings):
     grad_clip: float = 1.0  # max global gradient norm
     steps_per_batch: int = 2  # optimizer steps per batch
     max_staleness: int = 2  # releases: records served by a release older than head - this are not used
-    temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8  # tokens per answer in the demo
     train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
     # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
@@ -94,6 +93,9 @@ class OnlineRLSettings(GateSettings):
     lora: bool | None = None
     lora_rank: int = 8
     lora_alpha: int = 16
+    # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
+    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held
+    max_kl: float | None = None
     # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
     # validation prompts (recipes/tasks.py), scored by the trainer for the candidate and the serving head
     eval_family: str | None = None
@@ -197,6 +199,16 @@ def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask.
     ``entropy_grad=False``: the entropies carry no grad (nothing vocabulary-wide is kept for them)."""
+    logp_all, targets, tmask = completion_log_softmax(model, batch)
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy, tmask
+
+
+def completion_log_softmax(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-softmax over the vocabulary at each position that predicts a completion token, [B, T, V], the
+    tokens it predicts [B, T], and the mask of real (not padding) positions [B, T]."""
     pad = model.config.pad_token_id or 0
     dev = model.device
     ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
@@ -213,12 +225,7 @@ def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
         decoder, head = parts
         hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         picked = head(hidden[rows, pos]).float()
-    logp_all = torch.log_softmax(picked, dim=-1)
-    targets = ids[rows, pos + 1]
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy, tmask
+    return torch.log_softmax(picked, dim=-1), ids[rows, pos + 1], tmask
 
 
 def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
@@ -471,6 +478,7 @@ class OnlineRL(Recipe):
     name = "online-rl"
     kind = "weights"
     source = "scores"
+    behaviour_logprobs = True
     Settings = OnlineRLSettings
 
     @classmethod
@@ -488,6 +496,10 @@ class OnlineRL(Recipe):
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
+        if settings.max_kl is not None and (settings.max_kl <= 0 or settings.lora is False):
+            raise BadRequest(f"recipe {cls.name} setting max_kl must be above 0 and needs LoRA adapters (the drift is "
+                             "measured against the model they apply to): leave lora unset or true",
+                             param="settings.max_kl")
 
     def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
@@ -529,6 +541,11 @@ class OnlineRL(Recipe):
         model.eval()
         t_save = time.perf_counter()
         metrics["train_s"] = round(t_save - t0, 3)  # loading and evaluating the base included
+        if is_adapter(model) and not metrics.get("skipped"):  # how far the policy moved from its base (watchdog)
+            metrics["kl_from_base"] = round(kl_from_base(model, samples), 6)
+        elif settings.max_kl is not None and not is_adapter(model):
+            raise ValueError("max_kl is measured on LoRA policies only, and this model trains all its weights "
+                             "(it is below the size that gets adapters by default): set lora = true, or unset max_kl")
         if metrics.get("skipped"):  # no sample carried signal: no optimizer step, the model in memory unchanged
             return Candidate(metrics=metrics, skipped="no signal: every group's rewards were equal")
         out = Path(job.work_dir)
@@ -551,6 +568,26 @@ class OnlineRL(Recipe):
 
 
 # --- LoRA adapters as releases ------------------------------------------------------------------------------------
+
+
+KL_ROWS = 8  # samples of the step's batch the drift is measured on (one at a time: V floats per token)
+
+
+@torch.no_grad()
+def kl_from_base(model: Any, samples: list[Sample]) -> float:
+    """Mean per-token KL(policy || base) in nats over the completion positions of the first ``KL_ROWS`` samples
+    of the step's batch, exact over the vocabulary: how far an adapter policy has moved from the whole model it
+    applies to (its adapter switched off), on the kind of answers it is serving now. The watchdog holds candidates
+    past the recipe's ``max_kl`` (daemon/watchdog.py)."""
+    total, tokens = 0.0, 0
+    for s in samples[:KL_ROWS]:
+        policy, _, mask = completion_log_softmax(model, [s])
+        with model.disable_adapter():
+            base, _, _ = completion_log_softmax(model, [s])
+        kl = (policy.exp() * (policy - base)).sum(-1)  # [1, T]
+        total += float(kl[mask].sum())
+        tokens += int(mask.sum())
+    return total / max(tokens, 1)
 
 
 def is_adapter(model: Any) -> bool:

@@ -106,7 +106,6 @@ class SAOSettings(GateSettings):
     beta2: float = 0.999  # AdamW second-moment decay (long: small advantages must give small steps)
     entropy_coef: float = 0.0
     grad_clip: float = 10.0  # max gradient norm: a guard only (one rollout's is 3-7; see the module docstring)
-    temperature: float = 1.0  # sampling temperature the records must come from (the ratio assumes raw logits)
     max_new_tokens: int = 8
     train_embeddings: bool = False
     train_final_norm: bool = False  # train the last norm's scale (the policy's temperature knob)
@@ -364,6 +363,7 @@ class SAO(Recipe):
     name = "sao"
     kind = "weights"
     source = "scores"
+    behaviour_logprobs = True
     Settings = SAOSettings
 
     @classmethod

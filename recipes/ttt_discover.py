@@ -99,7 +99,6 @@ class TTTSettings(GateSettings):
     grad_clip: float = 1.0
     steps_per_batch: int = 1
     max_staleness: int = 1  # releases: attempts served by a release older than head - this are not used
-    temperature: float = 1.0  # sampling temperature of the attempts (the ratio assumes raw logits)
     max_new_tokens: int = 8
     train_embeddings: bool = False
     problem: str | None = None  # a built-in problem scorer for the gate (recipes/tasks.py PROBLEMS)
@@ -147,6 +146,7 @@ class TTTDiscover(Recipe):
     name = "ttt-discover"
     kind = "weights"
     source = "scores"
+    behaviour_logprobs = True
     Settings = TTTSettings
     Report = TTTReport
 
@@ -300,5 +300,5 @@ def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTS
     problem = get_problem(settings.problem)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     outs = generate(model, [prompt] * settings.eval_attempts, eos=eos_ids(model, tokenizer),
-                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, generator=gen)
+                    max_new_tokens=settings.max_new_tokens, temperature=1.0, generator=gen)
     return [problem.score(tokenizer.decode(ids, skip_special_tokens=True)) for ids, _ in outs]

@@ -274,7 +274,7 @@ def demo(
     counter = iter(range(1 << 62))
 
     def one(task: Any, request_seed: int) -> None:
-        text, receipt, _ = _answer(client, name, task.prompt, temperature=trainer["temperature"],
+        text, receipt, _ = _answer(client, name, task.prompt, temperature=1.0,
                                    max_tokens=max_tokens, seed=request_seed, model=model)
         score = family.score(task, text)
         client.post("/reef/report", {"score": score, "references": [receipt], "scenario": name})

@@ -316,6 +316,10 @@ def show_scenario(
     if s.get("archived"):
         print(f"{'archived':11} yes: neither served nor trained (reef scenarios unarchive {name})")
     print(f"{'created':11} {ago(s['created_at'])}")
+    left = s.get("left_out")
+    if left and left.get("total"):  # scored answers a weight recipe cannot train on, by the setting that was off
+        counts = ", ".join(f"{n} by {k}" for k, n in sorted(left["sampling"].items()))
+        print(f"{'left out':11} {left['total']} scored answers ({counts}): {left['why']}")
     for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
         print(f"{key:11} {value}")
 

@@ -175,14 +175,17 @@ def canary(
     alpha: float = typer.Option(0.05, "--alpha", help="The decision's error rate."),
     max_reports: int = typer.Option(400, "--max-reports", help="Reports per arm after which a tie ends it."),
     max_error_rate: float = typer.Option(0.2, "--max-error-rate", help="The share of failed exchanges that ends it."),
+    max_latency_ratio: float = typer.Option(2.0, "--max-latency-ratio",
+                                            help="Ends it when its median exchange takes this many times the head's."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always-
-    valid test at the stated error rate), or end it when it fails too often."""
+    valid test at the stated error rate), or end it when it fails too often or is too slow."""
     with client() as c:
         row = c.post(f"/reef/scenarios/{scenario}/canary", {"release_id": release_id, "share": share, "alpha": alpha,
                                                              "max_reports": max_reports,
-                                                             "max_error_rate": max_error_rate})
+                                                             "max_error_rate": max_error_rate,
+                                                             "max_latency_ratio": max_latency_ratio})
     if json_out:
         print_json(row)
     else:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.canary import decide, in_canary
+from daemon.canary import decide, in_canary, radius
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_harness import create
 from tests.test_recipes import recipe_dir  # noqa: F401 - the fixture, used by name
@@ -121,6 +121,9 @@ def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daem
     served as a canary stays refused."""
     with daemon.unix() as c:
         head, cand = held_candidate(c, "cm", "be terse")
+        slower = c.post("/reef/scenarios/cm/canary", json={"release_id": cand, "max_latency_ratio": 0.5})
+        assert_canonical_error(slower, 400)  # a bound under 1 would end a canary as fast as its head
+        assert "max_latency_ratio" in slower.json()["error"]["message"]
         c.post("/reef/scenarios/cm/canary", json={"release_id": cand, "share": 0.5}).raise_for_status()
         for _ in range(64):
             start = c.post("/reef/runs", json={"adapter": "pi", "scenario": "cm"}).json()
@@ -136,6 +139,19 @@ def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daem
         r = c.post("/s/cm/v1/chat/completions", headers={"x-reef-release-id": other},
                    json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
         assert_canonical_error(r, 400)
+
+
+def test_the_radii_spend_at_most_delta_over_every_sample_size() -> None:
+    """Anytime validity is a union bound: Hoeffding's two-sided miss probability at the radius for n scores,
+    2 exp(-2 n r^2), summed over every n the canary may look at, stays within delta. A fixed-n radius (delta at
+    every n) passes the simulation above, since Hoeffding is loose for these scores, but spends delta at each look:
+    this sum catches it."""
+    import math
+
+    for delta in (0.05, 0.01):
+        spent = sum(2 * math.exp(-2 * n * radius(n, delta) ** 2) for n in range(1, 200_000))
+        assert spent <= delta, (delta, spent)
+        assert spent > 0.9 * delta  # and is not needlessly wide: most of delta is used
 
 
 def test_equal_arms_are_decided_at_most_at_the_stated_error_rate() -> None:
@@ -163,6 +179,19 @@ def test_a_canary_that_fails_too_often_ends_before_its_scores_decide() -> None:
     assert d.verdict == "errors" and "6 of 20" in d.reason
     assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=4, exchanges=20,
                   max_error_rate=0.2).verdict is None
+
+
+def test_a_canary_slower_than_its_bound_ends_before_its_scores_decide() -> None:
+    """Equal scores, the canary's median exchange 3x the head's: ended for latency once each arm has
+    min_exchanges complete exchanges, not before, and not within the bound (1.9x)."""
+    fast, slow, ok = [100.0] * 20, [300.0] * 20, [190.0] * 20
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "max_latency_ratio": 2.0, "min_exchanges": 20}
+    d = decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=slow, **kw)
+    assert d.verdict == "latency" and "300 ms" in d.reason and "100 ms" in d.reason
+    assert d.figures["canary_p50_ms"] == 300.0 and d.figures["head_p50_ms"] == 100.0
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=ok, **kw).verdict is None
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast[:19], canary_ms=slow, **kw).verdict is None
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=slow[:19], **kw).verdict is None
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5])

@@ -198,7 +198,7 @@ def test_the_demo_settings_teach_the_real_model_a_preference_nobody_tuned_them_f
         prompts = [render_prompt(tokenizer, t.prompt) for t in tasks]
         rows = [i for i in range(len(tasks)) for _ in range(settings.group_size)]
         outs = generate(model, [prompts[i] for i in rows], eos=eos, max_new_tokens=settings.max_new_tokens,
-                        temperature=settings.temperature, generator=gen)
+                        temperature=1.0, generator=gen)
         batch = [Sample(prompts[i], ids, lps, family.score(tasks[i], tokenizer.decode(ids, skip_special_tokens=True)),
                         group=f"{step}:{i}") for i, (ids, lps) in zip(rows, outs, strict=True)]
         train_step(model, batch, settings, optimizer)

@@ -71,6 +71,53 @@ def test_reports_become_a_trained_release_with_lineage(daemon_factory: Any) -> N
         assert len(releases(c, "learn", True)["releases"]) == 2 and not releases(c, "learn", True)["rejected"]
 
 
+def test_answers_sampled_off_the_raw_logits_are_left_out_and_counted(daemon_factory: Any) -> None:
+    """The engine records log-probs under the raw logits, so online-rl's importance ratio is right only for answers
+    sampled at temperature 1 without top-p or top-k. Four such answers are scored after four sampled otherwise:
+    the step trains on the four, and the scenario's view counts the others by setting. (A recipe that took the
+    oldest batch would have trained on the tempered ones; a flipped test would never step.)"""
+    d: Daemon = daemon_factory(settings_toml())
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "raw", "recipe": "online-rl"}).status_code == 201
+        tempered = [{"temperature": 0.7}, {"temperature": 0}, {"top_p": 0.9}, {"top_p": 0.5, "temperature": 1}]
+        raw = [{}, {"temperature": 1}, {"temperature": 1.0, "top_p": 1}, {}]
+        receipts: dict[str, list[str]] = {"tempered": [], "raw": []}
+        for kind, sampling in (("tempered", tempered), ("raw", raw)):
+            for i, extra in enumerate(sampling):
+                r = c.post("/s/raw/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 4, **extra,
+                    "messages": [{"role": "user", "content": f'Say "w{i // 2}".'}]})
+                assert r.status_code == 200, r.text
+                receipts[kind].append(r.headers["x-reef-agent-record-id"])
+            for i, rec in enumerate(receipts[kind]):
+                assert c.post("/reef/report", json={"score": float(i % 2), "references": [rec]}).status_code == 201
+        chain = wait_for(lambda: (r := releases(c, "raw"))["releases"][0]["operation"] == "train" and r,
+                         what="a train release")
+        assert sorted(chain["releases"][0]["receipts"]) == sorted(receipts["raw"])
+        view = c.get("/reef/scenarios/raw").json()
+        assert view["left_out"]["sampling"] == {"temperature": 2, "top_p": 2} and view["left_out"]["total"] == 4
+        assert "temperature 1" in view["left_out"]["why"]
+        shown = d.cli("scenarios", "show", "raw").stdout
+        assert "4 scored answers (2 by temperature, 2 by top_p)" in shown, shown
+        # the setting that used to be accepted and read by nothing is refused
+        bad = c.post("/reef/scenarios", json={"name": "t", "recipe": "online-rl", "settings": {"temperature": 0.7}})
+        assert_canonical_error(bad, 400)
+        assert "temperature" in bad.json()["error"]["message"]
+        # a recipe that does not train on log-probs counts nothing
+        assert c.post("/reef/scenarios", json={"name": "rec", "recipe": "record"}).status_code == 201
+        assert "left_out" not in c.get("/reef/scenarios/rec").json()
+
+
+@pytest.mark.parametrize(("sampling", "reason"), [
+    ({}, None), ({"temperature": 1, "top_p": 1, "top_k": 0}, None), ({"temperature": 0}, "temperature"),
+    ({"temperature": 1.3}, "temperature"), ({"top_p": 0.95}, "top_p"), ({"top_k": 40}, "top_k"),
+])
+def test_which_sampling_the_behaviour_log_probs_describe(sampling: dict[str, Any], reason: str | None) -> None:
+    from recipes.base import off_policy_sampling
+
+    assert off_policy_sampling({"sampling": sampling}) == reason
+
+
 def test_gate_rejections_are_written_down_and_serving_is_untouched(daemon_factory: Any) -> None:
     d: Daemon = daemon_factory(settings_toml(gate="floor", floor=2.0, eval_family="say", eval_n=4))
     with d.http() as c:

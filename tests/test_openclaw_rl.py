@@ -152,7 +152,8 @@ def test_a_token_bonus_alone_moves_the_policy_its_way(tiny_model: Any) -> None:
 def chat(c: httpx.Client, scenario: str, messages: list[dict[str, Any]], sampling: dict[str, Any] | None = None,
          **headers: str) -> tuple[str, str]:
     r = c.post(f"/s/{scenario}/v1/chat/completions", headers=headers, json={
-        "model": "tiny", "max_tokens": 4, "temperature": 0, "messages": messages, **(sampling or {})})
+        # sampled at the default temperature 1: what online-rl's ratio can train on (test_learning: others are not)
+        "model": "tiny", "max_tokens": 4, "messages": messages, **(sampling or {})})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"], r.headers["x-reef-agent-record-id"]
 

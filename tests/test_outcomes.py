@@ -116,3 +116,69 @@ def test_changes_kept_or_reverted_are_judged_at_the_next_run(setup: dict[str, An
     third = reef_pi(setup, p, "--reef-scenario", "outkept", "--reef-outcome", "kept", "-p", "--no-session",
                     "say hi")
     assert f"outcome kept of run {run['run']}" not in third.stderr  # judged once
+
+
+def test_a_real_agents_changes_are_snapshotted_by_the_wrapper_and_judged_kept_or_reverted(
+        tiny_model: Path, agents_dir: Path) -> None:  # noqa: F811
+    """End to end: the real pi, wrapped, writes answer.txt with its own write tool (its model is a stand-in over
+    real HTTP, tests/harness_standins.py: no model that can use tools exists here). The wrapper's snapshots around
+    the run write the change into the run record; put back by the user, the next run reports it reverted (score 0)
+    on the first run's receipts; kept, the run after reports it kept (score 1) on the second's."""
+    import shutil
+    import sys
+    import tempfile
+    import time
+
+    import httpx
+
+    from tests.conftest import ROOT, Daemon, free_port, make_home
+    from tests.test_agents import _user_home
+
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, str(ROOT / "tests" / "harness_standins.py"), str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    standin = f"http://127.0.0.1:{port}"
+    home, dport, env = make_home(tiny_model, f'\n[models.agent]\nengine = "upstream"\nurl = "{standin}"\n'
+                                             'format = "openai-chat"\nupstream_model = "agent"\n')
+    (home / "config.toml").write_text(f'agents_dir = "{agents_dir}"\n' + (home / "config.toml").read_text())
+    work = Path(tempfile.mkdtemp(prefix="reef-kept-"))
+    d = Daemon(home=home, port=dport, env=env).start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the stand-in's port answers (a hang guard only)
+            try:
+                httpx.get(f"{standin}/_stats", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the stand-in did not start"
+                time.sleep(0.1)
+        with d.http() as c:
+            made = c.post("/reef/scenarios", json={"name": "kept-e2e", "recipe": "record", "model": "agent"})
+            assert made.status_code == 201, made.text
+        s = {"daemon": d, "env": dict(env, REEF_AGENTS_DIR=str(agents_dir), HOME=str(_user_home(work)))}
+        p = project(work)
+        args = ("--reef-scenario", "kept-e2e", "--reef-outcome", "kept", "-p", "--no-session",
+                "Write the greeting into answer.txt.")
+
+        first = reef_pi(s, p, *args)
+        assert first.returncode == 0, first.stderr
+        assert (p / "answer.txt").read_text().strip() == "hello"  # the agent's own write tool
+        run1 = last_run(s, "pi")
+        assert list(run1["changes"]["files"]) == ["answer.txt"] and run1["receipts"]
+        (p / "answer.txt").unlink()  # the user puts it back
+
+        second = reef_pi(s, p, *args)
+        assert f"outcome kept of run {run1['run']}: 0 of 1 changed file(s) kept" in second.stderr, second.stderr
+        assert [(r["metadata"]["kept"], r["score"]) for r in outcome_reports(s, run1["receipts"][0])] == [(0, 0.0)]
+        run2 = last_run(s, "pi")
+        assert run2["run"] != run1["run"] and list(run2["changes"]["files"]) == ["answer.txt"]
+
+        third = reef_pi(s, p, *args)  # answer.txt from the second run is still there
+        assert f"outcome kept of run {run2['run']}: 1 of 1 changed file(s) kept" in third.stderr, third.stderr
+        assert [(r["metadata"]["kept"], r["score"]) for r in outcome_reports(s, run2["receipts"][0])] == [(1, 1.0)]
+    finally:
+        stub.kill()
+        stub.wait()
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)

@@ -467,3 +467,56 @@ async def test_settings_changes_at_once_lose_none_and_a_refused_one_changes_noth
         assert (await store.ensure_scenario("s", recipe=None, model="m", default_recipe="record")).settings == got
     finally:
         store.close()
+
+
+async def test_the_sampling_of_scored_exchanges_is_read_from_the_request(records_at: str) -> None:
+    """What a recipe trained on behaviour log-probs needs to know (test_learning: off-raw answers are left out):
+    each scored exchange's temperature, top_p and top_k as the client sent them (None: not sent), on both
+    backends' JSON functions; an exchange nobody scored is not counted."""
+    store = open_store(records_at)
+    try:
+        def exchange(receipt: str, request: dict[str, Any]) -> dict[str, Any]:
+            return {"id": receipt, "scenario": "s", "status": "complete", "format": "openai-chat", "engine": "e",
+                    "model": "m", "release_id": "rel", "request": {"model": "m", **request}, "response": {},
+                    "prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+
+        bodies = {"rec_a": {}, "rec_b": {"temperature": 0.7}, "rec_c": {"temperature": 0.7},
+                  "rec_d": {"top_p": 0.9, "top_k": 40}, "rec_e": {"temperature": 0.2}}
+        for receipt, body in bodies.items():
+            await store.append_exchange(exchange(receipt, body))
+        for receipt in ("rec_a", "rec_b", "rec_c", "rec_d"):  # rec_e is never scored
+            await store.append_report(scenario="s", score=1.0, feedback=None, references=[receipt], metadata=None,
+                                      report_id=None)
+        rows, _ = await store.scored_exchanges("s")
+        assert {r["id"]: r["sampling"] for r in rows} == {
+            "rec_a": {"temperature": None, "top_p": None, "top_k": None},
+            "rec_b": {"temperature": 0.7, "top_p": None, "top_k": None},
+            "rec_c": {"temperature": 0.7, "top_p": None, "top_k": None},
+            "rec_d": {"temperature": None, "top_p": 0.9, "top_k": 40},
+        }
+        counts = sorted((r["temperature"] or 1, r["top_p"] or 1, r["top_k"] or 0, r["n"])
+                        for r in await store.scored_sampling("s"))
+        assert counts == [(0.7, 1, 0, 2), (1, 0.9, 40, 1), (1, 1, 0, 1)]
+    finally:
+        store.close()
+
+
+async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str) -> None:
+    """The canary's latency bound (test_canary) reads each arm's complete exchanges' total_ms, on both backends'
+    JSON functions: failed exchanges count as errors, not times, and a third release's exchanges are in neither."""
+    store = open_store(records_at)
+    try:
+        def exchange(receipt: str, release: str, ms: float, status: str = "complete") -> dict[str, Any]:
+            return {"id": receipt, "scenario": "s", "status": status, "format": "openai-chat", "engine": "e",
+                    "model": "m", "release_id": release, "request": {}, "response": {},
+                    "timings": {"total_ms": ms, "ttft_ms": 1.0}}
+
+        for i, (release, ms, status) in enumerate([("head", 100, "complete"), ("head", 120, "complete"),
+                                                   ("cand", 300, "complete"), ("cand", 5, "error"),
+                                                   ("other", 7, "complete")]):
+            await store.append_exchange(exchange(f"rec_{i}", release, ms, status))
+        got = await store.arm_outcomes("s", 0, ("head", "cand"))
+        assert sorted(got["head"]["ms"]) == [100.0, 120.0] and got["cand"]["ms"] == [300.0]
+        assert (got["cand"]["exchanges"], got["cand"]["errors"]) == (2, 1)
+    finally:
+        store.close()

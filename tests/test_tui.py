@@ -281,3 +281,65 @@ def test_the_reef_tui_command_paints_the_chain_in_a_terminal(daemon: Daemon, see
     painted = float(out.rsplit(b"painted ", 1)[1].split()[0])
     assert t0 < painted < time.time()
     assert b"Release chain of tui-a" in out
+
+
+async def test_a_canary_started_followed_and_promoted_from_the_keyboard(daemon: Daemon, tiny_model: Path,
+                                                                        seeded: dict[str, Any]) -> None:
+    """c on a pending candidate starts a canary (confirmed); reports on both arms move its line live (the report
+    events reload the chain); e asks before ending and n keeps it running; p on the canary promotes it through
+    the canary's end, so its figures go on the chain (the plain promote route refuses a running canary)."""
+    with daemon.unix() as c:
+        assert c.post("/reef/scenarios", json={"name": "tui-k"}).status_code == 201
+    pending = publish(daemon, tiny_model, "tui-k", "canary\n", pending=True)
+    app = make_app(daemon, scenario="tui-k")
+    seen: list[str] = []
+    dispatch = app.dispatch
+    app.dispatch = lambda ev: (seen.append(ev.get("kind")), dispatch(ev))[1]  # type: ignore[method-assign]
+
+    def report_on_both_arms() -> None:
+        with daemon.unix() as c:
+            assert c.get("/reef/scenarios/tui-k/canary").json()["release_id"] == pending
+            refused = c.post("/reef/scenarios/tui-k/promote", json={"release_id": pending})
+            assert refused.status_code == 409 and "canary-end" in refused.text
+            for i in range(6):
+                r = c.post("/s/tui-k/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": f"q{i}"}]})
+                rep = c.post("/reef/report", json={"references": [r.headers["x-reef-agent-record-id"]], "score": 1})
+                assert rep.status_code == 201
+
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.press("a")
+        await until(pilot, lambda: len(chain.rows) == 2, what="the pending candidate shown")
+        chain.select(pending)
+        await pilot.press("c")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await until(pilot, lambda: chain.canary is not None, what="the canary shown")
+        # the reload the canary.start event asks for is done: from here only report events move the figures
+        await until(pilot, lambda: "canary.start" in seen and not chain._reload_pending
+                    and not [w for w in chain.workers if w.group in ("load", "steer") and not w.is_finished],
+                    what="the canary.start reload")
+        await asyncio.to_thread(report_on_both_arms)  # the app's loop keeps following events meanwhile
+
+        def reports_shown() -> bool:
+            f = (chain.canary or {}).get("figures") or {}
+            return f.get("canary_reports", 0) + f.get("head_reports", 0) == 6
+
+        await until(pilot, reports_shown, what="the reports in the canary's figures")
+        line = plain(chain.query_one("#canary"))
+        assert f"canary {pending[:8]}" in line and "serves 20% of new runs" in line and "p promotes it" in line, line
+        await pilot.press("e")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("n")
+        await until(pilot, lambda: any("the canary runs on" in m for m in app.messages), what="kept running")
+        chain.select(pending)
+        await pilot.press("p")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await until(pilot, lambda: any("canary promoted" in m for m in app.messages), what="promoted")
+        await until(pilot, lambda: chain.canary is None and not plain(chain.query_one("#canary")).strip(),
+                    what="the canary line gone")
+    top = releases(daemon, "tui-k")["releases"][0]
+    assert (top["operation"], top["source"], top["metrics"]["canary_verdict"]) == ("promote", pending, "promoted")
+    assert top["metrics"]["canary_reports"] + top["metrics"]["head_reports"] == 6

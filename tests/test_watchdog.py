@@ -84,3 +84,37 @@ def test_a_hacked_run_is_held_and_a_healthy_one_published(daemon_factory: Any, r
         assert "held-out fell 0.800 -> 0.050" in held["metrics"]["watchdog"]
         healthy = releases(c, "healthy", True)
         assert healthy["releases"][0]["step"] == 4 and healthy["pending"] == []
+
+
+def test_a_policy_past_max_kl_from_its_base_is_held() -> None:
+    cand = {"batch_reward": 0.5, "kl_from_base": 0.3}
+    alarm = watchdog.check([], cand, max_kl=0.2)
+    assert alarm is not None and alarm["kl_from_base"] == 0.3 and "more than max_kl 0.2" in alarm["reason"]
+    assert watchdog.check([], cand, max_kl=0.5) is None  # within the bound
+    assert watchdog.check([], cand) is None  # no bound: measured, never held
+    assert watchdog.check([], {"batch_reward": 0.5}, max_kl=0.2) is None  # whole weights: nothing measured
+
+
+def test_online_rl_holds_a_lora_candidate_that_drifted_past_max_kl(daemon_factory: Any) -> None:
+    """Through the daemon: every LoRA step's metrics carry kl_from_base; with max_kl below it the candidate is
+    held for review with the figures (the same batch with no bound publishes); a bound that could never be
+    measured (whole weights) or is not above 0 is refused."""
+    from tests.test_learning import serve_and_report, settings_toml
+
+    d: Daemon = daemon_factory(settings_toml(lr=0.05))
+    with d.http() as c:
+        for name, extra in (("drifted", {"max_kl": 1e-9}), ("free", {})):
+            made = c.post("/reef/scenarios", json={"name": name, "recipe": "online-rl",
+                                                   "settings": {"lora": True, "lora_rank": 4, **extra}})
+            assert made.status_code == 201, made.text
+            serve_and_report(c, name, 4)
+        held = wait_for(lambda: releases(c, "drifted", True)["pending"], what="the drifted candidate held")[0]
+        assert held["metrics"]["kl_from_base"] > 1e-9
+        assert "nats per token from its base model" in held["metrics"]["watchdog"]
+        published = wait_for(lambda: (r := releases(c, "free"))["releases"][0]["operation"] == "train" and r,
+                             what="the unbounded one published")["releases"][0]
+        assert published["metrics"]["kl_from_base"] > 0
+        assert releases(c, "drifted")["releases"][0]["operation"] == "init"  # the head did not move
+        for bad in ({"max_kl": 0.1, "lora": False}, {"max_kl": 0}):
+            r = c.post("/reef/scenarios", json={"name": "bad", "recipe": "online-rl", "settings": bad})
+            assert r.status_code == 400 and "max_kl" in r.text, r.text

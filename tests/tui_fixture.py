@@ -42,7 +42,10 @@ RELEASES = [
     _release(R1, rid(4), 1, "train", R0, NOW - 7200, {"eval_reward": 0.21, "batch_reward": 0.19, "loss": 1.2}),
     _release(R0, C0, 0, "init", None, NOW - 90000),
 ]
-PENDING = [_release(rid(0xF), rid(5), 5, "train", R4, NOW - 30, {"eval_reward": 0.52})]
+PENDING = [_release(rid(0xF), rid(5), 5, "train", R4, NOW - 30, {  # held by the watchdog: the note says why
+    "eval_reward": 0.52, "kl_from_base": 0.31,
+    "watchdog": "watchdog: the policy moved 0.3100 nats per token from its base model (KL on the step's answers), "
+                "more than max_kl 0.2; held for review (reef releases promote ID publishes it)"})]
 REJECTED = [{
     "rejection_id": rid(6), "scenario": "alpha", "step": 5, "verdict": "rejected",
     "reason": "candidate 0.25 is not above base 0.44 by margin 1", "metrics": {"eval_reward": 0.25},
@@ -157,6 +160,14 @@ class FixedSource:
     async def steer(self, op: str, scenario: str, release_id: str, expected_head: str | None) -> dict[str, Any]:
         self.steered.append((op, scenario, release_id, expected_head))
         return {**RELEASES[0], "step": 5, "operation": op}
+
+    async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]:
+        self.steered.append(("canary", scenario, release_id, None))
+        return {"scenario": scenario, "release_id": release_id, "base_id": RELEASES[0]["release_id"], "share": share}
+
+    async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]:
+        self.steered.append(("canary-end", scenario, "promote" if promote else "end", None))
+        return {"verdict": "promoted" if promote else "ended", "release_id": None}
 
     async def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]:
         for ev in events():

@@ -68,6 +68,7 @@ from daemon.errors import (
     UnknownReceipts,
 )
 
+SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
 
 class Cursor(Protocol):
     rowcount: int
@@ -785,10 +786,11 @@ class RecordStore:
         is none): what learning recipes train on, read a little at a time."""
 
         score = self.json_number("rep.report", "score")
+        sampling = self._sampling_columns("r.request")
 
         def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
             rows = conn.execute(
-                f"""SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs,
+                f"""SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs, {sampling},
                           rep.report, rep.seq AS report_seq
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
@@ -818,8 +820,31 @@ class RecordStore:
                     "source": source if isinstance(source, str) else None,  # "judge": a judge's verdict
                     "hint": hint if isinstance(hint, str) else None,
                     "metadata": metadata,  # the report's, for typed reports
+                    "sampling": {k: row[k] for k in SAMPLING},  # as the client asked (None: the default)
                 })
             return out, (rows[-1]["report_seq"] if rows else after)
+
+        return await self.read(op)
+
+    def _sampling_columns(self, request: str) -> str:
+        return ", ".join(f"{self.json_number(request, k)} AS {k}" for k in SAMPLING)
+
+    async def scored_sampling(self, scenario: str) -> list[dict[str, Any]]:
+        """The sampling settings of a scenario's scored, captured exchanges, with how many were served with each
+        (what a recipe trained on behaviour log-probs can use, and what it leaves out)."""
+        sampling = self._sampling_columns("r.request")
+
+        def op(conn: Conn) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                f"""SELECT {", ".join(SAMPLING)}, COUNT(*) AS n FROM (
+                      SELECT {sampling} FROM records r
+                      WHERE r.scenario = ? AND r.kind = 'exchange' AND r.status = 'complete' AND r.capture = 1
+                        AND r.token_ids IS NOT NULL
+                        AND EXISTS (SELECT 1 FROM report_refs rr WHERE rr.receipt = r.id)) s
+                   GROUP BY {", ".join(SAMPLING)}""",
+                (scenario,),
+            ).fetchall()
+            return [{**{k: row[k] for k in SAMPLING}, "n": int(row["n"])} for row in rows]
 
         return await self.read(op)
 
@@ -851,10 +876,17 @@ class RecordStore:
 
     async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
         """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, and how many of them failed."""
+        its exchanges, how many of them failed, and the times of the complete ones (``ms``)."""
+        total_ms = self.json_number("timings", "total_ms")
 
         def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0} for a in arms}
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": []} for a in arms}
+            for r in conn.execute(
+                    f"SELECT release_id, {total_ms} AS ms FROM records WHERE scenario=? AND kind='exchange'"
+                    " AND created_at>=? AND release_id IN (?,?) AND status='complete'",
+                    (scenario, since, *arms)).fetchall():
+                if r["ms"] is not None:
+                    out[r["release_id"]]["ms"].append(float(r["ms"]))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",

@@ -32,6 +32,8 @@ class Source(Protocol):
     async def records(self, *, limit: int = 50, scenario: str | None = None) -> list[dict[str, Any]]: ...
     async def record(self, receipt: str) -> dict[str, Any]: ...
     async def steer(self, op: str, scenario: str, release_id: str, expected_head: str | None) -> dict[str, Any]: ...
+    async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]: ...
+    async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]: ...
     def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]: ...
     async def aclose(self) -> None: ...
 
@@ -94,6 +96,14 @@ class Api:
     async def steer(self, op: str, scenario: str, release_id: str, expected_head: str | None) -> dict[str, Any]:
         body = {"release_id": release_id, "expected_head": expected_head}
         return dict(await self._request("POST", f"/reef/scenarios/{scenario}/{op}", json=body, timeout=120.0))
+
+    async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]:
+        body = {"release_id": release_id, "share": share}
+        return dict(await self._request("POST", f"/reef/scenarios/{scenario}/canary", json=body))
+
+    async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]:
+        return dict(await self._request("POST", f"/reef/scenarios/{scenario}/canary/end", json={"promote": promote},
+                                        timeout=120.0))
 
     async def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]:
         """Follow ``/reef/events`` from ``after``; ends when the daemon closes the stream."""

@@ -147,3 +147,32 @@ def conversation(request: Any, response: Any) -> list[tuple[str, str]]:
     elif response is not None:
         turns.append(("response", _content_text(response)))
     return turns
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[float | None], width: int = 24) -> str:
+    """The last ``width`` values in [0, 1] as a sparkline (a gap where a value is unknown)."""
+    out = []
+    for v in values[-width:]:
+        out.append(" " if v is None else SPARK[min(len(SPARK) - 1, max(0, int(v * len(SPARK))))])
+    return "".join(out)
+
+
+def canary_line(canary: dict[str, Any], history: list[tuple[float | None, float | None]]) -> str:
+    """A running canary: its share, both arms' means, intervals and reports, and their means over time."""
+    f = canary.get("figures") or {}
+
+    def arm(name: str) -> str:
+        mean, iv, n = f.get(f"{name}_mean"), f.get(f"{name}_interval"), f.get(f"{name}_reports", 0)
+        shown = "-" if mean is None else f"{mean:.3f}"
+        return f"{name} {shown}" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f" n={n}"
+
+    lines = [f"canary {short(canary.get('release_id'), 8)} serves {canary.get('share', 0):.0%} of new runs beside "
+             f"{short(canary.get('base_id'), 8)}: {arm('canary')} | {arm('head')} (alpha {f.get('alpha')})"]
+    if history:
+        lines.append(f"  canary {spark([c for c, _ in history])}  head {spark([h for _, h in history])}"
+                     "   p promotes it, e ends it")
+    return "\n".join(lines)
+

@@ -24,6 +24,7 @@ from textual.widgets import Button, DataTable, Footer, Static
 from daemon.errors import Conflict, ReefError
 from reef_cli.tui.format import (
     age,
+    canary_line,
     conversation,
     key_metrics,
     number,
@@ -155,11 +156,14 @@ class ChainScreen(ReefScreen):
         Binding("enter", "open", "Detail", priority=True),
         Binding("b", "rollback", "Roll back"),
         Binding("p", "promote", "Promote"),
+        Binding("c", "canary", "Canary"),
+        Binding("e", "end_canary", "End canary"),
         Binding("a", "toggle_all", "Candidates"),
         Binding("r", "refresh_data", "Refresh"),
         Binding("escape", "app.back", "Back"),
     ]
-    RELOAD_ON = ("release", "release.pending", "gate")
+    RELOAD_ON = ("release", "release.pending", "gate", "canary.start", "canary.end")
+    CANARY_SHARE = 0.2  # what c serves a candidate to (reef releases canary --share for another)
 
     def __init__(self, scenario: str) -> None:
         super().__init__()
@@ -167,15 +171,23 @@ class ChainScreen(ReefScreen):
         self.show_all = False
         self.head: str | None = None
         self.rows: dict[str, dict[str, Any]] = {}
+        self.canary: dict[str, Any] | None = None  # the running canary (daemon/canary.py), with its figures
+        self.canary_history: list[tuple[float | None, float | None]] = []  # both arms' means, load by load
 
     def compose(self) -> ComposeResult:
         yield Static(f"Release chain of {self.scenario}", classes="title", id="title")
         table: DataTable[Any] = DataTable(cursor_type="row", zebra_stripes=True, id="chain")
         table.add_columns("", "step", "operation", "release", "content", "age", "gate", "metrics", "note")
         yield table
+        yield Static("", id="canary", classes="note")
         yield Static("", id="note", classes="note")
         yield ConnectionBar()
         yield Footer()
+
+    def daemon_event(self, ev: dict[str, Any]) -> None:
+        super().daemon_event(ev)
+        if ev.get("kind") == "report" and self.canary is not None and ev.get("scenario") == self.scenario:
+            self.reload_soon()  # a report moves the running canary's figures
 
     async def load(self) -> None:
         data = await self.reef.source.releases(self.scenario, all_=self.show_all)
@@ -204,8 +216,12 @@ class ChainScreen(ReefScreen):
                 note = f"restores {short(r['source'], 8)}" + (f" (step {restored['step']})" if restored else "")
             elif r["operation"] == "rejected":
                 note = one_line(r.get("reason"), 48)
+            elif self.canary is not None and r["release_id"] == self.canary["release_id"]:
+                note = "canary: p promotes, e ends"
+            elif r["operation"] == "pending" and (r.get("metrics") or {}).get("watchdog"):
+                note = one_line(r["metrics"]["watchdog"], 48)  # held by the reward-hacking watchdog: why
             elif r["operation"] == "pending":
-                note = "p promotes"
+                note = "p promotes, c serves as a canary"
             style = "bold" if mark == "▶" else "dim" if r["operation"] == "rejected" else ""
             cells = [mark, str(r.get("step", "-")), r["operation"], short(r.get("release_id"), 8),
                      short(r.get("content_id"), 8), age(r.get("created_at"), now), verdict(r),
@@ -214,6 +230,16 @@ class ChainScreen(ReefScreen):
         keys = list(self.rows)
         if keys:
             table.move_cursor(row=keys.index(selected) if selected in keys else 0)
+        canary = data.get("canary")
+        if canary is None or (self.canary or {}).get("release_id") != canary.get("release_id"):
+            self.canary_history = []
+        self.canary = canary
+        if canary is not None:
+            f = canary.get("figures") or {}
+            point = (f.get("canary_mean"), f.get("head_mean"))
+            if not self.canary_history or self.canary_history[-1] != point:
+                self.canary_history.append(point)
+        self.query_one("#canary", Static).update(canary_line(canary, self.canary_history) if canary else "")
         hidden = "" if self.show_all else "; a shows rejected and pending candidates"
         self.query_one("#note", Static).update(
             f"head {short(self.head)}: {len(data.get('releases', []))} releases{hidden}"
@@ -261,9 +287,79 @@ class ChainScreen(ReefScreen):
     def action_promote(self) -> None:
         self._steer("promote")
 
+    def action_canary(self) -> None:
+        row = self.selected()
+        if row is None:
+            return
+        if self.canary is not None:
+            self.reef.say(f"a canary of {short(self.canary['release_id'])} runs already: e ends it", severity="warning")
+            return
+        if row["operation"] != "pending":
+            self.reef.say("only a pending candidate can serve as a canary (a shows pending candidates)",
+                          severity="warning")
+            return
+        lines = [f"Serve {short(row['release_id'])} as a canary of scenario {self.scenario}",
+                 f"to {self.CANARY_SHARE:.0%} of new runs beside the head {short(self.head)};",
+                 "live scores promote it or end it at the stated error rate"]
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                start = functools.partial(self._do_canary, row["release_id"])
+                self.run_worker(start, group="steer", exit_on_error=False)
+            else:
+                self.reef.say("canary cancelled; nothing changed")
+
+        self.app.push_screen(ConfirmScreen(lines, "Start"), done)
+
+    async def _do_canary(self, release_id: str) -> None:
+        try:
+            row = await self.reef.source.canary(self.scenario, release_id, self.CANARY_SHARE)
+        except ReefError as e:
+            self.reef.say(f"canary failed: {e.message}", severity="error")
+        else:
+            self.reef.say(f"canary {short(row['release_id'])} serves {row['share']:.0%} of new runs")
+        self.refresh_data()
+
+    def action_end_canary(self) -> None:
+        self._end_canary(promote=False)
+
+    def _end_canary(self, *, promote: bool) -> None:
+        if self.canary is None:
+            self.reef.say("no canary runs in this scenario (c starts one from a pending candidate)",
+                          severity="warning")
+            return
+        f = self.canary.get("figures") or {}
+        lines = [f"{'Promote' if promote else 'End'} the canary {short(self.canary['release_id'])} of {self.scenario}",
+                 canary_line(self.canary, []),
+                 "published as the new head, its figures on the chain" if promote
+                 else f"discarded: the head {short(self.head)} stays; its figures go on the chain",
+                 f"({f.get('canary_reports', 0)} and {f.get('head_reports', 0)} reports so far)"]
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                end = functools.partial(self._do_end_canary, promote)
+                self.run_worker(end, group="steer", exit_on_error=False)
+            else:
+                self.reef.say("nothing changed; the canary runs on")
+
+        self.app.push_screen(ConfirmScreen(lines, "Promote" if promote else "End"), done)
+
+    async def _do_end_canary(self, promote: bool) -> None:
+        try:
+            out = await self.reef.source.canary_end(self.scenario, promote=promote)
+        except ReefError as e:
+            self.reef.say(f"ending the canary failed: {e.message}", severity="error")
+        else:
+            self.reef.say(f"canary {out['verdict']}" + (f": published {short(out['release_id'])}"
+                                                         if out.get("release_id") else "; the head stays"))
+        self.refresh_data()
+
     def _steer(self, op: str) -> None:
         row = self.selected()
         if row is None:
+            return
+        if op == "promote" and self.canary is not None and row.get("release_id") == self.canary["release_id"]:
+            self._end_canary(promote=True)  # a canary is promoted with its figures on the chain
             return
         if row["operation"] == "rejected":
             self.reef.say("a rejected candidate was never published; there is nothing to restore", severity="warning")
