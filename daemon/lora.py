@@ -6,6 +6,10 @@ An adapter release's artifact is peft's own two files plus Reef's manifest, and 
     adapter_model.safetensors  the adapter tensors (a few MB: Git LFS when over 1 MiB)
     reef-adapter.json          {"format": "peft-lora", "base_content_id": ..., "base_release_id": ...}
 
+and, optionally, the trainer's own state that a recipe resumes from (``STATE_FILES``: sao's critic,
+``value_head.pt``, a few kB). Engines never read it; it is content like the rest, so the same adapter with another
+critic is another release (the next step from it would differ).
+
 The base model's files are stored once, in the release that holds them (a scenario's ``init``), never again per
 step. ``base_content_id`` is the identity of the base (the content id of the release holding its files: equal
 files, equal id); ``base_release_id`` is where to find those files. The manifest is part of the content, so the
@@ -31,6 +35,8 @@ MANIFEST = "reef-adapter.json"
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 FILES = (CONFIG, WEIGHTS, MANIFEST)
+# trainer state an adapter release may carry beside the adapter (recipes/sao.py's critic); no engine reads it
+STATE_FILES = ("value_head.pt",)
 FORMAT = "peft-lora"
 _ID_CHARS = set("0123456789abcdef")
 
@@ -81,13 +87,14 @@ def write_dir(path: str | os.PathLike[str], manifest: AdapterManifest) -> None:
 
 
 def check_layout(paths: Iterable[str]) -> None:
-    """An adapter release holds peft's two files and the manifest, nothing more (no copy of any base file)."""
+    """An adapter release holds peft's two files and the manifest, and at most the trainer's state
+    (``STATE_FILES``), nothing more (no copy of any base file)."""
     have = set(paths)
     missing = [f for f in FILES if f not in have]
-    extra = sorted(have - set(FILES))
+    extra = sorted(have - set(FILES) - set(STATE_FILES))
     if missing or extra:
         raise BadRequest(
-            f"an adapter release holds exactly {', '.join(FILES)}"
+            f"an adapter release holds exactly {', '.join(FILES)} (and optionally {', '.join(STATE_FILES)})"
             + (f"; missing {', '.join(missing)}" if missing else "")
             + (f"; unexpected {', '.join(extra[:5])}" if extra else ""),
             param="files",

@@ -495,6 +495,7 @@ class OnlineRL(Recipe):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
         check_budget(cls.name, settings.memory_budget_mb)
+        check_lora(cls.name, settings)
         if settings.max_kl is not None and (settings.max_kl <= 0 or settings.lora is False):
             raise BadRequest(f"recipe {cls.name} setting max_kl must be above 0 and needs LoRA adapters (the drift is "
                              "measured against the model they apply to): leave lora unset or true",
@@ -549,10 +550,7 @@ class OnlineRL(Recipe):
             return Candidate(metrics=metrics, skipped="no signal: every group's rewards were equal")
         out = Path(job.work_dir)
         if is_adapter(model):  # a release holds only the adapter, naming the whole model it applies to
-            if not (job.model_key and job.model_release):
-                raise ValueError("a LoRA candidate names its base model: the job has no model_key / model_release")
-            save_adapter(model, out, lora.AdapterManifest(job.model_key, job.model_release))
-            metrics["adapter_bytes"] = (out / lora.WEIGHTS).stat().st_size
+            metrics["adapter_bytes"] = save_adapter_candidate(model, out, job)
         else:
             model.save_pretrained(out, safe_serialization=True)
             source = Path(job.model_path or job.base_path)
@@ -616,10 +614,42 @@ def load_policy(path: str | Path, model_path: str | Path | None, settings: Onlin
                                                       is_trainable=trainable and settings.lora is not False)
         if settings.lora is False or not trainable:
             model = model.merge_and_unload()
-        return model
-    use = settings.lora if settings.lora is not None else sum(p.numel() for p in model.parameters()) >= \
-        LORA_AUTO_PARAMS
-    return wrap_lora(model, settings) if trainable and use else model
+    else:
+        use = settings.lora if settings.lora is not None else sum(p.numel() for p in model.parameters()) >= \
+            LORA_AUTO_PARAMS
+        model = wrap_lora(model, settings) if trainable and use else model
+    asked = [key for key in WHOLE_WEIGHTS_ONLY if getattr(settings, key, False)]
+    if trainable and asked and is_adapter(model):  # an adapter leaves them frozen: refused, never inert
+        raise ValueError(f"{asked[0]} = true trains whole weights, but this step trains a LoRA adapter (lora unset "
+                         f"means adapters on models of {LORA_AUTO_PARAMS:,} parameters or more): set lora = false, "
+                         f"or {asked[0]} = false")
+    return model
+
+
+# settings that train weights an adapter leaves frozen (a recipe refuses them with lora = true, a step with LoRA)
+WHOLE_WEIGHTS_ONLY = ("train_embeddings", "train_final_norm")
+
+
+def check_lora(recipe: str, settings: Any) -> None:
+    """The LoRA settings a weights recipe shares with online-rl (``lora``, ``lora_rank``, ``lora_alpha``): a
+    ``BadRequest`` naming the one that cannot work."""
+    if settings.lora_rank < 1:
+        raise BadRequest(f"recipe {recipe} setting lora_rank must be at least 1", param="settings.lora_rank")
+    if not settings.lora_alpha > 0:
+        raise BadRequest(f"recipe {recipe} setting lora_alpha must be above 0", param="settings.lora_alpha")
+    for key in WHOLE_WEIGHTS_ONLY:
+        if settings.lora is True and getattr(settings, key, False):
+            raise BadRequest(f"recipe {recipe}: {key} trains whole weights, which lora = true leaves frozen; set "
+                             f"lora = false to train them", param=f"settings.{key}")
+
+
+def save_adapter_candidate(model: Any, out: Path, job: TrainJob) -> int:
+    """Write an adapter candidate into ``out``, naming the whole model it applies to (``job.model_key``, a release
+    holding it); returns the adapter tensors' size in bytes."""
+    if not (job.model_key and job.model_release):
+        raise ValueError("a LoRA candidate names its base model: the job has no model_key / model_release")
+    save_adapter(model, out, lora.AdapterManifest(job.model_key, job.model_release))
+    return (out / lora.WEIGHTS).stat().st_size
 
 
 def save_adapter(model: Any, out: Path, manifest: lora.AdapterManifest) -> None:

@@ -45,6 +45,15 @@ demo model and ``bench/learning.py`` through the daemon):
   So the check guards against a step that breaks the model, and slow drift is left to learning, as without a
   gate. The other gates (``always``, ``floor``,
   ``compare``, ``regression``, ``review``) also work and evaluate every step (costly at one release per step).
+- **What trains: LoRA on real models**, as online-rl: adapters (peft, ``lora_rank`` on the attention and MLP
+  projections) for models of ``LORA_AUTO_PARAMS`` parameters or more, all weights below (the built-in tiny models);
+  the ``lora`` setting decides instead when set. A step's release is then the adapter alone on the whole model
+  (``daemon/lora.py``; on SmolLM2 a few MB instead of a copy of the model), and the engine attaches it to the
+  resident base instead of loading a model per step. The critic goes in the adapter release too, as
+  ``value_head.pt`` beside peft's files (``lora.STATE_FILES``): it is trained with the policy and a restart, a
+  rollback or another worker must resume both from the same release. Not inside the adapter's tensors: the engines
+  (Reef's, vLLM's, peft's) serve plain LoRA files and refuse a tensor that is not ``lora_A`` / ``lora_B``; and not
+  only in the worker's memory, which a restart loses (a fresh critic's first report teaches the policy nothing).
 - **Worker state.** One entry per lineage (model, critic, both optimizers; keyed by its last candidate, up to
   ``MAX_LINEAGES``), so scenarios that share the worker do not reload each other's at every step.
 """
@@ -65,7 +74,16 @@ from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
-from recipes.online_rl import Sample, _decoder_and_head, _eval_scores, _padded
+from recipes.online_rl import (
+    Sample,
+    _decoder_and_head,
+    _eval_scores,
+    _padded,
+    check_lora,
+    is_adapter,
+    load_policy,
+    save_adapter_candidate,
+)
 
 VALUE_FILE = "value_head.pt"
 MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the worker keeps in memory
@@ -97,6 +115,11 @@ class SAOSettings(GateSettings):
     eval_every: int = 10  # steps between periodic checks (the first step after a restart is checked too)
     restart_after: int = 3  # failed checks in a row after which training restarts from the head
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
+    # LoRA adapters (peft) instead of all weights, as online-rl: None: adapters on models of LORA_AUTO_PARAMS
+    # parameters or more (every real model), all weights below; releases then hold the adapter and the critic
+    lora: bool | None = None
+    lora_rank: int = 8
+    lora_alpha: int = 16
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,7 +159,7 @@ def make_learner(model: Any, settings: SAOSettings, value: ValueHead | None = No
             if name.endswith("model.norm.weight"):
                 p.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    value = value if value is not None else ValueHead(model.config.hidden_size + CONFIDENCE_FEATURES)
+    value = (value if value is not None else ValueHead(model.config.hidden_size + CONFIDENCE_FEATURES)).to(model.device)
     return Learner(
         value=value,
         optimizer=torch.optim.AdamW(params, lr=settings.lr, betas=(settings.beta1, settings.beta2),
@@ -146,8 +169,8 @@ def make_learner(model: Any, settings: SAOSettings, value: ValueHead | None = No
 
 
 def save_value(learner: Learner, directory: Path) -> None:
-    torch.save({"state": learner.value.state_dict(), "seeded": learner.value.seeded},
-               directory / VALUE_FILE)
+    torch.save({"state": {k: v.cpu() for k, v in learner.value.state_dict().items()},
+                "seeded": learner.value.seeded}, directory / VALUE_FILE)
 
 
 def load_value(directory: Path, width: int) -> ValueHead | None:
@@ -156,7 +179,7 @@ def load_value(directory: Path, width: int) -> ValueHead | None:
     if not path.is_file():
         return None
     try:
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location="cpu")
         value = ValueHead(width)
         value.load_state_dict(saved["state"])
     except Exception:  # unreadable or another shape: start the critic afresh rather than fail the step
@@ -186,12 +209,13 @@ def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True
     """Per completion token [B, T]: log-prob (with grad), entropy, the critic's features of the state it was
     sampled from, and a mask. The output head runs only at the completion positions (``_decoder_and_head``)."""
     pad = model.config.pad_token_id or 0
-    ids, mask, starts, lengths = _padded(batch, pad)
+    dev = model.device
+    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
     longest = max(len(s.token_ids) for s in batch)
-    pos = starts[:, None] - 1 + torch.arange(longest)[None, :]
+    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
     tmask = pos < (lengths[:, None] - 1)
     pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(len(batch))[:, None]
+    rows = torch.arange(len(batch), device=dev)[:, None]
     parts = _decoder_and_head(model)
     if parts is None:
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
@@ -260,7 +284,7 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
             behaviour = torch.zeros_like(logp)
             for row, s in enumerate(part):
                 behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-            rewards = torch.tensor([s.reward for s in part])[:, None]
+            rewards = torch.tensor([s.reward for s in part], device=logp.device)[:, None]
             v = value(features)  # the critic's grads only: its features are detached
             per.append({"logp": logp, "entropy": entropy, "tmask": tmask, "prox": logp.detach(), "v": v,
                         "rewards": rewards, "behaviour": behaviour,
@@ -361,6 +385,7 @@ class SAO(Recipe):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
         check_budget(cls.name, settings.memory_budget_mb)
+        check_lora(cls.name, settings)
         if settings.is_cap < 1:
             raise BadRequest("recipe sao setting is_cap must be at least 1", param="settings.is_cap")
         if settings.max_staleness < 0:
@@ -389,7 +414,7 @@ class SAO(Recipe):
                        {**verdict.metrics, "checked": 1})
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         s: SAOSettings = self.settings
         t0 = time.perf_counter()
@@ -401,10 +426,13 @@ class SAO(Recipe):
         probation = lin is not None and lin["head"] == job.head_key and lin["made"]
         if lin is None:
             base = Path(job.base_path)
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
+            model = load_policy(base, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
+                                device=job.device)
             learner = make_learner(model, s, load_value(base, model.config.hidden_size + CONFIDENCE_FEATURES))
             # a fresh start (the worker's first job, a restart from the head): its first step is checked
-            lin = {"tokenizer": AutoTokenizer.from_pretrained(base), "model": model, "learner": learner,
+            lin = {"tokenizer": AutoTokenizer.from_pretrained(job.model_path or base), "model": model,
+                   "learner": learner,
                    "since_check": s.eval_every, "made": False}
         model, tokenizer, learner = lin["model"], lin["tokenizer"], lin["learner"]
         lin["head"] = job.head_key
@@ -422,7 +450,11 @@ class SAO(Recipe):
             return Candidate(metrics=metrics, skipped="no signal: the reward equals the critic's value")
         t_save = time.perf_counter()
         out = Path(job.work_dir)
-        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
+        if is_adapter(model):  # the adapter alone, on the whole model it applies to, and the critic beside it
+            metrics["adapter_bytes"] = save_adapter_candidate(model, out, job)
+        else:
+            save_weights(model, out, Path(job.model_path or job.base_path),  # tokenizer files: never an adapter dir
+                         frozen_embeddings=not s.train_embeddings)
         save_value(learner, out)
         lin["made"] = True
         lin["since_check"] += 1
@@ -435,7 +467,8 @@ class SAO(Recipe):
             if job.head_scores is not None:
                 base_scores = job.head_scores
             else:
-                head = AutoModelForCausalLM.from_pretrained(job.head_path, dtype=torch.float32)
+                head = load_policy(job.head_path, job.model_path or None, s, trainable=False,  # type: ignore[arg-type]
+                                   device=job.device)
                 base_scores = _eval_scores(head, tokenizer, s)  # type: ignore[arg-type]
             scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)  # type: ignore[arg-type]
             lin["since_check"] = 0

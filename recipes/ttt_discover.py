@@ -37,6 +37,10 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
   client alone can score its problem) a candidate cannot be scored before it serves, so every candidate is
   published and the best attempt stays visible in the scenario's status (serve it again with ``x-reef-release-id``
   or roll back to it).
+- **What trains: LoRA on real models**, as online-rl and sao: adapters (``lora_rank`` on the attention and MLP
+  projections) for models of ``LORA_AUTO_PARAMS`` parameters or more, all weights below; ``lora`` decides when set.
+  A release is then the adapter alone on the whole model (``daemon/lora.py``), a few MB on SmolLM2, and the gate's
+  head is that adapter on the same base.
 - **Status.** Each step's metrics carry its batch's best attempt (score, receipt, the release that served it);
   ``status`` folds them over the whole chain (releases and rejected steps alike, since a rejected step's attempts
   were real attempts): the best attempt found, by which release, and the number of attempts learned from.
@@ -59,7 +63,17 @@ from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.memory import check_budget
-from recipes.online_rl import Sample, eos_ids, generate, make_optimizer, train_step
+from recipes.online_rl import (
+    Sample,
+    check_lora,
+    eos_ids,
+    generate,
+    is_adapter,
+    load_policy,
+    make_optimizer,
+    save_adapter_candidate,
+    train_step,
+)
 from recipes.sao import save_weights
 
 
@@ -92,6 +106,11 @@ class TTTSettings(GateSettings):
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
+    # LoRA adapters (peft) instead of all weights, as online-rl: None: adapters on models of LORA_AUTO_PARAMS
+    # parameters or more (every real model), all weights below; releases then hold only the adapter
+    lora: bool | None = None
+    lora_rank: int = 8
+    lora_alpha: int = 16
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +172,7 @@ class TTTDiscover(Recipe):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe ttt-discover setting {key} must be at least 1", param=f"settings.{key}")
         check_budget(cls.name, settings.memory_budget_mb)
+        check_lora(cls.name, settings)
         if settings.group_size < 2:
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")
@@ -205,15 +225,16 @@ class TTTDiscover(Recipe):
         return out
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         s: TTTSettings = self.settings
         t0 = time.perf_counter()
         if state.get("key") != job.base_key:
-            base = Path(job.base_path)
             state.clear()
-            state["tokenizer"] = AutoTokenizer.from_pretrained(base)
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
+            # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
+            model = load_policy(job.base_path, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
+                                device=job.device)
             state.update(model=model, optimizer=make_optimizer(model, s), key=job.base_key)  # type: ignore[arg-type]
         model, tokenizer = state["model"], state["tokenizer"]
         groups: dict[str, list[int]] = {}
@@ -242,8 +263,8 @@ class TTTDiscover(Recipe):
         seed = (s.eval_seed * 1_000_003 + zlib.crc32(job.id.encode())) % 2**63
         if judged:  # the head's attempts, before this step trains the model in memory (which may be the head)
             t_eval = time.perf_counter()
-            head = model if job.head_key == state["key"] else AutoModelForCausalLM.from_pretrained(
-                job.head_path, dtype=torch.float32)
+            head = model if job.head_key == state["key"] else load_policy(
+                job.head_path, job.model_path or None, s, trainable=False, device=job.device)  # type: ignore[arg-type]
             base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
             eval_s = time.perf_counter() - t_eval
         metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
@@ -254,7 +275,11 @@ class TTTDiscover(Recipe):
             return Candidate(metrics=metrics, skipped="no signal: every group's attempts scored alike")
         t_save = time.perf_counter()
         out = Path(job.work_dir)
-        save_weights(model, out, Path(job.base_path), frozen_embeddings=not s.train_embeddings)
+        if is_adapter(model):  # the adapter alone, naming the whole model it applies to
+            metrics["adapter_bytes"] = save_adapter_candidate(model, out, job)
+        else:
+            save_weights(model, out, Path(job.model_path or job.base_path),  # tokenizer files: never an adapter dir
+                         frozen_embeddings=not s.train_embeddings)
         state["key"] = job.candidate_key
         metrics["save_s"] = round(time.perf_counter() - t_save, 3)
         ev = None
@@ -273,7 +298,7 @@ def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTS
 
     assert settings.problem is not None
     problem = get_problem(settings.problem)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
     outs = generate(model, [prompt] * settings.eval_attempts, eos=eos_ids(model, tokenizer),
                     max_new_tokens=settings.max_new_tokens, temperature=1.0, generator=gen)
     return [problem.score(tokenizer.decode(ids, skip_special_tokens=True)) for ids, _ in outs]

@@ -107,6 +107,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model just past ``LORA_AUTO_PARAMS`` (22.6M parameters: the tiny model's tokenizer, width 512, 6 layers,
+    random weights, 87 MB, built here in seconds), on which the weights recipes train LoRA adapters with ``lora``
+    unset, as on any real model."""
+    from daemon.models import TinyConfig, init_tiny
+
+    config = TinyConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8)
+    return shared_build(tmp_path_factory, "lora-sized", lambda d: init_tiny(d, seed=0, config=config))
+
+
+@pytest.fixture(scope="session")
 def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``tiny-demo`` (the tiny model warmed up on the ``say`` family) as ``reef model init tiny-demo`` builds it:
     seed 0, deterministic, 15-60 s on a busy 2-core machine; for the tests that show a recipe learning."""
