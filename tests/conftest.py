@@ -309,7 +309,7 @@ SLOWEST_FIRST = (
     "test_learning.py", "test_durability.py", "test_vllm.py", "test_install.py", "test_sao.py",
     "test_ttt_discover.py", "test_openclaw_rl.py", "test_harness_search.py", "test_model_dirs.py",
     "test_daemon_cli.py", "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py",
-    "test_serve_only.py", "test_canary.py", "test_forget.py", "test_outcomes.py",
+    "test_serve_only.py", "test_canary.py", "test_lora_recipes.py", "test_forget.py", "test_outcomes.py",
 )
 
 
