@@ -160,3 +160,19 @@ def test_sao_in_micro_batches_makes_the_same_update_as_the_whole_batch(tiny_mode
     for name, small in after[2][1].items():
         assert torch.allclose(small, after[4096][1][name], rtol=1e-4, atol=1e-6), name
     assert any(not torch.equal(v, base.get_parameter(k)) for k, v in after[2][1].items())
+
+
+def test_the_workers_peak_is_its_own_not_its_parents(tiny_model: Path, tmp_path: Path) -> None:
+    """trainer_peak_rss_mb is the worker's own high-water mark: a daemon (here, this process) holding 1.5 GB more
+    when it spawns the worker must not show in it (ru_maxrss carries the parent's size at the fork across exec,
+    which made every step of a worker spawned by a large daemon read the daemon's size)."""
+    held = bytearray(b"\x01") * (1536 << 20)  # resident: every page written
+    try:
+        trainer = TrainerClient(threads=1)
+        try:
+            step = trainer._run(job(tiny_model, records(8, 8, 4), 16, 1), tmp_path / "own")
+        finally:
+            trainer.close()
+    finally:
+        del held
+    assert 0 < step.metrics["trainer_peak_rss_mb"] < 1400, step.metrics["trainer_peak_rss_mb"]

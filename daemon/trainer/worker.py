@@ -50,6 +50,20 @@ log = logging.getLogger("reef.trainer")
 # --- the worker process -----------------------------------------------------------------------------------
 
 
+def peak_rss_mb() -> float:
+    """The worker's own peak resident memory so far (MB). Linux: ``VmHWM``, the high-water mark of this process's
+    address space. Not ``ru_maxrss``: a spawned worker's starts at its parent's resident size at the fork (the
+    kernel keeps the larger of the two across exec), so next to a daemon holding 2 GB every step read 2 GB."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB where there is no /proc
+
+
 def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
     """Run ``job``'s recipe step; a candidate directory ends up complete at ``out_dir`` or not at all."""
     from recipes import load_recipe
@@ -67,8 +81,7 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
             raise
         if not isinstance(candidate, Candidate):
             raise TypeError(f"recipe {job.recipe}: train() returned {type(candidate).__name__}, not a Candidate")
-        # ru_maxrss is in KiB on Linux: the worker's peak so far (this step's, or an earlier one's if higher)
-        candidate.metrics["trainer_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        candidate.metrics["trainer_peak_rss_mb"] = peak_rss_mb()  # this step's, or an earlier one's if higher
         if candidate.skipped is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return replace(candidate, path=None)
