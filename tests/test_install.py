@@ -60,6 +60,7 @@ def test_unknown_option_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a hang guard: two real installs (pip, the default model) take 2-5 min on 2 busy cores
 def test_install_is_isolated_linked_and_idempotent(tmp_path: Path) -> None:
     env = base_env(tmp_path)
     venv, bindir = tmp_path / "venv", tmp_path / "bin"

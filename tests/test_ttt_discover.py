@@ -210,7 +210,7 @@ def test_the_best_and_mean_attempt_scores_rise_on_the_demo_models_problem(daemon
                 scores[receipt] = problem.score(text)
                 assert c.post("/reef/report", json={"score": scores[receipt], "references": [receipt],
                                                     "metadata": {"group": f"round-{n}"}}).status_code == 201
-            wait_for(lambda n=n: len(consumed(c, "find")) == 16 * (n + 1), timeout=120, what=f"round {n}")
+            wait_for(lambda n=n: len(consumed(c, "find")) == 16 * (n + 1), timeout=300, what=f"round {n}")  # hang guard
             chain = releases(c, "find", True)
             trained = [r for r in chain["releases"] if r["operation"] == "train"]
             first = min(trained, key=lambda r: r["step"])["metrics"]["base_reward"] if trained else None
