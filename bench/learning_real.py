@@ -1,0 +1,239 @@
+"""Weight learning on the default model from ordinary traffic, at the ``online-rl`` recipe's defaults.
+
+For each preference and seed: a fresh ``REEF_HOME`` with no configuration but its port (so the default model,
+SmolLM2-135M-Instruct, made once by ``reef model init smollm2`` and shared read-only between runs), the daemon
+started as ``reef serve`` starts it, a scenario ``{"recipe": "online-rl"}`` with no settings, and a client that
+behaves like a person: varied everyday questions (12 templates over 157 nouns, each question asked once), one
+request at a time through the real HTTP API, answers up to ``--max-tokens`` (60) at the API's default sampling,
+every answer scored on a preference nobody tuned the recipe for and reported on its receipt. The recipe trains in
+the background and the gate (its default) publishes; answers come from whatever release serves.
+
+Preferences (each a simulated user's score in [0, 1]; an answer that is not about what was asked scores 0, so
+garbage cannot win):
+- ``brief``: short answers about the question's subject: 1 at 20 words or fewer, falling linearly to 0 at 50
+  (60 tokens are some 45 words; the model's answers mostly run to the limit).
+- ``subject-first``: answers that open with the question's subject (``Lemons are ...``): 1 when the first word is
+  the subject, 0.3 when the subject comes later, 0 when it never comes.
+
+Printed per run: the scored reward before (the first ``--window`` answers, all from release 0) and after (the
+last ``--window``), minutes to +0.25 (the rolling mean of the last ``--window`` answers first at before + 0.25),
+training steps, releases published and rejected, the trainer's peak resident memory (``trainer_peak_rss_mb``,
+the worker's VmHWM) and the daemon's (its VmHWM), and, per preference, one greedy answer from release 0 and from
+the last head, verbatim. A run stops ``--confirm`` answers after reaching the target, or at ``--minutes``.
+
+Run (nothing else on the machine): ``.venv/bin/python bench/learning_real.py [--prefs brief,subject-first]
+[--seeds 0,1,2] [--minutes 15] [--json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from recipes.tasks import YesNoFirst  # noqa: E402  (the noun list: everyday things)
+
+TEMPLATES = ("Tell me about {x}.", "What are {x} used for?", "Give me one fact about {x}.", "Describe {x}.",
+             "Why do people like {x}?", "How do you take care of {x}?", "Write a sentence about {x}.",
+             "What color are {x} usually?", "Where can I find {x}?", "What is special about {x}?",
+             "Explain {x} to a child.", "What should I know about {x}?")
+NOUNS = YesNoFirst.nouns
+EXAMPLE = "Tell me about volcanoes."  # the before/after answer (greedy)
+
+
+def stem(noun: str) -> str:
+    """``cherries`` -> ``cherr``, ``boxes`` -> ``box``, ``cats`` -> ``cat``: what an answer about it contains."""
+    for suffix, cut in (("ies", 3), ("ches", 2), ("shes", 2), ("oes", 2), ("xes", 2), ("s", 1)):
+        if noun.endswith(suffix):
+            return noun[:-cut]
+    return noun
+
+
+def words(text: str) -> list[str]:
+    return [w.strip(".,;:!?\"'`*()[]") .lower() for w in text.split()]
+
+
+def brief(noun: str, answer: str) -> float:
+    ws = words(answer)
+    if not any(stem(noun) in w for w in ws):
+        return 0.0
+    return max(0.0, min(1.0, (50 - len(ws)) / 30))
+
+
+def subject_first(noun: str, answer: str) -> float:
+    ws = words(answer)
+    if ws and ws[0].startswith(stem(noun)):
+        return 1.0
+    return 0.3 if any(stem(noun) in w for w in ws) else 0.0
+
+
+PREFERENCES: dict[str, Callable[[str, str], float]] = {"brief": brief, "subject-first": subject_first}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vm_hwm_mb(pid: int) -> float:
+    """A live process's peak resident memory (VmHWM), MB."""
+    m = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    return int(m.group(1)) / 1024 if m else float("nan")
+
+
+def make_model(work: Path) -> Path:
+    """SmolLM2-135M-Instruct's directory, made once as ``reef model init smollm2`` makes it (no download)."""
+    home = work / "model-home"
+    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
+    t = time.monotonic()
+    subprocess.run([sys.executable, "-m", "reef_cli", "model", "init", "smollm2"], env=env, check=True)
+    print(f"made the model directory in {time.monotonic() - t:.0f} s", flush=True)
+    return home / "models" / "smollm2"
+
+
+def start(home: Path, port: int) -> tuple[subprocess.Popen[bytes], float]:
+    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
+    t = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
+    while time.monotonic() - t < 300:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                return proc, time.monotonic() - t
+        except httpx.HTTPError:
+            time.sleep(0.05)
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited with {proc.returncode}: see {home}/logs")
+    raise SystemExit("the daemon did not start in 300 s")
+
+
+def ask(c: httpx.Client, prompt: str, max_tokens: int, **extra: Any) -> tuple[str, str, str]:
+    """One chat request on the scenario: (answer, receipt, serving release)."""
+    r = c.post("/v1/chat/completions", headers={"x-reef-scenario": "real"},
+               json={"model": "smollm2", "max_tokens": max_tokens,
+                     "messages": [{"role": "user", "content": prompt}], **extra})
+    r.raise_for_status()
+    return (r.json()["choices"][0]["message"]["content"], r.headers["x-reef-agent-record-id"],
+            r.headers.get("x-reef-release-id", ""))
+
+
+def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    score = PREFERENCES[pref]
+    home = work / f"home-{pref}-{seed}"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "smollm2").symlink_to(model)
+    port = free_port()
+    (home / "config.toml").write_text(f"port = {port}\n")  # everything else: the defaults
+    proc, start_s = start(home, port)
+    token = (home / "token").read_text().strip()
+    rng = random.Random(seed)
+    questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
+    rng.shuffle(questions)  # each question asked once
+    rewards: list[tuple[float, float]] = []  # (seconds since the first request, reward)
+    reached: float | None = None
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
+            c.post("/reef/scenarios", json={"name": "real", "recipe": "online-rl"}).raise_for_status()
+            before_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
+            t0 = time.monotonic()
+            for i, (prompt, noun) in enumerate(questions):
+                elapsed = time.monotonic() - t0
+                if elapsed > args.minutes * 60:
+                    break
+                answer, receipt, _ = ask(c, prompt, args.max_tokens)
+                r = score(noun, answer)
+                c.post("/reef/report", json={"score": r, "references": [receipt]}).raise_for_status()
+                rewards.append((time.monotonic() - t0, r))
+                base = statistics.fmean(x for _, x in rewards[:args.window])
+                if len(rewards) >= 2 * args.window and reached is None:
+                    if statistics.fmean(x for _, x in rewards[-args.window:]) >= base + 0.25:
+                        reached = rewards[-1][0]
+                        stop_at = i + args.confirm
+                if reached is not None and i >= stop_at:
+                    break
+                if i % 16 == 15:
+                    last = statistics.fmean(x for _, x in rewards[-args.window:])
+                    print(f"  {pref} seed {seed}: {elapsed / 60:5.1f} min, {i + 1} answers, rolling reward "
+                          f"{last:.3f} (before {base:.3f}), load {os.getloadavg()[0]:.1f}", flush=True)
+            after_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
+            chain = c.get("/reef/scenarios/real/releases", params={"all": "1"}).json()
+            daemon_peak = vm_hwm_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    steps = [*chain["releases"], *chain["rejected"]]
+    trained = [s for s in steps if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
+    return {
+        "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
+        "before": statistics.fmean(x for _, x in rewards[:args.window]),
+        "after": statistics.fmean(x for _, x in rewards[-args.window:]),
+        "minutes_to_target": None if reached is None else reached / 60,
+        "minutes": rewards[-1][0] / 60 if rewards else 0.0,
+        "training_steps": len(trained), "releases": len(chain["releases"]) - 1, "rejected": len(chain["rejected"]),
+        "failed": [s.get("reason") for s in chain["rejected"] if s.get("failed")],
+        "trainer_peak_mb": max((s["metrics"]["trainer_peak_rss_mb"] for s in trained), default=None),
+        "daemon_peak_mb": daemon_peak, "example_before": before_example, "example_after": after_example,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, help="a made SmolLM2 directory (default: made here, once)")
+    ap.add_argument("--prefs", default="brief,subject-first")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--max-tokens", type=int, default=60)
+    ap.add_argument("--window", type=int, default=32, help="answers in the before / after / rolling means")
+    ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="reef-bench-learning-real-"))
+    try:
+        model = args.model_dir.resolve() if args.model_dir else make_model(work)
+        runs = []
+        for pref in args.prefs.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                run = one_run(model, pref, seed, args, work)
+                runs.append(run)
+                print(json.dumps(run) if args.json else
+                      f"{pref} seed {seed}: reward {run['before']:.3f} -> {run['after']:.3f} "
+                      f"({run['after'] - run['before']:+.3f}) in {run['minutes']:.1f} min, +0.25 at "
+                      f"{'-' if run['minutes_to_target'] is None else format(run['minutes_to_target'], '.1f')} min; "
+                      f"{run['answers']} answers, {run['training_steps']} steps, {run['releases']} releases, "
+                      f"{run['rejected']} rejected; peak trainer {run['trainer_peak_mb']} MB, daemon "
+                      f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s", flush=True)
+        print("\n| preference | seed | reward before | after | minutes to +0.25 | answers | steps | releases | "
+              "trainer peak MB | daemon peak MB |\n|---|---|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            mt = "not reached" if r["minutes_to_target"] is None else f"{r['minutes_to_target']:.1f}"
+            print(f"| {r['preference']} | {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {mt} | {r['answers']} "
+                  f"| {r['training_steps']} | {r['releases']} | {r['trainer_peak_mb']:.0f} | {r['daemon_peak_mb']:.0f} |")
+        for r in runs:
+            if r["seed"] == runs[0]["seed"]:
+                print(f"\n{r['preference']}, {EXAMPLE!r} (greedy):\n  before: {r['example_before']!r}\n"
+                      f"  after:  {r['example_after']!r}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
