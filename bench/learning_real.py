@@ -106,7 +106,7 @@ def make_model(work: Path) -> Path:
     home = work / "model-home"
     env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
     t = time.monotonic()
-    subprocess.run([sys.executable, "-m", "reef_cli", "model", "init", "smollm2"], env=env, check=True)
+    subprocess.run([str(Path(sys.executable).with_name("reef")), "model", "init", "smollm2"], env=env, check=True)
     print(f"made the model directory in {time.monotonic() - t:.0f} s", flush=True)
     return home / "models" / "smollm2"
 
@@ -152,7 +152,10 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     reached: float | None = None
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
-            c.post("/reef/scenarios", json={"name": "real", "recipe": "online-rl"}).raise_for_status()
+            spec: dict[str, Any] = {"name": "real", "recipe": "online-rl"}
+            if args.settings:  # trying other defaults; the README's table has none
+                spec["settings"] = json.loads(args.settings)
+            c.post("/reef/scenarios", json=spec).raise_for_status()
             before_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
             t0 = time.monotonic()
             for i, (prompt, noun) in enumerate(questions):
@@ -189,7 +192,8 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         "minutes_to_target": None if reached is None else reached / 60,
         "minutes": rewards[-1][0] / 60 if rewards else 0.0,
         "training_steps": len(trained), "releases": len(chain["releases"]) - 1, "rejected": len(chain["rejected"]),
-        "failed": [s.get("reason") for s in chain["rejected"] if s.get("failed")],
+        "failed": [s["reason"] for s in chain["rejected"] if s.get("verdict") == "failed"],
+        "held": len(chain.get("pending", [])),
         "trainer_peak_mb": max((s["metrics"]["trainer_peak_rss_mb"] for s in trained), default=None),
         "daemon_peak_mb": daemon_peak, "example_before": before_example, "example_after": after_example,
     }
@@ -204,6 +208,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--window", type=int, default=32, help="answers in the before / after / rolling means")
     ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
+    ap.add_argument("--settings", help="recipe settings (JSON) to try instead of the defaults (tuning only)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reef-bench-learning-real-"))
@@ -226,7 +231,7 @@ def main() -> None:
         for r in runs:
             mt = "not reached" if r["minutes_to_target"] is None else f"{r['minutes_to_target']:.1f}"
             print(f"| {r['preference']} | {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {mt} | {r['answers']} "
-                  f"| {r['training_steps']} | {r['releases']} | {r['trainer_peak_mb']:.0f} | {r['daemon_peak_mb']:.0f} |")
+                  f"| {r['training_steps']} | {r['releases']} | {r['trainer_peak_mb'] or 0:.0f} | {r['daemon_peak_mb']:.0f} |")
         for r in runs:
             if r["seed"] == runs[0]["seed"]:
                 print(f"\n{r['preference']}, {EXAMPLE!r} (greedy):\n  before: {r['example_before']!r}\n"

@@ -87,6 +87,8 @@ def parse_judge_answer(answer: str, judge: str) -> TurnVerdict:
 class OpenClawRLSettings(OnlineRLSettings):
     batch_prompts: int = 8  # judged turns per training batch
     group_size: int = 1  # turns of a session are no groups: each is baselined by the batch mean
+    lr: float = 2e-3  # its measured rate (online-rl's default is 3e-3, measured on scored answers)
+    steps_per_batch: int = 2
     judge: str | None = None  # a configured model that judges turns; None: the rule judge
     judge_timeout_s: float = 30.0  # a judge slower than this is neutral
     judge_max_tokens: int = 64

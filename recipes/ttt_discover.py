@@ -27,7 +27,7 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
   step, groups of 16 and tau 0.05 keep it searching while the mean climbs.
 - **Gate: best so far.** With a built-in ``problem`` scorer (``recipes/tasks.py``), the trainer samples
   ``eval_attempts`` attempts from the candidate and from the serving head on the problem's prompt as the client
-  asks it (the batch's prompt tokens), at the sampling temperature with the same random stream for both (common
+  asks it (the batch's prompt tokens), at temperature 1 with the same random stream for both (common
   random numbers: a paired comparison), fresh for each step, and scores them; the candidate is published when its
   mean attempt score is at least the head's (minus ``margin``). Measured: reusing the head's scores from the step
   it won compared every later candidate with a lucky draw (the winner's curse), and from step 25 of 100 nearly all

@@ -40,7 +40,10 @@ TARGET = 0.8
 # The demo scenario's recipe settings (over OnlineRLSettings' defaults): the gate publishes a candidate unless
 # it answers more of the validation prompts wrong than the serving release does (wins - losses >= 0).
 LEAD = 2  # rounds the client may be ahead of the trainer
-DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "say", "eval_n": 128}
+# The tiny model trains all its weights (no LoRA), measured at lr 2e-3, batches of 8 x 8, two steps a batch;
+# online-rl's defaults are for real models (LoRA, lr 3e-3, 4 x 8, one step: bench/learning_real.py)
+DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "say", "eval_n": 128,
+                                 "lr": 2e-3, "batch_prompts": 8, "steps_per_batch": 2}
 # sao (one rollout per step, each step a release): its periodic gate checks every 20th step on the same validation
 # prompts; the client asks SAO_PARALLEL prompts at once and waits until the trainer has taken them (SAO_LEAD rounds
 # ahead: none), since a record served more than one release behind the head is not trained on (its staleness
@@ -54,7 +57,6 @@ TINY_MODELS = ("tiny", "tiny-demo")  # built for the say family; any other model
 # (bench/preference_offline.py, docs/learning.md "The demo on a real model"): a smaller batch than the tiny model's
 # (each answer costs ~300x more), one optimizer step per batch, and a higher learning rate (LoRA's usual range)
 REAL_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.05, "eval_family": "yes-no", "eval_n": 32,
-                                 "batch_prompts": 4, "group_size": 8, "steps_per_batch": 1, "lr": 3e-3,
                                  "lora": True, "lora_rank": 8, "lora_alpha": 16, "max_new_tokens": 8}
 REAL_TIMEOUT_S = 600.0  # a real model's requests (the default client's 30 s is the tiny model's)
 RISE = 0.3  # a real model's target: its measured held-out start plus this
