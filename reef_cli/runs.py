@@ -15,7 +15,7 @@ from typing import Any
 from adapters import Adapter
 from adapters.base import write_file
 from daemon.config import Config
-from daemon.errors import ReefError
+from daemon.errors import NotFound, ReefError
 
 # --- a light client of the daemon (stdlib only) ------------------------------------------------------------
 
@@ -109,8 +109,6 @@ def save_run(config: Config, run: dict[str, Any]) -> None:
 
 
 def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
-    from daemon.errors import NotFound
-
     d = runs_dir(config)
     if run_id is None:
         try:
@@ -120,7 +118,10 @@ def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, 
     path = d / f"{run_id}.json"
     if not path.is_file() or "/" in run_id:
         raise NotFound(f"no run {run_id!r} in {d}")
-    return json.loads(path.read_text())
+    run = json.loads(path.read_text())
+    if not isinstance(run, dict):
+        raise NotFound(f"{path} is not a run's file (a JSON object)")
+    return run
 
 
 def list_runs(config: Config, adapter: Adapter | None = None) -> list[dict[str, Any]]:
