@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from adapters import ADAPTERS, Target  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from reef_cli.client import start_daemon  # noqa: E402
-from reef_cli.wrapper import call  # noqa: E402
+from reef_cli.runs import call  # noqa: E402
 
 PROMPT = ["-p", "--no-session", "say hi"]
 

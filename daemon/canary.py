@@ -32,14 +32,17 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.errors import BadRequest, NotFound, ReefError
 
 if TYPE_CHECKING:
-    from daemon.records.store import Scenario
+    from daemon.chains import Chains
+    from daemon.engines.base import Engine
+    from daemon.events import EventBus
+    from daemon.metrics import Metrics
+    from daemon.records.store import RecordStore, Scenario
     from daemon.releases import Release
-    from daemon.serving import Reef
 
 log = logging.getLogger("reef.canary")
 
@@ -129,11 +132,30 @@ def in_canary(release_id: str, key: str | None, share: float) -> bool:
     return int.from_bytes(digest, "big") / 2 ** 64 < share
 
 
+class Daemon(Protocol):
+    """What canaries use of the daemon (``daemon.serving.Reef`` is one): its record store, release chains, events,
+    metrics and engines; named here so that this module does not depend on the serving object that uses it."""
+
+    @property
+    def store(self) -> RecordStore: ...
+
+    @property
+    def chains(self) -> Chains: ...
+
+    @property
+    def events(self) -> EventBus: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    async def engine(self, model: str) -> Engine: ...
+
+
 class Canaries:
     """The running canaries of a daemon: arm assignment on the serve path (a dict look-up and a hash), and the
     loop that judges them."""
 
-    def __init__(self, reef: Reef) -> None:
+    def __init__(self, reef: Daemon) -> None:
         self.reef = reef
         self.active: dict[str, dict[str, Any]] = {}  # scenario -> its canaries row
         self._releases: dict[str, Release] = {}

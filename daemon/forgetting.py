@@ -14,12 +14,36 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from daemon.serving import Reef
+    from daemon.chains import Chains
+    from daemon.config import Config
+    from daemon.events import EventBus
+    from daemon.learning import Learner
+    from daemon.records.store import RecordStore
 
 log = logging.getLogger("reef.forgetting")
+
+
+class Daemon(Protocol):
+    """What forgetting uses of the daemon (``daemon.serving.Reef`` is one), named here so that this module does not
+    depend on the serving object that starts its retention loop."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def store(self) -> RecordStore: ...
+
+    @property
+    def chains(self) -> Chains: ...
+
+    @property
+    def events(self) -> EventBus: ...
+
+    @property
+    def learner(self) -> Learner: ...
 
 MAX_FORGET = 100_000  # receipts and runs in one request
 
@@ -39,7 +63,7 @@ def tainted(history: Sequence[Any], forgotten: set[str]) -> set[str]:
     return marked
 
 
-async def chain_view(reef: Reef, scenario: str) -> dict[str, Any]:
+async def chain_view(reef: Daemon, scenario: str) -> dict[str, Any]:
     """For a scenario's chain: which releases were trained on forgotten receipts, and the newest that was not
     (with the command that rolls back to it) when the head was."""
     forgotten = await reef.store.forgotten(scenario)
@@ -57,7 +81,7 @@ async def chain_view(reef: Reef, scenario: str) -> dict[str, Any]:
     return out
 
 
-async def forget(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
+async def forget(reef: Daemon, body: dict[str, Any]) -> dict[str, Any]:
     """``POST /reef/records/forget``: ``receipts`` and/or ``runs`` (lists of ids), ``scrub`` (PostgreSQL: rewrite
     the table)."""
     from daemon.errors import BadRequest
@@ -83,7 +107,7 @@ async def forget(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def apply_retention(reef: Reef) -> dict[str, Any] | None:
+async def apply_retention(reef: Daemon) -> dict[str, Any] | None:
     """Forget what the retention settings say is due now (``retention_days``, ``retention_max_mb``); None when
     nothing is."""
     cfg = reef.config
@@ -100,7 +124,7 @@ async def apply_retention(reef: Reef) -> dict[str, Any] | None:
     return out
 
 
-async def retention_loop(reef: Reef) -> None:
+async def retention_loop(reef: Daemon) -> None:
     """Apply the retention settings at start and every ``retention_check_s``; a round that fails is logged and
     tried again at the next."""
     from daemon.errors import ReefError

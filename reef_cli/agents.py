@@ -100,7 +100,7 @@ def check_agent(name: str, timeout: float = 120.0) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             return {"agent": name, "ok": False, "problem": f"no answer in {timeout:.0f} s",
                     "fix": f"run reef-{name} by hand and read its output"}
-    from reef_cli.wrapper import list_runs
+    from reef_cli.runs import list_runs
 
     runs = [r for r in list_runs(cfg, adapter) if r["scenario"] == scenario]
     receipts = len(runs[0]["receipts"]) if runs else 0

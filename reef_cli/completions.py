@@ -61,11 +61,10 @@ def _choices(param: Any) -> list[str]:
     return [str(c) for c in getattr(getattr(param, "type", None), "choices", None) or []]
 
 
-def tree() -> Node:
-    """The command tree of the real ``reef`` app (typer's groups are walked by duck typing)."""
-    import typer.main
-
-    from reef_cli.main import app as reef_app
+def tree(root: Any) -> Node:
+    """The command tree under ``root``, the click command of the real ``reef`` app (typer's groups are walked by
+    duck typing). The commands here take it from their context (``ctx.find_root().command``): this module is one
+    of the groups ``reef_cli/main.py`` composes, so it never imports the app it describes."""
 
     def walk(cmd: Any, path: tuple[str, ...]) -> Node:
         node = Node(path, _first_line(getattr(cmd, "short_help", None) or cmd.help))
@@ -86,7 +85,7 @@ def tree() -> Node:
                 node.children[name] = walk(sub, (*path, name))
         return node
 
-    return walk(typer.main.get_command(reef_app), ())
+    return walk(root, ())
 
 
 def _asks(param: Any, path: tuple[str, ...]) -> str | None:
@@ -249,18 +248,19 @@ GENERATORS = {"bash": bash, "zsh": zsh, "fish": fish}
 FILES = {"bash": "reef.bash", "zsh": "_reef", "fish": "reef.fish"}
 
 
-def generate(shell: str) -> str:
-    return GENERATORS[shell](tree())
+def generate(shell: str, root: Any) -> str:
+    """The completion script of ``shell`` for the command tree under ``root`` (a click command)."""
+    return GENERATORS[shell](tree(root))
 
 
-def write_all(dest: Path = ROOT / "completions") -> list[Path]:
+def write_all(root: Any, dest: Path = ROOT / "completions") -> list[Path]:
     """Regenerate ``completions/`` (what ``python -m reef_cli.completions`` does)."""
     dest.mkdir(parents=True, exist_ok=True)
-    root = tree()
+    nodes = tree(root)
     out = []
     for shell, name in FILES.items():
         path = dest / name
-        path.write_text(GENERATORS[shell](root))
+        path.write_text(GENERATORS[shell](nodes))
         out.append(path)
     return out
 
@@ -299,14 +299,15 @@ SHELL_HELP = "bash, zsh or fish (default: from $SHELL)."
 
 @app.command("show")
 @edge
-def show(shell: Shell = typer.Argument(None, help=SHELL_HELP, show_default=False)) -> None:
+def show(ctx: typer.Context, shell: Shell = typer.Argument(None, help=SHELL_HELP, show_default=False)) -> None:
     """Print the completion script for a shell (e.g. to source it: `source <(reef completions show bash)`)."""
-    print(generate(_shell(shell)), end="")
+    print(generate(_shell(shell), ctx.find_root().command), end="")
 
 
 @app.command("install")
 @edge
 def install(
+    ctx: typer.Context,
     shell: Shell = typer.Argument(None, help=SHELL_HELP, show_default=False),
 ) -> None:
     """Install the completion script where the shell finds it for your user (run again to update)."""
@@ -314,7 +315,7 @@ def install(
     path = install_path(shell)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(generate(shell))
+    tmp.write_text(generate(shell, ctx.find_root().command))
     os.replace(tmp, path)
     print(f"installed {shell} completions: {path}")
     if shell == "zsh":
@@ -323,6 +324,16 @@ def install(
         print("open a new shell to use them")
 
 
-if __name__ == "__main__":
-    for written in write_all():
+@app.command("write", hidden=True)
+def write(ctx: typer.Context) -> None:
+    """Regenerate the committed scripts under completions/ in the source tree (for Reef's own developers)."""
+    for written in write_all(ctx.find_root().command):
         print(f"wrote {written.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    # the whole app is needed: run it (as reef_cli/fast.py's --write-help does) rather than import it from here
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "reef_cli.main", "completions", "write"], check=True)

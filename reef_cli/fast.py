@@ -17,17 +17,9 @@ import socket
 import sys
 from typing import Any
 
+from reef_cli.status import status_lines
+
 HELP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "help.txt")
-
-
-def status_lines(info: dict[str, Any]) -> list[str]:
-    """What ``reef status`` prints for a ``GET /reef/status`` answer."""
-    models = ", ".join(f"{n} ({m['engine']}{', test model' if m.get('test_model') else ''}"
-                       f"{', loaded' if m['loaded'] else ''})" for n, m in info["models"].items())
-    return [f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}",
-            f"listen   {info['listen']['tcp']} and {info['listen']['unix']}",
-            f"models   {models}; default {info['default_model']}",
-            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios"]
 
 
 def _status() -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import typer.main
 
 from reef_cli import agents, completions, daemon_cmd, demo, doctor, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
+from reef_cli.status import status_lines
 
 # Plain (click-style) help: rich's help panels cost ~150 ms of start-up, over half of `reef --help`'s budget
 # (bench/cli_startup.py). Errors are our own one-line messages either way.
@@ -60,8 +61,6 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -
     if json_out:
         print_json(info)
         return
-    from reef_cli.fast import status_lines
-
     print("\n".join(status_lines(info)))
 
 

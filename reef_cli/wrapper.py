@@ -15,10 +15,8 @@ wrapper adds little to the agent's own start-up (``bench/wrapper_overhead.py``).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,132 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from adapters import Adapter, Target, get_adapter
-from adapters.base import install_harness, installed_release, write_file
+from adapters.base import install_harness, installed_release
 from daemon.config import Config, load_config
 from daemon.errors import AgentError, ReefError
+from reef_cli.runs import call, call_starting, list_runs, run_receipts, save_run, say, token
 
 SUBCOMMANDS = ("report", "runs", "update", "evolve", "reef-help")
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends these to the agent too
-
-
-# --- a light client of the daemon (stdlib only) ------------------------------------------------------------
-
-
-def call(config: Config, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> Any:
-    """One request to the daemon; JSON answer, or a ``ReefError`` carrying the daemon's message.
-
-    A plain HTTP/1.0 exchange on a socket (the daemon closes the connection after answering): ``http.client``
-    would cost the wrapper more start-up time than the whole request."""
-    if config.url:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(config.url)
-        sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
-        auth = f"Authorization: Bearer {config.tcp_token() or ''}\r\n"
-    else:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        auth = ""
-    data = b"" if body is None else json.dumps(body).encode()
-    head = (f"{method} {path} HTTP/1.0\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
-    try:
-        if not config.url:
-            sock.connect(str(config.socket_path))
-        sock.sendall(head + data)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    finally:
-        sock.close()
-    raw = b"".join(chunks)
-    header, _, payload = raw.partition(b"\r\n\r\n")
-    try:
-        status = int(header.split(b" ", 2)[1])
-    except (IndexError, ValueError):
-        raise ReefError(f"the daemon sent no valid HTTP answer to {method} {path}") from None
-    if status >= 400:
-        from reef_cli.client import _BY_STATUS
-
-        try:
-            message = json.loads(payload)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = payload.decode("utf-8", "replace") or f"HTTP {status}"
-        raise _BY_STATUS.get(status, ReefError)(message)
-    return json.loads(payload) if payload else None
-
-
-def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
-    """``call``, starting the local daemon first when it is not running."""
-    try:
-        return call(config, method, path, body)
-    except (ConnectionRefusedError, FileNotFoundError):
-        if config.url:
-            raise ReefError(f"cannot reach the daemon at {config.url}") from None
-    from reef_cli.client import start_daemon
-
-    say("starting the daemon")
-    start_daemon(config)
-    return call(config, method, path, body)
-
-
-def say(message: str) -> None:
-    if not os.environ.get("REEF_QUIET"):
-        sys.stderr.write(f"reef: {message}\n")
-        sys.stderr.flush()
-
-
-def token(config: Config) -> str:
-    if config.url:
-        return config.tcp_token() or ""
-    try:
-        return config.token_path.read_text().strip()
-    except FileNotFoundError:
-        raise ReefError(f"no token at {config.token_path}; is the daemon's home right?") from None
-
-
-# --- runs ----------------------------------------------------------------------------------------------------
-
-
-def runs_dir(config: Config) -> Path:
-    d = config.runs_dir
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def save_run(config: Config, run: dict[str, Any]) -> None:
-    d = runs_dir(config)
-    write_file(d / f"{run['run']}.json", (json.dumps(run, indent=2) + "\n").encode())  # no-follow, durable
-    write_file(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
-
-
-def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
-    from daemon.errors import NotFound
-
-    d = runs_dir(config)
-    if run_id is None:
-        try:
-            run_id = (d / f"last-{adapter.name}").read_text().strip()
-        except FileNotFoundError:
-            raise NotFound(f"no {adapter.command} run yet; run {adapter.command} first (or pass --run ID)") from None
-    path = d / f"{run_id}.json"
-    if not path.is_file() or "/" in run_id:
-        raise NotFound(f"no run {run_id!r} in {d}")
-    return json.loads(path.read_text())
-
-
-def list_runs(config: Config, adapter: Adapter | None = None) -> list[dict[str, Any]]:
-    out = []
-    for p in runs_dir(config).glob("run_*.json"):
-        try:
-            run = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if adapter is None or run.get("adapter") == adapter.name:
-            out.append(run)
-    out.sort(key=lambda r: r.get("started_at", 0), reverse=True)
-    return out
 
 
 # --- the wrapped run --------------------------------------------------------------------------------------
@@ -293,22 +173,6 @@ def report_kept(config: Config, adapter: Adapter, cwd: Path, asked: Any) -> None
         run["kept_reported"] = True
         save_run(config, run)
         say(f"outcome kept of run {run['run']}: {kept} of {kept + reverted} changed file(s) kept, score {score:g}")
-
-
-RECEIPTS_PAGE = 50  # receipts asked for at a time when collecting a run's (the daemon's default page)
-
-
-def run_receipts(get: Any, run: str) -> list[str]:
-    """Every exchange receipt of ``run``, oldest first, read page by page (``get(path)`` answers a GET): a run of
-    an agent can make many more model requests than one page holds."""
-    out: list[str] = []
-    after = ""
-    while True:
-        got = get(f"/reef/records?run={run}&kind=exchange&limit={RECEIPTS_PAGE}{after}")
-        out += [r["id"] for r in got["records"]]
-        if len(got["records"]) < RECEIPTS_PAGE or got.get("next_after") is None:
-            return out
-        after = f"&after={got['next_after']}"
 
 
 def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:

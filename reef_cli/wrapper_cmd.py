@@ -10,6 +10,7 @@ import typer
 from adapters import Adapter
 from daemon.errors import NotFound, ReefError
 from reef_cli.common import ago, config, console, edge, print_json
+from reef_cli.runs import call_starting, list_runs, load_run, run_receipts, save_run
 
 
 def subcommands(adapter: Adapter) -> Any:
@@ -34,8 +35,6 @@ def subcommands(adapter: Adapter) -> Any:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Attach one report (score and/or feedback) to every receipt of the last run (or --run ID)."""
-        from reef_cli.wrapper import call_starting, load_run, run_receipts, save_run
-
         cfg = config()
         if score is None and feedback is None:
             raise ReefError("give --score, --feedback, or both")
@@ -69,8 +68,6 @@ def subcommands(adapter: Adapter) -> Any:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """List recent runs: time, prompt, receipts, score."""
-        from reef_cli.wrapper import list_runs
-
         got = list_runs(config(), adapter)[:limit]
         if json_out:
             print_json(got)
@@ -97,8 +94,6 @@ def subcommands(adapter: Adapter) -> Any:
     ) -> None:
         """Install the scenario's current harness release into the agent's config home now."""
         from adapters.base import install_harness
-        from reef_cli.wrapper import call_starting
-
         cfg = config()
         name = scenario or adapter.name
         start = call_starting(cfg, "POST", "/reef/runs", {"adapter": adapter.name, "scenario": name})
@@ -121,8 +116,6 @@ def subcommands(adapter: Adapter) -> Any:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Teach the harness directly: the instruction becomes a rule (or a skill) in a new harness release."""
-        from reef_cli.wrapper import call_starting
-
         cfg = config()
         name = scenario or adapter.name
         body: dict[str, Any] = {"instruction": instruction}

@@ -11,16 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer.main
 
 from reef_cli.completions import FILES, generate
+from reef_cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
+ROOT_COMMAND = typer.main.get_command(app)  # the real `reef` command tree
 
 
 @pytest.mark.parametrize("shell", sorted(FILES))
 def test_committed_completions_are_current(shell: str) -> None:
     committed = (ROOT / "completions" / FILES[shell]).read_text()
-    assert committed == generate(shell), (
+    assert committed == generate(shell, ROOT_COMMAND), (
         f"completions/{FILES[shell]} is stale: run `python -m reef_cli.completions` and commit the result"
     )
 
@@ -76,13 +79,13 @@ def test_install_and_show(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "ZDOTDIR", "REEF_"))}
     env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), REEF_HOME=str(tmp_path / "reef"))
     shown = reef("completions", "show", "bash", env=env)
-    assert shown.returncode == 0 and shown.stdout == generate("bash")
+    assert shown.returncode == 0 and shown.stdout == generate("bash", ROOT_COMMAND)
     done = reef("completions", "install", "bash", env=env)
     assert done.returncode == 0, done.stderr
     target = tmp_path / ".local/share/bash-completion/completions/reef"
-    assert target.read_text() == generate("bash") and str(target) in done.stdout
+    assert target.read_text() == generate("bash", ROOT_COMMAND) and str(target) in done.stdout
     again = reef("completions", "install", env={**env, "SHELL": "/usr/bin/fish"})  # the shell from $SHELL
-    assert again.returncode == 0 and (tmp_path / ".config/fish/completions/reef.fish").read_text() == generate("fish")
+    assert again.returncode == 0 and (tmp_path / ".config/fish/completions/reef.fish").read_text() == generate("fish", ROOT_COMMAND)
     zsh = reef("completions", "install", "zsh", env=env)
     assert (tmp_path / ".zfunc/_reef").exists() and "fpath=" in zsh.stdout
     unknown = reef("completions", "install", env={**env, "SHELL": "/bin/tcsh"})

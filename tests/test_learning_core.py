@@ -241,7 +241,7 @@ def test_lora_candidates_hold_only_the_adapter_and_a_lineage_goes_on_training_it
     from transformers import AutoModelForCausalLM
 
     from daemon import lora
-    from daemon.trainer.worker import run_job
+    from daemon.trainer.step import run_job
 
     tokenizer, model = fresh(tiny)
     save_model(tokenizer, model, tmp_path / "base")

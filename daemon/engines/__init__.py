@@ -12,7 +12,7 @@ from daemon.engines.registry import EngineKind, engine_kind, engine_names, regis
 from daemon.errors import BadRequest
 
 if TYPE_CHECKING:
-    from daemon.config import ModelEntry
+    from daemon.engines.entry import ModelEntry
 
 __all__ = ["Engine", "EngineInfo", "EngineKind", "build_engine", "engine_kind", "engine_names", "register"]
 

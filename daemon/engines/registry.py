@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from daemon.errors import BadRequest
 
 if TYPE_CHECKING:
-    from daemon.config import ModelEntry
     from daemon.engines.base import Engine
+    from daemon.engines.entry import ModelEntry
 
 Build = Callable[["ModelEntry", Mapping[str, str], Any], "Engine"]
 

@@ -69,9 +69,9 @@ from typing import Any
 
 from yarl import URL
 
-from daemon.config import ModelEntry
 from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.entry import ModelEntry
 from daemon.errors import (
     BadRequest,
     ContextLengthExceeded,

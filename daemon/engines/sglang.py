@@ -32,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from daemon.config import ModelEntry
+from daemon.engines.entry import ModelEntry
 from daemon.engines.server import Dialect, Params, Step
 from daemon.errors import EngineError
 

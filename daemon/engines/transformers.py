@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
-from daemon.config import ModelEntry
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import Adapters, read_adapter
 from daemon.engines.prefix_cache import PrefixCache
 from daemon.errors import (

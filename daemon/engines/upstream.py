@@ -50,9 +50,9 @@ from typing import Any
 
 from yarl import URL
 
-from daemon.config import ModelEntry
 from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo
+from daemon.engines.entry import ModelEntry
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
 from daemon.protocols import anthropic, openai_chat, openai_responses

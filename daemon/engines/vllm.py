@@ -28,7 +28,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from daemon.config import ModelEntry
+from daemon.engines.entry import ModelEntry
 from daemon.engines.server import Dialect, Params, Step
 
 

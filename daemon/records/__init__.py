@@ -9,17 +9,13 @@ What other modules use is re-exported here; the backends' modules are private to
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from daemon.errors import BadRequest
+from daemon.records.location import is_postgres, redact
 from daemon.records.sqlite import SQLiteStore
 from daemon.records.store import Conn, Lease, RecordStore, Scenario, new_id
 
 __all__ = ["Conn", "Lease", "RecordStore", "SQLiteStore", "Scenario", "new_id", "open_store", "is_postgres", "redact"]
-
-
-def is_postgres(location: str | None) -> bool:
-    return bool(location) and str(location).startswith(("postgresql://", "postgres://"))
 
 
 def open_store(location: str | Path) -> RecordStore:
@@ -33,12 +29,3 @@ def open_store(location: str | Path) -> RecordStore:
         return PostgresStore(str(location))
     return SQLiteStore(Path(location))
 
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = (parts.username or "") + ":***"
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))

@@ -14,12 +14,25 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
 from daemon.errors import StoreTooNew
+from daemon.records.conn import Conn
 
-if TYPE_CHECKING:
-    from daemon.records.store import Conn, RecordStore
+
+class Migratable(Protocol):
+    """What migrating asks of a store (``RecordStore`` is one): its dialect, how it begins, locks and rolls back a
+    transaction, and whether a table exists."""
+
+    dialect: ClassVar[str]
+    BEGIN: ClassVar[str]
+    where: str
+
+    def has_table(self, conn: Conn, name: str) -> bool: ...
+
+    def _lock(self, conn: Conn) -> None: ...
+
+    def _rollback(self, conn: Conn) -> None: ...
 
 MIGRATIONS: dict[int, str] = {
     # 1: the schema as it was before versioning
@@ -123,7 +136,7 @@ def ddl(sql: str, dialect: str) -> list[str]:
     return [s.strip() for s in sql.split(";\n") if s.strip()]
 
 
-def current_version(store: RecordStore, conn: Conn) -> int:
+def current_version(store: Migratable, conn: Conn) -> int:
     """The store's schema version: 0 for an empty one, 1 for one made before versioning."""
     if store.has_table(conn, "schema_version"):
         row = conn.execute("SELECT MAX(version) AS v FROM schema_version").fetchone()
@@ -132,7 +145,7 @@ def current_version(store: RecordStore, conn: Conn) -> int:
     return 1 if store.has_table(conn, "records") else 0
 
 
-def migrate(store: RecordStore, conn: Conn) -> int:
+def migrate(store: Migratable, conn: Conn) -> int:
     """Bring the store to ``LATEST``; returns the version it is at. Raises ``StoreTooNew``."""
     version = current_version(store, conn)
     if version > LATEST:

@@ -35,7 +35,7 @@ import psycopg_pool
 from psycopg.pq import TransactionStatus
 
 from daemon.errors import RecordsUnavailable, StorageError
-from daemon.records import redact
+from daemon.records.location import redact
 from daemon.records.store import Conn, RecordStore, _ExchangeRow
 
 _WRITE_LOCK = 0x52454546  # "REEF": the advisory lock every write transaction takes

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import orjson
 
@@ -67,27 +67,10 @@ from daemon.errors import (
     StorageError,
     UnknownReceipts,
 )
+from daemon.records.conn import Conn
+from daemon.records.migrations import migrate
 
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
-
-class Cursor(Protocol):
-    rowcount: int
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-
-class Conn(Protocol):
-    """What a write or a read gets: a DB-API connection taking ``?`` placeholders, rows readable by column name
-    and by position (``sqlite3.Connection`` with ``sqlite3.Row``; the PostgreSQL backend adapts psycopg's)."""
-
-    in_transaction: bool
-
-    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any: ...
-
-    def executemany(self, sql: str, params: Iterable[Sequence[Any]], /) -> Any: ...
-
 
 @dataclass(frozen=True)
 class Lease:
@@ -237,8 +220,6 @@ class RecordStore:
     IntegrityError: ClassVar[type[BaseException]]  # what a write that breaks a constraint raises
 
     def __init__(self, where: str) -> None:
-        from daemon.records.migrations import migrate
-
         self.where = where  # for messages: a path, or a URL without its password
         self._queue: queue.SimpleQueue[list[_Write] | None] = queue.SimpleQueue()
         self._queue_lock = threading.Lock()

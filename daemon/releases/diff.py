@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,7 @@ class Diffs(Reads):
         return out
 
     def _file_map(self, release: Release) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
-        tree_id = self._read(release.release_id).tree_id
+        tree_id = self._commit(release.release_id).tree_id
         files = {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree_id) if p != MANIFEST}
         adapter = self.adapter(release.release_id)
         if adapter is None:
@@ -63,7 +64,7 @@ class Diffs(Reads):
         blob_id, _, lfs = side
         if lfs is not None:
             return int(lfs["size"]), self._lfs_object(lfs)
-        data = self._read(blob_id).data
+        data = self._blob(blob_id).data
         return len(data), data
 
     def _diff_file(self, path: str, o: Any, n: Any) -> dict[str, Any]:
@@ -149,8 +150,12 @@ def _open_tensors(src: bytes | Path | None, stack: contextlib.ExitStack) -> dict
         from safetensors import safe_open
 
         f = stack.enter_context(safe_open(str(src), framework="pt", device="cpu"))
-        return {k: (lambda k=k: f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        return {k: functools.partial(f.get_tensor, k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     from safetensors.torch import load
 
     loaded = load(bytes(src))
-    return {k: (lambda v=v: v) for k, v in loaded.items()}
+    return {k: functools.partial(_identity, v) for k, v in loaded.items()}
+
+
+def _identity(value: Any) -> Any:
+    return value

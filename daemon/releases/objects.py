@@ -18,6 +18,7 @@ import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pygit2
 
@@ -121,6 +122,23 @@ def _object(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Object:
     with contextlib.suppress(FileNotFoundError):  # packed, or not there: libgit2 says which
         _check_loose(_loose(repo, key), key)
     return repo[oid]
+
+
+_Kind = TypeVar("_Kind")  # pygit2.Commit, Tree or Blob (its stubs do not derive Commit from Object)
+
+
+def _expect(obj: object, kind: type[_Kind], key: str) -> _Kind:
+    """``obj`` when it is a ``kind`` (a commit, a tree, a blob); else a ``StorageError`` naming it: a ref or a tree
+    entry naming an object of another kind can only come from a crafted or damaged store."""
+    if not isinstance(obj, kind):
+        raise StorageError(f"object {key} is a {type(obj).__name__.lower()} where a {kind.__name__.lower()} "
+                           "belongs", object=key)
+    return obj
+
+
+def _commit_at(repo: pygit2.Repository, oid: str | pygit2.Oid) -> pygit2.Commit:
+    """``_object``, which must be a commit."""
+    return _expect(_object(repo, oid), pygit2.Commit, str(oid))
 
 
 def _intact(repo: pygit2.Repository, commit_id: str, whole: set[pygit2.Oid] | None = None,

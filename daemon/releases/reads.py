@@ -68,7 +68,7 @@ class Reads(Repository):
                 return hit[1]
         ref = self._repo().references.get(name)
         target = None if ref is None else str(ref.target)
-        if st is not None and time.time_ns() - st.st_mtime_ns > _RACY_NS:
+        if key is not None and time.time_ns() - key[1] > _RACY_NS:  # key[1]: the file's mtime (ns)
             self._heads[name] = (key, target)
         else:
             self._heads.pop(name, None)
@@ -87,7 +87,7 @@ class Reads(Repository):
             rid = self._resolve(release_id)
             raw = self._cache.get(rid)
             if raw is None:
-                commit = self._read(rid)
+                commit = self._commit(rid)
                 try:
                     data = self._manifest_blob(commit, MANIFEST)
                     content_id = json.loads(data)["content_id"]
@@ -128,7 +128,7 @@ class Reads(Repository):
         rid = self.head(scenario)
         while rid is not None and (limit is None or len(out) < limit):
             out.append(self.get(rid))
-            parents = self._read(rid).parent_ids
+            parents = self._commit(rid).parent_ids
             rid = str(parents[0]) if parents else None
         return out
 
@@ -147,7 +147,7 @@ class Reads(Repository):
         """The artifact's files (the manifest excluded), with sizes of the real bytes for LFS files."""
         release = self.get(release_id)
         out = []
-        for path, blob_id, mode in self._walk(self._read(release.release_id).tree_id):
+        for path, blob_id, mode in self._walk(self._commit(release.release_id).tree_id):
             if path == MANIFEST:
                 continue
             lfs = release.lfs.get(path)
@@ -160,7 +160,7 @@ class Reads(Repository):
     def read_file(self, release_id: str, path: str) -> bytes:
         """The bytes of one file of a release (LFS pointers resolved)."""
         release = self.get(release_id)
-        node: pygit2.Object = self._tree(self._read(release.release_id))
+        node: pygit2.Object = self._tree(self._commit(release.release_id))
         try:
             for part in path.split("/"):  # each tree on the way read through _read
                 if not isinstance(node, pygit2.Tree):
@@ -191,7 +191,7 @@ class Reads(Repository):
             raise StorageError(f"checkout of {release.release_id} into {dest} failed: {e}", path=str(dest)) from e
         root = tmp.resolve()
         try:
-            for path, blob_id, mode in self._walk(self._read(release.release_id).tree_id):
+            for path, blob_id, mode in self._walk(self._commit(release.release_id).tree_id):
                 if path == MANIFEST:
                     continue
                 target = tmp / path
@@ -201,7 +201,7 @@ class Reads(Repository):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 lfs = release.lfs.get(path)
                 if lfs is None:
-                    target.write_bytes(self._read(blob_id).data)
+                    target.write_bytes(self._blob(blob_id).data)
                 else:
                     obj = self._lfs_object(lfs)
                     try:
@@ -235,7 +235,7 @@ class Reads(Repository):
         out: list[Rejection] = []
         rid = None if ref is None else str(ref.target)
         while rid is not None and (limit is None or len(out) < limit):
-            commit = self._read(rid)
+            commit = self._commit(rid)
             d = json.loads(self._manifest_blob(commit, REJECTION))
             out.append(
                 Rejection(
@@ -261,7 +261,7 @@ class Reads(Repository):
         """The base an adapter release applies to (``daemon/lora.py``), or None for a release of whole weights."""
         rel = self.get(release_id)
         try:
-            data = self._manifest_blob(self._read(rel.release_id), lora.MANIFEST)
+            data = self._manifest_blob(self._commit(rel.release_id), lora.MANIFEST)
         except KeyError:
             return None
         return lora.AdapterManifest.parse(data, f"release {rel.release_id}: {lora.MANIFEST}")

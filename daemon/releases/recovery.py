@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from daemon.chain_remote import MIRROR_REF
 from daemon.errors import Conflict, LockBusy, ReefError
 from daemon.releases.content import _CHUNK, lfs_pointer
 from daemon.releases.manifest import MANIFEST, PENDING_REF, PROMOTED_REF, SCENARIOS_REF
-from daemon.releases.objects import _HEX_RE, _check_loose, _Corrupt, _intact, _object
+from daemon.releases.objects import _HEX_RE, _check_loose, _commit_at, _Corrupt, _intact, _object
 from daemon.releases.refs import _REFLOG_LINE, _RefUpdate
 from daemon.releases.remote import Remote
 
@@ -107,10 +108,10 @@ def _restore_point(repo: pygit2.Repository, reflog: Path, ref: str, target: str)
             if m is not None:
                 candidates += [m.group(2).decode(), m.group(1).decode()]
     with contextlib.suppress(Exception):
-        commit = _object(repo, target)
+        commit = _commit_at(repo, target)
         while commit.parent_ids:
             candidates.append(str(commit.parent_ids[0]))
-            commit = _object(repo, commit.parent_ids[0])
+            commit = _commit_at(repo, commit.parent_ids[0])
     for c in candidates:
         if c not in (_ZERO, target) and _intact(repo, c) is None:
             return c
@@ -165,7 +166,7 @@ class Recovery(Remote):
             if d.target is None:
                 continue
             how = f"back to {d.restore}" if d.restore else "removed"
-            update = _RefUpdate(d.ref, d.restore, d.target, lambda a, r=d.ref: Conflict(f"{r} moved meanwhile"))
+            update = _RefUpdate(d.ref, d.restore, d.target, functools.partial(_moved, d.ref))
             try:
                 # local damage, repaired locally: the remote's copy is whole, and the next follow takes it in again
                 self._update_refs([update], message=f"reef repair: {d.target} does not read back; {how}", push=False)
@@ -297,7 +298,7 @@ class Recovery(Remote):
                     continue
                 seen.add(key)
                 try:
-                    commit = _object(repo, oid)
+                    commit = _commit_at(repo, oid)
                     counts["commits"] += 1
                     walk_tree(commit.tree_id)
                     stack.extend(commit.parent_ids)
@@ -371,3 +372,7 @@ class Recovery(Remote):
         except OSError:
             return False
 
+
+def _moved(ref: str, actual: str | None) -> ReefError:
+    """A repair's conflict: ``ref`` moved while it was repaired."""
+    return Conflict(f"{ref} moved meanwhile")

@@ -69,7 +69,7 @@ class Remote(Refs, Reads):
         for new, stop in ranges:
             rid: str | None = new
             while rid is not None and rid != stop:
-                commit = self._read(rid)
+                commit = self._commit(rid)
                 if MANIFEST in self._tree(commit):
                     for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
                         sha = str(entry["oid"]).split(":", 1)[-1]
@@ -112,7 +112,7 @@ class Remote(Refs, Reads):
                     continue
                 rid: str | None = oid
                 while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
-                    commit = self._read(rid)
+                    commit = self._commit(rid)
                     if MANIFEST in self._tree(commit):
                         for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
                             sha = str(entry["oid"]).split(":", 1)[-1]
@@ -157,7 +157,7 @@ class Remote(Refs, Reads):
             if why is not None:
                 return f"release {rid}: {why}"
             passed.append(rid)
-            parents = self._read(rid).parent_ids
+            parents = self._commit(rid).parent_ids
             rid = str(parents[0]) if parents else None
         if len(self._taken) > 65536:
             self._taken.clear()

@@ -38,6 +38,7 @@ from daemon.releases.objects import (
     _TREE,
     _check_loose,
     _Corrupt,
+    _expect,
     _loose,
     _storing,
     _TooLarge,
@@ -64,7 +65,9 @@ class Repository:
         remote: ChainRemote | None = None,
     ) -> None:
         if not hasattr(pygit2.Repository, "transaction"):
-            raise StorageError(f"pygit2 {pygit2.__version__} lacks reference transactions; need pygit2 >= 1.19")
+            from importlib.metadata import version
+
+            raise StorageError(f"pygit2 {version('pygit2')} lacks reference transactions; need pygit2 >= 1.19")
         self.path = Path(path).absolute()
         self.lfs_threshold = lfs_threshold
         self.lock_timeout = lock_timeout
@@ -168,9 +171,15 @@ class Repository:
 
     def _tree(self, commit: pygit2.Commit) -> pygit2.Tree:
         """A commit's root tree, read through ``_read`` (``commit.tree`` would let libgit2 read it unchecked)."""
-        tree = self._read(commit.tree_id)
-        assert isinstance(tree, pygit2.Tree)
-        return tree
+        return _expect(self._read(commit.tree_id), pygit2.Tree, str(commit.tree_id))
+
+    def _commit(self, oid: str | pygit2.Oid) -> pygit2.Commit:
+        """``_read``, which must be a commit (a release, a rejection)."""
+        return _expect(self._read(oid), pygit2.Commit, str(oid))
+
+    def _blob(self, oid: str | pygit2.Oid) -> pygit2.Blob:
+        """``_read``, which must be a blob (a file)."""
+        return _expect(self._read(oid), pygit2.Blob, str(oid))
 
     def _size(self, oid: str | pygit2.Oid, max_size: int | None = None) -> int:
         """The size of an object, from its header where it is packed; a loose one is checked whole as it is streamed
@@ -197,7 +206,7 @@ class Repository:
         ``StorageError``: no tree Reef writes holds one, so it can only come from a crafted release."""
         if max_size is not None:
             self._size(tree_id, max_size)
-        tree = self._read(tree_id)
+        tree = _expect(self._read(tree_id), pygit2.Tree, str(tree_id))
         for entry in tree:
             mode = int(entry.filemode)
             try:
@@ -220,7 +229,7 @@ class Repository:
             if rid in seen:
                 continue
             seen.add(rid)
-            parents = [str(p) for p in self._read(rid).parent_ids]
+            parents = [str(p) for p in self._commit(rid).parent_ids]
             if old in parents:
                 return True
             stack.extend(parents)
@@ -252,7 +261,7 @@ class Repository:
 
     def _content_tree(self, commit_id: str) -> str:
         """The id of a release's content: its tree without the manifest."""
-        tree = self._tree(self._read(commit_id))
+        tree = self._tree(self._commit(commit_id))
         with _storing("writing the content tree", self.path):  # it exists already but for a lost write
             tb = self._repo().TreeBuilder(tree)
             if tb.get(MANIFEST) is not None:

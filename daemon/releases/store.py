@@ -19,6 +19,7 @@ reads; this module on top.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -47,7 +48,7 @@ from daemon.releases.manifest import (
     _json,
     _one_line,
 )
-from daemon.releases.objects import _BLOB, _TREE, _storing
+from daemon.releases.objects import _BLOB, _TREE, _expect, _storing
 from daemon.releases.recovery import Recovery
 from daemon.releases.refs import _RefUpdate
 
@@ -266,7 +267,7 @@ class ReleaseStore(Recovery, Content, Diffs):
             tip = None if tip_ref is None else str(tip_ref.target)
             with _storing("writing the rejection", self.path):
                 commit_id = str(repo.create_commit(None, sig, sig, message, tree, [tip] if tip else []))
-            updates = [_RefUpdate(rej_ref, commit_id, tip, lambda a, t=tip: HeadMoved(scenario, t, a))]
+            updates = [_RefUpdate(rej_ref, commit_id, tip, functools.partial(HeadMoved, scenario, tip))]
             if pending_ref is not None:
                 updates.append(
                     _RefUpdate(
@@ -336,7 +337,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         }
         manifest_bytes = _json(manifest).encode()
         with _storing("writing the release manifest", self.path):
-            tb = repo.TreeBuilder(repo[content])
+            tb = repo.TreeBuilder(_expect(repo[content], pygit2.Tree, content))
             tb.insert(MANIFEST, repo.create_blob(manifest_bytes), _BLOB)
             tree = tb.write()
         default = {"init": "base artifact", "train": "new candidate"}.get(operation, operation)

@@ -44,6 +44,7 @@ from typing import Any
 
 from daemon import durable
 from daemon.errors import EngineError, StepFailed
+from daemon.trainer.step import run_job
 from recipes.base import Candidate, TrainJob
 
 log = logging.getLogger("reef.trainer.ray")
@@ -97,8 +98,6 @@ class _StepActor:
     def run(self, job: TrainJob, inputs: dict[str, str], *blobs: tuple[str, dict[str, bytes]]) -> Any:
         """One step: ``inputs`` maps each of the job's paths to its content key, ``blobs`` are the directories
         this actor lacked. Returns (candidate without a path, its files) or the exception's message."""
-        from daemon.trainer.worker import run_job
-
         try:
             for key, files in blobs:
                 dest = self.cache / _safe(key)

@@ -9,7 +9,7 @@ Design choices:
   model and optimizer there between steps).
 - The worker gives the recipe an empty directory beside the candidate's final name; after ``train`` returns,
   every file is fsynced and the directory renamed: a half-written candidate never exists under its final name,
-  so it can never become a release, whatever the recipe does.
+  so it can never become a release, whatever the recipe does (``daemon/trainer/step.py``, the Ray actor's too).
 - With ``ray`` (``trainer = "ray"``) the worker is a Ray driver instead (``daemon/trainer/ray_trainer.py``): each job
   runs on a Ray actor and its candidate comes back as files; the pipe, the job and the candidate are the same.
 - ``TrainerClient.run`` restarts a dead worker and retries the job once (``retries``): a worker killed from outside
@@ -28,72 +28,23 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from daemon import durable
 from daemon.errors import EngineError, ReefError, StepFailed
+from daemon.trainer.step import run_job
 from recipes.base import Candidate, TrainJob
 
 log = logging.getLogger("reef.trainer")
 
 
 # --- the worker process -----------------------------------------------------------------------------------
-
-
-def peak_rss_mb() -> float:
-    """The worker's own peak resident memory so far (MB). Linux: ``VmHWM``, the high-water mark of this process's
-    address space. Not ``ru_maxrss``: a spawned worker's starts at its parent's resident size at the fork (the
-    kernel keeps the larger of the two across exec), so next to a daemon holding 2 GB every step read 2 GB."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB where there is no /proc
-
-
-def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
-    """Run ``job``'s recipe step; a candidate directory ends up complete at ``out_dir`` or not at all."""
-    from recipes import load_recipe
-
-    cls = load_recipe(job.recipe, job.recipe_paths)
-    recipe = cls(cls.parse_settings(job.settings))
-    state = states.setdefault(job.recipe, {})
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        try:
-            candidate = recipe.train(replace(job, work_dir=str(tmp)), state)
-        except BaseException:
-            state.clear()  # whatever it held may be half-updated
-            raise
-        if not isinstance(candidate, Candidate):
-            raise TypeError(f"recipe {job.recipe}: train() returned {type(candidate).__name__}, not a Candidate")
-        candidate.metrics["trainer_peak_rss_mb"] = peak_rss_mb()  # this step's, or an earlier one's if higher
-        if candidate.skipped is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return replace(candidate, path=None)
-        if not any(tmp.iterdir()):
-            raise ValueError(f"recipe {job.recipe}: train() wrote no files into the candidate directory")
-        durable.sync_tree(tmp)
-        os.rename(tmp, out_dir)
-        durable.sync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return replace(candidate, path=str(out_dir))
 
 
 def _exit_with_parent(parent: int, driver: Any = None) -> None:

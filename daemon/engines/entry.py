@@ -1,0 +1,46 @@
+"""What one model entry says (``[models.NAME]`` in ``config.toml``): which engine serves it and with what settings.
+
+It lives beside the engines rather than in ``daemon/config.py`` because the engines read it and the config, which
+checks an entry's engine against the registry (``daemon/engines/registry.py``), builds it: both import it from here,
+and no engine imports the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model the daemon can serve: an engine and where the model lives."""
+
+    name: str
+    engine: str = "transformers"  # transformers | upstream | vllm | sglang
+    path: Path | None = None  # transformers, vllm, sglang: a Hugging Face model directory
+    device: str = "auto"  # transformers: cpu | cuda | auto
+    threads: int = 1  # transformers: torch CPU threads used for generation
+    max_batch: int = 8  # transformers: concurrent sequences decoded together
+    max_new_tokens: int = 256  # default cap when the client gives none
+    max_tokens_limit: int | None = None  # hard cap on any request's max_tokens (small local models, tests)
+    memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
+    prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
+    url: str | None = None  # upstream: base URL; vllm, sglang: attach to this running server instead of starting one
+    format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
+    upstream_model: str | None = None  # upstream: the provider's model name
+    api_key_env: str | None = None  # upstream: environment variable holding the key
+    timeout_s: float = 600.0  # upstream: total timeout
+    connect_timeout_s: float = 10.0
+    # vllm, sglang (``daemon/engines/server.py``): the server Reef starts and supervises
+    server: str | None = None  # the Python interpreter that has the server installed (its own venv)
+    server_port: int | None = None  # its loopback port (default: a free one)
+    server_args: tuple[str, ...] = ()  # extra command-line flags
+    server_log: str | None = None  # where its output goes (default: /tmp/reef-<engine>-<model>-<port>.log)
+    startup_timeout_s: float = 600.0  # from start to healthy, else it is killed and started again
+    retry_after_s: int = 5  # Retry-After of the 503 while the server is not ready
+    max_model_len: int | None = None  # context the server allocates (default: the model's)
+    max_lora_rank: int = 16
+    max_loras: int = 4  # adapters resident at once (least recently used ones are unloaded)
+    kv_cache_gb: int = 1  # vllm on the CPU: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = True  # vllm: no graph capture (the CPU build)
+    weight_update: str = "auto"  # full-weights releases: reload (the server's update call) | restart | auto

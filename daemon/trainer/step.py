@@ -1,0 +1,64 @@
+"""One training step, wherever it runs: a job's recipe called into a candidate directory that ends up complete under
+its final name or not at all (temp directory beside it, fsync, rename), with the process's peak memory in its
+metrics. The local worker (``daemon/trainer/worker.py``) and the Ray actor (``daemon/trainer/ray_trainer.py``) both
+run their steps through ``run_job``, so a recipe cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from daemon import durable
+from recipes.base import Candidate, TrainJob
+
+
+def peak_rss_mb() -> float:
+    """The worker's own peak resident memory so far (MB). Linux: ``VmHWM``, the high-water mark of this process's
+    address space. Not ``ru_maxrss``: a spawned worker's starts at its parent's resident size at the fork (the
+    kernel keeps the larger of the two across exec), so next to a daemon holding 2 GB every step read 2 GB."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB where there is no /proc
+
+
+def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
+    """Run ``job``'s recipe step; a candidate directory ends up complete at ``out_dir`` or not at all."""
+    from recipes import load_recipe
+
+    cls = load_recipe(job.recipe, job.recipe_paths)
+    recipe = cls(cls.parse_settings(job.settings))
+    state = states.setdefault(job.recipe, {})
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        try:
+            candidate = recipe.train(replace(job, work_dir=str(tmp)), state)
+        except BaseException:
+            state.clear()  # whatever it held may be half-updated
+            raise
+        if not isinstance(candidate, Candidate):
+            raise TypeError(f"recipe {job.recipe}: train() returned {type(candidate).__name__}, not a Candidate")
+        candidate.metrics["trainer_peak_rss_mb"] = peak_rss_mb()  # this step's, or an earlier one's if higher
+        if candidate.skipped is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return replace(candidate, path=None)
+        if not any(tmp.iterdir()):
+            raise ValueError(f"recipe {job.recipe}: train() wrote no files into the candidate directory")
+        durable.sync_tree(tmp)
+        os.rename(tmp, out_dir)
+        durable.sync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return replace(candidate, path=str(out_dir))

@@ -1,0 +1,153 @@
+"""What a wrapper's runs keep and how a wrapper asks the daemon, shared by the wrapped run (``reef_cli/wrapper.py``)
+and the wrapper's subcommands (``reef_cli/wrapper_cmd.py``): a light client of the daemon (standard library only,
+so the path to the agent's first request stays short) and the run files under ``$REEF_HOME/runs``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from adapters import Adapter
+from adapters.base import write_file
+from daemon.config import Config
+from daemon.errors import NotFound, ReefError
+
+# --- a light client of the daemon (stdlib only) ------------------------------------------------------------
+
+
+def call(config: Config, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> Any:
+    """One request to the daemon; JSON answer, or a ``ReefError`` carrying the daemon's message.
+
+    A plain HTTP/1.0 exchange on a socket (the daemon closes the connection after answering): ``http.client``
+    would cost the wrapper more start-up time than the whole request."""
+    if config.url:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(config.url)
+        sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        auth = f"Authorization: Bearer {config.tcp_token() or ''}\r\n"
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        auth = ""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.0\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    try:
+        if not config.url:
+            sock.connect(str(config.socket_path))
+        sock.sendall(head + data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    finally:
+        sock.close()
+    raw = b"".join(chunks)
+    header, _, payload = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(header.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise ReefError(f"the daemon sent no valid HTTP answer to {method} {path}") from None
+    if status >= 400:
+        from reef_cli.client import _BY_STATUS
+
+        try:
+            message = json.loads(payload)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = payload.decode("utf-8", "replace") or f"HTTP {status}"
+        raise _BY_STATUS.get(status, ReefError)(message)
+    return json.loads(payload) if payload else None
+
+
+def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
+    """``call``, starting the local daemon first when it is not running."""
+    try:
+        return call(config, method, path, body)
+    except (ConnectionRefusedError, FileNotFoundError):
+        if config.url:
+            raise ReefError(f"cannot reach the daemon at {config.url}") from None
+    from reef_cli.client import start_daemon
+
+    say("starting the daemon")
+    start_daemon(config)
+    return call(config, method, path, body)
+
+
+def say(message: str) -> None:
+    if not os.environ.get("REEF_QUIET"):
+        sys.stderr.write(f"reef: {message}\n")
+        sys.stderr.flush()
+
+
+def token(config: Config) -> str:
+    if config.url:
+        return config.tcp_token() or ""
+    try:
+        return config.token_path.read_text().strip()
+    except FileNotFoundError:
+        raise ReefError(f"no token at {config.token_path}; is the daemon's home right?") from None
+
+
+# --- runs ----------------------------------------------------------------------------------------------------
+
+
+def runs_dir(config: Config) -> Path:
+    d = config.runs_dir
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_run(config: Config, run: dict[str, Any]) -> None:
+    d = runs_dir(config)
+    write_file(d / f"{run['run']}.json", (json.dumps(run, indent=2) + "\n").encode())  # no-follow, durable
+    write_file(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
+
+
+def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
+    d = runs_dir(config)
+    if run_id is None:
+        try:
+            run_id = (d / f"last-{adapter.name}").read_text().strip()
+        except FileNotFoundError:
+            raise NotFound(f"no {adapter.command} run yet; run {adapter.command} first (or pass --run ID)") from None
+    path = d / f"{run_id}.json"
+    if not path.is_file() or "/" in run_id:
+        raise NotFound(f"no run {run_id!r} in {d}")
+    run = json.loads(path.read_text())
+    if not isinstance(run, dict):
+        raise NotFound(f"{path} is not a run's file (a JSON object)")
+    return run
+
+
+def list_runs(config: Config, adapter: Adapter | None = None) -> list[dict[str, Any]]:
+    out = []
+    for p in runs_dir(config).glob("run_*.json"):
+        try:
+            run = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if adapter is None or run.get("adapter") == adapter.name:
+            out.append(run)
+    out.sort(key=lambda r: r.get("started_at", 0), reverse=True)
+    return out
+
+
+RECEIPTS_PAGE = 50  # receipts asked for at a time when collecting a run's (the daemon's default page)
+
+
+def run_receipts(get: Any, run: str) -> list[str]:
+    """Every exchange receipt of ``run``, oldest first, read page by page (``get(path)`` answers a GET): a run of
+    an agent can make many more model requests than one page holds."""
+    out: list[str] = []
+    after = ""
+    while True:
+        got = get(f"/reef/records?run={run}&kind=exchange&limit={RECEIPTS_PAGE}{after}")
+        out += [r["id"] for r in got["records"]]
+        if len(got["records"]) < RECEIPTS_PAGE or got.get("next_after") is None:
+            return out
+        after = f"&after={got['next_after']}"
