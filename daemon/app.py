@@ -43,6 +43,7 @@ from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
+from daemon.reports import accept_report
 from daemon.serving import Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -544,14 +545,8 @@ async def handle_report(request: web.Request) -> web.Response:
                 target = (await reef.store.get_record(refs[0], full=False))["scenario"]
         if target is not None:
             await reef.learner.check_report(target, metadata)
-    stored = await reef.store.append_report(
-        scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
-    )
-    reef.metrics.records.labels("report").inc()
-    reef.events.publish(
-        "report", id=stored["id"], scenario=stored["scenario"], score=score, references=refs,
-        feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,
-    )
+    stored = await accept_report(reef.store, reef.metrics, reef.events, scenario=scenario, score=score,
+                                 feedback=feedback, references=refs, metadata=metadata, report_id=report_id)
     view = _report_view(stored)
     if await reef.learner.inline(stored["scenario"]):  # a harness edit takes milliseconds: answer its outcome
         view["learning"] = await reef.learner.step(stored["scenario"])

@@ -60,8 +60,10 @@ from daemon.engines.base import Engine
 from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
+from daemon.metrics import Metrics
 from daemon.records import Lease, RecordStore, Scenario, new_id
 from daemon.releases import Manifest
+from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
@@ -158,11 +160,13 @@ class _Answers:
 
 class Learner:
     """Runs the learning loop of every scenario. Gets what it uses, not the daemon: the config, the record
-    store, the release chains, the event bus, and a way to get a model's engine."""
+    store, the release chains, the event bus, the metrics (a judge's verdict is a report), and a way to get a
+    model's engine."""
 
-    def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus,
+    def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus, metrics: Metrics,
                  engine: Callable[[str], Awaitable[Engine]], *, scopes: Scopes | None = None) -> None:
         self.config, self.store, self.chains, self.events, self.engine = config, store, chains, events, engine
+        self.metrics = metrics
         self.scopes = scopes if scopes is not None else Scopes()  # the scoped tokens episodes get
         # starts a canary of a held candidate (``daemon/canary.py``; set by the daemon): for recipes whose
         # ``canary_share`` sends what the gate passes through a canary instead of straight to the head
@@ -427,14 +431,13 @@ class Learner:
                     **({"hint": verdict.hint} if verdict.hint else {}),
                     **({"unparseable": True} if verdict.unparseable else {})}
         try:
-            stored = await self.store.append_report(scenario=name, score=score, feedback=verdict.reason or
-                                                    verdict.verdict, references=[prev.receipt], metadata=metadata,
-                                                    report_id=None)
+            await accept_report(self.store, self.metrics, self.events, scenario=name, score=score,
+                                feedback=verdict.reason or verdict.verdict, references=[prev.receipt],
+                                metadata=metadata, shown=verdict.reason[:SHOWN_FEEDBACK_CHARS], source="judge",
+                                verdict=verdict.verdict)
         except ReefError as e:
             log.warning("could not store the judge's verdict on %s: %s", prev.receipt, e.message)
             return
-        self.events.publish("report", id=stored["id"], scenario=name, score=score, references=[prev.receipt],
-                            feedback=verdict.reason[:500], source="judge", verdict=verdict.verdict)
         if score is not None:
             self.notify(name)
 

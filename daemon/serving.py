@@ -98,7 +98,8 @@ class Reef:
         self.events = EventBus(config.events_queue)
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
-        self.learner = Learner(config, self.store, self.chains, self.events, self.engine, scopes=self.scopes)
+        self.learner = Learner(config, self.store, self.chains, self.events, self.metrics, self.engine,
+                               scopes=self.scopes)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
