@@ -602,10 +602,10 @@ async def handle_import(request: web.Request) -> web.Response:
     if not isinstance(first, int) or isinstance(first, bool):
         raise BadRequest("first_line must be an integer", param="first_line")
     parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
-    for name in sorted({p["record"]["scenario"] for p in parsed}):
+    for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await reef.store.import_exchanges(parsed)
-    for name in sorted({p["record"]["scenario"] for p in parsed if p["report"] is not None}):
+    for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
         reef.learner.notify(name)
     return _json(out, status=201)
 

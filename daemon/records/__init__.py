@@ -12,10 +12,11 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from daemon.errors import BadRequest
+from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.sqlite import SQLiteStore
 from daemon.records.store import Conn, Lease, RecordStore, Scenario, new_id
 
-__all__ = ["Conn", "Lease", "RecordStore", "SQLiteStore", "Scenario", "new_id", "open_store", "is_postgres", "redact"]
+__all__ = ["Conn", "ExchangeRecord", "Lease", "RecordStore", "SQLiteStore", "Scenario", "new_id", "open_store", "is_postgres", "redact"]
 
 
 def is_postgres(location: str | None) -> bool:
