@@ -549,7 +549,8 @@ async def handle_report(request: web.Request) -> web.Response:
                                  feedback=feedback, references=refs, metadata=metadata, report_id=report_id)
     view = _report_view(stored)
     if await reef.learner.inline(stored["scenario"]):  # a harness edit takes milliseconds: answer its outcome
-        view["learning"] = await reef.learner.step(stored["scenario"])
+        outcome = await reef.learner.step(stored["scenario"])
+        view["learning"] = None if outcome is None else outcome.to_dict()
     else:
         reef.learner.notify(stored["scenario"])
     return _json(view, status=201)

@@ -135,8 +135,10 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
         reef.learner.notify(name)
         return {"report_id": stored["id"], "verdict": "queued",
                 "summary": f"recipe {scenario.recipe} learns from it in the background"}
-    outcome = await reef.learner.step(name) or {"verdict": "unchanged", "summary": "nothing to learn"}
-    return {"report_id": stored["id"], **outcome}
+    outcome = await reef.learner.step(name)
+    if outcome is None:
+        return {"report_id": stored["id"], "verdict": "unchanged", "summary": "nothing to learn"}
+    return {"report_id": stored["id"], **outcome.to_dict()}
 
 
 def user_prompt(record: dict[str, Any]) -> str | None:
