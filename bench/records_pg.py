@@ -33,22 +33,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from daemon.records import RecordStore, new_id, open_store  # noqa: E402
+from daemon.records import ExchangeRecord, RecordStore, new_id, open_store  # noqa: E402
 from tests.pg import PgCluster  # noqa: E402
 
 REQUEST = {"model": "bench", "messages": [{"role": "user", "content": "x" * 4000}]}
 RESPONSE = {"choices": [{"message": {"role": "assistant", "content": "a short answer"}}]}
 
 
-def _record() -> dict[str, Any]:
-    return {"id": new_id("rec_"), "scenario": "bench", "format": "openai-chat", "engine": "bench", "model": "bench",
-            "release_id": "rel", "request": REQUEST, "response": RESPONSE, "timings": {"total_ms": 1.0},
-            "prompt_token_ids": list(range(64)), "token_ids": list(range(64)), "logprobs": [-0.5] * 64}
+def _record() -> ExchangeRecord:
+    return ExchangeRecord(id=new_id("rec_"), scenario="bench", format="openai-chat", engine="bench", model="bench",
+                          release_id="rel", request=REQUEST, response=RESPONSE, timings={"total_ms": 1.0},
+                          prompt_token_ids=list(range(64)), token_ids=list(range(64)), logprobs=[-0.5] * 64)
 
 
 async def _round(store: RecordStore | _FlushFloor, requests: int, concurrency: int) -> dict[str, float]:
@@ -101,7 +100,7 @@ class _FlushFloor:
         os.fdatasync(self._fd)
         self._committed()
 
-    async def append_exchange(self, rec: dict[str, Any]) -> None:
+    async def append_exchange(self, rec: ExchangeRecord) -> None:
         await asyncio.to_thread(self._flush)
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, openai_chat, openai_responses
 from daemon.records import new_id
+from daemon.reports import accept_report
 from daemon.serving import Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -544,17 +545,12 @@ async def handle_report(request: web.Request) -> web.Response:
                 target = (await reef.store.get_record(refs[0], full=False))["scenario"]
         if target is not None:
             await reef.learner.check_report(target, metadata)
-    stored = await reef.store.append_report(
-        scenario=scenario, score=score, feedback=feedback, references=refs, metadata=metadata, report_id=report_id
-    )
-    reef.metrics.records.labels("report").inc()
-    reef.events.publish(
-        "report", id=stored["id"], scenario=stored["scenario"], score=score, references=refs,
-        feedback=feedback if isinstance(feedback, str) and len(feedback) <= 500 else None,
-    )
+    stored = await accept_report(reef.store, reef.metrics, reef.events, scenario=scenario, score=score,
+                                 feedback=feedback, references=refs, metadata=metadata, report_id=report_id)
     view = _report_view(stored)
     if await reef.learner.inline(stored["scenario"]):  # a harness edit takes milliseconds: answer its outcome
-        view["learning"] = await reef.learner.step(stored["scenario"])
+        outcome = await reef.learner.step(stored["scenario"])
+        view["learning"] = None if outcome is None else outcome.to_dict()
     else:
         reef.learner.notify(stored["scenario"])
     return _json(view, status=201)
@@ -607,10 +603,10 @@ async def handle_import(request: web.Request) -> web.Response:
     if not isinstance(first, int) or isinstance(first, bool):
         raise BadRequest("first_line must be an integer", param="first_line")
     parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
-    for name in sorted({p["record"]["scenario"] for p in parsed}):
+    for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await reef.store.import_exchanges(parsed)
-    for name in sorted({p["record"]["scenario"] for p in parsed if p["report"] is not None}):
+    for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
         reef.learner.notify(name)
     return _json(out, status=201)
 

@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from daemon.errors import BadRequest
+from daemon.records import ExchangeRecord
 
 _PROTOCOLS: dict[str, Any] = {}
 
@@ -116,14 +117,17 @@ def from_line(item: Any, where: str, default_scenario: str) -> dict[str, Any]:
     if not (isinstance(rid, str) and rid.startswith("rec_") and 4 < len(rid) <= 100):
         raise BadRequest(f"{where}: id must be a receipt (rec_..., at most 100 characters)", param="id")
     model = item.get("model") if isinstance(item.get("model"), str) else "imported"
-    record = {"id": rid, "scenario": scenario, "run": item.get("run") if isinstance(item.get("run"), str) else None,
-              "status": "complete", "format": "openai-chat", "engine": "import", "model": model,
-              "request": {"model": model, "messages": prompt},
-              "response": {"object": "chat.completion", "model": model, "choices": [
-                  {"index": 0, "finish_reason": "stop", "message": completion[-1]}]},
-              "capture": True}
-    if isinstance(item.get("created_at"), (int, float)) and not isinstance(item.get("created_at"), bool):
-        record["created_at"] = float(item["created_at"])
+    created = item.get("created_at")
+    record = ExchangeRecord(
+        id=rid, scenario=scenario, run=item.get("run") if isinstance(item.get("run"), str) else None,
+        status="complete", format="openai-chat", engine="import", model=model,
+        request={"model": model, "messages": prompt},
+        response={"object": "chat.completion", "model": model, "choices": [
+            {"index": 0, "finish_reason": "stop", "message": completion[-1]}]},
+        capture=True,
+        **({"created_at": float(created)} if isinstance(created, (int, float)) and not isinstance(created, bool)
+           else {}),
+    )
     report = None
     if score is not None or feedback is not None:
         report = {"score": score, "feedback": feedback, "report_id": f"import:{rid}"}

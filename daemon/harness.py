@@ -17,6 +17,7 @@ from daemon.errors import BadRequest, NotFound
 from daemon.model_dirs import is_test_model
 from daemon.names import check_scenario
 from daemon.records import new_id
+from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from recipes import load_recipe
 
 if TYPE_CHECKING:
@@ -126,18 +127,18 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     if load_recipe(scenario.recipe).kind != "harness":
         raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; "
                          "evolve needs a harness recipe (such as lessons)", param="scenario")
-    stored = await reef.store.append_report(
-        scenario=name, score=None, feedback=instruction, references=[],
-        metadata={"kind": "instruction", **({"skill": skill} if skill else {})}, report_id=None,
+    stored = await accept_report(
+        reef.store, reef.metrics, reef.events, scenario=name, score=None, feedback=instruction, references=[],
+        metadata={"kind": "instruction", **({"skill": skill} if skill else {})}, shown=instruction[:SHOWN_FEEDBACK_CHARS],
     )
-    reef.events.publish("report", id=stored["id"], scenario=name, score=None, references=[],
-                        feedback=instruction[:500])
     if not await reef.learner.inline(name):  # a searching recipe runs episodes: it learns in the background
         reef.learner.notify(name)
         return {"report_id": stored["id"], "verdict": "queued",
                 "summary": f"recipe {scenario.recipe} learns from it in the background"}
-    outcome = await reef.learner.step(name) or {"verdict": "unchanged", "summary": "nothing to learn"}
-    return {"report_id": stored["id"], **outcome}
+    outcome = await reef.learner.step(name)
+    if outcome is None:
+        return {"report_id": stored["id"], "verdict": "unchanged", "summary": "nothing to learn"}
+    return {"report_id": stored["id"], **outcome.to_dict()}
 
 
 def user_prompt(record: dict[str, Any]) -> str | None:

@@ -60,8 +60,10 @@ from daemon.engines.base import Engine
 from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
+from daemon.metrics import Metrics
 from daemon.records import Lease, RecordStore, Scenario, new_id
 from daemon.releases import Manifest
+from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex, Turn, session_key
 from recipes import load_recipe
@@ -93,6 +95,45 @@ class ScenarioLearning:
     sessions: SessionIndex = field(default_factory=SessionIndex)  # judging recipes: which turn a request continues
     judged: OrderedDict[str, None] = field(default_factory=OrderedDict)  # turns already judged (bounded)
     verdicts: Counter[str] = field(default_factory=Counter)  # judge verdicts so far (good, bad, neutral, unparseable)
+
+
+@dataclass
+class StepOutcome:
+    """What one step of a scenario's loop did: the answer of ``Learner.step`` (``to_dict`` is what the API shows,
+    in ``POST /reef/report``'s ``learning`` and ``evolve``'s answer)."""
+
+    verdict: str  # accepted | rejected | pending | skipped | failed | paused
+    scenario: str | None = None
+    base: str | None = None  # the head release the step started from (None: no step ran)
+    job: str | None = None  # the step's job id (None: no step ran)
+    release_id: str | None = None  # what it published or held
+    step: int | None = None  # that release's step
+    reason: str | None = None
+    summary: str | None = None
+    metrics: dict[str, Any] | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # what the recipe says about its candidate (harness)
+    consumed: int = 0  # receipts the step consumed
+    # the receipts the step consumed when not the whole batch (a skipped step that leaves them eligible): only the
+    # loop reads it, the API shows ``consumed``
+    kept: list[str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in (("scenario", self.scenario), ("base", self.base),
+                                                 ("job", self.job)) if v is not None}
+        out.update(self.details)
+        if self.metrics is not None:
+            out["metrics"] = self.metrics
+        out["verdict"] = self.verdict
+        if self.job is not None:  # a step ran: what it released (or None) and why
+            out.update(release_id=self.release_id)
+        if self.step is not None:
+            out["step"] = self.step
+        if self.job is not None or self.reason is not None:
+            out["reason"] = self.reason
+        if self.summary is not None:
+            out["summary"] = self.summary
+        out["consumed"] = self.consumed
+        return out
 
 
 class _Answers:
@@ -158,11 +199,13 @@ class _Answers:
 
 class Learner:
     """Runs the learning loop of every scenario. Gets what it uses, not the daemon: the config, the record
-    store, the release chains, the event bus, and a way to get a model's engine."""
+    store, the release chains, the event bus, the metrics (a judge's verdict is a report), and a way to get a
+    model's engine."""
 
-    def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus,
+    def __init__(self, config: Config, store: RecordStore, chains: Chains, events: EventBus, metrics: Metrics,
                  engine: Callable[[str], Awaitable[Engine]], *, scopes: Scopes | None = None) -> None:
         self.config, self.store, self.chains, self.events, self.engine = config, store, chains, events, engine
+        self.metrics = metrics
         self.scopes = scopes if scopes is not None else Scopes()  # the scoped tokens episodes get
         # starts a canary of a held candidate (``daemon/canary.py``; set by the daemon): for recipes whose
         # ``canary_share`` sends what the gate passes through a canary instead of straight to the head
@@ -367,7 +410,7 @@ class Learner:
             await st.wake.wait()
             st.wake.clear()
             try:
-                while (outcome := await self.step(name)) is not None and outcome["consumed"]:
+                while (outcome := await self.step(name)) is not None and outcome.consumed:
                     pass  # a step that consumed nothing (skipped, the recipe keeps its receipts) waits for news
             except asyncio.CancelledError:
                 raise
@@ -427,20 +470,19 @@ class Learner:
                     **({"hint": verdict.hint} if verdict.hint else {}),
                     **({"unparseable": True} if verdict.unparseable else {})}
         try:
-            stored = await self.store.append_report(scenario=name, score=score, feedback=verdict.reason or
-                                                    verdict.verdict, references=[prev.receipt], metadata=metadata,
-                                                    report_id=None)
+            await accept_report(self.store, self.metrics, self.events, scenario=name, score=score,
+                                feedback=verdict.reason or verdict.verdict, references=[prev.receipt],
+                                metadata=metadata, shown=verdict.reason[:SHOWN_FEEDBACK_CHARS], source="judge",
+                                verdict=verdict.verdict)
         except ReefError as e:
             log.warning("could not store the judge's verdict on %s: %s", prev.receipt, e.message)
             return
-        self.events.publish("report", id=stored["id"], scenario=name, score=score, references=[prev.receipt],
-                            feedback=verdict.reason[:500], source="judge", verdict=verdict.verdict)
         if score is not None:
             self.notify(name)
 
     # --- one step ------------------------------------------------------------------------------------------
 
-    async def step(self, name: str) -> dict[str, Any] | None:
+    async def step(self, name: str) -> StepOutcome | None:
         """Learn from one batch if one is ready: what happened (None when there was nothing to learn from)."""
         st = await self._get(name)
         recipe = st.recipe
@@ -454,8 +496,7 @@ class Learner:
             scenario = await self.store.get_scenario(name)
             if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
-                return {"verdict": "paused", "consumed": 0,
-                        "summary": f"scenario {name} is paused: reef scenarios resume {name}"}
+                return StepOutcome("paused", summary=f"scenario {name} is paused: reef scenarios resume {name}")
             self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
@@ -476,7 +517,7 @@ class Learner:
                     consumed.update(taken)
                     await self.store.release_claims(name, claimed, lease)
                     st.state = "waiting"
-                    return {"scenario": name, "verdict": "skipped", "consumed": len(taken)}
+                    return StepOutcome("skipped", scenario=name, consumed=len(taken))
             job_id = new_id("job_")
             record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
             st.state = "training"
@@ -487,23 +528,23 @@ class Learner:
             self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=len(batch),
                                 **extra)
             t0 = time.perf_counter()
-            outcome: dict[str, Any] = {"scenario": name, "base": head.release_id, "job": job_id}
+            outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)
             try:
                 try:
                     for _attempt in range(3):
                         try:
-                            outcome.update(await self._make_and_judge(st, scenario, head, batch, job_id,
-                                                                      record_settings, t0))
+                            made = await self._make_and_judge(st, scenario, head, batch, job_id,
+                                                              record_settings, t0)
+                            outcome = dataclasses.replace(made, scenario=name, base=head.release_id, job=job_id)
                             break
                         except HeadMoved:  # only harness edits get here: redo the (cheap) edit on the new head
                             head = await self.chains.head(scenario)
-                            outcome["base"] = head.release_id
+                            outcome.base = head.release_id
                     else:
                         await self._write_down(self.chains.manifest(scenario, receipts=receipts,
                                                                     settings=record_settings),
                                                head, "rejected", "the head kept moving; not published")
-                        outcome.update(verdict="rejected", release_id=None,
-                                       reason="the head kept moving; not published")
+                        outcome.verdict, outcome.reason = "rejected", "the head kept moving; not published"
                 except (asyncio.CancelledError, KeyboardInterrupt):
                     raise
                 except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
@@ -511,7 +552,7 @@ class Learner:
                     log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
                     await self._write_down(self.chains.manifest(scenario, receipts=receipts, settings=record_settings),
                                            head, "failed", reason)
-                    outcome.update(verdict="failed", release_id=None, reason=reason)
+                    outcome.verdict, outcome.reason = "failed", reason
             except Exception:
                 # not even the failure could be written down (the chain remote refuses every push, say): nothing was
                 # consumed, so this lease's claims go back and the batch is learned from once the remote answers
@@ -520,24 +561,25 @@ class Learner:
                     with contextlib.suppress(ReefError):
                         await self.store.release_claims(name, receipts, lease)
                 raise
-            outcome.setdefault("summary", outcome.get("reason") or outcome["verdict"])
-            kept = outcome.pop("_consumed", receipts)
+            if outcome.summary is None:
+                outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
+                                   else outcome.reason or outcome.verdict)
+            kept = outcome.kept if outcome.kept is not None else receipts
             consumed.update(kept)
-            outcome["consumed"] = len(kept)
+            outcome.consumed = len(kept)
             if lease is not None:
                 try:
-                    await self.store.settle(name, kept, lease, outcome.get("release_id") or outcome["verdict"])
+                    await self.store.settle(name, kept, lease, outcome.release_id or outcome.verdict)
                     await self.store.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
                 except ReefError as e:  # the outcome is in git; a takeover settles these claims from there
                     log.warning("learning on %s: could not settle the step's claims: %s", name, e.message)
-            self.events.publish("gate", scenario=name, job=job_id, verdict=outcome["verdict"],
-                                reason=outcome.get("reason"), metrics=outcome.get("metrics") or {},
-                                release_id=outcome.get("release_id"))
+            self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
+                                metrics=outcome.metrics or {}, release_id=outcome.release_id)
             st.state = "waiting"
             return outcome
 
     async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[dict[str, Any]],
-                              job_id: str, record_settings: dict[str, Any], t0: float) -> dict[str, Any]:
+                              job_id: str, record_settings: dict[str, Any], t0: float) -> StepOutcome:
         recipe = st.recipe
         assert recipe is not None
         receipts = [r["id"] for r in batch]
@@ -566,14 +608,13 @@ class Learner:
             metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
                             seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
-        out: dict[str, Any] = {**candidate.details, "metrics": metrics}
+        details = dict(candidate.details)
         if candidate.skipped is not None:
             kept = receipts if candidate.consume else []
             await self._write_down(self.chains.manifest(scenario, metrics=metrics, receipts=kept,
                                                         settings=record_settings), head, "skipped", candidate.skipped)
             self._follow(st, head.release_id, candidate, job_id, published=False)
-            return {**out, "verdict": "skipped", "release_id": None, "reason": candidate.skipped,
-                    "summary": candidate.details.get("summary", candidate.skipped), "_consumed": kept}
+            return StepOutcome("skipped", reason=candidate.skipped, metrics=metrics, details=details, kept=kept)
         st.state = "judging"
         best = None
         if recipe.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
@@ -587,7 +628,8 @@ class Learner:
         if verdict.verdict == "pending":
             rel = await self.chains.hold(record, artifact, base=head.release_id)
             self._follow(st, head.release_id, candidate, job_id, published=False)
-            return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": reason}
+            return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=reason, metrics=metrics,
+                               details=details)
         if verdict.publish and recipe.kind == "weights":  # the reward-hacking watchdog (daemon/watchdog.py)
             from daemon import watchdog
 
@@ -604,8 +646,8 @@ class Learner:
                 self.events.publish("watchdog", scenario=scenario.name, release_id=rel.release_id,
                                     **{k: v for k, v in alarm.items()})
                 self._follow(st, head.release_id, candidate, job_id, published=False)
-                return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step,
-                        "reason": alarm["reason"]}
+                return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=alarm["reason"],
+                                   metrics=metrics, details=details)
         share = float(getattr(recipe.settings, "canary_share", 0) or 0)
         if verdict.publish and share > 0 and self.start_canary is not None:  # live scores decide, not the gate
             rel = await self.chains.hold(record, artifact, base=head.release_id)
@@ -615,7 +657,8 @@ class Learner:
             except ReefError as e:  # one canary at a time: this one waits for review
                 why = f"{reason}; held for review: no canary could start ({e.message})"
             self._follow(st, head.release_id, candidate, job_id, published=False)
-            return {**out, "verdict": "pending", "release_id": rel.release_id, "step": rel.step, "reason": why}
+            return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=why, metrics=metrics,
+                               details=details)
         if verdict.publish:
             try:
                 engine = await self.engine(scenario.model) if recipe.kind == "weights" else None
@@ -624,7 +667,7 @@ class Learner:
             except Unchanged as e:
                 await self._write_down(record, head, "skipped", e.message)
                 self._follow(st, head.release_id, candidate, job_id, published=False)
-                return {**out, "verdict": "skipped", "release_id": None, "reason": e.message}
+                return StepOutcome("skipped", reason=e.message, metrics=metrics, details=details)
             except HeadMoved as e:
                 if recipe.kind != "weights":
                     raise
@@ -633,11 +676,11 @@ class Learner:
                 if candidate.eval is not None:
                     st.head_eval = (rel.release_id, candidate.eval.candidate)
                 self._follow(st, rel.release_id, candidate, job_id, published=True)
-                return {**out, "verdict": "accepted", "release_id": rel.release_id, "step": rel.step,
-                        "reason": reason}
+                return StepOutcome("accepted", release_id=rel.release_id, step=rel.step, reason=reason,
+                                   metrics=metrics, details=details)
         await self._write_down(record, head, "rejected", reason)
         self._follow(st, head.release_id, candidate, job_id, published=False)
-        return {**out, "verdict": "rejected", "release_id": None, "reason": reason}
+        return StepOutcome("rejected", reason=reason, metrics=metrics, details=details)
 
     async def _write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
         await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)

@@ -26,7 +26,7 @@ from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.names import check_scenario
-from daemon.records import Scenario, new_id, open_store
+from daemon.records import ExchangeRecord, Scenario, new_id, open_store
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
@@ -98,7 +98,8 @@ class Reef:
         self.events = EventBus(config.events_queue)
         self.metrics = Metrics()
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
-        self.learner = Learner(config, self.store, self.chains, self.events, self.engine, scopes=self.scopes)
+        self.learner = Learner(config, self.store, self.chains, self.events, self.metrics, self.engine,
+                               scopes=self.scopes)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -318,22 +319,29 @@ class Reef:
 
     def _open_record(self, served: Served) -> asyncio.Future[None]:
         """Start the durable write of a stream's opening record: what is known before the first event."""
+        return self.store.open_exchange(self._exchange_record(served, served.engine.runtime_load_id))
+
+    @staticmethod
+    def _exchange_record(served: Served, runtime_load_id: str | None, **outcome: Any) -> ExchangeRecord:
+        """The record of a served exchange: what is known from its start, and ``outcome`` (status, response,
+        timings, usage, tokens) once it is known."""
         ex = served.exchange
-        return self.store.open_exchange({
-            "id": served.receipt,
-            "scenario": served.scenario.name,
-            "run": served.run,
-            "format": ex.format,
-            "engine": served.engine.info.name,
-            "model": served.engine.info.model,
-            "release_id": served.release_id,
-            "content_id": served.content_id,
-            "runtime_load_id": served.engine.runtime_load_id,
-            "request": ex.body,
-            "request_json": served.request_text,
-            "headers": served.headers,
-            "capture": served.capture,
-        })
+        return ExchangeRecord(
+            id=served.receipt,
+            scenario=served.scenario.name,
+            run=served.run,
+            format=ex.format,
+            engine=served.engine.info.name,
+            model=served.engine.info.model,
+            release_id=served.release_id,
+            content_id=served.content_id,
+            runtime_load_id=runtime_load_id,
+            request=ex.body,
+            request_json=served.request_text,
+            headers=served.headers,
+            capture=served.capture,
+            **outcome,
+        )
 
     async def _record_failure(self, served: Served, err: ReefError) -> None:
         """Store an exchange that failed before its first event; its receipt goes out with the error."""
@@ -386,29 +394,18 @@ class Reef:
             }
             if completion.upstream:
                 usage["upstream"] = completion.upstream
-        rec = {
-            "id": served.receipt,
-            "scenario": served.scenario.name,
-            "run": served.run,
-            "status": status,
-            "format": ex.format,
-            "engine": served.engine.info.name,
-            "model": served.engine.info.model,
-            "release_id": served.release_id,
-            "content_id": served.content_id,
-            "runtime_load_id": completion.runtime_load_id if completion else served.engine.runtime_load_id,
-            "request": ex.body,
-            "request_json": served.request_text,
-            "response": response if error is None else {"error": error.to_dict(), "partial": response},
-            "response_json": response_text if error is None else None,
-            "headers": served.headers,
-            "timings": timings,
-            "usage": usage,
-            "prompt_token_ids": completion.prompt_token_ids if completion else None,
-            "token_ids": completion.token_ids if completion else None,
-            "logprobs": completion.logprobs if completion else None,
-            "capture": served.capture,
-        }
+        rec = self._exchange_record(
+            served,
+            completion.runtime_load_id if completion else served.engine.runtime_load_id,
+            status=status,
+            response=response if error is None else {"error": error.to_dict(), "partial": response},
+            response_json=response_text if error is None else None,
+            timings=timings,
+            usage=usage,
+            prompt_token_ids=completion.prompt_token_ids if completion else None,
+            token_ids=completion.token_ids if completion else None,
+            logprobs=completion.logprobs if completion else None,
+        )
         t0 = time.perf_counter()
         if served.opened:  # a stream: its record exists since before the first byte; its outcome fills it in
             await self.store.complete_exchange(rec)
@@ -418,21 +415,21 @@ class Reef:
         m = self.metrics
         m.records.labels("exchange").inc()
         if completion is not None:
-            m.tokens.labels(rec["model"], "input").inc(completion.usage.input_tokens)
-            m.tokens.labels(rec["model"], "output").inc(completion.usage.output_tokens)
+            m.tokens.labels(rec.model, "input").inc(completion.usage.input_tokens)
+            m.tokens.labels(rec.model, "output").inc(completion.usage.output_tokens)
             if completion.usage.cache_read_tokens:  # prompt tokens the engine's prefix cache supplied
-                m.tokens.labels(rec["model"], "cache_read").inc(completion.usage.cache_read_tokens)
+                m.tokens.labels(rec.model, "cache_read").inc(completion.usage.cache_read_tokens)
         if timings["ttft_ms"] is not None:
-            m.ttft.labels(rec["model"]).observe(timings["ttft_ms"] / 1e3)
+            m.ttft.labels(rec.model).observe(timings["ttft_ms"] / 1e3)
         self.events.publish(
             "record",
             id=served.receipt,
             scenario=served.scenario.name,
             run=served.run,
             status=status,
-            model=rec["model"],
+            model=rec.model,
             release_id=served.release_id,
-            runtime_load_id=rec["runtime_load_id"],
+            runtime_load_id=rec.runtime_load_id,
             timings=timings,
             usage=usage,
         )

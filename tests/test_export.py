@@ -94,13 +94,12 @@ def test_malformed_lines_are_refused_by_number_and_nothing_is_imported(daemon_fa
 async def test_the_export_reads_page_by_page_to_the_end(records_at: str) -> None:
     """A page at a time, each after the last one's seq, until a short page: every record once, in order (a
     dropped cursor would repeat the first page forever; a page taken as the end too early would lose the rest)."""
-    from daemon.records import open_store
+    from daemon.records import ExchangeRecord, open_store
 
     store = open_store(records_at)
     try:
         for i in range(5):
-            await store.append_exchange({"id": f"rec_{i}", "scenario": "s", "status": "complete", "request": {},
-                                         "response": {}})
+            await store.append_exchange(ExchangeRecord(id=f"rec_{i}", scenario="s", request={}, response={}))
         seen, after, pages = [], 0, 0
         while after is not None:
             page, after = await store.export_page(scenario="s", since=None, after=after, limit=2)

@@ -11,6 +11,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,19 +21,19 @@ import pytest
 
 from daemon.errors import Forgotten, ReportConflict
 from daemon.forgetting import tainted
-from daemon.records import open_store
+from daemon.records import ExchangeRecord, open_store
 from daemon.records.sqlite import SQLiteStore
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_learning import releases, wait_for
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
 
 
-def _exchange(receipt: str, text: str, run: str | None = None) -> dict[str, Any]:
-    return {"id": receipt, "scenario": "s", "run": run, "status": "complete", "format": "openai-chat",
-            "engine": "e", "model": "m", "release_id": "rel",
-            "request": {"messages": [{"role": "user", "content": f"prompt {text} {_noise(receipt)}"}]},
-            "response": {"choices": [{"message": {"content": f"answer {text}"}}]}, "headers": {"x-note": text},
-            "prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+def _exchange(receipt: str, text: str, run: str | None = None) -> ExchangeRecord:
+    return ExchangeRecord(
+        id=receipt, scenario="s", run=run, status="complete", format="openai-chat", engine="e", model="m",
+        release_id="rel", request={"messages": [{"role": "user", "content": f"prompt {text} {_noise(receipt)}"}]},
+        response={"choices": [{"message": {"content": f"answer {text}"}}]}, headers={"x-note": text},
+        prompt_token_ids=[1, 2], token_ids=[3, 4], logprobs=[-0.5, -0.25])
 
 
 def _noise(seed: str) -> str:
@@ -228,9 +229,9 @@ async def test_retention_picks_the_old_and_the_oldest_over_the_size_bound(record
     now = time.time()
     try:
         for i in range(6):  # rec_0 oldest; bodies of known size
-            await store.append_exchange({**_exchange(f"rec_{i}", "x"), "created_at": now - (6 - i) * 86400,
-                                         "timings": {"total_ms": 1}})
-        await store.append_exchange({**_exchange("rec_open", "x"), "created_at": now - 60})  # a stream under way
+            await store.append_exchange(replace(_exchange(f"rec_{i}", "x"), created_at=now - (6 - i) * 86400,
+                                                timings={"total_ms": 1}))
+        await store.append_exchange(replace(_exchange("rec_open", "x"), created_at=now - 60))  # a stream under way
         await store.forget(receipts=["rec_1"], runs=[])
         size = await store.read(lambda c: c.execute(
             "SELECT LENGTH(request) + LENGTH(response) AS n FROM records WHERE id='rec_5'").fetchone()["n"])

@@ -346,3 +346,21 @@ def test_reef_demo_shows_a_model_learning(daemon_factory: Any) -> None:
     consumed += [rec for r in chain.get("rejected", []) for rec in r.get("receipts", [])]
     assert len(consumed) == len(set(consumed)) > 0  # every report trained on at most once
     assert out.returncode == (0 if result["reached_target"] else 1)
+
+
+def test_a_steps_outcome_shows_what_the_api_promised_and_nothing_of_the_loops_own() -> None:
+    """``StepOutcome.to_dict``: a step that ran names its release (or None) and reason; one that kept its receipts
+    eligible (a search with no usable proposal) says it consumed none, and the receipts it kept are the loop's
+    business, never in the answer; a paused scenario's answer has no step fields at all."""
+    from daemon.learning import StepOutcome
+
+    kept = StepOutcome("skipped", scenario="s", base="rel_1", job="job_1", reason="no usable proposal",
+                       metrics={"spend": 1}, details={"summary": "tried 3"}, kept=[], summary="tried 3")
+    assert kept.to_dict() == {"scenario": "s", "base": "rel_1", "job": "job_1", "summary": "tried 3",
+                              "metrics": {"spend": 1}, "verdict": "skipped", "release_id": None,
+                              "reason": "no usable proposal", "consumed": 0}
+    accepted = StepOutcome("accepted", scenario="s", base="rel_1", job="job_2", release_id="rel_2", step=2,
+                           reason="gate always", summary="gate always", metrics={}, consumed=4)
+    assert accepted.to_dict()["release_id"] == "rel_2" and accepted.to_dict()["step"] == 2
+    assert StepOutcome("paused", summary="paused").to_dict() == {"verdict": "paused", "summary": "paused",
+                                                                 "consumed": 0}

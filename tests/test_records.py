@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from daemon.errors import StorageError
-from daemon.records import Conn, RecordStore, open_store
+from daemon.records import Conn, ExchangeRecord, RecordStore, open_store
+from daemon.records.exchange_record import columns as exchange_columns
 
 
 def _store(records_at: str) -> RecordStore:
@@ -104,10 +106,44 @@ async def test_a_closed_store_refuses_writes(records_at: str) -> None:
         store.write_sync(lambda c: c.execute("INSERT INTO t VALUES (2, 'x')"))
 
 
-def _exchange(receipt: str, scenario: str = "s") -> dict[str, object]:
-    return {"id": receipt, "scenario": scenario, "status": "complete", "format": "openai-chat", "engine": "e",
-            "model": "m", "release_id": "rel", "request": {}, "response": {}, "prompt_token_ids": [1, 2],
-            "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+# columns of ``records`` that are no field of an exchange record: its position, its kind, and what reports and
+# forgetting write
+NOT_EXCHANGE_FIELDS = {"seq", "kind", "report", "report_key", "report_hash", "forgotten_at", "content_hash"}
+
+
+async def test_the_records_table_has_a_column_for_each_field_of_an_exchange_record(records_at: str) -> None:
+    """The table the migrations make and ``ExchangeRecord`` agree: each of its column fields is a column, each
+    column is a field or one of the known others, and a record with every field set reads back as written (the
+    insert row and the outcome a stream's record is completed with are read off the same fields)."""
+    store = open_store(records_at)
+    try:
+        table = await store.read(lambda c: [d[0] for d in c.execute("SELECT * FROM records LIMIT 0").description])
+        fields = [f.name for f in exchange_columns()]
+        assert sorted(set(table) - NOT_EXCHANGE_FIELDS) == sorted(fields)
+        full = ExchangeRecord(
+            id="rec_full", scenario="s", run="run_1", created_at=1.5, status="error", format="anthropic",
+            engine="e", model="m", release_id="rel", content_id="tree", runtime_load_id="load:1", request={"q": 1},
+            response={"a": 2}, headers={"x-h": "v"}, timings={"total_ms": 3.0}, usage={"input_tokens": 4},
+            prompt_token_ids=[1, 2], token_ids=[3], logprobs=[-0.5], capture=False)
+        opened = replace(full, id="rec_open")
+        await store.append_exchange(full)
+        # a stream's record: opened with what is known at the start (as the serve path does), its outcome filled
+        # in at the end
+        start = ("id", "scenario", "run", "created_at", "format", "engine", "model", "release_id", "content_id",
+                 "request", "headers", "capture")
+        await store.open_exchange(ExchangeRecord(**{k: getattr(opened, k) for k in start}))
+        await store.complete_exchange(opened)
+        for rec in (full, opened):
+            got = await store.get_record(rec.id)
+            assert {k: got[k] for k in fields} == {k: getattr(rec, k) for k in fields}
+    finally:
+        store.close()
+
+
+def _exchange(receipt: str, scenario: str = "s") -> ExchangeRecord:
+    return ExchangeRecord(id=receipt, scenario=scenario, status="complete", format="openai-chat", engine="e",
+                          model="m", release_id="rel", request={}, response={}, prompt_token_ids=[1, 2],
+                          token_ids=[3, 4], logprobs=[-0.5, -0.25])
 
 
 async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_training(records_at: str) -> None:
@@ -118,7 +154,7 @@ async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_tr
     store = open_store(records_at)
     try:
         await store.append_exchange(_exchange("rec_kept"))
-        await store.append_exchange({**_exchange("rec_serve_only"), "capture": False})
+        await store.append_exchange(replace(_exchange("rec_serve_only"), capture=False))
         await store.append_exchange(_exchange("rec_ineligible"))
 
         async def report(refs: list[str], feedback: str, metadata: dict[str, object] | None = None) -> None:
@@ -475,10 +511,8 @@ async def test_the_sampling_of_scored_exchanges_is_read_from_the_request(records
     backends' JSON functions; an exchange nobody scored is not counted."""
     store = open_store(records_at)
     try:
-        def exchange(receipt: str, request: dict[str, Any]) -> dict[str, Any]:
-            return {"id": receipt, "scenario": "s", "status": "complete", "format": "openai-chat", "engine": "e",
-                    "model": "m", "release_id": "rel", "request": {"model": "m", **request}, "response": {},
-                    "prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+        def exchange(receipt: str, request: dict[str, Any]) -> ExchangeRecord:
+            return replace(_exchange(receipt), request={"model": "m", **request})
 
         bodies = {"rec_a": {}, "rec_b": {"temperature": 0.7}, "rec_c": {"temperature": 0.7},
                   "rec_d": {"top_p": 0.9, "top_k": 40}, "rec_e": {"temperature": 0.2}}
@@ -506,10 +540,10 @@ async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str)
     JSON functions: failed exchanges count as errors, not times, and a third release's exchanges are in neither."""
     store = open_store(records_at)
     try:
-        def exchange(receipt: str, release: str, ms: float, status: str = "complete") -> dict[str, Any]:
-            return {"id": receipt, "scenario": "s", "status": status, "format": "openai-chat", "engine": "e",
-                    "model": "m", "release_id": release, "request": {}, "response": {},
-                    "timings": {"total_ms": ms, "ttft_ms": 1.0}}
+        def exchange(receipt: str, release: str, ms: float, status: str = "complete") -> ExchangeRecord:
+            return ExchangeRecord(id=receipt, scenario="s", status=status, format="openai-chat", engine="e",
+                                  model="m", release_id=release, request={}, response={},
+                                  timings={"total_ms": ms, "ttft_ms": 1.0})
 
         for i, (release, ms, status) in enumerate([("head", 100, "complete"), ("head", 120, "complete"),
                                                    ("cand", 300, "complete"), ("cand", 5, "error"),

@@ -320,7 +320,9 @@ async def test_reports_two_daemons_append_are_all_read_by_the_learning_cursor(pg
     assert sorted(await _paged_while_one_commits_late(pg_url, late, quick, page)) == ["rec_1", "rec_2"]
 
 
-def _exchange(receipt: str) -> dict[str, Any]:
-    return {"id": receipt, "scenario": "s", "status": "complete", "format": "openai-chat", "engine": "e",
-            "model": "m", "release_id": "rel", "request": {}, "response": {}, "prompt_token_ids": [1, 2],
-            "token_ids": [3, 4], "logprobs": [-0.5, -0.25]}
+def _exchange(receipt: str) -> Any:
+    from daemon.records import ExchangeRecord
+
+    return ExchangeRecord(id=receipt, scenario="s", status="complete", format="openai-chat", engine="e", model="m",
+                          release_id="rel", request={}, response={}, prompt_token_ids=[1, 2], token_ids=[3, 4],
+                          logprobs=[-0.5, -0.25])

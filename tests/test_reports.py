@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -169,3 +170,44 @@ def test_metrics(daemon: Daemon) -> None:
         text = c.get("/metrics").text
     assert "reef_requests_total" in text and "reef_records_total" in text and "reef_tokens_total" in text
     assert "reef_request_seconds_bucket" in text and "reef_errors_total" in text
+
+
+def reports_counted(c: httpx.Client) -> float:
+    """``reef_records_total{kind="report"}`` on ``/metrics`` (0 before the first report)."""
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith('reef_records_total{kind="report"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_every_path_that_stores_a_report_counts_it_once(daemon: Daemon) -> None:
+    """An explicit report, a direct instruction and a judge's verdict are each one report on the metric: all three
+    go through ``daemon.reports.accept_report``."""
+    with daemon.http() as c:
+        receipt = serve_one(c, "counted")
+        before = reports_counted(c)
+        assert c.post("/reef/report", json={"score": 1, "references": [receipt]}).status_code == 201
+        assert reports_counted(c) == before + 1
+
+        resp = c.post("/reef/scenarios", json={"name": "counted-harness", "recipe": "lessons"})
+        assert resp.status_code == 201, resp.text
+        out = c.post("/reef/scenarios/counted-harness/evolve", json={"instruction": "keep diffs small"})
+        assert out.status_code == 201, out.text
+        assert reports_counted(c) == before + 2
+
+        resp = c.post("/reef/scenarios", json={"name": "counted-judged", "recipe": "openclaw-rl"})
+        assert resp.status_code == 201, resp.text
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": 'Say "apple".'}]
+        first = c.post("/s/counted-judged/v1/chat/completions",
+                       json={"model": "tiny", "max_tokens": 2, "messages": msgs})
+        assert first.status_code == 200, first.text
+        msgs += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "thanks, next one"}]
+        assert c.post("/s/counted-judged/v1/chat/completions",
+                      json={"model": "tiny", "max_tokens": 2, "messages": msgs}).status_code == 200
+        judged = first.headers["x-reef-agent-record-id"]
+        deadline = time.monotonic() + 60
+        while not c.get(f"/reef/records/{judged}").json()["reports"]:  # the judge runs beside the request
+            assert time.monotonic() < deadline, "no verdict on the judged turn"
+            time.sleep(0.1)
+        assert reports_counted(c) == before + 3

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -156,21 +157,22 @@ def test_a_non_streamed_answer_names_its_receipt_both_ways(daemon: Daemon) -> No
 
 def test_an_open_record_is_completed_at_most_once(tmp_path: Path) -> None:
     from daemon.errors import ReefError
-    from daemon.records import SQLiteStore
+    from daemon.records import ExchangeRecord, SQLiteStore
 
     store = SQLiteStore(tmp_path / "records.sqlite3")
 
     async def go() -> None:
-        await store.open_exchange({"id": "rec_x", "scenario": "s", "request": {"q": 1}})
+        await store.open_exchange(ExchangeRecord(id="rec_x", scenario="s", request={"q": 1}))
         assert (await store.get_record("rec_x"))["status"] == "incomplete"
-        done = {"id": "rec_x", "status": "complete", "response": {"a": 2}, "timings": {"total_ms": 1.0}}
+        done = ExchangeRecord(id="rec_x", scenario="s", status="complete", response={"a": 2},
+                              timings={"total_ms": 1.0})
         await store.complete_exchange(done)
         rec = await store.get_record("rec_x")
         assert rec["status"] == "complete" and rec["response"] == {"a": 2} and rec["request"] == {"q": 1}
         with pytest.raises(ReefError, match="not open"):
-            await store.complete_exchange({**done, "status": "error", "response": {"b": 3}})
+            await store.complete_exchange(replace(done, status="error", response={"b": 3}))
         with pytest.raises(ReefError, match="not open"):
-            await store.complete_exchange({**done, "id": "rec_never_opened"})
+            await store.complete_exchange(replace(done, id="rec_never_opened"))
         assert (await store.get_record("rec_x"))["response"] == {"a": 2}
 
     try:

@@ -50,7 +50,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -68,6 +68,8 @@ from daemon.errors import (
     UnknownReceipts,
 )
 from daemon.records.conn import Conn
+from daemon.records.exchange_record import ExchangeRecord
+from daemon.records.exchange_record import columns as exchange_columns
 from daemon.records.migrations import migrate
 
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
@@ -180,12 +182,28 @@ _SUMMARY_COLUMNS = (
 )
 
 
-_EXCHANGE_COLUMNS = (
-    "id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, runtime_load_id,"
-    " request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, capture"
-)
-_EXCHANGE_VALUES = "(" + ",".join("?" * 21) + ")"
+_ENCODE: dict[str, Callable[[Any], Any]] = {
+    "plain": lambda v: v, "json": _dumps, "ints": _pack_ints, "floats": _pack_floats,
+    "flag": lambda v: 0 if v is False else 1,
+}
+# per column of an exchange record: its name, how it is stored, and the field holding it already as JSON text
+_TEXT_OF = {f.metadata["as_text_of"]: f.name for f in fields(ExchangeRecord) if "as_text_of" in f.metadata}
+_WRITE = tuple((f.name, _ENCODE[f.metadata["column"]], _TEXT_OF.get(f.name)) for f in exchange_columns())
+_OUTCOME = tuple(w for w, f in zip(_WRITE, exchange_columns(), strict=True) if f.metadata["outcome"])
+_EXCHANGE_COLUMNS = ", ".join(["kind", *(name for name, _, _ in _WRITE)])
+_EXCHANGE_VALUES = "(" + ",".join("?" * (1 + len(_WRITE))) + ")"
+_COMPLETE = (f"UPDATE records SET {', '.join(f'{name}=?' for name, _, _ in _OUTCOME)}"
+             " WHERE id=? AND kind='exchange' AND timings IS NULL")
 _MAX_ROWS_PER_INSERT = 256  # 21 values each: well under SQLite's limit of 32766 variables
+
+
+def _values(rec: ExchangeRecord, columns: tuple[tuple[str, Callable[[Any], Any], str | None], ...]) -> list[Any]:
+    """The stored values of ``columns`` of ``rec`` (JSON already encoded as text is stored as it is)."""
+    out = []
+    for name, encode, text_of in columns:
+        text = getattr(rec, text_of) if text_of is not None else None
+        out.append(text if text is not None else encode(getattr(rec, name)))
+    return out
 
 
 class _ExchangeRow:
@@ -560,72 +578,35 @@ class RecordStore:
 
     # --- records -------------------------------------------------------------------------------------------
 
-    async def append_exchange(self, rec: dict[str, Any]) -> None:
+    async def append_exchange(self, rec: ExchangeRecord) -> None:
         """Store one served exchange; returns once it is durable. ``request_json`` / ``response_json``, when
         given, are the request and response already as JSON text, stored as they are (not encoded again)."""
         await self.write(_ExchangeRow(self._exchange_row(rec)))
 
-    def open_exchange(self, rec: dict[str, Any]) -> asyncio.Future[None]:
+    def open_exchange(self, rec: ExchangeRecord) -> asyncio.Future[None]:
         """Store the opening of a streamed exchange (status ``incomplete``, no timings yet) so that its receipt
         can go out in the stream's headers; the future resolves once it is durable. ``complete_exchange`` fills
         it in at the end: that is the one change a record ever gets."""
-        return self.write_soon(_ExchangeRow(self._exchange_row({**rec, "status": "incomplete", "timings": None})))
+        return self.write_soon(_ExchangeRow(self._exchange_row(replace(rec, status="incomplete", timings=None))))
 
-    async def complete_exchange(self, rec: dict[str, Any]) -> None:
-        """Fill in an exchange opened with ``open_exchange``: its outcome (status, response, timings, usage,
-        tokens), once; the request and everything known at the start stay as they were written. Returns once
-        it is durable."""
-        response_json = rec.get("response_json")
-        values = (
-            rec.get("status", "complete"),
-            rec.get("runtime_load_id"),
-            response_json if response_json is not None else _dumps(rec.get("response")),
-            _dumps(rec.get("timings") or {}),  # never NULL once complete: NULL timings mark an open record
-            _dumps(rec.get("usage")),
-            _pack_ints(rec.get("prompt_token_ids")),
-            _pack_ints(rec.get("token_ids")),
-            _pack_floats(rec.get("logprobs")),
-            rec["id"],
-        )
+    async def complete_exchange(self, rec: ExchangeRecord) -> None:
+        """Fill in an exchange opened with ``open_exchange``: its outcome (the fields marked ``outcome``: status,
+        response, timings, usage, tokens), once; the request and everything known at the start stay as they were
+        written. Returns once it is durable."""
+        if rec.timings is None:  # never NULL once complete: NULL timings mark an open record
+            rec = replace(rec, timings={})
+        values = (*_values(rec, _OUTCOME), rec.id)
 
         def op(conn: Conn) -> None:
-            cur = conn.execute(
-                "UPDATE records SET status=?, runtime_load_id=?, response=?, timings=?, usage=?, prompt_token_ids=?,"
-                " token_ids=?, logprobs=? WHERE id=? AND kind='exchange' AND timings IS NULL",
-                values,
-            )
+            cur = conn.execute(_COMPLETE, values)
             if cur.rowcount != 1:
-                raise ReefError(f"exchange {rec['id']} is not open: it was completed already or never opened")
+                raise ReefError(f"exchange {rec.id} is not open: it was completed already or never opened")
 
         await self.write(op)
 
     @staticmethod
-    def _exchange_row(rec: dict[str, Any]) -> tuple[Any, ...]:
-        request_json = rec.get("request_json")
-        response_json = rec.get("response_json")
-        return (
-            rec["id"],
-            "exchange",
-            rec["scenario"],
-            rec.get("run"),
-            rec.get("created_at", time.time()),
-            rec.get("status", "complete"),
-            rec.get("format"),
-            rec.get("engine"),
-            rec.get("model"),
-            rec.get("release_id"),
-            rec.get("content_id"),
-            rec.get("runtime_load_id"),
-            request_json if request_json is not None else _dumps(rec.get("request")),
-            response_json if response_json is not None else _dumps(rec.get("response")),
-            _dumps(rec.get("headers")),
-            _dumps(rec.get("timings")),
-            _dumps(rec.get("usage")),
-            _pack_ints(rec.get("prompt_token_ids")),
-            _pack_ints(rec.get("token_ids")),
-            _pack_floats(rec.get("logprobs")),
-            0 if rec.get("capture") is False else 1,
-        )
+    def _exchange_row(rec: ExchangeRecord) -> tuple[Any, ...]:
+        return ("exchange", *_values(rec, _WRITE))
 
     async def get_record(self, receipt: str, *, full: bool = True) -> dict[str, Any]:
         def op(conn: Conn) -> dict[str, Any] | None:
@@ -924,15 +905,15 @@ class RecordStore:
         those whose id is stored already are skipped (a re-import changes nothing)."""
 
         def op(conn: Conn) -> dict[str, int]:
-            ids = [it["record"]["id"] for it in items]
+            ids = [it["record"].id for it in items]
             have: set[str] = set()
             for chunk in _chunks(ids):
                 have |= {r["id"] for r in conn.execute(
                     f"SELECT id FROM records WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()}
             rows, seen = [], set(have)
             for it in items:  # the same id twice in one batch: the first one
-                if it["record"]["id"] not in seen:
-                    seen.add(it["record"]["id"])
+                if it["record"].id not in seen:
+                    seen.add(it["record"].id)
                     rows.append(it)
             for it in rows:
                 _ExchangeRow(self._exchange_row(it["record"]))(conn)
@@ -942,16 +923,16 @@ class RecordStore:
                 if rep is None:
                     continue
                 rec = it["record"]
-                body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec["id"]],
+                body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec.id],
                         "metadata": {"source": "import"}}
-                digest = hashlib.sha256(json.dumps({**body, "scenario": rec["scenario"]}, sort_keys=True,
+                digest = hashlib.sha256(json.dumps({**body, "scenario": rec.scenario}, sort_keys=True,
                                                    ensure_ascii=False).encode()).hexdigest()
                 rid = new_id("rep_")
                 conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
                              " report_hash) VALUES (?,?,?,?,?,?,?,?)",
-                             (rid, "report", rec["scenario"], time.time(), "complete", _dumps(body),
+                             (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
                               rep["report_id"], digest))
-                conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec["id"]))
+                conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
                 reports += 1
             return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": reports}
 
