@@ -280,7 +280,8 @@ class Recipe:
         return str(getattr(self.settings, "gate", "always"))
 
     def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
-        """The gate's verdict on a candidate; ``best``: the best evaluation mean published so far (regression)."""
+        """The gate's verdict on a candidate; ``best``: the best evaluation mean published so far (the regression gate
+        writes it down; it decides against the serving head, paired)."""
         ev = candidate.eval
         return judge(self.gate, candidate=ev.candidate if ev else None, base=ev.base if ev else None, best=best,
                      floor=float(getattr(self.settings, "floor", 0.0)), margin=getattr(self.settings, "margin", None),
