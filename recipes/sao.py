@@ -388,9 +388,10 @@ class SAO(Recipe):
         for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
-        # the periodic check is a regression gate: alpha and margin as that gate reads them
+        # the periodic check is a regression gate: alpha and margin as that gate reads them; with a gate that reads
+        # neither, a set alpha is refused (margin has a default here, so it cannot be told from one set)
         as_gate = replace(settings, gate="regression") if settings.gate == "periodic" else settings
-        check_alpha(as_gate)
+        check_alpha(as_gate if as_gate.gate in ("compare", "regression") else replace(as_gate, margin=None))
         if settings.eval_family:
             check_eval_size(cls.name, as_gate, settings.eval_n, "eval_n")
         check_budget(cls.name, settings.memory_budget_mb)

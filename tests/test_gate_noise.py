@@ -242,8 +242,12 @@ def test_settings_that_could_never_decide_or_would_be_ignored_are_refused() -> N
     assert HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 8, "alpha": 0.25}).alpha == 0.25
     with pytest.raises(BadRequest, match="alpha"):
         load_recipe("ttt-discover").parse_settings({"alpha": 0.05})
+    sao = load_recipe("sao")
     with pytest.raises(BadRequest, match="at least 70"):  # sao's periodic check is a regression gate
-        load_recipe("sao").parse_settings({"eval_family": "say", "margin": 0.05})
+        sao.parse_settings({"eval_family": "say", "margin": 0.05})
+    assert sao.parse_settings({"gate": "always"}).margin == 0.1  # its default margin is no setting made
+    with pytest.raises(BadRequest, match="alpha is read by"):
+        sao.parse_settings({"gate": "always", "alpha": 0.1})
 
 
 # --- what people read -----------------------------------------------------------------------------------------
