@@ -31,7 +31,7 @@ t, to read, not to decide) and the figures its decision rests on.
   difference -1, 0 or 1, as every built-in evaluation scores), the score test for paired proportions (Tango,
   1998: the variance under H0 at its restricted maximum likelihood) with a continuity correction, whose size is
   at most ``alpha`` at every loss rate for the sizes and margins in ``tests/test_gate_noise.py`` (computed
-  exactly; without the correction it reaches 5.7% at 0.05); on other scores, Student's t on the differences with
+  exactly; without the correction, 5.2% to 5.7% at 0.05); on other scores, Student's t on the differences with
   the variance at least a pass/fail candidate's under H0, ``margin * (1 - margin)``. ``margin`` must be in
   (0, 1): 0 would ask the candidate to be shown better (that is ``compare``). With fewer tasks than even no
   difference at all could clear (``tasks_needed``), the gate cannot decide and holds the candidate for review.
