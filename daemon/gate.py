@@ -1,34 +1,58 @@
 """Gates: does a candidate replace the current release?
 
 A gate gets the candidate's and the base's scores on the recipe's evaluation tasks (computed by the trainer,
-one score per task, same tasks for both) and the best mean published so far, and returns a verdict with its
-reason. Chosen per recipe (``gate`` setting):
+one score per task, same tasks for both: the base is the serving head) and returns a verdict with its reason.
+Chosen per recipe (``gate`` setting):
 
 - ``always``: publish every candidate.
 - ``floor``: publish when the candidate's mean score is at least ``floor``.
-- ``compare``: both answered the same prompts; publish when wins - losses >= ``margin`` (a paired comparison).
-- ``regression``: publish unless the candidate's mean falls more than ``margin`` below the best so far.
+- ``compare``: published when the candidate is shown better than the serving head at error rate ``alpha``.
+- ``regression``: published when the candidate is shown not worse than the serving head by more than ``margin``,
+  at error rate ``alpha``.
 - ``review``: hold the candidate as pending until a person promotes it (harness recipes).
 
-Noise. A gate that compares the candidate with the base on the same tasks says how sure it is: the mean paired
-difference with a 95% interval (Student's t on the per-task differences: approximate for scores in [0, 1] and few
-tasks, exact for none; it is there to read, not to decide), and ``p_value``, the exact one-sided sign test on the
-untied pairs: how often equal candidates would do at least this well. With ``alpha`` set, ``compare`` decides on
-that stated error rate instead of the margin: it publishes when ``p_value <= alpha``, so equal candidates are
-published at most ``alpha`` of the time (``tests/test_gate_noise.py`` simulates it); when even a clean sweep of
-the untied pairs could not reach ``alpha`` (fewer than log2(1/alpha) of them), the gate cannot decide and holds
-the candidate for review, saying how many it would need.
+Noise. The two gates that compare a candidate with the serving head decide on a stated error rate, ``alpha``
+(``ALPHA = 0.05`` unless a recipe's settings say otherwise), never on a bare margin, and say how sure they are:
+every paired verdict carries the mean per-task difference with a 95% interval (``diff``, ``diff_ci95``: Student's
+t, to read, not to decide) and the figures its decision rests on.
+
+- ``compare`` (superiority): the exact one-sided sign test on the untied pairs, ``p_value``: how often a candidate
+  no better than the head would do at least this well. Published when ``p_value <= alpha`` and wins - losses >=
+  ``margin`` (0 by default: the least lead, in pairs, a user asks for on top of the test). So an equal candidate
+  is published as better at most ``alpha`` of the time, however many tasks tie (``tests/test_gate_noise.py``
+  simulates it). When even a clean sweep of the untied pairs could not reach ``alpha`` (fewer than
+  ``pairs_needed(alpha)``: 5 at 0.05), the gate cannot decide and holds the candidate for review, saying so.
+- ``regression`` (non-inferiority, the standard form of "not worse than the head by more than margin"): H0, the
+  candidate's mean is at least ``margin`` below the head's, is rejected at ``alpha``, and only then is the
+  candidate published. So a candidate worse by ``margin`` or more is published at most ``alpha`` of the time; an
+  equal one is published when the evaluation is large enough to show it (the power the docs tabulate). Chosen
+  over "publish unless shown worse", which publishes anything when the evaluation is small: an error rate on
+  that side would bound only how often a good candidate is turned away. The test: on pass/fail scores (every
+  difference -1, 0 or 1, as every built-in evaluation scores), the score test for paired proportions (Tango,
+  1998: the variance under H0 at its restricted maximum likelihood) with a continuity correction, whose size is
+  at most ``alpha`` at every loss rate for the sizes and margins in ``tests/test_gate_noise.py`` (computed
+  exactly; without the correction, 5.2% to 5.7% at 0.05); on other scores, Student's t on the differences with
+  the variance at least a pass/fail candidate's under H0, ``margin * (1 - margin)``. ``margin`` must be in
+  (0, 1): 0 would ask the candidate to be shown better (that is ``compare``). With fewer tasks than even no
+  difference at all could clear (``tasks_needed``), the gate cannot decide and holds the candidate for review.
+  The reference is the serving head, paired on the same tasks (the best score published so far, the reference
+  of old, was a maximum of noisy means: biased upward, and unpaired, so no error rate could be stated for it;
+  ``best`` is still reported).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 from daemon.errors import BadRequest
 
 GATES = ("always", "floor", "compare", "regression", "review")
+COMPARING = ("compare", "regression")  # the gates that compare with the serving head and read alpha and margin
+ALPHA = 0.05  # the comparing gates' error rate unless a recipe's settings say otherwise
+MARGIN = {"compare": 0.0, "regression": 0.1}  # their margin unless the settings say otherwise
 
 
 @dataclass(frozen=True)
@@ -43,9 +67,28 @@ def _mean(xs: list[float] | None) -> float | None:
     return None if not xs else sum(xs) / len(xs)
 
 
-# Student's t, two-sided 95%, by degrees of freedom (1..30); beyond: the normal 1.96
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+def t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function with ``df`` degrees of freedom (Abramowitz & Stegun 26.7.3-4: exact
+    for whole ``df``)."""
+    th = math.atan(t / math.sqrt(df))
+    s, c = math.sin(th), math.cos(th)
+    term = acc = c if df % 2 else 1.0
+    for k in range(3 if df % 2 else 2, df - 1, 2):
+        term *= c * c * (k - 1) / k
+        acc += term
+    a = (2 / math.pi) * (th + (s * acc if df > 1 else 0.0)) if df % 2 else s * acc
+    return 0.5 + a / 2
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p > 0.5``) of Student's t with ``df`` degrees of freedom, by bisection."""
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 def paired_interval(candidate: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -57,7 +100,7 @@ def paired_interval(candidate: list[float], base: list[float]) -> tuple[float, f
     if n < 2:
         return mean, -math.inf, math.inf
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
@@ -69,16 +112,82 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def pairs_needed(alpha: float) -> int:
-    """The fewest untied pairs with which a clean sweep reaches ``alpha``."""
+    """The fewest untied pairs with which a clean sweep reaches ``alpha`` (compare)."""
     return max(1, math.ceil(math.log2(1 / alpha)))
 
 
+def noninferior(candidate: list[float], base: list[float], *, margin: float, alpha: float) -> tuple[bool, float]:
+    """Whether the candidate is shown not worse than the base by ``margin`` or more at error rate ``alpha``, and
+    the statistic's one-sided p-value (the module docstring says which test, and why)."""
+    d = [c - b for c, b in zip(candidate, base, strict=True)]
+    n = len(d)
+    if n < 2:
+        return False, 1.0
+    if all(x in (-1.0, 0.0, 1.0) for x in d):  # pass/fail: Tango's score test with a continuity correction
+        wins, losses = d.count(1.0), d.count(-1.0)
+        var = 2 * _restricted_loss_rate(n, wins, losses, margin) - margin * (1 + margin)
+        num = wins - losses + n * margin - 0.5
+        if var <= 0:
+            return num > 0, 0.0 if num > 0 else 1.0
+        p = 1 - NormalDist().cdf(num / math.sqrt(n * var))
+    else:
+        mean = sum(d) / n
+        var = max(sum((x - mean) ** 2 for x in d) / (n - 1), margin * (1 - margin))
+        p = 1 - t_cdf((mean + margin) / math.sqrt(var / n), n - 1)
+    return p <= alpha, p
+
+
+def _restricted_loss_rate(n: int, wins: int, losses: int, margin: float) -> float:
+    """The maximum-likelihood loss rate of pass/fail pairs given that wins - losses is -``margin`` per pair (H0):
+    the root of the likelihood's derivative on (margin, (1 + margin) / 2), by bisection."""
+    ties = n - wins - losses
+    lo, hi = margin, (1 + margin) / 2
+
+    def slope(p: float) -> float:
+        return ((wins / (p - margin) if wins else 0.0) + (losses / p if losses else 0.0)
+                - (2 * ties / (1 - 2 * p + margin) if ties else 0.0))
+
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if slope(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def tasks_needed(gate: str, *, alpha: float, margin: float) -> int:
+    """The fewest paired tasks with which the gate can decide at all: for ``compare``, untied pairs a clean sweep
+    needs; for ``regression``, tasks a candidate tying the head on every one needs to be shown within
+    ``margin``."""
+    if gate == "compare":
+        return pairs_needed(alpha)
+    n = 2
+    while not noninferior([0.0] * n, [0.0] * n, margin=margin, alpha=alpha)[0]:
+        n += 1
+    return n
+
+
+def check(gate: str, *, alpha: float | None, margin: float | None) -> tuple[float, float]:
+    """The alpha and margin a comparing gate decides on (the defaults for ``None``); a ``BadRequest`` naming
+    the setting when either is out of range."""
+    a = ALPHA if alpha is None else alpha
+    if not 0 < a < 1:
+        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {a}", param="settings.alpha")
+    m = MARGIN.get(gate, 0.0) if margin is None else margin
+    if gate == "compare" and m < 0:
+        raise BadRequest(f"margin (the compare gate's least lead, wins - losses) must be at least 0, got {m}",
+                         param="settings.margin")
+    if gate == "regression" and not 0 < m < 1:
+        raise BadRequest(f"margin (the regression gate's tolerated drop, on scores in [0, 1]) must be between 0 and "
+                         f"1, got {m}: 0 asks the candidate to be shown better (gate compare), 1 lets anything "
+                         "through", param="settings.margin")
+    return a, m
+
+
 def judge(gate: str, *, candidate: list[float] | None, base: list[float] | None, best: float | None,
-          floor: float = 0.0, margin: float = 0.0, alpha: float | None = None) -> Verdict:
+          floor: float = 0.0, margin: float | None = None, alpha: float | None = None) -> Verdict:
+    """The gate's verdict. ``alpha`` and ``margin``: the comparing gates' (``None``: ``ALPHA``, ``MARGIN``);
+    ``best``: the best evaluation mean published so far, reported by ``regression``."""
     if gate not in GATES:
         raise BadRequest(f"unknown gate {gate!r}; gates: {', '.join(GATES)}", param="gate")
-    if alpha is not None and not 0 < alpha < 1:
-        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {alpha}", param="alpha")
     c, b = _mean(candidate), _mean(base)
     metrics: dict[str, Any] = {"eval_reward": c, "base_reward": b}
     if candidate and base and len(candidate) == len(base):  # paired: how sure the difference is
@@ -94,29 +203,38 @@ def judge(gate: str, *, candidate: list[float] | None, base: list[float] | None,
         ok = c >= floor
         return Verdict(ok, "accepted" if ok else "rejected", f"mean {c:.3f} {'>=' if ok else '<'} floor {floor}",
                        metrics)
+    alpha, margin = check(gate, alpha=alpha, margin=margin)
+    metrics.update(alpha=alpha, margin=margin)
+    held = "held for review: reef releases promote ID publishes it"
+    if base is None or len(base) != len(candidate or []):
+        return Verdict(False, "pending", f"cannot decide at error rate {alpha}: no scores of the serving head on the "
+                       f"same tasks to pair with; {held}", metrics)
+    assert candidate is not None
     if gate == "compare":
-        assert candidate is not None and base is not None
         wins = sum(x > y for x, y in zip(candidate, base, strict=True))
         losses = sum(x < y for x, y in zip(candidate, base, strict=True))
         p = sign_test_p(wins, losses)
         metrics.update(wins=wins, losses=losses, p_value=round(p, 6))
-        if alpha is not None:
-            metrics["alpha"] = alpha
-            if wins + losses < pairs_needed(alpha):
-                return Verdict(False, "pending", f"cannot decide at error rate {alpha}: {wins + losses} untied "
-                               f"pair(s), at least {pairs_needed(alpha)} needed (more tasks or repeats); held for "
-                               "review: reef releases promote ID publishes it", metrics)
-            ok = p <= alpha
-            return Verdict(ok, "accepted" if ok else "rejected",
-                           f"wins {wins} - losses {losses}: p = {p:.3g} {'<=' if ok else '>'} alpha {alpha}", metrics)
-        ok = wins - losses >= margin
-        return Verdict(ok, "accepted" if ok else "rejected",
-                       f"wins {wins} - losses {losses} {'>=' if ok else '<'} margin {margin} (p = {p:.3g})", metrics)
-    top = best if best is not None else b if b is not None else c
-    ok = c >= top - margin
-    metrics["best"] = top
+        if wins + losses < pairs_needed(alpha):
+            return Verdict(False, "pending", f"cannot decide at error rate {alpha}: {wins + losses} untied pair(s) of "
+                           f"{len(candidate)}, at least {pairs_needed(alpha)} needed (more tasks or repeats); {held}",
+                           metrics)
+        ok = p <= alpha and wins - losses >= margin
+        why = f"wins {wins} - losses {losses}: p = {p:.3g} {'<=' if p <= alpha else '>'} alpha {alpha}"
+        if p <= alpha and margin:
+            why += f", lead {wins - losses} {'>=' if ok else '<'} margin {margin:g}"
+        return Verdict(ok, "accepted" if ok else "rejected", why, metrics)
+    metrics["best"] = best
+    n = len(candidate)
+    need = tasks_needed("regression", alpha=alpha, margin=margin)
+    if n < need:
+        return Verdict(False, "pending", f"cannot decide at error rate {alpha}: {n} paired task(s), at least {need} "
+                       f"needed to show a drop under margin {margin:g}; {held}", metrics)
+    ok, p = noninferior(candidate, base, margin=margin, alpha=alpha)
+    metrics["p_value"] = round(p, 6)
     return Verdict(ok, "accepted" if ok else "rejected",
-                   f"mean {c:.3f} {'within' if ok else 'more than'} {margin} of best {top:.3f}", metrics)
+                   f"mean {c:.3f} vs head {b:.3f}: a drop of {margin:g} or more {'ruled out' if ok else 'not ruled out'}"
+                   f" (p = {p:.3g} {'<=' if ok else '>'} alpha {alpha})", metrics)
 
 
 def _finite(x: float) -> float | None:

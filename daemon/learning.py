@@ -617,7 +617,7 @@ class Learner:
             return StepOutcome("skipped", reason=candidate.skipped, metrics=metrics, details=details, kept=kept)
         st.state = "judging"
         best = None
-        if recipe.gate == "regression":  # reads the whole chain: only the gate that needs it pays for it
+        if recipe.gate == "regression":  # reads the whole chain: only the gate that reports it pays for it
             best = max((r.metrics.get("eval_reward") for r in await self.chains.history(scenario.name)
                         if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
         verdict = recipe.judge(candidate, best=best)

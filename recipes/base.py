@@ -130,8 +130,11 @@ class GateSettings:
 
     gate: str = "always"  # always | floor | compare | regression | review
     floor: float = 0.0  # floor: minimum mean evaluation score
-    margin: float = 0.0  # compare: wins - losses needed; regression: allowed drop from the best so far
-    alpha: float | None = None  # compare: decide on this error rate (sign test) instead of the margin
+    # compare and regression (daemon/gate.py): the error rate they decide on (None: 0.05, gate.ALPHA), and the margin
+    # (None: the gate's, gate.MARGIN): compare's least lead in wins - losses on top of the test (0), regression's
+    # tolerated drop below the serving head (0.1) that a candidate must be shown not to exceed
+    margin: float | None = None
+    alpha: float | None = None
     # what the gate passes serves this share of new runs as a canary, live scores promote or end it
     # (daemon/canary.py); 0: published to the head at once
     canary_share: float = 0.0
@@ -277,11 +280,12 @@ class Recipe:
         return str(getattr(self.settings, "gate", "always"))
 
     def judge(self, candidate: Candidate, *, best: float | None) -> Verdict:
-        """The gate's verdict on a candidate; ``best``: the best evaluation mean published so far (regression)."""
+        """The gate's verdict on a candidate; ``best``: the best evaluation mean published so far (the regression gate
+        writes it down; it decides against the serving head, paired)."""
         ev = candidate.eval
         return judge(self.gate, candidate=ev.candidate if ev else None, base=ev.base if ev else None, best=best,
-                     floor=float(getattr(self.settings, "floor", 0.0)),
-                     margin=float(getattr(self.settings, "margin", 0.0)), alpha=getattr(self.settings, "alpha", None))
+                     floor=float(getattr(self.settings, "floor", 0.0)), margin=getattr(self.settings, "margin", None),
+                     alpha=getattr(self.settings, "alpha", None))
 
     @classmethod
     def check_class(cls) -> None:
@@ -343,13 +347,33 @@ def check_canary_share(settings: Any) -> None:
                          param="settings.canary_share")
 
 
-def check_alpha(settings: Any) -> None:
-    """``alpha`` works with the compare gate only, as an error rate in (0, 1); anything else is refused."""
-    alpha = getattr(settings, "alpha", None)
-    if alpha is None:
+def check_alpha(settings: Any, gates: tuple[str, ...] = ("compare", "regression")) -> None:
+    """``alpha`` and ``margin`` are read by the comparing gates (``gates``) only: set with another gate they are
+    refused, and out of range (``daemon.gate.check``) too."""
+    from daemon.gate import check
+
+    gate = getattr(settings, "gate", None)
+    if gate in gates:
+        check(gate, alpha=getattr(settings, "alpha", None), margin=getattr(settings, "margin", None))
         return
-    if not 0 < alpha < 1:
-        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {alpha}", param="settings.alpha")
-    if getattr(settings, "gate", None) != "compare":
-        raise BadRequest(f"alpha decides the compare gate; gate {getattr(settings, 'gate', None)!r} does not read it",
-                         param="settings.alpha")
+    for key in ("alpha", "margin"):
+        if getattr(settings, key, None) is not None:
+            raise BadRequest(f"{key} is read by the {' and '.join(gates)} gates; gate {gate!r} does not read it",
+                             param=f"settings.{key}")
+
+
+def check_eval_size(name: str, settings: Any, n: int, what: str) -> None:
+    """A comparing gate whose evaluation has ``n`` paired tasks (``what`` names the setting) must be able to
+    decide at its error rate: fewer than ``daemon.gate.tasks_needed`` is refused, naming both numbers."""
+    from daemon.gate import check, tasks_needed
+
+    gate = getattr(settings, "gate", None)
+    if gate not in ("compare", "regression"):
+        return
+    alpha, margin = check(gate, alpha=getattr(settings, "alpha", None), margin=getattr(settings, "margin", None))
+    need = tasks_needed(gate, alpha=alpha, margin=margin)
+    if n < need:
+        kind = "untied pairs" if gate == "compare" else f"paired tasks to show a drop under margin {margin:g}"
+        raise BadRequest(f"recipe {name}: gate {gate} cannot decide at error rate {alpha} on {n} evaluation task(s) "
+                         f"({what}): at least {need} {kind} are needed; raise {what}, or state a higher alpha"
+                         + (" or margin" if gate == "regression" else ""), param=f"settings.{what}")

@@ -40,7 +40,10 @@ class LessonsSettings:
     # compare gate: prompts answered by the scenario's model under the current rules and under the candidate's
     # (temperature 0); a task scores 1 when its answer contains ``expect`` (case-insensitive)
     tasks: list[dict[str, Any]] = field(default_factory=list)
-    margin: float = 0.0  # compare: wins - losses needed to publish
+    # compare (daemon/gate.py): published when shown better at error rate alpha (None: 0.05), by a lead of at
+    # least margin (wins - losses; None: 0) on top of the test; fewer tasks than a clean sweep needs is refused
+    margin: float | None = None
+    alpha: float | None = None
     max_rules: int = 50  # rule entries kept (oldest dropped first)
     max_rules_bytes: int = 16 * 1024  # size cap of the rules file
     similarity: float = 0.6  # word overlap (Jaccard) at which a lesson replaces an existing entry
@@ -68,6 +71,14 @@ def settings_from(raw: dict[str, Any]) -> LessonsSettings:
     if s.gate == "compare" and not s.tasks:
         raise BadRequest("the compare gate needs tasks: [recipes.lessons] tasks = [{prompt, expect}, ...]",
                          param="tasks")
+    for key in ("alpha", "margin"):
+        value = getattr(s, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise BadRequest(f"lessons {key} must be a number, not {value!r}", param=f"settings.{key}")
+    from recipes.base import check_alpha, check_eval_size
+
+    check_alpha(s, gates=("compare",))
+    check_eval_size("lessons", s, len(s.tasks), "tasks")
     return s
 
 

@@ -58,7 +58,7 @@ import torch
 
 from daemon import lora
 from daemon.errors import BadRequest
-from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob, check_eval_size
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
 
@@ -499,6 +499,7 @@ class OnlineRL(Recipe):
         for key in ("batch_prompts", "group_size", "steps_per_batch", "eval_n"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
+        check_eval_size(cls.name, settings, settings.eval_n, "eval_n")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
         if settings.max_kl is not None and (settings.max_kl <= 0 or settings.lora is False):

@@ -35,8 +35,10 @@ demo model and ``bench/learning.py`` through the daemon):
 - **Gate: cheap, periodic.** Every step is a release, so the default gate (``periodic``) publishes each candidate
   without evaluating it, and every ``eval_every`` steps (and on the first step of a fresh start) runs the
   regression check: the trainer scores the candidate and the serving head greedily on ``eval_n`` validation prompts
-  (``eval_family``; none by default, then there is nothing to check) and the candidate is published unless it
-  falls more than ``margin`` below the head. A failed check puts the lineage on probation: the worker sees that its
+  (``eval_family``; none by default, then there is nothing to check) and the candidate is published when it is
+  shown not to fall ``margin`` (0.1) or more below the head at error rate ``alpha`` (0.05): the regression gate's
+  non-inferiority test (``daemon/gate.py``; 0.1 rather than 0.05 so that the default 64 prompts can decide:
+  0.05 needs 70, and at 128 turns an equal candidate away about half the time). A failed check puts the lineage on probation: the worker sees that its
   last candidate was not published (the head did not move) and checks every following step until one passes, so
   nothing unchecked follows a failure; after ``restart_after`` failures in a row training restarts from the head.
   The reference is the serving head, not the best so far: the unchecked steps between checks move the head, and
@@ -64,7 +66,7 @@ import math
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,7 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
-from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob, check_alpha, check_eval_size
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
     Sample,
@@ -92,7 +94,9 @@ MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the 
 @dataclass
 class SAOSettings(GateSettings):
     gate: str = "periodic"  # periodic (regression check every eval_every steps) | always | floor | compare | ...
-    margin: float = 0.05  # the periodic check: allowed drop from the serving head's score
+    # the periodic check (a regression gate: daemon/gate.py): published when shown not to fall this far below the
+    # serving head at error rate alpha (None: 0.05); 0.1 so that eval_n = 64 can decide (0.05 needs 70 tasks)
+    margin: float | None = 0.1
     lr: float = 5e-4  # policy AdamW learning rate
     value_lr: float = 1e-3  # critic AdamW learning rate (faster is noisier: its noise is the advantage's)
     weight_decay: float = 0.0
@@ -384,6 +388,12 @@ class SAO(Recipe):
         for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
+        # the periodic check is a regression gate: alpha and margin as that gate reads them; with a gate that reads
+        # neither, a set alpha is refused (margin has a default here, so it cannot be told from one set)
+        as_gate = replace(settings, gate="regression") if settings.gate == "periodic" else settings
+        check_alpha(as_gate if as_gate.gate in ("compare", "regression") else replace(as_gate, margin=None))
+        if settings.eval_family:
+            check_eval_size(cls.name, as_gate, settings.eval_n, "eval_n")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
         if settings.is_cap < 1:
@@ -409,8 +419,8 @@ class SAO(Recipe):
             return Verdict(True, "accepted", f"periodic gate: {why}", {"checked": 0})
         # against the serving head, scored on the same prompts in the same step (not the best so far: see the
         # module docstring)
-        verdict = judge("regression", candidate=ev.candidate, base=ev.base, best=None, margin=s.margin)
-        return Verdict(verdict.publish, verdict.verdict, f"periodic check: {verdict.reason.replace('best', 'head')}",
+        verdict = judge("regression", candidate=ev.candidate, base=ev.base, best=None, margin=s.margin, alpha=s.alpha)
+        return Verdict(verdict.publish, verdict.verdict, f"periodic check: {verdict.reason}",
                        {**verdict.metrics, "checked": 1})
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:

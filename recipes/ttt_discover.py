@@ -88,6 +88,7 @@ class TTTReport:
 @dataclass
 class TTTSettings(GateSettings):
     gate: str = "best"  # best (the candidate's attempts must score at least the head's) | always | review
+    margin: float = 0.0  # best: the candidate's mean attempt score may be this far below the head's
     adv_temperature: float = 0.05  # tau of the entropic advantage (reward units): smaller pushes harder to the best
     group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
@@ -158,6 +159,8 @@ class TTTDiscover(Recipe):
         if settings.gate in ("floor", "compare", "regression"):
             raise BadRequest(f"recipe ttt-discover judges with gate best, always or review, not {settings.gate!r}",
                              param="settings.gate")
+        if settings.alpha is not None:  # its gate keeps the best attempt's release, on no stated error rate
+            raise BadRequest("recipe ttt-discover's gates do not read alpha", param="settings.alpha")
         if settings.problem is not None:
             from recipes.tasks import get_problem
 

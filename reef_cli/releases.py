@@ -97,18 +97,35 @@ def show_release(
         out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
                   f"(release {_short(rel['adapter']['base_release_id'])})")
     m = rel.get("metrics") or {}
-    if "diff" in m:  # a paired gate: the difference with its uncertainty
-        lo, hi = (m.get("diff_ci95") or [None, None])[:2]
-        span = f"{lo:+.3f} .. {hi:+.3f}" if lo is not None and hi is not None else "unbounded (one pair)"
-        out.print(f"gate: candidate - base {m['diff']:+.3f} (95% interval {span}) over {m.get('pairs')} paired "
-                  f"task(s)" + (f"; p = {m['p_value']:.3g}" if "p_value" in m else "")
-                  + (f" at alpha {m['alpha']}" if "alpha" in m else ""), markup=False)
+    line = gate_line(m)
+    if line:
+        out.print(line, markup=False)
     if m:
         out.print("metrics " + json.dumps(m))
     receipts = rel.get("receipts") or []
     out.print(f"receipts {len(receipts)}" + (": " + ", ".join(receipts[:10]) if receipts else ""))
     if diff:
         _print_diff(out, rel.get("diff") or {})
+
+
+def gate_line(m: dict[str, Any]) -> str | None:
+    """What a paired gate's metrics say, for people: the difference with its 95% interval and the test the verdict
+    rests on (compare: the sign test; regression: the drop of ``margin`` it ruled out or not; a retirement: the
+    sign test on losses), or None for a gate that did not pair."""
+    if "diff" not in m:
+        return None
+    lo, hi = (m.get("diff_ci95") or [None, None])[:2]
+    span = f"{lo:+.3f} .. {hi:+.3f}" if lo is not None and hi is not None else "unbounded (one pair)"
+    line = f"gate: candidate - base {m['diff']:+.3f} (95% interval {span}) over {m.get('pairs')} paired task(s)"
+    if "wins" in m:
+        line += f"; wins {m['wins']} - losses {m['losses']}"
+    if "p_value_loss" in m:
+        line += f"; p = {m['p_value_loss']:.3g} (a loss from leaving the skill out)"
+    elif "p_value" in m and "wins" not in m and "margin" in m:
+        line += f"; p = {m['p_value']:.3g} (a drop of {m['margin']:g} or more)"
+    elif "p_value" in m:
+        line += f"; p = {m['p_value']:.3g}"
+    return line + (f" at alpha {m['alpha']}" if "alpha" in m else "")
 
 
 def _print_diff(out: Any, diff: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """The gates as the daemon wires them, through its HTTP API and the release chain (``daemon/gate.py``'s verdicts on
 their own are in test_learning_core.py):
 
-- ``regression`` judges a weights candidate against the best evaluation score published so far on the chain,
-  not against its parent's and not against the first trained release's;
+- ``regression`` judges a weights candidate against the serving head on the same tasks (paired), not against
+  the best evaluation score published so far on the chain (a maximum of noisy means: ``daemon/gate.py``);
 - the lessons recipe's ``compare`` gate puts the candidate harness on the candidate side: a harness whose answers
   contain the tasks' ``expect`` wins over one whose answers do not, and a worse candidate is rejected.
 """
@@ -48,34 +48,30 @@ def train_once(c: httpx.Client, scenario: str, release: str) -> None:
         assert c.post("/reef/report", json={"score": float(i % 2), "references": [receipt]}).status_code == 201
 
 
-def test_regression_gate_compares_with_the_best_so_far(daemon_factory: Any, tmp_path: Path) -> None:
-    # the tiny model's random weights answer (next to) none of the evaluation tasks exactly: each candidate's
-    # mean is about 0, within 0.5 of a best of 0.25 and more than 0.5 below a best of 1.0
+def test_regression_gate_compares_with_the_serving_head_not_the_best_so_far(daemon_factory: Any,
+                                                                           tmp_path: Path) -> None:
+    # the tiny model's random weights answer (next to) none of the evaluation tasks exactly: the candidate and
+    # the head it is paired with both score about 0, far below the chain's best of 1.0; a drop of 0.5 is ruled
+    # out on 8 paired tasks at 0.05 (at least 5 needed), so it is published. Judged against the best so far (the
+    # rule of old) it was rejected.
     d: Daemon = daemon_factory(settings_toml(gate="regression", margin=0.5, eval_family="say", eval_n=8))
     from daemon.releases import ReleaseStore
 
     with d.http() as c:
-        for name in ("reg-below", "reg-within"):
-            assert c.post("/reef/scenarios", json={"name": name, "recipe": "online-rl"}).status_code == 201
-        init = releases(c, "reg-below")["head"]
+        assert c.post("/reef/scenarios", json={"name": "reg", "recipe": "online-rl"}).status_code == 201
+        init = releases(c, "reg")["head"]
         weights = ReleaseStore(d.home / "artifacts.git").checkout(init, tmp_path / "weights")
-        # first trained 0.0, then the best 1.0, then the parent 0.0: best, parent and first all differ
-        below = publish_scored(d, "reg-below", weights, [0.0, 1.0, 0.0])
-        within = publish_scored(d, "reg-within", weights, [0.0, 0.25, 0.0])
+        below = publish_scored(d, "reg", weights, [0.0, 1.0, 0.0])  # the best so far (1.0) is not the head
 
-        train_once(c, "reg-below", below[-1])
-        chain = wait_for(lambda: ((r := releases(c, "reg-below", True))["rejected"] or r["head"] != below[-1]) and r,
-                         what="a gate verdict")
-        assert chain["head"] == below[-1], chain  # the candidate did not replace the parent
-        rejection = chain["rejected"][0]
-        assert rejection["base"] == below[-1] and rejection["receipts"], rejection
-        assert rejection["metrics"]["eval_reward"] < 0.5, rejection  # the premise: a candidate scoring about 0
-
-        train_once(c, "reg-within", within[-1])
-        trained = wait_for(lambda: (r := releases(c, "reg-within", True))["releases"][0]["parent"] == within[-1]
-                           and r, what="a published candidate")
+        train_once(c, "reg", below[-1])
+        trained = wait_for(lambda: ((r := releases(c, "reg", True))["rejected"] or r["head"] != below[-1]) and r,
+                           what="a gate verdict")
         assert not trained["rejected"], trained["rejected"]
-        assert trained["releases"][0]["operation"] == "train" and trained["releases"][0]["step"] == 4
+        head = trained["releases"][0]
+        assert head["parent"] == below[-1] and head["operation"] == "train" and head["step"] == 4
+        m = head["metrics"]
+        assert m["best"] == 1.0 and m["eval_reward"] < 0.5 and m["pairs"] == 8 and m["margin"] == 0.5, m
+        assert m["alpha"] == 0.05 and m["p_value"] <= 0.05 and "diff_ci95" in m, m
 
 
 # --- lessons compare: which side is the candidate ------------------------------------------------------------------
@@ -91,7 +87,8 @@ def test_lessons_compare_gate_publishes_the_better_harness_and_rejects_a_worse_o
     tasks = [{"prompt": "Which fruit do you like? [stub:echo_system]", "expect": "banana"}]
     with d.unix() as c:
         created = c.post("/reef/scenarios", json={"name": "cmp", "recipe": "lessons", "model": "follower",
-                                                  "settings": {"gate": "compare", "tasks": tasks, "margin": 0,
+                                                  # one task: only a stated error rate of 0.5 lets one pair decide
+                                                  "settings": {"gate": "compare", "tasks": tasks, "alpha": 0.5,
                                                                "max_rules": 1}})
         assert created.status_code == 201, created.text
         init = created.json()["head"]

@@ -316,14 +316,16 @@ def test_gates_decide_as_documented():
     assert judge("always", candidate=None, base=None, best=None).publish
     assert judge("floor", candidate=cand, base=base, best=None, floor=0.75).publish
     assert not judge("floor", candidate=cand, base=base, best=None, floor=0.8).publish
-    v = judge("compare", candidate=cand, base=base, best=None, margin=1)
-    assert v.publish and (v.metrics["wins"], v.metrics["losses"]) == (2, 1)
-    v = judge("compare", candidate=cand, base=base, best=None, margin=2)
-    assert not v.publish and v.verdict == "rejected" and "wins 2 - losses 1 < margin 2" in v.reason
-    assert judge("regression", candidate=cand, base=base, best=0.8, margin=0.05).publish  # 0.75 within 0.05
-    v = judge("regression", candidate=cand, base=base, best=0.9, margin=0.05)
-    assert not v.publish and v.metrics["best"] == 0.9
-    assert judge("regression", candidate=cand, base=base, best=None, margin=0.0).publish  # vs the base, 0.5
+    v = judge("compare", candidate=cand, base=base, best=None)  # 3 untied pairs: a sweep needs 5 at 0.05
+    assert v.verdict == "pending" and (v.metrics["wins"], v.metrics["losses"]) == (2, 1)
+    better, worse = [1.0] * 6 + [0.0] * 10, [0.0] * 16  # the error-rate forms: tests/test_gate_noise.py
+    assert judge("compare", candidate=better, base=worse, best=None).publish
+    v = judge("compare", candidate=worse, base=better, best=None)
+    assert not v.publish and v.verdict == "rejected" and "wins 0 - losses 6: p = 1 > alpha 0.05" in v.reason
+    same = [1.0, 0.0] * 20  # regression: against the serving head (paired), not the best so far
+    v = judge("regression", candidate=same, base=same, best=0.9)
+    assert v.publish and v.metrics["best"] == 0.9 and v.metrics["margin"] == 0.1
+    assert not judge("regression", candidate=worse + [0.0] * 24, base=better + [0.0] * 24, best=None).publish
     pending = judge("review", candidate=None, base=None, best=None)
     assert not pending.publish and pending.verdict == "pending"
     with pytest.raises(BadRequest, match="eval_family"):

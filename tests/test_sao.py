@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -109,25 +110,27 @@ def test_the_critic_travels_with_the_candidate(tiny, tmp_path):
 
 
 def test_the_periodic_check_rejects_a_candidate_worse_than_the_head_at_the_default_margin(tiny, tmp_path):
-    """The check compares the candidate with the serving head, scored on the same prompts: a candidate 0.1 below
-    the head (more than the default margin, 0.05) is rejected, one within the margin published. Through the
-    worker's own path: the step scores the candidate, carries the head's scores it was given, and the recipe's
-    gate judges the two."""
+    """The check is a regression gate against the serving head, scored on the same prompts (daemon/gate.py): a
+    candidate 0.2 below the head (more than the default margin, 0.1) is rejected, one tying it published at error
+    rate 0.05. Through the worker's own path: the step scores the candidate, carries the head's scores it was
+    given, and the recipe's gate judges the two."""
     from daemon.models import save_model
     from recipes.base import Candidate, Scores, TrainJob
     from recipes.sao import SAO
 
-    settings = SAOSettings(eval_family="say", eval_n=20, eval_every=10)
-    assert settings.margin == 0.05
+    settings = SAO.parse_settings({"eval_family": "say", "eval_n": 40, "eval_every": 10})
+    assert settings.margin == 0.1 and settings.alpha is None  # 0.05, the gates' default
     recipe = SAO(settings)
-    assert not recipe.judge(Candidate(eval=Scores(candidate=[0.5] * 4, base=[0.6] * 4)), best=None).publish
-    assert recipe.judge(Candidate(eval=Scores(candidate=[0.58] * 4, base=[0.6] * 4)), best=None).publish
+    worse = recipe.judge(Candidate(eval=Scores(candidate=[0.0] * 40, base=[1.0] * 8 + [0.0] * 32)), best=None)
+    assert not worse.publish and worse.metrics["p_value"] > 0.05
+    assert recipe.judge(Candidate(eval=Scores(candidate=[1.0] * 8 + [0.0] * 32, base=[1.0] * 8 + [0.0] * 32)),
+                        best=None).publish
 
     tokenizer, model = tiny
     base = tmp_path / "head"
     save_model(tokenizer, model, base)
     prompt, out, logprobs = rollout(tiny)
-    head_scores = [1.0, 1.0] + [0.0] * 18  # the head answers 2 of 20: mean 0.10
+    head_scores = [1.0] * 8 + [0.0] * 32  # the head answers 8 of 40: mean 0.2
     state: dict[str, Any] = {}
     made = None
     for i, reward in enumerate((0.7, 0.2)):  # the first seeds the fresh critic (no signal), the second trains
@@ -143,7 +146,7 @@ def test_the_periodic_check_rejects_a_candidate_worse_than_the_head_at_the_defau
     assert made.eval.base == head_scores and sum(made.eval.candidate) == 0  # the tiny model answers none
     verdict = recipe.judge(made, best=None)
     assert not verdict.publish and verdict.verdict == "rejected" and "periodic check" in verdict.reason
-    assert verdict.metrics["base_reward"] == pytest.approx(0.1) and verdict.metrics["eval_reward"] == 0.0
+    assert verdict.metrics["base_reward"] == pytest.approx(0.2) and verdict.metrics["eval_reward"] == 0.0
 
 
 # --- through a real daemon --------------------------------------------------------------------------------------
@@ -218,16 +221,41 @@ def test_records_served_more_than_one_release_behind_are_not_trained_on(daemon_f
         assert releases(c, "st")["releases"][0]["receipts"] == [at_head]
 
 
+FAILING_CHECK = """
+from daemon.gate import Verdict
+from recipes.sao import SAO
+
+
+class FailingCheck(SAO):
+    name = "sao-failing-check"
+
+    def judge(self, candidate, *, best):
+        v = super().judge(candidate, best=best)
+        if v.metrics.get("checked"):
+            return Verdict(False, "rejected", "periodic check: failed by the test", v.metrics)
+        return v
+"""
+
+
 def test_the_periodic_gate_checks_every_kth_step_and_after_a_failed_check_every_step(daemon_factory: Any,
-                                                                                     ) -> None:
-    d: Daemon = daemon_factory(sao_toml(eval_family="say", eval_n=4, eval_every=3))
+                                                                                     tmp_path: Path) -> None:
+    from tests.test_recipes import with_recipe_paths
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "failing_check.py").write_text(FAILING_CHECK)
+    d: Daemon = with_recipe_paths(daemon_factory, recipes)
+    settings = {"eval_family": "say", "eval_n": 4, "eval_every": 3}
     with d.http() as c:
-        # margin 1: every check passes (first step after the start, then every third)
-        assert c.post("/reef/scenarios", json={"name": "pass", "recipe": "sao", "settings": {"margin": 1.0}}
+        # margin 0.9 on 4 prompts: the tiny model answers none, so candidate and head tie and every check passes
+        # (first step after the start, then every third)
+        assert c.post("/reef/scenarios", json={"name": "pass", "recipe": "sao", "settings": {**settings,
+                                                                                            "margin": 0.9}}
                       ).status_code == 201
-        # margin -1: a check passes only above the best by 1, never: nothing may publish after the first check
-        assert c.post("/reef/scenarios", json={"name": "fail", "recipe": "sao", "settings": {"margin": -1.0}}
-                      ).status_code == 201
+        # a check that always fails (no setting makes a tie fail a regression gate): nothing may publish after
+        # the first check
+        assert c.post("/reef/scenarios", json={"name": "fail", "recipe": "failing_check:FailingCheck",
+                                               "settings": {**settings, "margin": 0.9}}).status_code == 201
         for i in range(8):  # one answer at a time, each reported and trained on before the next is asked
             for name in ("pass", "fail"):
                 report(c, answer(c, name, f"Say w{i}."), 0.5 if i == 0 else float(i % 2))  # the first seeds the critic
@@ -277,6 +305,8 @@ def test_bad_settings_are_a_400_naming_them_and_the_cli_binds_the_recipe(daemon_
         for settings, param in (({"is_cap": 0.5}, "settings.is_cap"), ({"batch_size": 0}, "settings.batch_size"),
                                 ({"gate": "sometimes"}, "settings.gate"),
                                 ({"gate": "regression"}, "settings.eval_family"),
+                                ({"eval_family": "say", "margin": 0.05}, "settings.eval_n"),
+                                ({"eval_family": "say", "margin": 1.0}, "settings.margin"),
                                 ({"eval_family": "nope"}, "settings.eval_family")):
             err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "bad", "recipe": "sao",
                                                                           "settings": settings}), 400)

@@ -8,10 +8,21 @@ One step (woken by each written feedback; never inline, since episodes take seco
 2. Candidate: a parent drawn from the pool's Pareto front (``pool.py``), mutated by the proposer (``proposer.py``;
    up to ``max_proposer_calls`` tries, each malformed or refused answer written down with its reason). When the
    serving tree holds a skill no step has tested yet, the step's candidate is instead the serving tree without it
-   (a retirement), judged with margin 0: a skill whose removal loses nothing does not help, and goes.
-3. Gate: every task under the serving tree and the candidate, ``repeats`` times, interleaved (the order of the
-   pair alternates), within ``max_episodes``; each (task, repeat) pair is a win, a loss or a tie, and the
-   candidate is published when wins - losses >= ``margin`` (1 by default: a strict improvement). Both trees'
+   (a retirement): a skill whose removal is not shown to lose does not help, and goes (below).
+3. Gate: every task under the serving tree and the candidate, ``repeats`` times (by default as many as
+   ``max_episodes`` allows), interleaved (the order of the pair alternates); each (task, repeat) pair is a win, a
+   loss or a tie, and the candidate is published when the compare gate (``daemon/gate.py``) shows it better at
+   error rate ``alpha`` (0.05): the exact sign test on the untied pairs, valid over repeats of one task too, since
+   under equal harnesses each untied pair of independent episodes is a win or a loss alike. A clean sweep needs
+   5 untied pairs at 0.05, so the budget is ``max_episodes = 32`` (16 pairs: ties are common, since most tasks pass
+   or fail under both trees) and settings whose pairs could never reach 5 are refused; fewer untied pairs than 5 in
+   a step hold the candidate for review (cannot decide). Power (exact, 16 pairs of independent episodes, serving
+   pass rate 0.3): a candidate passing 0.8 is published 80% of the time (36% at the old 16 episodes), one passing
+   0.6 35%, an equal one 2% (at most 5% whatever the pass rate).
+   A retirement is judged the other way round, since it makes the harness smaller, not better: rejected when
+   the removal is shown to lose at ``alpha`` (the sign test on losses), held when too few pairs ran to show a
+   loss (fewer than 5), published otherwise; so a skill that does not matter is kept at most ``alpha`` of the
+   time (a helpful skill whose effect the pairs are too few to show may go: the proposer may add it back). Both trees'
    scores join the pool, published or not, so a tree best on one task stays a parent. A pair with an episode that
    did not run (``error``: the sandbox, the wrapper or the agent could not start or crashed; ``timeout``: killed
    at its limit) is no result: it is left out of the gate and the pool, and a step with no pair left fails with
@@ -33,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import BadRequest, StepFailed
-from daemon.gate import Verdict
+from daemon.gate import Verdict, paired_interval, pairs_needed, sign_test_p
+from daemon.gate import check as gate_check
 from daemon.gate import judge as gate_judge
 from recipes.base import Candidate, HarnessContext, Recipe, Scores
 from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
@@ -67,14 +80,14 @@ HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.do
 @dataclass
 class HarnessSearchSettings:
     gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
-    margin: float = 1.0  # wins - losses (over task x repeat pairs) needed to publish
-    alpha: float | None = None  # decide on this error rate (sign test over the pairs) instead of the margin
+    margin: float = 0.0  # the least lead (wins - losses over task x repeat pairs) on top of the gate's test
+    alpha: float | None = None  # the gate's error rate (the sign test over the pairs); None: 0.05
     tasks: list[dict[str, Any]] = field(default_factory=list)  # see episodes.py: {id, prompt, check, workspace?}
-    repeats: int = 1  # episodes per task and side
+    repeats: int | None = None  # episodes per task and side; None: as many as max_episodes allows
     adapter: str = "pi"  # the wrapped agent the episodes run
     proposer: str | None = None  # a configured model name; None: the scenario's own model
     proposer_max_tokens: int = 2048
-    max_episodes: int = 16  # budget per step (the gate's repeats are cut to fit)
+    max_episodes: int = 32  # budget per step (the gate's repeats are cut to fit): 16 pairs (module docstring)
     max_proposer_calls: int = 3  # budget per step (malformed or refused answers count)
     bad_below: float = 0.5  # a report scoring below this is a run that went badly
     max_runs_in_prompt: int = 4  # bad runs the proposer sees (the newest)
@@ -117,20 +130,24 @@ class HarnessSearch(Recipe):
         s: HarnessSearchSettings = settings
         if s.gate not in ("compare", "review"):
             raise BadRequest(f"harness-search gate must be compare or review, not {s.gate!r}", param="settings.gate")
-        if s.alpha is not None and not 0 < s.alpha < 1:  # both gates compare the paired episodes first
-            raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {s.alpha}",
-                             param="settings.alpha")
+        alpha, _ = gate_check("compare", alpha=s.alpha, margin=s.margin)  # both gates compare the pairs first
         tasks = parse_tasks(s.tasks)
         if not tasks:
             raise BadRequest("harness-search needs tasks: [{id, prompt, check, workspace?}, ...] (the gate runs "
                              "the agent on them)", param="settings.tasks")
         for key in ("repeats", "max_episodes", "max_proposer_calls", "max_runs_in_prompt", "pool_size",
                     "max_mutations"):
-            if getattr(s, key) < 1:
+            if getattr(s, key) is not None and getattr(s, key) < 1:
                 raise BadRequest(f"harness-search {key} must be at least 1", param=f"settings.{key}")
         if s.max_episodes < 2 * len(tasks):
             raise BadRequest(f"max_episodes {s.max_episodes} cannot pair {len(tasks)} task(s) once "
                              f"(needs {2 * len(tasks)})", param="settings.max_episodes")
+        pairs, need = len(tasks) * repeats_of(s, len(tasks)), pairs_needed(alpha)
+        if pairs < need:
+            raise BadRequest(f"the gate cannot decide at error rate {alpha} on {pairs} episode pair(s) ({len(tasks)} "
+                             f"task(s) x {repeats_of(s, len(tasks))} repeat(s)): a clean sweep needs at least {need} "
+                             f"untied pairs; raise repeats or max_episodes (2 episodes a pair), add tasks, or state a "
+                             "higher alpha", param="settings.max_episodes")
         from adapters import ADAPTERS
 
         if s.adapter not in ADAPTERS:
@@ -173,7 +190,7 @@ class HarnessSearch(Recipe):
         files = {side: self._render(t) for side, t in trees.items()}
         pinned = {side: await ctx.episode_release(env.scenario, t)  # type: ignore[attr-defined]
                   for side, t in trees.items()}
-        repeats = max(1, min(s.repeats, s.max_episodes // (2 * len(tasks))))
+        repeats = repeats_of(s, len(tasks))
         pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
         not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
         for r in range(repeats):
@@ -217,10 +234,9 @@ class HarnessSearch(Recipe):
         s: HarnessSearchSettings = self.settings
         ev = candidate.eval
         assert ev is not None
-        retire = candidate.details.get("origin") == "retire"
-        margin = 0.0 if retire else s.margin
-        v = gate_judge("compare", candidate=ev.candidate, base=ev.base, best=best, margin=margin,
-                       alpha=None if retire else s.alpha)
+        if candidate.details.get("origin") == "retire":
+            return retirement(ev.candidate, ev.base or [], alpha=s.alpha)
+        v = gate_judge("compare", candidate=ev.candidate, base=ev.base, best=best, margin=s.margin, alpha=s.alpha)
         if v.publish and (s.gate == "review" or candidate.details.get("executable")):
             why = "it holds executable content" if candidate.details.get("executable") else "gate review"
             return Verdict(False, "pending", f"{v.reason}; held for review ({why}): reef releases promote ID "
@@ -428,6 +444,35 @@ class HarnessSearch(Recipe):
                         member.scores.setdefault(t, []).append(float(m[f"task.{t}.{side}"]))
         front = [{"id": f.id, "origin": f.origin, "tasks": f.task_means()} for f in pool.front(tasks)]
         return {"front": front, "judged": len(pool.members), "spent": spent}
+
+
+def repeats_of(s: HarnessSearchSettings, tasks: int) -> int:
+    """Episodes per task and side: ``repeats`` (all that ``max_episodes`` allows when unset), cut to fit it."""
+    fit = max(1, s.max_episodes // (2 * tasks))
+    return fit if s.repeats is None else max(1, min(s.repeats, fit))
+
+
+def retirement(candidate: list[float], base: list[float], *, alpha: float | None) -> Verdict:
+    """A retirement's verdict (the serving tree without one skill, ``candidate``, against the serving tree):
+    rejected when its losses show the skill helps at error rate ``alpha`` (the sign test on losses), held when
+    too few pairs ran to show a loss, published otherwise (the module docstring says why this way round)."""
+    a, _ = gate_check("compare", alpha=alpha, margin=None)
+    wins = sum(x > y for x, y in zip(candidate, base, strict=True))
+    losses = sum(x < y for x, y in zip(candidate, base, strict=True))
+    p = sign_test_p(losses, wins)
+    metrics = {"eval_reward": sum(candidate) / len(candidate), "base_reward": sum(base) / len(base), "wins": wins,
+               "losses": losses, "p_value_loss": round(p, 6), "alpha": a, "pairs": len(candidate)}
+    mean, lo, hi = paired_interval(candidate, base)
+    metrics.update(diff=round(mean, 6), diff_ci95=[None if not math.isfinite(x) else round(x, 6) for x in (lo, hi)])
+    if p <= a:
+        return Verdict(False, "rejected", f"retirement: wins {wins} - losses {losses}: the skill helps (p = {p:.3g} "
+                       f"<= alpha {a})", metrics)
+    if len(candidate) < pairs_needed(a):
+        return Verdict(False, "pending", f"retirement: cannot decide at error rate {a}: {len(candidate)} pair(s), at "
+                       f"least {pairs_needed(a)} needed to show a loss; held for review: reef releases promote ID "
+                       "publishes it", metrics)
+    return Verdict(True, "accepted", f"retirement: wins {wins} - losses {losses}: no loss shown (p = {p:.3g} > alpha "
+                   f"{a}), so the skill goes", metrics)
 
 
 def episodes_scenario(scenario: str) -> str:
