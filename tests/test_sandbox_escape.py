@@ -146,7 +146,7 @@ def test_an_episode_cannot_reach_another_scenario_through_any_socket_or_the_rela
     with d.http() as c:
         victim_head = c.get(f"/reef/scenarios/{VICTIM}/releases").json()["head"]
         before = {x["name"] for x in c.get("/reef/scenarios").json()["scenarios"]}
-        seeded_scenario(c, "hs-escape", [], {"tasks": [attack_task], "repeats": 1, "retire_skills": False})
+        seeded_scenario(c, "hs-escape", [], {"tasks": [attack_task], "repeats": 1, "alpha": 0.5, "retire_skills": False})
         script(world, one(op="create", kind="rule", id="careful", text="Be careful with files."))
         out = step(c, "hs-escape", 1)
         episodes = json.loads(out["metrics"]["episode_runs"])
