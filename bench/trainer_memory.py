@@ -56,24 +56,39 @@ class FullLogits(OnlineRL):
 '''
 
 
-def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` scored exchanges, 8 samples per prompt, rewards alternating (every group carries signal)."""
+def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0, group: int = 8) -> list[dict[str, Any]]:
+    """``n`` scored exchanges, ``group`` samples per prompt, rewards alternating (every group carries signal)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(prompt)] for _ in range(max(1, n // 8))]
-    return [{"id": f"r{i}", "prompt_token_ids": prompts[(i // 8) % len(prompts)],
+    group = max(1, group)
+    prompts = [[rng.randrange(100, vocab) for _ in range(prompt)] for _ in range(max(1, -(-n // group)))]
+    return [{"id": f"r{i}", "prompt_token_ids": prompts[(i // group) % len(prompts)],
              "token_ids": [rng.randrange(100, vocab) for _ in range(answer)], "logprobs": [-10.0] * answer,
-             "score": float(i % 2)} for i in range(n)]
+             "score": float(i % 2), "release_id": None, "metadata": None, "hint": None} for i in range(n)]
+
+
+def default_batch(recipe: str) -> tuple[int, int]:
+    """The samples of one default training step of ``recipe`` and the samples per prompt group."""
+    from recipes import load_recipe
+
+    s = load_recipe(recipe).Settings()
+    if recipe == "sao":
+        return s.batch_size, 1
+    if recipe == "ttt-discover":
+        return s.group_size * s.groups_per_step, s.group_size
+    return s.batch_prompts * s.group_size, s.group_size
 
 
 def run(model: Path, out: Path, *, samples: int, prompt: int, answer: int, threads: int, settings: dict[str, Any],
         recipe: str = "online-rl", recipe_paths: list[str] | None = None) -> dict[str, float]:
     """A fresh worker: a warm-up step, then the measured one. Its peak RSS after each (MB), the rise, the time."""
     from daemon.trainer.worker import TrainerClient
+    from recipes import load_recipe
     from recipes.base import TrainJob
-    from recipes.online_rl import OnlineRLSettings
 
     config = __import__("json").loads((model / "config.json").read_text())
-    full = dataclasses.asdict(OnlineRLSettings(**settings))
+    settings_class = load_recipe("online-rl" if recipe_paths else recipe).Settings
+    full = dataclasses.asdict(settings_class(**settings))
+    _, group = default_batch("online-rl" if recipe_paths else recipe)
     trainer = TrainerClient(threads=threads, recipe_paths=recipe_paths)
 
     def job(n: int, batch: list[dict[str, Any]], base: str) -> TrainJob:
@@ -85,7 +100,8 @@ def run(model: Path, out: Path, *, samples: int, prompt: int, answer: int, threa
     try:
         warm = trainer._run(job(1, records(8, 16, 4, config["vocab_size"], seed=1), "base"), out / "warm")
         t0 = time.perf_counter()
-        step = trainer._run(job(2, records(samples, prompt, answer, config["vocab_size"]), "c1"), out / "step")
+        step = trainer._run(job(2, records(samples, prompt, answer, config["vocab_size"], group=group), "c1"),
+                            out / "step")
         seconds = time.perf_counter() - t0
     finally:
         trainer.close()
@@ -96,11 +112,13 @@ def run(model: Path, out: Path, *, samples: int, prompt: int, answer: int, threa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="online-rl", choices=["online-rl", "openclaw-rl", "sao", "ttt-discover"],
+                    help="the weights recipe whose default step is measured")
     ap.add_argument("--model", type=Path, help="a SmolLM2 model directory (default: made here, about 30 s)")
     ap.add_argument("--prompt", type=int, default=300, help="prompt tokens per sample")
     ap.add_argument("--answer", type=int, default=60, help="answer tokens per sample")
     ap.add_argument("--threads", type=int, default=1, help="the worker's torch threads (the daemon's default: 1)")
-    ap.add_argument("--steps-per-batch", type=int, default=None, help="default: the recipe's (2)")
+    ap.add_argument("--steps-per-batch", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--before-samples", type=int, default=4, help="samples 'before' runs at once (then scaled)")
     ap.add_argument("--full-logits", action="store_true", help="'before' also computes full-vocabulary logits")
     ap.add_argument("--skip-before", action="store_true")
@@ -113,28 +131,30 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> None:
-    from recipes.online_rl import OnlineRLSettings
+    from recipes import load_recipe
 
     model = args.model
     if model is None:
         from daemon.smollm2 import init_smollm2
 
         model = init_smollm2(tmp / "smollm2")
-    defaults = OnlineRLSettings()
-    batch = defaults.batch_prompts * defaults.group_size
+    defaults = load_recipe(args.recipe).Settings()
+    batch, group = default_batch(args.recipe)
     extra = {} if args.steps_per_batch is None else {"steps_per_batch": args.steps_per_batch}
     common = {"prompt": args.prompt, "answer": args.answer, "threads": args.threads}
-    print(f"online-rl defaults on {model.name}: {batch} samples of {args.prompt} prompt + {args.answer} answer "
+    print(f"{args.recipe} defaults on {model.name}: {batch} samples of {args.prompt} prompt + {args.answer} answer "
           f"tokens, LoRA rank {defaults.lora_rank}, memory_budget_mb {defaults.memory_budget_mb}, "
           f"{args.threads} threads", flush=True)
-    after = run(model, tmp / "after", samples=batch, settings=extra, **common)
+    after = run(model, tmp / "after", samples=batch, settings=extra, recipe=args.recipe, **common)
     print(f"after : peak {after['peak_mb']:.0f} MB (warm {after['warm_mb']:.0f} MB, the step +{after['rise_mb']:.0f}"
           f" MB) in {after['micro_batches']:.0f} micro-batches, {after['seconds']:.0f} s", flush=True)
     if args.skip_before:
         return
     n = min(args.before_samples, batch)
-    recipe, paths = "online-rl", None
+    recipe, paths = args.recipe, None
     if args.full_logits:
+        if args.recipe != "online-rl":
+            raise SystemExit("--full-logits is for online-rl only")
         (tmp / "bench_recipes").mkdir()
         (tmp / "bench_recipes" / "full_logits.py").write_text(textwrap.dedent(FULL_LOGITS))
         recipe, paths = "full_logits:FullLogits", [str(tmp / "bench_recipes")]

@@ -38,6 +38,15 @@ t, to read, not to decide) and the figures its decision rests on.
   The reference is the serving head, paired on the same tasks (the best score published so far, the reference
   of old, was a maximum of noisy means: biased upward, and unpaired, so no error rate could be stated for it;
   ``best`` is still reported).
+
+One recipe gate lives here too, for its statistics: ttt-discover's ``best`` (``judge_best``), a search's gate, on
+the other side. A candidate is turned away only when its attempts are shown worse than the head's at ``alpha``
+(the exact one-sided sign test on the untied pairs of attempts sampled with common random numbers, mirrored from
+``compare``) and its mean is more than ``margin`` below; otherwise it is published. So a candidate as good as the
+head is turned away at most ``alpha`` of the time. That is the error a search must bound: a gate that turns away
+equal candidates stalls it (measured on ttt-discover's demo: a head compared with a lucky draw of its own stuck at
+0.37 while fresh comparisons climbed to 0.83). What it does not bound is publishing a slightly worse candidate;
+the best attempt found stays in the scenario's status whatever serves, and a real drop is shown and refused.
 """
 
 from __future__ import annotations
@@ -235,6 +244,29 @@ def judge(gate: str, *, candidate: list[float] | None, base: list[float] | None,
     return Verdict(ok, "accepted" if ok else "rejected",
                    f"mean {c:.3f} vs head {b:.3f}: a drop of {margin:g} or more {'ruled out' if ok else 'not ruled out'}"
                    f" (p = {p:.3g} {'<=' if ok else '>'} alpha {alpha})", metrics)
+
+
+def judge_best(candidate: list[float], base: list[float], *, margin: float, alpha: float | None) -> Verdict:
+    """ttt-discover's ``best`` gate on paired attempt scores (the module docstring says which test, and why)."""
+    a = ALPHA if alpha is None else alpha
+    if not 0 < a < 1:
+        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {a}", param="settings.alpha")
+    if len(candidate) != len(base) or not candidate:
+        raise ValueError("gate best pairs the candidate's attempts with the head's: as many of each, at least one")
+    c, b = sum(candidate) / len(candidate), sum(base) / len(base)
+    mean, lo, hi = paired_interval(candidate, base)
+    wins = sum(x > y for x, y in zip(candidate, base, strict=True))
+    losses = sum(x < y for x, y in zip(candidate, base, strict=True))
+    p = sign_test_p(losses, wins)  # how often a candidate as good as the head loses at least this often
+    worse = p <= a and c < b - margin
+    metrics: dict[str, Any] = {"eval_reward": c, "base_reward": b, "eval_best": max(candidate), "diff": round(mean, 6),
+                               "diff_ci95": [_finite(lo), _finite(hi)], "pairs": len(candidate), "wins": wins,
+                               "losses": losses, "p_value_worse": round(p, 6), "alpha": a, "margin": margin}
+    why = (f"attempts {c:.3f} vs head's {b:.3f}: wins {wins} - losses {losses}, "
+           f"{'shown worse' if p <= a else 'not shown worse'} (p = {p:.3g} {'<=' if p <= a else '>'} alpha {a})")
+    if p <= a and margin:
+        why += f", {'more' if worse else 'no more'} than margin {margin:g} below"
+    return Verdict(not worse, "rejected" if worse else "accepted", why, metrics)
 
 
 def _finite(x: float) -> float | None:

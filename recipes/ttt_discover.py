@@ -28,12 +28,14 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
 - **Gate: best so far.** With a built-in ``problem`` scorer (``recipes/tasks.py``), the trainer samples
   ``eval_attempts`` attempts from the candidate and from the serving head on the problem's prompt as the client
   asks it (the batch's prompt tokens), at temperature 1 with the same random stream for both (common
-  random numbers: a paired comparison), fresh for each step, and scores them; the candidate is published when its
-  mean attempt score is at least the head's (minus ``margin``). Measured: reusing the head's scores from the step
-  it won compared every later candidate with a lucky draw (the winner's curse), and from step 25 of 100 nearly all
-  were rejected with the head stuck at 0.37; with fresh streams the head climbed to 0.83. Since every published release passed that test against its parent, the
-  head is the release with the best attempt score so far; a rejected candidate leaves the head serving and the
-  lineage goes on from it, back to the head after ``restart_after`` rejections in a row. Without a scorer (the
+  random numbers: a paired comparison), fresh for each step, and scores them. The candidate is turned away only
+  when its attempts are shown worse than the head's at error rate ``alpha`` (0.05; the exact sign test on the
+  paired attempts; ``daemon/gate.py`` says why this side) and its mean is more than ``margin`` below: a candidate
+  as good as the head is turned away at most ``alpha`` of the time. Measured: reusing the head's scores from the
+  step it won compared every later candidate with a lucky draw (the winner's curse), and from step 25 of 100
+  nearly all were rejected with the head stuck at 0.37; with fresh streams the head climbed to 0.83. So the head
+  is the latest release not shown worse than its parent (the best attempt found, whichever release sampled it, is
+  in the scenario's status); a rejected candidate leaves the head serving and the lineage goes on from it, back to the head after ``restart_after`` rejections in a row. Without a scorer (the
   client alone can score its problem) a candidate cannot be scored before it serves, so every candidate is
   published and the best attempt stays visible in the scenario's status (serve it again with ``x-reef-release-id``
   or roll back to it).
@@ -60,7 +62,7 @@ from typing import Any
 import torch
 
 from daemon.errors import BadRequest
-from daemon.gate import GATES, Verdict
+from daemon.gate import GATES, Verdict, judge_best
 from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
 from recipes.memory import check_budget
 from recipes.online_rl import (
@@ -87,8 +89,8 @@ class TTTReport:
 
 @dataclass
 class TTTSettings(GateSettings):
-    gate: str = "best"  # best (the candidate's attempts must score at least the head's) | always | review
-    margin: float = 0.0  # best: the candidate's mean attempt score may be this far below the head's
+    gate: str = "best"  # best (turned away only when shown worse than the head at alpha) | always | review
+    margin: float = 0.0  # best: a candidate shown worse is still published when its mean is this close
     adv_temperature: float = 0.05  # tau of the entropic advantage (reward units): smaller pushes harder to the best
     group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
@@ -159,8 +161,15 @@ class TTTDiscover(Recipe):
         if settings.gate in ("floor", "compare", "regression"):
             raise BadRequest(f"recipe ttt-discover judges with gate best, always or review, not {settings.gate!r}",
                              param="settings.gate")
-        if settings.alpha is not None:  # its gate keeps the best attempt's release, on no stated error rate
-            raise BadRequest("recipe ttt-discover's gates do not read alpha", param="settings.alpha")
+        if settings.alpha is not None and settings.gate != "best":
+            raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read alpha (gate best does)",
+                             param="settings.alpha")
+        if settings.alpha is not None and not 0 < settings.alpha < 1:
+            raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {settings.alpha}",
+                             param="settings.alpha")
+        if not settings.margin >= 0:
+            raise BadRequest(f"margin (gate best's tolerated drop, in the problem's score units) must be at least 0, "
+                             f"got {settings.margin}", param="settings.margin")
         if settings.problem is not None:
             from recipes.tasks import get_problem
 
@@ -202,12 +211,7 @@ class TTTDiscover(Recipe):
         if ev is None or not ev.candidate or not ev.base:
             return Verdict(True, "accepted", "gate best: no problem scorer, so every candidate serves (the best "
                            "attempt is in the scenario's status)", {})
-        c, b = sum(ev.candidate) / len(ev.candidate), sum(ev.base) / len(ev.base)
-        ok = c >= b - s.margin
-        metrics = {"eval_reward": c, "base_reward": b, "eval_best": max(ev.candidate)}
-        return Verdict(ok, "accepted" if ok else "rejected",
-                       f"attempts {c:.3f} {'>=' if ok else '<'} head's {b:.3f}" + (f" - {s.margin}" if s.margin else ""),
-                       metrics)
+        return judge_best(ev.candidate, ev.base, margin=s.margin, alpha=s.alpha)
 
     def status(self, releases: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
         best: dict[str, Any] | None = None

@@ -111,7 +111,7 @@ def show_release(
 def gate_line(m: dict[str, Any]) -> str | None:
     """What a paired gate's metrics say, for people: the difference with its 95% interval and the test the verdict
     rests on (compare: the sign test; regression: the drop of ``margin`` it ruled out or not; a retirement: the
-    sign test on losses), or None for a gate that did not pair."""
+    sign test on losses; ttt-discover's best: the sign test on the candidate's losses), or None for a gate that did not pair."""
     if "diff" not in m:
         return None
     lo, hi = (m.get("diff_ci95") or [None, None])[:2]
@@ -121,6 +121,8 @@ def gate_line(m: dict[str, Any]) -> str | None:
         line += f"; wins {m['wins']} - losses {m['losses']}"
     if "p_value_loss" in m:
         line += f"; p = {m['p_value_loss']:.3g} (a loss from leaving the skill out)"
+    elif "p_value_worse" in m:
+        line += f"; p = {m['p_value_worse']:.3g} (the candidate worse)"
     elif "p_value" in m and "wins" not in m and "margin" in m:
         line += f"; p = {m['p_value']:.3g} (a drop of {m['margin']:g} or more)"
     elif "p_value" in m:

@@ -7,6 +7,8 @@ decides on a stated error rate by default, and the rate holds.
 - ``regression`` (non-inferiority): a candidate worse than the head by ``margin`` is published at most ``alpha`` of
   the time (computed exactly over every outcome, and simulated); one as good as the head is published, one
   clearly worse is not.
+- ttt-discover's ``best`` (a search's gate, on the other side): a candidate as good as the head is turned away
+  at most ``alpha`` of the time; a clearly worse one is turned away, a better one published.
 - A gate that cannot decide says so with the numbers and holds the candidate for review; settings whose evaluation
   could never decide are refused; the paired difference comes with an interval that ``reef releases show``
   prints for each gate kind, and that covers the truth about as often as it says.
@@ -20,7 +22,7 @@ import random
 import pytest
 
 from daemon.errors import BadRequest
-from daemon.gate import ALPHA, judge, paired_interval, sign_test_p, t_quantile, tasks_needed
+from daemon.gate import ALPHA, judge, judge_best, paired_interval, sign_test_p, t_quantile, tasks_needed
 from recipes import load_recipe
 from recipes.base import Candidate, Scores
 
@@ -217,6 +219,47 @@ def test_a_retirement_keeps_a_skill_that_does_not_matter_at_most_at_the_error_ra
     assert few.verdict == "pending" and "at least 5 needed" in few.reason
 
 
+# --- ttt-discover's best (a search's gate) --------------------------------------------------------------------
+
+
+def _attempts(rng: random.Random, shift: float, n: int, same: float = 0.5) -> tuple[list[float], list[float]]:
+    """Paired attempt scores in [0, 1] as common random numbers make them: a share ``same`` of attempts identical
+    (both policies sampled the same answer), the rest drawn apart, the candidate's moved by ``shift``."""
+    cand, base = [], []
+    for _ in range(n):
+        b = rng.random()
+        c = b if rng.random() < same else min(1.0, max(0.0, rng.random() + shift))
+        cand.append(c), base.append(b)
+    return cand, base
+
+
+def test_ttt_discovers_best_gate_turns_an_equal_candidate_away_at_most_at_the_error_rate() -> None:
+    """ttt-discover's default gate over 2,000 steps whose candidate equals its head (32 paired attempts, half
+    identical): turned away in at most alpha of them (the old rule, "mean at least the head's", turned away about
+    half); a clearly worse candidate is turned away, a clearly better one published; the recipe's judge is this
+    gate, and the figures are those releases show prints."""
+    from reef_cli.releases import gate_line
+
+    recipe = load_recipe("ttt-discover")(load_recipe("ttt-discover").parse_settings({"problem": "longest-word"}))
+    rng = random.Random(9)
+    away = 0
+    for _ in range(TRIALS):
+        cand, base = _attempts(rng, 0.0, 32)
+        away += not recipe.judge(Candidate(eval=Scores(candidate=cand, base=base)), best=None).publish
+    _within_rate(away)
+    assert away > 0  # it is a test, not a rubber stamp: an equal candidate's unlucky draws are sometimes turned away
+    worse, better = _attempts(rng, -0.5, 32), _attempts(rng, 0.4, 32)
+    v = recipe.judge(Candidate(eval=Scores(candidate=worse[0], base=worse[1])), best=None)
+    assert not v.publish and v.verdict == "rejected" and "shown worse" in v.reason, v.reason
+    assert recipe.judge(Candidate(eval=Scores(candidate=better[0], base=better[1])), best=None).publish
+    line = gate_line(v.metrics)
+    assert line and "95% interval" in line and "(the candidate worse) at alpha 0.05" in line, line
+    # margin: a candidate shown worse but within it is still published
+    slightly = ([0.5] * 20 + [0.45] * 12, [0.5] * 20 + [0.5] * 12)
+    assert not judge_best(*slightly, margin=0.0, alpha=None).publish
+    assert judge_best(*slightly, margin=0.1, alpha=None).publish
+
+
 # --- settings -------------------------------------------------------------------------------------------------
 
 
@@ -240,8 +283,12 @@ def test_settings_that_could_never_decide_or_would_be_ignored_are_refused() -> N
     with pytest.raises(BadRequest, match="at least 5 untied pairs"):
         HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 8})
     assert HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 8, "alpha": 0.25}).alpha == 0.25
-    with pytest.raises(BadRequest, match="alpha"):
-        load_recipe("ttt-discover").parse_settings({"alpha": 0.05})
+    ttt = load_recipe("ttt-discover")
+    assert ttt.parse_settings({"alpha": 0.1}).alpha == 0.1  # gate best reads it
+    for bad, why in (({"gate": "always", "alpha": 0.05}, "does not read alpha"), ({"alpha": 1.0}, "between 0 and 1"),
+                     ({"margin": -0.1}, "at least 0")):
+        with pytest.raises(BadRequest, match=why):
+            ttt.parse_settings(bad)
     sao = load_recipe("sao")
     with pytest.raises(BadRequest, match="at least 70"):  # sao's periodic check is a regression gate
         sao.parse_settings({"eval_family": "say", "margin": 0.05})
