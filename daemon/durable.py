@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -53,6 +55,25 @@ def sync_tree(path: str | os.PathLike[str]) -> None:
             if not os.path.islink(p):
                 sync_file(p)
         sync_dir(dirpath)
+
+
+@contextlib.contextmanager
+def staged_dir(dest: Path) -> Iterator[Path]:
+    """A temp directory beside ``dest`` to write what becomes ``dest`` (``publish_dir``), all or nothing: whatever
+    the block leaves unpublished, on an exception or not, is removed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
+
+
+def publish_dir(tmp: Path, dest: Path) -> None:
+    """Rename the complete directory ``tmp`` to ``dest`` durably: every file in it synced first, then the name."""
+    sync_tree(tmp)
+    os.rename(tmp, dest)
+    sync_dir(dest.parent)
 
 
 def mkdirs(path: str | os.PathLike[str]) -> None:

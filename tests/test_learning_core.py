@@ -334,13 +334,18 @@ def test_gates_decide_as_documented():
         judge("nope", candidate=cand, base=base, best=None)
 
 
+SEED = 0
+
+
 def test_the_drift_from_the_base_is_zero_at_first_and_grows_with_training(tiny):
-    """kl_from_base (the watchdog's drift measure): a fresh adapter (B = 0) is the base exactly; each step moves
-    the policy further, and the measure sees it (computing both sides with the adapter on, or off, reads 0)."""
+    """kl_from_base (the watchdog's drift measure): a fresh adapter (B = 0) is the base exactly; training moves
+    the policy away (three steps further than one: Adam at this rate was seen stepping back once on other seeds),
+    and the measure sees it (computing both sides with the adapter on, or off, reads 0)."""
     from recipes.online_rl import kl_from_base, wrap_lora
 
     tokenizer, model = fresh(tiny)
     settings = OnlineRLSettings(lora=True, lr=3e-2, steps_per_batch=1)
+    torch.manual_seed(SEED)  # the adapter's initial A (else drawn from whatever state the earlier tests left)
     model = wrap_lora(model, settings)
     batch = sample_batch(tokenizer, model, ["Say file.", "Say door."], group_size=4)
     for i, s in enumerate(batch):  # a signal in every group
@@ -351,7 +356,7 @@ def test_the_drift_from_the_base_is_zero_at_first_and_grows_with_training(tiny):
     for _ in range(3):
         train_step(model, batch, settings, optimizer)
         drift.append(kl_from_base(model, batch))
-    assert 0 < drift[0] < drift[1] < drift[2], drift
+    assert 0 < drift[0] < drift[2], drift
     with torch.no_grad():  # what it measures: the policy against the same weights with the adapter off
         lp, _, mask = token_logprobs(model, batch[:1], entropy_grad=False)
         with model.disable_adapter():

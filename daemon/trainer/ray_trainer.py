@@ -60,19 +60,12 @@ def _read_dir(path: str) -> dict[str, bytes]:
 
 def _write_dir(files: dict[str, bytes], dest: Path) -> None:
     """``files`` under ``dest``, all or nothing: written in a temp directory beside it, synced, renamed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with durable.staged_dir(dest) as tmp:
         for rel, data in files.items():
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-        durable.sync_tree(tmp)
-        os.rename(tmp, dest)
-        durable.sync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        durable.publish_dir(tmp, dest)
 
 
 class _StepActor:

@@ -6,10 +6,7 @@ run their steps through ``run_job``, so a recipe cannot tell the two apart.
 
 from __future__ import annotations
 
-import os
 import resource
-import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,9 +36,7 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
     cls = load_recipe(job.recipe, job.recipe_paths)
     recipe = cls(cls.parse_settings(job.settings))
     state = states.setdefault(job.recipe, {})
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with durable.staged_dir(out_dir) as tmp:
         try:
             candidate = recipe.train(replace(job, work_dir=str(tmp)), state)
         except BaseException:
@@ -51,14 +46,8 @@ def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> 
             raise TypeError(f"recipe {job.recipe}: train() returned {type(candidate).__name__}, not a Candidate")
         candidate.metrics["trainer_peak_rss_mb"] = peak_rss_mb()  # this step's, or an earlier one's if higher
         if candidate.skipped is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
             return replace(candidate, path=None)
         if not any(tmp.iterdir()):
             raise ValueError(f"recipe {job.recipe}: train() wrote no files into the candidate directory")
-        durable.sync_tree(tmp)
-        os.rename(tmp, out_dir)
-        durable.sync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        durable.publish_dir(tmp, out_dir)
     return replace(candidate, path=str(out_dir))
