@@ -1,27 +1,29 @@
-"""The trainer's peak resident memory for online-rl's default step on SmolLM2-135M-Instruct (issue 23): the batch
-in micro-batches sized from ``memory_budget_mb`` (now) against the whole batch at once (before), as a ratio.
+"""The trainer's peak resident memory for a weights recipe's default step on SmolLM2-135M-Instruct (issue 23): the
+batch in micro-batches sized from ``memory_budget_mb`` (now) against the whole batch at once (before), as a ratio.
 
 Each run is a fresh trainer worker process (``daemon/trainer/worker.py``, the daemon's own) given a real
 ``TrainJob``: first a warm-up step on a short batch (imports, the model, its LoRA adapters, the optimizer), then
-online-rl's default batch (``batch_prompts`` x ``group_size`` = 64 samples) with prompts of ``--prompt`` tokens
-(an agent's request is a few hundred) and answers of ``--answer`` tokens, at the recipe's default settings (LoRA,
-as on every real model). The worker reports its peak RSS (``trainer_peak_rss_mb``); the step's own cost is the
-rise of that peak over the warm-up's.
+the recipe's default batch (``--recipe``: online-rl 4 x 8 = 32 samples, openclaw-rl 8 turns, sao 1 rollout,
+ttt-discover 16 sibling attempts) with prompts of ``--prompt`` tokens (an agent's request is a few hundred) and
+answers of ``--answer`` tokens, at the recipe's default settings (LoRA, as on every real model). The worker
+reports its peak RSS (``trainer_peak_rss_mb``); the step's own cost is the rise of that peak over the warm-up's.
 
 "before" is the same step with the whole batch in one micro-batch, as every step ran before (the output head was
 already applied at the completion positions only in online-rl; ``--full-logits`` also puts back the
 full-vocabulary logits over every position, as sao had). The whole default batch that way needs far more than
 this machine has (the kernel killed the worker at 23 GB on a 24 GiB machine), so by default "before" runs
 ``--before-samples`` samples and scales its rise linearly to the batch (activations are per sample; said in the
-output). ``--before-samples 64`` measures it whole where the memory exists.
+output). ``--before-samples N`` with N the batch measures it whole where the memory exists.
 
-Run: ``python bench/trainer_memory.py [--model DIR] [--prompt 300] [--answer 60] [--threads 1]``
-(about 9 minutes with ``--steps-per-batch 1`` on a shared 2-core machine; the peak is the same for each
-optimizer step). Measured so (300 + 60 tokens, one thread, load average 5-6):
+Run: ``python bench/trainer_memory.py [--recipe online-rl] [--model DIR] [--prompt 300] [--answer 60]
+[--skip-before]``. Measured so (300 + 60 tokens, one thread, 2 cores at load 2-4, 2026-12-04):
 
-    after : peak 1927 MB (warm 1148 MB, the step +779 MB) in 64 micro-batches, 463 s
-    before: peak 51403 MB, the whole batch at once (4 samples measured (+3141 MB), scaled to 64), 25 s for 4
-    ratio : before / after peak = 26.7x; the step's own rise 65x
+    online-rl   : peak 1912 MB (warm 1149 MB, the step +763 MB) in 32 micro-batches, 192 s
+                  before: peak 14887 MB, the whole batch at once (4 samples measured (+1700 MB), scaled to 32)
+                  ratio : before / after peak = 7.8x; the step's own rise 18x
+    openclaw-rl : peak 1984 MB (warm 1311 MB, the step +673 MB) in 8 micro-batches, 76 s
+    sao         : peak 1886 MB (warm 1298 MB, the step +588 MB) in 1 micro-batch, 4 s
+    ttt-discover: peak 1916 MB (warm 1288 MB, the step +629 MB) in 16 micro-batches, 50 s
 """
 
 from __future__ import annotations
