@@ -18,7 +18,10 @@ samples are all wrong some signal. ``exact`` is the 0/1 metric; reward targets (
 
 from __future__ import annotations
 
+import math
 import random
+import shlex
+import subprocess
 import zlib
 from dataclasses import dataclass
 
@@ -271,6 +274,43 @@ class ManyWords(Problem):
     def score(self, completion: str) -> float:
         bare = {w.strip(".,;:!?\"'`") for w in completion.split()}
         return min(1.0, len(bare & self.words) / self.target)
+
+
+class ScorerFailed(RuntimeError):
+    """A user's scorer command could not score an attempt: the evaluation could not run (never a score of 0)."""
+
+
+class CommandScorer(Problem):
+    """A user's own problem, scored by their command (ttt-discover's ``scorer`` setting): the attempt's text on
+    stdin, its score (a finite number, higher is better) on the last line of stdout, exit status 0. Anything else
+    (not found, a non-zero exit, no number, longer than ``timeout_s``) is a ``ScorerFailed`` naming the command and
+    what it did: the step that needed the score fails with that reason, and no attempt is scored 0 for it."""
+
+    name = "scorer"
+
+    def __init__(self, argv: list[str], timeout_s: float) -> None:
+        self.argv, self.timeout_s = list(argv), timeout_s
+
+    def score(self, completion: str) -> float:
+        cmd = shlex.join(self.argv)
+        try:
+            done = subprocess.run(self.argv, input=completion, capture_output=True, text=True,
+                                  timeout=self.timeout_s)
+        except FileNotFoundError:
+            raise ScorerFailed(f"scorer {cmd}: {self.argv[0]} not found") from None
+        except subprocess.TimeoutExpired:
+            raise ScorerFailed(f"scorer {cmd} took longer than {self.timeout_s:g} s (scorer_timeout_s)") from None
+        if done.returncode != 0:
+            raise ScorerFailed(f"scorer {cmd} exited {done.returncode}: {done.stderr.strip()[-300:]!r}")
+        lines = done.stdout.strip().splitlines()
+        try:
+            value = float(lines[-1])
+        except (IndexError, ValueError):
+            raise ScorerFailed(f"scorer {cmd} printed {done.stdout.strip()[-200:]!r}, not a score (a number on "
+                               "its last line)") from None
+        if not math.isfinite(value):
+            raise ScorerFailed(f"scorer {cmd} printed {value}, not a finite score")
+        return value
 
 
 PROBLEMS: dict[str, type[Problem]] = {LongestWord.name: LongestWord, ManyWords.name: ManyWords}

@@ -91,7 +91,7 @@ class TTTReport:
 class TTTSettings(GateSettings):
     gate: str = "best"  # best (turned away only when shown worse than the head at alpha) | always | review
     margin: float = 0.0  # best: a candidate shown worse is still published when its mean is this close
-    adv_temperature: float = 0.05  # tau of the entropic advantage (reward units): smaller pushes harder to the best
+    adv_temperature: float | None = None  # None: adaptive (the source's); tau in reward units: smaller pushes harder
     group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
     lr: float = 2e-4  # AdamW learning rate (higher collapses onto the first good attempt and stops searching)
@@ -105,6 +105,10 @@ class TTTSettings(GateSettings):
     max_new_tokens: int = 8
     train_embeddings: bool = False
     problem: str | None = None  # a built-in problem scorer for the gate (recipes/tasks.py PROBLEMS)
+    # the user's own scorer for the gate: a command (argv list, or a string split like a shell's) given the attempt
+    # on stdin that prints its score; one that fails fails the step (recipes/tasks.py CommandScorer)
+    scorer: list[str] | str | None = None
+    scorer_timeout_s: float = 30.0
     eval_attempts: int = 32  # attempts the gate samples from the candidate and from the head
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
@@ -127,14 +131,56 @@ def group_key(record: dict[str, Any]) -> str:
     return "p:" + hashlib.sha1(repr(record["prompt_token_ids"]).encode()).hexdigest()
 
 
-def entropic_advantages(rewards: list[float], tau: float) -> list[float]:
-    """``n * softmax(r / tau) - 1`` over one group: zero mean, the best attempt highest (see the module doc)."""
-    if not rewards:
-        return []
+KL_TARGET = math.log(2)  # the adaptive tilt's KL from uniform over the group (the source's delta)
+BETA_MAX = 1e6
+
+
+def _tilt_kl(rewards: list[float], beta: float) -> float:
+    """KL(q || uniform) of ``q ~ exp(beta * r)`` over one group."""
     top = max(rewards)
-    e = [math.exp((r - top) / tau) for r in rewards]  # shifted by the max: no overflow for small tau
+    logits = [beta * (r - top) for r in rewards]
+    log_z = math.log(sum(math.exp(x) for x in logits))
+    return sum(math.exp(x - log_z) * (x - log_z + math.log(len(rewards))) for x in logits)
+
+
+def adaptive_beta(rewards: list[float]) -> float:
+    """The source's adaptive inverse temperature: the ``beta`` whose tilt ``exp(beta * r)`` is ``KL_TARGET`` (ln 2)
+    from uniform over the group, by doubling then bisection (``BETA_MAX`` when even that cannot reach it: all
+    equal, or tied at the top); scale-free, so no reward unit to tune. A group of two can come only infinitely
+    close to ln 2 (its maximum) and its leave-one-out advantage would be unbounded, so its target is half that (the
+    source's groups are 64)."""
+    if len(rewards) < 2:
+        return 0.0
+    target = KL_TARGET if len(rewards) > 2 else KL_TARGET / 2
+    lo, hi = 0.0, 1.0
+    while hi < BETA_MAX and _tilt_kl(rewards, hi) < target:
+        lo, hi = hi, hi * 2
+    if _tilt_kl(rewards, hi) < target:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _tilt_kl(rewards, mid) < target else (lo, mid)
+    return hi
+
+
+def entropic_advantages(rewards: list[float], tau: float | None) -> list[float]:
+    """The entropic advantage over one group, the best attempt highest and one above the mean but far below the
+    best pushed down (see the module doc). Adaptive (``tau`` None), as the source computes it: leave-one-out,
+    ``w_i = e_i / mean_{j != i} e_j - 1`` with ``e = exp(beta * (r - max r))`` at ``adaptive_beta``. A fixed
+    ``tau``: ``n * softmax(r / tau) - 1`` (zero mean, at most ``n - 1``; leave-one-out at a fixed beta is unbounded
+    when one attempt stands far above the rest, as ``exp(-beta * gap)`` goes to 0)."""
+    k = len(rewards)
+    if k < 2:
+        return [0.0] * k
+    top = max(rewards)
+    if tau is not None:
+        e = [math.exp((r - top) / tau) for r in rewards]  # shifted by the max: no overflow for small tau
+        total = sum(e)
+        return [k * x / total - 1 for x in e]
+    beta = adaptive_beta(rewards)
+    e = [math.exp(beta * (r - top)) for r in rewards]
     total = sum(e)
-    return [len(rewards) * x / total - 1 for x in e]
+    return [x / ((total - x) / (k - 1) + 1e-12) - 1 for x in e]
 
 
 def attempt_score(record: dict[str, Any]) -> float:
@@ -177,8 +223,24 @@ class TTTDiscover(Recipe):
                 get_problem(settings.problem)
             except ValueError as e:
                 raise BadRequest(str(e), param="settings.problem") from None
-        if not settings.adv_temperature > 0:
-            raise BadRequest("recipe ttt-discover setting adv_temperature must be above 0",
+        if settings.scorer is not None:
+            import shutil
+
+            if settings.problem is not None:
+                raise BadRequest("recipe ttt-discover: set problem (a built-in scorer) or scorer (your command), not "
+                                 "both", param="settings.scorer")
+            argv = scorer_argv(settings)
+            if not argv or not all(isinstance(a, str) and a for a in argv):
+                raise BadRequest("recipe ttt-discover setting scorer must be a command: a list of non-empty strings "
+                                 "or a string", param="settings.scorer")
+            if shutil.which(argv[0]) is None:
+                raise BadRequest(f"recipe ttt-discover setting scorer: {argv[0]} not found (an executable on PATH or "
+                                 "a path)", param="settings.scorer")
+            if not settings.scorer_timeout_s > 0:
+                raise BadRequest("recipe ttt-discover setting scorer_timeout_s must be positive",
+                                 param="settings.scorer_timeout_s")
+        if settings.adv_temperature is not None and not settings.adv_temperature > 0:
+            raise BadRequest("recipe ttt-discover setting adv_temperature must be above 0 (or unset: adaptive)",
                              param="settings.adv_temperature")
         for key in ("group_size", "groups_per_step", "steps_per_batch", "eval_attempts", "max_new_tokens"):
             if getattr(settings, key) < 1:
@@ -262,7 +324,7 @@ class TTTDiscover(Recipe):
         top = max(range(len(scores)), key=scores.__getitem__)
         found = {"batch_best": scores[top], "batch_mean": sum(scores) / len(scores),
                  "batch_best_receipt": job.batch[top]["id"], "batch_best_release": job.batch[top].get("release_id")}
-        judged = s.gate == "best" and s.problem is not None
+        judged = s.gate == "best" and (s.problem is not None or s.scorer is not None)
         prompt = Counter(tuple(r["prompt_token_ids"]) for r in job.batch).most_common(1)[0][0]
         base_scores, eval_s = None, 0.0
         # fresh common random numbers for each comparison: reusing the head's own scores from when it won would
@@ -299,12 +361,29 @@ class TTTDiscover(Recipe):
         return Candidate(path=str(out), metrics=metrics, eval=ev)
 
 
-def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTSettings, seed: int) -> list[float]:
-    """The problem's scores of ``eval_attempts`` attempts sampled from ``model`` with the random stream ``seed``."""
-    from recipes.tasks import get_problem
+def scorer_argv(settings: TTTSettings) -> list[str]:
+    """The ``scorer`` setting as an argv list (a string is split as a shell would, without running one)."""
+    import shlex
 
-    assert settings.problem is not None
-    problem = get_problem(settings.problem)
+    if isinstance(settings.scorer, str):
+        try:
+            return shlex.split(settings.scorer)
+        except ValueError as e:
+            raise BadRequest(f"recipe ttt-discover setting scorer: {e}", param="settings.scorer") from None
+    return list(settings.scorer or [])
+
+
+def attempt_scores(model: Any, tokenizer: Any, prompt: list[int], settings: TTTSettings, seed: int) -> list[float]:
+    """The problem's scores of ``eval_attempts`` attempts sampled from ``model`` with the random stream ``seed``
+    (by the built-in ``problem``, or the user's ``scorer`` command; one that fails raises, failing the step)."""
+    from recipes.tasks import CommandScorer, Problem, get_problem
+
+    problem: Problem
+    if settings.scorer is not None:
+        problem = CommandScorer(scorer_argv(settings), settings.scorer_timeout_s)
+    else:
+        assert settings.problem is not None
+        problem = get_problem(settings.problem)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     outs = generate(model, [prompt] * settings.eval_attempts, eos=eos_ids(model, tokenizer),
                     max_new_tokens=settings.max_new_tokens, temperature=1.0, generator=gen)

@@ -6,6 +6,7 @@ the mean attempt scores rise on the demo model's problem."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +37,30 @@ def test_the_entropic_advantage_pushes_toward_the_best_not_the_mean():
     assert flat[2] > 0
     assert entropic_advantages([0.3, 0.3], 0.05) == [0.0, 0.0]
     assert entropic_advantages([0.0, 1e6], 1e-3) == [-1.0, 1.0]  # no overflow
+
+
+def test_the_adaptive_temperature_tilts_ln_2_from_uniform_and_is_scale_free():
+    """The default (the source's ``entropic_adaptive_beta``): per group, the beta whose tilt ``exp(beta * r)`` is
+    ln 2 from uniform, then leave-one-out weights. The same rewards on another scale get the same advantages (a
+    fixed tau does not: it was tuned in one problem's units); the best highest, above-the-mean-but-far-from-best
+    pushed down; ties and all-equal groups bounded; a group of two bounded too (its target is half)."""
+    from recipes.ttt_discover import _tilt_kl, adaptive_beta
+
+    rewards = [0.2, 0.5, 0.6, 1.0]
+    beta = adaptive_beta(rewards)
+    assert _tilt_kl(rewards, beta) == pytest.approx(math.log(2), abs=1e-6)
+    adv = entropic_advantages(rewards, None)
+    assert adv == sorted(adv) and adv[3] > 0 > adv[2]  # 0.6 is above the mean (0.575), far below the best
+    e = [math.exp(beta * (r - 1.0)) for r in rewards]  # leave-one-out, as the source: e_i / mean of the others
+    assert adv[0] == pytest.approx(e[0] / ((sum(e) - e[0]) / 3) - 1, rel=1e-9)
+    scaled = entropic_advantages([100 * r for r in rewards], None)
+    assert scaled == pytest.approx(adv, rel=1e-6)
+    assert entropic_advantages([100 * r for r in rewards], 0.05) != pytest.approx(entropic_advantages(rewards, 0.05))
+    assert entropic_advantages([1.0, 1.0, 0.0], None) == pytest.approx([1.0, 1.0, -1.0], abs=1e-6)
+    assert entropic_advantages([0.3] * 4, None) == pytest.approx([0.0] * 4, abs=1e-9)
+    two = entropic_advantages([0.0, 1.0], None)
+    assert 0 < two[1] < 10 and -1 < two[0] < 0, two
+    assert TTTSettings().adv_temperature is None  # the default is the source's
 
 
 def record(rid: str, score: float, prompt: list[int], group: str | None = None, release: str = "r0") -> dict[str, Any]:
@@ -163,6 +188,57 @@ def test_reports_that_break_the_schema_are_a_400_naming_the_field_and_the_status
         assert assert_canonical_error(bad, 400)["param"] == "settings.problem"
         bad = c.post("/reef/scenarios", json={"name": "b", "recipe": "ttt-discover", "settings": {"group_size": 1}})
         assert assert_canonical_error(bad, 400)["param"] == "settings.group_size"
+
+
+SCORER = """
+import sys
+text = sys.stdin.read()
+with open(sys.argv[1], "a") as log:
+    log.write(repr(text) + "\\n")
+print(len(text.strip()) / 10)
+"""
+
+
+def test_a_users_scorer_command_judges_the_gate_and_one_that_fails_fails_the_step(daemon_factory: Any,
+                                                                                  tmp_path: Any) -> None:
+    """A problem of the user's own: ``scorer`` is their command, given each attempt the gate samples on stdin,
+    printing its score. The gate's figures are the command's scores (the head's attempts first, then the
+    candidate's, as the log shows); a scorer that fails (exit 2) fails the step with its reason, never a rejection
+    on scores of 0; a scorer that cannot run, or set with a built-in problem too, is refused at creation."""
+    import ast
+    import sys
+
+    script, broken, log = tmp_path / "score.py", tmp_path / "broken.py", tmp_path / "scored.log"
+    script.write_text(SCORER)
+    broken.write_text("import sys\nsys.stdin.read()\nprint('boom: no such file', file=sys.stderr)\nsys.exit(2)\n")
+    d: Daemon = daemon_factory("")
+    with d.http() as c:
+        for name, cmd in (("mine", [sys.executable, str(script), str(log)]), ("broken", [sys.executable, str(broken)])):
+            assert c.post("/reef/scenarios", json={"name": name, "recipe": "ttt-discover", "settings": {
+                "scorer": cmd, "group_size": 3, "eval_attempts": 6}}).status_code == 201
+            got = [attempt(c, name)[0] for _ in range(3)]
+            for receipt, score in zip(got, (0.1, 0.5, 0.9), strict=True):
+                assert c.post("/reef/report", json={"score": score, "references": [receipt],
+                                                    "metadata": {"group": "r1"}}).status_code == 201
+            wait_for(lambda name=name: len(consumed(c, name)) == 3, timeout=180, what=f"{name}'s step")
+        chain = releases(c, "mine", True)
+        step = chain["releases"][0] if chain["releases"][0]["step"] == 1 else chain["rejected"][0]
+        texts = [ast.literal_eval(line) for line in log.read_text().splitlines()]
+        assert len(texts) == 12, texts  # 6 of the head's attempts, then 6 of the candidate's
+        head, cand = ([len(t.strip()) / 10 for t in part] for part in (texts[:6], texts[6:]))
+        assert step["metrics"]["base_reward"] == pytest.approx(sum(head) / 6)
+        assert step["metrics"]["eval_reward"] == pytest.approx(sum(cand) / 6) and step["metrics"]["pairs"] == 6
+        failed = releases(c, "broken", True)
+        assert [r["step"] for r in failed["releases"]] == [0]  # nothing published
+        [entry] = failed["rejected"]
+        assert entry["verdict"] == "failed", entry
+        assert "exited 2" in entry["reason"] and "boom: no such file" in entry["reason"], entry["reason"]
+        for settings, why in (({"scorer": [sys.executable, "-c", "0"], "problem": "longest-word"}, "not both"),
+                              ({"scorer": "no-such-scorer --fast"}, "no-such-scorer not found"),
+                              ({"scorer": []}, "must be a command")):
+            bad = c.post("/reef/scenarios", json={"name": "bad", "recipe": "ttt-discover", "settings": settings})
+            err = assert_canonical_error(bad, 400)
+            assert err["param"] == "settings.scorer" and why in err["message"], err
 
 
 def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(daemon_factory: Any) -> None:
