@@ -100,9 +100,11 @@ def main() -> None:
 
 
 def chain(c: httpx.Client, all_: bool) -> list[dict]:
-    """The scenario's steps, newest first: releases (but the init one) and rejected or skipped candidates."""
+    """The scenario's steps, newest first: releases (but the init one), rejected or skipped candidates, and held ones
+    (pending: a step held for review is a step too; waiting for it to publish would wait for a person)."""
     body = c.get("/reef/scenarios/ttt/releases", params={"all": "1"} if all_ else {}).json()
-    steps = [r for r in body["releases"] if r["operation"] != "init"] + body.get("rejected", [])
+    steps = [r for r in body["releases"] if r["operation"] != "init"] + body.get("rejected", []) + \
+        [{**r, "verdict": "pending"} for r in body.get("pending", [])]
     return sorted(steps, key=lambda r: r["created_at"], reverse=True)
 
 

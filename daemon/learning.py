@@ -638,7 +638,8 @@ class Learner:
                 if r.operation != "train":
                     break
                 published.append(r.metrics)
-            alarm = watchdog.check(published, metrics, getattr(recipe.settings, "max_kl", None))
+            alarm = watchdog.check(published, metrics, getattr(recipe.settings, "max_kl", None),
+                                   held_out=recipe.held_out_eval)
             if alarm is not None:
                 record = self.chains.manifest(scenario, metrics={**metrics, "watchdog": alarm["reason"]},
                                               receipts=receipts, settings=record_settings)

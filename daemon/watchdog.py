@@ -6,7 +6,10 @@ mean score of the reports each step trained on) rose by at least ``RISE`` while 
 (``eval_reward``: the gate's evaluation on tasks the recipe never trains on) fell by at least ``FALL``: the policy is
 learning what the scores reward, not what they were meant to measure. Both figures are in the hold's reason and on
 ``/reef/events`` (``watchdog``); ``reef releases promote ID`` publishes the candidate anyway. A recipe without
-held-out evaluation gives the watchdog nothing to compare: it never holds there.
+held-out evaluation gives the watchdog nothing to compare: it never holds there. Nor does one whose gate scores
+the very problem it trains on (``Recipe.held_out_eval`` False: ttt-discover, whose gate samples fresh attempts at
+the problem each step; a fall there is the sampling's noise or the search's, and holding for it stalled the search
+with nobody asked: its rise test waited forever on a step held at round 20 or so).
 
 Drift: a LoRA policy's ``kl_from_base`` (``recipes/online_rl.kl_from_base``: the mean per-token KL from the model
 its adapter applies to, on the step's own answers) above the recipe's ``max_kl`` holds the candidate too: a policy
@@ -29,16 +32,19 @@ def _num(m: Mapping[str, Any], key: str) -> float | None:
 
 
 def check(published: Sequence[Mapping[str, Any]], candidate: Mapping[str, Any],
-          max_kl: float | None = None) -> dict[str, Any] | None:
+          max_kl: float | None = None, *, held_out: bool = True) -> dict[str, Any] | None:
     """``published``: the metrics of the chain's train releases, newest first; ``candidate``: the candidate's;
-    ``max_kl``: the recipe's bound on its policy's drift from the model its adapter applies to. The figures and
-    reason when the candidate must be held, else None."""
+    ``max_kl``: the recipe's bound on its policy's drift from the model its adapter applies to; ``held_out``:
+    whether the recipe's ``eval_reward`` is held out (``Recipe.held_out_eval``; when not, only the drift is
+    watched). The figures and reason when the candidate must be held, else None."""
     kl = _num(candidate, "kl_from_base")
     if max_kl is not None and kl is not None and kl > max_kl:
         return {"kl_from_base": kl, "max_kl": max_kl,
                 "reason": f"watchdog: the policy moved {kl:.4f} nats per token from its base model (KL on the "
                           f"step's answers), more than max_kl {max_kl:g}; held for review (reef releases promote ID "
                           "publishes it)"}
+    if not held_out:
+        return None
     series = [candidate, *published[:WINDOW]][::-1]  # oldest first, the candidate last
     points = [(_num(m, "batch_reward"), _num(m, "eval_reward")) for m in series]
     if len(points) < WINDOW + 1 or any(t is None or h is None for t, h in points):

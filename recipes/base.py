@@ -185,6 +185,10 @@ class Recipe:
     # trains on the behaviour log-probs recorded at serving time: only records sampled at temperature 1 without
     # top-p / top-k are eligible (``off_policy_sampling``); the scenario's view counts the others and says why
     behaviour_logprobs: ClassVar[bool] = False
+    # its gate's ``eval_reward`` scores tasks it never trains on, so the watchdog may read a fall in it against a
+    # rising training reward as reward hacking (daemon/watchdog.py); False where the gate scores the very problem
+    # trained on (ttt-discover): nothing there is held out
+    held_out_eval: ClassVar[bool] = True
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else type(self).Settings()

@@ -196,6 +196,7 @@ class TTTDiscover(Recipe):
     kind = "weights"
     source = "scores"
     behaviour_logprobs = True
+    held_out_eval = False  # the gate samples the problem trained on: the watchdog reads no reward hacking into it
     Settings = TTTSettings
     Report = TTTReport
 

@@ -63,6 +63,24 @@ def test_the_decision_needs_both_a_rise_and_a_fall_over_the_window() -> None:
     assert watchdog.check([{"batch_reward": 0.5}] * 3, m(0.9, 0.1)) is None  # no held-out score: nothing to judge
 
 
+def test_a_gate_that_scores_the_problem_trained_on_is_not_read_as_held_out() -> None:
+    """ttt-discover's gate samples fresh attempts at the very problem it trains on: its eval_reward is no held-out
+    score, so the same rise-and-fall (its sampling noise: 0.318 -> 0.237 over four steps held a healthy search for
+    review, and nothing was ever asked to promote it) holds nothing there; the drift bound still holds."""
+    from recipes import load_recipe
+
+    def m(train: float, held: float) -> dict[str, float]:
+        return {"batch_reward": train, "eval_reward": held}
+
+    noisy = [m(0.30, 0.30), m(0.25, 0.28), m(0.156, 0.318)]  # newest first
+    assert watchdog.check(noisy, m(0.349, 0.237)) is not None  # read as held out, it would hold
+    ttt = load_recipe("ttt-discover")
+    assert ttt.held_out_eval is False and load_recipe("online-rl").held_out_eval is True
+    assert watchdog.check(noisy, m(0.349, 0.237), held_out=ttt.held_out_eval) is None
+    drifted = {**m(0.349, 0.237), "kl_from_base": 0.3}
+    assert watchdog.check(noisy, drifted, max_kl=0.2, held_out=False) is not None
+
+
 def test_a_hacked_run_is_held_and_a_healthy_one_published(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
     (recipe_dir / "drifting.py").write_text(DRIFTING)
     d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
