@@ -88,7 +88,8 @@ def main() -> None:
                 m = last.get("metrics") or {}
                 best = max(best, *scores)
                 top = max(zip(scores, (t for _, t in results), strict=True))[1]
-                verdict = "accepted" if last.get("operation") == "train" else last.get("verdict", "?")
+                verdict = "accepted" if last.get("operation") == "train" and last.get("verdict") != "pending" \
+                    else last.get("verdict", "?")
                 print(f"{step:4d}  {sum(scores) / len(scores):.3f}  {max(scores):.3f}         {best:.3f}        "
                       f"{verdict:8s}  {fmt(m.get('eval_reward'))}      "
                       f"{fmt(m.get('base_reward'))}  {top.strip()!r}", flush=True)
