@@ -10,7 +10,9 @@ one line per step: the round's mean and best attempt, the best attempt so far, a
 score of the candidate's and the head's sampled attempts), then the scenario's status (the best attempt found and
 the release that served it).
 
-Run: ``.venv/bin/python bench/ttt_discover.py [--steps 60] [--problem longest-word] [--seed 0]``
+Run: ``.venv/bin/python bench/ttt_discover.py [--steps 60] [--problem longest-word] [--seed 0]``, or with your
+own problem: ``--scorer "python3 bench/scorers/distinct_letters.py" --prompt "Say one long word."`` (the command
+scores each attempt for the client, and the gate runs it too).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -42,9 +45,20 @@ def main() -> None:
     ap.add_argument("--problem", default="longest-word")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default="{}", help="extra recipe settings (JSON)")
+    ap.add_argument("--scorer", help="your own scorer command instead of --problem (e.g. 'python3 "
+                    "bench/scorers/distinct_letters.py'): the client and the gate both score with it")
+    ap.add_argument("--prompt", default="Say one long word.", help="the problem's prompt, with --scorer")
     args = ap.parse_args()
-    problem = get_problem(args.problem)
-    settings = {"problem": args.problem, **json.loads(args.settings)}
+    if args.scorer:
+        from recipes.tasks import CommandScorer
+
+        argv = [str(Path(a).resolve()) if Path(a).is_file() else a for a in shlex.split(args.scorer)]  # any cwd
+        problem = CommandScorer(argv, 30.0)
+        problem.prompt = args.prompt
+        settings = {"scorer": argv, **json.loads(args.settings)}
+    else:
+        problem = get_problem(args.problem)
+        settings = {"problem": args.problem, **json.loads(args.settings)}
     group = int(settings.get("group_size", TTTSettings.group_size))
     max_tokens = int(settings.get("max_new_tokens", TTTSettings.max_new_tokens))
     home = Path(tempfile.mkdtemp(prefix="reef-bench-ttt-"))
@@ -58,7 +72,8 @@ def main() -> None:
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()
         subprocess.run([*reef, "model", "init", "tiny-demo"], env=env, check=True, capture_output=True)
-        print(f"tiny-demo built in {time.monotonic() - t0:.1f} s; problem {args.problem}: {problem.prompt!r}")
+        print(f"tiny-demo built in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
+              f"{problem.prompt!r}")
         token = (home / "token").read_text().strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=300) as c, \
                 ThreadPoolExecutor(group) as pool:

@@ -12,20 +12,25 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
 - **Groups.** Siblings are the attempts of one ``group`` when the client names it, otherwise of one prompt (the same
   problem, token for token). A step takes the first ``groups_per_step`` groups that have ``group_size`` attempts;
   attempts served more than ``max_staleness`` releases behind the head are dropped (their policy is gone).
-- **Entropic advantage.** Within a group of n attempts with rewards r, the weights are ``w = n * softmax(r / tau)``
-  (``tau``: ``adv_temperature``, in reward units) and the advantage is ``A = w - 1``: zero mean over the group, the
-  best attempt pulled up hardest, and, unlike mean baselines (GRPO), an attempt just above the mean but far below
-  the best pushed *down* when tau is small. This is the gradient of the entropic objective ``tau * log E[exp(r /
-  tau)]``, which tends to the max as tau goes to 0 and to the mean as it grows (then ``A ~ (r - mean) / tau``). A
-  fixed tau in reward units rather than the paper's adaptive one: the user knows one problem's reward scale, and a
-  fixed tau keeps "how much better is better" stable across steps. A group whose rewards are all equal has no
-  signal and is counted (``degenerate_groups``), not faked.
+- **Entropic advantage.** As the source computes it by default (test-time-training/discover,
+  ``entropic_adaptive_beta``): within a group of k attempts with rewards r, the inverse temperature beta whose tilt
+  ``q ~ exp(beta * r)`` is ln 2 from uniform (KL; doubling, then bisection: ``adaptive_beta``), then leave-one-out
+  weights ``w_i = e_i / mean_{j != i} e_j`` with ``e = exp(beta * (r - max r))`` and the advantage ``A = w - 1``: the
+  best attempt pulled up hardest and, unlike mean baselines (GRPO), an attempt just above the mean but far below the
+  best pushed *down*. This is the gradient of the entropic objective ``log E[exp(beta * r)] / beta``, which tends to
+  the max as beta grows. Adaptive, it is scale-free: a user's own scorer in any units gets the same advantages,
+  with nothing to tune. A group of two reaches ln 2 only at an infinite beta (an unbounded advantage), so its target
+  is half. ``adv_temperature = tau`` fixes it instead: ``A = k * softmax(r / tau) - 1`` (zero mean, at most k - 1;
+  leave-one-out at a fixed beta is unbounded when one attempt stands far above the rest), tau in reward units. A
+  group whose rewards are all equal has no signal and is counted (``degenerate_groups``), not faked.
 - **Objective.** online-rl's clipped surrogate on the behaviour log-probs recorded at serving time (the ratio
   corrects for staleness, the clip bounds it), per-token mean, AdamW on all but the tied embeddings, gradient
   clipping; ``steps_per_batch`` optimizer steps per group. Measured on ``longest-word``: at lr 2e-3 with 2 steps a
   group of 8, the demo model collapsed onto its first good answer in 5 steps and never searched again; lr 2e-4, one
   step, groups of 16 and tau 0.05 keep it searching while the mean climbs.
-- **Gate: best so far.** With a built-in ``problem`` scorer (``recipes/tasks.py``), the trainer samples
+- **Gate: best so far.** With a scorer, built in (``problem``, ``recipes/tasks.py``) or the user's own (``scorer``:
+  a command given each attempt on stdin that prints its score; a scorer that fails, times out or prints no number
+  fails the step naming it, and no attempt is scored 0 for it: ``recipes/tasks.py CommandScorer``), the trainer samples
   ``eval_attempts`` attempts from the candidate and from the serving head on the problem's prompt as the client
   asks it (the batch's prompt tokens), at temperature 1 with the same random stream for both (common
   random numbers: a paired comparison), fresh for each step, and scores them. The candidate is turned away only
