@@ -90,6 +90,13 @@ def test_a_step_the_remote_refuses_is_learned_once_the_remote_answers(
         _until("the step met the refusal", lambda: "learning on notes failed" in a.log_tail(400))
         assert "maximum allowed size" in a.log_tail(400)
         assert _head(ca) == init and remote_head(remote, "notes") == init and _trained(ca) == []
+        # while the remote refuses, the holder tries the batch again at each lease renewal; the refusal must end
+        # between two tries, not within one (a try whose release push is refused and whose failure record then
+        # goes through is a failed step, written down: that is the product's rule, not what this test is about).
+        # Paused, the learner takes no step: the refusal ends with nothing in flight, then it resumes
+        assert ca.post("/reef/scenarios/notes/pause", json={}).status_code == 200
+        _until("a's learner is paused", lambda: ca.get("/reef/status").json()["learning"].get("notes") == "paused")
         subprocess.run(["git", f"--git-dir={remote}", "config", "--unset", "receive.maxInputSize"], check=True)
+        assert ca.post("/reef/scenarios/notes/resume", json={}).status_code == 200
         assert _until("a learns the batch once the remote answers", lambda: _trained(ca)) == [[first]]
         assert remote_head(remote, "notes") == _head(ca) != init
