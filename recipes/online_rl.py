@@ -356,7 +356,7 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         # k3 of KL(current || reference) on tokens the current policy sampled, clamped as slime's low_var_kl
         kl_ref = (k3((ref - logp).masked_fill(~ref_mask, 0.0)).clamp(max=10.0) * ref_mask).sum() / n
         loss = loss + kl_coef * kl_ref
-        sums["kl_ref"] += float(kl_ref)
+        sums["kl_ref"] += float(kl_ref.detach())
     loss.backward()
     with torch.no_grad():
         is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))

@@ -108,6 +108,13 @@ def parse_hint_answer(answer: str) -> str | None:
     return hint[:500] if boxed and int(boxed[-1]) == 1 and len(hint) >= MIN_HINT_CHARS else None
 
 
+def best_hint(answers: Sequence[str | BaseException]) -> str | None:
+    """The longest hint among the hint judge's votes (``parse_hint_answer``), as OpenClaw-RL's
+    ``_select_best_hint``; None when no vote gave one (failed votes give none)."""
+    hints = [h for a in answers if isinstance(a, str) and (h := parse_hint_answer(a))]
+    return max(hints, key=len) if hints else None
+
+
 def majority(votes: list[TurnVerdict | BaseException], judge: str) -> TurnVerdict:
     """One verdict from a judge model's votes, as OpenClaw-RL's ``_majority_vote``: votes that failed, timed out or
     did not parse abstain; the most frequent verdict among the rest wins; a tie for the most, or no vote left, is
@@ -225,8 +232,7 @@ class OpenClawRL(OnlineRL):
         answers = await bounded(calls, s.judge_timeout_s)
         verdict = majority([parse_judge_answer(a, s.judge) if isinstance(a, str) else a for a in answers[:n]],
                            s.judge)
-        hints = [h for a in answers[n:] if isinstance(a, str) and (h := parse_hint_answer(a))]
-        return dataclasses.replace(verdict, hint=max(hints, key=len) if hints else None)  # the longest
+        return dataclasses.replace(verdict, hint=best_hint(answers[n:]))
 
     def samples(self, batch: list[dict[str, Any]], model: Any, tokenizer: Any) -> list[Sample]:
         samples = super().samples(batch, model, tokenizer)
