@@ -8,23 +8,46 @@ Design choices:
   session that asks the last user message again is a retry of that turn.
 - **Judges.** ``judge = "<model>"`` names any configured model (the served one, another local one, an upstream
   provider); it is asked with ``JUDGE_PROMPT`` (below, fixed) and its answer is parsed strictly: the first
-  non-empty line must be ``GOOD: <reason>``, ``BAD: <reason>`` or ``NEUTRAL: <reason>``; anything else is neutral
-  and counted as unparseable. Without a judge model the rule judge (``rule_verdict``) decides: a retry, a
+  non-empty line must be ``GOOD: <reason>``, ``BAD: <reason>`` or ``NEUTRAL: <reason>``; anything else is
+  unparseable. Without a judge model the rule judge (``rule_verdict``) decides: a retry, a
   correction ("no", "that's wrong", "you forgot ..."), or a failing tool result is bad; thanks, or moving on (a new
-  request, tool results without errors) is good; nothing to go by is neutral. A judge that fails or takes longer
-  than ``judge_timeout_s`` is neutral: it never blocks serving and never becomes a reward.
+  request, tool results without errors) is good; nothing to go by is neutral.
+- **Votes** (OpenClaw-RL's process reward, ``openclaw-rl/openclaw_api_server.py``: ``_majority_vote``, ``PRM_M=3``,
+  ``prm_temperature 0.6``). A judge model is asked ``judge_votes`` times at once (default 3), each sampled at
+  ``judge_temperature`` (0.6); the most frequent verdict wins, a tie for the most is neutral. A vote that fails,
+  takes longer than ``judge_timeout_s`` or does not parse abstains, as the source's failed query does; no vote left
+  is neutral (counted as unparseable): a judge never blocks serving and never becomes a reward. The votes are in the
+  report's metadata. The rule judge is deterministic: ``judge_votes > 1`` without a judge model is refused, and so
+  are several greedy votes (``judge_temperature = 0``).
 - **Rewards.** A verdict is stored as a report on the judged receipt (metadata ``source = "judge"``, the reason as
   feedback), so it shows in ``reef records show``, lineage and consumption work as for explicit reports, and an
   explicit report on the same receipt takes precedence. Good scores 1, bad 0; neutral carries no score.
 - **Objective.** online-rl's clipped policy gradient (``recipes/online_rl.py``). Turns of a session are not
   samples of one prompt, so there are no groups: each sample is baselined by the batch mean (the group-of-one rule
   of ``advantages``), over ``batch_prompts`` turns (``group_size`` 1).
-- **Hindsight hints** (``hints = true``, on-policy distillation): when a correction says what was wrong ("use
-  snake_case"), the serving model with that hint in its context is the teacher; the turn's sampled tokens get a
-  per-token advantage ``hint_coef * (log p_teacher - log p_behaviour)`` added to the reward's, so tokens the hinted
-  model would not have written are pushed down and the ones it agrees with are kept. The hint goes in as a user
-  message just before the answer, rendered with the model's own chat template; a prompt that does not end with the
-  template's generation prompt gets no hint.
+- **Hindsight hints** (``hints = true``, on-policy distillation; the source's ``openclaw-opd`` and
+  ``openclaw-combine``): the serving model with a hint in its context is the teacher; the turn's sampled tokens get
+  a per-token advantage ``hint_coef * (log p_teacher - log p_behaviour)`` added to the reward's (the combined
+  method's ``w_opd = 1``), so tokens the hinted model would not have written are pushed down and the ones it agrees
+  with are kept. The rule judge's hint is a correction's text ("use snake_case"); a judge model's comes from the
+  hint judge: ``HINT_PROMPT`` asked ``judge_votes`` times beside the verdict's votes, in the source's format
+  (``\\boxed{1}`` and a hint between ``[HINT_START]`` and ``[HINT_END]``, or ``\\boxed{-1}``), the longest hint of
+  more than 10 characters kept (``_select_best_hint``). A turn without a hint trains on its reward alone, as the
+  combined method's RL-only sample (its distillation-only method drops it): ``hinted`` and ``unhinted`` count them
+  per step. The hint goes in as a user message just before the answer, rendered with the model's own chat template
+  (the source appends it to the last user message); a prompt that does not end with the template's generation
+  prompt gets no hint.
+- **KL to the base** (``kl_coef``; the source's ``--use-kl-loss --kl-loss-type low_var_kl --ref-load`` the initial
+  checkpoint): ``kl_coef * KL(policy || reference)`` joins online-rl's loss, per token by the k3 estimator clamped at
+  10 as slime's ``low_var_kl``, averaged over the batch's tokens like the policy loss (slime: per sample, then
+  over samples); ``kl_ref`` in the step's metrics. The reference is the model the LoRA adapter applies to (the
+  adapter off, as ``kl_from_base``): a policy training all its weights has no fixed reference in the trainer, so
+  ``kl_coef > 0`` needs adapters. Default 0: the source's launch scripts run ``--kl-loss-coef 0.0`` (its README
+  states 0.02).
+- **Left out.** A turn the votes call neutral does not train even with a hint (the combined method makes it a
+  distillation-only sample; Reef's batches are scored exchanges). The source's top-K logit distillation (its OPD
+  option B). Its advantage is the raw reward (+1 / -1, no normalisation); here online-rl's (1 / 0, baselined by the
+  batch mean).
 """
 
 from __future__ import annotations
