@@ -72,6 +72,7 @@ from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict, off_pol
 log = logging.getLogger("reef.learning")
 
 LEASE = "trainer"  # the one training lease of a shared store: exactly one daemon trains
+JUDGE_GRACE_S = 2.0  # past a judging recipe's judge_timeout_s, the loop gives up on its verdict (neutral)
 
 
 @dataclass
@@ -185,13 +186,14 @@ class _Answers:
             return rel.release_id
         raise HeadMoved(name, head.release_id if head else None, None)
 
-    async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str:
+    async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
+                     temperature: float = 0.0) -> str:
         from daemon.exchange import Finish
 
         name = model or self.model
         engine = await self._engine(name)
         text = ""
-        async for event in engine.generate(internal_exchange(name, system, user, max_tokens), None):
+        async for event in engine.generate(internal_exchange(name, system, user, max_tokens, temperature), None):
             if isinstance(event, Finish):
                 text = event.completion.text
         return text
@@ -452,9 +454,9 @@ class Learner:
             st.judged.popitem(last=False)
         scenario = await self.store.get_scenario(name)
         timeout = float(getattr(recipe.settings, "judge_timeout_s", 30.0))
-        try:
+        try:  # a recipe may bound each of its judge's calls by the timeout itself: this is the backstop
             verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, _Answers(self.engine, scenario.model)),
-                                             timeout)
+                                             timeout + JUDGE_GRACE_S)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a judge that fails or times out is a neutral verdict, never a reward
@@ -468,7 +470,8 @@ class Learner:
         score = {"good": 1.0, "bad": 0.0}.get(verdict.verdict)
         metadata = {"source": "judge", "judge": verdict.judge, "verdict": verdict.verdict,
                     **({"hint": verdict.hint} if verdict.hint else {}),
-                    **({"unparseable": True} if verdict.unparseable else {})}
+                    **({"unparseable": True} if verdict.unparseable else {}),
+                    **({"votes": list(verdict.votes)} if verdict.votes else {})}
         try:
             await accept_report(self.store, self.metrics, self.events, scenario=name, score=score,
                                 feedback=verdict.reason or verdict.verdict, references=[prev.receipt],
@@ -791,16 +794,17 @@ async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: 
                    "would be wrong"}
 
 
-def internal_exchange(model: str, system: str, user: str, max_tokens: int) -> Any:
-    """A request the daemon itself makes (a gate's task, a proposer's phrasing): greedy, in OpenAI chat form
-    with its body, so any engine (an upstream relaying the body as it is) answers it."""
+def internal_exchange(model: str, system: str, user: str, max_tokens: int, temperature: float = 0.0) -> Any:
+    """A request the daemon itself makes (a gate's task, a proposer's phrasing, a judge's vote): greedy unless
+    ``temperature`` is set, in OpenAI chat form with its body, so any engine (an upstream relaying the body as it
+    is) answers it."""
     from daemon.exchange import Exchange, Message, Part, Sampling
 
     messages = [Message("system", [Part("text", text=system)])] if system.strip() else []
     messages.append(Message("user", [Part("text", text=user)]))
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature or 0,
             "messages": [{"role": m.role, "content": m.text} for m in messages]}
     return Exchange(format="openai-chat", model=model, messages=messages, body=body,
-                    sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+                    sampling=Sampling(max_tokens=max_tokens, temperature=float(temperature)))
 
 

@@ -122,6 +122,7 @@ class TurnVerdict:
     judge: str  # "rules", or the judge model's name
     hint: str | None = None  # what the next state said was wrong (hindsight hints train toward it)
     unparseable: bool = False  # a judge model's answer that did not parse (counted, neutral)
+    votes: tuple[str, ...] = ()  # a judge model's votes: each good | bad | neutral | unparseable | failed | timed out
 
 
 @dataclass
@@ -141,14 +142,15 @@ class GateSettings:
 
 
 class HarnessContext(typing.Protocol):
-    """What the daemon lends a harness recipe's ``edit``: greedy answers from a configured model (``None``: the
-    scenario's own), asked with a system prompt and one user message. The daemon's context also carries
+    """What the daemon lends a harness recipe's ``edit``: answers from a configured model (``None``: the
+    scenario's own), asked with a system prompt and one user message, greedy unless ``temperature`` says otherwise. The daemon's context also carries
     ``model`` and ``scenario`` (names), ``config`` (the daemon's ``Config``), ``record(receipt)`` (a stored record)
     and ``episode_release(scenario, tree)`` (a release of ``tree`` on a side scenario's chain, for an episode's
     agent to pin), for recipes that run the agent against the daemon
     (``harness-search``); read them with ``getattr``, since a recipe's own tests may lend less."""
 
-    async def answer(self, model: str | None, system: str, user: str, max_tokens: int) -> str: ...
+    async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
+                     temperature: float = 0.0) -> str: ...
 
 
 def off_policy_sampling(record: dict[str, Any]) -> str | None:

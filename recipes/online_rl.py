@@ -16,7 +16,8 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   (asymmetric clip ``[1 - clip_low, 1 + clip_high]``), averaged over all completion tokens of the batch (each
   token weighs the same, long answers do not dilute short ones' tokens). The ratio corrects for staleness: the
   records were sampled by the serving release, which may be up to ``max_staleness`` releases behind.
-  Optional entropy bonus; no KL term or reference model (the gate is the guard against drift).
+  Optional entropy bonus; no KL term or reference model here (the gate is the guard against drift): a sample's
+  ``ref_logprobs`` add one (``kl_coef``, openclaw-rl's, against the model an adapter applies to).
 - **Steps.** ``steps_per_batch`` optimizer steps on one batch (later steps are off-policy, hence the clip);
   AdamW, gradient-norm clipping.
 - **What trains.** LoRA adapters (peft, rank ``lora_rank`` on the attention and MLP projections) for every model
@@ -74,6 +75,9 @@ class Sample:
     group: str  # same prompt, same group
     # per-token additions to the advantage (hindsight hints: teacher minus behaviour log-prob), or None
     token_bonus: list[float] | None = None
+    # log-probs of ``token_ids`` under a reference policy, or None: with the settings' ``kl_coef`` (openclaw-rl),
+    # ``kl_coef * KL(policy || reference)`` (k3 per token, ``kl_ref`` in the metrics) joins the loss
+    ref_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -297,8 +301,9 @@ def train_step(
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if step == 0:
+                kl_coef = float(getattr(settings, "kl_coef", 0.0))
                 metrics = {
-                    "loss": sums["pg_loss"] - settings.entropy_coef * sums["entropy"],
+                    "loss": sums["pg_loss"] - settings.entropy_coef * sums["entropy"] + kl_coef * sums["kl_ref"],
                     "pg_loss": sums["pg_loss"],
                     "entropy": sums["entropy"],
                     "ratio_mean": sums["ratio"],
@@ -309,6 +314,8 @@ def train_step(
                     "grad_norm": float(grad_norm),
                     "micro_batches": float(len(parts)),
                     "checkpointed": float(sum(len(p.rows) for p in parts if p.checkpoint)),
+                    # k3 estimator of KL(current || reference) per token, the loss's KL term before its weight
+                    **({"kl_ref": sums["kl_ref"]} if any(s.ref_logprobs for s in batch) else {}),
                 }
     finally:
         model.train(was_training)
@@ -336,7 +343,21 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     pg_loss = -(surrogate * tmask).sum() / n
     mean_entropy = (entropy * tmask).sum() / n
-    (pg_loss - settings.entropy_coef * mean_entropy).backward()
+    loss = pg_loss - settings.entropy_coef * mean_entropy
+    kl_coef = float(getattr(settings, "kl_coef", 0.0))
+    if any(s.ref_logprobs for s in batch):  # the pull toward a reference policy (openclaw-rl's kl_coef)
+        ref = torch.zeros(len(batch), longest, device=dev)
+        has_ref = torch.zeros(len(batch), longest, dtype=torch.bool, device=dev)
+        for row, s in enumerate(batch):
+            if s.ref_logprobs:
+                ref[row, : len(s.ref_logprobs)] = torch.tensor(s.ref_logprobs)
+                has_ref[row, : len(s.ref_logprobs)] = True
+        ref_mask = tmask & has_ref
+        # k3 of KL(current || reference) on tokens the current policy sampled, clamped as slime's low_var_kl
+        kl_ref = (k3((ref - logp).masked_fill(~ref_mask, 0.0)).clamp(max=10.0) * ref_mask).sum() / n
+        loss = loss + kl_coef * kl_ref
+        sums["kl_ref"] += float(kl_ref.detach())
+    loss.backward()
     with torch.no_grad():
         is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
         sums["pg_loss"] += float(pg_loss)
@@ -344,7 +365,13 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         sums["ratio"] += float((ratio * tmask).sum() / n)
         sums["ratio_max"] = max(sums["ratio_max"], float(ratio.masked_fill(~tmask, 0).max()))
         sums["clipped"] += float((is_clipped & tmask).sum() / n)
-        sums["kl"] += float(((ratio - 1 - log_ratio) * tmask).sum() / n)
+        sums["kl"] += float((k3(log_ratio) * tmask).sum() / n)
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator ``exp(x) - 1 - x`` of a KL per token, ``x = log q - log p`` on tokens sampled from
+    ``p``: an unbiased, never-negative estimate of KL(p || q)."""
+    return log_ratio.exp() - 1 - log_ratio
 
 
 # --- sampling and evaluation ------------------------------------------------------------------------------------

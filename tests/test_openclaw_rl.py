@@ -210,15 +210,16 @@ def test_the_judge_model_gets_the_documented_request_and_garbage_is_neutral(
                                 {"role": "user", "content": nxt}])
         v = judged(c, r1)["report"]
         assert v["score"] == 0.0 and v["feedback"] == "the user asked for one word"
-        assert v["metadata"] == {"source": "judge", "judge": "judge", "verdict": "bad"}
+        assert v["metadata"] == {"source": "judge", "judge": "judge", "verdict": "bad", "votes": ["bad"] * 3}
         sent = [r for r in s.get("/_stub/requests").json() if r["path"].endswith("/chat/completions")]
-        assert len(sent) == 1
-        body = sent[0]["body"]
-        assert body["model"] == "judge-1" and body["temperature"] == 0 and body["max_tokens"] == 64
-        assert body["messages"] == [
-            {"role": "system", "content": JUDGE_PROMPT},
-            {"role": "user", "content": JUDGE_QUESTION.format(turn=a1.strip() or "(no text)", next=f"[user] {nxt}")},
-        ]
+        assert len(sent) == 3  # judge_votes: 3 by default with a judge model, each sampled at 0.6
+        for body in (r["body"] for r in sent):
+            assert body["model"] == "judge-1" and body["temperature"] == 0.6 and body["max_tokens"] == 64
+            assert body["messages"] == [
+                {"role": "system", "content": JUDGE_PROMPT},
+                {"role": "user", "content": JUDGE_QUESTION.format(turn=a1.strip() or "(no text)",
+                                                                  next=f"[user] {nxt}")},
+            ]
         # garbage: neutral, no score, counted as unparseable
         msgs = [{"role": "user", "content": "Say file."}, {"role": "assistant", "content": a1},
                 {"role": "user", "content": nxt}, {"role": "assistant", "content": a2},
@@ -226,6 +227,7 @@ def test_the_judge_model_gets_the_documented_request_and_garbage_is_neutral(
         a3, r3 = chat(c, "oj", msgs)
         v = judged(c, r2)["report"]
         assert v.get("score") is None and v["metadata"]["verdict"] == "neutral" and v["metadata"]["unparseable"]
+        assert v["metadata"]["votes"] == ["unparseable"] * 3  # each abstains: no vote left is neutral
         # a judge slower than judge_timeout_s: neutral, and the request it judged from was answered meanwhile
         # the request it judges from is answered while the judge still waits (the verdict is not there yet)
         msgs += [{"role": "assistant", "content": a3}, {"role": "user", "content": "[stub:slow=30]"}]
@@ -234,6 +236,7 @@ def test_the_judge_model_gets_the_documented_request_and_garbage_is_neutral(
                     if (r["report"].get("metadata") or {}).get("source") == "judge"]
         v = judged(c, r3)["report"]
         assert v.get("score") is None and "timed out" in v["feedback"] and v["metadata"]["verdict"] == "neutral"
+        assert v["metadata"]["votes"] == ["timed out"] * 3
 
 
 def test_bad_settings_for_the_judge_are_refused_and_the_cli_binds_the_recipe(daemon_factory: Any) -> None:
