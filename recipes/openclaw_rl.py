@@ -35,7 +35,7 @@ from typing import Any
 
 from daemon.errors import BadRequest
 from daemon.sessions import NextState, Turn
-from recipes.base import HarnessContext, TurnVerdict
+from recipes.base import HarnessContext, ScoredExchange, TurnVerdict
 from recipes.online_rl import OnlineRL, OnlineRLSettings, Sample
 
 JUDGE_PROMPT = (
@@ -121,7 +121,7 @@ class OpenClawRL(OnlineRL):
         answer = await ctx.answer(self.settings.judge, JUDGE_PROMPT, question, self.settings.judge_max_tokens)
         return parse_judge_answer(answer, self.settings.judge)
 
-    def samples(self, batch: list[dict[str, Any]], model: Any, tokenizer: Any) -> list[Sample]:
+    def samples(self, batch: list[ScoredExchange], model: Any, tokenizer: Any) -> list[Sample]:
         samples = super().samples(batch, model, tokenizer)
         if not self.settings.hints:
             return samples
@@ -130,7 +130,8 @@ class OpenClawRL(OnlineRL):
         from recipes.online_rl import token_logprobs
 
         for s, r in zip(samples, batch, strict=True):
-            hinted = hinted_prompt(tokenizer, s.prompt_token_ids, r.get("hint")) if r.get("hint") else None
+            hint = r.report.hint
+            hinted = hinted_prompt(tokenizer, s.prompt_token_ids, hint) if hint else None
             if hinted is None:
                 continue
             teacher = Sample(prompt_token_ids=hinted, token_ids=s.token_ids, logprobs=s.logprobs, reward=0.0,
