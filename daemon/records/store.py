@@ -798,7 +798,7 @@ class RecordStore:
                 f"""SELECT {", ".join(SAMPLING)}, COUNT(*) AS n FROM (
                       SELECT {sampling} FROM records r
                       WHERE r.scenario = ? AND r.kind = 'exchange' AND r.status = 'complete' AND r.capture = 1
-                        AND r.token_ids IS NOT NULL
+                        AND r.token_ids IS NOT NULL AND r.prompt_token_ids IS NOT NULL AND r.logprobs IS NOT NULL
                         AND EXISTS (SELECT 1 FROM report_refs rr WHERE rr.receipt = r.id)) s
                    GROUP BY {", ".join(SAMPLING)}""",
                 (scenario,),
