@@ -56,13 +56,16 @@ class FullLogits(OnlineRL):
 '''
 
 
-def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0) -> list[dict[str, Any]]:
+def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0) -> list[Any]:
     """``n`` scored exchanges, 8 samples per prompt, rewards alternating (every group carries signal)."""
+    from recipes.base import FeedbackReport, ScoredExchange
+
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(prompt)] for _ in range(max(1, n // 8))]
-    return [{"id": f"r{i}", "prompt_token_ids": prompts[(i // 8) % len(prompts)],
-             "token_ids": [rng.randrange(100, vocab) for _ in range(answer)], "logprobs": [-10.0] * answer,
-             "score": float(i % 2)} for i in range(n)]
+    return [ScoredExchange(id=f"r{i}", release_id=None, prompt_token_ids=prompts[(i // 8) % len(prompts)],
+                           token_ids=[rng.randrange(100, vocab) for _ in range(answer)], logprobs=[-10.0] * answer,
+                           report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=float(i % 2)))
+            for i in range(n)]
 
 
 def run(model: Path, out: Path, *, samples: int, prompt: int, answer: int, threads: int, settings: dict[str, Any],
