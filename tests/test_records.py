@@ -267,8 +267,8 @@ def test_the_old_dict_keys_still_read_and_warn_once(monkeypatch: pytest.MonkeyPa
         warnings.simplefilter("ignore", DeprecationWarning)
         assert {k: ex[k] for k in old} == old
         report = ex.report
-        assert {k: report[k] for k in ("id", "seq", "kind", "report")} == {
-            "id": "rep_1", "seq": 7, "kind": "report",
+        assert {k: report[k] for k in ("id", "seq", "kind", "status", "release_id", "report")} == {
+            "id": "rep_1", "seq": 7, "kind": "report", "status": "complete", "release_id": None,
             "report": {"score": 0.5, "feedback": "too long", "references": ["rec_a"],
                        "metadata": {"hint": "say less", "group": "g1"}}}
 

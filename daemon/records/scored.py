@@ -165,6 +165,10 @@ _REPORT_KEYS: dict[str, tuple[str, Callable[[FeedbackReport], Any]]] = {
     "scenario": ("scenario", lambda r: r.scenario),
     "created_at": ("created_at", lambda r: r.created_at),
     "report": ("score, feedback, references, metadata (or body())", lambda r: r.body()),
+    "status": ("(always 'complete')", lambda r: "complete"),
+    # columns of the records table that a report's row always had empty
+    **{k: ("(nothing: a report has none)", lambda r: None) for k in (
+        "run", "format", "engine", "model", "release_id", "content_id", "runtime_load_id", "timings", "usage")},
 }
 
 
