@@ -58,14 +58,17 @@ class FullLogits(OnlineRL):
 '''
 
 
-def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0, group: int = 8) -> list[dict[str, Any]]:
+def records(n: int, prompt: int, answer: int, vocab: int, seed: int = 0, group: int = 8) -> list[Any]:
     """``n`` scored exchanges, ``group`` samples per prompt, rewards alternating (every group carries signal)."""
+    from recipes.base import FeedbackReport, ScoredExchange
+
     rng = random.Random(seed)
     group = max(1, group)
     prompts = [[rng.randrange(100, vocab) for _ in range(prompt)] for _ in range(max(1, -(-n // group)))]
-    return [{"id": f"r{i}", "prompt_token_ids": prompts[(i // group) % len(prompts)],
-             "token_ids": [rng.randrange(100, vocab) for _ in range(answer)], "logprobs": [-10.0] * answer,
-             "score": float(i % 2), "release_id": None, "metadata": None, "hint": None} for i in range(n)]
+    return [ScoredExchange(id=f"r{i}", release_id=None, prompt_token_ids=prompts[(i // group) % len(prompts)],
+                           token_ids=[rng.randrange(100, vocab) for _ in range(answer)], logprobs=[-10.0] * answer,
+                           report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=float(i % 2)))
+            for i in range(n)]
 
 
 def default_batch(recipe: str) -> tuple[int, int]:

@@ -61,7 +61,7 @@ from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
 from daemon.events import EventBus
 from daemon.layout import check_tree
 from daemon.metrics import Metrics
-from daemon.records import Lease, RecordStore, Scenario, new_id
+from daemon.records import FeedbackReport, Lease, RecordStore, RequestSampling, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest
 from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from daemon.scopes import Scopes
@@ -88,7 +88,8 @@ class ScenarioLearning:
     state: str = "idle"  # idle | waiting | training | judging
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
-    pool: dict[str, dict[str, Any]] = field(default_factory=dict)  # unconsumed records read so far, oldest first
+    # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
+    pool: dict[str, ScoredExchange | FeedbackReport] = field(default_factory=dict)
     lineage: tuple[str, str, str] | None = None  # (head release it follows, candidate key, candidate dir)
     head_eval: tuple[str, list[float]] | None = None  # (release, its gate scores), when the loop knows them
     rejected_run: int = 0  # candidates of the lineage rejected in a row
@@ -507,7 +508,7 @@ class Learner:
             if not batch:
                 st.state = "waiting"
                 return None
-            receipts = [r["id"] for r in batch]
+            receipts = [r.id for r in batch]
             if lease is not None:
                 try:
                     claimed = await self.store.claim(name, receipts, lease)
@@ -581,11 +582,12 @@ class Learner:
             st.state = "waiting"
             return outcome
 
-    async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[dict[str, Any]],
-                              job_id: str, record_settings: dict[str, Any], t0: float) -> StepOutcome:
+    async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any,
+                              batch: list[ScoredExchange | FeedbackReport], job_id: str,
+                              record_settings: dict[str, Any], t0: float) -> StepOutcome:
         recipe = st.recipe
         assert recipe is not None
-        receipts = [r["id"] for r in batch]
+        receipts = [r.id for r in batch]
         if recipe.kind == "weights":
             candidate = await self._train(st, scenario, head, batch, job_id)
             if candidate.path is not None and candidate.skipped is None:  # a cut-off file is a failed step
@@ -604,9 +606,10 @@ class Learner:
                 check_tree(candidate.tree)  # whatever recipe made it: only the harness layout, text, size caps
                 if candidate.tree == tree:
                     candidate.skipped = "the candidate's content equals its parent's"
+        scored = [r for r in batch if isinstance(r, ScoredExchange)]
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
-                   **({"batch_reward": round(sum(r["score"] for r in batch) / len(batch), 4)}
-                      if all(isinstance(r.get("score"), (int, float)) for r in batch) else {})}
+                   **({"batch_reward": round(sum(r.score for r in scored) / len(scored), 4)}
+                      if len(scored) == len(batch) else {})}
         if recipe.judges:
             metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
@@ -716,7 +719,7 @@ class Learner:
         st.rejected_run = 0
         return None
 
-    async def _train(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[dict[str, Any]],
+    async def _train(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[Any],
                      job_id: str) -> Candidate:
         assert st.recipe is not None
         ref = await self.chains.ref(scenario, head)
@@ -748,34 +751,42 @@ class Learner:
             st.consumed = consumed
         return st.consumed
 
-    async def _eligible(self, st: ScenarioLearning, scenario: Scenario, head: Any) -> list[dict[str, Any]]:
+    async def _eligible(self, st: ScenarioLearning, scenario: Scenario,
+                        head: Any) -> list[ScoredExchange | FeedbackReport]:
         """The recipe's unconsumed, eligible records, oldest first; reads only what came since the last round."""
         consumed = await self._consumed(st)
         assert st.recipe is not None
+        rows: list[ScoredExchange] | list[FeedbackReport]
         if st.recipe.source == "scores":
             rows, st.cursor = await self.store.scored_exchanges(scenario.name, after=st.cursor)
         else:
             rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
+        automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
         for rec in rows:
-            old = st.pool.get(rec["id"])
-            automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
-            if rec.get("source") in automatic and old is not None and old.get("source") not in automatic:
+            old = st.pool.get(rec.id)
+            if _source(rec) in automatic and old is not None and _source(old) not in automatic:
                 continue  # an explicit report takes precedence over an automatic one
-            st.pool.pop(rec["id"], None)  # scored again: its latest score, in the order of that report
-            if rec["id"] not in consumed:
-                st.pool[rec["id"]] = rec
+            st.pool.pop(rec.id, None)  # scored again: its latest score, in the order of that report
+            if rec.id not in consumed:
+                st.pool[rec.id] = rec
         view = Head(head.release_id, head.content_id, head.step)
-        out = []
+        out: list[ScoredExchange | FeedbackReport] = []
         for rid, rec in list(st.pool.items()):
             served_step = None
-            if rec.get("release_id"):
-                served_step = (await self.chains.release(rec["release_id"])).step
-            if (rid in consumed or (st.recipe.behaviour_logprobs and off_policy_sampling(rec))
+            if isinstance(rec, ScoredExchange) and rec.release_id:
+                served_step = (await self.chains.release(rec.release_id)).step
+            if (rid in consumed or (st.recipe.behaviour_logprobs and isinstance(rec, ScoredExchange)
+                                    and off_policy_sampling(rec))
                     or not st.recipe.eligible(rec, head=view, served_step=served_step)):
                 del st.pool[rid]  # consumed, or no longer eligible for good: the head's step only grows
                 continue
             out.append(rec)
         return out
+
+
+def _source(record: ScoredExchange | FeedbackReport) -> str | None:
+    """Where a pool record's report came from (``FeedbackReport.source``): None for an explicit report."""
+    return record.report.source if isinstance(record, ScoredExchange) else record.source
 
 
 async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: str) -> dict[str, Any] | None:
@@ -785,7 +796,7 @@ async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: 
         return None
     counts: Counter[str] = Counter()
     for row in await store.scored_sampling(scenario):
-        reason = off_policy_sampling({"sampling": row})
+        reason = off_policy_sampling(RequestSampling.from_mapping(row))
         if reason is not None:
             counts[reason] += row["n"]
     return {"sampling": dict(counts), "total": sum(counts.values()),

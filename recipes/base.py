@@ -15,8 +15,10 @@ What the daemon calls, and where:
 - ``check_report(metadata)`` (class method, daemon, at ingress): the recipe's report schema (``Report``, a
   dataclass of structured fields a report's ``metadata`` may carry); a violation is a 400 naming the field and
   nothing is stored.
-- ``eligible(record, ...)`` and ``batch(records)`` (daemon): which of the records it reads (``source``: scored
-  exchanges, or reports with written feedback) it learns from, and which of them form the next batch.
+- ``eligible(record, ...)`` and ``batch(records)`` (daemon): which of the records it reads it learns from, and
+  which of them form the next batch. The records are named types (``daemon/records/scored.py``, re-exported
+  here): ``ScoredExchange`` for a ``scores`` recipe (the exchange's tokens and log-probs, and the
+  ``FeedbackReport`` that scored it), ``FeedbackReport`` for a ``feedback`` recipe.
 - weights recipes: ``train(job, state)`` runs in the trainer worker process, never in the daemon. It gets a
   ``TrainJob`` (the batch, the base to start from, the serving head, a fresh directory to write the candidate
   into) and a dict that lives as long as the worker (for a model kept in memory between steps), and returns a
@@ -44,11 +46,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from daemon.errors import BadRequest
 from daemon.gate import Verdict, judge
+from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
+
+__all__ = ["FeedbackReport", "RequestSampling", "ScoredExchange"]  # re-exported: what a recipe receives (and more)
 
 KINDS = ("weights", "harness", "none")  # what a recipe's releases hold; none: it never makes a candidate
 SOURCES = ("scores", "feedback")  # scored exchanges (with their token ids), or reports with written feedback
@@ -83,7 +89,7 @@ class TrainJob:
     id: str
     recipe: str  # the recipe's name as bound: a built-in name or module:Class
     settings: dict[str, Any]  # as parsed by the recipe's Settings (asdict)
-    batch: list[dict[str, Any]]  # the records, as the record store gives them
+    batch: list[ScoredExchange]  # the scored exchanges of the step, as the record store gives them
     base_key: str  # what the step starts from: the head's content id, or the lineage's last candidate
     base_path: str  # its model directory
     head_key: str  # the serving head's content id (the gate compares with it)
@@ -153,15 +159,21 @@ class HarnessContext(typing.Protocol):
                      temperature: float = 0.0) -> str: ...
 
 
-def off_policy_sampling(record: dict[str, Any]) -> str | None:
+def off_policy_sampling(record: ScoredExchange | RequestSampling | Mapping[str, Any]) -> str | None:
     """Why a record's answer was not sampled from the distribution its behaviour log-probs describe, or None.
 
     The engines record each sampled token's log-prob under the raw logits (temperature 1, before top-p / top-k:
     what vLLM and SGLang return too), so an answer sampled at another temperature, or with top-p or top-k
     truncation, came from a distribution those log-probs do not describe, and a recipe's importance ratio on it
-    would be wrong. The reason names the setting (``temperature``, ``top_p``, ``top_k``)."""
-    s = record.get("sampling") or {}
-    t, p, k = s.get("temperature"), s.get("top_p"), s.get("top_k")
+    would be wrong. The reason names the setting (``temperature``, ``top_p``, ``top_k``). ``record``: a scored
+    exchange, its ``sampling``, or (as before the named types) a mapping with a ``sampling`` mapping."""
+    if isinstance(record, ScoredExchange):
+        s = record.sampling
+    elif isinstance(record, RequestSampling):
+        s = record
+    else:
+        s = RequestSampling.from_mapping(record.get("sampling") or {})
+    t, p, k = s.temperature, s.top_p, s.top_k
     if t is not None and t != 1:
         return "temperature"
     if p is not None and p < 1:
@@ -259,20 +271,22 @@ class Recipe:
 
     # --- the step --------------------------------------------------------------------------------------------
 
-    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         """Whether a record (not yet consumed) may feed a step; ``served_step``: the step of its release."""
         return True
 
-    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        """The next batch from the eligible records (oldest first), or None to wait for more."""
+    def batch(self, records: list[Any]) -> list[Any] | None:
+        """The next batch from the eligible records (oldest first), or None to wait for more: ``ScoredExchange``
+        for a ``scores`` recipe, ``FeedbackReport`` for a ``feedback`` one."""
         return records or None
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
         """Weights recipes: one training step in the trainer worker; write the candidate into ``job.work_dir``."""
         raise NotImplementedError
 
-    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
-        """Harness recipes: a new tree from the current one and the batch (in the daemon)."""
+    async def edit(self, tree: dict[str, bytes], batch: list[Any], ctx: HarnessContext) -> Candidate:
+        """Harness recipes: a new tree from the current one and the batch (in the daemon): ``FeedbackReport``
+        for a ``feedback`` recipe, ``ScoredExchange`` for a ``scores`` one."""
         raise NotImplementedError
 
     async def judge_turn(self, turn: Any, next_state: Any, ctx: HarnessContext) -> TurnVerdict | None:

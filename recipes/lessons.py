@@ -25,7 +25,7 @@ from typing import Any
 
 from daemon.errors import BadRequest
 from daemon.layout import MAX_FILE_BYTES, SKILL_NAME, check_tree, check_tree_path  # noqa: F401 (re-exported)
-from recipes.base import Candidate, HarnessContext, Recipe, Scores
+from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
 
 RULES_FILE = "AGENTS.md"
 LESSONS_HEADING = "## Lessons"
@@ -288,21 +288,20 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
     return out
 
 
-def lesson_from_report(report: dict[str, Any]) -> Lesson | None:
-    """A lesson from a stored report record, or None when it carries no written feedback."""
-    body = report.get("report") or {}
-    feedback = body.get("feedback")
-    meta = body.get("metadata") or {}
+def lesson_from_report(report: FeedbackReport) -> Lesson | None:
+    """A lesson from a stored report, or None when it carries no written feedback."""
+    feedback = report.feedback
+    meta = report.metadata or {}
     if isinstance(feedback, dict):
         feedback = feedback.get("text") or feedback.get("feedback") or json.dumps(feedback, sort_keys=True)
     if not isinstance(feedback, str) or not feedback.strip():
         return None
-    skill = meta.get("skill") if isinstance(meta, dict) else None
+    skill = meta.get("skill")
     return Lesson(
-        id=report["id"],
+        id=report.id,
         text=feedback,
-        score=body.get("score"),
-        instruction=isinstance(meta, dict) and meta.get("kind") == "instruction",
+        score=report.score,
+        instruction=meta.get("kind") == "instruction",
         skill=skill if isinstance(skill, str) else None,
     )
 
@@ -327,10 +326,10 @@ class Lessons(Recipe):
     def models_used(self) -> list[str]:
         return [self.settings.proposer] if self.settings.proposer else []
 
-    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def batch(self, records: list[FeedbackReport]) -> list[FeedbackReport] | None:
         return records or None  # every unconsumed feedback at once: an edit of a few files takes milliseconds
 
-    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
+    async def edit(self, tree: dict[str, bytes], batch: list[FeedbackReport], ctx: HarnessContext) -> Candidate:
         settings: LessonsSettings = self.settings
         lessons = [x for x in map(lesson_from_report, batch) if x is not None]
         if settings.proposer:

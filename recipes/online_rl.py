@@ -59,7 +59,7 @@ import torch
 
 from daemon import lora
 from daemon.errors import BadRequest
-from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob, check_eval_size
+from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob, check_eval_size
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
 
@@ -534,17 +534,17 @@ class OnlineRL(Recipe):
                              "measured against the model they apply to): leave lora unset or true",
                              param="settings.max_kl")
 
-    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
-    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
         need = self.settings.batch_prompts * self.settings.group_size
         return records[:need] if len(records) >= need else None
 
-    def samples(self, batch: list[dict[str, Any]], model: Any, tokenizer: Any) -> list[Sample]:
+    def samples(self, batch: list[ScoredExchange], model: Any, tokenizer: Any) -> list[Sample]:
         """The training samples of a batch of scored exchanges (a subclass may add per-token signal)."""
-        return [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
-                       reward=r["score"], group=hashlib.sha1(repr(r["prompt_token_ids"]).encode()).hexdigest())
+        return [Sample(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, logprobs=r.logprobs,
+                       reward=r.score, group=hashlib.sha1(repr(r.prompt_token_ids).encode()).hexdigest())
                 for r in batch]
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:

@@ -62,7 +62,7 @@ from typing import Any
 
 from daemon.errors import BadRequest
 from daemon.sessions import NextState, Turn
-from recipes.base import Candidate, HarnessContext, TrainJob, TurnVerdict
+from recipes.base import Candidate, HarnessContext, ScoredExchange, TrainJob, TurnVerdict
 from recipes.online_rl import OnlineRL, OnlineRLSettings, Sample
 
 JUDGE_PROMPT = (
@@ -257,7 +257,7 @@ class OpenClawRL(OnlineRL):
                            s.judge)
         return dataclasses.replace(verdict, hint=best_hint(answers[n:]))
 
-    def samples(self, batch: list[dict[str, Any]], model: Any, tokenizer: Any) -> list[Sample]:
+    def samples(self, batch: list[ScoredExchange], model: Any, tokenizer: Any) -> list[Sample]:
         samples = super().samples(batch, model, tokenizer)
         self._counts: dict[str, float] = {}
         import torch
@@ -276,7 +276,8 @@ class OpenClawRL(OnlineRL):
         if not self.settings.hints:
             return samples
         for s, r in zip(samples, batch, strict=True):
-            hinted = hinted_prompt(tokenizer, s.prompt_token_ids, r.get("hint")) if r.get("hint") else None
+            hint = r.report.hint
+            hinted = hinted_prompt(tokenizer, s.prompt_token_ids, hint) if hint else None
             if hinted is None:
                 continue
             teacher = Sample(prompt_token_ids=hinted, token_ids=s.token_ids, logprobs=s.logprobs, reward=0.0,

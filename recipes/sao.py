@@ -74,7 +74,17 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
-from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob, check_alpha, check_eval_size
+from recipes.base import (
+    Candidate,
+    GateSettings,
+    Head,
+    Recipe,
+    ScoredExchange,
+    Scores,
+    TrainJob,
+    check_alpha,
+    check_eval_size,
+)
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
     Sample,
@@ -401,10 +411,10 @@ class SAO(Recipe):
         if settings.max_staleness < 0:
             raise BadRequest("recipe sao setting max_staleness must be at least 0", param="settings.max_staleness")
 
-    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
-    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
         n = self.settings.batch_size
         return records[:n] if len(records) >= n else None
 
@@ -446,8 +456,8 @@ class SAO(Recipe):
                    "since_check": s.eval_every, "made": False}
         model, tokenizer, learner = lin["model"], lin["tokenizer"], lin["learner"]
         lin["head"] = job.head_key
-        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
-                          reward=r["score"], group=r["id"]) for r in job.batch]
+        samples = [Sample(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, logprobs=r.logprobs,
+                          reward=r.score, group=r.id) for r in job.batch]
         t_train = time.perf_counter()
         metrics = sao_step(model, samples, s, learner)
         model.eval()

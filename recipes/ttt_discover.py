@@ -68,7 +68,7 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge_best
-from recipes.base import Candidate, GateSettings, Head, Recipe, Scores, TrainJob
+from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
 from recipes.memory import check_budget
 from recipes.online_rl import (
     Sample,
@@ -128,12 +128,12 @@ class TTTSettings(GateSettings):
         return asdict(self)
 
 
-def group_key(record: dict[str, Any]) -> str:
+def group_key(record: ScoredExchange) -> str:
     """The sibling group of an attempt: its report's ``group``, else its prompt (the same problem, same tokens)."""
-    group = (record.get("metadata") or {}).get("group")
+    group = (record.report.metadata or {}).get("group")
     if isinstance(group, str):
         return "g:" + group
-    return "p:" + hashlib.sha1(repr(record["prompt_token_ids"]).encode()).hexdigest()
+    return "p:" + hashlib.sha1(repr(record.prompt_token_ids).encode()).hexdigest()
 
 
 KL_TARGET = math.log(2)  # the adaptive tilt's KL from uniform over the group (the source's delta)
@@ -188,9 +188,9 @@ def entropic_advantages(rewards: list[float], tau: float | None) -> list[float]:
     return [x / ((total - x) / (k - 1) + 1e-12) - 1 for x in e]
 
 
-def attempt_score(record: dict[str, Any]) -> float:
-    value = (record.get("metadata") or {}).get("attempt_score")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float(record["score"])
+def attempt_score(record: ScoredExchange) -> float:
+    value = (record.report.metadata or {}).get("attempt_score")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else record.score
 
 
 class TTTDiscover(Recipe):
@@ -257,11 +257,11 @@ class TTTDiscover(Recipe):
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")
 
-    def eligible(self, record: dict[str, Any], *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
-    def batch(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        groups: dict[str, list[dict[str, Any]]] = {}
+    def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
+        groups: dict[str, list[ScoredExchange]] = {}
         for r in records:
             groups.setdefault(group_key(r), []).append(r)
         full = [g[: self.settings.group_size] for g in groups.values() if len(g) >= self.settings.group_size]
@@ -318,20 +318,20 @@ class TTTDiscover(Recipe):
         adv = [0.0] * len(job.batch)
         degenerate = 0
         for members in groups.values():
-            rewards = [float(job.batch[i]["score"]) for i in members]
+            rewards = [job.batch[i].score for i in members]
             if max(rewards) == min(rewards):
                 degenerate += 1
                 continue
             for i, a in zip(members, entropic_advantages(rewards, s.adv_temperature), strict=True):
                 adv[i] = a
-        samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
-                          reward=float(r["score"]), group=group_key(r)) for r in job.batch]
+        samples = [Sample(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, logprobs=r.logprobs,
+                          reward=r.score, group=group_key(r)) for r in job.batch]
         scores = [attempt_score(r) for r in job.batch]
         top = max(range(len(scores)), key=scores.__getitem__)
         found = {"batch_best": scores[top], "batch_mean": sum(scores) / len(scores),
-                 "batch_best_receipt": job.batch[top]["id"], "batch_best_release": job.batch[top].get("release_id")}
+                 "batch_best_receipt": job.batch[top].id, "batch_best_release": job.batch[top].release_id}
         judged = s.gate == "best" and (s.problem is not None or s.scorer is not None)
-        prompt = Counter(tuple(r["prompt_token_ids"]) for r in job.batch).most_common(1)[0][0]
+        prompt = Counter(tuple(r.prompt_token_ids) for r in job.batch).most_common(1)[0][0]
         base_scores, eval_s = None, 0.0
         # fresh common random numbers for each comparison: reusing the head's own scores from when it won would
         # compare every candidate with a lucky draw (the winner's curse) and reject them all

@@ -109,7 +109,7 @@ async def test_forgotten_bodies_leave_the_files_and_a_tombstone_keeps_reports_ho
             await store.append_report(scenario=None, score=0.0, feedback="x", references=["rec_a"], metadata=None,
                                       report_id=None)
         rows, _ = await store.scored_exchanges("s")
-        assert [r["id"] for r in rows] == ["rec_keep"]
+        assert [r.id for r in rows] == ["rec_keep"]
         assert await store.forgotten("s") == {"rec_a", "rec_b"}
         twice = await store.forget(receipts=["rec_a"], runs=[])
         assert twice["forgotten"] == [] and twice["already"] == ["rec_a"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from daemon.models import build_tiny, save_model
+from recipes.base import FeedbackReport, ScoredExchange
 from recipes.online_rl import (
     OnlineRLSettings,
     Sample,
@@ -248,8 +249,10 @@ def test_lora_candidates_hold_only_the_adapter_and_a_lineage_goes_on_training_it
     batch = sample_batch(tokenizer, model, ["Say file.", "Echo window back."], group_size=4)
     for i, s in enumerate(batch):  # every group carries signal
         s.reward = float(i % 2)
-    records = [{"id": f"rec_{i}", "prompt_token_ids": s.prompt_token_ids, "token_ids": s.token_ids,
-                "logprobs": s.logprobs, "score": s.reward} for i, s in enumerate(batch)]
+    records = [ScoredExchange(id=f"rec_{i}", release_id=None, prompt_token_ids=s.prompt_token_ids,
+                              token_ids=s.token_ids, logprobs=s.logprobs,
+                              report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=s.reward))
+               for i, s in enumerate(batch)]
     states: dict = {}
     result = run_job(states, lora_job(tmp_path, records, tmp_path / "base", key="base", candidate="c1"),
                      tmp_path / "c1")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from recipes.base import TurnVerdict
+from recipes.base import FeedbackReport, ScoredExchange, TurnVerdict
 from recipes.online_rl import Sample, kl_from_base, token_logprobs, train_step, wrap_lora
 from recipes.openclaw_rl import (
     HINT_PROMPT,
@@ -246,18 +246,18 @@ def lora_policy(tiny_model: Any, moved: bool) -> tuple[Any, Any]:
     return model.eval(), AutoTokenizer.from_pretrained(tiny_model)
 
 
-def scored(model: Any) -> list[dict[str, Any]]:
+def scored(model: Any) -> list[ScoredExchange]:
     batch = []
     for i, (prompt, answer, score) in enumerate([([5, 6, 7], [8, 9, 10], 1.0), ([5, 6, 11], [12, 13], 0.0)]):
         s = Sample(prompt_token_ids=prompt, token_ids=answer, logprobs=[0.0] * len(answer), reward=score, group="g")
         with torch.no_grad():
             lp = token_logprobs(model, [s])[0][0].tolist()
-        batch.append({"id": str(i), "prompt_token_ids": prompt, "token_ids": answer, "logprobs": lp, "score": score,
-                      "hint": None})
+        batch.append(ScoredExchange(id=str(i), release_id=None, prompt_token_ids=prompt, token_ids=answer,
+                                    logprobs=lp, report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=score)))
     return batch
 
 
-def step(model: Any, tokenizer: Any, batch: list[dict[str, Any]], kl_coef: float) -> dict[str, float]:
+def step(model: Any, tokenizer: Any, batch: list[ScoredExchange], kl_coef: float) -> dict[str, float]:
     recipe = OpenClawRL(OpenClawRL.parse_settings({"kl_coef": kl_coef, "lr": 0.05, "steps_per_batch": 1}))
     return train_step(model, recipe.samples(batch, model, tokenizer), recipe.settings)
 

@@ -14,6 +14,7 @@ import torch
 
 from daemon.exchange import Message, Part, ToolCall
 from daemon.sessions import NextState, SessionIndex, Turn
+from recipes.base import FeedbackReport, ScoredExchange
 from recipes.online_rl import OnlineRLSettings, Sample, token_logprobs, train_step
 from recipes.openclaw_rl import JUDGE_PROMPT, JUDGE_QUESTION, hinted_prompt, parse_judge_answer, rule_verdict
 from tests.conftest import Daemon
@@ -303,8 +304,10 @@ def test_hints_give_only_the_hinted_turns_a_teacher_signal(tiny_model: Any) -> N
     prompt = tok.backend_tokenizer.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Say file."}], add_generation_prompt=True, tokenize=False),
         add_special_tokens=False).ids
-    base = {"prompt_token_ids": prompt, "token_ids": [11, 12, 13], "logprobs": [-8.0, -8.0, -8.0], "score": 0.0}
-    batch = [{**base, "id": "a", "hint": "just the word"}, {**base, "id": "b", "hint": None}]
+    batch = [ScoredExchange(id=rid, release_id=None, prompt_token_ids=prompt, token_ids=[11, 12, 13],
+                            logprobs=[-8.0, -8.0, -8.0],
+                            report=FeedbackReport(id=f"rep_{rid}", seq=1, score=0.0, hint=hint, source="judge"))
+             for rid, hint in (("a", "just the word"), ("b", None))]
     on = OpenClawRL(OpenClawRL.parse_settings({"hints": True, "hint_coef": 0.5})).samples(batch, model, tok)
     assert on[0].token_bonus is not None and len(on[0].token_bonus) == 3 and on[1].token_bonus is None
     teacher = Sample(prompt_token_ids=hinted_prompt(tok, prompt, "just the word"), token_ids=[11, 12, 13],

@@ -54,11 +54,11 @@ class RewardWeighted(Recipe):
         model = AutoModelForCausalLM.from_pretrained(job.base_path, dtype=torch.float32)
         optimizer = torch.optim.SGD(model.parameters(), lr=self.settings.lr)
         loss = torch.zeros(())
-        for r in job.batch:
-            ids = torch.tensor([r["prompt_token_ids"] + r["token_ids"]])
-            logits = model(ids).logits[0, len(r["prompt_token_ids"]) - 1 : -1]
-            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["token_ids"])[:, None]).sum()
-            loss = loss - r["score"] * logp / len(job.batch)
+        for r in job.batch:  # each a ScoredExchange
+            ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+            logits = model(ids).logits[0, len(r.prompt_token_ids) - 1 : -1]
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.token_ids)[:, None]).sum()
+            loss = loss - r.score * logp / len(job.batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -85,7 +85,7 @@ class Notes(Recipe):
     async def edit(self, tree, batch, ctx):
         text = tree.get("AGENTS.md", b"# Rules\\n").decode()
         for r in batch:
-            text += f"- {r['report']['feedback']}\\n"
+            text += f"- {r.feedback}\\n"  # each a FeedbackReport
         return Candidate(tree={**tree, "AGENTS.md": text.encode()}, metrics={"notes": len(batch)})
 
 

@@ -11,14 +11,26 @@ session's throwaway cluster).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import pickle
 import threading
+import warnings
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from daemon.errors import StorageError
-from daemon.records import Conn, ExchangeRecord, RecordStore, open_store
+from daemon.records import (
+    Conn,
+    ExchangeRecord,
+    FeedbackReport,
+    RecordStore,
+    RequestSampling,
+    ScoredExchange,
+    open_store,
+    scored,
+)
 from daemon.records.exchange_record import columns as exchange_columns
 
 
@@ -166,9 +178,9 @@ async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_tr
         await report(["rec_ineligible"], "not for training", {"training": {"eligible": False}})
         await report(["rec_kept"], "kept", {"training": {"eligible": True}})
         rows, _ = await store.scored_exchanges("s")
-        assert [r["id"] for r in rows] == ["rec_kept", "rec_kept"]  # from "on both", then "kept"
+        assert [r.id for r in rows] == ["rec_kept", "rec_kept"]  # from "on both", then "kept"
         feedback, _ = await store.feedback_reports("s")
-        assert [f["report"]["feedback"] for f in feedback] == ["kept"]
+        assert [f.feedback for f in feedback] == ["kept"]
         # still stored and shown as they are
         assert (await store.get_record("rec_serve_only"))["capture"] is False
         assert (await store.get_record("rec_kept"))["capture"] is True
@@ -176,6 +188,89 @@ async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_tr
         assert [s for s in await store.list_scenarios() if s["name"] == "s"] == []  # no scenario row: none made
     finally:
         store.close()
+
+
+async def test_a_recipe_receives_named_records_built_the_same_way_on_both_backends(records_at: str) -> None:
+    """What a recipe receives: a ``ScoredExchange`` (the exchange's tokens, log-probs and release, and the
+    ``FeedbackReport`` that scored it as a field of its own) and, for a feedback recipe, that same report:
+    one constructor, so the report read with the exchange equals the report read alone. Both pickle (a
+    ``TrainJob`` carries them to the trainer worker). An exchange whose log-probs were not recorded is no
+    scored exchange (a recipe would fail on the missing log-probs mid-step, in the trainer)."""
+    store = open_store(records_at)
+    try:
+        await store.append_exchange(_exchange("rec_a"))
+        await store.append_exchange(replace(_exchange("rec_no_logprobs"), logprobs=None))
+        meta = {"source": "judge", "hint": "say less", "group": "g1"}
+        stored = await store.append_report(scenario=None, score=1, feedback="too long", references=["rec_a"],
+                                           metadata=meta, report_id="mine")
+        await store.append_report(scenario=None, score=1.0, feedback=None, references=["rec_no_logprobs"],
+                                  metadata=None, report_id=None)
+        rows, seen = await store.scored_exchanges("s")
+        assert [type(r) for r in rows] == [ScoredExchange]
+        ex = rows[0]
+        assert (ex.id, ex.release_id, ex.prompt_token_ids, ex.token_ids, ex.logprobs) == (
+            "rec_a", "rel", [1, 2], [3, 4], [-0.5, -0.25])
+        assert ex.score == 1.0 and isinstance(ex.score, float)  # sent as the integer 1
+        assert ex.sampling == RequestSampling()
+        report = ex.report
+        assert (report.id, report.seq, report.score, report.feedback, report.references, report.metadata) == (
+            stored["id"], stored["seq"], 1.0, "too long", ("rec_a",), meta)
+        assert (report.source, report.hint, report.scenario) == ("judge", "say less", "s")
+        assert seen == report.seq
+        feedback, _ = await store.feedback_reports("s")
+        assert feedback == [report] and type(feedback[0]) is FeedbackReport
+        assert pickle.loads(pickle.dumps(ex)) == ex
+    finally:
+        store.close()
+
+
+def _scored(hint: str | None = "say less", score: float | None = 0.5) -> ScoredExchange:
+    report = FeedbackReport(id="rep_1", seq=7, score=score, feedback="too long", references=("rec_a",),
+                            metadata={"hint": hint, "group": "g1"}, hint=hint)
+    return ScoredExchange(id="rec_a", release_id="rel", prompt_token_ids=[1, 2], token_ids=[3], logprobs=[-0.5],
+                          report=report, sampling=RequestSampling(temperature=0.7))
+
+
+def test_a_misspelt_field_is_an_error_where_a_dict_answered_none() -> None:
+    """A recipe that misspells a field fails at once (a dict's ``.get("hnit")`` was None: the step went on without
+    the hint, silently); the records cannot be changed by a recipe, and a scored exchange without a score cannot
+    be made."""
+    ex = _scored()
+    with pytest.raises(AttributeError):
+        ex.hnit  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(KeyError, match="no key 'hnit'.*report"):
+        ex.get("hnit")
+    with pytest.raises(KeyError, match="no key 'scroe'"):
+        ex["scroe"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ex.report = FeedbackReport(id="rep_2", seq=8, score=1.0)  # type: ignore[misc]
+    with pytest.raises((AttributeError, TypeError)):  # TypeError on Python 3.11 (a slotted frozen dataclass's bug)
+        ex.score = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError, match="rep_1 has none"):
+        _scored(score=None)
+
+
+def test_the_old_dict_keys_still_read_and_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A custom recipe written against the dict keys (docs/writing-a-recipe.md before the named types) still
+    reads them, each with a ``DeprecationWarning`` naming the field to read instead, once per key."""
+    monkeypatch.setattr(scored, "_warned", set())
+    ex = _scored()
+    with pytest.warns(DeprecationWarning, match=r"ScoredExchange\['hint'\].*\.report\.hint"):
+        assert ex.get("hint") == "say less"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ex["hint"] == "say less"  # warned once already
+    old = {"id": "rec_a", "release_id": "rel", "prompt_token_ids": [1, 2], "token_ids": [3], "logprobs": [-0.5],
+           "score": 0.5, "report_seq": 7, "source": None, "hint": "say less", "metadata": {"hint": "say less",
+           "group": "g1"}, "sampling": {"temperature": 0.7, "top_p": None, "top_k": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert {k: ex[k] for k in old} == old
+        report = ex.report
+        assert {k: report[k] for k in ("id", "seq", "kind", "status", "release_id", "report")} == {
+            "id": "rep_1", "seq": 7, "kind": "report", "status": "complete", "release_id": None,
+            "report": {"score": 0.5, "feedback": "too long", "references": ["rec_a"],
+                       "metadata": {"hint": "say less", "group": "g1"}}}
 
 
 async def test_learning_reads_only_what_came_since_its_last_read(records_at: str) -> None:
@@ -193,14 +288,14 @@ async def test_learning_reads_only_what_came_since_its_last_read(records_at: str
         await report(["rec_a", "rec_b"], 0.5)
         await report(["rec_other"], 1.0)
         rows, seen = await store.scored_exchanges("s")
-        assert [(r["id"], r["score"]) for r in rows] == [("rec_a", 0.5), ("rec_b", 0.5)]
-        assert rows[0]["token_ids"] == [3, 4] and rows[0]["logprobs"] == [-0.5, -0.25]
+        assert [(r.id, r.score) for r in rows] == [("rec_a", 0.5), ("rec_b", 0.5)]
+        assert rows[0].token_ids == [3, 4] and rows[0].logprobs == [-0.5, -0.25]
         assert await store.scored_exchanges("s", after=seen) == ([], seen)
         await report(["rec_a"], 1.0, "better")  # scored again: comes again, with the new score
         rows, seen2 = await store.scored_exchanges("s", after=seen)
-        assert [(r["id"], r["score"]) for r in rows] == [("rec_a", 1.0)] and seen2 > seen
+        assert [(r.id, r.score) for r in rows] == [("rec_a", 1.0)] and seen2 > seen
         feedback, fseen = await store.feedback_reports("s")
-        assert [f["report"]["feedback"] for f in feedback] == ["better"]
+        assert [f.feedback for f in feedback] == ["better"]
         assert await store.feedback_reports("s", after=fseen) == ([], fseen)
     finally:
         store.close()
@@ -522,11 +617,11 @@ async def test_the_sampling_of_scored_exchanges_is_read_from_the_request(records
             await store.append_report(scenario="s", score=1.0, feedback=None, references=[receipt], metadata=None,
                                       report_id=None)
         rows, _ = await store.scored_exchanges("s")
-        assert {r["id"]: r["sampling"] for r in rows} == {
-            "rec_a": {"temperature": None, "top_p": None, "top_k": None},
-            "rec_b": {"temperature": 0.7, "top_p": None, "top_k": None},
-            "rec_c": {"temperature": 0.7, "top_p": None, "top_k": None},
-            "rec_d": {"temperature": None, "top_p": 0.9, "top_k": 40},
+        assert {r.id: r.sampling for r in rows} == {
+            "rec_a": RequestSampling(temperature=None, top_p=None, top_k=None),
+            "rec_b": RequestSampling(temperature=0.7, top_p=None, top_k=None),
+            "rec_c": RequestSampling(temperature=0.7, top_p=None, top_k=None),
+            "rec_d": RequestSampling(temperature=None, top_p=0.9, top_k=40),
         }
         counts = sorted((r["temperature"] or 1, r["top_p"] or 1, r["top_k"] or 0, r["n"])
                         for r in await store.scored_sampling("s"))

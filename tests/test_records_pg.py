@@ -148,11 +148,11 @@ class Notes(Recipe):
 
     async def edit(self, tree, batch, ctx):
         if os.environ.get("NOTES_HANG"):  # a step that never ends: the test kills its daemon in it
-            Path(os.environ["NOTES_HANG"]).write_text(",".join(r["id"] for r in batch))
+            Path(os.environ["NOTES_HANG"]).write_text(",".join(r.id for r in batch))
             await asyncio.sleep(3600)
         text = tree.get("AGENTS.md", b"# Rules\\n").decode()
         for r in batch:
-            text += f"- {r['report']['feedback']}\\n"
+            text += f"- {r.feedback}\\n"
         return Candidate(tree={**tree, "AGENTS.md": text.encode()})
 '''
 
@@ -315,7 +315,7 @@ async def test_reports_two_daemons_append_are_all_read_by_the_learning_cursor(pg
 
     async def page(store: Any, cursor: int) -> tuple[list[str], int]:
         rows, seen = await store.scored_exchanges("s", after=cursor)
-        return [r["id"] for r in rows], seen
+        return [r.id for r in rows], seen
 
     assert sorted(await _paged_while_one_commits_late(pg_url, late, quick, page)) == ["rec_1", "rec_2"]
 

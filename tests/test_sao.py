@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from daemon.models import build_tiny
+from recipes.base import FeedbackReport, ScoredExchange
 from recipes.online_rl import Sample, eos_ids, generate, render_prompt, token_logprobs
 from recipes.sao import SAOSettings, load_value, make_learner, sao_step, save_value
 from tests.conftest import Daemon, assert_canonical_error
@@ -137,8 +138,9 @@ def test_the_periodic_check_rejects_a_candidate_worse_than_the_head_at_the_defau
         work = tmp_path / f"c{i}"
         work.mkdir()
         job = TrainJob(id=f"j{i}", recipe="sao", settings=settings.to_dict(),
-                       batch=[{"id": f"r{i}", "prompt_token_ids": prompt, "token_ids": out, "logprobs": logprobs,
-                               "score": reward}],
+                       batch=[ScoredExchange(id=f"r{i}", release_id=None, prompt_token_ids=prompt, token_ids=out,
+                                             logprobs=logprobs,
+                                             report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=reward))],
                        base_key="head", base_path=str(base), head_key="head", head_path=str(base),
                        candidate_key=f"c{i}", work_dir=str(work), head_scores=head_scores)
         made = recipe.train(job, state)

@@ -13,31 +13,31 @@ import copy
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from daemon.errors import StepFailed
 from daemon.trainer.worker import TrainerClient
-from recipes.base import TrainJob
+from recipes.base import FeedbackReport, ScoredExchange, TrainJob
 from recipes.online_rl import OnlineRLSettings, Sample, make_optimizer, train_step
 from tests.conftest import Daemon, assert_canonical_error
 
 PROMPT, ANSWER = 400, 60  # tokens: an agent's prompt, an everyday answer
 
 
-def records(n: int, prompt: int, answer: int, seed: int = 0) -> list[dict[str, Any]]:
+def records(n: int, prompt: int, answer: int, seed: int = 0) -> list[ScoredExchange]:
     """``n`` scored exchanges in groups of 8 (8 samples per prompt, rewards 0/1 alternating: every group carries
     signal), with made-up token ids and behaviour log-probs."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 4000) for _ in range(prompt)] for _ in range(max(1, n // 8))]
-    return [{"id": f"r{i}", "prompt_token_ids": prompts[(i // 8) % len(prompts)],
-             "token_ids": [rng.randrange(10, 4000) for _ in range(answer)], "logprobs": [-8.0] * answer,
-             "score": float(i % 2)} for i in range(n)]
+    return [ScoredExchange(id=f"r{i}", release_id=None, prompt_token_ids=prompts[(i // 8) % len(prompts)],
+                           token_ids=[rng.randrange(10, 4000) for _ in range(answer)], logprobs=[-8.0] * answer,
+                           report=FeedbackReport(id=f"rep_{i}", seq=i + 1, score=float(i % 2)))
+            for i in range(n)]
 
 
-def job(tiny_model: Path, batch: list[dict[str, Any]], budget_mb: int, n: int, base: str = "base") -> TrainJob:
+def job(tiny_model: Path, batch: list[ScoredExchange], budget_mb: int, n: int, base: str = "base") -> TrainJob:
     settings = dataclasses.asdict(OnlineRLSettings(memory_budget_mb=budget_mb, steps_per_batch=1))
     return TrainJob(id=f"job{n}", recipe="online-rl", settings=settings, batch=batch, base_key=base,
                     base_path=str(tiny_model), head_key="base", head_path=str(tiny_model), candidate_key=f"c{n}")
@@ -83,7 +83,7 @@ def test_micro_batches_make_the_same_update_as_the_whole_batch(tiny_model: Path,
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rows = records(16, prompt, 12, seed=1)
     rng = random.Random(2)
-    batch = [Sample(r["prompt_token_ids"], r["token_ids"][: rng.randrange(3, 13)], [], r["score"], str(i // 4))
+    batch = [Sample(r.prompt_token_ids, r.token_ids[: rng.randrange(3, 13)], [], r.score, str(i // 4))
              for i, r in enumerate(rows)]
     for s in batch:
         s.logprobs = [-8.0] * len(s.token_ids)
@@ -141,7 +141,7 @@ def test_sao_in_micro_batches_makes_the_same_update_as_the_whole_batch(tiny_mode
 
     torch.set_num_threads(1)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    batch = [Sample(r["prompt_token_ids"], r["token_ids"], [-8.0] * 12, r["score"], r["id"])
+    batch = [Sample(r.prompt_token_ids, r.token_ids, [-8.0] * 12, r.score, r.id)
              for r in records(8, 40, 12, seed=3)]
     after = {}
     for budget in (2, 4096):

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from recipes.base import Candidate, Head, Scores
+from recipes.base import Candidate, FeedbackReport, Head, ScoredExchange, Scores
 from recipes.tasks import get_problem
 from recipes.ttt_discover import TTTDiscover, TTTSettings, entropic_advantages, group_key
 from tests.conftest import Daemon, assert_canonical_error
@@ -63,9 +63,10 @@ def test_the_adaptive_temperature_tilts_ln_2_from_uniform_and_is_scale_free():
     assert TTTSettings().adv_temperature is None  # the default is the source's
 
 
-def record(rid: str, score: float, prompt: list[int], group: str | None = None, release: str = "r0") -> dict[str, Any]:
-    return {"id": rid, "score": score, "prompt_token_ids": prompt, "token_ids": [5], "logprobs": [-1.0],
-            "release_id": release, "metadata": {"group": group} if group else None}
+def record(rid: str, score: float, prompt: list[int], group: str | None = None, release: str = "r0") -> ScoredExchange:
+    report = FeedbackReport(id=f"rep_{rid}", seq=1, score=score, metadata={"group": group} if group else None)
+    return ScoredExchange(id=rid, release_id=release, prompt_token_ids=prompt, token_ids=[5], logprobs=[-1.0],
+                          report=report)
 
 
 def test_a_step_takes_a_full_group_of_sibling_attempts():
@@ -73,7 +74,7 @@ def test_a_step_takes_a_full_group_of_sibling_attempts():
     a = [record(f"a{i}", 0.1 * i, [1, 2]) for i in range(2)]
     b = [record(f"b{i}", 0.1 * i, [1, 2], group="round-1") for i in range(3)]
     assert recipe.batch(a) is None  # two of three siblings: wait
-    assert [r["id"] for r in recipe.batch(a + b)] == ["b0", "b1", "b2"]  # same prompt, but the group named
+    assert [r.id for r in recipe.batch(a + b)] == ["b0", "b1", "b2"]  # same prompt, but the group named
     assert recipe.batch(a + [record("a2", 0.9, [1, 2])]) is not None
     assert group_key(a[0]) != group_key(b[0]) != group_key(record("c", 0, [1, 3]))
     two = TTTDiscover(TTTSettings(group_size=2, groups_per_step=2))

@@ -43,7 +43,7 @@ class Drifting(Recipe):
         for f in base.iterdir():
             if f.is_file() and f.name != "model.safetensors":
                 shutil.copyfile(f, out / f.name)
-        reward = sum(r["score"] for r in job.batch) / len(job.batch)
+        reward = sum(r.score for r in job.batch) / len(job.batch)
         weights = {k: v + 1e-3 * reward for k, v in load_file(base / "model.safetensors").items()}
         save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
         held = 1.0 - reward if job.settings["falling"] else reward

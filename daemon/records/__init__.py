@@ -13,10 +13,12 @@ from pathlib import Path
 from daemon.errors import BadRequest
 from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.location import is_postgres, redact
+from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 from daemon.records.sqlite import SQLiteStore
 from daemon.records.store import Conn, Lease, RecordStore, Scenario, new_id
 
-__all__ = ["Conn", "ExchangeRecord", "Lease", "RecordStore", "SQLiteStore", "Scenario", "new_id", "open_store", "is_postgres", "redact"]
+__all__ = ["Conn", "ExchangeRecord", "FeedbackReport", "Lease", "RecordStore", "RequestSampling", "SQLiteStore",
+           "Scenario", "ScoredExchange", "new_id", "open_store", "is_postgres", "redact"]
 
 
 def open_store(location: str | Path) -> RecordStore:

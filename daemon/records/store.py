@@ -71,6 +71,7 @@ from daemon.records.conn import Conn
 from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.exchange_record import columns as exchange_columns
 from daemon.records.migrations import migrate
+from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
 
@@ -742,23 +743,25 @@ class RecordStore:
             raise BadRequest("references must name at least one receipt", param="references")
         return await self.write(op)
 
-    async def scored_exchanges(self, scenario: str, *, after: int = 0) -> tuple[list[dict[str, Any]], int]:
+    async def scored_exchanges(self, scenario: str, *, after: int = 0) -> tuple[list[ScoredExchange], int]:
         """Exchanges of a scenario scored by reports newer than report seq ``after``, in report order (an exchange
-        scored again comes again, with its new score), and the seq of the last report read (``after`` when there
-        is none): what learning recipes train on, read a little at a time."""
+        scored again comes again, with its new report), and the seq of the last report read (``after`` when there
+        is none): what learning recipes train on, read a little at a time. Only captured, complete exchanges whose
+        prompt tokens, answer tokens and log-probs were all recorded (local engines) are scored exchanges."""
 
         score = self.json_number("rep.report", "score")
         sampling = self._sampling_columns("r.request")
 
-        def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
+        def op(conn: Conn) -> tuple[list[ScoredExchange], int]:
             rows = conn.execute(
                 f"""SELECT r.id, r.release_id, r.prompt_token_ids, r.token_ids, r.logprobs, {sampling},
-                          rep.report, rep.seq AS report_seq
+                          rep.id AS report_id, rep.report, rep.seq AS report_seq, rep.created_at AS report_created_at
                    FROM records rep
                    JOIN report_refs rr ON rr.report_id = rep.id
                    JOIN records r ON r.id = rr.receipt
                    WHERE rep.kind = 'report' AND rep.seq > ? AND r.scenario = ? AND r.kind = 'exchange'
-                     AND r.status = 'complete' AND r.token_ids IS NOT NULL AND r.capture = 1
+                     AND r.status = 'complete' AND r.capture = 1 AND r.token_ids IS NOT NULL
+                     AND r.prompt_token_ids IS NOT NULL AND r.logprobs IS NOT NULL
                      AND {score} IS NOT NULL
                    ORDER BY rep.seq""",
                 (after, scenario),
@@ -768,22 +771,16 @@ class RecordStore:
                 report = json.loads(row["report"])
                 if not training_eligible(report):
                     continue
-                metadata = report.get("metadata")
-                meta = metadata if isinstance(metadata, dict) else {}
-                source, hint = meta.get("source"), meta.get("hint")
-                out.append({
-                    "id": row["id"],
-                    "release_id": row["release_id"],
-                    "prompt_token_ids": _unpack(row["prompt_token_ids"], "i"),
-                    "token_ids": _unpack(row["token_ids"], "i"),
-                    "logprobs": _unpack(row["logprobs"], "f"),
-                    "score": float(report["score"]),
-                    "report_seq": row["report_seq"],
-                    "source": source if isinstance(source, str) else None,  # "judge": a judge's verdict
-                    "hint": hint if isinstance(hint, str) else None,
-                    "metadata": metadata,  # the report's, for typed reports
-                    "sampling": {k: row[k] for k in SAMPLING},  # as the client asked (None: the default)
-                })
+                out.append(ScoredExchange(
+                    id=row["id"],
+                    release_id=row["release_id"],
+                    prompt_token_ids=_unpack(row["prompt_token_ids"], "i") or [],
+                    token_ids=_unpack(row["token_ids"], "i") or [],
+                    logprobs=_unpack(row["logprobs"], "f") or [],
+                    report=FeedbackReport.from_stored(id=row["report_id"], seq=row["report_seq"], body=report,
+                                                      scenario=scenario, created_at=row["report_created_at"]),
+                    sampling=RequestSampling.from_mapping({k: row[k] for k in SAMPLING}),
+                ))
             return out, (rows[-1]["report_seq"] if rows else after)
 
         return await self.read(op)
@@ -801,7 +798,7 @@ class RecordStore:
                 f"""SELECT {", ".join(SAMPLING)}, COUNT(*) AS n FROM (
                       SELECT {sampling} FROM records r
                       WHERE r.scenario = ? AND r.kind = 'exchange' AND r.status = 'complete' AND r.capture = 1
-                        AND r.token_ids IS NOT NULL
+                        AND r.token_ids IS NOT NULL AND r.prompt_token_ids IS NOT NULL AND r.logprobs IS NOT NULL
                         AND EXISTS (SELECT 1 FROM report_refs rr WHERE rr.receipt = r.id)) s
                    GROUP BY {", ".join(SAMPLING)}""",
                 (scenario,),
@@ -1024,23 +1021,28 @@ class RecordStore:
             (scenario,)).fetchall())
         return {r["id"] for r in rows}
 
-    async def feedback_reports(self, scenario: str, *, after: int = 0) -> tuple[list[dict[str, Any]], int]:
+    async def feedback_reports(self, scenario: str, *, after: int = 0) -> tuple[list[FeedbackReport], int]:
         """Reports on a scenario that carry written feedback, newer than seq ``after``, oldest first, and the seq
         of the last one (``after`` when there is none): what harness recipes learn from."""
 
         feedback = self.json_field("report", "feedback")
 
-        def op(conn: Conn) -> tuple[list[dict[str, Any]], int]:
+        def op(conn: Conn) -> tuple[list[FeedbackReport], int]:
             rows = conn.execute(
-                f"""SELECT {_SUMMARY_COLUMNS} FROM records rep
+                f"""SELECT seq, id, scenario, created_at, report FROM records rep
                     WHERE kind = 'report' AND scenario = ? AND seq > ? AND {feedback} IS NOT NULL
                       AND NOT EXISTS (SELECT 1 FROM report_refs rr JOIN records r ON r.id = rr.receipt
                                       WHERE rr.report_id = rep.id AND r.capture = 0)
                     ORDER BY seq""",
                 (scenario, after),
             ).fetchall()
-            out = [_record(r) for r in rows]
-            return [r for r in out if training_eligible(r["report"])], (rows[-1]["seq"] if rows else after)
+            out = []
+            for row in rows:
+                body = json.loads(row["report"])
+                if training_eligible(body):
+                    out.append(FeedbackReport.from_stored(id=row["id"], seq=row["seq"], body=body,
+                                                          scenario=row["scenario"], created_at=row["created_at"]))
+            return out, (rows[-1]["seq"] if rows else after)
 
         return await self.read(op)
 

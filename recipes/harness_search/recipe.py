@@ -55,7 +55,7 @@ from daemon.errors import BadRequest, StepFailed
 from daemon.gate import Verdict, paired_interval, pairs_needed, sign_test_p
 from daemon.gate import check as gate_check
 from daemon.gate import judge as gate_judge
-from recipes.base import Candidate, HarnessContext, Recipe, Scores
+from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
 from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
 from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
 from recipes.harness_search.pool import Member, Pool, tree_id
@@ -163,7 +163,7 @@ class HarnessSearch(Recipe):
 
     # --- the step -----------------------------------------------------------------------------------------
 
-    async def edit(self, tree: dict[str, bytes], batch: list[dict[str, Any]], ctx: HarnessContext) -> Candidate:
+    async def edit(self, tree: dict[str, bytes], batch: list[FeedbackReport], ctx: HarnessContext) -> Candidate:
         s: HarnessSearchSettings = self.settings
         tasks = parse_tasks(s.tasks)
         self._load(ctx)
@@ -290,33 +290,32 @@ class HarnessSearch(Recipe):
 
     # --- parts ---------------------------------------------------------------------------------------------
 
-    async def _remember(self, batch: list[dict[str, Any]], ctx: HarnessContext) -> None:
+    async def _remember(self, batch: list[FeedbackReport], ctx: HarnessContext) -> None:
         s: HarnessSearchSettings = self.settings
         reader = getattr(ctx, "record", None)
         known = {r["report"] for r in self.bad_runs}
         for rep in batch:
-            if rep["id"] in known:  # a batch kept by a step that found no usable proposal comes again
+            if rep.id in known:  # a batch kept by a step that found no usable proposal comes again
                 continue
-            body = rep.get("report") or {}
-            meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
-            feedback = body.get("feedback")
+            meta = rep.metadata or {}
+            feedback = rep.feedback
             if not isinstance(feedback, str):
                 feedback = json.dumps(feedback)
             if meta.get("kind") == "instruction":
                 if feedback[:2000] not in self.instructions:
                     self.instructions.append(feedback[:2000])
                 continue
-            score = body.get("score")
-            if isinstance(score, (int, float)) and score >= s.bad_below:
+            score = rep.score
+            if score is not None and score >= s.bad_below:
                 continue
             exchanges = []
-            refs = body.get("references") or []
+            refs = rep.references
             if reader is not None and refs:  # the last exchange's request holds the run's conversation
                 try:
                     exchanges.append(render_exchange(await reader(refs[-1]), s.max_prompt_chars // 4))
                 except Exception as e:  # a record that cannot be read: the feedback alone still helps
                     exchanges.append(f"(the run's record could not be read: {e})")
-            self.bad_runs.append({"report": rep["id"], "score": score, "feedback": feedback[:2000],
+            self.bad_runs.append({"report": rep.id, "score": score, "feedback": feedback[:2000],
                                   "exchanges": exchanges})
 
     def _retirement(self, serving: Member) -> tuple[dict[str, bytes], str, Member] | None:
