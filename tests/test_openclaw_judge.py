@@ -275,8 +275,8 @@ def test_the_kl_term_is_zero_at_the_base_and_pulls_the_policy_back_to_it(tiny_mo
     # moved away from the base: the same step with the term ends nearer the base than without it
     model, tok = lora_policy(tiny_model, moved=True)
     batch = scored(model)
-    samples = [Sample(prompt_token_ids=r["prompt_token_ids"], token_ids=r["token_ids"], logprobs=r["logprobs"],
-                      reward=r["score"], group="g") for r in batch]
+    samples = [Sample(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, logprobs=r.logprobs,
+                      reward=r.score, group="g") for r in batch]
     start = kl_from_base(model, samples)
     assert start > 0.01
     plain = copy.deepcopy(model)
