@@ -49,7 +49,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "anthropic"
+FORMAT = "anthropic"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/messages"
+ID_PREFIX = "msg_"  # answer ids
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 _ERROR_TYPES = {

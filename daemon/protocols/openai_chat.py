@@ -49,7 +49,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "openai-chat"
+FORMAT = "openai-chat"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/chat/completions"
+ID_PREFIX = "chatcmpl-"  # answer ids
 
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "stop_sequence": "stop"}
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")

@@ -54,7 +54,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "openai-responses"
+FORMAT = "openai-responses"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/responses"
+ID_PREFIX = "resp_"  # answer ids
 
 # --- requests ---------------------------------------------------------------------------------------------------
 
