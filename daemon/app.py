@@ -40,7 +40,7 @@ from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, formats
 from daemon.protocols.base import WireFormat
-from daemon.reports import accept_report
+from daemon.reports import accept_imports, accept_report
 from daemon.serving import Answer, Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -498,7 +498,7 @@ async def handle_import(request: web.Request) -> web.Response:
     parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
-    out = await reef.store.import_exchanges(parsed)
+    out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
     for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
         reef.learner.notify(name)
     return _json(out, status=201)
