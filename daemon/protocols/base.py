@@ -51,6 +51,11 @@ class StreamParser(Protocol):
     def feed(self, event: str | None, data: str) -> list[EngineEvent]:
         ...
 
+    @property
+    def done(self) -> bool:
+        """Whether the stream's own end has been read (a stream cut before it is incomplete)."""
+        ...
+
     def finish(self) -> Completion:
         ...
 
