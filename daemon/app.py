@@ -314,11 +314,9 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
     body = await read_json(request, reef.config.max_body_bytes)
     exchange = anthropic.parse_count_tokens(body)
     exchange.headers, exchange.query = request.headers, request.query_string
-    scen = await reef.scenario(scenario)
-    engine = await reef.engine(scen.model)
-    release = await reef.chains.resolve(scen, request.headers.get("x-reef-release-id"))
-    ref = await reef.chains.ref(scen, release)
-    return _json(anthropic.render_count_tokens(await engine.count_tokens(exchange, ref)))
+    n = await reef.serve_path.count_tokens(exchange, scenario=scenario,
+                                           pinned_release=request.headers.get("x-reef-release-id"))
+    return _json(anthropic.render_count_tokens(n))
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -431,6 +431,14 @@ class ServePath:
             if completion is None:
                 await self.record(served, None, None, status="incomplete")
 
+    async def count_tokens(self, exchange: Exchange, *, scenario: str, pinned_release: str | None) -> int:
+        """How many tokens ``exchange``'s prompt is for the engine and release that would serve it."""
+        scen = await self._scenario(scenario)
+        engine = await self._engine(scen.model)
+        release = await self.chains.resolve(scen, pinned_release)
+        ref = await self.chains.ref(scen, release)
+        return await engine.count_tokens(exchange, ref)
+
     # --- the steps -----------------------------------------------------------------------------------------
 
     async def begin(
