@@ -285,7 +285,7 @@ class StreamedAnswer:
         await self.path.abandon(self.served)
 
 
-Observe = Callable[[str, str, "str | None", Mapping[str, str], list[Message], Completion], None]
+Observe = Callable[[str, str, str | None, Mapping[str, str], list[Message], Completion], None]
 
 
 class ServePath:
