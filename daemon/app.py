@@ -23,7 +23,6 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from types import ModuleType
 from typing import Any
 
 import orjson
@@ -35,16 +34,14 @@ from daemon.errors import (
     NotFound,
     PayloadTooLarge,
     ReefError,
-    StorageError,
     Unauthorized,
 )
-from daemon.exchange import Completion, Finish, Receipt, Relay
 from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
-from daemon.protocols import anthropic, openai_chat, openai_responses
-from daemon.records import new_id
-from daemon.reports import accept_report
-from daemon.serving import Reef
+from daemon.protocols import anthropic, formats
+from daemon.protocols.base import WireFormat
+from daemon.reports import accept_imports, accept_report
+from daemon.serving import Answer, Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
 log = logging.getLogger("reef.http")
@@ -186,17 +183,9 @@ async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
     return parse_json_text(raw)
 
 
-def _protocol_for_path(path: str) -> ModuleType | None:
-    if "/v1/" not in path and not path.endswith("/v1"):
-        return None
-    if "/v1/messages" in path:
-        return anthropic
-    return openai_responses if "/v1/responses" in path else openai_chat
-
-
 def error_response(request: web.Request, err: ReefError) -> web.Response:
-    proto = _protocol_for_path(request.path)
-    body = proto.error_body(err) if proto is not None else {"error": err.to_dict()}
+    wire = formats.for_path(request.path)
+    body = wire.error_body(err) if wire is not None else {"error": err.to_dict()}
     status = err.data.get("status") if isinstance(err.data.get("status"), int) else err.status
     resp = web.Response(_dumpb(body), status=status, close=status == 413)
     if isinstance(rid := err.data.get("record_id"), str):  # a failed exchange that was recorded
@@ -290,129 +279,33 @@ def _scenario_and_run(request: web.Request) -> tuple[str, str | None]:
     return scenario, run
 
 
-def provider_handler(proto: ModuleType) -> Handler:
+def provider_handler(wire: WireFormat) -> Handler:
+    """A provider route: the request parsed into an ``Exchange`` (in ``wire``'s format), served by the serve path
+    (``daemon/serving.py``), its answer sent whole or as a stream of server-sent events."""
+
     async def handle(request: web.Request) -> web.Response | web.StreamResponse:
         reef = request.ctx
         scenario, run = _scenario_and_run(request)
         body, text = await read_json_text(request, reef.config.max_body_bytes)
-        exchange = proto.parse_request(body)
+        exchange = wire.parse_request(body)
         exchange.headers, exchange.query = request.headers, request.query_string
-        served = await reef.begin(exchange, scenario=scenario, run=run, headers=request.headers,
-                                  pinned_release=request.headers.get("x-reef-release-id"), request_text=text)
-        created = int(time.time())
-        headers = {"x-reef-agent-record-id": served.receipt}
-        if served.release_id:
-            headers["x-reef-release-id"] = served.release_id
-        if not served.capture:
-            headers["x-reef-capture"] = "false"  # served and recorded, never trained on
-        receipt = Receipt(served.receipt, served.release_id)
-        route = proto.FORMAT
+        answer = await reef.serve_path.serve(wire, exchange, scenario=scenario, run=run, headers=request.headers,
+                                             request_text=text)
+        if isinstance(answer, Answer):
+            return web.Response(answer.body, headers=answer.headers)
         try:
-            if not exchange.stream:
-                finish = await _collect(reef, served)
-                completion = finish.completion
-                if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
-                    response = {**finish.body, "reef": receipt.to_dict()}
-                else:
-                    response = proto.render_response(exchange, completion, response_id=new_id(_ID_PREFIX[route]),
-                                                     created=created, receipt=receipt)
-                payload = _dumpb(response)  # encoded once: what the record stores is what the client gets
-                await reef.record(served, completion, response, response_text=payload.decode())
-                headers["Server-Timing"] = (
-                    f"engine;dur={served.engine_ms:.3f}, record;dur={served.record_ms:.3f}, "
-                    f"total;dur={(time.perf_counter() - served.started) * 1e3:.3f}"
-                )
-                reef.metrics.requests.labels(route, "200").inc()
-                reef.metrics.latency.labels(route).observe(time.perf_counter() - served.started)
-                return web.Response(payload, headers=headers)
-            return await _stream(request, reef, proto, served, new_id(_ID_PREFIX[route]), created, headers, receipt)
+            resp = web.StreamResponse(headers={**_SSE_HEADERS, **answer.headers})
+            await resp.prepare(request)
+            await answer.send(resp)
+            return resp
         finally:
-            await reef.abandon(served)
+            await answer.close()
 
     return handle
 
 
-_ID_PREFIX = {"openai-chat": "chatcmpl-", "openai-responses": "resp_", "anthropic": "msg_"}
-
-
-async def _collect(reef: Reef, served: Any) -> Finish:
-    if isinstance(served.first, Finish):  # the common case: the engine's first event is its whole answer
-        return served.first
-    # closed here, not left to the garbage collector: an async generator dropped unfinished costs the loop a
-    # finalizer task (call_soon_threadsafe + create_task(aclose())) per request
-    async with contextlib.aclosing(reef.stream(served)) as events:
-        async for event in events:
-            if isinstance(event, Finish):
-                return event
-    raise ReefError("engine ended without finishing")
-
-
-async def _stream(
-    request: web.Request,
-    reef: Reef,
-    proto: ModuleType,
-    served: Any,
-    response_id: str,
-    created: int,
-    headers: dict[str, str],
-    receipt: Receipt,
-) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            **headers,
-        }
-    )
-    await resp.prepare(request)
-    renderer = proto.StreamRenderer(served.exchange, response_id=response_id, created=created)
-    completion: Completion | None = None
-    final: tuple[str | None, str] | None = None
-    # an upstream of the client's format: its bytes go out as they are (Relay events), not re-rendered
-    pending = [] if isinstance(served.first, Relay) else renderer.start()
-    events = reef.stream(served)
-    try:
-        try:
-            async for event in events:
-                if isinstance(event, Finish):
-                    completion, final = event.completion, event.final
-                    await events.aclose()  # finished: closed now rather than by a finalizer task
-                    break
-                if isinstance(event, Relay):
-                    pending.append(event.data)
-                else:
-                    pending.extend(renderer.event(event))
-                await resp.write(b"".join(pending))
-                pending = []
-        except ReefError as err:
-            partial = None
-            status = "incomplete" if err.data.get("incomplete") else "error"  # a cut upstream stream
-            await reef.record(served, None, partial, status=status, error=err)
-            await resp.write(b"".join(pending + renderer.error(err)))
-            await resp.write_eof()
-            return resp
-        assert completion is not None
-        response = proto.render_response(served.exchange, completion, response_id=response_id, created=created,
-                                         receipt=receipt)
-        try:
-            await reef.record(served, completion, response)
-        except StorageError as err:
-            await resp.write(b"".join(pending + renderer.error(err)))
-            await resp.write_eof()
-            return resp
-        end = proto.relay_finish(final, receipt) if final is not None else renderer.finish(completion, receipt)
-        await resp.write(b"".join(pending + end))
-        await resp.write_eof()
-        reef.metrics.requests.labels(proto.FORMAT, "200").inc()
-        reef.metrics.latency.labels(proto.FORMAT).observe(time.perf_counter() - served.started)
-        return resp
-    except ConnectionResetError:
-        # the client left mid-stream: keep what was produced, marked incomplete
-        await reef.abandon(served)
-        if completion is None:
-            await reef.record(served, None, None, status="incomplete")
-        return resp
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
 
 
 async def handle_count_tokens(request: web.Request) -> web.Response:
@@ -421,11 +314,9 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
     body = await read_json(request, reef.config.max_body_bytes)
     exchange = anthropic.parse_count_tokens(body)
     exchange.headers, exchange.query = request.headers, request.query_string
-    scen = await reef.scenario(scenario)
-    engine = await reef.engine(scen.model)
-    release = await reef.chains.resolve(scen, request.headers.get("x-reef-release-id"))
-    ref = await reef.chains.ref(scen, release)
-    return _json(anthropic.render_count_tokens(await engine.count_tokens(exchange, ref)))
+    n = await reef.serve_path.count_tokens(exchange, scenario=scenario,
+                                           pinned_release=request.headers.get("x-reef-release-id"))
+    return _json(anthropic.render_count_tokens(n))
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -605,7 +496,7 @@ async def handle_import(request: web.Request) -> web.Response:
     parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
-    out = await reef.store.import_exchanges(parsed)
+    out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
     for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
         reef.learner.notify(name)
     return _json(out, status=201)
@@ -1025,7 +916,8 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     """The daemon's routes behind its guards: the handler ``web.Server`` serves (``scoped_only``: on the scoped
     socket, where only scoped tokens are taken)."""
     r = web.Router()
-    chat, responses, messages = (provider_handler(p) for p in (openai_chat, openai_responses, anthropic))
+    chat, responses, messages = (provider_handler(f) for f in (formats.OPENAI_CHAT, formats.OPENAI_RESPONSES,
+                                                                 formats.ANTHROPIC))
     for prefix in ("", "/s/{scenario}", "/s/{scenario}/r/{run}"):
         r.add("POST", prefix + "/v1/chat/completions", chat)
         r.add("POST", prefix + "/v1/responses", responses)

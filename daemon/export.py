@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest
 from daemon.records import ExchangeRecord
 
-_PROTOCOLS: dict[str, Any] = {}
+if TYPE_CHECKING:
+    from daemon.protocols.base import WireFormat
 
+def _protocol(fmt: str | None) -> WireFormat | None:
+    from daemon.protocols.formats import FORMATS
 
-def _protocol(fmt: str | None) -> Any:
-    if not _PROTOCOLS:
-        from daemon.protocols import anthropic, openai_chat, openai_responses
-
-        _PROTOCOLS.update({p.FORMAT: p for p in (openai_chat, openai_responses, anthropic)})
-    return _PROTOCOLS.get(fmt or "")
+    return FORMATS.get(fmt or "")
 
 
 def _message(role: str, text: str, tool_calls: list[Any] | None = None) -> dict[str, Any]:

@@ -144,9 +144,9 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
 def user_prompt(record: dict[str, Any]) -> str | None:
     """The user's prompt in a recorded exchange: the last user message with text (tool results left out), read
     through the protocol of the request's format; None when there is none."""
-    from daemon.protocols import anthropic, openai_chat, openai_responses
+    from daemon.protocols.formats import FORMATS
 
-    proto = {p.FORMAT: p for p in (openai_chat, openai_responses, anthropic)}.get(record.get("format") or "")
+    proto = FORMATS.get(record.get("format") or "")
     if proto is None or not isinstance(record.get("request"), dict):
         return None
     try:

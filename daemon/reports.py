@@ -1,10 +1,11 @@
 """Accepting a report: the one way a report enters the record store.
 
-Three paths store reports: ``POST /reef/report`` (``daemon/app.py``), a direct instruction (``evolve``,
-``daemon/harness.py``) and a judge's verdict on a turn (``daemon/learning.py``). Each parses and checks its own
-input and decides what learning does next; storing, counting (``reef_records_total{kind="report"}``) and
-announcing (a ``report`` event) happen here, once, so that no path can store a report the metric or the event
-stream misses.
+Four paths store reports: ``POST /reef/report`` (``daemon/app.py``), a direct instruction (``evolve``,
+``daemon/harness.py``), a judge's verdict on a turn (``daemon/learning.py``) and an import of exchanges with their
+scores (``POST /reef/records/import``, in bulk: ``accept_imports``). Each parses and checks its own input and
+decides what learning does next; storing, counting (``reef_records_total{kind="report"}``) and announcing (a
+``report`` event) happen here, the counting and announcing in one function (``_accepted``), so that no path can
+store a report the metric or the event stream misses.
 """
 
 from __future__ import annotations
@@ -42,9 +43,29 @@ async def accept_report(
         scenario=scenario, score=score, feedback=feedback, references=references, metadata=metadata,
         report_id=report_id,
     )
+    _accepted(metrics, events, stored, score=score, feedback=feedback, references=references, shown=shown, **event)
+    return stored
+
+
+async def accept_imports(store: RecordStore, metrics: Metrics, events: EventBus,
+                         items: list[dict[str, Any]]) -> dict[str, int]:
+    """Store imported exchanges and their reports (``RecordStore.import_exchanges``: one transaction, idempotent
+    by id; ``items`` are ``daemon/export.from_line``'s), then count and announce each report stored, as
+    ``accept_report`` does (the event's ``source`` is ``import``); the counts (``imported``, ``skipped``,
+    ``reports``)."""
+    counts, reports = await store.import_exchanges(items)
+    for rep in reports:
+        _accepted(metrics, events, rep, score=rep["score"], feedback=rep["feedback"], references=rep["references"],
+                  source="import")
+    return counts
+
+
+def _accepted(metrics: Metrics, events: EventBus, stored: dict[str, Any], *, score: float | None, feedback: Any,
+              references: list[str], shown: str | None = None, **event: Any) -> None:
+    """A stored report counted and announced: one on ``reef_records_total{kind="report"}``, one ``report``
+    event."""
     metrics.records.labels("report").inc()
     if shown is None and isinstance(feedback, str) and len(feedback) <= SHOWN_FEEDBACK_CHARS:
         shown = feedback
     events.publish("report", id=stored["id"], scenario=stored["scenario"], score=score, references=references,
                    feedback=shown, **event)
-    return stored

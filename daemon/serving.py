@@ -1,32 +1,39 @@
 """The daemon's state and its serve path: exchange in, engine, durable record, receipt out.
 
-``Reef`` owns the config, the record store, the engines, the event bus and the metrics. The HTTP layer
-(``daemon/app.py``) parses and authenticates; everything about *serving an exchange* happens here, so the
-provider formats, the engines and the record store meet in one place.
+``Reef`` owns the config, the record store, the engines, the event bus and the metrics. ``ServePath`` is the
+serve path, given what it uses (store, chains, canaries, events, metrics, the scenario and engine look-ups): it
+resolves the release and the engine, collects or streams the engine's answer in the client's wire format
+(``daemon/protocols/base.WireFormat``), records the exchange durably and hands out the receipt. The HTTP layer
+(``daemon/app.py``) parses and authenticates, calls ``ServePath.serve`` and maps what it returns to a response;
+everything about *serving an exchange* happens here, so the provider formats, the engines and the record store
+meet in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.canary import Canaries, arm_key
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
-from daemon.errors import Archived, BadRequest, ReefError, Unavailable
+from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
 from daemon.events import EventBus
-from daemon.exchange import Completion, EngineEvent, Exchange, Finish
+from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
 from daemon.learning import Learner
 from daemon.metrics import Metrics
 from daemon.names import check_scenario
-from daemon.records import ExchangeRecord, Scenario, new_id, open_store
+from daemon.protocols.base import WireFormat
+from daemon.protocols.sse import dumpb
+from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
@@ -109,6 +116,9 @@ class Reef:
         self._retention: asyncio.Task[None] | None = None
         self.canaries = Canaries(self)
         self.learner.start_canary = self.canaries.begin
+        self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
+                                    metrics=self.metrics, scenario=self.scenario, engine=self.engine,
+                                    observe=self.learner.observe)
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 
@@ -234,7 +244,202 @@ class Reef:
             self.events.publish("scenario", scenario=scenario.to_dict())
         return scenario
 
-    # --- the serve path ------------------------------------------------------------------------------------
+
+class Sink(Protocol):
+    """Where a streamed answer's bytes go: the HTTP layer's prepared response (``web.StreamResponse``). A write
+    raises ``ConnectionResetError`` when the client has gone."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
+
+
+@dataclass
+class Answer:
+    """A whole answer: its body, encoded once (what the record stores is what the client gets), and its headers
+    (the receipt, the release, ``Server-Timing``)."""
+
+    body: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class StreamedAnswer:
+    """A streamed answer, begun: its headers (the receipt, before the answer exists: its record is opened) go out
+    first; ``send`` then writes its events to the client's response, records the outcome and adds the receipt to
+    the final event."""
+
+    path: ServePath
+    wire: WireFormat
+    served: Served
+    response_id: str
+    created: int
+    receipt: Receipt
+    headers: dict[str, str]
+
+    async def send(self, sink: Sink) -> None:
+        await self.path.send_stream(self, sink)
+
+    async def close(self) -> None:
+        """Let go of the engine's stream (however ``send`` ended, or when it never ran)."""
+        await self.path.abandon(self.served)
+
+
+Observe = Callable[[str, str, str | None, Mapping[str, str], list[Message], Completion], None]
+
+
+class ServePath:
+    """Serving one exchange: scenario, release and engine resolved, the engine's answer collected or streamed in
+    the client's format, the exchange recorded durably, the receipt handed out.
+
+    What it uses is named here, not the daemon: the record store, the release chains and canaries (which release
+    serves), the event bus and metrics, the scenario and engine look-ups (``Reef.scenario``, ``Reef.engine``) and
+    the learner's ``observe`` (a judging recipe's turn). ``daemon/app.py`` parses a request into an ``Exchange``,
+    calls ``serve`` and maps what it returns (or the ``ReefError`` it raises) to a response."""
+
+    def __init__(
+        self,
+        *,
+        store: RecordStore,
+        chains: Chains,
+        canaries: Canaries,
+        events: EventBus,
+        metrics: Metrics,
+        scenario: Callable[[str], Awaitable[Scenario]],
+        engine: Callable[[str], Awaitable[Engine]],
+        observe: Observe,
+    ) -> None:
+        self.store = store
+        self.chains = chains
+        self.canaries = canaries
+        self.events = events
+        self.metrics = metrics
+        self._scenario = scenario
+        self._engine = engine
+        self._observe = observe
+
+    # --- one request, start to finish ----------------------------------------------------------------------
+
+    async def serve(
+        self,
+        wire: WireFormat,
+        exchange: Exchange,
+        *,
+        scenario: str,
+        run: str | None,
+        headers: Mapping[str, str],
+        request_text: str | None = None,
+    ) -> Answer | StreamedAnswer:
+        """Serve ``exchange`` (parsed from ``wire``'s request): a whole ``Answer``, recorded, or a begun
+        ``StreamedAnswer`` to send. Raises ``ReefError`` before anything is sent (a failed exchange carries its
+        receipt in ``data["record_id"]``)."""
+        served = await self.begin(exchange, scenario=scenario, run=run, headers=headers,
+                                  pinned_release=headers.get("x-reef-release-id"), request_text=request_text)
+        created = int(time.time())
+        out = {"x-reef-agent-record-id": served.receipt}
+        if served.release_id:
+            out["x-reef-release-id"] = served.release_id
+        if not served.capture:
+            out["x-reef-capture"] = "false"  # served and recorded, never trained on
+        receipt = Receipt(served.receipt, served.release_id)
+        if exchange.stream:
+            return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out)
+        try:
+            return await self._whole(wire, served, created, receipt, out)
+        finally:
+            await self.abandon(served)
+
+    async def _whole(self, wire: WireFormat, served: Served, created: int, receipt: Receipt,
+                     headers: dict[str, str]) -> Answer:
+        finish = await self.collect(served)
+        completion = finish.completion
+        if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
+            response = {**finish.body, "reef": receipt.to_dict()}
+        else:
+            response = wire.render_response(served.exchange, completion, response_id=new_id(wire.ID_PREFIX),
+                                            created=created, receipt=receipt)
+        payload = dumpb(response)  # encoded once: what the record stores is what the client gets
+        await self.record(served, completion, response, response_text=payload.decode())
+        headers["Server-Timing"] = (
+            f"engine;dur={served.engine_ms:.3f}, record;dur={served.record_ms:.3f}, "
+            f"total;dur={(time.perf_counter() - served.started) * 1e3:.3f}"
+        )
+        self.metrics.requests.labels(wire.FORMAT, "200").inc()
+        self.metrics.latency.labels(wire.FORMAT).observe(time.perf_counter() - served.started)
+        return Answer(payload, headers)
+
+    async def collect(self, served: Served) -> Finish:
+        """The engine's whole answer (its ``Finish``)."""
+        if isinstance(served.first, Finish):  # the common case: the engine's first event is its whole answer
+            return served.first
+        # closed here, not left to the garbage collector: an async generator dropped unfinished costs the loop a
+        # finalizer task (call_soon_threadsafe + create_task(aclose())) per request
+        async with contextlib.aclosing(self.stream(served)) as events:
+            async for event in events:
+                if isinstance(event, Finish):
+                    return event
+        raise ReefError("engine ended without finishing")
+
+    async def send_stream(self, answer: StreamedAnswer, sink: Sink) -> None:
+        """Write a streamed answer's events to ``sink`` as the engine makes them, record the outcome, then end
+        the stream with the receipt in its final event. A failure after the start ends the stream with the
+        format's error event (recorded as error, or incomplete for a cut upstream); a client that leaves keeps
+        what was produced, recorded as incomplete."""
+        served, wire, receipt = answer.served, answer.wire, answer.receipt
+        renderer = wire.StreamRenderer(served.exchange, response_id=answer.response_id, created=answer.created)
+        completion: Completion | None = None
+        final: tuple[str | None, str] | None = None
+        # an upstream of the client's format: its bytes go out as they are (Relay events), not re-rendered
+        pending = [] if isinstance(served.first, Relay) else renderer.start()
+        events = self.stream(served)
+        try:
+            try:
+                async for event in events:
+                    if isinstance(event, Finish):
+                        completion, final = event.completion, event.final
+                        await events.aclose()  # finished: closed now rather than by a finalizer task
+                        break
+                    if isinstance(event, Relay):
+                        pending.append(event.data)
+                    else:
+                        pending.extend(renderer.event(event))
+                    await sink.write(b"".join(pending))
+                    pending = []
+            except ReefError as err:
+                status = "incomplete" if err.data.get("incomplete") else "error"  # a cut upstream stream
+                await self.record(served, None, None, status=status, error=err)
+                await sink.write(b"".join(pending + renderer.error(err)))
+                await sink.write_eof()
+                return
+            assert completion is not None
+            response = wire.render_response(served.exchange, completion, response_id=answer.response_id,
+                                            created=answer.created, receipt=receipt)
+            try:
+                await self.record(served, completion, response)
+            except StorageError as err:
+                await sink.write(b"".join(pending + renderer.error(err)))
+                await sink.write_eof()
+                return
+            end = wire.relay_finish(final, receipt) if final is not None else renderer.finish(completion, receipt)
+            await sink.write(b"".join(pending + end))
+            await sink.write_eof()
+            self.metrics.requests.labels(wire.FORMAT, "200").inc()
+            self.metrics.latency.labels(wire.FORMAT).observe(time.perf_counter() - served.started)
+        except ConnectionResetError:
+            # the client left mid-stream: keep what was produced, marked incomplete
+            await self.abandon(served)
+            if completion is None:
+                await self.record(served, None, None, status="incomplete")
+
+    async def count_tokens(self, exchange: Exchange, *, scenario: str, pinned_release: str | None) -> int:
+        """How many tokens ``exchange``'s prompt is for the engine and release that would serve it."""
+        scen = await self._scenario(scenario)
+        engine = await self._engine(scen.model)
+        release = await self.chains.resolve(scen, pinned_release)
+        ref = await self.chains.ref(scen, release)
+        return await engine.count_tokens(exchange, ref)
+
+    # --- the steps -----------------------------------------------------------------------------------------
 
     async def begin(
         self,
@@ -251,10 +456,10 @@ class Reef:
         The request is frozen here to one release: the scenario's head, or the release the client pinned."""
         started = time.perf_counter()
         asked = capture_header(headers.get("x-reef-capture"))
-        scen = await self.scenario(scenario)
+        scen = await self._scenario(scenario)
         if scen.archived:
             raise Archived(scen.name)
-        engine = await self.engine(scen.model)
+        engine = await self._engine(scen.model)
         release = None
         if pinned_release and (self.canaries.active or self.canaries.ended):  # a run on a canary's arm
             release = await self.canaries.pinned(scen, pinned_release)
@@ -352,7 +557,7 @@ class Reef:
             return
         err.data["record_id"] = served.receipt
 
-    async def stream(self, served: Served) -> AsyncIterator[EngineEvent]:
+    async def stream(self, served: Served) -> AsyncGenerator[EngineEvent, None]:
         """All events of a served exchange, the first one included; ends after ``Finish``."""
         assert served.first is not None
         yield served.first
@@ -386,7 +591,7 @@ class Reef:
             "total_ms": round((now - served.started) * 1e3, 3),
             "engine_ms": None if served.engine_ms is None else round(served.engine_ms, 3),
         }
-        usage = None
+        usage: dict[str, Any] | None = None
         if completion is not None:
             usage = {
                 "input_tokens": completion.usage.input_tokens,
@@ -434,8 +639,8 @@ class Reef:
             usage=usage,
         )
         if status == "complete" and completion is not None:
-            self.learner.observe(served.scenario.name, served.receipt, served.run, served.headers, ex.messages,
-                                 completion)
+            self._observe(served.scenario.name, served.receipt, served.run, served.headers, ex.messages,
+                          completion)
 
     async def abandon(self, served: Served) -> None:
         await _aclose(served.events)

@@ -138,6 +138,50 @@ def test_cli_scenarios_and_status(daemon: Daemon) -> None:
     assert bad.returncode == 4 and "rec_missing" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def report_events(c: httpx.Client, scenario: str, want: int) -> list[dict[str, Any]]:
+    """The ``report`` events of ``scenario`` on ``/reef/events`` from its start (``after=0``): read until ``want``
+    of them are in, or the read times out."""
+    seen: list[dict[str, Any]] = []
+    with c.stream("GET", "/reef/events", params={"after": 0}, timeout=5) as resp:
+        try:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event.get("kind") == "report" and event.get("scenario") == scenario:
+                        seen.append(event)
+                        if len(seen) >= want:
+                            break
+        except httpx.ReadTimeout:  # fewer than wanted: the caller's assertion says so
+            pass
+    return seen
+
+
+def test_imported_reports_are_counted_and_announced_like_any_other(daemon: Daemon) -> None:
+    """Reports that come with imported exchanges (``POST /reef/records/import``) are one each on
+    ``reef_records_total{kind="report"}`` and one ``report`` event each, as ``daemon.reports`` does for every
+    path; a re-import stores nothing and counts nothing."""
+    turn = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    items = [{**turn, "id": "rec_imp_a", "score": 1.0},
+             {**turn, "id": "rec_imp_b", "score": 0.0, "feedback": "too short"},
+             {**turn, "id": "rec_imp_c"}]  # no score, no feedback: an exchange without a report
+    with daemon.http() as c:
+        before = reports_counted(c)
+        resp = c.post("/reef/records/import", json={"items": items, "scenario": "imports-counted"})
+        assert resp.status_code == 201, resp.text
+        assert resp.json() == {"imported": 3, "skipped": 0, "reports": 2}
+        assert reports_counted(c) == before + 2
+        events = report_events(c, "imports-counted", 2)
+        assert sorted(tuple(e["references"]) for e in events) == [("rec_imp_a",), ("rec_imp_b",)], events
+        by_ref = {e["references"][0]: e for e in events}
+        assert by_ref["rec_imp_a"]["score"] == 1.0 and by_ref["rec_imp_b"]["feedback"] == "too short"
+        assert all(e["source"] == "import" and e["id"].startswith("rep_") for e in events)
+        for e in events:  # each event names the report record stored
+            assert c.get(f"/reef/records/{e['id']}").json()["kind"] == "report"
+        again = c.post("/reef/records/import", json={"items": items, "scenario": "imports-counted"})
+        assert again.json() == {"imported": 0, "skipped": 3, "reports": 0}
+        assert reports_counted(c) == before + 2
+
+
 def test_events_stream_records_and_reports(daemon: Daemon) -> None:
     seen: list[dict[str, Any]] = []
     ready = threading.Event()

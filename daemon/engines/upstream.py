@@ -55,17 +55,14 @@ from daemon.engines.base import Engine, EngineInfo
 from daemon.engines.entry import ModelEntry
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
-from daemon.protocols import anthropic, openai_chat, openai_responses
+from daemon.protocols import anthropic
+from daemon.protocols.base import WireFormat
+from daemon.protocols.formats import FORMATS
 from daemon.protocols.sse import SSEDecoder, dumpb, dumps, loads, missing_events, sse
 
 log = logging.getLogger("reef.upstream")
 
-_PROTOCOLS: dict[str, Any] = {
-    "openai-chat": openai_chat,
-    "openai-responses": openai_responses,
-    "anthropic": anthropic,
-}
-_PATHS = {"openai-chat": "/v1/chat/completions", "openai-responses": "/v1/responses", "anthropic": "/v1/messages"}
+_PROTOCOLS: dict[str, WireFormat] = FORMATS
 _CONNECT_RETRY_DELAYS = (0.05, 0.25)
 _MAX_ERROR_BODY = 64 * 1024
 _ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
@@ -142,14 +139,14 @@ class UpstreamEngine(Engine):
         self.entry = entry
         self.format = entry.format
         self.proto = _PROTOCOLS[entry.format]
-        self.url = str(base) + _PATHS[entry.format]
-        self._target = base.raw_path.rstrip("/") + _PATHS[entry.format]
+        self.url = str(base) + self.proto.PATH
+        self._target = base.raw_path.rstrip("/") + self.proto.PATH
         self._count_target = base.raw_path.rstrip("/") + "/v1/messages/count_tokens"
         self._base_query = base.raw_query_string
         assert base.host is not None and base.port is not None
         self._origin = (base.scheme, base.host, base.port)
         # what error messages and logs say: no credentials, no query string
-        shown = str(base.with_user(None).with_password(None).with_query(None)) + _PATHS[entry.format]
+        shown = str(base.with_user(None).with_password(None).with_query(None)) + self.proto.PATH
         self.label = f"{entry.name!r} ({entry.upstream_model or 'the client model'} at {shown})"
         self.shown_url = shown
         headers = {"User-Agent": "reef", "Content-Type": "application/json",
@@ -275,7 +272,7 @@ class UpstreamEngine(Engine):
         """An upstream stream of the client's own format: its bytes, event by event as they arrive, parsed on the
         side for the record. The final event is held back (``Finish.final``) for the receipt. The only change: a
         chat client that did not ask for usage does not get the usage Reef asked for."""
-        parser = self.proto.StreamParser()
+        parser: Any = self.proto.StreamParser()  # chat's also has chunk (the last one read) and final()
         decoder = SSEDecoder()
         chat = self.format == "openai-chat"
         strip_usage = chat and not ex.stream_usage

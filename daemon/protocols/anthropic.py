@@ -13,7 +13,7 @@ cached ones included (Anthropic's ``input_tokens`` is rendered as that minus cac
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Final
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
@@ -49,7 +49,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "anthropic"
+FORMAT: Final = "anthropic"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/messages"
+ID_PREFIX = "msg_"  # answer ids
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 _ERROR_TYPES = {
@@ -170,7 +172,8 @@ def _document(block: dict[str, Any], p: str) -> str:
     source = field(block, "source", "object", p + ".", required=True)
     kind = field(source, "type", "string", p + ".source.", required=True)
     if kind == "text":
-        return field(source, "data", "string", p + ".source.", required=True)
+        text: str = field(source, "data", "string", p + ".source.", required=True)
+        return text
     raise Unsupported(f"{p}.source.type: document source {kind!r} is not supported", param=f"{p}.source.type")
 
 
@@ -247,7 +250,7 @@ def _stop(c: Completion) -> tuple[str, str | None]:
     return reason, (c.stop_sequence if reason == "stop_sequence" else None)
 
 
-def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict:
+def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     if c.thinking:
         content.append({"type": "thinking", "thinking": c.thinking, "signature": ""})
@@ -278,7 +281,7 @@ def render_response(ex: Exchange, c: Completion, *, response_id: str, created: i
     return out
 
 
-def render_count_tokens(n: int) -> dict:
+def render_count_tokens(n: int) -> dict[str, Any]:
     return {"input_tokens": n}
 
 
@@ -293,7 +296,7 @@ class StreamRenderer:
         self.tools = 0
 
     def start(self) -> list[bytes]:
-        message = {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",
@@ -368,7 +371,7 @@ def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list
     return [with_receipt(final, receipt)]
 
 
-def error_body(err: ReefError) -> dict:
+def error_body(err: ReefError) -> dict[str, Any]:
     kind = err.type if err.type in _ERROR_TYPES else "invalid_request_error" if err.status < 500 else "api_error"
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
@@ -556,14 +559,14 @@ def parse_response(body: Any) -> Completion:
             calls.append(ToolCall(id=block.get("id") or new_id("toolu_"), name=block.get("name") or "",
                                   arguments=dumps(block.get("input") or {})))
     usage = body.get("usage")
-    stop = _FROM_STOP.get(body.get("stop_reason"), "stop")
+    stop = _FROM_STOP.get(str(body.get("stop_reason")), "stop")
     return Completion(
         text="".join(text),
         tool_calls=calls,
         stop_reason="tool_calls" if calls and stop == "stop" else stop,
-        stop_sequence=body.get("stop_sequence") if isinstance(body.get("stop_sequence"), str) else None,
+        stop_sequence=got if isinstance(got := body.get("stop_sequence"), str) else None,
         usage=usage_from(usage),
-        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        model=got if isinstance(got := body.get("model"), str) else "",
         thinking="".join(thinking),
         upstream=usage if isinstance(usage, dict) else None,
     )
@@ -596,7 +599,7 @@ class StreamParser:
             raise bad_upstream("stream event (not an object)")
         kind = d.get("type") or event
         if kind == "content_block_delta":
-            return self._delta(d.get("index"), d.get("delta") if isinstance(d.get("delta"), dict) else {})
+            return self._delta(d.get("index"), got if isinstance(got := d.get("delta"), dict) else {})
         if kind == "content_block_start":
             return self._start(d.get("index"), d.get("content_block") or {})
         if kind == "content_block_stop":
@@ -606,13 +609,13 @@ class StreamParser:
                 return [ToolCallDelta(block, "{}")]
             return []
         if kind == "message_start":
-            msg = d.get("message") if isinstance(d.get("message"), dict) else {}
+            msg = got if isinstance(got := d.get("message"), dict) else {}
             if isinstance(msg.get("model"), str):
                 self.model = msg["model"]
             if isinstance(msg.get("usage"), dict):
                 self.usage.update(msg["usage"])
         elif kind == "message_delta":
-            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            delta = got if isinstance(got := d.get("delta"), dict) else {}
             self.stop_reason = delta.get("stop_reason") or self.stop_reason
             if isinstance(delta.get("stop_sequence"), str):
                 self.stop_sequence = delta["stop_sequence"]

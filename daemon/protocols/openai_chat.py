@@ -9,7 +9,7 @@ the field OpenAI-compatible servers use for it. Neutral conventions: see ``daemo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
@@ -49,7 +49,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "openai-chat"
+FORMAT: Final = "openai-chat"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/chat/completions"
+ID_PREFIX = "chatcmpl-"  # answer ids
 
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "stop_sequence": "stop"}
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -188,7 +190,7 @@ def _usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict:
+def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": c.text or (None if c.tool_calls else ""),
@@ -269,7 +271,7 @@ def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list
     return [with_receipt(final, receipt), DONE]
 
 
-def error_body(err: ReefError) -> dict:
+def error_body(err: ReefError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "code": err.type, "param": getattr(err, "param", None)}}
 
 
@@ -353,7 +355,8 @@ def render_request(ex: Exchange, *, model: str, stream: bool) -> dict[str, Any]:
         body["tool_choice"] = "none"
     s = ex.sampling
     if reasoning_model(model):
-        sampling = (("max_completion_tokens", s.max_tokens), ("seed", s.seed))
+        sampling: tuple[tuple[str, float | None], ...] = (("max_completion_tokens", s.max_tokens),
+                                                          ("seed", s.seed))
     else:
         sampling = (("max_tokens", s.max_tokens), ("temperature", s.temperature), ("top_p", s.top_p),
                     ("seed", s.seed))
@@ -434,7 +437,7 @@ def parse_response(body: Any) -> Completion:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise bad_upstream("chat completion (no choices)")
     choice = choices[0]
-    msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    msg = got if isinstance(got := choice.get("message"), dict) else {}
     calls: list[ToolCall] = []
     for call in msg.get("tool_calls") or []:
         fn = call.get("function") if isinstance(call, dict) else None
@@ -451,14 +454,14 @@ def parse_response(body: Any) -> Completion:
         calls.append(ToolCall(id=fc.get("name") or new_id("call_"), name=fc.get("name") or "",
                               arguments=fc.get("arguments") or "{}"))
     thinking = msg.get("reasoning_content") or msg.get("reasoning")
-    stop = _FROM_FINISH.get(choice.get("finish_reason"), "stop")
+    stop = _FROM_FINISH.get(str(choice.get("finish_reason")), "stop")
     usage = body.get("usage")
     return Completion(
         text=_content_text(msg.get("content")),
         tool_calls=calls,
         stop_reason="tool_calls" if calls and stop == "stop" else stop,
         usage=usage_from(usage),
-        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        model=got if isinstance(got := body.get("model"), str) else "",
         thinking=thinking if isinstance(thinking, str) else "",
         upstream=usage if isinstance(usage, dict) else None,
     )
@@ -503,14 +506,14 @@ class StreamParser:
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         if not self.id:
-            self.id = chunk.get("id") if isinstance(chunk.get("id"), str) else ""
-            self.created = chunk.get("created") if isinstance(chunk.get("created"), int) else 0
-            self.model = chunk.get("model") if isinstance(chunk.get("model"), str) else ""
+            self.id = got if isinstance(got := chunk.get("id"), str) else ""
+            self.created = got if isinstance(got := chunk.get("created"), int) else 0
+            self.model = got if isinstance(got := chunk.get("model"), str) else ""
         out: list[EngineEvent] = []
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            delta = got if isinstance(got := choice.get("delta"), dict) else {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 self.thinking.append(reasoning)
@@ -530,7 +533,7 @@ class StreamParser:
         index = tc.get("index")
         if not isinstance(index, int):  # servers that send whole calls without an index
             index = len(self.calls) if tc.get("id") or not self.calls else max(self.calls)
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        fn = got if isinstance(got := tc.get("function"), dict) else {}
         out: list[EngineEvent] = []
         call = self.calls.get(index)
         if call is None:

@@ -14,7 +14,7 @@ Item types the engine cannot have produced (web_search_call, ...) are skipped. N
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from daemon.errors import BadRequest, ReefError, Unsupported, UpstreamError
 from daemon.exchange import (
@@ -54,7 +54,9 @@ from daemon.protocols.sse import (
     with_receipt,
 )
 
-FORMAT = "openai-responses"
+FORMAT: Final = "openai-responses"  # a WireFormat (daemon/protocols/base.py): this module
+PATH = "/v1/responses"
+ID_PREFIX = "resp_"  # answer ids
 
 # --- requests ---------------------------------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ def _usage(u: Usage) -> dict[str, Any]:
 
 
 def _response(
-    ex: Exchange, response_id: str, created: int, output: list[dict], status: str, c: Completion | None = None
+    ex: Exchange, response_id: str, created: int, output: list[dict[str, Any]], status: str, c: Completion | None = None
 ) -> dict[str, Any]:
     """The ``response`` object: as rendered in full, and as carried by the stream's lifecycle events."""
     body = ex.body
@@ -226,7 +228,7 @@ def _response(
         "output": output,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+        "instructions": got if isinstance(got := body.get("instructions"), str) else None,
         "metadata": metadata
         if isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
         else {},
@@ -273,7 +275,7 @@ def _status(c: Completion) -> str:
     return "incomplete" if c.stop_reason == "length" else "completed"
 
 
-def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict:
+def render_response(ex: Exchange, c: Completion, *, response_id: str, created: int, receipt: Receipt | None) -> dict[str, Any]:
     output = []
     if c.thinking:
         output.append(_reasoning_item(new_id("rs_"), c.thinking))
@@ -518,7 +520,7 @@ def usage_from(u: Any) -> Usage:
     def n(v: Any) -> int:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
-    details = u.get("input_tokens_details") if isinstance(u.get("input_tokens_details"), dict) else {}
+    details = got if isinstance(got := u.get("input_tokens_details"), dict) else {}
     return Usage(
         input_tokens=n(u.get("input_tokens")),
         output_tokens=n(u.get("output_tokens")),
@@ -543,7 +545,7 @@ def _stop(status: Any, details: Any, calls: bool) -> Any:
 def _item_texts(item: dict[str, Any]) -> tuple[str, str]:
     """(text, thinking) of one output item."""
     if item.get("type") == "message":
-        parts = item.get("content") if isinstance(item.get("content"), list) else []
+        parts = got if isinstance(got := item.get("content"), list) else []
         return "".join(p.get("text") or p.get("refusal") or "" for p in parts if isinstance(p, dict)), ""
     if item.get("type") == "reasoning":
         texts = _texts(item.get("content")) or _texts(item.get("summary"))
@@ -579,7 +581,7 @@ def parse_response(body: Any) -> Completion:
         tool_calls=calls,
         stop_reason=_stop(body.get("status"), body.get("incomplete_details"), bool(calls)),
         usage=usage_from(usage),
-        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        model=got if isinstance(got := body.get("model"), str) else "",
         thinking="\n".join(thinking),
         upstream=usage if isinstance(usage, dict) else None,
     )
@@ -627,11 +629,11 @@ class StreamParser:
                 self.calls[n][2].append(delta)
                 return [ToolCallDelta(n, delta)]
         elif kind == "response.output_item.added":
-            item = d.get("item") if isinstance(d.get("item"), dict) else {}
+            item = got if isinstance(got := d.get("item"), dict) else {}
             if item.get("type") == "function_call":
                 return self._start_call(item, d.get("output_index"))
         elif kind == "response.output_item.done":
-            item = d.get("item") if isinstance(d.get("item"), dict) else {}
+            item = got if isinstance(got := d.get("item"), dict) else {}
             return self._item_done(item, d.get("output_index"))
         elif kind in ("response.created", "response.in_progress"):
             if isinstance(d.get("response"), dict):
@@ -694,7 +696,7 @@ class StreamParser:
             tool_calls=calls,
             stop_reason=_stop(r.get("status"), r.get("incomplete_details"), bool(calls)),
             usage=usage_from(usage),
-            model=r.get("model") if isinstance(r.get("model"), str) else "",
+            model=got if isinstance(got := r.get("model"), str) else "",
             thinking="".join(self.thinking),
             upstream=usage if isinstance(usage, dict) else None,
         )

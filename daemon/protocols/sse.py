@@ -90,6 +90,9 @@ _KINDS: dict[str, Any] = {
 }
 
 
+_JSON_TYPES: dict[type, str] = {str: "string", dict: "object", list: "array"}
+
+
 def json_type(v: Any) -> str:
     if v is None:
         return "null"
@@ -99,7 +102,7 @@ def json_type(v: Any) -> str:
         return "integer"
     if isinstance(v, float):
         return "number" if math.isfinite(v) else str(v)
-    return {str: "string", dict: "object", list: "array"}.get(type(v), type(v).__name__)
+    return _JSON_TYPES.get(type(v), type(v).__name__)
 
 
 def field(obj: dict[str, Any], key: str, kind: str, where: str = "", *, required: bool = False) -> Any:
@@ -336,7 +339,7 @@ def thinking_effort(budget_tokens: int) -> str:
 def request_intent(ex: Exchange) -> Intent:
     body = ex.body
     intent = Intent()
-    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    tools = got if isinstance(got := body.get("tools"), list) else []
     if ex.format == "anthropic":
         tc = body.get("tool_choice")
         if isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True:

@@ -897,11 +897,13 @@ class RecordStore:
 
         return await self.read(op)
 
-    async def import_exchanges(self, items: list[dict[str, Any]]) -> dict[str, int]:
+    async def import_exchanges(self, items: list[dict[str, Any]]) -> tuple[dict[str, int], list[dict[str, Any]]]:
         """Store imported exchanges (``daemon/export.from_line``'s records and reports) in one transaction:
-        those whose id is stored already are skipped (a re-import changes nothing)."""
+        those whose id is stored already are skipped (a re-import changes nothing). Returns the counts
+        (``imported``, ``skipped``, ``reports``) and the reports stored (``id``, ``scenario`` and the report's
+        body): ``daemon.reports.accept_imports`` counts and announces them."""
 
-        def op(conn: Conn) -> dict[str, int]:
+        def op(conn: Conn) -> tuple[dict[str, int], list[dict[str, Any]]]:
             ids = [it["record"].id for it in items]
             have: set[str] = set()
             for chunk in _chunks(ids):
@@ -914,7 +916,7 @@ class RecordStore:
                     rows.append(it)
             for it in rows:
                 _ExchangeRow(self._exchange_row(it["record"]))(conn)
-            reports = 0
+            reports: list[dict[str, Any]] = []
             for it in rows:
                 rep = it["report"]
                 if rep is None:
@@ -930,8 +932,8 @@ class RecordStore:
                              (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
                               rep["report_id"], digest))
                 conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
-                reports += 1
-            return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": reports}
+                reports.append({"id": rid, "scenario": rec.scenario, **body})
+            return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": len(reports)}, reports
 
         return await self.write(op)
 
