@@ -248,9 +248,7 @@ def judge(gate: str, *, candidate: list[float] | None, base: list[float] | None,
 
 def judge_best(candidate: list[float], base: list[float], *, margin: float, alpha: float | None) -> Verdict:
     """ttt-discover's ``best`` gate on paired attempt scores (the module docstring says which test, and why)."""
-    a = ALPHA if alpha is None else alpha
-    if not 0 < a < 1:
-        raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {a}", param="settings.alpha")
+    a, _ = check("best", alpha=alpha, margin=margin)
     if len(candidate) != len(base) or not candidate:
         raise ValueError("gate best pairs the candidate's attempts with the head's: as many of each, at least one")
     c, b = sum(candidate) / len(candidate), sum(base) / len(base)

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from daemon.errors import BadRequest
-from daemon.gate import GATES, Verdict, judge_best
+from daemon.gate import GATES, Verdict, check, judge_best
 from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
 from recipes.memory import check_budget
 from recipes.online_rl import (
@@ -216,9 +216,10 @@ class TTTDiscover(Recipe):
         if settings.alpha is not None and settings.gate != "best":
             raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read alpha (gate best does)",
                              param="settings.alpha")
-        if settings.alpha is not None and not 0 < settings.alpha < 1:
-            raise BadRequest(f"alpha (the gate's error rate) must be between 0 and 1, got {settings.alpha}",
-                             param="settings.alpha")
+        check("best", alpha=settings.alpha, margin=settings.margin)  # the range of alpha, as every gate's
+        if settings.scorer is None and settings.scorer_timeout_s != TTTSettings.scorer_timeout_s:
+            raise BadRequest("recipe ttt-discover setting scorer_timeout_s is read only with a scorer command",
+                             param="settings.scorer_timeout_s")
         if not settings.margin >= 0:
             raise BadRequest(f"margin (gate best's tolerated drop, in the problem's score units) must be at least 0, "
                              f"got {settings.margin}", param="settings.margin")

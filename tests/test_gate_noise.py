@@ -286,7 +286,7 @@ def test_settings_that_could_never_decide_or_would_be_ignored_are_refused() -> N
     ttt = load_recipe("ttt-discover")
     assert ttt.parse_settings({"alpha": 0.1}).alpha == 0.1  # gate best reads it
     for bad, why in (({"gate": "always", "alpha": 0.05}, "does not read alpha"), ({"alpha": 1.0}, "between 0 and 1"),
-                     ({"margin": -0.1}, "at least 0")):
+                     ({"margin": -0.1}, "at least 0"), ({"scorer_timeout_s": 5.0}, "only with a scorer")):
         with pytest.raises(BadRequest, match=why):
             ttt.parse_settings(bad)
     sao = load_recipe("sao")
