@@ -126,18 +126,62 @@ def start(home: Path, port: int) -> tuple[subprocess.Popen[bytes], float]:
     raise SystemExit("the daemon did not start in 300 s")
 
 
-def ask(c: httpx.Client, prompt: str, max_tokens: int, **extra: Any) -> tuple[str, str, str]:
+def ask(c: httpx.Client, prompt: str | list[dict[str, str]], max_tokens: int, session: str | None = None,
+        **extra: Any) -> tuple[str, str, str]:
     """One chat request on the scenario: (answer, receipt, serving release)."""
-    r = c.post("/v1/chat/completions", headers={"x-reef-scenario": "real"},
-               json={"model": "smollm2", "max_tokens": max_tokens,
-                     "messages": [{"role": "user", "content": prompt}], **extra})
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    headers = {"x-reef-scenario": "real", **({"x-reef-session": session} if session else {})}
+    r = c.post("/v1/chat/completions", headers=headers,
+               json={"model": "smollm2", "max_tokens": max_tokens, "messages": messages, **extra})
     r.raise_for_status()
     return (r.json()["choices"][0]["message"]["content"], r.headers["x-reef-agent-record-id"],
             r.headers.get("x-reef-release-id", ""))
 
 
+# openclaw-rl's user: no reports; a correction in the next message when the answer misses the preference (the rule
+# judge reads "No, ..." as bad), thanks and the next question when it holds (good)
+CORRECTIONS = {"brief": "No, that is too long. Answer in one or two short sentences.",
+               "subject-first": "No, start your answer with the thing I asked about."}
+HOLDS = {"brief": 0.5, "subject-first": 1.0}  # the preference's score at which the user is satisfied
+
+
+def reported_answer(c: httpx.Client, pref: str, prompt: str, noun: str, args: argparse.Namespace,
+                    **_: Any) -> float:
+    """online-rl, sao: one question, its answer scored and reported on its receipt."""
+    answer, receipt, _ = ask(c, prompt, args.max_tokens)
+    r = PREFERENCES[pref](noun, answer)
+    c.post("/reef/report", json={"score": r, "references": [receipt]}).raise_for_status()
+    return r
+
+
+def judged_session(c: httpx.Client, pref: str, prompt: str, noun: str, args: argparse.Namespace,
+                   rng: random.Random, questions: list[tuple[str, str]], **_: Any) -> float:
+    """openclaw-rl: a session of two questions; each answer is judged by the user's next message (a correction
+    or thanks), the last by a closing message (answered with one token). Returns the first answer's score (its
+    context is the question alone, as online-rl's and sao's)."""
+    session = f"s{rng.randrange(1 << 40):x}"
+    messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
+    first: float | None = None
+    for i in range(2):
+        answer, _, _ = ask(c, messages, args.max_tokens, session=session)
+        r = PREFERENCES[pref](noun, answer)
+        first = r if first is None else first
+        verdict = "Thanks." if r >= HOLDS[pref] else CORRECTIONS[pref]
+        messages.append({"role": "assistant", "content": answer})
+        if i == 0:
+            prompt, noun = questions[rng.randrange(len(questions))]
+            messages.append({"role": "user", "content": f"{verdict} {prompt}"})
+        else:
+            messages.append({"role": "user", "content": verdict})
+            ask(c, messages, 1, session=session)  # the closing message: the next state of the last answer
+    assert first is not None
+    return first
+
+
+CLIENTS = {"online-rl": reported_answer, "sao": reported_answer, "openclaw-rl": judged_session}
+
+
 def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    score = PREFERENCES[pref]
     home = work / f"home-{pref}-{seed}"
     (home / "models").mkdir(parents=True)
     (home / "models" / "smollm2").symlink_to(model)
@@ -152,7 +196,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     reached: float | None = None
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
-            spec: dict[str, Any] = {"name": "real", "recipe": "online-rl"}
+            spec: dict[str, Any] = {"name": "real", "recipe": args.recipe}
             if args.settings:  # trying other defaults; the README's table has none
                 spec["settings"] = json.loads(args.settings)
             c.post("/reef/scenarios", json=spec).raise_for_status()
@@ -162,9 +206,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 elapsed = time.monotonic() - t0
                 if elapsed > args.minutes * 60:
                     break
-                answer, receipt, _ = ask(c, prompt, args.max_tokens)
-                r = score(noun, answer)
-                c.post("/reef/report", json={"score": r, "references": [receipt]}).raise_for_status()
+                r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng, questions=questions)
                 rewards.append((time.monotonic() - t0, r))
                 base = statistics.fmean(x for _, x in rewards[:args.window])
                 if len(rewards) >= 2 * args.window and reached is None:
@@ -186,7 +228,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     steps = [*chain["releases"], *chain["rejected"]]
     trained = [s for s in steps if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
     return {
-        "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
+        "recipe": args.recipe, "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
         "before": statistics.fmean(x for _, x in rewards[:args.window]),
         "after": statistics.fmean(x for _, x in rewards[-args.window:]),
         "minutes_to_target": None if reached is None else reached / 60,
@@ -202,6 +244,9 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, help="a made SmolLM2 directory (default: made here, once)")
+    ap.add_argument("--recipe", default="online-rl", choices=tuple(CLIENTS),
+                    help="the recipe, at its defaults: online-rl and sao learn from reported scores, "
+                    "openclaw-rl from the user's next messages (no reports)")
     ap.add_argument("--prefs", default="brief,subject-first")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--minutes", type=float, default=15.0)

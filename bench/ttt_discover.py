@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--problem", default="longest-word")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny-demo", choices=("tiny-demo", "smollm2"),
+                    help="the served model: the demo model, or SmolLM2-135M-Instruct (made here, no download)")
+    ap.add_argument("--minutes", type=float, default=60.0, help="stop after this many minutes of rounds")
     ap.add_argument("--settings", default="{}", help="extra recipe settings (JSON)")
     ap.add_argument("--scorer", help="your own scorer command instead of --problem (e.g. 'python3 "
                     "bench/scorers/distinct_letters.py'): the client and the gate both score with it")
@@ -71,25 +74,28 @@ def main() -> None:
     try:
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()
-        subprocess.run([*reef, "model", "init", "tiny-demo"], env=env, check=True, capture_output=True)
-        print(f"tiny-demo built in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
+        subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        print(f"{args.model} made in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
               f"{problem.prompt!r}")
         token = (home / "token").read_text().strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=300) as c, \
                 ThreadPoolExecutor(group) as pool:
-            c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover", "model": "tiny-demo",
+            c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover", "model": args.model,
                                             "settings": settings}).raise_for_status()
 
             def attempt(seed: int) -> tuple[str, str]:
                 r = c.post("/s/ttt/v1/chat/completions", json={
-                    "model": "tiny-demo", "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+                    "model": args.model, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
                     "messages": [{"role": "user", "content": problem.prompt}]})
                 r.raise_for_status()
                 return r.headers["x-reef-agent-record-id"], r.json()["choices"][0]["message"]["content"] or ""
 
             best, started = 0.0, time.monotonic()
             print("step  mean   best-in-step  best-so-far  verdict   candidate  head   answer")
+            means: list[float] = []
             for step in range(1, args.steps + 1):
+                if time.monotonic() - started > args.minutes * 60:
+                    break
                 done = len(chain(c, all_=True))
                 results = list(pool.map(attempt, [args.seed * 1_000_003 + step * group + i for i in range(group)]))
                 scores = [problem.score(text) for _, text in results]
@@ -102,6 +108,7 @@ def main() -> None:
                 last = steps[0] if len(steps) > done else {}
                 m = last.get("metrics") or {}
                 best = max(best, *scores)
+                means.append(sum(scores) / len(scores))
                 top = max(zip(scores, (t for _, t in results), strict=True))[1]
                 verdict = "accepted" if last.get("operation") == "train" and last.get("verdict") != "pending" \
                     else last.get("verdict", "?")
@@ -109,6 +116,11 @@ def main() -> None:
                       f"{verdict:8s}  {fmt(m.get('eval_reward'))}      "
                       f"{fmt(m.get('base_reward'))}  {top.strip()!r}", flush=True)
             status = c.get("/reef/scenarios/ttt").json().get("recipe_status")
+            k = min(5, len(means) // 2)
+            if k:
+                print(f"mean attempt score, first {k} rounds {sum(means[:k]) / k:.3f} -> last {k} rounds "
+                      f"{sum(means[-k:]) / k:.3f}; best attempt {best:.3f}; {len(means)} rounds in "
+                      f"{(time.monotonic() - started) / 60:.1f} min (seed {args.seed}, model {args.model})")
             print(f"{args.steps} steps in {time.monotonic() - started:.0f} s; scenario status: {json.dumps(status)}")
     finally:
         subprocess.run([*reef, "daemon", "stop"], env=env, capture_output=True)

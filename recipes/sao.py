@@ -109,6 +109,11 @@ class SAOSettings(GateSettings):
     margin: float | None = 0.1
     lr: float = 5e-4  # policy AdamW learning rate
     value_lr: float = 1e-3  # critic AdamW learning rate (faster is noisier: its noise is the advantage's)
+    # the policy's advantage by GAE over the critic's values (one reward at the end, undiscounted): 1 is the
+    # Monte-Carlo r - V(s_t); below 1 bootstraps from the critic. lambda_alpha instead: the source's
+    # length-adaptive lambda (VAPO), 1 - 1 / (lambda_alpha * answer length), at least 0, per rollout
+    gae_lambda: float = 1.0
+    lambda_alpha: float | None = None
     weight_decay: float = 0.0
     batch_size: int = 1  # scored rollouts per step
     max_staleness: int = 1  # releases: records served by a release older than head - this are not used
@@ -263,6 +268,32 @@ def critic_features(hidden: torch.Tensor, logp_all: torch.Tensor, logp: torch.Te
         return torch.cat([hidden.detach().float(), extra], dim=-1)
 
 
+def gae_lambda(settings: SAOSettings, length: int) -> float:
+    """The rollout's lambda: ``gae_lambda``, or with ``lambda_alpha`` the source's length-adaptive one (VAPO:
+    ``1 - 1 / (alpha * length)``, so that the bias of bootstrapping shrinks as answers grow), at least 0."""
+    if settings.lambda_alpha is None:
+        return settings.gae_lambda
+    return max(0.0, 1.0 - 1.0 / (settings.lambda_alpha * max(1, length)))
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, tmask: torch.Tensor, lam: torch.Tensor
+                   ) -> torch.Tensor:
+    """GAE with one reward at the end and no discount [B, T]: ``delta_t = V(s_t+1) - V(s_t)`` inside an answer and
+    ``r - V(s_last)`` at its last token, ``A_t = delta_t + lambda * A_t+1``. With lambda 1 it telescopes to the
+    Monte-Carlo ``r - V(s_t)``; with 0 it is the one-step TD error. Rows are left-aligned (``tmask``)."""
+    rows, width = values.shape
+    lengths = tmask.sum(1)
+    last = torch.arange(width, device=values.device)[None, :] == (lengths - 1)[:, None]
+    following = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    delta = (torch.where(last, rewards.expand_as(values), following) - values).masked_fill(~tmask, 0.0)
+    adv = torch.zeros_like(values)
+    running = torch.zeros(rows, device=values.device, dtype=values.dtype)
+    for t in range(width - 1, -1, -1):
+        running = delta[:, t] + lam.to(values.dtype) * running
+        adv[:, t] = running
+    return adv.masked_fill(~tmask, 0.0)
+
+
 def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Learner) -> dict[str, float]:
     """One SAO update on ``batch`` (usually one rollout): critic baseline, truncated behaviour weights, clipped
     ratio; updates the policy and the critic in place and returns the step's metrics."""
@@ -300,9 +331,10 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
                 behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
             rewards = torch.tensor([s.reward for s in part], device=logp.device)[:, None]
             v = value(features)  # the critic's grads only: its features are detached
+            lam = torch.tensor([gae_lambda(settings, len(s.token_ids)) for s in part], device=logp.device)
             per.append({"logp": logp, "entropy": entropy, "tmask": tmask, "prox": logp.detach(), "v": v,
-                        "rewards": rewards, "behaviour": behaviour,
-                        "adv": (rewards - v.detach()).masked_fill(~tmask, 0.0)})
+                        "rewards": rewards, "behaviour": behaviour, "lambda": lam,
+                        "adv": gae_advantages(rewards, v.detach(), tmask, lam)})
         n = sum(p["tmask"].sum() for p in per).clamp(min=1)
         # --- the critic: fit V(s_t) to the reward, on detached features
         value_loss = sum((((p["v"] - p["rewards"]) ** 2) * p["tmask"]).sum() for p in per) / n
@@ -354,6 +386,7 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
             # the critic's value of the prompt (first position), and the advantage there
             value=sum(float(p["v"][:, 0].sum()) for p in per) / len(batch),
             advantage=sum(float(p["adv"][:, 0].sum()) for p in per) / len(batch),
+            gae_lambda=sum(float(p["lambda"].sum()) for p in per) / len(batch),
             iw_mean=sum(float((iw * p["tmask"]).sum()) for iw, p in iws) / float(n),
             iw_max=max(float(iw.masked_fill(~p["tmask"], 0).max()) for iw, p in iws),
             iw_truncated=sum(float(((iw > settings.is_cap) & p["tmask"]).sum()) for iw, p in iws) / float(n),
@@ -408,6 +441,14 @@ class SAO(Recipe):
         check_lora(cls.name, settings)
         if settings.is_cap < 1:
             raise BadRequest("recipe sao setting is_cap must be at least 1", param="settings.is_cap")
+        if not 0 <= settings.gae_lambda <= 1:
+            raise BadRequest("recipe sao setting gae_lambda must be between 0 and 1", param="settings.gae_lambda")
+        if settings.lambda_alpha is not None:
+            if not settings.lambda_alpha > 0:
+                raise BadRequest("recipe sao setting lambda_alpha must be positive", param="settings.lambda_alpha")
+            if settings.gae_lambda != 1.0:
+                raise BadRequest("recipe sao settings gae_lambda and lambda_alpha exclude each other (lambda_alpha "
+                                 "computes each rollout's lambda from its length)", param="settings.gae_lambda")
         if settings.max_staleness < 0:
             raise BadRequest("recipe sao setting max_staleness must be at least 0", param="settings.max_staleness")
 

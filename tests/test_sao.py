@@ -17,7 +17,7 @@ import torch
 from daemon.models import build_tiny
 from recipes.base import FeedbackReport, ScoredExchange
 from recipes.online_rl import Sample, eos_ids, generate, render_prompt, token_logprobs
-from recipes.sao import SAOSettings, load_value, make_learner, sao_step, save_value
+from recipes.sao import SAOSettings, gae_advantages, gae_lambda, load_value, make_learner, sao_step, save_value
 from tests.conftest import Daemon, assert_canonical_error
 from tests.demo_model import demo_config
 from tests.test_learning import releases, wait_for
@@ -56,6 +56,41 @@ def test_a_step_moves_the_answer_with_the_advantage_and_the_critic_towards_the_r
         assert metrics["advantage"] == pytest.approx(reward - 0.5) and metrics["skipped"] == 0
         assert (learner.value.linear.bias.item() - 0.5) * (reward - 0.5) > 0  # the critic moved towards it
     assert moved[1.0] > 0 > moved[0.0]
+
+
+def test_gae_telescopes_to_monte_carlo_at_lambda_1_and_is_the_td_error_at_0() -> None:
+    """Two left-aligned rollouts of 3 and 2 tokens; catches a wrong terminal (the reward not at each row's own last
+    token), a lambda ignored, padding leaking into the sums."""
+    values = torch.tensor([[0.2, 0.5, 0.7, 9.0], [0.4, 0.1, 9.0, 9.0]])  # 9.0: padding, must not count
+    tmask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    rewards = torch.tensor([[1.0], [0.0]])
+    mc = gae_advantages(rewards, values, tmask, torch.tensor([1.0, 1.0]))
+    assert torch.allclose(mc, ((rewards - values) * tmask), atol=1e-6)  # r - V(s_t) at every answer token
+    td = gae_advantages(rewards, values, tmask, torch.tensor([0.0, 0.0]))
+    assert torch.allclose(td, torch.tensor([[0.3, 0.2, 0.3, 0.0], [-0.3, -0.1, 0.0, 0.0]]), atol=1e-6)
+    half = gae_advantages(rewards, values, tmask, torch.tensor([0.5, 1.0]))  # a lambda per rollout
+    assert torch.allclose(half[0], torch.tensor([0.3 + 0.5 * 0.2 + 0.25 * 0.3, 0.2 + 0.5 * 0.3, 0.3, 0.0]))
+    assert torch.allclose(half[1], mc[1])
+    # the source's length-adaptive lambda: 1 - 1 / (alpha * length), at least 0; a set lambda otherwise
+    adaptive = SAOSettings(lambda_alpha=0.05)
+    assert gae_lambda(adaptive, 60) == pytest.approx(1 - 1 / 3) and gae_lambda(adaptive, 200) == pytest.approx(0.9)
+    assert gae_lambda(adaptive, 8) == 0.0 and gae_lambda(SAOSettings(gae_lambda=0.7), 60) == 0.7
+
+
+def test_a_step_uses_and_reports_its_lambda(tiny):
+    """The setting reaches the step (a lambda read by nothing would train Monte-Carlo whatever the user set)."""
+    prompt, out, logprobs = rollout(tiny)
+    assert len(out) >= 2, out  # a lambda only matters over more than one token
+    got = {}
+    for lam in (1.0, 0.0):
+        model = copy.deepcopy(tiny[1])
+        settings = SAOSettings(gae_lambda=lam)
+        learner = make_learner(model, settings)
+        learner.value.seeded = True
+        got[lam] = sao_step(model, [Sample(prompt, out, logprobs, 1.0, "s")], settings, learner)
+        assert got[lam]["gae_lambda"] == lam
+    assert got[1.0]["advantage"] == pytest.approx(1.0 - got[1.0]["value"], abs=1e-5)  # Monte-Carlo at the start
+    assert got[0.0]["advantage"] != pytest.approx(got[1.0]["advantage"], abs=1e-4)  # one-step TD there instead
 
 
 def test_the_first_reward_seeds_the_critic_and_a_step_without_signal_is_skipped(tiny):
@@ -309,7 +344,11 @@ def test_bad_settings_are_a_400_naming_them_and_the_cli_binds_the_recipe(daemon_
                                 ({"gate": "regression"}, "settings.eval_family"),
                                 ({"eval_family": "say", "margin": 0.05}, "settings.eval_n"),
                                 ({"eval_family": "say", "margin": 1.0}, "settings.margin"),
-                                ({"eval_family": "nope"}, "settings.eval_family")):
+                                ({"eval_family": "nope"}, "settings.eval_family"),
+                                ({"gae_lambda": 1.5}, "settings.gae_lambda"),
+                                ({"gae_lambda": -0.1}, "settings.gae_lambda"),
+                                ({"lambda_alpha": 0}, "settings.lambda_alpha"),
+                                ({"lambda_alpha": 0.05, "gae_lambda": 0.9}, "settings.gae_lambda")):
             err = assert_canonical_error(c.post("/reef/scenarios", json={"name": "bad", "recipe": "sao",
                                                                           "settings": settings}), 400)
             assert err["param"] == param, (settings, err)
