@@ -98,8 +98,8 @@ def main() -> None:
     p.add_argument("--lag", type=int, default=1)
     p.add_argument("--cache", default="", help="directory to keep warmed-up models in between runs")
     for f in dataclasses.fields(SAOSettings):
-        if f.type in ("float", "int") and not f.name.startswith("eval"):
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int)
+        if f.type in ("float", "int", "float | None") and not f.name.startswith("eval"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=int if f.type == "int" else float)
         elif f.type == "str" and f.name == "optimizer":
             p.add_argument("--optimizer")
         elif f.type == "bool":

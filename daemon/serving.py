@@ -81,6 +81,9 @@ class Served:
     record_ms: float | None = None
     request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
     opened: bool = False  # a stream's record was opened (``RecordStore.open_exchange``): recording completes it
+    first_event_at: float | None = None  # when the engine's first event came in
+    opening_ms: float | None = None  # a stream: how long its opening record's durable write took
+    receipt_wait_ms: float | None = None  # a stream: how long its first event waited for that write
     capture: bool = True  # False: serve-only (``x-reef-capture: false`` or the scenario's switch), never trained on
 
     @property
@@ -343,6 +346,12 @@ class ServePath:
             out["x-reef-capture"] = "false"  # served and recorded, never trained on
         receipt = Receipt(served.receipt, served.release_id)
         if exchange.stream:
+            # where a stream's first-token time went: the engine's first event, the opening record's write (run
+            # beside it) and how long the first event waited for that write (what the receipt in the headers costs)
+            out["Server-Timing"] = (
+                f"engine;dur={((served.first_event_at or served.engine_started) - served.engine_started) * 1e3:.3f}, "
+                f"record;dur={served.opening_ms or 0.0:.3f}, receipt-wait;dur={served.receipt_wait_ms or 0.0:.3f}"
+            )
             return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out)
         try:
             return await self._whole(wire, served, created, receipt, out)
@@ -496,8 +505,13 @@ class ServePath:
         # the engine works on its first event, so a stream's time to first token pays for it only where the
         # engine answers faster than a commit (an instant upstream).
         opening = self._open_record(served) if exchange.stream else None
+        if opening is not None:
+            opening_started = time.perf_counter()
+            opening.add_done_callback(lambda _: setattr(served, "opening_ms",
+                                                        (time.perf_counter() - opening_started) * 1e3))
         try:
             first = served.first = await anext(events)
+            served.first_event_at = time.perf_counter()
         except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
             await _aclose(events)
             if opening is not None:
@@ -516,6 +530,7 @@ class ServePath:
                 await _aclose(events)
                 raise
             served.opened = True
+            served.receipt_wait_ms = (time.perf_counter() - served.first_event_at) * 1e3
         if isinstance(first, Finish):
             served.finished_at = time.perf_counter()
         else:

@@ -69,3 +69,23 @@ def test_receipts_survive_kill_9(daemon_factory: Any) -> None:
     assert not missing, f"{len(missing)} acknowledged receipts lost: {missing[:5]}"
     assert all(n == 1 for n in counts.values())
     assert len(set(noted)) == len(noted)
+
+
+def test_a_streams_headers_say_what_its_receipt_cost_the_first_token(daemon_factory: Any) -> None:
+    """A stream's receipt goes out in its headers, so its record is opened durably before the first byte, beside
+    the engine's work on its first event; ``Server-Timing`` says how long each took and how long the first event
+    waited for the write (bench/first_token.py reads them). Catches the split dropped, or a wait measured from the
+    wrong instant (more than the write itself: they run side by side)."""
+    d: Daemon = daemon_factory().wait_loaded()
+    with d.http() as c:
+        for stream in (True, False):
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "stream": stream,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+            timing = {p.split(";")[0].strip(): float(p.split("dur=")[1]) for p in r.headers["Server-Timing"].split(",")}
+            if stream:
+                assert set(timing) == {"engine", "record", "receipt-wait"}, timing
+                assert timing["record"] > 0 and timing["engine"] > 0, timing
+                assert 0 <= timing["receipt-wait"] <= timing["record"], timing
+            else:
+                assert set(timing) == {"engine", "record", "total"}, timing
