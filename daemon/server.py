@@ -31,6 +31,7 @@ from daemon import durable, web
 from daemon.app import make_app, refusal_body
 from daemon.config import Config
 from daemon.errors import ReefError, storage_error
+from daemon.listening import tls_context
 from daemon.serving import Reef
 
 log = logging.getLogger("reef")
@@ -145,6 +146,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     with storing(f"preparing the state dir {config.home}"):
         ensure_home(config)
         token = ensure_token(config.token_path)
+    ssl_ctx = tls_context(config.tls_cert, config.tls_key)  # a certificate that cannot load: refused before binding
     tcp = _tcp_socket(config.host, config.port)
     unix = _unix_socket(config.socket_path)
     scoped = _unix_socket(config.scoped_socket_path)
@@ -163,7 +165,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         server = web.Server(make_app(reef), ctx=reef, max_body=config.max_body_bytes, refusal=refusal_body,
                             max_connections=max_connections(open_files),
                             log_exception=_log_exception)
-        await server.listen(tcp)
+        await server.listen(tcp, ssl_ctx)
         await server.listen(unix)
         scoped_server = web.Server(make_app(reef, scoped_only=True), ctx=reef, max_body=config.max_body_bytes,
                                    refusal=refusal_body, log_exception=_log_exception)
@@ -171,7 +173,12 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         with storing(f"writing the pid file {config.pid_path}"):
             _write_pid(config.pid_path)
         port = tcp.getsockname()[1]
-        log.info("reef serving on http://%s:%s and %s (pid %s)", config.host, port, config.socket_path, os.getpid())
+        scheme = "https" if config.tls_cert else "http"
+        log.info("reef serving on %s://%s:%s and %s (pid %s)", scheme, config.host, port, config.socket_path,
+                 os.getpid())
+        if config.insecure_http:
+            log.warning("serving %s beyond loopback over plain HTTP (insecure_http = true): the token crosses the "
+                        "network in clear text", config.host)
         serving = True
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

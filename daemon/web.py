@@ -34,10 +34,13 @@ import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote
 
 import httptools
+
+if TYPE_CHECKING:
+    import ssl as ssl_module
 
 KEEPALIVE_S = 75.0
 CROWDED_KEEPALIVE_S = 5.0  # idle keep-alive when connections pass three quarters of the bound
@@ -622,12 +625,13 @@ class Server:
         extra = f"Content-Length: {len(body)}\r\nConnection: close\r\n"
         return _head(status, {"Content-Type": "application/json"}, extra) + body
 
-    async def listen(self, sock: socket.socket) -> None:
+    async def listen(self, sock: socket.socket, ssl: ssl_module.SSLContext | None = None) -> None:
+        """Serve connections on ``sock``; with ``ssl``, TLS on each (a TCP socket's: daemon/listening.py)."""
         factory = lambda: _Connection(self)  # noqa: E731
         if sock.family == socket.AF_UNIX:
             server = await self.loop.create_unix_server(factory, sock=sock)
         else:
-            server = await self.loop.create_server(factory, sock=sock)
+            server = await self.loop.create_server(factory, sock=sock, ssl=ssl)
         self._servers.append(server)
 
     async def shutdown(self, timeout: float) -> None:

@@ -153,13 +153,19 @@ def test_wrong_host_is_400(daemon: Daemon) -> None:
         assert resp.status_code == 200, host
 
 
-def test_host_check_refuses_look_alikes_of_localhost() -> None:
-    from daemon.app import _host_ok
+def test_host_check_refuses_look_alikes_of_localhost_and_of_the_served_names() -> None:
+    from daemon.listening import answered_names, host_ok
 
-    for host in ("evillocalhost", "xlocalhost:8900", "localhost.evil.example", "notlocalhost.", "127.0.0.1.evil"):
-        assert not _host_ok(host), host
-    for host in ("localhost", "a.localhost", "app.localhost:8900", "localhost.", "127.9.9.9:1"):
-        assert _host_ok(host), host
+    names = answered_names("0.0.0.0", ("reef.lan", "10.0.0.5", "fd00::5"))
+    for host in ("evillocalhost", "xlocalhost:8900", "localhost.evil.example", "notlocalhost.", "127.0.0.1.evil",
+                 "reef.lan.evil.example", "evilreef.lan", "10.0.0.50", "10.0.0.5.evil", "reef.lan:8900@evil.com",
+                 "[fd00::50]", "0.0.0.0"):
+        assert not host_ok(host, names), host
+    for host in ("localhost", "a.localhost", "app.localhost:8900", "localhost.", "127.9.9.9:1", "REEF.lan:8900",
+                 "reef.lan.", "10.0.0.5:8900", "[fd00:0::5]:8900"):
+        assert host_ok(host, names), host
+    assert not host_ok("reef.lan", answered_names("127.0.0.1", ()))  # nothing beyond loopback unless named
+    assert answered_names("10.0.0.7", ()) == {"10.0.0.7"}  # one address: its clients' Host is that address
 
 
 def test_socket_and_token_are_private(daemon: Daemon) -> None:
