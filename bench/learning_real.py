@@ -155,27 +155,17 @@ def reported_answer(c: httpx.Client, pref: str, prompt: str, noun: str, args: ar
 
 
 def judged_session(c: httpx.Client, pref: str, prompt: str, noun: str, args: argparse.Namespace,
-                   rng: random.Random, questions: list[tuple[str, str]], **_: Any) -> float:
-    """openclaw-rl: a session of two questions; each answer is judged by the user's next message (a correction
-    or thanks), the last by a closing message (answered with one token). Returns the first answer's score (its
-    context is the question alone, as online-rl's and sao's)."""
+                   rng: random.Random, **_: Any) -> float:
+    """openclaw-rl: a session in which the answer is judged by the user's next message, a correction or thanks
+    (answered with one token: the bench needs only the judged turn). Returns the answer's score."""
     session = f"s{rng.randrange(1 << 40):x}"
     messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
-    first: float | None = None
-    for i in range(2):
-        answer, _, _ = ask(c, messages, args.max_tokens, session=session)
-        r = PREFERENCES[pref](noun, answer)
-        first = r if first is None else first
-        verdict = "Thanks." if r >= HOLDS[pref] else CORRECTIONS[pref]
-        messages.append({"role": "assistant", "content": answer})
-        if i == 0:
-            prompt, noun = questions[rng.randrange(len(questions))]
-            messages.append({"role": "user", "content": f"{verdict} {prompt}"})
-        else:
-            messages.append({"role": "user", "content": verdict})
-            ask(c, messages, 1, session=session)  # the closing message: the next state of the last answer
-    assert first is not None
-    return first
+    answer, _, _ = ask(c, messages, args.max_tokens, session=session)
+    r = PREFERENCES[pref](noun, answer)
+    verdict = "Thanks." if r >= HOLDS[pref] else CORRECTIONS[pref]
+    ask(c, [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": verdict}], 1,
+        session=session)  # the next state the rule judge reads
+    return r
 
 
 CLIENTS = {"online-rl": reported_answer, "sao": reported_answer, "openclaw-rl": judged_session}
@@ -206,7 +196,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 elapsed = time.monotonic() - t0
                 if elapsed > args.minutes * 60:
                     break
-                r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng, questions=questions)
+                r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng)
                 rewards.append((time.monotonic() - t0, r))
                 base = statistics.fmean(x for _, x in rewards[:args.window])
                 if len(rewards) >= 2 * args.window and reached is None:
