@@ -94,10 +94,10 @@ if [ "$DEV" = 1 ]; then
   # test tools from the system: strace (the agent tests prove no connection leaves loopback), zsh and fish
   # (the completion tests run the generated scripts in the real shells), gcc (the power-loss test builds its
   # LD_PRELOAD recorder), bubblewrap (harness-search runs its episodes in it), postgresql (the record-store tests
-  # start a throwaway cluster: initdb, pg_ctl), openssh-server (the ssh:// chain-remote test starts an sshd);
-  # each as command:Debian package
+  # start a throwaway cluster: initdb, pg_ctl), openssh-server (the ssh:// chain-remote test starts an sshd),
+  # chromium (the release page test loads the page in a real headless browser); each as command:Debian package
   missing=""
-  for pair in strace:strace zsh:zsh fish:fish gcc:gcc bwrap:bubblewrap; do
+  for pair in strace:strace zsh:zsh fish:fish gcc:gcc bwrap:bubblewrap chromium:chromium; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
   done
   if ! command -v pg_ctl >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
