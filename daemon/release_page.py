@@ -185,7 +185,10 @@ def _input(rec: dict[str, Any]) -> str:
     if rec.get("forgotten_at"):
         head += " <em>(forgotten)</em>"
     if rec.get("kind") == "report":
-        return head + _report(rec.get("report") or {})
+        body = rec.get("report") or {}
+        refs = [str(r) for r in body.get("references") or []]
+        on = f" on {', '.join(f'<code>{e(r)}</code>' for r in refs[:5])}{' and more' if len(refs) > 5 else ''}"
+        return head + (on if refs else "") + f"<div class=\"report\">{_report(body)}</div>"
     reports = rec.get("reports") or []
     if rec.get("release_id"):
         head += f", served by <code>{e(str(rec['release_id'])[:12])}</code>"
@@ -237,7 +240,7 @@ def _file_body(f: dict[str, Any]) -> str:
                    else "add" if line.startswith("+") else "del" if line.startswith("-") else "ctx")
             lines.append(f"<span class=\"{cls}\">{e(line)}</span>")
         more = "<p class=\"note\">(the diff is cut short)</p>" if f.get("truncated") else ""
-        return f"<pre class=\"diff\">{chr(10).join(lines)}</pre>{more}"
+        return f"<pre class=\"diff\">{''.join(lines)}</pre>{more}"  # each line a block: no newline between
     if f.get("kind") == "safetensors":
         return _tensors(f)
     sizes = f"{e(f.get('old_size'))} → {e(f.get('new_size'))} bytes"

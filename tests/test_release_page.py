@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
@@ -117,7 +118,7 @@ def test_a_harness_release_page_shows_the_feedback_as_text_the_diff_and_the_roll
     assert hostile["report_id"] in seen and "score 0" in seen
     # the diff: the rule the feedback became, added to AGENTS.md (escaped there too)
     assert "AGENTS.md" in seen and dom.count("span", "add") >= 1
-    assert any(PAYLOAD in line for line in seen.split("+ ")) and "keep diffs small" in seen
+    assert f"+- Avoid a past mistake: {PAYLOAD}" in seen and " - Avoid a past mistake: keep diffs small" in seen
     # the gate and the chain
     assert "Published: the candidate passed the gate 'always'." in seen
     assert f"rolled back by step 3 ({rolled.json()['release_id'][:12]}), which restored {step1['release_id'][:12]}" \
@@ -187,8 +188,10 @@ def test_unknown_releases_are_404s_and_open_hands_the_file_to_the_browser(daemon
     browser = tmp_path / "browser"
     browser.write_text(f"#!/bin/sh\nprintf '%s' \"$1\" > {seen}\n")
     browser.chmod(0o755)
-    out = daemon.cli("releases", "open", init[:8], "-o", str(tmp_path / "page.html"),
-                     env={**daemon.env, "BROWSER": str(browser)})
+    out = subprocess.run([sys.executable, "-m", "reef_cli.main", "releases", "open", init[:8], "-o",
+                          str(tmp_path / "page.html")], env={**daemon.env, "BROWSER": str(browser)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "page.html")
     wait_for(seen.exists, what="the browser to be started")
     assert seen.read_text() == (tmp_path / "page.html").as_uri()
