@@ -193,6 +193,7 @@ def test_unknown_releases_are_404s_and_open_hands_the_file_to_the_browser(daemon
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "page.html")
+    assert (tmp_path / "page.html").stat().st_mode & 0o077 == 0  # feedback and diffs: the user's alone
     wait_for(seen.exists, what="the browser to be started")
     assert seen.read_text() == (tmp_path / "page.html").as_uri()
     assert chromium(tmp_path / "page.html").title.startswith(f"Release {init[:12]} of other (step 0)")
