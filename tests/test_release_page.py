@@ -181,6 +181,10 @@ def test_unknown_releases_are_404s_and_open_hands_the_file_to_the_browser(daemon
         wrong = assert_canonical_error(c.get(f"/reef/scenarios/elsewhere/releases/{init}/page"), 404)
         assert "not a release of scenario 'elsewhere'" in wrong["message"]
         assert_canonical_error(httpx.get(f"{daemon.url}/reef/releases/{init}/page"), 401)  # the token, as ever
+        scoped = c.post("/reef/tokens", json={"scenario": "other", "ttl_s": 60}).json()["token"]
+        for path in (f"/reef/releases/{init}/page", f"/reef/scenarios/other/releases/{init}/page"):
+            # a sandbox's token samples its scenario's model, and never reads the feedback a page shows
+            assert_canonical_error(httpx.get(daemon.url + path, headers={"Authorization": f"Bearer {scoped}"}), 403)
     missing = daemon.cli("releases", "open", "0123456789abcdef", "--no-browser", check=False)
     assert missing.returncode != 0 and missing.stderr.startswith("reef: ") and "0123456789abcdef" in missing.stderr
     # without --no-browser: the file's URL goes to the browser ($BROWSER, as Python's webbrowser reads it)
