@@ -96,9 +96,10 @@ if [ "$DEV" = 1 ]; then
   # LD_PRELOAD recorder), bubblewrap (harness-search runs its episodes in it), postgresql (the record-store tests
   # start a throwaway cluster: initdb, pg_ctl), openssh-server (the ssh:// chain-remote test starts an sshd),
   # iproute2 and openssl (the remote-client test joins a second network namespace by a veth pair and makes a
-  # certificate); each as command:Debian package
+  # certificate), chromium (the release page test loads the page in a real headless browser); each as
+  # command:Debian package
   missing=""
-  for pair in strace:strace zsh:zsh fish:fish gcc:gcc bwrap:bubblewrap ip:iproute2 openssl:openssl; do
+  for pair in strace:strace zsh:zsh fish:fish gcc:gcc bwrap:bubblewrap ip:iproute2 openssl:openssl chromium:chromium; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
   done
   if ! command -v pg_ctl >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then

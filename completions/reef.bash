@@ -6,7 +6,7 @@ _reef() {
         w="${COMP_WORDS[i]}"
         case "${COMP_WORDS[i-1]}" in -s|--scenario) scen="$w" ;; esac
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -33,10 +33,11 @@ _reef() {
         /records/import) words='--scenario -s --json --help' ;;
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
-        /releases) words='canary canary-end list promote rollback show --help' ;;
+        /releases) words='canary canary-end list open promote rollback show --help' ;;
         /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --max-latency-ratio --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/canary-end) words='--scenario -s --promote --yes -y --json --help' ;;
         /releases/list) words='--scenario -s --all --json --help' ;;
+        /releases/open) words='--scenario -s --out -o --no-browser --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/promote) words='--scenario -s --yes -y --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/rollback) words='--scenario -s --yes -y --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/show) words='--diff --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
@@ -66,6 +67,7 @@ _reef() {
         /releases/canary:--scenario|/releases/canary:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/canary-end:--scenario|/releases/canary-end:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/list:--scenario|/releases/list:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /releases/open:--scenario|/releases/open:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/promote:--scenario|/releases/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/rollback:--scenario|/releases/rollback:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote:--scenario|/scenarios/tasks/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;

@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -28,7 +28,7 @@ complete -c reef -n '__reef_at ""' -a demo -d 'Show the whole loop on the CPU: a
 complete -c reef -n '__reef_at ""' -a doctor -d 'Check the daemon, token and socket permissions, disk space, git, node, npm, agents and the model; say how to fix each problem'
 complete -c reef -n '__reef_at ""' -a model -d 'Build local models'
 complete -c reef -n '__reef_at ""' -a records -d 'Browse recorded exchanges and their reports'
-complete -c reef -n '__reef_at ""' -a releases -d 'Inspect and steer release chains: list, show, rollback, promote'
+complete -c reef -n '__reef_at ""' -a releases -d 'Inspect and steer release chains: list, show, open, rollback, promote'
 complete -c reef -n '__reef_at ""' -a report -d 'Attach a report (score and/or feedback) to receipts'
 complete -c reef -n '__reef_at ""' -a scenarios -d 'List, show and create scenarios'
 complete -c reef -n '__reef_at ""' -a serve -d 'Run the daemon in the foreground (Ctrl-C drains in-flight requests and stops)'
@@ -116,6 +116,7 @@ complete -c reef -n '__reef_at /records/show' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases' -a canary -d 'Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always- valid test at the stated error rate), or end it when it fails too often or is too slow'
 complete -c reef -n '__reef_at /releases' -a canary-end -d 'End a scenario\'s canary by hand, now: promote it or discard it (written on the chain either way)'
 complete -c reef -n '__reef_at /releases' -a list -d 'List a scenario\'s releases, newest first, the head marked'
+complete -c reef -n '__reef_at /releases' -a open -d 'Open a release\'s page in the browser: why it was made, what changed, the gate\'s verdict, its place on the chain with a plot of the scenario\'s scores. The page is one self-contained HTML file (no script, nothing fetched)'
 complete -c reef -n '__reef_at /releases' -a promote -d 'Publish a release held as pending (by a review gate)'
 complete -c reef -n '__reef_at /releases' -a rollback -d 'Publish an earlier release\'s content as the new head (history is kept)'
 complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, metrics, receipts, and optionally its diff to the parent'
@@ -138,6 +139,11 @@ complete -c reef -n '__reef_at /releases/list' -l scenario -s s -d 'The scenario
 complete -c reef -n '__reef_at /releases/list' -l all -d 'Also show pending releases and steps not published (rejected, skipped, failed)'
 complete -c reef -n '__reef_at /releases/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /releases/list' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases/open' -a '(reef __complete releases (__reef_scenario) 2>/dev/null)'
+complete -c reef -n '__reef_at /releases/open' -l scenario -s s -d 'Refuse a release of another scenario' -x -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /releases/open' -l out -s o -d 'Where to write the page (default: $REEF_HOME/pages/<release>.html)'
+complete -c reef -n '__reef_at /releases/open' -l no-browser -d 'Write the page and print its path; open nothing (headless machines, scripts)'
+complete -c reef -n '__reef_at /releases/open' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/promote' -a '(reef __complete releases (__reef_scenario) 2>/dev/null)'
 complete -c reef -n '__reef_at /releases/promote' -l scenario -s s -d 'The scenario (default: default)' -x -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /releases/promote' -l yes -s y -d 'Do not ask for confirmation'

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from daemon import forgetting, listening, web
+from daemon import forgetting, listening, release_page, web
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -756,6 +756,23 @@ async def handle_release(request: web.Request) -> web.Response:
     return await _release_body(request, request.match_info["release"], None)
 
 
+async def _release_page(request: web.Request, scenario: str | None) -> web.Response:
+    """One release as a self-contained HTML page (``daemon/release_page.py``)."""
+    data = await release_page.gather(request.ctx, request.match_info["release"], scenario)
+    return web.Response(release_page.render(data).encode(), content_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": release_page.CSP, "X-Content-Type-Options": "nosniff",
+                                 "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+                                 "x-reef-release-id": data.release["release_id"]})
+
+
+async def handle_release_page(request: web.Request) -> web.Response:
+    return await _release_page(request, None)
+
+
+async def handle_scenario_release_page(request: web.Request) -> web.Response:
+    return await _release_page(request, check_scenario(request.match_info["name"]))
+
+
 def steer_handler(op: str) -> Handler:
     async def handle(request: web.Request) -> web.Response:
         reef = request.ctx
@@ -912,9 +929,11 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("POST", "/reef/records/forget", handle_forget)
     r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
+    r.add("GET", "/reef/scenarios/{name}/releases/{release}/page", handle_scenario_release_page)
     r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))
     r.add("POST", "/reef/scenarios/{name}/promote", steer_handler("promote"))
     r.add("GET", "/reef/releases/{release}", handle_release)
+    r.add("GET", "/reef/releases/{release}/page", handle_release_page)
     r.add("POST", "/reef/runs", handle_start_run)
     r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)

@@ -52,6 +52,7 @@ the best attempt found stays in the scenario's status whatever serves, and a rea
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -269,3 +270,25 @@ def judge_best(candidate: list[float], base: list[float], *, margin: float, alph
 
 def _finite(x: float) -> float | None:
     return round(x, 6) if math.isfinite(x) else None
+
+
+def describe(m: Mapping[str, Any]) -> str | None:
+    """What a paired gate's metrics say, for people: the difference with its 95% interval and the test the verdict
+    rests on (compare: the sign test; regression: the drop of ``margin`` it ruled out or not; a retirement: the
+    sign test on losses; ttt-discover's best: the sign test on the candidate's losses), or None for a gate that did not pair."""
+    if "diff" not in m:
+        return None
+    lo, hi = (m.get("diff_ci95") or [None, None])[:2]
+    span = f"{lo:+.3f} .. {hi:+.3f}" if lo is not None and hi is not None else "unbounded (one pair)"
+    line = f"gate: candidate - base {m['diff']:+.3f} (95% interval {span}) over {m.get('pairs')} paired task(s)"
+    if "wins" in m:
+        line += f"; wins {m['wins']} - losses {m['losses']}"
+    if "p_value_loss" in m:
+        line += f"; p = {m['p_value_loss']:.3g} (a loss from leaving the skill out)"
+    elif "p_value_worse" in m:
+        line += f"; p = {m['p_value_worse']:.3g} (the candidate worse)"
+    elif "p_value" in m and "wins" not in m and "margin" in m:
+        line += f"; p = {m['p_value']:.3g} (a drop of {m['margin']:g} or more)"
+    elif "p_value" in m:
+        line += f"; p = {m['p_value']:.3g}"
+    return line + (f" at alpha {m['alpha']}" if "alpha" in m else "")

@@ -2,7 +2,7 @@
 
 The scripts are static (subcommands, options, choices and their help, read from the typer app), so a Tab
 never starts Python, except where the values come from the running daemon: a scenario (``--scenario``, or a
-scenario argument) and a release id (``reef releases show|promote|rollback|canary``), asked with ``reef __complete``
+scenario argument) and a release id (``reef releases show|open|promote|rollback|canary``), asked with ``reef __complete``
 (``reef_cli/fast.py``: the standard library, the Unix socket, half a second at most, silent when the daemon is
 down). They are committed under ``completions/`` and a test fails when they are stale; after changing a command,
 regenerate them with ``python -m reef_cli.completions``.

@@ -1,16 +1,18 @@
-"""``reef releases list|show|rollback|promote``: a scenario's release chain, read and steered."""
+"""``reef releases list|show|open|rollback|promote``: a scenario's release chain, read and steered."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from daemon.errors import Conflict
-from reef_cli.common import ago, client, console, edge, fail, print_json
+from daemon.gate import describe as gate_line  # the one reading of a gate's figures (the release page's too)
+from reef_cli.common import ago, client, config, console, edge, fail, print_json
 
-app = typer.Typer(help="Inspect and steer release chains: list, show, rollback, promote.", no_args_is_help=True)
+app = typer.Typer(help="Inspect and steer release chains: list, show, open, rollback, promote.", no_args_is_help=True)
 
 SCENARIO_HELP = "The scenario (default: default)."
 
@@ -108,26 +110,39 @@ def show_release(
         _print_diff(out, rel.get("diff") or {})
 
 
-def gate_line(m: dict[str, Any]) -> str | None:
-    """What a paired gate's metrics say, for people: the difference with its 95% interval and the test the verdict
-    rests on (compare: the sign test; regression: the drop of ``margin`` it ruled out or not; a retirement: the
-    sign test on losses; ttt-discover's best: the sign test on the candidate's losses), or None for a gate that did not pair."""
-    if "diff" not in m:
-        return None
-    lo, hi = (m.get("diff_ci95") or [None, None])[:2]
-    span = f"{lo:+.3f} .. {hi:+.3f}" if lo is not None and hi is not None else "unbounded (one pair)"
-    line = f"gate: candidate - base {m['diff']:+.3f} (95% interval {span}) over {m.get('pairs')} paired task(s)"
-    if "wins" in m:
-        line += f"; wins {m['wins']} - losses {m['losses']}"
-    if "p_value_loss" in m:
-        line += f"; p = {m['p_value_loss']:.3g} (a loss from leaving the skill out)"
-    elif "p_value_worse" in m:
-        line += f"; p = {m['p_value_worse']:.3g} (the candidate worse)"
-    elif "p_value" in m and "wins" not in m and "margin" in m:
-        line += f"; p = {m['p_value']:.3g} (a drop of {m['margin']:g} or more)"
-    elif "p_value" in m:
-        line += f"; p = {m['p_value']:.3g}"
-    return line + (f" at alpha {m['alpha']}" if "alpha" in m else "")
+@app.command("open")
+@edge
+def open_page(
+    release_id: str = typer.Argument(..., help="The release id (a prefix of at least 7 characters works)."),
+    scenario: str | None = typer.Option(None, "--scenario", "-s", help="Refuse a release of another scenario."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Where to write the page (default: "
+                                    "$REEF_HOME/pages/<release>.html)."),
+    no_browser: bool = typer.Option(False, "--no-browser", help="Write the page and print its path; open nothing "
+                                    "(headless machines, scripts)."),
+) -> None:
+    """Open a release's page in the browser: why it was made, what changed, the gate's verdict, its place on the
+    chain with a plot of the scenario's scores. The page is one self-contained HTML file (no script, nothing fetched)."""
+    from daemon.durable import mkdirs, write_atomic
+
+    path = f"/reef/scenarios/{scenario}/releases/{release_id}/page" if scenario else f"/reef/releases/{release_id}/page"
+    cfg = config()
+    with client() as c:
+        resp = c.request("GET", path, raw=True)
+    full_id = resp.headers.get("x-reef-release-id") or release_id
+    dest = out if out is not None else cfg.home / "pages" / f"{full_id}.html"
+    try:
+        mkdirs(dest.parent)
+        write_atomic(dest, resp.content, mode=0o600)  # feedback and diffs are the user's data: not for others
+    except OSError as e:
+        fail(f"cannot write the page to {dest}: {e.strerror or e}", 1)
+    dest = dest.resolve()
+    print(dest)
+    if no_browser:
+        return
+    import webbrowser
+
+    if not webbrowser.open(dest.as_uri()):
+        fail(f"no browser could be started; the page is at {dest} (--no-browser only writes it)", 1)
 
 
 def _print_diff(out: Any, diff: dict[str, Any]) -> None:

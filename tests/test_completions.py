@@ -41,7 +41,7 @@ def bash_complete(*words: str, env: dict[str, str] | None = None) -> list[str]:
 
 def test_bash_completes_commands_options_and_choices() -> None:
     assert bash_complete("rel") == ["releases"]
-    assert bash_complete("releases", "") == ["canary", "canary-end", "list", "promote", "rollback", "show", "--help"]
+    assert bash_complete("releases", "") == ["canary", "canary-end", "list", "open", "promote", "rollback", "show", "--help"]
     assert bash_complete("releases", "list", "-s", "alpha", "--j") == ["--json"]
     assert bash_complete("completions", "install", "") == ["bash", "zsh", "fish", "--help"]
     assert "tui" in bash_complete("") and "doctor" in bash_complete("d")
