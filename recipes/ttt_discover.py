@@ -27,7 +27,9 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
   corrects for staleness, the clip bounds it), per-token mean, AdamW on all but the tied embeddings, gradient
   clipping; ``steps_per_batch`` optimizer steps per group. Measured on ``longest-word``: at lr 2e-3 with 2 steps a
   group of 8, the demo model collapsed onto its first good answer in 5 steps and never searched again; lr 2e-4, one
-  step, groups of 16 and tau 0.05 keep it searching while the mean climbs.
+  step, groups of 16 and tau 0.05 keep it searching while the mean climbs. LoRA adapters (every real model) move
+  less per step: at 2e-4 SmolLM2's mean attempt stayed flat over 12 rounds, at 2e-3 it rose (README), so ``lr``
+  unset is 2e-4 for whole weights and 2e-3 for adapters (``learning_rate``).
 - **Gate: best so far.** With a scorer, built in (``problem``, ``recipes/tasks.py``) or the user's own (``scorer``:
   a command given each attempt on stdin that prints its score; a scorer that fails, times out or prints no number
   fails the step naming it, and no attempt is scored 0 for it: ``recipes/tasks.py CommandScorer``), the trainer samples
@@ -60,7 +62,7 @@ import math
 import time
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,17 @@ class TTTReport:
     attempt_score: float | None = None  # the attempt's score on the problem's own scale (default: the report's score)
 
 
+LR_WHOLE = 2e-4  # all weights (the built-in tiny models), measured on longest-word (module docstring)
+LR_LORA = 2e-3  # LoRA adapters: on SmolLM2 through the daemon, 2e-4 left the mean flat over 12 rounds (README)
+
+
+def learning_rate(settings: TTTSettings, model: Any) -> float:
+    """The set ``lr``, or the default for what trains: adapters move less per step than whole weights."""
+    if settings.lr is not None:
+        return settings.lr
+    return LR_LORA if is_adapter(model) else LR_WHOLE
+
+
 @dataclass
 class TTTSettings(GateSettings):
     gate: str = "best"  # best (turned away only when shown worse than the head at alpha) | always | review
@@ -99,7 +112,9 @@ class TTTSettings(GateSettings):
     adv_temperature: float | None = None  # None: adaptive (the source's); tau in reward units: smaller pushes harder
     group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
-    lr: float = 2e-4  # AdamW learning rate (higher collapses onto the first good attempt and stops searching)
+    # AdamW learning rate; None: LR_WHOLE when training all weights (higher collapsed the demo model onto its first
+    # good attempt), LR_LORA with LoRA adapters (every real model: at LR_WHOLE SmolLM2's mean did not move)
+    lr: float | None = None
     weight_decay: float = 0.0
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -217,6 +232,8 @@ class TTTDiscover(Recipe):
             raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read alpha (gate best does)",
                              param="settings.alpha")
         check("best", alpha=settings.alpha, margin=settings.margin)  # the range of alpha, as every gate's
+        if settings.lr is not None and not settings.lr > 0:
+            raise BadRequest("recipe ttt-discover setting lr must be positive", param="settings.lr")
         if settings.scorer is None and settings.scorer_timeout_s != TTTSettings.scorer_timeout_s:
             raise BadRequest("recipe ttt-discover setting scorer_timeout_s is read only with a scorer command",
                              param="settings.scorer_timeout_s")
@@ -311,7 +328,8 @@ class TTTDiscover(Recipe):
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
             model = load_policy(job.base_path, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
                                 device=job.device)
-            state.update(model=model, optimizer=make_optimizer(model, s), key=job.base_key)  # type: ignore[arg-type]
+            state.update(model=model, optimizer=make_optimizer(model, replace(s, lr=learning_rate(s, model))),  # type: ignore[arg-type]
+                         key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(job.batch):

@@ -69,6 +69,25 @@ def record(rid: str, score: float, prompt: list[int], group: str | None = None, 
                           report=report)
 
 
+def test_the_default_learning_rate_follows_what_trains_and_a_set_one_wins():
+    """Adapters move less per step than whole weights: at the whole-weights rate SmolLM2's LoRA mean stayed flat
+    (bench/ttt_discover.py, README). Catches the adapter default lost (the flat run again) or a set lr ignored."""
+    import torch
+
+    from daemon.models import build_tiny
+    from recipes.online_rl import wrap_lora
+    from recipes.ttt_discover import LR_LORA, LR_WHOLE, learning_rate
+
+    torch.manual_seed(0)
+    _, model = build_tiny(seed=0)
+    assert learning_rate(TTTSettings(), model) == LR_WHOLE == 2e-4
+    adapted = wrap_lora(model, TTTSettings(lora=True))  # type: ignore[arg-type]
+    assert learning_rate(TTTSettings(), adapted) == LR_LORA == 2e-3
+    assert learning_rate(TTTSettings(lr=5e-4), adapted) == learning_rate(TTTSettings(lr=5e-4), model) == 5e-4
+    with pytest.raises(Exception, match="lr must be positive"):
+        TTTDiscover.parse_settings({"lr": 0.0})
+
+
 def test_a_step_takes_a_full_group_of_sibling_attempts():
     recipe = TTTDiscover(TTTSettings(group_size=3))
     a = [record(f"a{i}", 0.1 * i, [1, 2]) for i in range(2)]
