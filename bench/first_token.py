@@ -94,13 +94,16 @@ def main() -> None:
             time.sleep(0.2)
         token = (home / "token").read_text().strip()
         direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        reef_url = f"http://127.0.0.1:{port}/v1/chat/completions"
         auth = {"Authorization": f"Bearer {token}"}
+        for model in ("up", "smollm2"):  # a scenario serves the model it is bound to, whatever a request names
+            httpx.post(f"http://127.0.0.1:{port}/reef/scenarios", headers=auth,
+                       json={"name": f"ft-{model}", "model": model}).raise_for_status()
         load0 = os.getloadavg()[0]
         with httpx.Client(timeout=300) as c:
             results: dict[str, dict[str, list[float]]] = {}
             for model, n in (("up", args.requests), ("smollm2", max(20, args.requests // 4))):
                 body = {**REQUEST, "model": model, "stream": True, "max_tokens": 8}
+                reef_url = f"http://127.0.0.1:{port}/s/ft-{model}/v1/chat/completions"
                 for _ in range(10):  # warm up: connections, the scenario's first record, the model's caches
                     first_chunk(c, reef_url, body, auth)
                     if model == "up":
