@@ -141,7 +141,7 @@ class _Exporter(SpanExporter):
             if self._closed:
                 return
             self._closed = True
-        self._inner.shutdown()
+        self._inner.shutdown()  # type: ignore[no-untyped-call]  # the exporter leaves it unannotated
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
