@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from daemon.errors import BadRequest
 from daemon.telemetry import span_ids
 from tests.conftest import ROOT, Daemon, assert_canonical_error, sse_events
 from tests.otlp_receiver import Receiver, Span
+from tests.upstream_stub import chat_stream
 
 PROMPT = "the secret prompt zebra-quartz"  # never in a span unless content = true
 FEEDBACK = "the secret feedback mango-lattice"
@@ -150,19 +154,77 @@ def test_spans_of_exchanges_and_reports_without_content(receiver: Receiver, daem
     no_content(receiver)
 
 
+class HeldUpstream:
+    """An OpenAI-compatible upstream whose streamed answer (a tool call) stops after its first chunk until the test
+    lets it go: an exchange still in flight when the daemon is told to stop."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.begun = threading.Event()
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                frames = chat_stream("held-model", "", tool=True, usage=True)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+                self.wfile.write(frames[0])
+                self.wfile.flush()
+                upstream.begun.set()
+                upstream.go.wait(120)
+                self.wfile.write(b"".join(frames[1:]))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def entry(self) -> str:
+        return (f'\n[models.held]\nengine = "upstream"\nurl = "http://127.0.0.1:{self.server.server_address[1]}"\n'
+                'format = "openai-chat"\n')
+
+    def close(self) -> None:
+        self.go.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_content_only_when_opted_in_and_spans_flushed_at_stop(receiver: Receiver, daemon_factory: Any) -> None:
     # an hour's batch delay: nothing is sent before the stop, whose flush sends it all
-    d = daemon_factory(telemetry(receiver, content=True, batch_delay_s=3600))
-    with d.http() as c:
-        whole, _, body = chat(c, "gamma")
-        streamed, _, events = chat(c, "gamma", stream=True)
-        report = c.post("/reef/report", json={"score": 1, "feedback": FEEDBACK, "references": [whole]})
-        assert report.status_code == 201
-        answer = c.get(f"/reef/records/{streamed}").json()
-    assert receiver.attempted == []
-    assert d.stop() == 0
+    upstream = HeldUpstream()
+    d = daemon_factory(telemetry(receiver, content=True, batch_delay_s=3600) + upstream.entry())
+    try:
+        with d.http() as c:
+            whole, _, body = chat(c, "gamma")
+            streamed, _, events = chat(c, "gamma", stream=True)
+            report = c.post("/reef/report", json={"score": 1, "feedback": FEEDBACK, "references": [whole]})
+            assert report.status_code == 201
+            answer = c.get(f"/reef/records/{streamed}").json()
+            assert c.post("/reef/scenarios", json={"name": "held", "model": "held"}).status_code in (200, 201)
+            # an exchange in flight at the stop: recorded while the daemon drains, after its event streams ended
+            with c.stream("POST", "/s/held/v1/chat/completions", json={
+                    "model": "held", "stream": True, "messages": [{"role": "user", "content": PROMPT}]}) as r:
+                drained = r.headers["x-reef-agent-record-id"]
+                upstream.begun.wait(120)
+                assert d.proc is not None
+                d.proc.send_signal(signal.SIGTERM)
+                wait_logged(d, "stopping: draining in-flight requests")
+                upstream.go.set()
+                assert "call_stub1" in r.read().decode()
+        assert receiver.attempted == []
+        assert d.stop() == 0
+    finally:
+        upstream.close()
     spans = {s.attributes.get("reef.receipt") or s.attributes["reef.report.id"]: s for s in receiver.spans}
-    assert set(spans) == {whole, streamed, report.json()["report_id"]}
+    assert set(spans) == {whole, streamed, report.json()["report_id"], drained}
+    held = spans[drained].attributes
+    assert held["reef.status"] == "complete" and held["gen_ai.usage.output_tokens"] == 5
+    assert json.loads(held["gen_ai.output.messages"]) == [{"role": "assistant", "finish_reason": "tool_calls", "parts": [
+        {"type": "tool_call", "id": "call_stub1", "name": "get_weather", "arguments": {"city": "Paris"}}]}]
 
     a = spans[whole].attributes
     assert json.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": PROMPT}]}]
