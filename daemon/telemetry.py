@@ -49,6 +49,7 @@ from opentelemetry.util.types import AttributeValue
 
 from daemon.events import DROPPED
 from daemon.exchange import Completion, Message, Part
+from daemon.records.location import redact
 
 if TYPE_CHECKING:
     from daemon.config import TelemetrySettings
@@ -168,7 +169,8 @@ class Telemetry:
         self._quieted: list[tuple[logging.Logger, bool]] = []
         inner = OTLPSpanExporter(endpoint=settings.endpoint, headers=dict(settings.headers),
                                  timeout=settings.timeout_s)
-        self._exporter = _Exporter(inner, settings.endpoint, held=self._held)
+        self._shown = redact(settings.endpoint)  # for the log: without a password the URL may hold
+        self._exporter = _Exporter(inner, self._shown, held=self._held)
         self._processor = BatchSpanProcessor(
             self._exporter, max_queue_size=MAX_QUEUE, schedule_delay_millis=settings.batch_delay_s * 1e3,
             max_export_batch_size=BATCH, export_timeout_millis=settings.timeout_s * 1e3,
@@ -195,7 +197,7 @@ class Telemetry:
             logger.propagate = False
         self._queue = self._events.subscribe()
         self._task = asyncio.create_task(self._run(), name="reef-telemetry")
-        log.info("telemetry: exporting spans to %s (from %s%s)", self.settings.endpoint, self.settings.source,
+        log.info("telemetry: exporting spans to %s (from %s%s)", self._shown, self.settings.source,
                  "; with content" if self.settings.content else "")
 
     async def close(self) -> None:
@@ -230,7 +232,7 @@ class Telemetry:
             timer.cancel()
         if cut.is_set():
             log.warning("telemetry: the collector at %s did not take the last spans within %g s of the stop; they"
-                        " were dropped", self.settings.endpoint, bound)
+                        " were dropped", self._shown, bound)
 
     # --- events to spans ---------------------------------------------------------------------------------
 

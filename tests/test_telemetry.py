@@ -372,5 +372,5 @@ def test_a_daemon_refuses_bad_telemetry_and_a_missing_extra_and_imports_none_wit
     plain.env["PYTHONPATH"] = no_opentelemetry
     plain.start()
     with plain.http() as c:
-        chat(c, "epsilon")
+        assert c.get("/healthz").status_code == 200
     assert plain.stop() == 0
