@@ -50,9 +50,12 @@ def receiver() -> Any:
     r.close()
 
 
-def telemetry(receiver: Receiver, **extra: Any) -> str:
-    lines = [f'otlp_endpoint = "{receiver.url}"'] + [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
-    return "\n[telemetry]\n" + "\n".join(lines) + "\n"
+def telemetry(receiver: Receiver | None, *lines: str, **extra: Any) -> str:
+    """A ``[telemetry]`` table sending to ``receiver`` (None: no endpoint in the table), with ``lines`` and ``extra``
+    settings."""
+    endpoint = [] if receiver is None else [f'otlp_endpoint = "{receiver.url}"']
+    return "\n[telemetry]\n" + "\n".join([*endpoint, *lines, *(f"{k} = {json.dumps(v)}" for k, v in extra.items())]) \
+        + "\n"
 
 
 def chat(c: httpx.Client, scenario: str, *, run: str | None = None, stream: bool = False,
@@ -107,7 +110,7 @@ def no_content(receiver: Receiver) -> None:
 
 
 def test_spans_of_exchanges_and_reports_without_content(receiver: Receiver, daemon_factory: Any) -> None:
-    d = daemon_factory(telemetry(receiver, batch_delay_s=0.05))
+    d = daemon_factory(telemetry(receiver, 'headers = { "x-collector-key" = "k1" }', batch_delay_s=0.05))
     with d.http() as c:
         whole, resp, _ = chat(c, "alpha", run="run-1")
         streamed, _, _ = chat(c, "alpha", run="run-1", stream=True)
@@ -152,6 +155,8 @@ def test_spans_of_exchanges_and_reports_without_content(receiver: Receiver, daem
                       for x in (whole, streamed)}
     assert rep.trace_id not in {receiver.span(x).trace_id for x in receipts}  # type: ignore[union-attr]
     no_content(receiver)
+    assert {h.get("x-collector-key") for h in receiver.headers} == {"k1"}
+    assert {h["content-type"] for h in receiver.headers} == {"application/x-protobuf"}
 
 
 class HeldUpstream:
@@ -196,7 +201,8 @@ class HeldUpstream:
 def test_content_only_when_opted_in_and_spans_flushed_at_stop(receiver: Receiver, daemon_factory: Any) -> None:
     # an hour's batch delay: nothing is sent before the stop, whose flush sends it all
     upstream = HeldUpstream()
-    d = daemon_factory(telemetry(receiver, content=True, batch_delay_s=3600) + upstream.entry())
+    d = daemon_factory(telemetry(receiver, content=True, batch_delay_s=3600, service_name="reef-here")
+                       + upstream.entry())
     try:
         with d.http() as c:
             whole, _, body = chat(c, "gamma")
@@ -221,6 +227,7 @@ def test_content_only_when_opted_in_and_spans_flushed_at_stop(receiver: Receiver
         upstream.close()
     spans = {s.attributes.get("reef.receipt") or s.attributes["reef.report.id"]: s for s in receiver.spans}
     assert set(spans) == {whole, streamed, report.json()["report_id"], drained}
+    assert {s.resource["service.name"] for s in spans.values()} == {"reef-here"}
     held = spans[drained].attributes
     assert held["reef.status"] == "complete" and held["gen_ai.usage.output_tokens"] == 5
     assert json.loads(held["gen_ai.output.messages"]) == [{"role": "assistant", "finish_reason": "tool_calls", "parts": [
@@ -254,7 +261,10 @@ def wait_logged(d: Daemon, pattern: str, guard_s: float = 120) -> None:
 def test_a_collector_that_refuses_hangs_or_is_down_never_touches_serving(receiver: Receiver,
                                                                          daemon_factory: Any) -> None:
     receiver.set_mode("reject")
-    d = daemon_factory(telemetry(receiver, batch_delay_s=0.05, timeout_s=60))
+    # the endpoint and headers from the standard variables, the table giving the rest
+    d = daemon_factory(telemetry(None, batch_delay_s=0.05, timeout_s=60), start=False)
+    d.env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_EXPORTER_OTLP_HEADERS="x-collector-key=k%202")
+    d.start()
     with d.http() as c:
         # refused: two exports fail (each request answered), one warning says so
         first, _, _ = chat(c, "delta")
@@ -269,6 +279,8 @@ def test_a_collector_that_refuses_hangs_or_is_down_never_touches_serving(receive
         assert len(warned) == 1, warned
         assert receiver.url in warned[0] and "400" in warned[0]
         assert log_lines(d, r" opentelemetry[.\w]*: ") == []  # the exporter's own lines are held back
+
+        assert {h.get("x-collector-key") for h in receiver.headers} == {"k 2"}
 
         # hanging: an export is held unanswered; requests are answered meanwhile, the export still waiting on it
         receiver.set_mode("hold")
