@@ -184,7 +184,9 @@ class Telemetry:
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("reef")
         self._queue: asyncio.Queue[dict[str, Any] | None] | None = None
-        self._after: int | None = None  # the seq of the last event read (a new subscription replays from it)
+        # the seq of the last event read: a new subscription replays from it (0: from the first, which came after
+        # this reader subscribed, at the start)
+        self._after = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._broken = False  # a span that could not be made was logged (once)
@@ -205,9 +207,13 @@ class Telemetry:
         self._closing = True
         if self._task is not None and self._queue is not None:
             self._events.unsubscribe(self._queue)
-            await self._queue.put(None)  # after the events it holds: those become spans first
-            done, _ = await asyncio.wait({self._task}, timeout=FLUSH_ON_STOP_S)
-            if not done:
+            if not self._task.done():
+                try:  # after the events it holds: those become spans first
+                    await asyncio.wait_for(self._queue.put(None), FLUSH_ON_STOP_S)
+                    await asyncio.wait({self._task}, timeout=FLUSH_ON_STOP_S)
+                except TimeoutError:
+                    pass
+            if not self._task.done():  # a store read that hangs, say: the spans not made yet are lost
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.to_thread(self._flush)
