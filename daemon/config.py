@@ -25,6 +25,16 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
 
+    [telemetry]                   # OpenTelemetry traces, on when this table is there (the otel extra;
+                                  # daemon/telemetry.py, docs/telemetry.md); OTEL_SDK_DISABLED=true: off
+    otlp_endpoint = "http://127.0.0.1:4318"  # an OTLP/HTTP collector, /v1/traces appended (not given: env
+                                  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as is, else OTEL_EXPORTER_OTLP_ENDPOINT)
+    headers = { "x-api-key" = "..." }  # sent with each export (not given: env OTEL_EXPORTER_OTLP_HEADERS)
+    content = false               # true: prompts, answers and feedback text go into the spans too
+    timeout_s = 10                # one export's limit; at a stop, unsent spans get at most this (5 s at most)
+    batch_delay_s = 2             # the longest a finished span waits before it is sent
+    service_name = "reef"
+
     [outcomes.pi]                 # outcome reports on the receipts of reef-pi's runs (reef_cli/outcomes.py)
     exit = true                   # the agent's exit code: 0 -> pass_score, else fail_score
     check = "pytest -q"           # run in the project after the agent; exit 0 -> pass_score, else fail_score
@@ -57,11 +67,13 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from daemon import listening
 from daemon.engines.entry import ModelEntry
@@ -116,6 +128,7 @@ class Config:
     retention_check_s: float = 3600.0
     trainer: str = "local"  # local | ray
     ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
+    telemetry: TelemetrySettings | None = None  # [telemetry]: OpenTelemetry export (None: none, nothing imported)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
     token: str | None = None
@@ -312,6 +325,117 @@ def parse_outcomes(raw: Any, where: str) -> OutcomeSettings:
     return OutcomeSettings(**raw)
 
 
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """The ``[telemetry]`` table, resolved: where the daemon sends its spans and what they hold
+    (``daemon/telemetry.py``; ``docs/telemetry.md`` has the attributes)."""
+
+    endpoint: str  # the full OTLP/HTTP traces URL (.../v1/traces)
+    source: str  # where the endpoint came from (config.toml or an environment variable), for messages
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # may carry a collector's key
+    content: bool = False  # prompts, answers and feedback text in the spans (off: only counts, ids, names)
+    timeout_s: float = 10.0  # one export request's limit (retries included)
+    batch_delay_s: float = 2.0  # the longest a finished span waits in the batch before it is sent
+    service_name: str = "reef"
+
+
+TELEMETRY_KEYS = ("otlp_endpoint", "headers", "content", "timeout_s", "batch_delay_s", "service_name")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _otlp_url(value: Any, where: str, *, append: bool) -> str:
+    """An OTLP/HTTP traces URL from ``value`` (``append``: a base URL, ``/v1/traces`` added as the OTLP spec says
+    for ``OTEL_EXPORTER_OTLP_ENDPOINT``, unless it ends so already)."""
+    parts = urlsplit(value) if isinstance(value, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadRequest(f"{where} must be an http:// or https:// URL of an OTLP/HTTP collector, e.g. "
+                         f'"http://127.0.0.1:4318", got {str(value)[:200]!r}')
+    try:
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError:
+        raise BadRequest(f"{where} has a port that is not a number: {value[:200]!r}") from None
+    if not append or parts.path.rstrip("/").endswith("/v1/traces"):
+        return value
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/v1/traces"))
+
+
+def _otlp_headers(raw: Any, where: str) -> dict[str, str]:
+    """Headers for each export: a TOML table, or the OTLP variables' ``k=v,k2=v2`` (values percent-encoded).
+    Errors name the header, never its value (it is often a key)."""
+    if isinstance(raw, str) and where.startswith("environment"):
+        pairs: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in raw.split(","))):
+            key, eq, val = item.partition("=")
+            if not eq:
+                raise BadRequest(f"{where}: each header must be name=value (comma-separated)")
+            pairs[unquote(key.strip())] = unquote(val.strip())
+        raw = pairs
+    if not isinstance(raw, dict):
+        raise BadRequest(f'{where} must be a table of header names and values, e.g. {{ "x-api-key" = "..." }}')
+    for key, val in raw.items():
+        if not _HEADER_NAME.fullmatch(key):
+            raise BadRequest(f"{where}: {key[:60]!r} is not a header name")
+        if not isinstance(val, str) or any(c in val for c in "\r\n\0"):
+            raise BadRequest(f"{where}.{key} must be a string on one line")
+    return dict(raw)
+
+
+def parse_telemetry(raw: Any, env: Mapping[str, str]) -> TelemetrySettings | None:
+    """The ``[telemetry]`` table (None: absent) with the standard OTLP variables filling in what it leaves out;
+    None where export is off. The table turns export on: the variables alone do not (an agent's own OTLP
+    settings, inherited by a daemon its wrapper starts, do not make Reef export). Every key works or is refused."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("config: [telemetry] must be a table")
+    unknown = set(raw) - set(TELEMETRY_KEYS)
+    if unknown:
+        raise BadRequest(f"config: [telemetry]: unknown keys {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(TELEMETRY_KEYS)})")
+    if "otlp_endpoint" in raw:
+        endpoint = _otlp_url(raw["otlp_endpoint"], "config: telemetry.otlp_endpoint", append=True)
+        source = "config.toml"
+    elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        source = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+        endpoint = _otlp_url(env[source], f"environment: {source}", append=False)
+    elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        source = "OTEL_EXPORTER_OTLP_ENDPOINT"
+        endpoint = _otlp_url(env[source], f"environment: {source}", append=True)
+    else:
+        raise BadRequest('config: [telemetry] needs otlp_endpoint (e.g. "http://127.0.0.1:4318"), or '
+                         "OTEL_EXPORTER_OTLP_ENDPOINT in the daemon's environment")
+    if source != "config.toml":  # the variables describe that collector: one that speaks gRPC is not OTLP/HTTP
+        for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            protocol = env.get(var, "").strip()
+            if protocol:
+                if protocol != "http/protobuf":
+                    raise BadRequest(f"environment: {var}={protocol[:40]!r}: Reef exports OTLP over HTTP "
+                                     "(http/protobuf) only; give the collector's HTTP endpoint (port 4318) as "
+                                     "telemetry.otlp_endpoint in config.toml")
+                break
+    if "headers" in raw:
+        headers = _otlp_headers(raw["headers"], "config: telemetry.headers")
+    else:
+        var = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") if env.get(v)),
+                   None)
+        headers = {} if var is None else _otlp_headers(env[var], f"environment: {var}")
+    content = raw.get("content", False)
+    if not isinstance(content, bool):
+        raise BadRequest(f"config: telemetry.content must be true or false, got {content!r}")
+    for key, most in (("timeout_s", 300), ("batch_delay_s", 3600)):
+        value = raw.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+            raise BadRequest(f"config: telemetry.{key} must be a number of seconds in (0, {most}], got {value!r}")
+    name = raw.get("service_name", "reef")
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest(f"config: telemetry.service_name must be a non-empty string, got {name!r}")
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":  # the standard switch: everything checked, off
+        return None
+    return TelemetrySettings(endpoint=endpoint, source=source, headers=headers, content=content,
+                             timeout_s=float(raw.get("timeout_s", 10.0)),
+                             batch_delay_s=float(raw.get("batch_delay_s", 2.0)), service_name=name)
+
+
 def load_config(
     env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Config:
@@ -342,6 +466,7 @@ def load_config(
     if not isinstance(outcomes_raw, dict):
         raise BadRequest("config: [outcomes.<scenario>] entries must be tables")
     outcomes = {name: parse_outcomes(table, f"outcomes.{name}") for name, table in outcomes_raw.items()}
+    telemetry = parse_telemetry(raw.pop("telemetry", None), env)
     recipes = raw.pop("recipes", None) or {}
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
@@ -417,6 +542,7 @@ def load_config(
         url=env.get("REEF_URL") or None,
         token=env.get("REEF_TOKEN") or None,
         secrets=secrets,
+        telemetry=telemetry,
         **values,
     )
     if cfg.default_model not in cfg.models:

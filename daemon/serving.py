@@ -18,11 +18,11 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.canary import Canaries, arm_key
 from daemon.chains import Chains
-from daemon.config import Config
+from daemon.config import Config, TelemetrySettings
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
 from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
@@ -36,6 +36,9 @@ from daemon.protocols.sse import dumpb
 from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
+
+if TYPE_CHECKING:
+    from daemon.telemetry import Telemetry
 
 log = logging.getLogger("reef")
 
@@ -116,6 +119,7 @@ class Reef:
         self.loading: set[str] = set()  # models whose load is under way
         self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
         self._warm: asyncio.Task[None] | None = None
+        self.telemetry: Telemetry | None = None  # [telemetry]: spans of exchanges and reports (daemon/telemetry.py)
         self._retention: asyncio.Task[None] | None = None
         self.canaries = Canaries(self)
         self.learner.start_canary = self.canaries.begin
@@ -128,6 +132,9 @@ class Reef:
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.config.telemetry is not None:
+            self.telemetry = _telemetry(self.config.telemetry, self.events, self.store)
+            self.telemetry.start()
         add_recipe_paths(self.config.recipe_paths)
         try:  # a default recipe that cannot load, or refuses its configured settings: refuse to start
             self.learner.make_recipe(self.config.default_recipe)
@@ -169,6 +176,8 @@ class Reef:
                 await engine.close()
             except Exception:  # closing must go on for the others
                 log.exception("closing engine %s", engine.info.model)
+        if self.telemetry is not None:  # after the engines (no exchange is recorded later), before the store
+            await self.telemetry.close()
         self.events.close()
         await asyncio.to_thread(self.store.close)
 
@@ -246,6 +255,19 @@ class Reef:
         if not created_before and time.time() - scenario.created_at < 1:
             self.events.publish("scenario", scenario=scenario.to_dict())
         return scenario
+
+
+def _telemetry(settings: TelemetrySettings, events: EventBus, store: RecordStore) -> Telemetry:
+    """The exporter of ``[telemetry]``, imported only here: OpenTelemetry is the ``otel`` extra, and loading it costs
+    a daemon that does not export its start time. Not installed: a refusal to start that says how to install it."""
+    try:
+        from daemon.telemetry import Telemetry
+    except ImportError as e:
+        if (e.name or "").startswith(("daemon", "recipes")):  # Reef's own module broken: not a missing extra
+            raise
+        raise BadRequest(f"config: [telemetry] needs OpenTelemetry, which is not installed ({e.name or e}): "
+                         'pip install "reef[otel]" into Reef\'s environment, or run install.sh --otel') from None
+    return Telemetry(settings, events, store)
 
 
 class Sink(Protocol):
@@ -641,6 +663,7 @@ class ServePath:
                 m.tokens.labels(rec.model, "cache_read").inc(completion.usage.cache_read_tokens)
         if timings["ttft_ms"] is not None:
             m.ttft.labels(rec.model).observe(timings["ttft_ms"] / 1e3)
+        sampling = ex.sampling
         self.events.publish(
             "record",
             id=served.receipt,
@@ -652,6 +675,16 @@ class ServePath:
             runtime_load_id=rec.runtime_load_id,
             timings=timings,
             usage=usage,
+            # what traces read (daemon/telemetry.py): when it began, what was asked, how it ended
+            started_at=time.time() - (time.perf_counter() - served.started),
+            format=ex.format,
+            engine=rec.engine,
+            request_model=ex.model or None,
+            response_model=(completion.model or None) if completion is not None else None,
+            sampling={k: v for k, v in (("max_tokens", sampling.max_tokens), ("temperature", sampling.temperature),
+                                        ("top_p", sampling.top_p)) if v is not None},
+            finish_reason=completion.stop_reason if completion is not None else None,
+            error=None if error is None else {"type": error.type, "message": error.message},
         )
         if status == "complete" and completion is not None:
             self._observe(served.scenario.name, served.receipt, served.run, served.headers, ex.messages,

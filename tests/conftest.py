@@ -229,7 +229,7 @@ def make_home(tiny_model: Path, extra_config: str = "") -> tuple[Path, int, dict
     # the product's default is SmolLM2; tests serve the tiny model unless they say otherwise
     config = f'port = {port}\ndefault_model = "tiny"\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny_model}"\n' + extra_config
     (home / "config.toml").write_text(config)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REEF_", "OPENAI_", "ANTHROPIC_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REEF_", "OPENAI_", "ANTHROPIC_", "OTEL_"))}
     env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     return home, port, env
 
