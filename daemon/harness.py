@@ -42,7 +42,8 @@ async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: s
     if adapter_name is not None:
         from adapters import get_adapter
 
-        tree = get_adapter(adapter_name).render(tree)
+        # a harness recipe's agent is told how to propose a change to it (daemon/proposals.py)
+        tree = get_adapter(adapter_name).render(tree, proposals=load_recipe(scenario.recipe).kind == "harness")
     return {path: data.decode("utf-8") for path, data in tree.items()}
 
 
