@@ -651,7 +651,8 @@ class Learner:
     def _proposed(self, name: str, head: Any, job_id: str, outcome: StepOutcome, proposal: Any) -> StepOutcome:
         outcome = dataclasses.replace(outcome, scenario=name, base=head.release_id, job=job_id)
         if outcome.summary is None:
-            outcome.summary = outcome.details.get("summary") or outcome.reason or outcome.verdict
+            said = [x for x in (outcome.details.get("summary"), outcome.reason) if x]
+            outcome.summary = ": ".join(said) or outcome.verdict
         self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
                             metrics=outcome.metrics or {}, release_id=outcome.release_id, proposal=proposal.id)
         return outcome
