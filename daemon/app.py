@@ -565,11 +565,11 @@ async def handle_evolve(request: web.Request) -> web.Response:
 
 
 async def handle_proposal(request: web.Request) -> web.Response:
-    from daemon import proposals
+    from daemon import harness
 
     reef = request.ctx
     name = check_scenario(request.match_info["name"])
-    status, answer = await proposals.propose(reef, name, await _object_body(request))
+    status, answer = await harness.propose(reef, name, await _object_body(request))
     return _json(answer, status=status)
 
 

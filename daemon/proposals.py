@@ -24,7 +24,8 @@ What becomes of a proposal:
 Every outcome's manifest (release or rejection) carries ``origin``: ``{"kind": "proposal", "id", "op", "target",
 "reason", "run", "receipt"}``, the receipt being the newest exchange of the run that proposed it. A recipe that
 steps inline (``lessons``) answers the verdict in the request; one that runs episodes (``harness-search``) judges
-in the background and answers ``queued`` (``reef releases list --all`` shows the verdict).
+in the background and answers ``queued`` (``reef releases list --all`` shows the verdict). The route's side (the
+run's receipt, inline or queued) is ``daemon/harness.py``'s ``propose``; the learning loop's, ``Learner.propose``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from daemon.records import new_id
 
 if TYPE_CHECKING:
     from daemon.records import Scenario
-    from daemon.serving import Reef
     from recipes.base import Candidate, Recipe
     from recipes.harness_search.mutations import Limits, Mutation
 
@@ -206,41 +206,3 @@ def origin(p: Proposal, m: Mutation | None, receipt: str | None) -> dict[str, An
     return {"kind": "proposal", "id": p.id, "op": p.op, "target": f"{p.kind} {m.id if m else p.name}",
             "reason": p.reason, "run": p.run, "receipt": receipt,
             **({"text": (p.text or "")[:2000]} if p.text is not None else {})}
-
-
-async def run_receipt(reef: Reef, scenario: str, run: str | None) -> str | None:
-    """The newest exchange of ``run`` (the one whose tool call proposed it): None for no run or a run without
-    records yet; a ``BadRequest`` when the run's records are another scenario's."""
-    if run is None:
-        return None
-    rows = await reef.store.list_records(run=run, kind="exchange", limit=1, newest_first=True)
-    if not rows:
-        return None
-    if rows[0]["scenario"] != scenario:
-        raise BadRequest(f"run {run} is a run of scenario {rows[0]['scenario']!r}, not of {scenario!r}: an agent "
-                         "proposes changes to its own harness only", param="run")
-    return str(rows[0]["id"])
-
-
-async def propose(reef: Reef, name: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """The route: (status, answer). The verdict (201) for a recipe that steps inline, else 202 ``queued``."""
-    from recipes import load_recipe
-
-    p = parse(body)
-    scenario = await reef.store.get_scenario(name)
-    if load_recipe(scenario.recipe).kind != "harness":
-        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; a "
-                         "proposal needs a harness recipe (lessons, harness-search)", param="scenario")
-    check_open(scenario)
-    receipt = await run_receipt(reef, name, p.run)
-    head = await reef.chains.head(scenario)
-    mutation(await reef.chains.harness_tree(head), p)  # at the door: a missing or present target, before queueing
-    view = {"proposal": p.id, "scenario": name, "op": p.op, "kind": p.kind, "target": p.name, "run": p.run,
-            "receipt": receipt}
-    if not await reef.learner.inline(name):
-        reef.learner.propose_later(name, p, receipt)
-        return 202, {**view, "verdict": "queued",
-                     "summary": f"recipe {scenario.recipe} judges it in the background; reef releases list --all "
-                                f"{name} shows the verdict"}
-    outcome = await reef.learner.propose(name, p, receipt)
-    return 201, {**view, **outcome.to_dict()}
