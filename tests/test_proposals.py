@@ -148,6 +148,9 @@ def test_screens_refusals_and_nothing_written_at_the_door(world: dict[str, Any])
         assert rejected[got["proposal"]]["reason"].startswith("screened out by the secrets screen")
         assert rejected[got["proposal"]]["origin"]["reason"] == "it works"
         assert rejected[long.json()["proposal"]]["metrics"]["screen"] == "size"
+        listed = subprocess.run([sys.executable, "-m", "reef_cli.main", "releases", "list", "-s", "prop-screen", "--all"],
+                                env={**d.env, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120).stdout
+        assert "screened out by the secrets screen" in listed and "agent proposal: add rule" in listed, listed
 
         before = len(body["rejected"])
         missing = propose(c, "prop-screen", op="retire", kind="rule", name="no-such-rule", reason="gone")
