@@ -301,3 +301,29 @@ def test_a_real_agent_proposes_from_its_episode_and_the_next_run_follows_it(worl
         assert (project / "answer.txt").read_text().strip() == "bonjour"
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_wrapper_command_says_the_verdict_and_fails_on_a_refusal(world: dict[str, Any]) -> None:
+    """`reef-pi propose` (run by a user, or by an agent's shell tool): one change per call, the verdict printed, a
+    nonzero exit when the proposal is not admitted, so an agent sees it failed. Bugs caught: two changes sent as
+    one, a screened-out proposal that exits 0."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-cli")
+    env = {**world["env"], "REEF_SCENARIO": "prop-cli"}
+
+    def reef_pi(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "reef-pi"), "propose", *args], env=env, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    ok = reef_pi("--add-rule", "Keep functions short.", "--reason", "reviews asked for it")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "add rule on scenario prop-cli" in ok.stdout and "released step 1" in ok.stdout, ok.stdout
+    bad = reef_pi("--add-rule", "Export AKIAABCDEFGHIJKLMNOP first.", "--reason", "deploys")
+    assert bad.returncode == 2 and "screened out by the secrets screen" in bad.stdout, bad.stdout + bad.stderr
+    gone = reef_pi("--retire-rule", "no-such-rule", "--reason", "r")
+    assert gone.returncode == 4 and "no rule 'no-such-rule'" in gone.stderr, gone.stdout + gone.stderr
+    two = reef_pi("--add-rule", "a", "--retire-skill", "b", "--reason", "r")
+    assert two.returncode != 0 and "exactly one of" in two.stderr, two.stdout + two.stderr
+    with d.http() as c:
+        assert len(chain(c, "prop-cli")["releases"]) == 2 and len(chain(c, "prop-cli")["rejected"]) == 1
