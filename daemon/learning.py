@@ -662,8 +662,9 @@ class Learner:
         async def judge() -> None:
             try:
                 await self.propose(name, proposal, receipt, at_door=False)
-            except ReefError as e:  # not even the failure could be written down: the log says so
-                log.error("proposal %s on %s could not be judged or written down: %s", proposal.id, name, e.message)
+            except Exception as e:  # not even the failure could be written down: the log says so
+                why = e.message if isinstance(e, ReefError) else f"{type(e).__name__}: {e}"
+                log.error("proposal %s on %s could not be judged or written down: %s", proposal.id, name, why)
 
         task = asyncio.ensure_future(judge())
         self._judging.add(task)

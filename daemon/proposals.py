@@ -71,9 +71,6 @@ class Proposal:
     run: str | None = None
     id: str = ""
 
-    def target(self) -> str:
-        return f"{self.kind} {self.name}" if self.name else f"{self.kind} (new)"
-
 
 def parse(body: dict[str, Any]) -> Proposal:
     """A ``Proposal`` from a request body; ``BadRequest`` (``PayloadTooLarge`` for the size) naming what is wrong."""
