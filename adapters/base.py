@@ -23,7 +23,8 @@ from typing import Any
 
 from daemon.errors import AgentError, BadRequest
 
-HARNESS_MARKER = ".reef-harness.json"  # in the config home: which release is installed, which files it wrote
+HARNESS_MARKER = ".reef-harness.json"
+PROPOSALS_HEADING = "## Changing these rules"  # in the config home: which release is installed, which files it wrote
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,18 @@ class Adapter:
 
     # --- harness -------------------------------------------------------------------------------------------
 
-    def render(self, tree: Mapping[str, bytes]) -> dict[str, bytes]:
-        """A neutral harness tree as files under the config home, in the agent's layout."""
+    def proposal_rule(self) -> str:
+        """The one rule that tells the agent how to propose a change to its own harness (``daemon/proposals.py``),
+        with this agent's wrapper command."""
+        c = self.command
+        return (f"To change your own rules or skills, propose it with a reason: `{c} propose --add-rule \"RULE\" "
+                f"--reason \"WHY\"` (also `--replace-rule ID \"RULE\"`, `--retire-rule ID`, `--add-skill NAME "
+                f"\"TEXT\"`, `--retire-skill NAME`; a rule's ID is the [id] before it, or its whole text). "
+                "A gate decides; the change reaches your next run.")
+
+    def render(self, tree: Mapping[str, bytes], *, proposals: bool = False) -> dict[str, bytes]:
+        """A neutral harness tree as files under the config home, in the agent's layout; ``proposals``: the rules
+        end with ``proposal_rule`` (a scenario that takes proposals, for a wrapped run; not in an episode)."""
         from recipes.lessons import check_tree_path
 
         out: dict[str, bytes] = {}
@@ -156,6 +167,11 @@ class Adapter:
                 if path == src or (src.endswith("/") and path.startswith(src)):
                     out[dst + path[len(src):]] = data
                     break
+        if proposals:
+            rules = self.layout["AGENTS.md"]
+            text = out.get(rules, b"").decode("utf-8", "replace").rstrip("\n")
+            section = f"{PROPOSALS_HEADING}\n\n- {self.proposal_rule()}\n"
+            out[rules] = (f"{text}\n\n{section}" if text else section).encode()
         return out
 
 

@@ -534,6 +534,15 @@ async def handle_evolve(request: web.Request) -> web.Response:
     return _json(await harness.evolve(reef, name, await _object_body(request)), status=201)
 
 
+async def handle_proposal(request: web.Request) -> web.Response:
+    from daemon import harness
+
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    status, answer = await harness.propose(reef, name, await _object_body(request))
+    return _json(answer, status=status)
+
+
 async def handle_move_model(request: web.Request) -> web.Response:
     from daemon import harness
 
@@ -937,6 +946,7 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("POST", "/reef/runs", handle_start_run)
     r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
+    r.add("POST", "/reef/scenarios/{name}/proposals", handle_proposal)
     r.add("POST", "/reef/scenarios/{name}/tasks", handle_promote_task)
     r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))

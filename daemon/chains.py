@@ -364,11 +364,14 @@ class Chains:
         return rel
 
     def manifest(self, scenario: Scenario, *, metrics: Mapping[str, Any] | None = None,
-                 receipts: Iterable[str] = (), settings: Mapping[str, Any] | None = None) -> Manifest:
+                 receipts: Iterable[str] = (), settings: Mapping[str, Any] | None = None,
+                 origin: Mapping[str, Any] | None = None) -> Manifest:
         """The ``Manifest`` of a trained candidate of ``scenario``: its kind (``artifact_kind``) and recipe filled in,
-        so a candidate's release can never say another kind than the chain serves."""
+        so a candidate's release can never say another kind than the chain serves; ``origin``: an agent's proposal
+        that made it (``daemon/proposals.py``)."""
         return Manifest(scenario.name, "train", artifact_kind(self.config, scenario), scenario.recipe,
-                        metrics=metrics or {}, receipts=tuple(receipts), settings=settings or {})
+                        metrics=metrics or {}, receipts=tuple(receipts), settings=settings or {}, origin=origin,
+                        summary=_origin_summary(origin))
 
     async def publish_candidate(self, scenario: Scenario, manifest: Manifest,
                                 path: str | Path | Mapping[str, bytes], *, expected_head: str,
@@ -419,3 +422,10 @@ class Chains:
                 self.events.publish("engine.load", model=scenario.model, scenario=scenario.name,
                                     release_id=rel.release_id, content_id=rel.content_id, runtime_load_id=load_id)
 
+
+
+def _origin_summary(origin: Mapping[str, Any] | None) -> str | None:
+    """The commit summary of a candidate an agent proposed (None: the operation's default)."""
+    if origin is None or origin.get("kind") != "proposal":
+        return None
+    return f"agent proposal: {origin.get('op')} {origin.get('target')}: {origin.get('reason')}"[:120]

@@ -42,7 +42,8 @@ async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: s
     if adapter_name is not None:
         from adapters import get_adapter
 
-        tree = get_adapter(adapter_name).render(tree)
+        # a harness recipe's agent is told how to propose a change to it (daemon/proposals.py)
+        tree = get_adapter(adapter_name).render(tree, proposals=load_recipe(scenario.recipe).kind == "harness")
     return {path: data.decode("utf-8") for path, data in tree.items()}
 
 
@@ -139,6 +140,45 @@ async def evolve(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     if outcome is None:
         return {"report_id": stored["id"], "verdict": "unchanged", "summary": "nothing to learn"}
     return {"report_id": stored["id"], **outcome.to_dict()}
+
+
+async def _run_receipt(reef: Reef, scenario: str, run: str | None) -> str | None:
+    """The newest exchange of ``run`` (the one whose tool call proposed it): None for no run or a run without
+    records yet; a ``BadRequest`` when the run's records are another scenario's."""
+    if run is None:
+        return None
+    rows = await reef.store.list_records(run=run, kind="exchange", limit=1, newest_first=True)
+    if not rows:
+        return None
+    if rows[0]["scenario"] != scenario:
+        raise BadRequest(f"run {run} is a run of scenario {rows[0]['scenario']!r}, not of {scenario!r}: an agent "
+                         "proposes changes to its own harness only", param="run")
+    return str(rows[0]["id"])
+
+
+async def propose(reef: Reef, name: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """An agent's proposed harness change (``daemon/proposals.py``): (status, answer). The verdict (201) for a recipe
+    that steps inline, else 202 ``queued``."""
+    from daemon.proposals import check_open, mutation, parse
+
+    p = parse(body)
+    scenario = await reef.store.get_scenario(name)
+    if load_recipe(scenario.recipe).kind != "harness":
+        raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; a "
+                         "proposal needs a harness recipe (lessons, harness-search)", param="scenario")
+    check_open(scenario)
+    receipt = await _run_receipt(reef, name, p.run)
+    head = await reef.chains.head(scenario)
+    mutation(await reef.chains.harness_tree(head), p)  # at the door: a missing or present target, before queueing
+    view = {"proposal": p.id, "scenario": name, "op": p.op, "kind": p.kind, "target": p.name, "run": p.run,
+            "receipt": receipt}
+    if not await reef.learner.inline(name):
+        reef.learner.propose_later(name, p, receipt)
+        return 202, {**view, "verdict": "queued",
+                     "summary": f"recipe {scenario.recipe} judges it in the background; reef releases list --all "
+                                f"{name} shows the verdict"}
+    outcome = await reef.learner.propose(name, p, receipt)
+    return 201, {**view, **outcome.to_dict()}
 
 
 def user_prompt(record: dict[str, Any]) -> str | None:

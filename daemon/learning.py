@@ -582,12 +582,103 @@ class Learner:
             st.state = "waiting"
             return outcome
 
+    # --- an agent's proposal ------------------------------------------------------------------------------
+
+    async def propose(self, name: str, proposal: Any, receipt: str | None, *, at_door: bool = True) -> StepOutcome:
+        """An agent's proposal (``daemon/proposals.py``) through the screens and the scenario's gate, under the
+        lock a step holds: published, held, or written down (rejected: screened out, or turned away by the gate;
+        failed: it could not be evaluated), with the proposal as the manifest's ``origin``. ``at_door``: what the
+        route refuses (archived, paused, a target missing or present) is raised with nothing written; else (judged
+        in the background) it is written down as failed."""
+        from daemon import proposals
+
+        st = await self._get(name)
+        recipe = st.recipe
+        assert recipe is not None
+        async with st.lock:
+            scenario = await self.store.get_scenario(name)
+            self._follow_settings(st, scenario)
+            head = await self.chains.head(scenario)
+            tree = await self.chains.harness_tree(head)
+            record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
+            job_id = new_id("job_")
+            try:
+                proposals.check_open(scenario)
+                mutation = proposals.mutation(tree, proposal)
+            except ReefError as e:
+                if at_door:
+                    raise
+                origin = proposals.origin(proposal, None, receipt)
+                await self._write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
+                                       "failed", f"the proposal could not be judged: {e.message}")
+                outcome = StepOutcome("failed", reason=f"the proposal could not be judged: {e.message}")
+                return self._proposed(name, head, job_id, outcome, proposal)
+            origin = proposals.origin(proposal, mutation, receipt)
+            self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=0,
+                                proposal=proposal.id)
+            st.state = "judging"
+            t0 = time.perf_counter()
+            try:
+                try:
+                    candidate = proposals.candidate(tree, mutation, proposals.limits_of(recipe))
+                except proposals.Screened as e:
+                    reason = f"screened out by the {e.screen} screen: {e.reason}"
+                    metrics = {"proposal": 1, "screen": e.screen}
+                    await self._write_down(self.chains.manifest(scenario, metrics=metrics, settings=record_settings,
+                                                                origin=origin), head, "rejected", reason)
+                    outcome = StepOutcome("rejected", reason=reason, metrics=metrics, details={"screen": e.screen})
+                else:
+                    if candidate.tree == tree:  # e.g. a replace with the same text: nothing to judge
+                        candidate.skipped = "the candidate's content equals its parent's"
+                    else:
+                        candidate = await recipe.assess(tree, candidate, self._context(scenario))
+                    outcome = await self._gate(st, scenario, head, candidate, [], job_id, record_settings, t0, origin)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # it could not be evaluated: written down as failed, never as a loss
+                why = e.message if isinstance(e, ReefError) else f"{type(e).__name__}: {e}"
+                if isinstance(e, HeadMoved):
+                    why = f"the head moved while it was judged (now {e.actual}); propose again"
+                reason = f"the proposal could not be evaluated: {why}"
+                log.warning("proposal %s on %s: %s", proposal.id, name, reason, exc_info=not isinstance(e, ReefError))
+                await self._write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
+                                       "failed", reason)
+                outcome = StepOutcome("failed", reason=reason)
+            finally:
+                st.state = "waiting"
+            return self._proposed(name, head, job_id, outcome, proposal)
+
+    def _proposed(self, name: str, head: Any, job_id: str, outcome: StepOutcome, proposal: Any) -> StepOutcome:
+        outcome = dataclasses.replace(outcome, scenario=name, base=head.release_id, job=job_id)
+        if outcome.summary is None:
+            said = [x for x in (outcome.details.get("summary"), outcome.reason) if x]
+            outcome.summary = ": ".join(said) or outcome.verdict
+        self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
+                            metrics=outcome.metrics or {}, release_id=outcome.release_id, proposal=proposal.id)
+        return outcome
+
+    def propose_later(self, name: str, proposal: Any, receipt: str | None) -> None:
+        """Judge a proposal in the background (a recipe that runs episodes); its verdict goes on the chain."""
+        async def judge() -> None:
+            try:
+                await self.propose(name, proposal, receipt, at_door=False)
+            except Exception as e:  # not even the failure could be written down: the log says so
+                why = e.message if isinstance(e, ReefError) else f"{type(e).__name__}: {e}"
+                log.error("proposal %s on %s could not be judged or written down: %s", proposal.id, name, why)
+
+        task = asyncio.ensure_future(judge())
+        self._judging.add(task)
+        task.add_done_callback(self._judging.discard)
+
+    def _context(self, scenario: Scenario) -> _Answers:
+        return _Answers(self.engine, scenario.model, scenario=scenario.name, config=self.config, store=self.store,
+                        chains=self.chains, scopes=self.scopes)
+
     async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any,
                               batch: list[ScoredExchange | FeedbackReport], job_id: str,
                               record_settings: dict[str, Any], t0: float) -> StepOutcome:
         recipe = st.recipe
         assert recipe is not None
-        receipts = [r.id for r in batch]
         if recipe.kind == "weights":
             candidate = await self._train(st, scenario, head, batch, job_id)
             if candidate.path is not None and candidate.skipped is None:  # a cut-off file is a failed step
@@ -596,9 +687,7 @@ class Learner:
                 await asyncio.to_thread(check_weights_files, Path(candidate.path))
         else:
             tree = await self.chains.harness_tree(head)
-            candidate = await recipe.edit(tree, batch, _Answers(self.engine, scenario.model, scenario=scenario.name,
-                                                                config=self.config, store=self.store, chains=self.chains,
-                                                                scopes=self.scopes))
+            candidate = await recipe.edit(tree, batch, self._context(scenario))
             if not isinstance(candidate, Candidate):
                 raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
                                 "not a Candidate")
@@ -606,10 +695,20 @@ class Learner:
                 check_tree(candidate.tree)  # whatever recipe made it: only the harness layout, text, size caps
                 if candidate.tree == tree:
                     candidate.skipped = "the candidate's content equals its parent's"
+        return await self._gate(st, scenario, head, candidate, batch, job_id, record_settings, t0)
+
+    async def _gate(self, st: ScenarioLearning, scenario: Scenario, head: Any, candidate: Candidate,
+                    batch: list[ScoredExchange | FeedbackReport], job_id: str, record_settings: dict[str, Any],
+                    t0: float, origin: dict[str, Any] | None = None) -> StepOutcome:
+        """A made candidate through the recipe's gate: published, held, or written down (skipped, rejected) with
+        the batch's receipts; ``origin``: an agent's proposal that made it (on every outcome's manifest)."""
+        recipe = st.recipe
+        assert recipe is not None
+        receipts = [r.id for r in batch]
         scored = [r for r in batch if isinstance(r, ScoredExchange)]
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
                    **({"batch_reward": round(sum(r.score for r in scored) / len(scored), 4)}
-                      if len(scored) == len(batch) else {})}
+                      if scored and len(scored) == len(batch) else {})}
         if recipe.judges:
             metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
@@ -618,7 +717,8 @@ class Learner:
         if candidate.skipped is not None:
             kept = receipts if candidate.consume else []
             await self._write_down(self.chains.manifest(scenario, metrics=metrics, receipts=kept,
-                                                        settings=record_settings), head, "skipped", candidate.skipped)
+                                                        settings=record_settings, origin=origin),
+                                   head, "skipped", candidate.skipped)
             self._follow(st, head.release_id, candidate, job_id, published=False)
             return StepOutcome("skipped", reason=candidate.skipped, metrics=metrics, details=details, kept=kept)
         st.state = "judging"
@@ -629,7 +729,8 @@ class Learner:
         verdict = recipe.judge(candidate, best=best)
         metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
         artifact: Any = candidate.tree if candidate.tree is not None else candidate.path
-        record = self.chains.manifest(scenario, metrics=metrics, receipts=receipts, settings=record_settings)
+        record = self.chains.manifest(scenario, metrics=metrics, receipts=receipts, settings=record_settings,
+                                      origin=origin)
         reason = verdict.reason
         if verdict.verdict == "pending":
             rel = await self.chains.hold(record, artifact, base=head.release_id)

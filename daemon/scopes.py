@@ -10,7 +10,9 @@ wrapped run of that scenario needs:
 - ``POST /reef/runs`` whose body names that scenario (the wrapper's start: a run id and the scenario's harness);
 - ``GET /reef/records?run=<run>`` for a run that this token started (the wrapper's receipts afterwards).
 
-Everything else is ``Forbidden`` (403). Choices:
+Everything else is ``Forbidden`` (403): proposing a harness change (``POST /reef/scenarios/{s}/proposals``)
+included, even for the token's own scenario, since code running inside an evaluation must never steer the harness
+it is scored on (a user's wrapped run proposes with the daemon's token, which it has). Choices:
 
 - Held in memory only, by the digest of the token (a restart revokes them all; nothing to leak from disk).
 - Each token has a deadline (the episode's time limit and a margin) and is revoked when the episode ends; one

@@ -26,7 +26,8 @@ What the daemon calls, and where:
   its metrics and the gate's evaluation scores, or ``skipped`` with the
   reason when the batch had nothing to teach. The worker fsyncs and renames the directory to its final name.
 - harness recipes: ``edit(tree, batch, ctx)`` runs in the daemon (an edit of text files) and returns a
-  ``Candidate`` holding the new tree.
+  ``Candidate`` holding the new tree; ``assess(tree, candidate, ctx)`` (optional) evaluates a candidate an agent
+  proposed (``daemon/proposals.py``) as the recipe evaluates its own, for its gate.
 - ``judge(candidate, best)`` (daemon): the gate's ``Verdict`` (``daemon/gate.py``; the ``gate`` setting by
   default).
 - ``status(releases, rejected)`` (daemon, optional): a summary the scenario's view shows (``recipe_status``),
@@ -288,6 +289,14 @@ class Recipe:
         """Harness recipes: a new tree from the current one and the batch (in the daemon): ``FeedbackReport``
         for a ``feedback`` recipe, ``ScoredExchange`` for a ``scores`` one."""
         raise NotImplementedError
+
+    async def assess(self, tree: dict[str, bytes], candidate: Candidate, ctx: HarnessContext) -> Candidate:
+        """Harness recipes: evaluate a candidate made elsewhere (an agent's proposal, ``daemon/proposals.py``)
+        against the serving ``tree`` the way the recipe evaluates its own, so that ``judge`` decides on it as on
+        any of its candidates: fill ``candidate.eval`` (and metrics, details). The default evaluates nothing, which
+        gates ``always`` and ``review`` need; a gate that needs scores then fails the proposal (written down as
+        failed, never as a loss). Raise to say it cannot be evaluated (the same)."""
+        return candidate
 
     async def judge_turn(self, turn: Any, next_state: Any, ctx: HarnessContext) -> TurnVerdict | None:
         """Judging recipes: a verdict on ``turn`` (``daemon/sessions.Turn``) from ``next_state`` (what came after

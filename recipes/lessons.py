@@ -348,6 +348,13 @@ class Lessons(Recipe):
                             base=await self._task_scores(ctx, tree))
         return Candidate(tree=outcome.tree, metrics=metrics, eval=scores, details=details)
 
+    async def assess(self, tree: dict[str, bytes], candidate: Candidate, ctx: HarnessContext) -> Candidate:
+        """An agent's proposal: under gate ``compare``, the tasks answered under both sets of rules, as ``edit``."""
+        if self.settings.gate == "compare" and candidate.tree is not None:
+            candidate.eval = Scores(candidate=await self._task_scores(ctx, candidate.tree),
+                                    base=await self._task_scores(ctx, tree))
+        return candidate
+
     async def _task_scores(self, ctx: HarnessContext, tree: dict[str, bytes]) -> list[float]:
         """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
         rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")

@@ -27,6 +27,14 @@ def _metrics(m: dict[str, Any] | None) -> str:
     return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(m.items())[:4])
 
 
+def _origin(origin: Any) -> str:
+    """Where a candidate came from, in a few words (an agent's proposal: what, why, which run)."""
+    if not isinstance(origin, dict) or origin.get("kind") != "proposal":
+        return f"from {origin.get('kind') if isinstance(origin, dict) else origin}"
+    run = f" in run {origin['run']}" if origin.get("run") else ""
+    return f"agent proposal{run}: {origin.get('op')} {origin.get('target')} ({str(origin.get('reason'))[:80]})"
+
+
 @app.command("list")
 @edge
 def list_releases(
@@ -50,15 +58,19 @@ def list_releases(
         note = f"restores {_short(r.get('source'))}" if r.get("source") else ""
         if r.get("trained_on_forgotten"):
             note = (note + "; " if note else "") + "trained on forgotten data"
+        if r.get("origin"):
+            note = (note + "; " if note else "") + _origin(r["origin"])
         table.add_row("*" if r["release_id"] == data["head"] else "", _short(r["release_id"]), str(r["step"]),
                       r["operation"], _short(r["content_id"]), ago(r.get("created_at")), _metrics(r.get("metrics")),
                       note)
     for r in data.get("pending", []):
         table.add_row("?", _short(r["release_id"]), str(r["step"]), "pending", _short(r["content_id"]),
-                      ago(r.get("created_at")), _metrics(r.get("metrics")), "reef releases promote to publish")
+                      ago(r.get("created_at")), _metrics(r.get("metrics")), "reef releases promote to publish"
+                      + (f"; {_origin(r['origin'])}" if r.get("origin") else ""))
     for r in data.get("rejected", []):
         table.add_row("x", "-", str(r.get("step", "-")), str(r.get("verdict") or "rejected"), "-", ago(r.get("created_at")),
-                      _metrics(r.get("metrics")), r.get("reason", ""))
+                      _metrics(r.get("metrics")), r.get("reason", "")
+                      + (f"; {_origin(r['origin'])}" if r.get("origin") else ""))
     out = console()
     out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
     out.print(table)

@@ -6,7 +6,7 @@ id in the base URL, the agent installed on first use, the scenario's current har
 agent's isolated config home (or a note that a newer one exists, per ``harness_updates``), signals forwarded,
 and the agent's exit code kept. Afterwards the run's receipts are stored in ``$REEF_HOME/runs/<run>.json``.
 
-Wrapper subcommands come first: ``report``, ``runs``, ``update``, ``evolve``, ``reef-help``. To send one of those
+Wrapper subcommands come first: ``report``, ``runs``, ``update``, ``evolve``, ``propose``, ``reef-help``. To send one of those
 words to the agent itself, put ``--`` first: ``reef-pi -- report`` runs ``pi report``.
 
 The path to the agent's first request is kept light (standard library only, one request to the daemon) so the
@@ -29,7 +29,7 @@ from daemon.config import Config, load_config
 from daemon.errors import AgentError, ReefError
 from reef_cli.runs import call, call_starting, list_runs, run_receipts, save_run, say, token
 
-SUBCOMMANDS = ("report", "runs", "update", "evolve", "reef-help")
+SUBCOMMANDS = ("report", "runs", "update", "evolve", "propose", "reef-help")
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends these to the agent too
 
@@ -89,6 +89,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     for name in adapter.unset_env():
         env.pop(name, None)
     env.update(adapter.env(home, target, token(config)))
+    env["REEF_HOME"] = str(config.home)  # the agent's HOME is its own: `reef-pi propose` inside finds the daemon
     record = {"run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
               "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
               "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}

@@ -1,4 +1,4 @@
-"""The wrappers' own subcommands: ``reef-pi report|runs|update|evolve`` (the same for each adapter)."""
+"""The wrappers' own subcommands: ``reef-pi report|runs|update|evolve|propose`` (the same for each adapter)."""
 
 from __future__ import annotations
 
@@ -129,11 +129,65 @@ def subcommands(adapter: Adapter) -> Any:
         if out.get("verdict") == "rejected" or (out.get("refused") and not out.get("applied")):
             raise typer.Exit(2)
 
+    @app.command()
+    @edge
+    def propose(
+        reason: str = typer.Option(..., "--reason", help="Why the harness should change (required)."),
+        add_rule: str | None = typer.Option(None, "--add-rule", help="Add this rule."),
+        replace_rule: tuple[str, str] | None = typer.Option(None, "--replace-rule", metavar="ID RULE",
+                                                            help="Replace rule ID (its id in brackets, or its whole text)."),
+        retire_rule: str | None = typer.Option(None, "--retire-rule", metavar="ID",
+                                               help="Retire rule ID (its id in brackets, or its whole text)."),
+        add_skill: tuple[str, str] | None = typer.Option(None, "--add-skill", metavar="NAME TEXT",
+                                                         help="Add a skill NAME whose SKILL.md says TEXT."),
+        replace_skill: tuple[str, str] | None = typer.Option(None, "--replace-skill", metavar="NAME TEXT",
+                                                             help="Replace skill NAME's SKILL.md with TEXT."),
+        retire_skill: str | None = typer.Option(None, "--retire-skill", metavar="NAME", help="Retire skill NAME."),
+        rule_id: str | None = typer.Option(None, "--id", help="With --add-rule: the new rule's id (a-z, 0-9, -)."),
+        run: str | None = typer.Option(None, "--run", envvar="REEF_RUN",
+                                       help="The run that proposes it (set for the agent by the wrapper)."),
+        scenario: str | None = typer.Option(None, "--reef-scenario", envvar="REEF_SCENARIO",
+                                            help="Scenario (default: the adapter's name)."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Propose a change to this agent's own harness (one rule or skill added, replaced or retired, with a
+        reason): screened, then judged by the scenario's gate like any candidate; the verdict goes on the chain."""
+        asked = [(op, kind, value) for op, kind, value in (
+            ("add", "rule", add_rule), ("replace", "rule", replace_rule), ("retire", "rule", retire_rule),
+            ("add", "skill", add_skill), ("replace", "skill", replace_skill), ("retire", "skill", retire_skill))
+            if value is not None]
+        if len(asked) != 1:
+            raise ReefError("give exactly one of --add-rule, --replace-rule, --retire-rule, --add-skill, "
+                            "--replace-skill, --retire-skill")
+        op, kind, value = asked[0]
+        if rule_id is not None and (op, kind) != ("add", "rule"):
+            raise ReefError("--id goes with --add-rule only")
+        body: dict[str, Any] = {"op": op, "kind": kind, "reason": reason}
+        if isinstance(value, tuple):
+            body["name"], body["text"] = value
+        elif op == "retire":
+            body["name"] = value
+        else:
+            body["text"] = value
+            if rule_id is not None:
+                body["name"] = rule_id
+        if run:
+            body["run"] = run
+        name = scenario or adapter.name
+        out = call_starting(config(), "POST", f"/reef/scenarios/{name}/proposals", body)
+        if json_out:
+            print_json(out)
+        else:
+            print(f"proposal {out.get('proposal')}: {op} {kind} on scenario {name}")
+            _say_learning(out, cmd)
+        if out.get("verdict") in ("rejected", "failed"):
+            raise typer.Exit(2)
+
     @app.command("reef-help")
     def reef_help() -> None:
         """How the wrapper works and what it adds to the agent."""
         print(app.info.help)
-        print(f"\nsubcommands: report, runs, update, evolve; scenario: --reef-scenario NAME or REEF_SCENARIO;"
+        print(f"\nsubcommands: report, runs, update, evolve, propose; scenario: --reef-scenario NAME or REEF_SCENARIO;"
               f"\n`{cmd} -- ARGS` passes ARGS to {adapter.binary} even when the first is a subcommand name.")
 
     return app

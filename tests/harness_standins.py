@@ -4,6 +4,8 @@ Run: ``python tests/harness_standins.py PORT``. ``POST [<prefix>]/v1/chat/comple
 
 - model ``proposer``: the next scripted answer (``POST /_script {"proposer": [text, ...]}`` queues them; when none
   is left: ``not json``);
+- model ``echo``: its system prompt, as text (a model whose answer shows which rules it was given: a gate's tasks
+  that expect a rule's words pass exactly under the rules holding them);
 - any other model, a coding agent's model that follows its harness exactly: on a request whose last message is
   a tool result, or asking for a title (opencode's first request), it answers ``done``; otherwise it calls the
   agent's ``write`` tool (pi's ``path``, opencode's ``filePath``, Claude Code's ``Write`` ``file_path``; pi's
@@ -102,6 +104,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if model == "proposer":
         STATS["proposer"] += 1
         answer: dict[str, Any] = {"text": SCRIPT.pop(0) if SCRIPT else "not json"}
+    elif model == "echo":
+        answer = {"text": system_text(body) or "(no rules)"}
     else:
         STATS["agent"] += 1
         if "[hang]" in last_user(body):

@@ -22,7 +22,9 @@ def test_a_run_creates_a_lessons_scenario_and_hands_out_its_harness(daemon: Daem
     with daemon.unix() as c:
         start = c.post("/reef/runs", json={"adapter": "claude"}).json()
         assert start["scenario"] == "claude" and start["recipe"] == "lessons" and start["run"].startswith("run_")
-        assert start["kind"] == "harness" and start["files"] == {}
+        # an empty harness but for the one rule that says how to propose a change (daemon/proposals.py)
+        assert start["kind"] == "harness" and list(start["files"]) == [".claude/CLAUDE.md"]
+        assert "`reef-claude propose" in start["files"][".claude/CLAUDE.md"]
         again = c.post("/reef/runs", json={"adapter": "claude", "installed_release": start["release_id"]}).json()
         assert "files" not in again and again["run"] != start["run"]  # nothing to send: it is installed
         out = c.post("/reef/scenarios/claude/evolve", json={"instruction": "keep diffs small"}).json()

@@ -665,3 +665,21 @@ def test_episodes_that_cannot_run_fail_the_step_and_are_never_scored(world: dict
         assert "error" in out["reason"] and "wins" not in out["reason"], out
         status = c.get("/reef/scenarios/hs-norun").json()["recipe_status"]
         assert status["judged"] == 0, status  # no tree got a score from episodes that did not run
+
+
+def test_an_agents_proposal_is_judged_by_the_same_paired_episodes(world: dict[str, Any]) -> None:
+    """An agent's proposal (daemon/proposals.py) on a harness-search scenario: answered ``queued`` at once, then
+    judged in the background by the recipe's own paired episodes and published with the proposal in its manifest.
+    Bugs caught: a proposal that skips the episodes (no task figures), one whose verdict never reaches the chain."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        seeded_scenario(c, "hs-proposed", [], {"tasks": [task(world, "greet", "bonjour")], **ONE_PAIR})
+        r = c.post("/reef/scenarios/hs-proposed/proposals", json={
+            "op": "add", "kind": "rule", "text": "Write greetings in French.", "reason": "the users are French"})
+        assert r.status_code == 202 and r.json()["verdict"] == "queued", r.text
+        out = step(c, "hs-proposed", 1, instruction=None)
+        assert out["operation"] == "train" and out["origin"]["id"] == r.json()["proposal"], out
+        m = out["metrics"]
+        assert m["origin"] == "agent-proposal" and m["episodes"] == 2, m
+        assert m["task.greet.candidate"] == 1.0 and m["task.greet.serving"] == 0.0, m
+        assert "French" in head_tree(c, "hs-proposed")["AGENTS.md"]

@@ -60,6 +60,9 @@ class Manifest:
     source: str | None = None  # the release whose content this one publishes (rollback, promote, init from a base)
     settings: Mapping[str, Any] = field(default_factory=dict)
     summary: str | None = None  # the commit message's summary (None: a default per operation)
+    # where the candidate came from when not from the recipe's own step: an agent's proposal (daemon/proposals.py)
+    # ``{"kind": "proposal", "id", "op", "target", "reason", "run", "receipt"}``; None (the default) is not written
+    origin: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_scenario(self.scenario)
@@ -72,7 +75,10 @@ class Manifest:
         object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics or {})))
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings or {})))
         object.__setattr__(self, "receipts", tuple(str(r) for r in (self.receipts or ())))
-        _json({"metrics": dict(self.metrics), "settings": dict(self.settings)})  # finite JSON, or BadRequest now
+        if self.origin is not None:
+            object.__setattr__(self, "origin", MappingProxyType(dict(self.origin)))
+        # finite JSON, or BadRequest now
+        _json({"metrics": dict(self.metrics), "settings": dict(self.settings), "origin": dict(self.origin or {})})
 
     @classmethod
     def of(cls, manifest: Manifest | str, fields: Mapping[str, Any]) -> Manifest:
@@ -105,6 +111,7 @@ class Release:
     created_at: float
     message: str
     lfs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    origin: dict[str, Any] | None = None  # an agent's proposal that made it (``Manifest.origin``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,7 +121,7 @@ class Release:
         promote of it starts from."""
         return Manifest(scenario=self.scenario, operation=self.operation, kind=self.kind, recipe=self.recipe,
                         metrics=self.metrics, receipts=tuple(self.receipts), source=self.source,
-                        settings=self.settings).replace(**changes)
+                        settings=self.settings, origin=self.origin).replace(**changes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class Rejection:
     recipe: str | None
     receipts: list[str]
     created_at: float
+    origin: dict[str, Any] | None = None  # an agent's proposal that made it (``Manifest.origin``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -120,6 +120,7 @@ class Reads(Repository):
             created_at=float(manifest["created_at"]),
             message=message,
             lfs=manifest.get("lfs") or {},
+            origin=manifest.get("origin"),
         )
 
     def history(self, scenario: str, limit: int | None = None) -> list[Release]:
@@ -252,6 +253,7 @@ class Reads(Repository):
                     recipe=d.get("recipe"),
                     receipts=d.get("receipts") or [],
                     created_at=float(d["created_at"]),
+                    origin=d.get("origin"),
                 )
             )
             rid = str(commit.parent_ids[0]) if commit.parent_ids else None

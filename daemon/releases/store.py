@@ -214,7 +214,9 @@ class ReleaseStore(Recovery, Content, Diffs):
                 raise TypeError(f"a Manifest is given; {', '.join(given)} belong in it")
             scenario, kind, recipe = rejected.scenario, rejected.kind, rejected.recipe
             metrics, receipts = dict(rejected.metrics), list(rejected.receipts)
+            origin = dict(rejected.origin) if rejected.origin is not None else None
         else:
+            origin = None
             scenario = check_scenario(rejected)
         head = self.head(scenario)
         base_id = head if base is None else self._resolve(base)
@@ -231,6 +233,7 @@ class ReleaseStore(Recovery, Content, Diffs):
             kind, recipe = kind or cand.kind, recipe or cand.recipe
             metrics = metrics if metrics is not None else cand.metrics
             receipts = receipts if receipts is not None else cand.receipts
+            origin = origin if origin is not None else cand.origin
             ref = f"{PENDING_REF}{scenario}/{candidate}"
             pending_ref = ref if repo.references.get(ref) is not None else None
         now = time.time()
@@ -247,6 +250,7 @@ class ReleaseStore(Recovery, Content, Diffs):
             "recipe": recipe,
             "receipts": list(receipts or []),
             "created_at": now,
+            **({"origin": origin} if origin is not None else {}),
         }
         record_bytes = _json(record).encode()
         with _storing("writing the rejection", self.path):
@@ -334,6 +338,7 @@ class ReleaseStore(Recovery, Content, Diffs):
             "created_at": now,
             "content_id": content,
             "lfs": {k: dict(v) for k, v in sorted(lfs.items())},
+            **({"origin": dict(m.origin)} if m.origin is not None else {}),
         }
         manifest_bytes = _json(manifest).encode()
         with _storing("writing the release manifest", self.path):
@@ -350,6 +355,8 @@ class ReleaseStore(Recovery, Content, Diffs):
         ]
         if source is not None:
             trailers.append(f"Reef-Source: {source}")
+        if m.origin is not None:
+            trailers.append(f"Reef-Origin: {_one_line(str(m.origin.get('kind')), 40)}")
         message = (
             f"{operation} {scenario} step {step}: {_one_line(m.summary or default)}\n\n" + "\n".join(trailers) + "\n"
         )

@@ -47,12 +47,17 @@ EXECUTABLE_SUFFIXES = (".sh", ".bash", ".zsh", ".py", ".js", ".mjs", ".cjs", ".t
                        ".bin", ".so", ".ps1", ".bat", ".cmd")
 
 
-class Refused(Exception):
-    """A proposal that is malformed or does not pass a screen; ``reason`` says which and where."""
+SCREENS = ("paths", "secrets", "size", "executable")  # what ``screened`` checks, by name
 
-    def __init__(self, reason: str) -> None:
+
+class Refused(Exception):
+    """A proposal that is malformed or does not pass a screen; ``reason`` says which and where, ``screen`` names the
+    screen it failed (one of ``SCREENS``; None: malformed, or an entry that is or is not there)."""
+
+    def __init__(self, reason: str, screen: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.screen = screen
 
 
 @dataclass(frozen=True)
@@ -162,33 +167,43 @@ def executable(path: str, data: str) -> bool:
     return path.lower().endswith(EXECUTABLE_SUFFIXES) or data.lstrip().startswith("#!")
 
 
-def screen_mutation(m: Mutation, limits: Limits) -> tuple[str | None, list[str]]:
-    """Why ``m`` must not enter a harness (None: it may), and the executable paths it writes."""
+def screened(m: Mutation, limits: Limits) -> tuple[tuple[str, str] | None, list[str]]:
+    """The screen ``m`` fails (its name in ``SCREENS``) and why, or None when it may enter a harness; and the
+    executable paths it writes."""
     texts: list[tuple[str, str]] = []
     if m.text is not None:
         texts.append((_path(m.kind, m.id), m.text))
     for name, data in (m.files or {}).items():
         texts.append((f"skills/{m.id}/{name}", data))
+    if m.kind == "rule" and m.text is not None and len(m.text) > limits.max_rule_chars:
+        return ("size", f"rule {m.id}: {len(m.text)} characters; the limit is {limits.max_rule_chars}"), []
     executables = []
     for path, data in texts:
         try:
             check_tree_path(path)
         except Exception:
-            return f"{m.kind} {m.id}: path {path!r} is outside the harness layout", []
+            return ("paths", f"{m.kind} {m.id}: path {path!r} is outside the harness layout"), []
         reason = screen(data) or screen(path)
         if reason is not None:
-            return f"{m.kind} {m.id}: {reason}", []
+            return ("secrets", f"{m.kind} {m.id}: {reason}"), []
         if len(data.encode()) > limits.max_file_bytes:
-            return f"{m.kind} {m.id}: {path} is {len(data.encode())} bytes; the limit is {limits.max_file_bytes}", []
+            return ("size", f"{m.kind} {m.id}: {path} is {len(data.encode())} bytes; the limit is "
+                    f"{limits.max_file_bytes}"), []
         if executable(path, data):
             if not limits.allow_executable:
-                return (f"{m.kind} {m.id}: {path} is executable content (a script); this scenario does not allow it "
-                        "(setting allow_executable)"), []
+                return ("executable", f"{m.kind} {m.id}: {path} is executable content (a script); this scenario does "
+                        "not allow it (setting allow_executable)"), []
             executables.append(path)
     reason = screen(m.reason)
     if reason is not None:
-        return f"{m.kind} {m.id}: its reason: {reason}", []
+        return ("secrets", f"{m.kind} {m.id}: its reason: {reason}"), []
     return None, executables
+
+
+def screen_mutation(m: Mutation, limits: Limits) -> tuple[str | None, list[str]]:
+    """Why ``m`` must not enter a harness (None: it may), and the executable paths it writes."""
+    failed, executables = screened(m, limits)
+    return (failed[1] if failed else None), executables
 
 
 def _path(kind: str, id_: str) -> str:
@@ -237,9 +252,9 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
     prefix, rule_list = rules(out.tree)
     rules_changed = False
     for m in mutations:
-        reason, execs = screen_mutation(m, limits)
-        if reason is not None:
-            raise Refused(reason)
+        failed, execs = screened(m, limits)
+        if failed is not None:
+            raise Refused(failed[1], screen=failed[0])
         out.executable += execs
         have = {i for i, _ in rule_list} if m.kind == "rule" else entries(out.tree)[m.kind]
         view = m.view()
@@ -291,9 +306,9 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
             out.tree.pop(RULES_FILE, None)
     size = tree_bytes(out.tree)
     if size > limits.max_tree_bytes:
-        raise Refused(f"the tree would be {size} bytes; the limit is {limits.max_tree_bytes}")
+        raise Refused(f"the tree would be {size} bytes; the limit is {limits.max_tree_bytes}", screen="size")
     try:
         check_tree(out.tree)
     except Exception as e:  # the layout's own caps (file size, UTF-8)
-        raise Refused(str(getattr(e, "message", e))) from None
+        raise Refused(str(getattr(e, "message", e)), screen="size") from None
     return out

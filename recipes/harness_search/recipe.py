@@ -183,6 +183,29 @@ class HarnessSearch(Recipe):
             self._save(ctx)
             return Candidate(skipped=summary, consume=False, metrics=self._metrics(spend, details), details=details)
         candidate, origin, parent = made
+        return await self._judged(ctx, tree, candidate, origin, parent, serving, spend, details)
+
+    async def assess(self, tree: dict[str, bytes], candidate: Candidate, ctx: HarnessContext) -> Candidate:
+        """An agent's proposal: judged by the same paired episodes as the proposer's candidates (a retired skill as a
+        retirement), and, judged, in the pool like them."""
+        assert candidate.tree is not None
+        self._load(ctx)
+        spend: dict[str, Any] = {"proposer_calls": 0, "episodes": 0, "proposer_s": 0.0, "episode_s": 0.0}
+        serving = self.pool.add(tree, origin="serving")
+        details: dict[str, Any] = {"proposals_refused": [], "mutations": candidate.details.get("mutations") or [],
+                                   "spend": spend}
+        if candidate.details.get("executable"):
+            details["executable"] = candidate.details["executable"]
+        origin = "retire" if candidate.details.get("origin") == "retire" else "agent-proposal"
+        judged = await self._judged(ctx, tree, candidate.tree, origin, serving, serving, spend, details)
+        judged.metrics.update({k: v for k, v in candidate.metrics.items() if k not in judged.metrics})
+        return judged
+
+    async def _judged(self, ctx: HarnessContext, tree: dict[str, bytes], candidate: dict[str, bytes], origin: str,
+                      parent: Member, serving: Member, spend: dict[str, Any], details: dict[str, Any]) -> Candidate:
+        """``candidate`` against the serving ``tree`` in paired episodes: the Candidate its gate judges."""
+        s: HarnessSearchSettings = self.settings
+        tasks = parse_tasks(s.tasks)
         details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
 
         env = await self._env(ctx)

@@ -1,0 +1,329 @@
+"""Agent-proposed harness changes (``daemon/proposals.py``), against a real daemon over real sockets: a proposal
+goes through the screens and the scenario's gate and its verdict is on the chain, with the proposal (its reason, its
+run and receipt) in the manifest; what cannot be judged is refused at the door with nothing written. The gate's
+model is a stand-in over real HTTP (``tests/harness_standins.py``, model ``echo``: it answers with the rules it was
+given), so the compare gate's tasks pass exactly under the rules that hold the words they expect. The last test
+drives it from a real agent episode: the real ``pi``, wrapped, runs ``reef-pi propose`` as a tool call."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, Daemon, assert_canonical_error, free_port, make_home
+from tests.test_agents import BIN, _user_home, agents_dir, last_run  # noqa: F401 - agents_dir: a fixture
+
+FRENCH = "Write greetings in French."
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/_stats", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model: Path) -> Iterator[dict[str, Any]]:
+    stub_port = free_port()
+    stub = subprocess.Popen([sys.executable, str(ROOT / "tests" / "harness_standins.py"), str(stub_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    standin = f"http://127.0.0.1:{stub_port}"
+    deadline = time.monotonic() + 30
+    while not _up(standin):  # a hang guard only: the loop ends when the stand-in answers
+        assert time.monotonic() < deadline, "the stand-in did not start"
+        time.sleep(0.1)
+    closed = free_port()  # nothing listens there: a model that cannot answer
+    models = "".join(f'\n[models.{name}]\nengine = "upstream"\nurl = "{url}"\nformat = "openai-chat"\n'
+                     f'upstream_model = "{name}"\n' for name, url in (("agent", standin), ("echo", standin),
+                                                                       ("down", f"http://127.0.0.1:{closed}")))
+    home, port, env = make_home(tiny_model, models)
+    d = Daemon(home=home, port=port, env=env).start()
+    yield {"daemon": d, "standin": standin, "home": home, "env": env}
+    stub.kill()
+    stub.wait()
+    d.stop()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def scenario(c: httpx.Client, name: str, **body: Any) -> None:
+    r = c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", **body})
+    assert r.status_code == 201, r.text
+
+
+def propose(c: httpx.Client, name: str, /, **body: Any) -> httpx.Response:
+    return c.post(f"/reef/scenarios/{name}/proposals", json=body)
+
+
+def chain(c: httpx.Client, name: str) -> dict[str, Any]:
+    r = c.get(f"/reef/scenarios/{name}/releases", params={"all": "1"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def rules_of(c: httpx.Client, name: str) -> str:
+    return c.get(f"/reef/scenarios/{name}/harness").json()["files"].get("AGENTS.md", "")
+
+
+def test_a_good_proposal_is_admitted_with_its_reason_run_and_receipt_on_the_chain(world: dict[str, Any]) -> None:
+    """Bugs caught: a proposal that never reaches the chain, a release that does not say it came from a proposal
+    (or loses the reason, the run or the receipt), a retire or replace that leaves the rule in place."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop")
+        run = "run_prop1"  # one exchange of the run: the receipt of the request whose tool call proposes
+        served = c.post("/s/prop/r/run_prop1/v1/chat/completions",
+                        json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert served.status_code == 200, served.text
+        receipt = served.headers["x-reef-agent-record-id"]
+        r = propose(c, "prop", op="add", kind="rule", text="Run the tests before you commit.",
+                    reason="two runs committed code whose tests failed", run=run)
+        assert r.status_code == 201, r.text
+        out = r.json()
+        assert out["verdict"] == "accepted" and out["release_id"] and out["receipt"] == receipt, out
+        rel = c.get(f"/reef/scenarios/prop/releases/{out['release_id']}").json()
+        origin = rel["origin"]
+        assert origin["kind"] == "proposal" and origin["id"] == out["proposal"] and origin["op"] == "add"
+        assert origin["reason"] == "two runs committed code whose tests failed"
+        assert origin["run"] == run and origin["receipt"] == receipt
+        assert chain(c, "prop")["head"] == out["release_id"]
+        rules = rules_of(c, "prop")
+        assert "Run the tests before you commit." in rules
+        rule_id = origin["target"].split(" ", 1)[1]
+        assert f"[{rule_id}] Run the tests" in rules  # the id an agent names to retire it
+
+        # replace (named by its whole text) and retire (by its id): each a release saying so
+        r = propose(c, "prop", op="replace", kind="rule", name="Run the tests before you commit.",
+                    text="Run the whole test suite before you commit.", reason="a single test was not enough")
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        assert "Run the whole test suite" in rules_of(c, "prop") and "Run the tests before" not in rules_of(c, "prop")
+        r = propose(c, "prop", op="retire", kind="rule", name=rule_id, reason="the hook runs the tests now")
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        assert "test suite" not in rules_of(c, "prop")
+        retired = c.get(f"/reef/scenarios/prop/releases/{r.json()['release_id']}").json()
+        assert retired["origin"]["op"] == "retire" and retired["origin"]["run"] is None
+
+        # skills: added, then retired
+        r = propose(c, "prop", op="add", kind="skill", name="release-notes", text="How to write release notes.",
+                    reason="asked for twice")
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        files = c.get("/reef/scenarios/prop/harness").json()["files"]
+        assert "name: release-notes" in files["skills/release-notes/SKILL.md"]
+        r = propose(c, "prop", op="retire", kind="skill", name="release-notes", reason="not used")
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+        assert "skills/release-notes/SKILL.md" not in c.get("/reef/scenarios/prop/harness").json()["files"]
+
+
+def test_screens_refusals_and_nothing_written_at_the_door(world: dict[str, Any]) -> None:
+    """Bugs caught: a secret (or an oversized rule) entering a harness, a screened-out proposal missing from the
+    chain or not naming its screen, a retire of a missing rule accepted or written down, a body over the limit
+    read."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-screen")
+        head = chain(c, "prop-screen")["head"]
+        secret = propose(c, "prop-screen", op="add", kind="rule",
+                         text="Use the key sk-proj-abcdefghijklmnopqrstuvwx1234 for the tests.", reason="it works")
+        assert secret.status_code == 201, secret.text
+        got = secret.json()
+        assert got["verdict"] == "rejected" and got["screen"] == "secrets", got
+        assert got["reason"].startswith("screened out by the secrets screen:") and "API key" in got["reason"]
+        long = propose(c, "prop-screen", op="add", kind="rule", text="Be careful. " * 200, reason="more care")
+        assert long.status_code == 201 and long.json()["screen"] == "size", long.text
+        assert "the limit is 1000" in long.json()["reason"]  # lessons' max_chars
+        body = chain(c, "prop-screen")
+        assert body["head"] == head and "sk-proj" not in rules_of(c, "prop-screen")
+        rejected = {r["origin"]["id"]: r for r in body["rejected"]}
+        assert rejected[got["proposal"]]["verdict"] == "rejected"
+        assert rejected[got["proposal"]]["reason"].startswith("screened out by the secrets screen")
+        assert rejected[got["proposal"]]["origin"]["reason"] == "it works"
+        assert rejected[long.json()["proposal"]]["metrics"]["screen"] == "size"
+        listed = subprocess.run([sys.executable, "-m", "reef_cli.main", "releases", "list", "-s", "prop-screen", "--all"],
+                                env={**d.env, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120).stdout
+        assert "screened out by the secrets screen" in listed and "agent proposal: add rule" in listed, listed
+
+        before = len(body["rejected"])
+        missing = propose(c, "prop-screen", op="retire", kind="rule", name="no-such-rule", reason="gone")
+        err = assert_canonical_error(missing, 404)
+        assert "no rule 'no-such-rule'" in err["message"], err
+        assert_canonical_error(propose(c, "prop-screen", op="replace", kind="skill", name="nope", text="x",
+                                       reason="r"), 404)
+        huge = propose(c, "prop-screen", op="add", kind="rule", text="x" * 70_000, reason="big")
+        assert "the limit is 65536" in assert_canonical_error(huge, 413)["message"]
+        assert "reason is required" in assert_canonical_error(
+            propose(c, "prop-screen", op="add", kind="rule", text="Be brief."), 400)["message"]
+        assert_canonical_error(propose(c, "prop-screen", op="rename", kind="rule", text="x", reason="r"), 400)
+        assert len(chain(c, "prop-screen")["rejected"]) == before  # refused at the door: nothing written
+
+        # a scenario whose recipe learns no harness takes no proposal
+        assert c.post("/reef/scenarios", json={"name": "prop-rec", "recipe": "record"}).status_code == 201
+        assert "does not learn a harness" in assert_canonical_error(
+            propose(c, "prop-rec", op="add", kind="rule", text="Be brief.", reason="r"), 400)["message"]
+
+
+def test_the_gate_decides_with_its_figures_and_an_unevaluable_proposal_is_failed(world: dict[str, Any]) -> None:
+    """The scenario's own gate (lessons compare, five tasks expecting the rule's words, answered by the echo model
+    under each tree's rules): the rule added wins every pair and is published; retiring it loses every pair and is
+    on the chain as rejected with the gate's figures. Bugs caught: a proposal that skips the gate, a gate verdict
+    not written down, a proposal whose evaluation failed recorded as a loss."""
+    d: Daemon = world["daemon"]
+    tasks = [{"prompt": f"greet {i}", "expect": "greetings in French"} for i in range(5)]
+    with d.http() as c:
+        scenario(c, "prop-gate", model="echo", settings={"gate": "compare", "tasks": tasks})
+        won = propose(c, "prop-gate", op="add", kind="rule", name="french", text=FRENCH, reason="the user is French")
+        assert won.status_code == 201, won.text
+        assert won.json()["verdict"] == "accepted" and won.json()["metrics"]["wins"] == 5, won.json()
+        lost = propose(c, "prop-gate", op="retire", kind="rule", name="french", reason="English is shorter")
+        assert lost.status_code == 201, lost.text
+        out = lost.json()
+        assert out["verdict"] == "rejected" and "wins 0 - losses 5" in out["reason"], out
+        body = chain(c, "prop-gate")
+        assert body["head"] == won.json()["release_id"] and FRENCH in rules_of(c, "prop-gate")
+        [rej] = [r for r in body["rejected"] if (r.get("origin") or {}).get("id") == out["proposal"]]
+        assert rej["verdict"] == "rejected" and rej["metrics"]["losses"] == 5 and rej["metrics"]["wins"] == 0
+        assert rej["metrics"]["p_value"] == 1.0 and rej["origin"]["reason"] == "English is shorter"
+
+        # the gate's model cannot answer: the proposal could not be evaluated, written down as failed
+        scenario(c, "prop-down", model="down", settings={"gate": "compare", "tasks": tasks})
+        failed = propose(c, "prop-down", op="add", kind="rule", text=FRENCH, reason="r")
+        assert failed.status_code == 201, failed.text
+        assert failed.json()["verdict"] == "failed", failed.json()
+        assert failed.json()["reason"].startswith("the proposal could not be evaluated:")
+        [rej] = chain(c, "prop-down")["rejected"]
+        assert rej["verdict"] == "failed" and rej["origin"]["id"] == failed.json()["proposal"]
+
+
+def test_only_the_full_token_proposes_and_only_for_the_runs_own_scenario(world: dict[str, Any]) -> None:
+    """A token scoped to an episode (daemon/scopes.py) never steers: refused for its own scenario and another's;
+    a run of another scenario cannot propose here. Bugs caught: a sandboxed agent changing a harness, a run's
+    proposal landing on another scenario's chain."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-a")
+        scenario(c, "prop-b")
+        token = c.post("/reef/tokens", json={"scenario": "prop-a", "ttl_s": 600}).json()["token"]
+        served = c.post("/s/prop-b/r/run_of_b/v1/chat/completions",
+                        json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert served.status_code == 200, served.text
+        other = propose(c, "prop-a", op="add", kind="rule", text="Be brief.", reason="r", run="run_of_b")
+        assert "run run_of_b is a run of scenario 'prop-b'" in assert_canonical_error(other, 400)["message"]
+    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as scoped:
+        for name in ("prop-b", "prop-a"):
+            r = propose(scoped, name, op="add", kind="rule", text="Be brief.", reason="r")
+            assert "not allowed with a token scoped to scenario 'prop-a'" in assert_canonical_error(r, 403)["message"]
+    with d.http() as c:
+        assert chain(c, "prop-a")["rejected"] == [] and chain(c, "prop-b")["rejected"] == []
+        assert len(chain(c, "prop-a")["releases"]) == 1  # its init only
+
+
+def test_paused_or_archived_scenarios_refuse_proposals_naming_why(world: dict[str, Any]) -> None:
+    """Refused with 409 (not queued: the module docstring says why), nothing written; resumed, it is judged.
+    Bugs caught: a proposal published while learning is paused, or onto an archived scenario."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-p")
+        assert c.post("/reef/scenarios/prop-p/pause").status_code == 200
+        r = propose(c, "prop-p", op="add", kind="rule", text="Be brief.", reason="r")
+        assert "has its learning paused" in assert_canonical_error(r, 409)["message"]
+        assert c.post("/reef/scenarios/prop-p/archive").status_code == 200
+        r = propose(c, "prop-p", op="add", kind="rule", text="Be brief.", reason="r")
+        assert "is archived" in assert_canonical_error(r, 409)["message"]
+        body = chain(c, "prop-p")
+        assert body["rejected"] == [] and len(body["releases"]) == 1
+        assert c.post("/reef/scenarios/prop-p/unarchive").status_code == 200
+        assert c.post("/reef/scenarios/prop-p/resume").status_code == 200
+        r = propose(c, "prop-p", op="add", kind="rule", text="Be brief.", reason="r")
+        assert r.status_code == 201 and r.json()["verdict"] == "accepted", r.text
+
+
+def test_each_agents_rules_say_how_to_propose(world: dict[str, Any]) -> None:
+    """The one rule, in each agent's own rules file with its own command; not in the neutral tree (the chain's
+    content) and not for a scenario that takes no proposals."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-rule")
+        assert c.post("/reef/scenarios/prop-rule/evolve", json={"instruction": "Keep diffs small."}).status_code == 201
+        for agent, path in (("pi", ".pi/agent/AGENTS.md"), ("claude", ".claude/CLAUDE.md"),
+                            ("opencode", ".config/opencode/AGENTS.md")):
+            files = c.get("/reef/scenarios/prop-rule/harness", params={"adapter": agent}).json()["files"]
+            assert "Keep diffs small." in files[path] and f"`reef-{agent} propose --add-rule" in files[path], files
+        assert "propose" not in rules_of(c, "prop-rule")
+        assert c.post("/reef/scenarios", json={"name": "prop-rule-rec", "recipe": "record",
+                                            "model": "agent"}).status_code == 201  # a harness chain
+        assert c.get("/reef/scenarios/prop-rule-rec/harness", params={"adapter": "pi"}).json()["files"] == {}
+
+
+def test_a_real_agent_proposes_from_its_episode_and_the_next_run_follows_it(world: dict[str, Any],
+                                                                           agents_dir: Path) -> None:  # noqa: F811
+    """End to end: the real pi, wrapped by reef-pi, reads the propose rule in its harness and runs `reef-pi propose`
+    with its bash tool (its model is the stand-in over real HTTP: told `[run] COMMAND`, it calls bash with it). The
+    proposal is on the chain with the run and the receipt of the exchange that called the tool; the next run gets
+    the rule and follows it (the stand-in writes `bonjour` under it)."""
+    d: Daemon = world["daemon"]
+    work = Path(tempfile.mkdtemp(prefix="reef-propose-"))
+    project = work / "project"
+    project.mkdir()
+    env = dict(world["env"], REEF_AGENTS_DIR=str(agents_dir), HOME=str(_user_home(work)),
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    s = {"daemon": d}
+
+    def reef_pi(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "reef-pi"), "--reef-scenario", "prop-pi", *args], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+
+    try:
+        with d.http() as c:
+            scenario(c, "prop-pi", model="agent")
+        command = f'reef-pi propose --add-rule "{FRENCH}" --reason "the user writes in French"'
+        first = reef_pi("-p", "--no-session", f"[run] {command}")
+        assert first.returncode == 0, first.stdout + first.stderr
+        run = last_run(s, "pi")
+        seen = httpx.get(f"{world['standin']}/_requests").json()
+        assert any("`reef-pi propose --add-rule" in r["system"] for r in seen), "the rule was not in pi's prompt"
+        with d.http() as c:
+            head = chain(c, "prop-pi")["releases"][0]
+            origin = head["origin"]
+            assert origin["kind"] == "proposal" and origin["run"] == run["run"], head
+            assert origin["reason"] == "the user writes in French" and origin["receipt"] in run["receipts"]
+            assert FRENCH in rules_of(c, "prop-pi")
+        second = reef_pi("-p", "--no-session", "Write the greeting into answer.txt.")
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert (project / "answer.txt").read_text().strip() == "bonjour"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_wrapper_command_says_the_verdict_and_fails_on_a_refusal(world: dict[str, Any]) -> None:
+    """`reef-pi propose` (run by a user, or by an agent's shell tool): one change per call, the verdict printed, a
+    nonzero exit when the proposal is not admitted, so an agent sees it failed. Bugs caught: two changes sent as
+    one, a screened-out proposal that exits 0."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-cli")
+    env = {**world["env"], "REEF_SCENARIO": "prop-cli"}
+
+    def reef_pi(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "reef-pi"), "propose", *args], env=env, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    ok = reef_pi("--add-rule", "Keep functions short.", "--reason", "reviews asked for it")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "add rule on scenario prop-cli" in ok.stdout and "released step 1" in ok.stdout, ok.stdout
+    bad = reef_pi("--add-rule", "Export AKIAABCDEFGHIJKLMNOP first.", "--reason", "deploys")
+    assert bad.returncode == 2 and "screened out by the secrets screen" in bad.stdout, bad.stdout + bad.stderr
+    gone = reef_pi("--retire-rule", "no-such-rule", "--reason", "r")
+    assert gone.returncode == 4 and "no rule 'no-such-rule'" in gone.stderr, gone.stdout + gone.stderr
+    two = reef_pi("--add-rule", "a", "--retire-skill", "b", "--reason", "r")
+    assert two.returncode != 0 and "exactly one of" in two.stderr, two.stdout + two.stderr
+    with d.http() as c:
+        assert len(chain(c, "prop-cli")["releases"]) == 2 and len(chain(c, "prop-cli")["rejected"]) == 1
