@@ -1,0 +1,109 @@
+"""Codex CLI (``@openai/codex``): OpenAI Responses against ``<base>/v1`` (it appends ``/responses``).
+
+Config home: ``$CODEX_HOME`` (``<home>/.codex``) holds ``config.toml``, which defines the ``reef`` model provider
+(``env_key = "REEF_TOKEN"``: the token is read from the environment, never written) and makes it the default.
+``HOME`` is the isolated home too: Codex reads skills from ``~/.agents/skills`` as well as from its own home.
+
+The same file turns off what would leave the machine (each key is in Codex's config schema,
+``codex-rs/core/config.schema.json``; measured with strace on 0.171.0, see docs/agents.md): the curated-plugin sync
+(``features.plugins``: without it every run looks up api.github.com, chatgpt.com and ab.chatgpt.com), apps and
+connectors, the startup update check, analytics, feedback upload, OpenTelemetry export, and the hosted web search
+tool (which a local model cannot run). Credentials stay in files under ``$CODEX_HOME`` (never the OS keyring).
+
+``reef-codex -p PROMPT`` is the one-prompt form the other wrappers have: it runs ``codex exec
+--skip-git-repo-check PROMPT`` (Codex's own ``-p`` picks a profile, which an isolated home does not have).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adapters.base import Adapter, Target, write_file
+
+# [section] -> key -> value, in the order written; None for the top level
+OFFLINE: dict[str | None, dict[str, object]] = {
+    None: {"check_for_update_on_startup": False, "web_search": "disabled",
+           "cli_auth_credentials_store": "file", "mcp_oauth_credentials_store": "file"},
+    "analytics": {"enabled": False},
+    "feedback": {"enabled": False},
+    "otel": {"exporter": "none", "trace_exporter": "none", "metrics_exporter": "none", "log_user_prompt": False},
+    # plugins: the curated-plugin sync (api.github.com, chatgpt.com, ab.chatgpt.com on every run); apps: ChatGPT's
+    # connectors; remote_*: fetched from OpenAI's servers; request compression: Reef reads plain JSON bodies
+    "features": {"plugins": False, "remote_plugin": False, "apps": False, "remote_models": False,
+                 "image_generation": False, "enable_request_compression": False},
+    # subagents: their tools come as one "namespace" tool, which Reef's neutral tool list does not carry
+    "agents": {"enabled": False},
+}
+
+
+def toml_value(value: object) -> str:
+    """A TOML value (a JSON string literal is a TOML basic string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def config_toml(target: Target) -> str:
+    provider: dict[str, object] = {
+        "name": "Reef",
+        "base_url": f"{target.base}/v1",
+        "env_key": "REEF_TOKEN",
+        "wire_api": "responses",
+        "supports_websockets": False,
+    }
+    if target.release_id:
+        provider["env_http_headers"] = {"x-reef-release-id": "REEF_RELEASE_ID"}
+    top = {"model": target.model, "model_provider": "reef", "model_context_window": target.context_window,
+           **OFFLINE[None]}
+    lines = ["# written by reef-codex on every run: edits here are replaced", ""]
+    lines += [f"{k} = {toml_value(v)}" for k, v in top.items()]
+    sections: dict[str, dict[str, object]] = {"model_providers.reef": provider}
+    sections.update({k: v for k, v in OFFLINE.items() if k is not None})
+    for name, table in sections.items():
+        lines += ["", f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items())]
+    return "\n".join(lines) + "\n"
+
+
+class Codex(Adapter):
+    name = "codex"
+    package = "@openai/codex"
+    version = "0.171.0"
+    binary = "codex"
+    wire = "openai-responses"
+    # Codex reads $CODEX_HOME/AGENTS.md (global rules) and skills under $CODEX_HOME/skills; it has no prompt
+    # templates any more (custom prompts were removed), so commands/ has no place in its layout
+    layout = {"AGENTS.md": ".codex/AGENTS.md", "skills/": ".codex/skills/"}
+
+    def codex_home(self, home: Path) -> Path:
+        return home / ".codex"
+
+    def env(self, home: Path, target: Target, token: str) -> dict[str, str]:
+        return {**super().env(home, target, token), "CODEX_HOME": str(self.codex_home(home))}
+
+    def unset_env(self) -> tuple[str, ...]:
+        # the API keys and endpoint of the built-in OpenAI provider, and a separate state-database home
+        return ("OPENAI_API_KEY", "OPENAI_BASE_URL", "CODEX_API_KEY", "CODEX_SQLITE_HOME")
+
+    def prepare(self, home: Path, target: Target) -> None:
+        cfg = self.codex_home(home)
+        cfg.mkdir(parents=True, exist_ok=True)
+        data = config_toml(target).encode()
+        path = cfg / "config.toml"
+        try:
+            same = path.read_bytes() == data and not path.is_symlink()
+        except OSError:
+            same = False
+        if not same:
+            write_file(path, data)
+
+    def argv(self, binary: Path, args: list[str], target: Target) -> list[str]:
+        if args[:1] == ["-p"]:
+            args = ["exec", "--skip-git-repo-check", *args[1:]]
+        return [str(binary), *args]
