@@ -7,8 +7,9 @@ Config home: ``$CODEX_HOME`` (``<home>/.codex``) holds ``config.toml``, which de
 The same file turns off what would leave the machine (each key is in Codex's config schema,
 ``codex-rs/core/config.schema.json``; measured with strace on 0.171.0, see docs/agents.md): the curated-plugin sync
 (``features.plugins``: without it every run looks up api.github.com, chatgpt.com and ab.chatgpt.com), apps and
-connectors, the startup update check, analytics, feedback upload, OpenTelemetry export, and the hosted web search
-tool (which a local model cannot run). Credentials stay in files under ``$CODEX_HOME`` (never the OS keyring).
+connectors, the startup update check, analytics, feedback upload, OpenTelemetry export, the hosted web search
+tool (which a local model cannot run) and the bundled skills. Credentials stay in files under ``$CODEX_HOME``
+(never the OS keyring).
 
 ``reef-codex -p PROMPT`` is the one-prompt form the other wrappers have: it runs ``codex exec
 --skip-git-repo-check PROMPT`` (Codex's own ``-p`` picks a profile, which an isolated home does not have).
@@ -34,6 +35,9 @@ OFFLINE: dict[str | None, dict[str, object]] = {
                  "image_generation": False, "enable_request_compression": False},
     # subagents: their tools come as one "namespace" tool, which Reef's neutral tool list does not carry
     "agents": {"enabled": False},
+    # the skills Codex ships (image generation through OpenAI's API, a skill installer that fetches from GitHub,
+    # ...): about 500 tokens of every first request, and not this harness; the scenario's skills still load
+    "skills.bundled": {"enabled": False},
 }
 
 
@@ -77,6 +81,9 @@ class Codex(Adapter):
     version = "0.171.0"
     binary = "codex"
     wire = "openai-responses"
+    # its instructions and 7 function tools, in SmolLM2 tokens (message texts plus the tool schemas as JSON), as
+    # 0.171.0 sends them with this config: it fits SmolLM2's 8,192, leaving about 2,000 for the conversation
+    first_request_tokens = 5900
     # Codex reads $CODEX_HOME/AGENTS.md (global rules) and skills under $CODEX_HOME/skills; it has no prompt
     # templates any more (custom prompts were removed), so commands/ has no place in its layout
     layout = {"AGENTS.md": ".codex/AGENTS.md", "skills/": ".codex/skills/"}

@@ -112,7 +112,7 @@ def test_a_tool_call_round_trips_through_reef_and_nothing_leaves_loopback(world:
     assert snapshot(world["user"]) == before, "the user's own ~/.codex (or skills) changed"
 
 
-def test_the_codex_home_is_isolated_and_holds_no_token(world: dict[str, Any]) -> None:
+def test_the_codex_home_is_isolated_and_holds_no_token(world: dict[str, Any], agents_dir: Path) -> None:  # noqa: F811
     d: Daemon = world["daemon"]
     out = reef_codex(world, "--reef-scenario", "cx-home", "-p", "say hi")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -132,6 +132,12 @@ def test_the_codex_home_is_isolated_and_holds_no_token(world: dict[str, Any]) ->
     # Reef's, not the user's OpenAI key
     assert "the user's own Codex rules" not in sent and "the user's skill" not in sent
     assert recs and "users-own-model" not in sent and all(r["model"] == "agent" for r in recs)
+    # every key the wrapper writes is one this Codex knows: a renamed offline switch would otherwise be ignored
+    strict = subprocess.run([str(CODEX.binary_path(agents_dir)), "exec", "--strict-config", "--skip-git-repo-check",
+                             "say hi"], cwd=world["project"], capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL, env={**world["env"], "HOME": str(codex_home.parent),
+                                                           "CODEX_HOME": str(codex_home), "REEF_TOKEN": d.token})
+    assert strict.returncode == 0, strict.stdout + strict.stderr
 
 
 def test_flags_and_exit_codes_pass_through(world: dict[str, Any], agents_dir: Path) -> None:  # noqa: F811
