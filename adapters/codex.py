@@ -18,7 +18,10 @@ tool (which a local model cannot run) and the bundled skills. Credentials stay i
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from adapters.base import Adapter, Target, write_file
 
@@ -41,6 +44,26 @@ OFFLINE: dict[str | None, dict[str, object]] = {
 }
 
 
+# One request has no switch: the interactive TUI fetches raw.githubusercontent.com/openai/codex/main/
+# announcement_tip.toml on every start ([tui] show_tooltips = false does not stop it). Codex's HTTP client honours the
+# proxy variables, so unless the user has a proxy of their own, Codex gets a proxy that refuses (nothing listens on
+# the discard port) for everything but the daemon: that fetch fails on loopback, no name is even looked up. The
+# commands Codex runs do not inherit it ([shell_environment_policy] exclude).
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+NOWHERE = "http://127.0.0.1:9"
+GUARD_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
+
+
+def proxy_guard(environ: Mapping[str, str], target: Target) -> dict[str, str]:
+    """The proxy variables that keep Codex's own requests on loopback, or {} when the user has a proxy."""
+    if any(environ.get(v) for v in PROXY_VARS):
+        return {}
+    keep = [h.strip() for h in (environ.get("NO_PROXY") or environ.get("no_proxy") or "").split(",") if h.strip()]
+    keep += ["127.0.0.1", "localhost", "::1", urlsplit(target.url).hostname or ""]
+    no_proxy = ",".join(dict.fromkeys(h for h in keep if h))
+    return {**dict.fromkeys(GUARD_VARS, NOWHERE), "NO_PROXY": no_proxy, "no_proxy": no_proxy}
+
+
 def toml_value(value: object) -> str:
     """A TOML value (a JSON string literal is a TOML basic string)."""
     if isinstance(value, bool):
@@ -49,12 +72,14 @@ def toml_value(value: object) -> str:
         return str(value)
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
-def config_toml(target: Target) -> str:
+def config_toml(target: Target, *, guarded: bool = False) -> str:
     provider: dict[str, object] = {
         "name": "Reef",
         "base_url": f"{target.base}/v1",
@@ -70,6 +95,8 @@ def config_toml(target: Target) -> str:
     lines += [f"{k} = {toml_value(v)}" for k, v in top.items()]
     sections: dict[str, dict[str, object]] = {"model_providers.reef": provider}
     sections.update({k: v for k, v in OFFLINE.items() if k is not None})
+    if guarded:
+        sections["shell_environment_policy"] = {"exclude": list(GUARD_VARS)}
     for name, table in sections.items():
         lines += ["", f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items())]
     return "\n".join(lines) + "\n"
@@ -92,7 +119,8 @@ class Codex(Adapter):
         return home / ".codex"
 
     def env(self, home: Path, target: Target, token: str) -> dict[str, str]:
-        return {**super().env(home, target, token), "CODEX_HOME": str(self.codex_home(home))}
+        return {**super().env(home, target, token), "CODEX_HOME": str(self.codex_home(home)),
+                **proxy_guard(os.environ, target)}
 
     def unset_env(self) -> tuple[str, ...]:
         # the API keys and endpoint of the built-in OpenAI provider, and a separate state-database home
@@ -101,7 +129,7 @@ class Codex(Adapter):
     def prepare(self, home: Path, target: Target) -> None:
         cfg = self.codex_home(home)
         cfg.mkdir(parents=True, exist_ok=True)
-        data = config_toml(target).encode()
+        data = config_toml(target, guarded=bool(proxy_guard(os.environ, target))).encode()
         path = cfg / "config.toml"
         try:
             same = path.read_bytes() == data and not path.is_symlink()
@@ -113,4 +141,6 @@ class Codex(Adapter):
     def argv(self, binary: Path, args: list[str], target: Target) -> list[str]:
         if args[:1] == ["-p"]:
             args = ["exec", "--skip-git-repo-check", *args[1:]]
-        return [str(binary), *args]
+        # any command-line override (this one repeats config.toml) keeps the TUI's app server in-process: without
+        # one, the TUI copies its release (420 MB) into the home and leaves a self-updating daemon running
+        return [str(binary), "-c", "analytics.enabled=false", *args]
