@@ -9,7 +9,9 @@ The same file turns off what would leave the machine (each key is in Codex's con
 (``features.plugins``: without it every run looks up api.github.com, chatgpt.com and ab.chatgpt.com), apps and
 connectors, the startup update check, analytics, feedback upload, OpenTelemetry export, the hosted web search
 tool (which a local model cannot run) and the bundled skills. Credentials stay in files under ``$CODEX_HOME``
-(never the OS keyring).
+(never the OS keyring). Two things of the interactive TUI have no setting: an announcement fetched from GitHub
+on every start (a proxy that refuses keeps it on loopback, ``proxy_guard``) and a self-updating app-server daemon
+(any ``-c`` override keeps it in-process, ``argv``).
 
 ``reef-codex -p PROMPT`` is the one-prompt form the other wrappers have: it runs ``codex exec
 --skip-git-repo-check PROMPT`` (Codex's own ``-p`` picks a profile, which an isolated home does not have).
