@@ -146,10 +146,10 @@ fi
 
 if [ "$LINK" = 1 ]; then
   mkdir -p "$BIN_DIR"
-  for cmd in reef reef-pi reef-claude reef-opencode; do
+  for cmd in reef reef-pi reef-claude reef-opencode reef-codex; do
     ln -sfn "$VENV/bin/$cmd" "$BIN_DIR/$cmd"
   done
-  say "linked reef, reef-pi, reef-claude and reef-opencode into $BIN_DIR"
+  say "linked reef, reef-pi, reef-claude, reef-opencode and reef-codex into $BIN_DIR"
   case ":$PATH:" in *":$BIN_DIR:"*) ;; *) say "note: $BIN_DIR is not on your PATH; add it, or run $BIN_DIR/reef" ;; esac
 fi
 if [ "$MAKE_MODEL" = 1 ]; then

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from adapters.base import Adapter, Target
 from adapters.claude import Claude
+from adapters.codex import Codex
 from adapters.opencode import Opencode
 from adapters.pi import Pi
 
-ADAPTERS: dict[str, Adapter] = {a.name: a for a in (Pi(), Claude(), Opencode())}
+ADAPTERS: dict[str, Adapter] = {a.name: a for a in (Pi(), Claude(), Opencode(), Codex())}
 
 
 def get_adapter(name: str) -> Adapter:

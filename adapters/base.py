@@ -44,7 +44,7 @@ class Target:
 
 
 class Adapter:
-    name: str  # pi | claude | opencode
+    name: str  # pi | claude | opencode | codex
     package: str  # the npm package
     version: str  # the pinned version
     binary: str  # the executable's name under node_modules/.bin

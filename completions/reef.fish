@@ -21,7 +21,7 @@ function __reef_scenario
     end
 end
 complete -c reef -f
-complete -c reef -n '__reef_at ""' -a agents -d 'Install and check the coding agents Reef wraps (pi, claude, opencode)'
+complete -c reef -n '__reef_at ""' -a agents -d 'Install and check the coding agents Reef wraps (pi, claude, opencode, codex)'
 complete -c reef -n '__reef_at ""' -a completions -d 'Shell completions for bash, zsh and fish: show or install them'
 complete -c reef -n '__reef_at ""' -a daemon -d 'Run the daemon in the background: start, stop, status, logs'
 complete -c reef -n '__reef_at ""' -a demo -d 'Show the whole loop on the CPU: answers, feedback, training, gate, live releases, a better model'

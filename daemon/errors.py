@@ -51,6 +51,8 @@ class ReefError(Exception):
     status: int = 500
     type: str = "internal_error"
     exit_code: int = 1
+    # the ``code`` of OpenAI's error shape where OpenAI's own API sends one clients act on (else ``type``)
+    code: str | None = None
 
     def __init__(self, message: str, **data: Any) -> None:
         super().__init__(message)
@@ -99,6 +101,8 @@ class BaseMismatch(BadRequest):
 
 
 class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"  # OpenAI's: Codex reads it as "out of room in the context window"
+
     def __init__(self, prompt_tokens: int, context_length: int, *, at_least: bool = False) -> None:
         super().__init__(
             f"prompt is too long: {'at least ' if at_least else ''}{prompt_tokens} tokens > {context_length} "

@@ -62,7 +62,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
 
     adapter_name = body.get("adapter")
     if not isinstance(adapter_name, str):
-        raise BadRequest("adapter is required (pi, claude or opencode)", param="adapter")
+        raise BadRequest("adapter is required (pi, claude, opencode or codex)", param="adapter")
     adapter = get_adapter(adapter_name)
     name = check_scenario(body.get("scenario") or adapter.name)
     installed = body.get("installed_release")

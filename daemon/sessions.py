@@ -9,8 +9,8 @@ continues, in memory and in O(turns in the request):
   digest of ``messages + answer``; a new request looks up the digest of its prefix ending at each assistant
   message, longest first. What follows the matched prefix is the next state.
 - Scope: turns are looked up within their scenario and session: the ``x-reef-session`` header, or an agent's own
-  session header (Claude Code's ``x-claude-code-session-id``, opencode's ``x-session-id``, pi's ``session_id``),
-  or the run id; none of those: the scenario as a whole (continuation alone decides).
+  session header (Claude Code's ``x-claude-code-session-id``, opencode's ``x-session-id``, pi's ``session_id``,
+  Codex's ``session-id``), or the run id; none of those: the scenario as a whole (continuation alone decides).
 - Retry: a request in the same session that does not continue the session's last turn but asks its last user
   message again is a retry of that turn (a bad sign for it).
 - Digests cover role, text, tool calls (name and arguments, keys sorted) and tool results, not ids or thinking
@@ -29,7 +29,7 @@ from typing import Any
 
 from daemon.exchange import Message, ToolCall
 
-SESSION_HEADERS = ("x-reef-session", "x-claude-code-session-id", "x-session-id", "session_id")
+SESSION_HEADERS = ("x-reef-session", "x-claude-code-session-id", "x-session-id", "session_id", "session-id")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import typer
 
 from reef_cli.common import config, console, edge, print_json
 
-app = typer.Typer(help="Install and check the coding agents Reef wraps (pi, claude, opencode).",
+app = typer.Typer(help="Install and check the coding agents Reef wraps (pi, claude, opencode, codex).",
                   no_args_is_help=True)
 
 
@@ -22,7 +22,7 @@ def _names(names: list[str] | None) -> list[str]:
 @app.command()
 @edge
 def install(
-    names: list[str] | None = typer.Argument(None, help="Agents to install (default: all): pi, claude, opencode."),
+    names: list[str] | None = typer.Argument(None, help="Agents to install (default: all): pi, claude, opencode, codex."),
     force: bool = typer.Option(False, "--force", help="Reinstall even when the pinned version is there."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -89,7 +89,7 @@ def check_agent(name: str, timeout: float = 120.0) -> dict[str, Any]:
     if installed is None:
         return {"agent": name, "ok": False, "problem": "not installed", "fix": f"reef agents install {name}"}
     args = {"pi": ["-p", "--no-session", "say ok"], "claude": ["-p", "say ok"],
-            "opencode": ["run", "say", "ok"]}[name]
+            "opencode": ["run", "say", "ok"], "codex": ["-p", "say ok"]}[name]
     scenario = f"doctor-{name}"
     env = dict(os.environ, REEF_QUIET="1", REEF_SCENARIO=scenario)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""``reef-pi``, ``reef-claude``, ``reef-opencode``: a real coding agent whose traffic flows through Reef.
+"""``reef-pi``, ``reef-claude``, ``reef-opencode``, ``reef-codex``: a real coding agent whose traffic flows through Reef.
 
 ``reef-pi ARGS...`` runs ``pi ARGS...`` unchanged, in the current directory, with: the daemon started if needed,
 the scenario chosen (``--reef-scenario NAME``, else ``$REEF_SCENARIO``, else the adapter's name), a fresh run
@@ -292,6 +292,10 @@ def claude() -> None:
 
 def opencode() -> None:
     main("opencode")
+
+
+def codex() -> None:
+    main("codex")
 
 
 if __name__ == "__main__":

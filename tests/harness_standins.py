@@ -13,7 +13,8 @@ Run: ``python tests/harness_standins.py PORT``. ``POST [<prefix>]/v1/chat/comple
   prompt, or Claude Code's user message holding CLAUDE.md) holds the rule text ``Write greetings in French``, upper-cased
   when it holds ``Write greetings in upper case``. A prompt holding ``[hang]`` gets no answer at all (the request
   is counted in ``GET /_stats`` first, so a test can wait for it). A prompt ``[run] COMMAND`` gets a call of the
-  agent's ``bash`` tool with ``COMMAND`` (pi's), as an agent told to run something does.
+  agent's ``bash`` tool with ``COMMAND`` (pi's; Codex's ``exec_command`` with ``cmd``), as an agent told to run
+  something does.
 
 ``GET /_requests`` lists the bodies received (model, system prompt); ``GET /_stats`` the counts.
 """
@@ -82,6 +83,9 @@ def agent_answer(body: dict[str, Any]) -> dict[str, Any]:
     if prompt.startswith("[run] ") and any((t.get("function") or {}).get("name") == "bash"
                                            for t in body.get("tools") or []):
         return {"tool": "bash", "arguments": {"command": prompt[len("[run] "):]}}
+    if prompt.startswith("[run] ") and any((t.get("function") or {}).get("name") == "exec_command"
+                                           for t in body.get("tools") or []):
+        return {"tool": "exec_command", "arguments": {"cmd": prompt[len("[run] "):]}}  # Codex's shell tool
     tool = write_tool(body) or ("write", "path")
     # the harness: pi and opencode put it in the system prompt, Claude Code CLAUDE.md in a user message
     harness = system + "\n".join(user_texts(body))

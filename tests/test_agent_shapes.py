@@ -111,6 +111,66 @@ def test_pi_and_opencode_style_openai_requests(daemon: Daemon) -> None:
     assert "reef" in events[-2]
 
 
+def codex_body() -> dict[str, Any]:
+    """The shape of Codex CLI 0.171.0's second request of a tool round trip (docs/agents.md), its texts shortened."""
+    tool = {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.", "strict": False,
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                           "additionalProperties": False}}
+    return {
+        "model": "tiny",
+        "stream": True,
+        "input": [
+            {"type": "message", "id": "msg_1", "role": "developer",
+             "content": [{"type": "input_text", "text": "You are a coding agent running in the Codex CLI. " * 40}]},
+            {"type": "message", "id": "msg_2", "role": "developer",
+             "content": [{"type": "input_text", "text": "<permissions instructions>read-only</permissions"
+                                                        " instructions>"}]},
+            {"type": "message", "id": "msg_3", "role": "user",
+             "content": [{"type": "input_text", "text": "# AGENTS.md instructions\n\n<INSTRUCTIONS>\nrules"
+                                                        "\n</INSTRUCTIONS>"}]},
+            {"type": "message", "id": "msg_4", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "run it"}],
+             "content": None, "encrypted_content": "gAAAAB-opaque"},
+            {"type": "function_call", "status": "completed", "id": "fc_1", "name": "exec_command",
+             "arguments": '{"cmd": "echo hi"}', "call_id": "call_1"},
+            {"type": "function_call_output", "id": "fco_1", "call_id": "call_1",
+             "output": "Process exited with code 0\nOutput:\nhi\n"},
+        ],
+        "tools": [tool, {"type": "namespace", "name": "multi_agent_v1", "description": "subagents",
+                         "tools": [dict(tool, name="spawn_agent")]},
+                  {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a23fad-d88a-7550-949d-0aba9bfa62a5",
+        "client_metadata": {"thread_id": "01a23fad-d88a-7550-949d-0aba9bfa62a5", "x-codex-window-id": "w:0"},
+    }
+
+
+def test_codex_style_responses_request_streams_and_keeps_its_session(daemon: Daemon) -> None:
+    from daemon.sessions import session_key
+
+    headers = {"session-id": "01a23fad-d88a", "thread-id": "01a23fad-d88a", "originator": "codex_exec",
+               "x-codex-turn-metadata": json.dumps({"turn_id": "t1"}), "accept": "text/event-stream"}
+    with daemon.http() as c:
+        resp = c.post("/s/codex/r/cx-run/v1/responses", json=codex_body(), headers=headers)
+    assert resp.status_code == 200, resp.text[:500]
+    events = sse_events(resp.text)
+    kinds = [e for e, _ in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    seqs = [d["sequence_number"] for _, d in events]
+    assert seqs == list(range(len(seqs)))
+    receipt = events[-1][1]["reef"]["record_id"]
+    with daemon.http() as c:
+        rec = c.get(f"/reef/records/{receipt}").json()
+    assert rec["scenario"] == "codex" and rec["run"] == "cx-run" and rec["format"] == "openai-responses"
+    # the daemon's session for Codex is its session-id header (not the run): continuation is judged within it
+    assert session_key(rec["headers"], rec["run"]) == "session-id=01a23fad-d88a"
+
+
 def test_models_are_bound_per_scenario(daemon_factory: Any, tiny_model: Path) -> None:
     d: Daemon = daemon_factory(f'\n[models.tiny2]\nengine = "transformers"\npath = "{tiny_model}"\n')
     with d.http() as c:

@@ -1,5 +1,5 @@
-"""The real coding agents, installed from npm at their pinned versions, wrapped by ``reef-pi``, ``reef-claude``
-and ``reef-opencode`` against a real daemon serving the tiny model.
+"""The real coding agents, installed from npm at their pinned versions, wrapped by ``reef-pi``, ``reef-claude``,
+``reef-opencode`` and ``reef-codex`` against a real daemon serving the tiny model.
 
 Each wrapped run is watched with strace: every connection any process of the run opens goes to loopback (or
 the daemon's Unix socket). The user's own agent config in ``$HOME`` is byte-for-byte unchanged afterwards.
@@ -33,13 +33,14 @@ PROMPTS = {  # one non-interactive prompt, the way a user types it
     "pi": ["-p", "--no-session", "say hi"],
     "claude": ["-p", "say hi"],
     "opencode": ["run", "say", "hi"],
+    "codex": ["-p", "say hi"],  # the wrapper runs `codex exec --skip-git-repo-check "say hi"`
 }
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="session")
 def agents_dir() -> Path:
-    """The three agents installed from npm (pinned versions), shared by the session and later sessions."""
+    """The agents installed from npm (pinned versions), shared by the session and later sessions."""
     where = Path(os.environ.get("REEF_TEST_AGENTS_DIR") or ROOT / ".cache" / "agents")
     env = dict(os.environ, REEF_AGENTS_DIR=str(where), REEF_HOME=tempfile.mkdtemp(prefix="reef-agents-"))
     with machine_lock(where.parent / f"{where.name}.lock"):  # xdist workers (and runs) install one at a time
@@ -66,6 +67,8 @@ def _user_home(root: Path) -> Path:
         ".config/opencode/opencode.json": '{"model": "users/own"}',
         ".config/opencode/AGENTS.md": "the user's own opencode rules\n",
         ".agents/skills/mine/SKILL.md": "---\nname: mine\ndescription: the user's skill\n---\n",
+        ".codex/config.toml": 'model = "users-own-model"\nmodel_provider = "openai"\n',
+        ".codex/AGENTS.md": "the user's own Codex rules\n",
     }
     for rel, text in files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def _user_home(root: Path) -> Path:
 
 def snapshot(home: Path) -> dict[str, str]:
     out = {}
-    for sub in (".claude", ".pi", ".config/opencode", ".agents"):
+    for sub in (".claude", ".pi", ".config/opencode", ".agents", ".codex"):
         for p in sorted((home / sub).rglob("*")):
             if p.is_file():
                 out[str(p.relative_to(home))] = hashlib.sha256(p.read_bytes()).hexdigest()
@@ -104,7 +107,9 @@ def setup(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:
 
 def wrapped(setup: dict[str, Any], agent: str, args: list[str], *, trace: Path | None = None,
             timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = [str(BIN / f"reef-{agent}"), *args]
+    script = BIN / f"reef-{agent}"
+    # the console script; until the environment is reinstalled after a new wrapper is added, the same entry point
+    cmd = [str(script), *args] if script.exists() else [sys.executable, "-m", "reef_cli.wrapper", agent, *args]
     if trace is not None:
         cmd = ["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace), *cmd]
     return subprocess.run(cmd, cwd=setup["project"], env={**setup["env"], **env}, capture_output=True,
@@ -126,7 +131,7 @@ def last_run(setup: dict[str, Any], agent: str) -> dict[str, Any]:
     return json.loads((runs / f"{run_id}.json").read_text())
 
 
-@pytest.mark.parametrize("agent", ["pi", "claude", "opencode"])
+@pytest.mark.parametrize("agent", ["pi", "claude", "opencode", "codex"])
 def test_wrapped_run_records_reports_and_learns(setup: dict[str, Any], agent: str) -> None:
     d: Daemon = setup["daemon"]
     before = snapshot(setup["user"])

@@ -60,6 +60,8 @@ def test_a_prompt_beyond_the_context_is_a_400_in_the_clients_format_naming_both_
                 r = c.post(path, json={"model": "short", "stream": stream, **body})
                 err = assert_canonical_error(r, 400, shape)
                 assert told(err["message"]) == (n, CONTEXT), (path, stream, err)
+                if shape == "openai":  # OpenAI's own code, which clients act on (Codex: "out of room")
+                    assert err["code"] == "context_length_exceeded", err
                 assert "text/event-stream" not in r.headers.get("content-type", ""), (path, stream)
         # the negative path: a prompt that fits is served by the same model
         ok = c.post("/v1/chat/completions", json={"model": "short", "max_tokens": 4,

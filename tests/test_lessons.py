@@ -117,6 +117,8 @@ def test_each_adapter_renders_rules_skills_and_commands_into_its_layout() -> Non
     assert set(ADAPTERS["opencode"].render(tree)) == {".config/opencode/AGENTS.md",
                                                       ".config/opencode/skills/tdd/SKILL.md",
                                                       ".config/opencode/commands/fix.md"}
+    # Codex has no prompt templates (custom prompts are gone from it): its home gets rules and skills only
+    assert ADAPTERS["codex"].render(tree) == {".codex/AGENTS.md": b"r", ".codex/skills/tdd/SKILL.md": b"s"}
 
 
 def test_installing_a_harness_refuses_escapes_and_removes_stale_files(tmp_path) -> None:

@@ -272,7 +272,8 @@ def relay_finish(final: tuple[str | None, str], receipt: Receipt | None) -> list
 
 
 def error_body(err: ReefError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.type, "code": err.type, "param": getattr(err, "param", None)}}
+    return {"error": {"message": err.message, "type": err.type, "code": err.code or err.type,
+                      "param": getattr(err, "param", None)}}
 
 
 # --- the upstream direction: an exchange as a chat request, a chat answer as a completion ------------------------

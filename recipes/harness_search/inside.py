@@ -39,6 +39,7 @@ AGENT_ARGS = {  # headless, one prompt (CLIENTS.md); Claude Code asks before eac
     "pi": lambda prompt: ["-p", "--no-session", prompt],
     "claude": lambda prompt: ["-p", "--permission-mode", "acceptEdits", prompt],
     "opencode": lambda prompt: ["run", *prompt.split()],
+    "codex": lambda prompt: ["-p", prompt],
 }
 
 
