@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from daemon import forgetting, web
+from daemon import forgetting, providers, web
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -830,6 +830,7 @@ async def handle_status(request: web.Request) -> web.Response:
                     "resident": reef._engines[name].resident if name in reef._engines else {},
                     **({"server": reef._engines[name].status} if name in reef._engines and reef._engines[name].status
                        else {}),
+                    **({"upstream": providers.shown(e)} if e.engine == "upstream" else {}),
                 }
                 for name, e in reef.config.models.items()
             },
