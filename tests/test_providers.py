@@ -300,7 +300,7 @@ def test_reef_pi_with_a_provider_in_one_command(tiny_model: Path, stub: str, tmp
     running, the wrapper starts one serving the provider, moves the scenario made on another model, and the run is
     served by the (stand-in) provider with receipts; evolve learns through the provider's model."""
     key = new_key()
-    home, port, env = make_home(tiny_model, PROPOSER.format(model="anthropic"))
+    home, port, env = make_home(tiny_model)
     env.update(ANTHROPIC_API_KEY=key, REEF_AGENTS_DIR=str(agents_dir), HOME=str(tmp_path), REEF_UPSTREAM_URL=stub)
     project = tmp_path / "project"
     project.mkdir()
@@ -319,6 +319,8 @@ def test_reef_pi_with_a_provider_in_one_command(tiny_model: Path, stub: str, tmp
         refused = reef_pi("--reef-provider", "anthropic", "-p", "--no-session", "say hi")
         assert refused.returncode == 1 and "without provider anthropic" in refused.stderr, refused.stderr
         d.stop()
+        with open(home / "config.toml", "a") as f:  # lessons phrases rules with the provider's model from now on
+            f.write(PROPOSER.format(model="anthropic"))
         ran = reef_pi("--reef-provider", "anthropic", "-p", "--no-session", "say hi")
         assert ran.returncode == 0, ran.stdout + ran.stderr
         assert "stub says hello" in ran.stdout
