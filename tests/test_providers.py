@@ -243,6 +243,11 @@ def test_anthropic_preset_serves_sdk_clients_records_learns_and_never_keeps_the_
                 assert status["default_model"] == "anthropic"
                 assert status["models"]["anthropic"]["upstream"] == {
                     "url": stub, "format": "anthropic", "model": "claude-sonnet-4-5", "api_key_env": "ANTHROPIC_API_KEY"}
+            # a background start beside it: the same provider is the daemon already running; another is refused
+            again = cli(env, "daemon", "start", "--provider", "anthropic", "--upstream-url", stub)
+            assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+            other = cli({**env, "OPENAI_API_KEY": "k"}, "daemon", "start", "--provider", "openai")
+            assert other.returncode == 1 and "without provider openai" in other.stderr, other.stderr
             for args in (("status",), ("status", "--json"), ("doctor",)):
                 shown = cli(env, *args)
                 assert key not in shown.stdout + shown.stderr, args
