@@ -20,7 +20,7 @@ _reef() {
         /completions/show) words='bash zsh fish --help' ;;
         /daemon) words='logs start status stop --help' ;;
         /daemon/logs) words='-n --lines -f --follow --help' ;;
-        /daemon/start) words='--timeout --help' ;;
+        /daemon/start) words='--timeout --provider --upstream-url --upstream-format --upstream-model --upstream-key-env --help' ;;
         /daemon/status) words='--json --help' ;;
         /daemon/stop) words='--timeout --help' ;;
         /demo) words='--seed --minutes --scenario --json --recipe --target --model --max-reports --help' ;;
@@ -55,7 +55,7 @@ _reef() {
         /scenarios/tasks/list) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote) words='--check --workspace --id --scenario -s --json --help' ;;
         /scenarios/unarchive) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
-        /serve) words='--host --port --model --upstream-url --upstream-format --upstream-model --help' ;;
+        /serve) words='--host --port --model --provider --upstream-url --upstream-format --upstream-model --upstream-key-env --help' ;;
         /status) words='--json --help' ;;
         /tui) words='--scenario -s --help' ;;
     esac

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from daemon import forgetting, listening, release_page, web
+from daemon import forgetting, listening, providers, release_page, web
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -826,6 +826,7 @@ async def handle_status(request: web.Request) -> web.Response:
                     "resident": reef._engines[name].resident if name in reef._engines else {},
                     **({"server": reef._engines[name].status} if name in reef._engines and reef._engines[name].status
                        else {}),
+                    **({"upstream": providers.shown(e)} if e.engine == "upstream" else {}),
                 }
                 for name, e in reef.config.models.items()
             },

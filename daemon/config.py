@@ -60,8 +60,10 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     timeout_s = 600               # the whole answer; when streaming, the first byte and any gap between chunks
     connect_timeout_s = 10
 
-``reef serve --upstream-url URL --upstream-format F --upstream-model M`` adds such an entry named ``upstream``
-(key from ``REEF_UPSTREAM_API_KEY``) and makes it the default model (``upstream_entry``).
+``reef serve --provider NAME`` (or ``REEF_PROVIDER``) adds such an entry from a preset (``daemon/providers.py``:
+anthropic, openai, ollama, llamacpp, openai-compatible), in memory only, and makes it the default model;
+``reef serve --upstream-url URL --upstream-format F --upstream-model M`` alone adds one named ``upstream`` (key from
+``REEF_UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class Config:
     token: str | None = None
     # environment values engines may need (upstream API keys), captured once at load time
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # the model entry made by --provider / REEF_PROVIDER (or --upstream-url): its key must be set at start
+    provider: ModelEntry | None = None
 
     def tcp_token(self) -> str | None:
         """The token for ``REEF_URL``: ``REEF_TOKEN``, else the token file of ``$REEF_HOME`` where there is one (a
@@ -212,25 +216,14 @@ class Config:
             ) from None
 
 
-UPSTREAM_FORMATS = ("openai-chat", "openai-responses", "anthropic")
-UPSTREAM_KEY_ENV = "REEF_UPSTREAM_API_KEY"
-
-
 def upstream_entry(
     url: str, format: str | None, model: str | None, env: Mapping[str, str], name: str = "upstream"
 ) -> ModelEntry:
     """The model entry of the ``reef serve --upstream-*`` flags; the key comes from ``REEF_UPSTREAM_API_KEY``."""
-    fmt = format or "openai-chat"
-    if fmt not in UPSTREAM_FORMATS:
-        raise BadRequest(f"--upstream-format must be one of {', '.join(UPSTREAM_FORMATS)}, got {fmt!r}")
-    return ModelEntry(
-        name=name,
-        engine="upstream",
-        url=url,
-        format=fmt,
-        upstream_model=model or None,
-        api_key_env=UPSTREAM_KEY_ENV if env.get(UPSTREAM_KEY_ENV) else None,
-    )
+    from daemon import providers
+
+    entry = providers.provider_entry("openai-compatible", env, url=url, model=model, format=format)
+    return replace(entry, name=name)
 
 
 def default_home(env: Mapping[str, str]) -> Path:
@@ -275,6 +268,14 @@ def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
             raise BadRequest(f"config: models.{name}.{key} does not apply to engine {engine!r}: only "
                              f"{', '.join(takers)} entries take it")
     values = dict(raw)
+    if engine == "upstream":
+        from daemon import providers
+
+        if values.get("api_key_env") is not None:
+            providers.check_key_env(str(values["api_key_env"]), f"config: models.{name}")
+        if values.get("url") is not None:
+            providers.check_base_url(str(values["url"]), f"config: models.{name}.url",
+                                     keyed=values.get("api_key_env") is not None)
     if values.get("path") is not None:
         p = Path(str(values["path"])).expanduser()
         values["path"] = p if p.is_absolute() else home / p
@@ -441,6 +442,10 @@ def load_config(
 ) -> Config:
     """Build the config: defaults < config.toml < environment < ``overrides`` (flags; ``None`` values ignored)."""
     env = os.environ if env is None else env
+    from daemon import providers
+
+    overrides = dict(overrides or {})
+    flags = {key: overrides.pop(key, None) for key in providers.FLAG_KEYS}
     home = default_home(env)
     raw: dict[str, Any] = {}
     toml_path = home / "config.toml"
@@ -533,6 +538,10 @@ def load_config(
     extra_models = values.pop("models", None)
     if extra_models:
         models.update(extra_models)
+    provider = providers.from_settings(flags, env)
+    if provider is not None:
+        models[provider.name] = provider
+        values["default_model"] = overrides.get("default_model") or provider.name
     secrets = {k: v for k, v in env.items() if k.endswith(("_API_KEY", "_KEY", "_TOKEN")) and k != "REEF_TOKEN"}
     cfg = Config(
         home=home,
@@ -543,6 +552,7 @@ def load_config(
         token=env.get("REEF_TOKEN") or None,
         secrets=secrets,
         telemetry=telemetry,
+        provider=provider,
         **values,
     )
     if cfg.default_model not in cfg.models:

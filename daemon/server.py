@@ -179,6 +179,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         if config.insecure_http:
             log.warning("serving %s beyond loopback over plain HTTP (insecure_http = true): the token crosses the "
                         "network in clear text", config.host)
+        if config.provider is not None:  # where answers come from: the variable's name, never its value
+            from daemon.providers import describe
+
+            log.info("default model %s: %s", config.provider.name, describe(config.provider))
         serving = True
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -230,5 +234,9 @@ def setup_logging(config: Config, *, to_file: bool) -> None:
 def run(config: Config) -> None:
     """Serve in the foreground until a signal (``reef serve``)."""
     import uvloop
+
+    from daemon.providers import require_provider_key
+
+    require_provider_key(config.provider, config.secrets)  # before anything starts: one line naming the variable
 
     uvloop.run(serve(config))

@@ -164,13 +164,15 @@ def read_pid(config: Config) -> int | None:
     return pid
 
 
-def start_daemon(config: Config, *, timeout: float = START_TIMEOUT_S, progress: Any = None) -> int:
-    """Start the daemon in the background and wait until it answers ``/healthz``; returns its pid."""
+def start_daemon(config: Config, *, timeout: float = START_TIMEOUT_S, progress: Any = None,
+                 env: dict[str, str] | None = None) -> int:
+    """Start the daemon in the background and wait until it answers ``/healthz``; returns its pid. ``env``: more
+    environment for it (the provider flags of ``reef daemon start``, ``daemon/providers.py``)."""
     from daemon.server import ensure_home
 
     ensure_home(config)
     log_path = config.logs_dir / "daemon.log"
-    env = dict(os.environ, REEF_HOME=str(config.home))
+    env = dict(os.environ, **(env or {}), REEF_HOME=str(config.home))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "--log-file"],

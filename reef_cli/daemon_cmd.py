@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import typer
 
@@ -16,46 +17,90 @@ app = typer.Typer(help="Run the daemon in the background: start, stop, status, l
 EXIT_NOT_RUNNING = 3
 
 
+PROVIDER_HELP = ("Serve from a real provider: anthropic ($ANTHROPIC_API_KEY), openai ($OPENAI_API_KEY), ollama, "
+                 "llamacpp, openai-compatible (with --upstream-url). Adds the model NAME and makes it the default; "
+                 "the key is read from the environment, never stored.")
+
+
+def provider_options() -> dict[str, Any]:
+    """The provider flags, shared by ``reef serve`` and ``reef daemon start``."""
+    return {
+        "provider": typer.Option(None, "--provider", help=PROVIDER_HELP),
+        "upstream_url": typer.Option(None, "--upstream-url", help="The provider's base URL (overrides the preset's; "
+                                     "alone: any OpenAI- or Anthropic-compatible URL, as the model 'upstream', key: "
+                                     "$REEF_UPSTREAM_API_KEY)."),
+        "upstream_format": typer.Option(None, "--upstream-format", help="The upstream's format: openai-chat, "
+                                        "openai-responses, anthropic (default: the provider's)."),
+        "upstream_model": typer.Option(None, "--upstream-model", help="The provider's model name (default: the "
+                                       "preset's, else the client's)."),
+        "upstream_key_env": typer.Option(None, "--upstream-key-env", help="The environment variable holding the key "
+                                         "(a name ending in _API_KEY, _KEY or _TOKEN; default: the provider's)."),
+    }
+
+
+_P = provider_options()
+
+
+def _flags(provider: str | None, upstream_url: str | None, upstream_format: str | None, upstream_model: str | None,
+           upstream_key_env: str | None) -> dict[str, str | None]:
+    return {"provider": provider, "upstream_url": upstream_url, "upstream_format": upstream_format,
+            "upstream_model": upstream_model, "upstream_key_env": upstream_key_env}
+
+
 @edge
 def serve(
     host: str = typer.Option(None, help="Address to listen on (default 127.0.0.1)."),
     port: int = typer.Option(None, help="TCP port (default 8900)."),
     model: str = typer.Option(None, help="Default model for new scenarios (a name from config.toml)."),
-    upstream_url: str = typer.Option(None, help="Serve from this OpenAI- or Anthropic-compatible base URL: adds"
-                                     " the model 'upstream' and makes it the default (key: $REEF_UPSTREAM_API_KEY)."),
-    upstream_format: str = typer.Option(None, help="The upstream's format: openai-chat (default), openai-responses,"
-                                        " anthropic."),
-    upstream_model: str = typer.Option(None, help="The upstream's model name (default: the client's)."),
+    provider: str = _P["provider"],
+    upstream_url: str = _P["upstream_url"],
+    upstream_format: str = _P["upstream_format"],
+    upstream_model: str = _P["upstream_model"],
+    upstream_key_env: str = _P["upstream_key_env"],
 ) -> None:
     """Run the daemon in the foreground (Ctrl-C drains in-flight requests and stops)."""
-    from daemon.config import upstream_entry
+    from daemon.providers import require_provider_key
     from daemon.server import run, setup_logging
 
-    extra = {}
-    if upstream_url:
-        entry = upstream_entry(upstream_url, upstream_format, upstream_model, os.environ)
-        extra = {"models": {entry.name: entry}, "default_model": model or entry.name}
-    elif upstream_format or upstream_model:
-        fail("--upstream-format and --upstream-model need --upstream-url", 2)
-    cfg = config(host=host, port=port, **({"default_model": model} | extra))
+    cfg = config(host=host, port=port, default_model=model,
+                 **_flags(provider, upstream_url, upstream_format, upstream_model, upstream_key_env))
+    require_provider_key(cfg.provider, cfg.secrets)
     setup_logging(cfg, to_file=False)
     run(cfg)
 
 
 @app.command()
 @edge
-def start(timeout: float = typer.Option(120.0, help="Seconds to wait until the daemon is healthy.")) -> None:
+def start(
+    timeout: float = typer.Option(120.0, help="Seconds to wait until the daemon is healthy."),
+    provider: str = _P["provider"],
+    upstream_url: str = _P["upstream_url"],
+    upstream_format: str = _P["upstream_format"],
+    upstream_model: str = _P["upstream_model"],
+    upstream_key_env: str = _P["upstream_key_env"],
+) -> None:
     """Start the daemon in the background and wait until it is healthy."""
+    from daemon.providers import provider_env, require_provider_key, serves
     from reef_cli.client import Client, read_pid, start_daemon
 
-    cfg = config()
+    flags = _flags(provider, upstream_url, upstream_format, upstream_model, upstream_key_env)
+    cfg = config(**flags)
     pid = read_pid(cfg)
-    if pid is not None and Client(cfg).healthy():
+    client = Client(cfg)
+    try:
+        running = client.get("/reef/status") if pid is not None and client.healthy() else None
+    finally:
+        client.close()
+    if running is not None:
+        if cfg.provider is not None and not serves(running, cfg.provider):
+            fail(f"the daemon already runs (pid {pid}) without provider {cfg.provider.name} as set here; stop it "
+                 "first (reef daemon stop)", 1)
         print(f"reef daemon already running (pid {pid})")
         return
+    require_provider_key(cfg.provider, cfg.secrets)
     t0 = time.monotonic()
     with starting():
-        pid = start_daemon(cfg, timeout=timeout)
+        pid = start_daemon(cfg, timeout=timeout, env=provider_env(flags))
     print(f"reef daemon started (pid {pid}) in {time.monotonic() - t0:.1f}s; listening on {cfg.host}:{cfg.port} "
           f"and {cfg.socket_path}")
 

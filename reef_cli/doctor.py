@@ -198,6 +198,14 @@ def check_model(cfg: Any) -> Check | None:
     if entry is None:
         return Check("model", FAIL, f"default_model {cfg.default_model!r} is not in the config",
                      "set default_model in config.toml to one of: " + ", ".join(cfg.models))
+    if entry.engine == "upstream":
+        from daemon.providers import describe
+
+        detail = f"{cfg.default_model}: {describe(entry)}"
+        if entry.api_key_env and not cfg.secrets.get(entry.api_key_env):  # the name, never the value
+            return Check("model", WARN, f"{detail}; {entry.api_key_env} is not set here",
+                         f"export {entry.api_key_env} in the environment that starts the daemon")
+        return Check("model", OK, detail)
     if entry.engine != "transformers" or entry.path is None:
         return Check("model", OK, f"{cfg.default_model} ({entry.engine})")
     from daemon.model_dirs import TEST_MODEL_NOTE, is_test_model

@@ -14,4 +14,14 @@ def status_lines(info: dict[str, Any]) -> list[str]:
     return [f"daemon   pid {info['pid']}, up {info['uptime_s']:.0f}s, home {info['home']}",
             f"listen   {info['listen']['tcp']} and {info['listen']['unix']}",
             f"models   {models}; default {info['default_model']}",
+            *_provider_line(info),
             f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios"]
+
+
+def _provider_line(info: dict[str, Any]) -> list[str]:
+    """Where the default model's answers come from when a provider serves it (the key's variable, by name)."""
+    up = (info["models"].get(info["default_model"]) or {}).get("upstream")
+    if not isinstance(up, dict):
+        return []
+    key = f"key from ${up['api_key_env']}" if up.get("api_key_env") else "no key"
+    return [f"provider {up.get('model') or 'the client model'} at {up.get('url')} ({up.get('format')}, {key})"]

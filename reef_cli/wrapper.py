@@ -6,6 +6,10 @@ id in the base URL, the agent installed on first use, the scenario's current har
 agent's isolated config home (or a note that a newer one exists, per ``harness_updates``), signals forwarded,
 and the agent's exit code kept. Afterwards the run's receipts are stored in ``$REEF_HOME/runs/<run>.json``.
 
+``--reef-provider NAME`` (or ``REEF_PROVIDER``) serves the run from a real provider (``daemon/providers.py``): a
+daemon the wrapper starts serves it, a running daemon must already serve it (else a one-line error), and the
+scenario is moved to it when it was bound to another model.
+
 Wrapper subcommands come first: ``report``, ``runs``, ``update``, ``evolve``, ``propose``, ``reef-help``. To send one of those
 words to the agent itself, put ``--`` first: ``reef-pi -- report`` runs ``pi report``.
 
@@ -63,12 +67,38 @@ def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, 
     return head
 
 
+def use_provider(config: Config, start: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """``--reef-provider NAME`` (or ``REEF_PROVIDER``): the daemon must serve that provider as set here (a daemon
+    started without it is named, never used instead), and the run's scenario is moved to it when it was bound to
+    another model (a harness moves; weights cannot: the daemon's 409 says so). Returns the run to use."""
+    from daemon.providers import serves
+
+    provider = config.provider
+    assert provider is not None
+    status = call(config, "GET", "/reef/status")
+    if not serves(status, provider):
+        raise ReefError(f"the daemon already runs (pid {status.get('pid')}) without provider {provider.name} as set "
+                        f"here; stop it first (reef daemon stop) and run again")
+    if start["model"] == provider.name:
+        return start
+    call(config, "POST", f"/reef/scenarios/{start['scenario']}/model", {"model": provider.name})
+    say(f"scenario {start['scenario']} moved from model {start['model']} to provider {provider.name}")
+    moved: dict[str, Any] = call(config, "POST", "/reef/runs", body)
+    return moved
+
+
 def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcome_flags: list[str] | None = None,
-              check: str | None = None) -> int:
+              check: str | None = None, provider: str | None = None) -> int:
     from daemon.config import OutcomeSettings
     from reef_cli import outcomes
 
+    if provider is not None:  # read by this config and by a daemon this run starts (daemon/providers.py)
+        os.environ["REEF_PROVIDER"] = provider
     config = load_config()
+    if config.provider is not None:
+        from daemon.providers import require_provider_key
+
+        require_provider_key(config.provider, config.secrets)
     if scenario is None:
         scenario = os.environ.get("REEF_SCENARIO") or adapter.name
     asked = outcomes.with_flags(config.outcomes.get(scenario, OutcomeSettings()), outcome_flags or [], check)
@@ -78,6 +108,8 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     if installed:
         body["installed_release"] = installed
     start = call_starting(config, "POST", "/reef/runs", body)
+    if config.provider is not None:
+        start = use_provider(config, start, body)
     for line in model_notes(adapter, start):
         say(line)
     binary = install_agent(config, adapter)
@@ -254,7 +286,8 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
         scenario = (_take_flag(args, "--reef-scenario") or [None])[-1]
         outcome_flags = _take_flag(args, "--reef-outcome")
         check = (_take_flag(args, "--reef-check") or [None])[-1]
-        sys.exit(run_agent(adapter, args, scenario, outcome_flags=outcome_flags, check=check))
+        provider = (_take_flag(args, "--reef-provider") or [None])[-1]
+        sys.exit(run_agent(adapter, args, scenario, outcome_flags=outcome_flags, check=check, provider=provider))
     except ReefError as e:
         sys.stderr.write(f"{'reef-' + adapter_name}: {e.message}\n")
         sys.exit(e.exit_code)

@@ -188,6 +188,7 @@ def subcommands(adapter: Adapter) -> Any:
         """How the wrapper works and what it adds to the agent."""
         print(app.info.help)
         print(f"\nsubcommands: report, runs, update, evolve, propose; scenario: --reef-scenario NAME or REEF_SCENARIO;"
+              "\nprovider: --reef-provider NAME or REEF_PROVIDER (anthropic, openai, ollama, ...: a real model);"
               f"\n`{cmd} -- ARGS` passes ARGS to {adapter.binary} even when the first is a subcommand name.")
 
     return app

@@ -267,7 +267,7 @@ def test_engine_config_errors_and_estimate() -> None:
             UpstreamEngine(ModelEntry(**{**entry.__dict__, "api_key_env": None, **bad}), {})
     ex = chat.parse_request({"model": "m", "messages": [{"role": "user", "content": "x" * 401}]})
     assert estimate_tokens(ex) == math.ceil(401 / 4)
-    flagged = upstream_entry("http://h:1", "anthropic", "m", {"REEF_UPSTREAM_API_KEY": "k"})
+    flagged = upstream_entry("http://127.0.0.1:1", "anthropic", "m", {"REEF_UPSTREAM_API_KEY": "k"})
     assert (flagged.name, flagged.engine, flagged.api_key_env, flagged.upstream_model) == (
         "upstream", "upstream", "REEF_UPSTREAM_API_KEY", "m")
     with pytest.raises(BadRequest):

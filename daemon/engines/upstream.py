@@ -59,6 +59,7 @@ from daemon.protocols import anthropic
 from daemon.protocols.base import WireFormat
 from daemon.protocols.formats import FORMATS
 from daemon.protocols.sse import SSEDecoder, dumpb, dumps, loads, missing_events, sse
+from daemon.providers import check_base_url
 
 log = logging.getLogger("reef.upstream")
 
@@ -131,6 +132,7 @@ class UpstreamEngine(Engine):
             raise BadRequest(f"{where}: format must be one of {', '.join(_PROTOCOLS)}, got {entry.format!r}")
         if not entry.url:
             raise BadRequest(f"{where}: an upstream model needs url (the provider's base URL)")
+        check_base_url(entry.url, where, keyed=entry.api_key_env is not None)  # no credentials in it, https for a key
         base = URL(entry.url.rstrip("/"))
         if base.scheme not in ("http", "https") or not base.host:
             raise BadRequest(f"{where}: url must be an http(s) URL, got {entry.url!r}")
