@@ -121,6 +121,13 @@ def test_the_document_is_open_like_healthz(fuzzed: Daemon) -> None:
         assert_canonical_error(c.get("/openapi.json", headers={"Host": "evil.example"}), 400)
         body = c.get("/openapi.json").text
     assert fuzzed.token not in body and str(fuzzed.home) not in body
+    # the scoped socket (a sandbox's only way in) takes scoped tokens only, and a scope has no /openapi.json
+    with fuzzed.unix() as c:
+        scoped = c.post("/reef/tokens", json={"scenario": "sandboxed", "ttl_s": 60}).json()
+    transport = httpx.HTTPTransport(uds=scoped["socket"])
+    with httpx.Client(base_url="http://localhost", transport=transport, timeout=60) as c:
+        assert_canonical_error(c.get("/openapi.json"), 401)
+        assert_canonical_error(c.get("/openapi.json", headers={"Authorization": f"Bearer {scoped['token']}"}), 403)
 
 
 # --- Schemathesis against the real daemon ---------------------------------------------------------------------
@@ -151,6 +158,7 @@ def canonical_error(ctx: Any, response: Any, case: Any) -> bool:
 
 
 @schema.parametrize()
+@pytest.mark.timeout(3600 if DEEP else 300)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 def test_fuzz(case: Any, fuzzed: Daemon) -> None:
     """No 5xx on any route from anything the schema (or its negation) allows, every 4xx canonical, every answer
@@ -159,3 +167,20 @@ def test_fuzz(case: Any, fuzzed: Daemon) -> None:
     case.validate_response(response, checks=[schemathesis.checks.not_a_server_error, status_code_conformance,
                                              content_type_conformance, response_schema_conformance, canonical_error])
 
+
+
+# --- what Schemathesis found (each fixed in the product; the test names the bug) -----------------------------------
+
+
+def test_count_tokens_on_a_harness_scenario(fuzzed: Daemon) -> None:
+    """Found by the fuzzer: ``count_tokens`` on a scenario whose head is a harness release (every wrapped agent's
+    scenario, recipe ``lessons``: Claude Code counts tokens) was a 500 "has no checked-out artifact to load": the
+    harness release was handed to the engine as weights, where serving the same request hands it none."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count these words"}]}
+    with fuzzed.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "counted-harness", "recipe": "lessons"}).status_code == 201
+        plain = c.post("/v1/messages/count_tokens", json=body)
+        harness = c.post("/s/counted-harness/v1/messages/count_tokens", json=body)
+        served = c.post("/s/counted-harness/v1/messages", json={**body, "max_tokens": 2})
+    assert harness.status_code == 200, harness.text
+    assert harness.json() == plain.json() and plain.json()["input_tokens"] == served.json()["usage"]["input_tokens"]
