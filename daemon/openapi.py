@@ -63,8 +63,8 @@ SCENARIO_NAME = {"type": "string", "pattern": r"^(?!.*\.\.)(?!.*\.lock$)(?!.*\.$
 RUN_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
 PATH_PARAMS = {"scenario": ref("ScenarioName"), "name": ref("ScenarioName"), "run": ref("RunName"),
                "receipt": {"type": "string", "description": "a receipt (record id, rec_...)"},
-               "release": {"type": "string", "description": "a release id (a git commit id; a unique prefix of 7 "
-                                                            "or more hex digits is taken)"}}
+               "release": {"type": "string", "pattern": "^[0-9a-fA-F]{4,40}$",
+                           "description": "a release id (a git commit id, or an unambiguous prefix of it)"}}
 
 SCHEMAS: dict[str, Any] = {
     "Error": obj({"error": obj({"type": S, "message": S, "param": nullable(S)}, ["type", "message"])}, ["error"]),
@@ -103,7 +103,6 @@ class Op:
     status: int = 200
     media: tuple[str, ...] = ("application/json",)
     body: dict[str, Any] | None = None
-    body_required: bool = True
     query: dict[str, Any] = field(default_factory=dict)
     required: tuple[str, ...] = ()
     errors: dict[int, str] = field(default_factory=dict)
@@ -252,17 +251,15 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
             {"allOf": [ref("Scenario"), obj({"previous_model": S})]},
             body=obj({"model": {"type": "string", "minLength": 1}}, ["model"]),
             errors={**SCENARIO_404, 409: "a weights chain cannot move"}),
-        ("POST", "/reef/scenarios/{name}/pause"): Op("pause the scenario's learning", SWITCHED, body_required=False,
+        ("POST", "/reef/scenarios/{name}/pause"): Op("pause the scenario's learning", SWITCHED,
                                                      errors=SCENARIO_404),
-        ("POST", "/reef/scenarios/{name}/resume"): Op("resume the scenario's learning", SWITCHED,
-                                                      body_required=False, errors=SCENARIO_404),
+        ("POST", "/reef/scenarios/{name}/resume"): Op("resume the scenario's learning", SWITCHED, errors=SCENARIO_404),
         ("POST", "/reef/scenarios/{name}/capture"): Op("turn the scenario's capture on or off", SWITCHED,
                                                        body=obj({"capture": B}, ["capture"]), errors=SCENARIO_404),
         ("POST", "/reef/scenarios/{name}/archive"): Op("archive the scenario: neither served nor trained", SWITCHED,
-                                                       body_required=False,
                                                        errors={**SCENARIO_404, 409: "a step is out"}),
         ("POST", "/reef/scenarios/{name}/unarchive"): Op("bring an archived scenario back", SWITCHED,
-                                                         body_required=False, errors=SCENARIO_404),
+                                                         errors=SCENARIO_404),
         ("POST", "/reef/scenarios/{name}/canary"): Op(
             "serve a held candidate to a share of new runs, judged live", O, CREATED, body=CANARY,
             errors={404: "no such scenario or held candidate", 409: "a canary runs already"}),
@@ -350,7 +347,8 @@ def _operation(method: str, pattern: str) -> dict[str, Any]:
         ok["headers"] = {h: {"schema": S, "description": d} for h, d in (
             ("x-reef-agent-record-id", "the receipt (in a stream: in its final event too)"),
             ("x-reef-release-id", "the release that served it"))}
-    error = {"description": "the canonical error shape", "content": {"application/json": {"schema": _error_ref(pattern)}}}
+    error = {"description": "the canonical error shape",
+             "content": {"application/json": {"schema": _error_ref(pattern)}}}
     responses: dict[str, Any] = {str(op.status): ok}
     responses.update({str(code): {**error, "description": why} for code, why in sorted(op.errors.items())})
     responses["default"] = error
