@@ -7,10 +7,9 @@ Reef's own routes are described exactly: path and query parameters, the body eac
 the error shape. Provider routes are described as far as Reef checks them (the fields the wire formats read, with
 the limits ``daemon/protocols`` enforces; everything else in a body is the provider's and passes through).
 
-The document is open, like ``/healthz``: no token on TCP. It is the same for every daemon of this version and names
-nothing of the user's (no scenario, model, path or token), and client generators and fuzzers read it before they
-hold a token. The ``Host`` check still applies, and the scoped socket refuses it as it refuses everything outside a
-scenario's own routes.
+The document is open wherever ``/healthz`` is (``OPEN_PATHS``: no token on TCP, nor on the scoped socket): it is the
+same for every daemon of this version and names nothing of the user's (no scenario, model, path or token), and client
+generators and fuzzers read it before they hold a token. The ``Host`` check still applies.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 
 from daemon.protocols.schemas import CHAT, COUNT_TOKENS, MESSAGES, RESPONSES
 
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})  # answered without a token on TCP (the Host check applies)
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})  # answered without a token (the Host check applies)
 PREFIXES = ("/s/{scenario}/r/{run}", "/s/{scenario}")  # the base-URL forms of the provider routes
 
 # --- schema helpers ----------------------------------------------------------------------------------------------
