@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from daemon import forgetting, listening, providers, release_page, web
+from daemon import forgetting, listening, openapi, providers, release_page, web
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -198,7 +198,7 @@ def _dispatcher(reef: Reef, router: web.Router, *, scoped_only: bool = False) ->
                     " answers requests addressed to localhost or to the names it is configured to serve"
                 )
             scope = None  # a scoped token's limits (daemon/scopes.py); None: the full token, or the main socket
-            if (scoped_only or not request.over_unix) and request.path != "/healthz":
+            if (scoped_only or not request.over_unix) and request.path not in openapi.OPEN_PATHS:
                 given = _token_of(request)
                 if given is None:
                     raise Unauthorized("missing token: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'")
@@ -906,12 +906,35 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(reef.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
+def openapi_handler(router: web.Router) -> Handler:
+    """``GET /openapi.json``: the document of ``router``'s routes (``daemon/openapi.py``), made on first asking."""
+    made: list[bytes] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if not made:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                v = version("reef")
+            except PackageNotFoundError:  # run from a checkout that was never installed
+                v = "unknown"
+            made.append(_dumpb(openapi.document(router.routes(), v)))
+        return web.Response(made[0])
+
+    return handle
+
+
 # --- the app -----------------------------------------------------------------------------------------------
 
 
 def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     """The daemon's routes behind its guards: the handler ``web.Server`` serves (``scoped_only``: on the scoped
     socket, where only scoped tokens are taken)."""
+    return _dispatcher(reef, router(), scoped_only=scoped_only)
+
+
+def router() -> web.Router:
+    """The route table (each route described in ``daemon/openapi.py``, served at ``GET /openapi.json``)."""
     r = web.Router()
     chat, responses, messages = (provider_handler(f) for f in (formats.OPENAI_CHAT, formats.OPENAI_RESPONSES,
                                                                  formats.ANTHROPIC))
@@ -927,6 +950,7 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("GET", "/", handle_root)  # HEAD / is answered from the GET route
     r.add("GET", "/healthz", handle_healthz)
     r.add("GET", "/metrics", handle_metrics)
+    r.add("GET", "/openapi.json", openapi_handler(r))
     r.add("POST", "/reef/report", handle_report)
     r.add("GET", "/reef/scenarios", handle_scenarios)
     r.add("POST", "/reef/scenarios", handle_create_scenario)
@@ -963,4 +987,4 @@ def make_app(reef: Reef, *, scoped_only: bool = False) -> Handler:
     r.add("GET", "/reef/events", handle_events)
     r.add("POST", "/reef/tokens", handle_mint_token)
     r.add("POST", "/reef/tokens/revoke", handle_revoke_token)
-    return _dispatcher(reef, r, scoped_only=scoped_only)
+    return r

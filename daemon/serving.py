@@ -34,6 +34,7 @@ from daemon.names import check_scenario
 from daemon.protocols.base import WireFormat
 from daemon.protocols.sse import dumpb
 from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
+from daemon.releases import Release
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
@@ -467,8 +468,12 @@ class ServePath:
         scen = await self._scenario(scenario)
         engine = await self._engine(scen.model)
         release = await self.chains.resolve(scen, pinned_release)
-        ref = await self.chains.ref(scen, release)
-        return await engine.count_tokens(exchange, ref)
+        return await engine.count_tokens(exchange, await self._weights(scen, release))
+
+    async def _weights(self, scen: Scenario, release: Release) -> ReleaseRef | None:
+        """The weights an engine serves ``release`` with: None for a harness release (it lives in the agent; the
+        engine serves its model's own weights)."""
+        return None if release.kind == "harness" else await self.chains.ref(scen, release)
 
     # --- the steps -----------------------------------------------------------------------------------------
 
@@ -498,11 +503,9 @@ class ServePath:
             release = await self.canaries.arm(scen, arm_key(headers, run))
         if release is None:
             release = await self.chains.resolve(scen, pinned_release)
-        ref: ReleaseRef | None = await self.chains.ref(scen, release)
+        ref = await self._weights(scen, release)
         if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
             await self.chains.preload(scen, release, engine)
-        if release.kind == "harness":
-            ref = None  # a harness release lives in the agent; the engine serves its model's own weights
         release_id, content_id = release.release_id, release.content_id
         engine_started = time.perf_counter()
         events = engine.generate(exchange, ref)

@@ -255,6 +255,13 @@ class Router:
         rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", pattern) + "$")
         self._dynamic.append((rx, pattern, {method: handler}))
 
+    def routes(self) -> list[tuple[str, str]]:
+        """Every ``(method, pattern)`` added, fixed paths first (``HEAD`` only where added: a ``GET`` route answers
+        ``HEAD`` too): what ``daemon/openapi.py`` describes."""
+        out = [(m, pattern) for pattern, methods in self._static.items() for m in methods]
+        out += [(m, pattern) for _, pattern, methods in self._dynamic for m in methods]
+        return out
+
     def resolve(self, request: Request) -> Handler | None:
         """The handler, with ``match_info`` and ``route`` set; ``None`` when nothing matches the path. A path that
         matches without the method gives ``MethodNotAllowed``."""
