@@ -81,9 +81,9 @@ def parse(body: dict[str, Any]) -> Proposal:
     if extra:
         raise BadRequest(f"unknown keys {', '.join(extra)} (known: {', '.join(sorted(known))})", param=extra[0])
     op, kind = body.get("op"), body.get("kind")
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:  # a list or an object is no op (and no dict key)
         raise BadRequest(f"op must be one of {', '.join(OPS)}, not {op!r}", param="op")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise BadRequest(f"kind must be one of {', '.join(KINDS)}, not {kind!r}", param="kind")
     reason = body.get("reason")
     if not isinstance(reason, str) or not reason.strip():

@@ -17,13 +17,12 @@ anything but loopback (``check_base_url``).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from daemon.engines.entry import ModelEntry
+from daemon.engines.entry import ModelEntry, check_base_url
 from daemon.errors import BadRequest
 
 FORMATS = ("openai-chat", "openai-responses", "anthropic")
@@ -61,30 +60,6 @@ UNKEYED_DEFAULT_ENV = "REEF_UPSTREAM_API_KEY"  # openai-compatible: the key when
 
 def known() -> str:
     return ", ".join(PRESETS)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_base_url(url: str, where: str, *, keyed: bool) -> None:
-    """An upstream base URL Reef may use: http(s), a host, no credentials in it (the key goes in a header, read
-    from a variable), and https unless the host is loopback when a key is sent. Messages never echo a URL that
-    holds credentials."""
-    parts = urlsplit(url)
-    if "@" in parts.netloc:
-        raise BadRequest(f"{where}: the URL carries credentials (user:password@); Reef refuses it: give the key in "
-                         "an environment variable named by api_key_env (--upstream-key-env) instead", param="url")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadRequest(f"{where}: the URL must be an http(s) URL with a host, got {url!r}", param="url")
-    if keyed and parts.scheme == "http" and not _loopback(parts.hostname):
-        raise BadRequest(f"{where}: the key would travel in clear text to {parts.hostname}: use https (plain http "
-                         "is for loopback servers only when a key is sent)", param="url")
 
 
 def check_key_env(name: str, where: str) -> None:

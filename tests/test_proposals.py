@@ -163,6 +163,11 @@ def test_screens_refusals_and_nothing_written_at_the_door(world: dict[str, Any])
         assert "reason is required" in assert_canonical_error(
             propose(c, "prop-screen", op="add", kind="rule", text="Be brief."), 400)["message"]
         assert_canonical_error(propose(c, "prop-screen", op="rename", kind="rule", text="x", reason="r"), 400)
+        for bad in ({}, ["add"]):  # not text: a 400 naming op or kind (an object was a 500, found by Schemathesis)
+            assert assert_canonical_error(propose(c, "prop-screen", op=bad, kind="rule", text="x", reason="r"),
+                                          400)["param"] == "op"
+            assert assert_canonical_error(propose(c, "prop-screen", op="add", kind=bad, text="x", reason="r"),
+                                          400)["param"] == "kind"
         assert len(chain(c, "prop-screen")["rejected"]) == before  # refused at the door: nothing written
 
         # a scenario whose recipe learns no harness takes no proposal

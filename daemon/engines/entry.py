@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from daemon.errors import BadRequest
+from daemon.listening import is_loopback
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,18 @@ class ModelEntry:
     kv_cache_gb: int = 1  # vllm on the CPU: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True  # vllm: no graph capture (the CPU build)
     weight_update: str = "auto"  # full-weights releases: reload (the server's update call) | restart | auto
+
+
+def check_base_url(url: str, where: str, *, keyed: bool) -> None:
+    """An upstream base URL Reef may use: http(s), a host, no credentials in it (the key goes in a header, read
+    from a variable), and https unless the host is loopback when a key is sent. Messages never echo a URL that
+    holds credentials."""
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise BadRequest(f"{where}: the URL carries credentials (user:password@); Reef refuses it: give the key in "
+                         "an environment variable named by api_key_env (--upstream-key-env) instead", param="url")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadRequest(f"{where}: the URL must be an http(s) URL with a host, got {url!r}", param="url")
+    if keyed and parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise BadRequest(f"{where}: the key would travel in clear text to {parts.hostname}: use https (plain http "
+                         "is for loopback servers only when a key is sent)", param="url")

@@ -52,14 +52,13 @@ from yarl import URL
 
 from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo
-from daemon.engines.entry import ModelEntry
+from daemon.engines.entry import ModelEntry, check_base_url
 from daemon.errors import BadRequest, ReefError, UpstreamError, UpstreamTimeout
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Relay, TextDelta
 from daemon.protocols import anthropic
 from daemon.protocols.base import WireFormat
 from daemon.protocols.formats import FORMATS
 from daemon.protocols.sse import SSEDecoder, dumpb, dumps, loads, missing_events, sse
-from daemon.providers import check_base_url
 
 log = logging.getLogger("reef.upstream")
 
