@@ -310,7 +310,8 @@ SLOWEST_FIRST = (
     "test_ttt_discover.py", "test_openclaw_rl.py", "test_harness_search.py", "test_model_dirs.py",
     "test_daemon_cli.py", "test_demo_real_model.py", "test_several_daemons.py", "test_agents.py",
     "test_serve_only.py", "test_canary.py", "test_lora_recipes.py", "test_forget.py", "test_outcomes.py",
-    "test_openapi.py",
+    "test_openapi.py", "test_release_page.py", "test_telemetry.py", "test_remote_clients.py", "test_codex.py",
+    "test_proposals.py", "test_providers.py",
 )
 
 
