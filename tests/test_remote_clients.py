@@ -28,6 +28,11 @@ class Link:
     """A network namespace and a veth pair: this side ``here``, the namespace's side ``there``."""
 
     def __init__(self) -> None:
+        for stale in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+            # a run that was killed leaves its namespace and link: cleared when their process is gone
+            if stale.startswith("reef-t") and stale[6:].isdigit() and not Path(f"/proc/{stale[6:]}").exists():
+                subprocess.run(["ip", "link", "del", f"rt{stale[6:]}a"], capture_output=True)
+                subprocess.run(["ip", "netns", "del", stale], capture_output=True)
         n = os.getpid() % 200 + 20
         self.ns, self.dev = f"reef-t{os.getpid()}", f"rt{os.getpid()}"
         self.here, self.there = f"10.231.{n}.1", f"10.231.{n}.2"
