@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-demo", choices=("tiny-demo", "smollm2"),
                     help="the served model: the demo model, or SmolLM2-135M-Instruct (made here, no download)")
     ap.add_argument("--minutes", type=float, default=60.0, help="stop after this many minutes of rounds")
+    ap.add_argument("--reuse", action="store_true", help="state reuse: each round starts from the attempt the "
+                    "scenario's status offers (next_start, the source's PUCT), named in its reports' metadata")
     ap.add_argument("--settings", default="{}", help="extra recipe settings (JSON)")
     ap.add_argument("--scorer", help="your own scorer command instead of --problem (e.g. 'python3 "
                     "bench/scorers/distinct_letters.py'): the client and the gate both score with it")
@@ -83,10 +85,12 @@ def main() -> None:
             c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover", "model": args.model,
                                             "settings": settings}).raise_for_status()
 
+            prompt, start = problem.prompt, None
+
             def attempt(seed: int) -> tuple[str, str]:
                 r = c.post("/s/ttt/v1/chat/completions", json={
                     "model": args.model, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-                    "messages": [{"role": "user", "content": problem.prompt}]})
+                    "messages": [{"role": "user", "content": prompt}]})
                 r.raise_for_status()
                 return r.headers["x-reef-agent-record-id"], r.json()["choices"][0]["message"]["content"] or ""
 
@@ -97,11 +101,18 @@ def main() -> None:
                 if time.monotonic() - started > args.minutes * 60:
                     break
                 done = len(chain(c, all_=True))
+                offered = (c.get("/reef/scenarios/ttt").json().get("recipe_status") or {}).get("next_start")
+                if args.reuse and offered:  # the source's prompt shape: the state, then the problem again
+                    start = offered["receipt"]
+                    prompt = (f"A previous attempt scored {offered['score']:.2f}: {offered['text'].strip()}\n"
+                              f"{problem.prompt} Do better than the previous attempt.")
                 results = list(pool.map(attempt, [args.seed * 1_000_003 + step * group + i for i in range(group)]))
                 scores = [problem.score(text) for _, text in results]
                 for (receipt, _), score in zip(results, scores, strict=True):
                     c.post("/reef/report", json={"score": score, "references": [receipt],
-                                                 "metadata": {"group": f"round-{step}"}}).raise_for_status()
+                                                 "metadata": {"group": f"round-{step}",
+                                                              **({"start": start} if start else {})}}
+                           ).raise_for_status()
                 deadline = time.monotonic() + 300
                 while len(steps := chain(c, all_=True)) == done and time.monotonic() < deadline:
                     time.sleep(0.05)

@@ -53,11 +53,16 @@ Design choices (compact; the numbers are ``TTTSettings`` defaults, measured with
 - **Status.** Each step's metrics carry its batch's best attempt (score, receipt, the release that served it);
   ``status`` folds them over the whole chain (releases and rejected steps alike, since a rejected step's attempts
   were real attempts): the best attempt found, by which release, and the number of attempts learned from.
+- **State reuse** (the source's PUCT): each step keeps its best ``ARCHIVE_PER_STEP`` attempts as states
+  (``archive`` in its metrics, JSON), and the status offers ``next_start``, the state maximising
+  ``Q + puct_c * P * sqrt(1 + N) / (1 + n)`` (``next_start``). The client writes the prompt from it and names it in
+  its reports (``metadata.start``): that is how visits and children's scores are counted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 import zlib
@@ -88,10 +93,11 @@ from recipes.sao import save_weights
 
 @dataclass
 class TTTReport:
-    """The typed fields of a ttt-discover report's ``metadata`` (both optional)."""
+    """The typed fields of a ttt-discover report's ``metadata`` (all optional)."""
 
     group: str | None = None  # the sibling attempts this one belongs to (default: its prompt)
     attempt_score: float | None = None  # the attempt's score on the problem's own scale (default: the report's score)
+    start: str | None = None  # state reuse: the receipt of the earlier attempt this one started from (next_start)
 
 
 LR_WHOLE = 2e-4  # all weights (the built-in tiny models), measured on longest-word (module docstring)
@@ -130,6 +136,7 @@ class TTTSettings(GateSettings):
     scorer: list[str] | str | None = None
     scorer_timeout_s: float = 30.0
     eval_attempts: int = 32  # attempts the gate samples from the candidate and from the head
+    puct_c: float = 1.0  # state reuse: the exploration weight of the PUCT rule that picks the next start
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
@@ -208,6 +215,65 @@ def attempt_score(record: ScoredExchange) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else record.score
 
 
+ARCHIVE_PER_STEP = 4  # a step's best attempts kept as states to start from (state reuse)
+MAX_STATE_CHARS = 1000  # of an attempt's text kept in the archive
+
+
+def start_of(record: ScoredExchange) -> str | None:
+    start = (record.report.metadata or {}).get("start")
+    return start if isinstance(start, str) else None
+
+
+def archive_entries(batch: list[ScoredExchange], scores: list[float], tokenizer: Any) -> str:
+    """A step's contribution to the archive of states (JSON text: a release's metrics hold scalars): its best
+    ``ARCHIVE_PER_STEP`` attempts (receipt, score, text) and every attempt's start, so that the archive's visit
+    counts and children's scores add up over steps."""
+    best = sorted(range(len(batch)), key=lambda i: -scores[i])[:ARCHIVE_PER_STEP]
+    states = [{"receipt": batch[i].id, "score": scores[i],
+               "text": tokenizer.decode(batch[i].token_ids, skip_special_tokens=True)[:MAX_STATE_CHARS]}
+              for i in best]
+    children = [{"start": start, "score": scores[i]} for i, r in enumerate(batch) if (start := start_of(r))]
+    return json.dumps({"states": states, "children": children}, separators=(",", ":"))
+
+
+def next_start(steps: list[dict[str, Any]], c: float) -> dict[str, Any] | None:
+    """State reuse as the source's PUCT: over the archive of states (the best attempts of every step), the one
+    maximising ``Q(s) + c * P(s) * sqrt(1 + N) / (1 + n(s))``, where ``Q(s)`` is the best score among the attempts
+    started from ``s`` (its own score before any), ``P(s)`` a prior by rank (the best state the most), ``n(s)`` the
+    attempts started from it and ``N`` all attempts started from a state. None while the archive is empty."""
+    states: dict[str, dict[str, Any]] = {}
+    visits: Counter[str] = Counter()
+    best_child: dict[str, float] = {}
+    for step in steps:
+        raw = (step.get("metrics") or {}).get("archive")
+        if not isinstance(raw, str):
+            continue
+        try:
+            part = json.loads(raw)
+        except ValueError:
+            continue
+        for st in part.get("states", []):
+            states.setdefault(st["receipt"], st)
+        for ch in part.get("children", []):
+            visits[ch["start"]] += 1
+            best_child[ch["start"]] = max(best_child.get(ch["start"], -math.inf), ch["score"])
+    if not states:
+        return None
+    ranked = sorted(states.values(), key=lambda st: -st["score"])
+    weights = [len(ranked) - i for i in range(len(ranked))]
+    total = sum(weights)
+    n_all = sum(visits.values())
+
+    def puct(i: int) -> float:
+        st = ranked[i]
+        q = max(st["score"], best_child.get(st["receipt"], -math.inf))
+        return q + c * weights[i] / total * math.sqrt(1 + n_all) / (1 + visits[st["receipt"]])
+
+    pick = max(range(len(ranked)), key=puct)
+    return {**ranked[pick], "visits": visits[ranked[pick]["receipt"]], "puct": round(puct(pick), 6),
+            "archive_size": len(ranked)}
+
+
 class TTTDiscover(Recipe):
     """``ttt-discover``: one problem, many attempts; entropic advantage over groups of sibling attempts; the head
     stays on the release whose attempts score best."""
@@ -232,6 +298,8 @@ class TTTDiscover(Recipe):
             raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read alpha (gate best does)",
                              param="settings.alpha")
         check("best", alpha=settings.alpha, margin=settings.margin)  # the range of alpha, as every gate's
+        if not settings.puct_c >= 0:
+            raise BadRequest("recipe ttt-discover setting puct_c must be at least 0", param="settings.puct_c")
         if settings.lr is not None and not settings.lr > 0:
             raise BadRequest("recipe ttt-discover setting lr must be positive", param="settings.lr")
         if settings.scorer is None and settings.scorer_timeout_s != TTTSettings.scorer_timeout_s:
@@ -315,6 +383,9 @@ class TTTDiscover(Recipe):
             out.update(best)
         if isinstance((head.get("metrics") or {}).get("eval_reward"), (int, float)):
             out["head_attempt_score"] = head["metrics"]["eval_reward"]
+        start = next_start([*releases, *rejected], self.settings.puct_c)
+        if start is not None:
+            out["next_start"] = start
         return out
 
     def train(self, job: TrainJob, state: dict[str, Any]) -> Candidate:
@@ -348,7 +419,8 @@ class TTTDiscover(Recipe):
         scores = [attempt_score(r) for r in job.batch]
         top = max(range(len(scores)), key=scores.__getitem__)
         found = {"batch_best": scores[top], "batch_mean": sum(scores) / len(scores),
-                 "batch_best_receipt": job.batch[top].id, "batch_best_release": job.batch[top].release_id}
+                 "batch_best_receipt": job.batch[top].id, "batch_best_release": job.batch[top].release_id,
+                 "archive": archive_entries(job.batch, scores, tokenizer)}
         judged = s.gate == "best" and (s.problem is not None or s.scorer is not None)
         prompt = Counter(tuple(r.prompt_token_ids) for r in job.batch).most_common(1)[0][0]
         base_scores, eval_s = None, 0.0

@@ -88,6 +88,30 @@ def test_the_default_learning_rate_follows_what_trains_and_a_set_one_wins():
         TTTDiscover.parse_settings({"lr": 0.0})
 
 
+def test_puct_offers_the_best_state_explores_the_unvisited_and_follows_good_children():
+    """The source's state reuse: catches a start chosen by score alone (no exploration), visits ignored, children's
+    scores ignored, or the prior's order flipped."""
+    from recipes.ttt_discover import next_start
+
+    def step(states: list[tuple[str, float]], children: list[tuple[str, float]] = ()) -> dict[str, Any]:
+        return {"metrics": {"archive": json.dumps({
+            "states": [{"receipt": r, "score": v, "text": r.upper()} for r, v in states],
+            "children": [{"start": r, "score": v} for r, v in children]})}}
+
+    assert next_start([], 1.0) is None and next_start([{"metrics": {"samples": 4}}], 1.0) is None
+    fresh = [step([("a", 0.9), ("b", 0.8)])]
+    assert next_start(fresh, 1.0)["receipt"] == "a"  # no visits: the best, by its score and the prior
+    worn = [*fresh, step([], [("a", 0.5)] * 20)]  # 20 attempts from a, none better than a
+    assert next_start(worn, 1.0)["receipt"] == "b" and next_start(worn, 1.0)["visits"] == 0  # explore b
+    assert next_start(worn, 0.0)["receipt"] == "a"  # c = 0: greedy by Q
+    fruitful = [*fresh, step([("c", 0.1)], [("c", 1.0)])]  # c's child beat every state: Q(c) = 1.0
+    got = next_start(fruitful, 0.0)
+    assert got["receipt"] == "c" and got["visits"] == 1 and got["text"] == "C" and got["archive_size"] == 3
+    assert next_start([step([("x", 0.2), ("y", 0.2)])], 1.0)["receipt"] == "x"  # ties: the first ranked
+    with pytest.raises(Exception, match="puct_c must be at least 0"):
+        TTTDiscover.parse_settings({"puct_c": -1.0})
+
+
 def test_a_step_takes_a_full_group_of_sibling_attempts():
     recipe = TTTDiscover(TTTSettings(group_size=3))
     a = [record(f"a{i}", 0.1 * i, [1, 2]) for i in range(2)]
@@ -175,7 +199,7 @@ def test_reports_that_break_the_schema_are_a_400_naming_the_field_and_the_status
         assert c.post("/reef/scenarios", json={"name": "ttt", "recipe": "ttt-discover"}).status_code == 201
         receipts = [attempt(c, "ttt")[0] for _ in range(4)]
         for metadata, param in (({"group": 7}, "metadata.group"), ({"attempt_score": "high"}, "metadata.attempt_score"),
-                                ({"attempt_score": True}, "metadata.attempt_score")):
+                                ({"attempt_score": True}, "metadata.attempt_score"), ({"start": 7}, "metadata.start")):
             r = c.post("/reef/report", json={"score": 0.5, "references": [receipts[0]], "metadata": metadata})
             assert assert_canonical_error(r, 400)["param"] == param, (metadata, r.text)
         assert c.get(f"/reef/records/{receipts[0]}").json()["reports"] == []  # nothing stored
@@ -192,6 +216,17 @@ def test_reports_that_break_the_schema_are_a_400_naming_the_field_and_the_status
         served_by = c.get(f"/reef/records/{receipts[3]}").json()["release_id"]
         assert status["best_attempt"] == 9 and status["best_attempt_receipt"] == receipts[3]
         assert status["best_attempt_release"] == served_by and status["attempts_learned_from"] == 4
+        # state reuse: every step's best attempts are the archive, and PUCT offers the next start (here the best)
+        start = status["next_start"]
+        assert start["receipt"] == receipts[3] and start["visits"] == 0 and start["archive_size"] == 4, start
+        assert start["score"] == 9 and isinstance(start["text"], str)
+        third = [attempt(c, "ttt")[0] for _ in range(2)]  # a round started from it: its visits count
+        for receipt in third:
+            assert c.post("/reef/report", json={"score": 0.3, "references": [receipt], "metadata": {
+                "group": "r3", "start": receipts[3], "attempt_score": 1}}).status_code == 201
+        wait_for(lambda: len(consumed(c, "ttt")) == 6, what="the third round learned from")
+        start = c.get("/reef/scenarios/ttt").json()["recipe_status"]["next_start"]
+        assert start["receipt"] == receipts[3] and start["visits"] == 2 and start["archive_size"] == 6, start
         # a recipe without a status hook shows none; the same metadata is free on it
         c.post("/reef/scenarios", json={"name": "plain", "recipe": "online-rl"})
         assert "recipe_status" not in c.get("/reef/scenarios/plain").json()
