@@ -1,4 +1,5 @@
-"""Weight learning on the default model from ordinary traffic, at the ``online-rl`` recipe's defaults.
+"""Weight learning on the default model from ordinary traffic, at a recipe's defaults (``--recipe``: ``online-rl``,
+``sao`` or ``openclaw-rl``).
 
 For each preference and seed: a fresh ``REEF_HOME`` with no configuration but its port (so the default model,
 SmolLM2-135M-Instruct, made once by ``reef model init smollm2`` and shared read-only between runs), the daemon
@@ -21,7 +22,11 @@ training steps, releases published and rejected, the trainer's peak resident mem
 the worker's VmHWM) and the daemon's (its VmHWM), and, per preference, one greedy answer from release 0 and from
 the last head, verbatim. A run stops ``--confirm`` answers after reaching the target, or at ``--minutes``.
 
-Run (nothing else on the machine): ``.venv/bin/python bench/learning_real.py [--prefs brief,subject-first]
+``online-rl`` and ``sao`` get each answer's score as a report; ``openclaw-rl`` gets no report: the user's next
+message in the session is "Thanks." when the answer scores ``HOLDS`` or more and a correction otherwise, and the
+rule judge turns it into the reward (the measure is the same answers' score).
+
+Run (nothing else on the machine): ``.venv/bin/python bench/learning_real.py [--recipe R] [--prefs brief,subject-first]
 [--seeds 0,1,2] [--minutes 15] [--json]``
 """
 
