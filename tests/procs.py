@@ -29,3 +29,18 @@ def wait_until_forwarding(proc: subprocess.Popen[Any]) -> None:
     from reef_cli.wrapper import FORWARDED, TTY_SIGNALS
 
     wait_until_catching(proc, *FORWARDED, *TTY_SIGNALS)
+
+
+def wait_standin(url: str, guard_s: float = 30) -> None:
+    """Wait until a stand-in server (tests/harness_standins.py) answers ``/_stats`` (``guard_s``: a hang guard)."""
+    import httpx
+
+    deadline = time.monotonic() + guard_s
+    while True:
+        try:
+            if httpx.get(f"{url}/_stats", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the stand-in at {url} did not start"
+        time.sleep(0.1)

@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from adapters import ADAPTERS
 from tests.conftest import ROOT, Daemon, free_port, make_home
+from tests.procs import wait_standin
 from tests.test_agents import _user_home, agents_dir, remote_addresses, snapshot  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.agents
@@ -52,14 +52,7 @@ def world(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:  # no
     (home / "config.toml").write_text(f'agents_dir = "{agents_dir}"\n' + settings)
     d = Daemon(home=home, port=dport, env=env).start()
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the stand-in's port answers (a hang guard only)
-            try:
-                httpx.get(f"{standin}/_stats", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "the stand-in did not start"
-                time.sleep(0.1)
+        wait_standin(standin)
         project = work / "project"
         project.mkdir()
         user = _user_home(work)

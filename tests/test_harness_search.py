@@ -30,6 +30,7 @@ from recipes.harness_search.mutations import Limits, Refused, apply, parse, rule
 from recipes.harness_search.pool import Pool, tree_id
 from recipes.harness_search.recipe import episodes_scenario
 from tests.conftest import ROOT, Daemon, free_port, make_home
+from tests.procs import wait_standin
 from tests.test_agents import agents_dir  # noqa: F401 (the fixture: agents installed once per machine)
 
 TREE = {"AGENTS.md": b"# Rules\n\n## Lessons\n\n- [french] Write greetings in French.\n- Be brief.\n"}
@@ -227,7 +228,7 @@ def world(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:  # no
     stub = subprocess.Popen([sys.executable, str(ROOT / "tests" / "harness_standins.py"), str(stub_port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     standin = f"http://127.0.0.1:{stub_port}"
-    wait_for(lambda: _up(standin), 30, "the stand-ins")
+    wait_standin(standin)
     models = "".join(f'\n[models.{name}]\nengine = "upstream"\nurl = "{standin}"\nformat = "openai-chat"\n'
                      f'upstream_model = "{name}"\n' for name in ("agent", "proposer"))
     home, port, env = make_home(tiny_model, models)
@@ -243,13 +244,6 @@ def world(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:  # no
     d.stop()
     shutil.rmtree(home, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/_stats", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def task(world: dict[str, Any], id_: str, expect: str, **kw: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from reef_cli import outcomes
+from tests.procs import wait_standin
 from tests.test_agents import BIN, agents_dir, last_run, setup  # noqa: F401 - fixtures, used by name
 
 
@@ -127,9 +128,6 @@ def test_a_real_agents_changes_are_snapshotted_by_the_wrapper_and_judged_kept_or
     import shutil
     import sys
     import tempfile
-    import time
-
-    import httpx
 
     from tests.conftest import ROOT, Daemon, free_port, make_home
     from tests.test_agents import _user_home
@@ -144,14 +142,7 @@ def test_a_real_agents_changes_are_snapshotted_by_the_wrapper_and_judged_kept_or
     work = Path(tempfile.mkdtemp(prefix="reef-kept-"))
     d = Daemon(home=home, port=dport, env=env).start()
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the stand-in's port answers (a hang guard only)
-            try:
-                httpx.get(f"{standin}/_stats", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "the stand-in did not start"
-                time.sleep(0.1)
+        wait_standin(standin)
         with d.http() as c:
             made = c.post("/reef/scenarios", json={"name": "kept-e2e", "recipe": "record", "model": "agent"})
             assert made.status_code == 201, made.text

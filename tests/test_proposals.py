@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,10 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, Daemon, assert_canonical_error, free_port, make_home
+from tests.procs import wait_standin
 from tests.test_agents import BIN, _user_home, agents_dir, last_run  # noqa: F401 - agents_dir: a fixture
 
 FRENCH = "Write greetings in French."
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/_stats", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +32,7 @@ def world(tiny_model: Path) -> Iterator[dict[str, Any]]:
     stub = subprocess.Popen([sys.executable, str(ROOT / "tests" / "harness_standins.py"), str(stub_port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     standin = f"http://127.0.0.1:{stub_port}"
-    deadline = time.monotonic() + 30
-    while not _up(standin):  # a hang guard only: the loop ends when the stand-in answers
-        assert time.monotonic() < deadline, "the stand-in did not start"
-        time.sleep(0.1)
+    wait_standin(standin)
     closed = free_port()  # nothing listens there: a model that cannot answer
     models = "".join(f'\n[models.{name}]\nengine = "upstream"\nurl = "{url}"\nformat = "openai-chat"\n'
                      f'upstream_model = "{name}"\n' for name, url in (("agent", standin), ("echo", standin),
