@@ -374,6 +374,33 @@ async def throughput_rounds(arrangement: str, sides: tuple[Target, ...], session
     return rates, round_ratios, cpu, threads_ms
 
 
+def start_reef(home: Path, port: int, up_port: int, profile: str | None = None) -> subprocess.Popen[bytes]:
+    """A real Reef daemon (its own process) under ``home`` on ``port``, with one ``upstream`` model pointing at the
+    upstream on ``up_port``; ``reef_token`` waits for it to be ready. ``profile``: run it under cProfile, stats there."""
+    (home / "logs").mkdir()
+    (home / "config.toml").write_text(
+        f'port = {port}\n\n[models.up]\nengine = "upstream"\nurl = "http://127.0.0.1:{up_port}"\n'
+        f'format = "openai-chat"\nupstream_model = "bench-upstream"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
+    env.update(REEF_HOME=str(home), REEF_MODEL="up", PYTHONPATH=str(ROOT))
+    with open(home / "logs" / "daemon.log", "ab") as log:  # the child keeps its own copy
+        prof = ["-m", "cProfile", "-o", str(Path(profile).resolve())] if profile else []
+        return subprocess.Popen([sys.executable, *prof, "-m", "daemon", "--log-file"], env=env, stdout=log,
+                                stderr=log, cwd=home)
+
+
+def reef_token(home: Path, proc: subprocess.Popen[bytes]) -> str:
+    """The token of the daemon ``start_reef`` started, once it has written it (it listens by then)."""
+    deadline = time.monotonic() + 60
+    while not (home / "token").exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit("reef did not start: " + (home / "logs" / "daemon.log").read_text()[-2000:])
+        time.sleep(0.05)
+    time.sleep(0.1)
+    return (home / "token").read_text().strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=500)
@@ -390,29 +417,12 @@ def main() -> None:
         return
     up_port, reef_port, relay_port = free_port(), free_port(), free_port()
     home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
-    (home / "logs").mkdir()
-    (home / "config.toml").write_text(
-        f'port = {reef_port}\n\n[models.up]\nengine = "upstream"\nurl = "http://127.0.0.1:{up_port}"\n'
-        f'format = "openai-chat"\nupstream_model = "bench-upstream"\n'
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
-    env.update(REEF_HOME=str(home), REEF_MODEL="up", PYTHONPATH=str(ROOT))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)]))
-        log = open(home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
-        profile = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []
-        procs.append(subprocess.Popen([sys.executable, *profile, "-m", "daemon", "--log-file"], env=env,
-                                      stdout=log, stderr=log, cwd=home))
-        log.close()
+        procs.append(start_reef(home, reef_port, up_port, args.profile))
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-relay", str(relay_port), str(up_port)]))
-        deadline = time.monotonic() + 60
-        while not (home / "token").exists():
-            if time.monotonic() > deadline or procs[1].poll() is not None:
-                raise SystemExit("reef did not start: " + (home / "logs" / "daemon.log").read_text()[-2000:])
-            time.sleep(0.05)
-        time.sleep(0.1)
-        token = (home / "token").read_text().strip()
+        token = reef_token(home, procs[1])
         import uvloop
 
         uvloop.run(bench(args.requests, up_port, reef_port, relay_port, token, procs))
