@@ -371,23 +371,19 @@ def report(sides: list[Side], n: int, rounds: int, per_round: int, load: tuple[f
         cpu_txt = "" if s is d else f"{cpu:6.3f}ms {s.rss_mb:4.0f}MB"
         print(f"{s.name:9} | {p50:6.3f}ms {p99:5.3f}ms {adds:17} | {rate:10.0f} {rate / drate:9.2f} | "
               f"{f50:6.3f}ms {'' if s is d else f'{f50 - dttft:+7.3f}':7} | {cpu_txt}")
-    if "reef" not in fig:
-        return
-    me = fig["reef"]
     print()
-    for other in ("original", "litellm"):
-        if other not in fig:
+
+    def less(mine: float, theirs: float, unit: str = " ms") -> str:
+        return f"{theirs / mine:.1f}x less" if mine > 0.005 and theirs > 0 else f"{mine:+.3f} vs {theirs:+.3f}{unit}"
+
+    for one, other in (("reef", "original"), ("reef", "litellm"), ("original", "litellm")):
+        if one not in fig or other not in fig:
             continue
-        o = fig[other]
-
-        def less(mine: float, theirs: float) -> str:
-            return f"{theirs / mine:.1f}x less" if mine > 0.005 and theirs > 0 else f"{mine:+.3f} vs {theirs:+.3f} ms"
-
-        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(by["reef"].rates, by[other].rates, strict=False))
-        print(f"reef vs {other:8}: added latency p50 {less(me['add50'], o['add50'])}, p99 {less(me['add99'], o['add99'])};"
+        me, o = fig[one], fig[other]
+        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(by[one].rates, by[other].rates, strict=False))
+        print(f"{one} vs {other}: added latency p50 {less(me['add50'], o['add50'])}, p99 {less(me['add99'], o['add99'])};"
               f" throughput {me['rate'] / o['rate']:.2f}x (per round {per_round});"
-              f" added ttft {less(me['ttft'], o['ttft'])}; CPU per request {o['cpu'] / me['cpu']:.1f}x less")
-
+              f" added ttft {less(me['ttft'], o['ttft'])}; CPU per request {less(me['cpu'], o['cpu'], '')}")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
