@@ -30,8 +30,8 @@ answer is printed as ``failed: <reason>`` and the others still run. LiteLLM's pi
 whose ``[proxy]`` extra resolves on the package index this was written on (1.110.2's needs ``litellm-proxy``, not
 on that index); ``--litellm`` changes it.
 
-Run: ``.venv/bin/python bench/proxy_compare.py [--only reef,original,litellm] [--requests N]`` (a few
-minutes; the first run installs the competitors, a few minutes more).
+Run: ``.venv/bin/python bench/proxy_compare.py [--only reef,original,litellm] [--requests N]`` (about a
+minute; the first run installs the competitors first, two minutes more).
 """
 
 from __future__ import annotations
