@@ -7,6 +7,7 @@ real sockets with the official SDKs, httpx and the ``reef`` CLI.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -126,6 +127,22 @@ def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_build(tmp_path_factory, "tiny-demo", lambda d: init_built_in(d, "tiny-demo", seed=0))
 
 
+_ZYGOTE: list[Any] = []
+
+
+def worker_zygote() -> Any:
+    """This pytest process's zygote (started on first use, stopped at exit), or None where it is switched off."""
+    if os.environ.get("REEF_TESTS_FRESH_DAEMONS") == "1":
+        return None
+    if not _ZYGOTE:
+        from tests.zygote import Zygote
+
+        z = Zygote(ROOT, Path(tempfile.mkdtemp(prefix="reef-zygote-", dir="/tmp")))
+        atexit.register(z.close)
+        _ZYGOTE.append(z)
+    return _ZYGOTE[0]
+
+
 @dataclass
 class Daemon:
     home: Path
@@ -160,11 +177,19 @@ class Daemon:
         )
 
     def start(self, timeout: float = 180) -> Daemon:
-        log = open(self.home / "logs" / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "--log-file"], env=self.env, stdout=log, stderr=log, cwd=self.home
-        )
-        log.close()
+        """Start ``python -m daemon --log-file`` in this home and wait until it answers. Forked from the worker's
+        zygote (tests/zygote.py: the same daemon, less 4.5 s of imports) unless the test changed what a process
+        reads at its start (``PYTHONPATH``, ``LD_PRELOAD``...) or ``REEF_TESTS_FRESH_DAEMONS=1`` is set."""
+        log_path = self.home / "logs" / "daemon.log"
+        zygote = worker_zygote()
+        if zygote is not None and zygote.can_fork(self.env):
+            self.proc = zygote.spawn(self.env, self.home, log_path)  # type: ignore[assignment]
+        else:
+            log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "daemon", "--log-file"], env=self.env, stdout=log, stderr=log, cwd=self.home
+            )
+            log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

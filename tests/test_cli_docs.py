@@ -139,6 +139,7 @@ def test_the_entry_points_help_is_typers_own() -> None:
 def test_reef_status_is_answered_without_typer_and_says_what_the_full_command_says(daemon: Any) -> None:
     import json
 
+    daemon.wait_loaded()  # both commands see the same models (a load finishing between them would differ)
     probe = ("import sys, runpy; sys.argv = ['reef'] + sys.argv[1:]\n"
              "runpy.run_module('reef_cli.fast', run_name='__main__')\n"
              "sys.stderr.write('TYPER=%s' % ('typer' in sys.modules))")

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -623,6 +624,22 @@ CUT_END = {
     "responses": lambda ev: [e for e, _ in ev[-2:]] == ["error", "response.failed"],
     "messages": lambda ev: ev[-1][0] == "error" and ev[-1][1]["type"] == "error",
 }
+
+
+def test_receipt_wait_counts_from_the_first_event_not_from_the_write(front: Daemon) -> None:
+    """A stream's ``receipt-wait`` (Server-Timing) is how long its first event waited for the opening record's
+    write. The stub holds its answer until that record is committed, so the first event arrives after the write and
+    waits for nothing: the wait is far under the write's own time. Catches the wait measured from the write's start
+    or from the request (both at least the whole write), which the bound ``wait <= record`` alone cannot tell."""
+    nonce = uuid.uuid4().hex
+    text = f"hi [stub:after_record={front.home / 'records.sqlite3'}|{nonce}]"
+    with front.http() as c:
+        r = c.post("/s/stub-chat/v1/chat/completions",
+                   json={"model": "x", "stream": True, "messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 200, r.text
+    timing = {p.split(";")[0].strip(): float(p.split("dur=")[1]) for p in r.headers["Server-Timing"].split(",")}
+    assert timing["record"] > 0, timing
+    assert timing["receipt-wait"] < timing["record"] / 2, timing
 
 
 @pytest.mark.parametrize("client", CLIENTS)

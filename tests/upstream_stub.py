@@ -10,6 +10,8 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``status=N``: answer HTTP N with the format's error body (message ``stub refuses: status N``; 429 and 503 come
   with ``Retry-After: 7``);
 - ``slow=S``: wait S seconds before the response headers;
+- ``after_record=PATH|NONCE``: before the response headers, wait until the SQLite record store at PATH holds a
+  record whose request contains NONCE (a stream whose opening write is durable before its first event leaves);
 - ``cut=N``: stream N text pieces, then drop the connection (no final event; non-streaming: half a body);
 - ``error_event``: stream one text piece, then the format's in-stream error event;
 - ``stall=S``: stream up to the first text piece, then wait S seconds before the rest;
@@ -269,6 +271,23 @@ def in_stream_error(fmt: str) -> bytes:
     return frame({"error": {"message": "stub overloaded", "type": "server_error"}})
 
 
+async def record_committed(path: str, nonce: str, guard_s: float = 30) -> None:
+    """Poll the store (a reader of its WAL, as any other) until a record whose request holds ``nonce`` is committed;
+    ``guard_s``: a hang guard."""
+    import sqlite3
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        while conn.execute("SELECT 1 FROM records WHERE instr(request, ?) > 0", (nonce,)).fetchone() is None:
+            if loop.time() > deadline:
+                raise TimeoutError(f"no record with {nonce} committed in {path}")
+            await asyncio.sleep(0.002)
+    finally:
+        conn.close()
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
     path = request.path
     raw = await request.read()
@@ -289,6 +308,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     model = str(body.get("model"))
     if "slow" in d:
         await asyncio.sleep(float(d["slow"]))
+    if "after_record" in d:
+        await record_committed(*d["after_record"].split("|"))
     if "status" in d:
         status = int(d["status"])
         headers = {"Retry-After": "7"} if status in (429, 503) else None
