@@ -1,11 +1,14 @@
 """``trainer = "ray"`` without ``ray_address``: the daemon starts a local Ray cluster of its own on the first
-training step (its one cluster in this module), trains there, and stops it when the daemon stops."""
+training step (its one cluster in this module), on loopback only, trains there, and stops it when the daemon
+stops."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tests.conftest import Daemon
 from tests.test_learning import releases, serve_and_report, wait_for
@@ -43,5 +46,11 @@ def test_the_daemon_starts_a_local_ray_cluster_trains_on_it_and_stops_it(daemon_
         assert head["metrics"]["pid"] in cluster  # the actor's worker belongs to the cluster this daemon started
         names = {Path(f"/proc/{p}/comm").read_text().strip() for p in alive(cluster)}
         assert {"gcs_server", "raylet"} <= names, names
+        # the cluster's ports run code for whoever reaches them: loopback only (Ray's default bound them to every
+        # interface, `*:port`, with the node named by the machine's outward address)
+        listening = [(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in cluster]
+        assert listening, "the cluster's processes listen somewhere"
+        assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip, _ in listening), listening
     assert d.stop() == 0
     wait_for(lambda: not alive(cluster), timeout=120, what="the daemon's Ray cluster to stop")

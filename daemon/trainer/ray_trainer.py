@@ -68,6 +68,18 @@ def _write_dir(files: dict[str, bytes], dest: Path) -> None:
         durable.publish_dir(tmp, dest)
 
 
+
+def _loopback_only() -> None:
+    """Keep a local cluster Reef starts on loopback. Ray binds its GCS and raylet to every interface, and names the
+    node by the machine's outward address, even with ``_node_ip_address="127.0.0.1"`` (measured, Ray 2.60: ``*:port``
+    in ``ss -ltn``); a cluster's gRPC ports run code for whoever reaches them. Ray's own switch for a cluster that
+    spans no other machine makes it resolve the node to 127.0.0.1 and bind there. It is read when ``ray`` is imported
+    (and by the processes the cluster starts, from the environment), so it is set in both places."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
 class _StepActor:
     """Runs training steps on a Ray worker (made a Ray actor class by ``RayDriver``)."""
 
@@ -131,6 +143,8 @@ class RayDriver:
         self.restarts = 0
 
     def _connect(self) -> Any:
+        if not self.address:
+            _loopback_only()
         import ray
 
         if not self._connected:
