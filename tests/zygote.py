@@ -195,7 +195,10 @@ class Zygote:
             env=env, stdout=subprocess.PIPE, cwd=workdir,
         )
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != b"ready":
+        for line in self.proc.stdout:  # what an import printed comes first
+            if line.strip() == b"ready":
+                break
+        else:
             raise RuntimeError(f"the zygote did not start (exit {self.proc.wait()})")
 
     def can_fork(self, env: dict[str, str]) -> bool:
