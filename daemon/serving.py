@@ -688,6 +688,9 @@ class ServePath:
                                         ("top_p", sampling.top_p)) if v is not None},
             finish_reason=completion.stop_reason if completion is not None else None,
             error=None if error is None else {"type": error.type, "message": error.message},
+            # the client's W3C trace context, as it sent it (checked where it is read): its trace, joined by the span
+            traceparent=served.headers.get("traceparent"),
+            tracestate=served.headers.get("tracestate"),
         )
         if status == "complete" and completion is not None:
             self._observe(served.scenario.name, served.receipt, served.run, served.headers, ex.messages,

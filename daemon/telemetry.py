@@ -21,6 +21,13 @@ Design choices:
   SHA-256(``reef/exchange/<receipt>``), so a report that comes hours later links to its exchanges' spans knowing
   only their receipts, and so can any other tool. A report's span is a trace of its own (SHA-256 of
   ``reef/report/<report id>``) with one link per exchange it judges.
+- The client's trace followed. A request that carries a W3C ``traceparent`` (and ``tracestate``), as an
+  OpenTelemetry-instrumented client sends, gets its exchange span in the client's trace: that trace id, the
+  traceparent's span as parent, its tracestate, its sampled flag obeyed (``ParentBased``, the SDK's default). The
+  span id stays the receipt's. Parsing is OpenTelemetry's own propagator; a malformed header is ignored (the span
+  starts its own trace, as without one). Nothing new is kept for it: the record keeps the client's headers (these
+  two among them) and the ``record`` event carries them; a report reads them back from the store to link to the
+  exchange span in whichever trace it is.
 - Collector errors are logged once: a warning at the first failed export, then nothing until an export goes
   through again (an info line says so). The exporter's own log lines (one per failed batch, one per retry) are
   kept out of the daemon's log.
@@ -43,8 +50,19 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    get_current_span,
+    set_span_in_context,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from daemon.events import DROPPED
@@ -64,6 +82,11 @@ BATCH = 512  # spans per export request
 # the loggers of the exporter and the batch processor: their lines are held back (the last one is the reason the
 # once-logged warning gives)
 QUIET_LOGGERS = ("opentelemetry.exporter", "opentelemetry.sdk._shared_internal")
+# the loggers of the W3C propagator and of its tracestate parser: a client's malformed header is ignored (the spec
+# says so), not a warning in the daemon's log per request; their lines are dropped
+CLIENT_HEADER_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span")
+TRACE_HEADERS = ("traceparent", "tracestate")  # the W3C Trace Context headers (as the record keeps them: lower case)
+_W3C = TraceContextTextMapPropagator()
 
 
 def span_ids(kind: str, record_id: str) -> tuple[int, int]:
@@ -73,9 +96,33 @@ def span_ids(kind: str, record_id: str) -> tuple[int, int]:
     return int.from_bytes(digest[:16], "big") or 1, int.from_bytes(digest[16:24], "big") or 1
 
 
+def client_parent(headers: dict[str, Any] | None) -> SpanContext | None:
+    """The client's span an exchange's span is the child of: from its W3C ``traceparent`` and ``tracestate``
+    headers (``headers``: the recorded headers, or the record event's fields), read by OpenTelemetry's propagator.
+    None where the client sent none, or one that is malformed (wrong length, not lower-case hex, an all-zero id,
+    version ff, ...): such a header is ignored, as the spec says."""
+    carrier = {k: v for k in TRACE_HEADERS if isinstance(v := (headers or {}).get(k), str)}
+    if "traceparent" not in carrier:
+        return None
+    parent = get_current_span(_W3C.extract(carrier)).get_span_context()
+    return parent if parent.is_valid else None
+
+
+def exchange_span_context(receipt: str, headers: dict[str, Any] | None) -> SpanContext:
+    """Where an exchange's span is: its receipt's span id, in the client's trace where the client sent a valid
+    ``traceparent`` (``client_parent``), else in the receipt's own trace (``span_ids``). What a report links to."""
+    trace_id, span_id = span_ids("exchange", receipt)
+    parent = client_parent(headers)
+    if parent is None:
+        return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return SpanContext(parent.trace_id, span_id, is_remote=True,
+                       trace_flags=TraceFlags(parent.trace_flags & TraceFlags.SAMPLED))
+
+
 class _PinnedIds(IdGenerator):
-    """Span ids derived from record ids (``span_ids``), pinned just before each span starts. Spans are only made
-    on the event loop's thread, one at a time, so one pinned pair is enough."""
+    """Span ids derived from record ids (``span_ids``), pinned just before each span starts (a span with a parent,
+    the client's, takes only the span id: its trace id is the parent's). Spans are only made on the event loop's
+    thread, one at a time, so one pinned pair is enough."""
 
     def __init__(self) -> None:
         self.trace_id = 0
@@ -166,6 +213,7 @@ class Telemetry:
         self._events = events
         self._store = store
         self._held = _Held()
+        self._dropped = logging.NullHandler()
         self._quieted: list[tuple[logging.Logger, bool]] = []
         inner = OTLPSpanExporter(endpoint=settings.endpoint, headers=dict(settings.headers),
                                  timeout=settings.timeout_s)
@@ -179,8 +227,11 @@ class Telemetry:
         resource: dict[str, AttributeValue] = {"service.name": settings.service_name}
         if (version := _version()) is not None:
             resource["service.version"] = version
-        self._provider = TracerProvider(resource=Resource(resource), sampler=ALWAYS_ON, id_generator=self._ids,
-                                        shutdown_on_exit=False)
+        # ParentBased(ALWAYS_ON), the SDK's default sampler: a span of Reef's own trace is always sampled; one in a
+        # client's trace (its traceparent) follows that trace's sampled flag: where the client's flag says not
+        # sampled, the exchange span is not recorded and never exported, as any OpenTelemetry service would do
+        self._provider = TracerProvider(resource=Resource(resource), sampler=ParentBased(ALWAYS_ON),
+                                        id_generator=self._ids, shutdown_on_exit=False)
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("reef")
         self._queue: asyncio.Queue[dict[str, Any] | None] | None = None
@@ -192,10 +243,10 @@ class Telemetry:
         self._broken = False  # a span that could not be made was logged (once)
 
     def start(self) -> None:
-        for name in QUIET_LOGGERS:
+        for name in QUIET_LOGGERS + CLIENT_HEADER_LOGGERS:
             logger = logging.getLogger(name)
             self._quieted.append((logger, logger.propagate))
-            logger.addHandler(self._held)
+            logger.addHandler(self._held if name in QUIET_LOGGERS else self._dropped)
             logger.propagate = False
         self._queue = self._events.subscribe()
         self._task = asyncio.create_task(self._run(), name="reef-telemetry")
@@ -219,6 +270,7 @@ class Telemetry:
         await asyncio.to_thread(self._flush)
         for logger, propagate in self._quieted:
             logger.removeHandler(self._held)
+            logger.removeHandler(self._dropped)
             logger.propagate = propagate
         self._quieted.clear()
 
@@ -268,9 +320,11 @@ class Telemetry:
                                   event.get("id"))
 
     def _span(self, name: str, ids: tuple[int, int], attrs: dict[str, AttributeValue], *, start: float, end: float,
-              links: list[Link] | None = None, error: str | None = None) -> None:
+              links: list[Link] | None = None, error: str | None = None, parent: SpanContext | None = None) -> None:
+        """Make and end a span (``parent``: the client's span, of which it is the child; else a trace of its own)."""
         self._ids.pin(ids)
-        span = self._tracer.start_span(name, context=Context(), kind=SpanKind.SERVER, attributes=attrs,
+        context = Context() if parent is None else set_span_in_context(NonRecordingSpan(parent), Context())
+        span = self._tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=attrs,
                                        links=links, start_time=int(start * 1e9))
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
@@ -313,7 +367,7 @@ class Telemetry:
         if self.settings.content:
             attrs.update(await self._exchange_content(receipt))
         self._span(f"chat {requested}" if requested else "chat", span_ids("exchange", receipt), attrs,
-                   start=ev.get("started_at") or ev["time"], end=ev["time"],
+                   start=ev.get("started_at") or ev["time"], end=ev["time"], parent=client_parent(ev),
                    error=None if not error else error.get("message") or error.get("type") or "error")
 
     async def _report(self, ev: dict[str, Any]) -> None:
@@ -330,9 +384,9 @@ class Telemetry:
             feedback = (rec.get("report") or {}).get("feedback")
             if feedback is not None:
                 attrs["reef.report.feedback"] = feedback if isinstance(feedback, str) else json.dumps(feedback)
-        flags = TraceFlags(TraceFlags.SAMPLED)
-        links = [Link(SpanContext(*span_ids("exchange", r), is_remote=True, trace_flags=flags), {"reef.receipt": r})
-                 for r in references]
+        # the exchange spans may be in their clients' traces: their traceparents, from the records' headers
+        headers = await self._store.trace_headers(references) if references else {}
+        links = [Link(exchange_span_context(r, headers.get(r)), {"reef.receipt": r}) for r in references]
         self._span("reef report", span_ids("report", ev["id"]), attrs, start=ev["time"], end=ev["time"], links=links)
 
     async def _exchange_content(self, receipt: str) -> dict[str, AttributeValue]:

@@ -50,6 +50,8 @@ class Span:
     status_code: int  # 0 unset, 1 ok, 2 error
     status_message: str
     resource: dict[str, Any]
+    trace_state: str = ""  # W3C tracestate, as the span carries it
+    flags: int = 0  # OTLP span flags: 0x100 the parent's remoteness is known, 0x200 it is remote
 
 
 def decode(body: bytes) -> list[Span]:
@@ -66,6 +68,7 @@ def decode(body: bytes) -> list[Span]:
                     end_ns=s.end_time_unix_nano, attributes=attributes(s.attributes),
                     links=[(ln.trace_id.hex(), ln.span_id.hex(), attributes(ln.attributes)) for ln in s.links],
                     status_code=s.status.code, status_message=s.status.message, resource=resource,
+                    trace_state=s.trace_state, flags=s.flags,
                 ))
     return out
 

@@ -8,6 +8,10 @@ What each test catches:
   or feedback text anywhere in what was sent unless the user opted in;
 - with ``content = true``: the prompt, the answer and the feedback, in the conventions' shape; and the flush at a
   stop (these spans wait an hour in the batch: only the stop's flush sends them);
+- the client's W3C trace context: an exchange span in the trace of a valid ``traceparent`` (its parent, its
+  ``tracestate``, its sampled flag obeyed: not sampled, not exported), whole or streamed, in two wire formats; a
+  report's span linked to it there; a malformed ``traceparent`` (every way the spec refuses) ignored, the request
+  answered and its span in a trace of its own; the store's read of those headers, on both backends;
 - a collector that refuses, hangs or is down: every request answered while it does, its failure logged once and its
   recovery once, the exporter's own log lines kept out, the stop not held by it;
 - the config: bad values refused with a clear message (in-process and by a real daemon), the environment's OTLP
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +39,7 @@ import pytest
 from daemon.config import load_config
 from daemon.errors import BadRequest
 from daemon.telemetry import span_ids
-from tests.conftest import ROOT, Daemon, assert_canonical_error, sse_events
+from tests.conftest import ROOT, Daemon, assert_canonical_error, make_home, sse_events
 from tests.otlp_receiver import Receiver, Span
 from tests.upstream_stub import chat_stream
 
@@ -386,3 +391,173 @@ def test_a_daemon_refuses_bad_telemetry_and_a_missing_extra_and_imports_none_wit
     with plain.http() as c:
         assert c.get("/healthz").status_code == 200
     assert plain.stop() == 0
+
+
+# --- the client's W3C trace context (traceparent, tracestate) ----------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"  # the spec's example ids (hex letters in both: upper case is wrong)
+PARENT_ID = "00f067aa0ba902b7"
+STATE = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_model: Path) -> Any:
+    """One receiver and one daemon exporting to it, shared by the trace-context tests (each request its own
+    receipt, so its own span)."""
+    r = Receiver().start()
+    home, port, env = make_home(tiny_model, telemetry(r, batch_delay_s=0.05))
+    d = Daemon(home=home, port=port, env=env).start()
+    yield r, d
+    d.stop()
+    r.close()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def own_ids(receipt: str) -> tuple[str, str]:
+    """The trace id and span id, as OTLP's hex, of an exchange's span in a trace of its own."""
+    trace_id, span_id = span_ids("exchange", receipt)
+    return f"{trace_id:032x}", f"{span_id:016x}"
+
+
+def traced_chat(c: httpx.Client, headers: dict[str, str], *, stream: bool = False, anthropic: bool = False) -> str:
+    """A request (OpenAI chat or Anthropic messages, whole or streamed) carrying ``headers``: answered 200; its
+    receipt."""
+    path, body = ("/v1/messages", {"max_tokens": 4}) if anthropic else ("/v1/chat/completions", {"max_tokens": 4})
+    r = c.post(f"/s/trace{path}", headers=headers, json={
+        "model": "tiny", "stream": stream, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 200, r.text
+    assert ("data:" in r.text) == stream
+    return r.headers["x-reef-agent-record-id"]
+
+
+def fresh_ids(n: int) -> tuple[str, str]:
+    """A trace id and a parent span id of the client's, distinct per request."""
+    return f"{n:x}".rjust(32, "a"), f"{n:x}".rjust(16, "b")
+
+
+def test_a_client_traceparent_puts_the_exchange_span_in_its_trace(traced: Any) -> None:
+    """Catches: the traceparent ignored (the span in a trace of its own), its trace id taken but its parent dropped
+    (or the reverse), the tracestate lost, a stream or another wire format not followed, the span id no longer the
+    receipt's, and a report's link still pointing at the trace the exchange span is no longer in."""
+    receiver, d = traced
+    forms = {"whole": {}, "stream": {"stream": True}, "anthropic stream": {"stream": True, "anthropic": True}}
+    sent: dict[str, tuple[str, str]] = {}
+    with d.http() as c:
+        for n, kw in enumerate(forms.values(), start=1):
+            trace_id, parent = fresh_ids(n)
+            receipt = traced_chat(c, {"traceparent": f"00-{trace_id}-{parent}-01", "tracestate": STATE}, **kw)
+            sent[receipt] = trace_id, parent
+        # the spec's own example, with its tracestate: what an OpenTelemetry-instrumented client sends
+        example = traced_chat(c, {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": STATE})
+        sent[example] = TRACE_ID, PARENT_ID
+        plain = traced_chat(c, {})  # none sent: a trace of its own, as before
+        assert c.get(f"/reef/records/{example}").json()["headers"]["traceparent"] == f"00-{TRACE_ID}-{PARENT_ID}-01"
+        report = c.post("/reef/report", json={"score": 1, "references": [example, plain]})
+        assert report.status_code == 201, report.text
+        report_id = report.json()["report_id"]
+        receiver.wait(lambda r: all(r.span(x) for x in [*sent, plain])
+                      and any(s.attributes.get("reef.report.id") == report_id for s in r.spans))
+
+    for receipt, (trace_id, parent) in sent.items():
+        span = receiver.span(receipt)
+        assert span is not None
+        assert (span.trace_id, span.parent_span_id) == (trace_id, parent), receipt
+        assert span.span_id == own_ids(receipt)[1]  # still the receipt's: any tool finds it
+        assert span.trace_state == STATE
+        assert span.flags & 0x300 == 0x300  # OTLP's "the parent is remote": the client's, in another process
+    own = receiver.span(plain)
+    assert own is not None and (own.trace_id, own.span_id) == own_ids(plain)
+    assert own.parent_span_id == "" and own.trace_state == ""
+
+    (rep,) = [s for s in receiver.spans if s.attributes.get("reef.report.id") == report_id]
+    links = {attrs["reef.receipt"]: (t, s) for t, s, attrs in rep.links}
+    assert links == {example: (TRACE_ID, own_ids(example)[1]), plain: own_ids(plain)}  # to the very spans
+    assert rep.trace_id not in {TRACE_ID, own.trace_id} and rep.parent_span_id == ""
+
+
+def test_a_client_trace_not_sampled_is_not_exported(traced: Any) -> None:
+    """The SDK's default sampler (ParentBased): a client's trace whose flag says not sampled gets no exchange span.
+    Catches a sampler that ignores the flag (ALWAYS_ON kept) and a report span that cannot link to such an
+    exchange (its link still names the client's trace)."""
+    receiver, d = traced
+    trace_id, parent = fresh_ids(0x5EED)
+    with d.http() as c:
+        unsampled = traced_chat(c, {"traceparent": f"00-{trace_id}-{parent}-00"})
+        streamed = traced_chat(c, {"traceparent": f"00-{trace_id}-{parent}-00"}, stream=True)
+        report = c.post("/reef/report", json={"score": 0, "references": [unsampled]})
+        assert report.status_code == 201, report.text
+        after = traced_chat(c, {})
+        # spans are made in the order of the events and exported in that order: the later one's arrival means
+        # the unsampled ones would have come before it
+        receiver.wait(lambda r: r.span(after) and any(s.attributes.get("reef.report.id") == report.json()["report_id"]
+                                                      for s in r.spans))
+    assert receiver.span(unsampled, attempted=True) is None and receiver.span(streamed, attempted=True) is None
+    (rep,) = [s for s in receiver.spans if s.attributes.get("reef.report.id") == report.json()["report_id"]]
+    assert [(t, s) for t, s, _ in rep.links] == [(trace_id, own_ids(unsampled)[1])]
+
+
+def _bad(form: str) -> str:
+    t, s = TRACE_ID, PARENT_ID
+    return {
+        "trace id short": f"00-{t[:-1]}-{s}-01",
+        "trace id long": f"00-{t}a-{s}-01",
+        "span id short": f"00-{t}-{s[:-1]}-01",
+        "flags short": f"00-{t}-{s}-1",
+        "not hex": f"00-{t[:-1]}g-{s}-01",
+        "all-zero trace id": f"00-{'0' * 32}-{s}-01",
+        "all-zero span id": f"00-{t}-{'0' * 16}-01",
+        "version ff": f"ff-{t}-{s}-01",
+        "upper-case hex": f"00-{t.upper()}-{s.upper()}-01",
+        "version 00 with more fields": f"00-{t}-{s}-01-more",
+        "other separators": f"00_{t}_{s}_01",
+        "empty": "",
+        "not a traceparent": "hello",
+        "too long (over 512)": f"01-{t}-{s}-01-{'a' * 600}",
+    }[form]
+
+
+BAD_FORMS = ("trace id short", "trace id long", "span id short", "flags short", "not hex", "all-zero trace id",
+             "all-zero span id", "version ff", "upper-case hex", "version 00 with more fields", "other separators",
+             "empty", "not a traceparent", "too long (over 512)")
+
+
+@pytest.mark.parametrize("form", BAD_FORMS)
+def test_a_malformed_traceparent_is_ignored(traced: Any, form: str) -> None:
+    """Catches a malformed traceparent taken (its trace joined, its parent set, its tracestate carried), a 400 or
+    a crash over one, and the propagator's warnings let into the daemon's log (a line per request, the client's
+    to cause)."""
+    receiver, d = traced
+    header = _bad(form)
+    with d.http() as c:
+        receipts = [traced_chat(c, {"traceparent": header, "tracestate": STATE}, stream=stream)
+                    for stream in (False, True)]
+        receiver.wait(lambda r: all(r.span(x) for x in receipts))
+        assert c.get(f"/reef/records/{receipts[0]}").json()["headers"]["traceparent"] == header  # kept as sent
+    for receipt in receipts:
+        span = receiver.span(receipt)
+        assert span is not None
+        assert (span.trace_id, span.span_id) == own_ids(receipt)  # a fresh trace of its own, as without one
+        assert span.parent_span_id == "" and span.trace_state == ""
+    assert log_lines(d, "traceparent|tracestate|Traceback") == []
+
+
+async def test_the_store_gives_back_the_trace_headers_of_exchanges(records_at: str) -> None:
+    """What a report's span reads to link to exchange spans in their clients' traces, on both backends. Catches a
+    read of the wrong key, a receipt mixed up with another's, and a report or an exchange without them listed."""
+    from daemon.records import ExchangeRecord, open_store
+
+    store = open_store(records_at)
+    try:
+        parent = f"00-{TRACE_ID}-{PARENT_ID}-01"
+        for receipt, headers in (("both", {"traceparent": parent, "tracestate": STATE, "user-agent": "x"}),
+                                 ("parent", {"traceparent": parent}), ("none", {"user-agent": "x"}),
+                                 ("no-headers", None)):
+            await store.append_exchange(ExchangeRecord(id=receipt, scenario="s", request={}, response={},
+                                                       headers=headers))
+        report = await store.append_report(scenario="s", score=1.0, feedback=None, references=["both"],
+                                           metadata=None, report_id=None)
+        got = await store.trace_headers(["both", "parent", "none", "no-headers", "unknown", report["id"]])
+        assert got == {"both": {"traceparent": parent, "tracestate": STATE}, "parent": {"traceparent": parent}}
+        assert await store.trace_headers([]) == {}
+    finally:
+        store.close()

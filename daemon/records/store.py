@@ -632,6 +632,27 @@ class RecordStore:
             raise NotFound(f"no record with receipt {receipt!r}", receipt=receipt)
         return rec
 
+    async def trace_headers(self, receipts: list[str]) -> dict[str, dict[str, str]]:
+        """The W3C trace headers (``traceparent``, ``tracestate``) the clients of these exchanges sent, from their
+        recorded headers: receipt -> the headers it has (receipts with neither, or unknown, left out). What the
+        span of a report reads to link to exchange spans that joined their clients' traces (daemon/telemetry.py)."""
+        parent, state = self.json_field("headers", "traceparent"), self.json_field("headers", "tracestate")
+
+        def op(conn: Conn) -> dict[str, dict[str, str]]:
+            out: dict[str, dict[str, str]] = {}
+            for i in range(0, len(receipts), 500):
+                chunk = receipts[i:i + 500]
+                rows = conn.execute(
+                    f"SELECT id, {parent} AS traceparent, {state} AS tracestate FROM records"
+                    f" WHERE kind='exchange' AND id IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+                for row in rows:
+                    got = {k: row[k] for k in ("traceparent", "tracestate") if isinstance(row[k], str)}
+                    if got:
+                        out[row["id"]] = got
+            return out
+
+        return await self.read(op)
+
     async def list_records(
         self,
         *,
