@@ -85,6 +85,11 @@ def serve(path: str) -> None:
     """The zygote's loop: accept requests, fork daemons, report their exits; exits when its parent (the pytest
     worker) is gone."""
     preload()
+    import threading
+
+    if threading.active_count() != 1:  # a fork copies only the forking thread: a lock another held stays held
+        names = [t.name for t in threading.enumerate()]
+        raise SystemExit(f"the zygote's imports started threads ({names}): it cannot fork safely")
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
