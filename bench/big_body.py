@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--route", default="/v1/chat/completions")
     ap.add_argument("--profile", help="run the daemon under cProfile, writing here")
     args = ap.parse_args()
+    from bench.proxy_overhead import daemon_command
     from daemon.models import init_tiny
 
     models = Path(tempfile.gettempdir()) / "reef-bench-models"
@@ -72,10 +73,7 @@ def main() -> None:
         f'port = {port}\nmax_body_bytes = {256 * 1024 * 1024}\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny}"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
     env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "daemon", "--log-file"]
-    if args.profile:
-        cmd = [sys.executable, "-m", "cProfile", "-o", args.profile, "-m", "daemon", "--log-file"]
-    proc = subprocess.Popen(cmd, env=env, cwd=home)
+    proc = subprocess.Popen(daemon_command(args.profile), env=env, cwd=home)
     try:
         while True:
             try:

@@ -385,15 +385,18 @@ def start_reef(home: Path, port: int, up_port: int, profile: str | None = None) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
     env.update(REEF_HOME=str(home), REEF_MODEL="up", PYTHONPATH=str(ROOT))
     with open(home / "logs" / "daemon.log", "ab") as log:  # the child keeps its own copy
-        if not profile:
-            return subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env, stdout=log, stderr=log,
-                                    cwd=home)
-        # not ``-m cProfile``: the daemon leaves with os._exit after its atexit handlers (daemon/__main__.exit_now),
-        # so the stats are written by one of those
-        script = ("import atexit, cProfile, runpy, sys; p = cProfile.Profile(); "
-                  f"atexit.register(lambda: (p.disable(), p.dump_stats({str(Path(profile).resolve())!r}))); "
-                  "sys.argv = ['daemon', '--log-file']; p.enable(); runpy.run_module('daemon', run_name='__main__')")
-        return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=log, stderr=log, cwd=home)
+        return subprocess.Popen(daemon_command(profile), env=env, stdout=log, stderr=log, cwd=home)
+
+
+def daemon_command(profile: str | None = None) -> list[str]:
+    """``python -m daemon --log-file``, or under cProfile writing its stats to ``profile``. Not ``-m cProfile``: the
+    daemon leaves with os._exit after its atexit handlers (``daemon/__main__.exit_now``), so one of those writes."""
+    if not profile:
+        return [sys.executable, "-m", "daemon", "--log-file"]
+    script = ("import atexit, cProfile, runpy, sys; p = cProfile.Profile(); "
+              f"atexit.register(lambda: (p.disable(), p.dump_stats({str(Path(profile).resolve())!r}))); "
+              "sys.argv = ['daemon', '--log-file']; p.enable(); runpy.run_module('daemon', run_name='__main__')")
+    return [sys.executable, "-c", script]
 
 
 def reef_token(home: Path, proc: subprocess.Popen[bytes]) -> str:
