@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -175,6 +175,7 @@ complete -c reef -n '__reef_at /scenarios' -a capture -d 'Turn a scenario\'s cap
 complete -c reef -n '__reef_at /scenarios' -a create -d 'Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)'
 complete -c reef -n '__reef_at /scenarios' -a list -d 'List scenarios with their recipe, records, reports and mean recent score'
 complete -c reef -n '__reef_at /scenarios' -a pause -d 'Stop a scenario\'s learning: it serves on, its reports are kept, no step runs until it is resumed'
+complete -c reef -n '__reef_at /scenarios' -a proposals -d 'List the harness changes agents proposed for a scenario (reef-pi propose), newest first, with each verdict: admitted as a release, held for review, screened out, rejected by the gate (its figures), failed, pending'
 complete -c reef -n '__reef_at /scenarios' -a resume -d 'Resume a paused scenario\'s learning, from the reports that came meanwhile'
 complete -c reef -n '__reef_at /scenarios' -a set-model -d 'Serve a scenario from another model. Its chain must hold no weights (a wrapped agent\'s harness scenario, or records only): a weights chain was trained on its model and is refused (exit 5)'
 complete -c reef -n '__reef_at /scenarios' -a show -d 'Show one scenario'
@@ -197,6 +198,10 @@ complete -c reef -n '__reef_at /scenarios/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/pause' -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /scenarios/pause' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/pause' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/proposals' -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /scenarios/proposals' -l limit -s n -d 'How many (newest first)'
+complete -c reef -n '__reef_at /scenarios/proposals' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/proposals' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/resume' -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /scenarios/resume' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/resume' -l help -d 'Show help and exit'
