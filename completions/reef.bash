@@ -61,6 +61,8 @@ _reef() {
         /tui) words='--scenario -s --help' ;;
     esac
     case "$path:${COMP_WORDS[COMP_CWORD-1]}" in
+        /daemon/start:--provider) words='anthropic openai ollama llamacpp openai-compatible' ;;
+        /daemon/start:--upstream-format) words='openai-chat openai-responses anthropic' ;;
         /demo:--scenario) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/export:--scenario|/records/export:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/import:--scenario|/records/import:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
@@ -72,6 +74,8 @@ _reef() {
         /releases/promote:--scenario|/releases/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/rollback:--scenario|/releases/rollback:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote:--scenario|/scenarios/tasks/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /serve:--provider) words='anthropic openai ollama llamacpp openai-compatible' ;;
+        /serve:--upstream-format) words='openai-chat openai-responses anthropic' ;;
         /tui:--scenario|/tui:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -73,6 +73,7 @@ def tree(root: Any) -> Node:
             if getattr(p, "param_type_name", "") == "option":
                 if getattr(p, "hidden", False):
                     continue
+                choices = choices or _known_values(p.opts)
                 node.options.append(([*p.opts, *p.secondary_opts], _first_line(p.help), choices))
                 if "--scenario" in p.opts:
                     node.asks_for.update(dict.fromkeys(p.opts, "scenarios"))
@@ -86,6 +87,19 @@ def tree(root: Any) -> Node:
         return node
 
     return walk(root, ())
+
+
+def _known_values(flags: list[str]) -> list[str]:
+    """The values offered for an option that takes any text but has known ones: ``--provider``'s are the presets,
+    ``--upstream-format``'s the formats (``daemon/providers.py``; an unknown value is the daemon's to refuse, naming
+    the known ones). Imported here, at generation, never on a command's path."""
+    from daemon import providers
+
+    if "--provider" in flags or "--reef-provider" in flags:
+        return list(providers.PRESETS)
+    if "--upstream-format" in flags:
+        return list(providers.FORMATS)
+    return []
 
 
 def _asks(param: Any, path: tuple[str, ...]) -> str | None:

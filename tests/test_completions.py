@@ -70,6 +70,32 @@ def test_zsh_script_offers_commands_and_options() -> None:
     assert options.startswith("reef option: --scenario:") and "--help:Show help" in options
 
 
+def test_provider_names_are_offered_from_the_presets() -> None:
+    """`reef serve --provider` and `reef daemon start --provider` take any text (the daemon refuses an unknown name,
+    naming the known ones) and offer the presets of daemon/providers.py, in each shell; --upstream-format offers the
+    formats. Bugs caught: no values offered, a list typed apart from the presets (a preset missing)."""
+    from daemon.providers import FORMATS, PRESETS
+
+    names = list(PRESETS)
+    assert "openai-compatible" in names and "llamacpp" in names
+    assert bash_complete("serve", "--provider", "") == names
+    assert bash_complete("daemon", "start", "--provider", "ll") == ["llamacpp"]
+    assert bash_complete("serve", "--upstream-format", "") == list(FORMATS)
+    fish_out = subprocess.run(["fish", "--no-config", "-c", f'source {ROOT / "completions" / "reef.fish"}; '
+                               'complete -C "reef serve --provider "; echo ---; complete -C "reef daemon start --provider o"'],
+                              capture_output=True, text=True, timeout=30).stdout
+    serve, start = fish_out.split("---\n")
+    assert sorted(line.split("\t")[0] for line in serve.splitlines()) == sorted(names), fish_out
+    assert [line.split("\t")[0] for line in start.splitlines()] == ["ollama", "openai", "openai-compatible"], fish_out
+    script = ('compadd() { print -r -- "$@" }; _describe() {}; _files() {}; compdef() {}\n'
+              f"source {ROOT / 'completions' / '_reef'}\n"
+              'words=(reef serve --provider ""); CURRENT=4; _reef\n'
+              'words=(reef daemon start --provider ""); CURRENT=5; _reef\n')
+    out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["-- " + " ".join(names)] * 2, out.stdout
+
+
 def reef(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "reef_cli.main", *args], capture_output=True, text=True,
                           timeout=60, env=env, cwd=ROOT)
