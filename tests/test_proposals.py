@@ -360,6 +360,11 @@ def test_proposals_are_listed_newest_first_with_their_verdicts(world: dict[str, 
         assert held.status_code == 201, held.text
         [h] = proposals(c, "prop-list-review")["proposals"]
         assert h["verdict"] == "held" and h["candidate"] == chain(c, "prop-list-review")["pending"][0]["release_id"]
+        promoted = c.post("/reef/scenarios/prop-list-review/promote", json={"release_id": h["candidate"]})
+        assert promoted.status_code == 201, promoted.text
+        [p] = proposals(c, "prop-list-review")["proposals"]
+        assert (p["id"], p["verdict"], p["reviewed"], p["release_id"]) == (
+            h["id"], "admitted", True, promoted.json()["release_id"]), p
 
     out = subprocess.run([sys.executable, "-m", "reef_cli.main", "scenarios", "proposals", "prop-list"],
                          env={**d.env, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120)

@@ -235,6 +235,23 @@ async def test_o_opens_a_releases_page_in_the_browser_or_says_where_it_is(daemon
         assert said == f"no browser could be started; the page of {short(r1)} is at {page.as_uri()}", said
         assert not any("opened" in m for m in app.messages[app.messages.index(said):])
 
+    # a rejected candidate is no release: it has no page, and o says so (nothing fetched, nothing opened)
+    from daemon.releases import ReleaseStore
+
+    with daemon.unix() as c:
+        assert c.post("/reef/scenarios", json={"name": "tui-page"}).status_code == 201
+    ReleaseStore(daemon.home / "artifacts.git").record_rejection("tui-page", verdict="rejected", reason="worse",
+                                                                 metrics={"eval_reward": 0.1})
+    app = make_app(daemon, scenario="tui-page")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.press("a")
+        await until(pilot, lambda: len(chain.rows) == 2, what="the rejected candidate shown")
+        chain.select("rejected:")
+        await pilot.press("o")
+        await until(pilot, lambda: any("has no release page" in m for m in app.messages), what="no page said")
+        assert not any("page of" in m for m in app.messages)
+
 
 async def test_records_feed_opens_an_exchange_and_training_follows_events(daemon: Daemon,
                                                                           seeded: dict[str, Any]) -> None:
