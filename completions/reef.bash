@@ -6,7 +6,7 @@ _reef() {
         w="${COMP_WORDS[i]}"
         case "${COMP_WORDS[i-1]}" in -s|--scenario) scen="$w" ;; esac
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -42,12 +42,13 @@ _reef() {
         /releases/rollback) words='--scenario -s --yes -y --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/show) words='--diff --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /report) words='--score --feedback -f --metadata --report-id --no-train --json --help' ;;
-        /scenarios) words='archive capture create list pause resume set-model show tasks unarchive --help' ;;
+        /scenarios) words='archive capture create list pause proposals resume set-model show tasks unarchive --help' ;;
         /scenarios/archive) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/capture) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/create) words='--recipe --model --capture --serve-only --json --help' ;;
         /scenarios/list) words='--json --help' ;;
         /scenarios/pause) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
+        /scenarios/proposals) words='--limit -n --json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/resume) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/set-model) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/show) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
@@ -60,6 +61,8 @@ _reef() {
         /tui) words='--scenario -s --help' ;;
     esac
     case "$path:${COMP_WORDS[COMP_CWORD-1]}" in
+        /daemon/start:--provider) words='anthropic openai ollama llamacpp openai-compatible' ;;
+        /daemon/start:--upstream-format) words='openai-chat openai-responses anthropic' ;;
         /demo:--scenario) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/export:--scenario|/records/export:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/import:--scenario|/records/import:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
@@ -71,6 +74,8 @@ _reef() {
         /releases/promote:--scenario|/releases/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/rollback:--scenario|/releases/rollback:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote:--scenario|/scenarios/tasks/promote:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /serve:--provider) words='anthropic openai ollama llamacpp openai-compatible' ;;
+        /serve:--upstream-format) words='openai-chat openai-responses anthropic' ;;
         /tui:--scenario|/tui:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -67,9 +67,9 @@ complete -c reef -n '__reef_at /daemon/logs' -s n -l lines -d 'How many lines to
 complete -c reef -n '__reef_at /daemon/logs' -s f -l follow -d 'Keep printing new lines'
 complete -c reef -n '__reef_at /daemon/logs' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /daemon/start' -l timeout -d 'Seconds to wait until the daemon is healthy'
-complete -c reef -n '__reef_at /daemon/start' -l provider -d 'Serve from a real provider: anthropic ($ANTHROPIC_API_KEY), openai ($OPENAI_API_KEY), ollama, llamacpp, openai-compatible (with --upstream-url). Adds the model NAME and makes it the default; the key is read from the environment, never stored'
+complete -c reef -n '__reef_at /daemon/start' -l provider -d 'Serve from a real provider: anthropic ($ANTHROPIC_API_KEY), openai ($OPENAI_API_KEY), ollama, llamacpp, openai-compatible (with --upstream-url). Adds the model NAME and makes it the default; the key is read from the environment, never stored' -x -a 'anthropic openai ollama llamacpp openai-compatible'
 complete -c reef -n '__reef_at /daemon/start' -l upstream-url -d 'The provider\'s base URL (overrides the preset\'s; alone: any OpenAI- or Anthropic-compatible URL, as the model \'upstream\', key: $REEF_UPSTREAM_API_KEY)'
-complete -c reef -n '__reef_at /daemon/start' -l upstream-format -d 'The upstream\'s format: openai-chat, openai-responses, anthropic (default: the provider\'s)'
+complete -c reef -n '__reef_at /daemon/start' -l upstream-format -d 'The upstream\'s format: openai-chat, openai-responses, anthropic (default: the provider\'s)' -x -a 'openai-chat openai-responses anthropic'
 complete -c reef -n '__reef_at /daemon/start' -l upstream-model -d 'The provider\'s model name (default: the preset\'s, else the client\'s)'
 complete -c reef -n '__reef_at /daemon/start' -l upstream-key-env -d 'The environment variable holding the key (a name ending in _API_KEY, _KEY or _TOKEN; default: the provider\'s)'
 complete -c reef -n '__reef_at /daemon/start' -l help -d 'Show help and exit'
@@ -175,6 +175,7 @@ complete -c reef -n '__reef_at /scenarios' -a capture -d 'Turn a scenario\'s cap
 complete -c reef -n '__reef_at /scenarios' -a create -d 'Create a scenario bound to a recipe and a model (a no-op if it exists with the same recipe)'
 complete -c reef -n '__reef_at /scenarios' -a list -d 'List scenarios with their recipe, records, reports and mean recent score'
 complete -c reef -n '__reef_at /scenarios' -a pause -d 'Stop a scenario\'s learning: it serves on, its reports are kept, no step runs until it is resumed'
+complete -c reef -n '__reef_at /scenarios' -a proposals -d 'List the harness changes agents proposed for a scenario (reef-pi propose), newest first, with each verdict: admitted as a release, held for review, screened out, rejected by the gate (its figures), failed, pending'
 complete -c reef -n '__reef_at /scenarios' -a resume -d 'Resume a paused scenario\'s learning, from the reports that came meanwhile'
 complete -c reef -n '__reef_at /scenarios' -a set-model -d 'Serve a scenario from another model. Its chain must hold no weights (a wrapped agent\'s harness scenario, or records only): a weights chain was trained on its model and is refused (exit 5)'
 complete -c reef -n '__reef_at /scenarios' -a show -d 'Show one scenario'
@@ -197,6 +198,10 @@ complete -c reef -n '__reef_at /scenarios/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/pause' -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /scenarios/pause' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/pause' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /scenarios/proposals' -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /scenarios/proposals' -l limit -s n -d 'How many (newest first)'
+complete -c reef -n '__reef_at /scenarios/proposals' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /scenarios/proposals' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /scenarios/resume' -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /scenarios/resume' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /scenarios/resume' -l help -d 'Show help and exit'
@@ -224,9 +229,9 @@ complete -c reef -n '__reef_at /scenarios/unarchive' -l help -d 'Show help and e
 complete -c reef -n '__reef_at /serve' -l host -d 'Address to listen on (default 127.0.0.1)'
 complete -c reef -n '__reef_at /serve' -l port -d 'TCP port (default 8900)'
 complete -c reef -n '__reef_at /serve' -l model -d 'Default model for new scenarios (a name from config.toml)'
-complete -c reef -n '__reef_at /serve' -l provider -d 'Serve from a real provider: anthropic ($ANTHROPIC_API_KEY), openai ($OPENAI_API_KEY), ollama, llamacpp, openai-compatible (with --upstream-url). Adds the model NAME and makes it the default; the key is read from the environment, never stored'
+complete -c reef -n '__reef_at /serve' -l provider -d 'Serve from a real provider: anthropic ($ANTHROPIC_API_KEY), openai ($OPENAI_API_KEY), ollama, llamacpp, openai-compatible (with --upstream-url). Adds the model NAME and makes it the default; the key is read from the environment, never stored' -x -a 'anthropic openai ollama llamacpp openai-compatible'
 complete -c reef -n '__reef_at /serve' -l upstream-url -d 'The provider\'s base URL (overrides the preset\'s; alone: any OpenAI- or Anthropic-compatible URL, as the model \'upstream\', key: $REEF_UPSTREAM_API_KEY)'
-complete -c reef -n '__reef_at /serve' -l upstream-format -d 'The upstream\'s format: openai-chat, openai-responses, anthropic (default: the provider\'s)'
+complete -c reef -n '__reef_at /serve' -l upstream-format -d 'The upstream\'s format: openai-chat, openai-responses, anthropic (default: the provider\'s)' -x -a 'openai-chat openai-responses anthropic'
 complete -c reef -n '__reef_at /serve' -l upstream-model -d 'The provider\'s model name (default: the preset\'s, else the client\'s)'
 complete -c reef -n '__reef_at /serve' -l upstream-key-env -d 'The environment variable holding the key (a name ending in _API_KEY, _KEY or _TOKEN; default: the provider\'s)'
 complete -c reef -n '__reef_at /serve' -l help -d 'Show help and exit'

@@ -543,6 +543,30 @@ async def handle_proposal(request: web.Request) -> web.Response:
     return _json(answer, status=status)
 
 
+async def handle_proposals(request: web.Request) -> web.Response:
+    """A scenario's proposals with their verdicts, newest first (``daemon/proposals.py``'s ``listing``), a page at a
+    time: ``limit`` of them after the proposal ``after`` (the last of the page before), ``next_after`` naming the
+    last of this page while more follow."""
+    from daemon.proposals import listing
+
+    reef = request.ctx
+    scen = await _existing_scenario(reef, request.match_info["name"])
+    limit = _int_param(request, "limit", 50, 1, 1000) or 50
+    after = request.query.get("after")
+    history, held, rejected = (await reef.chains.history(scen.name), await reef.chains.pending(scen.name),
+                               await reef.chains.rejections(scen.name))
+    every = listing(history, held, rejected, reef.learner.undecided(scen.name))
+    start = 0
+    if after:
+        at = next((i for i, e in enumerate(every) if e["id"] == after), None)
+        if at is None:
+            raise BadRequest(f"after names no proposal of scenario {scen.name!r}: {after!r}", param="after")
+        start = at + 1
+    page = every[start:start + limit]
+    more = start + limit < len(every)
+    return _json({"scenario": scen.name, "proposals": page, "next_after": page[-1]["id"] if more and page else None})
+
+
 async def handle_move_model(request: web.Request) -> web.Response:
     from daemon import harness
 
@@ -972,6 +996,7 @@ def router() -> web.Router:
     r.add("GET", "/reef/scenarios/{name}/harness", handle_harness)
     r.add("POST", "/reef/scenarios/{name}/evolve", handle_evolve)
     r.add("POST", "/reef/scenarios/{name}/proposals", handle_proposal)
+    r.add("GET", "/reef/scenarios/{name}/proposals", handle_proposals)
     r.add("POST", "/reef/scenarios/{name}/tasks", handle_promote_task)
     r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))

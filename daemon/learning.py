@@ -217,6 +217,8 @@ class Learner:
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
         self._judging: set[asyncio.Task[None]] = set()
+        # proposals received and not yet decided, by scenario and id (GET /reef/scenarios/{s}/proposals: pending)
+        self._undecided: dict[str, dict[str, tuple[Any, str | None]]] = {}
         # this process, as a lease holder (a restarted daemon is a new holder: it waits out the old lease)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{new_id('')[-6:]}"
         self._lease: Lease | None = None
@@ -584,12 +586,24 @@ class Learner:
 
     # --- an agent's proposal ------------------------------------------------------------------------------
 
+    def undecided(self, name: str) -> list[tuple[Any, str | None]]:
+        """The proposals of ``name`` received and not yet decided (queued or being judged), with their receipts."""
+        return list(self._undecided.get(name, {}).values())
+
     async def propose(self, name: str, proposal: Any, receipt: str | None, *, at_door: bool = True) -> StepOutcome:
         """An agent's proposal (``daemon/proposals.py``) through the screens and the scenario's gate, under the
         lock a step holds: published, held, or written down (rejected: screened out, or turned away by the gate;
         failed: it could not be evaluated), with the proposal as the manifest's ``origin``. ``at_door``: what the
         route refuses (archived, paused, a target missing or present) is raised with nothing written; else (judged
-        in the background) it is written down as failed."""
+        in the background) it is written down as failed. Until then it is ``undecided``."""
+        waiting = self._undecided.setdefault(name, {})
+        waiting[proposal.id] = (proposal, receipt)
+        try:
+            return await self._propose(name, proposal, receipt, at_door=at_door)
+        finally:
+            waiting.pop(proposal.id, None)
+
+    async def _propose(self, name: str, proposal: Any, receipt: str | None, *, at_door: bool) -> StepOutcome:
         from daemon import proposals
 
         st = await self._get(name)
@@ -665,6 +679,10 @@ class Learner:
             except Exception as e:  # not even the failure could be written down: the log says so
                 why = e.message if isinstance(e, ReefError) else f"{type(e).__name__}: {e}"
                 log.error("proposal %s on %s could not be judged or written down: %s", proposal.id, name, why)
+            finally:
+                self._undecided.get(name, {}).pop(proposal.id, None)
+
+        self._undecided.setdefault(name, {})[proposal.id] = (proposal, receipt)  # pending from the 202 on
 
         task = asyncio.ensure_future(judge())
         self._judging.add(task)

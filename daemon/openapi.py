@@ -242,6 +242,16 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
                      closed=True),
             errors={**SCENARIO_404, 409: "the scenario is paused or archived, or the rule or skill exists",
                     413: "the proposal is too large"}),
+        ("GET", "/reef/scenarios/{name}/proposals"): Op(
+            "the scenario's agent proposals with their verdicts (admitted, held, screened, rejected with the gate's "
+            "figures, failed, pending), newest first, a page at a time",
+            obj({"scenario": S, "proposals": arr(obj({
+                "id": S, "at": nullable(N), "op": nullable(S), "target": nullable(S), "reason": nullable(S),
+                "run": nullable(S), "receipt": nullable(S), "decided_at": nullable(N), "verdict": S,
+                "release_id": S, "candidate": S, "step": I, "screen": S, "why": S, "metrics": O, "reviewed": B},
+                ["id", "verdict"])), "next_after": nullable(S)}, ["scenario", "proposals", "next_after"]),
+            query={"limit": {"type": "integer", "minimum": 1, "maximum": 1000}, "after": S},
+            errors={**SCENARIO_404, 400: "after names no proposal of the scenario"}),
         ("POST", "/reef/runs"): Op(
             "a wrapped agent's run: its id and the scenario's harness in the agent's layout",
             obj({"run": S, "scenario": S, "recipe": S, "model": S, "kind": S, "release_id": nullable(S), "step": I,

@@ -21,15 +21,20 @@ What becomes of a proposal:
   with the gate's figures. One that cannot be evaluated (the evaluation raised; the gate needs scores that no
   evaluation gave) is written down as failed with the reason, never as a loss.
 
-Every outcome's manifest (release or rejection) carries ``origin``: ``{"kind": "proposal", "id", "op", "target",
-"reason", "run", "receipt"}``, the receipt being the newest exchange of the run that proposed it. A recipe that
+Every outcome's manifest (release or rejection) carries ``origin``: ``{"kind": "proposal", "id", "at", "op",
+"target", "reason", "run", "receipt"}``, the receipt being the newest exchange of the run that proposed it. A recipe that
 steps inline (``lessons``) answers the verdict in the request; one that runs episodes (``harness-search``) judges
 in the background and answers ``queued`` (``reef releases list --all`` shows the verdict). The route's side (the
 run's receipt, inline or queued) is ``daemon/harness.py``'s ``propose``; the learning loop's, ``Learner.propose``.
+
+``GET /reef/scenarios/{s}/proposals`` (``reef scenarios proposals``) lists them with their verdicts (``listing``): read
+from the chain (releases, held candidates, the rejection log, each by its ``origin``) and, for those not judged yet,
+from the learner's memory (``pending``: a restart forgets them, as it forgets the judging itself).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +75,7 @@ class Proposal:
     reason: str
     run: str | None = None
     id: str = ""
+    at: float = 0.0  # when it came (seconds since the epoch)
 
 
 def parse(body: dict[str, Any]) -> Proposal:
@@ -112,7 +118,7 @@ def parse(body: dict[str, Any]) -> Proposal:
     run = body.get("run")
     if run is not None:
         check_run(run)
-    return Proposal(op, kind, name.strip() if name else None, text, reason.strip(), run, new_id("prop_"))
+    return Proposal(op, kind, name.strip() if name else None, text, reason.strip(), run, new_id("prop_"), time.time())
 
 
 def check_open(scenario: Scenario) -> None:
@@ -200,6 +206,40 @@ def candidate(tree: dict[str, bytes], m: Mutation, limits: Limits) -> Candidate:
 
 def origin(p: Proposal, m: Mutation | None, receipt: str | None) -> dict[str, Any]:
     """What every outcome's manifest says about the proposal that made it."""
-    return {"kind": "proposal", "id": p.id, "op": p.op, "target": f"{p.kind} {m.id if m else p.name}",
+    return {"kind": "proposal", "id": p.id, "at": p.at, "op": p.op, "target": f"{p.kind} {m.id if m else p.name}",
             "reason": p.reason, "run": p.run, "receipt": receipt,
             **({"text": (p.text or "")[:2000]} if p.text is not None else {})}
+
+
+def listing(releases: list[Any], held: list[Any], rejections: list[Any],
+            judging: list[tuple[Proposal, str | None]]) -> list[dict[str, Any]]:
+    """Every proposal of a scenario with its verdict, newest first (proposal ids sort by time): ``admitted`` (its
+    ``release_id``, ``step``), ``held`` for review (``candidate``), ``screened`` (``screen``), ``rejected`` by the
+    gate (``metrics``: its figures), ``failed`` (could not be evaluated), ``unchanged`` (nothing to judge), another
+    rejection log verdict as written (``canary-...``), or ``pending`` (received, not yet decided). A release that
+    republishes a proposal's content (a rollback to it) is not a second verdict; what is decided wins over a pending
+    entry read in the same instant."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(o: Any, decided_at: float | None, **verdict: Any) -> None:
+        if not isinstance(o, dict) or o.get("kind") != "proposal" or not o.get("id") or o["id"] in out:
+            return
+        out[o["id"]] = {"id": o["id"], "at": o.get("at") or decided_at, "op": o.get("op"), "target": o.get("target"),
+                        "reason": o.get("reason"), "run": o.get("run"), "receipt": o.get("receipt"),
+                        "decided_at": decided_at, **verdict}
+
+    for r in releases:
+        if r.operation in ("train", "promote"):
+            put(r.origin, r.created_at, verdict="admitted", release_id=r.release_id, step=r.step,
+                reviewed=r.operation == "promote", metrics=r.metrics)
+    for j in rejections:
+        screen = (j.metrics or {}).get("screen")
+        verdict = {"rejected": "screened" if screen else "rejected", "skipped": "unchanged"}.get(j.verdict, j.verdict)
+        put(j.origin, j.created_at, verdict=verdict, why=j.reason, metrics=j.metrics,
+            **({"screen": screen} if screen else {}), **({"candidate": j.candidate} if j.candidate else {}))
+    for r in held:
+        put(r.origin, r.created_at, verdict="held", candidate=r.release_id, step=r.step, metrics=r.metrics)
+    for p, receipt in judging:
+        put({"kind": "proposal", "id": p.id, "at": p.at, "op": p.op, "target": f"{p.kind} {p.name or '(new)'}",
+             "reason": p.reason, "run": p.run, "receipt": receipt}, None, verdict="pending")
+    return sorted(out.values(), key=lambda e: e["id"], reverse=True)

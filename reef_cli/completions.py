@@ -4,8 +4,10 @@ The scripts are static (subcommands, options, choices and their help, read from 
 never starts Python, except where the values come from the running daemon: a scenario (``--scenario``, or a
 scenario argument) and a release id (``reef releases show|open|promote|rollback|canary``), asked with ``reef __complete``
 (``reef_cli/fast.py``: the standard library, the Unix socket, half a second at most, silent when the daemon is
-down). They are committed under ``completions/`` and a test fails when they are stale; after changing a command,
-regenerate them with ``python -m reef_cli.completions``.
+down). The wrappers (``reef-pi`` ...) get their own: their subcommands, their ``--reef-*`` flags, a scenario or a
+provider (``daemon/providers.py``'s presets) after the flag that takes one, files for the rest (the agent's). They are
+committed under ``completions/`` and a test fails when they are stale; after changing a command, regenerate them
+with ``python -m reef_cli.completions``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def tree(root: Any) -> Node:
             if getattr(p, "param_type_name", "") == "option":
                 if getattr(p, "hidden", False):
                     continue
+                choices = choices or _known_values(p.opts)
                 node.options.append(([*p.opts, *p.secondary_opts], _first_line(p.help), choices))
                 if "--scenario" in p.opts:
                     node.asks_for.update(dict.fromkeys(p.opts, "scenarios"))
@@ -86,6 +89,19 @@ def tree(root: Any) -> Node:
         return node
 
     return walk(root, ())
+
+
+def _known_values(flags: list[str]) -> list[str]:
+    """The values offered for an option that takes any text but has known ones: ``--provider``'s are the presets,
+    ``--upstream-format``'s the formats (``daemon/providers.py``; an unknown value is the daemon's to refuse, naming
+    the known ones). Imported here, at generation, never on a command's path."""
+    from daemon import providers
+
+    if "--provider" in flags or "--reef-provider" in flags:
+        return list(providers.PRESETS)
+    if "--upstream-format" in flags:
+        return list(providers.FORMATS)
+    return []
 
 
 def _asks(param: Any, path: tuple[str, ...]) -> str | None:
@@ -244,6 +260,86 @@ def fish(root: Node) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _wrappers() -> tuple[list[str], list[str], list[str], list[str]]:
+    """The wrapper commands (``reef-pi`` ...), their subcommands, their own flags, and ``--reef-provider``'s values."""
+    from adapters import ADAPTERS
+    from reef_cli.wrapper import FLAGS, SUBCOMMANDS
+
+    return [a.command for a in ADAPTERS.values()], list(SUBCOMMANDS), list(FLAGS), _known_values(["--reef-provider"])
+
+
+def wrappers_bash() -> str:
+    """``reef-pi`` and the other wrappers: their subcommands and ``--reef-*`` flags, a scenario or a provider after
+    the flag that takes it; everything else is the agent's (files)."""
+    commands, subs, flags, providers = _wrappers()
+    return "\n".join([
+        HEADER.format(shell="bash").replace("for reef", "for the reef wrappers (" + ", ".join(commands) + ")"),
+        "_reef_wrapper() {",
+        '    local cur="${COMP_WORDS[COMP_CWORD]}" words=""',
+        '    case "${COMP_WORDS[COMP_CWORD-1]}" in',
+        f"        --reef-provider) words={shlex.quote(' '.join(providers))} ;;",
+        f'        --reef-scenario) words="$({_ask("scenarios", "")})" ;;',
+        "        *)",
+        f"            if [[ $COMP_CWORD -eq 1 && $cur != -* ]]; then words={shlex.quote(' '.join(subs))}",
+        f"            elif [[ $cur == --* ]]; then words={shlex.quote(' '.join(flags))}",
+        "            else return",
+        "            fi ;;",
+        "    esac",
+        '    COMPREPLY=($(compgen -W "$words" -- "$cur"))',
+        "}",
+        f"complete -o default -F _reef_wrapper {' '.join(commands)}",
+        ""])
+
+
+def wrappers_zsh() -> str:
+    commands, subs, flags, providers = _wrappers()
+    return "\n".join([
+        f"#compdef {' '.join(commands)}",
+        HEADER.format(shell="zsh").replace("for reef", "for the reef wrappers"),
+        "_reef_wrapper() {",
+        '    case "${words[CURRENT-1]}" in',
+        f"        (--reef-provider) compadd -- {' '.join(shlex.quote(p) for p in providers)}; return ;;",
+        f'        (--reef-scenario) compadd -- ${{(f)"$({_ask("scenarios", "")})"}}; return ;;',
+        "    esac",
+        f"    if [[ ${{words[CURRENT]}} == --* ]]; then compadd -- {' '.join(flags)}",
+        f"    elif (( CURRENT == 2 )); then compadd -- {' '.join(subs)}; _files",
+        "    else _files",
+        "    fi",
+        "}",
+        f'if [[ "$funcstack[1]" == "_reef_wrapper" ]]; then _reef_wrapper "$@"; '
+        f"else compdef _reef_wrapper {' '.join(commands)}; fi",
+        ""])
+
+
+def wrappers_fish(command: str) -> str:
+    _, subs, flags, providers = _wrappers()
+    lines = [HEADER.format(shell="fish").replace("for reef", f"for {command}").rstrip("\n")]
+    for sub in subs:
+        lines.append(f"complete -c {command} -n __fish_is_first_arg -a {sub}")
+    for flag in flags:
+        values = {"--reef-provider": f" -x -a {_fish_quote(' '.join(providers))}",
+                  "--reef-scenario": f" -x -a {_fish_quote('(' + _ask('scenarios', '') + ')')}"}.get(flag, " -r")
+        lines.append(f"complete -c {command} -l {flag[2:]}{values}")
+    return "\n".join(lines) + "\n"
+
+
+def wrapper_files(shell: str) -> dict[str, str]:
+    """The wrappers' scripts of ``shell``, by the name each is committed under (``completions/``)."""
+    if shell == "bash":
+        return {"reef-wrappers.bash": wrappers_bash()}
+    if shell == "zsh":
+        return {"_reef_wrappers": wrappers_zsh()}
+    return {f"{c}.fish": wrappers_fish(c) for c in _wrappers()[0]}
+
+
+def wrapper_installs(shell: str, where: Path) -> dict[Path, str]:
+    """Where ``install`` puts the wrappers' scripts, beside ``reef``'s: bash-completion loads a command's file by
+    the command's name (one per wrapper), zsh reads one file naming them all, fish one file per command."""
+    if shell == "bash":
+        return {where / c: wrappers_bash() for c in _wrappers()[0]}
+    return {where / name: text for name, text in wrapper_files(shell).items()}
+
+
 GENERATORS = {"bash": bash, "zsh": zsh, "fish": fish}
 FILES = {"bash": "reef.bash", "zsh": "_reef", "fish": "reef.fish"}
 
@@ -262,6 +358,9 @@ def write_all(root: Any, dest: Path = ROOT / "completions") -> list[Path]:
         path = dest / name
         path.write_text(GENERATORS[shell](nodes))
         out.append(path)
+        for name, text in wrapper_files(shell).items():
+            (dest / name).write_text(text)
+            out.append(dest / name)
     return out
 
 
@@ -314,10 +413,11 @@ def install(
     shell = _shell(shell)
     path = install_path(shell)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(generate(shell, ctx.find_root().command))
-    os.replace(tmp, path)
-    print(f"installed {shell} completions: {path}")
+    for dest, text in {path: generate(shell, ctx.find_root().command), **wrapper_installs(shell, path.parent)}.items():
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, dest)
+    print(f"installed {shell} completions: {path} (and the wrappers': reef-pi, reef-claude, ...)")
     if shell == "zsh":
         print(f"zsh reads it if your ~/.zshrc has, before compinit:  fpath=({path.parent} $fpath)")
     else:

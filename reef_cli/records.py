@@ -1,4 +1,5 @@
-"""``reef records list|show``, ``reef report``, ``reef scenarios list|show|create`` and ``reef scenarios tasks``."""
+"""``reef records list|show``, ``reef report``, ``reef scenarios list|show|create|proposals`` and ``reef scenarios
+tasks``."""
 
 from __future__ import annotations
 
@@ -365,6 +366,57 @@ def set_model(
         print_json(s)
     else:
         print(f"scenario {s['name']}: model {s['previous_model']} -> {s['model']}")
+
+
+@scenarios_app.command("proposals")
+@edge
+def list_proposals(
+    name: str = typer.Argument(..., help="The scenario."),
+    limit: int = typer.Option(50, "--limit", "-n", help="How many (newest first)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the harness changes agents proposed for a scenario (reef-pi propose), newest first, with each verdict:
+    admitted as a release, held for review, screened out, rejected by the gate (its figures), failed, pending."""
+    with client() as c:
+        data = c.get(f"/reef/scenarios/{name}/proposals", limit=limit)
+    if json_out:
+        print_json(data["proposals"])
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    if not data["proposals"]:
+        print(f"scenario {name} has no agent proposals")
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("proposal", "when", "change", "run", "reason", "verdict"):
+        table.add_column(col)
+    for p in data["proposals"]:
+        table.add_row(*(Text(x) for x in (p["id"], ago(p.get("at")), f"{p.get('op')} {p.get('target')}",
+                                          p.get("run") or "-", str(p.get("reason") or "")[:80], _proposal_verdict(p))))
+    console().print(table)
+    if data.get("next_after"):
+        print(f"(the {limit} newest shown; --limit for more)")
+
+
+def _proposal_verdict(p: dict[str, Any]) -> str:
+    """One proposal's verdict in words (the gate's figures read as ``reef releases show`` reads them)."""
+    from daemon.gate import describe
+
+    v = p["verdict"]
+    if v == "admitted":
+        return f"admitted as release {p['release_id'][:12]} (step {p['step']}{', after review' if p.get('reviewed') else ''})"
+    if v == "held":
+        return f"held for review as {p['candidate'][:12]} (reef releases promote)"
+    if v == "pending":
+        return "pending: not judged yet"
+    if v == "screened":
+        why = str(p.get("why") or "").removeprefix(f"screened out by the {p.get('screen')} screen: ")
+        return f"refused by the {p.get('screen')} screen: {why}"
+    if v == "rejected":
+        figures = describe(p.get("metrics") or {})
+        return f"rejected by the gate: {figures or p.get('why')}"
+    return f"{v}: {p.get('why')}"
 
 
 def _switched(s: dict[str, Any], json_out: bool) -> None:

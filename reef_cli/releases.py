@@ -134,8 +134,6 @@ def open_page(
 ) -> None:
     """Open a release's page in the browser: why it was made, what changed, the gate's verdict, its place on the
     chain with a plot of the scenario's scores. The page is one self-contained HTML file (no script, nothing fetched)."""
-    from daemon.durable import mkdirs, write_atomic
-
     path = f"/reef/scenarios/{scenario}/releases/{release_id}/page" if scenario else f"/reef/releases/{release_id}/page"
     cfg = config()
     with client() as c:
@@ -143,18 +141,32 @@ def open_page(
     full_id = resp.headers.get("x-reef-release-id") or release_id
     dest = out if out is not None else cfg.home / "pages" / f"{full_id}.html"
     try:
-        mkdirs(dest.parent)
-        write_atomic(dest, resp.content, mode=0o600)  # feedback and diffs are the user's data: not for others
+        dest = save_page(dest, resp.content)
     except OSError as e:
         fail(f"cannot write the page to {dest}: {e.strerror or e}", 1)
-    dest = dest.resolve()
     print(dest)
     if no_browser:
         return
+    if not to_browser(dest):
+        fail(f"no browser could be started; the page is at {dest} (--no-browser only writes it)", 1)
+
+
+def save_page(dest: Path, content: bytes) -> Path:
+    """Write a release's page (``reef releases open``, the TUI's ``o``) where only its user reads it (feedback and
+    diffs are the user's data); its absolute path. ``OSError`` when it cannot be written."""
+    from daemon.durable import mkdirs, write_atomic
+
+    mkdirs(dest.parent)
+    write_atomic(dest, content, mode=0o600)
+    return dest.resolve()
+
+
+def to_browser(page: Path) -> bool:
+    """Hand a written page's URL to the browser (``$BROWSER``, as Python's webbrowser reads it); False when none
+    could be started."""
     import webbrowser
 
-    if not webbrowser.open(dest.as_uri()):
-        fail(f"no browser could be started; the page is at {dest} (--no-browser only writes it)", 1)
+    return bool(webbrowser.open(page.as_uri()))
 
 
 def _print_diff(out: Any, diff: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from daemon.errors import AgentError, ReefError
 from reef_cli.runs import call, call_starting, list_runs, run_receipts, save_run, say, token
 
 SUBCOMMANDS = ("report", "runs", "update", "evolve", "propose", "reef-help")
+FLAGS = ("--reef-scenario", "--reef-outcome", "--reef-check", "--reef-provider")  # the wrapper's own, before a --
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends these to the agent too
 
@@ -283,10 +284,11 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
             return
         if args and args[0] == "--":
             args = args[1:]
-        scenario = (_take_flag(args, "--reef-scenario") or [None])[-1]
-        outcome_flags = _take_flag(args, "--reef-outcome")
-        check = (_take_flag(args, "--reef-check") or [None])[-1]
-        provider = (_take_flag(args, "--reef-provider") or [None])[-1]
+        taken = {flag: _take_flag(args, flag) for flag in FLAGS}
+        scenario = (taken["--reef-scenario"] or [None])[-1]
+        outcome_flags = taken["--reef-outcome"]
+        check = (taken["--reef-check"] or [None])[-1]
+        provider = (taken["--reef-provider"] or [None])[-1]
         sys.exit(run_agent(adapter, args, scenario, outcome_flags=outcome_flags, check=check, provider=provider))
     except ReefError as e:
         sys.stderr.write(f"{'reef-' + adapter_name}: {e.message}\n")

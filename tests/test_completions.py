@@ -70,6 +70,69 @@ def test_zsh_script_offers_commands_and_options() -> None:
     assert options.startswith("reef option: --scenario:") and "--help:Show help" in options
 
 
+def test_provider_names_are_offered_from_the_presets() -> None:
+    """`reef serve --provider` and `reef daemon start --provider` take any text (the daemon refuses an unknown name,
+    naming the known ones) and offer the presets of daemon/providers.py, in each shell; --upstream-format offers the
+    formats. Bugs caught: no values offered, a list typed apart from the presets (a preset missing)."""
+    from daemon.providers import FORMATS, PRESETS
+
+    names = list(PRESETS)
+    assert "openai-compatible" in names and "llamacpp" in names
+    assert bash_complete("serve", "--provider", "") == names
+    assert bash_complete("daemon", "start", "--provider", "ll") == ["llamacpp"]
+    assert bash_complete("serve", "--upstream-format", "") == list(FORMATS)
+    fish_out = subprocess.run(["fish", "--no-config", "-c", f'source {ROOT / "completions" / "reef.fish"}; '
+                               'complete -C "reef serve --provider "; echo ---; complete -C "reef daemon start --provider o"'],
+                              capture_output=True, text=True, timeout=30).stdout
+    serve, start = fish_out.split("---\n")
+    assert sorted(line.split("\t")[0] for line in serve.splitlines()) == sorted(names), fish_out
+    assert [line.split("\t")[0] for line in start.splitlines()] == ["ollama", "openai", "openai-compatible"], fish_out
+    script = ('compadd() { print -r -- "$@" }; _describe() {}; _files() {}; compdef() {}\n'
+              f"source {ROOT / 'completions' / '_reef'}\n"
+              'words=(reef serve --provider ""); CURRENT=4; _reef\n'
+              'words=(reef daemon start --provider ""); CURRENT=5; _reef\n')
+    out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["-- " + " ".join(names)] * 2, out.stdout
+
+
+def test_the_wrappers_complete_their_flags_and_provider_names() -> None:
+    """`reef-pi --reef-provider` (and every wrapper's) offers the presets in bash, zsh and fish; the committed wrapper
+    scripts are current. Bugs caught: a wrapper without completions, provider names missing or typed apart from the
+    presets, the agent's own arguments (files) taken away."""
+    from daemon.providers import PRESETS
+    from reef_cli.completions import wrapper_files
+
+    names = list(PRESETS)
+    for shell in FILES:
+        for name, text in wrapper_files(shell).items():
+            assert (ROOT / "completions" / name).read_text() == text, f"completions/{name} is stale"
+
+    def wrapped(*words: str) -> list[str]:
+        script = (f"source {ROOT / 'completions' / 'reef-wrappers.bash'}\n"
+                  'COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); _reef_wrapper; '
+                  'printf "%s\\n" "${COMPREPLY[@]}"\n')
+        out = subprocess.run(["bash", "-c", script, "bash", *words], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert wrapped("reef-pi", "--reef-provider", "") == names
+    assert wrapped("reef-codex", "-p", "--reef-provider", "ol") == ["ollama"]
+    assert wrapped("reef-claude", "--reef-p") == ["--reef-provider"]
+    assert wrapped("reef-pi", "pro") == ["propose"]
+    assert wrapped("reef-pi", "-p", "fi") == []  # the agent's words: left to the shell's files (-o default)
+    fish_out = subprocess.run(["fish", "--no-config", "-c", f'source {ROOT / "completions" / "reef-pi.fish"}; '
+                               'complete -C "reef-pi --reef-provider "'], capture_output=True, text=True, timeout=30)
+    assert sorted(line.split("\t")[0] for line in fish_out.stdout.splitlines()) == sorted(names), fish_out.stdout
+    script = ('compadd() { print -r -- "$@" }; _files() { print files }; compdef() {}\n'
+              f"source {ROOT / 'completions' / '_reef_wrappers'}\n"
+              'words=(reef-opencode --reef-provider ""); CURRENT=3; _reef_wrapper\n'
+              'words=(reef-opencode -p ""); CURRENT=3; _reef_wrapper\n')
+    out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["-- " + " ".join(names), "files"], out.stdout
+
+
 def reef(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "reef_cli.main", *args], capture_output=True, text=True,
                           timeout=60, env=env, cwd=ROOT)
@@ -84,10 +147,14 @@ def test_install_and_show(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     target = tmp_path / ".local/share/bash-completion/completions/reef"
     assert target.read_text() == generate("bash", ROOT_COMMAND) and str(target) in done.stdout
+    for wrapper in ("reef-pi", "reef-claude", "reef-opencode", "reef-codex"):  # bash-completion loads by name
+        assert "--reef-provider" in (target.parent / wrapper).read_text()
     again = reef("completions", "install", env={**env, "SHELL": "/usr/bin/fish"})  # the shell from $SHELL
     assert again.returncode == 0 and (tmp_path / ".config/fish/completions/reef.fish").read_text() == generate("fish", ROOT_COMMAND)
+    assert (tmp_path / ".config/fish/completions/reef-pi.fish").exists()
     zsh = reef("completions", "install", "zsh", env=env)
     assert (tmp_path / ".zfunc/_reef").exists() and "fpath=" in zsh.stdout
+    assert (tmp_path / ".zfunc/_reef_wrappers").read_text().startswith("#compdef reef-pi ")
     unknown = reef("completions", "install", env={**env, "SHELL": "/bin/tcsh"})
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "tcsh" in unknown.stderr
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,12 +35,16 @@ def world(tiny_model: Path) -> Iterator[dict[str, Any]]:
     standin = f"http://127.0.0.1:{stub_port}"
     wait_standin(standin)
     closed = free_port()  # nothing listens there: a model that cannot answer
+    hang = socket.create_server(("127.0.0.1", 0))  # takes connections and answers none (until the test ends them)
+    hang.settimeout(120)
     models = "".join(f'\n[models.{name}]\nengine = "upstream"\nurl = "{url}"\nformat = "openai-chat"\n'
-                     f'upstream_model = "{name}"\n' for name, url in (("agent", standin), ("echo", standin),
-                                                                       ("down", f"http://127.0.0.1:{closed}")))
+                     f'upstream_model = "{name}"\n' for name, url in (
+                         ("agent", standin), ("echo", standin), ("down", f"http://127.0.0.1:{closed}"),
+                         ("hang", f"http://127.0.0.1:{hang.getsockname()[1]}")))
     home, port, env = make_home(tiny_model, models)
     d = Daemon(home=home, port=port, env=env).start()
-    yield {"daemon": d, "standin": standin, "home": home, "env": env}
+    yield {"daemon": d, "standin": standin, "home": home, "env": env, "hang": hang}
+    hang.close()
     stub.kill()
     stub.wait()
     d.stop()
@@ -296,6 +301,119 @@ def test_a_real_agent_proposes_from_its_episode_and_the_next_run_follows_it(worl
         assert (project / "answer.txt").read_text().strip() == "bonjour"
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def proposals(c: httpx.Client, name: str, **params: Any) -> dict[str, Any]:
+    r = c.get(f"/reef/scenarios/{name}/proposals", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_proposals_are_listed_newest_first_with_their_verdicts(world: dict[str, Any]) -> None:
+    """GET /reef/scenarios/{s}/proposals and `reef scenarios proposals`: each proposal once, newest first, with what
+    became of it (admitted as which release, refused by which screen, rejected by the gate with its figures, failed,
+    held for review), a page at a time. Bugs caught: a verdict missing or wrong (a screened-out proposal shown as the
+    gate's, a rollback to a proposal's release listed as a second one), the wrong order, a page that repeats or
+    skips, an unknown scenario or cursor answered 200."""
+    d: Daemon = world["daemon"]
+    tasks = [{"prompt": f"greet {i}", "expect": "greetings in French"} for i in range(5)]
+    with d.http() as c:
+        scenario(c, "prop-list", model="echo", settings={"gate": "compare", "tasks": tasks})
+        assert proposals(c, "prop-list") == {"scenario": "prop-list", "proposals": [], "next_after": None}
+        won = propose(c, "prop-list", op="add", kind="rule", name="french", text=FRENCH, reason="the user is French")
+        lost = propose(c, "prop-list", op="retire", kind="rule", name="french", reason="English is shorter")
+        secret = propose(c, "prop-list", op="add", kind="rule", reason="it works",
+                         text="Use the key sk-proj-abcdefghijklmnopqrstuvwx1234 for the tests.")
+        assert all(r.status_code == 201 for r in (won, lost, secret)), [r.text for r in (won, lost, secret)]
+        ids = [r.json()["proposal"] for r in (won, lost, secret)]
+        first = won.json()["release_id"]
+        # a rollback to the proposal's release republishes its content: no second entry
+        head = chain(c, "prop-list")["head"]
+        assert c.post("/reef/scenarios/prop-list/rollback", json={"release_id": first,
+                                                                    "expected_head": head}).status_code == 201
+        listed = proposals(c, "prop-list")
+        assert [p["id"] for p in listed["proposals"]] == ids[::-1] and listed["next_after"] is None, listed
+        s, r, a = listed["proposals"]
+        assert a["verdict"] == "admitted" and a["release_id"] == first and a["step"] == 1, a
+        assert a["op"] == "add" and a["target"] == "rule french" and a["reason"] == "the user is French"
+        assert a["at"] <= a["decided_at"]
+        assert r["verdict"] == "rejected" and r["metrics"]["losses"] == 5 and "wins 0 - losses 5" in r["why"], r
+        assert s["verdict"] == "screened" and s["screen"] == "secrets" and "API key" in s["why"], s
+
+        # pages of one: each once, in order, the last saying no more
+        seen, after = [], None
+        for _ in range(len(ids) + 1):  # a page that repeats would loop for ever
+            page = proposals(c, "prop-list", limit=1, **({"after": after} if after else {}))
+            seen += [p["id"] for p in page["proposals"]]
+            after = page["next_after"]
+            if after is None:
+                break
+        assert seen == ids[::-1], seen
+        assert assert_canonical_error(c.get("/reef/scenarios/prop-list/proposals", params={"after": "prop_nope"}),
+                                      400)["param"] == "after"
+        assert "no-such-scenario" in assert_canonical_error(c.get("/reef/scenarios/no-such-scenario/proposals"),
+                                                            404)["message"]
+
+        # a review gate holds it
+        scenario(c, "prop-list-review", settings={"gate": "review"})
+        held = propose(c, "prop-list-review", op="add", kind="rule", text="Keep diffs small.", reason="r")
+        assert held.status_code == 201, held.text
+        [h] = proposals(c, "prop-list-review")["proposals"]
+        assert h["verdict"] == "held" and h["candidate"] == chain(c, "prop-list-review")["pending"][0]["release_id"]
+        promoted = c.post("/reef/scenarios/prop-list-review/promote", json={"release_id": h["candidate"]})
+        assert promoted.status_code == 201, promoted.text
+        [p] = proposals(c, "prop-list-review")["proposals"]
+        assert (p["id"], p["verdict"], p["reviewed"], p["release_id"]) == (
+            h["id"], "admitted", True, promoted.json()["release_id"]), p
+
+    out = subprocess.run([sys.executable, "-m", "reef_cli.main", "scenarios", "proposals", "prop-list"],
+                         env={**d.env, "COLUMNS": "400"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # a narrow terminal wraps the verdicts
+    at = [text.index(x) for x in ids[::-1]]
+    assert at == sorted(at), out.stdout
+    assert f"admitted as release {first[:12]} (step 1)" in text[at[2]:], out.stdout
+    assert "rejected by the gate: gate: candidate - base -1.000" in text[at[1]:at[2]], out.stdout
+    assert "refused by the secrets screen: rule" in text[at[0]:at[1]], out.stdout
+    as_json = subprocess.run([sys.executable, "-m", "reef_cli.main", "scenarios", "proposals", "prop-list", "--json"],
+                             env=d.env, capture_output=True, text=True, timeout=120)
+    assert [p["id"] for p in __import__("json").loads(as_json.stdout)] == ids[::-1], as_json.stdout
+    gone = subprocess.run([sys.executable, "-m", "reef_cli.main", "scenarios", "proposals", "no-such-scenario"],
+                          env=d.env, capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 4 and "no-such-scenario" in gone.stderr, gone.stdout + gone.stderr
+
+
+def test_a_proposal_being_judged_is_listed_pending_then_with_its_verdict(world: dict[str, Any]) -> None:
+    """The gate's model takes the connection and answers nothing (the test's last use of it): while the proposal waits on it, it is listed
+    pending; the connection ended, it could not be evaluated, and the same id is listed failed. A scoped token reads
+    none of it. Bugs caught: a proposal invisible until judged, one listed twice or still pending once decided, an
+    evaluation's token reading the proposals of the harness it is scored on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d: Daemon = world["daemon"]
+    tasks = [{"prompt": f"greet {i}", "expect": "greetings in French"} for i in range(5)]
+    with d.http() as c:
+        scenario(c, "prop-wait", model="hang", settings={"gate": "compare", "tasks": tasks})
+        token = c.post("/reef/tokens", json={"scenario": "prop-wait", "ttl_s": 600}).json()["token"]
+    with ThreadPoolExecutor(1) as pool, d.http() as c:
+        sent = pool.submit(propose, c, "prop-wait", op="add", kind="rule", text=FRENCH, reason="asked in French")
+        conn, _ = world["hang"].accept()  # the gate asks the model: the proposal is being judged now
+        try:
+            with d.http() as c2:
+                [p] = proposals(c2, "prop-wait")["proposals"]
+                assert p["verdict"] == "pending" and p["reason"] == "asked in French" and p["op"] == "add", p
+                assert p["decided_at"] is None
+        finally:  # the model's connections end (and the listener, so none waits in its queue)
+            conn.close()
+            world["hang"].close()
+        done = sent.result()
+        assert done.status_code == 201 and done.json()["verdict"] == "failed", done.text
+        [p2] = proposals(c, "prop-wait")["proposals"]
+        assert p2["id"] == p["id"] == done.json()["proposal"] and p2["verdict"] == "failed", p2
+        assert p2["why"].startswith("the proposal could not be evaluated")
+    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as scoped:
+        r = scoped.get("/reef/scenarios/prop-wait/proposals")
+        assert "not allowed with a token scoped to scenario 'prop-wait'" in assert_canonical_error(r, 403)["message"]
 
 
 def test_the_wrapper_command_says_the_verdict_and_fails_on_a_refusal(world: dict[str, Any]) -> None:

@@ -191,6 +191,68 @@ async def test_rejected_candidates_on_demand_and_promote(daemon: Daemon, tiny_mo
     assert (after["releases"][0]["operation"], after["releases"][0]["source"]) == ("promote", pending)
 
 
+async def test_o_opens_a_releases_page_in_the_browser_or_says_where_it_is(daemon: Daemon, seeded: dict[str, Any],
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`o` on the chain's selected release (and on a release's detail) writes its page where `reef releases open`
+    does, for the user alone, and hands its URL to the browser: a real browser command as Python's webbrowser runs
+    one (registered, as $BROWSER would be). With none that starts, the console says where the page is. Bugs caught:
+    no key, the head's page opened instead of the selected one's, a page written for others to read, a failed
+    browser reported as opened or without the page's URL."""
+    import webbrowser
+
+    from reef_cli.tui.format import short
+
+    seen = tmp_path / "browser-saw"
+    browser = tmp_path / "browser"
+    browser.write_text(f"#!/bin/sh\nprintf '%s' \"$1\" > {seen}\n")
+    browser.chmod(0o755)
+    webbrowser.register("reef-test-browser", None, webbrowser.GenericBrowser([str(browser), "%s"]))
+    webbrowser.register("reef-test-none", None, webbrowser.GenericBrowser(["false"]))  # exits 1: none started
+    monkeypatch.setattr(webbrowser, "_tryorder", ["reef-test-browser"])  # only this one (none of the machine's)
+    r1 = seeded["r1"]
+    page = daemon.home / "pages" / f"{r1}.html"
+    page.unlink(missing_ok=True)
+    app = make_app(daemon, scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        assert "o Page" in " ".join(str(b.key) + " " + b.description for b in chain.active_bindings.values()
+                                    for b in [b.binding]), "the footer does not show o"
+        chain.select(r1)
+        await pilot.press("o")
+        await until(pilot, lambda: any("opened the page" in m for m in app.messages), what="the page opened")
+        assert seen.read_text() == page.as_uri()
+        assert page.stat().st_mode & 0o077 == 0
+        assert f"Release {r1[:12]} of tui-a (step 1)" in page.read_text()
+
+        monkeypatch.setattr(webbrowser, "_tryorder", ["reef-test-none"])
+        await pilot.press("enter")
+        detail = await loaded(pilot, ReleaseScreen)
+        assert detail.release_id == r1
+        await pilot.press("o")
+        said = await until(pilot, lambda: next((m for m in app.messages if "no browser" in m), None),
+                           what="no browser said")
+        assert said == f"no browser could be started; the page of {short(r1)} is at {page.as_uri()}", said
+        assert not any("opened" in m for m in app.messages[app.messages.index(said):])
+
+    # a rejected candidate is no release: it has no page, and o says so (nothing fetched, nothing opened)
+    from daemon.releases import ReleaseStore
+
+    with daemon.unix() as c:
+        assert c.post("/reef/scenarios", json={"name": "tui-page"}).status_code == 201
+    ReleaseStore(daemon.home / "artifacts.git").record_rejection("tui-page", verdict="rejected", reason="worse",
+                                                                 metrics={"eval_reward": 0.1})
+    app = make_app(daemon, scenario="tui-page")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.press("a")
+        await until(pilot, lambda: len(chain.rows) == 2, what="the rejected candidate shown")
+        chain.select("rejected:")
+        await pilot.press("o")
+        await until(pilot, lambda: any("has no release page" in m for m in app.messages), what="no page said")
+        assert not any("page of" in m for m in app.messages)
+
+
 async def test_records_feed_opens_an_exchange_and_training_follows_events(daemon: Daemon,
                                                                           seeded: dict[str, Any]) -> None:
     app = make_app(daemon, scenario="tui-a")

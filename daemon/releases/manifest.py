@@ -61,7 +61,7 @@ class Manifest:
     settings: Mapping[str, Any] = field(default_factory=dict)
     summary: str | None = None  # the commit message's summary (None: a default per operation)
     # where the candidate came from when not from the recipe's own step: an agent's proposal (daemon/proposals.py)
-    # ``{"kind": "proposal", "id", "op", "target", "reason", "run", "receipt"}``; None (the default) is not written
+    # ``{"kind": "proposal", "id", "at", "op", "target", "reason", "run", "receipt"}``; None (the default) is not written
     origin: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -33,6 +34,8 @@ class Source(Protocol):
     async def record(self, receipt: str) -> dict[str, Any]: ...
     async def steer(self, op: str, scenario: str, release_id: str, expected_head: str | None) -> dict[str, Any]: ...
     async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]: ...
+    async def page(self, release_id: str) -> tuple[str, bytes]: ...
+    def pages_dir(self) -> Path: ...
     async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]: ...
     def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]: ...
     async def aclose(self) -> None: ...
@@ -57,7 +60,7 @@ class Api:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
         try:
             resp = await self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, OSError) as e:
@@ -66,7 +69,7 @@ class Api:
             raise Unavailable(f"the daemon at {self.where()} did not answer {method} {path} in time") from None
         if resp.status_code >= 400:
             raise _error_from(resp)
-        return resp.json()
+        return resp if raw else resp.json()
 
     async def _get(self, path: str, **params: Any) -> Any:
         return await self._request("GET", path, params={k: v for k, v in params.items() if v is not None})
@@ -96,6 +99,15 @@ class Api:
     async def steer(self, op: str, scenario: str, release_id: str, expected_head: str | None) -> dict[str, Any]:
         body = {"release_id": release_id, "expected_head": expected_head}
         return dict(await self._request("POST", f"/reef/scenarios/{scenario}/{op}", json=body, timeout=120.0))
+
+    async def page(self, release_id: str) -> tuple[str, bytes]:
+        """A release's page (``GET /reef/releases/{id}/page``): its full id and the HTML."""
+        resp = await self._request("GET", f"/reef/releases/{release_id}/page", raw=True)
+        return resp.headers.get("x-reef-release-id") or release_id, resp.content
+
+    def pages_dir(self) -> Path:
+        """Where pages are written (as ``reef releases open`` writes them)."""
+        return self.config.home / "pages"
 
     async def canary(self, scenario: str, release_id: str, share: float) -> dict[str, Any]:
         body = {"release_id": release_id, "share": share}

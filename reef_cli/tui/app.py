@@ -6,7 +6,8 @@ retries with a short back-off, and on its return says whether it restarted (a ne
 screen. Every network call runs in a worker, so the UI never waits on the daemon.
 
 Screens (``reef_cli/tui/screens.py``): scenarios, a scenario's release chain, a release's detail, training,
-records feed and one exchange. Keys are listed in each screen's footer; the mouse works too.
+records feed and one exchange. Keys are listed in each screen's footer (``o`` on a release: its page in the
+browser, as ``reef releases open``); the mouse works too.
 """
 
 from __future__ import annotations
@@ -137,6 +138,20 @@ class ReefApp(App[None]):
     def action_back(self) -> None:
         if len(self.screen_stack) > 2:
             self.pop_screen()
+
+    async def show_page(self, page: Any) -> bool:
+        """Hand a written release page to the browser (``reef_cli/releases.py``'s ``to_browser``); whether one
+        started. The terminal is lent while it starts, so a terminal browser (lynx, w3m) can use it; where there is
+        no terminal to lend (a headless run), the browser starts from a thread."""
+        from textual.app import SuspendNotSupported
+
+        from reef_cli.releases import to_browser
+
+        try:
+            with self.suspend():
+                return to_browser(page)
+        except SuspendNotSupported:
+            return await asyncio.to_thread(to_browser, page)
 
     def say(self, message: str, *, severity: str = "information") -> None:
         """Tell the person something (a toast), and keep it in ``messages``."""

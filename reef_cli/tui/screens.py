@@ -83,6 +83,30 @@ class ReefScreen(Screen[None]):
         if ev.get("kind") in self.RELOAD_ON and (self.scenario is None or ev.get("scenario") in (None, self.scenario)):
             self.reload_soon()
 
+    def open_page(self, release_id: str) -> None:
+        """Write the release's page and hand it to the browser, as ``reef releases open`` does; where no browser can
+        be started, say where the page is (its file URL)."""
+        self.run_worker(functools.partial(self._open_page, release_id), group="page", exit_on_error=False)
+
+    async def _open_page(self, release_id: str) -> None:
+        from reef_cli.releases import save_page
+
+        src = self.reef.source
+        try:
+            full, html = await src.page(release_id)
+            path = await asyncio.to_thread(save_page, src.pages_dir() / f"{full}.html", html)
+        except ReefError as e:
+            self.reef.say(f"no page for {short(release_id)}: {e.message}", severity="error")
+            return
+        except OSError as e:
+            self.reef.say(f"cannot write the page of {short(release_id)}: {e.strerror or e}", severity="error")
+            return
+        if await self.reef.show_page(path):
+            self.reef.say(f"opened the page of {short(full)} in the browser ({path})")
+        else:
+            self.reef.say(f"no browser could be started; the page of {short(full)} is at {path.as_uri()}",
+                          severity="warning")
+
     def reload_soon(self) -> None:
         if not self._reload_pending:
             self._reload_pending = True
@@ -159,6 +183,7 @@ class ChainScreen(ReefScreen):
         Binding("c", "canary", "Canary"),
         Binding("e", "end_canary", "End canary"),
         Binding("a", "toggle_all", "Candidates"),
+        Binding("o", "page", "Page"),
         Binding("r", "refresh_data", "Refresh"),
         Binding("escape", "app.back", "Back"),
     ]
@@ -276,6 +301,16 @@ class ChainScreen(ReefScreen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_open()
+
+    def action_page(self) -> None:
+        row = self.selected()
+        if row is None:
+            return
+        if row["operation"] == "rejected":
+            self.reef.say("a rejected candidate has no release page (enter shows why it was rejected)",
+                          severity="warning")
+            return
+        self.open_page(row["release_id"])
 
     def action_toggle_all(self) -> None:
         self.show_all = not self.show_all
@@ -451,6 +486,7 @@ class ReleaseScreen(ReefScreen):
     """One release: manifest, metrics, the receipts that fed it, and its diff to the parent."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("o", "page", "Page"),
         Binding("r", "refresh_data", "Refresh"),
         Binding("escape", "app.back", "Back"),
     ]
@@ -458,6 +494,9 @@ class ReleaseScreen(ReefScreen):
     def __init__(self, release_id: str) -> None:
         super().__init__()
         self.release_id = release_id
+
+    def action_page(self) -> None:
+        self.open_page(self.release_id)
 
     def compose(self) -> ComposeResult:
         yield Static(f"Release {short(self.release_id)}", classes="title", id="title")
