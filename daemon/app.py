@@ -328,7 +328,7 @@ async def handle_root(request: web.Request) -> web.Response:
 async def handle_healthz(request: web.Request) -> web.Response:
     reef = request.ctx
     models = {"loaded": sorted(reef._engines), "loading": sorted(reef.loading),
-              "failed": dict(sorted(reef.load_errors.items()))}
+              "waiting": dict(sorted(reef.waiting.items())), "failed": dict(sorted(reef.load_errors.items()))}
     return _json({"ok": True, "pid": _pid(), "uptime_s": round(time.time() - reef.started_at, 3), "models": models})
 
 

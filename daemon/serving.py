@@ -118,6 +118,7 @@ class Reef:
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
         self.loading: set[str] = set()  # models whose load is under way
+        self.waiting: dict[str, int] = {}  # model -> requests waiting for its load (``/healthz``)
         self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
         self._warm: asyncio.Task[None] | None = None
         self.telemetry: Telemetry | None = None  # [telemetry]: spans of exchanges and reports (daemon/telemetry.py)
@@ -190,10 +191,16 @@ class Reef:
             return engine
         lock = self._engine_locks.setdefault(model, asyncio.Lock())
         attempt = self._load_attempts.get(model, 0)
+        self.waiting[model] = self.waiting.get(model, 0) + 1
         try:
             await asyncio.wait_for(lock.acquire(), LOAD_WAIT_S)
         except TimeoutError:
             raise Unavailable(f"model {model} is still loading after {LOAD_WAIT_S:.0f} s; try again", model=model) from None
+        finally:
+            if self.waiting[model] == 1:
+                del self.waiting[model]
+            else:
+                self.waiting[model] -= 1
         try:
             if model not in self._engines:
                 failed = self._load_failures.get(model)

@@ -172,8 +172,10 @@ def test_the_port_answers_while_the_default_model_loads(tiny_model: Path, tmp_pa
             waited: dict[str, httpx.Response] = {}
             waiter = threading.Thread(target=lambda: waited.update(r=chat(c)))  # the default scenario: slow
             waiter.start()
-            wait_health(c, lambda h: h["models"]["loading"] == ["slow"] and c.get("/reef/status").json()["records"]
-                        == 0)
+            # the request is inside the daemon, waiting for the load it began during (not one after it: that one
+            # would start a load of its own, blocked on the FIFO again)
+            wait_health(c, lambda h: h["models"]["loading"] == ["slow"] and h["models"]["waiting"] == {"slow": 1})
+            assert c.get("/reef/status").json()["records"] == 0
             assert "r" not in waited  # still waiting for the load
             fd = writer(weights)  # the loader is reading it: the load goes on, and finds no model config
             os.write(fd, b"{")
@@ -183,6 +185,7 @@ def test_the_port_answers_while_the_default_model_loads(tiny_model: Path, tmp_pa
             assert str(slow) in err["message"], err
             health = wait_health(c, lambda h: "slow" in h["models"]["failed"])
             assert str(slow) in health["models"]["failed"]["slow"] and health["models"]["loading"] == []
+            assert health["models"]["waiting"] == {}
             assert c.post("/reef/scenarios", json={"name": "t", "model": "tiny"}).status_code == 201
             assert chat(c, "/s/t/v1/chat/completions").status_code == 200
     finally:  # a test that failed before the write leaves no loader blocked on the FIFO: it reads an end of file
