@@ -7,7 +7,6 @@ real sockets with the official SDKs, httpx and the ``reef`` CLI.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import json
@@ -127,20 +126,11 @@ def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_build(tmp_path_factory, "tiny-demo", lambda d: init_built_in(d, "tiny-demo", seed=0))
 
 
-_ZYGOTE: list[Any] = []
-
-
 def worker_zygote() -> Any:
-    """This pytest process's zygote (started on first use, stopped at exit), or None where it is switched off."""
-    if os.environ.get("REEF_TESTS_FRESH_DAEMONS") == "1":
-        return None
-    if not _ZYGOTE:
-        from tests.zygote import Zygote
+    """This pytest process's zygote (tests/zygote.py), or None where it is switched off."""
+    from tests.zygote import worker_zygote as zygote
 
-        z = Zygote(ROOT, Path(tempfile.mkdtemp(prefix="reef-zygote-", dir="/tmp")))
-        atexit.register(z.close)
-        _ZYGOTE.append(z)
-    return _ZYGOTE[0]
+    return zygote(ROOT)
 
 
 @dataclass

@@ -222,3 +222,22 @@ class Zygote:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+_STARTED: list[Zygote] = []
+
+
+def worker_zygote(root: Path) -> Zygote | None:
+    """This pytest process's zygote (started on first use, stopped at exit), or None where
+    ``REEF_TESTS_FRESH_DAEMONS=1`` switches it off. Kept here, not in conftest: pytest imports ``tests/conftest.py``
+    as ``conftest`` and test modules import it again as ``tests.conftest``, and each copy would start its own."""
+    if os.environ.get("REEF_TESTS_FRESH_DAEMONS") == "1":
+        return None
+    if not _STARTED:
+        import atexit
+        import tempfile
+
+        z = Zygote(root, Path(tempfile.mkdtemp(prefix="reef-zygote-", dir="/tmp")))
+        atexit.register(z.close)
+        _STARTED.append(z)
+    return _STARTED[0]
