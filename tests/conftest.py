@@ -126,13 +126,6 @@ def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_build(tmp_path_factory, "tiny-demo", lambda d: init_built_in(d, "tiny-demo", seed=0))
 
 
-def worker_zygote() -> Any:
-    """This pytest process's zygote (tests/zygote.py), or None where it is switched off."""
-    from tests.zygote import worker_zygote as zygote
-
-    return zygote(ROOT)
-
-
 @dataclass
 class Daemon:
     home: Path
@@ -171,7 +164,9 @@ class Daemon:
         zygote (tests/zygote.py: the same daemon, less 4.5 s of imports) unless the test changed what a process
         reads at its start (``PYTHONPATH``, ``LD_PRELOAD``...) or ``REEF_TESTS_FRESH_DAEMONS=1`` is set."""
         log_path = self.home / "logs" / "daemon.log"
-        zygote = worker_zygote()
+        from tests.zygote import worker_zygote
+
+        zygote = worker_zygote(ROOT)
         if zygote is not None and zygote.can_fork(self.env):
             self.proc = zygote.spawn(self.env, self.home, log_path)  # type: ignore[assignment]
         else:
