@@ -12,6 +12,8 @@ By default Reef listens on 127.0.0.1 and answers only requests whose ``Host`` he
 
 Rules, each checked at load (``check``) so that no setting is accepted and ignored:
 
+- ``host`` is loopback only as a literal loopback address or the name ``localhost`` itself (``is_loopback``: names
+  are not resolved); ``api.localhost`` or ``ip6-localhost`` is beyond loopback, as any other name.
 - ``host`` beyond loopback needs ``tls_cert`` and ``tls_key``, or ``insecure_http = true`` (the token would cross
   the network in clear text: refused unless told plainly). ``insecure_http`` with a loopback host is refused (it
   would do nothing).
@@ -42,16 +44,28 @@ if TYPE_CHECKING:
 # strictly as a whole, so nothing can ride along (``localhost:80@evil.com``, ``127.0.0.1.evil.example``)
 HOST = re.compile(r"(?:(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?\.?)|\[(?P<ip6>[0-9A-Fa-f:.]+)\])"
                   r"(?::(?P<port>[0-9]{1,5}))?")
+# loopback names a Host header may carry (``host_ok``): a page of another site cannot make a browser send them (a
+# browser resolves ``.localhost`` to loopback itself), so accepting them opens no DNS rebinding; what may receive a
+# key or the token in clear text is narrower (``is_loopback``)
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 WILDCARDS = {"0.0.0.0", "::", ""}
 KEYS = ("serve_names", "tls_cert", "tls_key", "insecure_http")
 
 
 def is_loopback(host: str) -> bool:
-    """Whether a listening address (or a Host name) is this machine's loopback."""
-    name = host.strip("[]").lower().rstrip(".")
-    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+    """Whether ``host`` (a listening address, an upstream URL's host) surely means this machine's loopback, so that
+    the token or a key may go to it in clear text: a literal loopback address (``127.0.0.0/8``, ``::1``, bracketed
+    or not) or the name ``localhost`` exactly. Any other name is beyond loopback, whatever it resolves to now.
+
+    Names are not resolved: a lookup here would be a check of one moment (the resolver may answer differently when
+    the connection is made, or at the next start) and a wait on DNS inside config loading, and a hosts entry can send
+    ``api.localhost`` or ``ip6-localhost`` anywhere. ``localhost`` is kept because every local server's
+    instructions use it and RFC 6761 has resolvers answer it with loopback; nothing else gets that trust."""
+    name = host.lower()
+    if name == "localhost":
         return True
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:

@@ -122,6 +122,28 @@ def test_a_preset_that_cannot_work_is_refused_saying_why(name: str, kw: dict[str
     assert says in e.value.message, e.value.message
 
 
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("api.localhost", False), ("evillocalhost", False), ("localhost.evil.com", False), ("ip6-localhost", False),
+    ("localhost.", False), ("127.1", False), ("10.0.0.5", False),
+    ("127.0.0.1", True), ("127.5.5.5", True), ("[::1]", True), ("localhost", True), ("LocalHost", True)])
+def test_a_key_goes_over_plain_http_only_to_a_literal_loopback_address_or_localhost(host: str, loopback: bool) -> None:
+    """Names are not resolved (a hosts entry mapped ``api.localhost`` elsewhere and it received the key in clear
+    text): only 127.0.0.0/8, ::1 and the name ``localhost`` itself may get a key over plain http; without a key
+    any of them may be used over http, and with https any of them takes a key."""
+    from daemon.listening import is_loopback
+
+    assert is_loopback(host) is loopback
+    url = f"http://{host}:8080/v1"
+    if loopback:
+        assert provider_entry("openai", {}, url=url).url == url
+    else:
+        with pytest.raises(BadRequest, match="clear text") as e:
+            provider_entry("openai", {}, url=url)
+        assert e.value.param == "url"
+    assert provider_entry("ollama", {}, url=url, model="m").url == url  # no key: nothing to leak
+    assert provider_entry("openai", {}, url=f"https://{host}:8080/v1").url == f"https://{host}:8080/v1"
+
+
 def test_credentials_in_a_url_are_refused_and_never_echoed(tmp_path: Path) -> None:
     with pytest.raises(BadRequest) as e:
         provider_entry("openai", {}, url="https://me:hunter2secret@gateway.example/v1")

@@ -179,6 +179,14 @@ except httpx.HTTPError as e:
     ('serve_names = ["https://reef.test"]\n', "is not a DNS name or an IP address"),
     ('serve_names = "reef.test"\n', "must be a list"),
     ('host = "10.9.9.9"\ninsecure_http = "yes"\n', "insecure_http must be true or false"),
+    # names are not resolved: only literal loopback addresses and "localhost" itself are loopback (a suffix test
+    # without the dot took "evillocalhost" for loopback; a hosts entry can send "api.localhost" anywhere)
+    ('host = "evillocalhost"\n', "host 'evillocalhost' is beyond loopback"),
+    ('host = "api.localhost"\n', "host 'api.localhost' is beyond loopback"),
+    ('host = "ip6-localhost"\n', "host 'ip6-localhost' is beyond loopback"),
+    ('host = "localhost"\ninsecure_http = true\n', "does nothing with host 'localhost'"),
+    ('host = "127.5.5.5"\ninsecure_http = true\n', "does nothing with host '127.5.5.5'"),
+    ('host = "::1"\ninsecure_http = true\n', "does nothing with host '::1'"),
 ])
 def test_settings_that_would_do_nothing_or_leak_the_token_are_refused(tmp_path: Path, top: str, says: str) -> None:
     (tmp_path / "config.toml").write_text(top)
