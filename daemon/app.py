@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -39,7 +38,7 @@ from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, formats
 from daemon.protocols.base import WireFormat
-from daemon.reports import accept_imports, accept_report
+from daemon.reports import accept_imports, accept_report, check_feedback, check_report_id, check_score
 from daemon.serving import Answer, Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -48,7 +47,6 @@ log = logging.getLogger("reef.http")
 BODY_TIMEOUT_S = 60.0
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are decoded in a worker thread, two at a time
 _BIG_PARSES = asyncio.Semaphore(2)
-MAX_FEEDBACK_CHARS = 256 * 1024
 MAX_REFERENCES = 10_000
 EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
 EVENTS_DROPPED_GRACE_S = 10.0  # a dropped subscriber's connection closes when it has not taken its end by then
@@ -347,18 +345,6 @@ async def _object_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _finite_number(value: Any, param: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{param} must be a number, not {type(value).__name__}", param=param)
-    try:
-        f = float(value)
-    except OverflowError:
-        raise BadRequest(f"{param} is out of range", param=param) from None
-    if not math.isfinite(f):
-        raise BadRequest(f"{param} must be a finite number", param=param)
-    return f
-
-
 async def handle_report(request: web.Request) -> web.Response:
     reef = request.ctx
     body = await _object_body(request)
@@ -368,14 +354,10 @@ async def handle_report(request: web.Request) -> web.Response:
         raise BadRequest(f"unknown fields in report: {', '.join(unknown)}", param=unknown[0])
     score = body.get("score")
     if score is not None:
-        score = _finite_number(score, "score")
+        score = check_score(score)
     feedback = body.get("feedback")
     if feedback is not None:
-        if not isinstance(feedback, (str, dict, list)):
-            raise BadRequest("feedback must be text or a JSON object/array", param="feedback")
-        size = len(feedback) if isinstance(feedback, str) else len(_dumps(feedback))
-        if size > MAX_FEEDBACK_CHARS:
-            raise BadRequest(f"feedback is {size} characters; the limit is {MAX_FEEDBACK_CHARS}", param="feedback")
+        check_feedback(feedback)
     if score is None and feedback is None:
         raise BadRequest("a report needs a score, feedback, or both", param="score")
     refs = body.get("references")
@@ -392,8 +374,8 @@ async def handle_report(request: web.Request) -> web.Response:
         raise BadRequest('metadata.training must be an object such as {"eligible": false} (eligible: true or false)',
                          param="metadata.training")
     report_id = body.get("report_id")
-    if report_id is not None and (not isinstance(report_id, str) or not 0 < len(report_id) <= 200):
-        raise BadRequest("report_id must be a non-empty string of at most 200 characters", param="report_id")
+    if report_id is not None:
+        check_report_id(report_id)
     scenario = body.get("scenario") or request.headers.get("x-reef-scenario")
     if scenario is not None:
         if not isinstance(scenario, str):
@@ -451,7 +433,9 @@ MAX_IMPORT = 1000  # lines in one import request (the CLI sends a file in batche
 
 async def handle_import(request: web.Request) -> web.Response:
     """``{"items": [...], "scenario": default}``: exchanges in the export shape, stored in one transaction,
-    idempotent by id; a malformed item refuses the whole batch, naming its index."""
+    idempotent by id; an item that fails a check (``daemon/export.from_line``: the checks of every other way in)
+    refuses the whole batch with a 4xx naming its index and field (``param`` ``items[<i>].<field>``; the message
+    names the line, counted from ``first_line``)."""
     from daemon.export import from_line
 
     reef = request.ctx
@@ -459,11 +443,11 @@ async def handle_import(request: web.Request) -> web.Response:
     items = body.get("items")
     if not isinstance(items, list) or not items or len(items) > MAX_IMPORT:
         raise BadRequest(f"items must be a list of 1 to {MAX_IMPORT} exchanges", param="items")
-    default = body.get("scenario") or "imported"
+    default = check_scenario(body.get("scenario") or "imported")
     first = body.get("first_line", 1)
     if not isinstance(first, int) or isinstance(first, bool):
         raise BadRequest("first_line must be an integer", param="first_line")
-    parsed = [from_line(item, f"line {first + i}", default) for i, item in enumerate(items)]
+    parsed = [from_line(item, f"line {first + i} (items[{i}])", default, index=i) for i, item in enumerate(items)]
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)

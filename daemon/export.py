@@ -14,9 +14,11 @@ One JSON object per exchange, TRL's conversational prompt-completion form with t
 unscored); token ids and log-probs are there when the engine recorded them (None otherwise). Hugging Face
 ``datasets`` reads the JSON Lines file (``load_dataset("json", data_files=...)``) or the Parquet file as they are.
 
-Import takes the same objects (``prompt`` and ``completion`` required; ``id``, ``scenario``, ``model``,
-``score``, ``feedback`` optional): an exchange per line, idempotent by id (a line without one gets an id from its
-content), a report when it carries a score or feedback.
+Import takes the same objects (``prompt`` and ``completion`` required; ``id``, ``scenario``, ``run``, ``model``,
+``created_at``, ``score``, ``feedback`` optional): an exchange per line, idempotent by id (a line without one gets
+an id from its scenario and content), a report when it carries a score or feedback. Each line meets the checks data
+meets on every other way in (``from_line``), and a line that fails one refuses its whole batch, naming the line,
+the item and the field: nothing the API refuses elsewhere is stored by an import.
 """
 
 from __future__ import annotations
@@ -80,53 +82,93 @@ def to_line(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
+def _messages(value: Any, key: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise BadRequest(f"{where}: {key} must be a non-empty list of messages", param=key)
-    for m in value:
+        raise BadRequest(f"{key} must be a non-empty list of messages", param=key)
+    for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise BadRequest(f"{where}: each {key} message needs a role and a string content", param=key)
+            raise BadRequest(f"each {key} message needs a role and a string content", param=f"{key}[{i}]")
     return value
 
 
-def from_line(item: Any, where: str, default_scenario: str) -> dict[str, Any]:
+MODEL_MAX = 200  # characters of an imported exchange's model name
+FUTURE_SKEW_S = 86400.0  # created_at may be this far ahead of this machine's clock (another machine's clock)
+
+
+def from_line(item: Any, where: str, default_scenario: str, index: int | None = None) -> dict[str, Any]:
     """One imported object checked and made into an exchange record and its report (``report``: None when the
-    line carries neither a score nor feedback). Raises ``BadRequest`` naming ``where``."""
-    from daemon.names import check_scenario
+    line carries neither a score nor feedback). Raises ``BadRequest`` whose message starts with ``where`` and whose
+    ``param`` names the field (``items[<index>].<field>`` when ``index`` is given: the import route's items).
+
+    The checks are the ones data meets on every other way in: names as the serve path checks them
+    (``daemon/names.py``), the prompt as the serve path parses an OpenAI chat request, ``score`` and ``feedback``
+    as ``/reef/report`` checks them (``daemon/reports.py``), and the id a receipt that can be named again."""
+    try:
+        return _from_line(item, default_scenario)
+    except BadRequest as e:
+        param = e.param if index is None else f"items[{index}]" + (f".{e.param}" if e.param else "")
+        raise BadRequest(f"{where}: {e.message}", param=param) from None
+
+
+def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
+    import math
+    import time
+
+    from daemon.names import check_receipt, check_run, check_scenario
+    from daemon.protocols.formats import FORMATS
+    from daemon.reports import IMPORT_KEY, check_feedback, check_score
 
     if not isinstance(item, dict):
-        raise BadRequest(f"{where}: not a JSON object")
-    prompt = _messages(item.get("prompt"), "prompt", where)
-    completion = _messages(item.get("completion"), "completion", where)
+        raise BadRequest("not a JSON object")
+    prompt = _messages(item.get("prompt"), "prompt")
+    completion = _messages(item.get("completion"), "completion")
+    try:  # the roles and shapes a served request may have: what the export parses back
+        FORMATS["openai-chat"].parse_request({"model": "imported", "messages": prompt})
+    except BadRequest as e:
+        raise BadRequest(e.message.replace("messages", "prompt", 1),
+                         param=(e.param or "").replace("messages", "prompt", 1) or "prompt") from None
     scenario = item.get("scenario") or default_scenario
-    if not isinstance(scenario, str):
-        raise BadRequest(f"{where}: scenario must be a string", param="scenario")
     check_scenario(scenario)
+    run = item.get("run")
+    if run is not None:
+        check_run(run)
     score = item.get("score")
-    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
-        raise BadRequest(f"{where}: score must be a number", param="score")
+    if score is not None:
+        score = check_score(score)
     feedback = item.get("feedback")
-    if feedback is not None and not isinstance(feedback, str):
-        raise BadRequest(f"{where}: feedback must be a string", param="feedback")
+    if feedback is not None:
+        check_feedback(feedback)
+    model = item.get("model")
+    if model is None:
+        model = "imported"
+    elif not (isinstance(model, str) and 0 < len(model) <= MODEL_MAX and model.isprintable()):
+        raise BadRequest(f"model must be a name of 1 to {MODEL_MAX} printable characters", param="model")
+    created = item.get("created_at")
+    if created is not None:
+        try:
+            created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else None
+        except OverflowError:  # an integer beyond a float's range
+            created = math.inf
+        if created is None or not math.isfinite(created) or created < 0:
+            raise BadRequest("created_at must be a time in seconds since the epoch", param="created_at")
+        if created > time.time() + FUTURE_SKEW_S:
+            raise BadRequest(f"created_at {created:.0f} is in the future: a time in seconds since the epoch (not "
+                             "milliseconds)", param="created_at")
     rid = item.get("id")
     if rid is None:
         digest = hashlib.sha256(json.dumps([scenario, prompt, completion], sort_keys=True).encode()).hexdigest()
         rid = f"rec_imp_{digest[:32]}"
-    if not (isinstance(rid, str) and rid.startswith("rec_") and 4 < len(rid) <= 100):
-        raise BadRequest(f"{where}: id must be a receipt (rec_..., at most 100 characters)", param="id")
-    model = item.get("model") if isinstance(item.get("model"), str) else "imported"
-    created = item.get("created_at")
+    check_receipt(rid)
     record = ExchangeRecord(
-        id=rid, scenario=scenario, run=item.get("run") if isinstance(item.get("run"), str) else None,
+        id=rid, scenario=scenario, run=run,
         status="complete", format="openai-chat", engine="import", model=model,
         request={"model": model, "messages": prompt},
         response={"object": "chat.completion", "model": model, "choices": [
             {"index": 0, "finish_reason": "stop", "message": completion[-1]}]},
         capture=True,
-        **({"created_at": float(created)} if isinstance(created, (int, float)) and not isinstance(created, bool)
-           else {}),
+        **({"created_at": created} if created is not None else {}),
     )
     report = None
     if score is not None or feedback is not None:
-        report = {"score": score, "feedback": feedback, "report_id": f"import:{rid}"}
+        report = {"score": score, "feedback": feedback, "report_id": f"{IMPORT_KEY}{rid}"}
     return {"record": record, "report": report}

@@ -150,10 +150,12 @@ UNIT = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
 CANARY = obj({"release_id": {"type": "string", "minLength": 1}, "share": UNIT, "alpha": UNIT, "max_error_rate": UNIT,
               "max_reports": {"type": "integer", "minimum": 1}, "min_exchanges": {"type": "integer", "minimum": 1},
               "max_latency_ratio": {"type": "number", "minimum": 1}}, ["release_id"], closed=True)
-IMPORT_ITEM = obj({"id": {"type": "string", "pattern": "^rec_", "maxLength": 100}, "scenario": ref("ScenarioName"),
+IMPORT_ITEM = obj({"id": {"type": "string", "pattern": "^rec_[A-Za-z0-9_-]{1,96}$"}, "scenario": ref("ScenarioName"),
                    "prompt": arr(obj({"role": S, "content": S}, ["role", "content"]), minItems=1),
                    "completion": arr(obj({"role": S, "content": S}, ["role", "content"]), minItems=1),
-                   "score": N, "feedback": S, "model": S, "run": S, "created_at": N}, ["prompt", "completion"])
+                   "score": N, "feedback": {"anyOf": [S, O, arr(ANY)]}, "model": {"type": "string", "minLength": 1,
+                                                                                   "maxLength": 200},
+                   "run": ref("RunName"), "created_at": {"type": "number", "minimum": 0}}, ["prompt", "completion"])
 LISTING = {"after": {"type": "integer", "minimum": 0, "maximum": 2**62}, "limit": {"type": "integer", "minimum": 1,
                                                                                      "maximum": 1000},
            "run": ref("RunName"), "kind": {"enum": ["exchange", "report"]}, "order": {"enum": ["asc", "desc"]}}
@@ -177,7 +179,8 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
                 "score": N, "feedback": {"anyOf": [S, O, arr(ANY)]},
                 "references": arr({"type": "string", "minLength": 1}, minItems=1, maxItems=10_000),
                 "metadata": obj({"training": obj({"eligible": B})}), "report_id": {"type": "string", "minLength": 1,
-                                                                                   "maxLength": 200},
+                                                                                   "maxLength": 200,
+                                                                                   "not": {"pattern": "^import:"}},
                 "scenario": ref("ScenarioName")}, ["references"], closed=True)
             | {"anyOf": [{"required": ["score"]}, {"required": ["feedback"]}]},
             errors={404: "unknown receipts (named)", 409: "same report_id, another body"}),
@@ -203,7 +206,8 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
             "exchanges in the export shape, stored in one transaction, idempotent by id",
             obj({"imported": I, "skipped": I, "reports": I}), CREATED,
             body=obj({"items": arr(IMPORT_ITEM, minItems=1, maxItems=1000), "scenario": ref("ScenarioName"),
-                      "first_line": I}, ["items"])),
+                      "first_line": I}, ["items"]),
+            errors={409: "an item's report would take a report_id another report holds (param names the item)"}),
         ("GET", "/reef/records/{receipt}"): Op("one record in full", ref("Record"), errors={404: "no such receipt"}),
         ("POST", "/reef/records/forget"): Op(
             "forget exchanges (by receipt or run): their content goes, the fact stays",

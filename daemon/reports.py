@@ -2,15 +2,20 @@
 
 Four paths store reports: ``POST /reef/report`` (``daemon/app.py``), a direct instruction (``evolve``,
 ``daemon/harness.py``), a judge's verdict on a turn (``daemon/learning.py``) and an import of exchanges with their
-scores (``POST /reef/records/import``, in bulk: ``accept_imports``). Each parses and checks its own input and
-decides what learning does next; storing, counting (``reef_records_total{kind="report"}``) and announcing (a
-``report`` event) happen here, the counting and announcing in one function (``_accepted``), so that no path can
-store a report the metric or the event stream misses.
+scores (``POST /reef/records/import``, in bulk: ``accept_imports``). Each parses its own input and decides what
+learning does next; the fields a client sends (``score``, ``feedback``, ``report_id``) are checked by the functions
+here (``check_score``, ``check_feedback``, ``check_report_id``), the same for ``/reef/report`` and an import line,
+so that no path stores what another refuses. Storing, counting (``reef_records_total{kind="report"}``) and
+announcing (a ``report`` event) happen here, the counting and announcing in one function (``_accepted``), so that
+no path can store a report the metric or the event stream misses.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
+
+from daemon.errors import BadRequest
 
 if TYPE_CHECKING:
     from daemon.events import EventBus
@@ -18,6 +23,55 @@ if TYPE_CHECKING:
     from daemon.records import RecordStore
 
 SHOWN_FEEDBACK_CHARS = 500  # feedback text longer than this is not repeated on the event stream
+MAX_FEEDBACK_CHARS = 256 * 1024  # a report's feedback: text, or the JSON of an object or array
+MAX_REPORT_ID = 200
+IMPORT_KEY = "import:"  # report_id prefix of the reports an import stores (``import:<receipt>``): not a client's
+
+
+def check_score(value: Any) -> float:
+    """A report's score: a finite number. JSON's ``1e400`` parses as infinity and a JSON Lines file read by Python
+    may hold ``NaN``; neither can be stored (the record's JSON would hold null) nor trained on."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"score must be a number, not {type(value).__name__}", param="score")
+    try:
+        f = float(value)
+    except OverflowError:
+        raise BadRequest("score is out of range", param="score") from None
+    if not math.isfinite(f):
+        raise BadRequest("score must be a finite number", param="score")
+    return f
+
+
+def check_feedback(value: Any) -> Any:
+    """A report's feedback: text, or a JSON object or array, of at most ``MAX_FEEDBACK_CHARS``."""
+    if not isinstance(value, (str, dict, list)):
+        raise BadRequest("feedback must be text or a JSON object/array", param="feedback")
+    if isinstance(value, str):
+        size = len(value)
+    else:
+        import orjson
+
+        try:
+            size = len(orjson.dumps(value).decode())
+        except TypeError:  # what orjson refuses (integers beyond 64 bits): measured as JSON text
+            import json
+
+            size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    if size > MAX_FEEDBACK_CHARS:
+        raise BadRequest(f"feedback is {size} characters; the limit is {MAX_FEEDBACK_CHARS}", param="feedback")
+    return value
+
+
+def check_report_id(value: Any) -> str:
+    """A client's ``report_id``: 1 to ``MAX_REPORT_ID`` characters, not in the import's own ``import:`` keys (an
+    imported exchange's report takes ``import:<receipt>``: a client's key there would refuse that import)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REPORT_ID:
+        raise BadRequest(f"report_id must be a non-empty string of at most {MAX_REPORT_ID} characters",
+                         param="report_id")
+    if value.startswith(IMPORT_KEY):
+        raise BadRequest(f"report_id {value[:MAX_REPORT_ID]!r}: ids starting {IMPORT_KEY!r} are the reports of imported "
+                         "exchanges (POST /reef/records/import); choose another", param="report_id")
+    return value
 
 
 async def accept_report(

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, assert_canonical_error
 
 
 def chat(c: Any, scenario: str, text: str) -> str:
@@ -108,3 +108,144 @@ async def test_the_export_reads_page_by_page_to_the_end(records_at: str) -> None
         assert seen == [f"rec_{i}" for i in range(5)] and pages == 3
     finally:
         store.close()
+
+
+TURN = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+
+
+def test_an_import_refuses_what_the_api_refuses_elsewhere_naming_the_item_and_field(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """One validation for every way data comes in: run names as the serve path checks them, receipts that can be
+    named again, scores and feedback as ``/reef/report`` checks them, the prompt as a served request is parsed. Each
+    bad item is a 400 whose ``param`` names its index and field, the whole batch refused (nothing stored)."""
+    import time
+
+    bad_items = [
+        ({"run": "a\nb/../.."}, "items[1].run"),
+        ({"run": "r" * 100_000}, "items[1].run"),
+        ({"id": "rec_../../x"}, "items[1].id"),
+        ({"id": "rec_a/b"}, "items[1].id"),
+        ({"scenario": "../x"}, "items[1].scenario"),
+        ({"score": "high"}, "items[1].score"),
+        ({"feedback": "x" * (256 * 1024 + 1)}, "items[1].feedback"),
+        ({"feedback": 3}, "items[1].feedback"),
+        ({"prompt": [{"role": "hacker", "content": "hi"}]}, "items[1].prompt[0].role"),
+        ({"model": "m" * 10_000}, "items[1].model"),
+        ({"model": "a\nb"}, "items[1].model"),
+        ({"created_at": time.time() * 1000}, "items[1].created_at"),  # milliseconds: "in the future"
+        ({"created_at": 10**400}, "items[1].created_at"),
+    ]
+    with daemon.http() as c:
+        for change, param in bad_items:
+            r = c.post("/reef/records/import", json={"items": [TURN, {**TURN, **change}], "scenario": "imp-bad"})
+            assert_canonical_error(r, 400)
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"].startswith("line 2 (items[1]): "), (change.keys(), err)
+            assert len(err["message"]) < 1000, err["message"][:200]  # a 100,000-character name is not echoed whole
+        # a score JSON reads as infinity (1e400) is refused as /reef/report refuses it, never stored as null
+        raw = json.dumps({"items": [TURN, {**TURN, "score": 0.5}], "scenario": "imp-bad"}).replace("0.5", "1e400")
+        r = c.post("/reef/records/import", content=raw, headers={"Content-Type": "application/json"})
+        assert_canonical_error(r, 400)
+        assert r.json()["error"]["param"] == "items[1].score" and "finite" in r.json()["error"]["message"]
+        receipt = c.post("/v1/chat/completions", headers={"x-reef-scenario": "imp-bad"}, json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+                         ).headers["x-reef-agent-record-id"]
+        raw = json.dumps({"references": [receipt], "score": 0.5}).replace("0.5", "1e400")
+        same = c.post("/reef/report", content=raw, headers={"Content-Type": "application/json"})
+        assert same.status_code == 400 and same.json()["error"]["message"] == "score must be a finite number"
+        assert [x["id"] for x in c.get("/reef/records", params={"scenario": "imp-bad"}).json()["records"]] == [
+            receipt]  # no imported exchange, no report
+        ok = c.post("/reef/records/import", json={"items": [{**TURN, "run": "run_1:a", "id": "rec_Imp-1_x",
+                                                             "score": 0, "model": "Qwen/Qwen2.5-7B"}]})
+        assert ok.status_code == 201 and ok.json() == {"imported": 1, "skipped": 0, "reports": 1}, ok.text
+    # the CLI checks each line with the same function: NaN (which Python's json reads) is refused by line
+    path = tmp_path / "nan.jsonl"
+    path.write_text(json.dumps(TURN) + "\n" + json.dumps({**TURN, "score": float("nan")}) + "\n")
+    bad = daemon.cli("records", "import", str(path), check=False)
+    assert bad.returncode == 2 and "line 2: score must be a finite number" in bad.stderr, bad.stderr
+
+
+def test_a_report_key_of_an_import_is_never_a_client_report_id(daemon: Daemon) -> None:
+    """An imported exchange's report is stored as ``import:<receipt>``: a client may not take such a report_id
+    (the import of that receipt would then collide: it answered 500, an IntegrityError)."""
+    with daemon.http() as c:
+        receipt = c.post("/v1/chat/completions", headers={"x-reef-scenario": "imp-key"}, json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+                         ).headers["x-reef-agent-record-id"]
+        r = c.post("/reef/report", json={"references": [receipt], "score": 1, "report_id": "import:rec_x"})
+        assert_canonical_error(r, 400)
+        assert r.json()["error"]["param"] == "report_id"
+        ok = c.post("/reef/records/import", json={"items": [{**TURN, "id": "rec_x", "score": 1}],
+                                                  "scenario": "imp-key"})
+        assert ok.status_code == 201 and ok.json()["reports"] == 1, ok.text
+        assert c.post("/reef/report", json={"references": [receipt], "score": 1, "report_id": "mine:rec_x"}
+                      ).status_code == 201
+
+
+async def test_an_import_that_collides_with_a_stored_report_id_refuses_the_batch_naming_the_item(
+        records_at: str) -> None:
+    """A store holding a client's ``import:X`` report_id (from before such ids were refused): importing X is a
+    409 naming the item and its id, with nothing of the batch stored (it was an IntegrityError, a 500)."""
+    from daemon.errors import ReportConflict
+    from daemon.export import from_line
+    from daemon.records import ExchangeRecord, open_store
+
+    store = open_store(records_at)
+    try:
+        await store.append_exchange(ExchangeRecord(id="rec_served", scenario="s", request={}, response={}))
+        await store.append_report(scenario="s", score=1.0, feedback=None, references=["rec_served"], metadata=None,
+                                  report_id="import:rec_x")
+        items = [from_line({**TURN, "id": "rec_fine", "score": 1}, "line 1", "s", index=0),
+                 from_line({**TURN, "id": "rec_x", "score": 0}, "line 2", "s", index=1)]
+        try:
+            await store.import_exchanges(items)
+            raise AssertionError("the colliding import was stored")
+        except ReportConflict as e:
+            assert e.status == 409 and e.data["param"] == "items[1].id" and "rec_x" in e.message
+        for rid in ("rec_fine", "rec_x"):
+            assert not [r for r in (await store.export_page(scenario="s", since=None, after=0))[0]
+                        if r["id"] == rid]
+        # without the colliding key the same batch goes in whole
+        counts, _ = await store.import_exchanges(items[:1])
+        assert counts == {"imported": 1, "skipped": 0, "reports": 1}
+    finally:
+        store.close()
+
+
+def test_the_same_id_less_line_imported_into_two_scenarios_gives_two_exchanges(daemon: Daemon) -> None:
+    with daemon.http() as c:
+        for scenario in ("imp-one", "imp-two"):
+            r = c.post("/reef/records/import", json={"items": [TURN], "scenario": scenario})
+            assert r.json() == {"imported": 1, "skipped": 0, "reports": 0}, (scenario, r.text)
+        ids = {s: [x["id"] for x in c.get("/reef/records", params={"scenario": s}).json()["records"]]
+               for s in ("imp-one", "imp-two")}
+        assert len(ids["imp-one"]) == 1 and len(ids["imp-two"]) == 1 and ids["imp-one"] != ids["imp-two"], ids
+        again = c.post("/reef/records/import", json={"items": [TURN], "scenario": "imp-two"})
+        assert again.json() == {"imported": 0, "skipped": 1, "reports": 0}  # in one scenario: idempotent
+
+
+def test_the_label_is_true_from_a_score_of_one_half() -> None:
+    from daemon.export import to_line
+
+    def label(score: Any) -> Any:
+        return to_line({"id": "rec_a", "scenario": "s", "reports": [{"report": {"score": score}}]})["label"]
+
+    assert label(0.5) is True and label(1) is True and label(0.4999) is False and label(0.0) is False
+    assert to_line({"id": "rec_a", "scenario": "s", "reports": []})["label"] is None
+
+
+def test_a_parquet_export_of_more_than_a_batch_keeps_every_row(daemon: Daemon, tmp_path: Path) -> None:
+    """1,001 exchanges: a full row group of 1,000 and one more (the CLI writes a row group per 1,000 lines)."""
+    n = 1001
+    items = [{**TURN, "id": f"rec_pq_{i:05d}", "created_at": 1_700_000_000 + i} for i in range(n)]
+    with daemon.http() as c:
+        for i in range(0, n, 1000):
+            r = c.post("/reef/records/import", json={"items": items[i:i + 1000], "scenario": "pq-many"})
+            assert r.status_code == 201, r.text
+    out = tmp_path / "many.parquet"
+    got = daemon.cli("records", "export", "--scenario", "pq-many", "--format", "parquet", "-o", str(out))
+    assert f"wrote {n} exchange(s)" in got.stdout, got.stdout
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out).to_pylist()
+    assert [r["id"] for r in rows] == [it["id"] for it in items]

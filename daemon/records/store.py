@@ -922,7 +922,8 @@ class RecordStore:
         """Store imported exchanges (``daemon/export.from_line``'s records and reports) in one transaction:
         those whose id is stored already are skipped (a re-import changes nothing). Returns the counts
         (``imported``, ``skipped``, ``reports``) and the reports stored (``id``, ``scenario`` and the report's
-        body): ``daemon.reports.accept_imports`` counts and announces them."""
+        body): ``daemon.reports.accept_imports`` counts and announces them. A report key (``import:<receipt>``)
+        another report holds already refuses the batch (``ReportConflict`` naming the item), nothing stored."""
 
         def op(conn: Conn) -> tuple[dict[str, int], list[dict[str, Any]]]:
             ids = [it["record"].id for it in items]
@@ -931,14 +932,26 @@ class RecordStore:
                 have |= {r["id"] for r in conn.execute(
                     f"SELECT id FROM records WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()}
             rows, seen = [], set(have)
-            for it in items:  # the same id twice in one batch: the first one
+            for i, it in enumerate(items):  # the same id twice in one batch: the first one
                 if it["record"].id not in seen:
                     seen.add(it["record"].id)
-                    rows.append(it)
-            for it in rows:
+                    rows.append((i, it))
+            keys = [it["report"]["report_id"] for _, it in rows if it["report"] is not None]
+            taken: set[str] = set()
+            for chunk in _chunks(keys):  # a client's report_id from before such ids were refused at /reef/report
+                taken |= {r["report_key"] for r in conn.execute(
+                    f"SELECT report_key FROM records WHERE report_key IN ({','.join('?' * len(chunk))})",
+                    chunk).fetchall()}
+            for i, it in rows:
+                if it["report"] is not None and it["report"]["report_id"] in taken:
+                    key = it["report"]["report_id"]
+                    raise ReportConflict(f"items[{i}]: the report of imported exchange {it['record'].id} would be "
+                                         f"stored as report_id {key!r}, which another report holds: import it under "
+                                         "another id", report_id=key, param=f"items[{i}].id")
+            for _, it in rows:
                 _ExchangeRow(self._exchange_row(it["record"]))(conn)
             reports: list[dict[str, Any]] = []
-            for it in rows:
+            for _, it in rows:
                 rep = it["report"]
                 if rep is None:
                     continue
