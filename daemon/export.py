@@ -83,11 +83,16 @@ def to_line(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _messages(value: Any, key: str) -> list[dict[str, Any]]:
+    from daemon.protocols.openai_chat import ROLES
+
     if not isinstance(value, list) or not value:
         raise BadRequest(f"{key} must be a non-empty list of messages", param=key)
     for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise BadRequest(f"each {key} message needs a role and a string content", param=f"{key}[{i}]")
+        if m["role"] not in ROLES:  # the roles a served chat request may have
+            raise BadRequest(f"{key}[{i}].role: must be one of {', '.join(ROLES)}; got {m['role'][:40]!r}",
+                             param=f"{key}[{i}].role")
     return value
 
 
@@ -101,7 +106,7 @@ def from_line(item: Any, where: str, default_scenario: str, index: int | None = 
     ``param`` names the field (``items[<index>].<field>`` when ``index`` is given: the import route's items).
 
     The checks are the ones data meets on every other way in: names as the serve path checks them
-    (``daemon/names.py``), the prompt as the serve path parses an OpenAI chat request, ``score`` and ``feedback``
+    (``daemon/names.py``), message roles as a served chat request's, ``score`` and ``feedback``
     as ``/reef/report`` checks them (``daemon/reports.py``), and the id a receipt that can be named again."""
     try:
         return _from_line(item, default_scenario)
@@ -115,18 +120,12 @@ def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
     import time
 
     from daemon.names import check_receipt, check_run, check_scenario
-    from daemon.protocols.formats import FORMATS
     from daemon.reports import IMPORT_KEY, check_feedback, check_score
 
     if not isinstance(item, dict):
         raise BadRequest("not a JSON object")
     prompt = _messages(item.get("prompt"), "prompt")
     completion = _messages(item.get("completion"), "completion")
-    try:  # the roles and shapes a served request may have: what the export parses back
-        FORMATS["openai-chat"].parse_request({"model": "imported", "messages": prompt})
-    except BadRequest as e:
-        raise BadRequest(e.message.replace("messages", "prompt", 1),
-                         param=(e.param or "").replace("messages", "prompt", 1) or "prompt") from None
     scenario = item.get("scenario") or default_scenario
     check_scenario(scenario)
     run = item.get("run")

@@ -129,7 +129,9 @@ def test_an_import_refuses_what_the_api_refuses_elsewhere_naming_the_item_and_fi
         ({"score": "high"}, "items[1].score"),
         ({"feedback": "x" * (256 * 1024 + 1)}, "items[1].feedback"),
         ({"feedback": 3}, "items[1].feedback"),
-        ({"prompt": [{"role": "hacker", "content": "hi"}]}, "items[1].prompt[0].role"),
+        ({"prompt": [{"role": "user", "content": "hi"}, {"role": "hacker", "content": "hi"}]},
+         "items[1].prompt[1].role"),
+        ({"completion": [{"role": "assistant\n", "content": "yo"}]}, "items[1].completion[0].role"),
         ({"model": "m" * 10_000}, "items[1].model"),
         ({"model": "a\nb"}, "items[1].model"),
         ({"created_at": time.time() * 1000}, "items[1].created_at"),  # milliseconds: "in the future"
@@ -155,8 +157,11 @@ def test_an_import_refuses_what_the_api_refuses_elsewhere_naming_the_item_and_fi
         assert same.status_code == 400 and same.json()["error"]["message"] == "score must be a finite number"
         assert [x["id"] for x in c.get("/reef/records", params={"scenario": "imp-bad"}).json()["records"]] == [
             receipt]  # no imported exchange, no report
+        tools = [{"role": "system", "content": "s"}, {"role": "user", "content": "ls"},
+                 {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py"}]  # as an export writes
         ok = c.post("/reef/records/import", json={"items": [{**TURN, "run": "run_1:a", "id": "rec_Imp-1_x",
-                                                             "score": 0, "model": "Qwen/Qwen2.5-7B"}]})
+                                                             "score": 0, "model": "Qwen/Qwen2.5-7B",
+                                                             "prompt": tools}]})
         assert ok.status_code == 201 and ok.json() == {"imported": 1, "skipped": 0, "reports": 1}, ok.text
     # the CLI checks each line with the same function: NaN (which Python's json reads) is refused by line
     path = tmp_path / "nan.jsonl"

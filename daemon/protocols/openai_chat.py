@@ -54,7 +54,7 @@ PATH = "/v1/chat/completions"
 ID_PREFIX = "chatcmpl-"  # answer ids
 
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "stop_sequence": "stop"}
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # a chat message's roles (an import checks the same)
 
 
 # --- requests ---------------------------------------------------------------------------------------------------
@@ -86,8 +86,8 @@ def _message(m: Any, where: str) -> Message:
     m = need_object(m, where)
     w = where + "."
     role = field(m, "role", "string", w, required=True)
-    if role not in _ROLES:
-        raise BadRequest(f"{w}role: must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{w}role")
+    if role not in ROLES:
+        raise BadRequest(f"{w}role: must be one of {', '.join(ROLES)}; got {role!r}", param=f"{w}role")
     parts = _parts(m.get("content"), f"{w}content")
     if role in ("tool", "function"):
         call_id = field(m, "tool_call_id" if role == "tool" else "name", "string", w, required=True)
