@@ -114,7 +114,9 @@ def learning_rate(settings: TTTSettings, model: Any) -> float:
 @dataclass
 class TTTSettings(GateSettings):
     gate: str = "best"  # best (turned away only when shown worse than the head at alpha) | always | review
-    margin: float = 0.0  # best: a candidate shown worse is still published when its mean is this close
+    # best: a candidate shown worse is still published when its mean is this close (None: 0; set with another gate,
+    # refused: only best reads it)
+    margin: float | None = None
     adv_temperature: float | None = None  # None: adaptive (the source's); tau in reward units: smaller pushes harder
     group_size: int = 16  # sibling attempts per group (more attempts per step: more search)
     groups_per_step: int = 1  # groups per training step
@@ -294,9 +296,10 @@ class TTTDiscover(Recipe):
         if settings.gate in ("floor", "compare", "regression"):
             raise BadRequest(f"recipe ttt-discover judges with gate best, always or review, not {settings.gate!r}",
                              param="settings.gate")
-        if settings.alpha is not None and settings.gate != "best":
-            raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read alpha (gate best does)",
-                             param="settings.alpha")
+        for key in ("alpha", "margin"):  # read by gate best only: set with another, they would do nothing
+            if getattr(settings, key) is not None and settings.gate != "best":
+                raise BadRequest(f"recipe ttt-discover's gate {settings.gate} does not read {key} (gate best does)",
+                                 param=f"settings.{key}")
         check("best", alpha=settings.alpha, margin=settings.margin)  # the range of alpha, as every gate's
         if not settings.puct_c >= 0:
             raise BadRequest("recipe ttt-discover setting puct_c must be at least 0", param="settings.puct_c")
@@ -305,7 +308,7 @@ class TTTDiscover(Recipe):
         if settings.scorer is None and settings.scorer_timeout_s != TTTSettings.scorer_timeout_s:
             raise BadRequest("recipe ttt-discover setting scorer_timeout_s is read only with a scorer command",
                              param="settings.scorer_timeout_s")
-        if not settings.margin >= 0:
+        if settings.margin is not None and not settings.margin >= 0:
             raise BadRequest(f"margin (gate best's tolerated drop, in the problem's score units) must be at least 0, "
                              f"got {settings.margin}", param="settings.margin")
         if settings.problem is not None:
@@ -365,7 +368,7 @@ class TTTDiscover(Recipe):
         if ev is None or not ev.candidate or not ev.base:
             return Verdict(True, "accepted", "gate best: no problem scorer, so every candidate serves (the best "
                            "attempt is in the scenario's status)", {})
-        return judge_best(ev.candidate, ev.base, margin=s.margin, alpha=s.alpha)
+        return judge_best(ev.candidate, ev.base, margin=0.0 if s.margin is None else s.margin, alpha=s.alpha)
 
     def status(self, releases: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
         best: dict[str, Any] | None = None

@@ -145,6 +145,28 @@ def test_the_gate_turns_away_only_attempts_shown_worse_than_the_heads():
     assert TTTDiscover(TTTSettings(gate="review")).judge(Candidate(), best=None).verdict == "pending"
 
 
+def test_margin_is_read_by_gate_best_and_refused_with_the_gates_that_never_read_it(daemon: Daemon) -> None:
+    """Gate best reads ``margin`` (a candidate shown worse but within it still serves); gates always and review
+    never do, so a margin set with them is a 400 naming the setting, as ``alpha`` is (it was taken and ignored)."""
+    worse = Candidate(eval=Scores(candidate=[0.5] * 8, base=[0.6] * 8))
+    assert not TTTDiscover(TTTSettings(problem="longest-word")).judge(worse, best=None).publish  # unset: 0
+    assert TTTDiscover(TTTSettings(problem="longest-word", margin=0.2)).judge(worse, best=None).publish
+    assert TTTDiscover.parse_settings({"margin": 0.2}).margin == 0.2
+    with daemon.http() as c:
+        for gate in ("always", "review"):
+            for key, value in (("margin", 0.1), ("margin", 0), ("alpha", 0.05)):
+                bad = c.post("/reef/scenarios", json={"name": f"ttt-{gate}", "recipe": "ttt-discover",
+                                                      "settings": {"gate": gate, key: value}})
+                err = assert_canonical_error(bad, 400)
+                assert err["param"] == f"settings.{key}" and f"does not read {key}" in err["message"], err
+            ok = c.post("/reef/scenarios", json={"name": f"ttt-{gate}", "recipe": "ttt-discover",
+                                                 "settings": {"gate": gate}})
+            assert ok.status_code == 201, ok.text
+        ok = c.post("/reef/scenarios", json={"name": "ttt-best", "recipe": "ttt-discover",
+                                             "settings": {"gate": "best", "margin": 0.1, "alpha": 0.1}})
+        assert ok.status_code == 201, ok.text
+
+
 def test_the_status_is_the_best_attempt_over_releases_and_rejected_steps():
     def step(n: int, best: float, receipt: str, release: str, **extra: Any) -> dict[str, Any]:
         return {"step": n, "metrics": {"samples": 4, "batch_best": best, "batch_best_receipt": receipt,
