@@ -5,7 +5,7 @@
 - ``check``: a command the user names (the project's tests), run in the project after the agent finishes, within
   ``check_timeout_s``: exit 0 scores ``pass_score``, another exit ``fail_score``; its output's tail is kept in the
   report's metadata. A check that cannot run (not found, not executable, timed out) scores nothing: the run record
-  says it failed and why.
+  says it failed and why. It runs in a session of its own, killed whole at the limit (``run_check``).
 - ``kept``: whether the agent's changes to the project (a git work tree) are still there at the next run in the
   same project: the share of changed files not put back as they were, from ``fail_score`` (all reverted) to
   ``pass_score`` (all kept).
@@ -16,8 +16,11 @@ wrapper's flags (``--reef-outcome exit,kept``, ``--reef-check "pytest -q"``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -66,10 +69,13 @@ def snapshot(cwd: Path) -> dict[str, Any] | None:
         i += 1
         if len(entry) < 4:
             continue
-        if entry[0] in "RC":  # a rename names its source next
-            i += 1
         path = entry[3:]
         files[path] = _file_hash(root / path)
+        if entry[0] in "RC" and i < len(entries):  # a rename or copy names its source next: a path too
+            source = entries[i]
+            i += 1
+            if entry[0] == "R":  # moved away: changed (gone, or something else there now)
+                files[source] = _file_hash(root / source)
     return {"root": str(root), "head": head.stdout.decode().strip() or None, "files": files}
 
 
@@ -116,19 +122,44 @@ def kept_share(changed: dict[str, list[str | None]], root: Path) -> tuple[int, i
 
 def run_check(command: str, cwd: Path, timeout_s: float) -> dict[str, Any]:
     """Run the user's check: ``{"status": "passed"|"failed", "exit_code", "output"}`` or, when it could not run,
-    ``{"status": "error", "reason"}``."""
+    ``{"status": "error", "reason"}``.
+
+    The check runs in its own session (a process group of its own): at the time limit, or when the wrapper itself
+    is interrupted, the whole group is killed, not only the shell, so a test runner the check started stops writing
+    in the project when the check is said to have timed out. (A process the check moves to yet another session
+    escapes, as it would escape any terminal.)"""
     try:
-        done = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "reason": f"the check timed out after {timeout_s:g} s"}
+        proc = subprocess.Popen(command, shell=True, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         return {"status": "error", "reason": f"the check could not start: {e}"}
-    output = (done.stdout + done.stderr).decode(errors="replace")[-OUTPUT_TAIL:]
-    if done.returncode in (126, 127):  # the shell could not find or run it: no verdict on the project
-        return {"status": "error", "reason": f"the check could not run (exit {done.returncode}): {output.strip()}"}
-    return {"status": "passed" if done.returncode == 0 else "failed", "exit_code": done.returncode,
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return {"status": "error", "reason": f"the check timed out after {timeout_s:g} s"}
+    except BaseException:  # Ctrl-C reaches the wrapper's group only: the check's must be ended here
+        _kill_group(proc)
+        raise
+    output = (stdout + stderr).decode(errors="replace")[-OUTPUT_TAIL:]
+    if proc.returncode in (126, 127):  # the shell could not find or run it: no verdict on the project
+        return {"status": "error", "reason": f"the check could not run (exit {proc.returncode}): {output.strip()}"}
+    return {"status": "passed" if proc.returncode == 0 else "failed", "exit_code": proc.returncode,
             "output": output}
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the check's process group (its session: the shell and everything it started) and reap the shell."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        proc.communicate(timeout=5)  # the pipes close with the group's processes
+    except subprocess.TimeoutExpired:  # one that left the group holds them: stop reading, reap the shell
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        proc.kill()
+        proc.wait()
 
 
 def score(settings: OutcomeSettings, passed: bool) -> float:

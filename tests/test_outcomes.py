@@ -77,9 +77,15 @@ def test_the_scenarios_outcome_settings_come_from_config_and_bad_ones_are_refuse
     cfg = setup["daemon"].home / "config.toml"
     original = cfg.read_text()
     try:
-        cfg.write_text(original + '\n[outcomes.outcfg]\nexit = true\npass_score = 0.75\nfail_score = -1\n')
+        cfg.write_text(original + '\n[outcomes.outcfg]\nexit = true\npass_score = 0.75\nfail_score = -1\n'
+                                  'check = "test -e app.py"\n')
         out = reef_pi(setup, p, "--reef-scenario", "outcfg", "-p", "--no-session", "say hi")
         assert "outcome exit: score 0.75" in out.stderr, out.stderr
+        # the configured check runs without --reef-check; the flag, given, replaces it for that run
+        assert "outcome check: score 0.75 (test -e app.py exited 0)" in out.stderr, out.stderr
+        flagged = reef_pi(setup, p, "--reef-scenario", "outcfg", "--reef-check", "test -e nothing-here", "-p",
+                          "--no-session", "say hi")
+        assert "outcome check: score -1 (test -e nothing-here exited 1)" in flagged.stderr, flagged.stderr
         cfg.write_text(original + '\n[outcomes.outcfg]\nexits = true\n')
         refused = reef_pi(setup, p, "--reef-scenario", "outcfg", "-p", "--no-session", "say hi")
         assert refused.returncode == 2 and "outcomes.outcfg: unknown keys exits" in refused.stderr, refused.stderr
@@ -173,3 +179,116 @@ def test_a_real_agents_changes_are_snapshotted_by_the_wrapper_and_judged_kept_or
         d.stop()
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the check and the project's state, on their own (no agent needed) ---------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its parent to reap it runs no more)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_check_that_times_out_takes_the_processes_it_started_with_it(tmp_path: Path) -> None:
+    """A check that starts a test runner which keeps writing in the project: at the time limit the whole check
+    ends (its process group), not only the shell, so nothing writes in the project after "the check timed out"."""
+    import os
+    import signal
+    import time
+
+    check = ("sh -c 'echo $$ > runner.pid; while :; do echo x >> grow.txt; sleep 0.05; done' & "
+             "while ! test -s runner.pid; do sleep 0.01; done; wait")
+    got = outcomes.run_check(check, tmp_path, timeout_s=3)
+    pid = int((tmp_path / "runner.pid").read_text())
+    try:
+        assert got == {"status": "error", "reason": "the check timed out after 3 s"}, got
+        deadline = time.monotonic() + 30  # a bound on the wait, not the assertion: the runner is gone when killed
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(pid), "the check's runner is still writing in the project after the check timed out"
+        assert (tmp_path / "grow.txt").stat().st_size > 0  # it ran, and with it gone nothing writes there
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_check_that_exits_126_or_127_is_not_measured_and_any_other_exit_is_a_verdict(tmp_path: Path) -> None:
+    from daemon.config import OutcomeSettings
+
+    for code in (126, 127):  # the shell could not run the command: no verdict on the project
+        reports, failed = outcomes.reports_for_run(OutcomeSettings(check=f"exit {code}"), 0, tmp_path)
+        assert reports == [] and failed[0]["outcome"] == "check", (code, reports)
+        assert f"the check could not run (exit {code})" in failed[0]["reason"]
+    for code, score in ((125, 0.0), (1, 0.0), (0, 1.0)):
+        reports, failed = outcomes.reports_for_run(OutcomeSettings(check=f"exit {code}"), 0, tmp_path)
+        assert failed == [] and [(r["score"], r["metadata"]["exit_code"]) for r in reports] == [(score, code)]
+
+
+def test_the_check_output_keeps_its_tail(tmp_path: Path) -> None:
+    got = outcomes.run_check("echo FIRST-LINE; head -c 20000 /dev/zero | tr '\\0' x; echo; echo LAST-LINE",
+                             tmp_path, timeout_s=60)
+    assert got["status"] == "passed" and len(got["output"]) == outcomes.OUTPUT_TAIL
+    assert got["output"].endswith("LAST-LINE\n") and "FIRST-LINE" not in got["output"]
+
+
+def test_a_check_in_config_is_run_without_the_flag_and_the_flag_wins() -> None:
+    from daemon.config import OutcomeSettings
+
+    configured = OutcomeSettings(check="pytest -q", exit=True)
+    assert outcomes.with_flags(configured, [], None).check == "pytest -q"
+    assert outcomes.with_flags(configured, ["kept"], None) == OutcomeSettings(check="pytest -q", exit=True, kept=True)
+    assert outcomes.with_flags(configured, [], "make test").check == "make test"
+    assert outcomes.with_flags(OutcomeSettings(), [], None).check is None
+
+
+def test_after_git_mv_the_changes_name_both_real_paths_and_nothing_else(tmp_path: Path) -> None:
+    """``git status -z`` writes a rename as the new path then its source: each is a path the run changed (the
+    source is gone); read as an entry of its own, the source became a path that does not exist."""
+    p = project(tmp_path)
+    (p / "lib.py").write_text("y = 1\n")
+    git(p, "add", "lib.py")
+    git(p, "commit", "-qm", "lib")
+    before = outcomes.snapshot(p)
+    git(p, "mv", "app.py", "main.py")
+    git(p, "mv", "lib.py", "library.py")
+    after = outcomes.snapshot(p)
+    assert after is not None and sorted(after["files"]) == ["app.py", "lib.py", "library.py", "main.py"], after
+    changed = outcomes.changes(before, after)
+    assert sorted(changed) == ["app.py", "lib.py", "library.py", "main.py"], changed
+    assert changed["app.py"][1] is None and changed["main.py"][0] is None and changed["main.py"][1] is not None
+    # put back by the user: every changed path reverted
+    git(p, "mv", "main.py", "app.py")
+    git(p, "mv", "library.py", "lib.py")
+    assert outcomes.kept_share(changed, p) == (0, 4)
+
+
+def test_an_outcome_report_never_overrides_an_explicit_one(daemon_factory: Any) -> None:
+    """The user scores an answer 1; the run's outcome (a failing check) then scores it 0: the step trains on the
+    user's 1. Four answers, two prompts of two: the batch's reward is 0.5 with the user's score, 0.25 had the
+    outcome won."""
+    from tests.test_learning import releases, settings_toml, wait_for
+
+    d = daemon_factory(settings_toml())
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "prec", "recipe": "online-rl"}).status_code == 201
+        receipts = []
+        for i in range(4):
+            r = c.post("/s/prec/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": f'Say "w{i // 2}".'}]})
+            assert r.status_code == 200, r.text
+            receipts.append(r.headers["x-reef-agent-record-id"])
+        first = receipts[0]
+        assert c.post("/reef/report", json={"references": [first], "score": 1.0}).status_code == 201
+        outcome = c.post("/reef/report", json={"references": [first], "score": 0.0, "metadata": {
+            "source": "outcome", "outcome": "check", "command": "pytest -q", "exit_code": 1}})
+        assert outcome.status_code == 201, outcome.text
+        for rec, score in zip(receipts[1:], (0.0, 1.0, 0.0), strict=True):  # the batch is complete with the last
+            assert c.post("/reef/report", json={"references": [rec], "score": score}).status_code == 201
+        head = wait_for(lambda: (x := releases(c, "prec"))["releases"][0]["operation"] == "train" and x,
+                        what="a train release")["releases"][0]
+        assert sorted(head["receipts"]) == sorted(receipts)
+        assert head["metrics"]["batch_reward"] == 0.5, head["metrics"]
