@@ -53,7 +53,7 @@ EXECUTABLE_SUFFIXES = (".sh", ".bash", ".zsh", ".fish", ".py", ".js", ".mjs", ".
                        ".php", ".exe", ".bin", ".so", ".dylib", ".ps1", ".bat", ".cmd", ".jar", ".wasm")
 RULES = ("control", "frontmatter", "settings", "executable", "import", "rights")
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069"
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069"
                       "\ufeff\U000e0000-\U000e007f]")
 _FRONT = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*$", re.S | re.M)
 _PRE_EXEC = re.compile(r"!`[^`\n]+`")
@@ -67,7 +67,7 @@ _RIGHTS = [
                 r"around|circumvent)\b[^.\n]{0,40}\b(?:sandbox|sandboxing|permission (?:prompts?|checks?|system)|"
                 r"approvals?|approval prompts?|allowlist|deny ?list)"),
      "it tells the agent to turn off its sandbox or permission checks"),
-    (re.compile(r"(?i)(?:^|[\s`'\"(/~])(?:\.claude/|\.codex/|\.pi/agent|\.config/opencode|opencode\.jsonc?\b|"
+    (re.compile(r"(?i)(?:^|[\s`'\"(/~$])(?:\.claude/|\.codex/|\.pi/agent|\.config/opencode|opencode\.jsonc?\b|"
                 r"\.mcp\.json\b|settings\.local\.json\b|claude_config_dir|codex_home|pi_coding_agent_dir|"
                 r"mcpservers\b|mcp_servers\b)"),
      "it names the agent's own configuration (an agent that edits it widens its own rights)"),
@@ -138,6 +138,9 @@ def _frontmatter(path: str, data: str) -> list[Finding]:
     if not isinstance(meta, dict):
         return [Finding(path, "frontmatter", "its frontmatter is not a mapping of keys")]
     out = []
+    _, body = split_frontmatter(data)
+    if body.lstrip("\ufeff \t\r\n").startswith(("---", "+++")):  # a block right after: a lenient reader's frontmatter
+        out += _frontmatter(path, body)
     for k in meta:
         key = _key(k)
         if key in ALLOWED_KEYS:
