@@ -31,7 +31,7 @@ from daemon.releases import ReleaseStore
 from recipes.harness_search.mutations import Limits, Refused, apply, parse
 from tests.conftest import Daemon, assert_canonical_error, make_home
 from tests.test_chain_remote import bare
-from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - recipe_dir: a fixture
+from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401, F811 - recipe_dir: a fixture
 
 MARK = "zqxmark"  # in every attack's text: no agent's rendered files may hold it after a refusal
 
@@ -381,7 +381,8 @@ def test_only_changed_files_are_read_against_a_parent() -> None:
     assert [f.rule for f in harness_policy.findings(changed, parent)] == ["frontmatter"]
 
 
-def test_any_recipes_harness_candidate_passes_the_policy_at_the_learner(daemon_factory: Any, recipe_dir: Path) -> None:
+def test_any_recipes_harness_candidate_passes_the_policy_at_the_learner(daemon_factory: Any,
+                                                                         recipe_dir: Path) -> None:  # noqa: F811
     """A recipe of the user's own (``plugins:Rated`` writes each feedback into AGENTS.md verbatim, with no screen of
     its own): the learner's policy step is the one that refuses what it made, written down as rejected by the
     ``rights`` screen with the batch consumed; a clean note is published. Bug caught: the policy only in the
