@@ -21,6 +21,10 @@
   ``min_exchanges``), or when its median exchange takes more than ``max_latency_ratio`` times the head's (after
   ``min_exchanges`` complete ones on each arm: a release that makes the agent's every request slower is worse
   whatever its scores).
+- The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
+  canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
+  can start against the new head. A run on an ended canary's arm is served on that arm to its end, after a restart
+  too (the ended canaries are read back from the chain's rejection log).
 - Ending is on the chain: a promotion is a ``promote`` release whose manifest holds the verdict and the figures;
   an end is the candidate's rejection, with the same. ``reef releases canary-end [--promote]`` does it by hand.
 """
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("reef.canary")
 
 CHECK_S = 0.5  # how often running canaries are judged
+ENDED_LOOKBACK = 200  # rejections read back (newest first) for canaries ended before a restart: runs on them go on
 DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0}
 
 
@@ -190,7 +195,8 @@ class Canaries:
         self.reef = reef
         self.active: dict[str, dict[str, Any]] = {}  # scenario -> its canaries row
         self._releases: dict[str, Release] = {}
-        self.ended: dict[str, set[str]] = {}  # scenario -> canaries ended while this daemon ran
+        self.ended: dict[str, set[str]] = {}  # scenario -> ended canaries (read from the chain once, then kept)
+        self._ended_read: set[str] = set()  # scenarios whose ended canaries were read from the rejection log
         self._task: asyncio.Task[None] | None = None
         self._judging = asyncio.Lock()
 
@@ -224,6 +230,11 @@ class Canaries:
         row = self.active.get(scenario.name)
         if row is not None and row["release_id"] == release_id:
             return await self._release(row)
+        if scenario.name not in self._ended_read:  # ended before this daemon started: the chain says which
+            self._ended_read.add(scenario.name)
+            for rej in await self.reef.chains.rejections(scenario.name, ENDED_LOOKBACK):
+                if rej.verdict.startswith("canary-") and rej.candidate:
+                    self.ended.setdefault(scenario.name, set()).add(rej.candidate)
         if release_id in self.ended.get(scenario.name, ()):
             return await self.reef.chains.release(release_id)
         return None
@@ -330,10 +341,17 @@ class Canaries:
                     async with self._judging:
                         if self.active.get(name) is not row:
                             continue
+                        scenario = await self.reef.store.get_scenario(name)
+                        head = await self.reef.chains.head(scenario)
+                        if head.release_id != row["base_id"]:  # a rollback or a promote moved the head meanwhile
+                            await self.end(scenario, promote=False, verdict="head-moved", reason=(
+                                f"the head moved from {row['base_id'][:12]} to {head.release_id[:12]} while the canary "
+                                "ran (a rollback or a promote): it was compared with a release that no longer serves, "
+                                "so it is ended, not promoted; start a new canary against the new head"))
+                            continue
                         d = await self._judge(row)
                         if d.verdict is None:
                             continue
-                        scenario = await self.reef.store.get_scenario(name)
                         await self.end(scenario, promote=d.verdict == "promoted", reason=d.reason,
                                        figures=d.figures, verdict=d.verdict)
                 except ReefError as e:  # the store or the chain is away: judged again at the next round
