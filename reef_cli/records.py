@@ -231,12 +231,17 @@ def forget(
         return
     print(f"forgot {len(out['forgotten'])} exchange(s) and the feedback of {out['reports']} report(s)"
           + (f" ({len(out['already'])} forgotten before)" if out["already"] else ""))
-    print(out["remains"])
+    if out["remains"]:
+        print(out["remains"])
+    copies = out.get("copies") or {}
+    if any(copies.values()):
+        print(f"removed under the state dir: {copies.get('runs', 0)} run file(s), {copies.get('agent_files', 0)} "
+              f"file(s) the agents wrote in those runs, {copies.get('pages', 0)} release page(s)")
     for scenario, view in out["releases"].items():
         marked = view["trained_on_forgotten"]
         if marked:
-            print(f"scenario {scenario}: {len(marked)} release(s) were trained on forgotten data; weights cannot "
-                  "unlearn it")
+            print(f"scenario {scenario}: {len(marked)} release(s) were trained on forgotten data (weights cannot "
+                  "unlearn it; a harness keeps the text it learned)")
             if view.get("command"):
                 print(f"  the newest release that was not: {view['command']}")
 

@@ -117,9 +117,10 @@ async def test_forgotten_bodies_leave_the_files_and_a_tombstone_keeps_reports_ho
         store.close()
 
 
-def _rel(rid: str, operation: str, parent: str | None, content: str, receipts: tuple[str, ...] = ()) -> Any:
+def _rel(rid: str, operation: str, parent: str | None, content: str, receipts: tuple[str, ...] = (),
+         origin: dict[str, Any] | None = None) -> Any:
     return SimpleNamespace(release_id=rid, operation=operation, parent=parent, content_id=content,
-                           receipts=list(receipts))
+                           receipts=list(receipts), origin=origin)
 
 
 def test_releases_built_on_forgotten_data_are_marked_and_a_clean_rollback_is_not() -> None:
@@ -136,6 +137,24 @@ def test_releases_built_on_forgotten_data_are_marked_and_a_clean_rollback_is_not
     ]
     assert tainted(history, {"rec_forgotten"}) == {"r1", "r2", "r5"}
     assert tainted(history, set()) == set()
+
+
+def test_harness_releases_made_from_forgotten_feedback_or_a_forgotten_run_are_marked() -> None:
+    """A harness step lists the reports it learned from (their ids, in ``receipts``); a proposal's release names the
+    run and receipt it came from (``origin``); a promoted candidate builds on its parent as a train step does.
+    Catches: report ids left out of what was forgotten, a proposal's origin not read, promote not inheriting."""
+    history = [
+        _rel("h5", "promote", "h4", "t5", ("rep_other",)),  # a held candidate promoted on top of a marked release
+        _rel("h4", "train", "h3", "t4", origin={"kind": "proposal", "run": "run_gone", "receipt": "rec_last"}),
+        _rel("h3", "rollback", "h2", "t0"),
+        _rel("h2", "train", "h1", "t2", ("rep_forgotten",)),  # lessons: learned from a report's feedback
+        _rel("h1", "train", "h0", "t1", ("rep_kept",)),
+        _rel("h0", "init", None, "t0"),
+    ]
+    assert tainted(history, {"rep_forgotten"}) == {"h2"}
+    assert tainted(history, {"rec_last"}) == {"h4", "h5"}  # the proposal's own receipt
+    assert tainted(history, {"rec_first"}, runs={"run_gone"}) == {"h4", "h5"}  # another exchange of its run
+    assert tainted(history, {"rec_first"}, runs={"run_other"}) == set()
 
 
 def test_forget_through_the_daemon_marks_the_trained_release_and_names_the_way_back(
@@ -231,7 +250,8 @@ async def test_retention_picks_the_old_and_the_oldest_over_the_size_bound(record
         for i in range(6):  # rec_0 oldest; bodies of known size
             await store.append_exchange(replace(_exchange(f"rec_{i}", "x"), created_at=now - (6 - i) * 86400,
                                                 timings={"total_ms": 1}))
-        await store.append_exchange(replace(_exchange("rec_open", "x"), created_at=now - 60))  # a stream under way
+        opened = replace(_exchange("rec_open", "x"), created_at=now - 60)  # a stream under way
+        await store.open_exchange(opened)
         await store.forget(receipts=["rec_1"], runs=[])
         size = await store.read(lambda c: c.execute(
             "SELECT LENGTH(request) + LENGTH(response) AS n FROM records WHERE id='rec_5'").fetchone()["n"])
