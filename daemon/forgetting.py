@@ -3,7 +3,8 @@ retention lets them go by age and size (``retention_days``, ``retention_max_mb``
 
 - The record store deletes their bodies in one transaction and keeps a tombstone (``RecordStore.forget``): the
   request, the answer, their tokens, and the feedback of every report on them; the learner drops what it holds of
-  them in memory, so no later step reads them.
+  them in memory, so no later step reads them, and tells the scenario's recipe, which drops what it keeps of its
+  own (``Recipe.forget``: harness-search's memory of bad runs, in memory and in its file).
 - Then the copies under ``$REEF_HOME`` go (``daemon/copies.py``): the wrappers' run files of those runs, the files
   the agents wrote in their isolated homes during them (sessions, transcripts, their own databases and logs), and
   the release pages written there. Reef's own log never holds a prompt, an answer or feedback.
@@ -145,12 +146,17 @@ async def forget(reef: Daemon, body: dict[str, Any]) -> dict[str, Any]:
         runs = [r for r in runs if r not in set(file_only)]
         out = (await reef.store.forget(receipts=receipts, runs=runs, scrub=scrub) if receipts or runs else
                {"forgotten": [], "already": [], "reports": 0, "scenarios": [], "runs": [], "remains": ""})
-    for scenario in out["scenarios"]:
-        reef.learner.forget(scenario)
+    await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, reef.config, [*out["runs"], *file_only])
     out["releases"] = {s: await chain_view(reef, s) for s in out["scenarios"]}
     reef.events.publish("forget", receipts=len(out["forgotten"]), scenarios=out["scenarios"])
     return out
+
+
+async def _tell_learner(reef: Daemon, scenarios: list[str]) -> None:
+    for scenario in scenarios:
+        ids, _runs = await forgotten_sources(reef.store, scenario)
+        await reef.learner.forget(scenario, ids)
 
 
 def _remove_copies(config: Config, runs: list[str]) -> dict[str, int]:
@@ -175,8 +181,7 @@ async def apply_retention(reef: Daemon) -> dict[str, Any] | None:
         return None
     out = (await reef.store.forget(receipts=due, runs=[]) if due else
            {"forgotten": [], "already": [], "reports": 0, "scenarios": [], "runs": [], "remains": ""})
-    for scenario in out["scenarios"]:
-        reef.learner.forget(scenario)
+    await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, cfg, [*out["runs"], *old_runs])
     if not due and not out["copies"]["runs"]:
         return None  # run files that could not be removed: not a reason for another round

@@ -302,8 +302,12 @@ def test_a_lessons_release_learned_from_forgotten_feedback_is_marked(daemon_fact
         assert releases(c, "ls")["releases"][0]["trained_on_forgotten"] is False
         c.post("/reef/records/forget", json={"receipts": [other]}).raise_for_status()  # not what it learned from
         assert releases(c, "ls")["forgotten"]["trained_on_forgotten"] == []
+    page = Path(d.cli("releases", "open", learned["release_id"], "--no-browser").stdout.strip())
+    assert secret.encode() in page.read_bytes()  # the page quotes the feedback and the diff
+    with d.http() as c:
         out = c.post("/reef/records/forget", json={"receipts": [rec]}).json()
         listed = releases(c, "ls")
+    assert not page.exists() and out["copies"]["pages"] == 1
     assert out["releases"]["ls"]["rollback_to"] == init
     assert [r["trained_on_forgotten"] for r in listed["releases"]] == [True, False]
     assert listed["forgotten"]["trained_on_forgotten"] == [learned["release_id"]]
@@ -328,6 +332,10 @@ class Pairs(Recipe):
     async def edit(self, tree, batch, ctx):
         text = tree.get("AGENTS.md", b"# Rules\\n").decode() + "".join(f"- {r.feedback}\\n" for r in batch)
         return Candidate(tree={**tree, "AGENTS.md": text.encode()})
+
+    def forget(self, ids, ctx):  # what the daemon tells a recipe that keeps memory of its own
+        with open(ctx.config.home / "forgotten-ids", "a") as f:
+            f.write(" ".join(sorted(ids)) + "\\n")
 '''
 
 
@@ -357,6 +365,31 @@ def test_an_exchange_forgotten_before_its_step_is_not_learned_from(daemon_factor
     assert sorted(head["releases"][0]["receipts"]) == sorted([b["report_id"], c_["report_id"]])
     assert "keep b" in rules and "keep c" in rules and secret not in rules
     assert head["forgotten"]["trained_on_forgotten"] == []
+    # the recipe was told which exchange and which report were forgotten (its own memory is its to clear)
+    assert (d.home / "forgotten-ids").read_text().split() == sorted([recs[0], waited["report_id"]])
+
+
+def test_harness_search_drops_a_forgotten_reports_bad_run_from_its_memory(tmp_path: Path) -> None:
+    """Harness-search keeps bad runs (the feedback and the run's exchange) for its proposer, in memory and in
+    ``scenarios/<s>/harness-search.json``: a forgotten report's goes from both, the others stay; a memory file
+    written before a restart is read first. Catches the file left as it was."""
+    from recipes.harness_search import HarnessSearch
+
+    settings = HarnessSearch.parse_settings({"tasks": [{"id": "x", "prompt": "p", "check": "true"}]})
+    ctx: Any = SimpleNamespace(config=SimpleNamespace(home=tmp_path), scenario="s")
+    secret = uuid.uuid4().hex
+    before = HarnessSearch(settings)
+    before.bad_runs.extend([{"report": "rep_gone", "score": 0, "feedback": f"no {secret}", "exchanges": [secret]},
+                            {"report": "rep_kept", "score": 0, "feedback": "kept", "exchanges": ["kept run"]}])
+    before._save(ctx)
+    path = tmp_path / "scenarios" / "s" / "harness-search.json"
+    assert secret in path.read_text()
+    after = HarnessSearch(settings)  # a restart: the memory is in the file only
+    after.forget({"rep_gone", "rec_gone"}, ctx)
+    assert secret not in path.read_text() and "kept run" in path.read_text()
+    assert [r["report"] for r in after.bad_runs] == ["rep_kept"]
+    after.forget({"rep_other"}, ctx)
+    assert [r["report"] for r in after.bad_runs] == ["rep_kept"]
 
 
 def _config(home: Path) -> Any:
@@ -504,7 +537,11 @@ async def test_a_backlog_larger_than_a_round_goes_within_one_check(tmp_path: Pat
                                                 timings={"total_ms": 1}))
         await store.append_exchange(replace(_exchange("rec_new", "x"), timings={"total_ms": 1}))
         forgot: list[str] = []
-        reef = SimpleNamespace(config=_config(home), store=store, learner=SimpleNamespace(forget=forgot.append),
+
+        async def learner_forget(scenario: str, ids: set[str]) -> None:
+            forgot.append(scenario)
+
+        reef = SimpleNamespace(config=_config(home), store=store, learner=SimpleNamespace(forget=learner_forget),
                                events=SimpleNamespace(publish=lambda *a, **k: None))
         waiting = asyncio.Event()
 
