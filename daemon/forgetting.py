@@ -145,12 +145,17 @@ async def forget(reef: Daemon, body: dict[str, Any]) -> dict[str, Any]:
         file_only = list(unknown)
         runs = [r for r in runs if r not in set(file_only)]
         out = (await reef.store.forget(receipts=receipts, runs=runs, scrub=scrub) if receipts or runs else
-               {"forgotten": [], "already": [], "reports": 0, "scenarios": [], "runs": [], "remains": ""})
+               _nothing())
     await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, reef.config, [*out["runs"], *file_only])
     out["releases"] = {s: await chain_view(reef, s) for s in out["scenarios"]}
     reef.events.publish("forget", receipts=len(out["forgotten"]), scenarios=out["scenarios"])
     return out
+
+
+def _nothing() -> dict[str, Any]:
+    """What ``RecordStore.forget`` answers when no exchange was named: only run files go."""
+    return {"forgotten": [], "already": [], "reports": 0, "scenarios": [], "runs": [], "remains": ""}
 
 
 async def _tell_learner(reef: Daemon, scenarios: list[str]) -> None:
@@ -180,7 +185,7 @@ async def apply_retention(reef: Daemon) -> dict[str, Any] | None:
     if not due and not old_runs:
         return None
     out = (await reef.store.forget(receipts=due, runs=[]) if due else
-           {"forgotten": [], "already": [], "reports": 0, "scenarios": [], "runs": [], "remains": ""})
+           _nothing())
     await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, cfg, [*out["runs"], *old_runs])
     if not due and not out["copies"]["runs"]:

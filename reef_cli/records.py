@@ -217,8 +217,9 @@ def forget(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Delete the prompts, answers and feedback of these exchanges for good. A tombstone stays (ids, times, a
-    hash of what was deleted); releases trained on them are marked, and cannot unlearn them: roll back to undo."""
+    """Delete the prompts, answers and feedback of these exchanges for good, with every copy under the state dir
+    (the runs' files, what the agents wrote during them, release pages). A tombstone stays (ids, times, a hash of
+    what was deleted); releases made from them are marked, and cannot unlearn them: roll back to undo."""
     receipts = [i for i in ids if i.startswith("rec_")]
     runs = [i for i in ids if not i.startswith("rec_")]
     if not yes and not typer.confirm(f"forget {len(receipts)} receipt(s) and every exchange of {len(runs)} run(s)? "
