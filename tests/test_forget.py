@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from daemon.errors import Forgotten, ReportConflict
-from daemon.forgetting import tainted
+from daemon.forgetting import forgotten_sources, tainted
 from daemon.records import ExchangeRecord, open_store
 from daemon.records.sqlite import SQLiteStore
 from tests.conftest import Daemon, assert_canonical_error
@@ -81,8 +81,8 @@ async def test_forgotten_bodies_leave_the_files_and_a_tombstone_keeps_reports_ho
         await store.append_exchange(_exchange("rec_a", gone))
         await store.append_exchange(_exchange("rec_b", gone, run="run_1"))
         await store.append_exchange(_exchange("rec_keep", kept))
-        await store.append_report(scenario=None, score=1.0, feedback=f"feedback {gone}", references=["rec_a"],
-                                  metadata={"note": gone}, report_id="r1")
+        on_gone = await store.append_report(scenario=None, score=1.0, feedback=f"feedback {gone}",
+                                            references=["rec_a"], metadata={"note": gone}, report_id="r1")
         await store.append_report(scenario=None, score=0.0, feedback=f"feedback {kept}", references=["rec_keep"],
                                   metadata=None, report_id=None)
         before = _stored_bytes(records_at)
@@ -112,6 +112,9 @@ async def test_forgotten_bodies_leave_the_files_and_a_tombstone_keeps_reports_ho
         rows, _ = await store.scored_exchanges("s")
         assert [r.id for r in rows] == ["rec_keep"]
         assert await store.forgotten("s") == {"rec_a", "rec_b"}
+        # what releases may have been made from: the exchanges, the report on one, the run of the other
+        assert await forgotten_sources(store, "s") == ({"rec_a", "rec_b", on_gone["id"]}, {"run_1"})
+        assert out["runs"] == ["run_1"]
         twice = await store.forget(receipts=["rec_a"], runs=[])
         assert twice["forgotten"] == [] and twice["already"] == ["rec_a"]
     finally:
