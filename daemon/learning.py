@@ -387,13 +387,20 @@ class Learner:
         async with st.lock:
             yield
 
-    def forget(self, name: str) -> None:
-        """Records of this scenario were forgotten: drop what is held of them in memory and read the store again
-        (it no longer gives their bodies). A step already under way finishes with the batch it took."""
+    async def forget(self, name: str, ids: set[str]) -> None:
+        """Records of this scenario were forgotten (``ids``: exchange receipts and report ids): drop what is held of
+        them in memory and read the store again (it no longer gives their bodies); the recipe drops what it keeps
+        of them (``Recipe.forget``). A step already under way finishes with the batch it took."""
         st = self._scenarios.get(name)
         if st is not None:
             st.pool.clear()
             st.cursor = 0
+        try:
+            st = await self._get(name)
+            if st.recipe is not None:
+                st.recipe.forget(ids, self._context(await self.store.get_scenario(name)))
+        except ReefError as e:  # a recipe that no longer loads keeps nothing in memory; its files stay as they are
+            log.warning("scenario %s: the recipe could not drop forgotten records: %s", name, e.message)
 
     def notify(self, name: str) -> None:
         """A report arrived (or the daemon started): look for a batch."""
