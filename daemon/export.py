@@ -97,7 +97,33 @@ def _messages(value: Any, key: str) -> list[dict[str, Any]]:
 
 
 MODEL_MAX = 200  # characters of an imported exchange's model name
-FUTURE_SKEW_S = 86400.0  # created_at may be this far ahead of this machine's clock (another machine's clock)
+
+
+def _created_at(value: Any) -> float | None:
+    """An imported line's ``created_at`` (seconds since the epoch): None where it has none (the import's time); a
+    date beyond this clock (plus ``CLOCK_SKEW_S``) is refused, since retention could not judge its age by it: most
+    often a time in milliseconds."""
+    import math
+    import time
+
+    from daemon.records.store import CLOCK_SKEW_S
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"created_at must be seconds since the epoch (a number), not {type(value).__name__}",
+                         param="created_at")
+    try:
+        created = float(value)
+    except OverflowError:
+        created = math.inf
+    if not math.isfinite(created) or created < 0:
+        raise BadRequest(f"created_at must be seconds since the epoch, got {str(value)[:40]}", param="created_at")
+    if created > time.time() + CLOCK_SKEW_S:
+        raise BadRequest(f"created_at {created:.0f} is in the future"
+                         + (" (milliseconds? Reef takes seconds since the epoch)" if created > 1e11 else ""),
+                         param="created_at")
+    return created
 
 
 def from_line(item: Any, where: str, default_scenario: str, index: int | None = None) -> dict[str, Any]:
@@ -116,9 +142,6 @@ def from_line(item: Any, where: str, default_scenario: str, index: int | None = 
 
 
 def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
-    import math
-    import time
-
     from daemon.names import check_receipt, check_run, check_scenario
     from daemon.reports import IMPORT_KEY, check_feedback, check_score
 
@@ -142,17 +165,7 @@ def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
         model = "imported"
     elif not (isinstance(model, str) and 0 < len(model) <= MODEL_MAX and model.isprintable()):
         raise BadRequest(f"model must be a name of 1 to {MODEL_MAX} printable characters", param="model")
-    created = item.get("created_at")
-    if created is not None:
-        try:
-            created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else None
-        except OverflowError:  # an integer beyond a float's range
-            created = math.inf
-        if created is None or not math.isfinite(created) or created < 0:
-            raise BadRequest("created_at must be a time in seconds since the epoch", param="created_at")
-        if created > time.time() + FUTURE_SKEW_S:
-            raise BadRequest(f"created_at {created:.0f} is in the future: a time in seconds since the epoch (not "
-                             "milliseconds)", param="created_at")
+    created = _created_at(item.get("created_at"))
     rid = item.get("id")
     if rid is None:
         digest = hashlib.sha256(json.dumps([scenario, prompt, completion], sort_keys=True).encode()).hexdigest()
