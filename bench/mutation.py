@@ -59,7 +59,9 @@ MODULES: dict[str, Module] = {
                                                                 "mutation or screen or proposer or settings_file")),
     "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py",)),
     "export": Module("daemon/export.py", ("tests/test_export.py",)),
-    "listening": Module("daemon/listening.py", ("tests/test_remote_clients.py", "tests/test_config.py", "-k",
+    # the unit tests first (-x stops at the first failure): the key over http, the serve settings, the Host check
+    "listening": Module("daemon/listening.py", ("tests/test_providers.py", "tests/test_remote_clients.py",
+                                                "tests/test_hardening.py", "tests/test_config.py", "-k",
                                                 "listen or loopback or tls or host")),
     "trainer_memory": Module("recipes/memory.py", ("tests/test_trainer_memory.py",)),
 }
