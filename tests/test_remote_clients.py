@@ -195,6 +195,23 @@ def test_settings_that_would_do_nothing_or_leak_the_token_are_refused(tmp_path: 
     assert says in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(("top", "host", "names", "tls", "insecure"), [
+    ('host = "10.9.9.9"\ninsecure_http = true\n', "10.9.9.9", (), False, True),  # one address: its own name
+    ('host = "10.9.9.9"\ntls_cert = "c.pem"\ntls_key = "k.pem"\n', "10.9.9.9", (), True, False),
+    ('host = "0.0.0.0"\nserve_names = ["Reef.LAN.", "[fd00::5]"]\ntls_cert = "c.pem"\ntls_key = "k.pem"\n',
+     "0.0.0.0", ("reef.lan", "fd00::5"), True, False),
+    ('host = "api.localhost"\ninsecure_http = true\n', "api.localhost", (), False, True),  # a name: beyond loopback
+    ('host = "localhost"\nserve_names = ["reef.test"]\n', "localhost", ("reef.test",), False, False),  # a proxy
+])
+def test_settings_that_serve_other_machines_as_told_are_taken(tmp_path: Path, top: str, host: str,
+                                                              names: tuple[str, ...], tls: bool, insecure: bool) -> None:
+    (tmp_path / "config.toml").write_text(top)
+    cfg = load_config({"REEF_HOME": str(tmp_path)})
+    assert (cfg.host, cfg.serve_names, cfg.tls_cert is not None, cfg.insecure_http) == (host, names, tls, insecure)
+    if tls:
+        assert cfg.tls_cert == tmp_path / "c.pem" and cfg.tls_key == tmp_path / "k.pem"  # relative to the home
+
+
 def test_a_certificate_that_does_not_load_stops_the_start_with_one_line(tiny_model: Path) -> None:
     certs = Path(tempfile.mkdtemp(prefix="reef-tls-"))
     (certs / "cert.pem").write_text("not a certificate\n")
