@@ -254,3 +254,34 @@ def test_a_parquet_export_of_more_than_a_batch_keeps_every_row(daemon: Daemon, t
 
     rows = pq.read_table(out).to_pylist()
     assert [r["id"] for r in rows] == [it["id"] for it in items]
+
+
+def test_a_stored_client_report_id_on_an_import_key_is_a_409_over_http_not_a_500(daemon_factory: Any) -> None:
+    """A home whose store holds a client's ``import:rec_legacy`` report (written before /reef/report refused such
+    ids): importing rec_legacy through the route is a 409 naming the item and its id (it was a 500)."""
+    import asyncio
+
+    from daemon.config import load_config
+    from daemon.records import ExchangeRecord, open_store
+
+    d: Daemon = daemon_factory(start=False)
+
+    async def legacy() -> None:
+        store = open_store(load_config(d.env).records_location)
+        try:
+            await store.append_exchange(ExchangeRecord(id="rec_served", scenario="legacy", request={}, response={}))
+            await store.append_report(scenario="legacy", score=1.0, feedback=None, references=["rec_served"],
+                                      metadata=None, report_id="import:rec_legacy")
+        finally:
+            store.close()
+
+    asyncio.run(legacy())
+    d.start()
+    with d.http() as c:
+        r = c.post("/reef/records/import", json={"items": [TURN, {**TURN, "id": "rec_legacy", "score": 0}],
+                                                 "scenario": "legacy"})
+        err = assert_canonical_error(r, 409)
+        assert err["param"] == "items[1].id" and "rec_legacy" in err["message"], err
+        assert c.get("/reef/records/rec_legacy").status_code == 404  # nothing of the batch stored
+        ok = c.post("/reef/records/import", json={"items": [{**TURN, "id": "rec_legacy"}], "scenario": "legacy"})
+        assert ok.json() == {"imported": 1, "skipped": 0, "reports": 0}  # without a report there is no key to take
