@@ -255,7 +255,7 @@ def test_requests_with_neither_run_nor_session_go_to_the_canary_at_its_share(mon
 
     for share in (0.1, 0.3):
         draws = iter([(i + 0.5) / 1000 for i in range(1000)])
-        monkeypatch.setattr(canary.random, "random", lambda: next(draws))
+        monkeypatch.setattr(canary.random, "random", draws.__next__)
         assert sum(in_canary("rel", None, share) for _ in range(1000)) == round(1000 * share)
         assert next(draws, None) is None  # every request drew once: none went by a hash
 
