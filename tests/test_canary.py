@@ -2,8 +2,8 @@
 runs, a scripted client scores by arm, and the always-valid test promotes a better canary, ends a worse one and
 ends a tie at its bound, each written on the chain with its figures; runs never change arm, pinned or not, and
 requests with neither run nor session are drawn at the share; settings out of range or unknown start nothing; a
-kill -9 resumes the canary with the same arms and counts. The decision rule itself (error rate, errors bound) is checked on
-simulated scores."""
+kill -9 resumes the canary with the same arms and counts. The decision rule itself (error rate, errors bound) is
+checked on simulated scores (and in ``test_canary_decision.py``)."""
 
 from __future__ import annotations
 
