@@ -157,7 +157,7 @@ def test_online_rl_holds_a_lora_candidate_that_drifted_past_max_kl(daemon_factor
             assert r.status_code == 400 and "max_kl" in r.text, r.text
 
 
-def test_figures_from_before_a_rollback_do_not_count(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+def test_through_the_daemon_figures_from_before_a_rollback_do_not_count(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
     """Three hacked steps published (training reward 0.2 -> 0.8, held-out 0.8 -> 0.2: the next such step would be
     held, as above), then a person rolls back: what the rolled-back steps showed is no trend of the policy that
     serves now, so the next step (0.95, held-out 0.05) is published. Through the daemon's learner and its public

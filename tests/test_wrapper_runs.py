@@ -1,12 +1,12 @@
 """What a wrapper's runs keep (``reef_cli/runs.py``) and what ``reef-pi report`` sends (``reef_cli/wrapper_cmd.py``):
 every receipt of a run, read page by page, and a report on every one of them.
 
-Why a file of its own (issue 42): the two bugs below survived two outside audits. The wrappers' own tests
-(``test_agents.py``) check one receipt of a report by its id, never its score, and no real agent's run reaches a
-second page of records; the one test that catches both (``test_cli_exits.py``'s long run, 60 requests through a
-spawned ``reef-pi``) lives in a file named for exit codes, so whoever runs the wrappers' tests does not run it,
-and its wrapper runs in a subprocess, where no in-process coverage (what a mutation tool uses to pick the tests for a
-mutant) sees it. These run in-process, in well under a second each past the daemon's start.
+Why a file of its own (issue 42): both bugs below survived two outside audits, the second time after a test was
+said to catch them. It does: ``test_cli_exits.py``'s long run (60 requests through a spawned ``reef-pi``) fails on
+both, checked again. But it sits in a file named for exit codes, and the wrappers' own tests (``test_agents.py``)
+read one receipt of a reported run by its id (never its score, never the others) and never make a second page of
+records: a run of the tests named for the wrappers passes with either bug in. These tests are named for them, run
+in-process, and take well under a second each past the daemon's start.
 
 - ``run_receipts``: 51 records served as a page of 50 and a page of 1 come back as all 51, in order, against a
   stand-in for the records route that pages exactly as ``daemon/app.py``'s ``_list_records`` does (``limit``
