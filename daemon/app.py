@@ -927,8 +927,10 @@ async def handle_mint_token(request: web.Request) -> web.Response:
     body = await _object_body(request)
     scenario = check_scenario(body.get("scenario"))
     ttl = body.get("ttl_s", 3600)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
-        raise BadRequest("ttl_s must be a number of seconds in (0, 86400]", param="ttl_s")
+    from daemon.scopes import MAX_TTL_S
+
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
+        raise BadRequest(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}]", param="ttl_s")
     return _json({"token": reef.scopes.mint(scenario, float(ttl)), "scenario": scenario, "ttl_s": ttl,
                   "socket": str(reef.config.scoped_socket_path)}, status=201)
 
