@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -665,7 +666,9 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
         recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
     except ReefError:  # a recipe that no longer loads: the view still shows the scenario
         return {}
-    out: dict[str, Any] = {}
+    settings = recipe.settings
+    out: dict[str, Any] = {"effective_settings": _plain(dataclasses.asdict(settings)) if dataclasses.is_dataclass(
+        settings) and not isinstance(settings, type) else {}}
     skipped = await left_out(reef.store, recipe, scenario["name"])
     if skipped is not None:
         out["left_out"] = skipped
@@ -674,6 +677,19 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
     releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
     rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
     return {**out, "recipe_status": recipe.status(releases, rejected)}
+
+
+def _plain(value: Any) -> Any:
+    """A recipe's settings as JSON: what the user set and every default (``effective_settings``)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return str(value)
 
 
 def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -895,8 +911,10 @@ async def handle_mint_token(request: web.Request) -> web.Response:
     body = await _object_body(request)
     scenario = check_scenario(body.get("scenario"))
     ttl = body.get("ttl_s", 3600)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
-        raise BadRequest("ttl_s must be a number of seconds in (0, 86400]", param="ttl_s")
+    from daemon.scopes import MAX_TTL_S
+
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
+        raise BadRequest(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}]", param="ttl_s")
     return _json({"token": reef.scopes.mint(scenario, float(ttl)), "scenario": scenario, "ttl_s": ttl,
                   "socket": str(reef.config.scoped_socket_path)}, status=201)
 

@@ -20,7 +20,10 @@
   ``max_reports`` reports; ended early when its share of failed exchanges exceeds ``max_error_rate`` (after
   ``min_exchanges``), or when its median exchange takes more than ``max_latency_ratio`` times the head's (after
   ``min_exchanges`` complete ones on each arm: a release that makes the agent's every request slower is worse
-  whatever its scores).
+  whatever its scores). Guards that need no score end it sooner: from ``guard_answers`` (10) answers on each arm,
+  a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
+  ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
+  commas would rate well).
 - The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
   canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
   can start against the new head. A run on an ended canary's arm is served on that arm to its end, after a restart
@@ -55,7 +58,9 @@ log = logging.getLogger("reef.canary")
 
 CHECK_S = 0.5  # how often running canaries are judged
 ENDED_LOOKBACK = 200  # rejections read back (newest first) for canaries ended before a restart: runs on them go on
-DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0}
+DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0,
+            "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
+EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-of-text token alone)
 
 
 def radius(n: int, delta: float) -> float:
@@ -75,9 +80,11 @@ class Decision:
 def decide(head: list[float], canary: list[float], *, alpha: float, max_reports: int,
            errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20,
            head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
-           max_latency_ratio: float = math.inf) -> Decision:
-    """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, and both
-    arms' times of complete exchanges (ms)."""
+           max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
+           canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,
+           guard_answers: int = 10) -> Decision:
+    """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
+    times of complete exchanges (ms) and their answers' lengths in tokens (the guards that need no score)."""
     h = [min(1.0, max(0.0, x)) for x in head]
     c = [min(1.0, max(0.0, x)) for x in canary]
     delta = alpha / 2
@@ -90,6 +97,11 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         "canary_exchanges": exchanges, "canary_errors": errors,
         "canary_p50_ms": _median(canary_ms), "head_p50_ms": _median(head_ms),
     }
+    guard = _guard(head_tokens or [], canary_tokens or [], max_empty_excess=max_empty_excess,
+                   min_length_ratio=min_length_ratio, guard_answers=guard_answers)
+    figures.update(guard.figures)
+    if guard.verdict is not None:
+        return Decision(guard.verdict, guard.reason, figures)
     if exchanges >= min_exchanges and errors / exchanges > max_error_rate:
         return Decision("errors", f"the canary failed {errors} of {exchanges} exchanges, more than "
                         f"{max_error_rate:.0%}", figures)
@@ -114,6 +126,32 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
     return Decision(None, "undecided", figures)
 
 
+def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_length_ratio: float,
+           guard_answers: int) -> Decision:
+    """The guards that need no score, on the arms' answer lengths in tokens: from ``guard_answers`` canary answers
+    on (and as many on the head, so its rates mean something), the canary ends when its share of empty answers (at
+    most ``EMPTY_TOKENS``) exceeds the head's by more than ``max_empty_excess``, or when its median answer is
+    shorter than ``min_length_ratio`` of the head's. A candidate that stopped answering is ended before anyone
+    scores it: scorers that count commas or words would rate its silence well."""
+    def empty(xs: list[int]) -> float | None:
+        return round(sum(x <= EMPTY_TOKENS for x in xs) / len(xs), 4) if xs else None
+
+    figures: dict[str, Any] = {"canary_answers": len(canary), "canary_empty_rate": empty(canary),
+                               "head_empty_rate": empty(head), "canary_p50_tokens": _median([float(x) for x in canary]),
+                               "head_p50_tokens": _median([float(x) for x in head])}
+    if len(canary) < guard_answers or len(head) < guard_answers:
+        return Decision(None, "undecided", figures)
+    ce, he = figures["canary_empty_rate"], figures["head_empty_rate"]
+    if ce - he > max_empty_excess:
+        return Decision("empty", f"{ce:.0%} of the canary's {len(canary)} answers were empty against {he:.0%} of the "
+                        f"head's: it stopped answering (bound: {max_empty_excess:.0%} more than the head)", figures)
+    cl, hl = figures["canary_p50_tokens"], figures["head_p50_tokens"]
+    if hl > 0 and cl < min_length_ratio * hl:
+        return Decision("short", f"the canary's median answer is {cl:g} tokens against the head's {hl:g}: shorter "
+                        f"than {min_length_ratio:g} of it", figures)
+    return Decision(None, "undecided", figures)
+
+
 MAX_WHOLE = 10 ** 9  # max_reports and min_exchanges: a bound past any canary's life
 
 
@@ -127,11 +165,12 @@ def settings_of(body: dict[str, Any]) -> dict[str, Any]:
     settings = dict(DEFAULTS)
     for key, default in DEFAULTS.items():
         value = body.get(key, default)
-        whole = key in ("max_reports", "min_exchanges")
+        whole = key in ("max_reports", "min_exchanges", "guard_answers")
+        fraction = key in ("alpha", "max_error_rate", "max_empty_excess", "min_length_ratio")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 or (
-                key in ("alpha", "max_error_rate") and value >= 1) or (
+                fraction and value >= 1) or (
                 key == "max_latency_ratio" and value < 1) or (whole and (value != int(value) or value > MAX_WHOLE)):
-            kind = ("a fraction in (0, 1)" if key in ("alpha", "max_error_rate") else
+            kind = ("a fraction in (0, 1)" if fraction else
                     "a finite ratio of at least 1" if key == "max_latency_ratio" else
                     f"a positive whole number up to {MAX_WHOLE}")
             raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
@@ -331,7 +370,10 @@ class Canaries:
         return decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
                       errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
                       min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
-                      max_latency_ratio=s.get("max_latency_ratio", math.inf))  # (rows from before the bound)
+                      # (rows from before a bound existed: the bound off, as they were started)
+                      max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
+                      canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
+                      min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)))
 
     async def _loop(self) -> None:
         while self.active:

@@ -214,10 +214,34 @@ def _clean(text: str, limit: int) -> str:
     return text
 
 
+# the first words of feedback that is already an instruction ("always run the tests first"): kept as written
+_IMPERATIVE = frozenset((
+    "always never don't dont do use run prefer keep avoid write add remove check make put start stop answer reply "
+    "respond be ask cite test explain include follow read try give show list call say mention reproduce verify "
+    "confirm split name document commit lint format fix").split())
+_PRAISE = re.compile(r"(?i)^(?:(?:very|really|so|a|an|the|this|that|it|was|is|answer|job|work|one|response|reply|"
+                     r"good|great|nice|perfect|excellent|awesome|amazing|correct|right|exactly|helpful|useful|fine|"
+                     r"ok|okay|cool|brilliant|fantastic|superb|love|loved|liked|like|works|worked|well|done|thanks|"
+                     r"thank|you|thx|ty|lgtm|yes|yep|spot|on)[\s!.,:;)*-]*|[\U0001F44D\U0001F64F\u2764\u2705\U0001F389]"
+                     r"[\s!.]*)+$")
+
+
+def imperative(text: str) -> bool:
+    """Whether written feedback is already an instruction: its first word is a verb of the kind rules start with."""
+    first = text.strip().split(maxsplit=1)[0].lower().strip(".,:;!-*\"'") if text.strip() else ""
+    return first in _IMPERATIVE
+
+
+def praise(text: str, score: float | None) -> bool:
+    """Feedback that only says the answer was good ("good answer", "thanks!", "perfect"): no rule in it."""
+    return (score is None or score >= 0.5) and bool(_PRAISE.match(text.strip())) and len(text.split()) <= 8
+
+
 def phrase(lesson: Lesson, limit: int) -> str:
-    """The rule entry for a lesson: an instruction as written; feedback on a poor run as a mistake to avoid."""
+    """The rule entry for a lesson: an instruction as written (a direct one, or feedback that is one); other
+    feedback on a poor run as a mistake to avoid."""
     text = _clean(lesson.text, limit)
-    if lesson.instruction:
+    if lesson.instruction or imperative(text):
         return text
     if lesson.score is not None and lesson.score < 0.5:
         return f"Avoid a past mistake: {text}"
@@ -259,6 +283,9 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
         reason = screen(text)
         if reason is not None:
             out.refused.append({**view, "reason": reason})
+            continue
+        if not lesson.instruction and lesson.skill is None and praise(text, lesson.score):
+            out.unchanged.append({**view, "why": "praise, not an instruction: the report keeps it, no rule changes"})
             continue
         if lesson.skill is not None:
             if not SKILL_NAME.fullmatch(lesson.skill):

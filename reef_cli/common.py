@@ -35,6 +35,9 @@ def edge(fn: F) -> F:
             fail(e.message, e.exit_code)
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except typer.Abort:  # a confirmation read end-of-file (a script, CI): nothing was done
+            fail("a confirmation was asked and standard input gave no answer (it is closed); nothing was done: "
+                 "pass --yes to go ahead without asking", 2)
 
     return wrapper  # type: ignore[return-value]
 

@@ -71,6 +71,9 @@ def main() -> None:
     try:
         code = app(standalone_mode=False, prog_name="reef")
     except Exception as e:  # typer's usage errors (its private click fork): duck-typed on purpose
+        if type(e).__name__ == "Abort":  # a prompt got end-of-input or Ctrl-C outside a command's own edge
+            sys.stderr.write("reef: a confirmation was asked and got no answer; nothing was done (pass --yes)\n")
+            sys.exit(2)
         if not hasattr(e, "format_message") or not isinstance(getattr(e, "exit_code", None), int):
             raise
         if type(e).__name__ == "NoArgsIsHelpError":  # `reef` or `reef releases` alone: the help
@@ -79,11 +82,6 @@ def main() -> None:
             hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
             sys.stderr.write(f"reef: {e.format_message()}{hint}\n")
         sys.exit(e.exit_code)
-    except RuntimeError as e:  # typer.Abort: a prompt got end-of-input or Ctrl-C
-        if type(e).__name__ != "Abort":
-            raise
-        sys.stderr.write("reef: aborted\n")
-        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -329,6 +329,12 @@ def show_scenario(
         print(f"{'left out':11} {left['total']} scored answers ({counts}): {left['why']}")
     for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
         print(f"{key:11} {value}")
+    effective = s.get("effective_settings") or {}
+    if effective:  # what the scenario actually gets: the settings it was given and every default
+        given = s.get("settings") or {}
+        print("settings    (* set for this scenario; the rest are the recipe's defaults)")
+        for key, value in sorted(effective.items()):
+            print(f"  {'*' if key in given else ' '} {key:24} {json.dumps(value)}")
 
 
 @scenarios_app.command("create")

@@ -5,6 +5,7 @@ so the path to the agent's first request stays short) and the run files under ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -108,13 +109,29 @@ def save_run(config: Config, run: dict[str, Any]) -> None:
     write_file(d / f"last-{run['adapter']}", (run["run"] + "\n").encode())
 
 
+def _reportable(run: dict[str, Any]) -> bool:
+    """Not a run the daemon said made no model requests (one whose receipts could not be read when it ended is
+    reportable: they are asked for again)."""
+    return bool(run.get("receipts")) or not run.get("no_requests")
+
+
 def load_run(config: Config, adapter: Adapter, run_id: str | None) -> dict[str, Any]:
+    """The run ``run_id``, or (None) the newest run of ``adapter`` that made model requests: a run that made none (a
+    typo passed to the agent, its help printed) is never the one a report scores."""
     d = runs_dir(config)
     if run_id is None:
         try:
             run_id = (d / f"last-{adapter.name}").read_text().strip()
         except FileNotFoundError:
             raise NotFound(f"no {adapter.command} run yet; run {adapter.command} first (or pass --run ID)") from None
+        with contextlib.suppress(OSError, ValueError):
+            last = json.loads((d / f"{run_id}.json").read_text()) if "/" not in run_id else None
+            if isinstance(last, dict) and not _reportable(last):
+                earlier = next((r for r in list_runs(config, adapter) if _reportable(r)), None)
+                if earlier is None:
+                    raise NotFound(f"the last {adapter.command} run ({run_id}) made no model requests, and no earlier "
+                                   "one did: there is nothing to report on")
+                return earlier
     path = d / f"{run_id}.json"
     if not path.is_file() or "/" in run_id:
         raise NotFound(f"no run {run_id!r} in {d}")

@@ -31,11 +31,14 @@ from typing import Any
 from adapters import Adapter, Target, get_adapter
 from adapters.base import install_harness, installed_release
 from daemon.config import Config, load_config
-from daemon.errors import AgentError, ReefError
+from daemon.errors import AgentError, BadRequest, ReefError
 from reef_cli.runs import call, call_starting, list_runs, run_receipts, save_run, say, token
 
 SUBCOMMANDS = ("report", "runs", "update", "evolve", "propose", "reef-help")
 FLAGS = ("--reef-scenario", "--reef-outcome", "--reef-check", "--reef-provider")  # the wrapper's own, before a --
+# the agents' own subcommands, never taken for a near-miss of the wrapper's (opencode's `run` is one letter from `runs`)
+AGENT_WORDS = frozenset({"run", "exec", "resume", "review", "login", "logout", "mcp", "serve", "auth", "models",
+                         "export", "import", "upgrade", "agent", "debug", "stats", "github", "apply", "completion"})
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TTY_SIGNALS = (signal.SIGINT, signal.SIGQUIT)  # the terminal already sends these to the agent too
 
@@ -137,6 +140,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
         record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run)
+        record["no_requests"] = not record["receipts"]  # the daemon says so: never the run a report scores
     except (OSError, ReefError) as e:
         say(f"could not read the run's receipts ({e}); `{adapter.command} report` will ask the daemon again")
     if asked.kept:
@@ -147,8 +151,12 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
         report_outcomes(config, record, asked, code)
     save_run(config, record)
     n = len(record["receipts"])
-    say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
-        f"`{adapter.command} report --score S --feedback TEXT`")
+    if not record.get("no_requests"):
+        say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
+            f"`{adapter.command} report --score S --feedback TEXT`")
+    else:
+        say(f"run {target.run} made no model requests: nothing to give feedback on (`{adapter.command} report` "
+            "scores the last run that made some)")
     return code
 
 
@@ -294,7 +302,10 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
             return
         if args and args[0] == "--":
             args = args[1:]
+        else:
+            _refuse_near_miss(adapter, args)
         taken = {flag: _take_flag(args, flag) for flag in FLAGS}
+        _refuse_unknown_flags(adapter, args)
         scenario = (taken["--reef-scenario"] or [None])[-1]
         outcome_flags = taken["--reef-outcome"]
         check = (taken["--reef-check"] or [None])[-1]
@@ -305,6 +316,35 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _refuse_near_miss(adapter: Any, args: list[str]) -> None:
+    """A first word one typo away from a wrapper subcommand (``reprot``) is refused, naming the subcommand: passed to
+    the agent it would start a run that makes no request. ``--`` first sends it to the agent on purpose."""
+    import difflib
+
+    if not args or args[0].startswith("-") or args[0] in AGENT_WORDS:
+        return
+    near = difflib.get_close_matches(args[0].lower(), SUBCOMMANDS, n=1, cutoff=0.75)
+    if near:
+        raise BadRequest(f"{args[0]!r} is not a {adapter.command} subcommand; did you mean `{adapter.command} "
+                         f"{near[0]}`? (to pass {args[0]!r} to {adapter.name} itself, put -- first: "
+                         f"`{adapter.command} -- {args[0]}`)", param="subcommand")
+
+
+def _refuse_unknown_flags(adapter: Any, args: list[str]) -> None:
+    """A ``--reef-*`` flag the wrapper does not know (before a ``--``) is refused, naming the known ones: the agent
+    would be started with it and fail, or ignore it."""
+    import difflib
+
+    end = args.index("--") if "--" in args else len(args)
+    for a in args[:end]:
+        if a.startswith("--reef-"):
+            name = a.split("=", 1)[0]
+            near = difflib.get_close_matches(name, FLAGS, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise BadRequest(f"unknown wrapper flag {name}{hint} ({adapter.command} takes {', '.join(FLAGS)}; to "
+                             f"pass it to {adapter.name} itself, put it after --)", param=name)
 
 
 def _take_flag(args: list[str], name: str) -> list[str]:

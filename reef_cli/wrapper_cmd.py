@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from adapters import Adapter
-from daemon.errors import NotFound, ReefError
+from daemon.errors import BadRequest, NotFound, ReefError
 from reef_cli.common import ago, config, console, edge, print_json
 from reef_cli.runs import call_starting, list_runs, load_run, run_receipts, save_run
 
@@ -37,7 +37,7 @@ def subcommands(adapter: Adapter) -> Any:
         """Attach one report (score and/or feedback) to every receipt of the last run (or --run ID)."""
         cfg = config()
         if score is None and feedback is None:
-            raise ReefError("give --score, --feedback, or both")
+            raise BadRequest("give --score, --feedback, or both (nothing was reported)", param="score")
         rec = load_run(cfg, adapter, run)
         receipts = rec.get("receipts") or []
         if not receipts:  # the run's receipts were not stored (daemon unreachable then): ask again

@@ -1,8 +1,9 @@
 """Canary releases (``daemon/canary.py``) through a real daemon: a held harness candidate serves a share of new
 runs, a scripted client scores by arm, and the always-valid test promotes a better canary, ends a worse one and
-ends a tie at its bound, each written on the chain with its figures; runs never change arm; a kill -9 resumes
-the canary with the same arms and counts. The decision rule itself (error rate, errors bound) is checked on
-simulated scores."""
+ends a tie at its bound, each written on the chain with its figures; runs never change arm, pinned or not, and
+requests with neither run nor session are drawn at the share; settings out of range or unknown start nothing; a
+kill -9 resumes the canary with the same arms and counts. The decision rule itself (error rate, errors bound) is
+checked on simulated scores (and in ``test_canary_decision.py``)."""
 
 from __future__ import annotations
 
@@ -235,3 +236,59 @@ def test_the_learning_loop_can_publish_through_a_canary(daemon_factory: Any, rec
         served = {c.post(f"/s/lc/r/run_{i:04d}/v1/chat/completions", json=ask).headers["x-reef-release-id"]
                   for i in range(16)}
         assert served == {head, running["release_id"]}
+
+
+def test_requests_with_neither_run_nor_session_go_to_the_canary_at_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn on their own: with the draws spread evenly over [0, 1), exactly the share of them go to the canary (a
+    flipped comparison sends 90% at share 0.1, a constant key all or none)."""
+    import daemon.canary as canary
+
+    for share in (0.1, 0.3):
+        draws = iter([(i + 0.5) / 1000 for i in range(1000)])
+        monkeypatch.setattr(canary.random, "random", draws.__next__)
+        assert sum(in_canary("rel", None, share) for _ in range(1000)) == round(1000 * share)
+        assert next(draws, None) is None  # every request drew once: none went by a hash
+
+
+ASK = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_settings_out_of_range_or_unknown_start_no_canary(daemon: Daemon) -> None:
+    """A share of 1 (every new run to the canary: a promotion without the verdict) or 0 is a 400, as is a misspelt
+    setting (``max_report``: silently ignored, the canary would run to the default 400 reports); nothing starts."""
+    with daemon.unix() as c:
+        _, cand = held_candidate(c, "cs", "be terse")
+        for bad, param in (({"share": 1}, "share"), ({"share": 1.0}, "share"), ({"share": 0}, "share"),
+                           ({"share": 0.5, "max_report": 12}, "max_report")):
+            err = assert_canonical_error(c.post("/reef/scenarios/cs/canary", json={"release_id": cand, **bad}), 400)
+            assert err["param"] == param and param in err["message"], (bad, err)
+            assert canary_of(c, "cs") is None, bad
+        ok = c.post("/reef/scenarios/cs/canary", json={"release_id": cand, "share": 0.5, "max_reports": 12})
+        assert ok.status_code == 201 and ok.json()["settings"]["max_reports"] == 12, ok.text
+
+
+def test_unpinned_requests_of_a_run_stay_on_one_arm_and_runless_ones_split_by_the_share(daemon: Daemon) -> None:
+    """Requests that pin no release (a client that is not a wrapper) are served by their run's arm, every one of
+    them: three runs on each arm, three requests each, each request on the arm its run hashes to. Requests with
+    neither run nor session are drawn one by one: 100 at share 0.1 put between 1 and 40 on the canary (10
+    expected; a flipped comparison puts some 90 there, a run-less key that hashes gives all or none)."""
+    with daemon.unix() as c:
+        head, cand = held_candidate(c, "cu", "be terse")
+        c.post("/reef/scenarios/cu/canary", json={"release_id": cand, "share": 0.5, "max_latency_ratio": 1000}
+               ).raise_for_status()
+        names = [f"run_unpinned{i}" for i in range(64)]
+        arms = {True: [r for r in names if in_canary(cand, f"run={r}", 0.5)][:3],
+                False: [r for r in names if not in_canary(cand, f"run={r}", 0.5)][:3]}
+        assert len(arms[True]) == len(arms[False]) == 3
+        for on_canary, runs in arms.items():
+            for run in runs:
+                served = [c.post(f"/s/cu/r/{run}/v1/chat/completions", json=ASK).headers["x-reef-release-id"]
+                          for _ in range(3)]
+                assert served == [cand if on_canary else head] * 3, (run, on_canary, served)
+
+        head2, cand2 = held_candidate(c, "cv", "be brief")
+        c.post("/reef/scenarios/cv/canary", json={"release_id": cand2, "share": 0.1, "max_latency_ratio": 1000}
+               ).raise_for_status()
+        served = [c.post("/s/cv/v1/chat/completions", json=ASK).headers["x-reef-release-id"] for _ in range(100)]
+        assert set(served) <= {head2, cand2}
+        assert 1 <= served.count(cand2) <= 40, served.count(cand2)

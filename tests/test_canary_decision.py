@@ -125,3 +125,40 @@ def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
     assert e.value.data["param"] == "max_report"
     got = settings_of({"release_id": "x", "max_reports": 50.0})
     assert got["max_reports"] == 50 and isinstance(got["max_reports"], int) and got["alpha"] == 0.05
+
+
+GUARD = {**KW, "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
+
+
+def test_a_canary_that_stops_answering_ends_without_a_score() -> None:
+    """Half its answers empty (one token at most) against none of the head's: ended at the 10th answer, before any
+    report. Bugs caught: the guard waiting for scores, comparing with nothing (the head's rate ignored), counting
+    from the wrong arm."""
+    head = [40] * 10
+    half = [0, 30] * 5
+    d = decide([], [], head_tokens=head, canary_tokens=half, **GUARD)
+    assert d.verdict == "empty" and d.figures["canary_empty_rate"] == 0.5 and d.figures["head_empty_rate"] == 0.0
+    assert decide([], [], head_tokens=head, canary_tokens=half[:9], **GUARD).verdict is None  # 9 answers: not yet
+    assert decide([], [], head_tokens=head[:9], canary_tokens=half, **GUARD).verdict is None  # nor 9 on the head
+    assert decide([], [], head_tokens=half, canary_tokens=head, **GUARD).verdict is None  # the head is the empty one
+    # the head's own empty answers count: 10% and 35% differ by less than the bound
+    ten = [1] + [40] * 9
+    some = [1] * 7 + [40] * 13
+    assert decide([], [], head_tokens=ten, canary_tokens=some, **GUARD).verdict is None
+    assert decide([], [], head_tokens=ten, canary_tokens=[1] * 9 + [40] * 11, **GUARD).verdict == "empty"
+
+
+def test_a_canary_whose_answers_collapse_in_length_ends() -> None:
+    head = [40] * 12
+    assert decide([], [], head_tokens=head, canary_tokens=[9] * 12, **GUARD).verdict == "short"
+    assert decide([], [], head_tokens=head, canary_tokens=[10] * 12, **GUARD).verdict is None  # exactly a quarter
+    d = decide([1.0] * 3, [1.0] * 3, head_tokens=head, canary_tokens=[40] * 12, **GUARD)
+    assert d.verdict is None and d.figures["canary_p50_tokens"] == 40.0
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_empty_excess", 1.0), ("min_length_ratio", 0), ("guard_answers", 0),
+                                            ("guard_answers", 2.5)])
+def test_guard_settings_out_of_range_are_refused(key: str, value: object) -> None:
+    with pytest.raises(BadRequest) as e:
+        settings_of({"release_id": "x", key: value})
+    assert e.value.data["param"] == key

@@ -61,3 +61,30 @@ def test_a_run_pinned_to_an_ended_canary_is_served_after_a_restart(daemon_factor
         assert r.headers["x-reef-release-id"] == cand
         assert_canonical_error(c.post("/s/hr2/v1/chat/completions", headers={"x-reef-release-id": never}, json=ASK),
                                400)
+
+
+def test_a_canary_that_answers_nothing_ends_before_any_report(daemon_factory: Any) -> None:
+    """End to end through the records: every answer on the canary's arm is one token long (the client asks for one:
+    the stand-in for a candidate that stopped answering), the head's arm answers at length; no report is ever
+    made. The canary ends as ``empty`` within 30 canary answers. Bug caught: the guard reading lengths from the wrong
+    column, or only when scores exist."""
+    d: Daemon = daemon_factory()
+    with d.unix() as c:
+        head, cand = held_candidate(c, "he", "be terse")
+        c.post("/reef/scenarios/he/canary", json={"release_id": cand, "share": 0.5}).raise_for_status()
+        on_canary = 0
+        for _ in range(200):
+            start = c.post("/reef/runs", json={"adapter": "pi", "scenario": "he"}).json()
+            if canary_of(c, "he") is None:
+                break
+            rel = start["release_id"]
+            on_canary += rel == cand
+            assert on_canary <= 30, "the canary did not end within 30 of its answers"
+            ask = {**ASK, "max_tokens": 1 if rel == cand else 24, "temperature": 0}
+            r = c.post(f"/s/he/r/{start['run']}/v1/chat/completions", headers={"x-reef-release-id": rel}, json=ask)
+            assert r.status_code == 200, r.text
+        _until("the canary to end", lambda: canary_of(c, "he") is None)
+        chain = c.get("/reef/scenarios/he/releases", params={"all": "1"}).json()
+        ended = next(j for j in chain["rejected"] if j["candidate"] == cand)
+        assert ended["verdict"] == "canary-empty" and "stopped answering" in ended["reason"], ended
+        assert ended["metrics"]["canary_reports"] == 0 and chain["head"] == head

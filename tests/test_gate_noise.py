@@ -88,6 +88,17 @@ def test_compare_margin_is_the_least_lead_on_top_of_the_test() -> None:
     assert not v.publish and "lead 6 < margin 8" in v.reason
 
 
+def test_compare_publishes_when_the_lead_equals_the_margin() -> None:
+    """``margin`` is the least lead asked for: a lead of exactly ``margin`` publishes, one short does not. A loss
+    among the pairs makes the lead wins - losses, not the wins."""
+    cand, base = [1.0] * 7 + [0.0] + [0.5] * 4, [0.0] * 7 + [1.0] + [0.5] * 4  # wins 7, losses 1: p = 9/256
+    v = judge("compare", candidate=cand, base=base, best=None, margin=6)
+    assert v.metrics["p_value"] == pytest.approx(9 / 256, abs=1e-6) and (v.metrics["wins"], v.metrics["losses"]) == (7, 1)
+    assert v.publish and v.verdict == "accepted" and "lead 6 >= margin 6" in v.reason, v.reason
+    v = judge("compare", candidate=cand, base=base, best=None, margin=7)
+    assert not v.publish and v.verdict == "rejected" and "lead 6 < margin 7" in v.reason, v.reason
+
+
 def test_too_few_pairs_to_decide_is_held_for_review_not_rejected() -> None:
     v = judge("compare", candidate=[1.0, 1.0, 1.0], base=[0.0, 0.0, 0.0], best=None)
     assert not v.publish and v.verdict == "pending" and "at least 5 needed" in v.reason

@@ -150,3 +150,22 @@ def test_a_proposers_answer_is_read_as_one_rule() -> None:
     assert rules(out.tree) == ["Handle empty tokens."] and out.applied[0]["proposed_by"] == "m"
     leaky = Lesson("rep_2", "missed empty tokens", score=0, proposed="use key AKIAABCDEFGHIJKLMNOP", proposer="m")
     assert rules(apply({}, [leaky], LessonsSettings()).tree) == ["Avoid a past mistake: missed empty tokens"]
+
+
+@pytest.mark.parametrize("text", ["good answer", "Thanks!", "perfect 👍", "great job, thanks", "LGTM"])
+def test_praise_is_not_a_rule(text: str) -> None:
+    """``--score 1 --feedback 'good answer'`` changes no harness (it added "From feedback: good answer"); the report
+    keeps it. Bug caught: praise phrased as a rule, or praise on a poor score dropped too."""
+    out = apply({}, [Lesson("rep_1", text, score=1.0)], LessonsSettings())
+    assert not out.changed and out.unchanged and "praise" in out.unchanged[0]["why"]
+    assert apply({}, [Lesson("rep_2", "good answer but cite the file", score=1.0)], LessonsSettings()).changed
+
+
+@pytest.mark.parametrize(("text", "score"), [("always run the tests first", 0.0), ("Keep diffs small.", 0.0),
+                                             ("use pytest -x", 1.0), ("Don't touch the lockfile", None)])
+def test_feedback_that_is_an_instruction_is_kept_as_written(text: str, score: float | None) -> None:
+    """It became "Avoid a past mistake: always run the tests first". Other feedback keeps its framing."""
+    out = apply({}, [Lesson("rep_1", text, score=score)], LessonsSettings())
+    assert rules(out.tree) == [text]
+    assert rules(apply({}, [Lesson("rep_2", "the tests were skipped", score=0.0)], LessonsSettings()).tree) == [
+        "Avoid a past mistake: the tests were skipped"]

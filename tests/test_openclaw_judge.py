@@ -22,6 +22,7 @@ from recipes.online_rl import Sample, kl_from_base, token_logprobs, train_step, 
 from recipes.openclaw_rl import (
     HINT_PROMPT,
     JUDGE_PROMPT,
+    MIN_HINT_CHARS,
     OpenClawRL,
     best_hint,
     majority,
@@ -54,6 +55,14 @@ def test_failed_timed_out_and_unparseable_votes_abstain() -> None:
     assert v.verdict == "good" and not v.unparseable and v.votes == ("good", "timed out", "failed")
     v = votes("GOOD: a", "garbage", "BAD: b")  # one good, one bad left: a tie
     assert v.verdict == "neutral" and v.votes == ("good", "unparseable", "bad")
+    for answers in (("GOOD: a", "garbage", "garbage"), ("garbage", "GOOD: a", "garbage"), ("garbage", "garbage",
+                                                                                            "GOOD: a")):
+        v = votes(*answers)  # the one vote that parsed decides: garbage counted as neutral would outvote it
+        assert v.verdict == "good" and v.reason == "a" and not v.unparseable, (answers, v)
+    v = votes("garbage", "NEUTRAL: n", "NEUTRAL: m")  # neutral won by the votes that parsed: the first of those
+    assert v.verdict == "neutral" and v.reason == "n" and not v.unparseable, v
+    v = votes("BAD: b", "garbage", "garbage", "GOOD: a", "BAD: c")
+    assert v.verdict == "bad" and v.votes == ("bad", "unparseable", "unparseable", "good", "bad")
     v = votes(TimeoutError(), TimeoutError())
     assert v.verdict == "neutral" and v.unparseable and v.reason == "the judge failed: timed out"
     v = votes("sure", RuntimeError("boom"))
@@ -67,6 +76,10 @@ def test_a_hint_needs_a_positive_decision_and_some_length() -> None:
     assert parse_hint_answer("[HINT_START] Answer with the word only. [HINT_END]") is None  # no decision
     assert parse_hint_answer("\\boxed{1} no block") is None
     assert parse_hint_answer("\\boxed{1} [HINT_START]be brief[HINT_END]") is None  # 8 characters: trivial
+    # the source keeps a hint of more than 10 characters: 11 is kept (spaces around it do not count), 10 is not
+    assert MIN_HINT_CHARS == 11
+    assert parse_hint_answer("\\boxed{1} [HINT_START]  Be precise.  [HINT_END]") == "Be precise."
+    assert parse_hint_answer("\\boxed{1} [HINT_START]  Be concise [HINT_END]") is None
     # the last decision and the last block count (a judge that changes its mind)
     assert parse_hint_answer("\\boxed{-1} hmm, \\boxed{1} [HINT_START]x[HINT_END] [HINT_START]Use snake_case "
                              "names.[HINT_END]") == "Use snake_case names."

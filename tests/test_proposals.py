@@ -440,3 +440,83 @@ def test_the_wrapper_command_says_the_verdict_and_fails_on_a_refusal(world: dict
     assert two.returncode != 0 and "exactly one of" in two.stderr, two.stdout + two.stderr
     with d.http() as c:
         assert len(chain(c, "prop-cli")["releases"]) == 2 and len(chain(c, "prop-cli")["rejected"]) == 1
+
+
+def test_adding_what_the_harness_has_is_a_409_with_nothing_written(world: dict[str, Any]) -> None:
+    """An add of a rule the serving harness holds (by the id its text gives, or named by its id) or of a skill it
+    has is refused at the door: a 409 that says to replace it, no rejection on the chain, the head unmoved. Bugs
+    caught: the check dropped (the screens then refuse it, and a rejection is written for a request that was
+    never judged)."""
+    d: Daemon = world["daemon"]
+    with d.http() as c:
+        scenario(c, "prop-dup")
+        rule = propose(c, "prop-dup", op="add", kind="rule", text="Run the tests before you commit.", reason="r")
+        assert rule.status_code == 201 and rule.json()["verdict"] == "accepted", rule.text
+        skill = propose(c, "prop-dup", op="add", kind="skill", name="notes", text="How to write notes.", reason="r")
+        assert skill.status_code == 201 and skill.json()["verdict"] == "accepted", skill.text
+        before = chain(c, "prop-dup")
+        rule_id = c.get(f"/reef/scenarios/prop-dup/releases/{rule.json()['release_id']}").json()["origin"]["target"]
+        for again in ({"kind": "rule", "text": "Run the tests  before you commit."},  # the same rule, spaced apart
+                      {"kind": "rule", "name": rule_id.split(" ", 1)[1], "text": "Run every test."},
+                      {"kind": "skill", "name": "notes", "text": "Other notes."}):
+            err = assert_canonical_error(propose(c, "prop-dup", op="add", reason="again", **again), 409)
+            assert "in the harness already" in err["message"] and "replace" in err["message"], (again, err)
+        after = chain(c, "prop-dup")
+        assert after["head"] == before["head"] and after["rejected"] == before["rejected"] == []
+        assert len(after["releases"]) == len(before["releases"]) and after["pending"] == []
+        assert [p["id"] for p in proposals(c, "prop-dup")["proposals"]] == [skill.json()["proposal"],
+                                                                            rule.json()["proposal"]]
+
+
+# --- parse and listing, without a daemon --------------------------------------------------------------------------
+
+
+def test_a_reason_of_exactly_the_limit_is_accepted_and_one_more_refused() -> None:
+    from daemon.errors import BadRequest
+    from daemon.proposals import MAX_REASON, parse
+
+    body = {"op": "add", "kind": "rule", "text": "Be brief."}
+    assert MAX_REASON == 500
+    assert parse({**body, "reason": "r" * 500}).reason == "r" * 500
+    with pytest.raises(BadRequest, match="reason is 501 characters; the limit is 500") as e:
+        parse({**body, "reason": "r" * 501})
+    assert e.value.param == "reason"
+
+
+@pytest.mark.parametrize("op", ["add", "replace", "retire"])
+@pytest.mark.parametrize("name", ["../x", "x/../../y", "/etc", ".hidden", "a/b"])
+def test_a_skill_name_that_is_a_path_is_a_400_at_parse(op: str, name: str) -> None:
+    """Refused where the body is read, with nothing looked up (the screens would refuse a path out of the layout
+    later, but by then a rejection is written for a request that was malformed)."""
+    from daemon.errors import BadRequest
+    from daemon.proposals import parse
+
+    body = {"op": op, "kind": "skill", "name": name, "reason": "r", **({} if op == "retire" else {"text": "t"})}
+    with pytest.raises(BadRequest, match="is not a-z, 0-9 and -") as e:
+        parse(body)
+    assert e.value.param == "name"
+    assert parse({**body, "name": "notes-2"}).name == "notes-2"  # the same body with a name is fine
+
+
+def test_a_decided_proposal_also_read_as_pending_is_listed_once_as_decided() -> None:
+    """The listing reads the chain and then the learner's undecided proposals; a proposal decided between the two
+    reads is in both. It is listed once, with its verdict (admitted, held, rejected, failed alike)."""
+    from types import SimpleNamespace
+
+    from daemon.proposals import Proposal, listing
+
+    p = Proposal("add", "rule", None, "Be brief.", "asked twice", "run_1", "prop_01", 5.0)
+    origin = {"kind": "proposal", "id": p.id, "at": p.at, "op": "add", "target": "rule be-brief",
+              "reason": p.reason, "run": p.run, "receipt": "rec_1"}
+    rel = SimpleNamespace(operation="train", origin=origin, created_at=9.0, release_id="rel_a", step=1, metrics={})
+    rej = SimpleNamespace(origin=origin, created_at=9.0, verdict="failed", reason="could not be evaluated",
+                          metrics={}, candidate=None)
+    held = SimpleNamespace(origin=origin, created_at=9.0, release_id="rel_h", step=2, metrics={})
+    pending = [(p, "rec_1")]
+    for releases, holds, rejections, verdict in (([rel], [], [], "admitted"), ([], [held], [], "held"),
+                                                 ([], [], [rej], "failed")):
+        [entry] = listing(releases, holds, rejections, pending)
+        assert (entry["id"], entry["verdict"], entry["decided_at"]) == (p.id, verdict, 9.0), entry
+    other = Proposal("add", "rule", None, "Be kind.", "r", None, "prop_02", 6.0)
+    both = listing([rel], [], [], [*pending, (other, None)])
+    assert [(e["id"], e["verdict"]) for e in both] == [("prop_02", "pending"), ("prop_01", "admitted")]

@@ -118,7 +118,7 @@ def test_a_harness_release_page_shows_the_feedback_as_text_the_diff_and_the_roll
     assert hostile["report_id"] in seen and "score 0" in seen
     # the diff: the rule the feedback became, added to AGENTS.md (escaped there too)
     assert "AGENTS.md" in seen and dom.count("span", "add") >= 1
-    assert f"+- Avoid a past mistake: {PAYLOAD}" in seen and " - Avoid a past mistake: keep diffs small" in seen
+    assert f"+- Avoid a past mistake: {PAYLOAD}" in seen and " - keep diffs small" in seen  # an instruction as written
     # the gate and the chain
     assert "Published: the candidate passed the gate 'always'." in seen
     assert f"rolled back by step 3 ({rolled.json()['release_id'][:12]}), which restored {step1['release_id'][:12]}" \

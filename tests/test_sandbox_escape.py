@@ -29,7 +29,7 @@ import pytest
 from daemon.errors import Forbidden
 from daemon.scopes import Scope, Scopes
 from recipes.harness_search.episodes import Task
-from tests.conftest import ROOT, Daemon
+from tests.conftest import ROOT, Daemon, assert_canonical_error
 from tests.test_agents import agents_dir  # noqa: F401 (the fixture)
 from tests.test_harness_search import (
     episode_env,
@@ -180,6 +180,11 @@ def test_a_scoped_token_samples_its_scenario_only_and_ends_with_revoke_or_expiry
     with d.http() as c:
         c.post("/reef/scenarios", json={"name": own, "recipe": "record", "model": "agent"})
     chat = {"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
+    with d.http() as c:  # a day at most (the route and ``Scopes.mint`` both say so)
+        for ttl in (86_401, 86_400.5, 0):
+            r = c.post("/reef/tokens", json={"scenario": own, "ttl_s": ttl})
+            assert assert_canonical_error(r, 400)["param"] == "ttl_s", (ttl, r.text)
+    assert scoped_token(d, own, ttl_s=86_400)
     token = scoped_token(d, own)
     scoped = httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(d.home / "scoped.sock")),
                           timeout=60)
@@ -252,6 +257,12 @@ def test_scopes_allow_one_scenario_and_forget_tokens() -> None:
     assert scopes.revoke(other) and scopes.get(other) is None and not scopes.revoke(other)
     with pytest.raises(ValueError):
         scopes.mint("a", 0)
+    with pytest.raises(ValueError):  # a day at most
+        scopes.mint("a", 86_401)
+    day = scopes.mint("a", 86_400)
+    assert scopes.get(day) is not None
+    now[0] += 86_400
+    assert scopes.get(day) is None
 
     class Req:  # a routed request, as the dispatcher hands it over
         method, route, match_info, query = "POST", "/reef/runs", {}, {}

@@ -107,6 +107,51 @@ def test_micro_batches_make_the_same_update_as_the_whole_batch(tiny_model: Path,
     assert moved > 0
 
 
+SMOLLM2 = dict(layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152, eager=False)  # SmolLM2-135M's shape
+
+
+def fitted(rows: list[tuple[int, int]], budget_mb: int) -> list[tuple[bool, list[int]]]:
+    """``micro_batches`` of ``rows`` on SmolLM2's shape, each checked against the estimate it is built on: every row
+    in exactly one micro-batch; a micro-batch runs with gradient checkpointing exactly when its rows need it (a row
+    whose plain cost is over the budget), so a row that needs it never shares a plain one; its padded cost (its
+    row count times one row of its widest width and longest answer) within the budget. (checkpoint, rows) each."""
+    from recipes.memory import MB, Shape, micro_batches, row_bytes
+
+    shape = Shape(**SMOLLM2)  # type: ignore[arg-type]
+    budget = budget_mb * MB
+    parts = micro_batches(rows, shape, budget_mb)
+    assert sorted(i for part in parts for i in part.rows) == list(range(len(rows)))
+    for part in parts:
+        needs = {row_bytes(shape, rows[i][0] + rows[i][1], rows[i][1]) > budget for i in part.rows}
+        assert needs == {part.checkpoint}, (part, [rows[i] for i in part.rows])
+        width = max(rows[i][0] + rows[i][1] for i in part.rows)
+        answer = max(rows[i][1] for i in part.rows)
+        cost = len(part.rows) * row_bytes(shape, width, answer, part.checkpoint)
+        assert cost <= budget, (part, [rows[i] for i in part.rows], cost / MB, budget_mb)
+    return [(part.checkpoint, part.rows) for part in parts]
+
+
+@pytest.mark.parametrize("budget_mb", [1024, 4096])
+def test_each_micro_batch_fits_the_budget_by_the_estimate(budget_mb: int) -> None:
+    """Rows of every mix (prompts of 1 to 2,000 tokens, answers of 1 to 300: a longer row may have the shorter
+    answer, and the answer is what costs most per token) pack into micro-batches that each fit the budget, and
+    they do pack: several rows share a micro-batch, plain and checkpointed alike."""
+    rng = random.Random(budget_mb)
+    rows = [(rng.choice((rng.randrange(1, 60), rng.randrange(60, 600), rng.randrange(600, 2000))),
+             rng.randrange(1, 300)) for _ in range(300)]
+    parts = fitted(rows, budget_mb)
+    assert max(len(r) for c, r in parts if not c) >= 2
+    assert max(len(r) for c, r in parts if c) >= 2
+
+
+def test_a_row_that_needs_checkpointing_never_shares_a_plain_micro_batch() -> None:
+    """Two rows of 400 tokens on a 950 MB budget: 390 + 10 fits plain (905 MB), 300 + 100 does not (981 MB: an
+    answer token costs a vocabulary's logits). Sorted by length they are neighbours, and the second's checkpointed
+    cost (154 MB) would fit beside the first: it must still run checkpointed, in a micro-batch of its own kind."""
+    assert fitted([(390, 10), (300, 100)], 950) == [(False, [0]), (True, [1])]
+    assert fitted([(300, 100), (390, 10)], 950) == [(True, [0]), (False, [1])]
+
+
 def test_a_sample_longer_than_the_budget_fails_the_step_naming_both_numbers(tiny_model: Path, tmp_path: Path) -> None:
     trainer = TrainerClient(threads=1)
     try:

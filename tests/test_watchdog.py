@@ -63,6 +63,25 @@ def test_the_decision_needs_both_a_rise_and_a_fall_over_the_window() -> None:
     assert watchdog.check([{"batch_reward": 0.5}] * 3, m(0.9, 0.1)) is None  # no held-out score: nothing to judge
 
 
+def test_with_four_published_steps_the_newest_three_are_the_window() -> None:
+    """The window is the newest ``WINDOW`` published steps and the candidate: an older step neither starts a hold
+    nor prevents one (the chain passed newest first, as the learner reads it)."""
+    def m(train: float, held: float) -> dict[str, float]:
+        return {"batch_reward": train, "eval_reward": held}
+
+    assert watchdog.WINDOW == 3
+    hacked = [m(0.8, 0.6), m(0.5, 0.7), m(0.2, 0.8)]  # newest first: training up 0.75, held-out down 0.3
+    alarm = watchdog.check([*hacked, m(0.9, 0.4)], m(0.95, 0.5))  # from the oldest it rose 0.05 only
+    assert alarm is not None and (alarm["train_from"], alarm["held_from"], alarm["steps"]) == (0.2, 0.8, 4), alarm
+    flat = [m(0.5, 0.6)] * 3
+    assert watchdog.check([*flat, m(0.2, 0.9)], m(0.55, 0.55)) is None  # only from the oldest would it hold
+
+
+def test_a_drift_of_exactly_max_kl_is_not_held() -> None:
+    assert watchdog.check([], {"kl_from_base": 0.2}, max_kl=0.2) is None  # at the bound: within it
+    assert watchdog.check([], {"kl_from_base": 0.2000001}, max_kl=0.2) is not None
+
+
 def test_a_gate_that_scores_the_problem_trained_on_is_not_read_as_held_out() -> None:
     """ttt-discover's gate samples fresh attempts at the very problem it trains on: its eval_reward is no held-out
     score, so the same rise-and-fall (its sampling noise: 0.318 -> 0.237 over four steps held a healthy search for
@@ -136,3 +155,39 @@ def test_online_rl_holds_a_lora_candidate_that_drifted_past_max_kl(daemon_factor
         for bad in ({"max_kl": 0.1, "lora": False}, {"max_kl": 0}):
             r = c.post("/reef/scenarios", json={"name": "bad", "recipe": "online-rl", "settings": bad})
             assert r.status_code == 400 and "max_kl" in r.text, r.text
+
+
+def test_through_the_daemon_figures_from_before_a_rollback_do_not_count(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """Three hacked steps published (training reward 0.2 -> 0.8, held-out 0.8 -> 0.2: the next such step would be
+    held, as above), then a person rolls back: what the rolled-back steps showed is no trend of the policy that
+    serves now, so the next step (0.95, held-out 0.05) is published. Through the daemon's learner and its public
+    routes (the window is built in ``daemon/learning.py``: the train steps since the last rollback or promote)."""
+    (recipe_dir / "drifting.py").write_text(DRIFTING)
+    d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
+    ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+    def step(c: Any, score: float, done: Any, what: str) -> Any:
+        for _ in range(2):
+            rec = c.post("/s/rolled/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"]
+            assert c.post("/reef/report", json={"references": [rec], "score": score}).status_code == 201
+        def ready() -> Any:
+            x = releases(c, "rolled", True)
+            return x if done(x) else None
+
+        return wait_for(ready, what=what)
+
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "rolled", "recipe": "drifting:Drifting"}).status_code == 201
+        for n, score in enumerate((0.2, 0.5, 0.8), start=1):
+            step(c, score, lambda x, n=n: x["releases"][0]["step"] == n or x["pending"], f"step {n}")
+        chain = releases(c, "rolled", True)
+        assert [r["operation"] for r in chain["releases"]] == ["train"] * 3 + ["init"] and chain["pending"] == []
+        first = chain["releases"][2]["release_id"]
+        back = c.post("/reef/scenarios/rolled/rollback", json={"release_id": first,
+                                                               "expected_head": chain["head"]})
+        assert back.status_code == 201, back.text
+        after = step(c, 0.95, lambda x: x["releases"][0]["operation"] == "train" or x["pending"], "the step after")
+        assert after["pending"] == [], after["pending"][0]["metrics"].get("watchdog")
+        top = after["releases"][0]
+        assert top["operation"] == "train" and top["metrics"]["batch_reward"] == 0.95
+        assert after["releases"][1]["operation"] == "rollback"

@@ -859,17 +859,22 @@ class RecordStore:
 
     async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
         """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, how many of them failed, and the times of the complete ones (``ms``)."""
+        its exchanges, how many of them failed, and the times (``ms``) and answer lengths in tokens (``tokens``) of
+        the complete ones."""
         total_ms = self.json_number("timings", "total_ms")
+        out_tokens = self.json_number("usage", "output_tokens")
 
         def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": []} for a in arms}
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": []}
+                                   for a in arms}
             for r in conn.execute(
-                    f"SELECT release_id, {total_ms} AS ms FROM records WHERE scenario=? AND kind='exchange'"
-                    " AND created_at>=? AND release_id IN (?,?) AND status='complete'",
+                    f"SELECT release_id, {total_ms} AS ms, {out_tokens} AS tokens FROM records WHERE scenario=?"
+                    " AND kind='exchange' AND created_at>=? AND release_id IN (?,?) AND status='complete'",
                     (scenario, since, *arms)).fetchall():
                 if r["ms"] is not None:
                     out[r["release_id"]]["ms"].append(float(r["ms"]))
+                if r["tokens"] is not None:
+                    out[r["release_id"]]["tokens"].append(int(r["tokens"]))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
