@@ -18,6 +18,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import time
