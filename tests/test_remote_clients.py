@@ -178,6 +178,7 @@ except httpx.HTTPError as e:
     ('serve_names = ["reef.test:8900"]\n', "is not a DNS name or an IP address"),
     ('serve_names = ["https://reef.test"]\n', "is not a DNS name or an IP address"),
     ('serve_names = "reef.test"\n', "must be a list"),
+    ('serve_names = { "reef.test" = true }\n', "must be a list"),  # a table: its keys are no list of names
     ('host = "10.9.9.9"\ninsecure_http = "yes"\n', "insecure_http must be true or false"),
     # names are not resolved: only literal loopback addresses and "localhost" itself are loopback (a suffix test
     # without the dot took "evillocalhost" for loopback; a hosts entry can send "api.localhost" anywhere)
