@@ -594,6 +594,39 @@ class TransformersEngine(Engine):
         """content_id -> load id of the loads kept in memory."""
         return {k: v.id for k, v in self._resident.items()}
 
+    async def score(self, prompt_token_ids: list[int], token_ids: list[int],
+                    release: ReleaseRef | None = None) -> list[float] | None:
+        """Teacher-forced log-probs of ``token_ids`` after the prompt, in the generation thread (it owns the models,
+        and a LoRA adapter is selected per call): one forward without a cache, the output head only where a
+        completion token is predicted."""
+        if not token_ids:
+            return []
+        load = await self._acquire(release)
+        n = len(token_ids)
+
+        def run() -> list[float]:
+            ids = torch.tensor([list(prompt_token_ids) + list(token_ids)], device=load.device)
+            with torch.inference_mode(), load.lora.select([load.adapter], load.device):
+                logits = load.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids, device=load.device)[:, None])
+            return [float(x) for x in picked[:, 0].cpu()]
+
+        self._active[load.id] += 1
+        try:
+            result: list[float] = await self._between_steps(run)
+        finally:
+            self._active[load.id] -= 1
+            if not self._active[load.id]:
+                del self._active[load.id]
+        return result
+
+    async def unload(self, release: ReleaseRef) -> None:
+        load = self._resident.get(release.content_id)
+        if load is not None and not self._active[load.id] and load is not self._current:
+            del self._resident[release.content_id]
+            load.dropped = True
+            self.prefix_cache.forget(load.id)
+
     async def close(self) -> None:
         with self._cond:
             self._closing = True
