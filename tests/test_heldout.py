@@ -177,13 +177,16 @@ class _Host:
         self.published: list[tuple[str, dict[str, Any]]] = []
         self.metrics: Any = SimpleNamespace(heldout_checks=_Counter())
         self._engine = engine
-        self.chains: Any = SimpleNamespace(ref=self._ref)
+        self.chains: Any = SimpleNamespace(ref=self._ref, head_id=self._head_id)
         self.start_canary = None
 
     async def engine(self, model: str) -> Any:
         if self._engine is None:
             raise CheckFailed("model tiny is not loaded")
         return self._engine
+
+    async def _head_id(self, name: str) -> str:
+        return "rel_head"
 
     async def _ref(self, scenario: Any, head: Any) -> Any:
         return SimpleNamespace(base=None, release_id="rel_head", content_id="c_head")

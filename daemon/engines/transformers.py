@@ -594,30 +594,36 @@ class TransformersEngine(Engine):
         """content_id -> load id of the loads kept in memory."""
         return {k: v.id for k, v in self._resident.items()}
 
-    async def score(self, prompt_token_ids: list[int], token_ids: list[int],
-                    release: ReleaseRef | None = None) -> list[float] | None:
-        """Teacher-forced log-probs of ``token_ids`` after the prompt, in the generation thread (it owns the models,
-        and a LoRA adapter is selected per call): one forward without a cache, the output head only where a
-        completion token is predicted."""
+    async def divergence(self, prompt_token_ids: list[int], token_ids: list[int], release: ReleaseRef,
+                         reference: ReleaseRef) -> list[float] | None:
+        """In the generation thread (it owns the models; a LoRA adapter is selected per call): one forward of each
+        load without a cache, the output head only where a completion token is predicted."""
         if not token_ids:
             return []
-        load = await self._acquire(release)
+        loads = [await self._acquire(release), await self._acquire(reference)]
         n = len(token_ids)
+        seq = [*prompt_token_ids, *token_ids]
+
+        def log_probs(load: Load) -> torch.Tensor:
+            ids = torch.tensor([seq], device=load.device)
+            with load.lora.select([load.adapter], load.device):
+                logits = load.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]
+            return torch.log_softmax(logits.float().cpu(), dim=-1)
 
         def run() -> list[float]:
-            ids = torch.tensor([list(prompt_token_ids) + list(token_ids)], device=load.device)
-            with torch.inference_mode(), load.lora.select([load.adapter], load.device):
-                logits = load.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
-            picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids, device=load.device)[:, None])
-            return [float(x) for x in picked[:, 0].cpu()]
+            with torch.inference_mode():
+                p, q = log_probs(loads[0]), log_probs(loads[1])
+                return [float(x) for x in (p.exp() * (p - q)).sum(-1)]
 
-        self._active[load.id] += 1
+        for load in loads:
+            self._active[load.id] += 1
         try:
             result: list[float] = await self._between_steps(run)
         finally:
-            self._active[load.id] -= 1
-            if not self._active[load.id]:
-                del self._active[load.id]
+            for load in loads:
+                self._active[load.id] -= 1
+                if not self._active[load.id]:
+                    del self._active[load.id]
         return result
 
     async def unload(self, release: ReleaseRef) -> None:

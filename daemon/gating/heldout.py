@@ -24,9 +24,10 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   ones it gained by more than the check's noise, ``heldout_probe_z`` (2) standard errors of that paired difference
   (``sqrt(lost + gained)``, the sign test's), and by at least 2. Greedy answers are deterministic, so the noise is
   the spread of which probes happen to flip, measured on the same answers.
-- KL from the base: the mean per-token log-ratio of the candidate to the model its adapter applies to (whole
-  weights: the serving head) on the candidate's own held-out answers (teacher-forced through the engine,
-  ``Engine.score``); held above ``heldout_max_kl`` nats per token. An engine that cannot score says so
+- KL from the base: the mean per-token KL(candidate || base) of the next-token distributions at the positions of
+  the candidate's own held-out answers, the base being the model its adapter applies to (whole weights: the
+  serving head), teacher-forced through the engine (``Engine.divergence``); held above ``heldout_max_kl`` nats
+  per token. An engine that cannot score says so
   (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
 
 A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``) raises ``CheckFailed``: the
@@ -304,18 +305,18 @@ async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any,
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def kl_from_base(engine: Any, answers: Sequence[Answer], base: Any) -> float | None:
-    """Mean per-token log-ratio of the candidate to ``base`` on the candidate's own answers; None when the engine
-    cannot score (or the answers carry no log-probs)."""
+async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, base: Any) -> float | None:
+    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced);
+    None when the engine cannot say."""
     num, den = 0.0, 0
     for a in answers:
-        if not a.token_ids or len(a.logprobs) != len(a.token_ids):
+        if not a.token_ids:
+            continue
+        kl = await engine.divergence(list(a.prompt_token_ids), list(a.token_ids), candidate, base)
+        if kl is None:
             return None
-        ref = await engine.score(list(a.prompt_token_ids), list(a.token_ids), base)
-        if ref is None:
-            return None
-        num += sum(c - r for c, r in zip(a.logprobs, ref, strict=True))
-        den += len(ref)
+        num += sum(kl)
+        den += len(kl)
     return num / den if den else None
 
 
@@ -331,7 +332,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         heads = head_answers if head_answers is not None else await answers(engine, model, prompts, head,
                                                                               settings.max_tokens)
         cands = await answers(engine, model, prompts, candidate, settings.max_tokens)
-        return cands, heads, await kl_from_base(engine, cands, base)
+        return cands, heads, await kl_from_base(engine, cands, candidate, base)
 
     try:
         cands, heads, kl = await asyncio.wait_for(measure(), settings.timeout_s)
