@@ -77,7 +77,7 @@ class GateRun:
 
     @property
     def recipe(self) -> Recipe:
-        recipe = self.st.recipe
+        recipe: Recipe | None = self.st.recipe
         assert recipe is not None
         return recipe
 

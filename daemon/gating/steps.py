@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from daemon.errors import CheckFailed, HeadMoved, ReefError, Unchanged
 from daemon.gating import heldout
 from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
 
 
-async def _hold(host: Host, run: GateRun, reason: str, **extra: object) -> StepOutcome:
+async def _hold(host: Host, run: GateRun, reason: str, **extra: Any) -> StepOutcome:
     """Keep the candidate as a pending release (never served until promoted) with its figures."""
     rel = await host.chains.hold(run.manifest(host, **extra), run.artifact, base=run.head.release_id)
     host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
@@ -44,7 +45,7 @@ async def gate_kind(host: Host, run: GateRun) -> StepOutcome | None:
     run.st.state = "judging"
     best = None
     if run.recipe.gate == "regression":  # reads the whole chain: only the gate that reports it pays for it
-        best = max((r.metrics.get("eval_reward") for r in await host.chains.history(run.scenario.name)
+        best = max((float(r.metrics["eval_reward"]) for r in await host.chains.history(run.scenario.name)
                     if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
     verdict = run.recipe.judge(run.candidate, best=best)
     run.metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
