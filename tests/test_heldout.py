@@ -135,7 +135,9 @@ def test_degenerate_answers() -> None:
     assert degenerate(_a("  \n", 1)) == "empty"
     assert degenerate(_a("ok", 2), long) == "short" and degenerate(_a("ok", 2)) is None
     assert degenerate(_a("ok", 2), _a("fine", 2)) is None  # the head was short too
-    assert degenerate(_a("yes no " * 8)) == "loop" and degenerate(long) is None
+    assert degenerate(Answer("yes no " * 8)) == "loop" and degenerate(long) is None  # no tokens: in words
+    looping = Answer("orersorersorersorersorers", (1,), (7, 8) * 6)  # one word, a loop in tokens
+    assert degenerate(looping) == "loop" and degenerate(Answer("a b c d e f g h i", (1,), tuple(range(9)))) is None
 
 
 def test_the_shipped_probe_set_and_a_users_malformed_one() -> None:

@@ -18,8 +18,10 @@ dropped afterwards; the head's answers are kept per head release, so a lineage's
 
 The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a candidate (``Figures.hold``):
 - degenerate answers: empty, cut short (at most ``SHORT`` tokens where the head said ``LONG`` or more), or a loop
-  (half the word pairs repeats); held when the candidate's share rises above the head's by more than
-  ``heldout_max_degenerate`` (0.25). The empty share and the mean answer length against the head's are shown.
+  (``LOOP`` tokens or more, half of whose token pairs repeat: counted in tokens, so a random model's garbage is a
+  loop whichever way it tokenises); held when the share of silent answers (empty or cut short: it stops
+  answering), or of all degenerate ones, rises above the head's by more than ``heldout_max_degenerate`` (0.25).
+  The empty share and the mean answer length against the head's are shown.
 - probe accuracy, paired with the head's on the same probes: held when the probes the candidate lost outnumber the
   ones it gained by more than the check's noise, ``heldout_probe_z`` (2) standard errors of that paired difference
   (``sqrt(lost + gained)``, the sign test's), and by at least 2. Greedy answers are deterministic, so the noise is
@@ -55,6 +57,7 @@ PROBES_FILE = Path(__file__).with_name("probes.json")
 RECORDED = 32  # the most recent reserved recorded prompts the check asks
 ENOUGH = 16  # reserved recorded prompts below which the figures say the probe set decided
 SHORT, LONG = 2, 8  # an answer of at most SHORT tokens where the head said LONG or more was cut short
+LOOP = 8  # an answer of this many tokens or more, half of whose token pairs repeat, is a loop
 MIN_PROBES = 8  # a user's probe set smaller than this cannot show a loss beyond its noise
 MIN_LOST = 2  # the least net loss of probes that holds a candidate, whatever the noise
 
@@ -186,14 +189,15 @@ class Answer:
 
 def degenerate(answer: Answer, head: Answer | None = None) -> str | None:
     """Why an answer is degenerate (``empty``, ``short``: cut short where the head answered at length, ``loop``:
-    half its word pairs repeat), or None."""
+    half its token pairs repeat), or None."""
     if not answer.text.strip():
         return "empty"
     if head is not None and answer.tokens <= SHORT and head.tokens >= LONG:
         return "short"
-    words = answer.text.split()
-    pairs = list(zip(words, words[1:], strict=False))
-    if len(pairs) >= 6 and len(set(pairs)) <= len(pairs) / 2:
+    # a loop in tokens, not words: "orersorersorers" is one word and the same loop as "large large large"
+    units: Sequence[Any] = answer.token_ids if len(answer.token_ids) >= LOOP else answer.text.split()
+    pairs = list(zip(units, units[1:], strict=False))
+    if len(pairs) >= LOOP - 1 and len(set(pairs)) <= len(pairs) / 2:
         return "loop"
     return None
 
@@ -206,6 +210,8 @@ class Figures:
     probes: int
     empty: float  # share of the candidate's answers that are empty
     head_empty: float
+    silent: float  # share of the candidate's answers that are empty or cut short: it stops answering
+    head_silent: float
     degenerate: float  # share of the candidate's answers that are degenerate (empty, cut short, a loop)
     head_degenerate: float
     length_ratio: float | None  # the candidate's mean answer length (tokens) over the head's
@@ -225,6 +231,7 @@ class Figures:
             "heldout": "held" if self.hold else "passed",
             "heldout_recorded": self.recorded, "heldout_probes": self.probes,
             "heldout_empty": round(self.empty, 4), "heldout_head_empty": round(self.head_empty, 4),
+            "heldout_silent": round(self.silent, 4), "heldout_head_silent": round(self.head_silent, 4),
             "heldout_degenerate": round(self.degenerate, 4),
             "heldout_head_degenerate": round(self.head_degenerate, 4),
             "heldout_probe_accuracy": round(self.probe_accuracy, 4),
@@ -259,6 +266,8 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
     fig = Figures(
         recorded=recorded, probes=len(probes),
         empty=sum(b == "empty" for b in cand_bad) / n, head_empty=sum(b == "empty" for b in head_bad) / n,
+        silent=sum(b in ("empty", "short") for b in cand_bad) / n,
+        head_silent=sum(b in ("empty", "short") for b in head_bad) / n,
         degenerate=sum(b is not None for b in cand_bad) / n, head_degenerate=sum(b is not None for b in head_bad) / n,
         length_ratio=sum(c.tokens for c in candidate) / head_len if head_len else None,
         probe_accuracy=sum(right_c) / max(1, len(probes)), head_probe_accuracy=sum(right_h) / max(1, len(probes)),
@@ -270,9 +279,12 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
     if kl is None:
         fig.notes.append("the engine cannot score tokens: KL from the base not measured")
     why = []
-    if fig.degenerate - fig.head_degenerate > settings.max_degenerate:
-        why.append(f"it stops answering: {fig.degenerate:.0%} of its answers are empty or degenerate "
-                   f"({fig.empty:.0%} empty) against the head's {fig.head_degenerate:.0%}")
+    if fig.silent - fig.head_silent > settings.max_degenerate:
+        why.append(f"it stops answering: {fig.silent:.0%} of its answers are empty or cut short ({fig.empty:.0%} "
+                   f"empty) against the head's {fig.head_silent:.0%}")
+    elif fig.degenerate - fig.head_degenerate > settings.max_degenerate:
+        why.append(f"its answers degenerate: {fig.degenerate:.0%} are empty, cut short or loops against the head's "
+                   f"{fig.head_degenerate:.0%}")
     if lost - gained >= MIN_LOST and lost - gained > fig.probe_noise:
         why.append(f"it forgets: probe accuracy {fig.probe_accuracy:.0%} against the head's "
                    f"{fig.head_probe_accuracy:.0%} ({lost} probes lost, {gained} gained; noise {fig.probe_noise:.1f})")
