@@ -248,7 +248,9 @@ def test_a_candidate_that_answers_nothing_is_held_and_never_serves_even_after_a_
         assert event["verdict"] == "held" and event["release_id"] == held["release_id"]
         assert 'reef_heldout_checks_total{outcome="held"} 1.0' in c.get("/metrics").text
     listed = d.cli("releases", "list", "-s", "silent", "--all").stdout
-    assert held["release_id"][:12] in listed and "pending" in listed
+    assert held["release_id"][:12] in listed and "pending" in listed and "held-out" in listed
+    shown = " ".join(d.cli("releases", "show", held["release_id"]).stdout.split())
+    assert "held-out check: held" in shown and "stops answering" in shown
     d.stop()
     d.start().wait_loaded()
     with d.http() as c:
