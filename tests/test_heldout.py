@@ -228,6 +228,24 @@ def test_a_check_that_cannot_run_fails_never_passes(tmp_path: Any) -> None:
     assert host.published[0][0] == "heldout" and host.published[0][1]["verdict"] == "failed"
 
 
+def test_a_published_candidates_answers_are_kept_as_the_new_heads(tmp_path: Any) -> None:
+    """The check samples a head only once: the answers of a candidate that is then published are the new head's."""
+    host, run = _Host(engine=object()), _run(tmp_path)
+    rel = SimpleNamespace(release_id="rel_2", content_id="c_2", step=2)
+
+    async def publish_candidate(*args: Any, **kw: Any) -> Any:
+        return rel
+
+    kept: dict[Any, Any] = {}
+    host.chains.publish_candidate = publish_candidate
+    host.chains.manifest = lambda *args, **kw: None
+    host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
+    host.heldout_head = lambda st, key, answers=None: kept.setdefault(key, answers)  # type: ignore[method-assign]
+    run.heldout_answers = (("asked",), [Answer("x")])
+    out = asyncio.run(steps.publish(host, run))  # type: ignore[arg-type]
+    assert out is not None and out.verdict == "accepted" and kept == {("c_2", "asked"): [Answer("x")]}
+
+
 # --- through a daemon -------------------------------------------------------------------------------------------
 
 

@@ -334,9 +334,9 @@ async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, b
 
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
               settings: CheckSettings, head_answers: list[Answer] | None = None
-              ) -> tuple[Figures, list[Answer]]:
-    """The check: the figures, and the head's answers (to keep for the next check against the same head).
-    Raises ``CheckFailed`` when it cannot run."""
+              ) -> tuple[Figures, list[Answer], list[Answer]]:
+    """The check: the figures, the candidate's answers and the head's (to keep for the next check against the same
+    head: the candidate's, once it is published, are the new head's). Raises ``CheckFailed`` when it cannot run."""
     t0 = time.perf_counter()
     prompts = [*recorded, *(p.prompt for p in settings.probes)]
 
@@ -363,7 +363,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
             pass
     fig = figures(cands, heads, settings.probes, len(recorded), kl, settings)
     fig.seconds = time.perf_counter() - t0
-    return fig, heads
+    return fig, cands, heads
 
 
 def describe(m: Any) -> str | None:

@@ -74,6 +74,8 @@ class GateRun:
     origin: dict[str, Any] | None = None  # an agent's proposal that made it (on every outcome's manifest)
     verdict: Verdict | None = None  # the recipe's gate kind, once judged
     reason: str | None = None  # why, as it stands (a later step may say more)
+    # the held-out check's questions and the candidate's answers to them (kept as the head's once it is published)
+    heldout_answers: tuple[tuple[Any, ...], list[Answer]] | None = None
 
     @property
     def recipe(self) -> Recipe:
