@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -681,7 +682,9 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
         recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
     except ReefError:  # a recipe that no longer loads: the view still shows the scenario
         return {}
-    out: dict[str, Any] = {}
+    settings = recipe.settings
+    out: dict[str, Any] = {"effective_settings": _plain(dataclasses.asdict(settings)) if dataclasses.is_dataclass(
+        settings) and not isinstance(settings, type) else {}}
     skipped = await left_out(reef.store, recipe, scenario["name"])
     if skipped is not None:
         out["left_out"] = skipped
@@ -690,6 +693,19 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
     releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
     rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
     return {**out, "recipe_status": recipe.status(releases, rejected)}
+
+
+def _plain(value: Any) -> Any:
+    """A recipe's settings as JSON: what the user set and every default (``effective_settings``)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return str(value)
 
 
 def _int_param(request: web.Request, name: str, default: int | None, lo: int, hi: int) -> int | None:

@@ -8,17 +8,26 @@
   (or, for clients without runs, the session: ``daemon/sessions.session_key``); a request with neither is drawn
   on its own. A pinned release (``x-reef-release-id``) is served as pinned. Every record names the release that
   served it, so the arms' exchanges and reports are read back from the store.
-- Decision: an always-valid test, checked every ``CHECK_S`` while a canary runs. Each arm's scores (one per report
-  on its exchanges, clipped to [0, 1]) get a Hoeffding confidence sequence with a union bound over sample sizes
-  (radius ``sqrt(log(pi^2 n^2 / (3 delta)) / 2n)``, ``delta = alpha / 2`` per arm): both arms' intervals hold at
-  every moment at once with probability at least ``1 - alpha``, so checking after every report never inflates the
-  error rate. Chosen over an SPRT because it needs no model of the score distribution (any scores in [0, 1],
-  not only pass/fail) and is simple to verify; the price is more reports (``bench/canary.py`` measures how many).
-  The canary is promoted when its lower bound is above the head's upper bound, ended when its upper bound is below
-  the head's lower bound, ended as a tie when both arms have ``max_reports`` reports, and ended early when its
-  share of failed exchanges exceeds ``max_error_rate`` (after ``min_exchanges``), or when its median exchange
-  takes more than ``max_latency_ratio`` times the head's (after ``min_exchanges`` complete ones on each arm: a
-  release that makes the agent's every request slower is worse whatever its scores).
+- Decision: an anytime-valid test by betting (``daemon/betting.py``), checked every ``CHECK_S`` while a canary
+  runs. The i-th report of each arm (scores clipped to [0, 1]) make a paired difference; two bettors stake on the
+  canary being better and worse (aGRAPA's stake, fixed before each difference) and the canary is promoted when the
+  first one's wealth reaches ``2 / alpha``, ended when the second's does: a wrong verdict with equal arms has
+  probability at most ``alpha``, however often it is checked. Chosen over the per-arm Hoeffding confidence sequences
+  it replaced, which needed about 2,000 reports to see a difference of 0.2 on pass/fail scores (a union bound over
+  sample sizes, two intervals to separate): betting adapts to the scores' variance and needs a median of 112 canary
+  reports for +0.2 and 53 for -0.3 (``bench/canary.py``). No model of the scores is assumed (any scores in [0, 1]).
+  Each arm's Hoeffding interval is still computed, for people to read. Ended as a tie when both arms have
+  ``max_reports`` reports; ended early when its share of failed exchanges exceeds ``max_error_rate`` (after
+  ``min_exchanges``), or when its median exchange takes more than ``max_latency_ratio`` times the head's (after
+  ``min_exchanges`` complete ones on each arm: a release that makes the agent's every request slower is worse
+  whatever its scores). Guards that need no score end it sooner: from ``guard_answers`` (10) answers on each arm,
+  a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
+  ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
+  commas would rate well).
+- The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
+  canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
+  can start against the new head. A run on an ended canary's arm is served on that arm to its end, after a restart
+  too (the ended canaries are read back from the chain's rejection log).
 - Ending is on the chain: a promotion is a ``promote`` release whose manifest holds the verdict and the figures;
   an end is the candidate's rejection, with the same. ``reef releases canary-end [--promote]`` does it by hand.
 """
@@ -34,6 +43,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from daemon import betting
 from daemon.errors import BadRequest, NotFound, ReefError
 
 if TYPE_CHECKING:
@@ -47,7 +57,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("reef.canary")
 
 CHECK_S = 0.5  # how often running canaries are judged
-DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0}
+ENDED_LOOKBACK = 200  # rejections read back (newest first) for canaries ended before a restart: runs on them go on
+DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0,
+            "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
+EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-of-text token alone)
 
 
 def radius(n: int, delta: float) -> float:
@@ -67,9 +80,11 @@ class Decision:
 def decide(head: list[float], canary: list[float], *, alpha: float, max_reports: int,
            errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20,
            head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
-           max_latency_ratio: float = math.inf) -> Decision:
-    """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, and both
-    arms' times of complete exchanges (ms)."""
+           max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
+           canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,
+           guard_answers: int = 10) -> Decision:
+    """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
+    times of complete exchanges (ms) and their answers' lengths in tokens (the guards that need no score)."""
     h = [min(1.0, max(0.0, x)) for x in head]
     c = [min(1.0, max(0.0, x)) for x in canary]
     delta = alpha / 2
@@ -82,6 +97,11 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         "canary_exchanges": exchanges, "canary_errors": errors,
         "canary_p50_ms": _median(canary_ms), "head_p50_ms": _median(head_ms),
     }
+    guard = _guard(head_tokens or [], canary_tokens or [], max_empty_excess=max_empty_excess,
+                   min_length_ratio=min_length_ratio, guard_answers=guard_answers)
+    figures.update(guard.figures)
+    if guard.verdict is not None:
+        return Decision(guard.verdict, guard.reason, figures)
     if exchanges >= min_exchanges and errors / exchanges > max_error_rate:
         return Decision("errors", f"the canary failed {errors} of {exchanges} exchanges, more than "
                         f"{max_error_rate:.0%}", figures)
@@ -90,17 +110,72 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
             and ch > max_latency_ratio * max(hh, 1e-3)):
         return Decision("latency", f"the canary's median exchange took {ch:.0f} ms, more than {max_latency_ratio:g}x "
                         f"the head's {hh:.0f} ms", figures)
-    if mh is not None and mc is not None:
-        if mc - rc > mh + rh:
-            return Decision("promoted", f"canary {mc:.3f} > head {mh:.3f} at error rate {alpha} "
-                            f"({len(c)} and {len(h)} reports)", figures)
-        if mc + rc < mh - rh:
-            return Decision("ended", f"canary {mc:.3f} < head {mh:.3f} at error rate {alpha} "
-                            f"({len(c)} and {len(h)} reports)", figures)
+    ev = betting.evidence(h, c, alpha=alpha)
+    figures.update({"pairs": ev.pairs, "difference": None if ev.mean is None else round(ev.mean, 4),
+                    "evidence_better": round(ev.better, 4), "evidence_worse": round(ev.worse, 4),
+                    "evidence_needed": round(ev.threshold, 4)})
+    if ev.verdict == "better":
+        return Decision("promoted", f"canary {mc:.3f} > head {mh:.3f} at error rate {alpha} "
+                        f"({len(c)} and {len(h)} reports, {ev.pairs} pairs)", figures)
+    if ev.verdict == "worse":
+        return Decision("ended", f"canary {mc:.3f} < head {mh:.3f} at error rate {alpha} "
+                        f"({len(c)} and {len(h)} reports, {ev.pairs} pairs)", figures)
     if len(c) >= max_reports and len(h) >= max_reports:
         return Decision("tie", f"no difference found in {max_reports} reports per arm (canary "
                         f"{mc:.3f}, head {mh:.3f}): the head stays", figures)
     return Decision(None, "undecided", figures)
+
+
+def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_length_ratio: float,
+           guard_answers: int) -> Decision:
+    """The guards that need no score, on the arms' answer lengths in tokens: from ``guard_answers`` canary answers
+    on (and as many on the head, so its rates mean something), the canary ends when its share of empty answers (at
+    most ``EMPTY_TOKENS``) exceeds the head's by more than ``max_empty_excess``, or when its median answer is
+    shorter than ``min_length_ratio`` of the head's. A candidate that stopped answering is ended before anyone
+    scores it: scorers that count commas or words would rate its silence well."""
+    def empty(xs: list[int]) -> float | None:
+        return round(sum(x <= EMPTY_TOKENS for x in xs) / len(xs), 4) if xs else None
+
+    figures: dict[str, Any] = {"canary_answers": len(canary), "canary_empty_rate": empty(canary),
+                               "head_empty_rate": empty(head), "canary_p50_tokens": _median([float(x) for x in canary]),
+                               "head_p50_tokens": _median([float(x) for x in head])}
+    if len(canary) < guard_answers or len(head) < guard_answers:
+        return Decision(None, "undecided", figures)
+    ce, he = figures["canary_empty_rate"], figures["head_empty_rate"]
+    if ce - he > max_empty_excess:
+        return Decision("empty", f"{ce:.0%} of the canary's {len(canary)} answers were empty against {he:.0%} of the "
+                        f"head's: it stopped answering (bound: {max_empty_excess:.0%} more than the head)", figures)
+    cl, hl = figures["canary_p50_tokens"], figures["head_p50_tokens"]
+    if hl > 0 and cl < min_length_ratio * hl:
+        return Decision("short", f"the canary's median answer is {cl:g} tokens against the head's {hl:g}: shorter "
+                        f"than {min_length_ratio:g} of it", figures)
+    return Decision(None, "undecided", figures)
+
+
+MAX_WHOLE = 10 ** 9  # max_reports and min_exchanges: a bound past any canary's life
+
+
+def settings_of(body: dict[str, Any]) -> dict[str, Any]:
+    """A canary's settings from a request body (``DEFAULTS`` for what it leaves out): a ``BadRequest`` naming the
+    setting for a value out of range, not finite or not a number, and for an unknown key."""
+    unknown = sorted(set(body) - {"release_id", "share", *DEFAULTS})
+    if unknown:
+        raise BadRequest(f"unknown keys {', '.join(unknown)} (known: release_id, share, {', '.join(DEFAULTS)})",
+                         param=unknown[0])
+    settings = dict(DEFAULTS)
+    for key, default in DEFAULTS.items():
+        value = body.get(key, default)
+        whole = key in ("max_reports", "min_exchanges", "guard_answers")
+        fraction = key in ("alpha", "max_error_rate", "max_empty_excess", "min_length_ratio")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 or (
+                fraction and value >= 1) or (
+                key == "max_latency_ratio" and value < 1) or (whole and (value != int(value) or value > MAX_WHOLE)):
+            kind = ("a fraction in (0, 1)" if fraction else
+                    "a finite ratio of at least 1" if key == "max_latency_ratio" else
+                    f"a positive whole number up to {MAX_WHOLE}")
+            raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
+        settings[key] = int(value) if whole else value
+    return settings
 
 
 def _median(xs: list[float] | None) -> float | None:
@@ -159,7 +234,8 @@ class Canaries:
         self.reef = reef
         self.active: dict[str, dict[str, Any]] = {}  # scenario -> its canaries row
         self._releases: dict[str, Release] = {}
-        self.ended: dict[str, set[str]] = {}  # scenario -> canaries ended while this daemon ran
+        self.ended: dict[str, set[str]] = {}  # scenario -> ended canaries (read from the chain once, then kept)
+        self._ended_read: set[str] = set()  # scenarios whose ended canaries were read from the rejection log
         self._task: asyncio.Task[None] | None = None
         self._judging = asyncio.Lock()
 
@@ -193,6 +269,11 @@ class Canaries:
         row = self.active.get(scenario.name)
         if row is not None and row["release_id"] == release_id:
             return await self._release(row)
+        if scenario.name not in self._ended_read:  # ended before this daemon started: the chain says which
+            self._ended_read.add(scenario.name)
+            for rej in await self.reef.chains.rejections(scenario.name, ENDED_LOOKBACK):
+                if rej.verdict.startswith("canary-") and rej.candidate:
+                    self.ended.setdefault(scenario.name, set()).add(rej.candidate)
         if release_id in self.ended.get(scenario.name, ()):
             return await self.reef.chains.release(release_id)
         return None
@@ -213,20 +294,7 @@ class Canaries:
         share = body.get("share", 0.2)
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
             raise BadRequest(f"share must be a fraction of new runs in (0, 1), got {share!r}", param="share")
-        settings = dict(DEFAULTS)
-        for key, default in DEFAULTS.items():
-            value = body.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-                    key in ("alpha", "max_error_rate") and value >= 1) or (
-                    key == "max_latency_ratio" and value < 1) or (
-                    key in ("max_reports", "min_exchanges") and value != int(value)):
-                kind = ("a fraction in (0, 1)" if key in ("alpha", "max_error_rate") else
-                        "a ratio of at least 1" if key == "max_latency_ratio" else "a positive whole number")
-                raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
-            settings[key] = value
-        unknown = sorted(set(body) - {"release_id", "share", *DEFAULTS})
-        if unknown:
-            raise BadRequest(f"unknown keys {', '.join(unknown)}", param=unknown[0])
+        settings = settings_of(body)
         pending = {r.release_id: r for r in await self.reef.chains.pending(scenario.name)}
         rel = pending.get(release_id) or next((r for rid, r in pending.items() if rid.startswith(release_id)
                                                and len(release_id) >= 7), None)
@@ -302,7 +370,10 @@ class Canaries:
         return decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
                       errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
                       min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
-                      max_latency_ratio=s.get("max_latency_ratio", math.inf))  # (rows from before the bound)
+                      # (rows from before a bound existed: the bound off, as they were started)
+                      max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
+                      canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
+                      min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)))
 
     async def _loop(self) -> None:
         while self.active:
@@ -312,10 +383,17 @@ class Canaries:
                     async with self._judging:
                         if self.active.get(name) is not row:
                             continue
+                        scenario = await self.reef.store.get_scenario(name)
+                        head = await self.reef.chains.head(scenario)
+                        if head.release_id != row["base_id"]:  # a rollback or a promote moved the head meanwhile
+                            await self.end(scenario, promote=False, verdict="head-moved", reason=(
+                                f"the head moved from {row['base_id'][:12]} to {head.release_id[:12]} while the canary "
+                                "ran (a rollback or a promote): it was compared with a release that no longer serves, "
+                                "so it is ended, not promoted; start a new canary against the new head"))
+                            continue
                         d = await self._judge(row)
                         if d.verdict is None:
                             continue
-                        scenario = await self.reef.store.get_scenario(name)
                         await self.end(scenario, promote=d.verdict == "promoted", reason=d.reason,
                                        figures=d.figures, verdict=d.verdict)
                 except ReefError as e:  # the store or the chain is away: judged again at the next round

@@ -350,6 +350,12 @@ class Chains:
     async def _steer(self, op: str, scenario: Scenario, release_id: str, expected_head: str | None,
                      engine: Engine | None, **extra: Any) -> Release:
         await self.head(scenario)  # a chain to steer exists
+        with contextlib.suppress(NotFound, BadRequest):  # an unknown id: the store's own step says which
+            target = await self.release(release_id)
+            if target.kind == "harness":  # never steer to a harness the policy refuses (one from before it, say)
+                from daemon.harness_policy import check_served
+
+                check_served(await self.harness_tree(target), release=target.release_id)
         fn = self._store.rollback if op == "rollback" else self._store.promote
         extra = {k: v for k, v in extra.items() if v is not None}
         try:

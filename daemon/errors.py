@@ -24,6 +24,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── HeadMoved                  409  (compare-and-swap lost: expected vs actual head)
     │   ├── Unchanged                  409  (a candidate whose content equals its parent's: no release)
     │   ├── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
+    │   ├── HarnessRefused             409  (a harness the harness policy refuses: names the file and the rule)
     │   └── LeaseLost                  409  (the training lease was taken over: this daemon no longer trains)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
@@ -201,6 +202,11 @@ class Unchanged(Conflict):
     def __init__(self, scenario: str, content_id: str) -> None:
         super().__init__(f"the candidate for {scenario!r} has the same content as the head ({content_id}); "
                          "not published", scenario=scenario, content_id=content_id)
+
+
+class HarnessRefused(Conflict):
+    """A harness release that the harness policy (``daemon/harness_policy.py``) refuses to hand to an agent, roll
+    back to or take in from a chain remote: ``findings`` name each file and rule."""
 
 
 class PayloadTooLarge(ReefError):

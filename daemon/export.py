@@ -89,6 +89,30 @@ def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
     return value
 
 
+def _created_at(value: Any, where: str) -> float | None:
+    """An imported line's ``created_at`` (seconds since the epoch): None where it has none (the import's time); a
+    date beyond this clock (plus ``CLOCK_SKEW_S``) is refused, since retention could not judge its age by it: most
+    often a time in milliseconds."""
+    import math
+    import time
+
+    from daemon.records.store import CLOCK_SKEW_S
+
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        created = float(value)
+    except OverflowError:
+        created = math.inf
+    if not math.isfinite(created) or created < 0:
+        raise BadRequest(f"{where}: created_at must be seconds since the epoch, got {value!r}", param="created_at")
+    if created > time.time() + CLOCK_SKEW_S:
+        raise BadRequest(f"{where}: created_at {value!r} is in the future"
+                         + (" (milliseconds? Reef takes seconds since the epoch)" if created > 1e11 else ""),
+                         param="created_at")
+    return created
+
+
 def from_line(item: Any, where: str, default_scenario: str) -> dict[str, Any]:
     """One imported object checked and made into an exchange record and its report (``report``: None when the
     line carries neither a score nor feedback). Raises ``BadRequest`` naming ``where``."""
@@ -115,7 +139,7 @@ def from_line(item: Any, where: str, default_scenario: str) -> dict[str, Any]:
     if not (isinstance(rid, str) and rid.startswith("rec_") and 4 < len(rid) <= 100):
         raise BadRequest(f"{where}: id must be a receipt (rec_..., at most 100 characters)", param="id")
     model = item.get("model") if isinstance(item.get("model"), str) else "imported"
-    created = item.get("created_at")
+    created = _created_at(item.get("created_at"), where)
     record = ExchangeRecord(
         id=rid, scenario=scenario, run=item.get("run") if isinstance(item.get("run"), str) else None,
         status="complete", format="openai-chat", engine="import", model=model,
@@ -123,8 +147,7 @@ def from_line(item: Any, where: str, default_scenario: str) -> dict[str, Any]:
         response={"object": "chat.completion", "model": model, "choices": [
             {"index": 0, "finish_reason": "stop", "message": completion[-1]}]},
         capture=True,
-        **({"created_at": float(created)} if isinstance(created, (int, float)) and not isinstance(created, bool)
-           else {}),
+        **({"created_at": created} if created is not None else {}),
     )
     report = None
     if score is not None or feedback is not None:

@@ -35,10 +35,12 @@ async def scenario_for_agent(reef: Reef, name: str) -> Scenario:
 
 async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: str | None) -> dict[str, str]:
     """The harness files of ``rel`` as text, rendered for an adapter (or in the neutral layout)."""
+    from daemon.harness_policy import check_served
     from daemon.layout import check_tree
 
     tree = await reef.chains.harness_tree(rel)
     check_tree(tree)  # a tree that was written around the daemon (a tampered chain) is refused here too
+    check_served(tree, release=rel.release_id)  # and one that grants what no automatic path may (a hook, say)
     if adapter_name is not None:
         from adapters import get_adapter
 

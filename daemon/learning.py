@@ -355,13 +355,20 @@ class Learner:
         async with st.lock:
             yield
 
-    def forget(self, name: str) -> None:
-        """Records of this scenario were forgotten: drop what is held of them in memory and read the store again
-        (it no longer gives their bodies). A step already under way finishes with the batch it took."""
+    async def forget(self, name: str, ids: set[str]) -> None:
+        """Records of this scenario were forgotten (``ids``: exchange receipts and report ids): drop what is held of
+        them in memory and read the store again (it no longer gives their bodies); the recipe drops what it keeps
+        of them (``Recipe.forget``). A step already under way finishes with the batch it took."""
         st = self._scenarios.get(name)
         if st is not None:
             st.pool.clear()
             st.cursor = 0
+        try:
+            st = await self._get(name)
+            if st.recipe is not None:
+                st.recipe.forget(ids, self._context(await self.store.get_scenario(name)))
+        except ReefError as e:  # a recipe that no longer loads keeps nothing in memory; its files stay as they are
+            log.warning("scenario %s: the recipe could not drop forgotten records: %s", name, e.message)
 
     def notify(self, name: str) -> None:
         """A report arrived (or the daemon started): look for a batch."""
@@ -610,11 +617,19 @@ class Learner:
                                                                 origin=origin), head, "rejected", reason)
                     outcome = StepOutcome("rejected", reason=reason, metrics=metrics, details={"screen": e.screen})
                 else:
+                    refused = None
                     if candidate.tree == tree:  # e.g. a replace with the same text: nothing to judge
                         candidate.skipped = "the candidate's content equals its parent's"
                     else:
-                        candidate = await recipe.assess(tree, candidate, self._context(scenario))
-                    outcome = await self._gate(st, scenario, head, candidate, [], job_id, record_settings, t0, origin)
+                        refused = await self._policy(recipe, scenario, head, tree, candidate, [], record_settings,
+                                                     origin)
+                        if refused is None:
+                            review = candidate.details.get("review")
+                            candidate = await recipe.assess(tree, candidate, self._context(scenario))
+                            if review:  # whatever the recipe's assessment kept of the details
+                                candidate.details["review"] = review
+                    outcome = refused or await self._gate(st, scenario, head, candidate, [], job_id, record_settings,
+                                                          t0, origin)
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as e:  # it could not be evaluated: written down as failed, never as a loss
@@ -681,7 +696,40 @@ class Learner:
                 check_tree(candidate.tree)  # whatever recipe made it: only the harness layout, text, size caps
                 if candidate.tree == tree:
                     candidate.skipped = "the candidate's content equals its parent's"
+                else:
+                    refused = await self._policy(recipe, scenario, head, tree, candidate, [r.id for r in batch],
+                                                 record_settings, None)
+                    if refused is not None:
+                        return refused
         return await self._gate(st, scenario, head, candidate, batch, job_id, record_settings, t0)
+
+    async def _policy(self, recipe: Recipe, scenario: Scenario, head: Any, tree: dict[str, bytes], candidate: Candidate,
+                      receipts: list[str], record_settings: dict[str, Any],
+                      origin: dict[str, Any] | None) -> StepOutcome | None:
+        """The harness policy (``daemon/harness_policy.py``) over what a harness candidate adds or changes, whatever
+        made it (feedback, a proposer model, an agent's proposal): what it refuses is written down as rejected by the
+        ``rights`` screen (the step's receipts consumed: the same feedback is not tried again); what only a person may
+        admit goes into ``details["review"]``, and ``_gate`` holds such a candidate for review."""
+        from daemon import harness_policy
+
+        assert candidate.tree is not None
+        allow = bool(getattr(recipe.settings, "allow_executable", False))
+        found = harness_policy.findings(candidate.tree, tree, allow_executable=allow)
+        bad = harness_policy.refused(found)
+        if bad:
+            screen = "executable" if bad[0].rule == "executable" else "rights"
+            reason = f"screened out by the {screen} screen: {bad[0]}" + (
+                f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            metrics = {**({"proposal": 1} if origin else {}), "screen": screen}
+            await self.write_down(self.chains.manifest(scenario, metrics=metrics, receipts=receipts,
+                                                        settings=record_settings, origin=origin),
+                                   head, "rejected", reason)
+            return StepOutcome("rejected", reason=reason, metrics=metrics,
+                               details={"screen": screen, "policy": [f.to_dict() for f in bad]})
+        review = [str(f) for f in harness_policy.held(found)]
+        if review:
+            candidate.details["review"] = sorted(set(candidate.details.get("review") or []) | set(review))
+        return None
 
     async def _gate(self, st: ScenarioLearning, scenario: Scenario, head: Any, candidate: Candidate,
                     batch: list[ScoredExchange | FeedbackReport], job_id: str, record_settings: dict[str, Any],

@@ -12,8 +12,10 @@ What becomes of a proposal:
   resumes, long after the run that could say why has ended. The agent (and its user) hear it at once and can
   propose again.
 - Screened, with the screens every harness-search candidate passes (``recipes/harness_search/mutations.py``:
-  secrets and instructions to send them anywhere, paths outside the layout, executable content, size caps from
-  the recipe's settings). One that fails is written down on the chain as rejected, its reason naming the screen
+  secrets and instructions to send them anywhere, paths outside the layout, the harness policy of
+  ``daemon/harness_policy.py`` (tools, hooks, permissions, MCP servers or environment granted in frontmatter,
+  agents' settings files, control characters, instructions to turn off a sandbox), executable content, size caps
+  from the recipe's settings). What only a person may admit (a tool grant) is held for review whatever the gate. One that fails is written down on the chain as rejected, its reason naming the screen
   (``screened out by the secrets screen: ...``).
 - Gated: the candidate goes through the scenario's recipe's gate like any of its own candidates (the recipe's
   ``assess`` evaluates it as the recipe evaluates its own: lessons' ``compare`` answers its tasks under both
@@ -200,6 +202,8 @@ def candidate(tree: dict[str, bytes], m: Mutation, limits: Limits) -> Candidate:
                                m.kind == "skill" else "proposal"}
     if applied.executable:
         details["executable"] = applied.executable
+    if applied.review:
+        details["review"] = applied.review
     summary = f"agent proposal: {m.op} {m.kind} {m.id}"
     return Candidate(tree=applied.tree, metrics={"proposal": 1}, details={**details, "summary": summary})
 

@@ -504,7 +504,7 @@ class ServePath:
             raise Archived(scen.name)
         engine = await self._engine(scen.model)
         release = None
-        if pinned_release and (self.canaries.active or self.canaries.ended):  # a run on a canary's arm
+        if pinned_release:  # a run on a canary's arm (a running one, or one ended since the run began)
             release = await self.canaries.pinned(scen, pinned_release)
         elif self.canaries.active:  # a share of new runs goes to a running canary (daemon/canary.py)
             release = await self.canaries.arm(scen, arm_key(headers, run))

@@ -305,6 +305,11 @@ class Recipe:
         for a ``feedback`` recipe, ``ScoredExchange`` for a ``scores`` one."""
         raise NotImplementedError
 
+    def forget(self, ids: set[str], ctx: HarnessContext) -> None:
+        """Exchanges were forgotten (``ids``: their receipts and the ids of the reports on them, whose feedback went
+        with them): drop what the recipe keeps of them, in memory and in files of its own (harness-search's memory
+        of bad runs). The default keeps nothing between steps."""
+
     async def assess(self, tree: dict[str, bytes], candidate: Candidate, ctx: HarnessContext) -> Candidate:
         """Harness recipes: evaluate a candidate made elsewhere (an agent's proposal, ``daemon/proposals.py``)
         against the serving ``tree`` the way the recipe evaluates its own, so that ``judge`` decides on it as on

@@ -180,6 +180,15 @@ def screen(text: str) -> str | None:
     return None
 
 
+def _policy(path: str, data: str | bytes) -> str | None:
+    """Why the harness policy (``daemon/harness_policy.py``) keeps this lesson out, or None. A lesson is never
+    something only a person may admit (a tool grant, a script): those are refused here too."""
+    from daemon.harness_policy import file_findings
+
+    found = file_findings(path, data)
+    return f"the harness policy refuses it: {found[0].reason}" if found else None
+
+
 # --- editing --------------------------------------------------------------------------------------------------
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -232,7 +241,8 @@ def render_rules(prefix: str, entries: list[str]) -> str:
 
 def render_skill(name: str, text: str) -> str:
     description = _clean(text.split("\n", 1)[0], 200).replace('"', "'")
-    return f"---\nname: {name}\ndescription: \"{description}\"\n---\n\n{text.strip()}\n"
+    # a JSON string is a YAML double-quoted scalar: a backslash or a colon in the first line cannot break the block
+    return f"---\nname: {name}\ndescription: {json.dumps(description, ensure_ascii=False)}\n---\n\n{text.strip()}\n"
 
 
 def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettings) -> Outcome:
@@ -256,6 +266,10 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
                 continue
             path = f"skills/{lesson.skill}/SKILL.md"
             data = render_skill(lesson.skill, text).encode()
+            reason = _policy(path, data)
+            if reason is not None:
+                out.refused.append({**view, "reason": reason})
+                continue
             if out.tree.get(path) == data:
                 out.unchanged.append({**view, "path": path})
             else:
@@ -263,9 +277,14 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
                 out.applied.append({**view, "path": path, "edit": "skill"})
             continue
         entry = phrase(lesson, settings.max_chars)
-        if lesson.proposed is not None and screen(lesson.proposed) is None:
+        if lesson.proposed is not None and screen(lesson.proposed) is None and \
+                _policy(RULES_FILE, _clean(lesson.proposed, settings.max_chars)) is None:
             entry = _clean(lesson.proposed, settings.max_chars)
             view["proposed_by"] = lesson.proposer
+        reason = _policy(RULES_FILE, entry)
+        if reason is not None:
+            out.refused.append({**view, "reason": reason})
+            continue
         if entry in entries:
             out.unchanged.append({**view, "path": RULES_FILE})
             continue

@@ -217,8 +217,9 @@ def forget(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Delete the prompts, answers and feedback of these exchanges for good. A tombstone stays (ids, times, a
-    hash of what was deleted); releases trained on them are marked, and cannot unlearn them: roll back to undo."""
+    """Delete the prompts, answers and feedback of these exchanges for good, with every copy under the state dir
+    (the runs' files, what the agents wrote during them, release pages). A tombstone stays (ids, times, a hash of
+    what was deleted); releases made from them are marked, and cannot unlearn them: roll back to undo."""
     receipts = [i for i in ids if i.startswith("rec_")]
     runs = [i for i in ids if not i.startswith("rec_")]
     if not yes and not typer.confirm(f"forget {len(receipts)} receipt(s) and every exchange of {len(runs)} run(s)? "
@@ -231,12 +232,17 @@ def forget(
         return
     print(f"forgot {len(out['forgotten'])} exchange(s) and the feedback of {out['reports']} report(s)"
           + (f" ({len(out['already'])} forgotten before)" if out["already"] else ""))
-    print(out["remains"])
+    if out["remains"]:
+        print(out["remains"])
+    copies = out.get("copies") or {}
+    if any(copies.values()):
+        print(f"removed under the state dir: {copies.get('runs', 0)} run file(s), {copies.get('agent_files', 0)} "
+              f"file(s) the agents wrote in those runs, {copies.get('pages', 0)} release page(s)")
     for scenario, view in out["releases"].items():
         marked = view["trained_on_forgotten"]
         if marked:
-            print(f"scenario {scenario}: {len(marked)} release(s) were trained on forgotten data; weights cannot "
-                  "unlearn it")
+            print(f"scenario {scenario}: {len(marked)} release(s) were trained on forgotten data (weights cannot "
+                  "unlearn it; a harness keeps the text it learned)")
             if view.get("command"):
                 print(f"  the newest release that was not: {view['command']}")
 
@@ -323,6 +329,12 @@ def show_scenario(
         print(f"{'left out':11} {left['total']} scored answers ({counts}): {left['why']}")
     for key, value in (s.get("recipe_status") or {}).items():  # the recipe's own summary (ttt-discover's best)
         print(f"{key:11} {value}")
+    effective = s.get("effective_settings") or {}
+    if effective:  # what the scenario actually gets: the settings it was given and every default
+        given = s.get("settings") or {}
+        print("settings    (* set for this scenario; the rest are the recipe's defaults)")
+        for key, value in sorted(effective.items()):
+            print(f"  {'*' if key in given else ' '} {key:24} {json.dumps(value)}")
 
 
 @scenarios_app.command("create")

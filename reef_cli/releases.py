@@ -242,6 +242,11 @@ def canary(
     max_error_rate: float = typer.Option(0.2, "--max-error-rate", help="The share of failed exchanges that ends it."),
     max_latency_ratio: float = typer.Option(2.0, "--max-latency-ratio",
                                             help="Ends it when its median exchange takes this many times the head's."),
+    max_empty_excess: float = typer.Option(0.3, "--max-empty-excess",
+                                           help="Ends it when its share of empty answers exceeds the head's by this."),
+    min_length_ratio: float = typer.Option(0.25, "--min-length-ratio",
+                                           help="Ends it when its median answer is shorter than this share of the "
+                                                "head's."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always-
@@ -250,7 +255,9 @@ def canary(
         row = c.post(f"/reef/scenarios/{scenario}/canary", {"release_id": release_id, "share": share, "alpha": alpha,
                                                              "max_reports": max_reports,
                                                              "max_error_rate": max_error_rate,
-                                                             "max_latency_ratio": max_latency_ratio})
+                                                             "max_latency_ratio": max_latency_ratio,
+                                                             "max_empty_excess": max_empty_excess,
+                                                             "min_length_ratio": min_length_ratio})
     if json_out:
         print_json(row)
     else:

@@ -4,7 +4,8 @@
 the scenario chosen (``--reef-scenario NAME``, else ``$REEF_SCENARIO``, else the adapter's name), a fresh run
 id in the base URL, the agent installed on first use, the scenario's current harness release installed in the
 agent's isolated config home (or a note that a newer one exists, per ``harness_updates``), signals forwarded,
-and the agent's exit code kept. Afterwards the run's receipts are stored in ``$REEF_HOME/runs/<run>.json``.
+and the agent's exit code kept. Afterwards the run's receipts are stored in ``$REEF_HOME/runs/<run>.json``, with
+the files the agent wrote in its config home during the run (``agent_files``: forgetting the run removes them).
 
 ``--reef-provider NAME`` (or ``REEF_PROVIDER``) serves the run from a real provider (``daemon/providers.py``): a
 daemon the wrapper starts serves it, a running daemon must already serve it (else a one-line error), and the
@@ -133,6 +134,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     save_run(config, record)
     code = spawn(adapter.argv(binary, args, target), env)
     record.update(ended_at=time.time(), exit_code=code)
+    record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
         record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run)
     except (OSError, ReefError) as e:
@@ -148,6 +150,14 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
         f"`{adapter.command} report --score S --feedback TEXT`")
     return code
+
+
+def agent_files(home: Path, spawned_at: float) -> list[str]:
+    """What the agent wrote in its config home during the run (sessions, transcripts, its own databases): kept in
+    the run file, so that forgetting the run removes them too (``daemon/copies.py``)."""
+    from daemon.copies import MARGIN_S, changed_files
+
+    return changed_files(home, spawned_at - MARGIN_S)
 
 
 def _post_outcome(config: Config, run: dict[str, Any], report: dict[str, Any]) -> None:

@@ -202,3 +202,19 @@ def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_fa
         assert_canonical_error(c.post("/reef/scenarios/pi/model", json={}), 400)
         assert_canonical_error(c.post("/reef/scenarios/none/model", json={"model": "tiny"}), 404)
         assert d.cli("scenarios", "set-model", "w", "tiny", check=False).returncode == 5
+
+
+def test_a_scenario_shows_the_settings_it_actually_gets(daemon: Daemon) -> None:
+    """``GET /reef/scenarios/{s}`` and ``reef scenarios show`` list the effective settings: what was set and every
+    default the recipe fills in (a user reads the gate and bounds they get, not ``{}``). Bug caught: only the stored
+    settings shown (the defaults invisible), or a set value shown as its default."""
+    with daemon.unix() as c:
+        create(c, "eff", gate="review")
+        view = c.get("/reef/scenarios/eff").json()
+        assert view["settings"] == {"gate": "review"}
+        eff = view["effective_settings"]
+        assert eff["gate"] == "review" and eff["max_chars"] == 1000, eff  # set, and a default
+        create(c, "eff2")
+        assert c.get("/reef/scenarios/eff2").json()["effective_settings"]["gate"] == "always"
+    out = daemon.cli("scenarios", "show", "eff").stdout
+    assert "* gate" in out and '"review"' in out and "  max_chars" in out, out

@@ -3,7 +3,8 @@ lets the next step have it (None):
 
 - ``skipped``: a candidate the recipe skipped, or whose content equals its parent's, is written down as skipped.
 - ``gate_kind``: the recipe's gate (``Recipe.judge``, ``daemon/gate.py``): ``pending`` holds it for review, a
-  verdict that does not publish writes it down as rejected; a publishing one goes on.
+  verdict that does not publish writes it down as rejected; a publishing one goes on, unless the harness policy
+  put something only a person may admit in ``details["review"]`` (``daemon/harness_policy.py``): held for review.
 - ``drift_bound``: weights: the reward-hacking watchdog (``daemon/watchdog.py``: ``max_kl``, a training reward
   rising while the held-out score falls) holds it for review.
 - ``heldout_check``: weights: the held-out check (``daemon/gating/heldout.py``) holds a candidate that stops
@@ -17,6 +18,7 @@ lets the next step have it (None):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,12 @@ async def gate_kind(host: Host, run: GateRun) -> StepOutcome | None:
         best = max((float(r.metrics["eval_reward"]) for r in await host.chains.history(run.scenario.name)
                     if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
     verdict = run.recipe.judge(run.candidate, best=best)
+    review = run.candidate.details.get("review")
+    if verdict.publish and review:  # the harness policy: only a person may admit it, whatever the gate
+        verdict = dataclasses.replace(verdict, publish=False, verdict="pending", reason=(
+            f"{verdict.reason}; held for review, since only a person may admit {review[0]}"
+            + (f" (and {len(review) - 1} more)" if len(review) > 1 else "") + ": reef releases promote ID "
+            "publishes it"))
     run.metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
     run.verdict, run.reason = verdict, verdict.reason
     if verdict.verdict == "pending":

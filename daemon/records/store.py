@@ -74,6 +74,9 @@ from daemon.records.migrations import migrate
 from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
+# how far ahead of this clock a record's date may be (another machine's clock): an import dated later is refused
+# (daemon/export.py), and retention does not judge a stored one by its date (retention_due)
+CLOCK_SKEW_S = 3600.0
 
 @dataclass(frozen=True)
 class Lease:
@@ -856,17 +859,22 @@ class RecordStore:
 
     async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
         """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, how many of them failed, and the times of the complete ones (``ms``)."""
+        its exchanges, how many of them failed, and the times (``ms``) and answer lengths in tokens (``tokens``) of
+        the complete ones."""
         total_ms = self.json_number("timings", "total_ms")
+        out_tokens = self.json_number("usage", "output_tokens")
 
         def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": []} for a in arms}
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": []}
+                                   for a in arms}
             for r in conn.execute(
-                    f"SELECT release_id, {total_ms} AS ms FROM records WHERE scenario=? AND kind='exchange'"
-                    " AND created_at>=? AND release_id IN (?,?) AND status='complete'",
+                    f"SELECT release_id, {total_ms} AS ms, {out_tokens} AS tokens FROM records WHERE scenario=?"
+                    " AND kind='exchange' AND created_at>=? AND release_id IN (?,?) AND status='complete'",
                     (scenario, since, *arms)).fetchall():
                 if r["ms"] is not None:
                     out[r["release_id"]]["ms"].append(float(r["ms"]))
+                if r["tokens"] is not None:
+                    out[r["release_id"]]["tokens"].append(int(r["tokens"]))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
@@ -1000,7 +1008,7 @@ class RecordStore:
                                                                               r["id"]))
             scenarios = sorted({found[rid]["scenario"] for rid in todo})
             return {"forgotten": todo, "already": [rid for rid in found if rid not in todo], "reports": len(reports),
-                    "scenarios": scenarios}
+                    "scenarios": scenarios, "runs": sorted({r["run"] for r in found.values() if r["run"]})}
 
         out = await self.write(op)
         out["remains"] = await asyncio.to_thread(self._scrub, scrub)
@@ -1014,20 +1022,24 @@ class RecordStore:
     async def retention_due(self, *, before: float | None, max_bytes: int | None, limit: int = 10_000) -> list[str]:
         """Exchanges the retention settings forget now, oldest first: created before ``before``, and the oldest
         while the bodies kept (request and answer, newest first) add up to more than ``max_bytes``. A stream still
-        open (no timings, younger than an hour) is left for the next round."""
+        open (opened, not completed, younger than an hour) is left for the next round. Under ``before``, a record
+        dated more than ``CLOCK_SKEW_S`` ahead (a time in milliseconds, a clock ahead: imports refuse such dates
+        now) is due too: its age cannot be told from its date, and kept by it, it would never be."""
 
         def op(conn: Conn) -> list[str]:
-            live = ("kind='exchange' AND forgotten_at IS NULL AND NOT (timings IS NULL AND created_at > ?)")
-            hour_ago = time.time() - 3600
+            now = time.time()
+            live = ("kind='exchange' AND forgotten_at IS NULL"
+                    " AND NOT (status='incomplete' AND timings IS NULL AND created_at > ? AND created_at < ?)")
+            open_window = (now - 3600, now + CLOCK_SKEW_S)
             due: list[str] = []
             if before is not None:
                 due += [r["id"] for r in conn.execute(
-                    f"SELECT id FROM records WHERE {live} AND created_at < ? ORDER BY seq LIMIT ?",
-                    (hour_ago, before, limit)).fetchall()]
+                    f"SELECT id FROM records WHERE {live} AND (created_at < ? OR created_at > ?) ORDER BY seq LIMIT ?",
+                    (*open_window, before, now + CLOCK_SKEW_S, limit)).fetchall()]
             if max_bytes is not None and len(due) < limit:
                 kept, over = 0, []
                 for r in conn.execute(f"SELECT id, COALESCE(LENGTH(request), 0) + COALESCE(LENGTH(response), 0) AS n"
-                                      f" FROM records WHERE {live} ORDER BY seq DESC", (hour_ago,)):
+                                      f" FROM records WHERE {live} ORDER BY seq DESC", open_window):
                     kept += r["n"]
                     if kept > max_bytes:
                         over.append(r["id"])

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pygit2
 
@@ -164,6 +165,27 @@ class Remote(Refs, Reads):
         self._taken.update(passed)
         return None
 
+    def _policy(self, rel: Any, commit: Any) -> str | None:
+        """Why a fetched harness release breaks the harness policy (``daemon/harness_policy.py``), or None: nothing
+        in its tree the policy refuses, and what only a person may admit (a tool grant) only in files that a person's
+        ``promote`` changed. A remote says which releases exist; it cannot grant an agent more than this daemon
+        would."""
+        from daemon import harness_policy
+
+        # a large (LFS) file is not here before the follow copies it in; the render checks it (check_served)
+        tree = {f.path: self.read_file(rel.release_id, f.path) for f in self.files(rel.release_id) if f.lfs_oid is None}
+        bad = harness_policy.refused(harness_policy.findings(tree, allow_executable=True))
+        if not bad and rel.operation != "promote":
+            parent: dict[str, bytes] = {}
+            if commit.parent_ids:
+                with contextlib.suppress(ReefError, KeyError, ValueError):
+                    pid = str(commit.parent_ids[0])
+                    parent = {f.path: self.read_file(pid, f.path) for f in self.files(pid) if f.lfs_oid is None}
+            bad = harness_policy.held(harness_policy.findings(tree, parent, allow_executable=True))
+        if bad:
+            return f"the harness policy refuses it: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        return None
+
     def _incoming(self, rid: str, checked: set[str]) -> str | None:
         """Why the commit ``rid``, fetched from the remote, must not be taken in, or None. Nothing it holds is
         read before its size is known: every object's header is checked against the remote's ``max_blob_bytes``
@@ -209,7 +231,11 @@ class Remote(Refs, Reads):
                     if size > max_lfs:
                         return (f"its large file {path!r} is {size} bytes, over the bound of {max_lfs} "
                                 "(chain_max_lfs_bytes)")
-                self.get(rid)  # and reads as a release
+                rel = self.get(rid)  # and reads as a release
+                if rel.kind == "harness":
+                    why = self._policy(rel, commit)
+                    if why is not None:
+                        return why
             if REJECTION in tree:
                 cid = json.loads(self._manifest_blob(commit, REJECTION)).get("content_id")
                 if cid is not None and (not isinstance(cid, str) or not _OID_RE.fullmatch(cid)):

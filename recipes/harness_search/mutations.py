@@ -21,9 +21,12 @@ The form (one JSON object, optionally inside one ```json fence, nothing else)::
 - create of an id that exists, update or remove of one that does not, and two mutations of one id are refused.
 
 Screens (every text and file): what ``lessons`` refuses (secrets, sending files or credentials anywhere), paths
-outside the tree (the layout's ``check_tree_path``), executable content (scripts by name or a ``#!`` line)
-unless the scenario allows it, and then the candidate is only held for review, and size caps per file and per
-tree. One refused mutation refuses the whole proposal: a proposal is applied whole or not at all, and a refused
+outside the tree (the layout's ``check_tree_path``), the harness policy (``daemon/harness_policy.py``: frontmatter
+that grants tools or sets hooks, permissions, MCP servers or environment, agents' settings files, control
+characters, imports from outside the tree, instructions to turn off a sandbox; a tool grant only a person may
+admit, so the candidate is held for review), executable content (scripts by name, a ``#!`` line, before or after
+frontmatter) unless the scenario allows it, and then the candidate is only held for review, and size caps per
+file and per tree. One refused mutation refuses the whole proposal: a proposal is applied whole or not at all, and a refused
 one is written down with its reason.
 """
 
@@ -35,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon import harness_policy
 from daemon.layout import SKILL_NAME, check_tree, check_tree_path
 from recipes.lessons import RULES_FILE, parse_rules, render_rules, screen, similarity
 
@@ -43,11 +47,10 @@ KINDS = ("rule", "skill", "command")
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _ENTRY = re.compile(r"\[([a-z0-9][a-z0-9-]{0,62})\] (.+)")
 _FENCE = re.compile(r"\A```(?:json)?\s*\n(.*)\n```\Z", re.S)
-EXECUTABLE_SUFFIXES = (".sh", ".bash", ".zsh", ".py", ".js", ".mjs", ".cjs", ".ts", ".rb", ".pl", ".php", ".exe",
-                       ".bin", ".so", ".ps1", ".bat", ".cmd")
+EXECUTABLE_SUFFIXES = harness_policy.EXECUTABLE_SUFFIXES
 
 
-SCREENS = ("paths", "secrets", "size", "executable")  # what ``screened`` checks, by name
+SCREENS = ("paths", "secrets", "size", "rights", "executable")  # what ``screened`` checks, by name
 
 
 class Refused(Exception):
@@ -89,6 +92,7 @@ class Applied:
     tree: dict[str, bytes]
     mutations: list[dict[str, Any]] = field(default_factory=list)
     executable: list[str] = field(default_factory=list)  # paths holding executable content (allowed: review)
+    review: list[str] = field(default_factory=list)  # what only a person may admit (the policy's review findings)
 
 
 # --- parsing -----------------------------------------------------------------------------------------------------
@@ -162,47 +166,50 @@ def _mutation(i: int, item: Any, limits: Limits) -> Mutation:
 # --- screening -----------------------------------------------------------------------------------------------
 
 
-def executable(path: str, data: str) -> bool:
-    """Whether a harness file holds something an agent would run: a script by its name or a ``#!`` line."""
-    return path.lower().endswith(EXECUTABLE_SUFFIXES) or data.lstrip().startswith("#!")
+executable = harness_policy.executable
 
 
-def screened(m: Mutation, limits: Limits) -> tuple[tuple[str, str] | None, list[str]]:
-    """The screen ``m`` fails (its name in ``SCREENS``) and why, or None when it may enter a harness; and the
-    executable paths it writes."""
+def screened(m: Mutation, limits: Limits) -> tuple[tuple[str, str] | None, list[str], list[str]]:
+    """The screen ``m`` fails (its name in ``SCREENS``) and why, or None when it may enter a harness; the
+    executable paths it writes; and what in it only a person may admit (the harness policy's review findings)."""
     texts: list[tuple[str, str]] = []
     if m.text is not None:
         texts.append((_path(m.kind, m.id), m.text))
     for name, data in (m.files or {}).items():
         texts.append((f"skills/{m.id}/{name}", data))
     if m.kind == "rule" and m.text is not None and len(m.text) > limits.max_rule_chars:
-        return ("size", f"rule {m.id}: {len(m.text)} characters; the limit is {limits.max_rule_chars}"), []
-    executables = []
+        return ("size", f"rule {m.id}: {len(m.text)} characters; the limit is {limits.max_rule_chars}"), [], []
+    executables: list[str] = []
+    review: list[str] = []
     for path, data in texts:
         try:
             check_tree_path(path)
         except Exception:
-            return ("paths", f"{m.kind} {m.id}: path {path!r} is outside the harness layout"), []
+            return ("paths", f"{m.kind} {m.id}: path {path!r} is outside the harness layout"), [], []
         reason = screen(data) or screen(path)
         if reason is not None:
-            return ("secrets", f"{m.kind} {m.id}: {reason}"), []
+            return ("secrets", f"{m.kind} {m.id}: {reason}"), [], []
         if len(data.encode()) > limits.max_file_bytes:
             return ("size", f"{m.kind} {m.id}: {path} is {len(data.encode())} bytes; the limit is "
-                    f"{limits.max_file_bytes}"), []
-        if executable(path, data):
-            if not limits.allow_executable:
-                return ("executable", f"{m.kind} {m.id}: {path} is executable content (a script); this scenario does "
-                        "not allow it (setting allow_executable)"), []
+                    f"{limits.max_file_bytes}"), [], []
+        found = harness_policy.file_findings(path, data, allow_executable=limits.allow_executable)
+        for f in harness_policy.refused(found):
+            return ("executable" if f.rule == "executable" else "rights", f"{m.kind} {m.id}: {f}"), [], []
+        review += [str(f) for f in found]
+        if any(f.rule == "executable" for f in found):
             executables.append(path)
     reason = screen(m.reason)
     if reason is not None:
-        return ("secrets", f"{m.kind} {m.id}: its reason: {reason}"), []
-    return None, executables
+        return ("secrets", f"{m.kind} {m.id}: its reason: {reason}"), [], []
+    hidden = [f for f in harness_policy.file_findings("reason", m.reason) if f.rule == "control"]
+    if hidden:  # the reason never enters the harness, but a person reviewing the change reads it
+        return ("rights", f"{m.kind} {m.id}: its reason: {hidden[0].reason}"), [], []
+    return None, executables, review
 
 
 def screen_mutation(m: Mutation, limits: Limits) -> tuple[str | None, list[str]]:
     """Why ``m`` must not enter a harness (None: it may), and the executable paths it writes."""
-    failed, executables = screened(m, limits)
+    failed, executables, _ = screened(m, limits)
     return (failed[1] if failed else None), executables
 
 
@@ -252,10 +259,11 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
     prefix, rule_list = rules(out.tree)
     rules_changed = False
     for m in mutations:
-        failed, execs = screened(m, limits)
+        failed, execs, review = screened(m, limits)
         if failed is not None:
             raise Refused(failed[1], screen=failed[0])
         out.executable += execs
+        out.review += review
         have = {i for i, _ in rule_list} if m.kind == "rule" else entries(out.tree)[m.kind]
         view = m.view()
         if m.op == "create" and m.id in have:

@@ -311,6 +311,16 @@ class HarnessSearch(Recipe):
         except OSError as e:  # the step's outcome still stands; only a restart would lose this step's memory
             log.warning("harness-search: could not write %s: %s", path, e)
 
+    def forget(self, ids: set[str], ctx: HarnessContext) -> None:
+        """A forgotten report's bad run (its feedback and the run's rendered exchange) leaves the memory, here and
+        in the memory file."""
+        self._load(ctx)
+        kept = [r for r in self.bad_runs if r.get("report") not in ids]
+        if len(kept) != len(self.bad_runs):
+            self.bad_runs.clear()
+            self.bad_runs.extend(kept)
+            self._save(ctx)
+
     # --- parts ---------------------------------------------------------------------------------------------
 
     async def _remember(self, batch: list[FeedbackReport], ctx: HarnessContext) -> None:

@@ -1,0 +1,96 @@
+"""Anytime-valid tests by betting: is one arm's mean score above (or below) the other's?
+
+The canary (``daemon/canary.py``) compares a candidate with the head on live scores, checked after every report, so
+its test must stay valid however often it looks. Testing by betting (Shafer; Waudby-Smith and Ramdas, "Estimating
+means of bounded random variables by betting", 2023) gives that: a bettor starts with wealth 1 and stakes a
+fraction of it on each new observation; under the null hypothesis its wealth is a nonnegative supermartingale, so by
+Ville's inequality it ever reaches ``1 / a`` with probability at most ``a``. Reject when it does, at any moment.
+
+Design choices:
+- The observation is a **paired difference** ``d = canary score - head score`` in [-1, 1]: the i-th report of each
+  arm, in the order they came (reports on the head's arm usually outnumber the canary's; the surplus waits for a
+  partner). Each arm's scores are taken as independent draws from its own distribution; pairing by arrival also
+  cancels slow drift that touches both arms alike (the tasks of a week changing).
+- **Two one-sided bettors**, ``1 + l*d`` (the canary is better) and ``1 - l*d`` (worse), each against threshold
+  ``2 / alpha``: with equal arms a wrong verdict either way has probability at most ``alpha`` in all.
+- **The stake** ``l`` is aGRAPA's (approximate growth-rate adaptive to the particular alternative): the Kelly stake
+  for the differences seen so far, ``mean / (variance + mean^2)`` of the earlier ones (never of the current one: the
+  stake must be fixed before the observation), clipped to [0, ``MAX_STAKE``]. A bettor on the wrong side stakes 0
+  and keeps its wealth; ``MAX_STAKE`` < 1 keeps every factor at least ``1 - MAX_STAKE``.
+- Scores outside [0, 1] are clipped (a report's score is any number; the test is about bounded ones).
+
+``bench/canary.py`` measures the reports each rule needs, beside the per-arm Hoeffding test it replaced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_STAKE = 0.5  # the largest fraction of wealth staked on one difference
+PRIOR_N = 1.0  # the stake's estimates start from one pseudo-observation of mean 0 and variance 1/2
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Two bettors' log-wealth after ``pairs`` paired differences: ``better`` (the canary is better), ``worse``;
+    ``mean``: the mean difference; ``threshold``: the log-wealth that decides, ``log(2 / alpha)``."""
+
+    pairs: int
+    mean: float | None
+    better: float
+    worse: float
+    threshold: float
+
+    @property
+    def verdict(self) -> str | None:
+        """``better``, ``worse``, or None (undecided)."""
+        if self.better >= self.threshold:
+            return "better"
+        if self.worse >= self.threshold:
+            return "worse"
+        return None
+
+
+def threshold(alpha: float) -> float:
+    """The log-wealth at which either one-sided bettor decides: ``log(2 / alpha)`` (alpha split over both sides)."""
+    return math.log(2.0 / alpha)
+
+
+def pairs(head: Sequence[float], canary: Sequence[float]) -> list[float]:
+    """The paired differences canary - head, by order of arrival, each score clipped to [0, 1]."""
+    return [min(1.0, max(0.0, c)) - min(1.0, max(0.0, h)) for h, c in zip(head, canary, strict=False)]
+
+
+class Bettors:
+    """The two bettors, fed one paired difference at a time (``add``): what ``evidence`` computes at once, for a
+    caller that sees the differences arrive (``bench/canary.py``)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.threshold = threshold(alpha)
+        self.better = self.worse = 0.0
+        self._total, self._total_sq, self._n = 0.0, PRIOR_N * 0.5, PRIOR_N  # mean 0, variance 1/2
+
+    def add(self, d: float) -> None:
+        mean = self._total / self._n
+        var = max(self._total_sq / self._n - mean * mean, 1e-6)
+        stake = mean / (var + mean * mean)  # the Kelly stake of the differences so far (negative: bet on worse)
+        up, down = min(MAX_STAKE, max(0.0, stake)), min(MAX_STAKE, max(0.0, -stake))
+        self.better += math.log1p(up * d)
+        self.worse += math.log1p(-down * d)
+        self._total += d
+        self._total_sq += d * d
+        self._n += 1
+
+    def evidence(self) -> Evidence:
+        k = int(self._n - PRIOR_N)
+        return Evidence(k, (self._total / k) if k else None, self.better, self.worse, self.threshold)
+
+
+def evidence(head: Sequence[float], canary: Sequence[float], *, alpha: float) -> Evidence:
+    """Both bettors' log-wealth over the paired differences of ``head`` and ``canary`` scores."""
+    b = Bettors(alpha)
+    for d in pairs(head, canary):
+        b.add(d)
+    return b.evidence()

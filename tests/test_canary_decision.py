@@ -1,0 +1,164 @@
+"""The canary's decision rule (``daemon/betting.py`` through ``daemon.canary.decide``) and its settings, without a
+daemon: the test decides at the documented error rate with the reports users have, never inflates that rate by
+looking after every report, and the latency and settings bounds hold exactly where they are stated."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from daemon import betting
+from daemon.canary import _median, decide, settings_of
+from daemon.errors import BadRequest
+
+KW = {"alpha": 0.05, "max_reports": 10_000}
+
+
+def _run(diff: float, rng: random.Random, cap: int = 2000) -> tuple[int, str | None]:
+    """Pass/fail reports, half on each arm, judged after every report as the daemon does: canary-arm reports until
+    the verdict."""
+    head: list[float] = []
+    canary: list[float] = []
+    bettors = betting.Bettors(0.05)
+    while len(canary) < cap:
+        if rng.random() < 0.5:
+            canary.append(1.0 if rng.random() < 0.5 + diff else 0.0)
+            if len(canary) <= len(head):
+                bettors.add(canary[-1] - head[len(canary) - 1])
+        else:
+            head.append(1.0 if rng.random() < 0.5 else 0.0)
+            if len(head) <= len(canary):
+                bettors.add(canary[len(head) - 1] - head[-1])
+        v = bettors.evidence().verdict
+        if v is not None:
+            return len(canary), v
+    return len(canary), None
+
+
+def test_a_better_candidate_is_promoted_and_a_worse_one_ended_with_the_reports_users_have() -> None:
+    """The issue's bounds at alpha 0.05 on pass/fail scores: +0.2 promoted with a median of at most 300 canary
+    reports, -0.3 ended within a median of 100, every verdict the right one (seeded). Bugs caught: the per-arm
+    Hoeffding rule it replaced (about 2,000 reports for +0.2), a stake that never grows (a flipped clip)."""
+    rng = random.Random(7)
+    better = [_run(0.2, rng) for _ in range(40)]
+    worse = [_run(-0.3, rng) for _ in range(40)]
+    assert all(v == "better" for _, v in better) and all(v == "worse" for _, v in worse)
+    assert sorted(n for n, _ in better)[20] <= 300
+    assert sorted(n for n, _ in worse)[20] <= 100
+
+
+def test_equal_arms_are_rarely_decided_however_often_the_test_looks() -> None:
+    """Checked after every report up to 600 canary reports: equal arms end in a verdict in at most alpha of the
+    trials (seeded; the bound holds for any number of looks). Bugs caught: a stake fixed after seeing its own
+    difference (wealth grows under the null), the threshold at 1 / alpha or alpha spent on each side in full."""
+    rng = random.Random(11)
+    wrong = sum(_run(0.0, rng, cap=600)[1] is not None for _ in range(200))
+    assert wrong <= 10, wrong  # 5% of 200
+
+
+def test_the_threshold_splits_alpha_over_both_sides() -> None:
+    """A bettor whose wealth is past 1 / alpha but short of 2 / alpha decides nothing, through ``decide``: found
+    on a run of wins, the first step where the wealth is past 20 (it grows by at most 1.5x a step, so it is then
+    short of 40). Bug caught: all of alpha spent on each side (twice the stated error rate)."""
+    assert betting.threshold(0.05) == pytest.approx(math.log(40))
+    for k in range(1, 200):
+        ev = betting.evidence([0.0] * k, [1.0] * k, alpha=0.05)
+        if ev.better >= math.log(20):
+            break
+    assert math.log(20) <= ev.better < math.log(40), ev
+    assert decide([0.0] * k, [1.0] * k, **KW).verdict is None
+    decided = next(j for j in range(k, k + 10) if decide([0.0] * j, [1.0] * j, **KW).verdict is not None)
+    assert decide([0.0] * decided, [1.0] * decided, **KW).verdict == "promoted"
+    assert decide([1.0] * decided, [0.0] * decided, **KW).verdict == "ended"
+
+
+def test_the_stake_is_fixed_before_each_difference() -> None:
+    """The first difference is bet on with the prior's stake (0: nothing seen), so one win moves no wealth; and a
+    bettor stakes only on its own side. Bug caught: the stake computed after adding the difference it bets on."""
+    one = betting.evidence([0.0], [1.0], alpha=0.05)
+    assert one.better == 0.0 and one.worse == 0.0 and one.pairs == 1
+    ev = betting.evidence([0.0] * 5, [1.0] * 5, alpha=0.05)
+    assert ev.better > 0 and ev.worse == 0.0
+
+
+def test_pairs_are_taken_in_order_and_scores_clipped() -> None:
+    """The surplus reports of the larger arm wait for a partner; scores outside [0, 1] count as its ends."""
+    assert betting.pairs([0.5, 1.0, 0.0], [2.0, -1.0]) == [0.5, -1.0]
+    figures = decide([1.0] * 30 + [0.0] * 50, [1.0] * 30, **KW).figures
+    assert figures["pairs"] == 30 and figures["difference"] == 0.0
+
+
+def test_a_tie_needs_both_arms_at_max_reports() -> None:
+    same = [1.0, 0.0] * 50
+    assert decide(same, same, alpha=0.05, max_reports=100).verdict == "tie"
+    assert decide(same[:99], same, alpha=0.05, max_reports=100).verdict is None
+    assert decide(same, same[:99], alpha=0.05, max_reports=100).verdict is None
+
+
+def test_the_latency_median_of_an_even_count_is_the_mean_of_its_middle_two() -> None:
+    """Through the bound: the canary's 20 times, half 10 ms and half 30 ms, have the median 20, exactly twice the
+    head's 10: not past the bound of 2; 22 ms is past it. Bug caught: the upper (or lower) middle taken alone."""
+    assert _median([1.0, 2.0, 3.0, 100.0]) == 2.5 and _median([3.0, 1.0, 2.0]) == 2.0
+    head = [10.0] * 20
+    kw = {**KW, "min_exchanges": 20, "max_latency_ratio": 2.0}
+    assert decide([0.5], [0.5], head_ms=head, canary_ms=[10.0] * 10 + [30.0] * 10, **kw).verdict is None
+    assert decide([0.5], [0.5], head_ms=head, canary_ms=[14.0] * 10 + [30.0] * 10, **kw).verdict == "latency"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("max_reports", 1e999), ("min_exchanges", float("inf")), ("max_reports", float("nan")), ("alpha", float("nan")),
+    ("max_latency_ratio", float("inf")), ("max_reports", 10 ** 30), ("max_error_rate", 1.0), ("alpha", 0),
+    ("max_reports", 2.5), ("min_exchanges", True), ("alpha", "0.05"),
+])
+def test_settings_out_of_range_or_not_finite_are_refused_by_name(key: str, value: object) -> None:
+    """Bug caught: ``int(1e999)`` raised OverflowError (a 500) before the range check."""
+    with pytest.raises(BadRequest) as e:
+        settings_of({"release_id": "x", key: value})
+    assert e.value.data["param"] == key
+
+
+def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
+    with pytest.raises(BadRequest) as e:
+        settings_of({"release_id": "x", "max_report": 10})
+    assert e.value.data["param"] == "max_report"
+    got = settings_of({"release_id": "x", "max_reports": 50.0})
+    assert got["max_reports"] == 50 and isinstance(got["max_reports"], int) and got["alpha"] == 0.05
+
+
+GUARD = {**KW, "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
+
+
+def test_a_canary_that_stops_answering_ends_without_a_score() -> None:
+    """Half its answers empty (one token at most) against none of the head's: ended at the 10th answer, before any
+    report. Bugs caught: the guard waiting for scores, comparing with nothing (the head's rate ignored), counting
+    from the wrong arm."""
+    head = [40] * 10
+    half = [0, 30] * 5
+    d = decide([], [], head_tokens=head, canary_tokens=half, **GUARD)
+    assert d.verdict == "empty" and d.figures["canary_empty_rate"] == 0.5 and d.figures["head_empty_rate"] == 0.0
+    assert decide([], [], head_tokens=head, canary_tokens=half[:9], **GUARD).verdict is None  # 9 answers: not yet
+    assert decide([], [], head_tokens=head[:9], canary_tokens=half, **GUARD).verdict is None  # nor 9 on the head
+    assert decide([], [], head_tokens=half, canary_tokens=head, **GUARD).verdict is None  # the head is the empty one
+    # the head's own empty answers count: 10% and 35% differ by less than the bound
+    ten = [1] + [40] * 9
+    some = [1] * 7 + [40] * 13
+    assert decide([], [], head_tokens=ten, canary_tokens=some, **GUARD).verdict is None
+    assert decide([], [], head_tokens=ten, canary_tokens=[1] * 9 + [40] * 11, **GUARD).verdict == "empty"
+
+
+def test_a_canary_whose_answers_collapse_in_length_ends() -> None:
+    head = [40] * 12
+    assert decide([], [], head_tokens=head, canary_tokens=[9] * 12, **GUARD).verdict == "short"
+    assert decide([], [], head_tokens=head, canary_tokens=[10] * 12, **GUARD).verdict is None  # exactly a quarter
+    d = decide([1.0] * 3, [1.0] * 3, head_tokens=head, canary_tokens=[40] * 12, **GUARD)
+    assert d.verdict is None and d.figures["canary_p50_tokens"] == 40.0
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_empty_excess", 1.0), ("min_length_ratio", 0), ("guard_answers", 0),
+                                            ("guard_answers", 2.5)])
+def test_guard_settings_out_of_range_are_refused(key: str, value: object) -> None:
+    with pytest.raises(BadRequest) as e:
+        settings_of({"release_id": "x", key: value})
+    assert e.value.data["param"] == key
