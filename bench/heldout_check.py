@@ -60,10 +60,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=40)
+    ap.add_argument("--model", type=Path, help="a SmolLM2 directory made before (default: made here, ~90 s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reef-heldout-bench-"))
-    model = lr.make_model(work)
+    model = args.model or lr.make_model(work)
     home = work / "home"
     (home / "models").mkdir(parents=True)
     (home / "models" / "smollm2").symlink_to(model)

@@ -5,14 +5,14 @@ far from its base is held (not served) with the figures.
 The prompts:
 - a reserved share of the scenario's own recorded prompts (``heldout_share``, 0.1): a prompt is reserved or not by
   a hash of its token ids, so every exchange of that prompt, before and after a restart, is left out of every
-  training batch (``reserved``); the check asks the most recent ``RECORDED`` of them. Fewer than ``ENOUGH``
+  training batch (``reserved``); the check asks the most recent ``RECORDED`` (16) of them. Fewer than ``ENOUGH``
   reserved yet (too little traffic) is said in the figures (``heldout_note``); the probe set decides then.
 - a probe set shipped with Reef (``probes.json``: short checkable questions and instructions written for Reef), or
   the scenario's own (``heldout_probes``: ``[{"prompt": ..., "accept": [...]}, ...]``, checked at
   ``scenarios create/update``). A probe answer is right when it holds an accepted answer as a whole word, case and
   punctuation ignored.
 
-Both models answer greedily, at most ``heldout_max_tokens`` (32) tokens, through the scenario's engine: the
+Both models answer greedily, at most ``heldout_max_tokens`` (16) tokens, through the scenario's engine: the
 candidate's weights are loaded beside the head's as an unpublished release (never served to a request) and
 dropped afterwards; the head's answers are kept per head release, so a lineage's checks sample the head once.
 
@@ -32,7 +32,7 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   per token. An engine that cannot score says so
   (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
 
-A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``) raises ``CheckFailed``: the
+A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``, 600) raises ``CheckFailed``: the
 step is written down as failed with the reason, never as passed. ``heldout_check = false`` turns the check off;
 every release then says ``heldout: unchecked``.
 """
@@ -54,7 +54,7 @@ from typing import Any
 from daemon.errors import BadRequest, CheckFailed, ReefError
 
 PROBES_FILE = Path(__file__).with_name("probes.json")
-RECORDED = 32  # the most recent reserved recorded prompts the check asks
+RECORDED = 16  # the most recent reserved recorded prompts the check asks
 ENOUGH = 16  # reserved recorded prompts below which the figures say the probe set decided
 SHORT, LONG = 2, 8  # an answer of at most SHORT tokens where the head said LONG or more was cut short
 LOOP = 8  # an answer of this many tokens or more, half of whose token pairs repeat, is a loop
@@ -120,8 +120,8 @@ class CheckSettings:
     max_degenerate: float = 0.25
     probe_z: float = 2.0
     max_kl: float = 1.0
-    max_tokens: int = 32
-    timeout_s: float = 120.0
+    max_tokens: int = 16
+    timeout_s: float = 600.0
 
     @classmethod
     def of(cls, settings: Any) -> CheckSettings:
