@@ -59,9 +59,9 @@ from daemon.config import Config
 from daemon.engines.base import Engine
 from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError
 from daemon.events import EventBus
-from daemon.gating import GateRun, StepOutcome
-from daemon.gating import run as run_gate
 from daemon.gating.heldout import RECORDED, Answer, reserved
+from daemon.gating.outcome import GateRun, StepOutcome
+from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
 from daemon.metrics import Metrics
 from daemon.records import FeedbackReport, Lease, RecordStore, RequestSampling, Scenario, ScoredExchange, new_id
@@ -754,7 +754,7 @@ class Learner:
 
     async def heldout_prompts(self, st: ScenarioLearning) -> list[str]:
         """The user prompts of the scenario's most recent reserved recorded prompts (at most ``RECORDED``)."""
-        from daemon.harness import user_prompt
+        from daemon.gating.heldout import user_prompt
 
         out: list[str] = []
         for key, (receipt, text) in reversed(list(st.reserved.items())):

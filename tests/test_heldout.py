@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from daemon.errors import BadRequest, CheckFailed
-from daemon.gating import STEPS, GateRun, steps
+from daemon.gating import steps
 from daemon.gating.heldout import (
     Answer,
     CheckSettings,
@@ -28,6 +28,8 @@ from daemon.gating.heldout import (
     reserved,
     shipped_probes,
 )
+from daemon.gating.outcome import GateRun
+from daemon.gating.steps import STEPS
 from tests.conftest import Daemon
 from tests.test_learning import events_of, releases, serve_and_report, settings_toml, wait_for
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name

@@ -7,11 +7,8 @@ so far) and either ends the run with a ``StepOutcome`` (published, held, written
 have it (None). A new check is one more step in ``STEPS``. What the steps use of the learning loop (the chains,
 the events, the engine, where the lineage goes next) is the ``Host`` protocol, which ``daemon.learning.Learner``
 implements, so each step runs alone against a stand-in host in its tests.
+
+Nothing is imported here: ``recipes.base`` reads the held-out check's settings (``daemon.gating.heldout``) and
+must not pull the steps (and the chains they name) in with them. Import ``daemon.gating.steps`` (``run``,
+``STEPS``) and ``daemon.gating.outcome`` (``GateRun``, ``StepOutcome``, ``Host``).
 """
-
-from __future__ import annotations
-
-from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
-from daemon.gating.steps import STEPS, run
-
-__all__ = ["STEPS", "GateRun", "Host", "Step", "StepOutcome", "run"]

@@ -172,6 +172,23 @@ def reserved(prompt_token_ids: Sequence[int], share: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < share
 
 
+def user_prompt(record: dict[str, Any]) -> str | None:
+    """The user's prompt in a recorded exchange: its last user message with text, read through the protocol of the
+    request's format (as ``daemon.harness.user_prompt``, which this module may not import: harness imports the
+    serving path); None when there is none."""
+    from daemon.protocols.formats import FORMATS
+
+    proto = FORMATS.get(record.get("format") or "")
+    if proto is None or not isinstance(record.get("request"), dict):
+        return None
+    try:
+        messages = proto.parse_request(record["request"]).messages
+    except Exception:  # noqa: BLE001 - a request recorded as it came, then refused: it has no prompt to take
+        return None
+    texts = [m.text.strip() for m in messages if m.role == "user" and m.text.strip()]
+    return texts[-1] if texts else None
+
+
 # --- answers and figures -----------------------------------------------------------------------------------------
 
 
@@ -303,11 +320,16 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
     """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once (the engine
     batches them)."""
-    from daemon.exchange import Finish
-    from daemon.learning import internal_exchange
+    from daemon.exchange import Exchange, Finish, Message, Part, Sampling
+
+    def exchange(prompt: str) -> Exchange:  # as the daemon asks its own questions (daemon.learning.internal_exchange)
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}
+        return Exchange(format="openai-chat", model=model, messages=[Message("user", [Part("text", text=prompt)])],
+                        body=body, sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
 
     async def one(prompt: str) -> Answer:
-        async for event in engine.generate(internal_exchange(model, "", prompt, max_tokens), release):
+        async for event in engine.generate(exchange(prompt), release):
             if isinstance(event, Finish):
                 c = event.completion
                 return Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()),
