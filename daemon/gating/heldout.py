@@ -58,6 +58,8 @@ RECORDED = 16  # the most recent reserved recorded prompts the check asks
 ENOUGH = 16  # reserved recorded prompts below which the figures say the probe set decided
 SHORT, LONG = 2, 8  # an answer of at most SHORT tokens where the head said LONG or more was cut short
 LOOP = 8  # an answer of this many tokens or more, half of whose token pairs repeat, is a loop
+KL_ANSWERS = 12  # answers the KL is measured on (two teacher-forced forwards each, one at a time: an average,
+# which a dozen answers give at a fraction of the forwards; heldout_kl_seconds shows what it costs)
 MIN_PROBES = 8  # a user's probe set smaller than this cannot show a loss beyond its noise
 MIN_LOST = 2  # the least net loss of probes that holds a candidate, whatever the noise
 
@@ -239,6 +241,9 @@ class Figures:
     probe_noise: float  # the net loss of probes the check reads as noise
     kl: float | None  # nats per token from the base, on the candidate's answers; None: the engine cannot score
     seconds: float = 0.0
+    answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
+    kl_seconds: float = 0.0  # and the KL's forwards
+    head_sampled: bool = True  # whether the head's answers were sampled by this check
     notes: list[str] = field(default_factory=list)
     hold: str | None = None  # why the candidate is held
 
@@ -255,6 +260,8 @@ class Figures:
             "heldout_head_probe_accuracy": round(self.head_probe_accuracy, 4),
             "heldout_probes_lost": self.probes_lost, "heldout_probes_gained": self.probes_gained,
             "heldout_probe_noise": round(self.probe_noise, 3), "heldout_seconds": round(self.seconds, 3),
+            "heldout_answer_seconds": round(self.answer_seconds, 3), "heldout_kl_seconds": round(self.kl_seconds, 3),
+            "heldout_head_sampled": self.head_sampled,
         }
         if self.length_ratio is not None:
             out["heldout_length_ratio"] = round(self.length_ratio, 4)
@@ -340,12 +347,12 @@ async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any,
 
 
 async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, base: Any) -> float | None:
-    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced);
-    None when the engine cannot say."""
+    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced; at
+    most ``KL_ANSWERS`` of them, evenly spread); None when the engine cannot say."""
     num, den = 0.0, 0
-    for a in answers:
-        if not a.token_ids:
-            continue
+    answered = [a for a in answers if a.token_ids]
+    step = max(1, -(-len(answered) // KL_ANSWERS))  # spread over the recorded prompts and the probes alike
+    for a in answered[::step]:
         kl = await engine.divergence(list(a.prompt_token_ids), list(a.token_ids), candidate, base)
         if kl is None:
             return None
@@ -362,11 +369,17 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
     t0 = time.perf_counter()
     prompts = [*recorded, *(p.prompt for p in settings.probes)]
 
+    spent = {"answer": 0.0, "kl": 0.0}
+
     async def measure() -> tuple[list[Answer], list[Answer], float | None]:
+        t = time.perf_counter()
         heads = head_answers if head_answers is not None else await answers(engine, model, prompts, head,
                                                                               settings.max_tokens)
         cands = await answers(engine, model, prompts, candidate, settings.max_tokens)
-        return cands, heads, await kl_from_base(engine, cands, candidate, base)
+        spent["answer"], t = time.perf_counter() - t, time.perf_counter()
+        kl = await kl_from_base(engine, cands, candidate, base)
+        spent["kl"] = time.perf_counter() - t
+        return cands, heads, kl
 
     try:
         cands, heads, kl = await asyncio.wait_for(measure(), settings.timeout_s)
@@ -385,6 +398,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
             pass
     fig = figures(cands, heads, settings.probes, len(recorded), kl, settings)
     fig.seconds = time.perf_counter() - t0
+    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], head_answers is None
     return fig, cands, heads
 
 
