@@ -103,7 +103,7 @@ class ScenarioLearning:
     # the held-out check (daemon/gating/heldout.py): the reserved recorded prompts, by prompt, most recent last
     # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
-    heldout_head: tuple[tuple[Any, ...], list[Answer]] | None = None
+    heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
 
 
 class _Answers:
@@ -772,7 +772,7 @@ class Learner:
         return out[::-1]
 
     def heldout_head(self, st: ScenarioLearning, key: tuple[Any, ...],
-                     answers: list[Answer] | None = None) -> list[Answer] | None:
+                     answers: dict[str, Answer] | None = None) -> dict[str, Answer] | None:
         if answers is not None:
             st.heldout_head = (key, answers)
         return st.heldout_head[1] if st.heldout_head is not None and st.heldout_head[0] == key else None

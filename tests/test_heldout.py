@@ -162,6 +162,38 @@ def test_the_reserved_share_of_prompts_is_stable() -> None:
     assert not any(reserved(p, 0.0) for p in prompts)
 
 
+class _Engine:
+    """A stand-in engine: the same answer to everything, a fixed KL; what it was asked, by whom."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+        self.unloaded: Any = None
+
+    async def generate(self, exchange: Any, release: Any) -> Any:
+        from daemon.exchange import Completion, Finish
+
+        self.asked.append((release, exchange.messages[-1].text))
+        yield Finish(Completion(text="It is 2.", prompt_token_ids=[1], token_ids=[5, 6, 2], logprobs=[-0.1] * 3))
+
+    async def divergence(self, prompt: Any, tokens: Any, release: Any, reference: Any) -> list[float]:
+        return [0.01] * len(tokens)
+
+    async def unload(self, release: Any) -> None:
+        self.unloaded = release
+
+
+def test_the_head_is_asked_only_what_it_was_not_asked_before_and_the_candidate_is_dropped() -> None:
+    from daemon.gating import heldout
+
+    engine = _Engine()
+    known = {p.prompt: _a("It is 2.") for p in PROBES}
+    fig, cands, heads = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", ["Tell me about rain."],
+                                                SETTINGS, known))
+    assert [p for who, p in engine.asked if who == "head"] == ["Tell me about rain."] and fig.head_sampled == 1
+    assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) + 1 and engine.unloaded == "cand"
+    assert fig.kl == pytest.approx(0.01) and set(heads) == set(cands) == {"Tell me about rain.", *known}
+
+
 # --- the steps, each alone --------------------------------------------------------------------------------------
 
 
@@ -243,9 +275,9 @@ def test_a_published_candidates_answers_are_kept_as_the_new_heads(tmp_path: Any)
     host.chains.manifest = lambda *args, **kw: None
     host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
     host.heldout_head = lambda st, key, answers=None: kept.setdefault(key, answers)  # type: ignore[method-assign]
-    run.heldout_answers = (("asked",), [Answer("x")])
+    run.heldout_answers = (16, {"Say x.": Answer("x")})
     out = asyncio.run(steps.publish(host, run))  # type: ignore[arg-type]
-    assert out is not None and out.verdict == "accepted" and kept == {("c_2", "asked"): [Answer("x")]}
+    assert out is not None and out.verdict == "accepted" and kept == {("c_2", 16): {"Say x.": Answer("x")}}
 
 
 # --- through a daemon -------------------------------------------------------------------------------------------

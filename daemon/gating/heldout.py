@@ -243,7 +243,7 @@ class Figures:
     seconds: float = 0.0
     answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
     kl_seconds: float = 0.0  # and the KL's forwards
-    head_sampled: bool = True  # whether the head's answers were sampled by this check
+    head_sampled: int = 0  # prompts the head was asked by this check (the others' answers were kept)
     notes: list[str] = field(default_factory=list)
     hold: str | None = None  # why the candidate is held
 
@@ -362,27 +362,29 @@ async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, b
 
 
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
-              settings: CheckSettings, head_answers: list[Answer] | None = None
-              ) -> tuple[Figures, list[Answer], list[Answer]]:
-    """The check: the figures, the candidate's answers and the head's (to keep for the next check against the same
-    head: the candidate's, once it is published, are the new head's). Raises ``CheckFailed`` when it cannot run."""
+              settings: CheckSettings, head_known: dict[str, Answer] | None = None
+              ) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
+    """The check: the figures, and the candidate's and the head's answers by prompt (to keep: the head is asked
+    only the prompts it was not asked before, and a published candidate's answers are the new head's). Raises
+    ``CheckFailed`` when it cannot run."""
     t0 = time.perf_counter()
     prompts = [*recorded, *(p.prompt for p in settings.probes)]
-
+    known = dict(head_known or {})
+    missing = [p for p in dict.fromkeys(prompts) if p not in known]
     spent = {"answer": 0.0, "kl": 0.0}
 
-    async def measure() -> tuple[list[Answer], list[Answer], float | None]:
+    async def measure() -> tuple[list[Answer], float | None]:
         t = time.perf_counter()
-        heads = head_answers if head_answers is not None else await answers(engine, model, prompts, head,
-                                                                              settings.max_tokens)
+        if missing:
+            known.update(zip(missing, await answers(engine, model, missing, head, settings.max_tokens), strict=True))
         cands = await answers(engine, model, prompts, candidate, settings.max_tokens)
         spent["answer"], t = time.perf_counter() - t, time.perf_counter()
         kl = await kl_from_base(engine, cands, candidate, base)
         spent["kl"] = time.perf_counter() - t
-        return cands, heads, kl
+        return cands, kl
 
     try:
-        cands, heads, kl = await asyncio.wait_for(measure(), settings.timeout_s)
+        cands, kl = await asyncio.wait_for(measure(), settings.timeout_s)
     except TimeoutError:
         raise CheckFailed(f"it took longer than heldout_timeout_s {settings.timeout_s:g}") from None
     except CheckFailed:
@@ -396,10 +398,11 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
             await engine.unload(candidate)
         except Exception:  # noqa: BLE001 - a candidate left loaded is evicted by the engine's budget later
             pass
+    heads = [known[p] for p in prompts]
     fig = figures(cands, heads, settings.probes, len(recorded), kl, settings)
     fig.seconds = time.perf_counter() - t0
-    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], head_answers is None
-    return fig, cands, heads
+    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], len(missing)
+    return fig, dict(zip(prompts, cands, strict=True)), known
 
 
 def describe(m: Any) -> str | None:

@@ -75,7 +75,7 @@ class GateRun:
     verdict: Verdict | None = None  # the recipe's gate kind, once judged
     reason: str | None = None  # why, as it stands (a later step may say more)
     # the held-out check's questions and the candidate's answers to them (kept as the head's once it is published)
-    heldout_answers: tuple[tuple[Any, ...], list[Answer]] | None = None
+    heldout_answers: tuple[int, dict[str, Answer]] | None = None  # (max tokens, answers by prompt)
 
     @property
     def recipe(self) -> Recipe:
@@ -122,9 +122,10 @@ class Host(Protocol):
         """The scenario's reserved recorded prompts the held-out check asks (most recent last)."""
         ...
 
-    def heldout_head(self, st: Any, key: tuple[Any, ...], answers: list[Answer] | None = None
-                     ) -> list[Answer] | None:
-        """The head's held-out answers kept for ``key`` (head content, prompts); with ``answers``, keep them."""
+    def heldout_head(self, st: Any, key: tuple[Any, ...], answers: dict[str, Answer] | None = None
+                     ) -> dict[str, Answer] | None:
+        """The head's held-out answers by prompt kept for ``key`` (head content, max tokens); with ``answers``,
+        keep them."""
         ...
 
 

@@ -128,11 +128,11 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     key = f"candidate:{run.job_id}"  # loaded under its own key: no request names it, so none is served from it
     candidate = ReleaseRef(key, key, path, model if adapter else None)
     recorded = await host.heldout_prompts(run.st)
-    asked = (tuple(recorded), tuple(p.prompt for p in settings.probes), settings.max_tokens)
+    head_key = (run.head.content_id, settings.max_tokens)
     fig, cands, heads = await heldout.run(engine, run.scenario.model, candidate, head, model, recorded, settings,
-                                          host.heldout_head(run.st, (run.head.content_id, *asked)))
-    host.heldout_head(run.st, (run.head.content_id, *asked), heads)
-    run.heldout_answers = (asked, cands)  # the head's answers once published: the next check samples it no more
+                                          host.heldout_head(run.st, head_key))
+    host.heldout_head(run.st, head_key, heads)
+    run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
     return fig
 
 
@@ -168,8 +168,8 @@ async def publish(host: Host, run: GateRun) -> StepOutcome | None:
     if run.candidate.eval is not None:
         run.st.head_eval = (rel.release_id, run.candidate.eval.candidate)
     if run.heldout_answers is not None:
-        asked, answers = run.heldout_answers
-        host.heldout_head(run.st, (rel.content_id, *asked), answers)
+        max_tokens, answers = run.heldout_answers
+        host.heldout_head(run.st, (rel.content_id, max_tokens), answers)
     host.follow(run.st, rel.release_id, run.candidate, run.job_id, published=True)
     return run.outcome("accepted", release_id=rel.release_id, step=rel.step, reason=run.reason)
 
