@@ -32,6 +32,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     ├── StoreTooNew                    500  store_too_new   (a record store written by a newer Reef: exit 10)
     ├── EngineError                    500  engine_error
     │   ├── StepFailed                 500  (a recipe's training step raised in the trainer worker)
+    │   ├── CheckFailed                500  (the held-out check could not run: the step fails, never passes)
     │   ├── UpstreamError              502  upstream_error
     │   └── UpstreamTimeout            504  timeout_error
     ├── RemoteRefused                  502  remote_error    (a chain remote refused a push or fetch: says why)
@@ -270,6 +271,14 @@ class EngineError(ReefError):
 
 class StepFailed(EngineError):
     """A recipe's training step raised in the trainer worker; the message is the exception's, no traceback."""
+
+
+class CheckFailed(EngineError):
+    """The held-out check (``daemon/gating/heldout.py``) could not run (the engine down, a timeout): the step is
+    written down as failed with the reason, never as passed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the held-out check could not run: {reason}", reason=reason)
 
 
 class UpstreamError(EngineError):

@@ -57,8 +57,11 @@ from typing import Any
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
-from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError, Unchanged
+from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError
 from daemon.events import EventBus
+from daemon.gating.heldout import RECORDED, Answer, reserved
+from daemon.gating.outcome import GateRun, StepOutcome
+from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
 from daemon.metrics import Metrics
 from daemon.records import FeedbackReport, Lease, RecordStore, RequestSampling, Scenario, ScoredExchange, new_id
@@ -97,45 +100,10 @@ class ScenarioLearning:
     sessions: SessionIndex = field(default_factory=SessionIndex)  # judging recipes: which turn a request continues
     judged: OrderedDict[str, None] = field(default_factory=OrderedDict)  # turns already judged (bounded)
     verdicts: Counter[str] = field(default_factory=Counter)  # judge verdicts so far (good, bad, neutral, unparseable)
-
-
-@dataclass
-class StepOutcome:
-    """What one step of a scenario's loop did: the answer of ``Learner.step`` (``to_dict`` is what the API shows,
-    in ``POST /reef/report``'s ``learning`` and ``evolve``'s answer)."""
-
-    verdict: str  # accepted | rejected | pending | skipped | failed | paused
-    scenario: str | None = None
-    base: str | None = None  # the head release the step started from (None: no step ran)
-    job: str | None = None  # the step's job id (None: no step ran)
-    release_id: str | None = None  # what it published or held
-    step: int | None = None  # that release's step
-    reason: str | None = None
-    summary: str | None = None
-    metrics: dict[str, Any] | None = None
-    details: dict[str, Any] = field(default_factory=dict)  # what the recipe says about its candidate (harness)
-    consumed: int = 0  # receipts the step consumed
-    # the receipts the step consumed when not the whole batch (a skipped step that leaves them eligible): only the
-    # loop reads it, the API shows ``consumed``
-    kept: list[str] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: v for k, v in (("scenario", self.scenario), ("base", self.base),
-                                                 ("job", self.job)) if v is not None}
-        out.update(self.details)
-        if self.metrics is not None:
-            out["metrics"] = self.metrics
-        out["verdict"] = self.verdict
-        if self.job is not None:  # a step ran: what it released (or None) and why
-            out.update(release_id=self.release_id)
-        if self.step is not None:
-            out["step"] = self.step
-        if self.job is not None or self.reason is not None:
-            out["reason"] = self.reason
-        if self.summary is not None:
-            out["summary"] = self.summary
-        out["consumed"] = self.consumed
-        return out
+    # the held-out check (daemon/gating/heldout.py): the reserved recorded prompts, by prompt, most recent last
+    # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
+    reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
+    heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
 
 
 class _Answers:
@@ -554,7 +522,7 @@ class Learner:
                             head = await self.chains.head(scenario)
                             outcome.base = head.release_id
                     else:
-                        await self._write_down(self.chains.manifest(scenario, receipts=receipts,
+                        await self.write_down(self.chains.manifest(scenario, receipts=receipts,
                                                                     settings=record_settings),
                                                head, "rejected", "the head kept moving; not published")
                         outcome.verdict, outcome.reason = "rejected", "the head kept moving; not published"
@@ -563,7 +531,7 @@ class Learner:
                 except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
                     reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
                     log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
-                    await self._write_down(self.chains.manifest(scenario, receipts=receipts, settings=record_settings),
+                    await self.write_down(self.chains.manifest(scenario, receipts=receipts, settings=record_settings),
                                            head, "failed", reason)
                     outcome.verdict, outcome.reason = "failed", reason
             except Exception:
@@ -630,7 +598,7 @@ class Learner:
                 if at_door:
                     raise
                 origin = proposals.origin(proposal, None, receipt)
-                await self._write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
+                await self.write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
                                        "failed", f"the proposal could not be judged: {e.message}")
                 outcome = StepOutcome("failed", reason=f"the proposal could not be judged: {e.message}")
                 return self._proposed(name, head, job_id, outcome, proposal)
@@ -645,7 +613,7 @@ class Learner:
                 except proposals.Screened as e:
                     reason = f"screened out by the {e.screen} screen: {e.reason}"
                     metrics = {"proposal": 1, "screen": e.screen}
-                    await self._write_down(self.chains.manifest(scenario, metrics=metrics, settings=record_settings,
+                    await self.write_down(self.chains.manifest(scenario, metrics=metrics, settings=record_settings,
                                                                 origin=origin), head, "rejected", reason)
                     outcome = StepOutcome("rejected", reason=reason, metrics=metrics, details={"screen": e.screen})
                 else:
@@ -670,7 +638,7 @@ class Learner:
                     why = f"the head moved while it was judged (now {e.actual}); propose again"
                 reason = f"the proposal could not be evaluated: {why}"
                 log.warning("proposal %s on %s: %s", proposal.id, name, reason, exc_info=not isinstance(e, ReefError))
-                await self._write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
+                await self.write_down(self.chains.manifest(scenario, settings=record_settings, origin=origin), head,
                                        "failed", reason)
                 outcome = StepOutcome("failed", reason=reason)
             finally:
@@ -753,7 +721,7 @@ class Learner:
             reason = f"screened out by the {screen} screen: {bad[0]}" + (
                 f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
             metrics = {**({"proposal": 1} if origin else {}), "screen": screen}
-            await self._write_down(self.chains.manifest(scenario, metrics=metrics, receipts=receipts,
+            await self.write_down(self.chains.manifest(scenario, metrics=metrics, receipts=receipts,
                                                         settings=record_settings, origin=origin),
                                    head, "rejected", reason)
             return StepOutcome("rejected", reason=reason, metrics=metrics,
@@ -766,11 +734,11 @@ class Learner:
     async def _gate(self, st: ScenarioLearning, scenario: Scenario, head: Any, candidate: Candidate,
                     batch: list[ScoredExchange | FeedbackReport], job_id: str, record_settings: dict[str, Any],
                     t0: float, origin: dict[str, Any] | None = None) -> StepOutcome:
-        """A made candidate through the recipe's gate: published, held, or written down (skipped, rejected) with
-        the batch's receipts; ``origin``: an agent's proposal that made it (on every outcome's manifest)."""
+        """A made candidate through the gate's steps (``daemon/gating``): published, held, or written down
+        (skipped, rejected) with the batch's receipts; ``origin``: an agent's proposal that made it (on every
+        outcome's manifest)."""
         recipe = st.recipe
         assert recipe is not None
-        receipts = [r.id for r in batch]
         scored = [r for r in batch if isinstance(r, ScoredExchange)]
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
                    **({"batch_reward": round(sum(r.score for r in scored) / len(scored), 4)}
@@ -779,93 +747,40 @@ class Learner:
             metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
                             seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
-        details = dict(candidate.details)
-        if candidate.skipped is not None:
-            kept = receipts if candidate.consume else []
-            await self._write_down(self.chains.manifest(scenario, metrics=metrics, receipts=kept,
-                                                        settings=record_settings, origin=origin),
-                                   head, "skipped", candidate.skipped)
-            self._follow(st, head.release_id, candidate, job_id, published=False)
-            return StepOutcome("skipped", reason=candidate.skipped, metrics=metrics, details=details, kept=kept)
-        st.state = "judging"
-        best = None
-        if recipe.gate == "regression":  # reads the whole chain: only the gate that reports it pays for it
-            best = max((r.metrics.get("eval_reward") for r in await self.chains.history(scenario.name)
-                        if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
-        verdict = recipe.judge(candidate, best=best)
-        review = candidate.details.get("review")
-        if verdict.publish and review:  # the harness policy: only a person may admit it, whatever the gate
-            verdict = dataclasses.replace(verdict, publish=False, verdict="pending", reason=(
-                f"{verdict.reason}; held for review, since only a person may admit {review[0]}"
-                + (f" (and {len(review) - 1} more)" if len(review) > 1 else "") + ": reef releases promote ID "
-                "publishes it"))
-        metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
-        artifact: Any = candidate.tree if candidate.tree is not None else candidate.path
-        record = self.chains.manifest(scenario, metrics=metrics, receipts=receipts, settings=record_settings,
-                                      origin=origin)
-        reason = verdict.reason
-        if verdict.verdict == "pending":
-            rel = await self.chains.hold(record, artifact, base=head.release_id)
-            self._follow(st, head.release_id, candidate, job_id, published=False)
-            return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=reason, metrics=metrics,
-                               details=details)
-        if verdict.publish and recipe.kind == "weights":  # the reward-hacking watchdog (daemon/watchdog.py)
-            from daemon import watchdog
+        return await run_gate(self, GateRun(st, scenario, head, candidate, [r.id for r in batch], job_id,
+                                            record_settings, metrics, origin))
 
-            published = []  # the train steps since the last rollback or promote, newest first
-            for r in await self.chains.history(scenario.name, watchdog.WINDOW + 1):
-                if r.operation != "train":
-                    break
-                published.append(r.metrics)
-            alarm = watchdog.check(published, metrics, getattr(recipe.settings, "max_kl", None),
-                                   held_out=recipe.held_out_eval)
-            if alarm is not None:
-                record = self.chains.manifest(scenario, metrics={**metrics, "watchdog": alarm["reason"]},
-                                              receipts=receipts, settings=record_settings)
-                rel = await self.chains.hold(record, artifact, base=head.release_id)
-                self.events.publish("watchdog", scenario=scenario.name, release_id=rel.release_id,
-                                    **{k: v for k, v in alarm.items()})
-                self._follow(st, head.release_id, candidate, job_id, published=False)
-                return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=alarm["reason"],
-                                   metrics=metrics, details=details)
-        share = float(getattr(recipe.settings, "canary_share", 0) or 0)
-        if verdict.publish and share > 0 and self.start_canary is not None:  # live scores decide, not the gate
-            rel = await self.chains.hold(record, artifact, base=head.release_id)
-            try:
-                await self.start_canary(scenario, {"release_id": rel.release_id, "share": share})
-                why = f"{reason}; serving {share:.0%} of new runs as a canary (reef releases list shows it)"
-            except ReefError as e:  # one canary at a time: this one waits for review
-                why = f"{reason}; held for review: no canary could start ({e.message})"
-            self._follow(st, head.release_id, candidate, job_id, published=False)
-            return StepOutcome("pending", release_id=rel.release_id, step=rel.step, reason=why, metrics=metrics,
-                               details=details)
-        if verdict.publish:
-            try:
-                engine = await self.engine(scenario.model) if recipe.kind == "weights" else None
-                rel = await self.chains.publish_candidate(scenario, record, artifact, expected_head=head.release_id,
-                                                          engine=engine)
-            except Unchanged as e:
-                await self._write_down(record, head, "skipped", e.message)
-                self._follow(st, head.release_id, candidate, job_id, published=False)
-                return StepOutcome("skipped", reason=e.message, metrics=metrics, details=details)
-            except HeadMoved as e:
-                if recipe.kind != "weights":
-                    raise
-                reason = f"the head moved during training (now {e.actual}); not published"
-            else:
-                if candidate.eval is not None:
-                    st.head_eval = (rel.release_id, candidate.eval.candidate)
-                self._follow(st, rel.release_id, candidate, job_id, published=True)
-                return StepOutcome("accepted", release_id=rel.release_id, step=rel.step, reason=reason,
-                                   metrics=metrics, details=details)
-        await self._write_down(record, head, "rejected", reason)
-        self._follow(st, head.release_id, candidate, job_id, published=False)
-        return StepOutcome("rejected", reason=reason, metrics=metrics, details=details)
+    # --- what the held-out check reads (daemon/gating/heldout.py) ------------------------------------------
 
-    async def _write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
+    async def heldout_prompts(self, st: ScenarioLearning) -> list[str]:
+        """The user prompts of the scenario's most recent reserved recorded prompts (at most ``RECORDED``)."""
+        from daemon.gating.heldout import user_prompt
+
+        out: list[str] = []
+        for key, (receipt, text) in reversed(list(st.reserved.items())):
+            if len(out) >= RECORDED:
+                break
+            if text is None:
+                try:
+                    text = user_prompt(await self.store.get_record(receipt)) or ""
+                except ReefError:  # forgotten meanwhile: no longer a prompt to ask
+                    text = ""
+                if key in st.reserved:
+                    st.reserved[key] = (receipt, text)
+            if text:
+                out.append(text)
+        return out[::-1]
+
+    def heldout_head(self, st: ScenarioLearning, key: tuple[Any, ...],
+                     answers: dict[str, Answer] | None = None) -> dict[str, Answer] | None:
+        if answers is not None:
+            st.heldout_head = (key, answers)
+        return st.heldout_head[1] if st.heldout_head is not None and st.heldout_head[0] == key else None
+
+    async def write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
         await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)
 
-    def _follow(self, st: ScenarioLearning, follows: str, candidate: Candidate, job_id: str, *,
+    def follow(self, st: ScenarioLearning, follows: str, candidate: Candidate, job_id: str, *,
                 published: bool) -> None:
         """Where the next weights step starts: the lineage goes on from this candidate (or restarts)."""
         if st.recipe is None or st.recipe.kind != "weights":
@@ -943,8 +858,20 @@ class Learner:
             if rec.id not in consumed:
                 st.pool[rec.id] = rec
         view = Head(head.release_id, head.content_id, head.step)
+        settings = st.recipe.settings
+        share = (float(getattr(settings, "heldout_share", 0) or 0)
+                 if st.recipe.kind == "weights" and getattr(settings, "heldout_check", False) else 0.0)
         out: list[ScoredExchange | FeedbackReport] = []
         for rid, rec in list(st.pool.items()):
+            if share and isinstance(rec, ScoredExchange) and reserved(rec.prompt_token_ids, share):
+                # the held-out check's: never trained on (daemon/gating/heldout.py)
+                del st.pool[rid]
+                key = ",".join(map(str, rec.prompt_token_ids))
+                st.reserved.pop(key, None)
+                st.reserved[key] = (rid, None)
+                while len(st.reserved) > 4 * RECORDED:
+                    st.reserved.popitem(last=False)
+                continue
             served_step = None
             if isinstance(rec, ScoredExchange) and rec.release_id:
                 served_step = (await self.chains.release(rec.release_id)).step

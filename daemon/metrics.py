@@ -53,6 +53,8 @@ class Metrics:
         self.canary_mean = Gauge("reef_canary_mean_score", "Mean score of a running canary's arms",
                                  ["scenario", "arm"], registry=r)
         self.canary_ends = Counter("reef_canary_ends", "Canaries ended, by verdict", ["verdict"], registry=r)
+        self.heldout_checks = Counter("reef_heldout_checks", "Held-out checks of weights candidates, by outcome "
+                                      "(passed, held, failed, unchecked)", ["outcome"], registry=r)
         self.conflicts = Counter("reef_release_conflicts", "Publishes refused: head moved", registry=r)
         self.loads = Counter("reef_engine_loads", "Releases loaded into an engine", ["model"], registry=r)
         self.upstream_latency = Histogram(

@@ -281,9 +281,11 @@ def _gate(data: PageData) -> str:
     if m.get("watchdog"):
         verdict += f" The reward-hacking watchdog held it: {m['watchdog']}."
     out = [f"<p class=\"verdict\">{e(verdict)}</p>"]
-    line = describe(m)
-    if line:
-        out.append(f"<p class=\"figures\">{e(line)}</p>")
+    from daemon.gating.heldout import describe as heldout_line
+
+    for line in (describe(m), heldout_line(m)):
+        if line:
+            out.append(f"<p class=\"figures\">{e(line)}</p>")
     score = _number(m.get(SCORE_KEY))
     base = _number(m.get("base_reward"))
     if score is not None or base is not None:

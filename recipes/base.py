@@ -146,6 +146,18 @@ class GateSettings:
     # what the gate passes serves this share of new runs as a canary, live scores promote or end it
     # (daemon/canary.py); 0: published to the head at once
     canary_share: float = 0.0
+    # the held-out check (daemon/gating/heldout.py), weights recipes: before a candidate serves, its greedy answers
+    # to prompts it never trained on are compared with the serving head's; one that stops answering, forgets
+    # probe answers beyond the check's noise or drifts past heldout_max_kl is held. false: every release says
+    # "unchecked"
+    heldout_check: bool = True
+    heldout_share: float = 0.1  # share of the scenario's recorded prompts reserved for the check (never trained on)
+    heldout_probes: list[Any] | None = None  # [{"prompt": text, "accept": [text, ...]}, ...]; None: the shipped set
+    heldout_max_degenerate: float = 0.25  # most the share of empty or degenerate answers may rise over the head's
+    heldout_probe_z: float = 2.0  # probe accuracy may fall by this many standard errors of the paired difference
+    heldout_max_kl: float = 1.0  # nats per token from the base, on the candidate's held-out answers
+    heldout_max_tokens: int = 16  # tokens per held-out answer (greedy): enough to tell an answer from none
+    heldout_timeout_s: float = 600.0  # past this the check has failed (the step is written down as failed)
 
 
 class HarnessContext(typing.Protocol):
@@ -228,6 +240,9 @@ class Recipe:
         except (TypeError, ValueError) as e:
             raise BadRequest(f"invalid settings for recipe {cls.name}: {e}", param="settings") from None
         cls.check_settings(settings)
+        from daemon.gating.heldout import check_settings as check_heldout
+
+        check_heldout(settings)  # here, not in check_settings: recipes that override it without super() get it too
         return settings
 
     @classmethod

@@ -10,6 +10,7 @@ import typer
 
 from daemon.errors import Conflict
 from daemon.gate import describe as gate_line  # the one reading of a gate's figures (the release page's too)
+from daemon.gating.heldout import describe as heldout_line  # and of the held-out check's
 from reef_cli.common import ago, client, config, console, edge, fail, print_json
 
 app = typer.Typer(help="Inspect and steer release chains: list, show, open, rollback, promote.", no_args_is_help=True)
@@ -25,6 +26,12 @@ def _metrics(m: dict[str, Any] | None) -> str:
     if not m:
         return ""
     return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(m.items())[:4])
+
+
+def _held(m: dict[str, Any]) -> str:
+    """Why a pending release was held, when a check held it (the held-out check, the watchdog)."""
+    why = m.get("heldout_reason") or m.get("watchdog")
+    return f"{why}; " if why else ""
 
 
 def _origin(origin: Any) -> str:
@@ -65,8 +72,8 @@ def list_releases(
                       note)
     for r in data.get("pending", []):
         table.add_row("?", _short(r["release_id"]), str(r["step"]), "pending", _short(r["content_id"]),
-                      ago(r.get("created_at")), _metrics(r.get("metrics")), "reef releases promote to publish"
-                      + (f"; {_origin(r['origin'])}" if r.get("origin") else ""))
+                      ago(r.get("created_at")), _metrics(r.get("metrics")), _held(r.get("metrics") or {})
+                      + "reef releases promote to publish" + (f"; {_origin(r['origin'])}" if r.get("origin") else ""))
     for r in data.get("rejected", []):
         table.add_row("x", "-", str(r.get("step", "-")), str(r.get("verdict") or "rejected"), "-", ago(r.get("created_at")),
                       _metrics(r.get("metrics")), r.get("reason", "")
@@ -111,9 +118,9 @@ def show_release(
         out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
                   f"(release {_short(rel['adapter']['base_release_id'])})")
     m = rel.get("metrics") or {}
-    line = gate_line(m)
-    if line:
-        out.print(line, markup=False)
+    for line in (gate_line(m), heldout_line(m)):
+        if line:
+            out.print(line, markup=False)
     if m:
         out.print("metrics " + json.dumps(m))
     receipts = rel.get("receipts") or []

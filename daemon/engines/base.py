@@ -61,6 +61,17 @@ class Engine(abc.ABC):
     async def count_tokens(self, exchange: Exchange, release: ReleaseRef | None = None) -> int:
         """Number of prompt tokens the exchange would take."""
 
+    async def divergence(self, prompt_token_ids: list[int], token_ids: list[int], release: ReleaseRef,
+                         reference: ReleaseRef) -> list[float] | None:
+        """KL(``release`` || ``reference``) of the next-token distributions at each position that predicts one of
+        ``token_ids`` after ``prompt_token_ids`` (teacher-forced, nats), or None where the engine cannot say (the
+        default): the held-out check's KL from the base (``daemon/gating/heldout.py``) is then not measured."""
+        return None
+
+    async def unload(self, release: ReleaseRef) -> None:
+        """Drop a release loaded only for a look at it (a candidate the held-out check sampled), if no request
+        holds it; the default keeps nothing to drop."""
+
     @property
     def resident(self) -> dict[str, str]:
         """content_id -> runtime load id of the releases kept loaded (weights engines)."""

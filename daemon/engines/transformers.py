@@ -594,6 +594,45 @@ class TransformersEngine(Engine):
         """content_id -> load id of the loads kept in memory."""
         return {k: v.id for k, v in self._resident.items()}
 
+    async def divergence(self, prompt_token_ids: list[int], token_ids: list[int], release: ReleaseRef,
+                         reference: ReleaseRef) -> list[float] | None:
+        """In the generation thread (it owns the models; a LoRA adapter is selected per call): one forward of each
+        load without a cache, the output head only where a completion token is predicted."""
+        if not token_ids:
+            return []
+        loads = [await self._acquire(release), await self._acquire(reference)]
+        n = len(token_ids)
+        seq = [*prompt_token_ids, *token_ids]
+
+        def log_probs(load: Load) -> torch.Tensor:
+            ids = torch.tensor([seq], device=load.device)
+            with load.lora.select([load.adapter], load.device):
+                logits = load.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]
+            return torch.log_softmax(logits.float().cpu(), dim=-1)
+
+        def run() -> list[float]:
+            with torch.inference_mode():
+                p, q = log_probs(loads[0]), log_probs(loads[1])
+                return [float(x) for x in (p.exp() * (p - q)).sum(-1)]
+
+        for load in loads:
+            self._active[load.id] += 1
+        try:
+            result: list[float] = await self._between_steps(run)
+        finally:
+            for load in loads:
+                self._active[load.id] -= 1
+                if not self._active[load.id]:
+                    del self._active[load.id]
+        return result
+
+    async def unload(self, release: ReleaseRef) -> None:
+        load = self._resident.get(release.content_id)
+        if load is not None and not self._active[load.id] and load is not self._current:
+            del self._resident[release.content_id]
+            load.dropped = True
+            self.prefix_cache.forget(load.id)
+
     async def close(self) -> None:
         with self._cond:
             self._closing = True

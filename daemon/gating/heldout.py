@@ -1,0 +1,433 @@
+"""The held-out check: before a weights candidate serves, its greedy answers to prompts it was never trained on are
+compared with the serving head's, and a candidate that stops answering, forgets what the head knew, or drifts too
+far from its base is held (not served) with the figures.
+
+The prompts:
+- a reserved share of the scenario's own recorded prompts (``heldout_share``, 0.1): a prompt is reserved or not by
+  a hash of its token ids, so every exchange of that prompt, before and after a restart, is left out of every
+  training batch (``reserved``); the check asks the most recent ``RECORDED`` (16) of them. Fewer than ``ENOUGH``
+  reserved yet (too little traffic) is said in the figures (``heldout_note``); the probe set decides then.
+- a probe set shipped with Reef (``probes.json``: short checkable questions and instructions written for Reef), or
+  the scenario's own (``heldout_probes``: ``[{"prompt": ..., "accept": [...]}, ...]``, checked at
+  ``scenarios create/update``). A probe answer is right when it holds an accepted answer as a whole word, case and
+  punctuation ignored.
+
+Both models answer greedily, at most ``heldout_max_tokens`` (16) tokens, through the scenario's engine: the
+candidate's weights are loaded beside the head's as an unpublished release (never served to a request) and
+dropped afterwards; the head's answers are kept per head release, so a lineage's checks sample the head once.
+
+The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a candidate (``Figures.hold``):
+- degenerate answers: empty, cut short (at most ``SHORT`` tokens where the head said ``LONG`` or more), or a loop
+  (``LOOP`` tokens or more, half of whose token pairs repeat: counted in tokens, so a random model's garbage is a
+  loop whichever way it tokenises); held when the share of silent answers (empty or cut short: it stops
+  answering), or of all degenerate ones, rises above the head's by more than ``heldout_max_degenerate`` (0.25).
+  The empty share and the mean answer length against the head's are shown.
+- probe accuracy, paired with the head's on the same probes: held when the probes the candidate lost outnumber the
+  ones it gained by more than the check's noise, ``heldout_probe_z`` (2) standard errors of that paired difference
+  (``sqrt(lost + gained)``, the sign test's), and by at least 2. Greedy answers are deterministic, so the noise is
+  the spread of which probes happen to flip, measured on the same answers.
+- KL from the base: the mean per-token KL(candidate || base) of the next-token distributions at the positions of
+  the candidate's own held-out answers, the base being the model its adapter applies to (whole weights: the
+  serving head), teacher-forced through the engine (``Engine.divergence``); held above ``heldout_max_kl`` nats
+  per token. An engine that cannot score says so
+  (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
+
+A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``, 600) raises ``CheckFailed``: the
+step is written down as failed with the reason, never as passed. ``heldout_check = false`` turns the check off;
+every release then says ``heldout: unchecked``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import BadRequest, CheckFailed, ReefError
+
+PROBES_FILE = Path(__file__).with_name("probes.json")
+RECORDED = 16  # the most recent reserved recorded prompts the check asks
+ENOUGH = 16  # reserved recorded prompts below which the figures say the probe set decided
+SHORT, LONG = 2, 8  # an answer of at most SHORT tokens where the head said LONG or more was cut short
+LOOP = 8  # an answer of this many tokens or more, half of whose token pairs repeat, is a loop
+KL_ANSWERS = 12  # answers the KL is measured on (two teacher-forced forwards each, one at a time: an average,
+# which a dozen answers give at a fraction of the forwards; heldout_kl_seconds shows what it costs)
+MIN_PROBES = 8  # a user's probe set smaller than this cannot show a loss beyond its noise
+MIN_LOST = 2  # the least net loss of probes that holds a candidate, whatever the noise
+
+
+# --- the probe set ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompt: str
+    accept: tuple[str, ...]
+
+    def right(self, answer: str) -> bool:
+        """Whether ``answer`` holds one of the accepted answers as a whole word (case, punctuation ignored)."""
+        words = f" {_norm(answer)} "
+        return any(f" {_norm(a)} " in words for a in self.accept)
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.sub(r"[^\w]+", " ", text.lower()).split())
+
+
+def parse_probes(raw: Any, param: str = "settings.heldout_probes") -> tuple[Probe, ...]:
+    """A probe set from JSON (``[{"prompt": text, "accept": [text, ...]}, ...]``); a ``BadRequest`` naming
+    ``param`` and the probe when it is malformed."""
+    if not isinstance(raw, list) or len(raw) < MIN_PROBES:
+        raise BadRequest(f"{param.split('.')[-1]} must be a list of at least {MIN_PROBES} probes "
+                         '({"prompt": text, "accept": [text, ...]}): fewer cannot show a loss beyond their noise',
+                         param=param)
+    out = []
+    for i, item in enumerate(raw):
+        prompt = item.get("prompt") if isinstance(item, dict) else None
+        accept = item.get("accept") if isinstance(item, dict) else None
+        if (not isinstance(item, dict) or set(item) - {"prompt", "accept"} or not isinstance(prompt, str)
+                or not prompt.strip() or not isinstance(accept, list) or not accept
+                or not all(isinstance(a, str) and _norm(a) for a in accept)):
+            raise BadRequest(f"{param.split('.')[-1]}[{i}] must be {{\"prompt\": text, \"accept\": [text, ...]}} "
+                             f"(a non-empty prompt, at least one accepted answer with a letter or digit), not "
+                             f"{json.dumps(item)[:120]}", param=param)
+        out.append(Probe(prompt.strip(), tuple(accept)))
+    return tuple(out)
+
+
+@cache
+def shipped_probes() -> tuple[Probe, ...]:
+    """The probe set shipped with Reef (``probes.json``)."""
+    return parse_probes(json.loads(PROBES_FILE.read_text(encoding="utf-8"))["probes"], param="probes.json")
+
+
+# --- settings ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """The check's settings, read from a recipe's (``recipes.base.GateSettings`` holds them)."""
+
+    on: bool = True
+    share: float = 0.1
+    probes: tuple[Probe, ...] = ()
+    max_degenerate: float = 0.25
+    probe_z: float = 2.0
+    max_kl: float = 1.0
+    max_tokens: int = 16
+    timeout_s: float = 600.0
+
+    @classmethod
+    def of(cls, settings: Any) -> CheckSettings:
+        raw = getattr(settings, "heldout_probes", None)
+        return cls(
+            on=bool(getattr(settings, "heldout_check", True)),
+            share=float(getattr(settings, "heldout_share", cls.share)),
+            probes=shipped_probes() if raw is None else parse_probes(raw),
+            max_degenerate=float(getattr(settings, "heldout_max_degenerate", cls.max_degenerate)),
+            probe_z=float(getattr(settings, "heldout_probe_z", cls.probe_z)),
+            max_kl=float(getattr(settings, "heldout_max_kl", cls.max_kl)),
+            max_tokens=int(getattr(settings, "heldout_max_tokens", cls.max_tokens)),
+            timeout_s=float(getattr(settings, "heldout_timeout_s", cls.timeout_s)),
+        )
+
+
+def check_settings(settings: Any) -> None:
+    """The held-out settings of a recipe's settings, beyond their types: a ``BadRequest`` naming the setting."""
+    ranges = {
+        "heldout_share": (0.0, 0.5, "a share of the recorded prompts in [0, 0.5]"),
+        "heldout_max_degenerate": (0.0, 1.0, "a rise in the share of degenerate answers in [0, 1]"),
+        "heldout_probe_z": (0.5, 10.0, "standard errors in [0.5, 10]"),
+        "heldout_max_kl": (0.0, 100.0, "nats per token in (0, 100]"),
+        "heldout_max_tokens": (4, 512, "tokens in [4, 512]"),
+        "heldout_timeout_s": (0.0, 3600.0, "seconds in (0, 3600]"),
+    }
+    for key, (lo, hi, what) in ranges.items():
+        value = getattr(settings, key, None)
+        if value is None:
+            continue
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi) or (
+                key in ("heldout_max_kl", "heldout_timeout_s") and value <= 0):
+            raise BadRequest(f"{key} must be {what}, not {value!r}", param=f"settings.{key}")
+    raw = getattr(settings, "heldout_probes", None)
+    if raw is not None:
+        parse_probes(raw)
+
+
+# --- which recorded prompts are reserved -------------------------------------------------------------------------
+
+
+def reserved(prompt_token_ids: Sequence[int], share: float) -> bool:
+    """Whether a recorded prompt is kept out of training for the check: a hash of its tokens, so the same prompt
+    is reserved every time, on every daemon, before and after a restart."""
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(",".join(map(str, prompt_token_ids)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < share
+
+
+def user_prompt(record: dict[str, Any]) -> str | None:
+    """The user's prompt in a recorded exchange: its last user message with text, read through the protocol of the
+    request's format (as ``daemon.harness.user_prompt``, which this module may not import: harness imports the
+    serving path); None when there is none."""
+    from daemon.protocols.formats import FORMATS
+
+    proto = FORMATS.get(record.get("format") or "")
+    if proto is None or not isinstance(record.get("request"), dict):
+        return None
+    try:
+        messages = proto.parse_request(record["request"]).messages
+    except Exception:  # noqa: BLE001 - a request recorded as it came, then refused: it has no prompt to take
+        return None
+    texts = [m.text.strip() for m in messages if m.role == "user" and m.text.strip()]
+    return texts[-1] if texts else None
+
+
+# --- answers and figures -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    prompt_token_ids: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()  # EOS included when the model stopped
+    logprobs: tuple[float, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def degenerate(answer: Answer, head: Answer | None = None) -> str | None:
+    """Why an answer is degenerate (``empty``, ``short``: cut short where the head answered at length, ``loop``:
+    half its token pairs repeat), or None."""
+    if not answer.text.strip():
+        return "empty"
+    if head is not None and answer.tokens <= SHORT and head.tokens >= LONG:
+        return "short"
+    # a loop in tokens, not words: "orersorersorers" is one word and the same loop as "large large large"
+    units: Sequence[Any] = answer.token_ids if len(answer.token_ids) >= LOOP else answer.text.split()
+    pairs = list(zip(units, units[1:], strict=False))
+    if len(pairs) >= LOOP - 1 and len(set(pairs)) <= len(pairs) / 2:
+        return "loop"
+    return None
+
+
+@dataclass
+class Figures:
+    """What the check measured: the candidate's and the head's answers compared, and why it holds (or None)."""
+
+    recorded: int  # reserved recorded prompts asked
+    probes: int
+    empty: float  # share of the candidate's answers that are empty
+    head_empty: float
+    silent: float  # share of the candidate's answers that are empty or cut short: it stops answering
+    head_silent: float
+    degenerate: float  # share of the candidate's answers that are degenerate (empty, cut short, a loop)
+    head_degenerate: float
+    length_ratio: float | None  # the candidate's mean answer length (tokens) over the head's
+    probe_accuracy: float
+    head_probe_accuracy: float
+    probes_lost: int  # probes the head answered right and the candidate wrong
+    probes_gained: int
+    probe_noise: float  # the net loss of probes the check reads as noise
+    kl: float | None  # nats per token from the base, on the candidate's answers; None: the engine cannot score
+    seconds: float = 0.0
+    answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
+    kl_seconds: float = 0.0  # and the KL's forwards
+    head_sampled: int = 0  # prompts the head was asked by this check (the others' answers were kept)
+    notes: list[str] = field(default_factory=list)
+    hold: str | None = None  # why the candidate is held
+
+    def metrics(self) -> dict[str, Any]:
+        """The release's ``heldout_*`` metrics (scalars: a manifest's metrics are)."""
+        out: dict[str, Any] = {
+            "heldout": "held" if self.hold else "passed",
+            "heldout_recorded": self.recorded, "heldout_probes": self.probes,
+            "heldout_empty": round(self.empty, 4), "heldout_head_empty": round(self.head_empty, 4),
+            "heldout_silent": round(self.silent, 4), "heldout_head_silent": round(self.head_silent, 4),
+            "heldout_degenerate": round(self.degenerate, 4),
+            "heldout_head_degenerate": round(self.head_degenerate, 4),
+            "heldout_probe_accuracy": round(self.probe_accuracy, 4),
+            "heldout_head_probe_accuracy": round(self.head_probe_accuracy, 4),
+            "heldout_probes_lost": self.probes_lost, "heldout_probes_gained": self.probes_gained,
+            "heldout_probe_noise": round(self.probe_noise, 3), "heldout_seconds": round(self.seconds, 3),
+            "heldout_answer_seconds": round(self.answer_seconds, 3), "heldout_kl_seconds": round(self.kl_seconds, 3),
+            "heldout_head_sampled": self.head_sampled,
+        }
+        if self.length_ratio is not None:
+            out["heldout_length_ratio"] = round(self.length_ratio, 4)
+        if self.kl is not None:
+            out["heldout_kl"] = round(self.kl, 4)
+        if self.notes:
+            out["heldout_note"] = "; ".join(self.notes)
+        if self.hold:
+            out["heldout_reason"] = self.hold
+        return out
+
+
+def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequence[Probe], recorded: int,
+            kl: float | None, settings: CheckSettings) -> Figures:
+    """The figures of paired answers (the recorded prompts' first, then the probes', same order for both) and the
+    decision."""
+    assert len(candidate) == len(head) == recorded + len(probes), (len(candidate), len(head), recorded, len(probes))
+    n = len(candidate)
+    cand_bad = [degenerate(c, h) for c, h in zip(candidate, head, strict=True)]
+    head_bad = [degenerate(h) for h in head]
+    right_c = [p.right(a.text) for p, a in zip(probes, candidate[recorded:], strict=True)]
+    right_h = [p.right(a.text) for p, a in zip(probes, head[recorded:], strict=True)]
+    lost = sum(h and not c for c, h in zip(right_c, right_h, strict=True))
+    gained = sum(c and not h for c, h in zip(right_c, right_h, strict=True))
+    head_len = sum(h.tokens for h in head)
+    fig = Figures(
+        recorded=recorded, probes=len(probes),
+        empty=sum(b == "empty" for b in cand_bad) / n, head_empty=sum(b == "empty" for b in head_bad) / n,
+        silent=sum(b in ("empty", "short") for b in cand_bad) / n,
+        head_silent=sum(b in ("empty", "short") for b in head_bad) / n,
+        degenerate=sum(b is not None for b in cand_bad) / n, head_degenerate=sum(b is not None for b in head_bad) / n,
+        length_ratio=sum(c.tokens for c in candidate) / head_len if head_len else None,
+        probe_accuracy=sum(right_c) / max(1, len(probes)), head_probe_accuracy=sum(right_h) / max(1, len(probes)),
+        probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
+    )
+    if recorded < ENOUGH:
+        fig.notes.append(f"too little traffic for the reserved share: {recorded} of the scenario's recorded prompts "
+                         f"are reserved yet ({ENOUGH} wanted); the probe set decides")
+    if kl is None:
+        fig.notes.append("the engine cannot score tokens: KL from the base not measured")
+    why = []
+    if fig.silent - fig.head_silent > settings.max_degenerate:
+        why.append(f"it stops answering: {fig.silent:.0%} of its answers are empty or cut short ({fig.empty:.0%} "
+                   f"empty) against the head's {fig.head_silent:.0%}")
+    elif fig.degenerate - fig.head_degenerate > settings.max_degenerate:
+        why.append(f"its answers degenerate: {fig.degenerate:.0%} are empty, cut short or loops against the head's "
+                   f"{fig.head_degenerate:.0%}")
+    if lost - gained >= MIN_LOST and lost - gained > fig.probe_noise:
+        why.append(f"it forgets: probe accuracy {fig.probe_accuracy:.0%} against the head's "
+                   f"{fig.head_probe_accuracy:.0%} ({lost} probes lost, {gained} gained; noise {fig.probe_noise:.1f})")
+    if kl is not None and kl > settings.max_kl:
+        why.append(f"it drifts: {kl:.3f} nats per token from its base on held-out prompts, more than "
+                   f"heldout_max_kl {settings.max_kl:g}")
+    if why:
+        fig.hold = ("held-out check: " + "; ".join(why) + "; held, not served (reef releases promote ID serves "
+                    "it anyway)")
+    return fig
+
+
+# --- running it --------------------------------------------------------------------------------------------------
+
+
+async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
+    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once (the engine
+    batches them)."""
+    from daemon.exchange import Exchange, Finish, Message, Part, Sampling
+
+    def exchange(prompt: str) -> Exchange:  # as the daemon asks its own questions (daemon.learning.internal_exchange)
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}
+        return Exchange(format="openai-chat", model=model, messages=[Message("user", [Part("text", text=prompt)])],
+                        body=body, sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+
+    async def one(prompt: str) -> Answer:
+        async for event in engine.generate(exchange(prompt), release):
+            if isinstance(event, Finish):
+                c = event.completion
+                return Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()),
+                              tuple(c.logprobs or ()))
+        raise CheckFailed("the engine ended an answer without finishing it")
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, base: Any) -> float | None:
+    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced; at
+    most ``KL_ANSWERS`` of them, evenly spread); None when the engine cannot say."""
+    num, den = 0.0, 0
+    answered = [a for a in answers if a.token_ids]
+    step = max(1, -(-len(answered) // KL_ANSWERS))  # spread over the recorded prompts and the probes alike
+    for a in answered[::step]:
+        kl = await engine.divergence(list(a.prompt_token_ids), list(a.token_ids), candidate, base)
+        if kl is None:
+            return None
+        num += sum(kl)
+        den += len(kl)
+    return num / den if den else None
+
+
+async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
+              settings: CheckSettings, head_known: dict[str, Answer] | None = None
+              ) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
+    """The check: the figures, and the candidate's and the head's answers by prompt (to keep: the head is asked
+    only the prompts it was not asked before, and a published candidate's answers are the new head's). Raises
+    ``CheckFailed`` when it cannot run."""
+    t0 = time.perf_counter()
+    prompts = [*recorded, *(p.prompt for p in settings.probes)]
+    known = dict(head_known or {})
+    missing = [p for p in dict.fromkeys(prompts) if p not in known]
+    spent = {"answer": 0.0, "kl": 0.0}
+
+    async def measure() -> tuple[list[Answer], float | None]:
+        t = time.perf_counter()
+        if missing:
+            known.update(zip(missing, await answers(engine, model, missing, head, settings.max_tokens), strict=True))
+        cands = await answers(engine, model, prompts, candidate, settings.max_tokens)
+        spent["answer"], t = time.perf_counter() - t, time.perf_counter()
+        kl = await kl_from_base(engine, cands, candidate, base)
+        spent["kl"] = time.perf_counter() - t
+        return cands, kl
+
+    try:
+        cands, kl = await asyncio.wait_for(measure(), settings.timeout_s)
+    except TimeoutError:
+        raise CheckFailed(f"it took longer than heldout_timeout_s {settings.timeout_s:g}") from None
+    except CheckFailed:
+        raise
+    except ReefError as e:
+        raise CheckFailed(e.message) from None
+    except Exception as e:  # noqa: BLE001 - whatever the engine raised: the check did not run
+        raise CheckFailed(f"{type(e).__name__}: {e}") from None
+    finally:
+        try:
+            await engine.unload(candidate)
+        except Exception:  # noqa: BLE001 - a candidate left loaded is evicted by the engine's budget later
+            pass
+    heads = [known[p] for p in prompts]
+    fig = figures(cands, heads, settings.probes, len(recorded), kl, settings)
+    fig.seconds = time.perf_counter() - t0
+    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], len(missing)
+    return fig, dict(zip(prompts, cands, strict=True)), known
+
+
+def describe(m: Any) -> str | None:
+    """What a release's held-out figures say, for people (``reef releases show``, ``list --all``, the release
+    page), or None where the check said nothing (a harness release, one from before the check)."""
+    state = m.get("heldout") if hasattr(m, "get") else None
+    if state is None:
+        return None
+    if state == "unchecked":
+        return "held-out check: unchecked (heldout_check = false)"
+    parts = [f"held-out check: {state}"]
+    if "heldout_degenerate" in m:
+        parts.append(f"degenerate answers {m['heldout_degenerate']:.0%} (head {m.get('heldout_head_degenerate', 0):.0%})"
+                     f", empty {m.get('heldout_empty', 0):.0%}")
+    if "heldout_probe_accuracy" in m:
+        parts.append(f"probes {m['heldout_probe_accuracy']:.0%} right (head {m.get('heldout_head_probe_accuracy', 0):.0%}"
+                     f", noise {m.get('heldout_probe_noise', 0):.1f})")
+    if "heldout_length_ratio" in m:
+        parts.append(f"length {m['heldout_length_ratio']:.2f}x the head's")
+    if "heldout_kl" in m:
+        parts.append(f"KL from base {m['heldout_kl']:.3f} nats/token")
+    parts.append(f"on {m.get('heldout_recorded', 0)} recorded prompt(s) and {m.get('heldout_probes', 0)} probes")
+    line = "; ".join(parts)
+    if m.get("heldout_reason"):
+        line += f". {m['heldout_reason']}"
+    if m.get("heldout_note"):
+        line += f" ({m['heldout_note']})"
+    return line

@@ -1,0 +1,193 @@
+"""The gate's steps, in the order a candidate meets them (``STEPS``). Each ends the run with a ``StepOutcome`` or
+lets the next step have it (None):
+
+- ``skipped``: a candidate the recipe skipped, or whose content equals its parent's, is written down as skipped.
+- ``gate_kind``: the recipe's gate (``Recipe.judge``, ``daemon/gate.py``): ``pending`` holds it for review, a
+  verdict that does not publish writes it down as rejected; a publishing one goes on, unless the harness policy
+  put something only a person may admit in ``details["review"]`` (``daemon/harness_policy.py``): held for review.
+- ``drift_bound``: weights: the reward-hacking watchdog (``daemon/watchdog.py``: ``max_kl``, a training reward
+  rising while the held-out score falls) holds it for review.
+- ``heldout_check``: weights: the held-out check (``daemon/gating/heldout.py``) holds a candidate that stops
+  answering, forgets or drifts; ``heldout_check = false`` marks it ``unchecked``; a check that cannot run fails
+  the step (``CheckFailed``, written down as failed by the loop).
+- ``canary``: with ``canary_share``, held and served to that share of new runs as a canary (``daemon/canary.py``).
+- ``publish``: compare-and-swap on the head (a weights candidate whose head moved is rejected, saying so).
+- ``rejected``: what no step published or held is written down as rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import CheckFailed, HeadMoved, ReefError, Unchanged
+from daemon.gating import heldout
+from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
+
+
+async def _hold(host: Host, run: GateRun, reason: str, **extra: Any) -> StepOutcome:
+    """Keep the candidate as a pending release (never served until promoted) with its figures."""
+    rel = await host.chains.hold(run.manifest(host, **extra), run.artifact, base=run.head.release_id)
+    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    return run.outcome("pending", release_id=rel.release_id, step=rel.step, reason=reason)
+
+
+async def skipped(host: Host, run: GateRun) -> StepOutcome | None:
+    if run.candidate.skipped is None:
+        return None
+    kept = run.receipts if run.candidate.consume else []
+    await host.write_down(run.manifest(host, receipts=kept), run.head, "skipped", run.candidate.skipped)
+    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    return run.outcome("skipped", reason=run.candidate.skipped, kept=kept)
+
+
+async def gate_kind(host: Host, run: GateRun) -> StepOutcome | None:
+    run.st.state = "judging"
+    best = None
+    if run.recipe.gate == "regression":  # reads the whole chain: only the gate that reports it pays for it
+        best = max((float(r.metrics["eval_reward"]) for r in await host.chains.history(run.scenario.name)
+                    if isinstance(r.metrics.get("eval_reward"), (int, float))), default=None)
+    verdict = run.recipe.judge(run.candidate, best=best)
+    review = run.candidate.details.get("review")
+    if verdict.publish and review:  # the harness policy: only a person may admit it, whatever the gate
+        verdict = dataclasses.replace(verdict, publish=False, verdict="pending", reason=(
+            f"{verdict.reason}; held for review, since only a person may admit {review[0]}"
+            + (f" (and {len(review) - 1} more)" if len(review) > 1 else "") + ": reef releases promote ID "
+            "publishes it"))
+    run.metrics.update({k: v for k, v in verdict.metrics.items() if v is not None})
+    run.verdict, run.reason = verdict, verdict.reason
+    if verdict.verdict == "pending":
+        return await _hold(host, run, verdict.reason)
+    if not verdict.publish:
+        return await rejected(host, run)
+    return None
+
+
+async def drift_bound(host: Host, run: GateRun) -> StepOutcome | None:
+    if not run.weights:
+        return None
+    from daemon import watchdog
+
+    published = []  # the train steps since the last rollback or promote, newest first
+    for r in await host.chains.history(run.scenario.name, watchdog.WINDOW + 1):
+        if r.operation != "train":
+            break
+        published.append(r.metrics)
+    alarm = watchdog.check(published, run.metrics, getattr(run.recipe.settings, "max_kl", None),
+                           held_out=run.recipe.held_out_eval)
+    if alarm is None:
+        return None
+    out = await _hold(host, run, alarm["reason"], watchdog=alarm["reason"])
+    host.events.publish("watchdog", scenario=run.scenario.name, release_id=out.release_id, **alarm)
+    return out
+
+
+async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
+    if not run.weights or run.candidate.path is None:
+        return None
+    settings = heldout.CheckSettings.of(run.recipe.settings)
+    if not settings.on:
+        run.metrics["heldout"] = "unchecked"
+        host.metrics.heldout_checks.labels("unchecked").inc()
+        return None
+    name = run.scenario.name
+    if await host.chains.head_id(name) != run.head.release_id:
+        return None  # the head moved during training: ``publish`` turns it away, saying so; nothing to check
+    try:
+        fig = await _check(host, run, settings)
+    except CheckFailed as e:
+        host.metrics.heldout_checks.labels("failed").inc()
+        host.events.publish("heldout", scenario=name, job=run.job_id, verdict="failed", reason=e.message)
+        raise
+    run.metrics.update(fig.metrics())
+    host.metrics.heldout_checks.labels("held" if fig.hold else "passed").inc()
+    if fig.hold is None:
+        host.events.publish("heldout", scenario=name, job=run.job_id, verdict="passed", metrics=fig.metrics())
+        return None
+    out = await _hold(host, run, fig.hold)
+    host.events.publish("heldout", scenario=name, job=run.job_id, verdict="held", release_id=out.release_id,
+                        reason=fig.hold, metrics=fig.metrics())
+    return out
+
+
+async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> heldout.Figures:
+    """The held-out check of a weights candidate against the head, through the scenario's engine."""
+    from daemon import lora
+    from daemon.engines.base import ReleaseRef
+
+    try:
+        engine = await host.engine(run.scenario.model)
+        head = await host.chains.ref(run.scenario, run.head)
+    except ReefError as e:
+        raise CheckFailed(e.message) from None
+    model = head.base or head  # the whole model: what an adapter applies to
+    path = Path(str(run.candidate.path))
+    adapter = await asyncio.to_thread(lora.read_dir, path) is not None
+    key = f"candidate:{run.job_id}"  # loaded under its own key: no request names it, so none is served from it
+    candidate = ReleaseRef(key, key, path, model if adapter else None)
+    recorded = await host.heldout_prompts(run.st)
+    head_key = (run.head.content_id, settings.max_tokens)
+    fig, cands, heads = await heldout.run(engine, run.scenario.model, candidate, head, model, recorded, settings,
+                                          host.heldout_head(run.st, head_key))
+    host.heldout_head(run.st, head_key, heads)
+    run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
+    return fig
+
+
+async def canary(host: Host, run: GateRun) -> StepOutcome | None:
+    share = float(getattr(run.recipe.settings, "canary_share", 0) or 0)
+    if share <= 0 or host.start_canary is None:  # live scores decide, not the gate
+        return None
+    rel = await host.chains.hold(run.manifest(host), run.artifact, base=run.head.release_id)
+    try:
+        await host.start_canary(run.scenario, {"release_id": rel.release_id, "share": share})
+        why = f"{run.reason}; serving {share:.0%} of new runs as a canary (reef releases list shows it)"
+    except ReefError as e:  # one canary at a time: this one waits for review
+        why = f"{run.reason}; held for review: no canary could start ({e.message})"
+    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    return run.outcome("pending", release_id=rel.release_id, step=rel.step, reason=why)
+
+
+async def publish(host: Host, run: GateRun) -> StepOutcome | None:
+    record = run.manifest(host)
+    try:
+        engine = await host.engine(run.scenario.model) if run.weights else None
+        rel = await host.chains.publish_candidate(run.scenario, record, run.artifact,
+                                                  expected_head=run.head.release_id, engine=engine)
+    except Unchanged as e:
+        await host.write_down(record, run.head, "skipped", e.message)
+        host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+        return run.outcome("skipped", reason=e.message)
+    except HeadMoved as e:
+        if not run.weights:
+            raise
+        run.reason = f"the head moved during training (now {e.actual}); not published"
+        return None
+    if run.candidate.eval is not None:
+        run.st.head_eval = (rel.release_id, run.candidate.eval.candidate)
+    if run.heldout_answers is not None:
+        max_tokens, answers = run.heldout_answers
+        host.heldout_head(run.st, (rel.content_id, max_tokens), answers)
+    host.follow(run.st, rel.release_id, run.candidate, run.job_id, published=True)
+    return run.outcome("accepted", release_id=rel.release_id, step=rel.step, reason=run.reason)
+
+
+async def rejected(host: Host, run: GateRun) -> StepOutcome:
+    reason = run.reason or "rejected"
+    await host.write_down(run.manifest(host), run.head, "rejected", reason)
+    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    return run.outcome("rejected", reason=run.reason)
+
+
+STEPS: tuple[Step, ...] = (skipped, gate_kind, drift_bound, heldout_check, canary, publish, rejected)
+
+
+async def run(host: Host, gate_run: GateRun, steps: tuple[Step, ...] = STEPS) -> StepOutcome:
+    """The candidate through ``steps`` until one ends its run (the last, ``rejected``, always does)."""
+    for step in steps:
+        out = await step(host, gate_run)
+        if out is not None:
+            return out
+    raise AssertionError(f"no step of {[s.__name__ for s in steps]} ended the gate's run")

@@ -1,0 +1,398 @@
+"""The held-out check (``daemon/gating/heldout.py``) and the gate's named steps (``daemon/gating/steps.py``).
+
+The figures and the decision are pure functions, tested on answers written here. Through a real daemon, its
+trainer worker and the tiny model's engine: a candidate that answers nothing is held (and never serves, even
+after a restart), one that keeps answering is served, the check turned off says ``unchecked``, a check that
+cannot run fails the step with the reason, malformed settings are refused naming them, and the reserved recorded
+prompts are asked by the check and never trained on. The candidate that answers nothing is crafted, not
+trained: its final norm's weight is zeroed, so every logit is 0 and greedy decoding takes token 0, the tiny
+model's ``<|endoftext|>`` (an end of sequence): the empty answer to every prompt, deterministically."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from daemon.errors import BadRequest, CheckFailed
+from daemon.gating import steps
+from daemon.gating.heldout import (
+    Answer,
+    CheckSettings,
+    Probe,
+    degenerate,
+    figures,
+    parse_probes,
+    reserved,
+    shipped_probes,
+)
+from daemon.gating.outcome import GateRun
+from daemon.gating.steps import STEPS
+from tests.conftest import Daemon
+from tests.test_learning import events_of, releases, serve_and_report, settings_toml, wait_for
+from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
+
+CRAFTED = '''
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.base import Candidate, GateSettings, Recipe
+
+
+@dataclass
+class Settings(GateSettings):
+    silent: bool = True  # the candidate answers nothing (crafted weights), or keeps answering (nudged weights)
+
+
+class Crafted(Recipe):
+    """A weights recipe whose candidate is crafted, not trained (see the test module's docstring)."""
+
+    name = "crafted"
+    kind = "weights"
+    source = "scores"
+    Settings = Settings
+
+    def batch(self, records):
+        return records[:2] if len(records) >= 2 else None
+
+    def train(self, job, state):
+        from safetensors.torch import load_file, save_file
+
+        base, out = Path(job.base_path), Path(job.work_dir)
+        for f in base.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copyfile(f, out / f.name)
+        weights = load_file(base / "model.safetensors")
+        if job.settings["silent"]:  # every logit 0: greedy takes token 0, an end of sequence
+            weights["model.norm.weight"] = weights["model.norm.weight"] * 0
+        else:
+            weights = {k: v * (1 + 1e-4) for k, v in weights.items()}
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        return Candidate(metrics={})
+'''
+
+ASK = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _crafted(daemon_factory: Any, recipe_dir: Any) -> Daemon:  # noqa: F811
+    (recipe_dir / "crafted.py").write_text(CRAFTED)
+    return with_recipe_paths(daemon_factory, recipe_dir)
+
+
+def _report(c: Any, name: str, n: int = 2) -> list[str]:
+    receipts = []
+    for _ in range(n):
+        rec = c.post(f"/s/{name}/v1/chat/completions", json=ASK).headers["x-reef-agent-record-id"]
+        assert c.post("/reef/report", json={"references": [rec], "score": 1.0}).status_code == 201
+        receipts.append(rec)
+    return receipts
+
+
+# --- the figures and the decision (pure) ------------------------------------------------------------------------
+
+
+def _a(text: str, tokens: int | None = None) -> Answer:
+    n = len(text.split()) + 1 if tokens is None else tokens
+    return Answer(text, (1, 2), tuple(range(n)), tuple([-0.1] * n))
+
+
+PROBES = [Probe(f"What is {i} + 1?", (str(i + 1),)) for i in range(20)]
+SETTINGS = CheckSettings(probes=tuple(PROBES))
+
+
+def test_a_candidate_that_answers_nothing_is_held_and_one_like_the_head_is_not() -> None:
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    silent = figures([_a("", 1)] * 20, head, PROBES, 0, 0.05, SETTINGS)
+    assert silent.hold is not None and "stops answering" in silent.hold and silent.empty == 1.0
+    assert silent.probe_accuracy == 0 and silent.head_probe_accuracy == 1 and "forgets" in silent.hold
+    same = figures(list(head), head, PROBES, 0, 0.05, SETTINGS)
+    assert same.hold is None and same.length_ratio == 1.0 and same.degenerate == same.head_degenerate == 0
+    m = same.metrics()
+    assert m["heldout"] == "passed" and m["heldout_kl"] == 0.05 and "too little traffic" in m["heldout_note"]
+
+
+def test_a_probe_loss_within_the_checks_noise_passes_and_beyond_it_holds() -> None:
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    # two lost, one gained: within the noise (2 * sqrt(3) = 3.5); shorter but still answering
+    some = [_a("I do not know.") if i in (0, 1) else _a(f"{i + 1}") for i in range(20)]
+    assert figures(some, head, PROBES, 0, None, SETTINGS).hold is None
+    lost = [_a("I do not know.") if i < 8 else _a(f"It is {i + 1}.") for i in range(20)]
+    fig = figures(lost, head, PROBES, 0, None, SETTINGS)
+    assert fig.hold is not None and "forgets" in fig.hold and fig.probes_lost == 8 and fig.probes_gained == 0
+    assert "stops answering" not in fig.hold and "KL" in fig.metrics()["heldout_note"]
+
+
+def test_a_candidate_past_the_drift_bound_is_held() -> None:
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    assert figures(head, head, PROBES, 0, 1.5, SETTINGS).hold is not None
+    assert "drifts" in str(figures(head, head, PROBES, 0, 1.5, SETTINGS).hold)
+    assert figures(head, head, PROBES, 0, 0.9, SETTINGS).hold is None
+
+
+def test_degenerate_answers() -> None:
+    long = _a("one two three four five six seven eight nine ten")
+    assert degenerate(_a("  \n", 1)) == "empty"
+    assert degenerate(_a("ok", 2), long) == "short" and degenerate(_a("ok", 2)) is None
+    assert degenerate(_a("ok", 2), _a("fine", 2)) is None  # the head was short too
+    assert degenerate(Answer("yes no " * 8)) == "loop" and degenerate(long) is None  # no tokens: in words
+    looping = Answer("orersorersorersorersorers", (1,), (7, 8) * 6)  # one word, a loop in tokens
+    assert degenerate(looping) == "loop" and degenerate(Answer("a b c d e f g h i", (1,), tuple(range(9)))) is None
+
+
+def test_the_shipped_probe_set_and_a_users_malformed_one() -> None:
+    probes = shipped_probes()
+    assert 24 <= len(probes) <= 40 and len({p.prompt for p in probes}) == len(probes)
+    assert Probe("Capital of France?", ("Paris",)).right("The capital is Paris.")
+    assert not Probe("How many legs?", ("8",)).right("18 legs")  # a whole word, not a substring
+    for bad in ([{"prompt": "x", "accept": ["y"]}] * 3, [{"prompt": "", "accept": ["y"]}] * 8,
+                [{"prompt": "x", "accept": []}] * 8, [{"prompt": "x", "accept": ["?!"]}] * 8, "probes"):
+        with pytest.raises(BadRequest) as e:
+            parse_probes(bad)
+        assert e.value.data["param"] == "settings.heldout_probes"
+
+
+def test_the_reserved_share_of_prompts_is_stable() -> None:
+    prompts = [[i, i * 7 % 13, 5] for i in range(2000)]
+    picked = [reserved(p, 0.1) for p in prompts]
+    assert 0.07 < sum(picked) / len(picked) < 0.13
+    assert picked == [reserved(p, 0.1) for p in prompts]  # the same prompt, the same answer, every time
+    assert not any(reserved(p, 0.0) for p in prompts)
+
+
+class _Engine:
+    """A stand-in engine: the same answer to everything, a fixed KL; what it was asked, by whom."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+        self.unloaded: Any = None
+
+    async def generate(self, exchange: Any, release: Any) -> Any:
+        from daemon.exchange import Completion, Finish
+
+        self.asked.append((release, exchange.messages[-1].text))
+        yield Finish(Completion(text="It is 2.", prompt_token_ids=[1], token_ids=[5, 6, 2], logprobs=[-0.1] * 3))
+
+    async def divergence(self, prompt: Any, tokens: Any, release: Any, reference: Any) -> list[float]:
+        return [0.01] * len(tokens)
+
+    async def unload(self, release: Any) -> None:
+        self.unloaded = release
+
+
+def test_the_head_is_asked_only_what_it_was_not_asked_before_and_the_candidate_is_dropped() -> None:
+    from daemon.gating import heldout
+
+    engine = _Engine()
+    known = {p.prompt: _a("It is 2.") for p in PROBES}
+    fig, cands, heads = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", ["Tell me about rain."],
+                                                SETTINGS, known))
+    assert [p for who, p in engine.asked if who == "head"] == ["Tell me about rain."] and fig.head_sampled == 1
+    assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) + 1 and engine.unloaded == "cand"
+    assert fig.kl == pytest.approx(0.01) and set(heads) == set(cands) == {"Tell me about rain.", *known}
+
+
+# --- the steps, each alone --------------------------------------------------------------------------------------
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def labels(self, outcome: str) -> Any:
+        return SimpleNamespace(inc=lambda: self.seen.append(outcome))
+
+
+class _Host:
+    """A stand-in for the learning loop: what the steps use of it, recorded."""
+
+    def __init__(self, engine: Any = None) -> None:
+        self.events: Any = SimpleNamespace(publish=lambda kind, **data: self.published.append((kind, data)))
+        self.published: list[tuple[str, dict[str, Any]]] = []
+        self.metrics: Any = SimpleNamespace(heldout_checks=_Counter())
+        self._engine = engine
+        self.chains: Any = SimpleNamespace(ref=self._ref, head_id=self._head_id)
+        self.start_canary = None
+
+    async def engine(self, model: str) -> Any:
+        if self._engine is None:
+            raise CheckFailed("model tiny is not loaded")
+        return self._engine
+
+    async def _head_id(self, name: str) -> str:
+        return "rel_head"
+
+    async def _ref(self, scenario: Any, head: Any) -> Any:
+        return SimpleNamespace(base=None, release_id="rel_head", content_id="c_head")
+
+    async def heldout_prompts(self, st: Any) -> list[str]:
+        return []
+
+    def heldout_head(self, st: Any, key: Any, answers: Any = None) -> Any:
+        return None
+
+
+def _run(tmp_path: Any, **settings: Any) -> GateRun:
+    from recipes.base import Candidate, GateSettings
+
+    recipe = SimpleNamespace(kind="weights", settings=GateSettings(**settings))
+    return GateRun(SimpleNamespace(recipe=recipe), SimpleNamespace(name="s", model="tiny"),  # type: ignore[arg-type]
+                   SimpleNamespace(release_id="rel_head", content_id="c_head"), Candidate(path=str(tmp_path)),
+                   ["r1"], "job_1", {}, {})
+
+
+def test_the_gate_is_named_steps_in_order() -> None:
+    assert [s.__name__ for s in STEPS] == ["skipped", "gate_kind", "drift_bound", "heldout_check", "canary",
+                                           "publish", "rejected"]
+
+
+def test_the_check_turned_off_marks_the_candidate_unchecked(tmp_path: Any) -> None:
+    host, run = _Host(), _run(tmp_path, heldout_check=False)
+    assert asyncio.run(steps.heldout_check(host, run)) is None
+    assert run.metrics == {"heldout": "unchecked"} and host.metrics.heldout_checks.seen == ["unchecked"]
+
+
+def test_a_check_that_cannot_run_fails_never_passes(tmp_path: Any) -> None:
+    host, run = _Host(engine=None), _run(tmp_path)
+    with pytest.raises(CheckFailed, match="could not run: model tiny is not loaded"):
+        asyncio.run(steps.heldout_check(host, run))
+    assert "heldout" not in run.metrics and host.metrics.heldout_checks.seen == ["failed"]
+    assert host.published[0][0] == "heldout" and host.published[0][1]["verdict"] == "failed"
+
+
+def test_a_published_candidates_answers_are_kept_as_the_new_heads(tmp_path: Any) -> None:
+    """The check samples a head only once: the answers of a candidate that is then published are the new head's."""
+    host, run = _Host(engine=object()), _run(tmp_path)
+    rel = SimpleNamespace(release_id="rel_2", content_id="c_2", step=2)
+
+    async def publish_candidate(*args: Any, **kw: Any) -> Any:
+        return rel
+
+    kept: dict[Any, Any] = {}
+    host.chains.publish_candidate = publish_candidate
+    host.chains.manifest = lambda *args, **kw: None
+    host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
+    host.heldout_head = lambda st, key, answers=None: kept.setdefault(key, answers)  # type: ignore[method-assign]
+    run.heldout_answers = (16, {"Say x.": Answer("x")})
+    out = asyncio.run(steps.publish(host, run))  # type: ignore[arg-type]
+    assert out is not None and out.verdict == "accepted" and kept == {("c_2", 16): {"Say x.": Answer("x")}}
+
+
+# --- through a daemon -------------------------------------------------------------------------------------------
+
+
+def test_a_candidate_that_answers_nothing_is_held_and_never_serves_even_after_a_restart(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        # the tiny model's greedy answers open with some 20 newlines (empty within the default 16 tokens): at 32 its
+        # head says something, so there is an answer for the silent candidate to stop giving
+        made = c.post("/reef/scenarios", json={"name": "silent", "recipe": "crafted:Crafted",
+                                               "settings": {"heldout_max_tokens": 32}})
+        assert made.status_code == 201, made.text
+        _report(c, "silent")
+        held = wait_for(lambda: releases(c, "silent", True)["pending"], what="the silent candidate held")[0]
+        m = held["metrics"]
+        assert m["heldout"] == "held" and m["heldout_empty"] == 1.0 and m["heldout_head_empty"] < 0.5, m
+        assert "stops answering" in m["heldout_reason"] and "too little traffic" in m["heldout_note"]
+        assert m["heldout_probes"] == len(shipped_probes()) and m["heldout_kl"] > 0
+        head = releases(c, "silent")["releases"][0]
+        assert head["operation"] == "init"
+        event = events_of(c, "silent", "heldout", 1)[0]
+        assert event["verdict"] == "held" and event["release_id"] == held["release_id"]
+        assert 'reef_heldout_checks_total{outcome="held"} 1.0' in c.get("/metrics").text
+    listed = d.cli("releases", "list", "-s", "silent", "--all").stdout
+    assert held["release_id"][:12] in listed and "pending" in listed and "held-out" in listed
+    shown = " ".join(d.cli("releases", "show", held["release_id"]).stdout.split())
+    assert "held-out check: held" in shown and "stops answering" in shown
+    d.stop()
+    d.start().wait_loaded()
+    with d.http() as c:
+        after = releases(c, "silent", True)
+        assert after["releases"][0]["release_id"] == head["release_id"]
+        assert [p["release_id"] for p in after["pending"]] == [held["release_id"]]
+        served = c.post("/s/silent/v1/chat/completions", json=ASK)
+        assert served.headers["x-reef-release-id"] == head["release_id"]
+
+
+def test_a_candidate_that_keeps_answering_is_served_and_the_check_off_says_unchecked(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        for name, settings in (("talks", {"silent": False}), ("unguarded", {"heldout_check": False})):
+            made = c.post("/reef/scenarios", json={"name": name, "recipe": "crafted:Crafted", "settings": settings})
+            assert made.status_code == 201, made.text
+            _report(c, name)
+        talks = wait_for(lambda: (r := releases(c, "talks"))["releases"][0]["operation"] == "train" and r,
+                         what="the candidate that answers published")["releases"][0]["metrics"]
+        assert talks["heldout"] == "passed" and talks["heldout_empty"] == talks["heldout_head_empty"], talks
+        assert talks["heldout_probe_accuracy"] >= talks["heldout_head_probe_accuracy"] - 0.1
+        # turned off: even the silent candidate is published, and the release says it was never checked
+        unguarded = wait_for(lambda: (r := releases(c, "unguarded"))["releases"][0]["operation"] == "train" and r,
+                             what="the unchecked candidate published")["releases"][0]["metrics"]
+        assert unguarded["heldout"] == "unchecked" and "heldout_empty" not in unguarded
+        assert releases(c, "unguarded", True)["pending"] == []
+
+
+def test_an_online_rl_step_that_learned_is_checked_and_served(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory(settings_toml())
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "learn", "recipe": "online-rl"}).status_code == 201
+        serve_and_report(c, "learn", 4)
+        head = wait_for(lambda: (r := releases(c, "learn"))["releases"][0]["operation"] == "train" and r,
+                        what="a train release")["releases"][0]
+        assert head["metrics"]["heldout"] == "passed" and head["metrics"]["heldout_kl"] >= 0, head["metrics"]
+
+
+def test_a_check_that_cannot_run_fails_the_step_with_the_reason(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "slow", "recipe": "crafted:Crafted",
+                                               "settings": {"silent": False, "heldout_timeout_s": 0.001}})
+        assert made.status_code == 201, made.text
+        _report(c, "slow")
+        failed = wait_for(lambda: releases(c, "slow", True)["rejected"], what="the failed step")[0]
+        assert failed["verdict"] == "failed" and "the held-out check could not run" in failed["reason"], failed
+        assert "heldout_timeout_s" in failed["reason"]
+        assert releases(c, "slow")["releases"][0]["operation"] == "init"
+
+
+def test_malformed_held_out_settings_are_refused_naming_them(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory()
+    with d.http() as c:
+        for bad, param in (({"heldout_probes": [{"prompt": "x"}] * 8}, "settings.heldout_probes"),
+                           ({"heldout_probes": [{"prompt": "x", "accept": ["y"]}]}, "settings.heldout_probes"),
+                           ({"heldout_max_degenerate": 2}, "settings.heldout_max_degenerate"),
+                           ({"heldout_share": -0.1}, "settings.heldout_share"),
+                           ({"heldout_max_kl": 0}, "settings.heldout_max_kl")):
+            r = c.post("/reef/scenarios", json={"name": "bad", "recipe": "online-rl", "settings": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        ok = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]
+        assert c.post("/reef/scenarios", json={"name": "own", "recipe": "online-rl",
+                                                "settings": {"heldout_probes": ok}}).status_code == 201
+
+
+def test_reserved_recorded_prompts_are_asked_by_the_check_and_never_trained_on(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "kept", "recipe": "crafted:Crafted",
+                                               "settings": {"silent": False, "heldout_share": 0.5}})
+        assert made.status_code == 201, made.text
+        receipts = []
+        for i in range(16):
+            ask = {**ASK, "messages": [{"role": "user", "content": f"Tell me about item {i}."}]}
+            rec = c.post("/s/kept/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"]
+            assert c.post("/reef/report", json={"references": [rec], "score": 1.0}).status_code == 201
+            receipts.append(rec)
+        def settled() -> tuple[int, int] | None:
+            chain = releases(c, "kept", True)
+            trained = {r for rel in chain["releases"] for r in rel.get("receipts", [])}
+            trained |= {r for rej in chain["rejected"] for r in rej.get("receipts", [])}
+            recorded = chain["releases"][0]["metrics"].get("heldout_recorded", 0)
+            return (len(trained), recorded) if len(trained) + recorded >= 14 else None
+
+        trained, recorded = wait_for(settled, what="the batches trained and the rest reserved")
+        assert recorded >= 1 and trained + recorded <= 16, (trained, recorded)
