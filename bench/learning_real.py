@@ -36,6 +36,14 @@ the last head, verbatim. A run stops ``--confirm`` answers after reaching the ta
 message in the session is "Thanks." when the answer scores ``HOLDS`` or more and a correction otherwise, and the
 rule judge turns it into the reward (the measure is the same answers' score).
 
+``--offline`` (online-rl only) runs the same loop in one process, without the daemon: the recipe's parsed settings,
+its policy (``load_policy``: LoRA on SmolLM2), ``train_step`` on batches of ``batch_prompts * group_size`` answers
+sampled at temperature 1 from the policy being trained (on-policy: no serving lag), the same questions, scorers
+and probe (``--probe-every`` in steps there). One batched generation per step instead of 32 requests: a step
+every minute or two on 2 shared cores where the daemon's one request at a time gave one in ten (load 7). Printed
+per step: the batch's reward, tokens, empty answers, ``kl_from_base`` and ``kl_ref``; the process's peak memory
+(VmHWM: sampling and training together).
+
 Run (nothing else on the machine): ``.venv/bin/python bench/learning_real.py [--recipe R] [--prefs brief,subject-first]
 [--seeds 0,1,2] [--minutes 15] [--json]``
 """
@@ -250,7 +258,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
             c.post("/reef/scenarios", json=spec).raise_for_status()
             before_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
             t0 = time.monotonic()
-            if args.probe:
+            if args.probe and not args.no_probe_before:
                 probes.append(probe(c, everyday, args, t0))
                 print(f"  probe: {probes[-1]}", flush=True)
                 t0 = time.monotonic()  # the run's minutes count from the first scored question
@@ -309,6 +317,92 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     }
 
 
+def offline_run(model_dir: Path, pref: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``--offline``: the recipe's training step in this process on answers it samples itself (module docstring)."""
+    import hashlib
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from recipes import load_recipe
+    from recipes.online_rl import (
+        Sample,
+        eos_ids,
+        generate,
+        kl_from_base,
+        load_policy,
+        make_optimizer,
+        render_prompt,
+        train_step,
+    )
+
+    cls = load_recipe(args.recipe)
+    settings = cls.parse_settings(json.loads(args.settings) if args.settings else {})
+    cls.check_settings(settings)
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = load_policy(model_dir, None, settings, trainable=True)
+    optimizer = make_optimizer(model, settings)
+    eos = eos_ids(model, tok)
+    rng = random.Random(seed)
+    questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
+    rng.shuffle(questions)
+    everyday = [q for q, _ in questions[:args.holdout]]
+    questions = questions[len(everyday):]
+    gen = torch.Generator().manual_seed(seed)
+    n = settings.batch_prompts * settings.group_size
+
+    def answer(prompts: list[str], max_tokens: int, greedy: bool) -> list[tuple[list[int], list[float], str]]:
+        outs = generate(model, [render_prompt(tok, q) for q in prompts], eos=eos, max_new_tokens=max_tokens,
+                        temperature=0 if greedy else 1.0, generator=None if greedy else gen)
+        return [(ids, lps, tok.decode(ids, skip_special_tokens=True)) for ids, lps in outs]
+
+    def offline_probe(step: int) -> dict[str, Any]:
+        facts = answer([q for q, _ in FACTS], 24, greedy=True)
+        right = sum(any(e in text.lower() for e in exp) for (_, exp), (_, _, text) in zip(FACTS, facts, strict=True))
+        lengths = [len(text.split()) for _, _, text in answer(everyday, args.max_tokens, greedy=True)]
+        return {"step": step, "facts_right": right, "facts": len(FACTS),
+                "everyday_empty": sum(1 for x in lengths if x == 0), "everyday": len(lengths),
+                "everyday_words": round(statistics.fmean(lengths), 1), "load": round(os.getloadavg()[0], 2)}
+
+    probes = [offline_probe(0)]
+    print(f"  probe: {probes[-1]}", flush=True)
+    steps: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    k = 0
+    while time.monotonic() - t0 < args.minutes * 60 and k + n <= len(questions) and len(steps) < args.max_steps:
+        asked = questions[k:k + n]
+        k += n
+        t_step = time.monotonic()
+        outs = answer([q for q, _ in asked], args.max_tokens, greedy=False)
+        samples = [Sample(prompt_token_ids=render_prompt(tok, q), token_ids=ids, logprobs=lps,
+                          reward=PREFERENCES[pref](noun, text), group=hashlib.sha1(q.encode()).hexdigest())
+                   for (q, noun), (ids, lps, text) in zip(asked, outs, strict=True)]
+        t_train = time.monotonic()
+        model.train()
+        m = train_step(model, samples, settings, optimizer)
+        model.eval()
+        kl = kl_from_base(model, samples) if hasattr(model, "peft_config") else None
+        steps.append({"step": len(steps) + 1, "reward_mean": round(m["reward_mean"], 3), "tokens": m["tokens"],
+                      "empty": sum(1 for *_, text in outs if not text.split()),
+                      "kl_from_base": None if kl is None else round(kl, 4),
+                      "kl_ref": round(m["kl_ref"], 4) if "kl_ref" in m else None,
+                      "sample_s": round(t_train - t_step, 1), "train_s": round(time.monotonic() - t_train, 1),
+                      "minutes": round((time.monotonic() - t0) / 60, 2), "load": round(os.getloadavg()[0], 2)})
+        print(f"  step {steps[-1]}", flush=True)
+        if args.probe_every and len(steps) % int(args.probe_every) == 0:
+            probes.append(offline_probe(len(steps)))
+            print(f"  probe: {probes[-1]}", flush=True)
+    if not args.probe_every or len(steps) % int(args.probe_every):
+        probes.append(offline_probe(len(steps)))
+        print(f"  probe: {probes[-1]}", flush=True)
+    rewards = [st["reward_mean"] for st in steps]
+    return {"recipe": args.recipe, "preference": pref, "seed": seed, "settings": settings.to_dict(),
+            "kl_coef": getattr(settings, "kl_coef", None), "steps": steps, "probes": probes,
+            "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+            "peak_mb": round(vm_hwm_mb(os.getpid()), 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, help="a made SmolLM2 directory (default: made here, once)")
@@ -323,11 +417,24 @@ def main() -> None:
     ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
     ap.add_argument("--probe", action="store_true", help="ask the head FACTS and held-out everyday questions "
                     "(greedy) before and after")
+    ap.add_argument("--no-probe-before", action="store_true", help="skip the probe before training (release 0's "
+                    "greedy answers are the same in every run of a seed)")
     ap.add_argument("--probe-every", type=float, default=0.0, help="minutes between probes during the run (0: none)")
     ap.add_argument("--holdout", type=int, default=12, help="everyday questions held out of the traffic for --probe")
     ap.add_argument("--settings", help="recipe settings (JSON) to try instead of the defaults (tuning only)")
+    ap.add_argument("--offline", action="store_true", help="online-rl's step in this process, no daemon (module "
+                    "docstring); --probe-every counts steps")
+    ap.add_argument("--max-steps", type=int, default=1_000_000, help="--offline: stop after this many steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.offline:
+        if args.model_dir is None:
+            raise SystemExit("--offline needs --model-dir (a made SmolLM2 directory)")
+        for pref in args.prefs.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                run = offline_run(args.model_dir.resolve(), pref, seed, args)
+                print(json.dumps(run), flush=True)
+        return
     work = Path(tempfile.mkdtemp(prefix="reef-bench-learning-real-"))
     try:
         model = args.model_dir.resolve() if args.model_dir else make_model(work)
