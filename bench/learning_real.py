@@ -365,8 +365,9 @@ def offline_run(model_dir: Path, pref: str, seed: int, args: argparse.Namespace)
                 "everyday_empty": sum(1 for x in lengths if x == 0), "everyday": len(lengths),
                 "everyday_words": round(statistics.fmean(lengths), 1), "load": round(os.getloadavg()[0], 2)}
 
-    probes = [offline_probe(0)]
-    print(f"  probe: {probes[-1]}", flush=True)
+    probes = [] if args.no_probe_before else [offline_probe(0)]
+    if probes:
+        print(f"  probe: {probes[-1]}", flush=True)
     steps: list[dict[str, Any]] = []
     t0 = time.monotonic()
     k = 0
