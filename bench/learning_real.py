@@ -318,7 +318,10 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
 
 
 def offline_run(model_dir: Path, pref: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``--offline``: the recipe's training step in this process on answers it samples itself (module docstring)."""
+    """``--offline``: the recipe's training step in this process on answers it samples itself (module docstring).
+    With ``--compare-kl C``: two arms from the same start, ``kl_coef`` 0 and C; their first step is the same (the
+    KL term and its gradient are 0 at the base), so it is taken once and the arms branch after it."""
+    import copy
     import hashlib
 
     import torch
@@ -337,70 +340,89 @@ def offline_run(model_dir: Path, pref: str, seed: int, args: argparse.Namespace)
     )
 
     cls = load_recipe(args.recipe)
-    settings = cls.parse_settings(json.loads(args.settings) if args.settings else {})
+    given = json.loads(args.settings) if args.settings else {}
+    settings = cls.parse_settings(given)
     cls.check_settings(settings)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_policy(model_dir, None, settings, trainable=True)
-    optimizer = make_optimizer(model, settings)
     eos = eos_ids(model, tok)
     rng = random.Random(seed)
     questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
     rng.shuffle(questions)
     everyday = [q for q, _ in questions[:args.holdout]]
     questions = questions[len(everyday):]
-    gen = torch.Generator().manual_seed(seed)
     n = settings.batch_prompts * settings.group_size
+    arms: list[dict[str, Any]] = []
+    for coef in ([0.0, args.compare_kl] if args.compare_kl is not None else [settings.kl_coef]):
+        arm_settings = cls.parse_settings({**given, "kl_coef": coef})
+        arms.append({"kl_coef": coef, "settings": arm_settings, "steps": [], "probes": []})
+    arms[0].update(model=model, optimizer=make_optimizer(model, arms[0]["settings"]),
+                   gen=torch.Generator().manual_seed(seed))
 
-    def answer(prompts: list[str], max_tokens: int, greedy: bool) -> list[tuple[list[int], list[float], str]]:
-        outs = generate(model, [render_prompt(tok, q) for q in prompts], eos=eos, max_new_tokens=max_tokens,
-                        temperature=0 if greedy else 1.0, generator=None if greedy else gen)
+    def answer(arm: dict[str, Any], prompts: list[str], max_tokens: int, greedy: bool
+               ) -> list[tuple[list[int], list[float], str]]:
+        outs = generate(arm["model"], [render_prompt(tok, q) for q in prompts], eos=eos, max_new_tokens=max_tokens,
+                        temperature=0 if greedy else 1.0, generator=None if greedy else arm["gen"])
         return [(ids, lps, tok.decode(ids, skip_special_tokens=True)) for ids, lps in outs]
 
-    def offline_probe(step: int) -> dict[str, Any]:
-        facts = answer([q for q, _ in FACTS], 24, greedy=True)
+    def offline_probe(arm: dict[str, Any]) -> dict[str, Any]:
+        facts = answer(arm, [q for q, _ in FACTS], 24, greedy=True)
         right = sum(any(e in text.lower() for e in exp) for (_, exp), (_, _, text) in zip(FACTS, facts, strict=True))
-        lengths = [len(text.split()) for _, _, text in answer(everyday, args.max_tokens, greedy=True)]
-        return {"step": step, "facts_right": right, "facts": len(FACTS),
+        lengths = [len(text.split()) for _, _, text in answer(arm, everyday, args.max_tokens, greedy=True)]
+        return {"step": len(arm["steps"]), "facts_right": right, "facts": len(FACTS),
                 "everyday_empty": sum(1 for x in lengths if x == 0), "everyday": len(lengths),
                 "everyday_words": round(statistics.fmean(lengths), 1), "load": round(os.getloadavg()[0], 2)}
 
-    probes = [] if args.no_probe_before else [offline_probe(0)]
-    if probes:
-        print(f"  probe: {probes[-1]}", flush=True)
-    steps: list[dict[str, Any]] = []
-    t0 = time.monotonic()
-    k = 0
-    while time.monotonic() - t0 < args.minutes * 60 and k + n <= len(questions) and len(steps) < args.max_steps:
+    def step(arm: dict[str, Any], k: int) -> None:
         asked = questions[k:k + n]
-        k += n
         t_step = time.monotonic()
-        outs = answer([q for q, _ in asked], args.max_tokens, greedy=False)
+        outs = answer(arm, [q for q, _ in asked], args.max_tokens, greedy=False)
         samples = [Sample(prompt_token_ids=render_prompt(tok, q), token_ids=ids, logprobs=lps,
                           reward=PREFERENCES[pref](noun, text), group=hashlib.sha1(q.encode()).hexdigest())
                    for (q, noun), (ids, lps, text) in zip(asked, outs, strict=True)]
         t_train = time.monotonic()
-        model.train()
-        m = train_step(model, samples, settings, optimizer)
-        model.eval()
-        kl = kl_from_base(model, samples) if hasattr(model, "peft_config") else None
-        steps.append({"step": len(steps) + 1, "reward_mean": round(m["reward_mean"], 3), "tokens": m["tokens"],
-                      "empty": sum(1 for *_, text in outs if not text.split()),
-                      "kl_from_base": None if kl is None else round(kl, 4),
-                      "kl_ref": round(m["kl_ref"], 4) if "kl_ref" in m else None,
-                      "sample_s": round(t_train - t_step, 1), "train_s": round(time.monotonic() - t_train, 1),
-                      "minutes": round((time.monotonic() - t0) / 60, 2), "load": round(os.getloadavg()[0], 2)})
-        print(f"  step {steps[-1]}", flush=True)
-        if args.probe_every and len(steps) % int(args.probe_every) == 0:
-            probes.append(offline_probe(len(steps)))
-            print(f"  probe: {probes[-1]}", flush=True)
-    if not args.probe_every or len(steps) % int(args.probe_every):
-        probes.append(offline_probe(len(steps)))
-        print(f"  probe: {probes[-1]}", flush=True)
-    rewards = [st["reward_mean"] for st in steps]
-    return {"recipe": args.recipe, "preference": pref, "seed": seed, "settings": settings.to_dict(),
-            "kl_coef": getattr(settings, "kl_coef", None), "steps": steps, "probes": probes,
-            "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+        arm["model"].train()
+        m = train_step(arm["model"], samples, arm["settings"], arm["optimizer"])
+        arm["model"].eval()
+        kl = kl_from_base(arm["model"], samples) if hasattr(arm["model"], "peft_config") else None
+        arm["steps"].append({
+            "step": len(arm["steps"]) + 1, "kl_coef": arm["kl_coef"], "reward_mean": round(m["reward_mean"], 3),
+            "tokens": m["tokens"], "empty": sum(1 for *_, text in outs if not text.split()),
+            "kl_from_base": None if kl is None else round(kl, 4),
+            "kl_ref": round(m["kl_ref"], 4) if "kl_ref" in m else None, "sample_s": round(t_train - t_step, 1),
+            "train_s": round(time.monotonic() - t_train, 1), "load": round(os.getloadavg()[0], 2)})
+        print(f"  step {arm['steps'][-1]}", flush=True)
+
+    if not args.no_probe_before:
+        arms[0]["probes"].append(offline_probe(arms[0]))
+        print(f"  probe: {arms[0]['probes'][-1]}", flush=True)
+    t0 = time.monotonic()
+    k = 0
+    while time.monotonic() - t0 < args.minutes * 60 and k + n <= len(questions) and \
+            len(arms[-1]["steps"]) < args.max_steps:
+        for arm in arms:
+            if "model" not in arm:  # the first step is the same for every arm: branch after it
+                src = arms[0]
+                arm.update(model=copy.deepcopy(src["model"]), gen=torch.Generator().manual_seed(0),
+                           steps=[dict(st, kl_coef=arm["kl_coef"]) for st in src["steps"]],
+                           probes=list(src["probes"]))
+                arm["gen"].set_state(src["gen"].get_state())
+                arm["optimizer"] = make_optimizer(arm["model"], arm["settings"])
+                arm["optimizer"].load_state_dict(src["optimizer"].state_dict())
+                continue
+            step(arm, k)
+        k += n
+        for arm in arms:
+            if args.probe_every and arm["steps"] and len(arm["steps"]) % int(args.probe_every) == 0:
+                arm["probes"].append(offline_probe(arm))
+                print(f"  probe (kl_coef {arm['kl_coef']}): {arm['probes'][-1]}", flush=True)
+    for arm in arms:
+        if not arm["probes"] or arm["probes"][-1]["step"] != len(arm["steps"]):
+            arm["probes"].append(offline_probe(arm))
+            print(f"  probe (kl_coef {arm['kl_coef']}): {arm['probes'][-1]}", flush=True)
+    return {"recipe": args.recipe, "preference": pref, "seed": seed, "settings": given,
+            "arms": [{k: v for k, v in arm.items() if k in ("kl_coef", "steps", "probes")} for arm in arms],
             "peak_mb": round(vm_hwm_mb(os.getpid()), 1)}
 
 
@@ -425,6 +447,8 @@ def main() -> None:
     ap.add_argument("--settings", help="recipe settings (JSON) to try instead of the defaults (tuning only)")
     ap.add_argument("--offline", action="store_true", help="online-rl's step in this process, no daemon (module "
                     "docstring); --probe-every counts steps")
+    ap.add_argument("--compare-kl", type=float, help="--offline: two arms, kl_coef 0 and this, branching after "
+                    "their common first step")
     ap.add_argument("--max-steps", type=int, default=1_000_000, help="--offline: stop after this many steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
