@@ -16,6 +16,16 @@ garbage cannot win):
 - ``subject-first``: answers that open with the question's subject (``Lemons are ...``): 1 when the first word is
   the subject, 0.3 when the subject comes later, 0 when it never comes.
 
+Hackable preferences (unguarded, as a user's two-line script is: an empty answer scores best), to see whether the
+recipe's defaults keep the agent answering (issue 41):
+- ``no-commas``: ``1 / (1 + commas)``; the answer need not be about anything.
+- ``fewer-words``: 1 at no words, falling linearly to 0 at 50.
+
+``--probe`` asks the serving head, greedily, before training and at the end (and every ``--probe-every`` minutes):
+24 short factual questions written for this bench (``FACTS``: right when the answer holds the expected word), and
+12 everyday questions held out of the run's traffic (``--holdout``), counting empty answers (no word) and their
+mean length in words. Each probe names the release it asked and that release's ``kl_from_base``.
+
 Printed per run: the scored reward before (the first ``--window`` answers, all from release 0) and after (the
 last ``--window``), minutes to +0.25 (the rolling mean of the last ``--window`` answers first at before + 0.25),
 training steps, releases published and rejected, the trainer's peak resident memory (``trainer_peak_rss_mb``,
@@ -25,6 +35,14 @@ the last head, verbatim. A run stops ``--confirm`` answers after reaching the ta
 ``online-rl`` and ``sao`` get each answer's score as a report; ``openclaw-rl`` gets no report: the user's next
 message in the session is "Thanks." when the answer scores ``HOLDS`` or more and a correction otherwise, and the
 rule judge turns it into the reward (the measure is the same answers' score).
+
+``--offline`` (online-rl only) runs the same loop in one process, without the daemon: the recipe's parsed settings,
+its policy (``load_policy``: LoRA on SmolLM2), ``train_step`` on batches of ``batch_prompts * group_size`` answers
+sampled at temperature 1 from the policy being trained (on-policy: no serving lag), the same questions, scorers
+and probe (``--probe-every`` in steps there). One batched generation per step instead of 32 requests: a step
+every minute or two on 2 shared cores where the daemon's one request at a time gave one in ten (load 7). Printed
+per step: the batch's reward, tokens, empty answers, ``kl_from_base`` and ``kl_ref``; the process's peak memory
+(VmHWM: sampling and training together).
 
 Run (nothing else on the machine): ``.venv/bin/python bench/learning_real.py [--recipe R] [--prefs brief,subject-first]
 [--seeds 0,1,2] [--minutes 15] [--json]``
@@ -91,7 +109,33 @@ def subject_first(noun: str, answer: str) -> float:
     return 0.3 if any(stem(noun) in w for w in ws) else 0.0
 
 
-PREFERENCES: dict[str, Callable[[str, str], float]] = {"brief": brief, "subject-first": subject_first}
+def no_commas(noun: str, answer: str) -> float:
+    return 1.0 / (1 + answer.count(","))
+
+
+def fewer_words(noun: str, answer: str) -> float:
+    return max(0.0, 1.0 - len(answer.split()) / 50)
+
+
+PREFERENCES: dict[str, Callable[[str, str], float]] = {
+    "brief": brief, "subject-first": subject_first, "no-commas": no_commas, "fewer-words": fewer_words}
+
+# the probe: short factual questions (written for this bench, not from a benchmark), right when the greedy answer
+# holds one of the words
+FACTS = (("What is the capital of France?", ("paris",)), ("How many legs does a spider have?", ("eight", "8")),
+         ("What color is the sky on a clear day?", ("blue",)),
+         ("What is the largest planet in our solar system?", ("jupiter",)),
+         ("How many days are in a week?", ("seven", "7")), ("What is the opposite of hot?", ("cold",)),
+         ("What do bees make?", ("honey",)), ("At what temperature in Celsius does water freeze?", ("0", "zero")),
+         ("Which animal is called the king of the jungle?", ("lion",)), ("What is 2 plus 2?", ("4", "four")),
+         ("What is the capital of Japan?", ("tokyo",)),
+         ("What gas do plants take in from the air?", ("carbon dioxide", "co2")),
+         ("How many continents are there?", ("seven", "7")), ("What is the chemical formula of water?", ("h2o",)),
+         ("Which planet is called the red planet?", ("mars",)), ("What language is spoken in Spain?", ("spanish",)),
+         ("How many hours are in a day?", ("24", "twenty-four")), ("What is the tallest animal?", ("giraffe",)),
+         ("Who wrote Romeo and Juliet?", ("shakespeare",)), ("What is the capital of Italy?", ("rome",)),
+         ("What is the largest ocean on Earth?", ("pacific",)), ("How many sides does a triangle have?", ("three", "3")),
+         ("What fruit is guacamole made from?", ("avocado",)), ("What is the closest star to Earth?", ("sun",)))
 
 
 def free_port() -> int:
@@ -176,6 +220,19 @@ def judged_session(c: httpx.Client, pref: str, prompt: str, noun: str, args: arg
 CLIENTS = {"online-rl": reported_answer, "sao": reported_answer, "openclaw-rl": judged_session}
 
 
+def probe(c: httpx.Client, everyday: list[str], args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """The serving head's greedy answers to ``FACTS`` and to the held-out everyday questions."""
+    right, release = 0, ""
+    for q, expected in FACTS:
+        answer, _, release = ask(c, q, 24, temperature=0)
+        right += any(e in answer.lower() for e in expected)
+    lengths = [len(ask(c, q, args.max_tokens, temperature=0)[0].split()) for q in everyday]
+    return {"minutes": round((time.monotonic() - t0) / 60, 2), "release": release, "facts_right": right,
+            "facts": len(FACTS), "everyday_empty": sum(1 for n in lengths if n == 0), "everyday": len(lengths),
+            "everyday_words": round(statistics.fmean(lengths), 1) if lengths else None,
+            "load": round(os.getloadavg()[0], 2)}
+
+
 def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     home = work / f"home-{pref}-{seed}"
     (home / "models").mkdir(parents=True)
@@ -187,6 +244,10 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     rng = random.Random(seed)
     questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
     rng.shuffle(questions)  # each question asked once
+    everyday = [q for q, _ in questions[:args.holdout]] if args.probe else []  # never asked in the run's traffic
+    questions = questions[len(everyday):]
+    probes: list[dict[str, Any]] = []
+    loads: list[float] = []
     rewards: list[tuple[float, float]] = []  # (seconds since the first request, reward)
     reached: float | None = None
     try:
@@ -197,10 +258,19 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
             c.post("/reef/scenarios", json=spec).raise_for_status()
             before_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
             t0 = time.monotonic()
+            if args.probe and not args.no_probe_before:
+                probes.append(probe(c, everyday, args, t0))
+                print(f"  probe: {probes[-1]}", flush=True)
+                t0 = time.monotonic()  # the run's minutes count from the first scored question
+            next_probe = args.probe_every * 60 if args.probe and args.probe_every else None
             for i, (prompt, noun) in enumerate(questions):
                 elapsed = time.monotonic() - t0
                 if elapsed > args.minutes * 60:
                     break
+                if next_probe is not None and elapsed >= next_probe:
+                    probes.append(probe(c, everyday, args, t0))
+                    print(f"  probe: {probes[-1]}", flush=True)
+                    next_probe += args.probe_every * 60
                 r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng)
                 rewards.append((time.monotonic() - t0, r))
                 base = statistics.fmean(x for _, x in rewards[:args.window])
@@ -211,10 +281,14 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 if reached is not None and i >= stop_at:
                     break
                 if i % 16 == 15:
+                    loads.append(os.getloadavg()[0])
                     last = statistics.fmean(x for _, x in rewards[-args.window:])
                     print(f"  {pref} seed {seed}: {elapsed / 60:5.1f} min, {i + 1} answers, rolling reward "
                           f"{last:.3f} (before {base:.3f}), load {os.getloadavg()[0]:.1f}", flush=True)
             after_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
+            if args.probe:
+                probes.append(probe(c, everyday, args, t0))
+                print(f"  probe: {probes[-1]}", flush=True)
             chain = c.get("/reef/scenarios/real/releases", params={"all": "1"}).json()
             daemon_peak = vm_hwm_mb(proc.pid)
     finally:
@@ -222,6 +296,12 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         proc.wait(120)
     steps = [*chain["releases"], *chain["rejected"]]
     trained = [s for s in steps if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
+    drift = {s.get("release_id"): s["metrics"].get("kl_from_base") for s in trained}
+    for p in probes:
+        p["kl_from_base"] = drift.get(p["release"])
+    per_step = [{k: s["metrics"].get(k) for k in ("reward_mean", "tokens", "degenerate_groups", "kl_from_base",
+                                                   "kl_ref", "loss", "step_s", "train_s", "trainer_peak_rss_mb")}
+                for s in sorted(trained, key=lambda s: s.get("created_at") or 0)]
     return {
         "recipe": args.recipe, "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
         "before": statistics.fmean(x for _, x in rewards[:args.window]),
@@ -233,7 +313,117 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         "held": len(chain.get("pending", [])),
         "trainer_peak_mb": max((s["metrics"]["trainer_peak_rss_mb"] for s in trained), default=None),
         "daemon_peak_mb": daemon_peak, "example_before": before_example, "example_after": after_example,
+        "load_mean": round(statistics.fmean(loads), 2) if loads else None, "probes": probes, "steps": per_step,
     }
+
+
+def offline_run(model_dir: Path, pref: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``--offline``: the recipe's training step in this process on answers it samples itself (module docstring).
+    With ``--compare-kl C``: two arms from the same start, ``kl_coef`` 0 and C; their first step is the same (the
+    KL term and its gradient are 0 at the base), so it is taken once and the arms branch after it."""
+    import copy
+    import hashlib
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from recipes import load_recipe
+    from recipes.online_rl import (
+        Sample,
+        eos_ids,
+        generate,
+        kl_from_base,
+        load_policy,
+        make_optimizer,
+        render_prompt,
+        train_step,
+    )
+
+    cls = load_recipe(args.recipe)
+    given = json.loads(args.settings) if args.settings else {}
+    settings = cls.parse_settings(given)
+    cls.check_settings(settings)
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = load_policy(model_dir, None, settings, trainable=True)
+    eos = eos_ids(model, tok)
+    rng = random.Random(seed)
+    questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
+    rng.shuffle(questions)
+    everyday = [q for q, _ in questions[:args.holdout]]
+    questions = questions[len(everyday):]
+    n = settings.batch_prompts * settings.group_size
+    arms: list[dict[str, Any]] = []
+    for coef in ([0.0, args.compare_kl] if args.compare_kl is not None else [settings.kl_coef]):
+        arm_settings = cls.parse_settings({**given, "kl_coef": coef})
+        arms.append({"kl_coef": coef, "settings": arm_settings, "steps": [], "probes": []})
+    arms[0].update(model=model, optimizer=make_optimizer(model, arms[0]["settings"]),
+                   gen=torch.Generator().manual_seed(seed))
+
+    def answer(arm: dict[str, Any], prompts: list[str], max_tokens: int, greedy: bool
+               ) -> list[tuple[list[int], list[float], str]]:
+        outs = generate(arm["model"], [render_prompt(tok, q) for q in prompts], eos=eos, max_new_tokens=max_tokens,
+                        temperature=0 if greedy else 1.0, generator=None if greedy else arm["gen"])
+        return [(ids, lps, tok.decode(ids, skip_special_tokens=True)) for ids, lps in outs]
+
+    def offline_probe(arm: dict[str, Any]) -> dict[str, Any]:
+        facts = answer(arm, [q for q, _ in FACTS], 24, greedy=True)
+        right = sum(any(e in text.lower() for e in exp) for (_, exp), (_, _, text) in zip(FACTS, facts, strict=True))
+        lengths = [len(text.split()) for _, _, text in answer(arm, everyday, args.max_tokens, greedy=True)]
+        return {"step": len(arm["steps"]), "facts_right": right, "facts": len(FACTS),
+                "everyday_empty": sum(1 for x in lengths if x == 0), "everyday": len(lengths),
+                "everyday_words": round(statistics.fmean(lengths), 1), "load": round(os.getloadavg()[0], 2)}
+
+    def step(arm: dict[str, Any], k: int) -> None:
+        asked = questions[k:k + n]
+        t_step = time.monotonic()
+        outs = answer(arm, [q for q, _ in asked], args.max_tokens, greedy=False)
+        samples = [Sample(prompt_token_ids=render_prompt(tok, q), token_ids=ids, logprobs=lps,
+                          reward=PREFERENCES[pref](noun, text), group=hashlib.sha1(q.encode()).hexdigest())
+                   for (q, noun), (ids, lps, text) in zip(asked, outs, strict=True)]
+        t_train = time.monotonic()
+        arm["model"].train()
+        m = train_step(arm["model"], samples, arm["settings"], arm["optimizer"])
+        arm["model"].eval()
+        kl = kl_from_base(arm["model"], samples) if hasattr(arm["model"], "peft_config") else None
+        arm["steps"].append({
+            "step": len(arm["steps"]) + 1, "kl_coef": arm["kl_coef"], "reward_mean": round(m["reward_mean"], 3),
+            "tokens": m["tokens"], "empty": sum(1 for *_, text in outs if not text.split()),
+            "kl_from_base": None if kl is None else round(kl, 4),
+            "kl_ref": round(m["kl_ref"], 4) if "kl_ref" in m else None, "sample_s": round(t_train - t_step, 1),
+            "train_s": round(time.monotonic() - t_train, 1), "load": round(os.getloadavg()[0], 2)})
+        print(f"  step {arm['steps'][-1]}", flush=True)
+
+    if not args.no_probe_before:
+        arms[0]["probes"].append(offline_probe(arms[0]))
+        print(f"  probe: {arms[0]['probes'][-1]}", flush=True)
+    t0 = time.monotonic()
+    k = 0
+    while time.monotonic() - t0 < args.minutes * 60 and k + n <= len(questions) and \
+            len(arms[-1]["steps"]) < args.max_steps:
+        for arm in arms:
+            if "model" not in arm:  # the first step is the same for every arm: branch after it
+                src = arms[0]
+                arm.update(model=copy.deepcopy(src["model"]), gen=torch.Generator().manual_seed(0),
+                           steps=[dict(st, kl_coef=arm["kl_coef"]) for st in src["steps"]],
+                           probes=list(src["probes"]))
+                arm["gen"].set_state(src["gen"].get_state())
+                arm["optimizer"] = make_optimizer(arm["model"], arm["settings"])
+                arm["optimizer"].load_state_dict(src["optimizer"].state_dict())
+                continue
+            step(arm, k)
+        k += n
+        for arm in arms:
+            if args.probe_every and arm["steps"] and len(arm["steps"]) % int(args.probe_every) == 0:
+                arm["probes"].append(offline_probe(arm))
+                print(f"  probe (kl_coef {arm['kl_coef']}): {arm['probes'][-1]}", flush=True)
+    for arm in arms:
+        if not arm["probes"] or arm["probes"][-1]["step"] != len(arm["steps"]):
+            arm["probes"].append(offline_probe(arm))
+            print(f"  probe (kl_coef {arm['kl_coef']}): {arm['probes'][-1]}", flush=True)
+    return {"recipe": args.recipe, "preference": pref, "seed": seed, "settings": given,
+            "arms": [{k: v for k, v in arm.items() if k in ("kl_coef", "steps", "probes")} for arm in arms],
+            "peak_mb": round(vm_hwm_mb(os.getpid()), 1)}
 
 
 def main() -> None:
@@ -248,9 +438,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--window", type=int, default=32, help="answers in the before / after / rolling means")
     ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
+    ap.add_argument("--probe", action="store_true", help="ask the head FACTS and held-out everyday questions "
+                    "(greedy) before and after")
+    ap.add_argument("--no-probe-before", action="store_true", help="skip the probe before training (release 0's "
+                    "greedy answers are the same in every run of a seed)")
+    ap.add_argument("--probe-every", type=float, default=0.0, help="minutes between probes during the run (0: none)")
+    ap.add_argument("--holdout", type=int, default=12, help="everyday questions held out of the traffic for --probe")
     ap.add_argument("--settings", help="recipe settings (JSON) to try instead of the defaults (tuning only)")
+    ap.add_argument("--offline", action="store_true", help="online-rl's step in this process, no daemon (module "
+                    "docstring); --probe-every counts steps")
+    ap.add_argument("--compare-kl", type=float, help="--offline: two arms, kl_coef 0 and this, branching after "
+                    "their common first step")
+    ap.add_argument("--max-steps", type=int, default=1_000_000, help="--offline: stop after this many steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.offline:
+        if args.model_dir is None:
+            raise SystemExit("--offline needs --model-dir (a made SmolLM2 directory)")
+        for pref in args.prefs.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                run = offline_run(args.model_dir.resolve(), pref, seed, args)
+                print(json.dumps(run), flush=True)
+        return
     work = Path(tempfile.mkdtemp(prefix="reef-bench-learning-real-"))
     try:
         model = args.model_dir.resolve() if args.model_dir else make_model(work)
@@ -265,7 +474,14 @@ def main() -> None:
                       f"{'-' if run['minutes_to_target'] is None else format(run['minutes_to_target'], '.1f')} min; "
                       f"{run['answers']} answers, {run['training_steps']} steps, {run['releases']} releases, "
                       f"{run['rejected']} rejected; peak trainer {run['trainer_peak_mb']} MB, daemon "
-                      f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s", flush=True)
+                      f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s; load "
+                      f"{run['load_mean']}", flush=True)
+                for p in run["probes"]:
+                    print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
+                          f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "
+                          f"{p['everyday_empty']}/{p['everyday']}, {p['everyday_words']} words; load {p['load']}")
+                for st in run["steps"]:
+                    print(f"    step: {st}")
         print("\n| preference | seed | reward before | after | minutes to +0.25 | answers | steps | releases | "
               "trainer peak MB | daemon peak MB |\n|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:

@@ -16,8 +16,21 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   (asymmetric clip ``[1 - clip_low, 1 + clip_high]``), averaged over all completion tokens of the batch (each
   token weighs the same, long answers do not dilute short ones' tokens). The ratio corrects for staleness: the
   records were sampled by the serving release, which may be up to ``max_staleness`` releases behind.
-  Optional entropy bonus; no KL term or reference model here (the gate is the guard against drift): a sample's
-  ``ref_logprobs`` add one (``kl_coef``, openclaw-rl's, against the model an adapter applies to).
+  Optional entropy bonus.
+- **A pull toward the base, on by default** (issue 41: without one, an unguarded scorer that an empty answer
+  satisfies drove SmolLM2 to answering nothing). ``kl_coef * KL(policy || base)`` per completion token joins the
+  loss (averaged over the batch's answer tokens as the policy loss), the base being the whole model the LoRA adapter
+  applies to: the same forward with the adapter switched off (peft's ``disable_adapter``, no gradient). Exact over
+  the vocabulary at each position, not the usual estimate on the sampled token (k3): that one's gradient on a token
+  is at most ``kl_coef``, too weak against an advantage of 1-2 that pulls the end token forward, and it never sees
+  the mass an unsampled end token took; the exact term's gradient grows with the drift. ``kl_ref`` (the term) and
+  ``kl_from_base`` (the watchdog's measure, ``max_kl``) are the same quantity. A policy training all its weights
+  has no base in the trainer: the defaults are inert there, another value is refused (``pull_coef``).
+- **Anti-collapse in the loss, read.** The token mean (not GRPO's per-answer 1/length) already keeps a one-token
+  empty answer from carrying a whole answer's weight on its end token; a batch whose answers all score alike (all
+  empty) has no signal and is skipped, so a collapsed policy is not pushed further but not back either; the
+  advantage of an empty answer is the scorer's. Capping an empty answer's advantage at 0 would stop exactly the
+  empty string and nothing near it (one word, a dot); the pull acts on every way of leaving the base.
 - **Steps.** ``steps_per_batch`` optimizer steps on one batch (later steps are off-policy, hence the clip);
   AdamW, gradient-norm clipping.
 - **What trains.** LoRA adapters (peft, rank ``lora_rank`` on the attention and MLP projections) for every model
@@ -51,7 +64,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +88,14 @@ class Sample:
     group: str  # same prompt, same group
     # per-token additions to the advantage (hindsight hints: teacher minus behaviour log-prob), or None
     token_bonus: list[float] | None = None
-    # log-probs of ``token_ids`` under a reference policy, or None: with the settings' ``kl_coef`` (openclaw-rl),
-    # ``kl_coef * KL(policy || reference)`` (k3 per token, ``kl_ref`` in the metrics) joins the loss
-    ref_logprobs: list[float] | None = None
+
+
+# the defaults of the pull toward the base and of the drift bound, for LoRA policies (every real model); measured on
+# SmolLM2 with bench/learning_real.py --offline --compare-kl (docs/recipes.md, "A pull toward the base"): with an
+# unguarded scorer (fewer words) and no pull, 4 default steps took the drift to 1.25 nats/token and the greedy head to
+# 1 of 24 facts and 1-word answers; with 1.0, drift stayed at 0.02-0.11, 17 of 24 facts, 44-word answers
+KL_COEF = 1.0
+MAX_KL = 0.5
 
 
 @dataclass
@@ -102,9 +120,14 @@ class OnlineRLSettings(GateSettings):
     lora: bool | None = None
     lora_rank: int = 8
     lora_alpha: int = 16
+    # the pull toward the reference: kl_coef * KL(policy || base) per completion token joins the loss, the base
+    # being the whole model the LoRA adapter applies to (the adapter off). 0: none. A policy training all its
+    # weights has no base in the trainer: there the default is inert and another value refused (pull_coef)
+    kl_coef: float = KL_COEF
     # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
-    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held
-    max_kl: float | None = None
+    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held.
+    # Inert, as kl_coef, on a policy training all its weights
+    max_kl: float | None = MAX_KL
     # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
     # validation prompts (recipes/tasks.py), scored by the trainer for the candidate and the serving head
     eval_family: str | None = None
@@ -282,8 +305,9 @@ def train_step(
         return {**summary, "skipped": 1.0}
     batch = [s for s, _ in used]
     adv_of = [a for _, a in used]
+    coef = pull_coef(model, settings)
     # micro-batches that fit the memory budget, their gradients accumulated (recipes/memory.py)
-    parts = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model),
+    parts = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], pull_shape(model, coef),
                           settings.memory_budget_mb)
     n = float(sum(len(s.token_ids) for s in batch))  # every completion token of the batch weighs the same
     params = [p for p in model.parameters() if p.requires_grad]
@@ -297,13 +321,12 @@ def train_step(
             for part in parts:
                 with checkpointing(model, part.checkpoint):
                     _accumulate(model, [batch[i] for i in part.rows], [adv_of[i] for i in part.rows], settings, n,
-                                sums)
+                                sums, coef)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if step == 0:
-                kl_coef = float(getattr(settings, "kl_coef", 0.0))
                 metrics = {
-                    "loss": sums["pg_loss"] - settings.entropy_coef * sums["entropy"] + kl_coef * sums["kl_ref"],
+                    "loss": sums["pg_loss"] - settings.entropy_coef * sums["entropy"] + coef * sums["kl_ref"],
                     "pg_loss": sums["pg_loss"],
                     "entropy": sums["entropy"],
                     "ratio_mean": sums["ratio"],
@@ -314,8 +337,10 @@ def train_step(
                     "grad_norm": float(grad_norm),
                     "micro_batches": float(len(parts)),
                     "checkpointed": float(sum(len(p.rows) for p in parts if p.checkpoint)),
-                    # k3 estimator of KL(current || reference) per token, the loss's KL term before its weight
-                    **({"kl_ref": sums["kl_ref"]} if any(s.ref_logprobs for s in batch) else {}),
+                    # the pull toward the base: its coefficient as applied (0: none), and KL(current || base) per
+                    # completion token, exact over the vocabulary, the loss's term before its weight
+                    "kl_coef": coef,
+                    **({"kl_ref": sums["kl_ref"]} if coef > 0 else {}),
                 }
     finally:
         model.train(was_training)
@@ -323,10 +348,10 @@ def train_step(
 
 
 def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: OnlineRLSettings, n: float,
-                sums: defaultdict[str, float]) -> None:
+                sums: defaultdict[str, float], coef: float = 0.0) -> None:
     """Forward and backward of one micro-batch, its loss a share of the whole batch's (divided by the batch's
-    token count ``n``, not its own): the accumulated gradient is the whole batch's. Adds its share of the
-    step's metrics to ``sums``."""
+    token count ``n``, not its own): the accumulated gradient is the whole batch's. ``coef``: the weight of the
+    pull toward the base (``pull_coef``). Adds its share of the step's metrics to ``sums``."""
     dev = model.device
     longest = max(len(s.token_ids) for s in batch)
     old = torch.zeros(len(batch), longest, device=dev)
@@ -336,7 +361,10 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         if s.token_bonus:
             bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
     adv = torch.tensor(adv_of, device=dev)[:, None] + bonus  # [B, T]
-    logp, entropy, tmask = token_logprobs(model, batch, entropy_grad=settings.entropy_coef != 0)
+    logp_all, targets, tmask = completion_log_softmax(model, batch)
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    with torch.set_grad_enabled(settings.entropy_coef != 0):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     log_ratio = (logp - old).masked_fill(~tmask, 0.0)
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
@@ -344,18 +372,9 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
     pg_loss = -(surrogate * tmask).sum() / n
     mean_entropy = (entropy * tmask).sum() / n
     loss = pg_loss - settings.entropy_coef * mean_entropy
-    kl_coef = float(getattr(settings, "kl_coef", 0.0))
-    if any(s.ref_logprobs for s in batch):  # the pull toward a reference policy (openclaw-rl's kl_coef)
-        ref = torch.zeros(len(batch), longest, device=dev)
-        has_ref = torch.zeros(len(batch), longest, dtype=torch.bool, device=dev)
-        for row, s in enumerate(batch):
-            if s.ref_logprobs:
-                ref[row, : len(s.ref_logprobs)] = torch.tensor(s.ref_logprobs)
-                has_ref[row, : len(s.ref_logprobs)] = True
-        ref_mask = tmask & has_ref
-        # k3 of KL(current || reference) on tokens the current policy sampled, clamped as slime's low_var_kl
-        kl_ref = (k3((ref - logp).masked_fill(~ref_mask, 0.0)).clamp(max=10.0) * ref_mask).sum() / n
-        loss = loss + kl_coef * kl_ref
+    if coef > 0:  # the pull toward the base: exact KL(current || base) at each completion position
+        kl_ref = (kl_per_position(logp_all, reference_log_softmax(model, batch)) * tmask).sum() / n
+        loss = loss + coef * kl_ref
         sums["kl_ref"] += float(kl_ref.detach())
     loss.backward()
     with torch.no_grad():
@@ -366,6 +385,46 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         sums["ratio_max"] = max(sums["ratio_max"], float(ratio.masked_fill(~tmask, 0).max()))
         sums["clipped"] += float((is_clipped & tmask).sum() / n)
         sums["kl"] += float((k3(log_ratio) * tmask).sum() / n)
+
+
+def pull_coef(model: Any, settings: Any) -> float:
+    """The weight of the pull toward the base that a step of ``model`` applies: the settings' ``kl_coef`` on a LoRA
+    policy (the base is the model its adapter applies to). A policy training all its weights has no base in the
+    trainer: there the recipe's default is inert (0) and any other value above 0 a ``ValueError``."""
+    coef = float(getattr(settings, "kl_coef", 0.0))
+    if coef == 0 or is_adapter(model):
+        return coef
+    if coef == _default(settings, "kl_coef"):
+        return 0.0
+    raise ValueError("kl_coef pulls toward the model a LoRA adapter applies to, and this model trains all its weights "
+                     "(it is below the size that gets adapters by default): set lora = true, or kl_coef = 0")
+
+
+def _default(settings: Any, key: str) -> Any:
+    """The default of a recipe setting (its Settings class's)."""
+    return next((f.default for f in fields(settings) if f.name == key), None)
+
+
+def pull_shape(model: Any, coef: float) -> Shape:
+    """The memory estimate's shape of a step: with the pull toward the base, each completion position keeps twice
+    the vocabulary-wide tensors (the base's log-softmax, the KL's terms for backward)."""
+    shape = Shape.of(model)
+    return replace(shape, vocab=2 * shape.vocab) if coef > 0 else shape
+
+
+@torch.no_grad()
+def reference_log_softmax(model: Any, batch: list[Sample]) -> torch.Tensor:
+    """The base's log-softmax at each position predicting a completion token [B, T, V], as
+    ``completion_log_softmax``: the LoRA policy with its adapter switched off, no gradient."""
+    with model.disable_adapter():
+        return completion_log_softmax(model, batch)[0]
+
+
+def kl_per_position(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``KL(p || ref)`` in nats at each position [B, T] from log-softmaxes [B, T, V], exact over the vocabulary:
+    unlike an estimate on the sampled token, it sees the mass an unsampled token (an early end) took from the base,
+    and its gradient grows with the drift."""
+    return (logp.exp() * (logp - ref)).sum(-1)
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -529,10 +588,7 @@ class OnlineRL(Recipe):
         check_eval_size(cls.name, settings, settings.eval_n, "eval_n")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
-        if settings.max_kl is not None and (settings.max_kl <= 0 or settings.lora is False):
-            raise BadRequest(f"recipe {cls.name} setting max_kl must be above 0 and needs LoRA adapters (the drift is "
-                             "measured against the model they apply to): leave lora unset or true",
-                             param="settings.max_kl")
+        check_pull(cls.name, settings)
 
     def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
@@ -576,9 +632,7 @@ class OnlineRL(Recipe):
         metrics["train_s"] = round(t_save - t0, 3)  # loading and evaluating the base included
         if is_adapter(model) and not metrics.get("skipped"):  # how far the policy moved from its base (watchdog)
             metrics["kl_from_base"] = round(kl_from_base(model, samples), 6)
-        elif settings.max_kl is not None and not is_adapter(model):
-            raise ValueError("max_kl is measured on LoRA policies only, and this model trains all its weights "
-                             "(it is below the size that gets adapters by default): set lora = true, or unset max_kl")
+        check_drift_bound(model, settings)
         if metrics.get("skipped"):  # no sample carried signal: no optimizer step, the model in memory unchanged
             return Candidate(metrics=metrics, skipped="no signal: every group's rewards were equal")
         out = Path(job.work_dir)
@@ -615,9 +669,7 @@ def kl_from_base(model: Any, samples: list[Sample]) -> float:
     total, tokens = 0.0, 0
     for s in samples[:KL_ROWS]:
         policy, _, mask = completion_log_softmax(model, [s])
-        with model.disable_adapter():
-            base, _, _ = completion_log_softmax(model, [s])
-        kl = (policy.exp() * (policy - base)).sum(-1)  # [1, T]
+        kl = kl_per_position(policy, reference_log_softmax(model, [s]))  # [1, T]
         total += float(kl[mask].sum())
         tokens += int(mask.sum())
     return total / max(tokens, 1)
@@ -674,6 +726,34 @@ def check_lora(recipe: str, settings: Any) -> None:
         if settings.lora is True and getattr(settings, key, False):
             raise BadRequest(f"recipe {recipe}: {key} trains whole weights, which lora = true leaves frozen; set "
                              f"lora = false to train them", param=f"settings.{key}")
+
+
+def check_pull(recipe: str, settings: Any) -> None:
+    """The pull toward the base and the drift bound every weights recipe shares (``kl_coef``, ``max_kl``): a
+    ``BadRequest`` naming the one that cannot work. Both act on LoRA policies (the base is the model the adapter
+    applies to): with ``lora = false`` their defaults are inert and another value is refused, never inert."""
+    def refuse(key: str, why: str) -> BadRequest:
+        return BadRequest(f"recipe {recipe} setting {key} {why}", param=f"settings.{key}")
+
+    if not (settings.kl_coef >= 0 and math.isfinite(settings.kl_coef)):
+        raise refuse("kl_coef", "must be a finite number, 0 or more (0: no pull toward the base)")
+    if settings.max_kl is not None and not (settings.max_kl > 0 and math.isfinite(settings.max_kl)):
+        raise refuse("max_kl", "must be a finite number above 0 (null: measured, never held)")
+    if settings.lora is False:
+        for key, off in (("kl_coef", "0"), ("max_kl", "null")):
+            value = getattr(settings, key)
+            if value and value != _default(settings, key):
+                raise refuse(key, f"needs LoRA adapters (the base it is measured against is the model they apply "
+                                  f"to, with the adapter off): leave lora unset or true, or set {key} = {off}")
+
+
+def check_drift_bound(model: Any, settings: Any) -> None:
+    """A ``max_kl`` other than the default on a policy training all its weights (too small for adapters by
+    default): a ``ValueError``, since nothing is measured there to hold it (the default is inert)."""
+    bound = getattr(settings, "max_kl", None)
+    if bound is not None and not is_adapter(model) and bound != _default(settings, "max_kl"):
+        raise ValueError("max_kl is measured on LoRA policies only, and this model trains all its weights (it is "
+                         "below the size that gets adapters by default): set lora = true, or max_kl = null")
 
 
 def save_adapter_candidate(model: Any, out: Path, job: TrainJob) -> int:

@@ -38,12 +38,13 @@ Design choices:
   (the source appends it to the last user message); a prompt that does not end with the template's generation
   prompt gets no hint.
 - **KL to the base** (``kl_coef``; the source's ``--use-kl-loss --kl-loss-type low_var_kl --ref-load`` the initial
-  checkpoint): ``kl_coef * KL(policy || reference)`` joins online-rl's loss, per token by the k3 estimator clamped at
-  10 as slime's ``low_var_kl``, averaged over the batch's tokens like the policy loss (slime: per sample, then
-  over samples); ``kl_ref`` in the step's metrics. The reference is the model the LoRA adapter applies to (the
-  adapter off, as ``kl_from_base``): a policy training all its weights has no fixed reference in the trainer, so
-  ``kl_coef > 0`` needs adapters. Default 0: the source's launch scripts run ``--kl-loss-coef 0.0`` (its README
-  states 0.02).
+  checkpoint): online-rl's pull toward the base, on by default as in every weights recipe (``recipes/online_rl.py``):
+  ``kl_coef * KL(policy || base)`` per completion token joins the loss, exact over the vocabulary (the source
+  estimates it on the sampled token, k3 clamped at 10), the base being the model the LoRA adapter applies to (the
+  adapter off); ``kl_ref`` in the step's metrics. The source's launch scripts run ``--kl-loss-coef 0.0`` (its
+  README states 0.02); here the default is online-rl's, measured on SmolLM2 with scorers an empty answer satisfies
+  (docs/recipes.md). A policy training all its weights has no fixed base in the trainer: there the default is inert
+  and another value refused.
 - **Left out.** A turn the votes call neutral does not train even with a hint (the combined method makes it a
   distillation-only sample; Reef's batches are scored exchanges). The source's top-K logit distillation (its OPD
   option B). Its advantage is the raw reward (+1 / -1, no normalisation); here online-rl's (1 / 0, baselined by the
@@ -187,10 +188,7 @@ class OpenClawRLSettings(OnlineRLSettings):
     hints: bool = False  # hindsight hints: train judged turns toward the hint-conditioned teacher's log-probs
     hint_coef: float = 1.0  # weight of the teacher's per-token advantage
     hint_max_tokens: int = 256  # the hint judge's answer (decision and a hint of 1-3 sentences)
-    # weight of the KL(policy || reference) term in the loss; the reference is the model the LoRA adapter applies
-    # to (adapter off: the scenario's initial weights). 0: none, as the source's launch scripts run (its README
-    # states 0.02). Above 0 needs LoRA adapters
-    kl_coef: float = 0.0
+    # kl_coef and max_kl: online-rl's (the pull toward the base on by default; the source's scripts run 0)
 
 
 class OpenClawRL(OnlineRL):
@@ -224,11 +222,6 @@ class OpenClawRL(OnlineRL):
                          "asked again: set it above 0 (the source samples its votes at 0.6), or judge_votes = 1")
         if settings.hints and not settings.hint_coef > 0:
             raise refuse("hint_coef", "must be above 0 with hints = true (0 gives the hints no weight)")
-        if not settings.kl_coef >= 0:
-            raise refuse("kl_coef", "must be 0 or more")
-        if settings.kl_coef > 0 and settings.lora is False:
-            raise refuse("kl_coef", "needs LoRA adapters (the reference is the model they apply to, with the "
-                         "adapter off): leave lora unset or true")
 
     @staticmethod
     def votes(settings: Any) -> int:
@@ -262,17 +255,8 @@ class OpenClawRL(OnlineRL):
         self._counts: dict[str, float] = {}
         import torch
 
-        from recipes.online_rl import is_adapter, token_logprobs
+        from recipes.online_rl import token_logprobs
 
-        if self.settings.kl_coef > 0:
-            if not is_adapter(model):
-                raise ValueError("kl_coef pulls toward the model a LoRA adapter applies to, and this model trains all "
-                                 "its weights (it is below the size that gets adapters by default): set lora = true, "
-                                 "or kl_coef = 0")
-            for s in samples:  # the reference: the adapter switched off
-                with torch.no_grad(), model.disable_adapter():
-                    logp, _, mask = token_logprobs(model, [s], entropy_grad=False)
-                s.ref_logprobs = logp[0][mask[0]].tolist()
         if not self.settings.hints:
             return samples
         for s, r in zip(samples, batch, strict=True):

@@ -88,15 +88,24 @@ from recipes.base import (
     check_alpha,
     check_eval_size,
 )
-from recipes.memory import Shape, check_budget, checkpointing, micro_batches
+from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
+    KL_COEF,
+    MAX_KL,
     Sample,
     _decoder_and_head,
     _eval_scores,
     _padded,
+    check_drift_bound,
     check_lora,
+    check_pull,
     is_adapter,
+    kl_from_base,
+    kl_per_position,
     load_policy,
+    pull_coef,
+    pull_shape,
+    reference_log_softmax,
     save_adapter_candidate,
 )
 
@@ -142,6 +151,10 @@ class SAOSettings(GateSettings):
     lora: bool | None = None
     lora_rank: int = 8
     lora_alpha: int = 16
+    # online-rl's pull toward the base (kl_coef * KL(policy || base) in the loss, LoRA policies) and drift bound
+    # (the watchdog holds a candidate whose kl_from_base exceeds max_kl); both on by default (docs/recipes.md)
+    kl_coef: float = KL_COEF
+    max_kl: float | None = MAX_KL
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,10 +239,11 @@ def save_weights(model: Any, out: Path, base: Path, *, frozen_embeddings: bool) 
 # --- the training step -------------------------------------------------------------------------------------------
 
 
-def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True, pull: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per completion token [B, T]: log-prob (with grad), entropy, the critic's features of the state it was
-    sampled from, and a mask. The output head runs only at the completion positions (``_decoder_and_head``)."""
+    sampled from, a mask, and with ``pull`` the exact KL(policy || base) at each position (with grad; None
+    without). The output head runs only at the completion positions (``_decoder_and_head``)."""
     pad = model.config.pad_token_id or 0
     dev = model.device
     ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
@@ -250,7 +264,8 @@ def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True
     logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy, critic_features(hidden, logp_all, logp), tmask
+    kl = kl_per_position(logp_all, reference_log_softmax(model, batch)) if pull else None
+    return logp, entropy, critic_features(hidden, logp_all, logp), tmask, kl
 
 
 CONFIDENCE_FEATURES = 4
@@ -315,7 +330,8 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         value.seeded = True
     # micro-batches that fit the memory budget (recipes/memory.py); one (the default single rollout): its forward
     # with grad serves the first step too, several: a forward without grad first, then each step's with grad
-    micro = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], Shape.of(model),
+    coef = pull_coef(model, settings)  # the pull toward the base (LoRA policies; 0: none)
+    micro = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], pull_shape(model, coef),
                           settings.memory_budget_mb)
     parts = [[batch[i] for i in p.rows] for p in micro]
     entropy_grad = settings.entropy_coef != 0
@@ -326,16 +342,16 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         first = []
         for part, mb in zip(parts, micro, strict=True):
             with torch.set_grad_enabled(len(parts) == 1), checkpointing(model, mb.checkpoint and len(parts) == 1):
-                first.append(_forward(model, part, entropy_grad=entropy_grad))
-        per: list[dict[str, torch.Tensor]] = []
-        for part, (logp, entropy, features, tmask) in zip(parts, first, strict=True):
+                first.append(_forward(model, part, entropy_grad=entropy_grad, pull=coef > 0 and len(parts) == 1))
+        per: list[dict[str, Any]] = []
+        for part, (logp, entropy, features, tmask, kl) in zip(parts, first, strict=True):
             behaviour = torch.zeros_like(logp)
             for row, s in enumerate(part):
                 behaviour[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
             rewards = torch.tensor([s.reward for s in part], device=logp.device)[:, None]
             v = value(features)  # the critic's grads only: its features are detached
             lam = torch.tensor([gae_lambda(settings, len(s.token_ids)) for s in part], device=logp.device)
-            per.append({"logp": logp, "entropy": entropy, "tmask": tmask, "prox": logp.detach(), "v": v,
+            per.append({"logp": logp, "entropy": entropy, "kl": kl, "tmask": tmask, "prox": logp.detach(), "v": v,
                         "rewards": rewards, "behaviour": behaviour, "lambda": lam,
                         "adv": gae_advantages(rewards, v.detach(), tmask, lam)})
         n = sum(p["tmask"].sum() for p in per).clamp(min=1)
@@ -357,26 +373,32 @@ def sao_step(model: Any, batch: list[Sample], settings: SAOSettings, learner: Le
         params = [q for q in model.parameters() if q.requires_grad]
         for step in range(settings.steps_per_batch):
             learner.optimizer.zero_grad(set_to_none=True)
-            pg_total = entropy_total = 0.0
+            pg_total = entropy_total = kl_total = 0.0
             for part, mb, p in zip(parts, micro, per, strict=True):
                 with checkpointing(model, mb.checkpoint):
                     if step or len(parts) > 1:
-                        logp, entropy, _, _ = _forward(model, part, entropy_grad=entropy_grad)
+                        logp, entropy, _, _, kl = _forward(model, part, entropy_grad=entropy_grad, pull=coef > 0)
                     else:
-                        logp, entropy = p["logp"], p["entropy"]
+                        logp, entropy, kl = p["logp"], p["entropy"], p["kl"]
                     ratio = (logp - p["prox"]).masked_fill(~p["used"], 0.0).exp()
                     clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
                     surrogate = torch.minimum(ratio * p["adv"], clipped * p["adv"])
                     pg_loss = -(p["w"] * surrogate * p["used"]).sum() / n_used
                     mean_entropy = (entropy * p["tmask"]).sum() / n
-                    (pg_loss - settings.entropy_coef * mean_entropy).backward()
+                    loss = pg_loss - settings.entropy_coef * mean_entropy
+                    if kl is not None:  # the pull toward the base, per completion token as the entropy
+                        kl_ref = (kl * p["tmask"]).sum() / n
+                        loss = loss + coef * kl_ref
+                        kl_total += float(kl_ref.detach())
+                    loss.backward()
                 pg_total += float(pg_loss.detach())
                 entropy_total += float(mean_entropy.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             learner.optimizer.step()
             if step == 0:
                 metrics = {"pg_loss": pg_total, "entropy": entropy_total, "grad_norm": float(grad_norm),
-                           "micro_batches": float(len(parts))}
+                           "micro_batches": float(len(parts)), "kl_coef": coef,
+                           **({"kl_ref": kl_total} if coef > 0 else {})}
     finally:
         model.train(was_training)
     with torch.no_grad():
@@ -442,6 +464,7 @@ class SAO(Recipe):
             check_eval_size(cls.name, as_gate, settings.eval_n, "eval_n")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
+        check_pull(cls.name, settings)
         if settings.is_cap < 1:
             raise BadRequest("recipe sao setting is_cap must be at least 1", param="settings.is_cap")
         if not 0 <= settings.gae_lambda <= 1:
@@ -505,6 +528,9 @@ class SAO(Recipe):
         t_train = time.perf_counter()
         metrics = sao_step(model, samples, s, learner)
         model.eval()
+        if is_adapter(model) and not metrics["skipped"]:  # how far the policy moved from its base (watchdog)
+            metrics["kl_from_base"] = round(kl_from_base(model, samples), 6)
+        check_drift_bound(model, s)
         lineages[job.base_key if metrics["skipped"] else job.candidate_key] = lin
         while len(lineages) > MAX_LINEAGES:
             lineages.popitem(last=False)

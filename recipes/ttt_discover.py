@@ -78,11 +78,16 @@ from daemon.gate import GATES, Verdict, check, judge_best
 from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
 from recipes.memory import check_budget
 from recipes.online_rl import (
+    KL_COEF,
+    MAX_KL,
     Sample,
+    check_drift_bound,
     check_lora,
+    check_pull,
     eos_ids,
     generate,
     is_adapter,
+    kl_from_base,
     load_policy,
     make_optimizer,
     save_adapter_candidate,
@@ -147,6 +152,10 @@ class TTTSettings(GateSettings):
     lora: bool | None = None
     lora_rank: int = 8
     lora_alpha: int = 16
+    # online-rl's pull toward the base (kl_coef * KL(policy || base) in the loss, LoRA policies) and drift bound
+    # (the watchdog holds a candidate whose kl_from_base exceeds max_kl); both on by default (docs/recipes.md)
+    kl_coef: float = KL_COEF
+    max_kl: float | None = MAX_KL
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,6 +351,7 @@ class TTTDiscover(Recipe):
                 raise BadRequest(f"recipe ttt-discover setting {key} must be at least 1", param=f"settings.{key}")
         check_budget(cls.name, settings.memory_budget_mb)
         check_lora(cls.name, settings)
+        check_pull(cls.name, settings)
         if settings.group_size < 2:
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")
@@ -439,6 +449,9 @@ class TTTDiscover(Recipe):
         metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
         model.eval()
         metrics.update(found)
+        if is_adapter(model) and not metrics.get("skipped"):  # how far the policy moved from its base (watchdog)
+            metrics["kl_from_base"] = round(kl_from_base(model, samples), 6)
+        check_drift_bound(model, s)
         if metrics.get("skipped"):
             metrics["train_s"] = round(time.perf_counter() - t0, 3)
             return Candidate(metrics=metrics, skipped="no signal: every group's attempts scored alike")

@@ -225,7 +225,7 @@ def test_settings_that_could_not_work_are_refused(daemon_factory: Any) -> None:
         ({"judge": "tiny", "judge_votes": 0}, "at least 1"),
         ({"judge": "tiny", "judge_temperature": 0}, "greedy"),  # three greedy votes: one answer three times
         ({"hints": True, "hint_coef": 0}, "hint_coef"),
-        ({"kl_coef": 0.1, "lora": False}, "LoRA"),
+        ({"kl_coef": 0.37, "lora": False}, "LoRA"),  # not the default (inert on whole weights): refused
         ({"kl_coef": -1}, "kl_coef"),
         ({"judge": "tiny", "hints": True, "hint_max_tokens": 0}, "hint_max_tokens"),
     ]
@@ -302,11 +302,16 @@ def test_the_kl_term_is_zero_at_the_base_and_pulls_the_policy_back_to_it(tiny_mo
 
 
 def test_the_kl_term_refuses_a_policy_without_an_adapter(tiny_model: Any) -> None:
+    """A policy training all its weights has no base in the trainer: the default coefficient is inert there (the
+    step says so, ``kl_coef`` 0), another one fails the step rather than doing nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
     batch = scored(model)
-    recipe = OpenClawRL(OpenClawRL.parse_settings({"kl_coef": 0.1}))
+    recipe = OpenClawRL(OpenClawRL.parse_settings({"kl_coef": 0.37}))
     with pytest.raises(ValueError, match="LoRA adapter"):
-        recipe.samples(batch, model, AutoTokenizer.from_pretrained(tiny_model))
-    assert OpenClawRL(OpenClawRL.parse_settings({})).samples(batch, model, None)[0].ref_logprobs is None
+        train_step(model, recipe.samples(batch, model, tok), recipe.settings)
+    default = OpenClawRL(OpenClawRL.parse_settings({}))
+    metrics = train_step(model, default.samples(batch, model, tok), default.settings)
+    assert metrics["kl_coef"] == 0 and "kl_ref" not in metrics
