@@ -46,6 +46,14 @@ def _message(role: str, text: str, tool_calls: list[Any] | None = None) -> dict[
     return out
 
 
+def render_lines(records: list[dict[str, Any]]) -> bytes:
+    """Records (``RecordStore.export_page``) as JSON Lines in the export shape. Run in a worker thread: parsing a
+    big request back into messages and encoding it go in short pieces (``daemon/jsontext.py``)."""
+    from daemon.jsontext import dumpb
+
+    return b"".join(dumpb(to_line(r)) + b"\n" for r in records)
+
+
 def to_line(rec: dict[str, Any]) -> dict[str, Any]:
     """One exchange record (``RecordStore.get_record`` shape, reports included) in the export shape."""
     proto = _protocol(rec.get("format"))

@@ -7,6 +7,9 @@ models, error kinds), so the memo stays small.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +32,8 @@ def _memo(metric: M) -> M:
     metric.labels = memo_labels  # type: ignore[method-assign]
     return metric
 
+LOOP_LAG_TICK_S = 0.02  # the loop-lag watch's timer: a stall is seen to within this much
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -60,6 +65,15 @@ class Metrics:
             registry=r,
         )
         self.upstream_errors = Counter("reef_upstream_errors", "Upstream failures", ["model", "kind"], registry=r)
+        self.loop_lag = Histogram(
+            "reef_event_loop_lag_seconds", f"How late the event loop ran a {LOOP_LAG_TICK_S * 1e3:.0f} ms timer (a"
+            " request arriving then waited as long)", buckets=_LAG_BUCKETS, registry=r,
+        )
+        self.loop_held = Histogram(
+            "reef_event_loop_held_seconds", "The part of each loop lag that the daemon's own work explains: less"
+            " the time its thread waited for a CPU, at most the CPU time the process used", buckets=_LAG_BUCKETS,
+            registry=r,
+        )
 
         for metric in vars(self).values():
             if isinstance(metric, Counter | Histogram) and metric._labelnames:
@@ -67,3 +81,34 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(lag: Histogram, held: Histogram, tick: float = LOOP_LAG_TICK_S) -> None:
+    """Observe, every ``tick`` seconds, how late the loop ran a timer that was due (``lag``: what a callback holding
+    the loop, or a thread holding the GIL, cost every request then), and how much of that this process's own work
+    explains (``held``): the lag less the time the loop's thread waited for a CPU (``/proc/thread-self/schedstat``),
+    and at most the CPU time the process used meanwhile. On a machine short of CPUs the lag grows with the queue
+    for them; what is held does not. A stall of S shows as at least S - tick (it may begin partway through a
+    sleep), so a bound B on what is seen bounds stalls by B + tick. Runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    try:
+        stat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # this thread's: the loop's
+    except OSError:  # a kernel without schedstats: the CPU-time bound only
+        stat = None
+    try:
+        while True:
+            due, cpu, waited = loop.time() + tick, time.process_time(), _run_delay(stat)
+            await asyncio.sleep(tick)
+            late = max(0.0, loop.time() - due)
+            lag.observe(late)
+            held.observe(max(0.0, min(late - (_run_delay(stat) - waited), time.process_time() - cpu)))
+    finally:
+        if stat is not None:
+            os.close(stat)
+
+
+def _run_delay(fd: int | None) -> float:
+    """Seconds the thread of ``fd``'s schedstat has waited, runnable, for a CPU (0 without one)."""
+    if fd is None:
+        return 0.0
+    return int(os.pread(fd, 128, 0).split()[1]) / 1e9

@@ -29,7 +29,7 @@ from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavail
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
 from daemon.learning import Learner
-from daemon.metrics import Metrics
+from daemon.metrics import Metrics, watch_loop_lag
 from daemon.names import check_scenario
 from daemon.protocols.base import WireFormat
 from daemon.protocols.sse import dumpb
@@ -123,6 +123,7 @@ class Reef:
         self._warm: asyncio.Task[None] | None = None
         self.telemetry: Telemetry | None = None  # [telemetry]: spans of exchanges and reports (daemon/telemetry.py)
         self._retention: asyncio.Task[None] | None = None
+        self._loop_lag: asyncio.Task[None] | None = None
         self.canaries = Canaries(self)
         self.learner.start_canary = self.canaries.begin
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
@@ -134,6 +135,7 @@ class Reef:
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag, self.metrics.loop_held), name="reef-loop-lag")
         if self.config.telemetry is not None:
             self.telemetry = _telemetry(self.config.telemetry, self.events, self.store)
             self.telemetry.start()
@@ -166,7 +168,7 @@ class Reef:
             log.exception("loading the default model %s", self.config.default_model)
 
     async def close(self) -> None:
-        for task in (self._warm, self._retention):
+        for task in (self._warm, self._retention, self._loop_lag):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -649,10 +649,16 @@ class TransformersEngine(Engine):
     def _prepare(self, load: Load, exchange: Exchange) -> tuple[list[int], SamplingParams, torch.Generator]:
         s = exchange.sampling
         check_sampling(s)
-        text = load.render(exchange)
         # no token spans more than ``max_token_chars`` characters: a prompt longer than that many per position of
-        # the context cannot fit, and is refused without tokenising it (10 MB took 9-13 s and held the GIL)
-        if len(text) > load.context_length * load.max_token_chars:
+        # the context cannot fit, and is refused without tokenising it (10 MB took 9-13 s and held the GIL); the
+        # prompt holds at least its messages' text, so one whose text alone is too long is not even rendered (the
+        # chat template over 870,000 messages took longer than all the rest)
+        bound = load.context_length * load.max_token_chars
+        chars = sum(len(p.text) for m in exchange.messages for p in m.parts if p.type in ("text", "tool_result"))
+        if chars > bound:
+            raise ContextLengthExceeded(-(-chars // load.max_token_chars), load.context_length, at_least=True)
+        text = load.render(exchange)
+        if len(text) > bound:
             raise ContextLengthExceeded(-(-len(text) // load.max_token_chars), load.context_length, at_least=True)
         prompt = load.encode_text(text)
         if len(prompt) >= load.context_length:
