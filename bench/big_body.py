@@ -64,6 +64,8 @@ def loop_lag_buckets(port: int, token: str, name: str = "lag") -> dict[float, fl
 
 def worst_lag(before: dict[float, float], after: dict[float, float]) -> float:
     """The bucket bound the longest lag observed between two readings falls under (inf: over the last bound)."""
+    if not after:  # a daemon without the histogram (before it was added)
+        return float("nan")
     total = after[float("inf")] - before[float("inf")]
     return min(le for le in after if after[le] - before[le] >= total)
 

@@ -66,12 +66,12 @@ def one_string(mb: float) -> tuple[str, bytes]:
 
 
 @pytest.mark.parametrize("make", [chat_many, anthropic_blocks, one_string],
-                         ids=["80k chat messages", "290k anthropic blocks", "one 16 MB string"])
+                         ids=["80k chat messages", "290k anthropic blocks", "one 40 MB string"])
 def test_a_big_body_never_holds_the_loop(daemon: Daemon, make: Any) -> None:
     """The issue's bodies (many short messages, many Anthropic text blocks) and one long string: decoded, parsed,
     refused (longer than the tiny model's context) and freed without the loop held 0.1 s at any moment; meanwhile
     ``/healthz`` answers (a client sees the loop turn), and the daemon serves on afterwards."""
-    path, body = make(16 if make is one_string else 9)
+    path, body = make(40 if make is one_string else 9)
     daemon.wait_loaded()
     with daemon.http() as c:
         before = held_buckets(c)
