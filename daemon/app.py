@@ -199,7 +199,7 @@ def provider_handler(wire: WireFormat) -> Handler:
             if is_big(text):  # freed in a thread, a slice at a time (daemon/bodies.py)
                 trash = [exchange]
                 del exchange
-                await discard(trash)
+                await discard(trash, text)
 
     return handle
 
@@ -223,7 +223,7 @@ async def handle_count_tokens(request: web.Request) -> web.Response:
         if is_big(text):  # freed in a thread, a slice at a time (daemon/bodies.py)
             trash = [exchange]
             del exchange
-            await discard(trash)
+            await discard(trash, text)
     return _json(anthropic.render_count_tokens(n))
 
 

@@ -15,7 +15,7 @@ so everything that grows with the body is cut into pieces of a few milliseconds:
   through ``json.dumps`` (0.3 s at 64 MB);
 - the protocol's parse (``WireFormat.parse_request``) is Python, so it lets go of the GIL on its own; it also works
   out ``Exchange.has_images`` there (0.2 s on the loop for 870,000 messages);
-- the cyclic garbage collector is kept from walking the parsed body while it lives (``_Quiet``): a full
+- the cyclic garbage collector is off while a body over ``QUIET_BYTES`` lives (``jsontext.QUIET``): a full
   collection walks every tracked object in one call, and 500,000 parsed messages are 1.3 million of them;
 - when the request is done, ``discard`` frees the parsed body a slice at a time in a thread (freed at once,
   500,000 messages held the GIL 0.1 s).
@@ -26,11 +26,7 @@ Measured with ``bench/big_body.py``: see docs/durability.md.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
-import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,6 +37,7 @@ T = TypeVar("T")
 
 BODY_TIMEOUT_S = 60.0
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are decoded in a worker thread, two at a time
+QUIET_BYTES = 4 << 20  # a body larger than this keeps the garbage collector off until it is discarded
 _BIG_PARSES = asyncio.Semaphore(2)
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -129,8 +126,8 @@ def _same(value: Any) -> Any:
 async def read_parsed(request: web.Request, limit: int, parse: Callable[[Any], T], *,
                       quiet: bool = False) -> tuple[T, str]:
     """``parse`` of the request's JSON body, and the body's text: a big body's decode and ``parse`` both run in a
-    worker thread (``parse`` must not touch the loop). ``quiet``: a big body's objects are kept out of the garbage
-    collector's walks until ``discard`` gets them (``_Quiet``); the caller must hand it to ``discard``."""
+    worker thread (``parse`` must not touch the loop). ``quiet``: a body over ``QUIET_BYTES`` keeps the garbage
+    collector off until ``discard`` gets it (``jsontext.QUIET``); the caller must hand every big one to it."""
     raw = await read_raw(request, limit)
     if len(raw) <= PARSE_OFF_LOOP_BYTES:
         return _parse_raw(raw, parse)
@@ -144,62 +141,19 @@ def _parse_raw(raw: bytes, parse: Callable[[Any], T]) -> tuple[T, str]:
 
 
 def _parse_quietly(raw: bytes, parse: Callable[[Any], T]) -> tuple[T, str]:
-    _QUIET.enter()
+    if len(raw) <= QUIET_BYTES:
+        return _parse_raw(raw, parse)
+    jsontext.QUIET.hold()  # until ``discard``
     try:
         out = _parse_raw(raw, parse)
     except BaseException:
-        _QUIET.parsed()
-        _QUIET.leave()
+        jsontext.QUIET.release()
         raise
-    _QUIET.parsed()
+    _HOLDING.add(id(out[1]))  # the text lives until ``discard``: its id names it until then
     return out
 
 
-class _Quiet:
-    """Keeps the cyclic garbage collector from walking big request bodies while they live. A full collection walks
-    every tracked object in one call: the daemon's own (0.36 s once torch is loaded) and a body's (500,000 parsed
-    messages are 1.3 million objects, 0.9 s). So the collector is off while a big body is parsed, and then
-    ``gc.freeze`` moves every tracked object out of its sight (it frees nothing: reference counting still does);
-    when the last big body is discarded, ``gc.unfreeze`` hands them all back. A window freezes for at most
-    ``WINDOW_S``: bodies parsed later in it are counted, not frozen, so that a daemon never quiet gives back what
-    it froze once the bodies of that time are done."""
-
-    WINDOW_S = 60.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parsing = 0
-        self._alive = 0
-        self._opened = 0.0
-        self._disabled = False
-
-    def enter(self) -> None:
-        with self._lock:
-            if not self._alive:
-                self._opened = time.monotonic()
-            self._alive += 1
-            self._parsing += 1
-            if self._parsing == 1 and gc.isenabled():
-                gc.disable()
-                self._disabled = True
-
-    def parsed(self) -> None:
-        with self._lock:
-            if time.monotonic() - self._opened < self.WINDOW_S:
-                gc.freeze()
-            self._parsing -= 1
-            if not self._parsing and self._disabled:
-                self._disabled = False
-                gc.enable()
-
-    def leave(self) -> None:
-        with self._lock:
-            self._alive -= 1
-            if not self._alive:
-                gc.unfreeze()
-
-
-_QUIET = _Quiet()
+_HOLDING: set[int] = set()  # the ids of the texts of bodies that hold the collector off
 
 
 def is_big(text: str) -> bool:
@@ -207,51 +161,13 @@ def is_big(text: str) -> bool:
     return len(text) > PARSE_OFF_LOOP_BYTES
 
 
-async def discard(trash: list[Any]) -> None:
-    """Take apart a big body's parse (``trash``: what ``read_parsed(..., quiet=True)`` gave, the caller's own names
-    dropped) in a thread, a slice at a time: freeing 500,000 parsed messages at once holds the GIL 0.1 s. Only what
-    nothing else holds is taken apart; the rest is left whole, freed where it is let go. Ends its quiet window."""
+async def discard(trash: list[Any], text: str) -> None:
+    """Free a big body's parse (``trash``: what ``read_parsed(..., quiet=True)`` gave, the caller's own names
+    dropped; ``text``: its body's text) in a thread, a slice at a time (``jsontext.take_apart``), and end its hold
+    on the garbage collector."""
     try:
-        await asyncio.to_thread(_take_apart, trash)
+        await asyncio.to_thread(jsontext.take_apart, trash)
     finally:
-        _QUIET.leave()
-
-
-_PIECE = 2000  # items freed per C call (with what each holds, when that is small)
-
-
-def _take_apart(stack: list[Any]) -> None:
-    while stack:
-        node = stack.pop()
-        if sys.getrefcount(node) > 2:  # more than ``node`` and getrefcount's argument: someone else's
-            continue
-        if isinstance(node, list):
-            while node:
-                piece = node[-_PIECE:]
-                del node[-_PIECE:]
-                stack.extend(v for v in piece if _holds_much(v))
-                del piece  # frees the items not kept, each with what it holds
-            continue
-        d = node if isinstance(node, dict) else vars(node)
-        values = [v for v in d.values() if isinstance(v, (list, dict)) or _is_object(v)]
-        d.clear()
-        stack.extend(values)
-        del values
-
-
-def _is_object(v: Any) -> bool:
-    return hasattr(v, "__dict__") and not isinstance(v, type)
-
-
-def _holds_much(v: Any) -> bool:
-    """Whether freeing ``v`` at once would free much: a big container, or one holding one (a message and its
-    content blocks)."""
-    if isinstance(v, (list, dict)):
-        if len(v) > _PIECE:
-            return True
-        inner = v.values() if isinstance(v, dict) else ()
-    elif _is_object(v):
-        inner = vars(v).values()
-    else:
-        return False
-    return any(isinstance(x, (list, dict)) and len(x) > _PIECE for x in inner)
+        if id(text) in _HOLDING:
+            _HOLDING.discard(id(text))
+            jsontext.QUIET.release()

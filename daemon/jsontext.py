@@ -11,7 +11,10 @@ of a few milliseconds each, between which the loop can take the GIL back:
   (base64 images, long plain text) are cut out before it and put back into the parsed strings afterwards. The
   placeholders are unguessable; one outside a string makes the text invalid, and it is then decoded whole;
 - the lone-surrogate scan runs over slices;
-- ``dumpb`` encodes long lists a piece at a time.
+- ``dumpb`` encodes long lists a piece at a time;
+- ``QUIET`` keeps the cyclic garbage collector off while what big JSON became lives: a full collection walks every
+  tracked object in one call (500,000 parsed messages are 1.3 million of them, 0.9 s);
+- ``take_apart`` frees it a slice at a time (freed at once, 500,000 parsed messages held the GIL 0.1 s).
 
 Not cut: one string that is long and full of escapes (a 64 MB source file with a newline every line) is still
 one scanner call.
@@ -20,10 +23,15 @@ one scanner call.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import gc
 import json
 import re
 import secrets
-from collections.abc import Callable
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -190,3 +198,94 @@ def _long_list(v: Any) -> bool:
 
 def _list(v: list[Any]) -> bytes:
     return b"[" + b",".join(orjson.dumps(v[i:i + _PIECE])[1:-1] for i in range(0, len(v), _PIECE)) + b"]"
+
+
+def take_apart(stack: list[Any]) -> None:
+    """Free what ``stack`` holds (lists, dicts, objects with a ``__dict__``, and what they hold) a slice at a time:
+    freed at once, 500,000 parsed messages held the GIL 0.1 s. Only what nothing else holds is taken apart (the
+    caller drops its own names first); the rest is left whole, to be freed where it is let go. Empties ``stack``."""
+    while stack:
+        node = stack.pop()
+        if sys.getrefcount(node) > 2:  # more than ``node`` and getrefcount's argument: someone else's
+            continue
+        if isinstance(node, list):
+            while node:
+                piece = node[-_PIECE:]
+                del node[-_PIECE:]
+                stack.extend(v for v in piece if _holds_much(v))
+                del piece  # frees the items not kept, each with what it holds
+            continue
+        d = node if isinstance(node, dict) else vars(node)
+        values = [v for v in d.values() if isinstance(v, (list, dict)) or _is_object(v)]
+        d.clear()
+        stack.extend(values)
+        del values
+
+
+def _is_object(v: Any) -> bool:
+    return hasattr(v, "__dict__") and not isinstance(v, type)
+
+
+def _holds_much(v: Any) -> bool:
+    """Whether freeing ``v`` at once would free much: a big container, or one holding one (a message and its
+    content blocks)."""
+    if isinstance(v, (list, dict)):
+        if len(v) > _PIECE:
+            return True
+        inner = v.values() if isinstance(v, dict) else ()
+    elif _is_object(v):
+        inner = vars(v).values()
+    else:
+        return False
+    return any(isinstance(x, (list, dict)) and len(x) > _PIECE for x in inner)
+
+
+class Quiet:
+    """Keeps the cyclic garbage collector off while something big built from JSON lives: a full collection walks
+    every tracked object in one call, GIL held, and 500,000 parsed messages are 1.3 million of them (0.9 s).
+    ``hold`` when building one begins, ``release`` when it is gone: the collector is off while any is held, for at
+    most ``WINDOW_S`` (then on again, until none is held), so that cyclic garbage made meanwhile waits, never
+    piles up. Nothing is frozen: what the window made is collected as usual afterwards."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = 0
+        self._opened = 0.0
+        self._disabled = False
+
+    def hold(self) -> None:
+        with self._lock:
+            if not self._held:
+                self._opened = time.monotonic()
+                if gc.isenabled():
+                    gc.disable()
+                    self._disabled = True
+            self._held += 1
+            self._expire()
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+            if not self._held and self._disabled:
+                self._disabled = False
+                gc.enable()
+            self._expire()
+
+    def _expire(self) -> None:
+        if self._disabled and time.monotonic() - self._opened > self.WINDOW_S:
+            self._disabled = False
+            gc.enable()
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around building (and dropping) something big and short-lived."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+QUIET = Quiet()

@@ -86,29 +86,67 @@ class Metrics:
 async def watch_loop_lag(lag: Histogram, held: Histogram, tick: float = LOOP_LAG_TICK_S) -> None:
     """Observe, every ``tick`` seconds, how late the loop ran a timer that was due (``lag``: what a callback holding
     the loop, or a thread holding the GIL, cost every request then), and how much of that this process's own work
-    explains (``held``): the lag less the time the loop's thread waited for a CPU (``/proc/thread-self/schedstat``),
-    and at most the CPU time the process used meanwhile. On a machine short of CPUs the lag grows with the queue
-    for them; what is held does not. A stall of S shows as at least S - tick (it may begin partway through a
-    sleep), so a bound B on what is seen bounds stalls by B + tick. Runs until cancelled."""
+    explains (``held``): the lag less the time its threads waited, runnable, for a CPU (``/proc/self/task/*/
+    schedstat``: the loop's thread, and a thread preempted while it held the GIL), and at most the CPU time the
+    process used meanwhile. On a machine short of CPUs the lag grows with the queue for them; what is held does
+    not. A stall of S shows as at least S - tick (it may begin partway through a sleep), so a bound B on what is
+    seen bounds stalls by B + tick. Runs until cancelled."""
     loop = asyncio.get_running_loop()
-    try:
-        stat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # this thread's: the loop's
-    except OSError:  # a kernel without schedstats: the CPU-time bound only
-        stat = None
+    waits = _Waits()
     try:
         while True:
-            due, cpu, waited = loop.time() + tick, time.process_time(), _run_delay(stat)
+            due, cpu = loop.time() + tick, time.process_time()
+            waits.since()
             await asyncio.sleep(tick)
             late = max(0.0, loop.time() - due)
             lag.observe(late)
-            held.observe(max(0.0, min(late - (_run_delay(stat) - waited), time.process_time() - cpu)))
+            held.observe(max(0.0, min(late - waits.since(), time.process_time() - cpu)))
     finally:
-        if stat is not None:
-            os.close(stat)
+        waits.close()
 
 
-def _run_delay(fd: int | None) -> float:
-    """Seconds the thread of ``fd``'s schedstat has waited, runnable, for a CPU (0 without one)."""
-    if fd is None:
-        return 0.0
-    return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+class _Waits:
+    """How long this process's threads have waited, runnable, for a CPU: each thread's schedstat kept open (the
+    list of threads read again every ``REFRESH`` calls), 4 µs a thread a read. Without schedstats: nothing."""
+
+    REFRESH = 50
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._calls = 0
+
+    def since(self) -> float:
+        """Seconds waited by the threads alive at both calls since the last call."""
+        if self._calls % self.REFRESH == 0:
+            self._refresh()
+        self._calls += 1
+        total = 0
+        for tid, fd in list(self._fds.items()):
+            try:
+                now = int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # the thread ended
+                os.close(self._fds.pop(tid))
+                self._last.pop(tid, None)
+                continue
+            before = self._last.get(tid)
+            self._last[tid] = now
+            if before is not None:
+                total += now - before
+        return total / 1e9
+
+    def _refresh(self) -> None:
+        try:
+            tids = set(os.listdir("/proc/self/task"))
+        except OSError:
+            return
+        for tid in tids - self._fds.keys():
+            try:
+                self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

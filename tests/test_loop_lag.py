@@ -145,6 +145,14 @@ def build_export(c: httpx.Client, records: int, size: int) -> int:
     return records * size
 
 
+def import_many_messages(c: httpx.Client, n: int) -> None:
+    """One exchange whose prompt is ``n`` short messages: one record that is a lot of work to render."""
+    prompt = [{"role": "user", "content": f"m{i}"} for i in range(n)]
+    r = c.post("/reef/records/import", timeout=600, json={"items": [
+        {"id": "rec_many", "scenario": "many", "prompt": prompt, "completion": [{"role": "assistant", "content": "ok"}]}]})
+    assert r.status_code == 201, r.text
+
+
 def peak_reset(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS (VmHWM) starts again from the RSS now
 
@@ -157,13 +165,14 @@ def status_kb(pid: int, key: str) -> int:
 
 
 def test_a_big_export_streams_with_bounded_memory_and_a_free_loop(daemon_factory: Any) -> None:
-    """Exporting 160 MB of records (records of 1 MB: a page of 500 would be the whole export) holds the daemon's
-    memory to a page's worth, far below the export's size, and never holds the loop 0.1 s; every record arrives,
-    oldest first, whole."""
+    """Exporting 160 MB of records (records of 1 MB: a page of 500 would be the whole export) and one record of
+    200,000 messages holds the daemon's memory to a page's worth, far below the export's size, and never holds the
+    loop 0.1 s; every record arrives, oldest first, whole."""
     d: Daemon = daemon_factory()
     records, size = 160, 1 << 20
     with d.http() as c:
         stored = build_export(c, records, size)
+        import_many_messages(c, 200_000)
         pid = d.proc.pid if d.proc is not None else 0
         rss = status_kb(pid, "VmRSS")
         peak_reset(pid)
@@ -174,11 +183,15 @@ def test_a_big_export_streams_with_bounded_memory_and_a_free_loop(daemon_factory
             for line in r.iter_lines():
                 row = json.loads(line)
                 got += len(line)
-                content = row["prompt"][0]["content"]
                 seen.append(row["id"])
+                content = row["prompt"][0]["content"]
                 assert len(content) == size + 6 and content.startswith(row["id"][-5:]), row["id"]
-        after = settled(c, held_buckets(c))
         grew_mb = (status_kb(pid, "VmHWM") - rss) / 1024
+        # one record of 200,000 messages: a lot of work for one line (its memory is the record's, not the page's)
+        many = c.get("/reef/records/export", params={"scenario": "many"}, timeout=600)
+        prompt = json.loads(many.text)["prompt"]
+        assert len(prompt) == 200_000 and prompt[-1]["content"] == "m199999"
+        after = settled(c, held_buckets(c))
     assert seen == [f"rec_big{i:05d}" for i in range(records)]
     assert got > stored
     # a page is 4 MB of stored bodies: its decode, its lines and the send buffer stay within tens of MB
