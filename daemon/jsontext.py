@@ -167,7 +167,11 @@ def _put_back(value: Any, prefix: str, marks: dict[str, str], pairs: PairsHook) 
     return root[0]
 
 
-_PLAIN = json.JSONDecoder(object_pairs_hook=dict)
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)  # Python, not the builtin: a call the scanner makes per object where the GIL can change hands
+
+
+_PLAIN = json.JSONDecoder(object_pairs_hook=_pairs)
 
 
 def loads(text: str | bytes) -> Any:
@@ -176,7 +180,7 @@ def loads(text: str | bytes) -> Any:
         return json.loads(text)
     if isinstance(text, bytes):
         text = decode_utf8(text)
-    value = decode_cut(text, _PLAIN, dict)
+    value = decode_cut(text, _PLAIN, _pairs)
     return _PLAIN.decode(text) if value is None else value
 
 

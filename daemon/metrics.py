@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any, TypeVar
 
@@ -86,13 +87,15 @@ class Metrics:
 async def watch_loop_lag(lag: Histogram, held: Histogram, tick: float = LOOP_LAG_TICK_S) -> None:
     """Observe, every ``tick`` seconds, how late the loop ran a timer that was due (``lag``: what a callback holding
     the loop, or a thread holding the GIL, cost every request then), and how much of that this process's own work
-    explains (``held``): the lag less the time its threads waited, runnable, for a CPU (``/proc/self/task/*/
-    schedstat``: the loop's thread, and a thread preempted while it held the GIL), and at most the CPU time the
-    process used meanwhile. On a machine short of CPUs the lag grows with the queue for them; what is held does
-    not. A stall of S shows as at least S - tick (it may begin partway through a sleep), so a bound B on what is
-    seen bounds stalls by B + tick. Runs until cancelled."""
+    explains (``held``): the lag less the time the loop's thread waited, runnable, for a CPU and less the longest
+    such wait of one other thread (``/proc/self/task/*/schedstat``: a worker preempted while it held the GIL; the
+    longest, not the sum, so that threads queueing beside it are not taken off too), and at most the CPU time the
+    process used meanwhile. On a machine short of CPUs the lag grows with the queue for them; what is held
+    mostly does not (it is an estimate there: which thread held the GIL is not known). A stall of S shows as at
+    least S - tick (it may begin partway through a sleep), so a bound B on what is seen bounds stalls by B + tick.
+    Runs until cancelled."""
     loop = asyncio.get_running_loop()
-    waits = _Waits()
+    waits = _Waits(str(threading.get_native_id()))
     try:
         while True:
             due, cpu = loop.time() + tick, time.process_time()
@@ -109,19 +112,20 @@ class _Waits:
     """How long this process's threads have waited, runnable, for a CPU: each thread's schedstat kept open (the
     list of threads read again every ``REFRESH`` calls), 4 µs a thread a read. Without schedstats: nothing."""
 
-    REFRESH = 50
+    REFRESH = 1  # every call: a worker thread that began within the tick counts too (20 µs a listing)
 
-    def __init__(self) -> None:
+    def __init__(self, own: str) -> None:
+        self._own = own  # the loop's thread
         self._fds: dict[str, int] = {}
         self._last: dict[str, int] = {}
         self._calls = 0
 
     def since(self) -> float:
-        """Seconds waited by the threads alive at both calls since the last call."""
+        """Seconds the loop's thread waited since the last call, plus the longest wait of one other thread."""
         if self._calls % self.REFRESH == 0:
             self._refresh()
         self._calls += 1
-        total = 0
+        own, other = 0, 0
         for tid, fd in list(self._fds.items()):
             try:
                 now = int(os.pread(fd, 128, 0).split()[1])
@@ -131,9 +135,13 @@ class _Waits:
                 continue
             before = self._last.get(tid)
             self._last[tid] = now
-            if before is not None:
-                total += now - before
-        return total / 1e9
+            if before is None:
+                continue
+            if tid == self._own:
+                own = now - before
+            else:
+                other = max(other, now - before)
+        return (own + other) / 1e9
 
     def _refresh(self) -> None:
         try:

@@ -132,6 +132,7 @@ class Reef:
         self.telemetry: Telemetry | None = None  # [telemetry]: spans of exchanges and reports (daemon/telemetry.py)
         self._retention: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
+        self._settled = False  # the heap frozen after the first engine's load (``_settle_heap``)
         self.canaries = Canaries(self)
         self.learner.start_canary = self.canaries.begin
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
@@ -168,9 +169,6 @@ class Reef:
     async def _warm_default(self) -> None:
         try:
             await self.engine(self.config.default_model)
-            # what start-up and the model's load made lives as long as the daemon: out of the cyclic collector's
-            # walks from now on (a full collection walked it in one call, GIL held: 0.36 s with torch loaded)
-            await asyncio.to_thread(_settle_heap)
         except ReefError as e:
             log.error("the default model %s cannot be served: %s", self.config.default_model, e.message)
         except asyncio.CancelledError:
@@ -222,6 +220,12 @@ class Reef:
                 self.loading.add(model)
                 try:
                     engine = await self._load_engine(model)
+                    if not self._settled:  # while the model still counts as loading: its requests wait anyway
+                        # what start-up and the first load made lives as long as the daemon: out of the cyclic
+                        # collector's walks from now on (a full collection walked it in one call, GIL held: 0.36 s
+                        # with torch loaded). The collection before is a stall of that size, once.
+                        self._settled = True
+                        await asyncio.to_thread(_settle_heap)
                 except ReefError as e:
                     self.load_errors[model], self._load_failures[model] = e.message, e
                     raise
