@@ -103,9 +103,10 @@ LOAD_WAIT_S = 600.0  # how long a request waits for its model's load (the first 
 
 
 def _settle_heap() -> None:
-    """Collect once, then move every object still alive out of the cyclic collector's sight (``gc.freeze``): later
-    full collections walk only what came after. Reference counting still frees frozen objects."""
-    gc.collect()
+    """Move every object alive out of the cyclic collector's sight (``gc.freeze``): later full collections walk
+    only what came after. Reference counting still frees frozen objects; cyclic garbage frozen with them is never
+    collected, and there is little (131 objects after torch's import and a model's load: the collector has run
+    meanwhile). No collection first: it would hold the GIL 0.4 s."""
     gc.freeze()
 
 
@@ -220,12 +221,12 @@ class Reef:
                 self.loading.add(model)
                 try:
                     engine = await self._load_engine(model)
-                    if not self._settled:  # while the model still counts as loading: its requests wait anyway
+                    if not self._settled:
                         # what start-up and the first load made lives as long as the daemon: out of the cyclic
                         # collector's walks from now on (a full collection walked it in one call, GIL held: 0.36 s
-                        # with torch loaded). The collection before is a stall of that size, once.
+                        # with torch loaded)
                         self._settled = True
-                        await asyncio.to_thread(_settle_heap)
+                        _settle_heap()
                 except ReefError as e:
                     self.load_errors[model], self._load_failures[model] = e.message, e
                     raise

@@ -136,7 +136,7 @@ def build_export(c: httpx.Client, records: int, size: int) -> int:
     """``records`` exchanges of ``size`` bytes of prompt each, imported in batches; returns the stored bytes."""
     batch = max(1, (32 << 20) // size)
     for start in range(0, records, batch):
-        items = [{"id": f"rec_big{i:05d}", "scenario": "big", "score": 0.5,
+        items = [{"id": f"rec_big{i:05d}", "scenario": "big",
                   "prompt": [{"role": "user", "content": f"{i:05d} " + "x" * size}],
                   "completion": [{"role": "assistant", "content": "ok"}]}
                  for i in range(start, min(records, start + batch))]
@@ -168,7 +168,7 @@ def test_a_big_export_streams_with_bounded_memory_and_a_free_loop(daemon_factory
     """Exporting 160 MB of records (records of 1 MB: a page of 500 would be the whole export) and one record of
     200,000 messages holds the daemon's memory to a page's worth, far below the export's size, and never holds the
     loop 0.1 s; every record arrives, oldest first, whole."""
-    d: Daemon = daemon_factory()
+    d: Daemon = daemon_factory().wait_loaded()  # the model's load is not what is measured
     records, size = 160, 1 << 20
     with d.http() as c:
         stored = build_export(c, records, size)
