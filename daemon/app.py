@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import orjson
 
 from daemon import forgetting, listening, openapi, providers, release_page, web
+from daemon.bodies import discard, is_big, read_json, read_parsed
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -46,14 +46,9 @@ from recipes import check_api_recipe, load_recipe, report_schemas
 
 log = logging.getLogger("reef.http")
 
-BODY_TIMEOUT_S = 60.0
-PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are decoded in a worker thread, two at a time
-_BIG_PARSES = asyncio.Semaphore(2)
 MAX_REFERENCES = 10_000
 EVENTS_SEND_BUFFER = 64 * 1024  # bytes of events an /reef/events connection holds unsent, beyond its queue
 EVENTS_DROPPED_GRACE_S = 10.0  # a dropped subscriber's connection closes when it has not taken its end by then
-
-_LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 Handler = Callable[[web.Request], Awaitable["web.Response | web.StreamResponse"]]
 
@@ -67,80 +62,6 @@ def _token_of(request: web.Request) -> str | None:
         scheme, _, value = auth.partition(" ")
         return value.strip() if scheme.lower() == "bearer" else None
     return request.headers.get("x-api-key")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r} in an object")
-        out[key] = value
-    return out
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
-
-
-def parse_json(raw: bytes) -> Any:
-    """Decode a request body strictly; every failure is a ``BadRequest`` that says what is wrong."""
-    return parse_json_text(raw)[0]
-
-
-def parse_json_text(raw: bytes) -> tuple[Any, str]:
-    """``parse_json``, and the body's text: valid JSON as received, what the record stores (no re-encoding)."""
-    if not raw:
-        raise BadRequest("request body is empty; send a JSON object")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raise BadRequest("request body starts with a byte order mark; send plain UTF-8 JSON")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        value = _DECODER.decode(text)
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except ValueError as e:  # duplicate keys, NaN/Infinity, integers beyond the digit limit
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if _LONE_SURROGATE.search(text):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadRequest("request body contains a lone UTF-16 surrogate escape (like \\ud800)") from None
-        except RecursionError:
-            raise BadRequest("request body is nested too deeply") from None
-    return value, text
-
-
-async def read_json(request: web.Request, limit: int) -> Any:
-    return (await read_json_text(request, limit))[0]
-
-
-async def read_json_text(request: web.Request, limit: int) -> tuple[Any, str]:
-    """The request's JSON body and its text (``parse_json_text``). A declared length over the limit never gets
-    here (``_dispatcher`` refuses it); a chunked body is cut off at the limit by the server."""
-    try:
-        if request.body_complete:  # all of it already came with the head: nothing to wait for, no timer
-            raw = await request.read()
-        else:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
-                raw = await request.read()
-    except web.BodyTooLarge:
-        raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
-    except web.MalformedBody as e:
-        raise BadRequest(f"malformed request body: {e}") from None
-    except TimeoutError:
-        raise BadRequest(f"request body not received within {BODY_TIMEOUT_S:.0f} s", status=408) from None
-    if len(raw) > PARSE_OFF_LOOP_BYTES:  # tens of thousands of objects cost the loop most of a second
-        async with _BIG_PARSES:
-            return await asyncio.to_thread(parse_json_text, raw)
-    return parse_json_text(raw)
 
 
 def error_response(request: web.Request, err: ReefError) -> web.Response:
@@ -256,20 +177,29 @@ def provider_handler(wire: WireFormat) -> Handler:
     async def handle(request: web.Request) -> web.Response | web.StreamResponse:
         reef = request.ctx
         scenario, run = _scenario_and_run(request)
-        body, text = await read_json_text(request, reef.config.max_body_bytes)
-        exchange = wire.parse_request(body)
+        exchange, text = await read_parsed(request, reef.config.max_body_bytes, wire.parse_request, quiet=True)
         exchange.headers, exchange.query = request.headers, request.query_string
-        answer = await reef.serve_path.serve(wire, exchange, scenario=scenario, run=run, headers=request.headers,
-                                             request_text=text)
-        if isinstance(answer, Answer):
-            return web.Response(answer.body, headers=answer.headers)
         try:
-            resp = web.StreamResponse(headers={**_SSE_HEADERS, **answer.headers})
-            await resp.prepare(request)
-            await answer.send(resp)
-            return resp
+            try:
+                answer = await reef.serve_path.serve(wire, exchange, scenario=scenario, run=run,
+                                                     headers=request.headers, request_text=text)
+            except ReefError as err:  # a refusal: its traceback's frames would keep the exchange alive
+                err.__traceback__ = None
+                raise
+            if isinstance(answer, Answer):
+                return web.Response(answer.body, headers=answer.headers)
+            try:
+                resp = web.StreamResponse(headers={**_SSE_HEADERS, **answer.headers})
+                await resp.prepare(request)
+                await answer.send(resp)
+                return resp
+            finally:
+                await answer.close()
         finally:
-            await answer.close()
+            if is_big(text):  # freed in a thread, a slice at a time (daemon/bodies.py)
+                trash = [exchange]
+                del exchange
+                await discard(trash, text)
 
     return handle
 
@@ -281,11 +211,19 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contr
 async def handle_count_tokens(request: web.Request) -> web.Response:
     reef = request.ctx
     scenario, _ = _scenario_and_run(request)
-    body = await read_json(request, reef.config.max_body_bytes)
-    exchange = anthropic.parse_count_tokens(body)
+    exchange, text = await read_parsed(request, reef.config.max_body_bytes, anthropic.parse_count_tokens, quiet=True)
     exchange.headers, exchange.query = request.headers, request.query_string
-    n = await reef.serve_path.count_tokens(exchange, scenario=scenario,
-                                           pinned_release=request.headers.get("x-reef-release-id"))
+    try:
+        n = await reef.serve_path.count_tokens(exchange, scenario=scenario,
+                                               pinned_release=request.headers.get("x-reef-release-id"))
+    except ReefError as err:  # a refusal: its traceback's frames would keep the exchange alive
+        err.__traceback__ = None
+        raise
+    finally:
+        if is_big(text):  # freed in a thread, a slice at a time (daemon/bodies.py)
+            trash = [exchange]
+            del exchange
+            await discard(trash, text)
     return _json(anthropic.render_count_tokens(n))
 
 
@@ -408,8 +346,10 @@ def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
 
 async def handle_export(request: web.Request) -> web.StreamResponse:
     """The exchanges (of a scenario, since a time) as JSON Lines in the export shape (``daemon/export.py``),
-    streamed a page at a time: a million records never sit in memory."""
-    from daemon.export import to_line
+    streamed a page at a time (``RecordStore.export_page``: bounded in bytes), each page read and rendered in a
+    worker thread and written when the client has taken the one before: memory stays a page's worth, however big
+    the export, and the loop only hands pages on."""
+    from daemon.export import render_lines
 
     reef = request.ctx
     scenario = request.query.get("scenario")
@@ -420,13 +360,14 @@ async def handle_export(request: web.Request) -> web.StreamResponse:
         since_t = float(since) if since is not None else None
     except ValueError:
         raise BadRequest("since must be a time in seconds since the epoch", param="since") from None
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"}, send_buffer=1 << 20)
     await resp.prepare(request)
     after: int | None = 0
     while after is not None:
         page, after = await reef.store.export_page(scenario=scenario, since=since_t, after=after)
-        if page:
-            await resp.write(b"".join(_dumpb(to_line(r)) + b"\n" for r in page))
+        data = await asyncio.to_thread(render_lines, page) if page else b""
+        del page
+        await resp.write(data)  # waits while the client's socket holds more than the send buffer
     return resp
 
 

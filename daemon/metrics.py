@@ -7,6 +7,10 @@ models, error kinds), so the memo stays small.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import time
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +33,8 @@ def _memo(metric: M) -> M:
     metric.labels = memo_labels  # type: ignore[method-assign]
     return metric
 
+LOOP_LAG_TICK_S = 0.02  # the loop-lag watch's timer: a stall is seen to within this much
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -62,6 +68,15 @@ class Metrics:
             registry=r,
         )
         self.upstream_errors = Counter("reef_upstream_errors", "Upstream failures", ["model", "kind"], registry=r)
+        self.loop_lag = Histogram(
+            "reef_event_loop_lag_seconds", f"How late the event loop ran a {LOOP_LAG_TICK_S * 1e3:.0f} ms timer (a"
+            " request arriving then waited as long)", buckets=_LAG_BUCKETS, registry=r,
+        )
+        self.loop_held = Histogram(
+            "reef_event_loop_held_seconds", "The part of each loop lag that the daemon's own work explains: less"
+            " the time its thread waited for a CPU, at most the CPU time the process used", buckets=_LAG_BUCKETS,
+            registry=r,
+        )
 
         for metric in vars(self).values():
             if isinstance(metric, Counter | Histogram) and metric._labelnames:
@@ -69,3 +84,79 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(lag: Histogram, held: Histogram, tick: float = LOOP_LAG_TICK_S) -> None:
+    """Observe, every ``tick`` seconds, how late the loop ran a timer that was due (``lag``: what a callback holding
+    the loop, or a thread holding the GIL, cost every request then), and how much of that this process's own work
+    explains (``held``): the lag less the time the loop's thread waited, runnable, for a CPU and less the longest
+    such wait of one other thread (``/proc/self/task/*/schedstat``: a worker preempted while it held the GIL; the
+    longest, not the sum, so that threads queueing beside it are not taken off too), and at most the CPU time the
+    process used meanwhile. On a machine short of CPUs the lag grows with the queue for them; what is held
+    mostly does not (it is an estimate there: which thread held the GIL is not known). A stall of S shows as at
+    least S - tick (it may begin partway through a sleep), so a bound B on what is seen bounds stalls by B + tick.
+    Runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    waits = _Waits(str(threading.get_native_id()))
+    try:
+        while True:
+            due, cpu = loop.time() + tick, time.process_time()
+            waits.since()
+            await asyncio.sleep(tick)
+            late = max(0.0, loop.time() - due)
+            lag.observe(late)
+            held.observe(max(0.0, min(late - waits.since(), time.process_time() - cpu)))
+    finally:
+        waits.close()
+
+
+class _Waits:
+    """How long this process's threads have waited, runnable, for a CPU: each thread's schedstat kept open (the
+    list of threads read again every ``REFRESH`` calls), 4 µs a thread a read. Without schedstats: nothing."""
+
+    REFRESH = 1  # every call: a worker thread that began within the tick counts too (20 µs a listing)
+
+    def __init__(self, own: str) -> None:
+        self._own = own  # the loop's thread
+        self._fds: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._calls = 0
+
+    def since(self) -> float:
+        """Seconds the loop's thread waited since the last call, plus the longest wait of one other thread."""
+        if self._calls % self.REFRESH == 0:
+            self._refresh()
+        self._calls += 1
+        own, other = 0, 0
+        for tid, fd in list(self._fds.items()):
+            try:
+                now = int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # the thread ended
+                os.close(self._fds.pop(tid))
+                self._last.pop(tid, None)
+                continue
+            before = self._last.get(tid)
+            self._last[tid] = now
+            if before is None:
+                continue
+            if tid == self._own:
+                own = now - before
+            else:
+                other = max(other, now - before)
+        return (own + other) / 1e9
+
+    def _refresh(self) -> None:
+        try:
+            tids = set(os.listdir("/proc/self/task"))
+        except OSError:
+            return
+        for tid in tids - self._fds.keys():
+            try:
+                self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -620,7 +620,8 @@ class ServerEngine(Engine):
         from daemon.engines.transformers import render_chat
 
         text = render_chat(self._tokenizer, exchange)
-        return self._tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        # a batch of one: ``encode_batch`` lets go of the GIL, ``encode`` holds it (daemon/engines/transformers.py)
+        return self._tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _prepare(self, exchange: Exchange) -> tuple[list[int], Any]:
         from daemon.engines.transformers import SamplingParams, check_sampling

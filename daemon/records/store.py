@@ -56,6 +56,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from daemon import jsontext
 from daemon.errors import (
     BadRequest,
     Forgotten,
@@ -180,6 +181,10 @@ _RECORD_COLUMNS = (
     "runtime_load_id, request, response, headers, timings, usage, prompt_token_ids, token_ids, logprobs, report, capture,"
     " forgotten_at, content_hash"
 )
+# what a record's bodies and tokens take stored: what an export page's size is counted in
+_STORED_BYTES = " + ".join(f"COALESCE(length({c}), 0)" for c in
+                           ("request", "response", "prompt_token_ids", "token_ids", "logprobs"))
+EXPORT_PAGE_BYTES = 4 << 20
 _SUMMARY_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
     "runtime_load_id, timings, usage, report, capture, forgotten_at"
@@ -896,10 +901,11 @@ class RecordStore:
 
     # --- export and import ---------------------------------------------------------------------------------
 
-    async def export_page(self, *, scenario: str | None, since: float | None, after: int,
-                          limit: int = 500) -> tuple[list[dict[str, Any]], int | None]:
-        """Exchange records (bodies and reports) after seq ``after``, oldest first, at most ``limit``; and the
-        seq to continue after (None: no more)."""
+    async def export_page(self, *, scenario: str | None, since: float | None, after: int, limit: int = 500,
+                          max_bytes: int = EXPORT_PAGE_BYTES) -> tuple[list[dict[str, Any]], int | None]:
+        """Exchange records (bodies and reports) after seq ``after``, oldest first: at most ``limit``, and no more
+        than ``max_bytes`` of stored bodies and tokens (but at least one), so that a page of big records is as
+        small in memory as one of small ones; and the seq to continue after (None: no more)."""
 
         def op(conn: Conn) -> tuple[list[dict[str, Any]], int | None]:
             clauses, args = ["kind='exchange'", "seq>?"], [after]
@@ -909,8 +915,18 @@ class RecordStore:
             if since is not None:
                 clauses.append("created_at>=?")
                 args.append(since)
-            rows = conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {' AND '.join(clauses)}"
-                                f" ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
+            where = " AND ".join(clauses)
+            sizes = conn.execute(f"SELECT seq, {_STORED_BYTES} FROM records WHERE {where} ORDER BY seq LIMIT ?",
+                                 (*args, limit)).fetchall()
+            if not sizes:
+                return [], None
+            take, total = 0, 0
+            for row in sizes:
+                if take and total + row[1] > max_bytes:
+                    break
+                take, total = take + 1, total + row[1]
+            rows = conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} AND seq<=? ORDER BY seq",
+                                (*args, sizes[take - 1][0])).fetchall()
             out = [_record(r) for r in rows]
             by_id = {r["id"]: r for r in out}
             for r in out:
@@ -922,7 +938,8 @@ class RecordStore:
                         list(by_id)).fetchall():
                     rep = _record(r)
                     by_id[rep.pop("receipt")]["reports"].append(rep)
-            return out, (out[-1]["seq"] if len(out) == limit else None)
+            more = take < len(sizes) or len(sizes) == limit
+            return out, (out[-1]["seq"] if out and more else None)
 
         return await self.read(op)
 
@@ -1277,7 +1294,7 @@ def _record(row: Any) -> dict[str, Any]:
     for key in row.keys():
         value = row[key]
         if key in ("request", "response", "headers", "timings", "usage", "report") and value is not None:
-            value = json.loads(value)
+            value = jsontext.loads(value)  # a big body in short pieces: reads run in threads beside the loop
         elif key in ("prompt_token_ids", "token_ids"):
             value = _unpack(value, "i")
         elif key == "logprobs":

@@ -1,0 +1,125 @@
+"""One big export against a real daemon: how long the event loop stalls and how much memory the daemon takes.
+
+Starts ``python -m daemon`` with the tiny model in a throwaway ``REEF_HOME``, imports ``--mb`` megabytes of
+exchanges (records of ``--record-kb`` each), then reads ``GET /reef/records/export`` to the end while asking
+``/healthz`` every 20 ms on another connection. Prints the export's size and time, the longest ``/healthz`` wait
+while it streamed, the daemon's own loop lag and held figures (``bench/big_body.py``), and its RSS before and at
+its peak (``VmHWM``, reset before the export).
+
+Run: ``.venv/bin/python bench/big_export.py [--mb 300] [--record-kb 1024]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.big_body import healthz, loop_lag_buckets, worst_lag  # noqa: E402
+
+
+def healthz_body(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data.replace(b" ", b"")
+
+
+def status_mb(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=300)
+    ap.add_argument("--record-kb", type=int, default=1024)
+    args = ap.parse_args()
+    import httpx
+
+    from bench.proxy_overhead import daemon_command
+    from daemon.models import init_tiny
+
+    tiny = init_tiny(Path(tempfile.gettempdir()) / "reef-bench-models" / "tiny", seed=0)
+    home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
+    (home / "logs").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (home / "config.toml").write_text(f'port = {port}\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
+    env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(daemon_command(), env=env, cwd=home)
+    try:
+        while True:
+            try:
+                healthz(port)
+                break
+            except OSError:
+                time.sleep(0.1)
+        token = (home / "token").read_text().strip()
+        while b'"loaded":["tiny"]' not in healthz_body(port):  # the model's load is not what is measured
+            time.sleep(0.2)
+        size = args.record_kb * 1024
+        records = int(args.mb * 2**20) // size
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
+                          timeout=900) as c:
+            batch = max(1, (32 << 20) // size)
+            for start in range(0, records, batch):
+                items = [{"id": f"rec_big{i:06d}", "scenario": "big",
+                          "prompt": [{"role": "user", "content": f"{i:06d} " + "x" * size}],
+                          "completion": [{"role": "assistant", "content": "ok"}]}
+                         for i in range(start, min(records, start + batch))]
+                r = c.post("/reef/records/import", json={"items": items})
+                assert r.status_code == 201, r.text
+            time.sleep(2)
+            lag_before, held_before = loop_lag_buckets(port, token), loop_lag_buckets(port, token, "held")
+            rss = status_mb(proc.pid, "VmRSS")
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
+            waits: list[float] = []
+            done = threading.Event()
+
+            def probe() -> None:
+                while not done.is_set():
+                    waits.append(healthz(port))
+                    time.sleep(0.02)
+
+            prober = threading.Thread(target=probe, daemon=True)
+            prober.start()
+            t0, got, lines = time.perf_counter(), 0, 0
+            with c.stream("GET", "/reef/records/export", params={"scenario": "big"}) as r:
+                for line in r.iter_lines():
+                    got += len(line)
+                    lines += 1
+            took = time.perf_counter() - t0
+            done.set()
+            prober.join()
+            peak = status_mb(proc.pid, "VmHWM")
+            lag = worst_lag(lag_before, loop_lag_buckets(port, token))
+            held = worst_lag(held_before, loop_lag_buckets(port, token, "held"))
+        print(f"export of {lines} records, {got / 1e6:.0f} MB, in {took:.1f} s")
+        print(f"/healthz during it: {len(waits)} answers, longest {max(waits) * 1e3:.0f} ms; the daemon's own loop"
+              f" lag: at most {lag * 1e3:.0f} ms, of it held by its work: at most {held * 1e3:.0f} ms")
+        print(f"RSS MB: before {rss:.0f}  peak during the export {peak:.0f} (+{peak - rss:.0f})")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
