@@ -119,15 +119,17 @@ async def test_the_watch_counts_the_loop_held_not_a_thread_asleep() -> None:
         await asyncio.sleep(0.1)
         await asyncio.to_thread(time.sleep, 0.3)  # a thread asleep: the loop turns meanwhile
         await asyncio.sleep(0.05)
-        assert over(lag, 0.1) == over(held, 0.1) == 0
+        assert over(held, 0.1) == 0  # (the lag may not be 0: this machine's queue for a CPU)
+        lagged = over(lag, 0.1)
         end = time.process_time() + 0.3
         while time.process_time() < end:  # the loop's own thread busy 0.3 s of CPU
             pass
         await asyncio.sleep(0.05)
-        assert over(held, 0.1) == 1 and over(lag, 0.1) == 1
+        assert over(held, 0.1) == 1 and over(lag, 0.1) >= lagged + 1
+        lagged = over(lag, 0.1)
         time.sleep(0.3)  # the loop blocked, but working on nothing: lag, not held
         await asyncio.sleep(0.05)
-        assert over(lag, 0.1) == 2 and over(held, 0.1) == 1
+        assert over(lag, 0.1) >= lagged + 1 and over(held, 0.1) == 1
     finally:
         watch.cancel()
 
