@@ -86,20 +86,8 @@ class Exchange:
     headers: Mapping[str, str] = field(default_factory=dict)
     query: str = ""
 
-    # (the messages list it was worked out for, its length, the answer): see ``has_images``
-    _images: tuple[list[Message], int, bool] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.has_images()  # where the parse runs: a big body's worker thread (daemon/bodies.py), not the loop
-
     def has_images(self) -> bool:
-        """Whether a message holds an image. Worked out once per messages list (0.2 s for 870,000 messages: not
-        again on the loop when an engine asks), again when the list is replaced or grows."""
-        seen = self._images
-        if seen is None or seen[0] is not self.messages or seen[1] != len(self.messages):
-            seen = self._images = (self.messages, len(self.messages),
-                                   any(p.type == "image" for m in self.messages for p in m.parts))
-        return seen[2]
+        return any(p.type == "image" for m in self.messages for p in m.parts)
 
 
 @dataclass

@@ -119,15 +119,17 @@ async def test_the_watch_counts_the_loop_held_not_a_thread_asleep() -> None:
         await asyncio.sleep(0.1)
         await asyncio.to_thread(time.sleep, 0.3)  # a thread asleep: the loop turns meanwhile
         await asyncio.sleep(0.05)
-        assert over(lag, 0.1) == over(held, 0.1) == 0
+        assert over(held, 0.1) == 0  # (the lag may not be 0: this machine's queue for a CPU)
+        lagged = over(lag, 0.1)
         end = time.process_time() + 0.3
         while time.process_time() < end:  # the loop's own thread busy 0.3 s of CPU
             pass
         await asyncio.sleep(0.05)
-        assert over(held, 0.1) == 1 and over(lag, 0.1) == 1
+        assert over(held, 0.1) == 1 and over(lag, 0.1) >= lagged + 1
+        lagged = over(lag, 0.1)
         time.sleep(0.3)  # the loop blocked, but working on nothing: lag, not held
         await asyncio.sleep(0.05)
-        assert over(lag, 0.1) == 2 and over(held, 0.1) == 1
+        assert over(lag, 0.1) >= lagged + 1 and over(held, 0.1) == 1
     finally:
         watch.cancel()
 
@@ -200,7 +202,7 @@ def test_a_big_export_streams_with_bounded_memory_and_a_free_loop(daemon_factory
 
 
 async def test_export_pages_are_bounded_in_bytes_and_go_on_where_they_stopped(records_at: str) -> None:
-    """The store's page: as many records as fit the byte budget (at least one, however big), and the seq to go on
+    """The store's page: records until they hold the byte budget (at least one, however big), and the seq to go on
     after; the next page starts there, so nothing is skipped or repeated, on either backend."""
     from daemon.records import ExchangeRecord, open_store
 
@@ -221,8 +223,9 @@ async def test_export_pages_are_bounded_in_bytes_and_go_on_where_they_stopped(re
                 out.append([r["id"] for r in page])
             return out
 
-        assert await pages(700_000) == [ids[0:2], ids[2:4], ids[4:6], ids[6:7]]
-        assert await pages(1) == [[rid] for rid in ids]  # one record over the budget still makes a page
+        assert await pages(700_000) == [ids[0:3], ids[3:6], ids[6:7]]  # until a page holds the budget
+        # one record over the budget still makes a page; a full page may have more after it (here: none)
+        assert await pages(1) == [[rid] for rid in ids] + [[]]
         assert await pages(10 << 20) == [ids]
         assert await pages(10 << 20, limit=3) == [ids[0:3], ids[3:6], ids[6:7]]
         assert await pages(10 << 20, limit=7) == [ids, []]  # a full page by count: maybe more

@@ -626,6 +626,8 @@ class ServerEngine(Engine):
     def _prepare(self, exchange: Exchange) -> tuple[list[int], Any]:
         from daemon.engines.transformers import SamplingParams, check_sampling
 
+        if exchange.has_images():  # here, in the thread: 0.2 s on the loop for 870,000 messages
+            raise Unsupported(f"model {self.entry.name} is text-only: image content is not supported", param="messages")
         s = exchange.sampling
         check_sampling(s)
         prompt = self._encode(exchange)
@@ -644,8 +646,6 @@ class ServerEngine(Engine):
         )
 
     async def generate(self, exchange: Exchange, release: ReleaseRef | None = None) -> AsyncIterator[EngineEvent]:
-        if exchange.has_images():
-            raise Unsupported(f"model {self.entry.name} is text-only: image content is not supported", param="messages")
         if not self._ready.is_set() and not self._switching:
             raise self._unavailable()
         prompt, params = await asyncio.to_thread(self._prepare, exchange)

@@ -182,8 +182,7 @@ _RECORD_COLUMNS = (
     " forgotten_at, content_hash"
 )
 # what a record's bodies and tokens take stored: what an export page's size is counted in
-_STORED_BYTES = " + ".join(f"COALESCE(length({c}), 0)" for c in
-                           ("request", "response", "prompt_token_ids", "token_ids", "logprobs"))
+_SIZED = ("request", "response", "prompt_token_ids", "token_ids", "logprobs")
 EXPORT_PAGE_BYTES = 4 << 20
 _SUMMARY_COLUMNS = (
     "seq, id, kind, scenario, run, created_at, status, format, engine, model, release_id, content_id, "
@@ -904,8 +903,9 @@ class RecordStore:
     async def export_page(self, *, scenario: str | None, since: float | None, after: int, limit: int = 500,
                           max_bytes: int = EXPORT_PAGE_BYTES) -> tuple[list[dict[str, Any]], int | None]:
         """Exchange records (bodies and reports) after seq ``after``, oldest first: at most ``limit``, and no more
-        than ``max_bytes`` of stored bodies and tokens (but at least one), so that a page of big records is as
-        small in memory as one of small ones; and the seq to continue after (None: no more)."""
+        once they hold ``max_bytes`` of stored bodies and tokens (at least one, however big), so that a page of
+        big records is as small in memory as one of small ones; and the seq to continue after (None: no more).
+        Rows are taken one at a time (SQLite reads each once; its ``length()`` of TEXT reads it all)."""
 
         def op(conn: Conn) -> tuple[list[dict[str, Any]], int | None]:
             clauses, args = ["kind='exchange'", "seq>?"], [after]
@@ -915,18 +915,17 @@ class RecordStore:
             if since is not None:
                 clauses.append("created_at>=?")
                 args.append(since)
-            where = " AND ".join(clauses)
-            sizes = conn.execute(f"SELECT seq, {_STORED_BYTES} FROM records WHERE {where} ORDER BY seq LIMIT ?",
-                                 (*args, limit)).fetchall()
-            if not sizes:
-                return [], None
-            take, total = 0, 0
-            for row in sizes:
-                if take and total + row[1] > max_bytes:
+            cur = conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {' AND '.join(clauses)}"
+                               f" ORDER BY seq LIMIT ?", (*args, limit))
+            rows, total, full = [], 0, False
+            while (row := cur.fetchone()) is not None:
+                rows.append(row)
+                total += sum(len(row[c]) for c in _SIZED if row[c] is not None)
+                if total >= max_bytes:
+                    full = True
                     break
-                take, total = take + 1, total + row[1]
-            rows = conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} AND seq<=? ORDER BY seq",
-                                (*args, sizes[take - 1][0])).fetchall()
+            if full and hasattr(cur, "close"):
+                cur.close()
             out = [_record(r) for r in rows]
             by_id = {r["id"]: r for r in out}
             for r in out:
@@ -938,7 +937,7 @@ class RecordStore:
                         list(by_id)).fetchall():
                     rep = _record(r)
                     by_id[rep.pop("receipt")]["reports"].append(rep)
-            more = take < len(sizes) or len(sizes) == limit
+            more = full or len(rows) == limit
             return out, (out[-1]["seq"] if out and more else None)
 
         return await self.read(op)
