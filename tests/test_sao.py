@@ -282,7 +282,9 @@ def test_the_periodic_gate_checks_every_kth_step_and_after_a_failed_check_every_
     recipes.mkdir()
     (recipes / "failing_check.py").write_text(FAILING_CHECK)
     d: Daemon = with_recipe_paths(daemon_factory, recipes)
-    settings = {"eval_family": "say", "eval_n": 4, "eval_every": 3}
+    # the held-out check off: this test is about the periodic gate (tests/test_heldout.py has the check), and its
+    # 36 probes on each of 16 steps took this test past its guard on a loaded machine
+    settings = {"eval_family": "say", "eval_n": 4, "eval_every": 3, "heldout_check": False}
     with d.http() as c:
         # margin 0.9 on 4 prompts: the tiny model answers none, so candidate and head tie and every check passes
         # (first step after the start, then every third)
