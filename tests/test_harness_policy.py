@@ -16,8 +16,6 @@ everything fails here too. A real daemon (the tiny model) over real sockets; the
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from daemon.chain_remote import ChainRemote
 from daemon.errors import RemoteReleaseRefused
 from daemon.releases import ReleaseStore
 from recipes.harness_search.mutations import Limits, Refused, apply, parse
-from tests.conftest import Daemon, assert_canonical_error, make_home
+from tests.conftest import Daemon, assert_canonical_error
 from tests.test_chain_remote import bare
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401, F811 - recipe_dir: a fixture
 
@@ -97,15 +95,6 @@ BENIGN = {
     "a rule about the sandbox directory": ("rule", "Keep scratch files in the sandbox/ directory of the project."),
     "a rule with a tab and an npm scope": ("rule", "Import types from @types/node\tand keep them current."),
 }
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_model: Path) -> Iterator[Daemon]:
-    home, port, env = make_home(tiny_model)
-    d = Daemon(home=home, port=port, env=env).start()
-    yield d
-    d.stop()
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def scenario(c: httpx.Client, name: str) -> str:
