@@ -740,6 +740,44 @@ async def _release_page(request: web.Request, scenario: str | None) -> web.Respo
                                  "x-reef-release-id": data.release["release_id"]})
 
 
+def _eval_args(request: web.Request) -> dict[str, Any]:
+    transfer = request.query.get("transfer") or None
+    if transfer is not None:
+        check_scenario(transfer)
+    return {"transfer": transfer, "last": _int_param(request, "last", None, 1, 100_000)}
+
+
+async def handle_eval(request: web.Request) -> web.Response:
+    """``GET``: the scenario's ``reef eval`` table from what is known (recorded at the gate, cached, reported),
+    measuring nothing (``daemon/evaluation.py``)."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    return _json(await reef.evaluations.evaluate(name, measure=False, **_eval_args(request)))
+
+
+async def handle_measure(request: web.Request) -> web.StreamResponse:
+    """``POST``: the table, measuring what is missing: JSON Lines, ``{"progress": ...}`` per release measured, then
+    ``{"result": ...}`` (or ``{"error": ...}`` when something beyond a figure broke). Bad arguments are a 4xx
+    before the stream starts."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    args = _eval_args(request)
+    await reef.evaluations.check(name, args["transfer"], args["last"])
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+
+    async def progress(p: dict[str, Any]) -> None:
+        await resp.write(_dumpb({"progress": p}) + b"\n")
+
+    try:
+        result = await reef.evaluations.evaluate(name, progress=progress, **args)
+    except ReefError as e:
+        await resp.write(_dumpb({"error": {"type": e.type, "message": e.message}}) + b"\n")
+        return resp
+    await resp.write(_dumpb({"result": result}) + b"\n")
+    return resp
+
+
 async def handle_release_page(request: web.Request) -> web.Response:
     return await _release_page(request, None)
 
@@ -932,6 +970,8 @@ def router() -> web.Router:
     r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}/page", handle_scenario_release_page)
+    r.add("GET", "/reef/scenarios/{name}/eval", handle_eval)
+    r.add("POST", "/reef/scenarios/{name}/eval", handle_measure)
     r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))
     r.add("POST", "/reef/scenarios/{name}/promote", steer_handler("promote"))
     r.add("GET", "/reef/releases/{release}", handle_release)

@@ -163,6 +163,14 @@ LISTING = {"after": {"type": "integer", "minimum": 0, "maximum": 2**62}, "limit"
            "run": ref("RunName"), "kind": {"enum": ["exchange", "report"]}, "order": {"enum": ["asc", "desc"]}}
 RELEASE_VIEW = {"allOf": [ref("Release"), obj({"head": S, "adapter": nullable(O), "diff": O}, ["head"])]}
 SWITCHED = ref("Scenario")
+FIGURE = obj({"status": {"enum": ["ok", "n/a", "failed"]}, "value": N, "n": I, "source": S, "reason": S}, ["status"])
+EVAL = obj({"scenario": S, "recipe": S, "kind": S, "head": nullable(S), "transfer": nullable(S), "base": O,
+            "reward_how": nullable(S), "probes_how": nullable(S), "transfer_how": nullable(S),
+            "rows": arr(obj({"release_id": S, "step": I, "operation": S, "content_id": S, "head": B,
+                             "reward": FIGURE, "probes": FIGURE, "forgetting": FIGURE, "transfer": FIGURE},
+                            ["release_id", "step", "reward", "probes", "forgetting", "transfer"])),
+            "measured": I, "cached": I, "seconds": N}, ["scenario", "rows"])
+EVAL_QUERY = {"last": {"type": "integer", "minimum": 1, "maximum": 100_000}, "transfer": ref("ScenarioName")}
 
 
 def _reef_routes() -> dict[tuple[str, str], Op]:
@@ -225,6 +233,14 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
         ("GET", "/reef/scenarios/{name}/releases/{release}"): Op(
             "one release of the scenario, with its diff to its parent", RELEASE_VIEW, query={"diff": S},
             errors={404: "no such release in this scenario"}),
+        ("GET", "/reef/scenarios/{name}/eval"): Op(
+            "reef eval: per release, the held-out reward, probe accuracy against the base and transfer, from what "
+            "is known (recorded at the gate, cached, reported); measures nothing", EVAL, query=EVAL_QUERY,
+            errors={**SCENARIO_404, 400: "a transfer scenario that does not exist, or is this one"}),
+        ("POST", "/reef/scenarios/{name}/eval"): Op(
+            "reef eval, measuring what is missing through the engine: JSON Lines of progress, then the result",
+            S, media=("application/x-ndjson",), query=EVAL_QUERY,
+            errors={**SCENARIO_404, 400: "a transfer scenario that does not exist, or is this one"}),
         ("POST", "/reef/scenarios/{name}/rollback"): Op(
             "publish an earlier release's content as the new head", ref("Release"), CREATED, body=STEER,
             errors={**SCENARIO_404, 409: "the head moved (names both)"}),

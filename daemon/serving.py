@@ -27,6 +27,7 @@ from daemon.config import Config, TelemetrySettings
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
 from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
+from daemon.evaluation import Evaluations
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
 from daemon.learning import Learner
@@ -123,6 +124,8 @@ class Reef:
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
         self.learner = Learner(config, self.store, self.chains, self.events, self.metrics, self.engine,
                                scopes=self.scopes)
+        self.evaluations = Evaluations(config.home, self.store, self.chains, self.events, self.engine,
+                                       self.learner.make_recipe)  # reef eval (daemon/evaluation.py)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
