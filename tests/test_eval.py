@@ -1,0 +1,211 @@
+"""``reef eval`` (``daemon/evaluation.py``, ``reef_cli/evaluation.py``): per release, the held-out reward (the
+learning curve), probe accuracy against the base (forgetting) and transfer.
+
+In-process, against a stand-in engine whose answers depend on the release asked (so a figure read from the wrong
+release is a wrong number): the curve rises and falls at the right rows, a figure the gate recorded is read and
+one recorded under other settings is measured again, a second eval measures nothing (the cache), a failing engine
+gives ``failed: reason`` (never a number, never cached). Through a real daemon and the tiny model: the reported
+reward on reserved prompts per release, a release that answers nothing (crafted weights, promoted past the
+held-out check) loses probe accuracy and transfer against the base, ``--json``'s shape, the table, the release
+page's section, and unknown scenarios refused with their exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from daemon.errors import BadRequest, EngineError, NotFound
+from daemon.evaluation import Evaluations, cell
+from daemon.gating.heldout import shipped_probes
+from recipes import load_recipe
+from recipes.tasks import get_family
+
+FAMILY = get_family("say")
+TASKS = FAMILY.validation(8, seed=0)
+SETTINGS = {"eval_family": "say", "eval_n": 8}
+
+
+def _make_recipe(recipe: str, settings: dict[str, Any]) -> Any:
+    cls = load_recipe(recipe)
+    return cls(cls.parse_settings(settings))
+
+
+def _today() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {"recipe": "online-rl", **asdict(_make_recipe("online-rl", SETTINGS).settings)}
+
+
+class _Engine:
+    """Answers by the content asked: ``good`` every task and probe right, ``half`` the first half of the tasks and
+    every probe, ``silent`` nothing at all. What it was asked, by content."""
+
+    def __init__(self, behaviour: dict[str, str], fail: str | None = None) -> None:
+        self.behaviour, self.fail = behaviour, fail
+        self.asked: list[tuple[str, str]] = []
+        self.unloaded: list[str] = []
+        self.resident: dict[str, str] = {}
+        self.answers = {t.prompt: t.answer for t in TASKS} | {p.prompt: p.accept[0] for p in shipped_probes()}
+        self.index = {t.prompt: i for i, t in enumerate(TASKS)}
+
+    async def generate(self, exchange: Any, release: Any) -> Any:
+        from daemon.exchange import Completion, Finish
+
+        if self.fail:
+            raise EngineError(self.fail)
+        prompt = exchange.messages[-1].text
+        content = release.content_id.removeprefix("eval:")
+        self.asked.append((content, prompt))
+        how = self.behaviour[content]
+        right = how == "good" or (how == "half" and self.index.get(prompt, 0) < len(TASKS) // 2)
+        text = "" if how == "silent" else self.answers[prompt] if right else "something else entirely"
+        yield Finish(Completion(text=text, prompt_token_ids=[1], token_ids=[5, 6, 2] if text else [2],
+                                logprobs=[-0.1] * (3 if text else 1)))
+
+    async def unload(self, release: Any) -> None:
+        self.unloaded.append(release.release_id)
+
+
+def _rel(step: int, content: str, parent: str | None, metrics: dict[str, Any] | None = None,
+         settings: dict[str, Any] | None = None, operation: str = "train") -> Any:
+    return SimpleNamespace(release_id=f"rel_{step}", content_id=content, step=step, parent=parent,
+                           operation=operation if step else "init", kind="weights", metrics=metrics or {},
+                           settings=settings or {}, created_at=float(step))
+
+
+def _evaluations(tmp_path: Path, engine: Any, chain: list[Any]) -> tuple[Evaluations, list[Any]]:
+    scenario = SimpleNamespace(name="s", recipe="online-rl", model="tiny", settings=SETTINGS)
+    events: list[Any] = []
+
+    async def get_scenario(name: str) -> Any:
+        if name != "s":
+            raise NotFound(f"no scenario named {name!r}")
+        return scenario
+
+    async def history(name: str, limit: int | None = None) -> list[Any]:
+        return chain[::-1]
+
+    async def head_id(name: str) -> str:
+        return str(chain[-1].release_id)
+
+    async def ref(scen: Any, rel: Any) -> Any:
+        from daemon.engines.base import ReleaseRef
+
+        return ReleaseRef(rel.release_id, rel.content_id, tmp_path / rel.content_id)
+
+    async def scored(name: str, after: int = 0) -> Any:
+        return [], 0
+
+    async def get_engine(model: str) -> Any:
+        return engine
+
+    store = SimpleNamespace(get_scenario=get_scenario, scored_exchanges=scored)
+    chains = SimpleNamespace(history=history, head_id=head_id, ref=ref)
+    bus = SimpleNamespace(publish=lambda kind, **data: events.append((kind, data)))
+    return Evaluations(tmp_path, store, chains, bus, get_engine, _make_recipe), events
+
+
+def _chain() -> list[Any]:
+    """base (half the tasks) -> step 1 (all: its gate recorded 1.0) -> step 2 (half again; its gate's figure was
+    made under other settings: measured again) -> step 3 (answers nothing)."""
+    today = _today()
+    return [_rel(0, "c_base", None),
+            _rel(1, "c_good", "rel_0", {"eval_reward": 1.0, "base_reward": 0.5}, today),
+            _rel(2, "c_half", "rel_1", {"eval_reward": 0.9}, {**today, "eval_n": 64}),
+            _rel(3, "c_silent", "rel_2")]
+
+
+BEHAVIOUR = {"c_base": "half", "c_good": "good", "c_half": "half", "c_silent": "silent"}
+
+
+def test_the_curve_rises_and_falls_at_the_right_rows_and_gate_figures_are_read(tmp_path: Path) -> None:
+    engine = _Engine(BEHAVIOUR)
+    ev, events = _evaluations(tmp_path, engine, _chain())
+    progress: list[dict[str, Any]] = []
+
+    async def note(p: dict[str, Any]) -> None:
+        progress.append(p)
+
+    out = asyncio.run(ev.evaluate("s", progress=note))
+    rows = out["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["reward"]["value"] for r in rows] == [0.5, 1.0, 0.5, 0.0]  # up at step 1, down at 2 and 3
+    # the base's and step 1's reward are the gate's (step 1's own, the base's from step 1's base_reward); step 2's
+    # gate figure (0.9) was made on 64 tasks, not today's 8: measured again
+    assert [r["reward"]["source"] for r in rows] == ["gate", "gate", "measured", "measured"]
+    assert not [p for c, p in engine.asked if c == "c_good" and p in engine.index]  # its reward was not asked
+    assert [r["probes"]["value"] for r in rows] == [1.0, 1.0, 1.0, 0.0]
+    assert [r["forgetting"]["value"] for r in rows] == [0.0, 0.0, 0.0, -1.0]
+    assert rows[3]["transfer"] == {"status": "n/a", "reason": "no transfer scenario asked (--transfer OTHER)"}
+    assert rows[3]["head"] and not rows[2]["head"] and out["base"]["release_id"] == "rel_0"
+    assert sorted(engine.unloaded) == ["eval:c_base", "eval:c_good", "eval:c_half", "eval:c_silent"]
+    assert [p["step"] for p in progress] == [0, 1, 2, 3] and progress[0]["measuring"] == ["probes"]
+    states = [e[1]["state"] for e in events if e[0] == "eval"]
+    assert states == ["started", *["measuring"] * 4, "done"]
+    # --last 1: one row, against the same base
+    last = asyncio.run(ev.evaluate("s", last=1))
+    assert [r["step"] for r in last["rows"]] == [3] and last["rows"][0]["forgetting"]["value"] == -1.0
+
+
+def test_a_second_eval_measures_nothing(tmp_path: Path) -> None:
+    engine = _Engine(BEHAVIOUR)
+    ev, _ = _evaluations(tmp_path, engine, _chain())
+    first = asyncio.run(ev.evaluate("s"))
+    asked = len(engine.asked)
+    ev2, _ = _evaluations(tmp_path, engine, _chain())  # a restarted daemon: the cache is the file's
+    again = asyncio.run(ev2.evaluate("s"))
+    assert len(engine.asked) == asked and again["measured"] == 0 and again["cached"] == first["measured"] > 0
+    assert [r["reward"]["value"] for r in again["rows"]] == [r["reward"]["value"] for r in first["rows"]]
+    assert {r["probes"]["source"] for r in again["rows"]} == {"cached"}
+    known = asyncio.run(ev2.evaluate("s", measure=False))  # GET: what is known, the cache included
+    assert known["rows"] == again["rows"]
+
+
+def test_what_is_not_known_says_so_without_measuring(tmp_path: Path) -> None:
+    engine = _Engine(BEHAVIOUR)
+    ev, _ = _evaluations(tmp_path, engine, _chain())
+    out = asyncio.run(ev.evaluate("s", measure=False))
+    assert engine.asked == [] and out["measured"] == 0
+    assert out["rows"][1]["reward"]["value"] == 1.0  # recorded at the gate
+    assert out["rows"][3]["probes"] == {"status": "n/a", "reason": "not measured yet (reef eval measures it)"}
+    assert cell(out["rows"][3]["probes"]) == "n/a"
+
+
+def test_a_failing_engine_gives_failed_with_the_reason_never_a_number(tmp_path: Path) -> None:
+    engine = _Engine(BEHAVIOUR, fail="model tiny is not loaded")
+    ev, _ = _evaluations(tmp_path, engine, _chain())
+    out = asyncio.run(ev.evaluate("s"))
+    step3 = out["rows"][3]
+    assert step3["probes"] == {"status": "failed", "reason": "model tiny is not loaded"}
+    assert step3["reward"] == {"status": "failed", "reason": "model tiny is not loaded"}
+    assert step3["forgetting"]["status"] == "failed" and "value" not in step3["forgetting"]
+    assert cell(step3["probes"]) == "failed: model tiny is not loaded"
+    assert out["rows"][1]["reward"] == {"status": "ok", "value": 1.0, "n": 8, "source": "gate"}  # recorded: stands
+    assert out["measured"] == 0 and not (tmp_path / "eval" / "cache.json").exists()  # nothing cached: tried again
+    engine.fail = None
+    assert asyncio.run(ev.evaluate("s"))["rows"][3]["probes"]["value"] == 0.0
+
+
+def test_unknown_scenarios_and_bad_arguments_are_refused(tmp_path: Path) -> None:
+    ev, _ = _evaluations(tmp_path, _Engine(BEHAVIOUR), _chain())
+    with pytest.raises(NotFound):
+        asyncio.run(ev.evaluate("nope"))
+    for transfer in ("elsewhere", "s"):
+        with pytest.raises(BadRequest) as e:
+            asyncio.run(ev.evaluate("s", transfer=transfer))
+        assert e.value.data["param"] == "transfer"
+    with pytest.raises(BadRequest):
+        asyncio.run(ev.evaluate("s", last=0))
+
+
+def test_cells() -> None:
+    assert cell({"status": "ok", "value": 0.25, "n": 3, "source": "gate"}) == "0.25"
+    assert cell({"status": "ok", "value": -0.5, "n": 3, "source": "x"}, signed=True) == "-0.50"
+    assert cell({"status": "failed", "reason": "boom"}) == "failed: boom"
+    assert cell({"status": "n/a", "reason": "why"}) == cell(None) == "n/a"
+    assert json.loads(json.dumps({"status": "n/a"}))  # figures are plain JSON
