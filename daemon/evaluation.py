@@ -18,8 +18,10 @@ cannot be had, or ``failed`` with the reason a measurement broke (never a 0 stan
   ``heldout_head_probe_accuracy`` for its parent) where the settings match, measured where not. ``forgetting`` is
   a release's probe accuracy minus the base's (the chain's first release): below 0, it lost what the base knew.
 - **transfer** (``transfer=OTHER``): on OTHER's reserved recorded prompts (the most recent ``heldout.RECORDED``,
-  by OTHER's ``heldout_share``), the share of this release's greedy answers that are answers (not empty, cut short
-  or a loop: ``heldout.degenerate``). OTHER's own scorer, if it has one, scores OTHER's answers, not these.
+  by OTHER's ``heldout_share``), the share of this release's greedy answers that say something (not empty: the
+  held-out check's ``empty``). Not "not degenerate": a small base model's own answers are often loops (the tiny
+  model's always are), and a figure the base already scores 0 on cannot show a release that stopped answering.
+  OTHER's scorer, where it has one, scores answers made for OTHER, not these: Reef cannot run a user's scorer.
 
 Measuring loads a release beside the serving ones under a key no request names (``eval:<content id>``; the head
 already loaded is used as it is), asks all its prompts at once through ``heldout.answers`` and drops it, within
@@ -309,7 +311,7 @@ class Evaluations:
             "reward_how": plan.reward_how,
             "probes_how": (f"{len(plan.probes.prompts)} probes, greedy, {plan.probes.max_tokens} tokens"
                            if plan.probes else plan.probes_na),
-            "transfer_how": (f"{len(plan.transfer.prompts)} reserved prompts of {transfer}, the share answered"
+            "transfer_how": (f"{len(plan.transfer.prompts)} reserved prompts of {transfer}, the share answered (not empty)"
                              if plan.transfer else plan.transfer_na),
             "rows": rows, "measured": counts["measured"], "cached": counts["cached"],
             "seconds": round(time.perf_counter() - t0, 3),
@@ -374,7 +376,7 @@ class Evaluations:
                 prompts = await reserved_prompts(self.store, transfer, share)
                 if prompts:
                     plan.transfer = Ask("transfer", prompts, check.max_tokens,
-                                        lambda answers: _mean([heldout.degenerate(a) is None for a in answers]),
+                                        lambda answers: _mean([bool(a.text.strip()) for a in answers]),
                                         {"scenario": transfer})
                 else:
                     plan.transfer_na = (f"scenario {transfer} has no reserved recorded prompts yet (its heldout_share "

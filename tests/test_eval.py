@@ -209,3 +209,124 @@ def test_cells() -> None:
     assert cell({"status": "failed", "reason": "boom"}) == "failed: boom"
     assert cell({"status": "n/a", "reason": "why"}) == cell(None) == "n/a"
     assert json.loads(json.dumps({"status": "n/a"}))  # figures are plain JSON
+
+
+# --- through a daemon -------------------------------------------------------------------------------------------
+
+from daemon.gating.heldout import reserved  # noqa: E402
+from tests.test_heldout import _crafted  # noqa: E402
+from tests.test_learning import releases, wait_for  # noqa: E402
+from tests.test_recipes import recipe_dir  # noqa: E402,F401 - the fixture, used by name
+
+
+def _ask(c: Any, name: str, text: str, max_tokens: int = 2) -> tuple[str, list[int]]:
+    """Serve ``text`` on scenario ``name`` (greedy): its receipt and prompt tokens."""
+    r = c.post(f"/s/{name}/v1/chat/completions", json={"model": "tiny", "max_tokens": max_tokens, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 200, r.text
+    receipt = r.headers["x-reef-agent-record-id"]
+    return receipt, c.get(f"/reef/records/{receipt}").json()["prompt_token_ids"]
+
+
+def _split(c: Any, name: str, share: float, n: int, start: int = 0) -> tuple[list[str], list[str]]:
+    """Asked until ``n`` prompts of each kind: receipts of reserved prompts (held out), and of the others."""
+    held: list[str] = []
+    trained: list[str] = []
+    i = start
+    while len(held) < n or len(trained) < n:
+        receipt, ids = _ask(c, name, f"Tell me about item {i}.")
+        (held if reserved(ids, share) else trained).append(receipt)
+        i += 1
+    return held[:n], trained[:n]
+
+
+def _score(c: Any, receipts: list[str], score: float) -> None:
+    for rec in receipts:
+        assert c.post("/reef/report", json={"references": [rec], "score": score}).status_code == 201
+
+
+def test_the_reported_reward_per_release_rises_and_falls_and_the_page_shows_it(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "curve", "recipe": "crafted:Crafted",
+                                               "settings": {"silent": False, "heldout_share": 0.5}})
+        assert made.status_code == 201, made.text
+        at = 0
+        for step, score in ((1, 0.2), (2, 0.9), (3, 0.4)):
+            held, trained = _split(c, "curve", 0.5, 2, at)
+            at += 40
+            _score(c, held, score)  # what the user's scorer said of this release's answers to held-out prompts
+            if step < 3:
+                _score(c, trained, 1.0)  # a batch: the next release
+                wait_for(lambda s=step: releases(c, "curve")["releases"][0]["step"] == s, what=f"release {step}")
+        chain = releases(c, "curve")["releases"][::-1]
+        assert [r["operation"] for r in chain] == ["init", "train", "train"]
+    out = json.loads(d.cli("eval", "-s", "curve", "--json").stdout)
+    assert set(out) >= {"scenario", "recipe", "kind", "head", "base", "rows", "reward_how", "probes_how",
+                        "transfer", "measured", "cached", "seconds"}
+    rows = out["rows"]
+    assert [r["release_id"] for r in rows] == [r["release_id"] for r in chain]
+    assert [r["reward"] for r in rows] == [{"status": "ok", "value": v, "n": 2, "source": "reports"}
+                                           for v in (0.2, 0.9, 0.4)]
+    for r in rows:
+        assert set(r) >= {"release_id", "step", "operation", "head", "reward", "probes", "forgetting", "transfer"}
+        assert r["probes"]["source"] == "gate", r  # the held-out check's figures, read: nothing measured
+        assert r["transfer"]["status"] == "n/a"
+    assert rows[0]["forgetting"]["value"] == 0 and out["measured"] == 0 and rows[2]["head"]
+    table = d.cli("eval", "-s", "curve").stdout
+    lines = [line for line in table.splitlines() if line.strip()[:1] in ("*", "b") or " train " in line]
+    assert [("0.20" in lines[0]), ("0.90" in lines[1]), ("0.40" in lines[2])] == [True] * 3, table
+    assert "scores reported on the reserved recorded prompts" in table, table
+    assert json.loads(d.cli("eval", "-s", "curve", "--known", "--json").stdout)["rows"] == rows
+    page = d.cli("releases", "open", chain[1]["release_id"], "--no-browser").stdout.strip().split()[-1]
+    html = Path(page).read_text(encoding="utf-8")
+    assert 'id="eval"' in html and "0.90" in html and "held-out reward" in html
+
+
+def test_a_release_that_answers_nothing_forgets_against_the_base(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _crafted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        # probes the base answers right: its own greedy answers (at 32 tokens the tiny model says something)
+        assert c.post("/reef/scenarios", json={"name": "src"}).status_code == 201
+        probes = []
+        for i in range(16):
+            text = f"Name thing number {i}."
+            answer = c.post("/s/src/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 32, "temperature": 0,
+                "messages": [{"role": "user", "content": text}]}).json()["choices"][0]["message"]["content"]
+            words = sorted({w for w in answer.split() if any(ch.isalnum() for ch in w)})
+            if words:
+                probes.append({"prompt": text, "accept": words})
+        assert len(probes) >= 8, probes
+        # the transfer scenario: recorded prompts, half of them reserved (batches of 32: never trains here)
+        assert c.post("/reef/scenarios", json={"name": "other", "recipe": "online-rl",
+                                               "settings": {"heldout_share": 0.5}}).status_code == 201
+        held, _ = _split(c, "other", 0.5, 3)
+        _score(c, held, 1.0)
+        made = c.post("/reef/scenarios", json={"name": "forgets", "recipe": "crafted:Crafted", "settings": {
+            "heldout_max_tokens": 32, "heldout_probes": probes}})
+        assert made.status_code == 201, made.text
+        base = made.json()["head"]
+        _score(c, [_ask(c, "forgets", "hi")[0] for _ in range(2)], 1.0)
+        silent = wait_for(lambda: releases(c, "forgets", True)["pending"], what="the silent candidate held")[0]
+    d.cli("releases", "promote", "-s", "forgets", silent["release_id"], "--yes")  # served anyway, by hand
+    first = json.loads(d.cli("eval", "-s", "forgets", "--transfer", "other", "--json").stdout)
+    rows = first["rows"]
+    assert [r["operation"] for r in rows] == ["init", "promote"] and rows[0]["release_id"] == base
+    assert rows[0]["probes"]["source"] == "measured" and rows[0]["probes"]["value"] >= 0.5, rows[0]
+    assert rows[1]["probes"]["value"] == 0.0 and rows[1]["forgetting"]["value"] <= -0.5, rows[1]
+    assert rows[0]["transfer"]["n"] == 3 and rows[1]["transfer"] == {"status": "ok", "value": 0.0, "n": 3,
+                                                                     "source": "measured"}
+    assert rows[0]["transfer"]["value"] > 0, rows[0]
+    assert rows[1]["reward"]["status"] == "n/a" and "no reported answer" in rows[1]["reward"]["reason"]
+    again = json.loads(d.cli("eval", "-s", "forgets", "--transfer", "other", "--json").stdout)
+    assert again["measured"] == 0 and again["cached"] == first["measured"] >= 3
+    assert [r["probes"]["value"] for r in again["rows"]] == [r["probes"]["value"] for r in rows]
+    missing = d.cli("eval", "-s", "nope", check=False)
+    assert missing.returncode == 4 and "no scenario named 'nope'" in missing.stderr, missing.stderr
+    other = d.cli("eval", "-s", "forgets", "--transfer", "nope", check=False)
+    assert other.returncode == 2 and "transfer" in other.stderr and "Traceback" not in other.stderr
+    with d.http() as c:
+        r = c.post("/reef/scenarios/forgets/eval", params={"transfer": "forgets"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "transfer"
