@@ -330,3 +330,30 @@ def test_a_release_that_answers_nothing_forgets_against_the_base(daemon_factory:
     with d.http() as c:
         r = c.post("/reef/scenarios/forgets/eval", params={"transfer": "forgets"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "transfer"
+
+
+# --- the TUI ----------------------------------------------------------------------------------------------------
+
+
+async def test_the_tui_shows_the_curve_as_bars_and_measures_on_m() -> None:
+    from reef_cli.tui.app import ReefApp
+    from reef_cli.tui.evaluation import EvalScreen
+    from reef_cli.tui.screens import ChainScreen
+    from tests.test_tui import SIZE, loaded, plain, until
+    from tests.tui_fixture import NOW, R0, R4, FixedSource
+
+    app = ReefApp(FixedSource(), scenario="alpha", clock=lambda: NOW, follow_events=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, ChainScreen)
+        await pilot.press("v")
+        screen = await loaded(pilot, EvalScreen)
+        table = screen.query_one("#eval")
+        assert [str(table.get_row(k)[1]) for k in (R0, R4)] == ["0", "4"]
+        rewards = [table.get_row(r["release_id"])[4] for r in screen.data["rows"]]
+        assert [str(t).count("█") for t in rewards] == [2, 2, 4, 3, 4]  # the curve: up, down, back up
+        assert str(table.get_row(R0)[5]) == "n/a" and "m measures them" in plain(screen.query_one("#how"))
+        await pilot.press("m")
+        await until(pilot, lambda: screen.measured, what="the measurement")
+        assert str(table.get_row(R0)[5]).endswith("0.75") and str(table.get_row(R4)[6]) == "-0.04"
+        assert "1 figure(s) measured" in plain(screen.query_one("#note"))
+        assert "not measured" not in plain(screen.query_one("#how"))
