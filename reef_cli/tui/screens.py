@@ -186,7 +186,7 @@ class ChainScreen(ReefScreen):
         Binding("o", "page", "Page"),
         Binding("r", "refresh_data", "Refresh"),
         Binding("escape", "app.back", "Back"),
-        Binding("v", "evaluate", "Eval", show=False),  # reef eval (reef_cli/tui/evaluation.py); docs/tui.md
+        Binding("v", "app.evaluate", "Eval", show=False),  # reef eval (reef_cli/tui/evaluation.py); docs/tui.md
     ]
     RELOAD_ON = ("release", "release.pending", "gate", "canary.start", "canary.end")
     CANARY_SHARE = 0.2  # what c serves a candidate to (reef releases canary --share for another)
@@ -312,12 +312,6 @@ class ChainScreen(ReefScreen):
                           severity="warning")
             return
         self.open_page(row["release_id"])
-
-    def action_evaluate(self) -> None:
-        from reef_cli.tui.evaluation import EvalScreen
-
-        assert self.scenario is not None
-        self.app.push_screen(EvalScreen(self.scenario))
 
     def action_toggle_all(self) -> None:
         self.show_all = not self.show_all
