@@ -112,12 +112,15 @@ def _evaluations(tmp_path: Path, engine: Any, chain: list[Any]) -> tuple[Evaluat
 
 def _chain() -> list[Any]:
     """base (half the tasks) -> step 1 (all: its gate recorded 1.0) -> step 2 (half again; its gate's figure was
-    made under other settings: measured again) -> step 3 (answers nothing)."""
+    made under other settings: measured again) -> step 3 (answers nothing) -> step 4, a rollback to step 1's
+    content, carrying step 1's metrics (whose base_reward is the base's, not step 3's)."""
     today = _today()
+    good = {"eval_reward": 1.0, "base_reward": 0.5}
     return [_rel(0, "c_base", None),
-            _rel(1, "c_good", "rel_0", {"eval_reward": 1.0, "base_reward": 0.5}, today),
+            _rel(1, "c_good", "rel_0", good, today),
             _rel(2, "c_half", "rel_1", {"eval_reward": 0.9}, {**today, "eval_n": 64}),
-            _rel(3, "c_silent", "rel_2")]
+            _rel(3, "c_silent", "rel_2"),
+            _rel(4, "c_good", "rel_3", good, today, operation="rollback")]
 
 
 BEHAVIOUR = {"c_base": "half", "c_good": "good", "c_half": "half", "c_silent": "silent"}
@@ -133,23 +136,26 @@ def test_the_curve_rises_and_falls_at_the_right_rows_and_gate_figures_are_read(t
 
     out = asyncio.run(ev.evaluate("s", progress=note))
     rows = out["rows"]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert [r["reward"]["value"] for r in rows] == [0.5, 1.0, 0.5, 0.0]  # up at step 1, down at 2 and 3
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["reward"]["value"] for r in rows] == [0.5, 1.0, 0.5, 0.0, 1.0]  # up, down, down, back up
     # the base's and step 1's reward are the gate's (step 1's own, the base's from step 1's base_reward); step 2's
-    # gate figure (0.9) was made on 64 tasks, not today's 8: measured again
-    assert [r["reward"]["source"] for r in rows] == ["gate", "gate", "measured", "measured"]
+    # gate figure (0.9) was made on 64 tasks, not today's 8: measured again; step 3's child is a rollback whose
+    # base_reward is not step 3's: measured; the rollback's own (its content's) is read
+    assert [r["reward"]["source"] for r in rows] == ["gate", "gate", "measured", "measured", "gate"]
     assert not [p for c, p in engine.asked if c == "c_good" and p in engine.index]  # its reward was not asked
-    assert [r["probes"]["value"] for r in rows] == [1.0, 1.0, 1.0, 0.0]
-    assert [r["forgetting"]["value"] for r in rows] == [0.0, 0.0, 0.0, -1.0]
+    assert [r["probes"]["value"] for r in rows] == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert [r["forgetting"]["value"] for r in rows] == [0.0, 0.0, 0.0, -1.0, 0.0]
     assert rows[3]["transfer"] == {"status": "n/a", "reason": "no transfer scenario asked (--transfer OTHER)"}
-    assert rows[3]["head"] and not rows[2]["head"] and out["base"]["release_id"] == "rel_0"
+    assert rows[4]["head"] and not rows[3]["head"] and out["base"]["release_id"] == "rel_0"
+    # c_good is measured once (its probes), for step 1; the rollback to it reads that figure from the cache
     assert sorted(engine.unloaded) == ["eval:c_base", "eval:c_good", "eval:c_half", "eval:c_silent"]
+    assert rows[4]["probes"]["source"] == "cached" and out["cached"] == 1
     assert [p["step"] for p in progress] == [0, 1, 2, 3] and progress[0]["measuring"] == ["probes"]
     states = [e[1]["state"] for e in events if e[0] == "eval"]
     assert states == ["started", *["measuring"] * 4, "done"]
-    # --last 1: one row, against the same base
-    last = asyncio.run(ev.evaluate("s", last=1))
-    assert [r["step"] for r in last["rows"]] == [3] and last["rows"][0]["forgetting"]["value"] == -1.0
+    # --last 2: two rows, against the same base
+    last = asyncio.run(ev.evaluate("s", last=2))
+    assert [r["step"] for r in last["rows"]] == [3, 4] and last["rows"][0]["forgetting"]["value"] == -1.0
 
 
 def test_a_second_eval_measures_nothing(tmp_path: Path) -> None:
@@ -159,7 +165,7 @@ def test_a_second_eval_measures_nothing(tmp_path: Path) -> None:
     asked = len(engine.asked)
     ev2, _ = _evaluations(tmp_path, engine, _chain())  # a restarted daemon: the cache is the file's
     again = asyncio.run(ev2.evaluate("s"))
-    assert len(engine.asked) == asked and again["measured"] == 0 and again["cached"] == first["measured"] > 0
+    assert len(engine.asked) == asked and again["measured"] == 0 and again["cached"] == first["measured"] + first["cached"] > 1
     assert [r["reward"]["value"] for r in again["rows"]] == [r["reward"]["value"] for r in first["rows"]]
     assert {r["probes"]["source"] for r in again["rows"]} == {"cached"}
     known = asyncio.run(ev2.evaluate("s", measure=False))  # GET: what is known, the cache included
@@ -188,7 +194,8 @@ def test_a_failing_engine_gives_failed_with_the_reason_never_a_number(tmp_path: 
     assert out["rows"][1]["reward"] == {"status": "ok", "value": 1.0, "n": 8, "source": "gate"}  # recorded: stands
     assert out["measured"] == 0 and not (tmp_path / "eval" / "cache.json").exists()  # nothing cached: tried again
     engine.fail = None
-    assert asyncio.run(ev.evaluate("s"))["rows"][3]["probes"]["value"] == 0.0
+    again = asyncio.run(ev.evaluate("s"))["rows"]
+    assert [r["probes"]["value"] for r in again] == [1.0, 1.0, 1.0, 0.0, 1.0]
 
 
 def test_unknown_scenarios_and_bad_arguments_are_refused(tmp_path: Path) -> None:
@@ -311,6 +318,9 @@ def test_a_release_that_answers_nothing_forgets_against_the_base(daemon_factory:
         _score(c, [_ask(c, "forgets", "hi")[0] for _ in range(2)], 1.0)
         silent = wait_for(lambda: releases(c, "forgets", True)["pending"], what="the silent candidate held")[0]
     d.cli("releases", "promote", "-s", "forgets", silent["release_id"], "--yes")  # served anyway, by hand
+    known = json.loads(d.cli("eval", "-s", "forgets", "--known", "--json").stdout)  # measures nothing
+    assert known["rows"][0]["probes"] == {"status": "n/a", "reason": "not measured yet (reef eval measures it)"}
+    assert known["measured"] == 0 and known["rows"][1]["probes"]["source"] == "gate"
     first = json.loads(d.cli("eval", "-s", "forgets", "--transfer", "other", "--json").stdout)
     rows = first["rows"]
     assert [r["operation"] for r in rows] == ["init", "promote"] and rows[0]["release_id"] == base
