@@ -774,6 +774,13 @@ async def handle_measure(request: web.Request) -> web.StreamResponse:
     except ReefError as e:
         await resp.write(_dumpb({"error": {"type": e.type, "message": e.message}}) + b"\n")
         return resp
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away: nothing to tell it
+    except Exception as e:  # noqa: BLE001 - the status line is sent: say it in the stream, not as a 500
+        log.exception("reef eval of %s failed", name)
+        await resp.write(_dumpb({"error": {"type": "internal_error", "message": f"{type(e).__name__}: {e}"}})
+                         + b"\n")
+        return resp
     await resp.write(_dumpb({"result": result}) + b"\n")
     return resp
 

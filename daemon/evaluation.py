@@ -270,8 +270,10 @@ class Evaluations:
         """The table (``rows`` oldest first, the last ``last`` releases, or only release ``only``), measuring what is
         neither recorded nor cached when ``measure``."""
         scen = await self.check(name, transfer, last)
+        if not measure:  # reads only: never waits behind a measurement (a release page, the TUI's first look)
+            return await self._evaluate(scen, transfer, last, measure, only, progress)
         lock = self._locks.setdefault(scen.name, asyncio.Lock())
-        async with lock:  # one eval of a scenario at a time: the second reads what the first measured
+        async with lock:  # one measurement of a scenario at a time: the second reads what the first measured
             return await self._evaluate(scen, transfer, last, measure, only, progress)
 
     async def _evaluate(self, scen: Any, transfer: str | None, last: int | None, measure: bool, only: str | None,

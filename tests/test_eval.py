@@ -78,8 +78,9 @@ def _rel(step: int, content: str, parent: str | None, metrics: dict[str, Any] | 
                            settings=settings or {}, created_at=float(step))
 
 
-def _evaluations(tmp_path: Path, engine: Any, chain: list[Any]) -> tuple[Evaluations, list[Any]]:
-    scenario = SimpleNamespace(name="s", recipe="online-rl", model="tiny", settings=SETTINGS)
+def _evaluations(tmp_path: Path, engine: Any, chain: list[Any], recipe: str = "online-rl",
+                 settings: dict[str, Any] | None = None) -> tuple[Evaluations, list[Any]]:
+    scenario = SimpleNamespace(name="s", recipe=recipe, model="tiny", settings=SETTINGS if settings is None else settings)
     events: list[Any] = []
 
     async def get_scenario(name: str) -> Any:
@@ -196,6 +197,25 @@ def test_a_failing_engine_gives_failed_with_the_reason_never_a_number(tmp_path: 
     engine.fail = None
     again = asyncio.run(ev.evaluate("s"))["rows"]
     assert [r["probes"]["value"] for r in again] == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_what_cannot_be_had_says_why(tmp_path: Path) -> None:
+    """A harness chain: its gate's score where it has one, no probes; weights without a scorer and with nothing held
+    out: no reward."""
+    harness = [SimpleNamespace(**{**vars(_rel(0, "h0", None)), "kind": "harness"}),
+               SimpleNamespace(**{**vars(_rel(1, "h1", "rel_0", {"eval_reward": 0.75})), "kind": "harness"})]
+    engine = _Engine({})
+    ev, _ = _evaluations(tmp_path, engine, harness, recipe="lessons", settings={})
+    rows = asyncio.run(ev.evaluate("s"))["rows"]
+    assert rows[1]["reward"] == {"status": "ok", "value": 0.75, "n": 0, "source": "gate"}
+    assert rows[0]["reward"] == {"status": "n/a", "reason": "no gate score recorded for it"}
+    assert {r["probes"]["reason"] for r in rows} == {"a harness release: the probes ask weights"}
+    assert engine.asked == []
+    ev, _ = _evaluations(tmp_path / "w", _Engine(BEHAVIOUR), _chain(), settings={"heldout_check": False})
+    out = asyncio.run(ev.evaluate("s", last=1))
+    assert out["rows"][0]["reward"] == {"status": "n/a", "reason": "nothing is held out (heldout_check is off), "
+                                                                   "and the recipe has no scorer"}
+    assert out["rows"][0]["probes"]["value"] == 1.0  # the probes need no held-out share
 
 
 def test_unknown_scenarios_and_bad_arguments_are_refused(tmp_path: Path) -> None:
@@ -367,3 +387,30 @@ async def test_the_tui_shows_the_curve_as_bars_and_measures_on_m() -> None:
         assert str(table.get_row(R0)[5]).endswith("0.75") and str(table.get_row(R4)[6]) == "-0.04"
         assert "1 figure(s) measured" in plain(screen.query_one("#note"))
         assert "not measured" not in plain(screen.query_one("#how"))
+
+
+def test_a_look_never_waits_behind_a_measurement(tmp_path: Path) -> None:
+    """A release page or the TUI's first look reads what is known while a measurement of the scenario runs."""
+
+    class _Slow(_Engine):
+        def __init__(self) -> None:
+            super().__init__(BEHAVIOUR)
+            self.started, self.go = asyncio.Event(), asyncio.Event()
+
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            self.started.set()
+            await self.go.wait()
+            async for event in super().generate(exchange, release):
+                yield event
+
+    async def both() -> None:
+        engine = _Slow()
+        ev, _ = _evaluations(tmp_path, engine, _chain())
+        measuring = asyncio.create_task(ev.evaluate("s"))
+        await engine.started.wait()
+        look = await asyncio.wait_for(ev.evaluate("s", measure=False), 30)
+        assert look["rows"][1]["reward"]["value"] == 1.0 and not measuring.done()
+        engine.go.set()
+        assert (await measuring)["measured"] > 0
+
+    asyncio.run(both())
