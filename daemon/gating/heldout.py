@@ -382,7 +382,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
     In two stages: the recorded prompts and every other probe first; a candidate that shows no sign of harm
     there (``clean``) passes on them, any other is asked the rest of the probes and decided on all of them. A
     candidate that loses probes beyond the noise of the whole set almost surely loses some in either half (one
-    that loses 6 of 36 and gains none shows no loss in the first half about once in 64), so the first stage
+    that loses 6 of 36 and gains none shows no loss in the first half about once in a hundred), so the first stage
     costs the check little power and saves a third of its answers on the common case, a candidate that passes."""
     t0 = time.perf_counter()
     first, rest = settings.probes[::2], settings.probes[1::2]
