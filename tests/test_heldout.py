@@ -436,3 +436,25 @@ def test_reserved_recorded_prompts_are_asked_by_the_check_and_never_trained_on(
 
         trained, recorded = wait_for(settled, what="the batches trained and the rest reserved")
         assert recorded >= 1 and trained + recorded <= 16, (trained, recorded)
+
+
+def test_a_recipe_whose_settings_lack_the_gates_says_why_it_cannot_turn_the_check_off() -> None:
+    """A user's weights recipe whose Settings do not extend GateSettings: its candidates meet the check at the
+    defaults, and asking to turn it off is refused saying why and how (not "unknown setting", not taken)."""
+    from dataclasses import dataclass
+
+    from recipes.base import Recipe
+
+    @dataclass
+    class Own:
+        steps: int = 1
+
+    class Mine(Recipe):
+        name, kind, Settings = "mine", "weights", Own
+
+    with pytest.raises(BadRequest) as e:
+        Mine.parse_settings({"heldout_check": False})
+    assert e.value.data["param"] == "settings.heldout_check" and "extend GateSettings" in e.value.message
+    with pytest.raises(BadRequest, match="unknown settings for recipe mine: nope"):
+        Mine.parse_settings({"nope": 1})
+    assert Mine.parse_settings({"steps": 2}).steps == 2
