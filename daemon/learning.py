@@ -816,6 +816,7 @@ class Learner:
         known = st.head_eval
         job = TrainJob(
             id=job_id, recipe=scenario.recipe, settings=dataclasses.asdict(st.recipe.settings), batch=batch,
+            explicit=sorted(getattr(st.recipe.settings, "explicit", ())),
             base_key=base_key, base_path=base_path, head_key=head.content_id, head_path=str(ref.path),
             candidate_key=f"candidate:{job_id}", model_key=model.content_id, model_release=model.release_id,
             model_path=str(model.path), device=self.config.model(scenario.model).device,

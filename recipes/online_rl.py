@@ -64,7 +64,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,17 @@ import torch
 
 from daemon import lora
 from daemon.errors import BadRequest
-from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob, check_eval_size
+from recipes.base import (
+    Candidate,
+    GateSettings,
+    Head,
+    Recipe,
+    ScoredExchange,
+    Scores,
+    TrainJob,
+    check_eval_size,
+    explicit,
+)
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
 
@@ -395,15 +405,10 @@ def pull_coef(model: Any, settings: Any) -> float:
     coef = float(getattr(settings, "kl_coef", 0.0))
     if coef == 0 or is_adapter(model):
         return coef
-    if coef == _default(settings, "kl_coef"):
+    if not explicit(settings, "kl_coef"):
         return 0.0
     raise ValueError("kl_coef pulls toward the model a LoRA adapter applies to, and this model trains all its weights "
                      "(it is below the size that gets adapters by default): set lora = true, or kl_coef = 0")
-
-
-def _default(settings: Any, key: str) -> Any:
-    """The default of a recipe setting (its Settings class's)."""
-    return next((f.default for f in fields(settings) if f.name == key), None)
 
 
 def pull_shape(model: Any, coef: float) -> Shape:
@@ -743,7 +748,7 @@ def check_pull(recipe: str, settings: Any) -> None:
     if settings.lora is False:
         for key, off in (("kl_coef", "0"), ("max_kl", "null")):
             value = getattr(settings, key)
-            if value and value != _default(settings, key):
+            if value and explicit(settings, key):
                 raise refuse(key, f"needs LoRA adapters (the base it is measured against is the model they apply "
                                   f"to, with the adapter off): leave lora unset or true, or set {key} = {off}")
 
@@ -752,7 +757,7 @@ def check_drift_bound(model: Any, settings: Any) -> None:
     """A ``max_kl`` other than the default on a policy training all its weights (too small for adapters by
     default): a ``ValueError``, since nothing is measured there to hold it (the default is inert)."""
     bound = getattr(settings, "max_kl", None)
-    if bound is not None and not is_adapter(model) and bound != _default(settings, "max_kl"):
+    if bound is not None and not is_adapter(model) and explicit(settings, "max_kl"):
         raise ValueError("max_kl is measured on LoRA policies only, and this model trains all its weights (it is "
                          "below the size that gets adapters by default): set lora = true, or max_kl = null")
 
