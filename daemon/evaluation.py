@@ -15,7 +15,8 @@ cannot be had, or ``failed`` with the reason a measurement broke (never a 0 stan
   - A harness release: its gate's recorded score (``eval_reward``, or its child's ``base_reward``); else n/a.
 - **probes** (forgetting): accuracy on the held-out check's probe set (the shipped one or ``heldout_probes``),
   greedy, ``heldout_max_tokens``; recorded at gate time as ``heldout_probe_accuracy`` (and a train step's
-  ``heldout_head_probe_accuracy`` for its parent) where the settings match, measured where not. ``forgetting`` is
+  ``heldout_head_probe_accuracy`` for its parent) where the settings match and the check asked every probe (it
+  passes a clean candidate on every other one: ``heldout_probes`` says how many), measured where not. ``forgetting`` is
   a release's probe accuracy minus the base's (the chain's first release): below 0, it lost what the base knew.
 - **transfer** (``transfer=OTHER``): on OTHER's reserved recorded prompts (the most recent ``heldout.RECORDED``,
   by OTHER's ``heldout_share``), the share of this release's greedy answers that say something (not empty: the
@@ -396,12 +397,16 @@ class Evaluations:
         asks: list[Ask] = []
         child = next((c for c in chain if c.parent == rel.release_id and c.operation == "train"), None)
 
-        def recorded(own: str, from_child: str, keys: Sequence[str], n: int = 0) -> Figure | None:
-            """The figure as the gate recorded it: the release's own, or its train child's of its head."""
+        def recorded(own: str, from_child: str, keys: Sequence[str], n: int = 0,
+                     asked: str | None = None) -> Figure | None:
+            """The figure as the gate recorded it: the release's own, or its train child's of its head; made with
+            today's settings (``keys``) and, with ``asked``, on all ``n`` of today's prompts (the held-out check
+            passes a clean candidate on half its probes: a figure on half is not one on all)."""
             for r, key in ((rel, own), (child, from_child)):
                 v = r.metrics.get(key) if r is not None else None
                 if (r is not None and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and (not keys or _same(r.settings, plan.settings, keys))):
+                        and (not keys or _same(r.settings, plan.settings, keys))
+                        and (asked is None or r.metrics.get(asked) == n)):
                     return ok(v, n, "gate")
             return None
 
@@ -437,7 +442,7 @@ class Evaluations:
             figs["reward"] = na(plan.reward_na or "no scorer")
         known("probes", plan.probes, plan.probes_na,
               recorded("heldout_probe_accuracy", "heldout_head_probe_accuracy", PROBE_KEYS,
-                       len(plan.probes.prompts) if plan.probes else 0))
+                       len(plan.probes.prompts) if plan.probes else 0, asked="heldout_probes"))
         known("transfer", plan.transfer, plan.transfer_na, None)
         return figs, asks
 

@@ -116,10 +116,13 @@ def _chain() -> list[Any]:
     made under other settings: measured again) -> step 3 (answers nothing) -> step 4, a rollback to step 1's
     content, carrying step 1's metrics (whose base_reward is the base's, not step 3's)."""
     today = _today()
-    good = {"eval_reward": 1.0, "base_reward": 0.5}
+    n = len(shipped_probes())
+    # its check passed step 1 on half the probes (0.5 there): not its accuracy on all of them; step 2's on all stands
+    good = {"eval_reward": 1.0, "base_reward": 0.5, "heldout_probe_accuracy": 0.5, "heldout_probes": n // 2}
     return [_rel(0, "c_base", None),
             _rel(1, "c_good", "rel_0", good, today),
-            _rel(2, "c_half", "rel_1", {"eval_reward": 0.9}, {**today, "eval_n": 64}),
+            _rel(2, "c_half", "rel_1", {"eval_reward": 0.9, "heldout_probe_accuracy": 1.0, "heldout_probes": n},
+                 {**today, "eval_n": 64}),
             _rel(3, "c_silent", "rel_2"),
             _rel(4, "c_good", "rel_3", good, today, operation="rollback")]
 
@@ -145,11 +148,12 @@ def test_the_curve_rises_and_falls_at_the_right_rows_and_gate_figures_are_read(t
     assert [r["reward"]["source"] for r in rows] == ["gate", "gate", "measured", "measured", "gate"]
     assert not [p for c, p in engine.asked if c == "c_good" and p in engine.index]  # its reward was not asked
     assert [r["probes"]["value"] for r in rows] == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert [r["probes"]["source"] for r in rows] == ["measured", "measured", "gate", "measured", "cached"]
     assert [r["forgetting"]["value"] for r in rows] == [0.0, 0.0, 0.0, -1.0, 0.0]
     assert rows[3]["transfer"] == {"status": "n/a", "reason": "no transfer scenario asked (--transfer OTHER)"}
     assert rows[4]["head"] and not rows[3]["head"] and out["base"]["release_id"] == "rel_0"
     # c_good is measured once (its probes), for step 1; the rollback to it reads that figure from the cache
-    assert sorted(engine.unloaded) == ["eval:c_base", "eval:c_good", "eval:c_half", "eval:c_silent"]
+    assert sorted(engine.unloaded) == ["eval:c_base", "eval:c_good", "eval:c_half", "eval:c_silent"]  # c_half: reward
     assert rows[4]["probes"]["source"] == "cached" and out["cached"] == 1
     assert [p["step"] for p in progress] == [0, 1, 2, 3] and progress[0]["measuring"] == ["probes"]
     states = [e[1]["state"] for e in events if e[0] == "eval"]
@@ -168,7 +172,7 @@ def test_a_second_eval_measures_nothing(tmp_path: Path) -> None:
     again = asyncio.run(ev2.evaluate("s"))
     assert len(engine.asked) == asked and again["measured"] == 0 and again["cached"] == first["measured"] + first["cached"] > 1
     assert [r["reward"]["value"] for r in again["rows"]] == [r["reward"]["value"] for r in first["rows"]]
-    assert {r["probes"]["source"] for r in again["rows"]} == {"cached"}
+    assert [r["probes"]["source"] for r in again["rows"]] == ["cached", "cached", "gate", "cached", "cached"]
     known = asyncio.run(ev2.evaluate("s", measure=False))  # GET: what is known, the cache included
     assert known["rows"] == again["rows"]
 
@@ -298,14 +302,18 @@ def test_the_reported_reward_per_release_rises_and_falls_and_the_page_shows_it(
                                            for v in (0.2, 0.9, 0.4)]
     for r in rows:
         assert set(r) >= {"release_id", "step", "operation", "head", "reward", "probes", "forgetting", "transfer"}
-        assert r["probes"]["source"] == "gate", r  # the held-out check's figures, read: nothing measured
+        # the check's figure where it asked every probe; where it passed a release on half of them: measured
+        assert r["probes"]["status"] == "ok" and r["probes"]["n"] == len(shipped_probes()), r
         assert r["transfer"]["status"] == "n/a"
-    assert rows[0]["forgetting"]["value"] == 0 and out["measured"] == 0 and rows[2]["head"]
+    assert rows[0]["forgetting"]["value"] == 0 and rows[2]["head"]
     table = d.cli("eval", "-s", "curve").stdout
     lines = [line for line in table.splitlines() if line.strip()[:1] in ("*", "b") or " train " in line]
     assert [("0.20" in lines[0]), ("0.90" in lines[1]), ("0.40" in lines[2])] == [True] * 3, table
     assert "scores reported on the reserved recorded prompts" in table, table
-    assert json.loads(d.cli("eval", "-s", "curve", "--known", "--json").stdout)["rows"] == rows
+    known = json.loads(d.cli("eval", "-s", "curve", "--known", "--json").stdout)  # measured before: cached now
+    assert [(r["reward"], r["probes"]["value"]) for r in known["rows"]] == [(r["reward"], r["probes"]["value"])
+                                                                             for r in rows]
+    assert known["measured"] == 0
     page = d.cli("releases", "open", chain[1]["release_id"], "--no-browser").stdout.strip().split()[-1]
     html = Path(page).read_text(encoding="utf-8")
     assert 'id="eval"' in html and "0.90" in html and "held-out reward" in html
