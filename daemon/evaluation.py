@@ -291,7 +291,8 @@ class Evaluations:
         todo = [base, *(r for r in shown if r.release_id != base.release_id)]
         counts = {"measured": 0, "cached": 0}
         figures: dict[str, dict[str, Figure]] = {}
-        self.events.publish("eval", scenario=scen.name, state="started", releases=len(todo), transfer=transfer)
+        if measure:  # a look (GET, a release page) is no event
+            self.events.publish("eval", scenario=scen.name, state="started", releases=len(todo), transfer=transfer)
         for i, rel in enumerate(todo):
             figs, asks = self._known(plan, chain, rel, counts, measure)
             if asks:
@@ -319,8 +320,9 @@ class Evaluations:
             "rows": rows, "measured": counts["measured"], "cached": counts["cached"],
             "seconds": round(time.perf_counter() - t0, 3),
         }
-        self.events.publish("eval", scenario=scen.name, state="done", measured=counts["measured"],
-                            cached=counts["cached"], seconds=out["seconds"])
+        if measure:
+            self.events.publish("eval", scenario=scen.name, state="done", measured=counts["measured"],
+                                cached=counts["cached"], seconds=out["seconds"])
         return out
 
     async def _plan(self, scen: Any, transfer: str | None) -> Plan:

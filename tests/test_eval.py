@@ -94,6 +94,9 @@ def _evaluations(tmp_path: Path, engine: Any, chain: list[Any], recipe: str = "o
     async def head_id(name: str) -> str:
         return str(chain[-1].release_id)
 
+    async def head(scen: Any) -> Any:
+        return chain[-1]
+
     async def ref(scen: Any, rel: Any) -> Any:
         from daemon.engines.base import ReleaseRef
 
@@ -106,7 +109,7 @@ def _evaluations(tmp_path: Path, engine: Any, chain: list[Any], recipe: str = "o
         return engine
 
     store = SimpleNamespace(get_scenario=get_scenario, scored_exchanges=scored)
-    chains = SimpleNamespace(history=history, head_id=head_id, ref=ref)
+    chains = SimpleNamespace(history=history, head_id=head_id, head=head, ref=ref)
     bus = SimpleNamespace(publish=lambda kind, **data: events.append((kind, data)))
     return Evaluations(tmp_path, store, chains, bus, get_engine, _make_recipe), events
 
@@ -220,6 +223,10 @@ def test_what_cannot_be_had_says_why(tmp_path: Path) -> None:
     assert out["rows"][0]["reward"] == {"status": "n/a", "reason": "nothing is held out (heldout_check is off), "
                                                                    "and the recipe has no scorer"}
     assert out["rows"][0]["probes"]["value"] == 1.0  # the probes need no held-out share
+    ev, events = _evaluations(tmp_path / "r", _Engine(BEHAVIOUR), _chain()[:2], recipe="record", settings={})
+    out = asyncio.run(ev.evaluate("s", measure=False))  # a look: no event
+    assert out["kind"] == "weights" and out["rows"][1]["reward"]["reason"] == "recipe record does not learn: no reward"
+    assert out["rows"][1]["probes"]["reason"] == "not measured yet (reef eval measures it)" and events == []
 
 
 def test_unknown_scenarios_and_bad_arguments_are_refused(tmp_path: Path) -> None:
