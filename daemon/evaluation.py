@@ -266,18 +266,17 @@ class Evaluations:
         return scen
 
     async def evaluate(self, name: str, *, transfer: str | None = None, last: int | None = None,
-                       measure: bool = True, only: str | None = None,
-                       progress: Progress | None = None) -> dict[str, Any]:
-        """The table (``rows`` oldest first, the last ``last`` releases, or only release ``only``), measuring what is
-        neither recorded nor cached when ``measure``."""
+                       measure: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+        """The table (``rows`` oldest first, the last ``last`` releases), measuring what is neither recorded nor
+        cached when ``measure``."""
         scen = await self.check(name, transfer, last)
         if not measure:  # reads only: never waits behind a measurement (a release page, the TUI's first look)
-            return await self._evaluate(scen, transfer, last, measure, only, progress)
+            return await self._evaluate(scen, transfer, last, measure, progress)
         lock = self._locks.setdefault(scen.name, asyncio.Lock())
         async with lock:  # one measurement of a scenario at a time: the second reads what the first measured
-            return await self._evaluate(scen, transfer, last, measure, only, progress)
+            return await self._evaluate(scen, transfer, last, measure, progress)
 
-    async def _evaluate(self, scen: Any, transfer: str | None, last: int | None, measure: bool, only: str | None,
+    async def _evaluate(self, scen: Any, transfer: str | None, last: int | None, measure: bool,
                         progress: Progress | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         chain = list(reversed(await self.chains.history(scen.name)))  # oldest first
@@ -286,8 +285,6 @@ class Evaluations:
         plan = await self._plan(scen, transfer)
         base = chain[0]
         shown = chain[-last:] if last else chain
-        if only is not None:
-            shown = [r for r in chain if r.release_id == only]
         todo = [base, *(r for r in shown if r.release_id != base.release_id)]
         counts = {"measured": 0, "cached": 0}
         figures: dict[str, dict[str, Figure]] = {}
