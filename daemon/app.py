@@ -394,7 +394,7 @@ async def handle_import(request: web.Request) -> web.Response:
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
-    for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
+    for name in sorted({p["record"].scenario for p in parsed if p["reports"]}):
         reef.learner.notify(name)
     return _json(out, status=201)
 

@@ -60,7 +60,7 @@ def test_export_in_the_documented_shape_and_import_back_idempotently(daemon_fact
     # import into another daemon's home: the same exchanges, once however often it runs
     d2: Daemon = daemon_factory()
     got = d2.cli("records", "import", str(out), "--scenario", "moved", "--json")
-    assert json.loads(got.stdout) == {"imported": 5, "skipped": 0, "reports": 1}
+    assert json.loads(got.stdout) == {"imported": 5, "skipped": 0, "reports": 2}  # both of a's reports
     again = d2.cli("records", "import", str(out), "--json")
     assert json.loads(again.stdout) == {"imported": 0, "skipped": 5, "reports": 0}
     round_trip = tmp_path / "back.jsonl"
@@ -158,7 +158,9 @@ def test_an_import_refuses_what_the_api_refuses_elsewhere_naming_the_item_and_fi
         assert [x["id"] for x in c.get("/reef/records", params={"scenario": "imp-bad"}).json()["records"]] == [
             receipt]  # no imported exchange, no report
         tools = [{"role": "system", "content": "s"}, {"role": "user", "content": "ls"},
-                 {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py"}]  # as an export writes
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+                 {"role": "tool", "content": "a.py", "tool_call_id": "c1"}]  # as an export writes
         ok = c.post("/reef/records/import", json={"items": [{**TURN, "run": "run_1:a", "id": "rec_Imp-1_x",
                                                              "score": 0, "model": "Qwen/Qwen2.5-7B",
                                                              "prompt": tools}]})
