@@ -3,22 +3,32 @@
 One JSON object per exchange, TRL's conversational prompt-completion form with the feedback beside it::
 
     {"id": "rec_...", "scenario": "pi", "run": "run_...", "created_at": 1764700000.0, "model": "smollm2",
-     "release_id": "...", "format": "openai-chat",
-     "prompt": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}],
-     "completion": [{"role": "assistant", "content": "...", "tool_calls": [...]}],
+     "release_id": "...", "format": "openai-chat", "status": "complete",
+     "prompt": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                     "function": {"name": "ls", "arguments": "{}"}}]},
+                {"role": "tool", "content": "a.py", "tool_call_id": "c1"}],
+     "completion": [{"role": "assistant", "content": "..."}],
+     "tools": "[{\"type\":\"function\",\"function\":{...}}]",
      "score": 1.0, "label": true,
-     "reports": [{"score": 1.0, "feedback": "...", "created_at": ..., "source": null}],
+     "reports": [{"score": 1.0, "feedback": "...", "source": null}],
      "prompt_token_ids": [...], "token_ids": [...], "logprobs": [...]}
 
 ``score`` is the latest report's score (None: unscored), ``label`` whether it is at least 0.5 (KTO's form; None when
-unscored); token ids and log-probs are there when the engine recorded them (None otherwise). Hugging Face
-``datasets`` reads the JSON Lines file (``load_dataset("json", data_files=...)``) or the Parquet file as they are.
+unscored); ``completion`` is None where the exchange has no answer (an error, a stream cut before its end), ``prompt``
+None where its request could not be read; ``tools`` is the request's tools as JSON text (None without), the form TRL's
+trainers decode; token ids and log-probs are there when the engine recorded them (None otherwise). Hugging Face
+``datasets`` reads the JSON Lines file (``load_dataset("json", data_files=...)``) or the Parquet file as they are
+(``daemon/export_files.py``: the ``messages`` shape, Parquet's columns).
 
-Import takes the same objects (``prompt`` and ``completion`` required; ``id``, ``scenario``, ``run``, ``model``,
-``created_at``, ``score``, ``feedback`` optional): an exchange per line, idempotent by id (a line without one gets
-an id from its scenario and content), a report when it carries a score or feedback. Each line meets the checks data
-meets on every other way in (``from_line``), and a line that fails one refuses its whole batch, naming the line,
-the item and the field: nothing the API refuses elsewhere is stored by an import.
+Import takes the same objects (``prompt`` and ``completion``, or one ``messages`` list; ``id``, ``scenario``,
+``run``, ``model``, ``created_at``, ``score``, ``feedback``, ``reports``, ``status``, ``format``, ``release_id``,
+``tools`` and token ids optional): an exchange per line, idempotent by id (a line without one gets an id from its
+scenario and content), a report per entry of ``reports`` (or one of ``score`` and ``feedback``). Each line meets the
+checks data meets on every other way in (``from_line``), and a line that fails one refuses its whole batch, naming
+the line, the item and the field: nothing the API refuses elsewhere is stored by an import. An export imported and
+exported again gives the same bytes: the stored exchange is a chat exchange (what every reader of records parses)
+and carries the line's format and whole completion beside its answer (``IMPORT_NOTE``).
 """
 
 from __future__ import annotations
@@ -326,6 +336,14 @@ def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
     elif status not in STATUSES:
         raise BadRequest(f"status must be one of {', '.join(STATUSES)}", param="status")
     answered = status == "complete"  # a finished exchange has a prompt and an answer; a failed one may lack them
+    if "messages" in item and "prompt" not in item and "completion" not in item:  # the ``messages`` shape
+        from daemon.export_files import split_messages
+
+        if not isinstance(item["messages"], list) or not item["messages"]:
+            raise BadRequest("messages must be a non-empty list of messages", param="messages")
+        _messages(item["messages"], "messages", required=True)
+        head, tail = split_messages(item["messages"])
+        item = {**item, "prompt": head or None, "completion": tail or None}
     prompt = _messages(item.get("prompt"), "prompt", required=answered)
     completion = _messages(item.get("completion"), "completion", required=answered)
     tools = _tools_in(item.get("tools"))

@@ -55,7 +55,8 @@ def test_export_in_the_documented_shape_and_import_back_idempotently(daemon_fact
 
     table = pq.read_table(pq_path).to_pylist()
     assert [r["id"] for r in table] == [x["id"] for x in lines]
-    assert json.loads(table[0]["prompt"]) == first["prompt"] and table[0]["score"] == 0.9
+    assert [{k: v for k, v in m.items() if v is not None} for m in table[0]["prompt"]] == first["prompt"]
+    assert table[0]["score"] == 0.9 and table[0]["reports"][0] == {"score": 0.2, "feedback": "meh", "source": None}
     assert list(table[0]["token_ids"]) == first["token_ids"]
     # import into another daemon's home: the same exchanges, once however often it runs
     d2: Daemon = daemon_factory()

@@ -171,3 +171,97 @@ def test_a_failed_exchange_without_an_answer_imports() -> None:
 
     got = from_line({"status": "error", "prompt": None, "completion": None}, "line 1", "s")
     assert got["record"].status == "error" and got["reports"] == []
+
+
+def serve_three(c: Any, scenario: str) -> list[str]:
+    """An exchange of each wire format, the chat one with tools and a tool result in its history."""
+    got = []
+    r = c.post(f"/s/{scenario}/v1/chat/completions", json={**CHAT_BODY, "max_tokens": 3})
+    got.append(r)
+    got.append(c.post(f"/s/{scenario}/v1/messages", json={"model": "tiny", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "question two"}]}))
+    got.append(c.post(f"/s/{scenario}/v1/responses", json={"model": "tiny", "max_output_tokens": 3, "input": "three"}))
+    assert all(r.status_code == 200 for r in got), [r.text for r in got]
+    return [r.headers["x-reef-agent-record-id"] for r in got]
+
+
+def test_both_files_load_with_datasets_in_trl_shapes_and_trl_takes_a_row(daemon: Daemon, tmp_path: Path) -> None:
+    """The export files as a TRL user meets them: ``datasets.load_dataset`` reads the JSON Lines and the Parquet
+    file of each shape into the same typed columns (messages as lists of dicts, a float score, a bool label only
+    where scored, the tools as JSON text), and TRL's data utilities take a row as it is."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl.data_utils import apply_chat_template, is_conversational
+
+    with daemon.http() as c:
+        chat_id, anthropic_id, responses_id = serve_three(c, "rt-trl")
+        assert c.post("/reef/report", json={"references": [chat_id], "score": 1}).status_code == 201
+        assert c.post("/reef/report", json={"references": [anthropic_id], "score": 0.25}).status_code == 201
+    datasets.disable_progress_bars()
+    for shape in ("prompt-completion", "messages"):
+        loaded = {}
+        for fmt, ext in (("jsonl", "json"), ("parquet", "parquet")):
+            path = tmp_path / f"{shape}.{fmt}"
+            daemon.cli("records", "export", "-s", "rt-trl", "--format", fmt, "--shape", shape, "-o", str(path))
+            ds = datasets.load_dataset(ext, data_files=str(path), split="train", cache_dir=str(tmp_path / "cache"))
+            assert ds.num_rows == 3, (shape, fmt)
+            assert ds.features["score"].dtype in ("float64", "double")
+            assert ds.features["label"].dtype == "bool" if shape == "prompt-completion" else "label" not in ds.features
+            loaded[fmt] = ds
+            rows = {r["id"]: r for r in ds}
+            assert [rows[i]["score"] for i in (chat_id, anthropic_id, responses_id)] == [1.0, 0.25, None]
+            if shape == "prompt-completion":
+                assert [rows[i]["label"] for i in (chat_id, anthropic_id, responses_id)] == [True, False, None]
+            assert json.loads(rows[chat_id]["tools"])[0]["function"]["name"] == "ls"
+            assert rows[anthropic_id]["tools"] is None
+            row = rows[chat_id]
+            talk = row["messages"] if shape == "messages" else row["prompt"] + row["completion"]
+            assert [m["role"] for m in talk] == ["system", "user", "assistant", "tool", "user", "assistant"]
+            assert talk[3]["tool_call_id"] == "call_1" and talk[2]["tool_calls"][0]["function"]["name"] == "ls"
+            assert rows[responses_id][("messages" if shape == "messages" else "completion")][-1]["content"]
+            assert is_conversational(row), (shape, fmt)
+            tok = AutoTokenizer.from_pretrained(str(daemon.models.get("tiny") or _tiny_path(daemon)))
+            text = apply_chat_template(row, tok, tools=json.loads(row["tools"]))
+            assert any("list the files" in v for v in text.values() if isinstance(v, str)), text
+        # the two files of one shape hold the same rows
+        assert sorted(loaded["jsonl"]["id"]) == sorted(loaded["parquet"]["id"])
+
+
+def _tiny_path(daemon: Daemon) -> str:
+    import tomllib
+
+    return str(tomllib.loads((daemon.home / "config.toml").read_text())["models"]["tiny"]["path"])
+
+
+def test_a_messages_export_imports_back_with_its_completion(daemon: Daemon, tmp_path: Path) -> None:
+    with daemon.http() as c:
+        chat_id = serve_three(c, "rt-msg")[0]
+    path = tmp_path / "m.jsonl"
+    daemon.cli("records", "export", "-s", "rt-msg", "--shape", "messages", "-o", str(path))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert all("prompt" not in x and "completion" not in x for x in lines)
+    import dataclasses
+
+    from daemon.export import from_line, to_line
+
+    item = from_line(next(x for x in lines if x["id"] == chat_id), "line 1", "s")
+    back = to_line({**dataclasses.asdict(item["record"]), "reports": []})
+    full = next(x for x in lines if x["id"] == chat_id)["messages"]
+    assert back["prompt"] + back["completion"] == full and len(back["completion"]) == 1
+
+
+def test_parquet_without_pyarrow_names_the_command_for_reefs_python(daemon: Daemon, tmp_path: Path) -> None:
+    """An install that lacks pyarrow (one from before it was a dependency): the refusal names the exact command,
+    with the Python that runs Reef, and exit 2; nothing is written."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake"
+    (fake / "pyarrow").mkdir(parents=True)
+    (fake / "pyarrow" / "__init__.py").write_text("raise ImportError('no pyarrow here')\n")
+    env = {**daemon.env, "PYTHONPATH": f"{fake}:{daemon.env['PYTHONPATH']}"}
+    out = tmp_path / "x.parquet"
+    got = subprocess.run([sys.executable, "-m", "reef_cli.main", "records", "export", "--format", "parquet", "-o",
+                          str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stderr
+    assert f"{sys.executable} -m pip install 'pyarrow>=17'" in got.stderr and not out.exists(), got.stderr
