@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from reef_cli.common import ago, client, console, edge, fail, print_json
+from reef_cli.common import ago, client, console, edge, fail, print_json, score_problem
 
 records_app = typer.Typer(help="Browse recorded exchanges and their reports.", no_args_is_help=True)
 scenarios_app = typer.Typer(help="List, show and create scenarios.", no_args_is_help=True)
@@ -37,11 +37,20 @@ def list_records(
     for r in recs:
         timings, usage = r.get("timings") or {}, r.get("usage") or {}
         table.add_row(
-            r["id"], r["scenario"], r.get("run") or "-", r.get("model") or "-", r["status"], ago(r["created_at"]),
-            f"{timings.get('total_ms', 0):.0f}", str(usage.get("output_tokens", "-")),
+            r["id"], r["scenario"], r.get("run") or "-", r.get("model") or "-", str(r["status"]).replace("_", " "),
+            ago(r["created_at"]),
+            f"{timings.get('total_ms', 0):.0f}", _tokens(usage),
             "-" if r.get("score") is None else f"{r['score']:g}",
         )
     console().print(table)
+
+
+def _tokens(usage: dict[str, Any]) -> str:
+    """An exchange's output tokens for a listing: ``unknown`` where its provider sent no usage (never a 0)."""
+    if not usage:
+        return "-"
+    n = usage.get("output_tokens")
+    return "unknown" if n is None else str(n)
 
 
 @records_app.command("show")
@@ -58,12 +67,21 @@ def show_record(
         return
     out = console()
     out.print(f"[bold]{rec['id']}[/]  {rec['kind']}  scenario [cyan]{rec['scenario']}[/]  run {rec.get('run') or '-'}")
-    out.print(f"status {rec['status']}  format {rec.get('format')}  engine {rec.get('engine')}  model {rec.get('model')}")
+    out.print(f"status {str(rec['status']).replace('_', ' ')}  format {rec.get('format')}  engine {rec.get('engine')}  model {rec.get('model')}")
     out.print(f"release {rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}  {ago(rec['created_at'])}")
+    if rec.get("forgotten_at"):
+        what = "request, answer and token ids" if rec["kind"] == "exchange" else "feedback and metadata"
+        out.print(f"[bold]forgotten[/] {ago(rec['forgotten_at'])}: its {what} were deleted (reef records forget); "
+                  "what stays is this tombstone" + (f", content_hash {rec['content_hash']}"
+                                                    if rec.get("content_hash") else ""))
     if rec.get("timings"):
         out.print("timings " + ", ".join(f"{k} {v}" for k, v in rec["timings"].items()))
     if rec.get("usage"):
-        out.print("usage " + json.dumps(rec["usage"]))
+        usage = rec["usage"]
+        if usage.get("unknown"):
+            out.print(f"usage unknown ({usage['unknown']})")
+        else:
+            out.print("usage " + json.dumps(usage))
     if rec.get("request") is not None:
         out.rule("request")
         out.print_json(json.dumps(rec["request"])[:20000])
@@ -275,6 +293,8 @@ def report(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Attach a report (score and/or feedback) to receipts."""
+    if (why := score_problem(score)) is not None:
+        fail(why, 2)
     body: dict[str, Any] = {"references": receipts}
     if score is not None:
         body["score"] = score
