@@ -405,7 +405,7 @@ async def handle_import(request: web.Request) -> web.Response:
                 try:
                     check_score_range(rep["score"], p["record"].scenario, reef.config)
                 except BadRequest as e:
-                    field = "score" if "reports" not in items[i] else f"reports[{k}].score"
+                    field = f"reports[{k}].score" if items[i].get("reports") else "score"
                     raise BadRequest(f"line {first + i} (items[{i}]): {e.message}", param=f"items[{i}].{field}") \
                         from None
     for name in sorted({p["record"].scenario for p in parsed}):
