@@ -66,6 +66,7 @@ def test_export_in_the_documented_shape_and_import_back_idempotently(daemon_fact
     assert json.loads(again.stdout) == {"imported": 0, "skipped": 5, "reports": 0}
     round_trip = tmp_path / "back.jsonl"
     d2.cli("records", "export", "-o", str(round_trip))
+    assert round_trip.read_bytes() == out.read_bytes()  # out and back through the CLI and two daemons: same bytes
     back = {x["id"]: x for x in map(json.loads, round_trip.read_text().splitlines())}
     assert set(back) == set(by_id) and all(x["scenario"] == "ex" for x in back.values())  # the line's own
     assert back[a]["prompt"] == first["prompt"] and back[a]["score"] == 0.9
