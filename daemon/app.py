@@ -40,7 +40,14 @@ from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, formats
 from daemon.protocols.base import WireFormat
-from daemon.reports import accept_imports, accept_report, check_feedback, check_report_id, check_score
+from daemon.reports import (
+    accept_imports,
+    accept_report,
+    check_feedback,
+    check_report_id,
+    check_score,
+    check_score_range,
+)
 from daemon.serving import Answer, Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -321,13 +328,14 @@ async def handle_report(request: web.Request) -> web.Response:
         if not isinstance(scenario, str):
             raise BadRequest("scenario must be a string", param="scenario")
         check_scenario(scenario)
-    if report_schemas():  # a bound recipe declares structured report fields: check them before storing
-        target = scenario
-        if target is None:
-            with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
-                target = (await reef.store.get_record(refs[0], full=False))["scenario"]
-        if target is not None:
-            await reef.learner.check_report(target, metadata)
+    target = scenario
+    if target is None and (score is not None or report_schemas()):
+        with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
+            target = (await reef.store.get_record(refs[0], full=False))["scenario"]
+    if score is not None and target is not None:
+        check_score_range(score, target, reef.config)
+    if report_schemas() and target is not None:  # a bound recipe declares structured report fields: check them
+        await reef.learner.check_report(target, metadata)
     stored = await accept_report(reef.store, reef.metrics, reef.events, scenario=scenario, score=score,
                                  feedback=feedback, references=refs, metadata=metadata, report_id=report_id)
     view = _report_view(stored)
@@ -391,10 +399,19 @@ async def handle_import(request: web.Request) -> web.Response:
     if not isinstance(first, int) or isinstance(first, bool):
         raise BadRequest("first_line must be an integer", param="first_line")
     parsed = [from_line(item, f"line {first + i} (items[{i}])", default, index=i) for i, item in enumerate(items)]
+    for i, p in enumerate(parsed):  # each score within its scenario's range, as /reef/report checks it
+        for k, rep in enumerate(p["reports"]):
+            if rep["score"] is not None:
+                try:
+                    check_score_range(rep["score"], p["record"].scenario, reef.config)
+                except BadRequest as e:
+                    field = f"reports[{k}].score" if items[i].get("reports") else "score"
+                    raise BadRequest(f"line {first + i} (items[{i}]): {e.message}", param=f"items[{i}].{field}") \
+                        from None
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
-    for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
+    for name in sorted({p["record"].scenario for p in parsed if p["reports"]}):
         reef.learner.notify(name)
     return _json(out, status=201)
 
@@ -674,12 +691,24 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
     records = await reef.store.list_records(
         scenario=scenario, run=run, after=after, limit=limit or 50, kind=kind, newest_first=newest
     )
+    for r in records:
+        _live(reef, r)
     return _json({"records": records, "next_after": records[-1]["seq"] if records and not newest else None})
+
+
+def _live(reef: Reef, rec: dict[str, Any]) -> dict[str, Any]:
+    """A stream still being answered is ``in_progress``, not ``incomplete`` (the word for one cut off): its record
+    is opened (``incomplete``, no timings yet) by this daemon process. One opened before this process started was
+    cut off by the stop or crash between, and stays ``incomplete``."""
+    if (rec.get("kind") == "exchange" and rec.get("status") == "incomplete" and rec.get("timings") is None
+            and rec.get("engine") != "import" and (rec.get("created_at") or 0) >= reef.started_at):
+        rec["status"] = "in_progress"
+    return rec
 
 
 async def handle_record(request: web.Request) -> web.Response:
     reef = request.ctx
-    return _json(await reef.store.get_record(request.match_info["receipt"]))
+    return _json(_live(reef, await reef.store.get_record(request.match_info["receipt"])))
 
 
 async def _existing_scenario(reef: Reef, name: str) -> Any:

@@ -392,7 +392,8 @@ def _operation(method: str, pattern: str) -> dict[str, Any]:
     if op.tag == "provider" and method == "POST":
         ok["headers"] = {h: {"schema": S, "description": d} for h, d in (
             ("x-reef-agent-record-id", "the receipt (in a stream: in its final event too)"),
-            ("x-reef-release-id", "the release that served it"))}
+            ("x-reef-release-id", "the release that served it"),
+            ("x-reef-model", "the model that answered: the scenario's, whatever the request's model names"))}
     error = {"description": "the canonical error shape",
              "content": {"application/json": {"schema": _error_ref(pattern)}}}
     responses: dict[str, Any] = {str(op.status): ok}

@@ -176,7 +176,7 @@ def _why(data: PageData) -> str:
                 "it consumed nothing.</p>")
     if not receipts:
         return "<p>It lists no receipts it consumed.</p>"
-    out = [f"<p>It consumed {len(receipts)} receipt(s)"
+    out = [f"<p>It consumed {consumed(receipts, data.inputs)}"
            + (f"; the first {MAX_RECEIPTS} are shown" if len(receipts) > MAX_RECEIPTS else "") + ".</p>",
            "<ol class=\"inputs\">"]
     for rec in data.inputs:
@@ -185,6 +185,26 @@ def _why(data: PageData) -> str:
     if data.missing:
         out.append(f"<p class=\"note\">Not in this daemon's record store: {e(', '.join(data.missing))}</p>")
     return "\n".join(out)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 report``, ``2 reports``: a count said as a person says it (never ``1 report(s)``)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def consumed(ids: list[str], inputs: list[dict[str, Any]]) -> str:
+    """What a release's manifest lists, said by kind: the reports a harness recipe learned from (and how many
+    receipts they were on, where they were read back) and the exchanges a weights recipe trained on."""
+    reports = [i for i in ids if i.startswith("rep_")]
+    exchanges = [i for i in ids if not i.startswith("rep_")]
+    parts = []
+    if reports:
+        on = {str(r) for rec in inputs if rec.get("kind") == "report"
+              for r in (rec.get("report") or {}).get("references") or []}
+        parts.append(plural(len(reports), "report") + (f" on {plural(len(on), 'receipt')}" if on else ""))
+    if exchanges:
+        parts.append(plural(len(exchanges), "exchange"))
+    return " and ".join(parts)
 
 
 def _input(rec: dict[str, Any]) -> str:

@@ -960,15 +960,14 @@ class RecordStore:
                 if it["record"].id not in seen:
                     seen.add(it["record"].id)
                     rows.append((i, it))
-            keys = [it["report"]["report_id"] for _, it in rows if it["report"] is not None]
+            keys = [rep["report_id"] for _, it in rows for rep in it["reports"]]
             taken: set[str] = set()
             for chunk in _chunks(keys):  # a client's report_id from before such ids were refused at /reef/report
                 taken |= {r["report_key"] for r in conn.execute(
                     f"SELECT report_key FROM records WHERE report_key IN ({','.join('?' * len(chunk))})",
                     chunk).fetchall()}
             for i, it in rows:
-                if it["report"] is not None and it["report"]["report_id"] in taken:
-                    key = it["report"]["report_id"]
+                for key in (rep["report_id"] for rep in it["reports"] if rep["report_id"] in taken):
                     raise ReportConflict(f"items[{i}]: the report of imported exchange {it['record'].id} would be "
                                          f"stored as report_id {key!r}, which another report holds: import it under "
                                          "another id", report_id=key, param=f"items[{i}].id")
@@ -976,21 +975,19 @@ class RecordStore:
                 _ExchangeRow(self._exchange_row(it["record"]))(conn)
             reports: list[dict[str, Any]] = []
             for _, it in rows:
-                rep = it["report"]
-                if rep is None:
-                    continue
                 rec = it["record"]
-                body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec.id],
-                        "metadata": {"source": "import"}}
-                digest = hashlib.sha256(json.dumps({**body, "scenario": rec.scenario}, sort_keys=True,
-                                                   ensure_ascii=False).encode()).hexdigest()
-                rid = new_id("rep_")
-                conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
-                             " report_hash) VALUES (?,?,?,?,?,?,?,?)",
-                             (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
-                              rep["report_id"], digest))
-                conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
-                reports.append({"id": rid, "scenario": rec.scenario, **body})
+                for rep in it["reports"]:
+                    body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec.id],
+                            "metadata": {"imported": True, **({"source": rep["source"]} if rep["source"] else {})}}
+                    digest = hashlib.sha256(json.dumps({**body, "scenario": rec.scenario}, sort_keys=True,
+                                                       ensure_ascii=False).encode()).hexdigest()
+                    rid = new_id("rep_")
+                    conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
+                                 " report_hash) VALUES (?,?,?,?,?,?,?,?)",
+                                 (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
+                                  rep["report_id"], digest))
+                    conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
+                    reports.append({"id": rid, "scenario": rec.scenario, **body})
             return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": len(reports)}, reports
 
         return await self.write(op)

@@ -26,6 +26,7 @@ from reef_cli.tui.format import (
     age,
     canary_line,
     conversation,
+    duration,
     key_metrics,
     number,
     one_line,
@@ -529,9 +530,12 @@ class ReleaseScreen(ReefScreen):
             info.add_row(f"  {k}", number(v))
         if rel.get("settings"):
             info.add_row("settings", one_line(rel["settings"], 200))
-        receipts = rel.get("receipts") or []
-        info.add_row("receipts", f"{len(receipts)}" + ("" if not receipts else ": " + ", ".join(receipts[:12])
-                                                        + (" …" if len(receipts) > 12 else "")))
+        fed = rel.get("receipts") or []  # a harness release lists the reports it learned from, a weights one exchanges
+        reports, receipts = [i for i in fed if i.startswith("rep_")], [i for i in fed if not i.startswith("rep_")]
+        for label, ids in (("reports", reports), ("receipts", receipts)):
+            if ids or label == "receipts" and not reports:
+                info.add_row(label, f"{len(ids)}" + ("" if not ids else ": " + ", ".join(ids[:12])
+                                                     + (" …" if len(ids) > 12 else "")))
         if rel.get("message"):
             info.add_row("message", rel["message"].strip().splitlines()[0])
         self.query_one("#summary", Static).update(info)
@@ -673,7 +677,7 @@ class TrainingScreen(ReefScreen):
             if kind == "train.start":
                 detail = f"{ev.get('samples')} samples from {short(ev.get('base'))}"
             elif kind == "train.step":
-                detail = f"{key_metrics(ev.get('metrics'), 3)}  {number(ev.get('seconds'))}s"
+                detail = f"{key_metrics(ev.get('metrics'), 3)}  {duration(ev.get('seconds'))}"
             elif kind == "gate":
                 detail = f"{str(ev.get('verdict')).upper()}: {one_line(ev.get('reason'), 50)}"
             elif kind in ("release", "release.pending"):
@@ -772,7 +776,8 @@ class RecordScreen(ReefScreen):
         head.add_row("release", f"{rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}")
         head.add_row("model", f"{rec.get('model')} ({rec.get('engine')}, {rec.get('format')})  status {rec.get('status')}")
         if rec.get("timings"):
-            head.add_row("timings", "  ".join(f"{k} {number(v)}" for k, v in rec["timings"].items() if v is not None))
+            head.add_row("timings", "  ".join(f"{k.removesuffix('_ms')} {duration(v / 1e3)}"
+                                              for k, v in rec["timings"].items() if isinstance(v, (int, float))))
         if rec.get("usage"):
             head.add_row("usage", json.dumps(rec["usage"]))
         parts: list[Any] = [head, Text("")]
