@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapters import get_adapter
 from daemon.gating import warning
+from reef_cli.wrapper import model_notes
 from tests.conftest import Daemon
-from tests.test_learning import releases, wait_for
+from tests.test_learning import events_of, releases, wait_for
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
 from tests.test_watchdog import DRIFTING
 
@@ -151,12 +153,12 @@ def test_a_warned_scenario_publishes_nothing_until_resumed_even_after_a_restart(
         assert "reef scenarios resume hacked" in shown["reason"]
         assert c.get("/reef/status").json()["warnings"] == {"hacked": shown["reason"]}
         assert _gauge(c, "hacked") == "1.0"
-        # the event: from the daemon's history, the warning that was raised
-        with c.stream("GET", "/reef/events", params={"after": 0}, timeout=30) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and '"kind":"warning"' in line.replace(" ", ""):
-                    assert '"scenario":"hacked"' in line.replace(" ", "") and "stops answering" in line
-                    break
+        run = c.post("/reef/runs", json={"adapter": "pi", "scenario": "hacked"}).json()  # what a wrapper starts with
+        notes = model_notes(get_adapter("pi"), run)
+        assert notes[0] == f"warning on scenario hacked: {shown['reason']}", notes
+        assert "warning" not in c.post("/reef/runs", json={"adapter": "pi", "scenario": "guarded"}).json()
+        ev = events_of(c, "hacked", "warning", 1)[0]  # the event, from the daemon's history
+        assert ev["state"] == "warned" and ev["release_id"] == held["release_id"] and "silent" in ev["signals"]
         # reports keep coming: the loop reads them and takes no step (its state says why), nothing is published
         _report_step(c, "hacked", 0.95)
         wait_for(lambda: _learning(c, "hacked") == "warned", what="the loop refusing to step")
@@ -202,3 +204,33 @@ def test_accepting_or_changing_the_settings_also_lets_learning_go_on(daemon_fact
         # accepted: the same trend again publishes, and is not warned about, until the settings change
         chain = _steps(c, "h", (0.2, 0.5, 0.8))
         assert len(chain["pending"]) == 2 and c.get("/reef/scenarios/h").json()["warning"] is None
+
+
+async def test_the_tui_shows_the_warning_on_the_scenarios_screen() -> None:
+    """The scenarios screen marks a warned scenario and says the warning in its note, from what the daemon's
+    ``GET /reef/scenarios`` answers; one without a warning is shown as before."""
+    from textual.widgets import DataTable, Static
+
+    from reef_cli.tui.app import ReefApp
+    from tests.tui_fixture import NOW, FixedSource
+
+    says = "the reward is rising while the model stops answering: the scorer may reward empty answers (...)"
+
+    class Warned(FixedSource):
+        async def scenarios(self) -> list[dict[str, Any]]:
+            out = await super().scenarios()
+            out[0]["warning"] = {"state": "warned", "reason": says}
+            return out
+
+    app = ReefApp(Warned(), clock=lambda: NOW)
+    async with app.run_test(size=(160, 34)) as pilot:
+        for _ in range(200):
+            if getattr(app.screen, "loaded", 1):
+                break
+            await pilot.pause(0.02)
+        table = app.screen.query_one(DataTable)
+        names = [table.get_row_at(i)[0] for i in range(table.row_count)]
+        states = {n: table.get_row_at(i)[-1] for i, n in enumerate(names)}
+        assert states[names[0]] == "WARNING" and all(states[n] != "WARNING" for n in names[1:]), states
+        note = str(app.screen.query_one("#note", Static).render())
+        assert f"warning on {names[0]}: the reward is rising while the model stops answering" in note, note
