@@ -148,7 +148,8 @@ def test_a_warned_scenario_publishes_nothing_until_resumed_even_after_a_restart(
         assert chain["releases"][0]["step"] == 2 and len(chain["pending"]) == 1, chain  # the third held
         held = chain["pending"][0]
         assert held["metrics"]["warning"].startswith("the reward is rising while the model stops answering")
-        shown = c.get("/reef/scenarios/hacked").json()["warning"]
+        # the warning is written just after the hold: wait for it
+        shown = wait_for(lambda: c.get("/reef/scenarios/hacked").json()["warning"], what="the warning stored")
         assert shown["state"] == "warned" and shown["release_id"] == held["release_id"]
         assert "reef scenarios resume hacked" in shown["reason"]
         assert c.get("/reef/status").json()["warnings"] == {"hacked": shown["reason"]}
@@ -191,14 +192,15 @@ def test_accepting_or_changing_the_settings_also_lets_learning_go_on(daemon_fact
         refused = d.cli("scenarios", "accept-warning", "h", check=False)
         assert refused.returncode == 5 and "no early warning stands" in refused.stderr  # nothing to accept
         _steps(c, "h", (0.2, 0.5, 0.8))
-        assert c.get("/reef/scenarios/h").json()["warning"]["state"] == "warned"
+        assert wait_for(lambda: c.get("/reef/scenarios/h").json()["warning"], what="warned")["state"] == "warned"
         # changing the settings is acting: the warning is cleared and the trend read afresh under them
         bad = c.post("/reef/scenarios/h/settings", json={"settings": {"hacked": "yes"}})
         assert bad.status_code == 400 and c.get("/reef/scenarios/h").json()["warning"]["state"] == "warned"
         updated = d.cli("scenarios", "update", "h", "--settings", '{"falling": false}').stdout
         assert '"falling": false' in updated and c.get("/reef/scenarios/h").json()["warning"] is None
         chain = _steps(c, "h", (0.2, 0.5, 0.8))  # a hacked trend again: warned again
-        assert len(chain["pending"]) == 2 and c.get("/reef/scenarios/h").json()["warning"]["state"] == "warned"
+        assert len(chain["pending"]) == 2
+        assert wait_for(lambda: c.get("/reef/scenarios/h").json()["warning"], what="warned again")["state"] == "warned"
         accepted = d.cli("scenarios", "accept-warning", "h").stdout
         assert "learning on" in accepted and c.get("/reef/scenarios/h").json()["warning"] is None
         # accepted: the same trend again publishes, and is not warned about, until the settings change
