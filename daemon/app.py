@@ -584,7 +584,7 @@ def switch_handler(**fixed: bool) -> Handler:
         else:
             scenario = await reef.store.set_switches(name, **switches)
         if switches.get("paused") is False:  # resuming is acting on an early warning too
-            pass
+            scenario = await warning.clear(reef.store, reef.events, name, "resumed")
         reef.events.publish("scenario", scenario=scenario.to_dict())
         if switches.get("paused") is False or switches.get("archived") is False:
             reef.learner.notify(name)  # what came while it was paused is learned from now

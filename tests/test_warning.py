@@ -78,7 +78,8 @@ def test_a_hacked_runs_figures_warn_in_plain_words_and_an_honest_runs_do_not() -
     assert "sampled answers (tokens) 53.1 -> 4.7" in found["evidence"] and "groups that all scored alike" in \
         found["evidence"]
     assert warning.detect(HONEST) is None  # shorter answers, still answers: a preference learned, no alarm
-    assert warning.detect(HACKED[:2]) is None  # fewer than MIN_STEPS candidates: no trend to read yet
+    assert warning.detect(HACKED[:1]) is None  # fewer than MIN_STEPS candidates: no trend to read yet
+    assert warning.detect(HACKED[:2]) is None  # the answers shorter, not gone yet
     flat = [dict(m, batch_reward=0.3 + 0.03 * i) for i, m in enumerate(HACKED)]
     assert warning.detect(flat) is None  # the answers collapse but the reward does not rise: not the scorer's doing
     assert warning.detect([dict(m, tokens=m["tokens"] * 3) for m in HACKED]) is not None  # entropy alone warns

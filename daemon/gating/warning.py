@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("reef.warning")
 
 WINDOW = 4  # candidates read: the newest three before the one at the gate, and it
-MIN_STEPS = 3  # fewer candidates than this since the last clear: no trend to read
+MIN_STEPS = 2  # fewer candidates than this since the last clear: no trend to read (the first one's held-out
+# baseline is the head it was checked against, so two already show a trend against the model before it)
 RISE = 0.1  # the scored reward, first to last
 SILENT_RISE = 0.15  # the held-out share of empty or cut-short answers, against the baseline
 DEGENERATE_RISE = 0.25  # the held-out share of degenerate answers
