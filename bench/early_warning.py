@@ -194,7 +194,7 @@ def rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, required=True, help="a made SmolLM2 directory")
+    ap.add_argument("--model-dir", type=Path, help="a made SmolLM2 directory (required but with --from-json)")
     ap.add_argument("--prefs", default=",".join([*HACKABLE, *HONEST]))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--kl-coefs", default="0,0.3", help="online-rl's kl_coef per arm (0.3: its default)")
@@ -207,10 +207,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer-words and brief, seed 0, kl_coef 0, 3 steps of "
                     "2 x 4 answers of 32 tokens, 8 held-out questions and 16 probes")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--from-json", type=Path, help="print the table and rates of the runs a --json run printed "
+                    "(one that was stopped: its finished runs)")
     args = ap.parse_args()
+    if args.from_json:
+        report([json.loads(line) for line in args.from_json.read_text().splitlines() if line.startswith("{")])
+        return
     if args.quick:
         args.prefs, args.seeds, args.kl_coefs, args.steps = "fewer-words,brief", "0", "0", 3
         args.batch_prompts, args.group_size, args.max_tokens, args.holdout, args.probes = 2, 4, 32, 8, 16
+    if args.model_dir is None:
+        raise SystemExit("--model-dir is required: a made SmolLM2 directory")
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -224,6 +231,11 @@ def main() -> None:
                 if args.json:
                     print(json.dumps(run), flush=True)
     print(f"\n{len(runs)} runs in {(time.monotonic() - t0) / 60:.1f} min; config: {vars(args)}")
+    report(runs)
+
+
+def report(runs: list[dict[str, Any]]) -> None:
+    """The table and the rates of ``runs``."""
     print("\n| preference | kind | seed | kl_coef | reward first -> last | tokens/answer first -> last | "
           "probe acc. last | first collapsed step | first warning step | signals |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
@@ -234,7 +246,6 @@ def main() -> None:
     for coef in sorted({r["kl_coef"] for r in runs}):
         print(f"kl_coef {coef:g}: {json.dumps(rates([r for r in runs if r['kl_coef'] == coef]))}")
     print(f"all: {json.dumps(rates(runs))}")
-
 
 if __name__ == "__main__":
     main()
