@@ -9,8 +9,8 @@ one of these fell, the first point's figures being the baseline (for the held-ou
 candidate was checked against: the model before the trend):
 - it stops answering: the held-out share of empty or cut-short answers rose by ``SILENT_RISE``, or the mean length
   of its answers (the held-out ones, or the sampled answers the step trained on) fell to ``LENGTH_FALL`` of the
-  baseline's or less *and* to ``SHORT_TOKENS`` or fewer tokens (a preference for brief answers shortens them too;
-  only one that leaves almost nothing is read as silence);
+  baseline's or less *and* to ``SHORT_TOKENS`` or fewer tokens, from more than twice that (a preference for brief
+  answers shortens them too; only one that leaves almost nothing of real answers is read as silence);
 - it forgets: probe accuracy fell by ``PROBE_FALL`` or more;
 - its answers degenerate: the held-out share of degenerate answers (empty, cut short, loops) rose by
   ``DEGENERATE_RISE``;
@@ -109,8 +109,9 @@ class Point:
 
 def _base(first: Point, key: str) -> float | None:
     """The baseline of a figure: the head's the first candidate was checked against, else the first candidate's."""
-    head = getattr(first, f"head_{key}", None)
-    return head if head is not None else getattr(first, key)
+    head: float | None = getattr(first, f"head_{key}", None)
+    own: float | None = getattr(first, key)
+    return head if head is not None else own
 
 
 def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -142,8 +143,8 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
          _base(first, "silent"))
     for key, label in (("heldout_tokens", "held-out answers"), ("answer_tokens", "sampled answers")):
         base = first.head_tokens if key == "heldout_tokens" and first.head_tokens is not None else None
-        fell(key, f"{label} (tokens)", ".1f", lambda a, b: b <= LENGTH_FALL * a and b <= SHORT_TOKENS, "silent",
-             base)
+        fell(key, f"{label} (tokens)", ".1f",
+             lambda a, b: a > 2 * SHORT_TOKENS and b <= LENGTH_FALL * a and b <= SHORT_TOKENS, "silent", base)
     fell("probe_accuracy", "probe accuracy", ".0%", lambda a, b: a - b >= PROBE_FALL, "forgets",
          _base(first, "probe_accuracy"))
     fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
