@@ -85,7 +85,8 @@ def test_a_hacked_runs_figures_warn_in_plain_words_and_an_honest_runs_do_not() -
     assert warning.detect([dict(m, tokens=m["tokens"] * 3) for m in HACKED]) is not None  # entropy alone warns
     assert warning.detect([dict(m, entropy=1.9, tokens=m["tokens"] * 3) for m in HACKED]) is None
     # answers asked short to begin with (4 tokens) that halve are no silence: nothing long was lost
-    assert warning.detect([dict(m, entropy=1.9, tokens=m["samples"] * t) for m, t in zip(HACKED, (4, 3, 2))]) is None
+    short = [dict(m, entropy=1.9, tokens=m["samples"] * t) for m, t in zip(HACKED, (4, 3, 2), strict=True)]
+    assert warning.detect(short) is None
 
 
 def test_the_held_out_figures_warn_against_the_head_the_trend_started_from() -> None:
