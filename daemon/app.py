@@ -36,6 +36,7 @@ from daemon.errors import (
     ReefError,
     Unauthorized,
 )
+from daemon.gating import warning
 from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, formats
@@ -599,12 +600,45 @@ def switch_handler(**fixed: bool) -> Handler:
                 scenario = await reef.store.set_switches(name, **switches)
         else:
             scenario = await reef.store.set_switches(name, **switches)
+        if switches.get("paused") is False:  # resuming is acting on an early warning too
+            scenario = await warning.clear(reef.store, reef.events, name, "resumed")
         reef.events.publish("scenario", scenario=scenario.to_dict())
         if switches.get("paused") is False or switches.get("archived") is False:
             reef.learner.notify(name)  # what came while it was paused is learned from now
         return _json(scenario.to_dict())
 
     return handle
+
+
+async def handle_accept_warning(request: web.Request) -> web.Response:
+    """``POST /reef/scenarios/{s}/accept-warning``: the user accepts the early warning's trend: learning goes on,
+    and the scenario is not warned again until its settings change (``daemon/gating/warning.py``)."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    scenario = await warning.clear(reef.store, reef.events, name, "accepted")
+    reef.learner.notify(name)
+    return _json(scenario.to_dict())
+
+
+async def handle_update_settings(request: web.Request) -> web.Response:
+    """``POST /reef/scenarios/{s}/settings {"settings": {...}}``: change a scenario's recipe settings (a key set to
+    null goes back to the recipe's default), checked as at creation; it clears an early warning."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    given = (await _object_body(request)).get("settings")
+    if not isinstance(given, dict) or not given:
+        raise BadRequest("settings must be a non-empty JSON object of recipe settings", param="settings")
+
+    def change(scenario: Any) -> dict[str, Any]:
+        new = {k: v for k, v in {**scenario.settings, **given}.items() if v is not None}
+        reef.learner.check_settings(scenario.recipe, new)
+        return new
+
+    scenario = await reef.store.change_settings(name, change)
+    scenario = await warning.clear(reef.store, reef.events, name, "updated")
+    reef.events.publish("scenario", scenario=scenario.to_dict())
+    reef.learner.notify(name)
+    return _json(scenario.to_dict())
 
 
 async def handle_scenario(request: web.Request) -> web.Response:
@@ -873,6 +907,8 @@ async def handle_status(request: web.Request) -> web.Response:
             "records": counts.get("exchange", 0),
             "reports": counts.get("report", 0),
             "scenarios": len(await reef.store.list_scenarios()),
+            "warnings": {n: w["reason"] for n, w in (await warning.standing(reef.store)).items()
+                         if w.get("state") == "warned"},
             "learning": dict(reef.learner.state),
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
             "trainer_pid": reef.learner.trainer_pid,
@@ -945,6 +981,8 @@ async def handle_revoke_token(request: web.Request) -> web.Response:
 
 async def handle_metrics(request: web.Request) -> web.Response:
     reef = request.ctx
+    for name, w in (await warning.standing(reef.store)).items():  # read from the store: true after a restart
+        reef.metrics.scenario_warning.labels(name).set(1 if w.get("state") == "warned" else 0)
     return web.Response(reef.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
@@ -1021,6 +1059,8 @@ def router() -> web.Router:
     r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))
     r.add("POST", "/reef/scenarios/{name}/resume", switch_handler(paused=False))
+    r.add("POST", "/reef/scenarios/{name}/accept-warning", handle_accept_warning)
+    r.add("POST", "/reef/scenarios/{name}/settings", handle_update_settings)
     r.add("POST", "/reef/scenarios/{name}/capture", switch_handler())
     r.add("POST", "/reef/scenarios/{name}/canary", handle_canary)
     r.add("GET", "/reef/scenarios/{name}/canary", handle_canary)

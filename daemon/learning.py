@@ -397,7 +397,7 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            if st.state != "paused":
+            if st.state not in ("paused", "warned"):
                 st.state = "waiting"
 
     # --- judging turns by what came next ------------------------------------------------------------------
@@ -478,6 +478,9 @@ class Learner:
             if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
                 return StepOutcome("paused", summary=f"scenario {name} is paused: reef scenarios resume {name}")
+            if scenario.warned:  # the early warning stands (daemon/gating/warning.py): its reports wait for the user
+                st.state = "warned"
+                return StepOutcome("paused", summary=str((scenario.warning or {}).get("reason")))
             self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
@@ -749,6 +752,10 @@ class Learner:
                             seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
         return await run_gate(self, GateRun(st, scenario, head, candidate, [r.id for r in batch], job_id,
                                             record_settings, metrics, origin))
+
+    async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
+        """Write a scenario's early-warning state (``daemon/gating/warning.py``)."""
+        return await self.store.set_warning(name, warning)
 
     # --- what the held-out check reads (daemon/gating/heldout.py) ------------------------------------------
 

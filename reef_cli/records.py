@@ -356,6 +356,8 @@ def show_scenario(
         print(f"{key:11} {s.get(key)}")
     print(f"{'capture':11} {'on' if s.get('capture', True) else 'off (serve-only: never trained on)'}")
     print(f"{'learning':11} {'paused (reef scenarios resume ' + name + ')' if s.get('paused') else 'on'}")
+    if s.get("warning"):  # the early warning (daemon/gating/warning.py)
+        print(f"{'warning':11} {s['warning'].get('reason')}")
     if s.get("archived"):
         print(f"{'archived':11} yes: neither served nor trained (reef scenarios unarchive {name})")
     print(f"{'created':11} {ago(s['created_at'])}")
@@ -472,7 +474,8 @@ def _switched(s: dict[str, Any], json_out: bool) -> None:
         print_json(s)
     else:
         print(f"scenario {s['name']}: {'archived (neither served nor trained), ' if s.get('archived') else ''}"
-              f"learning {'paused' if s['paused'] else 'on'}, capture {'on' if s['capture'] else 'off (serve-only)'}")
+              f"learning {'paused' if s['paused'] else 'on'}, capture {'on' if s['capture'] else 'off (serve-only)'}"
+              + ("; an early warning stands (reef scenarios show)" if s.get("warning") else ""))
 
 
 @scenarios_app.command("pause")
@@ -488,9 +491,40 @@ def pause(name: str = typer.Argument(..., help="The scenario."),
 @edge
 def resume(name: str = typer.Argument(..., help="The scenario."),
            json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Resume a paused scenario's learning, from the reports that came meanwhile."""
+    """Resume a paused scenario's learning, from the reports that came meanwhile; this also clears an early
+    warning (the reward rising while the answers collapse), whose trend is then read afresh."""
     with client() as c:
         _switched(c.post(f"/reef/scenarios/{name}/resume", {}), json_out)
+
+
+@scenarios_app.command("accept-warning")
+@edge
+def accept_warning(name: str = typer.Argument(..., help="The scenario."),
+                   json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Accept a scenario's early warning: learning goes on, and it is not warned again until its settings change
+    (exit 5 when no warning stands). Held candidates stay held: reef releases promote ID serves one."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/accept-warning", {}), json_out)
+
+
+@scenarios_app.command("update")
+@edge
+def update_scenario(name: str = typer.Argument(..., help="The scenario."),
+                    settings: str = typer.Option(..., "--settings", help='Recipe settings to change, as JSON '
+                                                 '(\'{"kl_coef": 0.5}\'; null puts one back to its default).'),
+                    json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Change a scenario's recipe settings, checked as at creation (exit 2 naming a setting the recipe refuses);
+    this also clears an early warning, whose trend is then read afresh under the new settings."""
+    try:
+        given = json.loads(settings)
+    except ValueError as e:
+        fail(f"--settings must be JSON: {e}", 2)
+    with client() as c:
+        s = c.post(f"/reef/scenarios/{name}/settings", {"settings": given})
+    if json_out:
+        print_json(s)
+    else:
+        print(f"scenario {s['name']}: settings {json.dumps(s['settings'])}")
 
 
 @scenarios_app.command("archive")

@@ -284,8 +284,8 @@ def _run(tmp_path: Any, **settings: Any) -> GateRun:
 
 
 def test_the_gate_is_named_steps_in_order() -> None:
-    assert [s.__name__ for s in STEPS] == ["skipped", "gate_kind", "drift_bound", "heldout_check", "canary",
-                                           "publish", "rejected"]
+    assert [s.__name__ for s in STEPS] == ["skipped", "gate_kind", "drift_bound", "heldout_check", "early_warning",
+                                           "canary", "publish", "rejected"]
 
 
 def test_the_check_turned_off_marks_the_candidate_unchecked(tmp_path: Any) -> None:

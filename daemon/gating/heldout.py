@@ -246,6 +246,8 @@ class Figures:
     answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
     kl_seconds: float = 0.0  # and the KL's forwards
     head_sampled: int = 0  # prompts the head was asked by this check (the others' answers were kept)
+    tokens: float | None = None  # the candidate's mean answer length, tokens (the early warning reads its trend)
+    head_tokens: float | None = None
     notes: list[str] = field(default_factory=list)
     hold: str | None = None  # why the candidate is held
 
@@ -267,6 +269,8 @@ class Figures:
         }
         if self.length_ratio is not None:
             out["heldout_length_ratio"] = round(self.length_ratio, 4)
+        if self.tokens is not None and self.head_tokens is not None:
+            out["heldout_tokens"], out["heldout_head_tokens"] = round(self.tokens, 2), round(self.head_tokens, 2)
         if self.kl is not None:
             out["heldout_kl"] = round(self.kl, 4)
         if self.notes:
@@ -298,6 +302,7 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         length_ratio=sum(c.tokens for c in candidate) / head_len if head_len else None,
         probe_accuracy=sum(right_c) / max(1, len(probes)), head_probe_accuracy=sum(right_h) / max(1, len(probes)),
         probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
+        tokens=sum(c.tokens for c in candidate) / n, head_tokens=head_len / n,
     )
     if recorded < ENOUGH:
         fig.notes.append(f"too little traffic for the reserved share: {recorded} of the scenario's recorded prompts "

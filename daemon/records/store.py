@@ -148,6 +148,13 @@ class Scenario:
     capture: bool = True  # False: serve-only, its exchanges are never trained on
     paused: bool = False  # True: its recipe takes no step until resumed (the binding stays)
     archived: bool = False  # True: neither served nor trained; its records and chain stay readable
+    # the early warning's state (daemon/gating/warning.py): None, or {state: warned | accepted | cleared, since, ...}
+    warning: dict[str, Any] | None = None
+
+    @property
+    def warned(self) -> bool:
+        """Whether its early warning stands: no step runs, nothing publishes, until the user acts."""
+        return self.warning is not None and self.warning.get("state") == "warned"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +166,7 @@ class Scenario:
             "capture": self.capture,
             "paused": self.paused,
             "archived": self.archived,
+            "warning": self.warning if self.warned else None,
         }
 
 
@@ -554,6 +562,24 @@ class RecordStore:
         scenario = await self.write(op)
         self._scenario_cache[name] = scenario
         return scenario
+
+    async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
+        """Write a scenario's early-warning state (``daemon/gating/warning.py``), durably: it outlives a restart."""
+
+        def op(conn: Conn) -> Scenario:
+            if conn.execute("UPDATE scenarios SET warning=? WHERE name=?",
+                            (None if warning is None else _dumps(warning), name)).rowcount == 0:
+                raise NotFound(f"no scenario named {name!r}", scenario=name)
+            return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+
+        scenario = await self.write(op)
+        self._scenario_cache[name] = scenario
+        return scenario
+
+    async def warned_scenarios(self) -> list[Scenario]:
+        """The scenarios with an early-warning state written (standing, accepted or cleared)."""
+        rows = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE warning IS NOT NULL").fetchall())
+        return [_scenario(row) for row in rows]
 
     async def get_scenario(self, name: str) -> Scenario:
         row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
@@ -1282,6 +1308,7 @@ def _scenario(row: Any) -> Scenario:
         capture=bool(row["capture"]),
         paused=bool(row["paused"]),
         archived=bool(row["archived"]),
+        warning=json.loads(row["warning"]) if row["warning"] else None,
     )
 
 

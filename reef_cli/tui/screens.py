@@ -129,7 +129,7 @@ class ScenariosScreen(ReefScreen):
         Binding("enter", "open", "Chain", priority=True),
         Binding("r", "refresh_data", "Refresh"),
     ]
-    RELOAD_ON = ("scenario", "release", "report", "record", "train.start", "train.step", "gate")
+    RELOAD_ON = ("scenario", "release", "report", "record", "train.start", "train.step", "gate", "warning")
     THROTTLE_S = 1.0
 
     def compose(self) -> ComposeResult:
@@ -154,12 +154,15 @@ class ScenariosScreen(ReefScreen):
             if isinstance(chain, dict) and chain.get("releases"):
                 step = str(chain["releases"][0]["step"])
             state = self.reef.training.state.get(s["name"]) or learning.get(s["name"]) or "idle"
+            if s.get("warning"):  # the early warning stands: learning waits for the user (the note says why)
+                state = "WARNING"
             table.add_row(s["name"], s.get("recipe", "-"), s.get("model", "-"), step, str(s.get("records", 0)),
                           str(s.get("reports", 0)), score(s.get("mean_score")), state, key=s["name"])
         if scenarios:
             table.move_cursor(row=min(keep, len(scenarios) - 1))
         note = f"{len(scenarios)} scenarios; enter opens a release chain" if scenarios else "no scenarios yet"
-        self.query_one("#note", Static).update(note)
+        warned = [f"warning on {s['name']}: {s['warning'].get('reason')}" for s in scenarios if s.get("warning")]
+        self.query_one("#note", Static).update("\n".join([*warned, note]))
 
     def action_open(self) -> None:
         table = self.query_one(DataTable)
