@@ -18,7 +18,7 @@ What counts as an edge from module M:
 - Imports under `if TYPE_CHECKING:` count too. They never run, so such a circle cannot fail at import time, but
   it is a circle of dependencies all the same (the record store's migrations named the store that runs them that
   way, and canaries the whole serving object): a module that needs a type of a module above it names what it uses
-  as a Protocol of its own instead (`daemon.canary.Daemon`, `daemon.records.migrations.Migratable`).
+  as a Protocol instead (`daemon.services.Daemon`, `daemon.records.migrations.Migratable`).
 - `importlib.import_module("...")` with a literal project module name counts as an import of that module.
 """
 
