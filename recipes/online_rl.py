@@ -66,7 +66,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -232,16 +232,26 @@ def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask.
     ``entropy_grad=False``: the entropies carry no grad (nothing vocabulary-wide is kept for them)."""
-    logp_all, targets, tmask = completion_log_softmax(model, batch)
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy, tmask
+    out = completion_logprobs(model, batch)
+    return out.logp, out.entropy(entropy_grad), out.mask
 
 
-def completion_log_softmax(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The log-softmax over the vocabulary at each position that predicts a completion token, [B, T, V], the
-    tokens it predicts [B, T], and the mask of real (not padding) positions [B, T]."""
+class Completions(NamedTuple):
+    """A batch's completion tokens under a model (``completion_logprobs``), every recipe's one per-token forward."""
+
+    log_softmax: torch.Tensor  # [B, T, V] over the vocabulary, at each position predicting a completion token
+    logp: torch.Tensor  # [B, T] the log-prob of the token sampled there (with grad)
+    mask: torch.Tensor  # [B, T] real (not padding) positions
+    hidden: torch.Tensor | None  # [B, T, H] the last hidden state at those positions (``hidden=True``), else None
+
+    def entropy(self, grad: bool = True) -> torch.Tensor:
+        """[B, T]; ``grad=False``: no grad (nothing vocabulary-wide is kept for it)."""
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            return -(self.log_softmax.exp() * self.log_softmax).sum(-1)
+
+
+def completion_logprobs(model: Any, batch: list[Sample], *, hidden: bool = False) -> Completions:
+    """One forward of ``model`` over the batch, read at the positions that predict a completion token."""
     pad = model.config.pad_token_id or 0
     dev = model.device
     ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
@@ -253,12 +263,16 @@ def completion_log_softmax(model: Any, batch: list[Sample]) -> tuple[torch.Tenso
     rows = torch.arange(len(batch), device=dev)[:, None]
     parts = _decoder_and_head(model)
     if parts is None:
-        picked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[rows, pos]  # [B, T, V]
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=hidden, use_cache=False)
+        picked = out.logits.float()[rows, pos]  # [B, T, V]
+        states = out.hidden_states[-1][rows, pos] if hidden else None
     else:  # the output head only where a completion token is predicted (not over every prompt position)
         decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        picked = head(hidden[rows, pos]).float()
-    return torch.log_softmax(picked, dim=-1), ids[rows, pos + 1], tmask
+        states = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[rows, pos]  # [B, T, H]
+        picked = head(states).float()
+    log_softmax = torch.log_softmax(picked, dim=-1)
+    logp = log_softmax.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
+    return Completions(log_softmax, logp, tmask, states if hidden else None)
 
 
 def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
@@ -362,10 +376,8 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         if s.token_bonus:
             bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
     adv = torch.tensor(adv_of, device=dev)[:, None] + bonus  # [B, T]
-    logp_all, targets, tmask = completion_log_softmax(model, batch)
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.set_grad_enabled(settings.entropy_coef != 0):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    out = completion_logprobs(model, batch)
+    logp, entropy, tmask = out.logp, out.entropy(settings.entropy_coef != 0), out.mask
     log_ratio = (logp - old).masked_fill(~tmask, 0.0)
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
@@ -374,7 +386,7 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
     mean_entropy = (entropy * tmask).sum() / n
     loss = pg_loss - settings.entropy_coef * mean_entropy
     if coef > 0:  # the pull toward the base: exact KL(current || base) at each completion position
-        kl_ref = (kl_per_position(logp_all, reference_log_softmax(model, batch)) * tmask).sum() / n
+        kl_ref = (kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) * tmask).sum() / n
         loss = loss + coef * kl_ref
         sums["kl_ref"] += float(kl_ref.detach())
     loss.backward()
@@ -416,9 +428,9 @@ def pull_shape(model: Any, coef: float) -> Shape:
 @torch.no_grad()
 def reference_log_softmax(model: Any, batch: list[Sample]) -> torch.Tensor:
     """The base's log-softmax at each position predicting a completion token [B, T, V], as
-    ``completion_log_softmax``: the LoRA policy with its adapter switched off, no gradient."""
+    ``completion_logprobs``: the LoRA policy with its adapter switched off, no gradient."""
     with model.disable_adapter():
-        return completion_log_softmax(model, batch)[0]
+        return completion_logprobs(model, batch).log_softmax
 
 
 def kl_per_position(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -669,7 +681,8 @@ def kl_from_base(model: Any, samples: list[Sample]) -> float:
     past the recipe's ``max_kl`` (daemon/watchdog.py)."""
     total, tokens = 0.0, 0
     for s in samples[:KL_ROWS]:
-        policy, _, mask = completion_log_softmax(model, [s])
+        out = completion_logprobs(model, [s])
+        policy, mask = out.log_softmax, out.mask
         kl = kl_per_position(policy, reference_log_softmax(model, [s]))  # [1, T]
         total += float(kl[mask].sum())
         tokens += int(mask.sum())

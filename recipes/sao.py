@@ -93,12 +93,11 @@ from recipes.online_rl import (
     KL_COEF,
     MAX_KL,
     Sample,
-    _decoder_and_head,
     _eval_scores,
-    _padded,
     check_drift_bound,
     check_lora,
     check_pull,
+    completion_logprobs,
     is_adapter,
     kl_from_base,
     kl_per_position,
@@ -243,29 +242,11 @@ def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True, pull
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per completion token [B, T]: log-prob (with grad), entropy, the critic's features of the state it was
     sampled from, a mask, and with ``pull`` the exact KL(policy || base) at each position (with grad; None
-    without). The output head runs only at the completion positions (``_decoder_and_head``)."""
-    pad = model.config.pad_token_id or 0
-    dev = model.device
-    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
-    longest = max(len(s.token_ids) for s in batch)
-    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
-    tmask = pos < (lengths[:, None] - 1)
-    pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(len(batch), device=dev)[:, None]
-    parts = _decoder_and_head(model)
-    if parts is None:
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        picked, hidden = out.logits.float()[rows, pos], out.hidden_states[-1][rows, pos]  # [B, T, V], [B, T, H]
-    else:
-        decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[rows, pos]  # [B, T, H]
-        picked = head(hidden).float()
-    logp_all = torch.log_softmax(picked, dim=-1)
-    logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    kl = kl_per_position(logp_all, reference_log_softmax(model, batch)) if pull else None
-    return logp, entropy, critic_features(hidden, logp_all, logp), tmask, kl
+    without), from the one per-token forward (``completion_logprobs``)."""
+    out = completion_logprobs(model, batch, hidden=True)
+    assert out.hidden is not None
+    kl = kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) if pull else None
+    return out.logp, out.entropy(entropy_grad), critic_features(out.hidden, out.log_softmax, out.logp), out.mask, kl
 
 
 CONFIDENCE_FEATURES = 4
