@@ -118,12 +118,17 @@ class Refs:
                 self._drop_unapplied(updates)
                 raise StorageError(f"updating {updates[0].name} failed: {failed}", path=str(self.repo.path)) from failed
             assert busy is not None
-            waited = time.monotonic() - start
-            if waited >= self.repo.lock_timeout:
-                raise LockBusy(updates[0].name, busy, waited)
-            self._clear_if_stale(Path(busy))
-            time.sleep(min(delay, max(0.0, self.repo.lock_timeout - waited)) * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 0.1)
+            delay = self._wait(updates[0].name, busy, start, delay)
+
+    def _wait(self, name: str, busy: str, start: float, delay: float) -> float:
+        """The lock ``busy`` on ``name`` was held: ``LockBusy`` once ``lock_timeout`` has passed since ``start``; else
+        clear it if stale and sleep ``delay`` (jittered). Returns the next delay (doubling, up to 0.1 s)."""
+        waited = time.monotonic() - start
+        if waited >= self.repo.lock_timeout:
+            raise LockBusy(name, busy, waited)
+        self._clear_if_stale(Path(busy))
+        time.sleep(min(delay, max(0.0, self.repo.lock_timeout - waited)) * random.uniform(0.5, 1.5))
+        return min(delay * 2, 0.1)
 
     def _clear_if_stale(self, lock: Path) -> bool:
         with self.guard(exclusive=True, blocking=False) as alone:
@@ -186,12 +191,7 @@ class Refs:
                         return
                 finally:
                     tx.__exit__(RuntimeError, None, None)  # frees it: the lock goes, nothing is applied
-            waited = time.monotonic() - start
-            if waited >= self.repo.lock_timeout:
-                raise LockBusy(name, busy, waited)
-            self._clear_if_stale(Path(busy))
-            time.sleep(min(delay, max(0.0, self.repo.lock_timeout - waited)) * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 0.1)
+            delay = self._wait(name, busy, start, delay)
 
     def _drop_unapplied(self, updates: list[_RefUpdate]) -> None:
         """After a ref update failed: libgit2 appends the reflog line before it renames the new ref into place, so
