@@ -100,7 +100,30 @@ MAX_KL = 0.5
 
 
 @dataclass
-class OnlineRLSettings(GateSettings):
+class WeightsSettings:
+    """What every weights recipe's settings share (online-rl's, openclaw-rl's, sao's, ttt-discover's): LoRA, the
+    pull toward the base and the drift bound; both on by default (docs/recipes.md)."""
+
+    # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
+    # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below
+    lora: bool | None = None
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    # the pull toward the reference: kl_coef * KL(policy || base) per completion token joins the loss, the base
+    # being the whole model the LoRA adapter applies to (the adapter off). 0: none. A policy training all its
+    # weights has no base in the trainer: there the default is inert and another value refused (pull_coef)
+    kl_coef: float = KL_COEF
+    # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
+    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held.
+    # Inert, as kl_coef, on a policy training all its weights
+    max_kl: float | None = MAX_KL
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class OnlineRLSettings(GateSettings, WeightsSettings):
     # the defaults are for real models learning from ordinary traffic (bench/learning_real.py: two preferences
     # nobody tuned for, SmolLM2, LoRA): batches of 32 scored answers, one optimizer step each, LoRA's usual rate
     lr: float = 3e-3  # AdamW learning rate
@@ -116,19 +139,6 @@ class OnlineRLSettings(GateSettings):
     max_staleness: int = 2  # releases: records served by a release older than head - this are not used
     max_new_tokens: int = 8  # tokens per answer in the demo
     train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
-    # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
-    # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below
-    lora: bool | None = None
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # the pull toward the reference: kl_coef * KL(policy || base) per completion token joins the loss, the base
-    # being the whole model the LoRA adapter applies to (the adapter off). 0: none. A policy training all its
-    # weights has no base in the trainer: there the default is inert and another value refused (pull_coef)
-    kl_coef: float = KL_COEF
-    # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
-    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held.
-    # Inert, as kl_coef, on a policy training all its weights
-    max_kl: float | None = MAX_KL
     # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
     # validation prompts (recipes/tasks.py), scored by the trainer for the candidate and the serving head
     eval_family: str | None = None
@@ -139,9 +149,6 @@ class OnlineRLSettings(GateSettings):
     # split into micro-batches that fit and their gradients accumulated (recipes/memory.py). 1024: SmolLM2 with
     # 300-token prompts and 60-token answers then peaks under 2 GB (bench/trainer_memory.py)
     memory_budget_mb: int = 1024
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --- the training step ----------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ import math
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +90,8 @@ from recipes.base import (
 )
 from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
-    KL_COEF,
-    MAX_KL,
     Sample,
+    WeightsSettings,
     _eval_scores,
     check_drift_bound,
     check_lora,
@@ -113,7 +112,7 @@ MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the 
 
 
 @dataclass
-class SAOSettings(GateSettings):
+class SAOSettings(GateSettings, WeightsSettings):
     gate: str = "periodic"  # periodic (regression check every eval_every steps) | always | floor | compare | ...
     # the periodic check (a regression gate: daemon/gate.py): published when shown not to fall this far below the
     # serving head at error rate alpha (None: 0.05); 0.1 so that eval_n = 64 can decide (0.05 needs 70 tasks)
@@ -145,18 +144,8 @@ class SAOSettings(GateSettings):
     eval_every: int = 10  # steps between periodic checks (the first step after a restart is checked too)
     restart_after: int = 3  # failed checks in a row after which training restarts from the head
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
-    # LoRA adapters (peft) instead of all weights, as online-rl: None: adapters on models of LORA_AUTO_PARAMS
-    # parameters or more (every real model), all weights below; releases then hold the adapter and the critic
-    lora: bool | None = None
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # online-rl's pull toward the base (kl_coef * KL(policy || base) in the loss, LoRA policies) and drift bound
-    # (the watchdog holds a candidate whose kl_from_base exceeds max_kl); both on by default (docs/recipes.md)
-    kl_coef: float = KL_COEF
-    max_kl: float | None = MAX_KL
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    # and online-rl's lora, lora_rank, lora_alpha, kl_coef, max_kl (WeightsSettings): with LoRA, releases hold the
+    # adapter and the critic
 
 
 # --- the critic -------------------------------------------------------------------------------------------------
