@@ -407,6 +407,21 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         sums["kl"] += float((k3(log_ratio) * tmask).sum() / n)
 
 
+def check_eval_family(settings: Any) -> None:
+    """A gate that evaluates (floor, compare, regression) needs evaluation tasks, and ``eval_family`` must name a
+    family of ``recipes/tasks.py``: else ``BadRequest`` naming the setting."""
+    if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
+        raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
+                         param="settings.eval_family")
+    if settings.eval_family:
+        from recipes.tasks import get_family
+
+        try:
+            get_family(settings.eval_family)
+        except ValueError as e:
+            raise BadRequest(str(e), param="settings.eval_family") from None
+
+
 def pull_coef(model: Any, settings: Any) -> float:
     """The weight of the pull toward the base that a step of ``model`` applies: the settings' ``kl_coef`` on a LoRA
     policy (the base is the model its adapter applies to). A policy training all its weights has no base in the
@@ -595,13 +610,7 @@ class OnlineRL(Recipe):
     @classmethod
     def check_settings(cls, settings: Any) -> None:
         super().check_settings(settings)
-        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
-            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
-                             param="settings.eval_family")
-        if settings.eval_family:
-            from recipes.tasks import get_family
-
-            get_family(settings.eval_family)
+        check_eval_family(settings)
         for key in ("batch_prompts", "group_size", "steps_per_batch", "eval_n"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")

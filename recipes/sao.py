@@ -94,6 +94,7 @@ from recipes.online_rl import (
     WeightsSettings,
     _eval_scores,
     check_drift_bound,
+    check_eval_family,
     check_lora,
     check_pull,
     completion_logprobs,
@@ -413,16 +414,7 @@ class SAO(Recipe):
         if settings.gate != "periodic" and settings.gate not in GATES:
             raise BadRequest(f"unknown gate {settings.gate!r}; gates: periodic, {', '.join(GATES)}",
                              param="settings.gate")
-        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
-            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
-                             param="settings.eval_family")
-        if settings.eval_family:
-            from recipes.tasks import get_family
-
-            try:
-                get_family(settings.eval_family)
-            except ValueError as e:
-                raise BadRequest(str(e), param="settings.eval_family") from None
+        check_eval_family(settings)
         for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")
