@@ -51,7 +51,7 @@ def test_yes_no_verifier_looks_at_the_first_word():
 
 def test_yes_no_held_out_and_validation_questions_are_never_trained_on():
     fam = get_family("yes-no")
-    train, held, val = set(fam.train_nouns), set(fam.held_nouns), set(fam.validation_nouns)
+    train, held, val = set(fam.train_items), set(fam.held_items), set(fam.validation_items)
     assert train and held and val and not (train & held) and not (train & val) and not (held & val)
     trained_prompts = {t.prompt for t in fam.train_tasks(0)}
     for n in (64, 500):
