@@ -269,48 +269,37 @@ class Recovery:
         lfs_ok: dict[str, bool] = {}
         counts = {"commits": 0, "trees": 0, "blobs": 0, "lfs_objects": 0}
 
-        def walk_tree(tree_id: pygit2.Oid) -> None:
-            stack = [tree_id]
-            while stack:
-                oid = stack.pop()
-                key = str(oid)
-                if key in seen:
-                    continue
-                seen.add(key)
-                try:
-                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
-                    if isinstance(obj, pygit2.Tree):
-                        counts["trees"] += 1
-                        stack.extend(e.id for e in obj)
-                    else:
-                        counts["blobs"] += 1
-                        _ = obj.read_raw()
-                except Exception as e:  # a corrupt object is a finding, not a crash
-                    errors.append(f"object {key}: {e}")
-
         for name in repo.listall_references():
             if not name.startswith("refs/") or name.startswith(MIRROR_REF):
                 continue  # the mirror is what the remote has; only what passed ``_incoming`` is the store's
             try:
-                stack = [repo.references[name].target]
+                stack: list[tuple[pygit2.Oid | str, bool]] = [(repo.references[name].target, True)]  # (oid, a commit?)
             except Exception as e:
                 errors.append(f"ref {name}: {e}")
                 continue
-            while stack:
-                oid = stack.pop()
+            while stack:  # depth first: a commit's whole tree before its parents
+                oid, is_commit = stack.pop()
                 key = str(oid)
                 if key in seen:
                     continue
                 seen.add(key)
                 try:
-                    commit = _commit_at(repo, oid)
-                    counts["commits"] += 1
-                    walk_tree(commit.tree_id)
-                    stack.extend(commit.parent_ids)
-                    if MANIFEST in self.repo.tree(commit):
-                        self._check_release(commit, lfs_ok, errors)
-                except Exception as e:
-                    errors.append(f"commit {key} (from {name}): {e}")
+                    if is_commit:
+                        commit = _commit_at(repo, oid)
+                        counts["commits"] += 1
+                        stack += [(p, True) for p in commit.parent_ids] + [(commit.tree_id, False)]
+                        if MANIFEST in self.repo.tree(commit):
+                            self._check_release(commit, lfs_ok, errors)
+                        continue
+                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
+                    if isinstance(obj, pygit2.Tree):
+                        counts["trees"] += 1
+                        stack += [(e.id, False) for e in obj]
+                    else:
+                        counts["blobs"] += 1
+                        _ = obj.read_raw()
+                except Exception as e:  # a corrupt object is a finding, not a crash
+                    errors.append(f"commit {key} (from {name}): {e}" if is_commit else f"object {key}: {e}")
         for name in self.reads.scenarios():
             try:
                 chain = self.reads.history(name)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,20 +73,21 @@ class Remote:
         except Conflict:  # a follow took the remote's refs in meanwhile: match the remote again
             self.follow()
 
+    def _lfs_named(self, new: str, stop: str | None) -> Iterator[tuple[str, int]]:
+        """``(sha256, size)`` of each LFS object the releases from ``new`` back to (not including) ``stop`` name,
+        first parents only."""
+        rid: str | None = new
+        while rid is not None and rid != stop:
+            commit = self.repo.commit(rid)
+            if MANIFEST in self.repo.tree(commit):
+                for entry in (json.loads(self.repo.manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                    yield str(entry["oid"]).split(":", 1)[-1], int(entry["size"])
+            rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+
     def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
-        """The local LFS objects ``(sha256, size, path)`` the releases from each ``new`` back to (not including)
-        ``stop`` name, first parents only."""
-        out: dict[str, tuple[str, int, Path]] = {}
-        for new, stop in ranges:
-            rid: str | None = new
-            while rid is not None and rid != stop:
-                commit = self.repo.commit(rid)
-                if MANIFEST in self.repo.tree(commit):
-                    for entry in (json.loads(self.repo.manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
-                        sha = str(entry["oid"]).split(":", 1)[-1]
-                        out[sha] = (sha, int(entry["size"]), self.repo.lfs_object(entry))
-                rid = str(commit.parent_ids[0]) if commit.parent_ids else None
-        return list(out.values())
+        """The local LFS objects ``(sha256, size, path)`` the releases of each range ``(new, stop)`` name."""
+        return list({sha: (sha, size, self.repo.lfs_object({"oid": sha})) for new, stop in ranges
+                     for sha, size in self._lfs_named(new, stop)}.values())
 
     def follow(self) -> list[str]:
         """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the
@@ -120,15 +122,9 @@ class Remote:
                         self._refused[oid] = why
                     refused.append(f"{why} (ref {name})")
                     continue
-                rid: str | None = oid
-                while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
-                    commit = self.repo.commit(rid)
-                    if MANIFEST in self.repo.tree(commit):
-                        for entry in (json.loads(self.repo.manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
-                            sha = str(entry["oid"]).split(":", 1)[-1]
-                            if not self.repo.lfs_path(sha).exists():
-                                self.repo.remote.download(sha, int(entry["size"]), self.repo.lfs_path(sha))
-                    rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+                for sha, size in self._lfs_named(oid, cur):  # LFS objects first: a head never names missing bytes
+                    if not self.repo.lfs_path(sha).exists():
+                        self.repo.remote.download(sha, size, self.repo.lfs_path(sha))
                 if cur is not None and not self.repo.descends(oid, cur):
                     log.warning("%s: local %s is not an ancestor of the remote's %s; following the remote", name,
                                 cur, oid)
