@@ -1,6 +1,7 @@
 """A real daemon for a benchmark, started one way: ``python -m daemon --log-file`` (or under cProfile) in its own
 process, under a ``REEF_HOME`` whose ``config.toml`` the benchmark wrote, offline, with none of the caller's
-``REEF_*`` settings; returned once ``/healthz`` answers."""
+``REEF_*`` settings; returned once ``/healthz`` answers. Or a home for a benchmark that drives the ``reef`` command
+(``cli_home``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,3 +59,12 @@ def start(home: Path, port: int, *, timeout_s: float = 300, profile: str | None 
             raise SystemExit(f"the daemon did not answer in {timeout_s:.0f} s; see {home}/logs/daemon.log")
         time.sleep(0.05)
     return proc
+
+
+def cli_home(prefix: str) -> tuple[Path, int, dict[str, str], list[str]]:
+    """A throwaway ``REEF_HOME`` whose daemon will listen on a free port, for a benchmark that drives the ``reef``
+    command: (home, port, the environment to run it in, the command's argv)."""
+    home, port = Path(tempfile.mkdtemp(prefix=prefix)), free_port()
+    (home / "config.toml").write_text(f"port = {port}\n")
+    return home, port, dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT)), [sys.executable, "-m",
+                                                                                      "reef_cli.main"]
