@@ -154,8 +154,6 @@ class Reads:
             return False
         return head is not None and (rid == head or self.repo.descends(head, rid))
 
-    is_ancestor = belongs
-
     def files(self, release_id: str) -> list[FileEntry]:
         """The artifact's files (the manifest excluded), with sizes of the real bytes for LFS files."""
         release = self.get(release_id)

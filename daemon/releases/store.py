@@ -75,7 +75,7 @@ class ReleaseStore:
         self.diffs = Diffs(repo, reads)
         self.path, self.lfs_dir, self.remote, self.lfs_path = repo.path, repo.lfs_dir, repo.remote, repo.lfs_path
         self.head, self.get, self.history, self.scenarios = reads.head, reads.get, reads.history, reads.scenarios
-        self.belongs = self.is_ancestor = reads.belongs
+        self.belongs = reads.belongs
         self.files, self.read_file, self.checkout = reads.files, reads.read_file, reads.checkout
         self.pending, self.rejections = reads.pending, reads.rejections
         self.adapter, self.base_model = reads.adapter, reads.base_model
