@@ -18,22 +18,11 @@ if TYPE_CHECKING:
 class Daemon(Protocol):
     """The daemon's config, record store, release chains, events, metrics, learner and engines."""
 
-    @property
-    def config(self) -> Config: ...
-
-    @property
-    def store(self) -> RecordStore: ...
-
-    @property
-    def chains(self) -> Chains: ...
-
-    @property
-    def events(self) -> EventBus: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def learner(self) -> Learner: ...
+    config: Config
+    store: RecordStore
+    chains: Chains
+    events: EventBus
+    metrics: Metrics
+    learner: Learner
 
     async def engine(self, model: str) -> Engine: ...
