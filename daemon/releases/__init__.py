@@ -14,7 +14,8 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
   the transport)
 - ``recovery.py``  start-up recovery, ``find_damage`` (``reef doctor``), ``fsck``
 - ``diff.py``      what changed between two releases
-- ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins), and publish, rollback, hold, promote, reject
+- ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins); publish, rollback, hold,
+  promote, reject
 
 What other packages use is re-exported here.
 """
