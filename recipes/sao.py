@@ -88,6 +88,7 @@ from recipes.base import (
     check_alpha,
     check_eval_size,
 )
+from recipes.logprobs import completion_logprobs
 from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
     Sample,
@@ -97,7 +98,6 @@ from recipes.online_rl import (
     check_eval_family,
     check_lora,
     check_pull,
-    completion_logprobs,
     is_adapter,
     kl_from_base,
     kl_per_position,
