@@ -43,8 +43,7 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   two preferences nobody tuned for rose by +0.25 within 15 minutes on 2 cores (``bench/learning_real.py``,
   README). The built-in tiny models train all their weights and keep their demo's measured lr 2e-3, 8 x 8, two
   steps (``DEMO_SETTINGS`` in ``reef_cli/demo.py``); openclaw-rl keeps them too (its batches are judged turns).
-  The log-probs are computed from the decoder's hidden states with the output head applied only where a
-  completion token is predicted (``recipes/logprobs.py``): a 49k vocabulary over every prompt position was 7 GB.
+  The log-probs: ``recipes/logprobs.py`` (the output head only where a completion token is predicted).
 - **Memory.** A batch runs in micro-batches whose estimated activations fit ``memory_budget_mb`` (longest
   samples first, gradients accumulated: the same update), and a sample too long for the budget alone runs with
   gradient checkpointing (``recipes/memory.py``). The whole default batch at once kept about 2 MB a token on
