@@ -81,12 +81,6 @@ class _Split(TaskFamily):
         self.validation_items = [x for x in items if part[x] == 1]
         self.train_items = [x for x in items if part[x] >= 2]
 
-    def _task(self, item: str, template: str) -> Task:
-        raise NotImplementedError
-
-    def _pick(self, pool: list[str], n: int, key: str) -> list[Task]:
-        raise NotImplementedError
-
     def sample(self, rng: random.Random) -> Task:
         """A random training task."""
         return self._task(rng.choice(self.train_items), rng.choice(self.templates))
