@@ -242,7 +242,7 @@ class Learner:
         while True:
             asked = loop.time()
             try:
-                lease: Lease | None = await self.store.lease(LEASE, self.holder, ttl_s=ttl)
+                lease: Lease | None = await self.store.training.lease(LEASE, self.holder, ttl_s=ttl)
             except ReefError as e:  # the store is away: whether we still hold it is unknown, so we do not
                 log.warning("could not renew the training lease: %s", e.message)
                 lease = None
@@ -269,7 +269,7 @@ class Learner:
             st.consumed, st.cursor = None, 0
             st.pool.clear()
         for s in await self.store.list_scenarios():
-            back = await self.store.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
+            back = await self.store.training.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
             if back:
                 log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
                          s["name"], len(back))
@@ -293,7 +293,7 @@ class Learner:
             await asyncio.to_thread(self._trainer.close)
         if self._lease is not None:  # a clean stop hands training over at once, not after the lease's term
             try:
-                await self.store.release_lease(self._lease)
+                await self.store.training.release_lease(self._lease)
             except ReefError:
                 pass  # the store is away: the lease runs out by itself
 
@@ -491,7 +491,7 @@ class Learner:
             receipts = [r.id for r in batch]
             if lease is not None:
                 try:
-                    claimed = await self.store.claim(name, receipts, lease)
+                    claimed = await self.store.training.claim(name, receipts, lease)
                 except LeaseLost:
                     self._lease = None
                     st.state = "waiting"
@@ -499,7 +499,7 @@ class Learner:
                 if len(claimed) != len(receipts):  # consumed elsewhere meanwhile: out of the pool, batch again
                     taken = set(receipts) - set(claimed)
                     consumed.update(taken)
-                    await self.store.release_claims(name, claimed, lease)
+                    await self.store.training.release_claims(name, claimed, lease)
                     st.state = "waiting"
                     return StepOutcome("skipped", scenario=name, consumed=len(taken))
             job_id = new_id("job_")
@@ -543,7 +543,7 @@ class Learner:
                 # (kept, they would block this holder's own next claim of the same receipts for good)
                 if lease is not None:
                     with contextlib.suppress(ReefError):
-                        await self.store.release_claims(name, receipts, lease)
+                        await self.store.training.release_claims(name, receipts, lease)
                 raise
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
@@ -553,8 +553,8 @@ class Learner:
             outcome.consumed = len(kept)
             if lease is not None:
                 try:
-                    await self.store.settle(name, kept, lease, outcome.release_id or outcome.verdict)
-                    await self.store.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
+                    await self.store.training.settle(name, kept, lease, outcome.release_id or outcome.verdict)
+                    await self.store.training.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
                 except ReefError as e:  # the outcome is in git; a takeover settles these claims from there
                     log.warning("learning on %s: could not settle the step's claims: %s", name, e.message)
             self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
@@ -843,7 +843,7 @@ class Learner:
         if st.consumed is None:
             consumed = await self._git_consumed(st.name)
             if self.store.shared:  # and what any daemon sharing the store consumed or claimed
-                consumed.update(await self.store.consumed(st.name))
+                consumed.update(await self.store.training.consumed(st.name))
             st.consumed = consumed
         return st.consumed
 
