@@ -296,6 +296,17 @@ def _telemetry(settings: TelemetrySettings, events: EventBus, store: RecordStore
     return Telemetry(settings, events, store)
 
 
+Watch = Callable[[], contextlib.AbstractContextManager[Any]]
+"""``web.Request.watch``: a block in which the client leaving cancels the task and raises ``ConnectionResetError``
+(``web.ClientGone``); the serve path wraps its waits on the engine in it, so a client that went away is served no
+further (its engine stream is closed: the embedded engine drops the sequence at its next step, a remote engine's
+connection is closed) and its exchange is recorded ``cancelled``."""
+
+
+def unwatched() -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 class Sink(Protocol):
     """Where a streamed answer's bytes go: the HTTP layer's prepared response (``web.StreamResponse``). A write
     raises ``ConnectionResetError`` when the client has gone."""
@@ -327,6 +338,7 @@ class StreamedAnswer:
     created: int
     receipt: Receipt
     headers: dict[str, str]
+    watch: Watch = unwatched
 
     async def send(self, sink: Sink) -> None:
         await self.path.send_stream(self, sink)
@@ -368,6 +380,7 @@ class ServePath:
         self._scenario = scenario
         self._engine = engine
         self._observe = observe
+        self.inflight: dict[str, Served] = {}  # receipt -> an exchange being served (``GET /reef/inflight``)
 
     # --- one request, start to finish ----------------------------------------------------------------------
 
@@ -380,18 +393,24 @@ class ServePath:
         run: str | None,
         headers: Mapping[str, str],
         request_text: str | None = None,
+        watch: Watch = unwatched,
     ) -> Answer | StreamedAnswer:
         """Serve ``exchange`` (parsed from ``wire``'s request): a whole ``Answer``, recorded, or a begun
         ``StreamedAnswer`` to send. Raises ``ReefError`` before anything is sent (a failed exchange carries its
-        receipt in ``data["record_id"]``)."""
+        receipt in ``data["record_id"]``), ``ConnectionResetError`` when the client left (``watch``: recorded
+        ``cancelled``)."""
         served = await self.begin(exchange, scenario=scenario, run=run, headers=headers,
-                                  pinned_release=headers.get("x-reef-release-id"), request_text=request_text)
+                                  pinned_release=headers.get("x-reef-release-id"), request_text=request_text,
+                                  watch=watch)
         created = int(time.time())
         out = {"x-reef-agent-record-id": served.receipt}
         if served.release_id:
             out["x-reef-release-id"] = served.release_id
         if not served.capture:
             out["x-reef-capture"] = "false"  # served and recorded, never trained on
+        cap, asked = served.engine.info.output_cap, exchange.sampling.max_tokens
+        if cap is not None and (asked is None or asked > cap):  # Reef's bound, not the client's (engines/prompts.py)
+            out["x-reef-output-cap"] = str(cap)
         receipt = Receipt(served.receipt, served.release_id)
         if exchange.stream:
             # where a stream's first-token time went: the engine's first event, the opening record's write (run
@@ -400,15 +419,21 @@ class ServePath:
                 f"engine;dur={((served.first_event_at or served.engine_started) - served.engine_started) * 1e3:.3f}, "
                 f"record;dur={served.opening_ms or 0.0:.3f}, receipt-wait;dur={served.receipt_wait_ms or 0.0:.3f}"
             )
-            return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out)
+            return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out, watch)
         try:
-            return await self._whole(wire, served, created, receipt, out)
+            return await self._whole(wire, served, created, receipt, out, watch)
         finally:
             await self.abandon(served)
 
     async def _whole(self, wire: WireFormat, served: Served, created: int, receipt: Receipt,
-                     headers: dict[str, str]) -> Answer:
-        finish = await self.collect(served)
+                     headers: dict[str, str], watch: Watch = unwatched) -> Answer:
+        try:
+            with watch():
+                finish = await self.collect(served)
+        except ConnectionResetError:  # the client left: nothing more is generated for it
+            await self.abandon(served)
+            await self.record(served, None, None, status="cancelled")
+            raise
         completion = finish.completion
         if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
             response = {**finish.body, "reef": receipt.to_dict()}
@@ -451,17 +476,18 @@ class ServePath:
         events = self.stream(served)
         try:
             try:
-                async for event in events:
-                    if isinstance(event, Finish):
-                        completion, final = event.completion, event.final
-                        await events.aclose()  # finished: closed now rather than by a finalizer task
-                        break
-                    if isinstance(event, Relay):
-                        pending.append(event.data)
-                    else:
-                        pending.extend(renderer.event(event))
-                    await sink.write(b"".join(pending))
-                    pending = []
+                with answer.watch():
+                    async for event in events:
+                        if isinstance(event, Finish):
+                            completion, final = event.completion, event.final
+                            await events.aclose()  # finished: closed now rather than by a finalizer task
+                            break
+                        if isinstance(event, Relay):
+                            pending.append(event.data)
+                        else:
+                            pending.extend(renderer.event(event))
+                        await sink.write(b"".join(pending))
+                        pending = []
             except ReefError as err:
                 status = "incomplete" if err.data.get("incomplete") else "error"  # a cut upstream stream
                 await self.record(served, None, None, status=status, error=err)
@@ -483,10 +509,11 @@ class ServePath:
             self.metrics.requests.labels(wire.FORMAT, "200").inc()
             self.metrics.latency.labels(wire.FORMAT).observe(time.perf_counter() - served.started)
         except ConnectionResetError:
-            # the client left mid-stream: keep what was produced, marked incomplete
+            # the client left mid-stream: the engine's stream is closed (nothing more is generated for it) and the
+            # exchange is recorded cancelled
             await self.abandon(served)
             if completion is None:
-                await self.record(served, None, None, status="incomplete")
+                await self.record(served, None, None, status="cancelled")
 
     async def count_tokens(self, exchange: Exchange, *, scenario: str, pinned_release: str | None) -> int:
         """How many tokens ``exchange``'s prompt is for the engine and release that would serve it."""
@@ -511,6 +538,7 @@ class ServePath:
         headers: Mapping[str, str],
         pinned_release: str | None = None,
         request_text: str | None = None,
+        watch: Watch = unwatched,
     ) -> Served:
         """Resolve scenario, release and engine and start generating; raises before anything is sent.
 
@@ -550,6 +578,7 @@ class ServePath:
             request_text=request_text,
             capture=asked and scen.capture,
         )
+        self.inflight[served.receipt] = served
         # A stream's receipt goes out in its headers, before the answer exists: its record is opened first, durably,
         # so that the receipt names a record whatever happens next (kill -9, a full disk). The write runs while
         # the engine works on its first event, so a stream's time to first token pays for it only where the
@@ -560,7 +589,8 @@ class ServePath:
             opening.add_done_callback(lambda _: setattr(served, "opening_ms",
                                                         (time.perf_counter() - opening_started) * 1e3))
         try:
-            first = served.first = await anext(events)
+            with watch():  # a prompt's prefill can take minutes: a client that leaves meanwhile stops it
+                first = served.first = await anext(events)
             served.first_event_at = time.perf_counter()
         except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
             await _aclose(events)
@@ -568,7 +598,14 @@ class ServePath:
                 served.opened = await _succeeded(opening)
             await self._record_failure(served, err)
             raise
+        except ConnectionResetError:  # the client left (``watch``): its exchange is recorded cancelled
+            await _aclose(events)
+            if opening is not None:
+                served.opened = await _succeeded(opening)
+            await self.record(served, None, None, status="cancelled")
+            raise
         except BaseException:
+            self.inflight.pop(served.receipt, None)
             await _aclose(events)
             if opening is not None:
                 opening.cancel()  # the write goes on; nobody saw its receipt (an honest incomplete record)
@@ -649,6 +686,7 @@ class ServePath:
     ) -> None:
         """Store the exchange durably; returns when the receipt may be handed out. ``response_text``: the
         response already encoded as JSON (what the client gets), stored as it is."""
+        self.inflight.pop(served.receipt, None)
         now = time.perf_counter()
         ex = served.exchange
         timings = {
@@ -722,7 +760,27 @@ class ServePath:
                           completion)
 
     async def abandon(self, served: Served) -> None:
+        self.inflight.pop(served.receipt, None)
         await _aclose(served.events)
+
+    def in_flight(self, *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
+        """The exchanges being served now, oldest first: how long each has run and the tokens its engine has made
+        so far (``None`` where the engine does not count them: an upstream provider)."""
+        now = time.perf_counter()
+        out = []
+        for served in self.inflight.values():
+            if (run is not None and served.run != run) or (scenario is not None and served.scenario.name != scenario):
+                continue
+            progress = served.exchange.progress
+            out.append({
+                "receipt": served.receipt, "scenario": served.scenario.name, "run": served.run,
+                "model": served.engine.info.model, "stream": served.exchange.stream,
+                "elapsed_s": round(now - served.started, 3),
+                "prompt_tokens": len(progress.prompt) if progress is not None else None,
+                "output_tokens": progress.output_tokens if progress is not None else None,
+                "output_cap": served.engine.info.output_cap,
+            })
+        return out
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:
