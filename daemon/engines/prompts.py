@@ -22,6 +22,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest
@@ -112,16 +113,51 @@ def render_chat(tokenizer: Any, exchange: Exchange) -> str:
 _PROBE_TOOL = "reef_probe_tool_7f3a"
 
 
-def renders_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template puts tool schemas in the prompt: a probe tool is rendered, or not."""
+def _probe() -> Exchange:
     from daemon.exchange import Exchange, Message, Part, Tool
 
-    probe = Exchange(format="openai-chat", model="", messages=[Message(role="user", parts=[Part(type="text", text="hi")])],
-                     tools=[Tool(name=_PROBE_TOOL, description="probe", parameters={"type": "object"})])
+    return Exchange(format="openai-chat", model="", messages=[Message(role="user", parts=[Part(type="text", text="hi")])],
+                    tools=[Tool(name=_PROBE_TOOL, description="probe", parameters={"type": "object"})])
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template puts tool schemas in the prompt: a probe tool is rendered, or not."""
     try:
-        return _PROBE_TOOL in render_chat(tokenizer, probe)
+        return _PROBE_TOOL in render_chat(tokenizer, _probe())
     except BadRequest:
         return False
+
+
+def dir_renders_tools(path: Path | None) -> bool | None:
+    """``renders_tools`` for a model directory, without loading transformers (``reef doctor``): its chat template
+    (``chat_template.jinja`` or ``tokenizer_config.json``) rendered over the probe with Jinja's sandbox, as
+    transformers renders it; None when there is no template or it cannot be rendered here."""
+    import json
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if path is None:
+        return None
+    try:
+        jinja = Path(path) / "chat_template.jinja"
+        template = jinja.read_text() if jinja.exists() else json.loads(
+            (Path(path) / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(template, str):
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(TemplateError(message))
+    tools = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe",
+                                               "parameters": {"type": "object"}}}]
+    try:
+        text = env.from_string(template).render(messages=chat_messages(_probe()), tools=tools,
+                                                add_generation_prompt=True, bos_token="", eos_token="")
+    except Exception:  # a template using what only transformers provides: unknown here
+        return None
+    return _PROBE_TOOL in text
 
 
 def chat_messages(exchange: Exchange) -> list[dict[str, Any]]:

@@ -69,7 +69,14 @@ from daemon.engines.base import Engine, EngineInfo, ReleaseRef
 from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import Adapters, read_adapter
 from daemon.engines.prefix_cache import PrefixCache
-from daemon.engines.prompts import SamplingParams, check_sampling, output_cap, render_chat, sampling_params
+from daemon.engines.prompts import (
+    SamplingParams,
+    check_sampling,
+    output_cap,
+    render_chat,
+    renders_tools,
+    sampling_params,
+)
 from daemon.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -435,7 +442,8 @@ class TransformersEngine(Engine):
         load = await self._open(path)
         self._current = load
         self.info = EngineInfo(name="transformers", model=self.entry.name, context_length=load.context_length,
-                               accepts_images=False, output_cap=output_cap(self.entry, load.context_length))
+                               accepts_images=False, output_cap=output_cap(self.entry, load.context_length),
+                               renders_tools=renders_tools(load.tokenizer))
         return load.id
 
     async def _open(self, path: Path) -> Load:
