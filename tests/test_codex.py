@@ -200,3 +200,22 @@ def test_the_interactive_tui_stays_on_loopback_and_leaves_no_daemon(world: dict[
     codex_home = world["daemon"].home / "homes" / "codex" / "cx-tui" / ".codex"
     assert codex_home.is_dir() and not (codex_home / "packages").exists()
     assert not (codex_home / "app-server-daemon").exists()
+
+
+def test_an_answer_the_output_cap_ends_lets_codex_end_with_it(world: dict[str, Any]) -> None:
+    """Codex sends no output limit. On a local model its answer gets the model's output cap (the tiny model's 65,536
+    context: 4,096 tokens, where a silent 256 used to end it), and an answer the cap ends is ``completed``, not
+    ``incomplete``: Codex exits 1 on ``Incomplete response returned, reason: max_output_tokens``. Here the run ends
+    with an answer and exit 0 on the real Codex."""
+    with world["daemon"].http() as c:
+        made = c.post("/reef/scenarios", json={"name": "cx-cap", "recipe": "lessons", "model": "tiny"})
+        assert made.status_code == 201, made.text
+    out = reef_codex(world, "--reef-scenario", "cx-cap", "-p", "say hi")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "max_output_tokens" not in out.stdout + out.stderr
+    run = run_record(world)
+    recs = records(world, run["receipts"])
+    assert recs and all(r["model"] == "tiny" and r["status"] == "complete" for r in recs), recs
+    answers = [r["response"] for r in recs]
+    assert all(a["status"] == "completed" and a["incomplete_details"] is None for a in answers), answers
+    assert all(a["usage"]["output_tokens"] <= 4096 for a in answers)

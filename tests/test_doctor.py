@@ -137,9 +137,7 @@ def test_doctor_holds_each_agents_first_request_against_each_models_context(tiny
     both sizes and the model that holds it: one of the same context whose template, SmolLM2's, drops the tool
     schemas); a test model as the default is a warning too."""
     from adapters import get_adapter
-    from tests.test_harness import short_context_model
-
-    from tests.test_harness import toolless_model
+    from tests.test_harness import short_context_model, toolless_model
 
     home, _, env = make_home(tiny_model)
     short = short_context_model(tiny_model, tmp_path, 8192)

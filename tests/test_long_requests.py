@@ -120,6 +120,9 @@ def test_a_client_that_leaves_is_served_no_further(one_slot: Daemon) -> None:
             whole = _post(d, _long(False, "whole"))
             first = _inflight(c, 60, lambda xs: any(x["output_tokens"] for x in xs))[0]
             assert not first["stream"] and first["output_cap"] == 60000
+            shown = d.cli("status").stdout  # reef status lists it, with the engine's count of tokens
+            assert "serving  1 request now" in shown and first["receipt"] in shown, shown
+            assert "tokens of at most 60,000" in shown or "reading its prompt" in shown, shown
             # 2. a stream queued behind it (no first token yet: the slot is taken), whose client leaves too
             queued = _post(d, _long(True, "queued"))
             second = _inflight(c, 60, lambda xs: len(xs) == 2)
