@@ -266,6 +266,11 @@ def test_a_client_asking_too_much_gets_the_cap_said_in_a_header(short_context: D
                                          "messages": [{"role": "user", "content": "hello there"}]})
         assert "x-reef-output-cap" not in r.headers
         assert r.json()["usage"]["output_tokens"] == 7 and r.json()["stop_reason"] == "max_tokens"
+        # exactly the cap: the client's own limit, no header
+        r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 512, "temperature": 0,
+                                         "messages": [{"role": "user", "content": "hello there"}]})
+        assert "x-reef-output-cap" not in r.headers
+        assert r.json()["usage"]["output_tokens"] == 512 and r.json()["stop_reason"] == "max_tokens"
 
 
 def test_a_responses_client_that_asks_no_limit_gets_a_completed_answer(short_context: Daemon) -> None:
