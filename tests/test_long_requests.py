@@ -344,3 +344,24 @@ def test_the_wrapper_line_reads_the_runs_requests_in_flight(one_slot: Daemon) ->
         _inflight(c, 60, lambda xs: not xs)
     assert lines[0].startswith("the model is still reading its prompt ("), lines
     assert any(line.startswith("the model is still answering: ") and "tokens in" in line for line in lines), lines
+
+
+def test_the_wrapper_says_long_requests_only_where_no_agent_screen_is_broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal with no one-shot prompt the agent draws its own screen: the wrapper writes nothing over it;
+    with ``-p`` (or ``exec``, ``run``), or output going elsewhere, it says long requests."""
+    import contextlib
+    import io
+    import sys
+
+    from reef_cli import wrapper
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert isinstance(wrapper._long_requests(None, "r", []), contextlib.nullcontext)  # type: ignore[arg-type]
+    for one_shot in (["-p", "hi"], ["exec", "hi"], ["run", "hi"]):
+        assert not isinstance(wrapper._long_requests(None, "r", one_shot), contextlib.nullcontext)  # type: ignore[arg-type]
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert not isinstance(wrapper._long_requests(None, "r", []), contextlib.nullcontext)  # type: ignore[arg-type]
