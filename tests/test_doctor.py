@@ -155,8 +155,8 @@ def test_doctor_holds_each_agents_first_request_against_each_models_context(tiny
         checks = by_name(data)
         assert checks["fit pi"]["status"] == "ok" and "1,546" in checks["fit pi"]["detail"]
         claude = checks["fit claude"]
-        assert claude["status"] == "warn" and "short 8,192 for about 21,600 too small" in claude["detail"]
-        assert "smol 8,192 for about 3,350 (no tool schemas) ok" in claude["detail"]  # as SmolLM2's template reads it
+        assert claude["status"] == "warn" and "short 8,192 for about 21,300 too small" in claude["detail"]
+        assert "smol 8,192 for about 3,550 (no tool schemas) ok" in claude["detail"]  # as SmolLM2's template reads it
         assert claude["fix"] == "reef scenarios set-model claude smol"  # smol's template drops the tool schemas
         assert "fit opencode" not in checks  # not installed: nothing to say
         assert checks["model"]["status"] == "ok"

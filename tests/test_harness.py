@@ -181,8 +181,8 @@ def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_fa
     """A scenario made on a test model while the default is another: the run's start says both, the wrapper says
     so in one line each with the command that moves it, ``set-model`` moves it (its harness kept), and a weights
     scenario cannot move. An agent whose first request is larger than the model's context is told before it runs
-    (Claude Code's 21,600 tokens against 8,192), one that fits (pi) is not; nor is Claude Code on a model of the same
-    context whose chat template drops tool schemas (SmolLM2's): it reads about 3,350 tokens of it."""
+    (Claude Code's 21,300 tokens against 8,192), one that fits (pi) is not; nor is Claude Code on a model of the same
+    context whose chat template drops tool schemas (SmolLM2's): it reads about 3,000 tokens of it."""
     from adapters import get_adapter
     from reef_cli.wrapper import model_notes
 
@@ -213,12 +213,12 @@ def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_fa
         assert model_notes(get_adapter("pi"), after) == []  # pi's 1,546 tokens fit
         claude = c.post("/reef/runs", json={"adapter": "claude", "scenario": "pi"}).json()
         (fit,) = model_notes(get_adapter("claude"), claude)
-        assert "21,600 tokens as model short reads it, and it holds 8,192" in fit and "upstream" in fit
+        assert "21,300 tokens as model short reads it, and it holds 8,192" in fit and "upstream" in fit
         assert claude["renders_tools"] is True
         assert create(c, "c2") and c.post("/reef/scenarios/c2/model", json={"model": "smol"}).status_code == 200
         smol = c.post("/reef/runs", json={"adapter": "claude", "scenario": "c2"}).json()
         assert (smol["context_length"], smol["renders_tools"]) == (8192, False)
-        notes = model_notes(get_adapter("claude"), smol)  # about 3,350 tokens as SmolLM2's template renders it
+        notes = model_notes(get_adapter("claude"), smol)  # about 3,000 tokens as SmolLM2's template renders it
         assert notes and not any("first request" in n for n in notes), notes
         # refused: a weights chain, an unknown model, a scenario that does not exist
         err = assert_canonical_error(c.post("/reef/scenarios/w/model", json={"model": "tiny"}), 409)
