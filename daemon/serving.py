@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from daemon.engines.base import ReleaseRef
 from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
+from daemon.headers import capture_header, safe_headers
+from daemon.inflight import in_flight
 from daemon.learning import Learner
 from daemon.metrics import Metrics, watch_loop_lag
 from daemon.names import check_scenario
@@ -43,27 +44,6 @@ if TYPE_CHECKING:
     from daemon.telemetry import Telemetry
 
 log = logging.getLogger("reef")
-
-# headers never stored: credentials, and anything that looks like one
-_SECRET_HEADER = re.compile(r"auth|key|token|secret|cookie|password|credential", re.I)
-
-
-_RECORDED_NAME: dict[str, str | None] = {}  # header name as sent -> its recorded name, None for a secret one
-
-
-def safe_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers as recorded: without credentials."""
-    out = {}
-    for k, v in headers.items():
-        name = _RECORDED_NAME.get(k, "")
-        if name == "":
-            name = None if _SECRET_HEADER.search(k) else k.lower()
-            if len(_RECORDED_NAME) < 4096:  # names are the client's: bounded memo
-                _RECORDED_NAME[k] = name
-        if name is not None:
-            out[name] = v
-    return out
-
 
 @dataclass
 class Served:
@@ -764,23 +744,8 @@ class ServePath:
         await _aclose(served.events)
 
     def in_flight(self, *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
-        """The exchanges being served now, oldest first: how long each has run and the tokens its engine has made
-        so far (``None`` where the engine does not count them: an upstream provider)."""
-        now = time.perf_counter()
-        out = []
-        for served in self.inflight.values():
-            if (run is not None and served.run != run) or (scenario is not None and served.scenario.name != scenario):
-                continue
-            progress = served.exchange.progress
-            out.append({
-                "receipt": served.receipt, "scenario": served.scenario.name, "run": served.run,
-                "model": served.engine.info.model, "stream": served.exchange.stream,
-                "elapsed_s": round(now - served.started, 3),
-                "prompt_tokens": len(progress.prompt) if progress is not None else None,
-                "output_tokens": progress.output_tokens if progress is not None else None,
-                "output_cap": served.engine.info.output_cap,
-            })
-        return out
+        """The exchanges being served now (``daemon/inflight.py``)."""
+        return in_flight(self.inflight.values(), run=run, scenario=scenario)
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:
@@ -800,18 +765,3 @@ async def _aclose(events: AsyncIterator[EngineEvent]) -> None:
             await aclose()
         except Exception:
             log.debug("closing an engine stream failed", exc_info=True)
-
-
-CAPTURE_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
-                  "off": False}
-
-
-def capture_header(value: str | None) -> bool:
-    """``x-reef-capture``: absent or true records the exchange for training; false serves it with a receipt and
-    never trains on it. Anything else is refused, never taken for either."""
-    if value is None:
-        return True
-    got = CAPTURE_VALUES.get(value.strip().lower())
-    if got is None:
-        raise BadRequest(f"x-reef-capture must be true or false, not {value[:40]!r}", param="x-reef-capture")
-    return got
