@@ -190,7 +190,8 @@ def provider_handler(wire: WireFormat) -> Handler:
         try:
             try:
                 answer = await reef.serve_path.serve(wire, exchange, scenario=scenario, run=run,
-                                                     headers=request.headers, request_text=text)
+                                                     headers=request.headers, request_text=text,
+                                                     watch=request.watch)
             except ReefError as err:  # a refusal: its traceback's frames would keep the exchange alive
                 err.__traceback__ = None
                 raise
@@ -914,8 +915,21 @@ async def handle_status(request: web.Request) -> web.Response:
             "trainer_pid": reef.learner.trainer_pid,
             "trainer": reef.config.trainer,
             "chain_remote": reef.chains.remote_state or None,  # url, last_fetch, error (None: chains are local)
+            "inflight": reef.serve_path.in_flight(),
         }
     )
+
+
+async def handle_inflight(request: web.Request) -> web.Response:
+    """The exchanges being served now (``?run=``, ``?scenario=``): elapsed time and tokens so far, for ``reef
+    status`` and a wrapper telling its user that a slow model is still answering."""
+    reef = request.ctx
+    run, scenario = request.query.get("run") or None, request.query.get("scenario") or None
+    if run is not None:
+        check_run(run)
+    if scenario is not None:
+        check_scenario(scenario)
+    return _json({"inflight": reef.serve_path.in_flight(run=run, scenario=scenario)})
 
 
 async def handle_events(request: web.Request) -> web.StreamResponse:
@@ -1069,6 +1083,7 @@ def router() -> web.Router:
     r.add("POST", "/reef/scenarios/{name}/unarchive", switch_handler(archived=False))
     r.add("GET", "/reef/harness/install", handle_harness_install)
     r.add("GET", "/reef/status", handle_status)
+    r.add("GET", "/reef/inflight", handle_inflight)
     r.add("GET", "/reef/events", handle_events)
     r.add("POST", "/reef/tokens", handle_mint_token)
     r.add("POST", "/reef/tokens/revoke", handle_revoke_token)

@@ -85,6 +85,9 @@ SCHEMAS: dict[str, Any] = {
                    "created_at": N, "status": nullable(S), "release_id": nullable(S)},
                   ["id", "kind", "scenario", "created_at"]),
     "Records": obj({"records": arr(ref("Record")), "next_after": nullable(I)}, ["records", "next_after"]),
+    "InFlight": obj({"receipt": S, "scenario": S, "run": nullable(S), "model": S, "stream": B, "elapsed_s": N,
+                     "prompt_tokens": nullable(I), "output_tokens": nullable(I), "output_cap": nullable(I)},
+                    ["receipt", "scenario", "elapsed_s", "output_tokens"]),
     "Report": obj({"report_id": S, "scenario": S, "created_at": N, "score": nullable(N), "feedback": ANY,
                    "references": arr(S), "metadata": nullable(O)}, ["report_id", "scenario", "created_at"]),
 }
@@ -327,7 +330,11 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
                                              required=("adapter",)),
         ("GET", "/reef/status"): Op("the daemon's state: models, counts, learning, events", obj({
             "pid": I, "home": S, "uptime_s": N, "listen": O, "default_model": S, "models": O, "records": I,
-            "reports": I, "scenarios": I, "learning": O, "events": O}, ["pid", "models", "records"])),
+            "reports": I, "scenarios": I, "learning": O, "events": O, "inflight": arr(ref("InFlight"))},
+            ["pid", "models", "records"])),
+        ("GET", "/reef/inflight"): Op("the exchanges being served now: elapsed time and tokens so far",
+                                      obj({"inflight": arr(ref("InFlight"))}, ["inflight"]),
+                                      query={"run": ref("RunName"), "scenario": ref("ScenarioName")}),
         ("GET", "/reef/events"): Op("server-sent events: records, reports, steps, verdicts, releases, loads (resume "
                                     "with Last-Event-ID or after)", S, media=(SSE,),
                                     query={"after": I}),

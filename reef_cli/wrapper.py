@@ -135,7 +135,8 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     before = outcomes.snapshot(Path.cwd()) if asked.kept else None
     record["spawned_at"] = time.time()
     save_run(config, record)
-    code = spawn(adapter.argv(binary, args, target), env)
+    with _long_requests(config, target.run, args):
+        code = spawn(adapter.argv(binary, args, target), env)
     record.update(ended_at=time.time(), exit_code=code)
     record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
@@ -240,12 +241,27 @@ def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
     if default and model != default:
         out.append(f"scenario {scenario} is bound to model {model}, not the default {default}; move it with: "
                    f"reef scenarios set-model {scenario} {default}")
-    need, context = adapter.first_request_tokens, int(start.get("context_length") or 0)
+    # counted as the model's chat template renders it: a template that drops tool schemas never sees them
+    need, context = adapter.first_request_seen(start.get("renders_tools")), int(start.get("context_length") or 0)
     if need and context and need > context:
-        out.append(f"{adapter.name}'s first request is about {need:,} tokens and model {model} holds {context:,}: it "
-                   "will be refused. Ways out: an upstream provider ([models.NAME] engine = \"upstream\"), or a "
-                   "server engine (vllm) with a larger model; then reef scenarios set-model")
+        out.append(f"{adapter.name}'s first request is about {need:,} tokens as model {model} reads it, and it holds "
+                   f"{context:,}: it will be refused. Ways out: an upstream provider ([models.NAME] engine = "
+                   "\"upstream\"), or a server engine (vllm) with a larger model; then reef scenarios set-model")
     return out
+
+
+def _long_requests(config: Config, run: str, args: list[str]) -> Any:
+    """Say on stderr when one of the run's requests runs long (``reef_cli/progress.py``); not over an agent's own
+    screen (a terminal and no one-shot prompt), where it would break the agent's display."""
+    import contextlib
+
+    from reef_cli import progress
+
+    if sys.stdout.isatty() and not {"-p", "--print", "exec", "run"} & set(args):
+        return contextlib.nullcontext()
+    after = float(os.environ.get("REEF_LONG_REQUEST_S") or progress.AFTER_S)
+    return progress.watch(lambda path: call(config, "GET", path), run, say, after_s=after,
+                          poll_s=min(progress.POLL_S, max(after / 4, 0.05)))
 
 
 def prompt_of(args: list[str]) -> str:

@@ -37,6 +37,8 @@ class EngineInfo:
     model: str  # the model name clients use
     context_length: int | None = None
     accepts_images: bool = False
+    output_cap: int | None = None  # the most new tokens a request may take (daemon/engines/prompts.py); None: none
+    renders_tools: bool | None = None  # its chat template puts tool schemas in the prompt (None: not known)
 
 
 class Engine(abc.ABC):

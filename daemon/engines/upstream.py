@@ -45,7 +45,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import fields
 from typing import Any
 
 from yarl import URL
@@ -75,7 +74,6 @@ _FORWARD = {
     "openai-chat": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
     "openai-responses": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
 }
-_DEFAULT_MAX_NEW_TOKENS = next(f.default for f in fields(ModelEntry) if f.name == "max_new_tokens")
 
 
 class UpstreamRejected(BadRequest):
@@ -167,9 +165,7 @@ class UpstreamEngine(Engine):
             headers["anthropic-version"] = "2023-06-01"
         self._headers = headers  # holds the key: never logged, never in an error
         self._header_lines = http.header_lines(headers)
-        self.max_tokens = (
-            entry.max_new_tokens if entry.max_new_tokens != _DEFAULT_MAX_NEW_TOKENS else anthropic.DEFAULT_MAX_TOKENS
-        )
+        self.max_tokens = entry.max_new_tokens or anthropic.DEFAULT_MAX_TOKENS
         self.metrics = metrics
         self.info = EngineInfo(name="upstream", model=entry.name, accepts_images=True)
         self._pool: http.Pool | None = None
