@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 
@@ -75,6 +75,7 @@ from daemon.records.migrations import migrate
 from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 from daemon.records.training import Training
 
+T = TypeVar("T")
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
 # how far ahead of this clock a record's date may be (another machine's clock): an import dated later is refused
 # (daemon/export.py), and retention does not judge a stored one by its date (retention_due)
@@ -298,7 +299,7 @@ class RecordStore:
     def has_table(self, conn: Conn, name: str) -> bool:
         raise NotImplementedError
 
-    async def read(self, fn: Callable[[Conn], Any]) -> Any:
+    async def read(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn(conn)`` on a read connection, off the event loop."""
         raise NotImplementedError
 
@@ -449,7 +450,7 @@ class RecordStore:
             fut.set_exception(StorageError("record store is closed", path=self.where))
         return fut
 
-    async def write(self, fn: Callable[[Conn], Any]) -> Any:
+    async def write(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
         return await self.write_soon(fn)
 

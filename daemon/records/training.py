@@ -9,15 +9,25 @@ consumption rows are what the database locks, never a lock in one process. ``lea
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from daemon.errors import LeaseLost
 from daemon.records.conn import Conn
 
-if TYPE_CHECKING:
-    from daemon.records.store import RecordStore
+T = TypeVar("T")
+
+
+class Rows(Protocol):
+    """What this part uses of the store that holds it: its writer, its reads and two fragments of its dialect."""
+
+    NOW: str
+    FOR_UPDATE: str
+
+    async def read(self, fn: Callable[[Conn], T]) -> T: ...
+
+    async def write(self, fn: Callable[[Conn], T]) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class Lease:
 class Training:
     """The lease and consumption rows of one record store (its writer, its reads, its SQL dialect)."""
 
-    def __init__(self, store: RecordStore) -> None:
+    def __init__(self, store: Rows) -> None:
         self.store = store
 
     # --- the training lease --------------------------------------------------------------------------------
