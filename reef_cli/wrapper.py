@@ -121,6 +121,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     release = sync_harness(config, adapter, home, start)
     target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
                     model=start["model"], release_id=release, context_window=int(start["context_length"]))
+    argv = adapter.argv(binary, args, target)  # a form the agent lacks (`reef-opencode -p` alone) is refused here
     adapter.prepare(home, target)
     env = dict(os.environ)
     for name in adapter.unset_env():
@@ -135,7 +136,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     before = outcomes.snapshot(Path.cwd()) if asked.kept else None
     record["spawned_at"] = time.time()
     save_run(config, record)
-    code = spawn(adapter.argv(binary, args, target), env)
+    code = spawn(argv, env)
     record.update(ended_at=time.time(), exit_code=code)
     record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
