@@ -664,6 +664,8 @@ class ServePath:
             }
             if completion.upstream:
                 usage["upstream"] = completion.upstream
+            if ex.tools and served.engine.info.carries_tools is False:  # the model's template left them out
+                usage["tools_dropped"] = len(ex.tools)
         rec = self._exchange_record(
             served,
             completion.runtime_load_id if completion else served.engine.runtime_load_id,

@@ -64,6 +64,9 @@ def show_record(
         out.print("timings " + ", ".join(f"{k} {v}" for k, v in rec["timings"].items()))
     if rec.get("usage"):
         out.print("usage " + json.dumps(rec["usage"]))
+        if rec["usage"].get("tools_dropped"):
+            out.print(f"[yellow]tools dropped[/]: the request sent {rec['usage']['tools_dropped']} tool(s); the model's "
+                      "chat template left them out, so the model never saw them")
     if rec.get("request") is not None:
         out.rule("request")
         out.print_json(json.dumps(rec["request"])[:20000])

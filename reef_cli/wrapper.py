@@ -231,7 +231,8 @@ def report_kept(config: Config, adapter: Adapter, cwd: Path, asked: Any) -> None
 def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
     """One line each for what would otherwise surprise the user after the agent ran: a test model (its answers are
     noise), a scenario bound to another model than the default (and the one command that moves it), a first
-    request that cannot fit the model's context (and the ways out)."""
+    request that cannot fit the model's context (and the ways out), a model whose chat template drops the agent's
+    tools (said once, before the agent starts; each exchange records it as ``usage.tools_dropped``)."""
     out = []
     model, scenario, default = start["model"], start["scenario"], start.get("default_model")
     if start.get("test_model"):
@@ -244,6 +245,12 @@ def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
         out.append(f"{adapter.name}'s first request is about {need:,} tokens and model {model} holds {context:,}: it "
                    "will be refused. Ways out: an upstream provider ([models.NAME] engine = \"upstream\"), or a "
                    "server engine (vllm) with a larger model; then reef scenarios set-model")
+    if start.get("carries_tools") is False:
+        from daemon.providers import known
+
+        out.append(f"model {model}'s chat template drops tool definitions: {adapter.name} will answer, but cannot "
+                   f"read, edit or run anything (its tools never reach the model). To let it act, serve it from a "
+                   f"provider: {adapter.command} --reef-provider NAME (one of {known()})")
     return out
 
 

@@ -486,8 +486,11 @@ class TransformersEngine(Engine):
         """
         load = await self._open(path)
         self._current = load
+        from daemon.engines.chat_template import carries_tools
+
         self.info = EngineInfo(
-            name="transformers", model=self.entry.name, context_length=load.context_length, accepts_images=False
+            name="transformers", model=self.entry.name, context_length=load.context_length, accepts_images=False,
+            carries_tools=carries_tools(load.tokenizer),
         )
         return load.id
 
