@@ -134,7 +134,8 @@ def test_what_the_upstream_still_refuses_reaches_the_client_with_its_reason(fron
 
 
 @pytest.mark.agents
-@pytest.mark.parametrize("agent,args", [("pi", ["-p", "--no-session", "say hi"]), ("claude", ["-p", "say hi"])])
+@pytest.mark.parametrize("agent,args", [("pi", ["-p", "--no-session", "say hi"]), ("claude", ["-p", "say hi"]),
+                                        ("opencode", ["-p", "say hi"]), ("codex", ["-p", "say hi"])])
 def test_a_wrapped_agent_through_the_provider_ends_with_an_answer(front: Daemon, fake: tuple[str, Path],
                                                                    agents_dir: Path, tmp_path: Path,  # noqa: F811
                                                                    agent: str, args: list[str]) -> None:
