@@ -30,7 +30,10 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
         from urllib.parse import urlsplit
 
         u = urlsplit(config.url)
-        sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        try:
+            sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        except ConnectionError as e:
+            raise unreachable(config, e) from None
         auth = f"Authorization: Bearer {config.tcp_token() or ''}\r\n"
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -46,9 +49,13 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
+    except (ConnectionError, FileNotFoundError) as e:  # refused, reset, no socket: said in words (``unreachable``)
+        raise unreachable(config, e) from None
     finally:
         sock.close()
     raw = b"".join(chunks)
+    if not raw:  # it took the request and closed without a word: the daemon went away mid-request
+        raise unreachable(config, ConnectionResetError("closed without answering"))
     header, _, payload = raw.partition(b"\r\n\r\n")
     try:
         status = int(header.split(b" ", 2)[1])
@@ -65,13 +72,43 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
     return json.loads(payload) if payload else None
 
 
+def unreachable(config: Config, e: BaseException) -> ReefError:
+    """What a user reads when the daemon does not answer: which daemon, what happened in words (never a bare errno
+    text), and how it comes back."""
+    import errno as errnos
+
+    from daemon.errors import DaemonNotRunning
+
+    cause: BaseException = e
+    while not isinstance(cause, OSError) and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    code = cause.errno if isinstance(cause, OSError) else None
+    text = str(e).lower()
+    if isinstance(cause, FileNotFoundError) or code == errnos.ENOENT:
+        what = "not running (no socket there)"
+    elif isinstance(cause, ConnectionRefusedError) or code == errnos.ECONNREFUSED or "refused" in text:
+        what = "not answering (connection refused: it stopped or crashed)"
+    elif (isinstance(cause, (ConnectionResetError, BrokenPipeError)) or code in (errnos.ECONNRESET, errnos.EPIPE)
+          or type(e).__name__ == "RemoteProtocolError" or "reset" in text):
+        what = "gone mid-request (it closed the connection: it may have crashed)"
+    else:
+        what = f"not answering ({type(cause).__name__})"
+    if config.url:
+        return DaemonNotRunning(f"the Reef daemon at {config.url} is {what}: check that it runs there and that "
+                                "REEF_URL names it")
+    return DaemonNotRunning(f"the Reef daemon at {config.socket_path} is {what}: start it with `reef daemon start` "
+                            f"(`reef daemon logs` shows why it stopped)")
+
+
 def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
     """``call``, starting the local daemon first when it is not running."""
+    from daemon.errors import DaemonNotRunning
+
     try:
         return call(config, method, path, body)
-    except (ConnectionRefusedError, FileNotFoundError):
+    except DaemonNotRunning:
         if config.url:
-            raise ReefError(f"cannot reach the daemon at {config.url}") from None
+            raise
     from reef_cli.client import start_daemon
 
     say("starting the daemon")
