@@ -29,7 +29,7 @@ from daemon.errors import (
     Unauthorized,
     Unavailable,
 )
-from reef_cli.runs import unreachable
+from reef_cli.reach import unreachable
 
 _BY_STATUS: dict[int, type[ReefError]] = {
     400: BadRequest,

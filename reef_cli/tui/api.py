@@ -64,7 +64,7 @@ class Api:
         try:
             resp = await self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, OSError) as e:
-            from reef_cli.runs import unreachable
+            from reef_cli.reach import unreachable
 
             raise unreachable(self.config, e) from None
         except httpx.TimeoutException:
