@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import AgentError, BadRequest
+from daemon.layout import check_tree_path
 
 HARNESS_MARKER = ".reef-harness.json"
 PROPOSALS_HEADING = "## Changing these rules"  # in the config home: which release is installed, which files it wrote
@@ -158,8 +159,6 @@ class Adapter:
     def render(self, tree: Mapping[str, bytes], *, proposals: bool = False) -> dict[str, bytes]:
         """A neutral harness tree as files under the config home, in the agent's layout; ``proposals``: the rules
         end with ``proposal_rule`` (a scenario that takes proposals, for a wrapped run; not in an episode)."""
-        from recipes.lessons import check_tree_path
-
         out: dict[str, bytes] = {}
         for path, data in sorted(tree.items()):
             check_tree_path(path)

@@ -36,11 +36,19 @@ from daemon.errors import (
     ReefError,
     Unauthorized,
 )
+from daemon.gating import warning
 from daemon.model_dirs import is_test_model
 from daemon.names import check_run, check_scenario
 from daemon.protocols import anthropic, formats
 from daemon.protocols.base import WireFormat
-from daemon.reports import accept_imports, accept_report, check_feedback, check_report_id, check_score
+from daemon.reports import (
+    accept_imports,
+    accept_report,
+    check_feedback,
+    check_report_id,
+    check_score,
+    check_score_range,
+)
 from daemon.serving import Answer, Reef
 from recipes import check_api_recipe, load_recipe, report_schemas
 
@@ -321,13 +329,14 @@ async def handle_report(request: web.Request) -> web.Response:
         if not isinstance(scenario, str):
             raise BadRequest("scenario must be a string", param="scenario")
         check_scenario(scenario)
-    if report_schemas():  # a bound recipe declares structured report fields: check them before storing
-        target = scenario
-        if target is None:
-            with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
-                target = (await reef.store.get_record(refs[0], full=False))["scenario"]
-        if target is not None:
-            await reef.learner.check_report(target, metadata)
+    target = scenario
+    if target is None and (score is not None or report_schemas()):
+        with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
+            target = (await reef.store.get_record(refs[0], full=False))["scenario"]
+    if score is not None and target is not None:
+        check_score_range(score, target, reef.config)
+    if report_schemas() and target is not None:  # a bound recipe declares structured report fields: check them
+        await reef.learner.check_report(target, metadata)
     stored = await accept_report(reef.store, reef.metrics, reef.events, scenario=scenario, score=score,
                                  feedback=feedback, references=refs, metadata=metadata, report_id=report_id)
     view = _report_view(stored)
@@ -391,10 +400,19 @@ async def handle_import(request: web.Request) -> web.Response:
     if not isinstance(first, int) or isinstance(first, bool):
         raise BadRequest("first_line must be an integer", param="first_line")
     parsed = [from_line(item, f"line {first + i} (items[{i}])", default, index=i) for i, item in enumerate(items)]
+    for i, p in enumerate(parsed):  # each score within its scenario's range, as /reef/report checks it
+        for k, rep in enumerate(p["reports"]):
+            if rep["score"] is not None:
+                try:
+                    check_score_range(rep["score"], p["record"].scenario, reef.config)
+                except BadRequest as e:
+                    field = f"reports[{k}].score" if items[i].get("reports") else "score"
+                    raise BadRequest(f"line {first + i} (items[{i}]): {e.message}", param=f"items[{i}].{field}") \
+                        from None
     for name in sorted({p["record"].scenario for p in parsed}):
         await reef.scenario(name)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
-    for name in sorted({p["record"].scenario for p in parsed if p["report"] is not None}):
+    for name in sorted({p["record"].scenario for p in parsed if p["reports"]}):
         reef.learner.notify(name)
     return _json(out, status=201)
 
@@ -582,12 +600,45 @@ def switch_handler(**fixed: bool) -> Handler:
                 scenario = await reef.store.set_switches(name, **switches)
         else:
             scenario = await reef.store.set_switches(name, **switches)
+        if switches.get("paused") is False:  # resuming is acting on an early warning too
+            scenario = await warning.clear(reef.store, reef.events, name, "resumed")
         reef.events.publish("scenario", scenario=scenario.to_dict())
         if switches.get("paused") is False or switches.get("archived") is False:
             reef.learner.notify(name)  # what came while it was paused is learned from now
         return _json(scenario.to_dict())
 
     return handle
+
+
+async def handle_accept_warning(request: web.Request) -> web.Response:
+    """``POST /reef/scenarios/{s}/accept-warning``: the user accepts the early warning's trend: learning goes on,
+    and the scenario is not warned again until its settings change (``daemon/gating/warning.py``)."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    scenario = await warning.clear(reef.store, reef.events, name, "accepted")
+    reef.learner.notify(name)
+    return _json(scenario.to_dict())
+
+
+async def handle_update_settings(request: web.Request) -> web.Response:
+    """``POST /reef/scenarios/{s}/settings {"settings": {...}}``: change a scenario's recipe settings (a key set to
+    null goes back to the recipe's default), checked as at creation; it clears an early warning."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    given = (await _object_body(request)).get("settings")
+    if not isinstance(given, dict) or not given:
+        raise BadRequest("settings must be a non-empty JSON object of recipe settings", param="settings")
+
+    def change(scenario: Any) -> dict[str, Any]:
+        new = {k: v for k, v in {**scenario.settings, **given}.items() if v is not None}
+        reef.learner.check_settings(scenario.recipe, new)
+        return new
+
+    scenario = await reef.store.change_settings(name, change)
+    scenario = await warning.clear(reef.store, reef.events, name, "updated")
+    reef.events.publish("scenario", scenario=scenario.to_dict())
+    reef.learner.notify(name)
+    return _json(scenario.to_dict())
 
 
 async def handle_scenario(request: web.Request) -> web.Response:
@@ -674,12 +725,24 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
     records = await reef.store.list_records(
         scenario=scenario, run=run, after=after, limit=limit or 50, kind=kind, newest_first=newest
     )
+    for r in records:
+        _live(reef, r)
     return _json({"records": records, "next_after": records[-1]["seq"] if records and not newest else None})
+
+
+def _live(reef: Reef, rec: dict[str, Any]) -> dict[str, Any]:
+    """A stream still being answered is ``in_progress``, not ``incomplete`` (the word for one cut off): its record
+    is opened (``incomplete``, no timings yet) by this daemon process. One opened before this process started was
+    cut off by the stop or crash between, and stays ``incomplete``."""
+    if (rec.get("kind") == "exchange" and rec.get("status") == "incomplete" and rec.get("timings") is None
+            and rec.get("engine") != "import" and (rec.get("created_at") or 0) >= reef.started_at):
+        rec["status"] = "in_progress"
+    return rec
 
 
 async def handle_record(request: web.Request) -> web.Response:
     reef = request.ctx
-    return _json(await reef.store.get_record(request.match_info["receipt"]))
+    return _json(_live(reef, await reef.store.get_record(request.match_info["receipt"])))
 
 
 async def _existing_scenario(reef: Reef, name: str) -> Any:
@@ -738,6 +801,51 @@ async def _release_page(request: web.Request, scenario: str | None) -> web.Respo
                         headers={"Content-Security-Policy": release_page.CSP, "X-Content-Type-Options": "nosniff",
                                  "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
                                  "x-reef-release-id": data.release["release_id"]})
+
+
+def _eval_args(request: web.Request) -> dict[str, Any]:
+    transfer = request.query.get("transfer") or None
+    if transfer is not None:
+        check_scenario(transfer)
+    return {"transfer": transfer, "last": _int_param(request, "last", None, 1, 100_000)}
+
+
+async def handle_eval(request: web.Request) -> web.Response:
+    """``GET``: the scenario's ``reef eval`` table from what is known (recorded at the gate, cached, reported),
+    measuring nothing (``daemon/evaluation.py``)."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    return _json(await reef.evaluations.evaluate(name, measure=False, **_eval_args(request)))
+
+
+async def handle_measure(request: web.Request) -> web.StreamResponse:
+    """``POST``: the table, measuring what is missing: JSON Lines, ``{"progress": ...}`` per release measured, then
+    ``{"result": ...}`` (or ``{"error": ...}`` when something beyond a figure broke). Bad arguments are a 4xx
+    before the stream starts."""
+    reef = request.ctx
+    name = check_scenario(request.match_info["name"])
+    args = _eval_args(request)
+    await reef.evaluations.check(name, args["transfer"], args["last"])
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+
+    async def progress(p: dict[str, Any]) -> None:
+        await resp.write(_dumpb({"progress": p}) + b"\n")
+
+    try:
+        result = await reef.evaluations.evaluate(name, progress=progress, **args)
+    except ReefError as e:
+        await resp.write(_dumpb({"error": {"type": e.type, "message": e.message}}) + b"\n")
+        return resp
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away: nothing to tell it
+    except Exception as e:  # noqa: BLE001 - the status line is sent: say it in the stream, not as a 500
+        log.exception("reef eval of %s failed", name)
+        await resp.write(_dumpb({"error": {"type": "internal_error", "message": f"{type(e).__name__}: {e}"}})
+                         + b"\n")
+        return resp
+    await resp.write(_dumpb({"result": result}) + b"\n")
+    return resp
 
 
 async def handle_release_page(request: web.Request) -> web.Response:
@@ -799,6 +907,8 @@ async def handle_status(request: web.Request) -> web.Response:
             "records": counts.get("exchange", 0),
             "reports": counts.get("report", 0),
             "scenarios": len(await reef.store.list_scenarios()),
+            "warnings": {n: w["reason"] for n, w in (await warning.standing(reef.store)).items()
+                         if w.get("state") == "warned"},
             "learning": dict(reef.learner.state),
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
             "trainer_pid": reef.learner.trainer_pid,
@@ -871,6 +981,8 @@ async def handle_revoke_token(request: web.Request) -> web.Response:
 
 async def handle_metrics(request: web.Request) -> web.Response:
     reef = request.ctx
+    for name, w in (await warning.standing(reef.store)).items():  # read from the store: true after a restart
+        reef.metrics.scenario_warning.labels(name).set(1 if w.get("state") == "warned" else 0)
     return web.Response(reef.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
@@ -932,6 +1044,8 @@ def router() -> web.Router:
     r.add("GET", "/reef/scenarios/{name}/releases", handle_releases)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}", handle_scenario_release)
     r.add("GET", "/reef/scenarios/{name}/releases/{release}/page", handle_scenario_release_page)
+    r.add("GET", "/reef/scenarios/{name}/eval", handle_eval)
+    r.add("POST", "/reef/scenarios/{name}/eval", handle_measure)
     r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))
     r.add("POST", "/reef/scenarios/{name}/promote", steer_handler("promote"))
     r.add("GET", "/reef/releases/{release}", handle_release)
@@ -945,6 +1059,8 @@ def router() -> web.Router:
     r.add("POST", "/reef/scenarios/{name}/model", handle_move_model)
     r.add("POST", "/reef/scenarios/{name}/pause", switch_handler(paused=True))
     r.add("POST", "/reef/scenarios/{name}/resume", switch_handler(paused=False))
+    r.add("POST", "/reef/scenarios/{name}/accept-warning", handle_accept_warning)
+    r.add("POST", "/reef/scenarios/{name}/settings", handle_update_settings)
     r.add("POST", "/reef/scenarios/{name}/capture", switch_handler())
     r.add("POST", "/reef/scenarios/{name}/canary", handle_canary)
     r.add("GET", "/reef/scenarios/{name}/canary", handle_canary)

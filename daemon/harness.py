@@ -91,6 +91,8 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
         "default_model": reef.config.default_model,
         "url": f"http://{reef.config.host}:{reef.config.port}",
     }
+    if scenario.warned:  # the early warning: the wrapper says it on stderr
+        out["warning"] = (scenario.warning or {}).get("reason")
     if head.kind == "harness" and installed != head.release_id:
         out["files"] = await rendered(reef, scenario, head, adapter.name)
     return out

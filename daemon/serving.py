@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.canary import Canaries, arm_key
@@ -27,6 +27,7 @@ from daemon.config import Config, TelemetrySettings
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
 from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
+from daemon.evaluation import Evaluations
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
 from daemon.learning import Learner
@@ -123,6 +124,8 @@ class Reef:
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
         self.learner = Learner(config, self.store, self.chains, self.events, self.metrics, self.engine,
                                scopes=self.scopes)
+        self.evaluations = Evaluations(config.home, self.store, self.chains, self.events, self.engine,
+                                       self.learner.make_recipe)  # reef eval (daemon/evaluation.py)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -387,7 +390,12 @@ class ServePath:
         served = await self.begin(exchange, scenario=scenario, run=run, headers=headers,
                                   pinned_release=headers.get("x-reef-release-id"), request_text=request_text)
         created = int(time.time())
-        out = {"x-reef-agent-record-id": served.receipt}
+        # the scenario's model answers whatever the request names ("gpt-9"): the answer says which, in its ``model``
+        # field and a header, rather than echoing a name that did not answer
+        answered = served.engine.info.model
+        if exchange.model != answered:
+            served.exchange = replace(exchange, model=answered)
+        out = {"x-reef-agent-record-id": served.receipt, "x-reef-model": answered}
         if served.release_id:
             out["x-reef-release-id"] = served.release_id
         if not served.capture:
@@ -664,6 +672,8 @@ class ServePath:
             }
             if completion.upstream:
                 usage["upstream"] = completion.upstream
+            elif served.engine.info.name == "upstream":  # a provider that sent no usage: unknown, not 0 and 0
+                usage = {"input_tokens": None, "output_tokens": None, "unknown": "the provider sent no usage"}
             if ex.tools and served.engine.info.carries_tools is False:  # the model's template left them out
                 usage["tools_dropped"] = len(ex.tools)
         rec = self._exchange_record(
@@ -709,7 +719,7 @@ class ServePath:
             started_at=time.time() - (time.perf_counter() - served.started),
             format=ex.format,
             engine=rec.engine,
-            request_model=ex.model or None,
+            request_model=(ex.body.get("model") if isinstance(ex.body, dict) else None) or ex.model or None,
             response_model=(completion.model or None) if completion is not None else None,
             sampling={k: v for k, v in (("max_tokens", sampling.max_tokens), ("temperature", sampling.temperature),
                                         ("top_p", sampling.top_p)) if v is not None},

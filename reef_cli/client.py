@@ -107,11 +107,11 @@ class Client:
         except (httpx.HTTPError, OSError):
             return False
 
-    def lines(self, path: str, **params: Any) -> Iterator[str]:
+    def lines(self, path: str, *, method: str = "GET", **params: Any) -> Iterator[str]:
         """The lines of a streamed answer (JSON Lines), as they come."""
         query = {k: v for k, v in params.items() if v is not None}
         try:
-            with self._http.stream("GET", path, params=query, timeout=None) as resp:
+            with self._http.stream(method, path, params=query, timeout=None) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise _error_from(resp)

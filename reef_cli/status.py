@@ -15,7 +15,8 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             f"listen   {info['listen']['tcp']} and {info['listen']['unix']}",
             f"models   {models}; default {info['default_model']}",
             *_provider_line(info),
-            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios"]
+            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios",
+            *(f"warning  {name}: {why}" for name, why in sorted((info.get("warnings") or {}).items()))]
 
 
 def _provider_line(info: dict[str, Any]) -> list[str]:

@@ -235,6 +235,8 @@ def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
     tools (said once, before the agent starts; each exchange records it as ``usage.tools_dropped``)."""
     out = []
     model, scenario, default = start["model"], start["scenario"], start.get("default_model")
+    if start.get("warning"):  # the early warning (daemon/gating/warning.py): learning is paused until the user acts
+        out.append(f"warning on scenario {scenario}: {start['warning']}")
     if start.get("test_model"):
         out.append(f"model {model} is a test model (random weights): its answers are noise")
     if default and model != default:

@@ -97,11 +97,11 @@ def test_a_streams_receipt_survives_kill_9_mid_stream(daemon_factory: Callable[.
             assert resp.status_code == 200
             receipts[fmt] = resp.headers["x-reef-agent-record-id"]
             assert next(resp.iter_bytes())  # the stream is under way: its first bytes are in, its end is not
-        with d.http() as http:  # while the streams stall: their records are there already, incomplete
+        with d.http() as http:  # while the streams stall: their records are there already, in progress
             for fmt, receipt in receipts.items():
                 r = http.get(f"/reef/records/{receipt}")
                 assert r.status_code == 200, (fmt, r.text)
-                assert r.json()["status"] == "incomplete" and r.json()["timings"] is None, (fmt, r.json())
+                assert r.json()["status"] == "in_progress" and r.json()["timings"] is None, (fmt, r.json())
         d.kill9()
     d.start()
     with d.http() as http:
