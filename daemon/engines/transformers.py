@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.chat_template import carries_tools
 from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import Adapters, read_adapter
 from daemon.engines.prefix_cache import PrefixCache
@@ -486,12 +487,8 @@ class TransformersEngine(Engine):
         """
         load = await self._open(path)
         self._current = load
-        from daemon.engines.chat_template import carries_tools
-
-        self.info = EngineInfo(
-            name="transformers", model=self.entry.name, context_length=load.context_length, accepts_images=False,
-            carries_tools=carries_tools(load.tokenizer),
-        )
+        self.info = EngineInfo(name="transformers", model=self.entry.name, context_length=load.context_length,
+                               accepts_images=False, carries_tools=carries_tools(load.tokenizer))
         return load.id
 
     async def _open(self, path: Path) -> Load:
