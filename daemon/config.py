@@ -248,6 +248,7 @@ ENGINE_KEYS: Mapping[str, tuple[str, ...]] = {
     "format": ("upstream",),
     "upstream_model": ("upstream",),
     "api_key_env": ("upstream",),
+    "join_text_parts": ("upstream",),
     "timeout_s": ("upstream", *_SERVERS),
     "connect_timeout_s": ("upstream", *_SERVERS),
     **{key: _SERVERS for key in ("server", "server_port", "server_args", "server_log", "startup_timeout_s",
@@ -577,7 +578,15 @@ def load_config(
         **values,
     )
     if cfg.default_model not in cfg.models:
-        raise BadRequest(f"config: default_model {cfg.default_model!r} is not a configured model")
+        if (overrides or {}).get("default_model") is not None:
+            source = "--model (it sets default_model)"
+        elif env.get("REEF_MODEL"):
+            source = "REEF_MODEL (it sets default_model)"
+        else:
+            source = f"default_model in {toml_path}"
+        raise BadRequest(f"unknown model {cfg.default_model!r}, from {source}; the models it knows: "
+                         f"{', '.join(sorted(cfg.models))} (add one as a [models.NAME] table in {toml_path})",
+                         param="default_model")
     return cfg
 
 

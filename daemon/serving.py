@@ -692,6 +692,8 @@ class ServePath:
                 usage["upstream"] = completion.upstream
             elif served.engine.info.name == "upstream":  # a provider that sent no usage: unknown, not 0 and 0
                 usage = {"input_tokens": None, "output_tokens": None, "unknown": "the provider sent no usage"}
+            if ex.tools and served.engine.info.carries_tools is False:  # the model's template left them out
+                usage["tools_dropped"] = len(ex.tools)
         rec = self._exchange_record(
             served,
             completion.runtime_load_id if completion else served.engine.runtime_load_id,

@@ -82,6 +82,9 @@ def show_record(
             out.print(f"usage unknown ({usage['unknown']})")
         else:
             out.print("usage " + json.dumps(usage))
+        if usage.get("tools_dropped"):
+            out.print(f"[yellow]tools dropped[/]: the request sent {usage['tools_dropped']} tool(s); the model's "
+                      "chat template left them out, so the model never saw them")
     if rec.get("request") is not None:
         out.rule("request")
         out.print_json(json.dumps(rec["request"])[:20000])

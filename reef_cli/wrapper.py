@@ -121,6 +121,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     release = sync_harness(config, adapter, home, start)
     target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
                     model=start["model"], release_id=release, context_window=int(start["context_length"]))
+    argv = adapter.argv(binary, args, target)  # a form the agent lacks (`reef-opencode -p` alone) is refused here
     adapter.prepare(home, target)
     env = dict(os.environ)
     for name in adapter.unset_env():
@@ -136,7 +137,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     record["spawned_at"] = time.time()
     save_run(config, record)
     with _long_requests(config, target.run, args):
-        code = spawn(adapter.argv(binary, args, target), env)
+        code = spawn(argv, env)
     record.update(ended_at=time.time(), exit_code=code)
     record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
@@ -231,7 +232,8 @@ def report_kept(config: Config, adapter: Adapter, cwd: Path, asked: Any) -> None
 def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
     """One line each for what would otherwise surprise the user after the agent ran: a test model (its answers are
     noise), a scenario bound to another model than the default (and the one command that moves it), a first
-    request that cannot fit the model's context (and the ways out)."""
+    request that cannot fit the model's context (and the ways out), a model whose chat template drops the agent's
+    tools (said once, before the agent starts; each exchange records it as ``usage.tools_dropped``)."""
     out = []
     model, scenario, default = start["model"], start["scenario"], start.get("default_model")
     if start.get("warning"):  # the early warning (daemon/gating/warning.py): learning is paused until the user acts
@@ -242,11 +244,17 @@ def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
         out.append(f"scenario {scenario} is bound to model {model}, not the default {default}; move it with: "
                    f"reef scenarios set-model {scenario} {default}")
     # counted as the model's chat template renders it: a template that drops tool schemas never sees them
-    need, context = adapter.first_request_seen(start.get("renders_tools")), int(start.get("context_length") or 0)
+    need, context = adapter.first_request_seen(start.get("carries_tools")), int(start.get("context_length") or 0)
     if need and context and need > context:
         out.append(f"{adapter.name}'s first request is about {need:,} tokens as model {model} reads it, and it holds "
                    f"{context:,}: it will be refused. Ways out: an upstream provider ([models.NAME] engine = "
                    "\"upstream\"), or a server engine (vllm) with a larger model; then reef scenarios set-model")
+    if start.get("carries_tools") is False:
+        from daemon.providers import known
+
+        out.append(f"model {model}'s chat template drops tool definitions: {adapter.name} will answer, but cannot "
+                   f"read, edit or run anything (its tools never reach the model). To let it act, serve it from a "
+                   f"provider: {adapter.command} --reef-provider NAME (one of {known()})")
     return out
 
 

@@ -214,10 +214,10 @@ def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_fa
         claude = c.post("/reef/runs", json={"adapter": "claude", "scenario": "pi"}).json()
         (fit,) = model_notes(get_adapter("claude"), claude)
         assert "21,300 tokens as model short reads it, and it holds 8,192" in fit and "upstream" in fit
-        assert claude["renders_tools"] is True
+        assert claude["carries_tools"] is True
         assert create(c, "c2") and c.post("/reef/scenarios/c2/model", json={"model": "smol"}).status_code == 200
         smol = c.post("/reef/runs", json={"adapter": "claude", "scenario": "c2"}).json()
-        assert (smol["context_length"], smol["renders_tools"]) == (8192, False)
+        assert (smol["context_length"], smol["carries_tools"]) == (8192, False)
         notes = model_notes(get_adapter("claude"), smol)  # about 3,000 tokens as SmolLM2's template renders it
         assert notes and not any("first request" in n for n in notes), notes
         # refused: a weights chain, an unknown model, a scenario that does not exist

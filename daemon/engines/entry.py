@@ -36,6 +36,7 @@ class ModelEntry:
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name
     api_key_env: str | None = None  # upstream: environment variable holding the key
+    join_text_parts: bool = True  # upstream openai-chat: content given as text parts only goes as one string
     timeout_s: float = 600.0  # upstream: total timeout
     connect_timeout_s: float = 10.0
     # vllm, sglang (``daemon/engines/server.py``): the server Reef starts and supervises

@@ -6,8 +6,8 @@ Design choices:
 
 - **The model sees what its template renders.** An agent's request is counted as the template renders it, never
   as its JSON: SmolLM2's template drops tool schemas, so Claude Code's first request (21,319 SmolLM2 tokens as JSON,
-  17,753 of them its 24 tool schemas; measured with 2.1.197) is 3,041 tokens to it. ``renders_tools`` says whether a template carries
-  tools at all (a probe tool rendered, or not).
+  17,753 of them its 24 tool schemas; measured with 2.1.197) is 3,041 tokens to it.
+  ``chat_template.carries_tools`` says whether a template carries tools at all (a probe tool rendered, or not).
 - **The output cap.** A slow engine asked for Claude Code's ``max_tokens`` of 32,000 decodes for the rest of its
   context (SmolLM2 at 6.6 tokens/s under load: 12 minutes with no word to the user). Every request gets at most
   ``output_cap`` new tokens: the model entry's ``max_tokens_limit`` when set, else, on a local engine, an eighth
@@ -120,16 +120,8 @@ def _probe() -> Exchange:
                     tools=[Tool(name=_PROBE_TOOL, description="probe", parameters={"type": "object"})])
 
 
-def renders_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template puts tool schemas in the prompt: a probe tool is rendered, or not."""
-    try:
-        return _PROBE_TOOL in render_chat(tokenizer, _probe())
-    except BadRequest:
-        return False
-
-
 def dir_renders_tools(path: Path | None) -> bool | None:
-    """``renders_tools`` for a model directory, without loading transformers (``reef doctor``): its chat template
+    """``chat_template.carries_tools`` for a model directory, without loading transformers (``reef doctor``): its chat template
     (``chat_template.jinja`` or ``tokenizer_config.json``) rendered over the probe with Jinja's sandbox, as
     transformers renders it; None when there is no template or it cannot be rendered here."""
     import json

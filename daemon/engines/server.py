@@ -71,9 +71,10 @@ from yarl import URL
 
 from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.chat_template import carries_tools
 from daemon.engines.dialect import Dialect, Params, Step
 from daemon.engines.entry import ModelEntry
-from daemon.engines.prompts import check_sampling, output_cap, render_chat, renders_tools, sampling_params
+from daemon.engines.prompts import check_sampling, output_cap, render_chat, sampling_params
 from daemon.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -233,7 +234,7 @@ class ServerEngine(Engine):
         self._context = min(ctx, self.entry.max_model_len) if self.entry.max_model_len else ctx
         self.info = EngineInfo(name=self.dialect.name, model=self.entry.name, context_length=self._context,
                                output_cap=output_cap(self.entry, self._context),
-                               renders_tools=renders_tools(self._tokenizer))
+                               carries_tools=carries_tools(self._tokenizer))
         self._pool = http.Pool("http", self.host, self.port, connect_timeout=self.entry.connect_timeout_s,
                                keepalive_s=KEEPALIVE_S, resend_on_stale=True)
         assert self.entry.path is not None

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.chat_template import carries_tools
 from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import Adapters, read_adapter
 from daemon.engines.prefix_cache import PrefixCache
@@ -74,7 +75,6 @@ from daemon.engines.prompts import (
     check_sampling,
     output_cap,
     render_chat,
-    renders_tools,
     sampling_params,
 )
 from daemon.errors import (
@@ -443,7 +443,7 @@ class TransformersEngine(Engine):
         self._current = load
         self.info = EngineInfo(name="transformers", model=self.entry.name, context_length=load.context_length,
                                accepts_images=False, output_cap=output_cap(self.entry, load.context_length),
-                               renders_tools=renders_tools(load.tokenizer))
+                               carries_tools=carries_tools(load.tokenizer))
         return load.id
 
     async def _open(self, path: Path) -> Load:

@@ -68,7 +68,9 @@ class Api:
         try:
             resp = await self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, OSError) as e:
-            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+            from reef_cli.reach import unreachable
+
+            raise unreachable(self.config, e) from None
         except httpx.TimeoutException:
             raise Unavailable(f"the daemon at {self.where()} did not answer {method} {path} in time") from None
         if resp.status_code >= 400:
