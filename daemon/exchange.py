@@ -190,3 +190,17 @@ class Receipt:
         ``x-reef-agent-record-id`` header and Reef's own clients; ``record_id``, as in the record store), and the
         release."""
         return {"agent_record_id": self.record_id, "record_id": self.record_id, "release_id": self.release_id}
+
+
+def internal_exchange(model: str, system: str, user: str, max_tokens: int, temperature: float = 0.0) -> Exchange:
+    """A request the daemon itself makes (a gate's task, a proposer's phrasing, a judge's vote): greedy unless
+    ``temperature`` is set, in OpenAI chat form with its body, so any engine (an upstream relaying the body as it
+    is) answers it."""
+    messages = [Message("system", [Part("text", text=system)])] if system.strip() else []
+    messages.append(Message("user", [Part("text", text=user)]))
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature or 0,
+            "messages": [{"role": m.role, "content": m.text} for m in messages]}
+    return Exchange(format="openai-chat", model=model, messages=messages, body=body,
+                    sampling=Sampling(max_tokens=max_tokens, temperature=float(temperature)))
+
+

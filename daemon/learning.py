@@ -64,6 +64,7 @@ from daemon.gating.outcome import GateRun, StepOutcome
 from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
 from daemon.metrics import Metrics
+from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, RequestSampling, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest
 from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
@@ -104,68 +105,6 @@ class ScenarioLearning:
     # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
     heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
-
-
-class _Answers:
-    """The ``HarnessContext`` a harness recipe gets: greedy answers from configured models, and (for recipes that
-    run episodes of the agent against this daemon) the scenario, the config, its records, episode scenarios."""
-
-    def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str, *, scenario: str | None = None,
-                 config: Config | None = None, store: RecordStore | None = None, chains: Chains | None = None,
-                 scopes: Scopes | None = None) -> None:
-        self._engine, self.model = engine, model
-        self.scenario, self.config, self._store, self._chains = scenario, config, store, chains
-        self._scopes = scopes
-
-    def scoped_token(self, name: str, ttl_s: float) -> str:
-        """A token that can only sample scenario ``name``, start its runs and read those (``daemon/scopes.py``),
-        for an episode's sandbox, which reaches the daemon on ``config.scoped_socket_path`` only. It expires after
-        ``ttl_s``; revoke it (``revoke_token``) when the episode ends."""
-        assert self._scopes is not None
-        return self._scopes.mint(name, ttl_s)
-
-    def revoke_token(self, token: str) -> None:
-        assert self._scopes is not None
-        self._scopes.revoke(token)
-
-    async def record(self, receipt: str) -> dict[str, Any]:
-        """A stored record (an exchange with its request and response), by receipt."""
-        assert self._store is not None
-        return await self._store.get_record(receipt)
-
-    async def episode_release(self, name: str, tree: dict[str, bytes]) -> str:
-        """A release whose content is ``tree`` on the chain of scenario ``name`` (created with recipe ``record`` and
-        this scenario's model unless it exists): its head when the content is the same, else a new release. An
-        episode's agent pins it, so its records name the exact harness it ran with."""
-        assert self._store is not None and self.config is not None and self._chains is not None
-        scenario = await self._store.ensure_scenario(name, recipe="record", model=self.model,
-                                                     default_recipe=self.config.default_recipe, settings=None)
-        head = None
-        for _ in range(3):
-            head = await self._chains.head(scenario)
-            if head.kind != "harness":
-                raise ReefError(f"scenario {name} serves {head.kind}, not a harness: episodes need a harness chain")
-            if await self._chains.harness_tree(head) == tree:
-                return head.release_id
-            try:
-                manifest = self._chains.manifest(scenario, settings={"for": "episodes"})
-                rel = await self._chains.publish_candidate(scenario, manifest, tree, expected_head=head.release_id)
-            except HeadMoved:
-                continue
-            return rel.release_id
-        raise HeadMoved(name, head.release_id if head else None, None)
-
-    async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
-                     temperature: float = 0.0) -> str:
-        from daemon.exchange import Finish
-
-        name = model or self.model
-        engine = await self._engine(name)
-        text = ""
-        async for event in engine.generate(internal_exchange(name, system, user, max_tokens, temperature), None):
-            if isinstance(event, Finish):
-                text = event.completion.text
-        return text
 
 
 class Learner:
@@ -433,7 +372,7 @@ class Learner:
         scenario = await self.store.get_scenario(name)
         timeout = float(getattr(recipe.settings, "judge_timeout_s", 30.0))
         try:  # a recipe may bound each of its judge's calls by the timeout itself: this is the backstop
-            verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, _Answers(self.engine, scenario.model)),
+            verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, RecipeContext(self.engine, scenario.model)),
                                              timeout + JUDGE_GRACE_S)
         except asyncio.CancelledError:
             raise
@@ -674,9 +613,9 @@ class Learner:
         self._judging.add(task)
         task.add_done_callback(self._judging.discard)
 
-    def _context(self, scenario: Scenario) -> _Answers:
-        return _Answers(self.engine, scenario.model, scenario=scenario.name, config=self.config, store=self.store,
-                        chains=self.chains, scopes=self.scopes)
+    def _context(self, scenario: Scenario) -> RecipeContext:
+        return RecipeContext(self.engine, scenario.model, scenario=scenario.name, config=self.config,
+                             store=self.store, chains=self.chains, scopes=self.scopes)
 
     async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any,
                               batch: list[ScoredExchange | FeedbackReport], job_id: str,
@@ -911,19 +850,3 @@ async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: 
             "why": "trained only on answers sampled at temperature 1 without top_p or top_k: the engine records "
                    "each token's log-prob under the raw logits, so the importance ratio of any other sampling "
                    "would be wrong"}
-
-
-def internal_exchange(model: str, system: str, user: str, max_tokens: int, temperature: float = 0.0) -> Any:
-    """A request the daemon itself makes (a gate's task, a proposer's phrasing, a judge's vote): greedy unless
-    ``temperature`` is set, in OpenAI chat form with its body, so any engine (an upstream relaying the body as it
-    is) answers it."""
-    from daemon.exchange import Exchange, Message, Part, Sampling
-
-    messages = [Message("system", [Part("text", text=system)])] if system.strip() else []
-    messages.append(Message("user", [Part("text", text=user)]))
-    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature or 0,
-            "messages": [{"role": m.role, "content": m.text} for m in messages]}
-    return Exchange(format="openai-chat", model=model, messages=messages, body=body,
-                    sampling=Sampling(max_tokens=max_tokens, temperature=float(temperature)))
-
-

@@ -334,16 +334,10 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
     """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once (the engine
     batches them)."""
-    from daemon.exchange import Exchange, Finish, Message, Part, Sampling
-
-    def exchange(prompt: str) -> Exchange:  # as the daemon asks its own questions (daemon.learning.internal_exchange)
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": prompt}]}
-        return Exchange(format="openai-chat", model=model, messages=[Message("user", [Part("text", text=prompt)])],
-                        body=body, sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+    from daemon.exchange import Finish, internal_exchange
 
     async def one(prompt: str) -> Answer:
-        async for event in engine.generate(exchange(prompt), release):
+        async for event in engine.generate(internal_exchange(model, "", prompt, max_tokens), release):
             if isinstance(event, Finish):
                 c = event.completion
                 return Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()),
