@@ -417,7 +417,7 @@ def test_a_report_that_violates_the_recipes_schema_is_refused_and_not_stored(dae
 
 def test_a_step_with_nothing_to_learn_publishes_nothing(daemon_factory, recipe_dir):
     d = with_recipe_paths(daemon_factory, recipe_dir,
-                          "\n[recipes.online-rl]\nbatch_prompts = 2\ngroup_size = 2\ngate = \"always\"\n")
+                          "\n[recipes.online-rl]\ncanary_share = 0\nbatch_prompts = 2\ngroup_size = 2\ngate = \"always\"\n")
     with d.http() as c:
         # online-rl: every group scored alike carries no signal
         assert c.post("/reef/scenarios", json={"name": "flat", "recipe": "online-rl"}).status_code == 201

@@ -1,0 +1,151 @@
+"""The canary as the learning loop's default for weights recipes (issue 43): a candidate the gate and the held-out
+check pass serves half of new runs beside the head, the loop waits for its verdict, and the canary's bounds end it
+when its scores cannot: ``canary_answers`` answers with no report on its arm promote it on its guards, and
+``canary_hours`` without a verdict promote it too, so a scenario with no live traffic does not stall learning. A
+real daemon (the tiny model) and a cheap weights recipe (``tests/test_watchdog.DRIFTING``: every step nudges each
+weight) over real sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from daemon.canary import decide, settings_of
+from daemon.errors import BadRequest
+from recipes import load_recipe
+from tests.conftest import Daemon
+from tests.test_canary import canary_of
+from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
+from tests.test_records_pg import _until
+
+ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def drifting(daemon_factory: Any, recipe_dir: Any) -> Daemon:  # noqa: F811
+    from tests.test_watchdog import DRIFTING
+
+    (recipe_dir / "drifting.py").write_text(DRIFTING)
+    return with_recipe_paths(daemon_factory, recipe_dir)
+
+
+def report_on_head(c: Any, name: str, head: str, n: int = 2) -> None:
+    """``n`` exchanges pinned to the head, each reported: a batch for the drifting recipe, none on the canary's arm."""
+    for _ in range(n):
+        r = c.post(f"/s/{name}/v1/chat/completions", headers={"x-reef-release-id": head}, json=ASK)
+        assert r.status_code == 200 and r.headers["x-reef-release-id"] == head, r.text
+        rep = c.post("/reef/report", json={"references": [r.headers["x-reef-agent-record-id"]], "score": 1.0})
+        assert rep.status_code == 201, rep.text
+
+
+def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None:
+    """Every weights recipe's settings give half of new runs to a canary with its bounds; gate review leaves the
+    decision to a person (no canary), and both set at once are still refused. Bug caught: the default share 0."""
+    for name in ("online-rl", "sao", "ttt-discover", "openclaw-rl"):
+        s = load_recipe(name).parse_settings({})
+        assert (s.canary_share, s.canary_answers, s.canary_hours) == (0.5, 50, 24.0), name
+        assert load_recipe(name).parse_settings({"gate": "review"}).canary_share == 0.0
+        assert load_recipe(name).parse_settings({"canary_share": 0}).canary_share == 0
+    rl = load_recipe("online-rl")
+    for bad in ({"canary_share": 0.3, "gate": "review"}, {"canary_answers": 0}, {"canary_hours": 0.0},
+                {"canary_hours": float("inf")}):
+        with pytest.raises(BadRequest) as e:
+            rl.parse_settings(bad)
+        assert e.value.data["param"].startswith("settings.canary_"), bad
+
+
+def test_the_bounds_promote_only_when_nothing_else_decides() -> None:
+    """``max_answers`` promotes a canary with no report on its arm once it has that many answers (and the head
+    enough for its guards to have looked); one report on its arm leaves the decision to the scores and the time
+    bound; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off (None), neither fires.
+    Bugs caught: the bound never firing, firing one answer early, firing with reports, the time bound's comparison
+    flipped, a guard read after the bound."""
+    ok = [30] * 49
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
+    assert decide([], [], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
+    assert decide([], [], head_tokens=ok[:9], canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=None, **kw).verdict is None
+    assert decide([1.0], [0.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
+    empty = [1] * 50  # every canary answer empty: the guard ends it, the bound does not promote it
+    assert decide([], [], head_tokens=ok, canary_tokens=empty, max_answers=50, **kw).verdict == "empty"
+    assert decide([1.0], [0.0], age_s=99.0, max_age_s=100.0, **kw).verdict is None
+    expired = decide([1.0], [0.0], age_s=100.0, max_age_s=100.0, **kw)
+    assert expired.verdict == "expired" and "did not show it worse" in expired.reason
+    assert decide([], [], age_s=1e9, max_age_s=None, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=empty, age_s=100.0, max_age_s=100.0, **kw).verdict == "empty"
+
+
+def test_bound_settings_are_checked_and_off_unless_given() -> None:
+    """A canary started by hand has no bounds (it runs until its scores, guards, max_reports or a person decide, as
+    before); the learning loop passes the recipe's; a bound out of range is refused naming it."""
+    s = settings_of({})
+    assert s["max_answers"] is None and s["max_hours"] is None
+    assert settings_of({"max_answers": 12, "max_hours": 0.5}) == {**s, "max_answers": 12, "max_hours": 0.5}
+    for key, value in (("max_answers", 0), ("max_answers", 1.5), ("max_hours", -1), ("max_hours", 1e999),
+                       ("max_hours", 1e7), ("max_answers", True)):
+        with pytest.raises(BadRequest) as e:
+            settings_of({key: value})
+        assert e.value.data["param"] == key and key in e.value.message
+
+
+def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_promoted_head(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """Default settings but for the answers bound (12, to keep the test short): the first step's candidate is held
+    and serves half of new runs as a canary (the head stays); reports made meanwhile are not trained on while it
+    runs; runs nobody reports reach the bound and promote it (``quiet``, on the chain with the figures); then the
+    waiting reports train the next candidate from the promoted head, which is a canary in its turn. Bugs caught: the
+    default share 0 (straight to the head), learning not waiting (the waiting batch trains against the old head
+    and is held for review: no canary could start), the bound never firing."""
+    d = drifting(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "lw", "recipe": "drifting:Drifting",
+                                               "settings": {"falling": False, "canary_answers": 12}})
+        assert made.status_code == 201, made.text
+        head = made.json()["head"]
+        assert c.get("/reef/scenarios/lw").json()["effective_settings"]["canary_share"] == 0.5
+        report_on_head(c, "lw", head)
+        first = _until("the first canary", lambda: canary_of(c, "lw"), 300)
+        assert first["base_id"] == head and first["share"] == 0.5
+        assert first["settings"]["max_answers"] == 12 and first["settings"]["max_hours"] == 24.0
+        chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
+        assert chain["head"] == head and [p["release_id"] for p in chain["pending"]] == [first["release_id"]]
+        report_on_head(c, "lw", head)  # a second batch, while the canary runs: it waits
+        _until("the loop to wait on the canary", lambda: c.get("/reef/status").json()["learning"].get("lw") == "canary")
+        arms = set()
+        for i in range(200):  # runs nobody reports on: the canary's answers reach its bound
+            if canary_of(c, "lw") is None:
+                break
+            r = c.post(f"/s/lw/r/run_{i:04d}/v1/chat/completions", json=ASK)
+            assert r.status_code == 200, r.text
+            arms.add(r.headers["x-reef-release-id"])
+        _until("the canary's end", lambda: canary_of(c, "lw") is None or canary_of(c, "lw")["release_id"] !=
+               first["release_id"])
+        assert {head, first["release_id"]} <= arms
+        chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
+        promoted = next(r for r in chain["releases"] if r["operation"] == "promote")
+        assert promoted["source"] == first["release_id"] and promoted["metrics"]["canary_verdict"] == "quiet"
+        assert promoted["metrics"]["canary_reports"] == 0 and promoted["metrics"]["canary_answers"] >= 12
+        second = _until("the next candidate's canary", lambda: canary_of(c, "lw"), 300)
+        assert second["base_id"] == promoted["release_id"] != first["base_id"]
+        chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
+        assert [p["release_id"] for p in chain["pending"]] == [second["release_id"]], chain["pending"]
+        assert not [j for j in chain["rejected"] if "no canary could start" in (j.get("reason") or "")]
+
+
+def test_a_scenario_with_no_traffic_promotes_its_canary_at_the_time_bound(daemon_factory: Any,
+                                                                          recipe_dir: Any) -> None:  # noqa: F811
+    """No run ever comes after the candidate: at ``canary_hours`` (a second here) the canary is promoted as
+    ``expired`` with its figures, and learning goes on. Bug caught: a canary with no traffic running forever."""
+    d = drifting(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "lq", "recipe": "drifting:Drifting",
+                                               "settings": {"falling": False, "canary_hours": 0.0003}})
+        head = made.json()["head"]
+        report_on_head(c, "lq", head)
+        chain = _until("the canary's promotion", lambda: (x := c.get("/reef/scenarios/lq/releases").json())[
+            "head"] != head and x, 300)
+        top = chain["releases"][0]
+        assert top["operation"] == "promote" and top["metrics"]["canary_verdict"] == "expired", top
+        assert top["metrics"]["canary_answers"] == 0 and top["metrics"]["canary_reports"] == 0
+        assert top["source"] != head and top["parent"] == head
