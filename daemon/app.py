@@ -800,6 +800,8 @@ async def handle_status(request: web.Request) -> web.Response:
             "reports": counts.get("report", 0),
             "scenarios": len(await reef.store.list_scenarios()),
             "learning": dict(reef.learner.state),
+            # the running canaries with their figures and the lines a person reads (daemon/canary.describe)
+            "canaries": [c for n in sorted(reef.canaries.active) if (c := await reef.canaries.status(n)) is not None],
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
             "trainer_pid": reef.learner.trainer_pid,
             "trainer": reef.config.trainer,

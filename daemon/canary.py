@@ -152,8 +152,43 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
     return Decision(None, "undecided", figures)
 
 
+def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
+    """A running canary in lines a person reads (``reef status``, ``reef releases list``, the TUI, the release
+    page): its share and bounds, each arm's reports, mean, interval and guard figures, the smallest difference it
+    can still decide by its end (``betting.detectable`` over ``pairs_by_end``), and the bettors' evidence."""
+    f, st = status.get("figures") or {}, status.get("settings") or {}
+
+    def num(v: Any, fmt: str = ".3f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def arm(name: str) -> str:
+        iv = f.get(f"{name}_interval")
+        ms = f.get(f"{name}_p50_ms")
+        failed = f", {f.get('canary_errors', 0)} of {f.get('canary_exchanges', 0)} failed" if name == "canary" else ""
+        return (f"  {name + ' arm:':<12}{f.get(f'{name}_reports', 0)} reports, mean {num(f.get(f'{name}_mean'))}"
+                + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f"; {f.get(f'{name}_answers', 0)} answers, "
+                f"{num(f.get(f'{name}_empty_rate'), '.0%')} empty, median {num(f.get(f'{name}_p50_tokens'), 'g')} "
+                f"tokens{failed}, median {num(ms, '.0f')} ms")
+
+    age = max(0.0, (time.time() if now is None else now) - float(status.get("started_at") or 0))
+    bounds = [f"running {_duration(age)}"]
+    if st.get("max_hours") is not None:
+        bounds.append(f"promoted undecided at {_duration(st['max_hours'] * 3600)}")
+    if st.get("max_answers") is not None:
+        bounds.append(f"promoted on its guards at {st['max_answers']} answers if no report comes")
+    smallest = f.get("detectable")
+    decides = (f"decides a difference of {smallest:.2f} or more by its end" if smallest is not None else
+               "can decide no difference by its end at its reports' rate")
+    return [f"canary {str(status.get('release_id'))[:12]} serves {status.get('share', 0):.0%} of new runs beside "
+            f"{str(status.get('base_id'))[:12]} (alpha {f.get('alpha', st.get('alpha'))}; {', '.join(bounds)})",
+            arm("canary"), arm("head"),
+            f"  {decides} (about {num(f.get('pairs_by_end'), '.0f')} paired reports, {f.get('pairs', 0)} so far); "
+            f"evidence better {num(f.get('evidence_better'), '.2f')}, worse {num(f.get('evidence_worse'), '.2f')} "
+            f"of {num(f.get('evidence_needed'), '.2f')} needed"]
+
+
 def _duration(s: float) -> str:
-    return f"{s / 3600:g} h" if s >= 3600 else f"{s:g} s"
+    return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
 
 
 def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_length_ratio: float,
@@ -166,7 +201,8 @@ def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_l
     def empty(xs: list[int]) -> float | None:
         return round(sum(x <= EMPTY_TOKENS for x in xs) / len(xs), 4) if xs else None
 
-    figures: dict[str, Any] = {"canary_answers": len(canary), "canary_empty_rate": empty(canary),
+    figures: dict[str, Any] = {"canary_answers": len(canary), "head_answers": len(head),
+                               "canary_empty_rate": empty(canary),
                                "head_empty_rate": empty(head), "canary_p50_tokens": _median([float(x) for x in canary]),
                                "head_p50_tokens": _median([float(x) for x in head])}
     if len(canary) < guard_answers or len(head) < guard_answers:
@@ -393,7 +429,8 @@ class Canaries:
         if row is None:
             return None
         d = await self._judge(row)
-        return {**row, "figures": d.figures, "decision": d.verdict, "reason": d.reason}
+        out = {**row, "figures": d.figures, "decision": d.verdict, "reason": d.reason}
+        return {**out, "lines": describe(out)}
 
     # --- judging -------------------------------------------------------------------------------------------
 

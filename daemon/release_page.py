@@ -51,6 +51,7 @@ class PageData:
     pending: list[dict[str, Any]] = field(default_factory=list)  # candidates held on this release
     rejected_on: int = 0  # candidates turned away with this release as their base
     generated_at: float = 0.0
+    canary: dict[str, Any] | None = None  # the scenario's running canary, when this release is one of its arms
 
 
 async def gather(reef: Any, release_id: str, scenario: str | None = None) -> PageData:
@@ -67,6 +68,10 @@ async def gather(reef: Any, release_id: str, scenario: str | None = None) -> Pag
                     adapter=adapter.to_dict() if adapter is not None else None, generated_at=time.time())
     data.pending = [p.to_dict() for p in await chains.pending(rel.scenario) if p.parent == rel.release_id]
     data.rejected_on = sum(r.base == rel.release_id for r in await chains.rejections(rel.scenario, MAX_CHAIN))
+    canaries = getattr(reef, "canaries", None)
+    live = await canaries.status(rel.scenario) if canaries is not None else None
+    if live is not None and rel.release_id in (live["release_id"], live["base_id"]):
+        data.canary = live
     for receipt in rel.receipts[:MAX_RECEIPTS]:
         try:
             data.inputs.append(await store.get_record(receipt, full=False))
@@ -133,12 +138,21 @@ def render(data: PageData) -> str:
         _section("What changed", "changed", _changed(data)),
         _section("The gate", "gate", _gate(data)),
         _section("Its place on the chain", "chain", _chain(data)),
+        _section("Its live canary", "canary", _canary(data)) if data.canary else "",
     ))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
             "<meta name=\"referrer\" content=\"no-referrer\">"
             f"<title>{e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
             f"<footer>Reef release page, made {e(_when(data.generated_at))}</footer>\n</body></html>\n")
+
+
+def _canary(data: PageData) -> str:
+    """The running canary this release is an arm of, in the daemon's words (``daemon/canary.describe``)."""
+    c = data.canary or {}
+    side = "the candidate" if c.get("release_id") == data.release["release_id"] else "the head it is compared with"
+    return (f"<p>This release is {e(side)} of a running canary; figures as of this page.</p>\n<pre>"
+            + e("\n".join(c.get("lines") or [])) + "</pre>")
 
 
 def _section(heading: str, ident: str, inner: str) -> str:

@@ -15,7 +15,16 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             f"listen   {info['listen']['tcp']} and {info['listen']['unix']}",
             f"models   {models}; default {info['default_model']}",
             *_provider_line(info),
-            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios"]
+            f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios",
+            *_canary_lines(info)]
+
+
+def _canary_lines(info: dict[str, Any]) -> list[str]:
+    """Each running canary (``daemon/canary.describe``), under its scenario's name."""
+    out = []
+    for c in info.get("canaries") or []:
+        out += [f"canary   {c['scenario']}: {c['lines'][0]}", *(f"         {line}" for line in c["lines"][1:])]
+    return out
 
 
 def _provider_line(info: dict[str, Any]) -> list[str]:
