@@ -153,10 +153,11 @@ def test_a_scenario_with_no_traffic_promotes_its_canary_at_the_time_bound(daemon
 
 def test_the_detectable_difference_is_the_one_decided_in_that_many_pairs() -> None:
     """``betting.detectable(n)`` is the difference the bettors decide in a median of about ``n`` pairs: checked by
-    simulation (pass/fail scores around 0.5, 200 seeded canaries each) at 40, 100 and 300 pairs, within the stake's
-    learning overhead (the median lies from n to 1.35 n); fewer pairs than any difference needs give None. Bugs
-    caught: the stake's cap left out of the growth (0.3 then looks decidable in 33 pairs, not 42), the bisection's
-    halves swapped, the threshold at 1 / alpha."""
+    simulation (pass/fail scores around 0.5 at 40, 100 and 300 pairs, continuous ones at 30; 200 seeded canaries
+    each), within the stake's
+    learning overhead (the median lies from 0.85 n to 1.4 n); fewer pairs than any difference needs give None. Bugs
+    caught: the stake's cap left out of the growth (continuous scores: 0.19 then looks decidable in 30 pairs, where
+    it takes about 50), the bisection's halves swapped."""
     import random
     import statistics
 
@@ -165,18 +166,22 @@ def test_the_detectable_difference_is_the_one_decided_in_that_many_pairs() -> No
     assert detectable(5, 0.5, 0.05) is None and detectable(0, 0.5, 0.05) is None
     assert 0.19 < detectable(105, 0.5, 0.05) < 0.2 and 0.29 < detectable(48, 0.5, 0.05) < 0.31  # bench/canary.py
     rng = random.Random(7)
-    for n in (40, 100, 300):
-        diff = detectable(n, 0.5, 0.05)
-        assert diff is not None and abs(pairs_needed(diff, 0.5, 0.05) - n) < 0.5
+
+    def draw(mean: float, sd: float | None) -> float:  # pass/fail, or continuous (sd) clipped to [0, 1]
+        return float(rng.random() < mean) if sd is None else min(1.0, max(0.0, rng.gauss(mean, sd)))
+
+    # pass/fail (variance of a difference 0.5), and continuous scores of sd 0.25, where the stake's cap binds
+    for n, var, sd in ((40, 0.5, None), (100, 0.5, None), (300, 0.5, None), (30, 0.12, 0.25)):
+        diff = detectable(n, var, 0.05)
+        assert diff is not None and abs(pairs_needed(diff, var, 0.05) - n) < 0.5
         taken = []
         for _ in range(200):
             b, k = Bettors(0.05), 0
             while b.evidence().verdict is None and k < 20 * n:
-                h, c = float(rng.random() < 0.5 - diff / 2), float(rng.random() < 0.5 + diff / 2)
-                b.add(c - h)
+                b.add(draw(0.5 + diff / 2, sd) - draw(0.5 - diff / 2, sd))
                 k += 1
             taken.append(k)
-        assert n <= statistics.median(taken) <= 1.35 * n, (n, diff, statistics.median(taken))
+        assert 0.85 * n <= statistics.median(taken) <= 1.4 * n, (n, diff, statistics.median(taken))
 
 
 def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its_pages(daemon: Daemon) -> None:
