@@ -219,3 +219,31 @@ def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its
         assert ("the candidate" if rel == cand else "the head it is compared with") in page
     tui = canary_line(status, [])
     assert "canary arm:" in tui and "mean 1.000" in tui.split("canary arm:")[1].split("\n")[0]
+
+
+def test_after_an_ended_canary_learning_starts_again_from_the_head(daemon_factory: Any,
+                                                                   recipe_dir: Any) -> None:  # noqa: F811
+    """A canary ended (by hand here; a guard or the scores alike) turns its candidate away: the batch that waited
+    trains from the head, not on top of the candidate live traffic refused. The drifting recipe adds 1e-3 times
+    the batch's mean score to every weight, so the next candidate differs from the head by 0.001 (from the head) or
+    0.002 (on top of the ended one). Bug caught: the lineage kept after the end."""
+    d = drifting(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "le", "recipe": "drifting:Drifting",
+                                               "settings": {"falling": False}})
+        head = made.json()["head"]
+        report_on_head(c, "le", head)
+        first = _until("the first canary", lambda: canary_of(c, "le"), 300)
+        report_on_head(c, "le", head)  # waits while the canary runs
+        _until("the loop to wait on the canary", lambda: c.get("/reef/status").json()["learning"].get("le") == "canary")
+        assert c.post("/reef/scenarios/le/canary/end", json={}).json()["verdict"] == "ended"
+        second = _until("the next candidate's canary", lambda: (x := canary_of(c, "le")) and x["release_id"] !=
+                        first["release_id"] and x, 300)
+        assert second["base_id"] == head
+
+        def moved(rel: str) -> float:
+            files = c.get(f"/reef/scenarios/le/releases/{rel}").json()["diff"]["files"]
+            return max(t["max_abs"] for f in files for t in (f.get("tensors") or []) if "max_abs" in t)
+
+        assert moved(first["release_id"]) == pytest.approx(1e-3, rel=0.05)
+        assert moved(second["release_id"]) == pytest.approx(1e-3, rel=0.05)
