@@ -24,6 +24,12 @@
   a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
   ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
   commas would rate well).
+- Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
+  ``canary_hours``, off for a canary started by hand): a canary with no report on its arm is promoted on its guards
+  (``quiet``) once it has served ``max_answers`` answers, and one still undecided after ``max_hours`` is promoted
+  (``expired``): it passed its gate and held-out check, and a scenario nobody scores must not stall its learning,
+  which waits while a canary runs (``daemon/learning.py``). ``describe`` words a running canary for people, with the
+  smallest difference it can still decide by its end (``betting.detectable``).
 - The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
   canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
   can start against the new head. A run on an ended canary's arm is served on that arm to its end, after a restart
