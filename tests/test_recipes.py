@@ -36,6 +36,7 @@ from recipes.base import Candidate, GateSettings, Recipe
 class Settings(GateSettings):
     lr: float = 0.05
     batch_size: int = 4  # scored exchanges per step
+    canary_share: float | None = 0.0  # straight to the head: these tests are about recipes, not the canary
 
 
 class RewardWeighted(Recipe):
