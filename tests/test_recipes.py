@@ -36,7 +36,6 @@ from recipes.base import Candidate, GateSettings, Recipe
 class Settings(GateSettings):
     lr: float = 0.05
     batch_size: int = 4  # scored exchanges per step
-    canary_share: float | None = 0.0  # straight to the head: these tests are about recipes, not the canary
 
 
 class RewardWeighted(Recipe):
@@ -200,7 +199,8 @@ def with_recipe_paths(daemon_factory: Any, recipe_dir: Path, extra: str = "", st
 def test_an_external_weights_recipe_trains_and_its_release_serves_the_next_request(daemon_factory, recipe_dir):
     d = with_recipe_paths(daemon_factory, recipe_dir)
     with d.http() as c:
-        r = c.post("/reef/scenarios", json={"name": "rw", "recipe": "rwl:RewardWeighted", "settings": {"lr": 0.1}})
+        r = c.post("/reef/scenarios", json={"name": "rw", "recipe": "rwl:RewardWeighted",  # straight to the head:
+                                            "settings": {"lr": 0.1, "canary_share": 0}})  # no canary here
         assert r.status_code == 201, r.text
         init = r.json()["head"]
         receipts = serve_and_report(c, "rw", 4, score=lambda i: 1.0)
