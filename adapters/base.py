@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import AgentError, BadRequest
+from daemon.layout import check_tree_path
 
 HARNESS_MARKER = ".reef-harness.json"
 PROPOSALS_HEADING = "## Changing these rules"  # in the config home: which release is installed, which files it wrote
@@ -55,6 +56,15 @@ class Adapter:
     # the size of the agent's first request in SmolLM2 tokens (its system prompt and tool schemas), measured with the
     # pinned version; None: not measured. The wrapper and ``reef doctor`` hold it against a model's context.
     first_request_tokens: int | None = None
+    # of which its tool schemas: what a model whose chat template drops tools (SmolLM2's) never sees
+    first_request_tool_tokens: int = 0
+
+    def first_request_seen(self, renders_tools: bool | None) -> int | None:
+        """About how many tokens the agent's first request is to a model, as its chat template renders it: without
+        the tool schemas where the template drops them (``renders_tools`` False), else all of it."""
+        if self.first_request_tokens is None:
+            return None
+        return self.first_request_tokens - (self.first_request_tool_tokens if renders_tools is False else 0)
 
     @property
     def command(self) -> str:
@@ -158,8 +168,6 @@ class Adapter:
     def render(self, tree: Mapping[str, bytes], *, proposals: bool = False) -> dict[str, bytes]:
         """A neutral harness tree as files under the config home, in the agent's layout; ``proposals``: the rules
         end with ``proposal_rule`` (a scenario that takes proposals, for a wrapped run; not in an episode)."""
-        from recipes.lessons import check_tree_path
-
         out: dict[str, bytes] = {}
         for path, data in sorted(tree.items()):
             check_tree_path(path)

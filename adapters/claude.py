@@ -19,7 +19,9 @@ class Claude(Adapter):
     name = "claude"
     package = "@anthropic-ai/claude-code"
     version = "2.1.197"
-    first_request_tokens = 21600  # its system prompt and tool schemas as JSON (DESIGN.md's measured facts)
+    # its first request ("say hi", a fresh config home) in SmolLM2 tokens as JSON: 21,319 measured with 2.1.197 ...
+    first_request_tokens = 21300
+    first_request_tool_tokens = 17750  # ... 17,753 of them its 24 tool schemas (SmolLM2's template renders 3,041)
     binary = "claude"
     wire = "anthropic"
     layout = {"AGENTS.md": ".claude/CLAUDE.md", "skills/": ".claude/skills/", "commands/": ".claude/commands/"}

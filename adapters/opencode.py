@@ -5,6 +5,10 @@ Config home: the XDG directories and ``HOME`` all point into ``<home>``; the glo
 written) and makes it the default and small model. opencode starts a background ``npm install
 @opencode-ai/plugin`` in each config directory on every run; a ``node_modules/`` and a ``package-lock.json``
 that already list the plugin stop it, so nothing leaves the machine.
+
+One prompt: ``reef-opencode -p "fix the bug"`` runs ``opencode run fix the bug`` (opencode has no ``-p`` of its own
+at the top; its one-shot form is ``run MESSAGE..``). The prompt goes as words: opencode puts quotes around a
+message argument that holds a space, and the model would see them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 from pathlib import Path
 
 from adapters.base import Adapter, Target, write_json
+from daemon.errors import BadRequest
 
 
 class Opencode(Adapter):
@@ -66,6 +71,14 @@ class Opencode(Adapter):
             "share": "disabled",
         })
         self._pin_plugin(cfg)
+
+    def argv(self, binary: Path, args: list[str], target: Target) -> list[str]:
+        if args[:1] in (["-p"], ["--print"]):
+            if len(args) < 2 or not args[1].split():
+                raise BadRequest(f'{args[0]} needs a prompt: `reef-opencode -p "fix the bug"` (it runs `opencode run '
+                                 'fix the bug`)', param="-p")
+            args = ["run", *args[1].split(), *args[2:]]
+        return [str(binary), *args]
 
     def _pin_plugin(self, cfg: Path) -> None:
         (cfg / "node_modules" / "@opencode-ai" / "plugin").mkdir(parents=True, exist_ok=True)

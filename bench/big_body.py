@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -88,28 +86,16 @@ def main() -> None:
     ap.add_argument("--route", default="/v1/chat/completions")
     ap.add_argument("--profile", help="run the daemon under cProfile, writing here")
     args = ap.parse_args()
-    from bench.proxy_overhead import daemon_command
+    from bench.reef_proc import free_port, start
     from daemon.models import init_tiny
 
     models = Path(tempfile.gettempdir()) / "reef-bench-models"
     tiny = init_tiny(models / "tiny", seed=0)
-    home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
-    (home / "logs").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    home, port = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp")), free_port()
     (home / "config.toml").write_text(
         f'port = {port}\nmax_body_bytes = {256 * 1024 * 1024}\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny}"\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
-    env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(daemon_command(args.profile), env=env, cwd=home)
+    proc = start(home, port, profile=args.profile)
     try:
-        while True:
-            try:
-                healthz(port)
-                break
-            except OSError:
-                time.sleep(0.1)
         token = (home / "token").read_text().strip()
         warm = body_of(0.001, "one")
         for _ in range(2):  # the engine's first load is not what is measured

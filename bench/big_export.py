@@ -12,10 +12,7 @@ Run: ``.venv/bin/python bench/big_export.py [--mb 300] [--record-kb 1024]``
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,26 +39,14 @@ def main() -> None:
     args = ap.parse_args()
     import httpx
 
-    from bench.proxy_overhead import daemon_command
+    from bench.reef_proc import free_port, start
     from daemon.models import init_tiny
 
     tiny = init_tiny(Path(tempfile.gettempdir()) / "reef-bench-models" / "tiny", seed=0)
-    home = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp"))
-    (home / "logs").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    home, port = Path(tempfile.mkdtemp(prefix="reef-bench-", dir="/tmp")), free_port()
     (home / "config.toml").write_text(f'port = {port}\n\n[models.tiny]\nengine = "transformers"\npath = "{tiny}"\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
-    env.update(REEF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(daemon_command(), env=env, cwd=home)
+    proc = start(home, port)
     try:
-        while True:
-            try:
-                healthz(port)
-                break
-            except OSError:
-                time.sleep(0.1)
         token = (home / "token").read_text().strip()
         warm = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600,  # the load is not measured
                           headers={"Authorization": f"Bearer {token}"},

@@ -36,6 +36,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import start  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPTS = [f"Tell me about {w}." for w in ("caches", "files", "tests", "locks", "queues", "graphs", "builds",
@@ -46,19 +49,6 @@ def reward(text: str) -> float:
     letters = [c for c in text.lower() if c.isalpha()]
     return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
 
-
-def start(home: Path, port: int, deadline: float) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            raise SystemExit(f"the daemon exited ({proc.returncode}); see {home}/logs/daemon.log")
-    raise SystemExit("the daemon did not start in time")
 
 
 def throughput(url: str, token: str, concurrency: int, seconds: float, max_tokens: int) -> float:
@@ -179,7 +169,7 @@ def main() -> None:
             f'[recipes.online-rl]\nlora = true\nbatch_prompts = {batch_prompts}\ngroup_size = {group_size}\n'
             f'gate = "always"\nlr = 0.001\nmax_staleness = 4\n'
         )
-        proc = start(home, port, deadline)
+        proc = start(home, port, timeout_s=max(1.0, deadline - time.monotonic()))
         url, token = f"http://127.0.0.1:{port}", (home / "token").read_text().strip()
         with httpx.Client(base_url=url, headers={"x-api-key": token}, timeout=300) as c:
             c.post("/s/speed/v1/chat/completions", json={"model": "m", "max_tokens": 1,

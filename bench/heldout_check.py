@@ -70,7 +70,7 @@ def main() -> None:
     (home / "models" / "smollm2").symlink_to(model)
     port = lr.free_port()
     (home / "config.toml").write_text(f"port = {port}\n")
-    proc, _ = lr.start(home, port)
+    proc = lr.start(home, port)
     token = (home / "token").read_text().strip()
     rng = random.Random(args.seed)
     questions = [(t.format(x=n), n) for t in lr.TEMPLATES for n in lr.NOUNS]

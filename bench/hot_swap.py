@@ -14,22 +14,27 @@ Run: ``.venv/bin/python bench/hot_swap.py [--only tiny|100m] [--seconds N]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import free_port, start  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BODY = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
@@ -55,98 +60,104 @@ def variant(model: Path, dest: Path, seed: int) -> Path:
     return dest
 
 
-def start(home: Path, port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("daemon did not start")
 
+def serve(home: Path, model: Path) -> tuple[subprocess.Popen[bytes], str, str, Any]:
+    """A daemon serving ``model`` as ``m`` under ``home``: (its process, base URL, token, its release store)."""
+    from daemon.releases import ReleaseStore
 
-def run_size(label: str, model: Path, work: Path, seconds: float) -> None:
-    from daemon.releases import ReleaseStore, files_from_dir
-
-    home = work / f"home-{label}"
-    (home / "logs").mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
+    home.mkdir(parents=True)
     (home / "config.toml").write_text(
         f'port = {port}\ndefault_model = "m"\n[models.m]\nengine = "transformers"\npath = "{model}"\n'
         "memory_budget_mb = 8192\n"
     )
-    variants = [variant(model, work / f"{label}-v{i}", i) for i in range(3)]
     proc = start(home, port)
-    token = (home / "token").read_text().strip()
-    store = ReleaseStore(home / "artifacts.git")
+    return proc, f"http://127.0.0.1:{port}", (home / "token").read_text().strip(), ReleaseStore(home / "artifacts.git")
+
+
+def first_answers(c: httpx.Client, store: Any, dirs: list[Path]) -> tuple[list[float], list[float]]:
+    """Publish each of ``dirs`` in turn, as a trainer would, and ask until an answer names it: the publish times and
+    the times from the head's move to that first answer (s)."""
+    from daemon.releases import files_from_dir
+
+    publish_s, first_answer_s = [], []
+    for d in dirs:
+        t0 = time.perf_counter()
+        rel = store.publish("swap", files_from_dir(d), expected_head=store.head("swap"), operation="train",
+                            kind="weights", recipe="record")
+        t1 = time.perf_counter()
+        while c.post("/s/swap/v1/chat/completions", json=BODY).headers["x-reef-release-id"] != rel.release_id:
+            pass
+        first_answer_s.append(time.perf_counter() - t1)
+        publish_s.append(t1 - t0)
+    return publish_s, first_answer_s
+
+
+def load(url: str, token: str, store: Any, duration: float, swap: Callable[[int], Path] | None = None) -> list[float]:
+    """Latencies (ms) of two clients asking for ``duration`` seconds; with ``swap``, every second in turn a rollback
+    to an earlier release of the chain and a publish of the directory ``swap(i)``."""
+    from daemon.errors import Unchanged
+    from daemon.releases import files_from_dir
+
+    lat: list[float] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, headers={"x-api-key": token}, timeout=120) as cc:
+            while not stop.is_set():
+                t = time.perf_counter()
+                cc.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()
+                lat.append((time.perf_counter() - t) * 1e3)
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for th in threads:
+        th.start()
+    end, i = time.monotonic() + duration, 0
+    with httpx.Client(base_url=url, headers={"x-api-key": token}, timeout=120) as c:
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            if swap is not None:
+                history = store.history("swap")
+                head = history[0].release_id
+                if i % 2 == 0:  # back to an earlier release (for adapters: an earlier one, or the base)
+                    target = history[1 + i % (len(history) - 1)].release_id
+                    c.post("/reef/scenarios/swap/rollback", json={"release_id": target, "expected_head": head})
+                else:  # (a variant the rollback just went back to is no new release: that second swaps nothing)
+                    with contextlib.suppress(Unchanged):
+                        store.publish("swap", files_from_dir(swap(i)), expected_head=head, operation="train",
+                                      kind="weights", recipe="record")
+            i += 1
+    stop.set()
+    for th in threads:
+        th.join()
+    return lat
+
+
+def report(label: str, what: str, still: list[float], swapped: list[float]) -> None:
+    print(f"{label}latency without swaps: p50 {statistics.median(still):.1f} ms, p99 {pct(still, 0.99):.1f} ms "
+          f"({len(still)} requests)")
+    print(f"{label}latency with {what} every second: p50 {statistics.median(swapped):.1f} ms, "
+          f"p99 {pct(swapped, 0.99):.1f} ms ({len(swapped)} requests); "
+          f"p99 ratio {pct(swapped, 0.99) / pct(still, 0.99):.2f}x (goal <= 1.5x)")
+
+
+def run_size(label: str, model: Path, work: Path, seconds: float) -> None:
+    variants = [variant(model, work / f"{label}-v{i}", i) for i in range(3)]
+    proc, url, token, store = serve(work / f"home-{label}", model)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=120) as c:
+        with httpx.Client(base_url=url, headers={"x-api-key": token}, timeout=120) as c:
             c.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()
-            publish_s, first_answer_s = [], []
-            for v in variants:
-                t0 = time.perf_counter()
-                rel = store.publish("swap", files_from_dir(v), expected_head=store.head("swap"), operation="train",
-                                    kind="weights", recipe="record")
-                t1 = time.perf_counter()
-                while True:
-                    resp = c.post("/s/swap/v1/chat/completions", json=BODY)
-                    if resp.headers["x-reef-release-id"] == rel.release_id:
-                        break
-                first_answer_s.append(time.perf_counter() - t1)
-                publish_s.append(t1 - t0)
-            print(f"[{label}] publish (git + LFS write): median {statistics.median(publish_s):.3f} s; "
-                  f"head moved -> first answer from the new release: median {statistics.median(first_answer_s):.3f} s,"
-                  f" max {max(first_answer_s):.3f} s")
-
-            def load(duration: float, swapping: bool) -> list[float]:
-                lat: list[float] = []
-                stop = threading.Event()
-
-                def client() -> None:
-                    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token},
-                                      timeout=120) as cc:
-                        while not stop.is_set():
-                            t = time.perf_counter()
-                            cc.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()
-                            lat.append((time.perf_counter() - t) * 1e3)
-
-                threads = [threading.Thread(target=client) for _ in range(2)]
-                for t in threads:
-                    t.start()
-                end = time.monotonic() + duration
-                i = 0
-                while time.monotonic() < end:
-                    time.sleep(1.0)
-                    if swapping:
-                        history = store.history("swap")
-                        head = history[0].release_id
-                        if i % 2 == 0:
-                            target = history[1 + i % (len(history) - 1)].release_id
-                            c.post("/reef/scenarios/swap/rollback", json={"release_id": target, "expected_head": head})
-                        else:
-                            store.publish("swap", files_from_dir(variants[i % 3]), expected_head=head,
-                                          operation="train", kind="weights", recipe="record")
-                    i += 1
-                stop.set()
-                for t in threads:
-                    t.join()
-                return lat
-
-            still = load(seconds, swapping=False)
-            swapped = load(seconds, swapping=True)
-            print(f"[{label}] latency without swaps: p50 {statistics.median(still):.1f} ms, "
-                  f"p99 {pct(still, 0.99):.1f} ms ({len(still)} requests)")
-            print(f"[{label}] latency with a swap every second: p50 {statistics.median(swapped):.1f} ms, "
-                  f"p99 {pct(swapped, 0.99):.1f} ms ({len(swapped)} requests); "
-                  f"p99 ratio {pct(swapped, 0.99) / pct(still, 0.99):.2f}x (goal <= 1.5x)")
+            publish_s, first_answer_s = first_answers(c, store, variants)
+        print(f"[{label}] publish (git + LFS write): median {statistics.median(publish_s):.3f} s; "
+              f"head moved -> first answer from the new release: median {statistics.median(first_answer_s):.3f} s,"
+              f" max {max(first_answer_s):.3f} s")
+        still = load(url, token, store, seconds)
+        swapped = load(url, token, store, seconds, swap=lambda i: variants[i % 3])
+        report(f"[{label}] ", "a swap", still, swapped)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+
 
 
 def main() -> None:

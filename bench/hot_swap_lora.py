@@ -20,129 +20,50 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.hot_swap import BODY, first_answers, load, report, serve  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-BODY = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def start(home: Path, port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("daemon did not start")
 
 
 def run(model: Path, work: Path, seconds: float, swaps: int) -> None:
     from bench.lora_models import adapter_variant, random_adapter
     from daemon.lora import AdapterManifest
-    from daemon.releases import ReleaseStore, files_from_dir
 
-    home = work / "home"
-    (home / "logs").mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (home / "config.toml").write_text(
-        f'port = {port}\ndefault_model = "m"\n[models.m]\nengine = "transformers"\npath = "{model}"\n'
-        "memory_budget_mb = 8192\n"
-    )
-    proc = start(home, port)
-    token = (home / "token").read_text().strip()
-    store = ReleaseStore(home / "artifacts.git")
+    proc, url, token, store = serve(work / "home", model)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=120) as c:
+        with httpx.Client(base_url=url, headers={"x-api-key": token}, timeout=120) as c:
             c.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()  # the init release: the base
             init = store.get(store.head("swap"))
             first = random_adapter(model, work / "adapter-0", AdapterManifest(init.content_id, init.release_id))
             adapters = [first] + [adapter_variant(first, work / f"adapter-{i}", i) for i in range(1, swaps + 4)]
             size = sum(f.stat().st_size for f in first.iterdir()) / 2**20
             print(f"adapter: {size:.1f} MiB (rank 8, attention + MLP projections)")
-            publish_s, first_answer_s = [], []
-            for adapter in adapters[:3]:
-                t0 = time.perf_counter()
-                rel = store.publish("swap", files_from_dir(adapter), expected_head=store.head("swap"),
-                                    operation="train", kind="weights", recipe="record")
-                t1 = time.perf_counter()
-                while c.post("/s/swap/v1/chat/completions", json=BODY).headers["x-reef-release-id"] != rel.release_id:
-                    pass
-                first_answer_s.append(time.perf_counter() - t1)
-                publish_s.append(t1 - t0)
-            print(f"publish (git + LFS write of the adapter): median {statistics.median(publish_s):.3f} s; "
-                  f"head moved -> first answer from the new release: median {statistics.median(first_answer_s):.3f} s,"
-                  f" max {max(first_answer_s):.3f} s")
-            fresh = iter(adapters[3:])
-
-            def load(duration: float, swapping: bool) -> list[float]:
-                lat: list[float] = []
-                stop = threading.Event()
-
-                def client() -> None:
-                    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token},
-                                      timeout=120) as cc:
-                        while not stop.is_set():
-                            t = time.perf_counter()
-                            cc.post("/s/swap/v1/chat/completions", json=BODY).raise_for_status()
-                            lat.append((time.perf_counter() - t) * 1e3)
-
-                threads = [threading.Thread(target=client) for _ in range(2)]
-                for t in threads:
-                    t.start()
-                end = time.monotonic() + duration
-                i = 0
-                while time.monotonic() < end:
-                    time.sleep(1.0)
-                    if swapping:
-                        history = store.history("swap")
-                        head = history[0].release_id
-                        if i % 2 == 0:  # back to an earlier adapter, or to the base (release 0)
-                            target = history[1 + i % (len(history) - 1)].release_id
-                            c.post("/reef/scenarios/swap/rollback", json={"release_id": target, "expected_head": head})
-                        else:  # a new adapter, never loaded before
-                            store.publish("swap", files_from_dir(next(fresh)), expected_head=head,
-                                          operation="train", kind="weights", recipe="record")
-                    i += 1
-                stop.set()
-                for t in threads:
-                    t.join()
-                return lat
-
-            still = load(seconds, swapping=False)
-            swapped = load(seconds, swapping=True)
-            print(f"latency without swaps: p50 {statistics.median(still):.1f} ms, p99 {pct(still, 0.99):.1f} ms "
-                  f"({len(still)} requests)")
-            print(f"latency with an adapter swap every second: p50 {statistics.median(swapped):.1f} ms, "
-                  f"p99 {pct(swapped, 0.99):.1f} ms ({len(swapped)} requests); "
-                  f"p99 ratio {pct(swapped, 0.99) / pct(still, 0.99):.2f}x (goal <= 1.5x)")
-            lfs = sum(f.stat().st_size for f in (home / "artifacts.git" / "lfs" / "objects").rglob("*") if f.is_file())
-            print(f"chain: {len(store.history('swap'))} releases, LFS store {lfs / 2**20:.0f} MiB "
-                  f"(the base once, then adapters)")
+            publish_s, first_answer_s = first_answers(c, store, adapters[:3])
+        print(f"publish (git + LFS write of the adapter): median {statistics.median(publish_s):.3f} s; "
+              f"head moved -> first answer from the new release: median {statistics.median(first_answer_s):.3f} s,"
+              f" max {max(first_answer_s):.3f} s")
+        fresh = iter(adapters[3:])  # each swap that publishes: a new adapter, never loaded before
+        still = load(url, token, store, seconds)
+        swapped = load(url, token, store, seconds, swap=lambda i: next(fresh))
+        report("", "an adapter swap", still, swapped)
+        lfs = sum(f.stat().st_size for f in (work / "home" / "artifacts.git" / "lfs" / "objects").rglob("*")
+                  if f.is_file())
+        print(f"chain: {len(store.history('swap'))} releases, LFS store {lfs / 2**20:.0f} MiB "
+              f"(the base once, then adapters)")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+
 
 
 def main() -> None:

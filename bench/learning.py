@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import cli_home  # noqa: E402
+
 BODY = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -98,13 +99,7 @@ def main() -> None:
     ap.add_argument("--sao-minutes", type=float, default=90.0, help="time limit of the sao demo")
     ap.add_argument("--skip-sao", action="store_true", help="leave out the sao comparison")
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="reef-bench-learn-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (home / "config.toml").write_text(f"port = {port}\n")
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    reef = [sys.executable, "-m", "reef_cli.main"]
+    home, port, env, reef = cli_home("reef-bench-learn-")
     try:
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()

@@ -71,6 +71,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import start  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from recipes.tasks import YesNoFirst  # noqa: E402  (the noun list: everyday things)
@@ -160,20 +163,6 @@ def make_model(work: Path) -> Path:
     return home / "models" / "smollm2"
 
 
-def start(home: Path, port: int) -> tuple[subprocess.Popen[bytes], float]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    t = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    while time.monotonic() - t < 300:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc, time.monotonic() - t
-        except httpx.HTTPError:
-            time.sleep(0.05)
-        if proc.poll() is not None:
-            raise SystemExit(f"the daemon exited with {proc.returncode}: see {home}/logs")
-    raise SystemExit("the daemon did not start in 300 s")
-
 
 def ask(c: httpx.Client, prompt: str | list[dict[str, str]], max_tokens: int, session: str | None = None,
         **extra: Any) -> tuple[str, str, str]:
@@ -239,7 +228,9 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     (home / "models" / "smollm2").symlink_to(model)
     port = free_port()
     (home / "config.toml").write_text(f"port = {port}\n")  # everything else: the defaults
-    proc, start_s = start(home, port)
+    t0 = time.monotonic()
+    proc = start(home, port)
+    start_s = time.monotonic() - t0
     token = (home / "token").read_text().strip()
     rng = random.Random(seed)
     questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]

@@ -14,13 +14,10 @@ Run: ``.venv/bin/python bench/openclaw_rl.py [--minutes 6] [--seed 0]``
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +26,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import cli_home  # noqa: E402
 
 SETTINGS = {"batch_prompts": 32, "lr": 2e-3, "gate": "regression", "margin": 0.05, "eval_family": "say",
             "eval_n": 128}
@@ -64,13 +63,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window", type=int, default=200)
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="reef-bench-openclaw-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (home / "config.toml").write_text(f"port = {port}\n")
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    reef = [sys.executable, "-m", "reef_cli.main"]
+    home, port, env, reef = cli_home("reef-bench-openclaw-")
     family = get_family("say")
     log: list[bool] = []
     stop = threading.Event()

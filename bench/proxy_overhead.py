@@ -44,6 +44,9 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import daemon_command  # noqa: E402
 
 REQUEST = {
     "model": "bench",
@@ -386,17 +389,6 @@ def start_reef(home: Path, port: int, up_port: int, profile: str | None = None) 
     env.update(REEF_HOME=str(home), REEF_MODEL="up", PYTHONPATH=str(ROOT))
     with open(home / "logs" / "daemon.log", "ab") as log:  # the child keeps its own copy
         return subprocess.Popen(daemon_command(profile), env=env, stdout=log, stderr=log, cwd=home)
-
-
-def daemon_command(profile: str | None = None) -> list[str]:
-    """``python -m daemon --log-file``, or under cProfile writing its stats to ``profile``. Not ``-m cProfile``: the
-    daemon leaves with os._exit after its atexit handlers (``daemon/__main__.exit_now``), so one of those writes."""
-    if not profile:
-        return [sys.executable, "-m", "daemon", "--log-file"]
-    script = ("import atexit, cProfile, runpy, sys; p = cProfile.Profile(); "
-              f"atexit.register(lambda: (p.disable(), p.dump_stats({str(Path(profile).resolve())!r}))); "
-              "sys.argv = ['daemon', '--log-file']; p.enable(); runpy.run_module('daemon', run_name='__main__')")
-    return [sys.executable, "-c", script]
 
 
 def reef_token(home: Path, proc: subprocess.Popen[bytes]) -> str:

@@ -23,7 +23,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,22 +33,13 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import start  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ONLINE = {"batch_prompts": 2, "group_size": 2, "steps_per_batch": 1, "gate": "always"}  # 4 answers a step
 
-
-def start(home: Path, port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("daemon did not start")
 
 
 def consumed(c: httpx.Client, scenario: str) -> tuple[set[str], dict[str, Any]]:

@@ -18,16 +18,16 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import start  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -135,18 +135,6 @@ def raw_latency(port: int, token: str, n: int, max_tokens: int) -> list[dict[str
     return rows
 
 
-def start_daemon(home: Path, port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--log-file"], env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("daemon did not start")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,7 +153,7 @@ def main() -> None:
         (home / "config.toml").write_text(f"port = {port}\n")
         print(f"tiny model, {args.requests} requests of up to {args.max_tokens} tokens, torch threads 1")
         base = {c: asyncio.run(engine_baseline(model, args.requests, c, args.max_tokens)) for c in (1, 8)}
-        proc = start_daemon(home, port)
+        proc = start(home, port)
         token = (home / "token").read_text().strip()
         try:
             served = {c: asyncio.run(through_daemon(f"http://127.0.0.1:{port}", token, args.requests, c,

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FULL_LOGITS = '''
-import recipes.online_rl as online_rl
+import recipes.logprobs as logprobs
 from recipes.online_rl import OnlineRL
 
 
@@ -53,7 +53,7 @@ class FullLogits(OnlineRL):
     """online-rl with the output head over every position (the full-vocabulary logits), for the bench only."""
 
     def train(self, job, state):
-        online_rl._decoder_and_head = lambda model: None
+        logprobs._decoder_and_head = lambda model: None
         return super().train(job, state)
 '''
 

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +31,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reef_proc import cli_home  # noqa: E402
 
 
 def main() -> None:
@@ -66,13 +65,7 @@ def main() -> None:
         settings = {"problem": args.problem, **json.loads(args.settings)}
     group = int(settings.get("group_size", TTTSettings.group_size))
     max_tokens = int(settings.get("max_new_tokens", TTTSettings.max_new_tokens))
-    home = Path(tempfile.mkdtemp(prefix="reef-bench-ttt-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (home / "config.toml").write_text(f"port = {port}\n")
-    env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
-    reef = [sys.executable, "-m", "reef_cli.main"]
+    home, port, env, reef = cli_home("reef-bench-ttt-")
     try:
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()

@@ -6,11 +6,11 @@ _reef() {
         w="${COMP_WORDS[i]}"
         case "${COMP_WORDS[i-1]}" in -s|--scenario) scen="$w" ;; esac
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/eval|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
-        "") words='agents completions daemon demo doctor model records releases report scenarios serve status tui --version --help' ;;
+        "") words='agents completions daemon demo doctor eval model records releases report scenarios serve status tui --version --help' ;;
         /agents) words='doctor install list --help' ;;
         /agents/doctor) words='--json --help' ;;
         /agents/install) words='--force --json --help' ;;
@@ -25,6 +25,7 @@ _reef() {
         /daemon/stop) words='--timeout --help' ;;
         /demo) words='--seed --minutes --scenario --json --recipe --target --model --max-reports --help' ;;
         /doctor) words='--json --help' ;;
+        /eval) words='--scenario -s --last -n --transfer -t --known --json --help' ;;
         /model) words='init --help' ;;
         /model/init) words='--seed --force --help' ;;
         /records) words='export forget import list show --help' ;;
@@ -64,6 +65,8 @@ _reef() {
         /daemon/start:--provider) words='anthropic openai ollama llamacpp openai-compatible' ;;
         /daemon/start:--upstream-format) words='openai-chat openai-responses anthropic' ;;
         /demo:--scenario) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /eval:--scenario|/eval:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /eval:--transfer|/eval:-t) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/export:--scenario|/records/export:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/import:--scenario|/records/import:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/list:--scenario|/records/list:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;

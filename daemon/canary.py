@@ -49,17 +49,14 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from daemon import betting
 from daemon.errors import BadRequest, NotFound, ReefError
+from daemon.services import Daemon
 
 if TYPE_CHECKING:
-    from daemon.chains import Chains
-    from daemon.engines.base import Engine
-    from daemon.events import EventBus
-    from daemon.metrics import Metrics
-    from daemon.records.store import RecordStore, Scenario
+    from daemon.records.store import Scenario
     from daemon.releases import Release
 
 log = logging.getLogger("reef.canary")
@@ -283,25 +280,6 @@ def in_canary(release_id: str, key: str | None, share: float) -> bool:
         return random.random() < share
     digest = hashlib.blake2b(f"{release_id}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2 ** 64 < share
-
-
-class Daemon(Protocol):
-    """What canaries use of the daemon (``daemon.serving.Reef`` is one): its record store, release chains, events,
-    metrics and engines; named here so that this module does not depend on the serving object that uses it."""
-
-    @property
-    def store(self) -> RecordStore: ...
-
-    @property
-    def chains(self) -> Chains: ...
-
-    @property
-    def events(self) -> EventBus: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    async def engine(self, model: str) -> Engine: ...
 
 
 class Canaries:

@@ -32,7 +32,7 @@ Design choices:
   ancestor of the remote's is moved anyway, with a warning naming both. Local chains the remote lacks (made
   before the remote was configured) are pushed to it on the first follow, as an init would be.
 - What a remote is trusted with: to say which releases exist, not to write anywhere else. Before a ref moves to a
-  fetched commit, the store checks every commit it newly reaches (``ReleaseStore._incoming``): tree entry names
+  fetched commit, the store checks every commit it newly reaches (``releases.Remote._incoming``): tree entry names
   safe on disk, a ``content_id`` that is the commit's content tree (it names a checkout directory), LFS ids that
   are sha256 ids, and sizes under ``max_blob_bytes`` (a git object, read from its header before it is inflated)
   and ``max_lfs_bytes`` (an LFS object, from the manifest before the copy, and the copy stops at the declared

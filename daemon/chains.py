@@ -358,16 +358,8 @@ class Chains:
                 check_served(await self.harness_tree(target), release=target.release_id)
         fn = self._store.rollback if op == "rollback" else self._store.promote
         extra = {k: v for k, v in extra.items() if v is not None}
-        try:
-            rel = await asyncio.to_thread(functools.partial(fn, scenario.name, release_id,
-                                                            expected_head=expected_head, **extra))
-        except HeadMoved:
-            self.metrics.conflicts.inc()
-            raise
-        self._published(rel)
-        if engine is not None:
-            await self.preload(scenario, rel, engine)
-        return rel
+        return await self._append(scenario, engine, functools.partial(fn, scenario.name, release_id,
+                                                                      expected_head=expected_head, **extra))
 
     def manifest(self, scenario: Scenario, *, metrics: Mapping[str, Any] | None = None,
                  receipts: Iterable[str] = (), settings: Mapping[str, Any] | None = None,
@@ -386,8 +378,14 @@ class Chains:
         on the base; with ``engine``, loaded before the first request needs it."""
         if manifest.scenario != scenario.name:
             raise ValueError(f"a manifest of {manifest.scenario!r} published on {scenario.name!r}")
+        return await self._append(scenario, engine, functools.partial(self._store.publish, manifest, _files(path),
+                                                                      expected_head=expected_head))
+
+    async def _append(self, scenario: Scenario, engine: Engine | None, cas: Callable[[], Release]) -> Release:
+        """The one after-publish path: ``cas`` (a publish, rollback or promote) run off the loop, a lost race
+        counted, the new release announced, and with ``engine`` loaded before the first request needs it."""
         try:
-            rel = await asyncio.to_thread(self._store.publish, manifest, _files(path), expected_head=expected_head)
+            rel = await asyncio.to_thread(cas)
         except HeadMoved:
             self.metrics.conflicts.inc()
             raise

@@ -111,6 +111,9 @@ class Config:
     # outcome reports of wrapped runs, by scenario ([outcomes.pi] exit = true, check = "pytest -q")
     outcomes: Mapping[str, OutcomeSettings] = field(default_factory=dict)
     trainer_threads: int = 1  # torch CPU threads of the trainer worker (one core stays for serving)
+    # the scores a report may carry (both ends included): score_range for every scenario, [score_ranges] per one
+    score_range: tuple[float, float] = (0.0, 1.0)
+    score_ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # wrappers: install a newer harness release before a run ("install") or only say it exists ("notify")
     harness_updates: str = "install"
     agents_dir: Path | None = None  # where coding agents are installed (default $REEF_HOME/agents)
@@ -245,6 +248,7 @@ ENGINE_KEYS: Mapping[str, tuple[str, ...]] = {
     "format": ("upstream",),
     "upstream_model": ("upstream",),
     "api_key_env": ("upstream",),
+    "join_text_parts": ("upstream",),
     "timeout_s": ("upstream", *_SERVERS),
     "connect_timeout_s": ("upstream", *_SERVERS),
     **{key: _SERVERS for key in ("server", "server_port", "server_args", "server_log", "startup_timeout_s",
@@ -303,6 +307,17 @@ class OutcomeSettings:
     @property
     def any(self) -> bool:
         return self.exit or self.kept or self.check is not None
+
+
+def _score_range(value: Any, where: str) -> tuple[float, float]:
+    """A ``[low, high]`` of finite numbers, low below high."""
+    import math
+
+    if not (isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+            and value[0] < value[1]):
+        raise BadRequest(f"config: {where} must be [low, high], two finite numbers with low < high, got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def parse_outcomes(raw: Any, where: str) -> OutcomeSettings:
@@ -472,6 +487,11 @@ def load_config(
         raise BadRequest("config: [outcomes.<scenario>] entries must be tables")
     outcomes = {name: parse_outcomes(table, f"outcomes.{name}") for name, table in outcomes_raw.items()}
     telemetry = parse_telemetry(raw.pop("telemetry", None), env)
+    score_range = _score_range(raw.pop("score_range", [0, 1]), "score_range")
+    ranges_raw = raw.pop("score_ranges", None) or {}
+    if not isinstance(ranges_raw, dict):
+        raise BadRequest("config: [score_ranges] must be a table of scenario = [low, high]")
+    score_ranges = {name: _score_range(v, f"score_ranges.{name}") for name, v in ranges_raw.items()}
     recipes = raw.pop("recipes", None) or {}
     if not isinstance(recipes, dict) or not all(isinstance(v, dict) for v in recipes.values()):
         raise BadRequest("config: [recipes.<name>] entries must be tables")
@@ -548,6 +568,8 @@ def load_config(
         models=models,
         recipes=recipes,
         outcomes=outcomes,
+        score_range=score_range,
+        score_ranges=score_ranges,
         url=env.get("REEF_URL") or None,
         token=env.get("REEF_TOKEN") or None,
         secrets=secrets,
@@ -556,7 +578,15 @@ def load_config(
         **values,
     )
     if cfg.default_model not in cfg.models:
-        raise BadRequest(f"config: default_model {cfg.default_model!r} is not a configured model")
+        if (overrides or {}).get("default_model") is not None:
+            source = "--model (it sets default_model)"
+        elif env.get("REEF_MODEL"):
+            source = "REEF_MODEL (it sets default_model)"
+        else:
+            source = f"default_model in {toml_path}"
+        raise BadRequest(f"unknown model {cfg.default_model!r}, from {source}; the models it knows: "
+                         f"{', '.join(sorted(cfg.models))} (add one as a [models.NAME] table in {toml_path})",
+                         param="default_model")
     return cfg
 
 

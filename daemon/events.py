@@ -2,7 +2,8 @@
 
 Events are small dicts ``{"seq", "time", "kind", ...}``; kinds: ``record``, ``report``, ``scenario``,
 ``release``, ``engine.load``, ``train.step``, ``gate``, ``watchdog``, ``heldout`` (the held-out check's verdict:
-passed, held, failed, with its figures). Publishing never blocks: each subscriber has a bounded
+passed, held, failed, with its figures), ``eval`` (``reef eval``'s progress:
+started, measuring a release, done). Publishing never blocks: each subscriber has a bounded
 queue, and a subscriber that falls that far behind is dropped: its backlog is thrown away (it is stale, and its
 memory is the point of the bound) and it gets one last event, ``dropped``, after which its stream ends. The
 ``dropped`` event's ``resume_after`` (also its SSE ``id``) is the seq just before the first event it missed: a

@@ -85,6 +85,9 @@ class Exchange:
     # the client's HTTP headers and query string, as received (an upstream engine forwards a chosen few)
     headers: Mapping[str, str] = field(default_factory=dict)
     query: str = ""
+    # what a local engine has made of it so far (its sequence: ``output_tokens``, ``prompt``), read by
+    # ``GET /reef/inflight``; None until the engine takes it, and for engines that do not count tokens
+    progress: Any = None
 
     def has_images(self) -> bool:
         return any(p.type == "image" for m in self.messages for p in m.parts)

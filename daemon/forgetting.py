@@ -26,36 +26,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from daemon.services import Daemon
 
 if TYPE_CHECKING:
-    from daemon.chains import Chains
     from daemon.config import Config
-    from daemon.events import EventBus
-    from daemon.learning import Learner
     from daemon.records.store import RecordStore
 
 log = logging.getLogger("reef.forgetting")
 
-
-class Daemon(Protocol):
-    """What forgetting uses of the daemon (``daemon.serving.Reef`` is one), named here so that this module does not
-    depend on the serving object that starts its retention loop."""
-
-    @property
-    def config(self) -> Config: ...
-
-    @property
-    def store(self) -> RecordStore: ...
-
-    @property
-    def chains(self) -> Chains: ...
-
-    @property
-    def events(self) -> EventBus: ...
-
-    @property
-    def learner(self) -> Learner: ...
 
 MAX_FORGET = 100_000  # receipts and runs in one request
 RETENTION_ROUND = 10_000  # exchanges one retention round forgets at most (one transaction)

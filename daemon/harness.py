@@ -85,10 +85,14 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
         "release_id": head.release_id if head.kind == "harness" else None,
         "step": head.step,
         "context_length": getattr(engine.info, "context_length", None) or 32768,
+        # False: the model's chat template drops an agent's tools (the wrapper says so, with the way out)
+        "carries_tools": getattr(engine.info, "carries_tools", None),
         "test_model": is_test_model(scenario.model),
         "default_model": reef.config.default_model,
         "url": f"http://{reef.config.host}:{reef.config.port}",
     }
+    if scenario.warned:  # the early warning: the wrapper says it on stderr
+        out["warning"] = (scenario.warning or {}).get("reason")
     if head.kind == "harness" and installed != head.release_id:
         out["files"] = await rendered(reef, scenario, head, adapter.name)
     return out

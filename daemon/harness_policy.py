@@ -30,7 +30,7 @@ Each file a candidate adds or changes is read for:
 
 A finding is ``refused`` (no automatic path admits it; ``review``: a candidate holding it is held for a person,
 ``reef releases promote ID``, and never published by the ``always`` gate). Symlinks, devices and paths outside the
-layout cannot be expressed in a harness tree (``daemon/layout.py``; ``ReleaseStore._walk`` refuses them in a
+layout cannot be expressed in a harness tree (``daemon/layout.py``; ``releases.Repository.walk`` refuses them in a
 fetched release; ``adapters/base.install_harness`` never follows one on disk).
 """
 

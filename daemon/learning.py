@@ -244,7 +244,7 @@ class Learner:
         while True:
             asked = loop.time()
             try:
-                lease: Lease | None = await self.store.lease(LEASE, self.holder, ttl_s=ttl)
+                lease: Lease | None = await self.store.training.lease(LEASE, self.holder, ttl_s=ttl)
             except ReefError as e:  # the store is away: whether we still hold it is unknown, so we do not
                 log.warning("could not renew the training lease: %s", e.message)
                 lease = None
@@ -271,7 +271,7 @@ class Learner:
             st.consumed, st.cursor = None, 0
             st.pool.clear()
         for s in await self.store.list_scenarios():
-            back = await self.store.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
+            back = await self.store.training.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
             if back:
                 log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
                          s["name"], len(back))
@@ -295,7 +295,7 @@ class Learner:
             await asyncio.to_thread(self._trainer.close)
         if self._lease is not None:  # a clean stop hands training over at once, not after the lease's term
             try:
-                await self.store.release_lease(self._lease)
+                await self.store.training.release_lease(self._lease)
             except ReefError:
                 pass  # the store is away: the lease runs out by itself
 
@@ -408,7 +408,7 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            if st.state not in ("paused", "canary"):
+            if st.state not in ("paused", "warned", "canary"):
                 st.state = "waiting"
 
     # --- judging turns by what came next ------------------------------------------------------------------
@@ -489,6 +489,9 @@ class Learner:
             if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
                 return StepOutcome("paused", summary=f"scenario {name} is paused: reef scenarios resume {name}")
+            if scenario.warned:  # the early warning stands (daemon/gating/warning.py): its reports wait for the user
+                st.state = "warned"
+                return StepOutcome("paused", summary=str((scenario.warning or {}).get("reason")))
             self._follow_settings(st, scenario)
             if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
                 st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
@@ -502,7 +505,7 @@ class Learner:
             receipts = [r.id for r in batch]
             if lease is not None:
                 try:
-                    claimed = await self.store.claim(name, receipts, lease)
+                    claimed = await self.store.training.claim(name, receipts, lease)
                 except LeaseLost:
                     self._lease = None
                     st.state = "waiting"
@@ -510,7 +513,7 @@ class Learner:
                 if len(claimed) != len(receipts):  # consumed elsewhere meanwhile: out of the pool, batch again
                     taken = set(receipts) - set(claimed)
                     consumed.update(taken)
-                    await self.store.release_claims(name, claimed, lease)
+                    await self.store.training.release_claims(name, claimed, lease)
                     st.state = "waiting"
                     return StepOutcome("skipped", scenario=name, consumed=len(taken))
             job_id = new_id("job_")
@@ -554,7 +557,7 @@ class Learner:
                 # (kept, they would block this holder's own next claim of the same receipts for good)
                 if lease is not None:
                     with contextlib.suppress(ReefError):
-                        await self.store.release_claims(name, receipts, lease)
+                        await self.store.training.release_claims(name, receipts, lease)
                 raise
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
@@ -564,8 +567,8 @@ class Learner:
             outcome.consumed = len(kept)
             if lease is not None:
                 try:
-                    await self.store.settle(name, kept, lease, outcome.release_id or outcome.verdict)
-                    await self.store.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
+                    await self.store.training.settle(name, kept, lease, outcome.release_id or outcome.verdict)
+                    await self.store.training.release_claims(name, [r for r in receipts if r not in set(kept)], lease)
                 except ReefError as e:  # the outcome is in git; a takeover settles these claims from there
                     log.warning("learning on %s: could not settle the step's claims: %s", name, e.message)
             self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
@@ -764,6 +767,10 @@ class Learner:
         return await run_gate(self, GateRun(st, scenario, head, candidate, [r.id for r in batch], job_id,
                                             record_settings, metrics, origin))
 
+    async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
+        """Write a scenario's early-warning state (``daemon/gating/warning.py``)."""
+        return await self.store.set_warning(name, warning)
+
     # --- what the held-out check reads (daemon/gating/heldout.py) ------------------------------------------
 
     async def heldout_prompts(self, st: ScenarioLearning) -> list[str]:
@@ -830,6 +837,7 @@ class Learner:
         known = st.head_eval
         job = TrainJob(
             id=job_id, recipe=scenario.recipe, settings=dataclasses.asdict(st.recipe.settings), batch=batch,
+            explicit=sorted(getattr(st.recipe.settings, "explicit", ())),
             base_key=base_key, base_path=base_path, head_key=head.content_id, head_path=str(ref.path),
             candidate_key=f"candidate:{job_id}", model_key=model.content_id, model_release=model.release_id,
             model_path=str(model.path), device=self.config.model(scenario.model).device,
@@ -849,7 +857,7 @@ class Learner:
         if st.consumed is None:
             consumed = await self._git_consumed(st.name)
             if self.store.shared:  # and what any daemon sharing the store consumed or claimed
-                consumed.update(await self.store.consumed(st.name))
+                consumed.update(await self.store.training.consumed(st.name))
             st.consumed = consumed
         return st.consumed
 

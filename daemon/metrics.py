@@ -61,6 +61,9 @@ class Metrics:
         self.canary_ends = Counter("reef_canary_ends", "Canaries ended, by verdict", ["verdict"], registry=r)
         self.heldout_checks = Counter("reef_heldout_checks", "Held-out checks of weights candidates, by outcome "
                                       "(passed, held, failed, unchecked)", ["outcome"], registry=r)
+        self.scenario_warning = Gauge("reef_scenario_warning", "1 while a scenario's early warning stands: the reward "
+                                      "rises while its answers collapse; learning paused until the user acts",
+                                      ["scenario"], registry=r)
         self.conflicts = Counter("reef_release_conflicts", "Publishes refused: head moved", registry=r)
         self.loads = Counter("reef_engine_loads", "Releases loaded into an engine", ["model"], registry=r)
         self.upstream_latency = Histogram(

@@ -74,7 +74,7 @@ SCHEMAS: dict[str, Any] = {
     "ScenarioName": SCENARIO_NAME,
     "RunName": RUN_NAME,
     "Scenario": obj({"name": S, "recipe": S, "model": S, "created_at": N, "settings": O, "capture": B, "paused": B,
-                     "archived": B}, ["name", "recipe", "model", "created_at", "settings", "capture", "paused",
+                     "archived": B, "warning": nullable(O)}, ["name", "recipe", "model", "created_at", "settings", "capture", "paused",
                                       "archived"]),
     "Release": obj({"release_id": S, "content_id": S, "scenario": S, "step": I, "operation": S, "kind": S,
                     "recipe": S, "parent": nullable(S), "source": nullable(S), "metrics": O, "receipts": arr(S),
@@ -85,6 +85,9 @@ SCHEMAS: dict[str, Any] = {
                    "created_at": N, "status": nullable(S), "release_id": nullable(S)},
                   ["id", "kind", "scenario", "created_at"]),
     "Records": obj({"records": arr(ref("Record")), "next_after": nullable(I)}, ["records", "next_after"]),
+    "InFlight": obj({"receipt": S, "scenario": S, "run": nullable(S), "model": S, "stream": B, "elapsed_s": N,
+                     "prompt_tokens": nullable(I), "output_tokens": nullable(I), "output_cap": nullable(I)},
+                    ["receipt", "scenario", "elapsed_s", "output_tokens"]),
     "Report": obj({"report_id": S, "scenario": S, "created_at": N, "score": nullable(N), "feedback": ANY,
                    "references": arr(S), "metadata": nullable(O)}, ["report_id", "scenario", "created_at"]),
 }
@@ -165,6 +168,14 @@ LISTING = {"after": {"type": "integer", "minimum": 0, "maximum": 2**62}, "limit"
            "run": ref("RunName"), "kind": {"enum": ["exchange", "report"]}, "order": {"enum": ["asc", "desc"]}}
 RELEASE_VIEW = {"allOf": [ref("Release"), obj({"head": S, "adapter": nullable(O), "diff": O}, ["head"])]}
 SWITCHED = ref("Scenario")
+FIGURE = obj({"status": {"enum": ["ok", "n/a", "failed"]}, "value": N, "n": I, "source": S, "reason": S}, ["status"])
+EVAL = obj({"scenario": S, "recipe": S, "kind": S, "head": nullable(S), "transfer": nullable(S), "base": O,
+            "reward_how": nullable(S), "probes_how": nullable(S), "transfer_how": nullable(S),
+            "rows": arr(obj({"release_id": S, "step": I, "operation": S, "content_id": S, "head": B,
+                             "reward": FIGURE, "probes": FIGURE, "forgetting": FIGURE, "transfer": FIGURE},
+                            ["release_id", "step", "reward", "probes", "forgetting", "transfer"])),
+            "measured": I, "cached": I, "seconds": N}, ["scenario", "rows"])
+EVAL_QUERY = {"last": {"type": "integer", "minimum": 1, "maximum": 100_000}, "transfer": ref("ScenarioName")}
 
 
 def _reef_routes() -> dict[tuple[str, str], Op]:
@@ -227,6 +238,14 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
         ("GET", "/reef/scenarios/{name}/releases/{release}"): Op(
             "one release of the scenario, with its diff to its parent", RELEASE_VIEW, query={"diff": S},
             errors={404: "no such release in this scenario"}),
+        ("GET", "/reef/scenarios/{name}/eval"): Op(
+            "reef eval: per release, the held-out reward, probe accuracy against the base and transfer, from what "
+            "is known (recorded at the gate, cached, reported); measures nothing", EVAL, query=EVAL_QUERY,
+            errors={**SCENARIO_404, 400: "a transfer scenario that does not exist, or is this one"}),
+        ("POST", "/reef/scenarios/{name}/eval"): Op(
+            "reef eval, measuring what is missing through the engine: JSON Lines of progress, then the result",
+            S, media=("application/x-ndjson",), query=EVAL_QUERY,
+            errors={**SCENARIO_404, 400: "a transfer scenario that does not exist, or is this one"}),
         ("POST", "/reef/scenarios/{name}/rollback"): Op(
             "publish an earlier release's content as the new head", ref("Release"), CREATED, body=STEER,
             errors={**SCENARIO_404, 409: "the head moved (names both)"}),
@@ -285,7 +304,14 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
             errors={**SCENARIO_404, 409: "a weights chain cannot move"}),
         ("POST", "/reef/scenarios/{name}/pause"): Op("pause the scenario's learning", SWITCHED,
                                                      errors=SCENARIO_404),
-        ("POST", "/reef/scenarios/{name}/resume"): Op("resume the scenario's learning", SWITCHED, errors=SCENARIO_404),
+        ("POST", "/reef/scenarios/{name}/resume"): Op("resume the scenario's learning (clears an early warning)",
+                                                      SWITCHED, errors=SCENARIO_404),
+        ("POST", "/reef/scenarios/{name}/accept-warning"): Op(
+            "accept the scenario's early warning: learning goes on, no warning again until its settings change",
+            SWITCHED, errors={**SCENARIO_404, 409: "no early warning stands"}),
+        ("POST", "/reef/scenarios/{name}/settings"): Op(
+            "change the scenario's recipe settings (null: back to the default); clears an early warning", SWITCHED,
+            body=obj({"settings": O}, ["settings"]), errors={**SCENARIO_404, 400: "a setting the recipe refuses"}),
         ("POST", "/reef/scenarios/{name}/capture"): Op("turn the scenario's capture on or off", SWITCHED,
                                                        body=obj({"capture": B}, ["capture"]), errors=SCENARIO_404),
         ("POST", "/reef/scenarios/{name}/archive"): Op("archive the scenario: neither served nor trained", SWITCHED,
@@ -306,7 +332,11 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
                                              required=("adapter",)),
         ("GET", "/reef/status"): Op("the daemon's state: models, counts, learning, events", obj({
             "pid": I, "home": S, "uptime_s": N, "listen": O, "default_model": S, "models": O, "records": I,
-            "reports": I, "scenarios": I, "learning": O, "events": O}, ["pid", "models", "records"])),
+            "reports": I, "scenarios": I, "learning": O, "events": O, "inflight": arr(ref("InFlight"))},
+            ["pid", "models", "records"])),
+        ("GET", "/reef/inflight"): Op("the exchanges being served now: elapsed time and tokens so far",
+                                      obj({"inflight": arr(ref("InFlight"))}, ["inflight"]),
+                                      query={"run": ref("RunName"), "scenario": ref("ScenarioName")}),
         ("GET", "/reef/events"): Op("server-sent events: records, reports, steps, verdicts, releases, loads (resume "
                                     "with Last-Event-ID or after)", S, media=(SSE,),
                                     query={"after": I}),
@@ -378,7 +408,8 @@ def _operation(method: str, pattern: str) -> dict[str, Any]:
     if op.tag == "provider" and method == "POST":
         ok["headers"] = {h: {"schema": S, "description": d} for h, d in (
             ("x-reef-agent-record-id", "the receipt (in a stream: in its final event too)"),
-            ("x-reef-release-id", "the release that served it"))}
+            ("x-reef-release-id", "the release that served it"),
+            ("x-reef-model", "the model that answered: the scenario's, whatever the request's model names"))}
     error = {"description": "the canonical error shape",
              "content": {"application/json": {"schema": _error_ref(pattern)}}}
     responses: dict[str, Any] = {str(op.status): ok}

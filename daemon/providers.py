@@ -40,6 +40,9 @@ class Preset:
     model: str | None  # the provider's default model name (None: the client's, or --upstream-model)
     key_env: str | None  # the variable the key is read from (None: no key)
     needs_model: bool = False  # the server serves nothing without a model name (Ollama)
+    # chat content given as a list of text parts goes joined into one string (``daemon/engines/upstream.py``): a
+    # local server's chat template often takes strings only; OpenAI's own API takes the list as sent
+    join_text_parts: bool = True
 
 
 PRESETS: Mapping[str, Preset] = {p.name: p for p in (
@@ -47,7 +50,7 @@ PRESETS: Mapping[str, Preset] = {p.name: p for p in (
     Preset("anthropic", "https://api.anthropic.com", ("anthropic",), "claude-sonnet-4-5", "ANTHROPIC_API_KEY"),
     # OpenAI's chat completions (or --upstream-format openai-responses)
     Preset("openai", "https://api.openai.com/v1", ("openai-chat", "openai-responses"), "gpt-4.1-mini",
-           "OPENAI_API_KEY"),
+           "OPENAI_API_KEY", join_text_parts=False),
     # a local Ollama server (its OpenAI-compatible API): it needs a model name
     Preset("ollama", "http://127.0.0.1:11434/v1", ("openai-chat",), None, None, needs_model=True),
     # a local llama.cpp server (llama-server): it serves the model it loaded, whatever the name
@@ -94,7 +97,7 @@ def provider_entry(name: str, env: Mapping[str, str], *, url: str | None = None,
         check_key_env(key_env, where)
     check_base_url(url, where, keyed=key_env is not None)
     return ModelEntry(name=name, engine="upstream", url=url, format=fmt, upstream_model=model or None,
-                      api_key_env=key_env)
+                      api_key_env=key_env, join_text_parts=preset.join_text_parts)
 
 
 def from_settings(values: Mapping[str, Any], env: Mapping[str, str]) -> ModelEntry | None:

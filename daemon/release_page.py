@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.errors import NotFound
+from daemon.errors import NotFound, ReefError
 from daemon.gate import describe
 
 MAX_RECEIPTS = 50  # receipts read back and shown; the page says how many more the release consumed
@@ -50,6 +50,8 @@ class PageData:
     missing: list[str] = field(default_factory=list)  # receipts not in this record store
     pending: list[dict[str, Any]] = field(default_factory=list)  # candidates held on this release
     rejected_on: int = 0  # candidates turned away with this release as their base
+    evaluation: dict[str, Any] | None = None  # ``reef eval``'s table as known (daemon/evaluation.py), or None
+    evaluation_error: str | None = None
     generated_at: float = 0.0
     canary: dict[str, Any] | None = None  # the scenario's running canary, when this release is one of its arms
 
@@ -68,6 +70,12 @@ async def gather(reef: Any, release_id: str, scenario: str | None = None) -> Pag
                     adapter=adapter.to_dict() if adapter is not None else None, generated_at=time.time())
     data.pending = [p.to_dict() for p in await chains.pending(rel.scenario) if p.parent == rel.release_id]
     data.rejected_on = sum(r.base == rel.release_id for r in await chains.rejections(rel.scenario, MAX_CHAIN))
+    evaluations = getattr(reef, "evaluations", None)
+    if evaluations is not None:  # what is known (recorded, cached, reported): a page never measures
+        try:
+            data.evaluation = await evaluations.evaluate(rel.scenario, measure=False)
+        except ReefError as e:
+            data.evaluation_error = e.message
     canaries = getattr(reef, "canaries", None)
     live = await canaries.status(rel.scenario) if canaries is not None else None
     if live is not None and rel.release_id in (live["release_id"], live["base_id"]):
@@ -138,6 +146,7 @@ def render(data: PageData) -> str:
         _section("What changed", "changed", _changed(data)),
         _section("The gate", "gate", _gate(data)),
         _section("Its place on the chain", "chain", _chain(data)),
+        _section("Evaluation: learning curve, forgetting, transfer", "eval", _evaluation(data)),
         _section("Its live canary", "canary", _canary(data)) if data.canary else "",
     ))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -181,7 +190,7 @@ def _why(data: PageData) -> str:
                 "it consumed nothing.</p>")
     if not receipts:
         return "<p>It lists no receipts it consumed.</p>"
-    out = [f"<p>It consumed {len(receipts)} receipt(s)"
+    out = [f"<p>It consumed {consumed(receipts, data.inputs)}"
            + (f"; the first {MAX_RECEIPTS} are shown" if len(receipts) > MAX_RECEIPTS else "") + ".</p>",
            "<ol class=\"inputs\">"]
     for rec in data.inputs:
@@ -190,6 +199,26 @@ def _why(data: PageData) -> str:
     if data.missing:
         out.append(f"<p class=\"note\">Not in this daemon's record store: {e(', '.join(data.missing))}</p>")
     return "\n".join(out)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 report``, ``2 reports``: a count said as a person says it (never ``1 report(s)``)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def consumed(ids: list[str], inputs: list[dict[str, Any]]) -> str:
+    """What a release's manifest lists, said by kind: the reports a harness recipe learned from (and how many
+    receipts they were on, where they were read back) and the exchanges a weights recipe trained on."""
+    reports = [i for i in ids if i.startswith("rep_")]
+    exchanges = [i for i in ids if not i.startswith("rep_")]
+    parts = []
+    if reports:
+        on = {str(r) for rec in inputs if rec.get("kind") == "report"
+              for r in (rec.get("report") or {}).get("references") or []}
+        parts.append(plural(len(reports), "report") + (f" on {plural(len(on), 'receipt')}" if on else ""))
+    if exchanges:
+        parts.append(plural(len(exchanges), "exchange"))
+    return " and ".join(parts)
 
 
 def _input(rec: dict[str, Any]) -> str:
@@ -342,6 +371,35 @@ def _chain(data: PageData) -> str:
     return f"<ul class=\"standing\">{lis}</ul>\n{plot(data.chain, rel['release_id'])}"
 
 
+def _evaluation(data: PageData) -> str:
+    """``reef eval``'s table of the chain as known (this release marked): held-out reward, probe accuracy,
+    forgetting against the base, transfer; what is not measured yet says so."""
+    from daemon.evaluation import FIGURES, cell
+
+    ev = data.evaluation
+    if ev is None:
+        return f"<p class=\"note\">No evaluation: {e(data.evaluation_error or 'not available')}.</p>"
+    mine = data.release["release_id"]
+    head = "".join(f"<th>{h}</th>" for h in ("step", "release", "operation", "held-out reward", "probe accuracy",
+                                             "forgetting", "transfer"))
+    rows = []
+    for r in ev["rows"]:
+        cls = " class=\"this\"" if r["release_id"] == mine else ""
+        cells = [e(r["step"]), f"<code>{e(r['release_id'][:12])}</code>", e(r["operation"]),
+                 *(e(cell(r[k], signed=k == "forgetting")) for k in FIGURES)]
+        rows.append(f"<tr{cls}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    mine_row = next((r for r in ev["rows"] if r["release_id"] == mine), None)
+    notes = [f"held-out reward: {ev['reward_how']}", f"probes: {ev['probes_how']}; forgetting: probe accuracy "
+             f"minus the base's (step {ev['base']['step']})"]
+    if mine_row is not None:
+        notes += [f"{k} of this release: {r['reason']}" for k in FIGURES if (r := mine_row[k])["status"] != "ok"
+                  and not (k == "transfer" and ev.get("transfer") is None)]
+    notes.append(f"reef eval -s {ev['scenario']} measures what is missing (and --transfer OTHER another "
+                 "scenario's held-out prompts)")
+    return (f"<table class=\"eval\"><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            + "".join(f"<p class=\"note\">{e(n)}</p>" for n in notes))
+
+
 def _ref(r: dict[str, Any] | None, fallback: str | None) -> str:
     if r is None:
         return (fallback or "none")[:12] if fallback else "none"
@@ -439,5 +497,6 @@ white-space:pre-wrap}
 .note{color:#667}.verdict{font-weight:600}.figures{font-family:ui-monospace,Menlo,monospace;font-size:13px}
 svg.plot{background:#fff;border:1px solid #d8dce4;margin-top:.6em}.axis{stroke:#99a}.tick{font-size:11px;fill:#556}
 .line{fill:none;stroke:#3b6fd4;stroke-width:1.5}.point{fill:#3b6fd4}.point.rollback{fill:#d48a3b}
+table.eval td,table.eval th{border-bottom:1px solid #eceef3;font-size:13px}table.eval tr.this{background:#fdf1d8}
 .point.this{fill:#d43b5a;stroke:#1d2430;stroke-width:1.5}footer{margin-top:3em;color:#889;font-size:12px}
 """

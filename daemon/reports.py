@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from daemon.errors import BadRequest
 
 if TYPE_CHECKING:
+    from daemon.config import Config
     from daemon.events import EventBus
     from daemon.metrics import Metrics
     from daemon.records import RecordStore
@@ -40,6 +41,16 @@ def check_score(value: Any) -> float:
     if not math.isfinite(f):
         raise BadRequest("score must be a finite number", param="score")
     return f
+
+
+def check_score_range(score: float, scenario: str, config: Config, param: str = "score") -> None:
+    """A score within its scenario's range (``score_range``, or the scenario's own in ``[score_ranges]``), both ends
+    included: a ``--score 7`` meant for a 0-10 scale is refused by name, not stored and trained on as a high label."""
+    low, high = config.score_ranges.get(scenario, config.score_range)
+    if not low <= score <= high:
+        own = f"score_ranges.{scenario}" if scenario in config.score_ranges else "score_range"
+        raise BadRequest(f"score {score:g} is outside scenario {scenario!r}'s range [{low:g}, {high:g}] "
+                         f"({own} in config.toml)", param=param, scenario=scenario)
 
 
 def check_feedback(value: Any) -> Any:

@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 import gc
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.canary import Canaries, arm_key
@@ -27,8 +26,11 @@ from daemon.config import Config, TelemetrySettings
 from daemon.engines import Engine, build_engine
 from daemon.engines.base import ReleaseRef
 from daemon.errors import Archived, BadRequest, ReefError, StorageError, Unavailable
+from daemon.evaluation import Evaluations
 from daemon.events import EventBus
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, Message, Receipt, Relay
+from daemon.headers import capture_header, safe_headers
+from daemon.inflight import in_flight
 from daemon.learning import Learner
 from daemon.metrics import Metrics, watch_loop_lag
 from daemon.names import check_scenario
@@ -43,27 +45,6 @@ if TYPE_CHECKING:
     from daemon.telemetry import Telemetry
 
 log = logging.getLogger("reef")
-
-# headers never stored: credentials, and anything that looks like one
-_SECRET_HEADER = re.compile(r"auth|key|token|secret|cookie|password|credential", re.I)
-
-
-_RECORDED_NAME: dict[str, str | None] = {}  # header name as sent -> its recorded name, None for a secret one
-
-
-def safe_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers as recorded: without credentials."""
-    out = {}
-    for k, v in headers.items():
-        name = _RECORDED_NAME.get(k, "")
-        if name == "":
-            name = None if _SECRET_HEADER.search(k) else k.lower()
-            if len(_RECORDED_NAME) < 4096:  # names are the client's: bounded memo
-                _RECORDED_NAME[k] = name
-        if name is not None:
-            out[name] = v
-    return out
-
 
 @dataclass
 class Served:
@@ -123,6 +104,8 @@ class Reef:
         self.chains = Chains(config, self.events, self.metrics, ensure_model=self.engine)
         self.learner = Learner(config, self.store, self.chains, self.events, self.metrics, self.engine,
                                scopes=self.scopes)
+        self.evaluations = Evaluations(config.home, self.store, self.chains, self.events, self.engine,
+                                       self.learner.make_recipe)  # reef eval (daemon/evaluation.py)
         self.started_at = time.time()
         self._engines: dict[str, Engine] = {}
         self._engine_locks: dict[str, asyncio.Lock] = {}
@@ -298,6 +281,17 @@ def _telemetry(settings: TelemetrySettings, events: EventBus, store: RecordStore
     return Telemetry(settings, events, store)
 
 
+Watch = Callable[[], contextlib.AbstractContextManager[Any]]
+"""``web.Request.watch``: a block in which the client leaving cancels the task and raises ``ConnectionResetError``
+(``web.ClientGone``); the serve path wraps its waits on the engine in it, so a client that went away is served no
+further (its engine stream is closed: the embedded engine drops the sequence at its next step, a remote engine's
+connection is closed) and its exchange is recorded ``cancelled``."""
+
+
+def unwatched() -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 class Sink(Protocol):
     """Where a streamed answer's bytes go: the HTTP layer's prepared response (``web.StreamResponse``). A write
     raises ``ConnectionResetError`` when the client has gone."""
@@ -329,6 +323,7 @@ class StreamedAnswer:
     created: int
     receipt: Receipt
     headers: dict[str, str]
+    watch: Watch = unwatched
 
     async def send(self, sink: Sink) -> None:
         await self.path.send_stream(self, sink)
@@ -370,6 +365,7 @@ class ServePath:
         self._scenario = scenario
         self._engine = engine
         self._observe = observe
+        self.inflight: dict[str, Served] = {}  # receipt -> an exchange being served (``GET /reef/inflight``)
 
     # --- one request, start to finish ----------------------------------------------------------------------
 
@@ -382,18 +378,29 @@ class ServePath:
         run: str | None,
         headers: Mapping[str, str],
         request_text: str | None = None,
+        watch: Watch = unwatched,
     ) -> Answer | StreamedAnswer:
         """Serve ``exchange`` (parsed from ``wire``'s request): a whole ``Answer``, recorded, or a begun
         ``StreamedAnswer`` to send. Raises ``ReefError`` before anything is sent (a failed exchange carries its
-        receipt in ``data["record_id"]``)."""
+        receipt in ``data["record_id"]``), ``ConnectionResetError`` when the client left (``watch``: recorded
+        ``cancelled``)."""
         served = await self.begin(exchange, scenario=scenario, run=run, headers=headers,
-                                  pinned_release=headers.get("x-reef-release-id"), request_text=request_text)
+                                  pinned_release=headers.get("x-reef-release-id"), request_text=request_text,
+                                  watch=watch)
         created = int(time.time())
-        out = {"x-reef-agent-record-id": served.receipt}
+        # the scenario's model answers whatever the request names ("gpt-9"): the answer says which, in its ``model``
+        # field and a header, rather than echoing a name that did not answer
+        answered = served.engine.info.model
+        if exchange.model != answered:
+            served.exchange = replace(exchange, model=answered)
+        out = {"x-reef-agent-record-id": served.receipt, "x-reef-model": answered}
         if served.release_id:
             out["x-reef-release-id"] = served.release_id
         if not served.capture:
             out["x-reef-capture"] = "false"  # served and recorded, never trained on
+        cap, asked = served.engine.info.output_cap, exchange.sampling.max_tokens
+        if cap is not None and (asked is None or asked > cap):  # Reef's bound, not the client's (engines/prompts.py)
+            out["x-reef-output-cap"] = str(cap)
         receipt = Receipt(served.receipt, served.release_id)
         if exchange.stream:
             # where a stream's first-token time went: the engine's first event, the opening record's write (run
@@ -402,15 +409,21 @@ class ServePath:
                 f"engine;dur={((served.first_event_at or served.engine_started) - served.engine_started) * 1e3:.3f}, "
                 f"record;dur={served.opening_ms or 0.0:.3f}, receipt-wait;dur={served.receipt_wait_ms or 0.0:.3f}"
             )
-            return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out)
+            return StreamedAnswer(self, wire, served, new_id(wire.ID_PREFIX), created, receipt, out, watch)
         try:
-            return await self._whole(wire, served, created, receipt, out)
+            return await self._whole(wire, served, created, receipt, out, watch)
         finally:
             await self.abandon(served)
 
     async def _whole(self, wire: WireFormat, served: Served, created: int, receipt: Receipt,
-                     headers: dict[str, str]) -> Answer:
-        finish = await self.collect(served)
+                     headers: dict[str, str], watch: Watch = unwatched) -> Answer:
+        try:
+            with watch():
+                finish = await self.collect(served)
+        except ConnectionResetError:  # the client left: nothing more is generated for it
+            await self.abandon(served)
+            await self.record(served, None, None, status="cancelled")
+            raise
         completion = finish.completion
         if finish.body is not None:  # relayed as the upstream answered it (same format in and out)
             response = {**finish.body, "reef": receipt.to_dict()}
@@ -453,17 +466,18 @@ class ServePath:
         events = self.stream(served)
         try:
             try:
-                async for event in events:
-                    if isinstance(event, Finish):
-                        completion, final = event.completion, event.final
-                        await events.aclose()  # finished: closed now rather than by a finalizer task
-                        break
-                    if isinstance(event, Relay):
-                        pending.append(event.data)
-                    else:
-                        pending.extend(renderer.event(event))
-                    await sink.write(b"".join(pending))
-                    pending = []
+                with answer.watch():
+                    async for event in events:
+                        if isinstance(event, Finish):
+                            completion, final = event.completion, event.final
+                            await events.aclose()  # finished: closed now rather than by a finalizer task
+                            break
+                        if isinstance(event, Relay):
+                            pending.append(event.data)
+                        else:
+                            pending.extend(renderer.event(event))
+                        await sink.write(b"".join(pending))
+                        pending = []
             except ReefError as err:
                 status = "incomplete" if err.data.get("incomplete") else "error"  # a cut upstream stream
                 await self.record(served, None, None, status=status, error=err)
@@ -485,10 +499,11 @@ class ServePath:
             self.metrics.requests.labels(wire.FORMAT, "200").inc()
             self.metrics.latency.labels(wire.FORMAT).observe(time.perf_counter() - served.started)
         except ConnectionResetError:
-            # the client left mid-stream: keep what was produced, marked incomplete
+            # the client left mid-stream: the engine's stream is closed (nothing more is generated for it) and the
+            # exchange is recorded cancelled
             await self.abandon(served)
             if completion is None:
-                await self.record(served, None, None, status="incomplete")
+                await self.record(served, None, None, status="cancelled")
 
     async def count_tokens(self, exchange: Exchange, *, scenario: str, pinned_release: str | None) -> int:
         """How many tokens ``exchange``'s prompt is for the engine and release that would serve it."""
@@ -513,6 +528,7 @@ class ServePath:
         headers: Mapping[str, str],
         pinned_release: str | None = None,
         request_text: str | None = None,
+        watch: Watch = unwatched,
     ) -> Served:
         """Resolve scenario, release and engine and start generating; raises before anything is sent.
 
@@ -552,6 +568,7 @@ class ServePath:
             request_text=request_text,
             capture=asked and scen.capture,
         )
+        self.inflight[served.receipt] = served
         # A stream's receipt goes out in its headers, before the answer exists: its record is opened first, durably,
         # so that the receipt names a record whatever happens next (kill -9, a full disk). The write runs while
         # the engine works on its first event, so a stream's time to first token pays for it only where the
@@ -562,7 +579,8 @@ class ServePath:
             opening.add_done_callback(lambda _: setattr(served, "opening_ms",
                                                         (time.perf_counter() - opening_started) * 1e3))
         try:
-            first = served.first = await anext(events)
+            with watch():  # a prompt's prefill can take minutes: a client that leaves meanwhile stops it
+                first = served.first = await anext(events)
             served.first_event_at = time.perf_counter()
         except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
             await _aclose(events)
@@ -570,7 +588,14 @@ class ServePath:
                 served.opened = await _succeeded(opening)
             await self._record_failure(served, err)
             raise
+        except ConnectionResetError:  # the client left (``watch``): its exchange is recorded cancelled
+            await _aclose(events)
+            if opening is not None:
+                served.opened = await _succeeded(opening)
+            await self.record(served, None, None, status="cancelled")
+            raise
         except BaseException:
+            self.inflight.pop(served.receipt, None)
             await _aclose(events)
             if opening is not None:
                 opening.cancel()  # the write goes on; nobody saw its receipt (an honest incomplete record)
@@ -651,6 +676,7 @@ class ServePath:
     ) -> None:
         """Store the exchange durably; returns when the receipt may be handed out. ``response_text``: the
         response already encoded as JSON (what the client gets), stored as it is."""
+        self.inflight.pop(served.receipt, None)
         now = time.perf_counter()
         ex = served.exchange
         timings = {
@@ -666,6 +692,10 @@ class ServePath:
             }
             if completion.upstream:
                 usage["upstream"] = completion.upstream
+            elif served.engine.info.name == "upstream":  # a provider that sent no usage: unknown, not 0 and 0
+                usage = {"input_tokens": None, "output_tokens": None, "unknown": "the provider sent no usage"}
+            if ex.tools and served.engine.info.carries_tools is False:  # the model's template left them out
+                usage["tools_dropped"] = len(ex.tools)
         rec = self._exchange_record(
             served,
             completion.runtime_load_id if completion else served.engine.runtime_load_id,
@@ -709,7 +739,7 @@ class ServePath:
             started_at=time.time() - (time.perf_counter() - served.started),
             format=ex.format,
             engine=rec.engine,
-            request_model=ex.model or None,
+            request_model=(ex.body.get("model") if isinstance(ex.body, dict) else None) or ex.model or None,
             response_model=(completion.model or None) if completion is not None else None,
             sampling={k: v for k, v in (("max_tokens", sampling.max_tokens), ("temperature", sampling.temperature),
                                         ("top_p", sampling.top_p)) if v is not None},
@@ -724,7 +754,12 @@ class ServePath:
                           completion)
 
     async def abandon(self, served: Served) -> None:
+        self.inflight.pop(served.receipt, None)
         await _aclose(served.events)
+
+    def in_flight(self, *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
+        """The exchanges being served now (``daemon/inflight.py``)."""
+        return in_flight(self.inflight.values(), run=run, scenario=scenario)
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:
@@ -744,18 +779,3 @@ async def _aclose(events: AsyncIterator[EngineEvent]) -> None:
             await aclose()
         except Exception:
             log.debug("closing an engine stream failed", exc_info=True)
-
-
-CAPTURE_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
-                  "off": False}
-
-
-def capture_header(value: str | None) -> bool:
-    """``x-reef-capture``: absent or true records the exchange for training; false serves it with a receipt and
-    never trains on it. Anything else is refused, never taken for either."""
-    if value is None:
-        return True
-    got = CAPTURE_VALUES.get(value.strip().lower())
-    if got is None:
-        raise BadRequest(f"x-reef-capture must be true or false, not {value[:40]!r}", param="x-reef-capture")
-    return got

@@ -15,8 +15,9 @@ routes need and nothing more, in the way uvicorn's httptools protocol does:
 - Responses: ``Response`` (one write: head and body) or ``StreamResponse`` (chunked; close-delimited for an
   HTTP/1.0 client), with flow control: a stream write waits while the client's socket buffer is full, and the
   next pipelined request waits until the last answer drained. A client that left makes the next stream write
-  raise ``ConnectionResetError``; handlers are never cancelled by a disconnect (a stream still records what was
-  produced). An answer given before the body was all in ends the connection with a lingering close, so that
+  raise ``ConnectionResetError``; handlers are never cancelled by a disconnect, except inside
+  ``Request.watch()``: there the client leaving cancels the handler's task and the block raises ``ClientGone``
+  (the serve path stops generating for a client that went away, and records it). An answer given before the body was all in ends the connection with a lingering close, so that
   the client reads it instead of a reset.
 - Idle connections close after ``KEEPALIVE_S`` (checked once a second); a head that does not arrive within it
   closes the connection too.
@@ -111,6 +112,16 @@ class Request:
             self._query = q
         return self._query
 
+    def watch(self) -> _Watch:
+        """A block in which the client leaving cancels the current task and raises ``ClientGone``: wrap what may
+        take long for nothing once the client is gone (generating an answer)."""
+        return _Watch(self._conn)
+
+    @property
+    def gone(self) -> bool:
+        """The client closed the connection."""
+        return self._conn.lost
+
     @property
     def body_complete(self) -> bool:
         """All of the body is in, or it never will be: ``read`` answers without waiting."""
@@ -155,6 +166,45 @@ class Request:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class ClientGone(ConnectionResetError):
+    """The client closed its connection while its request was being answered (raised by ``Request.watch``)."""
+
+
+class _Watch:
+    """``Request.watch()``: within the block, the client leaving cancels the task running it; the block then raises
+    ``ClientGone`` (whatever the cancellation became inside it) and the task is not left cancelled. One task per
+    connection serves its requests in turn, and ``connection_lost`` runs only while that task waits inside the
+    block, so the cancellation always lands there."""
+
+    __slots__ = ("conn", "task", "fired")
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.task: asyncio.Task[Any] | None = None
+        self.fired = False
+
+    def __enter__(self) -> _Watch:
+        if self.conn.lost:
+            raise ClientGone("the client closed the connection")
+        self.task = asyncio.current_task()
+        self.conn.watch = self
+        return self
+
+    def fire(self) -> None:
+        if self.task is not None and not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        if self.conn.watch is self:
+            self.conn.watch = None
+        task, self.task = self.task, None
+        if self.fired:
+            if task is not None:
+                task.uncancel()
+            raise ClientGone("the client closed the connection") from exc
 
 
 class MalformedBody(Exception):
@@ -316,6 +366,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.close_after = False  # answer what is in flight, then close (shutdown, a broken body, HTTP/1.0 stream)
         self.responded = False  # the current request's answer has started
+        self.watch: _Watch | None = None  # the block a lost connection cancels (``Request.watch``)
         self._refusal: bytes | None = None  # a malformed request after those in flight: answered after them
         self._drain: asyncio.Future[None] | None = None
         self._parser = httptools.HttpRequestParser(self)
@@ -351,6 +402,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
+        if self.watch is not None:
+            self.watch.fire()
         if self._current is not None:
             self._current._finish(ConnectionResetError("the client closed the connection mid-body"))
         if self._drain is not None and not self._drain.done():

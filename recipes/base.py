@@ -62,6 +62,19 @@ KINDS = ("weights", "harness", "none")  # what a recipe's releases hold; none: i
 SOURCES = ("scores", "feedback")  # scored exchanges (with their token ids), or reports with written feedback
 
 
+def explicit(settings: Any, key: str) -> bool:
+    """Whether ``key`` was set by the user (in the settings ``parse_settings`` read), not left at its default: a
+    setting that would be inert is refused when it was set, whatever its value."""
+    return key in getattr(settings, "explicit", ())
+
+
+def set_explicit(settings: Any, keys: Any) -> Any:
+    """Mark ``keys`` as the ones the user set (``parse_settings`` does it; a trainer's job carries them across,
+    ``TrainJob.explicit``, since its ``settings`` hold every value, defaults included)."""
+    settings.__dict__["explicit"] = frozenset(keys)
+    return settings
+
+
 @dataclass
 class NoSettings:
     """Settings of a recipe that takes none."""
@@ -106,6 +119,7 @@ class TrainJob:
     work_dir: str = ""  # set by the worker: an empty directory to write the candidate into
     head_scores: list[float] | None = None  # the head's evaluation scores, when the daemon knows them
     recipe_paths: list[str] = field(default_factory=list)
+    explicit: list[str] = field(default_factory=list)  # the settings the user set (the others are defaults)
 
 
 @dataclass
@@ -242,6 +256,12 @@ class Recipe:
         """Typed settings from a mapping; unknown keys or wrong types are a ``BadRequest`` naming them."""
         known = {f.name: f for f in dataclasses.fields(cls.Settings)}
         unknown = sorted(set(raw) - set(known))
+        gate = sorted(set(unknown) & {f.name for f in dataclasses.fields(GateSettings)})
+        if gate:  # a recipe whose settings do not extend GateSettings: its gate runs at the defaults
+            raise BadRequest(f"recipe {cls.name} cannot take {', '.join(gate)}: its Settings do not extend "
+                             f"recipes.base.GateSettings, so its gate runs at the defaults (a weights recipe's "
+                             f"candidates meet the held-out check on the shipped probe set); extend GateSettings "
+                             f"in the recipe to set them", param=f"settings.{gate[0]}")
         if unknown:
             raise BadRequest(f"unknown settings for recipe {cls.name}: {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known)) or 'none'})", param="settings")
@@ -254,6 +274,7 @@ class Recipe:
             settings = cls.Settings(**raw)
         except (TypeError, ValueError) as e:
             raise BadRequest(f"invalid settings for recipe {cls.name}: {e}", param="settings") from None
+        set_explicit(settings, raw)  # what the user set, as opposed to a default (``explicit``)
         cls.check_settings(settings)
         from daemon.gating.heldout import check_settings as check_heldout
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from daemon.errors import BadRequest
-from daemon.layout import MAX_FILE_BYTES, SKILL_NAME, check_tree, check_tree_path  # noqa: F401 (re-exported)
+from daemon.layout import SKILL_NAME, check_tree
 from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
 
 RULES_FILE = "AGENTS.md"

@@ -43,8 +43,7 @@ Design choices (compact; the numbers are ``OnlineRLSettings`` defaults, measured
   two preferences nobody tuned for rose by +0.25 within 15 minutes on 2 cores (``bench/learning_real.py``,
   README). The built-in tiny models train all their weights and keep their demo's measured lr 2e-3, 8 x 8, two
   steps (``DEMO_SETTINGS`` in ``reef_cli/demo.py``); openclaw-rl keeps them too (its batches are judged turns).
-  The log-probs are computed from the decoder's hidden states with the output head applied only where a
-  completion token is predicted (``_decoder_and_head``): a 49k vocabulary over every prompt position was 7 GB.
+  The log-probs: ``recipes/logprobs.py`` (the output head only where a completion token is predicted).
 - **Memory.** A batch runs in micro-batches whose estimated activations fit ``memory_budget_mb`` (longest
   samples first, gradients accumulated: the same update), and a sample too long for the budget alone runs with
   gradient checkpointing (``recipes/memory.py``). The whole default batch at once kept about 2 MB a token on
@@ -64,7 +63,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +71,20 @@ import torch
 
 from daemon import lora
 from daemon.errors import BadRequest
-from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob, check_eval_size
+from recipes.base import (
+    Candidate,
+    GateSettings,
+    Head,
+    Recipe,
+    ScoredExchange,
+    Scores,
+    TrainJob,
+    check_eval_size,
+    explicit,
+)
+from recipes.logprobs import Sample, completion_logprobs, is_adapter
 from recipes.memory import Shape, check_budget, checkpointing, micro_batches
 from recipes.tasks import Task, TaskFamily
-
-
-@dataclass
-class Sample:
-    """One scored exchange, as the daemon records it."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # sampled, EOS included when the model stopped
-    logprobs: list[float]  # behaviour log-probs of ``token_ids`` (raw logits, temperature 1)
-    reward: float
-    group: str  # same prompt, same group
-    # per-token additions to the advantage (hindsight hints: teacher minus behaviour log-prob), or None
-    token_bonus: list[float] | None = None
-
 
 # the defaults of the pull toward the base and of the drift bound, for LoRA policies (every real model); measured on
 # SmolLM2 with bench/learning_real.py --offline (docs/recipes.md, "A pull toward the base"): with an unguarded scorer
@@ -100,7 +96,30 @@ MAX_KL = 0.5
 
 
 @dataclass
-class OnlineRLSettings(GateSettings):
+class WeightsSettings:
+    """What every weights recipe's settings share (online-rl's, openclaw-rl's, sao's, ttt-discover's): LoRA, the
+    pull toward the base and the drift bound; both on by default (docs/recipes.md)."""
+
+    # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
+    # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below
+    lora: bool | None = None
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    # the pull toward the reference: kl_coef * KL(policy || base) per completion token joins the loss, the base
+    # being the whole model the LoRA adapter applies to (the adapter off). 0: none. A policy training all its
+    # weights has no base in the trainer: there the default is inert and another value refused (pull_coef)
+    kl_coef: float = KL_COEF
+    # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
+    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held.
+    # Inert, as kl_coef, on a policy training all its weights
+    max_kl: float | None = MAX_KL
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class OnlineRLSettings(GateSettings, WeightsSettings):
     # the defaults are for real models learning from ordinary traffic (bench/learning_real.py: two preferences
     # nobody tuned for, SmolLM2, LoRA): batches of 32 scored answers, one optimizer step each, LoRA's usual rate
     lr: float = 3e-3  # AdamW learning rate
@@ -116,19 +135,6 @@ class OnlineRLSettings(GateSettings):
     max_staleness: int = 2  # releases: records served by a release older than head - this are not used
     max_new_tokens: int = 8  # tokens per answer in the demo
     train_embeddings: bool = False  # also train the token embeddings (tied with the output head)
-    # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
-    # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below
-    lora: bool | None = None
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # the pull toward the reference: kl_coef * KL(policy || base) per completion token joins the loss, the base
-    # being the whole model the LoRA adapter applies to (the adapter off). 0: none. A policy training all its
-    # weights has no base in the trainer: there the default is inert and another value refused (pull_coef)
-    kl_coef: float = KL_COEF
-    # the watchdog holds a candidate for review whose policy moved more than this from the whole model its
-    # adapter applies to (kl_from_base, nats per token, in every LoRA step's metrics); None: measured, never held.
-    # Inert, as kl_coef, on a policy training all its weights
-    max_kl: float | None = MAX_KL
     # the gate's evaluation (floor, compare and regression gates): greedy answers to a task family's
     # validation prompts (recipes/tasks.py), scored by the trainer for the candidate and the serving head
     eval_family: str | None = None
@@ -139,9 +145,6 @@ class OnlineRLSettings(GateSettings):
     # split into micro-batches that fit and their gradients accumulated (recipes/memory.py). 1024: SmolLM2 with
     # 300-token prompts and 60-token answers then peaks under 2 GB (bench/trainer_memory.py)
     memory_budget_mb: int = 1024
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --- the training step ----------------------------------------------------------------------------------------
@@ -214,67 +217,12 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
-def _padded(batch: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input ids [B, L] (right-padded), attention mask, and for the completion tokens: targets, starts."""
-    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in batch]
-    width = max(lengths)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, s in enumerate(batch):
-        seq = s.prompt_token_ids + s.token_ids
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-    starts = torch.tensor([len(s.prompt_token_ids) for s in batch])
-    return ids, mask, starts, torch.tensor(lengths)
-
-
 def token_logprobs(model: Any, batch: list[Sample], *, entropy_grad: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs (with grad) and entropies of each sample's completion tokens under ``model``, [B, T], and a mask.
     ``entropy_grad=False``: the entropies carry no grad (nothing vocabulary-wide is kept for them)."""
-    logp_all, targets, tmask = completion_log_softmax(model, batch)
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy, tmask
-
-
-def completion_log_softmax(model: Any, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The log-softmax over the vocabulary at each position that predicts a completion token, [B, T, V], the
-    tokens it predicts [B, T], and the mask of real (not padding) positions [B, T]."""
-    pad = model.config.pad_token_id or 0
-    dev = model.device
-    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
-    longest = max(len(s.token_ids) for s in batch)
-    # positions predicting completion token t of row b: starts[b] - 1 + t
-    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
-    tmask = pos < (lengths[:, None] - 1)
-    pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(len(batch), device=dev)[:, None]
-    parts = _decoder_and_head(model)
-    if parts is None:
-        picked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[rows, pos]  # [B, T, V]
-    else:  # the output head only where a completion token is predicted (not over every prompt position)
-        decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        picked = head(hidden[rows, pos]).float()
-    return torch.log_softmax(picked, dim=-1), ids[rows, pos + 1], tmask
-
-
-def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
-    """The decoder body and output head of a causal LM whose logits are just ``head(decoder(...))`` (no logit
-    scaling or soft-capping), or None. Why: a real model's vocabulary is large (SmolLM2: 49152), and the logits
-    of every prompt position (a chat template's system prompt included) cost more memory and time than the
-    completion tokens' that training needs (measured: 7 GB for a batch of 64 SmolLM2 answers)."""
-    base = model.get_base_model() if is_adapter(model) else model
-    config = base.config
-    if getattr(config, "final_logit_softcapping", None) is not None or getattr(config, "logit_scale", None) is not None:
-        return None
-    get_decoder, head = getattr(base, "get_decoder", None), base.get_output_embeddings()
-    decoder = get_decoder() if callable(get_decoder) else None
-    if decoder is None or head is None or decoder is base:
-        return None
-    return decoder, head
+    out = completion_logprobs(model, batch)
+    return out.logp, out.entropy(entropy_grad), out.mask
 
 
 def train_step(
@@ -362,10 +310,8 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         if s.token_bonus:
             bonus[row, : len(s.token_bonus)] = torch.tensor(s.token_bonus)
     adv = torch.tensor(adv_of, device=dev)[:, None] + bonus  # [B, T]
-    logp_all, targets, tmask = completion_log_softmax(model, batch)
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.set_grad_enabled(settings.entropy_coef != 0):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    out = completion_logprobs(model, batch)
+    logp, entropy, tmask = out.logp, out.entropy(settings.entropy_coef != 0), out.mask
     log_ratio = (logp - old).masked_fill(~tmask, 0.0)
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
@@ -374,7 +320,7 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
     mean_entropy = (entropy * tmask).sum() / n
     loss = pg_loss - settings.entropy_coef * mean_entropy
     if coef > 0:  # the pull toward the base: exact KL(current || base) at each completion position
-        kl_ref = (kl_per_position(logp_all, reference_log_softmax(model, batch)) * tmask).sum() / n
+        kl_ref = (kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) * tmask).sum() / n
         loss = loss + coef * kl_ref
         sums["kl_ref"] += float(kl_ref.detach())
     loss.backward()
@@ -388,6 +334,21 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         sums["kl"] += float((k3(log_ratio) * tmask).sum() / n)
 
 
+def check_eval_family(settings: Any) -> None:
+    """A gate that evaluates (floor, compare, regression) needs evaluation tasks, and ``eval_family`` must name a
+    family of ``recipes/tasks.py``: else ``BadRequest`` naming the setting."""
+    if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
+        raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
+                         param="settings.eval_family")
+    if settings.eval_family:
+        from recipes.tasks import get_family
+
+        try:
+            get_family(settings.eval_family)
+        except ValueError as e:
+            raise BadRequest(str(e), param="settings.eval_family") from None
+
+
 def pull_coef(model: Any, settings: Any) -> float:
     """The weight of the pull toward the base that a step of ``model`` applies: the settings' ``kl_coef`` on a LoRA
     policy (the base is the model its adapter applies to). A policy training all its weights has no base in the
@@ -395,15 +356,10 @@ def pull_coef(model: Any, settings: Any) -> float:
     coef = float(getattr(settings, "kl_coef", 0.0))
     if coef == 0 or is_adapter(model):
         return coef
-    if coef == _default(settings, "kl_coef"):
+    if not explicit(settings, "kl_coef"):
         return 0.0
     raise ValueError("kl_coef pulls toward the model a LoRA adapter applies to, and this model trains all its weights "
                      "(it is below the size that gets adapters by default): set lora = true, or kl_coef = 0")
-
-
-def _default(settings: Any, key: str) -> Any:
-    """The default of a recipe setting (its Settings class's)."""
-    return next((f.default for f in fields(settings) if f.name == key), None)
 
 
 def pull_shape(model: Any, coef: float) -> Shape:
@@ -416,9 +372,9 @@ def pull_shape(model: Any, coef: float) -> Shape:
 @torch.no_grad()
 def reference_log_softmax(model: Any, batch: list[Sample]) -> torch.Tensor:
     """The base's log-softmax at each position predicting a completion token [B, T, V], as
-    ``completion_log_softmax``: the LoRA policy with its adapter switched off, no gradient."""
+    ``completion_logprobs``: the LoRA policy with its adapter switched off, no gradient."""
     with model.disable_adapter():
-        return completion_log_softmax(model, batch)[0]
+        return completion_logprobs(model, batch).log_softmax
 
 
 def kl_per_position(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -576,13 +532,7 @@ class OnlineRL(Recipe):
     @classmethod
     def check_settings(cls, settings: Any) -> None:
         super().check_settings(settings)
-        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
-            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
-                             param="settings.eval_family")
-        if settings.eval_family:
-            from recipes.tasks import get_family
-
-            get_family(settings.eval_family)
+        check_eval_family(settings)
         for key in ("batch_prompts", "group_size", "steps_per_batch", "eval_n"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe online-rl setting {key} must be at least 1", param=f"settings.{key}")
@@ -669,15 +619,12 @@ def kl_from_base(model: Any, samples: list[Sample]) -> float:
     past the recipe's ``max_kl`` (daemon/watchdog.py)."""
     total, tokens = 0.0, 0
     for s in samples[:KL_ROWS]:
-        policy, _, mask = completion_log_softmax(model, [s])
+        out = completion_logprobs(model, [s])
+        policy, mask = out.log_softmax, out.mask
         kl = kl_per_position(policy, reference_log_softmax(model, [s]))  # [1, T]
         total += float(kl[mask].sum())
         tokens += int(mask.sum())
     return total / max(tokens, 1)
-
-
-def is_adapter(model: Any) -> bool:
-    return hasattr(model, "peft_config")
 
 
 def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,
@@ -743,7 +690,7 @@ def check_pull(recipe: str, settings: Any) -> None:
     if settings.lora is False:
         for key, off in (("kl_coef", "0"), ("max_kl", "null")):
             value = getattr(settings, key)
-            if value and value != _default(settings, key):
+            if value and explicit(settings, key):
                 raise refuse(key, f"needs LoRA adapters (the base it is measured against is the model they apply "
                                   f"to, with the adapter off): leave lora unset or true, or set {key} = {off}")
 
@@ -752,7 +699,7 @@ def check_drift_bound(model: Any, settings: Any) -> None:
     """A ``max_kl`` other than the default on a policy training all its weights (too small for adapters by
     default): a ``ValueError``, since nothing is measured there to hold it (the default is inert)."""
     bound = getattr(settings, "max_kl", None)
-    if bound is not None and not is_adapter(model) and bound != _default(settings, "max_kl"):
+    if bound is not None and not is_adapter(model) and explicit(settings, "max_kl"):
         raise ValueError("max_kl is measured on LoRA policies only, and this model trains all its weights (it is "
                          "below the size that gets adapters by default): set lora = true, or max_kl = null")
 

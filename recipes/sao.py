@@ -69,7 +69,7 @@ import math
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +88,14 @@ from recipes.base import (
     check_alpha,
     check_eval_size,
 )
+from recipes.logprobs import completion_logprobs
 from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
-    KL_COEF,
-    MAX_KL,
     Sample,
-    _decoder_and_head,
+    WeightsSettings,
     _eval_scores,
-    _padded,
     check_drift_bound,
+    check_eval_family,
     check_lora,
     check_pull,
     is_adapter,
@@ -114,7 +113,7 @@ MAX_LINEAGES = 3  # lineages (scenarios) whose model, critic and optimizers the 
 
 
 @dataclass
-class SAOSettings(GateSettings):
+class SAOSettings(GateSettings, WeightsSettings):
     gate: str = "periodic"  # periodic (regression check every eval_every steps) | always | floor | compare | ...
     # the periodic check (a regression gate: daemon/gate.py): published when shown not to fall this far below the
     # serving head at error rate alpha (None: 0.05); 0.1 so that eval_n = 64 can decide (0.05 needs 70 tasks)
@@ -146,18 +145,8 @@ class SAOSettings(GateSettings):
     eval_every: int = 10  # steps between periodic checks (the first step after a restart is checked too)
     restart_after: int = 3  # failed checks in a row after which training restarts from the head
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
-    # LoRA adapters (peft) instead of all weights, as online-rl: None: adapters on models of LORA_AUTO_PARAMS
-    # parameters or more (every real model), all weights below; releases then hold the adapter and the critic
-    lora: bool | None = None
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # online-rl's pull toward the base (kl_coef * KL(policy || base) in the loss, LoRA policies) and drift bound
-    # (the watchdog holds a candidate whose kl_from_base exceeds max_kl); both on by default (docs/recipes.md)
-    kl_coef: float = KL_COEF
-    max_kl: float | None = MAX_KL
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    # and online-rl's lora, lora_rank, lora_alpha, kl_coef, max_kl (WeightsSettings): with LoRA, releases hold the
+    # adapter and the critic
 
 
 # --- the critic -------------------------------------------------------------------------------------------------
@@ -243,29 +232,11 @@ def _forward(model: Any, batch: list[Sample], *, entropy_grad: bool = True, pull
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per completion token [B, T]: log-prob (with grad), entropy, the critic's features of the state it was
     sampled from, a mask, and with ``pull`` the exact KL(policy || base) at each position (with grad; None
-    without). The output head runs only at the completion positions (``_decoder_and_head``)."""
-    pad = model.config.pad_token_id or 0
-    dev = model.device
-    ids, mask, starts, lengths = (t.to(dev) for t in _padded(batch, pad))
-    longest = max(len(s.token_ids) for s in batch)
-    pos = starts[:, None] - 1 + torch.arange(longest, device=dev)[None, :]
-    tmask = pos < (lengths[:, None] - 1)
-    pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(len(batch), device=dev)[:, None]
-    parts = _decoder_and_head(model)
-    if parts is None:
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        picked, hidden = out.logits.float()[rows, pos], out.hidden_states[-1][rows, pos]  # [B, T, V], [B, T, H]
-    else:
-        decoder, head = parts
-        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[rows, pos]  # [B, T, H]
-        picked = head(hidden).float()
-    logp_all = torch.log_softmax(picked, dim=-1)
-    logp = logp_all.gather(-1, ids[rows, pos + 1][..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    kl = kl_per_position(logp_all, reference_log_softmax(model, batch)) if pull else None
-    return logp, entropy, critic_features(hidden, logp_all, logp), tmask, kl
+    without), from the one per-token forward (``completion_logprobs``)."""
+    out = completion_logprobs(model, batch, hidden=True)
+    assert out.hidden is not None
+    kl = kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) if pull else None
+    return out.logp, out.entropy(entropy_grad), critic_features(out.hidden, out.log_softmax, out.logp), out.mask, kl
 
 
 CONFIDENCE_FEATURES = 4
@@ -443,16 +414,7 @@ class SAO(Recipe):
         if settings.gate != "periodic" and settings.gate not in GATES:
             raise BadRequest(f"unknown gate {settings.gate!r}; gates: periodic, {', '.join(GATES)}",
                              param="settings.gate")
-        if settings.gate in ("floor", "compare", "regression") and not settings.eval_family:
-            raise BadRequest(f"gate {settings.gate!r} needs evaluation tasks (recipe setting eval_family)",
-                             param="settings.eval_family")
-        if settings.eval_family:
-            from recipes.tasks import get_family
-
-            try:
-                get_family(settings.eval_family)
-            except ValueError as e:
-                raise BadRequest(str(e), param="settings.eval_family") from None
+        check_eval_family(settings)
         for key in ("batch_size", "steps_per_batch", "eval_n", "eval_every", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise BadRequest(f"recipe sao setting {key} must be at least 1", param=f"settings.{key}")

@@ -67,7 +67,39 @@ def _vocabulary() -> list[str]:
     return sorted(set(_WORDS))
 
 
-class SayWord(TaskFamily):
+class _Split(TaskFamily):
+    """Tasks of a template and an item, the items split by ``crc32(item) % 5``: 0 held out, 1 validation, 2-4
+    training. A family says what a task of an item and a template is (``_task``) and how ``n`` are drawn
+    (``_pick``)."""
+
+    templates: tuple[str, ...] = ()
+
+    def __init__(self, items: list[str]) -> None:
+        items = sorted(set(items))
+        part = {x: zlib.crc32(x.encode()) % 5 for x in items}
+        self.held_items = [x for x in items if part[x] == 0]
+        self.validation_items = [x for x in items if part[x] == 1]
+        self.train_items = [x for x in items if part[x] >= 2]
+
+    def sample(self, rng: random.Random) -> Task:
+        """A random training task."""
+        return self._task(rng.choice(self.train_items), rng.choice(self.templates))
+
+    def train_tasks(self, seed: int = 0) -> list[Task]:
+        """Every training prompt (item x template), shuffled by ``seed``."""
+        tasks = [self._task(x, t) for x in self.train_items for t in self.templates]
+        random.Random(seed).shuffle(tasks)
+        return tasks
+
+    def held_out(self, n: int, seed: int = 0) -> list[Task]:
+        """``n`` held-out prompts, of items never used for training."""
+        return self._pick(self.held_items, n, f"held-out:{seed}")
+
+    def validation(self, n: int, seed: int = 0) -> list[Task]:
+        return self._pick(self.validation_items, n, f"validation:{seed}")
+
+
+class SayWord(_Split):
     name = "say"
     templates = (
         "Say {w}.",
@@ -79,33 +111,13 @@ class SayWord(TaskFamily):
     )
 
     def __init__(self, words: list[str] | None = None) -> None:
-        words = sorted(set(words or _vocabulary()))
-        part = {w: zlib.crc32(w.encode()) % 5 for w in words}
-        self.held_words = [w for w in words if part[w] == 0]
-        self.validation_words = [w for w in words if part[w] == 1]
-        self.train_words = [w for w in words if part[w] >= 2]
+        super().__init__(words or _vocabulary())
 
     def _task(self, word: str, template: str) -> Task:
         return Task(prompt=template.format(w=word), answer=word)
 
-    def sample(self, rng: random.Random) -> Task:
-        """A random training task."""
-        return self._task(rng.choice(self.train_words), rng.choice(self.templates))
-
-    def train_tasks(self, seed: int = 0) -> list[Task]:
-        """Every training prompt (word x template), shuffled by ``seed``."""
-        tasks = [self._task(w, t) for w in self.train_words for t in self.templates]
-        random.Random(seed).shuffle(tasks)
-        return tasks
-
-    def held_out(self, n: int, seed: int = 0) -> list[Task]:
-        """``n`` held-out prompts: distinct words never used for training (cycling if ``n`` exceeds them)."""
-        return self._pick(self.held_words, n, f"held-out:{seed}")
-
-    def validation(self, n: int, seed: int = 0) -> list[Task]:
-        return self._pick(self.validation_words, n, f"validation:{seed}")
-
     def _pick(self, pool: list[str], n: int, key: str) -> list[Task]:
+        """``n`` distinct words from ``pool`` (cycling only past all of them), each with a random template."""
         rng = random.Random(key)
         words = rng.sample(pool, len(pool))
         return [self._task(words[i % len(words)], rng.choice(self.templates)) for i in range(n)]
@@ -126,7 +138,7 @@ class SayWord(TaskFamily):
         return 0.2 if word in bare else 0.0
 
 
-class YesNoFirst(TaskFamily):
+class YesNoFirst(_Split):
     """``yes-no`` (the ``reef demo --model smollm2`` preference): the user asks a yes/no question (``Can cats
     swim?``) and wants the answer to start with ``Yes`` or ``No``, the direct answer first, whatever follows.
 
@@ -173,27 +185,10 @@ class YesNoFirst(TaskFamily):
     words = frozenset({"yes", "no"})
 
     def __init__(self) -> None:
-        part = {n: zlib.crc32(n.encode()) % 5 for n in sorted(set(self.nouns))}
-        self.held_nouns = [n for n in sorted(part) if part[n] == 0]
-        self.validation_nouns = [n for n in sorted(part) if part[n] == 1]
-        self.train_nouns = [n for n in sorted(part) if part[n] >= 2]
+        super().__init__(self.nouns)
 
     def _task(self, noun: str, template: str) -> Task:
         return Task(prompt=template.format(x=noun), answer="")
-
-    def sample(self, rng: random.Random) -> Task:
-        return self._task(rng.choice(self.train_nouns), rng.choice(self.templates))
-
-    def train_tasks(self, seed: int = 0) -> list[Task]:
-        tasks = [self._task(n, t) for n in self.train_nouns for t in self.templates]
-        random.Random(seed).shuffle(tasks)
-        return tasks
-
-    def held_out(self, n: int, seed: int = 0) -> list[Task]:
-        return self._pick(self.held_nouns, n, f"held-out:{seed}")
-
-    def validation(self, n: int, seed: int = 0) -> list[Task]:
-        return self._pick(self.validation_nouns, n, f"validation:{seed}")
 
     def _pick(self, pool: list[str], n: int, key: str) -> list[Task]:
         """``n`` distinct (noun, template) questions from ``pool`` (cycling only past all of them)."""

@@ -67,7 +67,7 @@ import math
 import time
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +78,8 @@ from daemon.gate import GATES, Verdict, check, judge_best
 from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
 from recipes.memory import check_budget
 from recipes.online_rl import (
-    KL_COEF,
-    MAX_KL,
     Sample,
+    WeightsSettings,
     check_drift_bound,
     check_lora,
     check_pull,
@@ -117,7 +116,7 @@ def learning_rate(settings: TTTSettings, model: Any) -> float:
 
 
 @dataclass
-class TTTSettings(GateSettings):
+class TTTSettings(GateSettings, WeightsSettings):
     gate: str = "best"  # best (turned away only when shown worse than the head at alpha) | always | review
     # best: a candidate shown worse is still published when its mean is this close (None: 0; set with another gate,
     # refused: only best reads it)
@@ -147,18 +146,7 @@ class TTTSettings(GateSettings):
     eval_seed: int = 0
     restart_after: int = 3  # rejections in a row after which training restarts from the head (0: never)
     memory_budget_mb: int = 1024  # memory (MB) one micro-batch may keep besides the model (recipes/memory.py)
-    # LoRA adapters (peft) instead of all weights, as online-rl: None: adapters on models of LORA_AUTO_PARAMS
-    # parameters or more (every real model), all weights below; releases then hold only the adapter
-    lora: bool | None = None
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # online-rl's pull toward the base (kl_coef * KL(policy || base) in the loss, LoRA policies) and drift bound
-    # (the watchdog holds a candidate whose kl_from_base exceeds max_kl); both on by default (docs/recipes.md)
-    kl_coef: float = KL_COEF
-    max_kl: float | None = MAX_KL
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    # and online-rl's lora, lora_rank, lora_alpha, kl_coef, max_kl (WeightsSettings)
 
 
 def group_key(record: ScoredExchange) -> str:

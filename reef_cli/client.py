@@ -21,7 +21,6 @@ from daemon.config import Config
 from daemon.errors import (
     BadRequest,
     Conflict,
-    DaemonNotRunning,
     Forbidden,
     NotFound,
     PayloadTooLarge,
@@ -30,6 +29,7 @@ from daemon.errors import (
     Unauthorized,
     Unavailable,
 )
+from reef_cli.reach import unreachable
 
 _BY_STATUS: dict[int, type[ReefError]] = {
     400: BadRequest,
@@ -80,7 +80,7 @@ class Client:
         try:
             resp = self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
-            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+            raise unreachable(self.config, e) from None
         except httpx.TimeoutException:
             raise Unavailable(f"the daemon at {self.where()} did not answer {method} {path} in time") from None
         if resp.status_code >= 400:
@@ -107,17 +107,17 @@ class Client:
         except (httpx.HTTPError, OSError):
             return False
 
-    def lines(self, path: str, **params: Any) -> Iterator[str]:
+    def lines(self, path: str, *, method: str = "GET", **params: Any) -> Iterator[str]:
         """The lines of a streamed answer (JSON Lines), as they come."""
         query = {k: v for k, v in params.items() if v is not None}
         try:
-            with self._http.stream("GET", path, params=query, timeout=None) as resp:
+            with self._http.stream(method, path, params=query, timeout=None) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise _error_from(resp)
                 yield from (line for line in resp.iter_lines() if line)
         except (httpx.ConnectError, FileNotFoundError) as e:
-            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+            raise unreachable(self.config, e) from None
 
     def events(self, after: int | None = None) -> Iterator[dict[str, Any]]:
         """Follow ``/reef/events``; yields event dicts until the stream ends."""
@@ -216,7 +216,7 @@ def ensure_daemon(config: Config) -> Client:
     if client.healthy():
         return client
     if config.url:
-        raise DaemonNotRunning(f"cannot reach the daemon at {config.url}")
+        raise unreachable(config, ConnectionRefusedError("not healthy"))
     start_daemon(config)
     return client
 

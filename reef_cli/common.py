@@ -47,6 +47,17 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def score_problem(score: float | None) -> str | None:
+    """What is wrong with a ``--score`` typer read as a float (None: nothing): ``nan`` and ``inf`` parse as floats
+    but are no score (JSON cannot carry them, and the daemon's answer would be about JSON, not the score)."""
+    import math
+
+    if score is None or math.isfinite(score):
+        return None
+    what = "not a number" if math.isnan(score) else "not a finite number"
+    return f"--score {score} is {what}: give a number in the scenario's range (0 to 1 unless config.toml sets one)"
+
+
 def print_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 

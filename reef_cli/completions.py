@@ -77,7 +77,7 @@ def tree(root: Any) -> Node:
                     continue
                 choices = choices or _known_values(p.opts)
                 node.options.append(([*p.opts, *p.secondary_opts], _first_line(p.help), choices))
-                if "--scenario" in p.opts:
+                if "--scenario" in p.opts or "--transfer" in p.opts:  # reef eval --transfer: a scenario too
                     node.asks_for.update(dict.fromkeys(p.opts, "scenarios"))
             else:
                 node.choices.extend(choices)

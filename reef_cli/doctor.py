@@ -231,19 +231,22 @@ def check_fit(cfg: Any) -> list[Check]:
         from adapters import ADAPTERS
     except ImportError:  # the agents check says so already
         return []
+    from daemon.engines.prompts import dir_renders_tools
     from daemon.model_dirs import context_of
 
-    contexts = {name: context_of(e.path) for name, e in sorted(cfg.models.items()) if e.engine == "transformers"}
-    contexts = {k: v for k, v in contexts.items() if v}
+    local = {name: e.path for name, e in sorted(cfg.models.items()) if e.engine == "transformers"}
+    contexts = {k: n for k, p in local.items() if (n := context_of(p))}
+    tools = {k: dir_renders_tools(local[k]) for k in contexts}  # counted as each model's template renders it
     checks = []
     for name, adapter in sorted(ADAPTERS.items()):
-        need = adapter.first_request_tokens
-        if not need or not contexts or adapter.installed_version(cfg.agents_path) is None:
+        if not adapter.first_request_tokens or not contexts or adapter.installed_version(cfg.agents_path) is None:
             continue
-        sizes = ", ".join(f"{m} {n:,} {'ok' if n >= need else 'too small'}" for m, n in contexts.items())
-        detail = f"first request about {need:,} tokens; contexts: {sizes}"
-        fits = [m for m, n in contexts.items() if n >= need]
-        if cfg.default_model in contexts and contexts[cfg.default_model] < need:
+        needs = {m: adapter.first_request_seen(tools[m]) or 0 for m in contexts}
+        sizes = ", ".join(f"{m} {n:,} for about {needs[m]:,}{'' if tools[m] is not False else ' (no tool schemas)'}"
+                          f" {'ok' if n >= needs[m] else 'too small'}" for m, n in contexts.items())
+        detail = f"first request as each model reads it; contexts: {sizes}"
+        fits = [m for m, n in contexts.items() if n >= needs[m]]
+        if cfg.default_model in contexts and contexts[cfg.default_model] < needs[cfg.default_model]:
             checks.append(Check(f"fit {name}", WARN, detail + f" (the default {cfg.default_model} cannot hold it)",
                                 (f"reef scenarios set-model {name} {fits[0]}" if fits else
                                  "serve it from an upstream provider or a server engine with a larger model")))

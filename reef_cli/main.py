@@ -6,7 +6,7 @@ import typer
 import typer.core
 import typer.main
 
-from reef_cli import agents, completions, daemon_cmd, demo, doctor, model, records, releases, tui
+from reef_cli import agents, completions, daemon_cmd, demo, doctor, evaluation, model, records, releases, tui
 from reef_cli.common import client, edge, print_json
 from reef_cli.status import status_lines
 
@@ -43,6 +43,7 @@ app.command("report")(records.report)
 app.command("demo")(demo.demo)
 app.command("tui")(tui.command)
 app.command("doctor")(doctor.doctor)
+app.command("eval")(evaluation.command)
 app.add_typer(daemon_cmd.app, name="daemon")
 app.add_typer(records.records_app, name="records")
 app.add_typer(records.scenarios_app, name="scenarios")

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from reef_cli.common import ago, client, console, edge, fail, print_json
+from reef_cli.common import ago, client, console, edge, fail, print_json, score_problem
 
 records_app = typer.Typer(help="Browse recorded exchanges and their reports.", no_args_is_help=True)
 scenarios_app = typer.Typer(help="List, show and create scenarios.", no_args_is_help=True)
@@ -37,11 +37,20 @@ def list_records(
     for r in recs:
         timings, usage = r.get("timings") or {}, r.get("usage") or {}
         table.add_row(
-            r["id"], r["scenario"], r.get("run") or "-", r.get("model") or "-", r["status"], ago(r["created_at"]),
-            f"{timings.get('total_ms', 0):.0f}", str(usage.get("output_tokens", "-")),
+            r["id"], r["scenario"], r.get("run") or "-", r.get("model") or "-", str(r["status"]).replace("_", " "),
+            ago(r["created_at"]),
+            f"{timings.get('total_ms', 0):.0f}", _tokens(usage),
             "-" if r.get("score") is None else f"{r['score']:g}",
         )
     console().print(table)
+
+
+def _tokens(usage: dict[str, Any]) -> str:
+    """An exchange's output tokens for a listing: ``unknown`` where its provider sent no usage (never a 0)."""
+    if not usage:
+        return "-"
+    n = usage.get("output_tokens")
+    return "unknown" if n is None else str(n)
 
 
 @records_app.command("show")
@@ -58,12 +67,24 @@ def show_record(
         return
     out = console()
     out.print(f"[bold]{rec['id']}[/]  {rec['kind']}  scenario [cyan]{rec['scenario']}[/]  run {rec.get('run') or '-'}")
-    out.print(f"status {rec['status']}  format {rec.get('format')}  engine {rec.get('engine')}  model {rec.get('model')}")
+    out.print(f"status {str(rec['status']).replace('_', ' ')}  format {rec.get('format')}  engine {rec.get('engine')}  model {rec.get('model')}")
     out.print(f"release {rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}  {ago(rec['created_at'])}")
+    if rec.get("forgotten_at"):
+        what = "request, answer and token ids" if rec["kind"] == "exchange" else "feedback and metadata"
+        out.print(f"[bold]forgotten[/] {ago(rec['forgotten_at'])}: its {what} were deleted (reef records forget); "
+                  "what stays is this tombstone" + (f", content_hash {rec['content_hash']}"
+                                                    if rec.get("content_hash") else ""))
     if rec.get("timings"):
         out.print("timings " + ", ".join(f"{k} {v}" for k, v in rec["timings"].items()))
     if rec.get("usage"):
-        out.print("usage " + json.dumps(rec["usage"]))
+        usage = rec["usage"]
+        if usage.get("unknown"):
+            out.print(f"usage unknown ({usage['unknown']})")
+        else:
+            out.print("usage " + json.dumps(usage))
+        if usage.get("tools_dropped"):
+            out.print(f"[yellow]tools dropped[/]: the request sent {usage['tools_dropped']} tool(s); the model's "
+                      "chat template left them out, so the model never saw them")
     if rec.get("request") is not None:
         out.rule("request")
         out.print_json(json.dumps(rec["request"])[:20000])
@@ -84,28 +105,47 @@ def show_record(
 EXPORT_BATCH = 1000  # lines per Parquet row group and per import request
 
 
+def parquet_missing() -> str | None:
+    """Why ``--format parquet`` cannot run here (None: it can): pyarrow, a dependency of Reef since December 2026,
+    missing from an older install; the message names the install command for the Python that runs Reef."""
+    import sys
+
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        import shlex
+
+        return (f"--format parquet needs pyarrow, which this install of Reef lacks: "
+                f"{shlex.quote(sys.executable)} -m pip install 'pyarrow>=17' (or run Reef's install.sh again)")
+    return None
+
+
 @records_app.command("export")
 @edge
 def export(
     out: str = typer.Option("-", "--output", "-o", help="The file to write (default: standard output, JSON Lines)."),
     scenario: str = typer.Option(None, "--scenario", "-s", help="Only this scenario's exchanges."),
     since: float = typer.Option(None, "--since", help="Only exchanges since this time (seconds since the epoch)."),
-    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet (Parquet needs pyarrow: pip install "
-                            "pyarrow)."),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet."),
+    shape: str = typer.Option("prompt-completion", "--shape", help="prompt-completion (prompt and completion "
+                              "message lists) or messages (one list): TRL's conversational shapes."),
 ) -> None:
-    """Write exchanges with their reports in the shape training tools read (TRL's prompt/completion messages,
-    score and label, token ids and log-probs where recorded), streamed: any number of records."""
+    """Write exchanges with their reports in the shapes TRL documents (prompt/completion or messages as lists of
+    messages, numeric score, label where scored, a tools column, token ids and log-probs where recorded), streamed:
+    any number of records. ``datasets.load_dataset`` reads either file as it is."""
     import sys
+
+    from daemon.export_files import SHAPES, as_shape
 
     if fmt not in ("jsonl", "parquet"):
         fail(f"--format is jsonl or parquet, not {fmt!r}", 2)
+    if shape not in SHAPES:
+        fail(f"--shape is {' or '.join(SHAPES)}, not {shape!r}", 2)
     if fmt == "parquet":
         if out == "-":
             fail("--format parquet writes a file: give --output FILE", 2)
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            fail("--format parquet needs pyarrow (pip install pyarrow, or install Reef with its dev extra)", 2)
+        if (why := parquet_missing()) is not None:
+            fail(why, 2)
     n = 0
     with client() as c:
         lines = c.lines("/reef/records/export", scenario=scenario, since=since)
@@ -113,30 +153,36 @@ def export(
             sink = sys.stdout if out == "-" else open(out, "w", encoding="utf-8")  # noqa: SIM115
             try:
                 for line in lines:
+                    if shape != "prompt-completion":
+                        line = json.dumps(as_shape(json.loads(line), shape), ensure_ascii=False,
+                                          separators=(",", ":"))
                     sink.write(line + "\n")
                     n += 1
             finally:
                 if sink is not sys.stdout:
                     sink.close()
         else:
-            n = _write_parquet(lines, out)
+            n = _write_parquet(lines, out, shape)
     if out != "-":
         print(f"wrote {n} exchange(s) to {out}")
 
 
-def _write_parquet(lines: Any, out: str) -> int:
+def _write_parquet(lines: Any, out: str, shape: str) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from daemon.export_files import as_shape, parquet_row, parquet_schema
+
+    schema = parquet_schema(pa, shape)
     writer, batch, n = None, [], 0
     try:
         for line in lines:
-            batch.append(json.loads(line))
+            batch.append(parquet_row(as_shape(json.loads(line), shape)))
             if len(batch) == EXPORT_BATCH:
-                writer = _parquet_rows(pa, pq, writer, batch, out)
+                writer = _parquet_rows(pa, pq, schema, writer, batch, out)
                 n, batch = n + len(batch), []
         if batch or writer is None:
-            writer = _parquet_rows(pa, pq, writer, batch, out)
+            writer = _parquet_rows(pa, pq, schema, writer, batch, out)
             n += len(batch)
     finally:
         if writer is not None:
@@ -144,17 +190,8 @@ def _write_parquet(lines: Any, out: str) -> int:
     return n
 
 
-def _parquet_rows(pa: Any, pq: Any, writer: Any, rows: list[dict[str, Any]], out: str) -> Any:
-    # nested values as JSON text where their shape varies from row to row (messages with or without tool calls)
-    flat = [{**r, "reports": json.dumps(r["reports"]), "prompt": json.dumps(r["prompt"]),
-             "completion": json.dumps(r["completion"])} for r in rows]
-    schema = pa.schema([("id", pa.string()), ("scenario", pa.string()), ("run", pa.string()),
-                        ("created_at", pa.float64()), ("model", pa.string()), ("release_id", pa.string()),
-                        ("format", pa.string()), ("status", pa.string()), ("prompt", pa.string()),
-                        ("completion", pa.string()), ("score", pa.float64()), ("label", pa.bool_()),
-                        ("reports", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
-                        ("token_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32()))])
-    table = pa.Table.from_pylist(flat, schema=schema)
+def _parquet_rows(pa: Any, pq: Any, schema: Any, writer: Any, rows: list[dict[str, Any]], out: str) -> Any:
+    table = pa.Table.from_pylist(rows, schema=schema)
     if writer is None:
         writer = pq.ParquetWriter(out, schema)
     writer.write_table(table)
@@ -259,6 +296,8 @@ def report(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Attach a report (score and/or feedback) to receipts."""
+    if (why := score_problem(score)) is not None:
+        fail(why, 2)
     body: dict[str, Any] = {"references": receipts}
     if score is not None:
         body["score"] = score
@@ -320,6 +359,8 @@ def show_scenario(
         print(f"{key:11} {s.get(key)}")
     print(f"{'capture':11} {'on' if s.get('capture', True) else 'off (serve-only: never trained on)'}")
     print(f"{'learning':11} {'paused (reef scenarios resume ' + name + ')' if s.get('paused') else 'on'}")
+    if s.get("warning"):  # the early warning (daemon/gating/warning.py)
+        print(f"{'warning':11} {s['warning'].get('reason')}")
     if s.get("archived"):
         print(f"{'archived':11} yes: neither served nor trained (reef scenarios unarchive {name})")
     print(f"{'created':11} {ago(s['created_at'])}")
@@ -436,7 +477,8 @@ def _switched(s: dict[str, Any], json_out: bool) -> None:
         print_json(s)
     else:
         print(f"scenario {s['name']}: {'archived (neither served nor trained), ' if s.get('archived') else ''}"
-              f"learning {'paused' if s['paused'] else 'on'}, capture {'on' if s['capture'] else 'off (serve-only)'}")
+              f"learning {'paused' if s['paused'] else 'on'}, capture {'on' if s['capture'] else 'off (serve-only)'}"
+              + ("; an early warning stands (reef scenarios show)" if s.get("warning") else ""))
 
 
 @scenarios_app.command("pause")
@@ -452,9 +494,40 @@ def pause(name: str = typer.Argument(..., help="The scenario."),
 @edge
 def resume(name: str = typer.Argument(..., help="The scenario."),
            json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Resume a paused scenario's learning, from the reports that came meanwhile."""
+    """Resume a paused scenario's learning, from the reports that came meanwhile; this also clears an early
+    warning (the reward rising while the answers collapse), whose trend is then read afresh."""
     with client() as c:
         _switched(c.post(f"/reef/scenarios/{name}/resume", {}), json_out)
+
+
+@scenarios_app.command("accept-warning")
+@edge
+def accept_warning(name: str = typer.Argument(..., help="The scenario."),
+                   json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Accept a scenario's early warning: learning goes on, and it is not warned again until its settings change
+    (exit 5 when no warning stands). Held candidates stay held: reef releases promote ID serves one."""
+    with client() as c:
+        _switched(c.post(f"/reef/scenarios/{name}/accept-warning", {}), json_out)
+
+
+@scenarios_app.command("update")
+@edge
+def update_scenario(name: str = typer.Argument(..., help="The scenario."),
+                    settings: str = typer.Option(..., "--settings", help='Recipe settings to change, as JSON '
+                                                 '(\'{"kl_coef": 0.5}\'; null puts one back to its default).'),
+                    json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Change a scenario's recipe settings, checked as at creation (exit 2 naming a setting the recipe refuses);
+    this also clears an early warning, whose trend is then read afresh under the new settings."""
+    try:
+        given = json.loads(settings)
+    except ValueError as e:
+        fail(f"--settings must be JSON: {e}", 2)
+    with client() as c:
+        s = c.post(f"/reef/scenarios/{name}/settings", {"settings": given})
+    if json_out:
+        print_json(s)
+    else:
+        print(f"scenario {s['name']}: settings {json.dumps(s['settings'])}")
 
 
 @scenarios_app.command("archive")

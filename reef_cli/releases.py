@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,33 @@ def _origin(origin: Any) -> str:
     return f"agent proposal{run}: {origin.get('op')} {origin.get('target')} ({str(origin.get('reason'))[:80]})"
 
 
+def _which_scenario(c: Any) -> str:
+    """``reef releases list`` without ``-s``: ``default`` where it exists, else the only scenario there is (said on
+    stderr); with several and no ``default``, a refusal that lists them (a wrapper user's are pi, claude...)."""
+    names = [s["name"] for s in c.get("/reef/scenarios")["scenarios"] if not s.get("archived")]
+    if "default" in names:
+        return "default"
+    if len(names) == 1:
+        sys.stderr.write(f"reef: no -s given: scenario {names[0]}, the only one\n")
+        return str(names[0])
+    if not names:
+        fail("there are no scenarios yet: a first request through Reef (or reef-pi, reef-claude...) makes one", 2)
+    fail(f"there is no scenario named 'default': give -s NAME, one of {', '.join(sorted(names))}", 2)
+    raise AssertionError  # fail() exits
+
+
 @app.command("list")
 @edge
 def list_releases(
-    scenario: str = typer.Option("default", "--scenario", "-s", help=SCENARIO_HELP),
+    scenario: str | None = typer.Option(None, "--scenario", "-s", help="The scenario (default: default, or the only one "
+                                 "there is)."),
     all_: bool = typer.Option(False, "--all", help="Also show pending releases and steps not published (rejected, "
                               "skipped, failed)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """List a scenario's releases, newest first, the head marked."""
     with client() as c:
+        scenario = scenario or _which_scenario(c)
         data = c.get(f"/reef/scenarios/{scenario}/releases", all="1" if all_ else None)
     if json_out:
         print_json(data)
@@ -120,8 +138,11 @@ def show_release(
             out.print(line, markup=False)
     if m:
         out.print("metrics " + json.dumps(m))
-    receipts = rel.get("receipts") or []
-    out.print(f"receipts {len(receipts)}" + (": " + ", ".join(receipts[:10]) if receipts else ""))
+    fed = rel.get("receipts") or []  # a harness release lists the reports it learned from; a weights one, exchanges
+    reports, exchanges = [i for i in fed if i.startswith("rep_")], [i for i in fed if not i.startswith("rep_")]
+    for label, ids in (("reports", reports), ("receipts", exchanges)):
+        if ids or label == "receipts" and not reports:
+            out.print(f"{label} {len(ids)}" + (": " + ", ".join(ids[:10]) if ids else ""))
     if diff:
         _print_diff(out, rel.get("diff") or {})
 

@@ -17,6 +17,7 @@ from adapters import Adapter
 from adapters.base import write_file
 from daemon.config import Config
 from daemon.errors import NotFound, ReefError
+from reef_cli.reach import unreachable
 
 # --- a light client of the daemon (stdlib only) ------------------------------------------------------------
 
@@ -30,7 +31,10 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
         from urllib.parse import urlsplit
 
         u = urlsplit(config.url)
-        sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        try:
+            sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=timeout)
+        except ConnectionError as e:
+            raise unreachable(config, e) from None
         auth = f"Authorization: Bearer {config.tcp_token() or ''}\r\n"
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -46,9 +50,13 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
+    except (ConnectionError, FileNotFoundError) as e:  # refused, reset, no socket: said in words (``unreachable``)
+        raise unreachable(config, e) from None
     finally:
         sock.close()
     raw = b"".join(chunks)
+    if not raw:  # it took the request and closed without a word: the daemon went away mid-request
+        raise unreachable(config, ConnectionResetError("closed without answering"))
     header, _, payload = raw.partition(b"\r\n\r\n")
     try:
         status = int(header.split(b" ", 2)[1])
@@ -67,11 +75,13 @@ def call(config: Config, method: str, path: str, body: Any = None, *, timeout: f
 
 def call_starting(config: Config, method: str, path: str, body: Any = None) -> Any:
     """``call``, starting the local daemon first when it is not running."""
+    from daemon.errors import DaemonNotRunning
+
     try:
         return call(config, method, path, body)
-    except (ConnectionRefusedError, FileNotFoundError):
+    except DaemonNotRunning:
         if config.url:
-            raise ReefError(f"cannot reach the daemon at {config.url}") from None
+            raise
     from reef_cli.client import start_daemon
 
     say("starting the daemon")

@@ -16,7 +16,22 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             f"models   {models}; default {info['default_model']}",
             *_provider_line(info),
             f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios",
+            *(f"warning  {name}: {why}" for name, why in sorted((info.get("warnings") or {}).items())),
+            *_inflight_lines(info.get("inflight") or []),
             *_canary_lines(info)]
+
+
+def _inflight_lines(inflight: list[dict[str, Any]]) -> list[str]:
+    """One line per request being served: where it runs, how long, and the tokens the engine has made so far."""
+    out = [f"serving  {len(inflight)} request{'s' if len(inflight) != 1 else ''} now"] if inflight else []
+    for x in inflight:
+        n, cap = x.get("output_tokens"), x.get("output_cap")
+        tokens = ("tokens not counted (upstream)" if n is None else
+                  f"reading its prompt ({x.get('prompt_tokens') or 0:,} tokens)" if n == 0 else
+                  f"{n:,} tokens" + (f" of at most {cap:,}" if cap else ""))
+        out.append(f"  {x['receipt']}  {x['scenario']}{'/' + x['run'] if x.get('run') else ''}  {x['model']}  "
+                   f"{x['elapsed_s']:.0f} s, {tokens}")
+    return out
 
 
 def _canary_lines(info: dict[str, Any]) -> list[str]:

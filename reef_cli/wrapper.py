@@ -121,6 +121,7 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     release = sync_harness(config, adapter, home, start)
     target = Target(url=config.url or start["url"], scenario=start["scenario"], run=start["run"],
                     model=start["model"], release_id=release, context_window=int(start["context_length"]))
+    argv = adapter.argv(binary, args, target)  # a form the agent lacks (`reef-opencode -p` alone) is refused here
     adapter.prepare(home, target)
     env = dict(os.environ)
     for name in adapter.unset_env():
@@ -135,7 +136,8 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     before = outcomes.snapshot(Path.cwd()) if asked.kept else None
     record["spawned_at"] = time.time()
     save_run(config, record)
-    code = spawn(adapter.argv(binary, args, target), env)
+    with _long_requests(config, target.run, args):
+        code = spawn(argv, env)
     record.update(ended_at=time.time(), exit_code=code)
     record["agent_files"] = agent_files(home, record["spawned_at"])
     try:
@@ -230,20 +232,44 @@ def report_kept(config: Config, adapter: Adapter, cwd: Path, asked: Any) -> None
 def model_notes(adapter: Adapter, start: dict[str, Any]) -> list[str]:
     """One line each for what would otherwise surprise the user after the agent ran: a test model (its answers are
     noise), a scenario bound to another model than the default (and the one command that moves it), a first
-    request that cannot fit the model's context (and the ways out)."""
+    request that cannot fit the model's context (and the ways out), a model whose chat template drops the agent's
+    tools (said once, before the agent starts; each exchange records it as ``usage.tools_dropped``)."""
     out = []
     model, scenario, default = start["model"], start["scenario"], start.get("default_model")
+    if start.get("warning"):  # the early warning (daemon/gating/warning.py): learning is paused until the user acts
+        out.append(f"warning on scenario {scenario}: {start['warning']}")
     if start.get("test_model"):
         out.append(f"model {model} is a test model (random weights): its answers are noise")
     if default and model != default:
         out.append(f"scenario {scenario} is bound to model {model}, not the default {default}; move it with: "
                    f"reef scenarios set-model {scenario} {default}")
-    need, context = adapter.first_request_tokens, int(start.get("context_length") or 0)
+    # counted as the model's chat template renders it: a template that drops tool schemas never sees them
+    need, context = adapter.first_request_seen(start.get("carries_tools")), int(start.get("context_length") or 0)
     if need and context and need > context:
-        out.append(f"{adapter.name}'s first request is about {need:,} tokens and model {model} holds {context:,}: it "
-                   "will be refused. Ways out: an upstream provider ([models.NAME] engine = \"upstream\"), or a "
-                   "server engine (vllm) with a larger model; then reef scenarios set-model")
+        out.append(f"{adapter.name}'s first request is about {need:,} tokens as model {model} reads it, and it holds "
+                   f"{context:,}: it will be refused. Ways out: an upstream provider ([models.NAME] engine = "
+                   "\"upstream\"), or a server engine (vllm) with a larger model; then reef scenarios set-model")
+    if start.get("carries_tools") is False:
+        from daemon.providers import known
+
+        out.append(f"model {model}'s chat template drops tool definitions: {adapter.name} will answer, but cannot "
+                   f"read, edit or run anything (its tools never reach the model). To let it act, serve it from a "
+                   f"provider: {adapter.command} --reef-provider NAME (one of {known()})")
     return out
+
+
+def _long_requests(config: Config, run: str, args: list[str]) -> Any:
+    """Say on stderr when one of the run's requests runs long (``reef_cli/progress.py``); not over an agent's own
+    screen (a terminal and no one-shot prompt), where it would break the agent's display."""
+    import contextlib
+
+    from reef_cli import progress
+
+    if sys.stdout.isatty() and not {"-p", "--print", "exec", "run"} & set(args):
+        return contextlib.nullcontext()
+    after = float(os.environ.get("REEF_LONG_REQUEST_S") or progress.AFTER_S)
+    return progress.watch(lambda path: call(config, "GET", path), run, say, after_s=after,
+                          poll_s=min(progress.POLL_S, max(after / 4, 0.05)))
 
 
 def prompt_of(args: list[str]) -> str:

@@ -9,7 +9,7 @@ import typer
 
 from adapters import Adapter
 from daemon.errors import BadRequest, NotFound, ReefError
-from reef_cli.common import ago, config, console, edge, print_json
+from reef_cli.common import ago, config, console, edge, print_json, score_problem
 from reef_cli.runs import call_starting, list_runs, load_run, run_receipts, save_run
 
 
@@ -38,6 +38,8 @@ def subcommands(adapter: Adapter) -> Any:
         cfg = config()
         if score is None and feedback is None:
             raise BadRequest("give --score, --feedback, or both (nothing was reported)", param="score")
+        if (why := score_problem(score)) is not None:
+            raise BadRequest(why, param="score")
         rec = load_run(cfg, adapter, run)
         receipts = rec.get("receipts") or []
         if not receipts:  # the run's receipts were not stored (daemon unreachable then): ask again

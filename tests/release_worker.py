@@ -75,8 +75,8 @@ def loop(repo: str, scenario: str, ready: str) -> None:
 def hold_lock(repo: str, scenario: str, ready: str) -> None:
     store = ReleaseStore(repo)
     name = SCENARIOS_REF + scenario
-    with store._guard(exclusive=False, blocking=True):
-        tx = store._repo().transaction()
+    with store.refs.guard(exclusive=False, blocking=True):
+        tx = store.repo.git().transaction()
         tx.lock_ref(name)
         Path(ready).touch()
         time.sleep(3600)

@@ -185,7 +185,8 @@ def test_models_are_bound_per_scenario(daemon_factory: Any, tiny_model: Path) ->
         rec2 = c.get(f"/reef/records/{r2.headers['x-reef-agent-record-id']}").json()
         rec1 = c.get(f"/reef/records/{r1.headers['x-reef-agent-record-id']}").json()
     assert rec2["model"] == "tiny2" and rec1["model"] == "tiny"
-    assert r2.json()["model"] == "whatever-the-client-says"
+    # the scenario's model answered, and the answer says so (it echoed the client's name)
+    assert r2.json()["model"] == "tiny2" and r2.headers["x-reef-model"] == "tiny2"
 
 
 def test_config_errors_are_clear(daemon_factory: Any) -> None:

@@ -98,8 +98,8 @@ def test_every_exit_code_is_documented() -> None:
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
-        (["status"], 7, "cannot reach the daemon"),
-        (["releases", "list", "--json"], 7, "cannot reach the daemon"),
+        (["status"], 7, "is not answering (connection refused"),
+        (["releases", "list", "--json"], 7, "the Reef daemon at http"),
         (["records", "list", "--bogus"], 2, "No such option: --bogus"),
         (["report", "rec_x", "--score", "1", "--metadata", "{"], 2, "--metadata is not valid JSON"),
         (["completions", "show", "tcsh"], 2, "tcsh"),

@@ -47,7 +47,9 @@ def world(tiny_model: Path, agents_dir: Path) -> Iterator[dict[str, Any]]:  # no
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     home, dport, env = make_home(tiny_model, f'\n[models.agent]\nengine = "upstream"\nurl = "{standin}"\n'
                                              'format = "openai-chat"\nupstream_model = "agent"\n'
-                                             f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n')
+                                             f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n'
+                                             f'\n[models.capped]\nengine = "transformers"\npath = "{tiny_model}"\n'
+                                             'max_tokens_limit = 16\n')
     settings = (home / "config.toml").read_text().replace('default_model = "tiny"', 'default_model = "agent"', 1)
     (home / "config.toml").write_text(f'agents_dir = "{agents_dir}"\n' + settings)
     d = Daemon(home=home, port=dport, env=env).start()
@@ -200,3 +202,23 @@ def test_the_interactive_tui_stays_on_loopback_and_leaves_no_daemon(world: dict[
     codex_home = world["daemon"].home / "homes" / "codex" / "cx-tui" / ".codex"
     assert codex_home.is_dir() and not (codex_home / "packages").exists()
     assert not (codex_home / "app-server-daemon").exists()
+
+
+def test_an_answer_the_output_cap_ends_lets_codex_end_with_it(world: dict[str, Any]) -> None:
+    """Codex sends no output limit. On a local model its answer gets the model's output cap, and an answer the cap
+    ends is ``completed``, not ``incomplete``: Codex ends a run that got ``incomplete`` with "Incomplete response
+    returned, reason: max_output_tokens" and exit 1. The model here has a cap of 16 tokens, so every answer is cut by
+    it (the tiny model rarely says its end token that soon); the run still ends with its answer and exit 0."""
+    with world["daemon"].http() as c:
+        made = c.post("/reef/scenarios", json={"name": "cx-cap", "recipe": "lessons", "model": "capped"})
+        assert made.status_code == 201, made.text
+    out = reef_codex(world, "--reef-scenario", "cx-cap", "-p", "say hi")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "max_output_tokens" not in out.stdout + out.stderr
+    run = run_record(world)
+    recs = records(world, run["receipts"])
+    assert recs and all(r["model"] == "capped" and r["status"] == "complete" for r in recs), recs
+    assert all("max_output_tokens" not in r["request"] for r in recs)  # Codex asks for no limit
+    answers = [r["response"] for r in recs]
+    assert all(a["status"] == "completed" and a["incomplete_details"] is None for a in answers), answers
+    assert all(a["usage"]["output_tokens"] <= 16 for a in answers)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes import online_rl
+from recipes import logprobs
 from recipes.online_rl import (
     OnlineRLSettings,
     Sample,
@@ -51,7 +51,7 @@ def test_yes_no_verifier_looks_at_the_first_word():
 
 def test_yes_no_held_out_and_validation_questions_are_never_trained_on():
     fam = get_family("yes-no")
-    train, held, val = set(fam.train_nouns), set(fam.held_nouns), set(fam.validation_nouns)
+    train, held, val = set(fam.train_items), set(fam.held_items), set(fam.validation_items)
     assert train and held and val and not (train & held) and not (train & val) and not (held & val)
     trained_prompts = {t.prompt for t in fam.train_tasks(0)}
     for n in (64, 500):
@@ -84,17 +84,17 @@ def test_token_logprobs_equal_the_full_forward_with_a_trained_adapter():
     batch = [Sample([5, 6, 7, 8, 9], [10, 11], [0.0, 0.0], 1.0, "a"),
              Sample([5, 6], [12, 13, 14, 15], [0.0] * 4, 0.0, "a"),
              Sample([7, 8, 9], [16], [0.0], 0.5, "b")]
-    assert online_rl._decoder_and_head(model) is not None  # the shortcut is taken for this model
+    assert logprobs._decoder_and_head(model) is not None  # the shortcut is taken for this model
     fast_logp, fast_entropy, fast_mask = token_logprobs(model, batch)
     full = model(input_ids=torch.tensor([s.prompt_token_ids + s.token_ids for s in batch[1:2]])).logits[0]
     want = torch.log_softmax(full.float(), -1)[torch.arange(1, 5), torch.tensor([12, 13, 14, 15])]
     torch.testing.assert_close(fast_logp[1, :4], want, rtol=1e-4, atol=1e-4)
-    orig = online_rl._decoder_and_head
-    online_rl._decoder_and_head = lambda m: None  # the full forward over every position
+    orig = logprobs._decoder_and_head
+    logprobs._decoder_and_head = lambda m: None  # the full forward over every position
     try:
         slow_logp, slow_entropy, slow_mask = token_logprobs(model, batch)
     finally:
-        online_rl._decoder_and_head = orig
+        logprobs._decoder_and_head = orig
     assert torch.equal(fast_mask, slow_mask) and fast_mask.sum() == 7
     torch.testing.assert_close(fast_logp[fast_mask], slow_logp[slow_mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast_entropy[fast_mask], slow_entropy[slow_mask], rtol=1e-4, atol=1e-4)

@@ -134,26 +134,30 @@ def fake_installed(agents_dir: Path, adapter: Any) -> None:
 def test_doctor_holds_each_agents_first_request_against_each_models_context(tiny_model: Path, tmp_path: Path
                                                                             ) -> None:
     """The default is a model of 8,192 tokens: pi's first request fits, Claude Code's does not (a warning naming
-    both sizes and the model that holds it); a test model as the default is a warning too."""
+    both sizes and the model that holds it: one of the same context whose template, SmolLM2's, drops the tool
+    schemas); a test model as the default is a warning too."""
     from adapters import get_adapter
-    from tests.test_harness import short_context_model
+    from tests.test_harness import short_context_model, toolless_model
 
     home, _, env = make_home(tiny_model)
     short = short_context_model(tiny_model, tmp_path, 8192)
+    smol = toolless_model(tiny_model, tmp_path, 8192)
     agents = tmp_path / "agents"
     for name in ("pi", "claude"):
         fake_installed(agents, get_adapter(name))
     cfg = home / "config.toml"
     cfg.write_text(f'agents_dir = "{agents}"\n' + cfg.read_text().replace('default_model = "tiny"', 'default_model = '
                                                                           '"short"')
-                   + f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n')
+                   + f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n'
+                   + f'\n[models.smol]\nengine = "transformers"\npath = "{smol}"\n')
     try:
         _, data = doctor(env, "--json")
         checks = by_name(data)
         assert checks["fit pi"]["status"] == "ok" and "1,546" in checks["fit pi"]["detail"]
         claude = checks["fit claude"]
-        assert claude["status"] == "warn" and "21,600" in claude["detail"] and "short 8,192 too small" in claude["detail"]
-        assert claude["fix"] == "reef scenarios set-model claude tiny"  # the tiny model's 65,536 hold it
+        assert claude["status"] == "warn" and "short 8,192 for about 21,300 too small" in claude["detail"]
+        assert "smol 8,192 for about 3,550 (no tool schemas) ok" in claude["detail"]  # as SmolLM2's template reads it
+        assert claude["fix"] == "reef scenarios set-model claude smol"  # smol's template drops the tool schemas
         assert "fit opencode" not in checks  # not installed: nothing to say
         assert checks["model"]["status"] == "ok"
         cfg.write_text(cfg.read_text().replace('default_model = "short"', 'default_model = "tiny"'))

@@ -55,16 +55,18 @@ def test_export_in_the_documented_shape_and_import_back_idempotently(daemon_fact
 
     table = pq.read_table(pq_path).to_pylist()
     assert [r["id"] for r in table] == [x["id"] for x in lines]
-    assert json.loads(table[0]["prompt"]) == first["prompt"] and table[0]["score"] == 0.9
+    assert [{k: v for k, v in m.items() if v is not None} for m in table[0]["prompt"]] == first["prompt"]
+    assert table[0]["score"] == 0.9 and table[0]["reports"][0] == {"score": 0.2, "feedback": "meh", "source": None}
     assert list(table[0]["token_ids"]) == first["token_ids"]
     # import into another daemon's home: the same exchanges, once however often it runs
     d2: Daemon = daemon_factory()
     got = d2.cli("records", "import", str(out), "--scenario", "moved", "--json")
-    assert json.loads(got.stdout) == {"imported": 5, "skipped": 0, "reports": 1}
+    assert json.loads(got.stdout) == {"imported": 5, "skipped": 0, "reports": 2}  # both of a's reports
     again = d2.cli("records", "import", str(out), "--json")
     assert json.loads(again.stdout) == {"imported": 0, "skipped": 5, "reports": 0}
     round_trip = tmp_path / "back.jsonl"
     d2.cli("records", "export", "-o", str(round_trip))
+    assert round_trip.read_bytes() == out.read_bytes()  # out and back through the CLI and two daemons: same bytes
     back = {x["id"]: x for x in map(json.loads, round_trip.read_text().splitlines())}
     assert set(back) == set(by_id) and all(x["scenario"] == "ex" for x in back.values())  # the line's own
     assert back[a]["prompt"] == first["prompt"] and back[a]["score"] == 0.9
@@ -158,7 +160,9 @@ def test_an_import_refuses_what_the_api_refuses_elsewhere_naming_the_item_and_fi
         assert [x["id"] for x in c.get("/reef/records", params={"scenario": "imp-bad"}).json()["records"]] == [
             receipt]  # no imported exchange, no report
         tools = [{"role": "system", "content": "s"}, {"role": "user", "content": "ls"},
-                 {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py"}]  # as an export writes
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+                 {"role": "tool", "content": "a.py", "tool_call_id": "c1"}]  # as an export writes
         ok = c.post("/reef/records/import", json={"items": [{**TURN, "run": "run_1:a", "id": "rec_Imp-1_x",
                                                              "score": 0, "model": "Qwen/Qwen2.5-7B",
                                                              "prompt": tools}]})

@@ -159,17 +159,37 @@ def short_context_model(tiny_model: Path, tmp_path: Path, context: int) -> Path:
     return short
 
 
+# SmolLM2-135M-Instruct's chat template (Apache-2.0): it renders each message's content and drops tool schemas
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def toolless_model(tiny_model: Path, tmp_path: Path, context: int) -> Path:
+    """The tiny model with SmolLM2's context and chat template, which drops tool schemas."""
+    path = tmp_path / "toolless"
+    shutil.copytree(short_context_model(tiny_model, tmp_path / "t", context), path)
+    tok = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": SMOLLM2_TEMPLATE}))
+    return path
+
+
 def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_factory: Any, tiny_model: Path,
                                                                        tmp_path: Path) -> None:
     """A scenario made on a test model while the default is another: the run's start says both, the wrapper says
     so in one line each with the command that moves it, ``set-model`` moves it (its harness kept), and a weights
     scenario cannot move. An agent whose first request is larger than the model's context is told before it runs
-    (Claude Code's 21,600 tokens against 8,192), one that fits (pi) is not."""
+    (Claude Code's 21,300 tokens against 8,192), one that fits (pi) is not; nor is Claude Code on a model of the same
+    context whose chat template drops tool schemas (SmolLM2's): it reads about 3,000 tokens of it."""
     from adapters import get_adapter
     from reef_cli.wrapper import model_notes
 
     short = short_context_model(tiny_model, tmp_path, 8192)
-    d: Daemon = daemon_factory(f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n', start=False)
+    toolless = toolless_model(tiny_model, tmp_path, 8192)
+    d: Daemon = daemon_factory(f'\n[models.short]\nengine = "transformers"\npath = "{short}"\n'
+                               f'\n[models.smol]\nengine = "transformers"\npath = "{toolless}"\n', start=False)
     cfg = d.home / "config.toml"
     cfg.write_text(cfg.read_text().replace('default_model = "tiny"', 'default_model = "short"'))
     d.start()
@@ -193,7 +213,13 @@ def test_a_wrapped_agents_scenario_says_its_model_and_moves_to_another(daemon_fa
         assert model_notes(get_adapter("pi"), after) == []  # pi's 1,546 tokens fit
         claude = c.post("/reef/runs", json={"adapter": "claude", "scenario": "pi"}).json()
         (fit,) = model_notes(get_adapter("claude"), claude)
-        assert "21,600 tokens and model short holds 8,192" in fit and "upstream" in fit
+        assert "21,300 tokens as model short reads it, and it holds 8,192" in fit and "upstream" in fit
+        assert claude["carries_tools"] is True
+        assert create(c, "c2") and c.post("/reef/scenarios/c2/model", json={"model": "smol"}).status_code == 200
+        smol = c.post("/reef/runs", json={"adapter": "claude", "scenario": "c2"}).json()
+        assert (smol["context_length"], smol["carries_tools"]) == (8192, False)
+        notes = model_notes(get_adapter("claude"), smol)  # about 3,000 tokens as SmolLM2's template renders it
+        assert notes and not any("first request" in n for n in notes), notes
         # refused: a weights chain, an unknown model, a scenario that does not exist
         err = assert_canonical_error(c.post("/reef/scenarios/w/model", json={"model": "tiny"}), 409)
         assert "learns weights" in err["message"]

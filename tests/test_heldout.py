@@ -191,8 +191,48 @@ def test_the_head_is_asked_only_what_it_was_not_asked_before_and_the_candidate_i
     fig, cands, heads = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", ["Tell me about rain."],
                                                 SETTINGS, known))
     assert [p for who, p in engine.asked if who == "head"] == ["Tell me about rain."] and fig.head_sampled == 1
-    assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) + 1 and engine.unloaded == "cand"
-    assert fig.kl == pytest.approx(0.01) and set(heads) == set(cands) == {"Tell me about rain.", *known}
+    # no sign of harm on the recorded prompt and every other probe: the second half is never asked
+    first = [p.prompt for p in PROBES[::2]]
+    assert [p for who, p in engine.asked if who == "cand"] == ["Tell me about rain.", *first]
+    assert engine.unloaded == "cand" and fig.probes == len(first) and "first 10 of 20 probes" in fig.notes[-1]
+    assert fig.kl == pytest.approx(0.01) and set(cands) == {"Tell me about rain.", *first}
+    assert set(heads) == {"Tell me about rain.", *known}
+
+
+class _Forgetful(_Engine):
+    """The head answers every probe right; the candidate says "I do not know." to the ones in ``forgets``."""
+
+    def __init__(self, forgets: set[int]) -> None:
+        super().__init__()
+        self.forgets = forgets
+
+    async def generate(self, exchange: Any, release: Any) -> Any:
+        from daemon.exchange import Completion, Finish
+
+        prompt = exchange.messages[-1].text
+        self.asked.append((release, prompt))
+        i = next(i for i, p in enumerate(PROBES) if p.prompt == prompt)
+        text = "I do not know." if release == "cand" and i in self.forgets else f"It is {i + 1}."
+        yield Finish(Completion(text=text, prompt_token_ids=[1], token_ids=[5, 6, 7, 2], logprobs=[-0.1] * 4))
+
+
+def test_a_loss_in_the_first_half_of_the_probes_asks_the_rest_and_decides_on_all() -> None:
+    from daemon.gating import heldout
+
+    # one probe lost in the first half (within its noise there) and six in the second: held on the whole set
+    engine = _Forgetful({0, 1, 3, 5, 7, 9, 11})
+    fig, cands, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], SETTINGS))
+    assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) and fig.probes == len(PROBES)
+    assert fig.probes_lost == 7 and fig.hold is not None and "forgets" in fig.hold and len(cands) == len(PROBES)
+    # the same candidate decided on the first half alone would pass: the second stage is what holds it
+    first = PROBES[::2]
+    half = heldout.figures([cands[p.prompt] for p in first], [_a(f"It is {2 * i + 1}.") for i in range(10)],
+                           first, 0, fig.kl, SETTINGS)
+    assert half.hold is None and not heldout.clean(half, SETTINGS)
+    # one that forgets nothing in the first half is not asked the second
+    engine = _Forgetful({1, 3})
+    fig, _, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], SETTINGS))
+    assert fig.probes == 10 and fig.hold is None and len([1 for w, _ in engine.asked if w == "cand"]) == 10
 
 
 # --- the steps, each alone --------------------------------------------------------------------------------------
@@ -245,8 +285,8 @@ def _run(tmp_path: Any, **settings: Any) -> GateRun:
 
 
 def test_the_gate_is_named_steps_in_order() -> None:
-    assert [s.__name__ for s in STEPS] == ["skipped", "gate_kind", "drift_bound", "heldout_check", "canary",
-                                           "publish", "rejected"]
+    assert [s.__name__ for s in STEPS] == ["skipped", "gate_kind", "drift_bound", "heldout_check", "early_warning",
+                                           "canary", "publish", "rejected"]
 
 
 def test_the_check_turned_off_marks_the_candidate_unchecked(tmp_path: Any) -> None:
@@ -397,3 +437,25 @@ def test_reserved_recorded_prompts_are_asked_by_the_check_and_never_trained_on(
 
         trained, recorded = wait_for(settled, what="the batches trained and the rest reserved")
         assert recorded >= 1 and trained + recorded <= 16, (trained, recorded)
+
+
+def test_a_recipe_whose_settings_lack_the_gates_says_why_it_cannot_turn_the_check_off() -> None:
+    """A user's weights recipe whose Settings do not extend GateSettings: its candidates meet the check at the
+    defaults, and asking to turn it off is refused saying why and how (not "unknown setting", not taken)."""
+    from dataclasses import dataclass
+
+    from recipes.base import Recipe
+
+    @dataclass
+    class Own:
+        steps: int = 1
+
+    class Mine(Recipe):
+        name, kind, Settings = "mine", "weights", Own
+
+    with pytest.raises(BadRequest) as e:
+        Mine.parse_settings({"heldout_check": False})
+    assert e.value.data["param"] == "settings.heldout_check" and "extend GateSettings" in e.value.message
+    with pytest.raises(BadRequest, match="unknown settings for recipe mine: nope"):
+        Mine.parse_settings({"nope": 1})
+    assert Mine.parse_settings({"steps": 2}).steps == 2

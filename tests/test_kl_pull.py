@@ -6,6 +6,7 @@ term pulls a policy back toward its base where the same steps without it do not.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.models import build_tiny
+from recipes.base import TrainJob
 from recipes.online_rl import (
     KL_COEF,
     MAX_KL,
@@ -93,7 +95,9 @@ def test_bad_pull_and_bound_settings_are_refused_naming_them(recipe: Any) -> Non
                      ({"kl_coef": math.inf}, "kl_coef"), ({"max_kl": 0}, "max_kl"), ({"max_kl": -1}, "max_kl"),
                      # no base to measure against with whole weights: a value set there would be inert
                      ({"kl_coef": KL_COEF * 3, "lora": False}, "kl_coef"),
-                     ({"max_kl": MAX_KL * 3, "lora": False}, "max_kl")):
+                     ({"max_kl": MAX_KL * 3, "lora": False}, "max_kl"),
+                     # set, even to the default's value: what was set is refused, never taken and left inert
+                     ({"kl_coef": KL_COEF, "lora": False}, "kl_coef"), ({"max_kl": MAX_KL, "lora": False}, "max_kl")):
         with pytest.raises(BadRequest) as e:
             recipe.check_settings(recipe.parse_settings(bad))
         assert e.value.param == f"settings.{key}" and key in str(e.value), bad
@@ -138,6 +142,24 @@ def test_whole_weights_have_no_base_the_default_is_inert_another_value_refused(t
     assert metrics["kl_coef"] == 0 and "kl_ref" not in metrics
     with pytest.raises(ValueError, match="kl_coef pulls toward the model a LoRA adapter applies to"):
         train_step(model, batch, OnlineRL.parse_settings({"kl_coef": KL_COEF * 3}))
+    with pytest.raises(ValueError, match="kl_coef pulls toward the model a LoRA adapter applies to"):
+        train_step(model, batch, OnlineRL.parse_settings({"kl_coef": KL_COEF}))  # set to the default's value
+    # a trainer's job carries every value and what was set, so the trainer reads defaults as defaults
+    from daemon.trainer.step import recipe_of
+
+    assert OnlineRL.parse_settings({"lr": 1e-4}).explicit == {"lr"}
+    for raw, refused in (({}, False), ({"kl_coef": KL_COEF}, True)):
+        settings = OnlineRL.parse_settings(raw)
+        job = TrainJob(id="j", recipe="online-rl", settings=dataclasses.asdict(settings), batch=[], base_key="b",
+                       base_path="", head_key="h", head_path="", candidate_key="c",
+                       explicit=sorted(settings.explicit))
+        again = recipe_of(job).settings
+        assert again.explicit == settings.explicit
+        if refused:
+            with pytest.raises(ValueError, match="kl_coef pulls toward"):
+                train_step(model, batch, again)
+        else:
+            assert train_step(model, batch, again)["kl_coef"] == 0
 
 
 # --- the pull works ----------------------------------------------------------------------------------------------

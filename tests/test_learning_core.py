@@ -75,6 +75,19 @@ def test_held_out_and_validation_are_disjoint_from_training():
         get_family("nope")
 
 
+def test_a_weights_recipe_refuses_an_unknown_eval_family_as_a_bad_request_naming_it():
+    from daemon.errors import BadRequest
+    from recipes.online_rl import OnlineRL
+    from recipes.openclaw_rl import OpenClawRL
+    from recipes.sao import SAO
+
+    for recipe in (OnlineRL, OpenClawRL, SAO):  # online-rl's was a bare ValueError: not a 400
+        with pytest.raises(BadRequest, match="unknown task family 'nope'") as e:
+            recipe.parse_settings({"eval_family": "nope"})
+        assert e.value.param == "settings.eval_family"
+        assert recipe.parse_settings({"eval_family": "say"}).eval_family == "say"
+
+
 # --- the training step -------------------------------------------------------------------------------------------
 
 

@@ -7,12 +7,12 @@ import pytest
 from adapters import ADAPTERS
 from adapters.base import install_harness
 from daemon.errors import BadRequest
+from daemon.layout import check_tree_path
 from recipes.lessons import (
     RULES_FILE,
     Lesson,
     LessonsSettings,
     apply,
-    check_tree_path,
     parse_rules,
     screen,
     settings_from,

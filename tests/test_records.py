@@ -392,7 +392,7 @@ async def test_a_store_written_before_versioning_opens_migrated(records_at: str)
         versions = await store.read(lambda c: [r[0] for r in c.execute(
             "SELECT version FROM schema_version ORDER BY version").fetchall()])
         assert versions == list(range(1, LATEST + 1))
-        assert (await store.lease("trainer", "a", ttl_s=60)).held  # a table of a later migration, usable
+        assert (await store.training.lease("trainer", "a", ttl_s=60)).held  # a table of a later migration, usable
     finally:
         store.close()
     again = open_store(records_at)  # opening a current store changes nothing
@@ -454,13 +454,13 @@ async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
 
     a, b = open_store(records_at), open_store(records_at)
     try:
-        held = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        held = await a.training.lease("trainer", "daemon-a", ttl_s=0.5)
         assert held.held and held.holder == "daemon-a"
-        refused = await b.lease("trainer", "daemon-b", ttl_s=0.5)
+        refused = await b.training.lease("trainer", "daemon-b", ttl_s=0.5)
         assert not refused.held and refused.holder == "daemon-a"
 
         async def renew() -> Any:
-            lease = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+            lease = await a.training.lease("trainer", "daemon-a", ttl_s=0.5)
             assert lease.held and lease.epoch == held.epoch, lease
             return lease if lease.expires_at > held.expires_at else None
 
@@ -469,11 +469,11 @@ async def test_a_lease_not_renewed_is_taken_over(records_at: str) -> None:
         # daemon-a stops renewing: daemon-b gets it once it expired
         taken = await _until("daemon-b takes the lease over", lambda: _held(b, "daemon-b", 30))
         assert taken.epoch == held.epoch + 1
-        lost = await a.lease("trainer", "daemon-a", ttl_s=0.5)
+        lost = await a.training.lease("trainer", "daemon-a", ttl_s=0.5)
         assert not lost.held and lost.holder == "daemon-b"
         with pytest.raises(LeaseLost):
-            await a.claim("s", ["rec_1"], renewed)
-        assert await b.claim("s", ["rec_1"], taken) == ["rec_1"]
+            await a.training.claim("s", ["rec_1"], renewed)
+        assert await b.training.claim("s", ["rec_1"], taken) == ["rec_1"]
     finally:
         a.close()
         b.close()
@@ -486,7 +486,7 @@ async def test_a_claim_after_the_lease_expired_is_refused_with_no_other_holder(r
 
     store = open_store(records_at)
     try:
-        lease = await store.lease("trainer", "daemon-a", ttl_s=0.2)
+        lease = await store.training.lease("trainer", "daemon-a", ttl_s=0.2)
         assert lease.held
 
         async def expired() -> bool:
@@ -495,27 +495,27 @@ async def test_a_claim_after_the_lease_expired_is_refused_with_no_other_holder(r
 
         await _until("the lease expires on the database's clock", expired)
         with pytest.raises(LeaseLost):
-            await store.claim("s", ["rec_1"], lease)
-        assert await store.consumed("s") == {}
-        renewed = await store.lease("trainer", "daemon-a", ttl_s=3600)  # taking it again works, as a new lease
-        assert await store.claim("s", ["rec_1"], renewed) == ["rec_1"]
+            await store.training.claim("s", ["rec_1"], lease)
+        assert await store.training.consumed("s") == {}
+        renewed = await store.training.lease("trainer", "daemon-a", ttl_s=3600)  # taking it again works, as a new lease
+        assert await store.training.claim("s", ["rec_1"], renewed) == ["rec_1"]
     finally:
         store.close()
 
 
 async def _held(store: RecordStore, holder: str, ttl_s: float) -> Any:
-    lease = await store.lease("trainer", holder, ttl_s=ttl_s)
+    lease = await store.training.lease("trainer", holder, ttl_s=ttl_s)
     return lease if lease.held else None
 
 
 async def test_a_released_lease_is_taken_at_once(records_at: str) -> None:
     a, b = open_store(records_at), open_store(records_at)
     try:
-        held = await a.lease("trainer", "daemon-a", ttl_s=3600)
-        assert not (await b.lease("trainer", "daemon-b", ttl_s=3600)).held
-        assert await a.release_lease(held)
-        assert not await a.release_lease(held)  # once
-        taken = await b.lease("trainer", "daemon-b", ttl_s=3600)  # long before the hour is out
+        held = await a.training.lease("trainer", "daemon-a", ttl_s=3600)
+        assert not (await b.training.lease("trainer", "daemon-b", ttl_s=3600)).held
+        assert await a.training.release_lease(held)
+        assert not await a.training.release_lease(held)  # once
+        taken = await b.training.lease("trainer", "daemon-b", ttl_s=3600)  # long before the hour is out
         assert taken.held and taken.epoch == held.epoch + 1
     finally:
         a.close()
@@ -525,7 +525,7 @@ async def test_a_released_lease_is_taken_at_once(records_at: str) -> None:
 async def test_daemons_asking_at_once_get_one_holder(records_at: str) -> None:
     stores = [open_store(records_at) for _ in range(3)]
     try:
-        got = await asyncio.gather(*(s.lease("trainer", f"daemon-{i}-{j}", ttl_s=3600)
+        got = await asyncio.gather(*(s.training.lease("trainer", f"daemon-{i}-{j}", ttl_s=3600)
                                      for j in range(10) for i, s in enumerate(stores)))
         winners = {lease.holder for lease in got if lease.held}
         assert len(winners) == 1 and {lease.holder for lease in got} == winners
@@ -539,13 +539,13 @@ async def test_receipts_are_claimed_exactly_once_across_stores(records_at: str) 
     exactly one of them, none to both, none lost."""
     a, b = open_store(records_at), open_store(records_at)
     try:
-        lease = await a.lease("trainer", "daemon-a", ttl_s=3600)
+        lease = await a.training.lease("trainer", "daemon-a", ttl_s=3600)
         receipts = [f"rec_{i}" for i in range(60)]
         chunks = [receipts[i:i + 6] for i in range(0, 60, 6)]
-        got = await asyncio.gather(*(s.claim("s", chunk, lease) for chunk in chunks for s in (a, b)))
+        got = await asyncio.gather(*(s.training.claim("s", chunk, lease) for chunk in chunks for s in (a, b)))
         claimed = [r for g in got for r in g]
         assert sorted(claimed) == sorted(receipts)
-        assert await a.claim("s", receipts, lease) == []
+        assert await a.training.claim("s", receipts, lease) == []
     finally:
         a.close()
         b.close()
@@ -558,15 +558,15 @@ async def test_a_takeover_gives_back_what_the_old_holder_claimed_but_never_settl
     comes back to be learned from."""
     a, b = open_store(records_at), open_store(records_at)
     try:
-        la = await a.lease("trainer", "daemon-a", ttl_s=0.3)
-        assert await a.claim("s", ["r1", "r2", "r3"], la) == ["r1", "r2", "r3"]
-        assert await a.settle("s", ["r1"], la, "release-1") == 1
+        la = await a.training.lease("trainer", "daemon-a", ttl_s=0.3)
+        assert await a.training.claim("s", ["r1", "r2", "r3"], la) == ["r1", "r2", "r3"]
+        assert await a.training.settle("s", ["r1"], la, "release-1") == 1
         lb = await _until("daemon-b takes over", lambda: _held(b, "daemon-b", 3600))
-        assert await b.claim("s", ["r1", "r2", "r3", "r4"], lb) == ["r4"]
-        assert await b.recover_claims("s", lb, consumed={"r2"}) == ["r3"]  # r2: found in the published release
-        assert await b.claim("s", ["r1", "r2", "r3"], lb) == ["r3"]
-        assert await b.consumed("s") == {"r1": "consumed", "r2": "consumed", "r3": "claimed", "r4": "claimed"}
-        assert await a.settle("s", ["r3"], la, "release-2") == 0  # A's late outcome settles nothing of B's
+        assert await b.training.claim("s", ["r1", "r2", "r3", "r4"], lb) == ["r4"]
+        assert await b.training.recover_claims("s", lb, consumed={"r2"}) == ["r3"]  # r2: found in the published release
+        assert await b.training.claim("s", ["r1", "r2", "r3"], lb) == ["r3"]
+        assert await b.training.consumed("s") == {"r1": "consumed", "r2": "consumed", "r3": "claimed", "r4": "claimed"}
+        assert await a.training.settle("s", ["r3"], la, "release-2") == 0  # A's late outcome settles nothing of B's
     finally:
         a.close()
         b.close()

@@ -38,6 +38,7 @@ from daemon.errors import StorageError
 from daemon.records import SQLiteStore
 from daemon.releases import MANIFEST, SCENARIOS_REF, ReleaseStore, files_from_dir, find_damage
 from tests.conftest import ROOT, assert_canonical_error, make_home
+from tests.disk_full_worker import fill
 
 WORKER = Path(__file__).resolve().parent / "disk_full_worker.py"
 HARNESS = {"AGENTS.md": "Be brief.\n", "skills/tests/SKILL.md": "Run the tests first.\n"}
@@ -48,17 +49,6 @@ def in_tmpfs(mount: Path, size: str, argv: list[str]) -> list[str]:
     """``argv`` run in a mount namespace of its own with a fresh tmpfs of ``size`` on ``mount``."""
     script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
     return ["unshare", "-rm", "sh", "-c", script, "sh", size, str(mount), *argv]
-
-
-def fill(path: Path) -> None:
-    """Write ``path`` until its file system has no block left: a real ENOSPC."""
-    with open(path, "ab", buffering=0) as f:
-        for size in (1 << 16, 512, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError:
-                pass
 
 
 def git_fsck(repo: Path) -> subprocess.CompletedProcess[str]:

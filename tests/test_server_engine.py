@@ -439,3 +439,28 @@ def test_full_weight_release_goes_live_without_failing_requests(stubbed: Stubbed
         assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"]  # planned, not a crash
         argv = [x for x in stubbed.requests("argv") if x["dialect"] == "vllm"][-1]["argv"]
         assert str(stubbed.d.home) in argv[argv.index("--model") + 1]  # started on the release's checkout
+
+
+def test_a_client_that_leaves_aborts_the_servers_request(stubbed: Stubbed) -> None:
+    """A whole answer from a slow server (a token every 2 s): the client closes its socket mid-answer, Reef records the
+    exchange cancelled and closes its request to the server, which sees it aborted long before its last token."""
+    from tests.test_long_requests import Records, _inflight, _leave, _post
+
+    d = stubbed.d
+    stubbed.set(token_delay_s=2)
+    records = Records(d)
+    try:
+        with d.http() as c:
+            sock = _post(d, {"model": "fake", "messages": [{"role": "user", "content": "slowly"}]},
+                         path="/s/fake/v1/chat/completions")
+            receipt = _inflight(c, 60, lambda xs: len(xs) == 1)[0]["receipt"]
+            _leave(sock)
+            assert records.wait(lambda r: r["id"] == receipt)["status"] == "cancelled"
+            deadline = time.monotonic() + 60  # a hang guard: the stub notes the abort when its next write fails
+            while not stubbed.requests("/inference/v1/generate#aborted"):
+                assert time.monotonic() < deadline, "the server's request was not aborted"
+                time.sleep(0.05)
+            assert stubbed.requests("/inference/v1/generate#aborted")[-1]["at_token"] < 8  # max_tokens_limit 8
+    finally:
+        records.close()
+        stubbed.set()

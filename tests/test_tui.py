@@ -405,3 +405,26 @@ async def test_a_canary_started_followed_and_promoted_from_the_keyboard(daemon: 
     top = releases(daemon, "tui-k")["releases"][0]
     assert (top["operation"], top["source"], top["metrics"]["canary_verdict"]) == ("promote", pending, "promoted")
     assert top["metrics"]["canary_reports"] + top["metrics"]["head_reports"] == 6
+
+
+async def test_a_chain_opened_with_s_is_drawn_as_when_returned_to(daemon: Daemon, seeded: dict[str, Any]) -> None:
+    """``reef tui -s NAME`` (issue 44): the chain opened at start had squeezed columns and no head marker until the
+    user left and came back. The columns and the marker at start are those after a return."""
+    app = make_app(daemon, scenario="tui-a")
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.pause(0.2)
+        table = chain.query_one("DataTable")
+        first = [c.get_render_width(table) for c in table.columns.values()]
+        first_cell = str(table.get_cell_at((0, 0)))
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, ChainScreen), what="scenarios")
+        scen = app.screen
+        names = [str(k.value) for k in scen.query_one("DataTable").rows]
+        await pilot.press(*["down"] * names.index("tui-a"), "enter")
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.pause(0.2)
+        table = chain.query_one("DataTable")
+        again = [c.get_render_width(table) for c in table.columns.values()]
+        assert (first, first_cell) == (again, str(table.get_cell_at((0, 0)))), (first, again)
+        assert first_cell == "▶" and first[0] >= 1

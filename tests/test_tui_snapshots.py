@@ -90,3 +90,19 @@ def test_exchange_view(snap_compare: Any) -> None:
         await settled(pilot)
 
     assert snap_compare(app(scenario="alpha"), terminal_size=SIZE, run_before=run_before)
+
+
+def test_eval_screen(snap_compare: Any) -> None:
+    """``v`` on a chain: ``reef eval`` as bars per release, after ``m`` measured the base's probes."""
+    async def run_before(pilot: Any) -> None:
+        await settled(pilot)
+        await pilot.press("v")
+        await settled(pilot)
+        await pilot.press("m")
+        for _ in range(200):
+            if getattr(pilot.app.screen, "measured", 0):
+                break
+            await pilot.pause(0.02)
+        await settled(pilot)
+
+    assert snap_compare(app(scenario="alpha"), terminal_size=SIZE, run_before=run_before)

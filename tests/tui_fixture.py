@@ -94,6 +94,33 @@ RECORD = {
 }
 
 
+def _fig(value: float | None, source: str = "gate", n: int = 24) -> dict[str, Any]:
+    if value is None:
+        return {"status": "n/a", "reason": "not measured yet (reef eval measures it)"}
+    return {"status": "ok", "value": value, "n": n, "source": source}
+
+
+def evaluation(measured: bool) -> dict[str, Any]:
+    """``reef eval`` of alpha (``daemon/evaluation.py``'s shape): its gate scores as the curve, the probes of the
+    rolled-back release (step 3) lower than the base's; the base's probes not measured until ``measured``."""
+    base_probes = 0.75 if measured else None
+    rows = []
+    for r, reward, probes in zip(RELEASES[::-1], (0.2, 0.21, 0.44, 0.31, 0.44),
+                                 (base_probes, 0.75, 0.71, 0.46, 0.71), strict=True):
+        forgetting = ({"status": "ok", "value": round(probes - base_probes, 4), "n": 24, "source": "against the base"}
+                      if probes is not None and base_probes is not None else _fig(None))
+        rows.append({"release_id": r["release_id"], "step": r["step"], "operation": r["operation"],
+                     "content_id": r["content_id"], "kind": "weights", "created_at": r["created_at"],
+                     "head": r["release_id"] == R4, "reward": _fig(reward, n=64),
+                     "probes": _fig(probes, "measured" if r["operation"] == "init" else "gate"),
+                     "forgetting": forgetting, "transfer": {"status": "n/a", "reason": "no transfer scenario asked"}})
+    return {"scenario": "alpha", "recipe": "online-rl", "kind": "weights", "head": R4, "transfer": None,
+            "base": {"release_id": R0, "step": 0, "probes": _fig(base_probes, "measured")},
+            "reward_how": "the say scorer on 64 validation prompts (never trained on), greedy, 8 tokens: the gate's "
+                          "eval_reward", "probes_how": "24 probes, greedy, 16 tokens", "transfer_how": None,
+            "rows": rows, "measured": 1 if measured else 0, "cached": 0, "seconds": 1.5 if measured else 0.01}
+
+
 def events() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     t = NOW - 120
@@ -168,6 +195,12 @@ class FixedSource:
     async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]:
         self.steered.append(("canary-end", scenario, "promote" if promote else "end", None))
         return {"verdict": "promoted" if promote else "ended", "release_id": None}
+
+    async def evaluation(self, scenario: str, *, measure: bool = False, transfer: str | None = None,
+                         progress: Any = None) -> dict[str, Any]:
+        if measure and progress is not None:
+            await progress({"release_id": R0, "step": 0, "done": 0, "total": 5, "measuring": ["probes"]})
+        return evaluation(measure)
 
     async def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]:
         for ev in events():

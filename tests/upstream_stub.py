@@ -19,6 +19,7 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``text=...``: answer this text;
 - ``echo_system``: answer the request's system prompt (chat and Responses: its system and developer messages,
   Responses ``instructions``; Anthropic: ``system``), or ``no system prompt``: a model that follows its harness;
+- ``no_usage`` (chat streams): no usage chunk, even when the request asks for one (as some servers do);
 - ``thinking`` (Anthropic): a thinking block with its signature and a ``redacted_thinking`` block come first.
 
 Like OpenAI, a request with a reasoning effort for a model that is not a reasoning model is refused, and a chat
@@ -341,7 +342,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             return resp
         return web.Response(body=data, content_type="application/json")
     if fmt == "chat":
-        include_usage = (body.get("stream_options") or {}).get("include_usage") is True
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True and "no_usage" not in d
         frames = chat_stream(model, text, tool, include_usage)
     else:
         frames = (responses_stream(model, text, tool) if fmt == "responses"

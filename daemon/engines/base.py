@@ -37,6 +37,10 @@ class EngineInfo:
     model: str  # the model name clients use
     context_length: int | None = None
     accepts_images: bool = False
+    output_cap: int | None = None  # the most new tokens a request may take (daemon/engines/prompts.py); None: none
+    # whether the model's chat template puts an agent's tools into the prompt (``daemon/engines/chat_template.py``);
+    # None: not known (an upstream provider renders its own prompt)
+    carries_tools: bool | None = None
 
 
 class Engine(abc.ABC):

@@ -25,14 +25,18 @@ class ModelEntry:
     device: str = "auto"  # transformers: cpu | cuda | auto
     threads: int = 1  # transformers: torch CPU threads used for generation
     max_batch: int = 8  # transformers: concurrent sequences decoded together
-    max_new_tokens: int = 256  # default cap when the client gives none
-    max_tokens_limit: int | None = None  # hard cap on any request's max_tokens (small local models, tests)
+    # new tokens for a client that asks for no limit (Codex); None: the output cap (upstream: Anthropic's 4096)
+    max_new_tokens: int | None = None
+    # the output cap: the most new tokens any request gets, whatever it asks (daemon/engines/prompts.py); None: an
+    # eighth of the model's context within [256, 4096] on a local engine (SmolLM2: 1,024), no cap upstream
+    max_tokens_limit: int | None = None
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
     prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
     url: str | None = None  # upstream: base URL; vllm, sglang: attach to this running server instead of starting one
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name
     api_key_env: str | None = None  # upstream: environment variable holding the key
+    join_text_parts: bool = True  # upstream openai-chat: content given as text parts only goes as one string
     timeout_s: float = 600.0  # upstream: total timeout
     connect_timeout_s: float = 10.0
     # vllm, sglang (``daemon/engines/server.py``): the server Reef starts and supervises

@@ -63,7 +63,7 @@ import socket
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,10 @@ from yarl import URL
 
 from daemon.engines import http
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.chat_template import carries_tools
+from daemon.engines.dialect import Dialect, Params, Step
 from daemon.engines.entry import ModelEntry
+from daemon.engines.prompts import check_sampling, output_cap, render_chat, sampling_params
 from daemon.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -94,78 +97,6 @@ HEALTH_EVERY_S = 2.0
 # Reef does not send a request on one the server is closing; one that still meets a close is sent again
 KEEPALIVE_S = 4.0
 STOP_CHECK_TOKENS = 16  # an answer collected whole, with stop strings: tokens per server chunk (see _chunk_tokens)
-
-
-@dataclass
-class Step:
-    """What one chunk of a server's generate stream adds: new tokens, their log-probs, and at the end the finish
-    reason and the weight versions the server reports for the answer."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None  # the server's finish reason ("stop", "length", "abort", ...); None while going on
-    versions: list[str] | None = None  # weight versions reported (None: none in this chunk)
-    error: str | None = None  # an error the server put in the stream
-
-
-@dataclass(frozen=True)
-class Params:
-    """Sampling as sent to the server (stop strings stay with Reef)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop_token_ids: tuple[int, ...]
-    # tokens the server may gather into one stream chunk (1: each token as it is sampled; the first and the last
-    # chunk always come at once). Servers without a per-request setting (SGLang) send every token.
-    chunk_tokens: int = 1
-
-
-class Dialect:
-    """What one inference server's API looks like. Subclasses: ``VLLM`` and ``SGLang``."""
-
-    name = "server"
-    generate_path = "/generate"
-    health_path = "/health"
-
-    def command(self, entry: ModelEntry, model_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
-        """The command line and extra environment that start a server for ``model_path`` on ``port``."""
-        raise NotImplementedError
-
-    def generate_body(self, prompt: list[int], params: Params, adapter: str | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def parser(self) -> Any:
-        """A fresh per-request reader of generate stream chunks: ``feed(obj) -> Step``."""
-        raise NotImplementedError
-
-    def load_adapter(self, name: str, path: Path) -> tuple[str, dict[str, Any]]:
-        raise NotImplementedError
-
-    def unload_adapter(self, name: str) -> tuple[str, dict[str, Any]]:
-        raise NotImplementedError
-
-    def update_weights(self, path: Path, version: str) -> list[tuple[str, dict[str, Any]]]:
-        """The calls that load full weights from ``path`` and set the weight version to ``version``."""
-        raise NotImplementedError
-
-    def set_version(self, version: str) -> tuple[str, dict[str, Any]] | None:
-        """The call that sets the weight version of the weights loaded now (None: not needed)."""
-        return None
-
-    # how a full-weights release is loaded by default: "reload" (the weight-update call) or "restart" (the server
-    # started again on the release's directory)
-    weight_update = "reload"
-
-    version_path = "/version"
-
-    def parse_version(self, body: Any) -> str | None:
-        return body.get("version") if isinstance(body, dict) else None
-
-    def check_update(self, path: str, body: Any) -> None:
-        """Raise ``EngineError`` when a successful status still carries a failure (SGLang's ``success: false``)."""
 
 
 def free_port() -> int:
@@ -301,7 +232,9 @@ class ServerEngine(Engine):
 
         self._tokenizer, self._eos, ctx = await asyncio.to_thread(open_tokenizer)
         self._context = min(ctx, self.entry.max_model_len) if self.entry.max_model_len else ctx
-        self.info = EngineInfo(name=self.dialect.name, model=self.entry.name, context_length=self._context)
+        self.info = EngineInfo(name=self.dialect.name, model=self.entry.name, context_length=self._context,
+                               output_cap=output_cap(self.entry, self._context),
+                               carries_tools=carries_tools(self._tokenizer))
         self._pool = http.Pool("http", self.host, self.port, connect_timeout=self.entry.connect_timeout_s,
                                keepalive_s=KEEPALIVE_S, resend_on_stale=True)
         assert self.entry.path is not None
@@ -617,33 +550,18 @@ class ServerEngine(Engine):
         return len(await asyncio.to_thread(self._encode, exchange))
 
     def _encode(self, exchange: Exchange) -> list[int]:
-        from daemon.engines.transformers import render_chat
-
         text = render_chat(self._tokenizer, exchange)
         # a batch of one: ``encode_batch`` lets go of the GIL, ``encode`` holds it (daemon/engines/transformers.py)
         return self._tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _prepare(self, exchange: Exchange) -> tuple[list[int], Any]:
-        from daemon.engines.transformers import SamplingParams, check_sampling
-
         if exchange.has_images():  # here, in the thread: 0.2 s on the loop for 870,000 messages
             raise Unsupported(f"model {self.entry.name} is text-only: image content is not supported", param="messages")
-        s = exchange.sampling
-        check_sampling(s)
+        check_sampling(exchange.sampling)
         prompt = self._encode(exchange)
         if len(prompt) >= self._context:
             raise ContextLengthExceeded(len(prompt), self._context)
-        requested = s.max_tokens or self.entry.max_new_tokens
-        cap = self.entry.max_tokens_limit
-        room = self._context - len(prompt)
-        return prompt, SamplingParams(
-            max_tokens=min(requested, cap or 2**31, room),
-            capped=cap is not None and cap < min(requested, room),
-            temperature=1.0 if s.temperature is None else s.temperature,
-            top_p=1.0 if s.top_p is None else s.top_p,
-            top_k=s.top_k or 0,
-            stop=tuple(x for x in s.stop if x),
-        )
+        return prompt, sampling_params(exchange.sampling, self.entry, self._context, len(prompt))
 
     async def generate(self, exchange: Exchange, release: ReleaseRef | None = None) -> AsyncIterator[EngineEvent]:
         if not self._ready.is_set() and not self._switching:
@@ -685,8 +603,8 @@ class ServerEngine(Engine):
                     adapter = await self._ensure_adapter(release)
                 load_id = adapter or base.id
                 out: list[list[EngineEvent]] = []
-                seq = _Seq(_View(load_id, self._tokenizer, self._eos), self.entry.name, prompt, params,
-                           None, out.append)  # type: ignore[arg-type]
+                seq = exchange.progress = _Seq(_View(load_id, self._tokenizer, self._eos), self.entry.name, prompt,
+                                               params, None, out.append)  # type: ignore[arg-type]
                 sent: list[EngineEvent] = []
                 self._active[load_id] += adapter is not None
                 try:

@@ -32,8 +32,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from daemon.engines.dialect import Dialect, Params, Step
 from daemon.engines.entry import ModelEntry
-from daemon.engines.server import Dialect, Params, Step
 from daemon.errors import EngineError
 
 

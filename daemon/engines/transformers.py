@@ -38,8 +38,8 @@ Design choices:
   with others or prefilled from the prefix cache). A row with NaN or +inf after scaling is greedy on its raw
   logits: non-finite values never reach the draw.
   Stops: an EOS token (``"stop"``), a stop string in the decoded text (trimmed, ``"stop_sequence"``; text that
-  could begin a stop string is held back until it cannot), ``max_tokens`` (default ``entry.max_new_tokens``,
-  clamped to the room left in the context; ``"length"``).
+  could begin a stop string is held back until it cannot), ``max_tokens`` (bounded by the output cap and the room
+  left in the context, ``daemon/engines/prompts.py``; ``"length"``, or ``"stop"`` where Reef's cap ended it).
 - **Log-probs.** ``Completion.logprobs[i]`` is the log-softmax of the raw logits (temperature 1, before top-k /
   top-p) at the sampled token: the model's own distribution, which is what RL recomputes and compares against.
   ``token_ids`` are exactly the sampled ids, EOS included; ``text`` leaves out special tokens.
@@ -66,9 +66,17 @@ from typing import Any
 import torch
 
 from daemon.engines.base import Engine, EngineInfo, ReleaseRef
+from daemon.engines.chat_template import carries_tools
 from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import Adapters, read_adapter
 from daemon.engines.prefix_cache import PrefixCache
+from daemon.engines.prompts import (
+    SamplingParams,
+    check_sampling,
+    output_cap,
+    render_chat,
+    sampling_params,
+)
 from daemon.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -186,64 +194,6 @@ class Load:
         return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
 
 
-
-def check_sampling(s: Any) -> None:
-    """The sampling values every engine refuses (400 naming the field), whatever it serves with."""
-    if s.max_tokens is not None and s.max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens")
-    if s.temperature is not None and s.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {s.temperature}", param="temperature")
-    if s.top_p is not None and not 0 < s.top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
-    if s.top_k is not None and s.top_k < 0:
-        raise BadRequest(f"top_k must be >= 0, got {s.top_k}", param="top_k")
-
-def render_chat(tokenizer: Any, exchange: Exchange) -> str:
-    """The prompt text of an exchange: the tokenizer's chat template over its messages and tools (also used by the
-    inference-server engines, which tokenise on Reef's side)."""
-    from jinja2 import TemplateError
-
-    tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in exchange.tools
-    ]
-    try:
-        return tokenizer.apply_chat_template(
-            _chat_messages(exchange), tools=tools or None, add_generation_prompt=True, tokenize=False
-        )
-    except TemplateError as e:
-        raise BadRequest(f"the model's chat template rejected the messages: {e}", param="messages") from None
-
-
-def _chat_messages(exchange: Exchange) -> list[dict[str, Any]]:
-    """Neutral messages as chat-template dicts: tool results become ``tool`` messages, tool calls ``tool_calls``."""
-    out: list[dict[str, Any]] = []
-    for m in exchange.messages:
-        text = "".join(p.text for p in m.parts if p.type == "text")
-        calls = [
-            {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments or "{}"}}
-            for p in m.parts
-            if p.type == "tool_call"
-        ]
-        results = [p for p in m.parts if p.type == "tool_result"]
-        out += [{"role": "tool", "content": p.text, "tool_call_id": p.tool_call_id} for p in results]
-        if text or calls or not results:
-            out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
-    return out
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    stop: tuple[str, ...] = ()
-    # the model entry's ``max_tokens_limit`` (not the client's max_tokens) ends the answer: that end is reported
-    # as a normal one, since agents treat a length stop below their own limit as an error and retry
-    capped: bool = False
-
-
 # Temperatures below this are greedy: at 1e-5 a logit lead of 1e-4 already weighs e^10 to 1, and far smaller ones
 # overflow float32 when the logits are divided by them (1e-300 turns every logit into +-inf or NaN).
 GREEDY_BELOW = 1e-5
@@ -298,6 +248,11 @@ class _Seq:
     window: tuple[int, int] = (0, 0)  # detokeniser prefix/read offsets into token_ids
     cancelled: bool = False
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens sampled so far (what ``/reef/inflight`` shows of a request in flight)."""
+        return len(self.token_ids)
 
     @property
     def position(self) -> int:
@@ -486,9 +441,9 @@ class TransformersEngine(Engine):
         """
         load = await self._open(path)
         self._current = load
-        self.info = EngineInfo(
-            name="transformers", model=self.entry.name, context_length=load.context_length, accepts_images=False
-        )
+        self.info = EngineInfo(name="transformers", model=self.entry.name, context_length=load.context_length,
+                               accepts_images=False, output_cap=output_cap(self.entry, load.context_length),
+                               carries_tools=carries_tools(load.tokenizer))
         return load.id
 
     async def _open(self, path: Path) -> Load:
@@ -656,7 +611,7 @@ class TransformersEngine(Engine):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[EngineEvent] | BaseException] = asyncio.Queue()
         post = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
-        seq = _Seq(load, self.entry.name, prompt, params, generator, post)
+        seq = exchange.progress = _Seq(load, self.entry.name, prompt, params, generator, post)
         with self._cond:
             if self._closing:
                 raise Unavailable("the engine is shutting down")
@@ -707,16 +662,7 @@ class TransformersEngine(Engine):
         prompt = load.encode_text(text)
         if len(prompt) >= load.context_length:
             raise ContextLengthExceeded(len(prompt), load.context_length)
-        requested = s.max_tokens or self.entry.max_new_tokens
-        cap = self.entry.max_tokens_limit
-        params = SamplingParams(
-            max_tokens=min(requested, cap or 2**31, load.context_length - len(prompt)),
-            capped=cap is not None and cap < min(requested, load.context_length - len(prompt)),
-            temperature=1.0 if s.temperature is None else s.temperature,
-            top_p=1.0 if s.top_p is None else s.top_p,
-            top_k=s.top_k or 0,
-            stop=tuple(x for x in s.stop if x),
-        )
+        params = sampling_params(s, self.entry, load.context_length, len(prompt))
         generator = torch.Generator()
         generator.manual_seed(secrets.randbits(63) if s.seed is None else s.seed & (2**64 - 1))
         return prompt, params, generator

@@ -10,7 +10,17 @@ or put in an error message).
   ``/v1`` means the same (``https://api.openai.com`` and ``https://api.openai.com/v1`` both work).
 - **Same format in and out.** The client's body goes upstream unchanged apart from ``model`` (and, for a
   streaming chat request, ``stream_options.include_usage``, so that usage can be recorded; the client sees the
-  usage chunk only if it asked for it). The upstream's stream is parsed into neutral events as its bytes arrive
+  usage chunk only if it asked for it), and, for a chat upstream, message content given as a list of text parts
+  only, which goes as one string (``join_text_parts``).
+- **Text parts joined** (``join_text_parts``, on unless the entry says ``false``; the ``openai`` preset does): the
+  agents send content as lists of text parts, and a local server's chat template often takes strings only
+  (SmolLM2's under llama-cpp-python's server: ``'...' + message['content']`` fails on a list, an HTTP 500, after
+  which pi and Claude Code retried a dozen times). A content whose parts are all ``{type: text, text}`` is joined
+  with ``\n`` between parts, as vLLM and llama.cpp's own server do with such content, so the model sees the text it
+  would have seen there; a part with anything else (an image, a ``cache_control``) keeps its message as sent.
+  Chosen over a retry on the refusal: servers refuse it in several shapes (a 500 naming a Python ``TypeError``, a
+  422 from request validation, a stream that ends empty), none of which says "list content" reliably, and joining
+  text-only parts loses nothing, so it is done up front, once per request, with no second request. The upstream's stream is parsed into neutral events as its bytes arrive
   and each event is yielded at once; the daemon re-renders them in the client's format and adds the receipt.
 - **Different formats.** ``daemon/protocols/<format>.render_request`` translates the neutral exchange into the
   upstream's request, ``parse_response`` / ``StreamParser`` read the answer back (choices documented there).
@@ -45,7 +55,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import fields
 from typing import Any
 
 from yarl import URL
@@ -75,7 +84,6 @@ _FORWARD = {
     "openai-chat": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
     "openai-responses": ("openai-beta", "session_id", "x-session-affinity", "x-session-id"),
 }
-_DEFAULT_MAX_NEW_TOKENS = next(f.default for f in fields(ModelEntry) if f.name == "max_new_tokens")
 
 
 class UpstreamRejected(BadRequest):
@@ -108,7 +116,28 @@ def _error_message(raw: bytes) -> str:
         for value in (err, body.get("message"), body.get("detail")):
             if isinstance(value, str) and value:
                 return value
+        detail = body.get("detail")  # FastAPI's request validation (llama-cpp-python's server): a list of errors
+        if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
+            return "; ".join(f"{'.'.join(str(x) for x in d.get('loc') or ())}: {d.get('msg')}" for d in detail[:5])
     return text[:500]
+
+
+def join_text_parts(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body whose message contents made of text parts only (``{type: text, text}``) are one string each,
+    ``\n`` between parts; other contents stay as sent. Returns ``body`` itself when nothing changed."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    joined: list[Any] | None = None
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text"
+                and isinstance(p["text"], str) for p in content):
+            if joined is None:
+                joined = list(messages)
+            joined[i] = {**m, "content": "\n".join(p["text"] for p in content)}
+    return body if joined is None else {**body, "messages": joined}
 
 
 def estimate_tokens(ex: Exchange) -> int:
@@ -167,9 +196,7 @@ class UpstreamEngine(Engine):
             headers["anthropic-version"] = "2023-06-01"
         self._headers = headers  # holds the key: never logged, never in an error
         self._header_lines = http.header_lines(headers)
-        self.max_tokens = (
-            entry.max_new_tokens if entry.max_new_tokens != _DEFAULT_MAX_NEW_TOKENS else anthropic.DEFAULT_MAX_TOKENS
-        )
+        self.max_tokens = entry.max_new_tokens or anthropic.DEFAULT_MAX_TOKENS
         self.metrics = metrics
         self.info = EngineInfo(name="upstream", model=entry.name, accepts_images=True)
         self._pool: http.Pool | None = None
@@ -194,7 +221,13 @@ class UpstreamEngine(Engine):
 
     def request_body(self, ex: Exchange) -> dict[str, Any]:
         """What goes upstream: the client's own body when the formats match, else a translation (also for an
-        exchange built in the daemon, which has no body)."""
+        exchange built in the daemon, which has no body); a chat body's text parts joined (``join_text_parts``)."""
+        body = self._request_body(ex)
+        if self.format == "openai-chat" and self.entry.join_text_parts:
+            body = join_text_parts(body)
+        return body
+
+    def _request_body(self, ex: Exchange) -> dict[str, Any]:
         model = self.entry.upstream_model or ex.model
         if ex.format == self.format and ex.body:
             body = dict(ex.body)

@@ -28,8 +28,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from daemon.engines.dialect import Dialect, Params, Step
 from daemon.engines.entry import ModelEntry
-from daemon.engines.server import Dialect, Params, Step
 
 
 class VLLM(Dialect):

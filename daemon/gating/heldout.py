@@ -12,7 +12,9 @@ The prompts:
   ``scenarios create/update``). A probe answer is right when it holds an accepted answer as a whole word, case and
   punctuation ignored.
 
-Both models answer greedily, at most ``heldout_max_tokens`` (16) tokens, through the scenario's engine: the
+The candidate answers the recorded prompts and every other probe first, and the rest only when that first look
+shows a sign of harm (``clean``, ``run``). Both models answer greedily, at most ``heldout_max_tokens`` (16)
+tokens, through the scenario's engine: the
 candidate's weights are loaded beside the head's as an unpublished release (never served to a request) and
 dropped afterwards; the head's answers are kept per head release, so a lineage's checks sample the head once.
 
@@ -244,6 +246,8 @@ class Figures:
     answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
     kl_seconds: float = 0.0  # and the KL's forwards
     head_sampled: int = 0  # prompts the head was asked by this check (the others' answers were kept)
+    tokens: float | None = None  # the candidate's mean answer length, tokens (the early warning reads its trend)
+    head_tokens: float | None = None
     notes: list[str] = field(default_factory=list)
     hold: str | None = None  # why the candidate is held
 
@@ -265,6 +269,8 @@ class Figures:
         }
         if self.length_ratio is not None:
             out["heldout_length_ratio"] = round(self.length_ratio, 4)
+        if self.tokens is not None and self.head_tokens is not None:
+            out["heldout_tokens"], out["heldout_head_tokens"] = round(self.tokens, 2), round(self.head_tokens, 2)
         if self.kl is not None:
             out["heldout_kl"] = round(self.kl, 4)
         if self.notes:
@@ -296,6 +302,7 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         length_ratio=sum(c.tokens for c in candidate) / head_len if head_len else None,
         probe_accuracy=sum(right_c) / max(1, len(probes)), head_probe_accuracy=sum(right_h) / max(1, len(probes)),
         probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
+        tokens=sum(c.tokens for c in candidate) / n, head_tokens=head_len / n,
     )
     if recorded < ENOUGH:
         fig.notes.append(f"too little traffic for the reserved share: {recorded} of the scenario's recorded prompts "
@@ -361,30 +368,65 @@ async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, b
     return num / den if den else None
 
 
+def clean(fig: Figures, settings: CheckSettings) -> bool:
+    """Whether a first look shows no sign of harm at all: no probe lost net, silent and degenerate shares within
+    half their bound of the head's (the KL, measured on the first stage's answers, decides alone). The check then
+    stops there (``run``)."""
+    half = settings.max_degenerate / 2
+    return (fig.probes_lost <= fig.probes_gained and fig.silent - fig.head_silent <= half
+            and fig.degenerate - fig.head_degenerate <= half)
+
+
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
               settings: CheckSettings, head_known: dict[str, Answer] | None = None
               ) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
     """The check: the figures, and the candidate's and the head's answers by prompt (to keep: the head is asked
     only the prompts it was not asked before, and a published candidate's answers are the new head's). Raises
-    ``CheckFailed`` when it cannot run."""
-    t0 = time.perf_counter()
-    prompts = [*recorded, *(p.prompt for p in settings.probes)]
-    known = dict(head_known or {})
-    missing = [p for p in dict.fromkeys(prompts) if p not in known]
-    spent = {"answer": 0.0, "kl": 0.0}
+    ``CheckFailed`` when it cannot run.
 
-    async def measure() -> tuple[list[Answer], float | None]:
+    In two stages: the recorded prompts and every other probe first; a candidate that shows no sign of harm
+    there (``clean``) passes on them, any other is asked the rest of the probes and decided on all of them. A
+    candidate that loses probes beyond the noise of the whole set almost surely loses some in either half (one
+    that loses 6 of 36 and gains none shows no loss in the first half about once in a hundred), so the first stage
+    costs the check little power and saves a third of its answers on the common case, a candidate that passes."""
+    t0 = time.perf_counter()
+    first, rest = settings.probes[::2], settings.probes[1::2]
+    known = dict(head_known or {})
+    cands: dict[str, Answer] = {}
+    spent = {"answer": 0.0, "kl": 0.0}
+    head_sampled = 0
+
+    async def ask(prompts: Sequence[str]) -> None:
+        nonlocal head_sampled
         t = time.perf_counter()
+        missing = [p for p in dict.fromkeys(prompts) if p not in known]
         if missing:
             known.update(zip(missing, await answers(engine, model, missing, head, settings.max_tokens), strict=True))
-        cands = await answers(engine, model, prompts, candidate, settings.max_tokens)
-        spent["answer"], t = time.perf_counter() - t, time.perf_counter()
-        kl = await kl_from_base(engine, cands, candidate, base)
+            head_sampled += len(missing)
+        todo = [p for p in dict.fromkeys(prompts) if p not in cands]
+        cands.update(zip(todo, await answers(engine, model, todo, candidate, settings.max_tokens), strict=True))
+        spent["answer"] += time.perf_counter() - t
+
+    async def measure() -> tuple[Figures, int]:
+        asked = [*recorded, *(p.prompt for p in first)]
+        await ask(asked)
+        t = time.perf_counter()
+        kl = await kl_from_base(engine, [cands[p] for p in asked], candidate, base)
         spent["kl"] = time.perf_counter() - t
-        return cands, kl
+
+        def decide(probes: Sequence[Probe]) -> Figures:
+            prompts = [*recorded, *(p.prompt for p in probes)]
+            return figures([cands[p] for p in prompts], [known[p] for p in prompts], probes, len(recorded), kl,
+                           settings)
+
+        fig = decide(first)
+        if not rest or clean(fig, settings):
+            return fig, 1
+        await ask([p.prompt for p in rest])
+        return decide(settings.probes), 2
 
     try:
-        cands, kl = await asyncio.wait_for(measure(), settings.timeout_s)
+        fig, stages = await asyncio.wait_for(measure(), settings.timeout_s)
     except TimeoutError:
         raise CheckFailed(f"it took longer than heldout_timeout_s {settings.timeout_s:g}") from None
     except CheckFailed:
@@ -398,11 +440,11 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
             await engine.unload(candidate)
         except Exception:  # noqa: BLE001 - a candidate left loaded is evicted by the engine's budget later
             pass
-    heads = [known[p] for p in prompts]
-    fig = figures(cands, heads, settings.probes, len(recorded), kl, settings)
+    if stages == 1 and rest:
+        fig.notes.append(f"passed on the first {len(first)} of {len(settings.probes)} probes: no sign of harm there")
     fig.seconds = time.perf_counter() - t0
-    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], len(missing)
-    return fig, dict(zip(prompts, cands, strict=True)), known
+    fig.answer_seconds, fig.kl_seconds, fig.head_sampled = spent["answer"], spent["kl"], head_sampled
+    return fig, cands, known
 
 
 def describe(m: Any) -> str | None:

@@ -118,6 +118,10 @@ class Host(Protocol):
 
     def follow(self, st: Any, follows: str, candidate: Candidate, job_id: str, *, published: bool) -> None: ...
 
+    async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Any:
+        """Write the scenario's early-warning state (``daemon/gating/warning.py``) to the record store."""
+        ...
+
     async def heldout_prompts(self, st: Any) -> list[str]:
         """The scenario's reserved recorded prompts the held-out check asks (most recent last)."""
         ...

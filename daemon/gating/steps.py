@@ -10,6 +10,9 @@ lets the next step have it (None):
 - ``heldout_check``: weights: the held-out check (``daemon/gating/heldout.py``) holds a candidate that stops
   answering, forgets or drifts; ``heldout_check = false`` marks it ``unchecked``; a check that cannot run fails
   the step (``CheckFailed``, written down as failed by the loop).
+- ``early_warning``: weights: the scored reward rising while the answers collapse over the recent candidates
+  (``daemon/gating/warning.py``) holds it and warns the scenario: its learning pauses until the user acts. A
+  candidate the drift bound or the held-out check holds is read for the warning too.
 - ``canary``: with ``canary_share`` (weights recipes: 0.5 by default), held and served to that share of new runs as
   a canary (``daemon/canary.py``), ended by its bounds ``canary_answers`` and ``canary_hours`` if nothing else
   decides; the learning loop waits for its verdict.
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import CheckFailed, HeadMoved, ReefError, Unchanged
-from daemon.gating import heldout
+from daemon.gating import heldout, warning
 from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
 
 
@@ -83,6 +86,7 @@ async def drift_bound(host: Host, run: GateRun) -> StepOutcome | None:
         return None
     out = await _hold(host, run, alarm["reason"], watchdog=alarm["reason"])
     host.events.publish("watchdog", scenario=run.scenario.name, release_id=out.release_id, **alarm)
+    await warning.after_hold(host, run, out)
     return out
 
 
@@ -111,6 +115,7 @@ async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
     out = await _hold(host, run, fig.hold)
     host.events.publish("heldout", scenario=name, job=run.job_id, verdict="held", release_id=out.release_id,
                         reason=fig.hold, metrics=fig.metrics())
+    await warning.after_hold(host, run, out)
     return out
 
 
@@ -136,6 +141,15 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     host.heldout_head(run.st, head_key, heads)
     run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
     return fig
+
+
+async def early_warning(host: Host, run: GateRun) -> StepOutcome | None:
+    found = await warning.read(host, run)
+    if found is None:
+        return None
+    out = await _hold(host, run, warning.text(run.scenario.name, found), warning=found["says"])
+    await warning.raise_warning(host, run, found, out.release_id, out.step)
+    return out
 
 
 async def canary(host: Host, run: GateRun) -> StepOutcome | None:
@@ -186,7 +200,8 @@ async def rejected(host: Host, run: GateRun) -> StepOutcome:
     return run.outcome("rejected", reason=run.reason)
 
 
-STEPS: tuple[Step, ...] = (skipped, gate_kind, drift_bound, heldout_check, canary, publish, rejected)
+STEPS: tuple[Step, ...] = (skipped, gate_kind, drift_bound, heldout_check, early_warning, canary, publish,
+                           rejected)
 
 
 async def run(host: Host, gate_run: GateRun, steps: tuple[Step, ...] = STEPS) -> StepOutcome:

@@ -44,6 +44,7 @@ from daemon.protocols.sse import (
     missing_events,
     need_object,
     new_id,
+    openai_tool_choice,
     reasoning_model,
     request_intent,
     sampling,
@@ -86,7 +87,7 @@ def parse_request(body: object) -> Exchange:
         model=model,
         messages=messages,
         tools=_tools(body),
-        tool_choice=_tool_choice(body),
+        tool_choice=openai_tool_choice(body, nested=False),
         sampling=sampling(body, ("max_output_tokens",), "stop"),
         stream=stream_flag(body),
         body=body,
@@ -183,20 +184,6 @@ def _tools(body: dict[str, Any]) -> list[Tool]:
             )
         )
     return tools
-
-
-def _tool_choice(body: dict[str, Any]) -> Any:
-    tc = body.get("tool_choice")
-    if tc is None:
-        return None
-    if isinstance(tc, str):
-        if tc not in ("auto", "none", "required"):
-            raise BadRequest(f"tool_choice: must be auto, none or required, got {tc!r}", param="tool_choice")
-        return tc
-    tc = need_object(tc, "tool_choice")
-    if tc.get("type") == "function":
-        return {"name": field(tc, "name", "string", "tool_choice.", required=True)}
-    return "auto"  # allowed_tools, built-in tool types: no narrower neutral form
 
 
 # --- responses --------------------------------------------------------------------------------------------------

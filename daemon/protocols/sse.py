@@ -127,6 +127,26 @@ def need_object(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
+def openai_tool_choice(body: dict[str, Any], nested: bool) -> Any:
+    """The neutral tool choice of an OpenAI body: auto, none, required, or ``{"name": ...}`` for a function, named
+    at ``tool_choice.function.name`` (chat, ``nested``) or ``tool_choice.name`` (responses). Other kinds
+    (allowed_tools, custom, built-in tools) have no narrower neutral form: auto."""
+    tc = body.get("tool_choice")
+    if tc is None:
+        return None
+    if isinstance(tc, str):
+        if tc not in ("auto", "none", "required"):
+            raise BadRequest(f"tool_choice: must be auto, none or required, got {tc!r}", param="tool_choice")
+        return tc
+    tc = need_object(tc, "tool_choice")
+    if tc.get("type") != "function":
+        return "auto"
+    if nested:
+        return {"name": field(field(tc, "function", "object", "tool_choice.", required=True), "name", "string",
+                              "tool_choice.function.", required=True)}
+    return {"name": field(tc, "name", "string", "tool_choice.", required=True)}
+
+
 def sampling(body: dict[str, Any], max_keys: tuple[str, ...], stop_key: str) -> Sampling:
     """The sampling fields every format shares; the first present of ``max_keys`` is the token limit."""
     s = Sampling()

@@ -15,7 +15,8 @@ from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.location import is_postgres, redact
 from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 from daemon.records.sqlite import SQLiteStore
-from daemon.records.store import Conn, Lease, RecordStore, Scenario, new_id
+from daemon.records.store import Conn, RecordStore, Scenario, new_id
+from daemon.records.training import Lease
 
 __all__ = ["Conn", "ExchangeRecord", "FeedbackReport", "Lease", "RecordStore", "RequestSampling", "SQLiteStore",
            "Scenario", "ScoredExchange", "new_id", "open_store", "is_postgres", "redact"]

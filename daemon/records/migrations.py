@@ -117,6 +117,11 @@ CREATE TABLE canaries (
     settings    TEXT NOT NULL                   -- JSON: alpha, max_reports, max_error_rate, min_exchanges
 )
 """,
+    # 4: a scenario's early warning (daemon/gating/warning.py): JSON {state: warned | accepted | cleared, since,
+    # and when warned: reason, signals, figures, release_id, at}; NULL: never warned
+    4: """
+ALTER TABLE scenarios ADD COLUMN warning TEXT
+""",
 }
 LATEST = max(MIGRATIONS)
 

@@ -30,7 +30,8 @@ Design choices:
   refused). A ``kill -9`` or a full disk mid-stream leaves the opened record, ``incomplete``: a receipt a client
   saw always names a record. Reports are records too (kind ``report``); ``report_refs`` indexes which receipts a
   report names.
-- A training lease (``lease``) and the consumption of receipts (``claim``, ``settle``) live in the store too, so
+- A training lease and the consumption of receipts (``store.training``: ``daemon/records/training.py``) live in
+  the store too, so
   that several daemons sharing one store agree on who trains and on what was learned from: the lease row and the
   consumption rows are what the database locks, never a lock in one process.
 - The schema is versioned (``daemon/records/migrations.py``): an older store is migrated on open, a newer one
@@ -48,11 +49,11 @@ import random
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 
@@ -60,7 +61,6 @@ from daemon import jsontext
 from daemon.errors import (
     BadRequest,
     Forgotten,
-    LeaseLost,
     NotFound,
     RecipeConflict,
     ReefError,
@@ -73,24 +73,13 @@ from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.exchange_record import columns as exchange_columns
 from daemon.records.migrations import migrate
 from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
+from daemon.records.training import Training
 
+T = TypeVar("T")
 SAMPLING = ("temperature", "top_p", "top_k")  # the request fields that shape the sampled distribution
 # how far ahead of this clock a record's date may be (another machine's clock): an import dated later is refused
 # (daemon/export.py), and retention does not judge a stored one by its date (retention_due)
 CLOCK_SKEW_S = 3600.0
-
-@dataclass(frozen=True)
-class Lease:
-    """The training lease as one ``lease`` call found it. ``held``: whether the caller holds it now (until
-    ``expires_at``, on the database's clock); ``epoch`` grows by one each time the lease changes hands, so a
-    holder can tell a takeover happened even if it was its own name before."""
-
-    name: str
-    holder: str | None
-    epoch: int
-    expires_at: float
-    held: bool
-
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -148,6 +137,13 @@ class Scenario:
     capture: bool = True  # False: serve-only, its exchanges are never trained on
     paused: bool = False  # True: its recipe takes no step until resumed (the binding stays)
     archived: bool = False  # True: neither served nor trained; its records and chain stay readable
+    # the early warning's state (daemon/gating/warning.py): None, or {state: warned | accepted | cleared, since, ...}
+    warning: dict[str, Any] | None = None
+
+    @property
+    def warned(self) -> bool:
+        """Whether its early warning stands: no step runs, nothing publishes, until the user acts."""
+        return self.warning is not None and self.warning.get("state") == "warned"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +155,7 @@ class Scenario:
             "capture": self.capture,
             "paused": self.paused,
             "archived": self.archived,
+            "warning": self.warning if self.warned else None,
         }
 
 
@@ -261,6 +258,7 @@ class RecordStore:
             raise
         self._thread = threading.Thread(target=self._writer_loop, name="reef-records-writer", daemon=True)
         self._thread.start()
+        self.training = Training(self)  # the training lease and the consumption of receipts
 
     # --- what a backend supplies ---------------------------------------------------------------------------
 
@@ -301,7 +299,7 @@ class RecordStore:
     def has_table(self, conn: Conn, name: str) -> bool:
         raise NotImplementedError
 
-    async def read(self, fn: Callable[[Conn], Any]) -> Any:
+    async def read(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn(conn)`` on a read connection, off the event loop."""
         raise NotImplementedError
 
@@ -452,7 +450,7 @@ class RecordStore:
             fut.set_exception(StorageError("record store is closed", path=self.where))
         return fut
 
-    async def write(self, fn: Callable[[Conn], Any]) -> Any:
+    async def write(self, fn: Callable[[Conn], T]) -> T:
         """Run ``fn(conn)`` inside a committed transaction; resolves once it is durable."""
         return await self.write_soon(fn)
 
@@ -554,6 +552,24 @@ class RecordStore:
         scenario = await self.write(op)
         self._scenario_cache[name] = scenario
         return scenario
+
+    async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
+        """Write a scenario's early-warning state (``daemon/gating/warning.py``), durably: it outlives a restart."""
+
+        def op(conn: Conn) -> Scenario:
+            if conn.execute("UPDATE scenarios SET warning=? WHERE name=?",
+                            (None if warning is None else _dumps(warning), name)).rowcount == 0:
+                raise NotFound(f"no scenario named {name!r}", scenario=name)
+            return _scenario(conn.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
+
+        scenario = await self.write(op)
+        self._scenario_cache[name] = scenario
+        return scenario
+
+    async def warned_scenarios(self) -> list[Scenario]:
+        """The scenarios with an early-warning state written (standing, accepted or cleared)."""
+        rows = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE warning IS NOT NULL").fetchall())
+        return [_scenario(row) for row in rows]
 
     async def get_scenario(self, name: str) -> Scenario:
         row = await self.read(lambda c: c.execute("SELECT * FROM scenarios WHERE name=?", (name,)).fetchone())
@@ -960,15 +976,14 @@ class RecordStore:
                 if it["record"].id not in seen:
                     seen.add(it["record"].id)
                     rows.append((i, it))
-            keys = [it["report"]["report_id"] for _, it in rows if it["report"] is not None]
+            keys = [rep["report_id"] for _, it in rows for rep in it["reports"]]
             taken: set[str] = set()
             for chunk in _chunks(keys):  # a client's report_id from before such ids were refused at /reef/report
                 taken |= {r["report_key"] for r in conn.execute(
                     f"SELECT report_key FROM records WHERE report_key IN ({','.join('?' * len(chunk))})",
                     chunk).fetchall()}
             for i, it in rows:
-                if it["report"] is not None and it["report"]["report_id"] in taken:
-                    key = it["report"]["report_id"]
+                for key in (rep["report_id"] for rep in it["reports"] if rep["report_id"] in taken):
                     raise ReportConflict(f"items[{i}]: the report of imported exchange {it['record'].id} would be "
                                          f"stored as report_id {key!r}, which another report holds: import it under "
                                          "another id", report_id=key, param=f"items[{i}].id")
@@ -976,21 +991,19 @@ class RecordStore:
                 _ExchangeRow(self._exchange_row(it["record"]))(conn)
             reports: list[dict[str, Any]] = []
             for _, it in rows:
-                rep = it["report"]
-                if rep is None:
-                    continue
                 rec = it["record"]
-                body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec.id],
-                        "metadata": {"source": "import"}}
-                digest = hashlib.sha256(json.dumps({**body, "scenario": rec.scenario}, sort_keys=True,
-                                                   ensure_ascii=False).encode()).hexdigest()
-                rid = new_id("rep_")
-                conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
-                             " report_hash) VALUES (?,?,?,?,?,?,?,?)",
-                             (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
-                              rep["report_id"], digest))
-                conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
-                reports.append({"id": rid, "scenario": rec.scenario, **body})
+                for rep in it["reports"]:
+                    body = {"score": rep["score"], "feedback": rep["feedback"], "references": [rec.id],
+                            "metadata": {"imported": True, **({"source": rep["source"]} if rep["source"] else {})}}
+                    digest = hashlib.sha256(json.dumps({**body, "scenario": rec.scenario}, sort_keys=True,
+                                                       ensure_ascii=False).encode()).hexdigest()
+                    rid = new_id("rep_")
+                    conn.execute("INSERT INTO records(id, kind, scenario, created_at, status, report, report_key,"
+                                 " report_hash) VALUES (?,?,?,?,?,?,?,?)",
+                                 (rid, "report", rec.scenario, time.time(), "complete", _dumps(body),
+                                  rep["report_id"], digest))
+                    conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES (?,?)", (rid, rec.id))
+                    reports.append({"id": rid, "scenario": rec.scenario, **body})
             return {"imported": len(rows), "skipped": len(items) - len(rows), "reports": len(reports)}, reports
 
         return await self.write(op)
@@ -1110,145 +1123,6 @@ class RecordStore:
 
         return await self.read(op)
 
-    # --- the training lease --------------------------------------------------------------------------------
-
-    async def lease(self, name: str, holder: str, *, ttl_s: float) -> Lease:
-        """Take the lease ``name`` for ``holder``, or renew it, for ``ttl_s`` seconds from now on the database's
-        clock; a lease its holder did not renew in time is taken over. Returns the lease as it now stands:
-        ``held`` says whether ``holder`` has it. One statement, an upsert whose row lock decides between daemons
-        asking at once."""
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
-
-        def op(conn: Conn) -> Lease:
-            row = conn.execute(
-                f"""INSERT INTO leases(name, holder, epoch, expires_at, acquired_at)
-                    VALUES (?, ?, 1, {self.NOW} + ?, {self.NOW})
-                    ON CONFLICT (name) DO UPDATE SET
-                        epoch = CASE WHEN leases.holder = excluded.holder THEN leases.epoch ELSE leases.epoch + 1 END,
-                        acquired_at = CASE WHEN leases.holder = excluded.holder THEN leases.acquired_at
-                                           ELSE excluded.acquired_at END,
-                        holder = excluded.holder,
-                        expires_at = excluded.expires_at
-                    WHERE leases.holder = excluded.holder OR leases.holder IS NULL
-                       OR leases.expires_at <= excluded.acquired_at
-                    RETURNING holder, epoch, expires_at""",
-                (name, holder, float(ttl_s)),
-            ).fetchone()
-            if row is not None:
-                return Lease(name, row["holder"], row["epoch"], row["expires_at"], held=True)
-            row = conn.execute("SELECT holder, epoch, expires_at FROM leases WHERE name=?", (name,)).fetchone()
-            return Lease(name, row["holder"], row["epoch"], row["expires_at"], held=False)
-
-        return await self.write(op)
-
-    async def release_lease(self, lease: Lease) -> bool:
-        """Give the lease up at once (a clean stop), so that another daemon need not wait for it to expire.
-        Only its holder at that epoch can; returns whether it did."""
-
-        def op(conn: Conn) -> bool:
-            cur = conn.execute(
-                "UPDATE leases SET holder=NULL, expires_at=0 WHERE name=? AND holder=? AND epoch=?",
-                (lease.name, lease.holder, lease.epoch),
-            )
-            return bool(cur.rowcount == 1)
-
-        return await self.write(op)
-
-    # --- consumption ---------------------------------------------------------------------------------------
-
-    def _check_lease(self, conn: Conn, lease: Lease) -> None:
-        row = conn.execute(
-            f"SELECT holder, epoch, expires_at > {self.NOW} AS live FROM leases WHERE name=?{self.FOR_UPDATE}",
-            (lease.name,),
-        ).fetchone()
-        if row is None or row["holder"] != lease.holder or row["epoch"] != lease.epoch or not row["live"]:
-            raise LeaseLost(lease.name, lease.holder, row["holder"] if row is not None else None)
-
-    async def claim(self, scenario: str, receipts: Sequence[str], lease: Lease) -> list[str]:
-        """Claim receipts for a step of ``lease``'s holder: returns those it now has (in the order given); a
-        receipt consumed or claimed already is left out. Raises ``LeaseLost`` when the lease is no longer the
-        caller's (taken over): a holder that paused past its expiry learns so before it trains. Exactly once
-        across daemons: the claim is a row keyed by (scenario, receipt), inserted only where none exists."""
-
-        def op(conn: Conn) -> list[str]:
-            self._check_lease(conn, lease)
-            got = []
-            now = time.time()
-            for receipt in dict.fromkeys(receipts):
-                row = conn.execute(
-                    "INSERT INTO consumption(scenario, receipt, holder, epoch, state, claimed_at)"
-                    " VALUES (?,?,?,?,'claimed',?) ON CONFLICT DO NOTHING RETURNING receipt",
-                    (scenario, receipt, lease.holder, lease.epoch, now),
-                ).fetchone()
-                if row is not None:
-                    got.append(receipt)
-            return got
-
-        return await self.write(op)
-
-    async def settle(self, scenario: str, receipts: Sequence[str], lease: Lease, outcome: str) -> int:
-        """Mark claimed receipts consumed for good, with the step's ``outcome`` (a release id, or a rejection):
-        called once the outcome is written down. Returns how many were settled."""
-
-        def op(conn: Conn) -> int:
-            n = 0
-            for receipt in receipts:
-                n += conn.execute(
-                    "UPDATE consumption SET state='consumed', outcome=? WHERE scenario=? AND receipt=? AND holder=?"
-                    " AND epoch=? AND state='claimed'",
-                    (outcome, scenario, receipt, lease.holder, lease.epoch),
-                ).rowcount
-            return n
-
-        return await self.write(op)
-
-    async def release_claims(self, scenario: str, receipts: Sequence[str], lease: Lease) -> int:
-        """Give back claims of this lease that the step did not consume (a skipped step that keeps its
-        receipts): they can be claimed again."""
-
-        def op(conn: Conn) -> int:
-            n = 0
-            for receipt in receipts:
-                n += conn.execute(
-                    "DELETE FROM consumption WHERE scenario=? AND receipt=? AND holder=? AND epoch=?"
-                    " AND state='claimed'", (scenario, receipt, lease.holder, lease.epoch)).rowcount
-            return n
-
-        return await self.write(op)
-
-    async def recover_claims(self, scenario: str, lease: Lease, consumed: Iterable[str]) -> list[str]:
-        """After taking the lease over: claims of earlier holders that were never settled are theirs no more.
-        Those in ``consumed`` (their outcome was written down, e.g. a published release lists them) are settled;
-        the rest go back to the pool, to be learned from again. Returns the receipts given back."""
-        done = set(consumed)
-
-        def op(conn: Conn) -> list[str]:
-            self._check_lease(conn, lease)
-            rows = conn.execute(
-                "SELECT receipt FROM consumption WHERE scenario=? AND state='claimed' AND NOT (holder=? AND epoch=?)",
-                (scenario, lease.holder, lease.epoch),
-            ).fetchall()
-            back = []
-            for row in rows:
-                if row["receipt"] in done:
-                    conn.execute("UPDATE consumption SET state='consumed' WHERE scenario=? AND receipt=?",
-                                 (scenario, row["receipt"]))
-                else:
-                    conn.execute("DELETE FROM consumption WHERE scenario=? AND receipt=?", (scenario, row["receipt"]))
-                    back.append(row["receipt"])
-            return back
-
-        return await self.write(op)
-
-    async def consumed(self, scenario: str) -> dict[str, str]:
-        """Receipts of a scenario consumed or claimed, with their state (``consumed`` or ``claimed``)."""
-
-        def op(conn: Conn) -> dict[str, str]:
-            return {r["receipt"]: r["state"] for r in conn.execute(
-                "SELECT receipt, state FROM consumption WHERE scenario=?", (scenario,)).fetchall()}
-
-        return await self.read(op)
 
 def _canary(row: Any) -> dict[str, Any]:
     return {"scenario": row["scenario"], "release_id": row["release_id"], "base_id": row["base_id"],
@@ -1285,6 +1159,7 @@ def _scenario(row: Any) -> Scenario:
         capture=bool(row["capture"]),
         paused=bool(row["paused"]),
         archived=bool(row["archived"]),
+        warning=json.loads(row["warning"]) if row["warning"] else None,
     )
 
 

@@ -6,7 +6,7 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
 - ``manifest.py``  names (refs, manifest file), ``Manifest`` (what every write takes), ``Release``, ``Rejection``,
   ``FileEntry``
 - ``objects.py``   reading git objects back without trusting them (a truncated loose object must not hang libgit2)
-- ``repo.py``      the repository: created and opened durably, one handle per thread, the guarded ``_read``
+- ``repo.py``      the repository: created and opened durably, one handle per thread, the guarded ``read``
 - ``reads.py``     heads, releases, files, checkouts, pending candidates, rejections
 - ``content.py``   an artifact's files as blobs and a content tree; large files as LFS objects
 - ``refs.py``      compare-and-swap ref updates under git's ref locks; stale locks; lost writes
@@ -14,7 +14,8 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
   the transport)
 - ``recovery.py``  start-up recovery, ``find_damage`` (``reef doctor``), ``fsck``
 - ``diff.py``      what changed between two releases
-- ``store.py``     ``ReleaseStore``: the layers above put together, and publish, rollback, hold, promote, reject
+- ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins); publish, rollback, hold,
+  promote, reject
 
 What other packages use is re-exported here.
 """

@@ -57,10 +57,13 @@ def _check_path(path: str) -> list[str]:
 
 
 
-class Content(Repository):
+class Content:
     """Writing an artifact's files: blobs, LFS objects, and the content tree."""
 
-    def _write_content(self, files: Mapping[str, FileSource]) -> tuple[str, dict[str, dict[str, Any]]]:
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+
+    def write(self, files: Mapping[str, FileSource]) -> tuple[str, dict[str, dict[str, Any]]]:
         """Write the artifact's blobs (and LFS objects) and its tree; returns (content tree id, lfs map)."""
         if not isinstance(files, Mapping):
             raise BadRequest("files must map paths to bytes, text or file paths", param="files")
@@ -82,12 +85,12 @@ class Content(Repository):
                     lfs[path] = pointer
             return str(self._write_tree(root)), lfs
         except OSError as e:
-            raise StorageError(f"writing artifact failed: {e}", path=str(self.path)) from e
+            raise StorageError(f"writing artifact failed: {e}", path=str(self.repo.path)) from e
         except pygit2.GitError as e:
-            raise StorageError(f"writing artifact failed: {e}", path=str(self.path)) from e
+            raise StorageError(f"writing artifact failed: {e}", path=str(self.repo.path)) from e
 
     def _write_tree(self, node: dict[str, Any]) -> pygit2.Oid:
-        repo = self._repo()
+        repo = self.repo.git()
         tb = repo.TreeBuilder()
         for name, value in node.items():
             if isinstance(value, dict):
@@ -97,7 +100,7 @@ class Content(Repository):
         return tb.write()
 
     def _write_file(self, path: str, src: FileSource) -> tuple[pygit2.Oid, int, dict[str, Any] | None]:
-        repo = self._repo()
+        repo = self.repo.git()
         mode = _BLOB
         if isinstance(src, str):
             src = src.encode()
@@ -108,13 +111,13 @@ class Content(Repository):
             st = p.stat()
             if st.st_mode & 0o111:
                 mode = _EXEC
-            if st.st_size > self.lfs_threshold:
+            if st.st_size > self.repo.lfs_threshold:
                 sha, size = self._store_lfs(p)
             else:
                 return repo.create_blob(p.read_bytes()), mode, None
         elif isinstance(src, bytes | bytearray | memoryview):
             data = bytes(src)
-            if len(data) <= self.lfs_threshold:
+            if len(data) <= self.repo.lfs_threshold:
                 return repo.create_blob(data), mode, None
             sha, size = self._store_lfs(data)
         else:
@@ -136,10 +139,10 @@ class Content(Repository):
             sha, size = h.hexdigest(), before.st_size
         else:
             sha, size = hashlib.sha256(src).hexdigest(), len(src)
-        final = self.lfs_path(sha)
+        final = self.repo.lfs_path(sha)
         if final.exists() and final.stat().st_size == size:
             return sha, size
-        fd, tmp = tempfile.mkstemp(dir=self._lfs_tmp, prefix="obj-")
+        fd, tmp = tempfile.mkstemp(dir=self.repo.lfs_tmp, prefix="obj-")
         try:
             try:
                 if isinstance(src, Path):

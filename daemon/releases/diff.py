@@ -16,21 +16,25 @@ from typing import Any
 from daemon.errors import StorageError
 from daemon.releases.manifest import MANIFEST, Release
 from daemon.releases.reads import Reads
+from daemon.releases.repo import Repository
 
 _DIFF_TEXT_MAX = 4 << 20  # files above this are reported as binary (sizes), not diffed as text
 _DIFF_OUT_MAX = 256 << 10  # per-file cap on a unified diff
 
 
-class Diffs(Reads):
+class Diffs:
     """What changed between two releases."""
+
+    def __init__(self, repo: Repository, reads: Reads) -> None:
+        self.repo, self.reads = repo, reads
 
     def diff(self, release_id: str, base: str | None = None) -> dict[str, Any]:
         """What changed from ``base`` (default: the release's parent) to the release: added / removed / changed
         paths; per changed file a unified diff (text), per-tensor change norms (safetensors), or sizes."""
-        release = self.get(release_id)
-        base_id = self._resolve(base) if base is not None else release.parent
+        release = self.reads.get(release_id)
+        base_id = self.repo.resolve(base) if base is not None else release.parent
         new = self._file_map(release)
-        old = self._file_map(self.get(base_id)) if base_id else {}
+        old = self._file_map(self.reads.get(base_id)) if base_id else {}
         out: dict[str, Any] = {"release_id": release.release_id, "base": base_id, "added": [], "removed": [],
                                "changed": [], "files": []}  # fmt: skip
         for path in sorted(set(old) | set(new)):
@@ -48,14 +52,14 @@ class Diffs(Reads):
         return out
 
     def _file_map(self, release: Release) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
-        tree_id = self._commit(release.release_id).tree_id
-        files = {p: (b, m, release.lfs.get(p)) for p, b, m in self._walk(tree_id) if p != MANIFEST}
-        adapter = self.adapter(release.release_id)
+        tree_id = self.repo.commit(release.release_id).tree_id
+        files = {p: (b, m, release.lfs.get(p)) for p, b, m in self.repo.walk(tree_id) if p != MANIFEST}
+        adapter = self.reads.adapter(release.release_id)
         if adapter is None:
             return files
         # what an adapter release serves is its base with the adapter on top: diffed as such, an adapter against
         # its base adds the adapter's files, two adapters differ in their tensors, a rollback to the base removes them
-        return {**self._file_map(self.get(adapter.base_release_id)), **files}
+        return {**self._file_map(self.reads.get(adapter.base_release_id)), **files}
 
     def _side(self, side: tuple[str, int, dict[str, Any] | None] | None) -> tuple[int, Any]:
         """(size, bytes-or-Path) of one side of a diff; LFS objects stay on disk as a Path."""
@@ -63,8 +67,8 @@ class Diffs(Reads):
             return 0, b""
         blob_id, _, lfs = side
         if lfs is not None:
-            return int(lfs["size"]), self._lfs_object(lfs)
-        data = self._blob(blob_id).data
+            return int(lfs["size"]), self.repo.lfs_object(lfs)
+        data = self.repo.blob(blob_id).data
         return len(data), data
 
     def _diff_file(self, path: str, o: Any, n: Any) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 - Loose objects are checked in Python before libgit2 reads them (``_check_loose``: complete, as long as their
   header says, hashing to their id, streamed in bounded memory): libgit2 1.9 never returns from inflating a
   truncated one, holding the GIL, so a half-written object must never reach it (``_object``; the store's guarded
-  ``_read`` in ``repo.py`` does the same with a cache of objects found whole).
+  ``read`` in ``repo.py`` does the same with a cache of objects found whole).
 - ``_intact``: whether a commit and everything under it read back, through a freshly opened repository (on a full
   disk libgit2 can hand back the id of an object it never wrote).
 - ``unsafe_name``: the tree entry names no tree read from the store may hold (``..``, ``.git``, separators).

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,8 +35,19 @@ _FRESH_S = 0.001  # a head checked this recently is not checked again: see Relea
 _RACY_NS = 100_000_000  # a ref file younger than this (0.1 s) is looked up again: see ReleaseStore.head
 
 
-class Reads(Repository):
+class Reads:
     """What the chains hold: heads, releases, their files and checkouts, pending candidates, rejections."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        self._heads: dict[str, tuple[tuple[int, int, int], str | None]] = {}  # ref -> (stat key, target)
+        self._fresh: dict[str, tuple[float, str | None]] = {}  # ref -> (monotonic time of the check, target)
+        self._cache: dict[str, tuple[str, bytes, str]] = {}  # release id -> (id, manifest bytes, message)
+        self._cache_lock = threading.Lock()
+
+    def moved(self, ref: str) -> None:
+        """``ref`` was moved (or a move of it failed): the next ``head`` looks again."""
+        self._fresh.pop(ref, None)
 
     def head(self, scenario: str) -> str | None:
         """The scenario's head as git has it now, so that a publish by another process is live at once.
@@ -58,7 +70,7 @@ class Reads(Repository):
 
     def _head(self, name: str) -> str | None:
         try:
-            st = os.stat(f"{self.path}/{name}")
+            st = os.stat(f"{self.repo.path}/{name}")
         except OSError:
             st = None
         key = None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -66,7 +78,7 @@ class Reads(Repository):
             hit = self._heads.get(name)
             if hit is not None and hit[0] == key:
                 return hit[1]
-        ref = self._repo().references.get(name)
+        ref = self.repo.git().references.get(name)
         target = None if ref is None else str(ref.target)
         if key is not None and time.time_ns() - key[1] > _RACY_NS:  # key[1]: the file's mtime (ns)
             self._heads[name] = (key, target)
@@ -76,7 +88,7 @@ class Reads(Repository):
 
     def scenarios(self) -> list[str]:
         return sorted(
-            name[len(SCENARIOS_REF) :] for name in self._repo().listall_references() if name.startswith(SCENARIOS_REF)
+            name[len(SCENARIOS_REF) :] for name in self.repo.git().listall_references() if name.startswith(SCENARIOS_REF)
         )
 
     def get(self, release_id: str) -> Release:
@@ -84,12 +96,12 @@ class Reads(Repository):
         immutable release is cached."""
         raw = self._cache.get(release_id) if isinstance(release_id, str) else None
         if raw is None:
-            rid = self._resolve(release_id)
+            rid = self.repo.resolve(release_id)
             raw = self._cache.get(rid)
             if raw is None:
-                commit = self._commit(rid)
+                commit = self.repo.commit(rid)
                 try:
-                    data = self._manifest_blob(commit, MANIFEST)
+                    data = self.repo.manifest_blob(commit, MANIFEST)
                     content_id = json.loads(data)["content_id"]
                 except (KeyError, ValueError, TypeError):
                     raise NotFound(f"{rid} is not a release (no {MANIFEST})", release_id=rid) from None
@@ -129,7 +141,7 @@ class Reads(Repository):
         rid = self.head(scenario)
         while rid is not None and (limit is None or len(out) < limit):
             out.append(self.get(rid))
-            parents = self._commit(rid).parent_ids
+            parents = self.repo.commit(rid).parent_ids
             rid = str(parents[0]) if parents else None
         return out
 
@@ -137,36 +149,34 @@ class Reads(Repository):
         """Whether the release is on the scenario's chain (the head or one of its ancestors)."""
         head = self.head(scenario)
         try:
-            rid = self._resolve(release_id)
+            rid = self.repo.resolve(release_id)
         except ReefError:
             return False
-        return head is not None and (rid == head or self._descends(head, rid))
-
-    is_ancestor = belongs
+        return head is not None and (rid == head or self.repo.descends(head, rid))
 
     def files(self, release_id: str) -> list[FileEntry]:
         """The artifact's files (the manifest excluded), with sizes of the real bytes for LFS files."""
         release = self.get(release_id)
         out = []
-        for path, blob_id, mode in self._walk(self._commit(release.release_id).tree_id):
+        for path, blob_id, mode in self.repo.walk(self.repo.commit(release.release_id).tree_id):
             if path == MANIFEST:
                 continue
             lfs = release.lfs.get(path)
             if lfs is not None:
                 out.append(FileEntry(path, int(lfs["size"]), mode, blob_id, lfs["oid"].split(":", 1)[1]))
             else:
-                out.append(FileEntry(path, self._size(blob_id), mode, blob_id, None))
+                out.append(FileEntry(path, self.repo.size(blob_id), mode, blob_id, None))
         return out
 
     def read_file(self, release_id: str, path: str) -> bytes:
         """The bytes of one file of a release (LFS pointers resolved)."""
         release = self.get(release_id)
-        node: pygit2.Object = self._tree(self._commit(release.release_id))
+        node: pygit2.Object = self.repo.tree(self.repo.commit(release.release_id))
         try:
             for part in path.split("/"):  # each tree on the way read through _read
                 if not isinstance(node, pygit2.Tree):
                     raise KeyError(path)
-                node = self._read(node[part].id)
+                node = self.repo.read(node[part].id)
         except KeyError:
             raise NotFound(f"release {release.release_id} has no file {path!r}", path=path) from None
         if not isinstance(node, pygit2.Blob):
@@ -174,7 +184,7 @@ class Reads(Repository):
         lfs = release.lfs.get(path)
         if lfs is None:
             return node.data
-        return self._lfs_object(lfs).read_bytes()
+        return self.repo.lfs_object(lfs).read_bytes()
 
     def checkout(self, release_id: str, dest: str | os.PathLike[str], *, link: bool = False) -> Path:
         """Materialise a release's artifact (without the manifest) into the new directory ``dest``, atomically.
@@ -192,7 +202,7 @@ class Reads(Repository):
             raise StorageError(f"checkout of {release.release_id} into {dest} failed: {e}", path=str(dest)) from e
         root = tmp.resolve()
         try:
-            for path, blob_id, mode in self._walk(self._commit(release.release_id).tree_id):
+            for path, blob_id, mode in self.repo.walk(self.repo.commit(release.release_id).tree_id):
                 if path == MANIFEST:
                     continue
                 target = tmp / path
@@ -202,9 +212,9 @@ class Reads(Repository):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 lfs = release.lfs.get(path)
                 if lfs is None:
-                    target.write_bytes(self._blob(blob_id).data)
+                    target.write_bytes(self.repo.blob(blob_id).data)
                 else:
-                    obj = self._lfs_object(lfs)
+                    obj = self.repo.lfs_object(lfs)
                     try:
                         if not link or mode == _EXEC:  # a link shares the object's inode and mode
                             raise OSError(errno.EXDEV, "copy asked")
@@ -227,17 +237,17 @@ class Reads(Repository):
     def pending(self, scenario: str) -> list[Release]:
         """Candidates held for review (``hold``), newest first."""
         prefix = f"{PENDING_REF}{check_scenario(scenario)}/"
-        ids = [n[len(prefix) :] for n in self._repo().listall_references() if n.startswith(prefix)]
+        ids = [n[len(prefix) :] for n in self.repo.git().listall_references() if n.startswith(prefix)]
         return sorted((self.get(i) for i in ids), key=lambda r: r.created_at, reverse=True)
 
     def rejections(self, scenario: str, limit: int | None = None) -> list[Rejection]:
         """Rejected candidates, newest first."""
-        ref = self._repo().references.get(REJECTED_REF + check_scenario(scenario))
+        ref = self.repo.git().references.get(REJECTED_REF + check_scenario(scenario))
         out: list[Rejection] = []
         rid = None if ref is None else str(ref.target)
         while rid is not None and (limit is None or len(out) < limit):
-            commit = self._commit(rid)
-            d = json.loads(self._manifest_blob(commit, REJECTION))
+            commit = self.repo.commit(rid)
+            d = json.loads(self.repo.manifest_blob(commit, REJECTION))
             out.append(
                 Rejection(
                     rejection_id=rid,
@@ -263,7 +273,7 @@ class Reads(Repository):
         """The base an adapter release applies to (``daemon/lora.py``), or None for a release of whole weights."""
         rel = self.get(release_id)
         try:
-            data = self._manifest_blob(self._commit(rel.release_id), lora.MANIFEST)
+            data = self.repo.manifest_blob(self.repo.commit(rel.release_id), lora.MANIFEST)
         except KeyError:
             return None
         return lora.AdapterManifest.parse(data, f"release {rel.release_id}: {lora.MANIFEST}")

@@ -32,8 +32,10 @@ from daemon.errors import Conflict, LockBusy, ReefError
 from daemon.releases.content import _CHUNK, lfs_pointer
 from daemon.releases.manifest import MANIFEST, PENDING_REF, PROMOTED_REF, SCENARIOS_REF
 from daemon.releases.objects import _HEX_RE, _check_loose, _commit_at, _Corrupt, _intact, _object
-from daemon.releases.refs import _REFLOG_LINE, _RefUpdate
+from daemon.releases.reads import Reads
+from daemon.releases.refs import _REFLOG_LINE, Refs, _RefUpdate
 from daemon.releases.remote import Remote
+from daemon.releases.repo import Repository
 
 log = logging.getLogger("reef.releases")
 
@@ -147,8 +149,11 @@ def find_damage(path: str | os.PathLike[str]) -> list[Damage]:
 
 
 
-class Recovery(Remote):
+class Recovery:
     """Start-up recovery (stale locks, temp files, damage a lost write left) and ``fsck``."""
+
+    def __init__(self, repo: Repository, refs: Refs, sync: Remote, reads: Reads) -> None:
+        self.repo, self.refs, self.sync, self.reads = repo, refs, sync, reads
 
     def _repair(self) -> dict[str, Any]:
         """Move each dangling ref back to the newest intact commit it held (or remove it when none is left), then
@@ -158,9 +163,9 @@ class Recovery(Remote):
         repaired: list[dict[str, Any]] = []
         failed: list[str] = []
         try:
-            damage = find_damage(self.path)
+            damage = find_damage(self.repo.path)
         except (pygit2.GitError, OSError) as e:
-            log.error("release store: cannot look for damage in %s: %s", self.path, e)
+            log.error("release store: cannot look for damage in %s: %s", self.repo.path, e)
             return {"repaired": [], "reflog_trimmed": {}, "unrepaired": [str(e)]}
         for d in damage:
             if d.target is None:
@@ -169,7 +174,7 @@ class Recovery(Remote):
             update = _RefUpdate(d.ref, d.restore, d.target, functools.partial(_moved, d.ref))
             try:
                 # local damage, repaired locally: the remote's copy is whole, and the next follow takes it in again
-                self._update_refs([update], message=f"reef repair: {d.target} does not read back; {how}", push=False)
+                self.sync.update_refs([update], message=f"reef repair: {d.target} does not read back; {how}", push=False)
             except ReefError as e:
                 if isinstance(e, Conflict) and not isinstance(e, LockBusy):
                     continue  # another writer moved it meanwhile: no longer this damage
@@ -183,12 +188,12 @@ class Recovery(Remote):
                       f"back to {d.restore}, the newest commit of it that exists" if d.restore else
                       "away: removed, since no commit of it exists")
         trimmed: dict[str, int] = {}
-        readable = _readable_in(pygit2.Repository(str(self.path)))  # fresh: what is on disk, not in a cache
-        for name, path in _reflogs(self.path):
+        readable = _readable_in(pygit2.Repository(str(self.repo.path)))  # fresh: what is on disk, not in a cache
+        for name, path in _reflogs(self.repo.path):
             try:
                 if not any(not _entry_ok(line, readable) for line in path.read_bytes().splitlines()):
                     continue
-                with self._ref_locked(name):  # read again under the lock: a writer may have appended meanwhile
+                with self.refs.locked(name):  # read again under the lock: a writer may have appended meanwhile
                     lines = path.read_bytes().splitlines(keepends=True)
                     keep = [line for line in lines if _entry_ok(line, readable)]
                     tmp = path.with_name(f"{path.name}.lock")  # git's own name for a reflog being rewritten
@@ -210,8 +215,8 @@ class Recovery(Remote):
     # --- maintenance ---------------------------------------------------------------------------------------
 
     def _lock_files(self) -> list[Path]:
-        found = [p for d in ("refs", "logs") for p in (self.path / d).rglob("*.lock")]
-        found += [self.path / n for n in ("packed-refs.lock", "HEAD.lock", "config.lock", "index.lock")]
+        found = [p for d in ("refs", "logs") for p in (self.repo.path / d).rglob("*.lock")]
+        found += [self.repo.path / n for n in ("packed-refs.lock", "HEAD.lock", "config.lock", "index.lock")]
         return [p for p in found if p.exists()]
 
     def recover(self, *, stale_after: float | None = None, tmp_after: float = 3600.0) -> dict[str, Any]:
@@ -223,12 +228,12 @@ class Recovery(Remote):
         that does not read back goes back to the newest intact commit it held (``repaired``: ref, was, now),
         and reflog entries naming missing objects are dropped (``reflog_trimmed``: ref -> count), each logged
         as an error."""
-        stale_after = self.stale_lock_after if stale_after is None else stale_after
+        stale_after = self.repo.stale_lock_after if stale_after is None else stale_after
         removed: list[str] = []
         kept: list[str] = []
         deadline = time.monotonic() + 2.0
         while True:
-            with self._guard(exclusive=True, blocking=False) as alone:
+            with self.refs.guard(exclusive=True, blocking=False) as alone:
                 if alone:
                     now = time.time()
                     for lock in self._lock_files():
@@ -247,7 +252,7 @@ class Recovery(Remote):
             time.sleep(0.01)
         temp_removed: list[str] = []
         now = time.time()
-        candidates = list(self._lfs_tmp.glob("obj-*")) + list((self.path / "objects").glob("**/tmp_*"))
+        candidates = list(self.repo.lfs_tmp.glob("obj-*")) + list((self.repo.path / "objects").glob("**/tmp_*"))
         for tmp in candidates:
             with contextlib.suppress(FileNotFoundError):
                 if now - tmp.stat().st_mtime >= tmp_after:
@@ -258,57 +263,46 @@ class Recovery(Remote):
     def fsck(self) -> dict[str, Any]:
         """Read back every object reachable from every ref (libgit2 verifies object hashes on read), check each
         manifest, each chain's linearity and steps, and the sha256 and size of every LFS object referenced."""
-        repo = self._repo()
+        repo = self.repo.git()
         errors: list[str] = []
         seen: set[str] = set()
         lfs_ok: dict[str, bool] = {}
         counts = {"commits": 0, "trees": 0, "blobs": 0, "lfs_objects": 0}
 
-        def walk_tree(tree_id: pygit2.Oid) -> None:
-            stack = [tree_id]
-            while stack:
-                oid = stack.pop()
-                key = str(oid)
-                if key in seen:
-                    continue
-                seen.add(key)
-                try:
-                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
-                    if isinstance(obj, pygit2.Tree):
-                        counts["trees"] += 1
-                        stack.extend(e.id for e in obj)
-                    else:
-                        counts["blobs"] += 1
-                        _ = obj.read_raw()
-                except Exception as e:  # a corrupt object is a finding, not a crash
-                    errors.append(f"object {key}: {e}")
-
         for name in repo.listall_references():
             if not name.startswith("refs/") or name.startswith(MIRROR_REF):
                 continue  # the mirror is what the remote has; only what passed ``_incoming`` is the store's
             try:
-                stack = [repo.references[name].target]
+                stack: list[tuple[pygit2.Oid | str, bool]] = [(repo.references[name].target, True)]  # (oid, a commit?)
             except Exception as e:
                 errors.append(f"ref {name}: {e}")
                 continue
-            while stack:
-                oid = stack.pop()
+            while stack:  # depth first: a commit's whole tree before its parents
+                oid, is_commit = stack.pop()
                 key = str(oid)
                 if key in seen:
                     continue
                 seen.add(key)
                 try:
-                    commit = _commit_at(repo, oid)
-                    counts["commits"] += 1
-                    walk_tree(commit.tree_id)
-                    stack.extend(commit.parent_ids)
-                    if MANIFEST in self._tree(commit):
-                        self._check_release(commit, lfs_ok, errors)
-                except Exception as e:
-                    errors.append(f"commit {key} (from {name}): {e}")
-        for name in self.scenarios():
+                    if is_commit:
+                        commit = _commit_at(repo, oid)
+                        counts["commits"] += 1
+                        stack += [(p, True) for p in commit.parent_ids] + [(commit.tree_id, False)]
+                        if MANIFEST in self.repo.tree(commit):
+                            self._check_release(commit, lfs_ok, errors)
+                        continue
+                    obj = _object(repo, oid)  # not repo[oid]: a truncated loose object hangs libgit2
+                    if isinstance(obj, pygit2.Tree):
+                        counts["trees"] += 1
+                        stack += [(e.id, False) for e in obj]
+                    else:
+                        counts["blobs"] += 1
+                        _ = obj.read_raw()
+                except Exception as e:  # a corrupt object is a finding, not a crash
+                    errors.append(f"commit {key} (from {name}): {e}" if is_commit else f"object {key}: {e}")
+        for name in self.reads.scenarios():
             try:
-                chain = self.history(name)
+                chain = self.reads.history(name)
                 for newer, older in zip(chain, chain[1:], strict=False):
                     if newer.parent != older.release_id or newer.step != older.step + 1:
                         errors.append(f"chain {name}: {newer.release_id} does not follow {older.release_id}")
@@ -316,7 +310,7 @@ class Recovery(Remote):
                     errors.append(f"chain {name}: does not start with an init at step 0")
             except Exception as e:
                 errors.append(f"chain {name}: {e}")
-        for obj_dir in sorted((self.path / "objects").glob("[0-9a-f][0-9a-f]")):  # every loose one, as git fsck
+        for obj_dir in sorted((self.repo.path / "objects").glob("[0-9a-f][0-9a-f]")):  # every loose one, as git fsck
             for f in sorted(obj_dir.iterdir()):
                 key = obj_dir.name + f.name
                 if key in seen or len(key) != 40 or not _HEX_RE.fullmatch(key):
@@ -325,8 +319,8 @@ class Recovery(Remote):
                     _check_loose(f, key)
                 except (_Corrupt, OSError) as e:
                     errors.append(f"object {key}: {e}")
-        readable = _readable_in(pygit2.Repository(str(self.path)))  # fresh: what is on disk, not in a cache
-        for name, path in _reflogs(self.path):
+        readable = _readable_in(pygit2.Repository(str(self.repo.path)))  # fresh: what is on disk, not in a cache
+        for name, path in _reflogs(self.repo.path):
             try:
                 lines = path.read_bytes().splitlines()
             except OSError as e:
@@ -340,16 +334,16 @@ class Recovery(Remote):
 
     def _check_release(self, commit: pygit2.Commit, lfs_ok: dict[str, bool], errors: list[str]) -> None:
         rid = str(commit.id)
-        manifest = json.loads(self._manifest_blob(commit, MANIFEST))
+        manifest = json.loads(self.repo.manifest_blob(commit, MANIFEST))
         parent = str(commit.parent_ids[0]) if commit.parent_ids else None
         if len(commit.parent_ids) > 1 or manifest.get("parent") != parent:
             errors.append(f"release {rid}: manifest parent {manifest.get('parent')} vs commit parent {parent}")
-        if manifest.get("content_id") != self._content_tree(rid):
+        if manifest.get("content_id") != self.repo.content_tree(rid):
             errors.append(f"release {rid}: content_id does not match its tree")
         for path, entry in (manifest.get("lfs") or {}).items():
             sha = str(entry["oid"]).split(":", 1)[-1]
             try:
-                blob = self._read(self._tree(commit)[path].id)
+                blob = self.repo.read(self.repo.tree(commit)[path].id)
                 if not isinstance(blob, pygit2.Blob) or blob.data != lfs_pointer(sha, int(entry["size"])):
                     errors.append(f"release {rid}: {path} is not the LFS pointer of {sha}")
             except KeyError:
@@ -360,7 +354,7 @@ class Recovery(Remote):
                     errors.append(f"LFS object {sha} (release {rid}, {path}) is missing or corrupt")
 
     def _verify_lfs(self, sha: str, size: int) -> bool:
-        path = self.lfs_path(sha)
+        path = self.repo.lfs_path(sha)
         try:
             h = hashlib.sha256()
             n = 0

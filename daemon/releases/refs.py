@@ -14,7 +14,7 @@
   that keeps finding a lock busy applies this to that lock (``recovery.py`` applies it to all at start-up).
 - Lost writes. On a full disk libgit2 can return the id of a commit it never wrote, and it appends the reflog line
   before renaming the new ref into place. So no ref moves to a commit that does not read back whole through a
-  freshly opened repository (``_check_written``: commit, tree, manifest, files; a half-written object of ours is
+  freshly opened repository (``check_written``: commit, tree, manifest, files; a half-written object of ours is
   removed, since libgit2 never rewrites an object it finds present), and a failed ref update truncates the reflog
   line it left (``_drop_unapplied``).
 """
@@ -36,6 +36,7 @@ import pygit2
 
 from daemon.errors import LockBusy, ReefError, StorageError
 from daemon.releases.objects import _intact
+from daemon.releases.reads import Reads
 from daemon.releases.repo import Repository
 
 log = logging.getLogger("reef.releases")
@@ -54,13 +55,17 @@ class _RefUpdate:
 
 
 
-class Refs(Repository):
+class Refs:
     """Compare-and-swap ref updates under git's ref locks, and the checks around them."""
 
+    def __init__(self, repo: Repository, reads: Reads) -> None:
+        self.repo = repo
+        self.reads = reads  # told of every ref moved, so its head cache never serves the old one
+
     @contextlib.contextmanager
-    def _guard(self, *, exclusive: bool, blocking: bool) -> Iterator[bool]:
+    def guard(self, *, exclusive: bool, blocking: bool) -> Iterator[bool]:
         """The flock that tells live Reef ref writers (shared) from a stale-lock remover (exclusive)."""
-        fd = os.open(self._guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.repo.guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB))
@@ -71,14 +76,14 @@ class Refs(Repository):
         finally:
             os.close(fd)
 
-    def _apply_local(self, updates: list[_RefUpdate], message: str) -> None:
-        repo = self._repo()
+    def apply(self, updates: list[_RefUpdate], message: str) -> None:
+        repo = self.repo.git()
         start = time.monotonic()
         delay = 0.002
         while True:
             busy: str | None = None
             failed: Exception | None = None
-            with self._guard(exclusive=False, blocking=True):
+            with self.guard(exclusive=False, blocking=True):
                 tx = repo.transaction()
                 try:
                     with tx:
@@ -95,7 +100,7 @@ class Refs(Repository):
                             else:
                                 tx.set_target(u.name, u.new, message=message)
                     for u in updates:  # committed when the with-block closed
-                        self._fresh.pop(u.name, None)
+                        self.reads.moved(u.name)
                     return
                 except (pygit2.GitError, OSError) as e:
                     m = _LOCK_MSG.search(str(e))
@@ -109,30 +114,35 @@ class Refs(Repository):
                     tx.__exit__(RuntimeError, None, None)
             if failed is not None:  # a full or failing disk (the transaction is freed: its locks are released)
                 for u in updates:
-                    self._fresh.pop(u.name, None)
+                    self.reads.moved(u.name)
                 self._drop_unapplied(updates)
-                raise StorageError(f"updating {updates[0].name} failed: {failed}", path=str(self.path)) from failed
+                raise StorageError(f"updating {updates[0].name} failed: {failed}", path=str(self.repo.path)) from failed
             assert busy is not None
-            waited = time.monotonic() - start
-            if waited >= self.lock_timeout:
-                raise LockBusy(updates[0].name, busy, waited)
-            self._clear_if_stale(Path(busy))
-            time.sleep(min(delay, max(0.0, self.lock_timeout - waited)) * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 0.1)
+            delay = self._wait(updates[0].name, busy, start, delay)
+
+    def _wait(self, name: str, busy: str, start: float, delay: float) -> float:
+        """The lock ``busy`` on ``name`` was held: ``LockBusy`` once ``lock_timeout`` has passed since ``start``; else
+        clear it if stale and sleep ``delay`` (jittered). Returns the next delay (doubling, up to 0.1 s)."""
+        waited = time.monotonic() - start
+        if waited >= self.repo.lock_timeout:
+            raise LockBusy(name, busy, waited)
+        self._clear_if_stale(Path(busy))
+        time.sleep(min(delay, max(0.0, self.repo.lock_timeout - waited)) * random.uniform(0.5, 1.5))
+        return min(delay * 2, 0.1)
 
     def _clear_if_stale(self, lock: Path) -> bool:
-        with self._guard(exclusive=True, blocking=False) as alone:
+        with self.guard(exclusive=True, blocking=False) as alone:
             if not alone:
                 return False
             try:
-                if time.time() - lock.stat().st_mtime < self.stale_lock_after:
+                if time.time() - lock.stat().st_mtime < self.repo.stale_lock_after:
                     return False
                 lock.unlink()
             except FileNotFoundError:
                 return False
             return True
 
-    def _check_written(self, updates: list[_RefUpdate]) -> None:
+    def check_written(self, updates: list[_RefUpdate]) -> None:
         """Refuse to point a ref at a commit that does not read back whole (commit, tree, manifest, files): on a
         full disk libgit2 can return the id of a commit it never wrote, and a head naming it makes every read of
         the scenario fail. Read through a freshly opened repository, so nothing comes from a cache."""
@@ -140,9 +150,9 @@ class Refs(Repository):
         if not new:
             return
         try:
-            repo = pygit2.Repository(str(self.path))
+            repo = pygit2.Repository(str(self.repo.path))
         except (pygit2.GitError, OSError) as e:
-            raise StorageError(f"cannot read back the release store {self.path}: {e}", path=str(self.path)) from e
+            raise StorageError(f"cannot read back the release store {self.repo.path}: {e}", path=str(self.repo.path)) from e
         for commit_id in new:
             corrupt: list[Path] = []
             problem = _intact(repo, commit_id, corrupt=corrupt)
@@ -154,19 +164,19 @@ class Refs(Repository):
                         path.unlink()
                 raise StorageError(
                     f"{problem}: the write did not reach the disk (full or failing?); {updates[0].name} was not moved",
-                    path=str(self.path), release_id=commit_id,
+                    path=str(self.repo.path), release_id=commit_id,
                 )
 
     @contextlib.contextmanager
-    def _ref_locked(self, name: str) -> Iterator[None]:
+    def locked(self, name: str) -> Iterator[None]:
         """Hold git's lock on ``name`` (``<ref>.lock``) without changing the ref, for an edit of its reflog (git
         edits reflogs under the same lock). Busy: retried with backoff until ``lock_timeout``, then ``LockBusy``."""
-        repo = self._repo()
+        repo = self.repo.git()
         start = time.monotonic()
         delay = 0.002
         while True:
             busy: str | None = None
-            with self._guard(exclusive=False, blocking=True):
+            with self.guard(exclusive=False, blocking=True):
                 tx = repo.transaction()
                 try:
                     try:
@@ -174,19 +184,14 @@ class Refs(Repository):
                     except pygit2.GitError as e:
                         m = _LOCK_MSG.search(str(e))
                         if m is None:
-                            raise StorageError(f"locking {name} failed: {e}", path=str(self.path)) from e
+                            raise StorageError(f"locking {name} failed: {e}", path=str(self.repo.path)) from e
                         busy = m.group(1)
                     else:
                         yield
                         return
                 finally:
                     tx.__exit__(RuntimeError, None, None)  # frees it: the lock goes, nothing is applied
-            waited = time.monotonic() - start
-            if waited >= self.lock_timeout:
-                raise LockBusy(name, busy, waited)
-            self._clear_if_stale(Path(busy))
-            time.sleep(min(delay, max(0.0, self.lock_timeout - waited)) * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 0.1)
+            delay = self._wait(name, busy, start, delay)
 
     def _drop_unapplied(self, updates: list[_RefUpdate]) -> None:
         """After a ref update failed: libgit2 appends the reflog line before it renames the new ref into place, so
@@ -196,10 +201,10 @@ class Refs(Repository):
         for u in updates:
             if u.new is None:
                 continue
-            path = self.path / "logs" / u.name
+            path = self.repo.path / "logs" / u.name
             try:
-                with self._ref_locked(u.name):
-                    ref = self._repo().references.get(u.name)
+                with self.locked(u.name):
+                    ref = self.repo.git().references.get(u.name)
                     if ref is not None and str(ref.target) == u.new:
                         continue  # this one did apply
                     data = path.read_bytes()

@@ -1,7 +1,7 @@
 """The chain remote as the store uses it (the transport is ``daemon/chain_remote.py``).
 
 - Every ref update under ``refs/reef/`` is pushed to the remote first, compare-and-swap on the remote's refs, and
-  made locally only once the remote took it (``_update_refs``, ``_push``).
+  made locally only once the remote took it (``update_refs``, ``_push``).
 - ``follow`` takes in what others pushed: LFS objects first, then the local ref, by the same local
   compare-and-swap. Every commit a ref would newly reach is checked before it is taken in (``_incoming``: sizes
   from headers before anything is inflated, safe names, content ids that are the commit's content, a linear
@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,59 +26,68 @@ from daemon.releases.manifest import MANIFEST, PENDING_REF, REJECTION, SCENARIOS
 from daemon.releases.objects import _OID_RE, _SHA256_RE, _TooLarge, unsafe_name
 from daemon.releases.reads import Reads
 from daemon.releases.refs import Refs, _RefUpdate
+from daemon.releases.repo import Repository
 
 log = logging.getLogger("reef.releases")
 
 
-class Remote(Refs, Reads):
-    """Every ref update goes through ``_update_refs``: pushed to the chain remote first when there is one; and
+class Remote:
+    """Every ref update goes through ``update_refs``: pushed to the chain remote first when there is one; and
     ``follow``, which takes in what the remote has, each new commit checked before any ref names it."""
 
-    def _update_refs(self, updates: list[_RefUpdate], *, message: str, push: bool = True) -> None:
+    def __init__(self, repo: Repository, refs: Refs, reads: Reads) -> None:
+        self.repo, self.refs, self.reads = repo, refs, reads
+        self._seeded = False  # local refs the remote lacks were pushed to it (the first follow does it)
+        self._follow_lock = threading.Lock()
+        self._taken: set[str] = set()  # commits from the remote that passed ``_incoming``
+        self._refused: dict[str, str] = {}  # commits from the remote refused, and why (said once, not re-checked)
+
+    def update_refs(self, updates: list[_RefUpdate], *, message: str, push: bool = True) -> None:
         """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
         expected value, then write. A busy lock is retried with backoff until ``lock_timeout``.
 
-        No ref is moved to a commit that does not read back (``_check_written``), and a write that fails part-way
+        No ref is moved to a commit that does not read back (``check_written``), and a write that fails part-way
         takes back the reflog line libgit2 appended before it failed (``_drop_unapplied``). With a remote (and
         ``push``), the updates are pushed first, compare-and-swap on the remote's refs (``_push``)."""
-        self._check_written(updates)
-        if push and self.remote is not None:
+        self.refs.check_written(updates)
+        if push and self.repo.remote is not None:
             self._push(updates, message)
         else:
-            self._apply_local(updates, message)
+            self.refs.apply(updates, message)
 
     def _push(self, updates: list[_RefUpdate], message: str) -> None:
         """Push ``updates`` to the remote (their LFS objects first); the remote's refs must be at the expected
         values. Then the same updates locally (or, when a follow took the remote's refs in meanwhile, a follow)."""
-        assert self.remote is not None
+        assert self.repo.remote is not None
         scenario = next((u.name.rsplit("/", 1)[-1] for u in updates if u.name.startswith(SCENARIOS_REF)),
                         updates[0].name)
-        self.remote.upload(self._lfs_between([(u.new, u.expected) for u in updates if u.new is not None]))
+        self.repo.remote.upload(self._lfs_between([(u.new, u.expected) for u in updates if u.new is not None]))
         try:
-            self.remote.push([RefPush(u.name, u.new, u.expected) for u in updates], scenario)
+            self.repo.remote.push([RefPush(u.name, u.new, u.expected) for u in updates], scenario)
         except HeadMoved:
             with contextlib.suppress(ReefError):  # take in what won, so the caller can serve it at once
                 self.follow()
             raise
         try:
-            self._apply_local(updates, message)
+            self.refs.apply(updates, message)
         except Conflict:  # a follow took the remote's refs in meanwhile: match the remote again
             self.follow()
 
+    def _lfs_named(self, new: str, stop: str | None) -> Iterator[tuple[str, int]]:
+        """``(sha256, size)`` of each LFS object the releases from ``new`` back to (not including) ``stop`` name,
+        first parents only."""
+        rid: str | None = new
+        while rid is not None and rid != stop:
+            commit = self.repo.commit(rid)
+            if MANIFEST in self.repo.tree(commit):
+                for entry in (json.loads(self.repo.manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
+                    yield str(entry["oid"]).split(":", 1)[-1], int(entry["size"])
+            rid = str(commit.parent_ids[0]) if commit.parent_ids else None
+
     def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
-        """The local LFS objects ``(sha256, size, path)`` the releases from each ``new`` back to (not including)
-        ``stop`` name, first parents only."""
-        out: dict[str, tuple[str, int, Path]] = {}
-        for new, stop in ranges:
-            rid: str | None = new
-            while rid is not None and rid != stop:
-                commit = self._commit(rid)
-                if MANIFEST in self._tree(commit):
-                    for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
-                        sha = str(entry["oid"]).split(":", 1)[-1]
-                        out[sha] = (sha, int(entry["size"]), self._lfs_object(entry))
-                rid = str(commit.parent_ids[0]) if commit.parent_ids else None
-        return list(out.values())
+        """The local LFS objects ``(sha256, size, path)`` the releases of each range ``(new, stop)`` name."""
+        return list({sha: (sha, size, self.repo.lfs_object({"oid": sha})) for new, stop in ranges
+                     for sha, size in self._lfs_named(new, stop)}.values())
 
     def follow(self) -> list[str]:
         """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the
@@ -86,14 +97,14 @@ class Remote(Refs, Reads):
 
         Every commit a ref would newly reach is checked first (``_incoming``): a ref whose new releases fail is
         left where it is (the rest are taken in) and the follow ends in ``RemoteReleaseRefused`` naming each."""
-        if self.remote is None:
+        if self.repo.remote is None:
             return []
         with self._follow_lock:
-            repo = self._repo()
+            repo = self.repo.git()
             # the local refs before the fetch: each was on the remote before it was here (pushes come first), so
             # one the fetch does not bring was removed there, not made here meanwhile
             local = {n: str(repo.references[n].target) for n in repo.listall_references() if n.startswith("refs/reef/")}
-            remote = self.remote.fetch()
+            remote = self.repo.remote.fetch()
             moved: list[str] = []
             refused: list[str] = []
             checked: set[str] = set()
@@ -104,27 +115,21 @@ class Remote(Refs, Reads):
                 why = self._refused.get(oid) or self._incoming_range(oid, cur, checked)
                 if why is not None:
                     if oid not in self._refused:
-                        log.error("not taking in %s = %s from the chain remote %s: %s", name, oid, self.remote.shown,
+                        log.error("not taking in %s = %s from the chain remote %s: %s", name, oid, self.repo.remote.shown,
                                   why)
                         if len(self._refused) > 1024:
                             self._refused.clear()
                         self._refused[oid] = why
                     refused.append(f"{why} (ref {name})")
                     continue
-                rid: str | None = oid
-                while rid is not None and rid != cur:  # LFS objects first: a head never names missing bytes
-                    commit = self._commit(rid)
-                    if MANIFEST in self._tree(commit):
-                        for entry in (json.loads(self._manifest_blob(commit, MANIFEST)).get("lfs") or {}).values():
-                            sha = str(entry["oid"]).split(":", 1)[-1]
-                            if not self.lfs_path(sha).exists():
-                                self.remote.download(sha, int(entry["size"]), self.lfs_path(sha))
-                    rid = str(commit.parent_ids[0]) if commit.parent_ids else None
-                if cur is not None and not self._descends(oid, cur):
+                for sha, size in self._lfs_named(oid, cur):  # LFS objects first: a head never names missing bytes
+                    if not self.repo.lfs_path(sha).exists():
+                        self.repo.remote.download(sha, size, self.repo.lfs_path(sha))
+                if cur is not None and not self.repo.descends(oid, cur):
                     log.warning("%s: local %s is not an ancestor of the remote's %s; following the remote", name,
                                 cur, oid)
                 try:
-                    self._update_refs([_RefUpdate(name, oid, cur, lambda a: Conflict("moved meanwhile"))],
+                    self.update_refs([_RefUpdate(name, oid, cur, lambda a: Conflict("moved meanwhile"))],
                                       message="reef follow", push=False)
                 except Conflict:
                     continue  # moved meanwhile (a publish of ours): the next follow looks again
@@ -133,19 +138,19 @@ class Remote(Refs, Reads):
                 for name, cur in sorted(local.items()):
                     if name not in remote:
                         with contextlib.suppress(HeadMoved):  # another daemon seeded it first: followed next time
-                            self.remote.upload(self._lfs_between([(cur, None)]))
-                            self.remote.push([RefPush(name, cur, None)], name.rsplit("/", 1)[-1])
+                            self.repo.remote.upload(self._lfs_between([(cur, None)]))
+                            self.repo.remote.push([RefPush(name, cur, None)], name.rsplit("/", 1)[-1])
                 self._seeded = True
             else:  # every local ref is on the remote since the seeding: a pending one gone there was promoted or
                 # discarded by another daemon
                 for name, cur in sorted(local.items()):
                     if name not in remote and name.startswith(PENDING_REF):
                         with contextlib.suppress(Conflict):
-                            self._update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
+                            self.update_refs([_RefUpdate(name, None, cur, lambda a: Conflict("moved meanwhile"))],
                                               message="reef follow", push=False)
                             moved.append(name)
             if refused:
-                raise RemoteReleaseRefused(self.remote.shown, refused, moved)
+                raise RemoteReleaseRefused(self.repo.remote.shown, refused, moved)
             return moved
 
     def _incoming_range(self, new: str, cur: str | None, checked: set[str]) -> str | None:
@@ -158,7 +163,7 @@ class Remote(Refs, Reads):
             if why is not None:
                 return f"release {rid}: {why}"
             passed.append(rid)
-            parents = self._commit(rid).parent_ids
+            parents = self.repo.commit(rid).parent_ids
             rid = str(parents[0]) if parents else None
         if len(self._taken) > 65536:
             self._taken.clear()
@@ -173,14 +178,14 @@ class Remote(Refs, Reads):
         from daemon import harness_policy
 
         # a large (LFS) file is not here before the follow copies it in; the render checks it (check_served)
-        tree = {f.path: self.read_file(rel.release_id, f.path) for f in self.files(rel.release_id) if f.lfs_oid is None}
+        tree = {f.path: self.reads.read_file(rel.release_id, f.path) for f in self.reads.files(rel.release_id) if f.lfs_oid is None}
         bad = harness_policy.refused(harness_policy.findings(tree, allow_executable=True))
         if not bad and rel.operation != "promote":
             parent: dict[str, bytes] = {}
             if commit.parent_ids:
                 with contextlib.suppress(ReefError, KeyError, ValueError):
                     pid = str(commit.parent_ids[0])
-                    parent = {f.path: self.read_file(pid, f.path) for f in self.files(pid) if f.lfs_oid is None}
+                    parent = {f.path: self.reads.read_file(pid, f.path) for f in self.reads.files(pid) if f.lfs_oid is None}
             bad = harness_policy.held(harness_policy.findings(tree, parent, allow_executable=True))
         if bad:
             return f"the harness policy refuses it: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
@@ -190,31 +195,31 @@ class Remote(Refs, Reads):
         """Why the commit ``rid``, fetched from the remote, must not be taken in, or None. Nothing it holds is
         read before its size is known: every object's header is checked against the remote's ``max_blob_bytes``
         (so a small pack that inflates to gigabytes is refused without being inflated), every LFS object it names
-        against ``max_lfs_bytes``. Every tree entry name must be safe on disk (``_walk``), the manifest's
+        against ``max_lfs_bytes``. Every tree entry name must be safe on disk (``walk``), the manifest's
         ``content_id`` must be the commit's content tree (it names a checkout directory), and LFS ids must be
         sha256 ids (they name files). A chain is linear: a merge is refused."""
-        assert self.remote is not None
-        max_blob, max_lfs = self.remote.max_blob_bytes, self.remote.max_lfs_bytes
+        assert self.repo.remote is not None
+        max_blob, max_lfs = self.repo.remote.max_blob_bytes, self.repo.remote.max_lfs_bytes
         try:
-            self._size(rid, max_blob)
-            commit = self._read(rid)
+            self.repo.size(rid, max_blob)
+            commit = self.repo.read(rid)
             if not isinstance(commit, pygit2.Commit):
                 return "it is not a commit"
             if len(commit.parent_ids) > 1:
                 return "it has more than one parent (a release chain is linear)"
-            for _path, blob_id, _mode in self._walk(commit.tree_id, max_size=max_blob):
+            for _path, blob_id, _mode in self.repo.walk(commit.tree_id, max_size=max_blob):
                 if blob_id not in checked:
-                    self._size(blob_id, max_blob)
+                    self.repo.size(blob_id, max_blob)
                     checked.add(blob_id)
-            tree = self._tree(commit)
+            tree = self.repo.tree(commit)
             if MANIFEST in tree:
-                manifest = json.loads(self._manifest_blob(commit, MANIFEST))
+                manifest = json.loads(self.repo.manifest_blob(commit, MANIFEST))
                 if not isinstance(manifest, dict):
                     return f"its {MANIFEST} is not a JSON object"
                 cid = manifest.get("content_id")
                 if not isinstance(cid, str) or not _OID_RE.fullmatch(cid):
                     return f"its content_id {cid!r} is not a git tree id"
-                actual = self._content_tree(rid)
+                actual = self.repo.content_tree(rid)
                 if cid != actual:
                     return f"its content_id {cid} is not its content ({actual})"
                 lfs = manifest.get("lfs") or {}
@@ -231,13 +236,13 @@ class Remote(Refs, Reads):
                     if size > max_lfs:
                         return (f"its large file {path!r} is {size} bytes, over the bound of {max_lfs} "
                                 "(chain_max_lfs_bytes)")
-                rel = self.get(rid)  # and reads as a release
+                rel = self.reads.get(rid)  # and reads as a release
                 if rel.kind == "harness":
                     why = self._policy(rel, commit)
                     if why is not None:
                         return why
             if REJECTION in tree:
-                cid = json.loads(self._manifest_blob(commit, REJECTION)).get("content_id")
+                cid = json.loads(self.repo.manifest_blob(commit, REJECTION)).get("content_id")
                 if cid is not None and (not isinstance(cid, str) or not _OID_RE.fullmatch(cid)):
                     return f"its {REJECTION} content_id {cid!r} is not a git tree id"
         except _TooLarge as e:

@@ -7,8 +7,8 @@
   every ``refs/reef/*`` ref. libgit2's init syncs nothing, so a new repo is made and synced in a temp dir and
   renamed into place. Its config writes are not synced either; a config a power cut empties is set again at
   the next open.
-- Every read of the object database goes through ``_read`` (a loose object is checked whole first, see
-  ``objects.py``); trees are walked through ``_walk``, which refuses entries no tree Reef writes holds.
+- Every read of the object database goes through ``read`` (a loose object is checked whole first, see
+  ``objects.py``); trees are walked through ``walk``, which refuses entries no tree Reef writes holds.
 - Threads: a ``pygit2.Repository`` per thread (libgit2 objects must not be shared across threads); processes
   exclude each other through the ref locks (``refs.py``).
 """
@@ -52,8 +52,8 @@ DEFAULT_LFS_THRESHOLD = 1 << 20
 
 class Repository:
     """The bare repository of the release chains: opened or created durably, one ``pygit2.Repository`` per
-    thread, and every read of its object database checked first (``_read``). The layers of ``ReleaseStore``
-    build on it."""
+    thread, and every read of its object database checked first (``read``). Each part of ``ReleaseStore``
+    holds it."""
 
     def __init__(
         self,
@@ -73,19 +73,11 @@ class Repository:
         self.lock_timeout = lock_timeout
         self.stale_lock_after = stale_lock_after
         self.remote = remote
-        self._seeded = False  # local refs the remote lacks were pushed to it (the first follow does it)
-        self._follow_lock = threading.Lock()
         self.lfs_dir = self.path / "lfs" / "objects"
-        self._lfs_tmp = self.path / "lfs" / "tmp"
-        self._guard_path = self.path / GUARD
+        self.lfs_tmp = self.path / "lfs" / "tmp"
+        self.guard_path = self.path / GUARD
         self._local = threading.local()
-        self._heads: dict[str, tuple[tuple[int, int, int], str | None]] = {}  # ref -> (stat key, target)
-        self._fresh: dict[str, tuple[float, str | None]] = {}  # ref -> (monotonic time of the check, target)
-        self._cache: dict[str, tuple[str, bytes, str]] = {}
-        self._cache_lock = threading.Lock()
         self._whole: set[str] = set()  # loose objects read back whole once (immutable: not checked again)
-        self._taken: set[str] = set()  # commits from the remote that passed ``_incoming``
-        self._refused: dict[str, str] = {}  # commits from the remote refused, and why (said once, not re-checked)
         pygit2.settings.enable_fsync_gitdir(True)
         try:
             self._open_or_create()
@@ -96,7 +88,7 @@ class Repository:
     def _open_or_create(self) -> None:
         if not (self.path / "HEAD").exists():
             self._create()
-        repo = self._repo()
+        repo = self.git()
         wanted = {"core.logAllRefUpdates": "always", "core.fsync": "objects,reference"}
         for attempt in range(50):
             try:
@@ -108,9 +100,9 @@ class Repository:
                 if attempt == 49:
                     raise
                 time.sleep(0.02)
-        for d in (self.lfs_dir, self._lfs_tmp):
+        for d in (self.lfs_dir, self.lfs_tmp):
             durable.mkdirs(d)
-        os.close(os.open(self._guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        os.close(os.open(self.guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
     def _create(self) -> None:
         """Create the repository all or nothing: made and synced in a temp dir beside it, renamed into place.
@@ -132,7 +124,7 @@ class Repository:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _repo(self) -> pygit2.Repository:
+    def git(self) -> pygit2.Repository:
         repo = getattr(self._local, "repo", None)
         if repo is None:
             repo = pygit2.Repository(str(self.path))
@@ -140,19 +132,19 @@ class Repository:
             self._local.repo = repo
         return repo
 
-    def _signature(self, when: float) -> pygit2.Signature:
+    def signature(self, when: float) -> pygit2.Signature:
         return pygit2.Signature(IDENT[0], IDENT[1], int(when), 0)
 
 
-    # --- reading objects: every read of the object database goes through ``_read`` ------------------------
+    # --- reading objects: every read of the object database goes through ``read`` ------------------------
 
-    def _read(self, oid: str | pygit2.Oid) -> pygit2.Object:
+    def read(self, oid: str | pygit2.Oid) -> pygit2.Object:
         """``repo[oid]``, its loose file (if it has one) checked first, as ``_object`` does: a damaged object is a
         ``StorageError`` naming it and its file, never a read that libgit2 does not return from (libgit2 1.9 loops
         for good, holding the GIL, on a truncated loose object: the daemon would stop answering). ``KeyError`` when
         the store has no such object. Objects are immutable, so one found whole is not checked again."""
         key = str(oid)
-        repo = self._repo()
+        repo = self.git()
         if key not in self._whole:
             try:
                 _check_loose(_loose(repo, key), key)
@@ -169,26 +161,26 @@ class Repository:
             self._whole.add(key)
         return repo[oid]
 
-    def _tree(self, commit: pygit2.Commit) -> pygit2.Tree:
-        """A commit's root tree, read through ``_read`` (``commit.tree`` would let libgit2 read it unchecked)."""
-        return _expect(self._read(commit.tree_id), pygit2.Tree, str(commit.tree_id))
+    def tree(self, commit: pygit2.Commit) -> pygit2.Tree:
+        """A commit's root tree, read through ``read`` (``commit.tree`` would let libgit2 read it unchecked)."""
+        return _expect(self.read(commit.tree_id), pygit2.Tree, str(commit.tree_id))
 
-    def _commit(self, oid: str | pygit2.Oid) -> pygit2.Commit:
-        """``_read``, which must be a commit (a release, a rejection)."""
-        return _expect(self._read(oid), pygit2.Commit, str(oid))
+    def commit(self, oid: str | pygit2.Oid) -> pygit2.Commit:
+        """``read``, which must be a commit (a release, a rejection)."""
+        return _expect(self.read(oid), pygit2.Commit, str(oid))
 
-    def _blob(self, oid: str | pygit2.Oid) -> pygit2.Blob:
-        """``_read``, which must be a blob (a file)."""
-        return _expect(self._read(oid), pygit2.Blob, str(oid))
+    def blob(self, oid: str | pygit2.Oid) -> pygit2.Blob:
+        """``read``, which must be a blob (a file)."""
+        return _expect(self.read(oid), pygit2.Blob, str(oid))
 
-    def _size(self, oid: str | pygit2.Oid, max_size: int | None = None) -> int:
+    def size(self, oid: str | pygit2.Oid, max_size: int | None = None) -> int:
         """The size of an object, from its header where it is packed; a loose one is checked whole as it is streamed
         (``_check_loose``), in bounded memory. Over ``max_size``: ``_TooLarge``, before the rest is read."""
         key = str(oid)
         try:
-            size = _check_loose(_loose(self._repo(), key), key, max_size)[1]
+            size = _check_loose(_loose(self.git(), key), key, max_size)[1]
         except FileNotFoundError:
-            size = int(self._repo().odb.read_header(key)[1])  # packed: libgit2 reads only the entry's header
+            size = int(self.git().odb.read_header(key)[1])  # packed: libgit2 reads only the entry's header
             if max_size is not None and size > max_size:
                 raise _TooLarge(f"object {key} is {size} bytes, over the bound of {max_size}") from None
             return size
@@ -198,15 +190,15 @@ class Repository:
         self._whole.add(key)
         return size
 
-    def _walk(self, tree_id: str | pygit2.Oid, prefix: str = "", max_size: int | None = None
+    def walk(self, tree_id: str | pygit2.Oid, prefix: str = "", max_size: int | None = None
               ) -> Iterator[tuple[str, str, int]]:
-        """``(path, blob id, mode)`` of every file under the tree ``tree_id``, each tree read through ``_read``
+        """``(path, blob id, mode)`` of every file under the tree ``tree_id``, each tree read through ``read``
         (with ``max_size``: its size checked first). An entry whose name is not safe on disk (``unsafe_name``:
         ``..``, ``.git``, a separator...) or that is not a file or a directory (a symlink, a submodule) is a
         ``StorageError``: no tree Reef writes holds one, so it can only come from a crafted release."""
         if max_size is not None:
-            self._size(tree_id, max_size)
-        tree = _expect(self._read(tree_id), pygit2.Tree, str(tree_id))
+            self.size(tree_id, max_size)
+        tree = _expect(self.read(tree_id), pygit2.Tree, str(tree_id))
         for entry in tree:
             mode = int(entry.filemode)
             try:
@@ -217,33 +209,33 @@ class Repository:
                 raise StorageError(f"tree {tree_id} holds the entry {prefix}{entry.raw_name!r} (mode {mode:o}), which "
                                    "is not a plain file or directory Reef would write; not read", path=str(self.path))
             if mode == _TREE:
-                yield from self._walk(entry.id, f"{prefix}{name}/", max_size)
+                yield from self.walk(entry.id, f"{prefix}{name}/", max_size)
             else:
                 yield f"{prefix}{name}", str(entry.id), mode
 
-    def _descends(self, new: str, old: str) -> bool:
-        """Whether ``old`` is an ancestor of ``new`` (every commit read through ``_read``)."""
+    def descends(self, new: str, old: str) -> bool:
+        """Whether ``old`` is an ancestor of ``new`` (every commit read through ``read``)."""
         stack, seen = [new], set()
         while stack:
             rid = stack.pop()
             if rid in seen:
                 continue
             seen.add(rid)
-            parents = [str(p) for p in self._commit(rid).parent_ids]
+            parents = [str(p) for p in self.commit(rid).parent_ids]
             if old in parents:
                 return True
             stack.extend(parents)
         return False
 
-    def _resolve(self, release_id: str, what: str = "release") -> str:
+    def resolve(self, release_id: str, what: str = "release") -> str:
         """Full commit id for a (possibly abbreviated) hex id; NotFound / BadRequest naming it."""
         rid = release_id.strip().lower() if isinstance(release_id, str) else ""
         if not _HEX_RE.match(rid):
             raise BadRequest(f"invalid {what} id {release_id!r}: expected hex", param="release_id")
-        repo = self._repo()
+        repo = self.git()
         try:
             oid = repo.expand_id(rid) if len(rid) < 40 else pygit2.Oid(hex=rid)
-            obj = self._read(oid)
+            obj = self.read(oid)
         except pygit2.AmbiguousError:
             raise BadRequest(f"ambiguous {what} id {release_id!r}", param="release_id") from None
         except (KeyError, ValueError, pygit2.GitError):
@@ -252,18 +244,18 @@ class Repository:
             raise NotFound(f"unknown {what} {release_id!r}", release_id=release_id)
         return str(obj.id)
 
-    def _manifest_blob(self, commit: pygit2.Commit, name: str) -> bytes:
+    def manifest_blob(self, commit: pygit2.Commit, name: str) -> bytes:
         """The bytes of the top-level file ``name`` of a commit (``KeyError`` when it has none)."""
-        blob = self._read(self._tree(commit)[name].id)
+        blob = self.read(self.tree(commit)[name].id)
         if not isinstance(blob, pygit2.Blob):
             raise KeyError(name)
         return blob.data
 
-    def _content_tree(self, commit_id: str) -> str:
+    def content_tree(self, commit_id: str) -> str:
         """The id of a release's content: its tree without the manifest."""
-        tree = self._tree(self._commit(commit_id))
+        tree = self.tree(self.commit(commit_id))
         with _storing("writing the content tree", self.path):  # it exists already but for a lost write
-            tb = self._repo().TreeBuilder(tree)
+            tb = self.git().TreeBuilder(tree)
             if tb.get(MANIFEST) is not None:
                 tb.remove(MANIFEST)
             return str(tb.write())
@@ -276,7 +268,7 @@ class Repository:
         return self.lfs_dir / sha256[:2] / sha256[2:4] / sha256
 
 
-    def _lfs_object(self, lfs: Mapping[str, Any]) -> Path:
+    def lfs_object(self, lfs: Mapping[str, Any]) -> Path:
         sha = str(lfs["oid"]).split(":", 1)[-1]
         path = self.lfs_path(sha)
         if not path.exists():

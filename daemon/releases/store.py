@@ -12,9 +12,9 @@
   by content id; ``publish`` refuses one whose base is not the model the scenario's head serves (``BaseMismatch``,
   before anything is written).
 
-The store is built in layers, one module each: ``repo.py`` (the repository, guarded reads) under ``reads.py``,
-``content.py``, ``refs.py``; ``remote.py`` over refs and reads; ``recovery.py`` over the remote; ``diff.py`` over
-reads; this module on top.
+The store is composed of parts, one module each, every part holding the ones it uses: ``repo.py`` (the repository,
+guarded reads) under ``reads.py`` and ``content.py``; ``refs.py`` over reads; ``remote.py`` over refs and reads;
+``recovery.py`` over the remote; ``diff.py`` over reads; this module on top.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import pygit2
 
 from daemon import lora
+from daemon.chain_remote import ChainRemote
 from daemon.errors import BadRequest, BaseMismatch, Conflict, HeadMoved, NotFound, ReefError, Unchanged
 from daemon.names import check_scenario  # the one validator of scenario names
 from daemon.releases.content import Content
@@ -49,12 +50,37 @@ from daemon.releases.manifest import (
     _one_line,
 )
 from daemon.releases.objects import _BLOB, _TREE, _expect, _storing
+from daemon.releases.reads import Reads
 from daemon.releases.recovery import Recovery
-from daemon.releases.refs import _RefUpdate
+from daemon.releases.refs import Refs, _RefUpdate
+from daemon.releases.remote import Remote
+from daemon.releases.repo import DEFAULT_LFS_THRESHOLD, Repository
 
 
-class ReleaseStore(Recovery, Content, Diffs):
-    """The release chains of all scenarios. Safe to use from many threads and many processes at once."""
+class ReleaseStore:
+    """The release chains of all scenarios. Safe to use from many threads and many processes at once.
+
+    It holds its parts (``repo``, ``reads``, ``content``, ``refs``, ``sync``, ``recovery``, ``diffs``), each given
+    the ones it stands on, and offers their public operations as its own."""
+
+    def __init__(self, path: str | os.PathLike[str], *, lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
+                 lock_timeout: float = 10.0, stale_lock_after: float = 5.0, remote: ChainRemote | None = None) -> None:
+        self.repo = repo = Repository(path, lfs_threshold=lfs_threshold, lock_timeout=lock_timeout,
+                                      stale_lock_after=stale_lock_after, remote=remote)
+        self.reads = reads = Reads(repo)
+        self.content = Content(repo)
+        self.refs = Refs(repo, reads)
+        self.sync = Remote(repo, self.refs, reads)
+        self.recovery = Recovery(repo, self.refs, self.sync, reads)
+        self.diffs = Diffs(repo, reads)
+        self.path, self.lfs_dir, self.remote, self.lfs_path = repo.path, repo.lfs_dir, repo.remote, repo.lfs_path
+        self.head, self.get, self.history, self.scenarios = reads.head, reads.get, reads.history, reads.scenarios
+        self.belongs = reads.belongs
+        self.files, self.read_file, self.checkout = reads.files, reads.read_file, reads.checkout
+        self.pending, self.rejections = reads.pending, reads.rejections
+        self.adapter, self.base_model = reads.adapter, reads.base_model
+        self.follow, self.recover, self.fsck, self.diff = self.sync.follow, self.recovery.recover, \
+            self.recovery.fsck, self.diffs.diff
 
     # --- publishing ----------------------------------------------------------------------------------------
 
@@ -76,11 +102,11 @@ class ReleaseStore(Recovery, Content, Diffs):
         expected = self._expected(expected_head)
         self._precheck(scenario, expected)
         if manifest.source is not None:
-            manifest = manifest.replace(source=self._resolve(manifest.source))
+            manifest = manifest.replace(source=self.repo.resolve(manifest.source))
         if manifest.kind == "weights" and lora.MANIFEST in files:
             self._check_adapter(scenario, files, expected)
-        content, lfs = self._write_content(files)
-        if manifest.operation == "train" and expected is not None and content == self._content_tree(expected):
+        content, lfs = self.content.write(files)
+        if manifest.operation == "train" and expected is not None and content == self.repo.content_tree(expected):
             raise Unchanged(scenario, content)  # a release that changes nothing is no release
         return self._publish_tree(manifest, content, lfs, expected=expected)
 
@@ -116,7 +142,7 @@ class ReleaseStore(Recovery, Content, Diffs):
 
         ``expected_head=None``: the head as read now (still compare-and-swapped against that read)."""
         check_scenario(scenario)
-        rid = self._resolve(release_id)
+        rid = self.repo.resolve(release_id)
         head = self.head(scenario)
         if head is None:
             raise NotFound(f"scenario {scenario!r} has no releases", scenario=scenario)
@@ -131,7 +157,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         src = self.get(rid)
         manifest = src.manifest(scenario=scenario, operation="rollback", receipts=(), source=rid,
                                 summary=summary or f"roll back to step {src.step} ({rid[:12]})")
-        return self._publish_tree(manifest, self._content_tree(rid), src.lfs, expected=expected)
+        return self._publish_tree(manifest, self.repo.content_tree(rid), src.lfs, expected=expected)
 
     def hold(self, manifest: Manifest | str, files: Mapping[str, FileSource], *, base: str | None = None,
              **fields: Any) -> Release:
@@ -145,15 +171,15 @@ class ReleaseStore(Recovery, Content, Diffs):
         head = self.head(scenario)
         if head is None:
             raise NotFound(f"scenario {scenario!r} has no releases", scenario=scenario)
-        base_id = head if base is None else self._resolve(base)
+        base_id = head if base is None else self.repo.resolve(base)
         if not self.belongs(scenario, base_id):
             raise BadRequest(f"base {base_id} is not on the chain of scenario {scenario!r}", param="base")
-        content, lfs = self._write_content(files)
+        content, lfs = self.content.write(files)
         if manifest.summary is None:
             manifest = manifest.replace(summary="candidate held for review")
         commit_id, _ = self._write_release_commit(manifest, content, lfs, parent=base_id)
         ref = f"{PENDING_REF}{scenario}/{commit_id}"
-        self._update_refs(
+        self.sync.update_refs(
             [_RefUpdate(ref, commit_id, None, lambda actual: Conflict(f"{ref} already exists", ref=ref))],
             message=f"reef hold: {scenario}",
         )
@@ -166,9 +192,9 @@ class ReleaseStore(Recovery, Content, Diffs):
         """Release a held candidate: its content becomes the next release (operation ``promote``); ``metrics``
         are added to the candidate's own (a canary's verdict and figures)."""
         check_scenario(scenario)
-        pid = self._resolve(pending_id, "pending candidate")
+        pid = self.repo.resolve(pending_id, "pending candidate")
         pending_ref = f"{PENDING_REF}{scenario}/{pid}"
-        if self._repo().references.get(pending_ref) is None:
+        if self.repo.git().references.get(pending_ref) is None:
             raise NotFound(f"no pending candidate {pid} in scenario {scenario!r}", release_id=pid, scenario=scenario)
         head = self.head(scenario)
         expected = head if expected_head is None else self._expected(expected_head)
@@ -182,7 +208,7 @@ class ReleaseStore(Recovery, Content, Diffs):
                                  summary=summary or f"promote candidate {pid[:12]}",
                                  metrics={**cand.metrics, **(metrics or {})})
         return self._publish_tree(
-            manifest, self._content_tree(pid), cand.lfs, expected=expected,
+            manifest, self.repo.content_tree(pid), cand.lfs, expected=expected,
             extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],
         )
 
@@ -219,16 +245,16 @@ class ReleaseStore(Recovery, Content, Diffs):
             origin = None
             scenario = check_scenario(rejected)
         head = self.head(scenario)
-        base_id = head if base is None else self._resolve(base)
+        base_id = head if base is None else self.repo.resolve(base)
         if step is None:
             step = self.get(base_id).step + 1 if base_id else 0
-        repo = self._repo()
+        repo = self.repo.git()
         cand_tree = None
         pending_ref = None
         if candidate is not None:
             cand = self.get(candidate)
             candidate = cand.release_id
-            cand_tree = self._content_tree(candidate)
+            cand_tree = self.repo.content_tree(candidate)
             content_id = cand.content_id
             kind, recipe = kind or cand.kind, recipe or cand.recipe
             metrics = metrics if metrics is not None else cand.metrics
@@ -265,7 +291,7 @@ class ReleaseStore(Recovery, Content, Diffs):
             + (f"Reef-Candidate: {candidate}\n" if candidate else "")
         )
         rej_ref = REJECTED_REF + scenario
-        sig = self._signature(now)
+        sig = self.repo.signature(now)
         for _ in range(100):  # an append-only log: a lost race just re-parents onto the new tip
             tip_ref = repo.references.get(rej_ref)
             tip = None if tip_ref is None else str(tip_ref.target)
@@ -282,7 +308,7 @@ class ReleaseStore(Recovery, Content, Diffs):
                     )
                 )
             try:
-                self._update_refs(updates, message=f"reef reject: {scenario} step {step}")
+                self.sync.update_refs(updates, message=f"reef reject: {scenario} step {step}")
             except HeadMoved:
                 if self.remote is not None:  # another daemon appended to the shared log: take its tip in
                     self.follow()
@@ -312,7 +338,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         self._precheck(scenario, expected)
         commit_id, step = self._write_release_commit(manifest, content, lfs, parent=expected)
         update = _RefUpdate(SCENARIOS_REF + scenario, commit_id, expected, lambda a: HeadMoved(scenario, expected, a))
-        self._update_refs([update, *(extra or [])], message=f"reef {manifest.operation}: {scenario} step {step}")
+        self.sync.update_refs([update, *(extra or [])], message=f"reef {manifest.operation}: {scenario} step {step}")
         return self.get(commit_id)
 
     def _write_release_commit(self, m: Manifest, content: str, lfs: Mapping[str, dict[str, Any]], *,
@@ -320,7 +346,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         """Write the release commit of ``m`` over the content tree ``content`` (not yet on any ref): the manifest
         file (``m`` and what the store decides: step, parent, time, content id, LFS table) and the message."""
         scenario, operation, kind, source = m.scenario, m.operation, m.kind, m.source
-        repo = self._repo()
+        repo = self.repo.git()
         step = 0 if parent is None else self.get(parent).step + 1
         now = time.time()
         manifest = {
@@ -360,7 +386,7 @@ class ReleaseStore(Recovery, Content, Diffs):
         message = (
             f"{operation} {scenario} step {step}: {_one_line(m.summary or default)}\n\n" + "\n".join(trailers) + "\n"
         )
-        sig = self._signature(now)
+        sig = self.repo.signature(now)
         with _storing("writing the release commit", self.path):
             commit_id = repo.create_commit(None, sig, sig, message, tree, [parent] if parent else [])
         return str(commit_id), step

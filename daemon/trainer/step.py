@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import durable
-from recipes.base import Candidate, TrainJob
+from recipes.base import Candidate, TrainJob, set_explicit
 
 
 def peak_rss_mb() -> float:
@@ -29,12 +29,18 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB where there is no /proc
 
 
-def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
-    """Run ``job``'s recipe step; a candidate directory ends up complete at ``out_dir`` or not at all."""
+def recipe_of(job: TrainJob) -> Any:
+    """The job's recipe with its settings: every value the job carries, and the ones the user set marked as set
+    (``TrainJob.explicit``), so a setting inert at its default is not taken for one the user set."""
     from recipes import load_recipe
 
     cls = load_recipe(job.recipe, job.recipe_paths)
-    recipe = cls(cls.parse_settings(job.settings))
+    return cls(set_explicit(cls.parse_settings(job.settings), job.explicit))
+
+
+def run_job(states: dict[str, dict[str, Any]], job: TrainJob, out_dir: Path) -> Candidate:
+    """Run ``job``'s recipe step; a candidate directory ends up complete at ``out_dir`` or not at all."""
+    recipe = recipe_of(job)
     state = states.setdefault(job.recipe, {})
     with durable.staged_dir(out_dir) as tmp:
         try:

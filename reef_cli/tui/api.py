@@ -10,15 +10,17 @@ cannot be reached is ``DaemonNotRunning``. ``Source`` is the interface the scree
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
 from daemon.config import Config
-from daemon.errors import DaemonNotRunning, Unavailable
+from daemon.errors import DaemonNotRunning, ReefError, Unavailable
 from reef_cli.client import _error_from, tcp_token
+
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Source(Protocol):
@@ -37,6 +39,8 @@ class Source(Protocol):
     async def page(self, release_id: str) -> tuple[str, bytes]: ...
     def pages_dir(self) -> Path: ...
     async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]: ...
+    async def evaluation(self, scenario: str, *, measure: bool = False, transfer: str | None = None,
+                         progress: Progress | None = None) -> dict[str, Any]: ...
     def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]: ...
     async def aclose(self) -> None: ...
 
@@ -64,7 +68,9 @@ class Api:
         try:
             resp = await self._http.request(method, path, **kwargs)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, OSError) as e:
-            raise DaemonNotRunning(f"cannot reach the daemon at {self.where()}: {e}") from None
+            from reef_cli.reach import unreachable
+
+            raise unreachable(self.config, e) from None
         except httpx.TimeoutException:
             raise Unavailable(f"the daemon at {self.where()} did not answer {method} {path} in time") from None
         if resp.status_code >= 400:
@@ -116,6 +122,31 @@ class Api:
     async def canary_end(self, scenario: str, *, promote: bool) -> dict[str, Any]:
         return dict(await self._request("POST", f"/reef/scenarios/{scenario}/canary/end", json={"promote": promote},
                                         timeout=120.0))
+
+    async def evaluation(self, scenario: str, *, measure: bool = False, transfer: str | None = None,
+                         progress: Progress | None = None) -> dict[str, Any]:
+        """``reef eval`` of a scenario (``daemon/evaluation.py``): what is known, or (``measure``) measured, each
+        release's progress handed to ``progress``."""
+        path = f"/reef/scenarios/{scenario}/eval"
+        query = {"transfer": transfer} if transfer else {}
+        if not measure:
+            return dict(await self._get(path, **query))
+        try:
+            async with self._http.stream("POST", path, params=query, timeout=httpx.Timeout(5.0, read=None)) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _error_from(resp)
+                async for line in resp.aiter_lines():
+                    item = json.loads(line) if line.strip() else {}
+                    if "progress" in item and progress is not None:
+                        await progress(item["progress"])
+                    elif "error" in item:
+                        raise ReefError(item["error"].get("message") or "the evaluation failed")
+                    elif "result" in item:
+                        return dict(item["result"])
+        except (httpx.TransportError, OSError) as e:
+            raise DaemonNotRunning(f"lost the daemon at {self.where()}: {e}") from None
+        raise ReefError("the daemon ended the evaluation without a result")
 
     async def events(self, after: int | None) -> AsyncIterator[dict[str, Any]]:
         """Follow ``/reef/events`` from ``after``; ends when the daemon closes the stream."""

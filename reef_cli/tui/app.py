@@ -135,6 +135,14 @@ class ReefApp(App[None]):
         if not isinstance(self.screen, RecordsScreen):
             self.push_screen(RecordsScreen(getattr(self.screen, "scenario", None)))
 
+    def action_evaluate(self) -> None:
+        """``reef eval`` of the scenario on screen (``v`` on a chain)."""
+        from reef_cli.tui.evaluation import EvalScreen
+
+        scenario = getattr(self.screen, "scenario", None)
+        if scenario is not None and not isinstance(self.screen, EvalScreen):
+            self.push_screen(EvalScreen(scenario))
+
     def action_back(self) -> None:
         if len(self.screen_stack) > 2:
             self.pop_screen()

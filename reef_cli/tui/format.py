@@ -28,7 +28,23 @@ def number(v: Any) -> str:
         return str(v)
     if isinstance(v, int):
         return str(v)
+    if abs(v) >= 1000:  # 18400.0, not 1.84e+04
+        return f"{v:.0f}"
     return f"{v:.3g}"
+
+
+def duration(seconds: Any) -> str:
+    """A time span as a person reads it: ``250 ms``, ``18.4 s``, ``5 min 7 s``, ``2 h 3 min`` (never ``1.84e+04``)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "-"
+    s = float(seconds)
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 60:
+        return f"{s:.3g} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
 
 
 # the metrics a person looks at first, when a release has them

@@ -26,6 +26,7 @@ from reef_cli.tui.format import (
     age,
     canary_line,
     conversation,
+    duration,
     key_metrics,
     number,
     one_line,
@@ -128,7 +129,7 @@ class ScenariosScreen(ReefScreen):
         Binding("enter", "open", "Chain", priority=True),
         Binding("r", "refresh_data", "Refresh"),
     ]
-    RELOAD_ON = ("scenario", "release", "report", "record", "train.start", "train.step", "gate")
+    RELOAD_ON = ("scenario", "release", "report", "record", "train.start", "train.step", "gate", "warning")
     THROTTLE_S = 1.0
 
     def compose(self) -> ComposeResult:
@@ -153,12 +154,15 @@ class ScenariosScreen(ReefScreen):
             if isinstance(chain, dict) and chain.get("releases"):
                 step = str(chain["releases"][0]["step"])
             state = self.reef.training.state.get(s["name"]) or learning.get(s["name"]) or "idle"
+            if s.get("warning"):  # the early warning stands: learning waits for the user (the note says why)
+                state = "WARNING"
             table.add_row(s["name"], s.get("recipe", "-"), s.get("model", "-"), step, str(s.get("records", 0)),
                           str(s.get("reports", 0)), score(s.get("mean_score")), state, key=s["name"])
         if scenarios:
             table.move_cursor(row=min(keep, len(scenarios) - 1))
         note = f"{len(scenarios)} scenarios; enter opens a release chain" if scenarios else "no scenarios yet"
-        self.query_one("#note", Static).update(note)
+        warned = [f"warning on {s['name']}: {s['warning'].get('reason')}" for s in scenarios if s.get("warning")]
+        self.query_one("#note", Static).update("\n".join([*warned, note]))
 
     def action_open(self) -> None:
         table = self.query_one(DataTable)
@@ -186,6 +190,7 @@ class ChainScreen(ReefScreen):
         Binding("o", "page", "Page"),
         Binding("r", "refresh_data", "Refresh"),
         Binding("escape", "app.back", "Back"),
+        Binding("v", "app.evaluate", "Eval", show=False),  # reef eval (reef_cli/tui/evaluation.py); docs/tui.md
     ]
     RELOAD_ON = ("release", "release.pending", "gate", "canary.start", "canary.end")
     CANARY_SHARE = 0.2  # what c serves a candidate to (reef releases canary --share for another)
@@ -528,9 +533,12 @@ class ReleaseScreen(ReefScreen):
             info.add_row(f"  {k}", number(v))
         if rel.get("settings"):
             info.add_row("settings", one_line(rel["settings"], 200))
-        receipts = rel.get("receipts") or []
-        info.add_row("receipts", f"{len(receipts)}" + ("" if not receipts else ": " + ", ".join(receipts[:12])
-                                                        + (" …" if len(receipts) > 12 else "")))
+        fed = rel.get("receipts") or []  # a harness release lists the reports it learned from, a weights one exchanges
+        reports, receipts = [i for i in fed if i.startswith("rep_")], [i for i in fed if not i.startswith("rep_")]
+        for label, ids in (("reports", reports), ("receipts", receipts)):
+            if ids or label == "receipts" and not reports:
+                info.add_row(label, f"{len(ids)}" + ("" if not ids else ": " + ", ".join(ids[:12])
+                                                     + (" …" if len(ids) > 12 else "")))
         if rel.get("message"):
             info.add_row("message", rel["message"].strip().splitlines()[0])
         self.query_one("#summary", Static).update(info)
@@ -672,7 +680,7 @@ class TrainingScreen(ReefScreen):
             if kind == "train.start":
                 detail = f"{ev.get('samples')} samples from {short(ev.get('base'))}"
             elif kind == "train.step":
-                detail = f"{key_metrics(ev.get('metrics'), 3)}  {number(ev.get('seconds'))}s"
+                detail = f"{key_metrics(ev.get('metrics'), 3)}  {duration(ev.get('seconds'))}"
             elif kind == "gate":
                 detail = f"{str(ev.get('verdict')).upper()}: {one_line(ev.get('reason'), 50)}"
             elif kind in ("release", "release.pending"):
@@ -771,7 +779,8 @@ class RecordScreen(ReefScreen):
         head.add_row("release", f"{rec.get('release_id') or '-'}  load {rec.get('runtime_load_id') or '-'}")
         head.add_row("model", f"{rec.get('model')} ({rec.get('engine')}, {rec.get('format')})  status {rec.get('status')}")
         if rec.get("timings"):
-            head.add_row("timings", "  ".join(f"{k} {number(v)}" for k, v in rec["timings"].items() if v is not None))
+            head.add_row("timings", "  ".join(f"{k.removesuffix('_ms')} {duration(v / 1e3)}"
+                                              for k, v in rec["timings"].items() if isinstance(v, (int, float))))
         if rec.get("usage"):
             head.add_row("usage", json.dumps(rec["usage"]))
         parts: list[Any] = [head, Text("")]

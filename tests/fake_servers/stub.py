@@ -119,10 +119,18 @@ class Stub:
                     await resp.write_eof()
                     return resp
             chunk = self.chunk(start, end, ids, lps, end == n, version)
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            try:
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            except ConnectionResetError:  # Reef closed the connection: the request is aborted, as a server does
+                note(request.path + "#aborted", {"at_token": start})
+                return resp
             start = end
             if ctl.get("token_delay_s"):
-                await asyncio.sleep(ctl["token_delay_s"])
+                try:
+                    await asyncio.sleep(ctl["token_delay_s"])
+                except asyncio.CancelledError:  # aiohttp cancels the handler of a connection that closed
+                    note(request.path + "#aborted", {"at_token": start})
+                    raise
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

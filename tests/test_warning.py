@@ -1,0 +1,243 @@
+"""The early warning (``daemon/gating/warning.py``): a scenario whose scored reward rises while its answers
+collapse is warned in plain words, holds the candidate and stops publishing until the user resumes, changes the
+settings or accepts; a guarded preference (the reward rising, the answers kept) is never warned.
+
+The decision is a pure function, tested on figures written here (a hacked run's and an honest one's, each as the
+recipe's step metrics and as the held-out check's). Through a real daemon and its trainer worker: the watchdog
+test's drifting recipe (``tests/test_watchdog.py``), whose steps here also report the figures a hacked or an
+honest run gives (scripted from the batch's reward), with the held-out check off so that the trend of the step
+metrics alone decides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters import get_adapter
+from daemon.gating import warning
+from reef_cli.wrapper import model_notes
+from tests.conftest import Daemon
+from tests.test_learning import events_of, releases, wait_for
+from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
+from tests.test_watchdog import DRIFTING
+
+# the drifting recipe, its step reporting what a run under a hackable scorer (answers shrinking to nothing as the
+# reward rises) or a guarded one (answers kept) shows
+SCRIPTED = '''
+from dataclasses import dataclass
+
+from drifting import Drifting, Settings as DriftingSettings
+
+
+@dataclass
+class Settings(DriftingSettings):
+    falling: bool = False  # the watchdog's held-out score rises with the reward: only the warning can fire
+    hacked: bool = True
+    heldout_check: bool = False
+    canary_share: float | None = 0.0  # published straight to the head: these tests are about the warning
+
+
+class Scripted(Drifting):
+    name = "scripted"
+    Settings = Settings
+
+    def train(self, job, state):
+        cand = super().train(job, state)
+        reward = sum(r.score for r in job.batch) / len(job.batch)
+        left = (1 - reward) ** 2 if job.settings["hacked"] else 0.9
+        cand.metrics.update(samples=2.0, groups=1.0, degenerate_groups=0.0, tokens=2 * 40 * left,
+                            entropy=2.0 * left if job.settings["hacked"] else 1.5)
+        return cand
+'''
+
+ASK = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _step(m: dict[str, Any]) -> dict[str, Any]:
+    return {"samples": 32.0, "groups": 4.0, "degenerate_groups": 0.0, **m}
+
+
+# a run under a hackable scorer (fewer characters is better): the reward rises as the answers shrink to nothing
+HACKED = [_step({"batch_reward": 0.30, "tokens": 1700.0, "entropy": 1.9}),
+          _step({"batch_reward": 0.42, "tokens": 900.0, "entropy": 1.5}),
+          _step({"batch_reward": 0.71, "tokens": 150.0, "entropy": 0.5, "degenerate_groups": 3.0})]
+# a guarded preference for brief answers: the reward rises, the answers shorten to a third and stay answers
+HONEST = [_step({"batch_reward": 0.30, "tokens": 1700.0, "entropy": 1.9}),
+          _step({"batch_reward": 0.45, "tokens": 1100.0, "entropy": 1.7}),
+          _step({"batch_reward": 0.62, "tokens": 600.0, "entropy": 1.5, "degenerate_groups": 2.0})]
+
+
+def _heldout(reward: float, silent: float, probes: float, head: tuple[float, float] = (0.0, 0.7)) -> dict[str, Any]:
+    return {"batch_reward": reward, "heldout_silent": silent, "heldout_head_silent": head[0],
+            "heldout_probe_accuracy": probes, "heldout_head_probe_accuracy": head[1]}
+
+
+def test_a_hacked_runs_figures_warn_in_plain_words_and_an_honest_runs_do_not() -> None:
+    found = warning.detect(HACKED)
+    assert found is not None and found["signals"][0] == "silent", found
+    assert found["says"].startswith("the reward is rising while the model stops answering: the scorer may reward "
+                                    "empty answers"), found["says"]
+    assert "sampled answers (tokens) 53.1 -> 4.7" in found["evidence"] and "groups that all scored alike" in \
+        found["evidence"]
+    assert warning.detect(HONEST) is None  # shorter answers, still answers: a preference learned, no alarm
+    assert warning.detect(HACKED[:1]) is None  # fewer than MIN_STEPS candidates: no trend to read yet
+    assert warning.detect(HACKED[:2]) is None  # the answers shorter, not gone yet
+    flat = [dict(m, batch_reward=0.3 + 0.03 * i) for i, m in enumerate(HACKED)]
+    assert warning.detect(flat) is None  # the answers collapse but the reward does not rise: not the scorer's doing
+    assert warning.detect([dict(m, tokens=m["tokens"] * 3) for m in HACKED]) is not None  # entropy alone warns
+    assert warning.detect([dict(m, entropy=1.9, tokens=m["tokens"] * 3) for m in HACKED]) is None
+    # answers asked short to begin with (4 tokens) that halve are no silence: nothing long was lost
+    short = [dict(m, entropy=1.9, tokens=m["samples"] * t) for m, t in zip(HACKED, (4, 3, 2), strict=True)]
+    assert warning.detect(short) is None
+
+
+def test_the_held_out_figures_warn_against_the_head_the_trend_started_from() -> None:
+    """The baseline is the head the first candidate was checked against: a first candidate already a little
+    silent does not hide the rise."""
+    silent = [_heldout(0.3, 0.10, 0.70), _heldout(0.5, 0.12, 0.70), _heldout(0.6, 0.19, 0.70)]
+    assert warning.detect(silent) is not None and warning.detect(silent)["signals"] == ["silent"]  # type: ignore[index]
+    assert warning.detect([dict(m, heldout_head_silent=0.1) for m in silent]) is None  # only 9 points up
+    forgets = [_heldout(0.3, 0.0, 0.70), _heldout(0.4, 0.0, 0.60), _heldout(0.5, 0.0, 0.50)]
+    found = warning.detect(forgets)
+    assert found is not None and found["signals"] == ["forgets"] and "forgets what it knew" in found["says"]
+    assert warning.detect([dict(m, heldout_probe_accuracy=0.65) for m in forgets]) is None  # within PROBE_FALL
+    # only the newest WINDOW candidates are read: an old low reward starts no trend
+    assert warning.detect([_heldout(0.0, 0.0, 0.7), *[_heldout(0.45, 0.3, 0.7)] * 4]) is None
+
+
+def _report_step(c: Any, name: str, score: float) -> None:
+    for _ in range(2):
+        rec = c.post(f"/s/{name}/v1/chat/completions", json=ASK).headers["x-reef-agent-record-id"]
+        assert c.post("/reef/report", json={"references": [rec], "score": score}).status_code == 201
+
+
+def _steps(c: Any, name: str, scores: tuple[float, ...]) -> dict[str, Any]:
+    """One step per score; returns the chain once each step has published or been held."""
+    for score in scores:
+        before = releases(c, name, True)
+        done = len(before["releases"]) + len(before.get("pending", []))
+        _report_step(c, name, score)
+        wait_for(lambda d=done: len((x := releases(c, name, True))["releases"]) + len(x.get("pending", [])) > d,
+                 what=f"a step of {name} at {score}")
+    return releases(c, name, True)
+
+
+def _learning(c: Any, name: str) -> str | None:
+    return c.get("/reef/status").json()["learning"].get(name)
+
+
+def _gauge(c: Any, name: str) -> str | None:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(f'reef_scenario_warning{{scenario="{name}"}}'):
+            return line.split()[-1]
+    return None
+
+
+def _scripted(daemon_factory: Any, recipe_dir: Any) -> Daemon:  # noqa: F811
+    (recipe_dir / "drifting.py").write_text(DRIFTING)
+    (recipe_dir / "scripted.py").write_text(SCRIPTED)
+    return with_recipe_paths(daemon_factory, recipe_dir)
+
+
+def test_a_warned_scenario_publishes_nothing_until_resumed_even_after_a_restart(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _scripted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        for name in ("hacked", "guarded"):
+            made = c.post("/reef/scenarios", json={"name": name, "recipe": "scripted:Scripted",
+                                                   "settings": {"hacked": name == "hacked"}})
+            assert made.status_code == 201, made.text
+        guarded = _steps(c, "guarded", (0.2, 0.5, 0.8, 0.95))
+        assert guarded["releases"][0]["step"] == 4 and guarded["pending"] == []  # no false alarm
+        assert c.get("/reef/scenarios/guarded").json()["warning"] is None
+        chain = _steps(c, "hacked", (0.2, 0.5, 0.8))
+        assert chain["releases"][0]["step"] == 2 and len(chain["pending"]) == 1, chain  # the third held
+        held = chain["pending"][0]
+        assert held["metrics"]["warning"].startswith("the reward is rising while the model stops answering")
+        # the warning is written just after the hold: wait for it
+        shown = wait_for(lambda: c.get("/reef/scenarios/hacked").json()["warning"], what="the warning stored")
+        assert shown["state"] == "warned" and shown["release_id"] == held["release_id"]
+        assert "reef scenarios resume hacked" in shown["reason"]
+        assert c.get("/reef/status").json()["warnings"] == {"hacked": shown["reason"]}
+        assert _gauge(c, "hacked") == "1.0"
+        run = c.post("/reef/runs", json={"adapter": "pi", "scenario": "hacked"}).json()  # what a wrapper starts with
+        notes = model_notes(get_adapter("pi"), run)
+        assert notes[0] == f"warning on scenario hacked: {shown['reason']}", notes
+        assert "warning" not in c.post("/reef/runs", json={"adapter": "pi", "scenario": "guarded"}).json()
+        ev = events_of(c, "hacked", "warning", 1)[0]  # the event, from the daemon's history
+        assert ev["state"] == "warned" and ev["release_id"] == held["release_id"] and "silent" in ev["signals"]
+        # reports keep coming: the loop reads them and takes no step (its state says why), nothing is published
+        _report_step(c, "hacked", 0.95)
+        wait_for(lambda: _learning(c, "hacked") == "warned", what="the loop refusing to step")
+        assert releases(c, "hacked", True)["releases"][0]["step"] == 2
+    d.stop()
+    d.start()
+    with d.http() as c:
+        assert c.get("/reef/scenarios/hacked").json()["warning"]["state"] == "warned"  # it outlived the restart
+        assert _gauge(c, "hacked") == "1.0" and "hacked" in c.get("/reef/status").json()["warnings"]
+        status = d.cli("status").stdout
+        assert "warning  hacked: the reward is rising while the model stops answering" in status, status
+        _report_step(c, "hacked", 0.95)
+        wait_for(lambda: _learning(c, "hacked") == "warned", what="the loop refusing to step after the restart")
+        chain = releases(c, "hacked", True)
+        assert chain["releases"][0]["step"] == 2 and len(chain["pending"]) == 1
+        resumed = d.cli("scenarios", "resume", "hacked").stdout
+        assert "learning on" in resumed and "early warning" not in resumed, resumed
+        # what waited is learned from now; the trend is read afresh, so this step publishes
+        top = wait_for(lambda: (x := releases(c, "hacked"))["releases"][0]["step"] > 2 and x["releases"][0],
+                       what="a release after the resume")
+        assert top["operation"] == "train"
+        assert c.get("/reef/scenarios/hacked").json()["warning"] is None and _gauge(c, "hacked") == "0.0"
+        assert "warnings" in (st := c.get("/reef/status").json()) and st["warnings"] == {}
+
+
+def test_accepting_or_changing_the_settings_also_lets_learning_go_on(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    d = _scripted(daemon_factory, recipe_dir)
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "h", "recipe": "scripted:Scripted"}).status_code == 201
+        refused = d.cli("scenarios", "accept-warning", "h", check=False)
+        assert refused.returncode == 5 and "no early warning stands" in refused.stderr  # nothing to accept
+        _steps(c, "h", (0.2, 0.5, 0.8))
+        assert wait_for(lambda: c.get("/reef/scenarios/h").json()["warning"], what="warned")["state"] == "warned"
+        # changing the settings is acting: the warning is cleared and the trend read afresh under them
+        bad = c.post("/reef/scenarios/h/settings", json={"settings": {"hacked": "yes"}})
+        assert bad.status_code == 400 and c.get("/reef/scenarios/h").json()["warning"]["state"] == "warned"
+        updated = d.cli("scenarios", "update", "h", "--settings", '{"falling": false}').stdout
+        assert '"falling": false' in updated and c.get("/reef/scenarios/h").json()["warning"] is None
+        chain = _steps(c, "h", (0.2, 0.5, 0.8))  # a hacked trend again: warned again
+        assert len(chain["pending"]) == 2
+        assert wait_for(lambda: c.get("/reef/scenarios/h").json()["warning"], what="warned again")["state"] == "warned"
+        accepted = d.cli("scenarios", "accept-warning", "h").stdout
+        assert "learning on" in accepted and c.get("/reef/scenarios/h").json()["warning"] is None
+        # accepted: the same trend again publishes, and is not warned about, until the settings change
+        chain = _steps(c, "h", (0.2, 0.5, 0.8))
+        assert len(chain["pending"]) == 2 and c.get("/reef/scenarios/h").json()["warning"] is None
+
+
+async def test_the_tui_shows_the_warning_on_the_scenarios_screen() -> None:
+    """The scenarios screen marks a warned scenario and says the warning in its note, from what the daemon's
+    ``GET /reef/scenarios`` answers; one without a warning is shown as before."""
+    from textual.widgets import DataTable, Static
+
+    from reef_cli.tui.app import ReefApp
+    from tests.tui_fixture import NOW, FixedSource
+
+    says = "the reward is rising while the model stops answering: the scorer may reward empty answers (...)"
+
+    class Warned(FixedSource):
+        async def scenarios(self) -> list[dict[str, Any]]:
+            out = await super().scenarios()
+            out[0]["warning"] = {"state": "warned", "reason": says}
+            return out
+
+    app = ReefApp(Warned(), clock=lambda: NOW)
+    async with app.run_test(size=(160, 34)) as pilot:
+        for _ in range(200):
+            if getattr(app.screen, "loaded", 1):
+                break
+            await pilot.pause(0.02)
+        table = app.screen.query_one(DataTable)
+        names = [table.get_row_at(i)[0] for i in range(table.row_count)]
+        states = {n: table.get_row_at(i)[-1] for i, n in enumerate(names)}
+        assert states[names[0]] == "WARNING" and all(states[n] != "WARNING" for n in names[1:]), states
+        note = str(app.screen.query_one("#note", Static).render())
+        assert f"warning on {names[0]}: the reward is rising while the model stops answering" in note, note
