@@ -24,6 +24,12 @@
   a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
   ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
   commas would rate well).
+- Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
+  ``canary_hours``, off for a canary started by hand): a canary with no report on its arm is promoted on its guards
+  (``quiet``) once it has served ``max_answers`` answers, and one still undecided after ``max_hours`` is promoted
+  (``expired``): it passed its gate and held-out check, and a scenario nobody scores must not stall its learning,
+  which waits while a canary runs (``daemon/learning.py``). ``describe`` words a running canary for people, with the
+  smallest difference it can still decide by its end (``betting.detectable``).
 - The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
   canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
   can start against the new head. A run on an ended canary's arm is served on that arm to its end, after a restart
@@ -40,6 +46,8 @@ import hashlib
 import logging
 import math
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +63,16 @@ log = logging.getLogger("reef.canary")
 
 CHECK_S = 0.5  # how often running canaries are judged
 ENDED_LOOKBACK = 200  # rejections read back (newest first) for canaries ended before a restart: runs on them go on
-DEFAULTS = {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0,
-            "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
+DEFAULTS: dict[str, float | int | None] = {
+    "alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0,
+    "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10,
+    # the bounds a learning canary ends by (recipes' canary_answers and canary_hours); None (a canary started by
+    # hand): off, it runs until its scores, its guards, max_reports or a person decide
+    "max_answers": None, "max_hours": None}
+OPTIONAL = ("max_answers", "max_hours")  # settings that may be None (off)
+# verdicts that promote the candidate: its scores showed it better; or a bound was reached with no guard tripped and
+# no score verdict (``quiet``: max_answers answers with no report on its arm; ``expired``: max_hours)
+PROMOTING = ("promoted", "quiet", "expired")
 EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-of-text token alone)
 
 
@@ -79,9 +95,12 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
            head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
            max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
            canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,
-           guard_answers: int = 10) -> Decision:
+           guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
+           max_age_s: float | None = None) -> Decision:
     """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
-    times of complete exchanges (ms) and their answers' lengths in tokens (the guards that need no score)."""
+    times of complete exchanges (ms) and their answers' lengths in tokens (the guards that need no score), and its
+    bounds: ``max_answers`` canary answers with no report on its arm, or ``max_age_s`` since it started (``age_s``),
+    promote it when nothing else decided (None: no such bound)."""
     h = [min(1.0, max(0.0, x)) for x in head]
     c = [min(1.0, max(0.0, x)) for x in canary]
     delta = alpha / 2
@@ -117,10 +136,62 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
     if ev.verdict == "worse":
         return Decision("ended", f"canary {mc:.3f} < head {mh:.3f} at error rate {alpha} "
                         f"({len(c)} and {len(h)} reports, {ev.pairs} pairs)", figures)
+    by_end = float(max_reports)  # the pairs it may still see: the bound on reports, or what its rate so far gives
+    if max_age_s is not None and age_s > 0:
+        by_end = min(by_end, ev.pairs + ev.pairs / age_s * max(0.0, max_age_s - age_s))
+    smallest = betting.detectable(by_end, ev.var, alpha)
+    figures.update({"pairs_by_end": round(by_end, 1), "detectable": None if smallest is None else round(smallest, 3)})
     if len(c) >= max_reports and len(h) >= max_reports:
         return Decision("tie", f"no difference found in {max_reports} reports per arm (canary "
                         f"{mc:.3f}, head {mh:.3f}): the head stays", figures)
+    answers = len(canary_tokens or ())
+    if (max_answers is not None and answers >= max_answers and not c
+            and len(head_tokens or ()) >= guard_answers):
+        return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and no report came to "
+                        f"judge its scores by: promoted on its guards (bound: {max_answers} answers)", figures)
+    if max_age_s is not None and age_s >= max_age_s:
+        return Decision("expired", f"undecided after {_duration(max_age_s)}: no guard tripped and its scores "
+                        f"({len(c)} and {len(h)} reports) did not show it worse: promoted", figures)
     return Decision(None, "undecided", figures)
+
+
+def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
+    """A running canary in lines a person reads (``reef status``, ``reef releases list``, the TUI, the release
+    page): its share and bounds, each arm's reports, mean, interval and guard figures, the smallest difference it
+    can still decide by its end (``betting.detectable`` over ``pairs_by_end``), and the bettors' evidence."""
+    f, st = status.get("figures") or {}, status.get("settings") or {}
+
+    def num(v: Any, fmt: str = ".3f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def arm(name: str) -> str:
+        iv = f.get(f"{name}_interval")
+        ms = f.get(f"{name}_p50_ms")
+        failed = f", {f.get('canary_errors', 0)} of {f.get('canary_exchanges', 0)} failed" if name == "canary" else ""
+        return (f"  {name + ' arm:':<12}{f.get(f'{name}_reports', 0)} reports, mean {num(f.get(f'{name}_mean'))}"
+                + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f"; {f.get(f'{name}_answers', 0)} answers, "
+                f"{num(f.get(f'{name}_empty_rate'), '.0%')} empty, median {num(f.get(f'{name}_p50_tokens'), 'g')} "
+                f"tokens{failed}, median {num(ms, '.0f')} ms")
+
+    age = max(0.0, (time.time() if now is None else now) - float(status.get("started_at") or 0))
+    bounds = [f"running {_duration(age)}"]
+    if st.get("max_hours") is not None:
+        bounds.append(f"promoted undecided at {_duration(st['max_hours'] * 3600)}")
+    if st.get("max_answers") is not None:
+        bounds.append(f"promoted on its guards at {st['max_answers']} answers if no report comes")
+    smallest = f.get("detectable")
+    decides = (f"decides a difference of {smallest:.2f} or more by its end" if smallest is not None else
+               "can decide no difference by its end at its reports' rate")
+    return [f"canary {str(status.get('release_id'))[:12]} serves {status.get('share', 0):.0%} of new runs beside "
+            f"{str(status.get('base_id'))[:12]} (alpha {f.get('alpha', st.get('alpha'))}; {', '.join(bounds)})",
+            arm("canary"), arm("head"),
+            f"  {decides} (about {num(f.get('pairs_by_end'), '.0f')} paired reports, {f.get('pairs', 0)} so far); "
+            f"evidence better {num(f.get('evidence_better'), '.2f')}, worse {num(f.get('evidence_worse'), '.2f')} "
+            f"of {num(f.get('evidence_needed'), '.2f')} needed"]
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
 
 
 def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_length_ratio: float,
@@ -133,7 +204,8 @@ def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_l
     def empty(xs: list[int]) -> float | None:
         return round(sum(x <= EMPTY_TOKENS for x in xs) / len(xs), 4) if xs else None
 
-    figures: dict[str, Any] = {"canary_answers": len(canary), "canary_empty_rate": empty(canary),
+    figures: dict[str, Any] = {"canary_answers": len(canary), "head_answers": len(head),
+                               "canary_empty_rate": empty(canary),
                                "head_empty_rate": empty(head), "canary_p50_tokens": _median([float(x) for x in canary]),
                                "head_p50_tokens": _median([float(x) for x in head])}
     if len(canary) < guard_answers or len(head) < guard_answers:
@@ -150,6 +222,7 @@ def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_l
 
 
 MAX_WHOLE = 10 ** 9  # max_reports and min_exchanges: a bound past any canary's life
+MAX_HOURS = 10 ** 6
 
 
 def settings_of(body: dict[str, Any]) -> dict[str, Any]:
@@ -162,13 +235,18 @@ def settings_of(body: dict[str, Any]) -> dict[str, Any]:
     settings = dict(DEFAULTS)
     for key, default in DEFAULTS.items():
         value = body.get(key, default)
-        whole = key in ("max_reports", "min_exchanges", "guard_answers")
+        whole = key in ("max_reports", "min_exchanges", "guard_answers", "max_answers")
         fraction = key in ("alpha", "max_error_rate", "max_empty_excess", "min_length_ratio")
+        if value is None and key in OPTIONAL:
+            settings[key] = None
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 or (
                 fraction and value >= 1) or (
-                key == "max_latency_ratio" and value < 1) or (whole and (value != int(value) or value > MAX_WHOLE)):
+                key == "max_latency_ratio" and value < 1) or (whole and (value != int(value) or value > MAX_WHOLE)) or (
+                key == "max_hours" and value > MAX_HOURS):
             kind = ("a fraction in (0, 1)" if fraction else
                     "a finite ratio of at least 1" if key == "max_latency_ratio" else
+                    f"a positive number of hours up to {MAX_HOURS}, or null" if key == "max_hours" else
                     f"a positive whole number up to {MAX_WHOLE}")
             raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
         settings[key] = int(value) if whole else value
@@ -216,6 +294,8 @@ class Canaries:
         self._ended_read: set[str] = set()  # scenarios whose ended canaries were read from the rejection log
         self._task: asyncio.Task[None] | None = None
         self._judging = asyncio.Lock()
+        # told each end (scenario, promoted): the learning loop, which waits while a canary runs (set by the daemon)
+        self.on_end: Callable[[str, bool], None] | None = None
 
     async def start(self) -> None:
         for row in await self.reef.store.canaries():
@@ -324,6 +404,8 @@ class Canaries:
         self.reef.events.publish("canary.end", scenario=scenario.name, candidate=row["release_id"], figures=figures,
                                  **out)
         log.info("canary of %s %s: %s", scenario.name, verdict, reason)
+        if self.on_end is not None:
+            self.on_end(scenario.name, promote)
         return {**out, "figures": figures, "candidate": row["release_id"]}
 
     async def status(self, name: str) -> dict[str, Any] | None:
@@ -331,7 +413,8 @@ class Canaries:
         if row is None:
             return None
         d = await self._judge(row)
-        return {**row, "figures": d.figures, "decision": d.verdict, "reason": d.reason}
+        out = {**row, "figures": d.figures, "decision": d.verdict, "reason": d.reason}
+        return {**out, "lines": describe(out)}
 
     # --- judging -------------------------------------------------------------------------------------------
 
@@ -351,7 +434,9 @@ class Canaries:
                       # (rows from before a bound existed: the bound off, as they were started)
                       max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
                       canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
-                      min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)))
+                      min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)),
+                      max_answers=s.get("max_answers"), age_s=max(0.0, time.time() - row["started_at"]),
+                      max_age_s=None if s.get("max_hours") is None else s["max_hours"] * 3600)
 
     async def _loop(self) -> None:
         while self.active:
@@ -372,7 +457,7 @@ class Canaries:
                         d = await self._judge(row)
                         if d.verdict is None:
                             continue
-                        await self.end(scenario, promote=d.verdict == "promoted", reason=d.reason,
+                        await self.end(scenario, promote=d.verdict in PROMOTING, reason=d.reason,
                                        figures=d.figures, verdict=d.verdict)
                 except ReefError as e:  # the store or the chain is away: judged again at the next round
                     log.warning("canary of %s could not be judged: %s", name, e.message)

@@ -89,7 +89,7 @@ class ScenarioLearning:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
-    state: str = "idle"  # idle | waiting | training | judging
+    state: str = "idle"  # idle | waiting | training | judging | paused | canary (waiting for a canary's verdict)
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
     # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
@@ -120,6 +120,8 @@ class Learner:
         # starts a canary of a held candidate (``daemon/canary.py``; set by the daemon): for recipes whose
         # ``canary_share`` sends what the gate passes through a canary instead of straight to the head
         self.start_canary: Callable[[Scenario, dict[str, Any]], Awaitable[Any]] | None = None
+        # whether a scenario has a canary running: its weights steps wait for the verdict (set by the daemon)
+        self.canary_running: Callable[[str], bool] | None = None
         self.dir = config.home / "candidates"
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
@@ -316,6 +318,15 @@ class Learner:
         if st.task is None or st.task.done():
             st.task = asyncio.ensure_future(self._loop(name))
 
+    def canary_ended(self, name: str, promoted: bool) -> None:
+        """A scenario's canary ended: learning goes on, from the promoted canary (the new head), or, when it was
+        ended, from the head: the lineage that led to a candidate live traffic turned away is not continued."""
+        st = self._scenarios.get(name)
+        if st is not None and not promoted and st.lineage is not None:
+            shutil.rmtree(st.lineage[2], ignore_errors=True)
+            st.lineage = None
+        self.notify(name)
+
     async def _loop(self, name: str) -> None:
         try:
             st = await self._get(name)
@@ -336,7 +347,7 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            if st.state not in ("paused", "warned"):
+            if st.state not in ("paused", "warned", "canary"):
                 st.state = "waiting"
 
     # --- judging turns by what came next ------------------------------------------------------------------
@@ -421,6 +432,9 @@ class Learner:
                 st.state = "warned"
                 return StepOutcome("paused", summary=str((scenario.warning or {}).get("reason")))
             self._follow_settings(st, scenario)
+            if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
+                st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
+                return None
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
             batch = recipe.batch(await self._eligible(st, scenario, head))

@@ -53,6 +53,7 @@ class PageData:
     evaluation: dict[str, Any] | None = None  # ``reef eval``'s table as known (daemon/evaluation.py), or None
     evaluation_error: str | None = None
     generated_at: float = 0.0
+    canary: dict[str, Any] | None = None  # the scenario's running canary, when this release is one of its arms
 
 
 async def gather(reef: Any, release_id: str, scenario: str | None = None) -> PageData:
@@ -75,6 +76,10 @@ async def gather(reef: Any, release_id: str, scenario: str | None = None) -> Pag
             data.evaluation = await evaluations.evaluate(rel.scenario, measure=False)
         except ReefError as e:
             data.evaluation_error = e.message
+    canaries = getattr(reef, "canaries", None)
+    live = await canaries.status(rel.scenario) if canaries is not None else None
+    if live is not None and rel.release_id in (live["release_id"], live["base_id"]):
+        data.canary = live
     for receipt in rel.receipts[:MAX_RECEIPTS]:
         try:
             data.inputs.append(await store.get_record(receipt, full=False))
@@ -142,12 +147,21 @@ def render(data: PageData) -> str:
         _section("The gate", "gate", _gate(data)),
         _section("Its place on the chain", "chain", _chain(data)),
         _section("Evaluation: learning curve, forgetting, transfer", "eval", _evaluation(data)),
+        _section("Its live canary", "canary", _canary(data)) if data.canary else "",
     ))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
             "<meta name=\"referrer\" content=\"no-referrer\">"
             f"<title>{e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
             f"<footer>Reef release page, made {e(_when(data.generated_at))}</footer>\n</body></html>\n")
+
+
+def _canary(data: PageData) -> str:
+    """The running canary this release is an arm of, in the daemon's words (``daemon/canary.describe``)."""
+    c = data.canary or {}
+    side = "the candidate" if c.get("release_id") == data.release["release_id"] else "the head it is compared with"
+    return (f"<p>This release is {e(side)} of a running canary; figures as of this page.</p>\n<pre>"
+            + e("\n".join(c.get("lines") or [])) + "</pre>")
 
 
 def _section(heading: str, ident: str, inner: str) -> str:

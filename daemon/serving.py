@@ -119,6 +119,8 @@ class Reef:
         self._settled = False  # the heap frozen after the first engine's load (``_settle_heap``)
         self.canaries = Canaries(self)
         self.learner.start_canary = self.canaries.begin
+        self.learner.canary_running = self.canaries.active.__contains__
+        self.canaries.on_end = self.learner.canary_ended
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
                                     metrics=self.metrics, scenario=self.scenario, engine=self.engine,
                                     observe=self.learner.observe)
@@ -143,8 +145,8 @@ class Reef:
         # loading, and a request for a model still loading waits for it (``LOAD_WAIT_S``); a load that fails is one
         # log line and a clear error for its requests, while other models serve
         self._warm = asyncio.create_task(self._warm_default(), name="reef-load-default-model")
+        await self.canaries.start()  # first: a scenario whose canary runs on after a restart does not step meanwhile
         await self.learner.start()
-        await self.canaries.start()
         if self.config.retention_days is not None or self.config.retention_max_mb is not None:
             from daemon.forgetting import retention_loop
 

@@ -45,6 +45,7 @@ the exception's message, and serving goes on.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -157,9 +158,13 @@ class GateSettings:
     # tolerated drop below the serving head (0.1) that a candidate must be shown not to exceed
     margin: float | None = None
     alpha: float | None = None
-    # what the gate passes serves this share of new runs as a canary, live scores promote or end it
-    # (daemon/canary.py); 0: published to the head at once
-    canary_share: float = 0.0
+    # what the gate and the held-out check pass serves this share of new runs as a canary beside the head; its live
+    # scores and guards promote or end it (daemon/canary.py), and learning waits for its verdict. None: CANARY_SHARE
+    # (none under gate review: a person decides); 0: published to the head at once (docs/releases.md)
+    canary_share: float | None = None
+    # a canary with no report on its arm is promoted on its guards after this many answers on its arm
+    canary_answers: int = 50
+    canary_hours: float = 24.0  # a canary still undecided after this long is promoted (no guard tripped)
     # the held-out check (daemon/gating/heldout.py), weights recipes: before a candidate serves, its greedy answers
     # to prompts it never trained on are compared with the serving head's; one that stops answering, forgets
     # probe answers beyond the check's noise or drifts past heldout_max_kl is held. false: every release says
@@ -172,6 +177,16 @@ class GateSettings:
     heldout_max_kl: float = 1.0  # nats per token from the base, on the candidate's held-out answers
     heldout_max_tokens: int = 16  # tokens per held-out answer (greedy): enough to tell an answer from none
     heldout_timeout_s: float = 600.0  # past this the check has failed (the step is written down as failed)
+
+
+    def __post_init__(self) -> None:
+        if self.canary_share is None:
+            self.canary_share = 0.0 if self.gate == "review" else CANARY_SHARE
+
+
+# a weights candidate's canary share by default: half, since the paired test decides soonest with equal arms and
+# the runs a worse candidate serves before its verdict are about the same at any share (docs/releases.md)
+CANARY_SHARE = 0.5
 
 
 class HarnessContext(typing.Protocol):
@@ -408,7 +423,14 @@ def _type_name(hint: Any) -> str:
 
 
 def check_canary_share(settings: Any) -> None:
-    share = getattr(settings, "canary_share", 0.0)
+    share = getattr(settings, "canary_share", 0.0) or 0.0
+    answers, hours = getattr(settings, "canary_answers", 1), getattr(settings, "canary_hours", 1.0)
+    if not 1 <= answers <= 10 ** 9:
+        raise BadRequest(f"canary_answers must be a whole number from 1 to 10^9, got {answers}",
+                         param="settings.canary_answers")
+    if not (math.isfinite(hours) and 0 < hours <= 10 ** 6):
+        raise BadRequest(f"canary_hours must be a positive number of hours up to 10^6, got {hours}",
+                         param="settings.canary_hours")
     if not 0 <= share < 1:
         raise BadRequest(f"canary_share must be a fraction of new runs in [0, 1), got {share}",
                          param="settings.canary_share")

@@ -44,14 +44,16 @@ TARGET = 0.8
 LEAD = 2  # rounds the client may be ahead of the trainer
 # The tiny model trains all its weights (no LoRA), measured at lr 2e-3, batches of 8 x 8, two steps a batch;
 # online-rl's defaults are for real models (LoRA, lr 3e-3, 4 x 8, one step: bench/learning_real.py)
+# No canary (weights recipes have one by default, docs/releases.md): the demo shows minutes of learning on its own
+# simulated traffic, whose small steps a canary would weigh for up to canary_hours each; the gate decides each step
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.1, "eval_family": "say", "eval_n": 128,
-                                 "lr": 2e-3, "batch_prompts": 8, "steps_per_batch": 2}
+                                 "lr": 2e-3, "batch_prompts": 8, "steps_per_batch": 2, "canary_share": 0}
 # sao (one rollout per step, each step a release): its periodic gate checks every 20th step on the same validation
 # prompts; the client asks SAO_PARALLEL prompts at once and waits until the trainer has taken them (SAO_LEAD rounds
 # ahead: none), since a record served more than one release behind the head is not trained on (its staleness
 # bound): measured, a client 2 rounds ahead had most of its reports dropped and waited out its timeouts
 SAO_SETTINGS: dict[str, Any] = {"gate": "periodic", "margin": 0.1, "eval_family": "say", "eval_n": 128,
-                                "eval_every": 20}
+                                "eval_every": 20, "canary_share": 0}
 SAO_PARALLEL, SAO_LEAD = 2, 0
 RECIPES = ("online-rl", "sao")
 TINY_MODELS = ("tiny", "tiny-demo")  # built for the say family; any other model is a real one (yes-no)
@@ -61,7 +63,7 @@ TINY_MODELS = ("tiny", "tiny-demo")  # built for the say family; any other model
 # its gate: margin 0.1 on 64 prompts (34 is the fewest on which 0.1 can be shown at 0.05; 32 could never decide);
 # batch and rate are online-rl's defaults (4 x 8, one step, lr 3e-3)
 REAL_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.1, "eval_family": "yes-no", "eval_n": 64,
-                                 "lora": True, "lora_rank": 8, "lora_alpha": 16, "max_new_tokens": 8}
+                                 "lora": True, "lora_rank": 8, "lora_alpha": 16, "max_new_tokens": 8, "canary_share": 0}
 REAL_TIMEOUT_S = 600.0  # a real model's requests (the default client's 30 s is the tiny model's)
 RISE = 0.3  # a real model's target: its measured held-out start plus this
 EXAMPLE_TOKENS = 40  # the before/after example answer: long enough to read as an answer

@@ -100,13 +100,10 @@ def list_releases(
     out.print(f"scenario [cyan]{scenario}[/]  head {_short(data['head'])}")
     out.print(table)
     canary = data.get("canary")
-    if canary:
-        f = canary.get("figures") or {}
-        out.print(f"canary {_short(canary['release_id'])} serves {canary['share']:.0%} of new runs against "
-                  f"{_short(canary['base_id'])}: canary {_fmt(f.get('canary_mean'))} over {f.get('canary_reports')} "
-                  f"report(s) {f.get('canary_interval')}, head {_fmt(f.get('head_mean'))} over "
-                  f"{f.get('head_reports')} {f.get('head_interval')}; reef releases canary-end [--promote] ends it",
-                  markup=False)
+    if canary:  # its lines as the daemon words them (daemon/canary.describe)
+        for line in canary["lines"]:
+            out.print(line, markup=False, soft_wrap=True)
+        out.print("  reef releases canary-end [--promote] ends it by hand", markup=False)
     if (data.get("forgotten") or {}).get("command"):
         out.print(f"the head was trained on forgotten data; the newest release that was not: "
                   f"{data['forgotten']['command']}", markup=False)
@@ -246,10 +243,6 @@ def _steer(op: str, scenario: str, release_id: str, yes: bool, json_out: bool) -
         print_json(rel)
     else:
         print(f"published {rel['release_id'][:12]} (step {rel['step']}, {rel['operation']}); it serves new requests now")
-
-
-def _fmt(x: Any) -> str:
-    return "-" if x is None else f"{x:.3f}"
 
 
 @app.command("canary")

@@ -17,7 +17,8 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             *_provider_line(info),
             f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios",
             *(f"warning  {name}: {why}" for name, why in sorted((info.get("warnings") or {}).items())),
-            *_inflight_lines(info.get("inflight") or [])]
+            *_inflight_lines(info.get("inflight") or []),
+            *_canary_lines(info)]
 
 
 def _inflight_lines(inflight: list[dict[str, Any]]) -> list[str]:
@@ -30,6 +31,14 @@ def _inflight_lines(inflight: list[dict[str, Any]]) -> list[str]:
                   f"{n:,} tokens" + (f" of at most {cap:,}" if cap else ""))
         out.append(f"  {x['receipt']}  {x['scenario']}{'/' + x['run'] if x.get('run') else ''}  {x['model']}  "
                    f"{x['elapsed_s']:.0f} s, {tokens}")
+    return out
+
+
+def _canary_lines(info: dict[str, Any]) -> list[str]:
+    """Each running canary (``daemon/canary.describe``), under its scenario's name."""
+    out = []
+    for c in info.get("canaries") or []:
+        out += [f"canary   {c['scenario']}: {c['lines'][0]}", *(f"         {line}" for line in c["lines"][1:])]
     return out
 
 

@@ -166,8 +166,8 @@ def test_forget_through_the_daemon_marks_the_trained_release_and_names_the_way_b
     d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
     ask = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Say hi."}]}
     with d.http() as c:
-        made = c.post("/reef/scenarios", json={"name": "fg", "recipe": "rwl:RewardWeighted",
-                                               "settings": {"batch_size": 2}})
+        made = c.post("/reef/scenarios", json={"name": "fg", "recipe": "rwl:RewardWeighted",  # no canary: this
+                                               "settings": {"batch_size": 2, "canary_share": 0}})  # is about forgetting
         init = made.json()["head"]
         receipts = []
         for _ in range(2):

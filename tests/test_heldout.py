@@ -45,6 +45,7 @@ from recipes.base import Candidate, GateSettings, Recipe
 @dataclass
 class Settings(GateSettings):
     silent: bool = True  # the candidate answers nothing (crafted weights), or keeps answering (nudged weights)
+    canary_share: float | None = 0.0  # a candidate the check passes is published: these tests are about the check
 
 
 class Crafted(Recipe):

@@ -18,7 +18,9 @@ from tests.conftest import Daemon, assert_canonical_error
 
 
 def settings_toml(**kw: Any) -> str:
-    base = {"batch_prompts": 2, "group_size": 2, "gate": "always"}
+    # a candidate goes straight to the head here: these tests are about learning, not the canary that weights
+    # recipes pass their candidates through by default (tests/test_canary_learning.py)
+    base = {"batch_prompts": 2, "group_size": 2, "gate": "always", "canary_share": 0}
     base.update(kw)
     return "\n[recipes.online-rl]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in base.items())
 

@@ -21,6 +21,9 @@ MODEL = "big"
 
 
 def config(path: Any, recipe: str, **settings: Any) -> str:
+    # a candidate goes straight to the head here: these tests are about learning, not the canary that weights
+    # recipes pass their candidates through by default (tests/test_canary_learning.py)
+    settings = {"canary_share": 0, **settings}
     lines = f'\n[models.{MODEL}]\nengine = "transformers"\npath = "{path}"\n\n[recipes.{recipe}]\n'
     return lines + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
 

@@ -159,7 +159,7 @@ LONG = "Answer with the single word you were asked for, nothing else."
 def test_votes_decide_the_verdict_and_the_longest_positive_hint_trains(daemon_factory: Any,
                                                                        scripted_judge: ScriptedJudge) -> None:
     cfg = (f'\n[models.judge]\nengine = "upstream"\nurl = "{scripted_judge.url}"\nformat = "openai-chat"\n'
-           'upstream_model = "judge-1"\n\n[recipes.openclaw-rl]\njudge = "judge"\nhints = true\n'
+           'upstream_model = "judge-1"\n\n[recipes.openclaw-rl]\ncanary_share = 0\njudge = "judge"\nhints = true\n'
            'judge_timeout_s = 10\nbatch_prompts = 2\ngate = "always"\n')
     d: Daemon = daemon_factory(cfg)
     with d.http() as c:
@@ -207,7 +207,7 @@ def test_votes_decide_the_verdict_and_the_longest_positive_hint_trains(daemon_fa
 def test_the_daemons_own_model_judges_with_sampled_votes(daemon_factory: Any) -> None:
     """The served tiny model as the judge: three votes, sampled through the embedded engine; its answers are
     noise, so each abstains and the turn is neutral (the verdict says so, vote by vote)."""
-    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\njudge = "tiny"\njudge_max_tokens = 8\n')
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\njudge = "tiny"\njudge_max_tokens = 8\n')
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "ot", "recipe": "openclaw-rl"}).status_code == 201
         a, r = chat(c, "ot", [{"role": "user", "content": "Say file."}])

@@ -169,7 +169,7 @@ def judged(c: httpx.Client, receipt: str) -> dict[str, Any]:
 
 
 def test_sessions_are_judged_into_reports_and_an_explicit_report_wins(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\nbatch_prompts = 3\ngate = "always"\n')
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\nbatch_prompts = 3\ngate = "always"\n')
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "oc", "recipe": "openclaw-rl"}).status_code == 201
         msgs: list[dict[str, Any]] = [{"role": "user", "content": 'Say "apple".'}]
@@ -199,7 +199,7 @@ def test_sessions_are_judged_into_reports_and_an_explicit_report_wins(daemon_fac
 def test_the_judge_model_gets_the_documented_request_and_garbage_is_neutral(
         daemon_factory: Any, stub: str) -> None:  # noqa: F811
     cfg = (f'\n[models.judge]\nengine = "upstream"\nurl = "{stub}"\nformat = "openai-chat"\n'
-           'upstream_model = "judge-1"\n\n[recipes.openclaw-rl]\njudge = "judge"\njudge_timeout_s = 5\n'
+           'upstream_model = "judge-1"\n\n[recipes.openclaw-rl]\ncanary_share = 0\njudge = "judge"\njudge_timeout_s = 5\n'
            "batch_prompts = 100\n")
     d: Daemon = daemon_factory(cfg)
     with d.http() as c, httpx.Client(base_url=stub) as s:
@@ -270,7 +270,7 @@ def test_judged_sessions_train_toward_what_the_user_accepted(daemon_factory: Any
     from daemon.releases import ReleaseStore
     from tests.test_hot_swap_weights import rescored
 
-    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\nbatch_prompts = 2\ngate = "always"\nlr = 0.01\n'
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\nbatch_prompts = 2\ngate = "always"\nlr = 0.01\n'
                                "steps_per_batch = 4\n")
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "ol", "recipe": "openclaw-rl"}).status_code == 201
@@ -322,7 +322,7 @@ def test_hints_give_only_the_hinted_turns_a_teacher_signal(tiny_model: Any) -> N
 def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(daemon_factory: Any) -> None:
     """The judged turns of an interrupted step are trained on again after a restart, once: the verdicts are
     reports (durable), and the interrupted candidate never reaches the chain."""
-    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\nbatch_prompts = 2\ngate = "always"\n'
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\nbatch_prompts = 2\ngate = "always"\n'
                                "steps_per_batch = 800\n")  # a few seconds a step
 
     def session(c: httpx.Client, prompt: str, reply: str) -> str:

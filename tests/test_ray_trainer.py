@@ -33,6 +33,7 @@ from recipes.base import Candidate, GateSettings, Recipe
 @dataclass
 class Settings(GateSettings):
     hold: str = ""  # a directory: write started-<pid> there, then wait for a file named go
+    canary_share: float | None = 0.0  # straight to the head: these tests are about where a step runs
 
 
 class Marked(Recipe):

@@ -199,7 +199,8 @@ def with_recipe_paths(daemon_factory: Any, recipe_dir: Path, extra: str = "", st
 def test_an_external_weights_recipe_trains_and_its_release_serves_the_next_request(daemon_factory, recipe_dir):
     d = with_recipe_paths(daemon_factory, recipe_dir)
     with d.http() as c:
-        r = c.post("/reef/scenarios", json={"name": "rw", "recipe": "rwl:RewardWeighted", "settings": {"lr": 0.1}})
+        r = c.post("/reef/scenarios", json={"name": "rw", "recipe": "rwl:RewardWeighted",  # straight to the head:
+                                            "settings": {"lr": 0.1, "canary_share": 0}})  # no canary here
         assert r.status_code == 201, r.text
         init = r.json()["head"]
         receipts = serve_and_report(c, "rw", 4, score=lambda i: 1.0)
@@ -417,7 +418,7 @@ def test_a_report_that_violates_the_recipes_schema_is_refused_and_not_stored(dae
 
 def test_a_step_with_nothing_to_learn_publishes_nothing(daemon_factory, recipe_dir):
     d = with_recipe_paths(daemon_factory, recipe_dir,
-                          "\n[recipes.online-rl]\nbatch_prompts = 2\ngroup_size = 2\ngate = \"always\"\n")
+                          "\n[recipes.online-rl]\ncanary_share = 0\nbatch_prompts = 2\ngroup_size = 2\ngate = \"always\"\n")
     with d.http() as c:
         # online-rl: every group scored alike carries no signal
         assert c.post("/reef/scenarios", json={"name": "flat", "recipe": "online-rl"}).status_code == 201

@@ -190,6 +190,9 @@ def test_the_periodic_check_rejects_a_candidate_worse_than_the_head_at_the_defau
 
 
 def sao_toml(**kw: Any) -> str:
+    # a candidate goes straight to the head here: these tests are about learning, not the canary that weights
+    # recipes pass their candidates through by default (tests/test_canary_learning.py)
+    kw = {"canary_share": 0, **kw}
     return "\n[recipes.sao]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kw.items())
 
 
@@ -214,7 +217,7 @@ def consumed(c: httpx.Client, scenario: str) -> list[str]:
 
 
 def test_each_report_is_one_step_and_one_release(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory()
+    d: Daemon = daemon_factory(sao_toml())
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "one", "recipe": "sao"}).status_code == 201
         first = answer(c, "one")
@@ -241,7 +244,7 @@ def test_each_report_is_one_step_and_one_release(daemon_factory: Any) -> None:
 
 
 def test_records_served_more_than_one_release_behind_are_not_trained_on(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory()  # sao's default staleness bound: 1 release
+    d: Daemon = daemon_factory(sao_toml())  # sao's default staleness bound: 1 release
     with d.http() as c:
         created = c.post("/reef/scenarios", json={"name": "st", "recipe": "sao"}).json()
         chain = [created["head"]]
@@ -284,7 +287,7 @@ def test_the_periodic_gate_checks_every_kth_step_and_after_a_failed_check_every_
     d: Daemon = with_recipe_paths(daemon_factory, recipes)
     # the held-out check off: this test is about the periodic gate (tests/test_heldout.py has the check), and its
     # 36 probes on each of 16 steps took this test past its guard on a loaded machine
-    settings = {"eval_family": "say", "eval_n": 4, "eval_every": 3, "heldout_check": False}
+    settings = {"eval_family": "say", "eval_n": 4, "eval_every": 3, "heldout_check": False, "canary_share": 0}
     with d.http() as c:
         # margin 0.9 on 4 prompts: the tiny model answers none, so candidate and head tie and every check passes
         # (first step after the start, then every third)

@@ -35,8 +35,8 @@ def test_serve_only_traffic_and_ineligible_reports_never_train_and_a_paused_scen
         daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
     d: Daemon = with_recipe_paths(daemon_factory, recipe_dir)
     with d.http() as c:
-        made = c.post("/reef/scenarios", json={"name": "so", "recipe": "rwl:RewardWeighted",
-                                               "settings": {"batch_size": 2}, "paused": True})
+        made = c.post("/reef/scenarios", json={"name": "so", "recipe": "rwl:RewardWeighted",  # no canary: this is
+                                               "settings": {"batch_size": 2, "canary_share": 0}, "paused": True})
         assert made.status_code == 201 and made.json()["paused"] is True and made.json()["capture"] is True, made.text
         # refused, never taken for either value
         bad = c.post("/s/so/v1/chat/completions", json=ASK, headers={"x-reef-capture": "maybe"})

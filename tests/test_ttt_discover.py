@@ -195,6 +195,9 @@ def test_the_longest_word_problem_scores_known_words_by_length():
 
 
 def ttt_toml(**kw: Any) -> str:
+    # a candidate goes straight to the head here: these tests are about learning, not the canary that weights
+    # recipes pass their candidates through by default (tests/test_canary_learning.py)
+    kw = {"canary_share": 0, **kw}
     return "\n[recipes.ttt-discover]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kw.items())
 
 
@@ -288,7 +291,7 @@ def test_a_users_scorer_command_judges_the_gate_and_one_that_fails_fails_the_ste
     script, broken, log = tmp_path / "score.py", tmp_path / "broken.py", tmp_path / "scored.log"
     script.write_text(SCORER)
     broken.write_text("import sys\nsys.stdin.read()\nprint('boom: no such file', file=sys.stderr)\nsys.exit(2)\n")
-    d: Daemon = daemon_factory("")
+    d: Daemon = daemon_factory(ttt_toml())
     with d.http() as c:
         for name, cmd in (("mine", [sys.executable, str(script), str(log)]), ("broken", [sys.executable, str(broken)])):
             assert c.post("/reef/scenarios", json={"name": name, "recipe": "ttt-discover", "settings": {

@@ -23,7 +23,7 @@ def test_recipe_summary_reads_value_loss_and_the_best_attempt() -> None:
 
 
 async def test_the_training_screen_shows_value_loss_for_sao_and_the_best_attempt_for_ttt(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory('\n[recipes.ttt-discover]\ngroup_size = 2\n')
+    d: Daemon = daemon_factory('\n[recipes.ttt-discover]\ncanary_share = 0\ngroup_size = 2\n\n[recipes.sao]\ncanary_share = 0\n')
     receipts: dict[str, list[str]] = {"s": [], "t": []}
     with d.http() as c:
         for name, recipe in (("s", "sao"), ("t", "ttt-discover")):

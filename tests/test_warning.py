@@ -33,6 +33,7 @@ class Settings(DriftingSettings):
     falling: bool = False  # the watchdog's held-out score rises with the reward: only the warning can fire
     hacked: bool = True
     heldout_check: bool = False
+    canary_share: float | None = 0.0  # published straight to the head: these tests are about the warning
 
 
 class Scripted(Drifting):

@@ -107,7 +107,9 @@ def test_a_hacked_run_is_held_and_a_healthy_one_published(daemon_factory: Any, r
     with d.http() as c:
         for name in ("hacked", "healthy"):
             assert c.post("/reef/scenarios", json={"name": name, "recipe": "drifting:Drifting",
-                                                   "settings": {"falling": name == "hacked"}}).status_code == 201
+                                                   # straight to the head: this test is about the watchdog
+                                                   "settings": {"falling": name == "hacked", "canary_share": 0}}
+                          ).status_code == 201
             for step, score in enumerate((0.2, 0.5, 0.8, 0.95), start=1):
                 for _ in range(2):
                     rec = c.post(f"/s/{name}/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"]
@@ -177,7 +179,8 @@ def test_through_the_daemon_figures_from_before_a_rollback_do_not_count(daemon_f
         return wait_for(ready, what=what)
 
     with d.http() as c:
-        assert c.post("/reef/scenarios", json={"name": "rolled", "recipe": "drifting:Drifting"}).status_code == 201
+        assert c.post("/reef/scenarios", json={"name": "rolled", "recipe": "drifting:Drifting",  # no canary: the
+                                               "settings": {"canary_share": 0}}).status_code == 201  # watchdog's test
         for n, score in enumerate((0.2, 0.5, 0.8), start=1):
             step(c, score, lambda x, n=n: x["releases"][0]["step"] == n or x["pending"], f"step {n}")
         chain = releases(c, "rolled", True)

@@ -13,7 +13,9 @@ lets the next step have it (None):
 - ``early_warning``: weights: the scored reward rising while the answers collapse over the recent candidates
   (``daemon/gating/warning.py``) holds it and warns the scenario: its learning pauses until the user acts. A
   candidate the drift bound or the held-out check holds is read for the warning too.
-- ``canary``: with ``canary_share``, held and served to that share of new runs as a canary (``daemon/canary.py``).
+- ``canary``: with ``canary_share`` (weights recipes: 0.5 by default), held and served to that share of new runs as
+  a canary (``daemon/canary.py``), ended by its bounds ``canary_answers`` and ``canary_hours`` if nothing else
+  decides; the learning loop waits for its verdict.
 - ``publish``: compare-and-swap on the head (a weights candidate whose head moved is rejected, saying so).
 - ``rejected``: what no step published or held is written down as rejected.
 """
@@ -154,9 +156,12 @@ async def canary(host: Host, run: GateRun) -> StepOutcome | None:
     share = float(getattr(run.recipe.settings, "canary_share", 0) or 0)
     if share <= 0 or host.start_canary is None:  # live scores decide, not the gate
         return None
+    settings = run.recipe.settings
     rel = await host.chains.hold(run.manifest(host), run.artifact, base=run.head.release_id)
     try:
-        await host.start_canary(run.scenario, {"release_id": rel.release_id, "share": share})
+        await host.start_canary(run.scenario, {
+            "release_id": rel.release_id, "share": share, "max_answers": getattr(settings, "canary_answers", None),
+            "max_hours": getattr(settings, "canary_hours", None)})
         why = f"{run.reason}; serving {share:.0%} of new runs as a canary (reef releases list shows it)"
     except ReefError as e:  # one canary at a time: this one waits for review
         why = f"{run.reason}; held for review: no canary could start ({e.message})"

@@ -186,7 +186,8 @@ def canary_line(canary: dict[str, Any], history: list[tuple[float | None, float 
         return f"{name} {shown}" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f" n={n}"
 
     lines = [f"canary {short(canary.get('release_id'), 8)} serves {canary.get('share', 0):.0%} of new runs beside "
-             f"{short(canary.get('base_id'), 8)}: {arm('canary')} | {arm('head')} (alpha {f.get('alpha')})"]
+             f"{short(canary.get('base_id'), 8)}: {arm('canary')} | {arm('head')} (alpha {f.get('alpha')})",
+             *(canary.get("lines") or [])[1:]]  # each arm's guard figures, what it can still decide (the daemon's)
     if history:
         lines.append(f"  canary {spark([c for c, _ in history])}  head {spark([h for _, h in history])}"
                      "   p promotes it, e ends it")
