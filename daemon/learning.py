@@ -65,7 +65,7 @@ from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
 from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
-from daemon.records import FeedbackReport, Lease, RecordStore, RequestSampling, Scenario, ScoredExchange, new_id
+from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest
 from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from daemon.scopes import Scopes
@@ -848,19 +848,3 @@ class Learner:
 def _source(record: ScoredExchange | FeedbackReport) -> str | None:
     """Where a pool record's report came from (``FeedbackReport.source``): None for an explicit report."""
     return record.report.source if isinstance(record, ScoredExchange) else record.source
-
-
-async def left_out(store: RecordStore, recipe: type[Recipe] | Recipe, scenario: str) -> dict[str, Any] | None:
-    """For a recipe trained on behaviour log-probs: how many of the scenario's scored exchanges it cannot use
-    because of how they were sampled (``recipes.base.off_policy_sampling``), by setting, and why."""
-    if not recipe.behaviour_logprobs:
-        return None
-    counts: Counter[str] = Counter()
-    for row in await store.scored_sampling(scenario):
-        reason = off_policy_sampling(RequestSampling.from_mapping(row))
-        if reason is not None:
-            counts[reason] += row["n"]
-    return {"sampling": dict(counts), "total": sum(counts.values()),
-            "why": "trained only on answers sampled at temperature 1 without top_p or top_k: the engine records "
-                   "each token's log-prob under the raw logits, so the importance ratio of any other sampling "
-                   "would be wrong"}

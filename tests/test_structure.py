@@ -15,7 +15,7 @@ MAX_LINES = 800
 # never grow; one at or under MAX_LINES leaves the list, and no module joins it (a growing part gets a package).
 OVER = {
     "daemon/records/store.py": 1189,
-    "daemon/learning.py": 852,
+    "daemon/learning.py": 850,
 }
 
 

@@ -4,6 +4,7 @@ early warning, and a wrapper's run start."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 from daemon import web
@@ -14,9 +15,11 @@ from daemon.errors import (
 )
 from daemon.gating import warning
 from daemon.names import check_scenario
+from daemon.records import RecordStore, RequestSampling
 from daemon.routes.common import Handler, json_response, object_body, plain
 from daemon.serving import Reef
 from recipes import check_api_recipe, load_recipe
+from recipes.base import off_policy_sampling
 
 
 async def handle_start_run(request: web.Request) -> web.Response:
@@ -139,7 +142,6 @@ async def handle_scenario(request: web.Request) -> web.Response:
 
 async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]:
     """The recipe's own summary of its progress (``Recipe.status``), for recipes that have one."""
-    from daemon.learning import left_out
     from recipes.base import Recipe
 
     try:
@@ -157,3 +159,19 @@ async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]
     releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
     rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
     return {**out, "recipe_status": recipe.status(releases, rejected)}
+
+
+async def left_out(store: RecordStore, recipe: Any, scenario: str) -> dict[str, Any] | None:
+    """For a recipe trained on behaviour log-probs: how many of the scenario's scored exchanges it cannot use
+    because of how they were sampled (``recipes.base.off_policy_sampling``), by setting, and why."""
+    if not recipe.behaviour_logprobs:
+        return None
+    counts: Counter[str] = Counter()
+    for row in await store.scored_sampling(scenario):
+        reason = off_policy_sampling(RequestSampling.from_mapping(row))
+        if reason is not None:
+            counts[reason] += row["n"]
+    return {"sampling": dict(counts), "total": sum(counts.values()),
+            "why": "trained only on answers sampled at temperature 1 without top_p or top_k: the engine records "
+                   "each token's log-prob under the raw logits, so the importance ratio of any other sampling "
+                   "would be wrong"}
