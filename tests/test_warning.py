@@ -10,6 +10,7 @@ metrics alone decides."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from adapters import get_adapter
@@ -180,14 +181,20 @@ def test_a_warned_scenario_publishes_nothing_until_resumed_even_after_a_restart(
         wait_for(lambda: _learning(c, "hacked") == "warned", what="the loop refusing to step after the restart")
         chain = releases(c, "hacked", True)
         assert chain["releases"][0]["step"] == 2 and len(chain["pending"]) == 1
+        at_resume = time.time()
         resumed = d.cli("scenarios", "resume", "hacked").stdout
         assert "learning on" in resumed and "early warning" not in resumed, resumed
         # what waited is learned from now; the trend is read afresh, so this step publishes
         top = wait_for(lambda: (x := releases(c, "hacked"))["releases"][0]["step"] > 2 and x["releases"][0],
                        what="a release after the resume")
         assert top["operation"] == "train"
-        assert c.get("/reef/scenarios/hacked").json()["warning"] is None and _gauge(c, "hacked") == "0.0"
-        assert "warnings" in (st := c.get("/reef/status").json()) and st["warnings"] == {}
+        # the held candidate's figures are not read again: a later step may warn anew (its scripted figures rise
+        # again when the held batch is learned from once more), but only on candidates made after the resume
+        now = c.get("/reef/scenarios/hacked").json()["warning"]
+        if now is None or now["state"] != "warned":
+            assert _gauge(c, "hacked") == "0.0" and c.get("/reef/status").json()["warnings"] == {}
+        else:
+            assert now["at"] > at_resume and now["release_id"] != held["release_id"], now
 
 
 def test_accepting_or_changing_the_settings_also_lets_learning_go_on(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
