@@ -150,6 +150,35 @@ def vm_hwm_mb(pid: int) -> float:
     return int(m.group(1)) / 1024 if m else float("nan")
 
 
+# The daemon's own peak resident memory (VmHWM) on SmolLM2-135M with a weights recipe at its defaults: the model
+# (about 540 MB in float32), the head's and a candidate's LoRA adapters on it (a few MB each), the held-out check's
+# and the gate's answers (KV caches of a few hundred tokens) and the runtime (torch, tokenizers, the HTTP server,
+# SQLite). Measured 1.0-1.3 GB across the four recipes (docs/recipes.md, "The daemon's memory"); a candidate or a
+# cache left resident would show here as growth with each step.
+DAEMON_BOUND_MB = 1536
+
+
+def memory(c: httpx.Client, scenario: str, pid: int) -> dict[str, Any]:
+    """The memory columns every weights-recipe bench prints, read while the daemon still runs: the daemon's VmHWM
+    against ``DAEMON_BOUND_MB``, the trainer's peak (the largest ``trainer_peak_rss_mb`` of any step: published,
+    rejected or held) and the number of training steps."""
+    chain = c.get(f"/reef/scenarios/{scenario}/releases", params={"all": "1"}).json()
+    trained = [(s.get("metrics") or {}).get("trainer_peak_rss_mb")
+               for s in [*chain["releases"], *chain["rejected"], *chain.get("pending", [])]]
+    trained = [x for x in trained if x is not None]
+    daemon = vm_hwm_mb(pid)
+    return {"steps": len(trained), "daemon_peak_mb": daemon, "trainer_peak_mb": max(trained, default=None),
+            "daemon_bound_mb": DAEMON_BOUND_MB, "within_bound": daemon <= DAEMON_BOUND_MB,
+            "load": round(os.getloadavg()[0], 1)}
+
+
+def memory_line(m: dict[str, Any]) -> str:
+    trainer = "-" if m["trainer_peak_mb"] is None else f"{m['trainer_peak_mb']:,.0f} MB"
+    return (f"memory: {m['steps']} training steps; daemon peak {m['daemon_peak_mb']:,.0f} MB (bound "
+            f"{m['daemon_bound_mb']:,} MB: {'within' if m['within_bound'] else 'OVER'}); trainer peak {trainer}; "
+            f"load {m['load']}")
+
+
 def make_model(work: Path) -> Path:
     """SmolLM2-135M-Instruct's directory, made once as ``reef model init smollm2`` makes it (no download)."""
     home = work / "model-home"
@@ -280,6 +309,8 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                         stop_at = i + args.confirm
                 if reached is not None and i >= stop_at:
                     break
+                if args.steps and i % 4 == 3 and memory(c, "real", proc.pid)["steps"] >= args.steps:
+                    break
                 if i % 16 == 15:
                     loads.append(os.getloadavg()[0])
                     last = statistics.fmean(x for _, x in rewards[-args.window:])
@@ -290,7 +321,8 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 probes.append(probe(c, everyday, args, t0))
                 print(f"  probe: {probes[-1]}", flush=True)
             chain = c.get("/reef/scenarios/real/releases", params={"all": "1"}).json()
-            daemon_peak = vm_hwm_mb(proc.pid)
+            mem = memory(c, "real", proc.pid)
+            daemon_peak = mem["daemon_peak_mb"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -312,7 +344,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         "failed": [s["reason"] for s in chain["rejected"] if s.get("verdict") == "failed"],
         "held": len(chain.get("pending", [])),
         "trainer_peak_mb": max((s["metrics"]["trainer_peak_rss_mb"] for s in trained), default=None),
-        "daemon_peak_mb": daemon_peak, "example_before": before_example, "example_after": after_example,
+        "daemon_peak_mb": daemon_peak, "memory": mem, "example_before": before_example, "example_after": after_example,
         "load_mean": round(statistics.fmean(loads), 2) if loads else None, "probes": probes, "steps": per_step,
     }
 
@@ -435,6 +467,8 @@ def main() -> None:
     ap.add_argument("--prefs", default="brief,subject-first")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--steps", type=int, default=0, help="stop once this many training steps are on the chain "
+                    "(0: run to --minutes or the target)")
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--window", type=int, default=32, help="answers in the before / after / rolling means")
     ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
@@ -476,6 +510,8 @@ def main() -> None:
                       f"{run['rejected']} rejected; peak trainer {run['trainer_peak_mb']} MB, daemon "
                       f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s; load "
                       f"{run['load_mean']}", flush=True)
+                if not args.json:
+                    print(f"  {memory_line(run['memory'])}", flush=True)
                 for p in run["probes"]:
                     print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
                           f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "

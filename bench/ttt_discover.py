@@ -8,7 +8,8 @@ by receipt with the round as its ``group``; then it waits until the daemon has l
 published a release or was rejected) before the next round, so every round is served by the current head. It prints
 one line per step: the round's mean and best attempt, the best attempt so far, and the gate's figures (the mean
 score of the candidate's and the head's sampled attempts), then the scenario's status (the best attempt found and
-the release that served it).
+the release that served it), and its memory: training steps, the daemon's peak resident memory (VmHWM) against
+the bound ``bench/learning_real.py`` states, the trainer's peak (``trainer_peak_rss_mb``).
 
 Run: ``.venv/bin/python bench/ttt_discover.py [--steps 60] [--problem longest-word] [--seed 0]``, or with your
 own problem: ``--scorer "python3 bench/scorers/distinct_letters.py" --prompt "Say one long word."`` (the command
@@ -133,6 +134,9 @@ def main() -> None:
                       f"{sum(means[-k:]) / k:.3f}; best attempt {best:.3f}; {len(means)} rounds in "
                       f"{(time.monotonic() - started) / 60:.1f} min (seed {args.seed}, model {args.model})")
             print(f"{args.steps} steps in {time.monotonic() - started:.0f} s; scenario status: {json.dumps(status)}")
+            from bench.learning_real import memory, memory_line
+
+            print(memory_line(memory(c, "ttt", int((home / "reef.pid").read_text()))), flush=True)
     finally:
         subprocess.run([*reef, "daemon", "stop"], env=env, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
