@@ -84,8 +84,10 @@ def main() -> None:
     log: list[bool] = []
     stop = threading.Event()
     try:
-        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
+        # the model first: a daemon started without it builds it itself (first use), and that build, not the
+        # recipe, would be the daemon's peak memory
         subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         token = (home / "token").read_text().strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=120) as c:
             c.post("/reef/scenarios", json={"name": "oc", "recipe": "openclaw-rl", "model": args.model,

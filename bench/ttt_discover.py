@@ -75,9 +75,11 @@ def main() -> None:
     env = dict(os.environ, REEF_HOME=str(home), PYTHONPATH=str(ROOT))
     reef = [sys.executable, "-m", "reef_cli.main"]
     try:
-        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()
+        # the model first: a daemon started without it builds it itself (first use), and that build, not the
+        # recipe, would be the daemon's peak memory
         subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         print(f"{args.model} made in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
               f"{problem.prompt!r}")
         token = (home / "token").read_text().strip()
