@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-demo", choices=("tiny-demo", "smollm2"))
     ap.add_argument("--defaults", action="store_true", help="the recipe's own defaults, not this bench's settings")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many training steps (0: --minutes only)")
+    ap.add_argument("--model-dir", type=Path, help="the model's directory, made before (default: made here)")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="reef-bench-openclaw-"))
     with socket.socket() as s:
@@ -86,7 +87,11 @@ def main() -> None:
     try:
         # the model first: a daemon started without it builds it itself (first use), and that build, not the
         # recipe, would be the daemon's peak memory
-        subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        if args.model_dir:  # made before (``reef model init``), shared read-only
+            (home / "models").mkdir()
+            (home / "models" / args.model).symlink_to(args.model_dir.resolve())
+        else:
+            subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         token = (home / "token").read_text().strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=120) as c:

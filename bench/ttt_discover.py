@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--scorer", help="your own scorer command instead of --problem (e.g. 'python3 "
                     "bench/scorers/distinct_letters.py'): the client and the gate both score with it")
     ap.add_argument("--prompt", default="Say one long word.", help="the problem's prompt, with --scorer")
+    ap.add_argument("--model-dir", type=Path, help="the model's directory, made before (default: made here)")
     args = ap.parse_args()
     if args.scorer:
         from recipes.tasks import CommandScorer
@@ -78,7 +79,11 @@ def main() -> None:
         t0 = time.monotonic()
         # the model first: a daemon started without it builds it itself (first use), and that build, not the
         # recipe, would be the daemon's peak memory
-        subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        if args.model_dir:  # made before (``reef model init``), shared read-only
+            (home / "models").mkdir()
+            (home / "models" / args.model).symlink_to(args.model_dir.resolve())
+        else:
+            subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
         subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         print(f"{args.model} made in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
               f"{problem.prompt!r}")
