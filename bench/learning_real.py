@@ -150,11 +150,11 @@ def vm_hwm_mb(pid: int) -> float:
     return int(m.group(1)) / 1024 if m else float("nan")
 
 
-# The daemon's own peak resident memory (VmHWM) on SmolLM2-135M with a weights recipe at its defaults: the model
-# (about 540 MB in float32), the head's and a candidate's LoRA adapters on it (a few MB each), the held-out check's
-# and the gate's answers (KV caches of a few hundred tokens) and the runtime (torch, tokenizers, the HTTP server,
-# SQLite). Measured 1.0-1.3 GB across the four recipes (docs/recipes.md, "The daemon's memory"); a candidate or a
-# cache left resident would show here as growth with each step.
+# The daemon's own peak resident memory (VmHWM) on SmolLM2-135M with a weights recipe at its defaults: the runtime
+# and the model (757-786 MB serving), a step's held-out check (the candidate's adapter beside the head, dropped
+# after; about 120 MB at the first), about 10 MB for each release published in the daemon's life (a superseded
+# head's adapter stays resident up to memory_budget_mb) and the prefix cache (up to prefix_cache_mb, 512). Measured
+# 0.97-0.98 GB over short runs (docs/recipes.md, "The daemon's memory"); a long run outgrows it by its releases.
 DAEMON_BOUND_MB = 1536
 
 
