@@ -154,7 +154,7 @@ def vm_hwm_mb(pid: int) -> float:
 # and the model (757-786 MB serving), a step's held-out check (the candidate's adapter beside the head, dropped
 # after; about 120 MB at the first), about 10 MB for each release published in the daemon's life (a superseded
 # head's adapter stays resident up to memory_budget_mb) and the prefix cache (up to prefix_cache_mb, 512). Measured
-# 0.97-0.98 GB over short runs (docs/recipes.md, "The daemon's memory"); a long run outgrows it by its releases.
+# 0.97-1.03 GB over short runs (docs/recipes.md, "The daemon's memory"); a long run outgrows it by its releases.
 DAEMON_BOUND_MB = 1536
 
 
@@ -163,20 +163,24 @@ def memory(c: httpx.Client, scenario: str, pid: int) -> dict[str, Any]:
     against ``DAEMON_BOUND_MB``, the trainer's peak (the largest ``trainer_peak_rss_mb`` of any step: published,
     rejected or held) and the number of training steps."""
     chain = c.get(f"/reef/scenarios/{scenario}/releases", params={"all": "1"}).json()
-    trained = [(s.get("metrics") or {}).get("trainer_peak_rss_mb")
-               for s in [*chain["releases"], *chain["rejected"], *chain.get("pending", [])]]
-    trained = [x for x in trained if x is not None]
+    steps = [s for s in [*chain["releases"], *chain["rejected"], *chain.get("pending", [])]
+             if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
+    trained = [s["metrics"]["trainer_peak_rss_mb"] for s in steps]
     daemon = vm_hwm_mb(pid)
     return {"steps": len(trained), "daemon_peak_mb": daemon, "trainer_peak_mb": max(trained, default=None),
             "daemon_bound_mb": DAEMON_BOUND_MB, "within_bound": daemon <= DAEMON_BOUND_MB,
-            "load": round(os.getloadavg()[0], 1)}
+            "load": round(os.getloadavg()[0], 1),
+            # what each step's gate and held-out check said: published / rejected / failed / pending, and
+            # passed / held / unchecked (absent: the gate decided before the check)
+            "verdicts": [s.get("verdict") or "published" for s in steps],
+            "heldout": [s["metrics"].get("heldout", "-") for s in steps]}
 
 
 def memory_line(m: dict[str, Any]) -> str:
     trainer = "-" if m["trainer_peak_mb"] is None else f"{m['trainer_peak_mb']:,.0f} MB"
     return (f"memory: {m['steps']} training steps; daemon peak {m['daemon_peak_mb']:,.0f} MB (bound "
             f"{m['daemon_bound_mb']:,} MB: {'within' if m['within_bound'] else 'OVER'}); trainer peak {trainer}; "
-            f"load {m['load']}")
+            f"load {m['load']}; verdicts {m['verdicts']}, held-out checks {m['heldout']}")
 
 
 def make_model(work: Path) -> Path:
