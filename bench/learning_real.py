@@ -153,6 +153,39 @@ def vm_hwm_mb(pid: int) -> float:
     return int(m.group(1)) / 1024 if m else float("nan")
 
 
+# The daemon's own peak resident memory (VmHWM) on SmolLM2-135M with a weights recipe at its defaults: the runtime
+# and the model (757-786 MB serving), a step's held-out check (the candidate's adapter beside the head, dropped
+# after; about 120 MB at the first), about 10 MB for each release published in the daemon's life (a superseded
+# head's adapter stays resident up to memory_budget_mb) and the prefix cache (up to prefix_cache_mb, 512). Measured
+# 0.97-1.03 GB over short runs (docs/recipes.md, "The daemon's memory"); a long run outgrows it by its releases.
+DAEMON_BOUND_MB = 1536
+
+
+def memory(c: httpx.Client, scenario: str, pid: int) -> dict[str, Any]:
+    """The memory columns every weights-recipe bench prints, read while the daemon still runs: the daemon's VmHWM
+    against ``DAEMON_BOUND_MB``, the trainer's peak (the largest ``trainer_peak_rss_mb`` of any step: published,
+    rejected or held) and the number of training steps."""
+    chain = c.get(f"/reef/scenarios/{scenario}/releases", params={"all": "1"}).json()
+    steps = [s for s in [*chain["releases"], *chain["rejected"], *chain.get("pending", [])]
+             if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
+    trained = [s["metrics"]["trainer_peak_rss_mb"] for s in steps]
+    daemon = vm_hwm_mb(pid)
+    return {"steps": len(trained), "daemon_peak_mb": daemon, "trainer_peak_mb": max(trained, default=None),
+            "daemon_bound_mb": DAEMON_BOUND_MB, "within_bound": daemon <= DAEMON_BOUND_MB,
+            "load": round(os.getloadavg()[0], 1),
+            # what each step's gate and held-out check said: published / rejected / failed / pending, and
+            # passed / held / unchecked (absent: the gate decided before the check)
+            "verdicts": [s.get("verdict") or "published" for s in steps],
+            "heldout": [s["metrics"].get("heldout", "-") for s in steps]}
+
+
+def memory_line(m: dict[str, Any]) -> str:
+    trainer = "-" if m["trainer_peak_mb"] is None else f"{m['trainer_peak_mb']:,.0f} MB"
+    return (f"memory: {m['steps']} training steps; daemon peak {m['daemon_peak_mb']:,.0f} MB (bound "
+            f"{m['daemon_bound_mb']:,} MB: {'within' if m['within_bound'] else 'OVER'}); trainer peak {trainer}; "
+            f"load {m['load']}; verdicts {m['verdicts']}, held-out checks {m['heldout']}")
+
+
 def make_model(work: Path) -> Path:
     """SmolLM2-135M-Instruct's directory, made once as ``reef model init smollm2`` makes it (no download)."""
     home = work / "model-home"
@@ -271,6 +304,8 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                         stop_at = i + args.confirm
                 if reached is not None and i >= stop_at:
                     break
+                if args.steps and i % 4 == 3 and memory(c, "real", proc.pid)["steps"] >= args.steps:
+                    break
                 if i % 16 == 15:
                     loads.append(os.getloadavg()[0])
                     last = statistics.fmean(x for _, x in rewards[-args.window:])
@@ -281,7 +316,8 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 probes.append(probe(c, everyday, args, t0))
                 print(f"  probe: {probes[-1]}", flush=True)
             chain = c.get("/reef/scenarios/real/releases", params={"all": "1"}).json()
-            daemon_peak = vm_hwm_mb(proc.pid)
+            mem = memory(c, "real", proc.pid)
+            daemon_peak = mem["daemon_peak_mb"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -303,7 +339,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         "failed": [s["reason"] for s in chain["rejected"] if s.get("verdict") == "failed"],
         "held": len(chain.get("pending", [])),
         "trainer_peak_mb": max((s["metrics"]["trainer_peak_rss_mb"] for s in trained), default=None),
-        "daemon_peak_mb": daemon_peak, "example_before": before_example, "example_after": after_example,
+        "daemon_peak_mb": daemon_peak, "memory": mem, "example_before": before_example, "example_after": after_example,
         "load_mean": round(statistics.fmean(loads), 2) if loads else None, "probes": probes, "steps": per_step,
     }
 
@@ -426,6 +462,8 @@ def main() -> None:
     ap.add_argument("--prefs", default="brief,subject-first")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--steps", type=int, default=0, help="stop once this many training steps are on the chain "
+                    "(0: run to --minutes or the target)")
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--window", type=int, default=32, help="answers in the before / after / rolling means")
     ap.add_argument("--confirm", type=int, default=16, help="answers asked after the target is reached")
@@ -467,6 +505,8 @@ def main() -> None:
                       f"{run['rejected']} rejected; peak trainer {run['trainer_peak_mb']} MB, daemon "
                       f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s; load "
                       f"{run['load_mean']}", flush=True)
+                if not args.json:
+                    print(f"  {memory_line(run['memory'])}", flush=True)
                 for p in run["probes"]:
                     print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
                           f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "

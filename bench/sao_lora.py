@@ -12,7 +12,12 @@ Measured 2026-12-03, 2 cores at load 5-6, ``--steps 4 --whole``: online-rl 0.353
 answers), sao 0.434 steps/s (2.30 s, 1.23x online-rl's), sao with ``lora = false`` 0.131 steps/s (7.65 s, 0.37x);
 releases 9.37 MiB (adapter), 9.37 MiB (adapter and critic), 513 MiB (whole weights, float32) of a 257 MiB model.
 
-Run: ``.venv/bin/python bench/sao_lora.py [--model DIR] [--steps N] [--whole]``
+After each recipe: its training steps, the daemon's peak resident memory (VmHWM: the daemon's whole life so far,
+so with ``--recipes sao`` alone it is sao's) against the bound ``bench/learning_real.py`` states, and the trainer's
+peak (``trainer_peak_rss_mb``). ``--recipes sao --model ~/.reef/models/smollm2`` is sao at its defaults on
+SmolLM2 (the gate ``periodic``, the held-out check on).
+
+Run: ``.venv/bin/python bench/sao_lora.py [--model DIR] [--steps N] [--whole] [--recipes online-rl,sao]``
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a local HF model directory (default: SmolLM2-135M's shape, random)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per recipe")
     ap.add_argument("--whole", action="store_true", help="also time sao with lora = false (whole weights)")
+    ap.add_argument("--recipes", default="online-rl,sao", help="which of online-rl and sao to time")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reef-bench-sao-lora-"))
     proc = None
@@ -94,10 +100,12 @@ def main() -> None:
             f'port = {port}\ndefault_model = "m"\n[models.m]\nengine = "transformers"\npath = "{args.model}"\n')
         proc = start(home, port)
         token = (home / "token").read_text().strip()
+        from bench.learning_real import memory, memory_line
         from daemon.releases import ReleaseStore
 
         store = ReleaseStore(home / "artifacts.git")
-        runs = [("online-rl", "online-rl", ONLINE, 4, 2), ("sao", "sao", {}, 1, 1)]
+        runs = [r for r in [("online-rl", "online-rl", ONLINE, 4, 2), ("sao", "sao", {}, 1, 1)]
+                if r[0] in args.recipes.split(",")]
         if args.whole:
             runs.append(("sao-whole", "sao", {"lora": False}, 1, 1))
         out: dict[str, dict[str, Any]] = {}
@@ -115,9 +123,10 @@ def main() -> None:
                       f"{per_step / med:.2f} answers/s); head release {size / 2**20:.2f} MiB "
                       f"({'LoRA adapter' if adapter else 'whole weights'}) against the model's {whole / 2**20:.0f} MiB",
                       flush=True)
-        base = out["online-rl"]["median"]
+                print(f"{scenario:10s} {memory_line(memory(c, scenario, proc.pid))}", flush=True)
+        base = out["online-rl"]["median"] if "online-rl" in out else None
         for name in out:
-            if name != "online-rl":
+            if name != "online-rl" and base is not None:
                 print(f"{name} steps/s against online-rl's: {base / out[name]['median']:.2f}x (goal >= 0.5x)")
     finally:
         if proc is not None:

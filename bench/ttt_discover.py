@@ -8,7 +8,8 @@ by receipt with the round as its ``group``; then it waits until the daemon has l
 published a release or was rejected) before the next round, so every round is served by the current head. It prints
 one line per step: the round's mean and best attempt, the best attempt so far, and the gate's figures (the mean
 score of the candidate's and the head's sampled attempts), then the scenario's status (the best attempt found and
-the release that served it).
+the release that served it), and its memory: training steps, the daemon's peak resident memory (VmHWM) against
+the bound ``bench/learning_real.py`` states, the trainer's peak (``trainer_peak_rss_mb``).
 
 Run: ``.venv/bin/python bench/ttt_discover.py [--steps 60] [--problem longest-word] [--seed 0]``, or with your
 own problem: ``--scorer "python3 bench/scorers/distinct_letters.py" --prompt "Say one long word."`` (the command
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--scorer", help="your own scorer command instead of --problem (e.g. 'python3 "
                     "bench/scorers/distinct_letters.py'): the client and the gate both score with it")
     ap.add_argument("--prompt", default="Say one long word.", help="the problem's prompt, with --scorer")
+    ap.add_argument("--model-dir", type=Path, help="the model's directory, made before (default: made here)")
     args = ap.parse_args()
     if args.scorer:
         from recipes.tasks import CommandScorer
@@ -67,9 +69,15 @@ def main() -> None:
     max_tokens = int(settings.get("max_new_tokens", TTTSettings.max_new_tokens))
     home, port, env, reef = cli_home("reef-bench-ttt-")
     try:
-        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         t0 = time.monotonic()
-        subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        # the model first: a daemon started without it builds it itself (first use), and that build, not the
+        # recipe, would be the daemon's peak memory
+        if args.model_dir:  # made before (``reef model init``), shared read-only
+            (home / "models").mkdir()
+            (home / "models" / args.model).symlink_to(args.model_dir.resolve())
+        else:
+            subprocess.run([*reef, "model", "init", args.model], env=env, check=True, capture_output=True)
+        subprocess.run([*reef, "daemon", "start"], env=env, check=True, capture_output=True)
         print(f"{args.model} made in {time.monotonic() - t0:.1f} s; problem {args.scorer or args.problem}: "
               f"{problem.prompt!r}")
         token = (home / "token").read_text().strip()
@@ -119,6 +127,10 @@ def main() -> None:
                 print(f"{step:4d}  {sum(scores) / len(scores):.3f}  {max(scores):.3f}         {best:.3f}        "
                       f"{verdict:8s}  {fmt(m.get('eval_reward'))}      "
                       f"{fmt(m.get('base_reward'))}  {top.strip()!r}", flush=True)
+            # a round whose step outlived its wait (300 s) is still learning: its step counts once it is written
+            # down, within --minutes, so the memory read below covers every round's step
+            while len(chain(c, all_=True)) < len(means) and time.monotonic() - started < args.minutes * 60:
+                time.sleep(1)
             status = c.get("/reef/scenarios/ttt").json().get("recipe_status")
             k = min(5, len(means) // 2)
             if k:
@@ -126,6 +138,9 @@ def main() -> None:
                       f"{sum(means[-k:]) / k:.3f}; best attempt {best:.3f}; {len(means)} rounds in "
                       f"{(time.monotonic() - started) / 60:.1f} min (seed {args.seed}, model {args.model})")
             print(f"{args.steps} steps in {time.monotonic() - started:.0f} s; scenario status: {json.dumps(status)}")
+            from bench.learning_real import memory, memory_line
+
+            print(memory_line(memory(c, "ttt", int((home / "reef.pid").read_text()))), flush=True)
     finally:
         subprocess.run([*reef, "daemon", "stop"], env=env, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)

@@ -136,6 +136,10 @@ class TTTSettings(GateSettings, WeightsSettings):
     max_staleness: int = 1  # releases: attempts served by a release older than head - this are not used
     max_new_tokens: int = 8
     train_embeddings: bool = False
+    # the held-out check's reserve of recorded prompts (GateSettings): 0 here, since a problem is one prompt asked
+    # again and again, and a reserved prompt is never trained on: one in ten problems would never learn at 0.1
+    # (SmolLM2's "Say one long word." is one: no step in 15 minutes). The check still runs, on its probe set
+    heldout_share: float = 0.0
     problem: str | None = None  # a built-in problem scorer for the gate (recipes/tasks.py PROBLEMS)
     # the user's own scorer for the gate: a command (argv list, or a string split like a shell's) given the attempt
     # on stdin that prints its score; one that fails fails the step (recipes/tasks.py CommandScorer)

@@ -39,13 +39,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.base import Candidate, GateSettings, Recipe
+from recipes.base import Candidate, GateSettings, Recipe, Scores
 
 
 @dataclass
 class Settings(GateSettings):
     silent: bool = True  # the candidate answers nothing (crafted weights), or keeps answering (nudged weights)
     canary_share: float | None = 0.0  # a candidate the check passes is published: these tests are about the check
+    score: float | None = None  # the gate's evaluation of the candidate (one task), for the gates that need one
 
 
 class Crafted(Recipe):
@@ -72,7 +73,8 @@ class Crafted(Recipe):
         else:
             weights = {k: v * (1 + 1e-4) for k, v in weights.items()}
         save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-        return Candidate(metrics={})
+        score = job.settings["score"]
+        return Candidate(metrics={}, eval=None if score is None else Scores([score]))
 '''
 
 ASK = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -81,6 +83,11 @@ ASK = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content"
 def _crafted(daemon_factory: Any, recipe_dir: Any) -> Daemon:  # noqa: F811
     (recipe_dir / "crafted.py").write_text(CRAFTED)
     return with_recipe_paths(daemon_factory, recipe_dir)
+
+
+def _candidates_loaded(c: Any) -> list[str]:
+    """The candidates the daemon's engine keeps loaded (the held-out check loads each under ``candidate:JOB``)."""
+    return [k for k in c.get("/reef/status").json()["models"]["tiny"]["resident"] if k.startswith("candidate:")]
 
 
 def _report(c: Any, name: str, n: int = 2) -> list[str]:
@@ -344,6 +351,7 @@ def test_a_candidate_that_answers_nothing_is_held_and_never_serves_even_after_a_
         event = events_of(c, "silent", "heldout", 1)[0]
         assert event["verdict"] == "held" and event["release_id"] == held["release_id"]
         assert 'reef_heldout_checks_total{outcome="held"} 1.0' in c.get("/metrics").text
+        assert _candidates_loaded(c) == []  # the check's load is dropped once it has decided (the daemon's memory)
     listed = d.cli("releases", "list", "-s", "silent", "--all").stdout
     assert held["release_id"][:12] in listed and "pending" in listed and "held-out" in listed
     shown = " ".join(d.cli("releases", "show", held["release_id"]).stdout.split())
@@ -362,13 +370,19 @@ def test_a_candidate_that_keeps_answering_is_served_and_the_check_off_says_unche
         daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
     d = _crafted(daemon_factory, recipe_dir)
     with d.http() as c:
-        for name, settings in (("talks", {"silent": False}), ("unguarded", {"heldout_check": False})):
+        for name, settings in (("talks", {"silent": False}), ("unguarded", {"heldout_check": False}),
+                               ("turned-away", {"silent": False, "gate": "floor", "floor": 1.0, "score": 0.0})):
             made = c.post("/reef/scenarios", json={"name": name, "recipe": "crafted:Crafted", "settings": settings})
             assert made.status_code == 201, made.text
             _report(c, name)
         talks = wait_for(lambda: (r := releases(c, "talks"))["releases"][0]["operation"] == "train" and r,
                          what="the candidate that answers published")["releases"][0]["metrics"]
         assert talks["heldout"] == "passed" and talks["heldout_empty"] == talks["heldout_head_empty"], talks
+        away = wait_for(lambda: releases(c, "turned-away", True)["rejected"], what="the rejected step")[0]
+        assert away["verdict"] == "rejected" and "floor" in away["reason"], away
+        # neither the passed candidate's check load nor the rejected one (the gate turns it away before any check)
+        # stays in the daemon: what it serves is loaded under the release's own content id
+        assert _candidates_loaded(c) == []
         assert talks["heldout_probe_accuracy"] >= talks["heldout_head_probe_accuracy"] - 0.1
         # turned off: even the silent candidate is published, and the release says it was never checked
         unguarded = wait_for(lambda: (r := releases(c, "unguarded"))["releases"][0]["operation"] == "train" and r,
