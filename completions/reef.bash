@@ -6,13 +6,13 @@ _reef() {
         w="${COMP_WORDS[i]}"
         case "${COMP_WORDS[i-1]}" in -s|--scenario) scen="$w" ;; esac
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/eval|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/eval|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/accept-warning|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/scenarios/update|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
         "") words='agents completions daemon demo doctor eval model records releases report scenarios serve status tui --version --help' ;;
         /agents) words='doctor install list --help' ;;
-        /agents/doctor) words='--json --help' ;;
+        /agents/doctor) words='--timeout --json --help' ;;
         /agents/install) words='--force --json --help' ;;
         /agents/list) words='--json --help' ;;
         /completions) words='install show --help' ;;
@@ -29,7 +29,7 @@ _reef() {
         /model) words='init --help' ;;
         /model/init) words='--seed --force --help' ;;
         /records) words='export forget import list show --help' ;;
-        /records/export) words='--output -o --scenario -s --since --format --help' ;;
+        /records/export) words='--output -o --scenario -s --since --format --shape --help' ;;
         /records/forget) words='--scrub --yes -y --json --help' ;;
         /records/import) words='--scenario -s --json --help' ;;
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
@@ -43,7 +43,8 @@ _reef() {
         /releases/rollback) words='--scenario -s --yes -y --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/show) words='--diff --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /report) words='--score --feedback -f --metadata --report-id --no-train --json --help' ;;
-        /scenarios) words='archive capture create list pause proposals resume set-model show tasks unarchive --help' ;;
+        /scenarios) words='accept-warning archive capture create list pause proposals resume set-model show tasks unarchive update --help' ;;
+        /scenarios/accept-warning) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/archive) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/capture) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/create) words='--recipe --model --capture --serve-only --json --help' ;;
@@ -57,6 +58,7 @@ _reef() {
         /scenarios/tasks/list) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote) words='--check --workspace --id --scenario -s --json --help' ;;
         /scenarios/unarchive) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
+        /scenarios/update) words='--settings --json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /serve) words='--host --port --model --provider --upstream-url --upstream-format --upstream-model --upstream-key-env --help' ;;
         /status) words='--json --help' ;;
         /tui) words='--scenario -s --help' ;;

@@ -77,7 +77,7 @@ def test_the_scenarios_outcome_settings_come_from_config_and_bad_ones_are_refuse
     cfg = setup["daemon"].home / "config.toml"
     original = cfg.read_text()
     try:
-        cfg.write_text(original + '\n[outcomes.outcfg]\nexit = true\npass_score = 0.75\nfail_score = -1\n'
+        cfg.write_text(original + '\n[outcomes.outcfg]\nexit = true\npass_score = 0.75\nfail_score = 0.1\n'
                                   'check = "test -e app.py"\n')
         out = reef_pi(setup, p, "--reef-scenario", "outcfg", "-p", "--no-session", "say hi")
         assert "outcome exit: score 0.75" in out.stderr, out.stderr
@@ -85,7 +85,7 @@ def test_the_scenarios_outcome_settings_come_from_config_and_bad_ones_are_refuse
         assert "outcome check: score 0.75 (test -e app.py exited 0)" in out.stderr, out.stderr
         flagged = reef_pi(setup, p, "--reef-scenario", "outcfg", "--reef-check", "test -e nothing-here", "-p",
                           "--no-session", "say hi")
-        assert "outcome check: score -1 (test -e nothing-here exited 1)" in flagged.stderr, flagged.stderr
+        assert "outcome check: score 0.1 (test -e nothing-here exited 1)" in flagged.stderr, flagged.stderr
         cfg.write_text(original + '\n[outcomes.outcfg]\nexits = true\n')
         refused = reef_pi(setup, p, "--reef-scenario", "outcfg", "-p", "--no-session", "say hi")
         assert refused.returncode == 2 and "outcomes.outcfg: unknown keys exits" in refused.stderr, refused.stderr
