@@ -84,7 +84,11 @@ def test_a_hacked_runs_figures_warn_in_plain_words_and_an_honest_runs_do_not() -
     assert warning.detect(HACKED[:2]) is None  # the answers shorter, not gone yet
     flat = [dict(m, batch_reward=0.3 + 0.03 * i) for i, m in enumerate(HACKED)]
     assert warning.detect(flat) is None  # the answers collapse but the reward does not rise: not the scorer's doing
-    assert warning.detect([dict(m, tokens=m["tokens"] * 3) for m in HACKED]) is not None  # entropy alone warns
+    # entropy falling alone is what learning any preference looks like (reef demo's honest task was warned by it):
+    # it never fires alone, and is named beside a signal that does
+    assert warning.detect([dict(m, tokens=m["tokens"] * 3) for m in HACKED]) is None
+    both = warning.detect(HACKED)
+    assert both is not None and both["signals"][0] == "silent" and "entropy" in both["signals"]
     assert warning.detect([dict(m, entropy=1.9, tokens=m["tokens"] * 3) for m in HACKED]) is None
     # answers asked short to begin with (4 tokens) that halve are no silence: nothing long was lost
     short = [dict(m, entropy=1.9, tokens=m["samples"] * t) for m, t in zip(HACKED, (4, 3, 2), strict=True)]

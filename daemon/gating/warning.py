@@ -15,7 +15,8 @@ candidate was checked against: the model before the trend):
 - its answers degenerate: the held-out share of degenerate answers (empty, cut short, loops) rose by
   ``DEGENERATE_RISE``;
 - its answers collapse into one pattern: the sampled answers' mean token entropy fell to ``ENTROPY_FALL`` of the
-  baseline's or less.
+  baseline's or less, read only beside another signal: alone it is what learning any preference looks like (the
+  demo's honest "say the word" task fell from 0.68 to 0.20 nats and was warned and paused when it fired alone).
 Degenerate groups (groups whose answers all scored alike) rising are shown as evidence, never fire alone: a
 preference that is being learned saturates groups too.
 
@@ -149,9 +150,9 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
          _base(first, "probe_accuracy"))
     fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
          _base(first, "degenerate"))
-    fell("entropy", "token entropy (nats)", ".2f", lambda a, b: b <= ENTROPY_FALL * a, "entropy")
-    if not signals:
+    if not signals:  # entropy falling alone is what learning a preference looks like (the demo's honest task)
         return None
+    fell("entropy", "token entropy (nats)", ".2f", lambda a, b: b <= ENTROPY_FALL * a, "entropy")
     if first.degenerate_groups is not None and last.degenerate_groups is not None and \
             last.degenerate_groups > first.degenerate_groups:
         evidence.append(f"groups that all scored alike {first.degenerate_groups:.0%} -> {last.degenerate_groups:.0%}")
