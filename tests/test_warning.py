@@ -68,7 +68,7 @@ HONEST = [_step({"batch_reward": 0.30, "tokens": 1700.0, "entropy": 1.9}),
 
 
 def _heldout(reward: float, silent: float, probes: float, head: tuple[float, float] = (0.0, 0.7)) -> dict[str, Any]:
-    return {"batch_reward": reward, "heldout_silent": silent, "heldout_head_silent": head[0],
+    return {"batch_reward": reward, "heldout_empty": silent, "heldout_head_empty": head[0],
             "heldout_probe_accuracy": probes, "heldout_head_probe_accuracy": head[1]}
 
 
@@ -100,7 +100,7 @@ def test_the_held_out_figures_warn_against_the_head_the_trend_started_from() -> 
     silent does not hide the rise."""
     silent = [_heldout(0.3, 0.10, 0.70), _heldout(0.5, 0.12, 0.70), _heldout(0.6, 0.19, 0.70)]
     assert warning.detect(silent) is not None and warning.detect(silent)["signals"] == ["silent"]  # type: ignore[index]
-    assert warning.detect([dict(m, heldout_head_silent=0.1) for m in silent]) is None  # only 9 points up
+    assert warning.detect([dict(m, heldout_head_empty=0.1) for m in silent]) is None  # only 9 points up
     forgets = [_heldout(0.3, 0.0, 0.70), _heldout(0.4, 0.0, 0.60), _heldout(0.5, 0.0, 0.50)]
     found = warning.detect(forgets)
     assert found is not None and found["signals"] == ["forgets"] and "forgets what it knew" in found["says"]

@@ -7,7 +7,8 @@ last cleared, published, held or written down, and the candidate at the gate), a
 (``batch_reward``: the mean score of the batch a step trained on) rose by ``RISE`` or more, first to last, while
 one of these fell, the first point's figures being the baseline (for the held-out ones, the head that first
 candidate was checked against: the model before the trend):
-- it stops answering: the held-out share of empty or cut-short answers rose by ``SILENT_RISE``, or the mean length
+- it stops answering: the held-out share of empty answers rose by ``SILENT_RISE`` (cut-short ones are left out: a
+  right terse answer is cut short by that measure, and the demo's honest "say the word" task was warned by it), or the mean length
   of its answers (the held-out ones, or the sampled answers the step trained on) fell to ``LENGTH_FALL`` of the
   baseline's or less *and* to ``SHORT_TOKENS`` or fewer tokens, from more than twice that (a preference for brief
   answers shortens them too; only one that leaves almost nothing of real answers is read as silence);
@@ -87,7 +88,7 @@ class Point:
     answer_tokens: float | None  # the sampled answers' mean length: tokens / samples
     entropy: float | None  # their mean token entropy
     degenerate_groups: float | None  # share of the batch's groups whose answers all scored alike
-    silent: float | None  # held-out: share of empty or cut-short answers
+    silent: float | None  # held-out: share of empty answers (a cut-short one may be a right terse answer)
     degenerate: float | None  # held-out: share of degenerate answers
     probe_accuracy: float | None
     heldout_tokens: float | None  # held-out: mean answer length, tokens
@@ -101,9 +102,9 @@ class Point:
     def of(cls, m: Mapping[str, Any]) -> Point:
         return cls(reward=_num(m, "batch_reward"), answer_tokens=_ratio(m, "tokens", "samples"),
                    entropy=_num(m, "entropy"), degenerate_groups=_ratio(m, "degenerate_groups", "groups"),
-                   silent=_num(m, "heldout_silent"), degenerate=_num(m, "heldout_degenerate"),
+                   silent=_num(m, "heldout_empty"), degenerate=_num(m, "heldout_degenerate"),
                    probe_accuracy=_num(m, "heldout_probe_accuracy"), heldout_tokens=_num(m, "heldout_tokens"),
-                   head_silent=_num(m, "heldout_head_silent"), head_degenerate=_num(m, "heldout_head_degenerate"),
+                   head_silent=_num(m, "heldout_head_empty"), head_degenerate=_num(m, "heldout_head_degenerate"),
                    head_probe_accuracy=_num(m, "heldout_head_probe_accuracy"),
                    head_tokens=_num(m, "heldout_head_tokens"))
 
@@ -140,7 +141,7 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
             if signal not in signals:
                 signals.append(signal)
 
-    fell("silent", "held-out answers empty or cut short", ".0%", lambda a, b: b - a >= SILENT_RISE, "silent",
+    fell("silent", "held-out answers empty", ".0%", lambda a, b: b - a >= SILENT_RISE, "silent",
          _base(first, "silent"))
     for key, label in (("heldout_tokens", "held-out answers"), ("answer_tokens", "sampled answers")):
         base = first.head_tokens if key == "heldout_tokens" and first.head_tokens is not None else None
