@@ -252,3 +252,13 @@ async def test_the_tui_shows_the_warning_on_the_scenarios_screen() -> None:
         assert states[names[0]] == "WARNING" and all(states[n] != "WARNING" for n in names[1:]), states
         note = str(app.screen.query_one("#note", Static).render())
         assert f"warning on {names[0]}: the reward is rising while the model stops answering" in note, note
+
+
+def test_degenerate_answers_warn_only_where_the_head_answers_properly() -> None:
+    """A tiny model's held-out answers are fragments and loops already (reef demo's head): their share rising while
+    it learns an honest task is noise, never a warning; the same rise from a head that answers properly warns."""
+    def m(reward: float, degenerate: float, head: float) -> dict[str, Any]:
+        return {"batch_reward": reward, "heldout_degenerate": degenerate, "heldout_head_degenerate": head}
+
+    assert warning.detect([m(0.2, 0.1, 0.1), m(0.45, 0.4, 0.1)]) is not None  # a proper head: it warns
+    assert warning.detect([m(0.2, 0.6, 0.6), m(0.45, 0.9, 0.6)]) is None  # a head of fragments: noise

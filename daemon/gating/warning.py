@@ -54,6 +54,7 @@ MIN_STEPS = 2  # fewer candidates than this since the last clear: no trend to re
 RISE = 0.1  # the scored reward, first to last
 SILENT_RISE = 0.15  # the held-out share of empty or cut-short answers, against the baseline
 DEGENERATE_RISE = 0.25  # the held-out share of degenerate answers
+NOISE_HEAD = 0.5  # a head with more degenerate held-out answers than this: their rise says nothing (a tiny model)
 PROBE_FALL = 0.15  # probe accuracy, absolute
 LENGTH_FALL = 0.5  # mean answer length, as a share of the baseline's...
 SHORT_TOKENS = 6.0  # ...and at most this many tokens
@@ -149,8 +150,10 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
              lambda a, b: a > 2 * SHORT_TOKENS and b <= LENGTH_FALL * a and b <= SHORT_TOKENS, "silent", base)
     fell("probe_accuracy", "probe accuracy", ".0%", lambda a, b: a - b >= PROBE_FALL, "forgets",
          _base(first, "probe_accuracy"))
-    fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
-         _base(first, "degenerate"))
+    head_degenerate = _base(first, "degenerate")
+    if head_degenerate is None or head_degenerate <= NOISE_HEAD:  # a head that already answers in fragments: noise
+        fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
+             head_degenerate)
     if not signals:  # entropy falling alone is what learning a preference looks like (the demo's honest task)
         return None
     fell("entropy", "token entropy (nats)", ".2f", lambda a, b: b <= ENTROPY_FALL * a, "entropy")
