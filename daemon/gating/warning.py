@@ -103,11 +103,20 @@ class Point:
     def of(cls, m: Mapping[str, Any]) -> Point:
         return cls(reward=_num(m, "batch_reward"), answer_tokens=_ratio(m, "tokens", "samples"),
                    entropy=_num(m, "entropy"), degenerate_groups=_ratio(m, "degenerate_groups", "groups"),
-                   silent=_num(m, "heldout_empty"), degenerate=_num(m, "heldout_degenerate"),
+                   silent=_num(m, "heldout_empty"), degenerate=_loops(m, ""),
                    probe_accuracy=_num(m, "heldout_probe_accuracy"), heldout_tokens=_num(m, "heldout_tokens"),
-                   head_silent=_num(m, "heldout_head_empty"), head_degenerate=_num(m, "heldout_head_degenerate"),
+                   head_silent=_num(m, "heldout_head_empty"), head_degenerate=_loops(m, "head_"),
                    head_probe_accuracy=_num(m, "heldout_head_probe_accuracy"),
                    head_tokens=_num(m, "heldout_head_tokens"))
+
+
+def _loops(m: Mapping[str, Any], who: str) -> float | None:
+    """The held-out share of empty answers and loops: degenerate ones less those only cut short (a right terse answer
+    is cut short by the check's measure: reef demo's honest one-word answers were warned by it)."""
+    deg, silent, empty = (_num(m, f"heldout_{who}{k}") for k in ("degenerate", "silent", "empty"))
+    if deg is None or silent is None or empty is None:
+        return deg
+    return max(0.0, deg - silent + empty)
 
 
 def _base(first: Point, key: str) -> float | None:
