@@ -453,7 +453,10 @@ def test_a_client_that_leaves_aborts_the_servers_request(stubbed: Stubbed) -> No
         with d.http() as c:
             sock = _post(d, {"model": "fake", "messages": [{"role": "user", "content": "slowly"}]},
                          path="/s/fake/v1/chat/completions")
-            receipt = _inflight(c, 60, lambda xs: len(xs) == 1)[0]["receipt"]
+            # until the server has sent its first token: an exchange is in flight before its request reaches the
+            # server (a client that leaves then has nothing there to abort)
+            got = _inflight(c, 60, lambda xs: len(xs) == 1 and (xs[0]["output_tokens"] or 0) >= 1)
+            receipt = got[0]["receipt"]
             _leave(sock)
             assert records.wait(lambda r: r["id"] == receipt)["status"] == "cancelled"
             deadline = time.monotonic() + 60  # a hang guard: the stub notes the abort when its next write fails
