@@ -265,3 +265,26 @@ def test_parquet_without_pyarrow_names_the_command_for_reefs_python(daemon: Daem
                           str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert got.returncode == 2, got.stderr
     assert f"{sys.executable} -m pip install 'pyarrow>=17'" in got.stderr and not out.exists(), got.stderr
+
+
+def test_token_ids_of_another_model_are_not_imported_for_learning(daemon: Daemon, tmp_path: Path) -> None:
+    """Token ids are a tokenizer's: an exchange exported from another model (``model`` not the scenario's) keeps its
+    text but not its ids and log-probs, so a weights recipe never trains on ids that mean other words here; the
+    scenario's own model's ids are kept, and the CLI says what it dropped."""
+    base = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+            "prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -0.25], "score": 1}
+    own = {**base, "id": "rec_own", "model": "tiny"}
+    foreign = {**base, "id": "rec_foreign", "model": "llama-3.1-8b"}
+    with daemon.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "tok", "model": "tiny"}).status_code in (200, 201)
+        r = c.post("/reef/records/import", json={"items": [own, foreign], "scenario": "tok"})
+        assert r.status_code == 201, r.text
+        assert r.json()["tokens_dropped"] == 1
+        kept, dropped = (c.get(f"/reef/records/{i}").json() for i in ("rec_own", "rec_foreign"))
+    assert kept["token_ids"] == [3, 4] and kept["prompt_token_ids"] == [1, 2] and kept["logprobs"] == [-0.5, -0.25]
+    assert dropped["token_ids"] is None and dropped["prompt_token_ids"] is None and dropped["logprobs"] is None
+    assert dropped["model"] == "llama-3.1-8b" and dropped["response"]["choices"][0]["message"]["content"] == "yo"
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({**foreign, "id": "rec_foreign2"}) + "\n")
+    out = daemon.cli("records", "import", str(path), "-s", "tok")
+    assert "1 exchange(s) came from another model" in out.stdout, out.stdout

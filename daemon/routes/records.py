@@ -141,12 +141,29 @@ async def handle_import(request: web.Request) -> web.Response:
                     field = f"reports[{k}].score" if items[i].get("reports") else "score"
                     raise BadRequest(f"line {first + i} (items[{i}]): {e.message}", param=f"items[{i}].{field}") \
                         from None
-    for name in sorted({p["record"].scenario for p in parsed}):
-        await reef.scenario(name)
+    models = {name: (await reef.scenario(name)).model for name in sorted({p["record"].scenario for p in parsed})}
+    dropped = _foreign_tokens(parsed, models)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
+    out["tokens_dropped"] = dropped
     for name in sorted({p["record"].scenario for p in parsed if p["reports"]}):
         reef.learner.notify(name)
     return json_response(out, status=201)
+
+
+def _foreign_tokens(parsed: list[dict[str, Any]], models: dict[str, str]) -> int:
+    """Token ids are a model's own (its tokenizer's): an imported exchange whose ``model`` is not its scenario's
+    keeps its text but not its token ids and log-probs, so a weights recipe never trains the scenario's model on
+    another model's ids. Changes ``parsed`` in place; the number of exchanges whose tokens were dropped."""
+    from dataclasses import replace
+
+    dropped = 0
+    for p in parsed:
+        rec = p["record"]
+        has = rec.prompt_token_ids is not None or rec.token_ids is not None or rec.logprobs is not None
+        if has and rec.model != models[rec.scenario]:
+            p["record"] = replace(rec, prompt_token_ids=None, token_ids=None, logprobs=None)
+            dropped += 1
+    return dropped
 
 
 async def handle_forget(request: web.Request) -> web.Response:
