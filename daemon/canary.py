@@ -56,7 +56,7 @@ from daemon.errors import BadRequest, NotFound, ReefError
 from daemon.services import Daemon
 
 if TYPE_CHECKING:
-    from daemon.records.store import Scenario
+    from daemon.records import Scenario
     from daemon.releases import Release
 
 log = logging.getLogger("reef.canary")
@@ -446,7 +446,7 @@ class Canaries:
                     async with self._judging:
                         if self.active.get(name) is not row:
                             continue
-                        scenario = await self.reef.store.get_scenario(name)
+                        scenario = await self.reef.store.scenarios.get(name)
                         head = await self.reef.chains.head(scenario)
                         if head.release_id != row["base_id"]:  # a rollback or a promote moved the head meanwhile
                             await self.end(scenario, promote=False, verdict="head-moved", reason=(

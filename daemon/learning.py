@@ -161,13 +161,13 @@ class Learner:
         await self._notify_learning(log_errors=True)
 
     async def _notify_learning(self, *, log_errors: bool = False) -> None:
-        for s in await self.store.list_scenarios():
+        for s in await self.store.scenarios.all():
             try:
-                if load_recipe(s["recipe"]).source is not None:
-                    self.notify(s["name"])
+                if load_recipe(s.recipe).source is not None:
+                    self.notify(s.name)
             except ReefError as e:  # a recipe that no longer loads: that scenario serves, and says why
                 if log_errors:
-                    log.error("scenario %s does not learn: %s", s["name"], e.message)
+                    log.error("scenario %s does not learn: %s", s.name, e.message)
 
     # --- the training lease (shared stores) ----------------------------------------------------------------
 
@@ -209,11 +209,11 @@ class Learner:
         for st in self._scenarios.values():
             st.consumed, st.cursor = None, 0
             st.pool.clear()
-        for s in await self.store.list_scenarios():
-            back = await self.store.training.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
+        for s in await self.store.scenarios.all():
+            back = await self.store.training.recover_claims(s.name, lease, await self._git_consumed(s.name))
             if back:
                 log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
-                         s["name"], len(back))
+                         s.name, len(back))
 
     async def close(self) -> None:
         if self._lease_task is not None:
@@ -255,7 +255,7 @@ class Learner:
     async def _get(self, name: str) -> ScenarioLearning:
         st = self._scenarios.setdefault(name, ScenarioLearning(name))
         if st.recipe is None:
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             st.recipe = self.make_recipe(scenario.recipe, scenario.settings)
             st.settings = scenario.settings
         return st
@@ -290,7 +290,7 @@ class Learner:
         ``Conflict`` naming it, never waited for."""
         st = self._scenarios.setdefault(name, ScenarioLearning(name))
         if st.lock.locked():
-            head = await self.chains.head(await self.store.get_scenario(name))
+            head = await self.chains.head(await self.store.scenarios.get(name))
             raise Conflict(f"scenario {name!r} has a training step under way (step {head.step + 1}); try again "
                            "when it ends (reef releases list --all shows it)", scenario=name, step=head.step + 1)
         async with st.lock:
@@ -307,7 +307,7 @@ class Learner:
         try:
             st = await self._get(name)
             if st.recipe is not None:
-                st.recipe.forget(ids, self._context(await self.store.get_scenario(name)))
+                st.recipe.forget(ids, self._context(await self.store.scenarios.get(name)))
         except ReefError as e:  # a recipe that no longer loads keeps nothing in memory; its files stay as they are
             log.warning("scenario %s: the recipe could not drop forgotten records: %s", name, e.message)
 
@@ -380,7 +380,7 @@ class Learner:
         st.judged[prev.receipt] = None
         while len(st.judged) > 4 * st.sessions.capacity:
             st.judged.popitem(last=False)
-        scenario = await self.store.get_scenario(name)
+        scenario = await self.store.scenarios.get(name)
         timeout = float(getattr(recipe.settings, "judge_timeout_s", 30.0))
         try:  # a recipe may bound each of its judge's calls by the timeout itself: this is the backstop
             verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, RecipeContext(self.engine, scenario.model)),
@@ -424,7 +424,7 @@ class Learner:
             if self.store.shared and lease is None:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
                 return StepOutcome("paused", summary=f"scenario {name} is paused: reef scenarios resume {name}")
@@ -541,7 +541,7 @@ class Learner:
         recipe = st.recipe
         assert recipe is not None
         async with st.lock:
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             tree = await self.chains.harness_tree(head)
@@ -708,7 +708,7 @@ class Learner:
 
     async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
         """Write a scenario's early-warning state (``daemon/gating/warning.py``)."""
-        return await self.store.set_warning(name, warning)
+        return await self.store.scenarios.set_warning(name, warning)
 
     # --- what the held-out check reads (daemon/gating/heldout.py) ------------------------------------------
 
@@ -722,7 +722,7 @@ class Learner:
                 break
             if text is None:
                 try:
-                    text = user_prompt(await self.store.get_record(receipt)) or ""
+                    text = user_prompt(await self.store.exchanges.get(receipt)) or ""
                 except ReefError:  # forgotten meanwhile: no longer a prompt to ask
                     text = ""
                 if key in st.reserved:
@@ -807,9 +807,9 @@ class Learner:
         assert st.recipe is not None
         rows: list[ScoredExchange] | list[FeedbackReport]
         if st.recipe.source == "scores":
-            rows, st.cursor = await self.store.scored_exchanges(scenario.name, after=st.cursor)
+            rows, st.cursor = await self.store.reports.scored_exchanges(scenario.name, after=st.cursor)
         else:
-            rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
+            rows, st.cursor = await self.store.reports.feedback(scenario.name, after=st.cursor)
         automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
         for rec in rows:
             old = st.pool.get(rec.id)

@@ -66,7 +66,7 @@ class Served:
     finished_at: float | None = None
     record_ms: float | None = None
     request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
-    opened: bool = False  # a stream's record was opened (``RecordStore.open_exchange``): recording completes it
+    opened: bool = False  # a stream's record was opened (``RecordStore.exchanges.open``): recording completes it
     first_event_at: float | None = None  # when the engine's first event came in
     opening_ms: float | None = None  # a stream: how long its opening record's durable write took
     receipt_wait_ms: float | None = None  # a stream: how long its first event waited for that write
@@ -255,8 +255,8 @@ class Reef:
             load_recipe(recipe)  # one that cannot load is refused before the scenario exists
         if model is not None:
             self.config.model(model)
-        created_before = name in self.store._scenario_cache
-        scenario = await self.store.ensure_scenario(
+        created_before = self.store.scenarios.cached(name)
+        scenario = await self.store.scenarios.ensure(
             name,
             recipe=recipe,
             model=model or self.config.default_model,
@@ -616,7 +616,7 @@ class ServePath:
 
     def _open_record(self, served: Served) -> asyncio.Future[None]:
         """Start the durable write of a stream's opening record: what is known before the first event."""
-        return self.store.open_exchange(self._exchange_record(served, served.engine.runtime_load_id))
+        return self.store.exchanges.open(self._exchange_record(served, served.engine.runtime_load_id))
 
     @staticmethod
     def _exchange_record(served: Served, runtime_load_id: str | None, **outcome: Any) -> ExchangeRecord:
@@ -710,9 +710,9 @@ class ServePath:
         )
         t0 = time.perf_counter()
         if served.opened:  # a stream: its record exists since before the first byte; its outcome fills it in
-            await self.store.complete_exchange(rec)
+            await self.store.exchanges.complete(rec)
         else:
-            await self.store.append_exchange(rec)
+            await self.store.exchanges.append(rec)
         served.record_ms = (time.perf_counter() - t0) * 1e3
         m = self.metrics
         m.records.labels("exchange").inc()

@@ -41,7 +41,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.context import Context
@@ -380,25 +380,25 @@ class Telemetry:
         if ev.get("source"):
             attrs["reef.report.source"] = str(ev["source"])
         if self.settings.content:
-            rec = await self._store.get_record(ev["id"], full=False)
+            rec = await self._store.exchanges.get(ev["id"], full=False)
             feedback = (rec.get("report") or {}).get("feedback")
             if feedback is not None:
                 attrs["reef.report.feedback"] = feedback if isinstance(feedback, str) else json.dumps(feedback)
         # the exchange spans may be in their clients' traces: their traceparents, from the records' headers
-        headers = await self._store.trace_headers(references) if references else {}
+        headers = await self._store.exchanges.trace_headers(references) if references else {}
         links = [Link(exchange_span_context(r, headers.get(r)), {"reef.receipt": r}) for r in references]
         self._span("reef report", span_ids("report", ev["id"]), attrs, start=ev["time"], end=ev["time"], links=links)
 
     async def _exchange_content(self, receipt: str) -> dict[str, AttributeValue]:
         """``gen_ai.input.messages`` and ``gen_ai.output.messages`` of a stored exchange (what it can parse back)."""
-        rec = await self._store.get_record(receipt)
+        rec = await self._store.exchanges.get(receipt)
         return await asyncio.to_thread(content_attributes, rec)
 
 
 # --- content in the GenAI conventions' shape ---------------------------------------------------------------
 
 
-def content_attributes(rec: dict[str, Any]) -> dict[str, AttributeValue]:
+def content_attributes(rec: Mapping[str, Any]) -> dict[str, AttributeValue]:
     """The prompt and the answer of an exchange record as the GenAI conventions' message JSON (parsed back with
     the record's wire format; what does not parse is left out)."""
     from daemon.protocols.formats import FORMATS

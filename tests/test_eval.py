@@ -108,7 +108,8 @@ def _evaluations(tmp_path: Path, engine: Any, chain: list[Any], recipe: str = "o
     async def get_engine(model: str) -> Any:
         return engine
 
-    store = SimpleNamespace(get_scenario=get_scenario, scored_exchanges=scored)
+    store = SimpleNamespace(scenarios=SimpleNamespace(get=get_scenario),
+                            reports=SimpleNamespace(scored_exchanges=scored))
     chains = SimpleNamespace(history=history, head_id=head_id, head=head, ref=ref)
     bus = SimpleNamespace(publish=lambda kind, **data: events.append((kind, data)))
     return Evaluations(tmp_path, store, chains, bus, get_engine, _make_recipe), events

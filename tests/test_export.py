@@ -101,10 +101,10 @@ async def test_the_export_reads_page_by_page_to_the_end(records_at: str) -> None
     store = open_store(records_at)
     try:
         for i in range(5):
-            await store.append_exchange(ExchangeRecord(id=f"rec_{i}", scenario="s", request={}, response={}))
+            await store.exchanges.append(ExchangeRecord(id=f"rec_{i}", scenario="s", request={}, response={}))
         seen, after, pages = [], 0, 0
         while after is not None:
-            page, after = await store.export_page(scenario="s", since=None, after=after, limit=2)
+            page, after = await store.user_data.export_page(scenario="s", since=None, after=after, limit=2)
             seen += [r["id"] for r in page]
             pages += 1
         assert seen == [f"rec_{i}" for i in range(5)] and pages == 3
@@ -201,21 +201,21 @@ async def test_an_import_that_collides_with_a_stored_report_id_refuses_the_batch
 
     store = open_store(records_at)
     try:
-        await store.append_exchange(ExchangeRecord(id="rec_served", scenario="s", request={}, response={}))
-        await store.append_report(scenario="s", score=1.0, feedback=None, references=["rec_served"], metadata=None,
+        await store.exchanges.append(ExchangeRecord(id="rec_served", scenario="s", request={}, response={}))
+        await store.reports.append(scenario="s", score=1.0, feedback=None, references=["rec_served"], metadata=None,
                                   report_id="import:rec_x")
         items = [from_line({**TURN, "id": "rec_fine", "score": 1}, "line 1", "s", index=0),
                  from_line({**TURN, "id": "rec_x", "score": 0}, "line 2", "s", index=1)]
         try:
-            await store.import_exchanges(items)
+            await store.user_data.import_exchanges(items)
             raise AssertionError("the colliding import was stored")
         except ReportConflict as e:
             assert e.status == 409 and e.data["param"] == "items[1].id" and "rec_x" in e.message
         for rid in ("rec_fine", "rec_x"):
-            assert not [r for r in (await store.export_page(scenario="s", since=None, after=0))[0]
+            assert not [r for r in (await store.user_data.export_page(scenario="s", since=None, after=0))[0]
                         if r["id"] == rid]
         # without the colliding key the same batch goes in whole
-        counts, _ = await store.import_exchanges(items[:1])
+        counts, _ = await store.user_data.import_exchanges(items[:1])
         assert counts == {"imported": 1, "skipped": 0, "reports": 1}
     finally:
         store.close()
@@ -273,8 +273,8 @@ def test_a_stored_client_report_id_on_an_import_key_is_a_409_over_http_not_a_500
     async def legacy() -> None:
         store = open_store(load_config(d.env).records_location)
         try:
-            await store.append_exchange(ExchangeRecord(id="rec_served", scenario="legacy", request={}, response={}))
-            await store.append_report(scenario="legacy", score=1.0, feedback=None, references=["rec_served"],
+            await store.exchanges.append(ExchangeRecord(id="rec_served", scenario="legacy", request={}, response={}))
+            await store.reports.append(scenario="legacy", score=1.0, feedback=None, references=["rec_served"],
                                       metadata=None, report_id="import:rec_legacy")
         finally:
             store.close()

@@ -69,7 +69,7 @@ async def export_all(store: Any) -> bytes:
 
     out, after = b"", 0
     while after is not None:
-        page, after = await store.export_page(scenario=None, since=None, after=after, limit=3)
+        page, after = await store.user_data.export_page(scenario=None, since=None, after=after, limit=3)
         out += render_lines(page)
     return out
 
@@ -79,7 +79,7 @@ async def import_lines(store: Any, data: bytes) -> dict[str, int]:
 
     items = [from_line(json.loads(x), f"line {i}", "imported", index=i)
              for i, x in enumerate(data.splitlines())]
-    counts, _ = await store.import_exchanges(items)
+    counts, _ = await store.user_data.import_exchanges(items)
     return counts
 
 
@@ -93,13 +93,13 @@ async def test_export_import_export_is_byte_stable_on_every_format_and_status(tm
         i = 0
         for fmt in ("openai-chat", "anthropic", "openai-responses"):
             for status in ("complete", "incomplete", "error", "cancelled"):
-                await first.append_exchange(stored(fmt, status, i))
+                await first.exchanges.append(stored(fmt, status, i))
                 i += 1
-        await first.append_report(scenario="rt", score=0.2, feedback="meh", references=["rec_anthropic_complete_4"],
+        await first.reports.append(scenario="rt", score=0.2, feedback="meh", references=["rec_anthropic_complete_4"],
                                   metadata=None, report_id=None)
-        await first.append_report(scenario="rt", score=0.9, feedback=None, references=["rec_anthropic_complete_4"],
+        await first.reports.append(scenario="rt", score=0.9, feedback=None, references=["rec_anthropic_complete_4"],
                                   metadata={"source": "judge", "judge": "j"}, report_id=None)
-        await first.append_report(scenario="rt", score=None, feedback={"why": "slow"},
+        await first.reports.append(scenario="rt", score=None, feedback={"why": "slow"},
                                   references=["rec_openai-chat_cancelled_3"], metadata=None, report_id=None)
         assert await import_lines(first, (json.dumps(IMPORTED) + "\n").encode()) == {
             "imported": 1, "skipped": 0, "reports": 1}
