@@ -191,6 +191,36 @@ async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_tr
         store.close()
 
 
+async def test_scenarios_are_read_as_named_types_and_kept_once_read(records_at: str) -> None:
+    """``store.scenarios``: what one store has read or made is kept (the serve path announces a scenario only when
+    it made it), another store has not read it yet; the listing's counts are named fields, not string keys."""
+    store = open_store(records_at)
+    try:
+        assert not store.scenarios.cached("b")
+        for name in ("b", "a"):
+            await store.scenarios.ensure(name, recipe=None, model="m", default_recipe="record")
+        assert store.scenarios.cached("b") and not store.scenarios.cached("c")
+        await store.exchanges.append(_exchange("rec_1", "b"))
+        await store.exchanges.append(replace(_exchange("rec_2", "b"), capture=False))
+        for receipt, score in (("rec_1", 1.0), ("rec_2", 0.0)):
+            await store.reports.append(scenario=None, score=score, feedback=None, references=[receipt], metadata=None,
+                                       report_id=None)
+        assert [s.name for s in await store.scenarios.all()] == ["a", "b"]
+        summaries = {s.scenario.name: s for s in await store.scenarios.summaries()}
+        b = summaries["b"]
+        assert (b.records, b.serve_only, b.reports, b.mean_score) == (2, 1, 2, 0.5)
+        assert summaries["a"].to_dict() == {**summaries["a"].scenario.to_dict(), "records": 0, "serve_only": 0,
+                                            "reports": 0, "mean_score": None}
+        other = open_store(records_at)  # another daemon's store: it has read nothing yet
+        try:
+            assert not other.scenarios.cached("b")
+            assert (await other.scenarios.get("b")).recipe == "record"
+        finally:
+            other.close()
+    finally:
+        store.close()
+
+
 async def test_a_recipe_receives_named_records_built_the_same_way_on_both_backends(records_at: str) -> None:
     """What a recipe receives: a ``ScoredExchange`` (the exchange's tokens, log-probs and release, and the
     ``FeedbackReport`` that scored it as a field of its own) and, for a feedback recipe, that same report:
