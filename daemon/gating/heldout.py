@@ -332,34 +332,32 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
 
 
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
-    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once (the engine
-    batches them)."""
-    from daemon.exchange import Finish, internal_exchange
+    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once
+    (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests)."""
+    from daemon.exchange import internal_exchange
 
-    async def one(prompt: str) -> Answer:
-        async for event in engine.generate(internal_exchange(model, "", prompt, max_tokens), release):
-            if isinstance(event, Finish):
-                c = event.completion
-                return Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()),
-                              tuple(c.logprobs or ()))
-        raise CheckFailed("the engine ended an answer without finishing it")
-
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    if not prompts:
+        return []
+    done = await engine.answer_many([internal_exchange(model, "", p, max_tokens) for p in prompts], release)
+    return [Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()), tuple(c.logprobs or ()))
+            for c in done]
 
 
 async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, base: Any) -> float | None:
-    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced; at
-    most ``KL_ANSWERS`` of them, evenly spread); None when the engine cannot say."""
-    num, den = 0.0, 0
+    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced, in
+    a few batched forwards where the engine can: ``Engine.divergence_many``; at most ``KL_ANSWERS`` of them, evenly
+    spread); None when the engine cannot say."""
     answered = [a for a in answers if a.token_ids]
     step = max(1, -(-len(answered) // KL_ANSWERS))  # spread over the recorded prompts and the probes alike
-    for a in answered[::step]:
-        kl = await engine.divergence(list(a.prompt_token_ids), list(a.token_ids), candidate, base)
-        if kl is None:
-            return None
-        num += sum(kl)
-        den += len(kl)
-    return num / den if den else None
+    picked = answered[::step]
+    if not picked:
+        return None
+    kls = await engine.divergence_many([(list(a.prompt_token_ids), list(a.token_ids)) for a in picked], candidate,
+                                       base)
+    if kls is None:
+        return None
+    den = sum(len(kl) for kl in kls)
+    return sum(map(sum, kls)) / den if den else None
 
 
 def clean(fig: Figures, settings: CheckSettings) -> bool:
