@@ -228,6 +228,8 @@ async def test_the_kl_of_many_pairs_in_a_few_forwards_is_each_pairs_own(
     for g, w in zip(got, want, strict=True):
         assert g == pytest.approx(w, rel=1e-3, abs=1e-5)
     assert sum(map(sum, got)) > 0.01  # the adapter moved the model: the figures are not all zero
+    itself = await engine.divergence_many(pairs, adapter["a"], adapter["a"])  # both sides on the same rows
+    assert itself is not None and all(x == 0 for kl in itself for x in kl)
     other = await engine.divergence_many(pairs, adapter["a"], adapter["b"])  # against another reference
     assert other is not None and sum(map(sum, other)) != pytest.approx(sum(map(sum, got)), rel=1e-2)
 

@@ -45,6 +45,8 @@ Design choices:
   ``token_ids`` are exactly the sampled ids, EOS included; ``text`` leaves out special tokens.
 - **Detokenising.** Incremental over a small window of ids (prefix/read offsets), emitting only text that does
   not end in an incomplete character, so a UTF-8 character split over byte-level tokens is never emitted in halves.
+- **Bulk jobs.** The daemon's own many questions (the held-out check's answers and KL) run as one batch beside the
+  serving batch, one forward between two steps, holding no slot of ``max_batch`` (``daemon/engines/bulk.py``).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ The prompts:
 
 The candidate answers the recorded prompts and every other probe first, and the rest only when that first look
 shows a sign of harm (``clean``, ``run``). Both models answer greedily, at most ``heldout_max_tokens`` (16)
-tokens, through the scenario's engine: the
-candidate's weights are loaded beside the head's as an unpublished release (never served to a request) and
-dropped afterwards; the head's answers are kept per head release, so a lineage's checks sample the head once.
+tokens, through the scenario's engine, all prompts at once (``Engine.answer_many``: the embedded engine decodes
+them as one batch beside its users' requests, ``daemon/engines/bulk.py``): the candidate's weights are loaded
+beside the head's as an unpublished release (never served to a request) and dropped afterwards; the head's answers
+are kept per head release, so a lineage's checks sample the head once.
 
 The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a candidate (``Figures.hold``):
 - degenerate answers: empty, cut short (at most ``SHORT`` tokens where the head said ``LONG`` or more), or a loop
@@ -30,9 +31,9 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   the spread of which probes happen to flip, measured on the same answers.
 - KL from the base: the mean per-token KL(candidate || base) of the next-token distributions at the positions of
   the candidate's own held-out answers, the base being the model its adapter applies to (whole weights: the
-  serving head), teacher-forced through the engine (``Engine.divergence``); held above ``heldout_max_kl`` nats
-  per token. An engine that cannot score says so
-  (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
+  serving head), teacher-forced through the engine (``Engine.divergence_many``: both models on the same batched
+  rows, so a model's KL from itself is 0 exactly); held above ``heldout_max_kl`` nats per token. An engine that
+  cannot score says so (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
 
 A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``, 600) raises ``CheckFailed``: the
 step is written down as failed with the reason, never as passed. ``heldout_check = false`` turns the check off;
