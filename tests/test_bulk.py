@@ -239,3 +239,21 @@ def test_the_shared_prefix_leaves_each_row_what_it_must_run() -> None:
     assert bulk.shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter one keeps its last token to run
     assert bulk.shared_prefix([[1, 2, 3, 4, 5]], [3]) == 2  # and a scored row its last tokens, and one before
     assert bulk.shared_prefix([[7, 1], [8, 1]]) == 0 and bulk.shared_prefix([]) == 0
+
+
+async def test_the_checks_answers_go_through_one_batch_and_are_the_requests_own(
+        engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon.engines.base import Engine
+    from daemon.gating import heldout
+
+    prompts = [p.prompt for p in heldout.shipped_probes()[:24]]
+    jobs: list[int] = []
+    advance = bulk.Answers.advance
+    monkeypatch.setattr(bulk.Answers, "advance", lambda self: (jobs.append(id(self)), advance(self)))
+    got = await heldout.answers(engine, "tiny", prompts, None, 16)
+    assert len(set(jobs)) == 1 and len(jobs) < len(prompts)  # one job, fewer forwards than prompts (16 tokens)
+    monkeypatch.setattr(engine, "answer_many", lambda exchanges, release: Engine.answer_many(engine, exchanges,
+                                                                                             release))
+    want = await heldout.answers(engine, "tiny", prompts, None, 16)  # each a request, as before
+    assert [(a.text, a.token_ids, a.prompt_token_ids) for a in got] == [
+        (a.text, a.token_ids, a.prompt_token_ids) for a in want]
