@@ -45,6 +45,8 @@ Design choices:
   ``token_ids`` are exactly the sampled ids, EOS included; ``text`` leaves out special tokens.
 - **Detokenising.** Incremental over a small window of ids (prefix/read offsets), emitting only text that does
   not end in an incomplete character, so a UTF-8 character split over byte-level tokens is never emitted in halves.
+- **Bulk jobs.** The daemon's own many questions (the held-out check's answers and KL) run as one batch beside the
+  serving batch, one forward between two steps, holding no slot of ``max_batch`` (``daemon/engines/bulk.py``).
 """
 
 from __future__ import annotations
@@ -582,6 +584,43 @@ class TransformersEngine(Engine):
                 if not self._active[load.id]:
                     del self._active[load.id]
         return result
+
+    async def answer_many(self, exchanges: list[Exchange], release: ReleaseRef | None = None) -> list[Completion]:
+        """What ``generate`` would finish with for each exchange, decoded as one batch beside the requests being
+        served (``daemon/engines/bulk.py``: one forward between two serving steps)."""
+        from daemon.engines import bulk
+
+        load = await self._acquire(release)
+        prepared = await asyncio.to_thread(lambda: [self._prepare(load, e) for e in exchanges])
+        job = bulk.Answers(load, self.entry.name, prepared)
+        await self._run_bulk(job, [load])
+        return job.results()
+
+    async def divergence_many(self, pairs: list[tuple[list[int], list[int]]], release: ReleaseRef,
+                              reference: ReleaseRef) -> list[list[float]] | None:
+        """``divergence`` of each (prompt, tokens) pair, in a few batched forwards beside the requests being served
+        (``daemon/engines/bulk.py``)."""
+        from daemon.engines import bulk
+
+        loads = (await self._acquire(release), await self._acquire(reference))
+        job = bulk.Divergences(loads, pairs)
+        await self._run_bulk(job, list(loads))
+        return job.result
+
+    async def _run_bulk(self, job: Any, loads: list[Load]) -> None:
+        """A bulk job's forwards, one between two serving steps, its loads held (never evicted) meanwhile."""
+        for load in loads:
+            self._active[load.id] += 1
+        try:
+            while not job.done:
+                if self._closing or self._thread is None or not self._thread.is_alive():
+                    raise Unavailable("the engine is shutting down")
+                await self._between_steps(job.advance)
+        finally:
+            for load in loads:
+                self._active[load.id] -= 1
+                if not self._active[load.id]:
+                    del self._active[load.id]
 
     async def unload(self, release: ReleaseRef) -> None:
         load = self._resident.get(release.content_id)
