@@ -52,8 +52,9 @@ MODULES: dict[str, Module] = {
                                               "not hacked_run")),
     "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py", "tests/test_gates.py")),
     "canary": Module("daemon/canary.py", ("tests/test_canary.py",)),
+    "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forget.py",)),
-    "scopes": Module("daemon/scopes.py", ("tests/test_sandbox_escape.py", "-k", "scoped or scopes")),
+    "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
                                                                 "mutation or screen or proposer or settings_file")),
