@@ -103,8 +103,8 @@ def growth(diff: float, var: float) -> float:
 def pairs_needed(diff: float, var: float, alpha: float) -> float:
     """The expected paired differences until a bettor decides a true difference ``diff``: ``log(2/alpha)`` over
     its growth per pair. Ignores the stake's learning of the first few pairs, so it is a slight underestimate:
-    pass/fail scores around 0.5 (variance 0.5) give 100 pairs for 0.2 and 42 for 0.3, where ``bench/canary.py``
-    measures medians of 105 and 48."""
+    pass/fail scores around 0.5 (variance 0.5) give 100 pairs for 0.2 and 48 for 0.3, where ``bench/canary.py``
+    measured medians of 105 and 48."""
     g = growth(diff, var)
     return math.inf if g <= 0 else threshold(alpha) / g
 

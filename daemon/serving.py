@@ -38,6 +38,7 @@ from daemon.protocols.base import WireFormat
 from daemon.protocols.sse import dumpb
 from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
 from daemon.releases import Release
+from daemon.residency import Residency
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
@@ -121,9 +122,10 @@ class Reef:
         self.learner.start_canary = self.canaries.begin
         self.learner.canary_running = self.canaries.active.__contains__
         self.canaries.on_end = self.learner.canary_ended
+        self.residency = Residency(self.chains, self.canaries, self.events, lambda: self._engines)
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
                                     metrics=self.metrics, scenario=self.scenario, engine=self.engine,
-                                    observe=self.learner.observe)
+                                    observe=self.learner.observe, residency=self.residency)
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 
@@ -141,6 +143,7 @@ class Reef:
             log.error("default_recipe %s: %s", self.config.default_recipe, e.message)
             raise
         await self.chains.start()
+        self.residency.start()  # which releases the engines keep loaded (daemon/residency.py)
         # the default model loads in the background: the port answers at once, ``/healthz`` says what is loaded and
         # loading, and a request for a model still loading waits for it (``LOAD_WAIT_S``); a load that fails is one
         # log line and a clear error for its requests, while other models serve
@@ -168,6 +171,7 @@ class Reef:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.canaries.close()
+        await self.residency.close()
         await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():
@@ -221,6 +225,7 @@ class Reef:
                 self.load_errors.pop(model, None)
                 self._load_failures.pop(model, None)
                 self._engines[model] = engine
+                self.residency.tell(model)
                 self.metrics.loads.labels(model).inc()
                 self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
             return self._engines[model]
@@ -356,6 +361,7 @@ class ServePath:
         scenario: Callable[[str], Awaitable[Scenario]],
         engine: Callable[[str], Awaitable[Engine]],
         observe: Observe,
+        residency: Residency | None = None,
     ) -> None:
         self.store = store
         self.chains = chains
@@ -365,6 +371,7 @@ class ServePath:
         self._scenario = scenario
         self._engine = engine
         self._observe = observe
+        self.residency = residency  # told which release serves each request (``daemon/residency.py``)
         self.inflight: dict[str, Served] = {}  # receipt -> an exchange being served (``GET /reef/inflight``)
 
     # --- one request, start to finish ----------------------------------------------------------------------
@@ -547,6 +554,8 @@ class ServePath:
         if release is None:
             release = await self.chains.resolve(scen, pinned_release)
         ref = await self._weights(scen, release)
+        if ref is not None and self.residency is not None:
+            self.residency.serves(scen.name, scen.model, ref.content_id, pinned=bool(pinned_release))
         if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
             await self.chains.preload(scen, release, engine)
         release_id, content_id = release.release_id, release.content_id

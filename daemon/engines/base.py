@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +101,11 @@ class Engine(abc.ABC):
     async def unload(self, release: ReleaseRef) -> None:
         """Drop a release loaded only for a look at it (a candidate the held-out check sampled), if no request
         holds it; the default keeps nothing to drop."""
+
+    def retain(self, keep: Collection[str]) -> None:
+        """The content ids of the releases that serve new requests now: each scenario's head, the canary arms, the
+        releases requests pinned lately (``daemon/residency.py``). A weights engine drops a release it loaded while
+        it served and that serves no more, once no request runs on it; the default keeps nothing to drop."""
 
     @property
     def resident(self) -> dict[str, str]:

@@ -8,7 +8,10 @@ Design choices:
   new release loads beside the old ones and in-flight requests never change weights. Several releases (of one
   or several scenarios) serve at once; when the resident loads exceed ``entry.memory_budget_mb``, the least
   recently used load with no running sequence is dropped (and freed by refcounting once nothing holds it).
-  Concurrent requests for a release being loaded wait on one shared load.
+  Before that, a release that served new requests and serves none any more (``retain``: the daemon names each
+  scenario's head, the canary arms and the releases requests pinned lately, ``daemon/residency.py``) is dropped
+  once no request runs on it, so a superseded head's adapter is not kept until the budget. Concurrent requests
+  for a release being loaded wait on one shared load.
 - **LoRA adapter releases** (``daemon/lora.py``) are loads too, each with its own ``runtime_load_id``, sharing the
   model of their base's load (resident once per base content id): the adapter is attached beside the others
   (``daemon/engines/lora.py``, in the generation thread between two steps), the rows of all releases on one base
@@ -60,7 +63,7 @@ import secrets
 import threading
 import weakref
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,7 @@ class Load:
     # set once the engine has dropped this load: a request still running on it keeps no prefix cache entry (a
     # later request on the same release gets a new load, with a new id, so the entry could never be used)
     dropped: bool = False
+    served: bool = False  # among the releases that serve new requests (``retain``) at some time while resident
 
     def forward(self, ids: torch.Tensor, cache: Any, adapters: list[str | None] | None = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -425,6 +429,7 @@ class TransformersEngine(Engine):
         self._calls: deque[Callable[[], None]] = deque()  # model changes the generation thread makes between steps
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._keep: frozenset[str] | None = None  # the releases serving new requests (``retain``); None: not told
         self.prefix_cache = PrefixCache(budget_bytes=entry.prefix_cache_mb * 2**20)
 
     @property
@@ -496,7 +501,7 @@ class TransformersEngine(Engine):
         if self._resident.setdefault(release.base.content_id, base) is base:
             base.dropped = False
         load = dataclasses.replace(base, id=load_id, path=release.path, adapter=load_id, nbytes=weights.nbytes,
-                                   dropped=False)
+                                   dropped=False, served=False)
         detach = weakref.finalize(load, self._post, functools.partial(base.lora.detach, load_id))
         detach.atexit = False
         return load
@@ -532,7 +537,8 @@ class TransformersEngine(Engine):
         self._loading.pop(key, None)
         if task.cancelled() or task.exception() is not None:
             return
-        self._resident[key] = task.result()
+        self._resident[key] = load = task.result()
+        load.served = self._keep is not None and key in self._keep
         self._evict()
 
     def _evict(self) -> None:
@@ -543,10 +549,35 @@ class TransformersEngine(Engine):
                 break
             based_on = load.adapter is None and len(load.lora)  # a base with adapters attached stays with them
             if self._active[load.id] == 0 and not based_on:
-                del self._resident[key]
                 total -= load.nbytes
-                load.dropped = True  # before forget: a store racing the two leaves at most one entry, aged out
-                self.prefix_cache.forget(load.id)
+                self._drop(key, load)
+
+    def _drop(self, key: str, load: Load) -> None:
+        del self._resident[key]
+        load.dropped = True  # before forget: a store racing the two leaves at most one entry, aged out
+        self.prefix_cache.forget(load.id)
+
+    def retain(self, keep: Collection[str]) -> None:
+        self._keep = frozenset(keep)
+        for key, load in self._resident.items():
+            load.served = load.served or key in self._keep
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Drop the loads of releases that served and serve no more (``retain``), unless a request runs on them or
+        adapters stand on them; loads for a look (a held-out candidate, reef eval) never served and stay."""
+        keep = self._keep or frozenset()
+        for key, load in list(self._resident.items()):
+            if load.served and key not in keep and not self._active[load.id] \
+                    and not (load.adapter is None and len(load.lora)) and load is not self._current:
+                self._drop(key, load)
+
+    def _idle(self, load: Load) -> None:
+        """A request on ``load`` ended."""
+        self._active[load.id] -= 1
+        if not self._active[load.id]:
+            del self._active[load.id]
+            self._sweep()
 
     @property
     def resident(self) -> dict[str, str]:
@@ -580,9 +611,7 @@ class TransformersEngine(Engine):
             result: list[float] = await self._between_steps(run)
         finally:
             for load in loads:
-                self._active[load.id] -= 1
-                if not self._active[load.id]:
-                    del self._active[load.id]
+                self._idle(load)
         return result
 
     async def answer_many(self, exchanges: list[Exchange], release: ReleaseRef | None = None) -> list[Completion]:
@@ -625,9 +654,7 @@ class TransformersEngine(Engine):
     async def unload(self, release: ReleaseRef) -> None:
         load = self._resident.get(release.content_id)
         if load is not None and not self._active[load.id] and load is not self._current:
-            del self._resident[release.content_id]
-            load.dropped = True
-            self.prefix_cache.forget(load.id)
+            self._drop(release.content_id, load)
 
     async def close(self) -> None:
         with self._cond:
@@ -668,9 +695,7 @@ class TransformersEngine(Engine):
                         return
         finally:
             seq.cancelled = True
-            self._active[load.id] -= 1
-            if not self._active[load.id]:
-                del self._active[load.id]
+            self._idle(load)
 
     # --- request side ----------------------------------------------------------------------------------------
 
