@@ -3,11 +3,16 @@ cache does for an agent's second turn. Everything is measured in one run, one af
 time: on a 2-core machine they would take each other's cores), so the ratios hold even where absolute figures drift.
 
 1. Decode tokens/s at concurrency 1 and 8 (in-process ``generate``, temperature 1, up to ``--max-tokens`` each):
-   the embedded engine (bf16 safetensors made by ``reef model init smollm2``, ``max_batch`` 8) and llama.cpp
-   (llama-cpp-python, the package's Q4_1 GGUF as it is), on the same number of threads. For llama.cpp at 8 two
-   figures: its Python server's way (one ``Llama``: requests one after another) and batched (8 sequences in one
-   ``llama_decode`` per step through the low-level API, as llama.cpp's own server does with ``--parallel``).
-   Goal: the embedded engine at least 0.5 of llama.cpp at concurrency 8.
+   the embedded engine (bf16 safetensors made by ``reef model init smollm2``, ``max_batch`` 8) as it serves by
+   default (the Llama fast path, int4 layers: ``daemon/engines/decode.py``) and its reference path (``fast_path`` and
+   ``pack_int4`` off: transformers' forward over bf16, as before), and llama.cpp (llama-cpp-python, the package's
+   Q4_1 GGUF as it is), on the same number of threads. For llama.cpp at 8 two figures: its Python server's way (one
+   ``Llama``: requests one after another) and batched (8 sequences in one ``llama_decode`` per step through the
+   low-level API, as llama.cpp's own server does with ``--parallel``). Goals (issue 46): the engine at least 1.0x
+   llama.cpp at concurrency 1 and 1.5x batched llama.cpp at 8. The load average and the thread counts are printed
+   before and after, with a warning when the machine is busy (llama.cpp's spinning threads lose most then).
+   Then what int4 serving changes: teacher-forced token log-probs of greedy answers under int4 and under a float32
+   forward (what the trainer computes), each against the bf16 path.
 2. Agent turns: a pi-sized first request (about 1,500 tokens: pi's 3 kB system prompt plus its tool schemas, which
    SmolLM2's chat template leaves out, so they are put in the system text here), then the second turn (the same
    plus the answer, a tool result and a new question). Time to first token of turn 2 with the prefix cache, as a
@@ -99,13 +104,16 @@ def smollm2_dir(path: Path | None) -> Path:
 # --- the embedded engine ----------------------------------------------------------------------------------------
 
 
-async def engine_decode(model: Path, threads: int, conc: int, max_tokens: int) -> tuple[float, int]:
-    """Output tokens/s of ``conc`` concurrent requests (one round each), and the tokens produced."""
+async def engine_decode(model: Path, threads: int, conc: int, max_tokens: int, *, fast: bool = True
+                        ) -> tuple[float, int]:
+    """Output tokens/s of ``conc`` concurrent requests (one round each), and the tokens produced. ``fast``: the
+    Llama fast path and int4 layers (the defaults); off: transformers' forward over the bf16 weights, as before."""
     from daemon.config import ModelEntry
     from daemon.engines.transformers import TransformersEngine
     from daemon.exchange import Exchange, Finish, Message, Part, Sampling
 
-    engine = TransformersEngine(ModelEntry(name="smollm2", path=model, threads=threads, max_batch=8))
+    engine = TransformersEngine(ModelEntry(name="smollm2", path=model, threads=threads, max_batch=8, fast_path=fast,
+                                           pack_int4=fast))
     await engine.start()
 
     async def one(i: int) -> int:
@@ -279,6 +287,52 @@ def llama_decode(python: str, threads: int, conc: int, max_tokens: int, mode: st
     return out["tokens"] / out["seconds"], out["tokens"]
 
 
+def logprob_gap(model: Path, threads: int, max_tokens: int) -> dict[str, float]:
+    """What int4 serving changes: teacher-forced token log-probs of greedy answers to the prompts, under the int4
+    load, the bf16 load and a float32 forward of the bf16 weights (the trainer's), against the bf16 load."""
+    import torch
+
+    from daemon.engines.transformers import Load
+
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    int4 = Load.open(model, "b:1", cpu)
+    bf16 = Load.open(model, "b:2", cpu, fast=False, pack=False)
+    f32 = Load.open(model, "b:3", cpu, fast=False, pack=False)
+    f32.model.float()
+    gaps: dict[str, list[float]] = {"int4 |dlogprob|": [], "int4 KL": [], "float32 |dlogprob|": [], "float32 KL": []}
+    with torch.inference_mode():
+        for text in PROMPTS[:3]:
+            prompt = int4.encode_text(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+            cache, ids = int4.new_cache(), []
+            logits = int4.forward(torch.tensor([prompt]), cache)
+            for _ in range(max_tokens):
+                ids.append(int(logits.float().argmax()))
+                logits = int4.forward(torch.tensor([[ids[-1]]]), cache)
+            seq = torch.tensor([prompt + ids])
+            lp = {name: torch.log_softmax(load.model(input_ids=seq, use_cache=False, logits_to_keep=len(ids) + 1)
+                                          .logits[0, :-1].float(), -1) for name, load in
+                  (("bf16", bf16), ("int4", int4), ("float32", f32))}
+            picked = torch.tensor(ids)[:, None]
+            for name in ("int4", "float32"):
+                gaps[f"{name} |dlogprob|"] += (lp[name] - lp["bf16"]).gather(1, picked).abs().flatten().tolist()
+                gaps[f"{name} KL"] += (lp["bf16"].exp() * (lp["bf16"] - lp[name])).sum(-1).tolist()
+    return {k: statistics.mean(v) for k, v in gaps.items()} | {
+        k.replace("|dlogprob|", "max |dlogprob|"): max(v) for k, v in gaps.items() if "dlogprob" in k}
+
+
+def machine(threads: int, when: str) -> str:
+    """The load average beside the CPUs and threads, and a warning when other work would skew the figures."""
+    load = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    line = f"load average {load:.1f} {when} ({cpus} CPUs; {threads} thread(s) for each engine)"
+    if load > max(1.0, cpus / 2):
+        line += (f"\n  WARNING: the machine is busy (load {load:.1f} on {cpus} CPUs): llama.cpp's threads spin and "
+                 "lose most when others run, which flatters whatever runs beside it; trust only ratios from a quiet "
+                 "run")
+    return line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="SmolLM2 model directory (made if missing)")
@@ -287,7 +341,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for both engines")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start, {args.threads} thread(s) each")
+    print(machine(args.threads, "at start"))
     model = smollm2_dir(args.model)
     have_llama = Path(args.llama_python).exists()
     if not have_llama:
@@ -296,6 +350,8 @@ def main() -> None:
     results: dict[str, tuple[float, int] | str] = {}
     for conc in (1, 8):
         results[f"engine c={conc}"] = asyncio.run(engine_decode(model, args.threads, conc, args.max_tokens))
+        results[f"engine, reference c={conc}"] = asyncio.run(engine_decode(model, args.threads, conc, args.max_tokens,
+                                                                           fast=False))
         if have_llama:
             results[f"llama.cpp c={conc}"] = llama_decode(args.llama_python, args.threads, conc, args.max_tokens,
                                                           "serial")
@@ -306,11 +362,22 @@ def main() -> None:
     for name, value in results.items():
         print(f"  {name:26} " + (f"{value[0]:7.1f} tok/s ({value[1]} tokens)" if isinstance(value, tuple)
                                  else f"unavailable: {value}"))
-    engine8 = results["engine c=8"]
-    for ref in ("llama.cpp c=8", "llama.cpp batched c=8"):
-        if isinstance(results.get(ref), tuple) and isinstance(engine8, tuple):
-            ratio = engine8[0] / results[ref][0]  # type: ignore[index]
-            print(f"  engine / {ref}: {ratio:.2f} (goal >= 0.5): {'ok' if ratio >= 0.5 else 'MISSED'}")
+    goals = (("engine c=1", "engine, reference c=1", None), ("engine c=8", "engine, reference c=8", None),
+             ("engine c=1", "llama.cpp c=1", 1.0), ("engine c=8", "llama.cpp c=8", 0.5),
+             ("engine c=8", "llama.cpp batched c=8", 1.5))
+    for mine, ref, goal in goals:
+        a, b = results.get(mine), results.get(ref)
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            ratio = a[0] / b[0]
+            verdict = "" if goal is None else f" (goal >= {goal}): {'ok' if ratio >= goal else 'MISSED'}"
+            print(f"  {mine} / {ref}: {ratio:.2f}{verdict}")
+    print(f"  {machine(args.threads, 'after decoding')}")
+
+    gap = logprob_gap(model, args.threads, 32)
+    print("\nint4 serving against bf16 (teacher-forced greedy answers, per token; float32 is what the trainer computes)")
+    for name in ("int4", "float32"):
+        print(f"  {name:8} |dlogprob| mean {gap[f'{name} |dlogprob|']:.4f} max {gap[f'{name} max |dlogprob|']:.4f}, "
+              f"KL mean {gap[f'{name} KL']:.5f}")
 
     turns = asyncio.run(agent_turns(model, args.threads))
     ratio = turns["turn2"] / turns["turn1"]
@@ -321,7 +388,7 @@ def main() -> None:
     print(f"  TTFT turn 2, cache off          {turns['turn2_cold'] * 1e3:8.0f} ms")
     print(f"  turn 2 / turn 1: {ratio:.3f} (goal <= 0.2): {'ok' if ratio <= 0.2 else 'MISSED'}; "
           f"cache off / cache on: {turns['turn2_cold'] / turns['turn2']:.1f}x")
-    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(machine(args.threads, "at the end"))
 
 
 if __name__ == "__main__":

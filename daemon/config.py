@@ -244,6 +244,8 @@ ENGINE_KEYS: Mapping[str, tuple[str, ...]] = {
     "max_batch": ("transformers",),
     "memory_budget_mb": ("transformers",),
     "prefix_cache_mb": ("transformers",),
+    "fast_path": ("transformers",),
+    "pack_int4": ("transformers",),
     "url": ("upstream", *_SERVERS),
     "format": ("upstream",),
     "upstream_model": ("upstream",),

@@ -19,7 +19,8 @@ VALUES = {"path": '"m"', "device": '"cpu"', "threads": "2", "max_batch": "4", "m
           "api_key_env": '"X_API_KEY"', "join_text_parts": "false", "timeout_s": "5", "connect_timeout_s": "1", "server": '"/usr/bin/python3"',
           "server_port": "9999", "server_args": '["--x"]', "server_log": '"/tmp/x.log"', "startup_timeout_s": "9",
           "retry_after_s": "2", "max_model_len": "512", "max_lora_rank": "8", "max_loras": "2",
-          "weight_update": '"restart"', "kv_cache_gb": "2", "enforce_eager": "false"}
+          "weight_update": '"restart"', "kv_cache_gb": "2", "enforce_eager": "false",
+          "fast_path": "false", "pack_int4": "false"}
 
 
 def _load(tmp_path: Path, entry: str) -> ModelEntry:

@@ -32,6 +32,10 @@ class ModelEntry:
     max_tokens_limit: int | None = None
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
     prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
+    # transformers, Llama-family models on the CPU (daemon/engines/decode.py): a hand-written forward and KV cache,
+    # and linear layers whose weights lie on a 4-bit grid (SmolLM2's) served by an int4 kernel
+    fast_path: bool = True
+    pack_int4: bool = True
     url: str | None = None  # upstream: base URL; vllm, sglang: attach to this running server instead of starting one
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name

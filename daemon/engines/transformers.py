@@ -124,6 +124,8 @@ class Load:
     # later request on the same release gets a new load, with a new id, so the entry could never be used)
     dropped: bool = False
     served: bool = False  # among the releases that serve new requests (``retain``) at some time while resident
+    # the Llama fast path (``daemon/engines/decode.py``): its forward and cache instead of transformers' (None: theirs)
+    fast: Any = None
 
     def forward(self, ids: torch.Tensor, cache: Any, adapters: list[str | None] | None = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -131,16 +133,22 @@ class Load:
         ``adapters`` names each row's LoRA adapter (rows of several loads of one base decode together); default:
         this load's, for every row."""
         with self.lora.select(adapters or [self.adapter] * ids.shape[0], self.device):
+            if self.fast is not None:
+                return self.fast(ids, cache, **kwargs)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}, **kwargs)
         return out.logits[:, -1]
 
     def new_cache(self) -> Any:
+        if self.fast is not None:
+            return self.fast.new_cache()
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
     @classmethod
-    def open(cls, path: Path, load_id: str, device: torch.device) -> Load:
+    def open(cls, path: Path, load_id: str, device: torch.device, *, fast: bool = True, pack: bool = True) -> Load:
+        """Load the model directory at ``path``; ``fast`` / ``pack``: the entry's ``fast_path`` / ``pack_int4``."""
+        from daemon.engines.decode import prepare
         from daemon.hf import LOAD_LOCK
         from daemon.model_dirs import check_model_dir
 
@@ -153,6 +161,7 @@ class Load:
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
                 model = model.to(device).eval()
+                fast_path = prepare(model, fast=fast, pack=pack)
         except ReefError:
             raise
         except Exception as e:  # whatever the loaders raise for a broken directory: name the path, no traceback
@@ -174,7 +183,8 @@ class Load:
             batchable=all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers),
             # transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away)
             cache_arg="cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values",
-            nbytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            nbytes=sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
+            fast=fast_path,
         )
 
     def render(self, exchange: Exchange) -> str:
@@ -457,7 +467,8 @@ class TransformersEngine(Engine):
         async with self._load_lock:
             self._loads += 1
             load_id = f"{self.incarnation}:{self._loads}"
-        return await asyncio.to_thread(Load.open, path, load_id, self._device)
+        return await asyncio.to_thread(functools.partial(Load.open, path, load_id, self._device,
+                                                         fast=self.entry.fast_path, pack=self.entry.pack_int4))
 
     async def preload(self, release: ReleaseRef) -> str | None:
         return (await self._acquire(release)).id
