@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from daemon.engines.prompts import SamplingParams
-from daemon.engines.transformers import Load, _Batch, _choose, _lpad, _Seq
+from daemon.engines.rows import Load, _Batch, _choose, _lpad, _Seq
 from daemon.errors import EngineError
 from daemon.exchange import Completion, EngineEvent, Finish
 
@@ -71,7 +71,7 @@ class _Prefix:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None if self.tokens else []
 
     def compute(self, load: Load, adapter: str | None) -> None:
-        cache = load.new_cache()
+        cache = load.reference_cache()
         load.forward(torch.tensor([self.tokens], device=load.device), cache, [adapter])
         self.layers = [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -94,7 +94,7 @@ def _prefill(load: Load, rows: Sequence[Sequence[int]], prefix: _Prefix, adapter
         positions.append([0] * pad + list(range(p, len(r))))
         mask.append([0] * (width - p) + [1] * p + [0] * pad + [1] * (len(r) - p))
     device = load.device
-    cache = load.new_cache()
+    cache = load.reference_cache()
     if width:
         for layer, (keys, values) in zip(cache.layers, prefix.layers, strict=True):
             layer.update(torch.cat([_lpad(keys[:, :, :p], width, 2) for p in starts]),
