@@ -75,6 +75,8 @@ def test_a_better_canary_is_promoted_and_a_worse_one_ended_with_the_figures_on_t
         assert top["operation"] == "promote" and top["source"] == cand and chain["head"] == top["release_id"]
         assert top["metrics"]["canary_verdict"] == "promoted" and top["metrics"]["canary_reports"] >= 10
         assert top["metrics"]["canary_mean"] == 1.0 and top["metrics"]["head_mean"] == 0.0
+        # the intervals go on the chain with the verdict: the difference's above 0, as the decision promoted
+        assert top["metrics"]["canary_difference_interval"][0] > 0 and top["metrics"]["canary_interval"][1] == 1.0
 
         head2, cand2 = held_candidate(c, "cw", "answer in French")
         c.post("/reef/scenarios/cw/canary", json={"release_id": cand2, "share": 0.5}).raise_for_status()
@@ -83,6 +85,7 @@ def test_a_better_canary_is_promoted_and_a_worse_one_ended_with_the_figures_on_t
         assert chain["head"] == head2 and chain["pending"] == []  # the head stays; the candidate is discarded
         ended = chain["rejected"][0]
         assert ended["verdict"] == "canary-ended" and ended["metrics"]["canary_mean"] == 0.0
+        assert ended["metrics"]["canary_difference_interval"][1] < 0
     shown = daemon.cli("releases", "list", "--all", "-s", "cw").stdout
     assert "canary-ended" in shown
 

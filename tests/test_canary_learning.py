@@ -187,8 +187,9 @@ def test_the_detectable_difference_is_the_one_decided_in_that_many_pairs() -> No
 def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its_pages(daemon: Daemon) -> None:
     """A canary whose arm is scored 1 and whose head is scored 0: ``reef status``, ``reef releases list``, the
     release pages of both arms and the TUI's line show its share, each arm's reports, mean, interval and guard
-    figures on the right arm, and the smallest difference it can still decide. Bugs caught: the arms swapped in the
-    figures or the lines, the lines left out of a view."""
+    figures on the right arm, the intervals by betting (each arm's, and the difference's that decides), and the
+    smallest difference it can still decide. Bugs caught: the arms swapped in the figures or the lines, the lines
+    left out of a view, the intervals shown still Hoeffding's (or at alpha, not alpha / 2, for an arm)."""
     from reef_cli.tui.format import canary_line
     from tests.test_canary import held_candidate, one_run
 
@@ -206,7 +207,17 @@ def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its
         assert lines[1].startswith(f"  canary arm: {f['canary_reports']} reports, mean 1.000 [")
         assert lines[2].startswith(f"  head arm:   {f['head_reports']} reports, mean 0.000 [")
         assert f"{f['canary_answers']} answers" in lines[1] and f"{f['head_answers']} answers" in lines[2]
-        assert f"decides a difference of {f['detectable']:.2f} or more by its end" in lines[3]
+        # the intervals are by betting: each arm's at alpha / 2, the difference's the decision's own (at alpha)
+        from daemon.betting import interval, mean_interval, pairs
+
+        for arm, score, line in (("canary", 1.0, lines[1]), ("head", 0.0, lines[2])):
+            want = [round(x, 4) for x in mean_interval([score] * f[f"{arm}_reports"], 0.025)]  # type: ignore[union-attr]
+            assert f[f"{arm}_interval"] == want and f"[{want[0]:.2f}, {want[1]:.2f}]" in line, (arm, f, line)
+        diff = interval(pairs([0.0] * f["head_reports"], [1.0] * f["canary_reports"]), 0.05)
+        assert diff is not None and f["difference_interval"] == [round(x, 4) for x in diff]
+        assert lines[3].startswith(f"  difference canary - head +1.000 [{diff[0]:+.2f}, {diff[1]:+.2f}] over "
+                                   f"{f['pairs']} paired reports"), lines[3]
+        assert f"decides a difference of {f['detectable']:.2f} or more by its end" in lines[4]
         shown = c.get("/reef/status").json()["canaries"]
         assert [(s["scenario"], s["release_id"]) for s in shown] == [("cd", cand)]
         pages = {rel: c.get(f"/reef/releases/{rel}/page").text for rel in (cand, head)}
