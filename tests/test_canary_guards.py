@@ -95,9 +95,10 @@ def altered(daemon_factory: Any, recipe_dir: Any) -> Daemon:  # noqa: F811
     return with_recipe_paths(daemon_factory, recipe_dir)
 
 
-def start_canary(c: Any, name: str, change: str) -> tuple[str, str]:
+def start_canary(c: Any, name: str, change: str, **settings: Any) -> tuple[str, str]:
     """A scenario whose first candidate (``change``) serves as a canary by default: (head, candidate)."""
-    made = c.post("/reef/scenarios", json={"name": name, "recipe": "altered:Altered", "settings": {"change": change}})
+    made = c.post("/reef/scenarios", json={"name": name, "recipe": "altered:Altered",
+                                           "settings": {"change": change, **settings}})
     assert made.status_code == 201, made.text
     head = made.json()["head"]
     hi = {**ASK, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -162,3 +163,32 @@ def test_failed_and_slow_exchanges_on_the_canary_arm_end_a_live_canary_and_a_hea
         f = healthy["figures"]
         assert f["canary_exchanges"] >= 20 and f["canary_errors"] == 0 and set(served["gs"]["canary"]) == {200}
         assert min(len(served["gs"]["head"]), len(served["gs"]["canary"])) >= 20, served["gs"]
+
+
+def test_a_healthy_canary_under_bursts_of_concurrent_requests_is_not_ended_for_latency(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """``reef demo``'s traffic: rounds of 64 requests at once, half on each arm. The copy of the head runs on after
+    three rounds (more than ``min_exchanges`` on each arm from the first), undecided. Bug caught (found by the demo with its canary on): the candidate loaded by its first request, so the
+    whole first round on its arm waited for the load behind the head's answers (medians of 343 ms against 156 ms:
+    ended for latency, and so was the next candidate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = altered(daemon_factory, recipe_dir)
+    with d.http() as c:
+        head, cand = start_canary(c, "gb", "same", canary_answers=10_000)  # no promotion on its guards here
+
+        def ask(i: int) -> str:
+            r = c.post(f"/s/gb/r/run_{i:04d}/v1/chat/completions", json=ASK)
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-reef-release-id"])
+
+        with ThreadPoolExecutor(64) as pool:
+            for round_ in range(3):
+                served = list(pool.map(ask, range(64 * round_, 64 * (round_ + 1))))
+                if set(served) != {head, cand}:
+                    ended = c.get("/reef/scenarios/gb/releases", params={"all": "1"}).json()["rejected"]
+                    raise AssertionError(f"the healthy canary was ended in round {round_}: {ended}")
+        status = canary_of(c, "gb")
+        assert status is not None and status["release_id"] == cand and status["decision"] is None, status
+        f = status["figures"]
+        assert min(f["canary_exchanges"], f["head_answers"]) >= 40, f
