@@ -15,6 +15,7 @@ tests; the tiny model has random weights, so these are the failures that can be 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.conftest import Daemon, assert_canonical_error
@@ -170,12 +171,21 @@ def test_a_healthy_canary_under_bursts_of_concurrent_requests_is_not_ended_for_l
     """``reef demo``'s traffic: rounds of 64 requests at once, half on each arm. The copy of the head runs on after
     three rounds (more than ``min_exchanges`` on each arm from the first), undecided. Bug caught (found by the demo with its canary on): the candidate loaded by its first request, so the
     whole first round on its arm waited for the load behind the head's answers (medians of 343 ms against 156 ms:
-    ended for latency, and so was the next candidate)."""
+    ended for latency, and so was the next candidate): its load is now an event before the canary's start (the burst
+    alone shows the bug only on some runs, as the load's time and the round's order vary)."""
     from concurrent.futures import ThreadPoolExecutor
 
     d = altered(daemon_factory, recipe_dir)
     with d.http() as c:
         head, cand = start_canary(c, "gb", "same", canary_answers=10_000)  # no promotion on its guards here
+        loaded = False  # the candidate's load (chains.preload's event), before its canary started
+        with c.stream("GET", "/reef/events", params={"after": 0}, timeout=30) as resp:
+            for line in resp.iter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: ") else {}
+                loaded |= event.get("kind") == "engine.load" and event.get("release_id") == cand
+                if event.get("kind") == "canary.start" and event.get("scenario") == "gb":
+                    break
+        assert loaded, "the candidate was not loaded before its canary started"
 
         def ask(i: int) -> str:
             r = c.post(f"/s/gb/r/run_{i:04d}/v1/chat/completions", json=ASK)
