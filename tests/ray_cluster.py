@@ -53,9 +53,11 @@ class Node:
     proc: subprocess.Popen[bytes]
     temp: Path
     log: Path
+    killed: bool = False
 
     def kill(self) -> None:
         """SIGKILL to the node's process group: ``ray start`` and every process it started (raylet, workers)."""
+        self.killed = True
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -108,7 +110,7 @@ class Cluster:
         """Until the cluster has ``n`` live CPUs (a hang guard: a busy machine starts nodes slowly)."""
         deadline = time.monotonic() + timeout
         while (have := self.cpus()) != n:
-            dead = [n.log.read_text()[-2000:] for n in self.nodes if n.proc.poll() is not None]
+            dead = [x.log.read_text()[-2000:] for x in self.nodes if not x.killed and x.proc.poll() is not None]
             assert not dead, dead
             assert time.monotonic() < deadline, f"the cluster has {have} CPUs, not {n}"
             time.sleep(0.5)

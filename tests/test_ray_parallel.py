@@ -5,22 +5,27 @@ would take minutes a step on this 2-core machine (``bench/ray_scaling.py`` measu
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+import httpx
 import pytest
 import torch
 
-from daemon.trainer.worker import TrainerClient
+from daemon.releases import ReleaseStore
 from recipes.base import FeedbackReport, ScoredExchange, TrainJob
 from recipes.online_rl import OnlineRLSettings
+from tests.conftest import Daemon, make_home
 from tests.ray_cluster import RAY_ENV, Cluster
+from tests.test_learning import releases, wait_for
 
-# the 2-worker adapter's distance from the 1-worker one, relative to how far the step moved it: measured 0.0 to
-# 2e-7 (the same sums in another order), against 0.9 for the same step on another batch
-TOLERANCE = 1e-4
+# the 2-worker adapter's distance from the 1-worker one, relative to how far the step moved it: measured 4e-7 and
+# 2e-5 (the same sums in another order, which AdamW's first step, about lr * sign(gradient), amplifies where a
+# gradient is near 0), against 1.4 for the same step on another batch
+TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +56,76 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
-@pytest.fixture
-def ray_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer worker (the Ray driver) reads these from the environment it starts with."""
-    for k, v in RAY_ENV.items():
-        monkeypatch.setenv(k, v)
+HELD = '''
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.online_rl import OnlineRL, OnlineRLSettings
+
+
+@dataclass
+class Settings(OnlineRLSettings):
+    hold: str = ""  # a directory: each worker writes started-<pid> there, then waits while a file named wait is there
+
+
+class HeldRL(OnlineRL):
+    """online-rl, whose step waits at its start while the test says so (to lose a node in the middle of a step)."""
+
+    Settings = Settings
+
+    def train(self, job, state):
+        hold = Path(self.settings.hold)
+        (hold / f"started-{os.getpid()}").write_text(job.id)
+        deadline = time.monotonic() + 120  # a hang guard only: the test removes wait
+        while (hold / "wait").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().train(job, state)
+'''
+# small batches (2 prompts x 2 answers), LoRA on the tiny model, straight to the head: these tests are about where and
+# how a step runs, not the gate (the held-out check and the canary have their own tests)
+SETTINGS = {"lora": True, "lr": 1e-2, "batch_prompts": 2, "group_size": 2, "canary_share": 0, "heldout_check": False}
+
+
+@pytest.fixture(scope="module")
+def daemon(cluster: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon training on the cluster with trainer_workers = 2 (a worker on each node)."""
+    recipes = tmp_path_factory.mktemp("held-recipes")
+    (recipes / "heldrl.py").write_text(HELD)
+    home, port, env = make_home(tiny_model)
+    cfg = home / "config.toml"
+    cfg.write_text(f'trainer = "ray"\nray_address = "{cluster.address}"\ntrainer_workers = 2\n'
+                   f'recipe_paths = [{json.dumps(str(recipes))}]\n' + cfg.read_text())
+    env.update(RAY_ENV)
+    d = Daemon(home=home, port=port, env=env).start()
+    yield d
+    d.stop()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+_asked = iter(range(10**6))
+
+
+def ask_and_score(c: httpx.Client, scenario: str, n: int = 4) -> list[str]:
+    """``n`` answers served on ``scenario``, two to a prompt, reported with scores 0 and 1 in turn: a batch."""
+    receipts = []
+    for _ in range(n):
+        word = next(_asked) // 2
+        r = c.post(f"/s/{scenario}/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": f'Say "w{word}".'}]})
+        assert r.status_code == 200, r.text
+        receipts.append(r.headers["x-reef-agent-record-id"])
+    for i, rec in enumerate(receipts):
+        assert c.post("/reef/report", json={"score": float(i % 2), "references": [rec]}).status_code == 201
+    return receipts
+
+
+def served_by(c: httpx.Client, scenario: str) -> str:
+    r = c.post(f"/s/{scenario}/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    return r.headers["x-reef-release-id"]
 
 
 def scored_batch(model_dir: Path, seed: int, prompts: int = 2, group: int = 4) -> list[ScoredExchange]:
@@ -104,24 +174,113 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return sum(float((a[k] - b[k]).norm() ** 2) for k in a if "lora_B" in k) ** 0.5 / moved
 
 
-def test_two_workers_make_the_adapter_one_worker_makes(cluster: Cluster, tiny_model: Path, tmp_path: Path,
-                                                       ray_env: Any) -> None:
-    same, other = scored_batch(tiny_model, seed=0), scored_batch(tiny_model, seed=1)
-    two = TrainerClient(ray=(cluster.address, 2))
-    try:
-        parallel = two._run(job(tiny_model, same, "two"), tmp_path / "two")
-    finally:
-        two.close()
-    one = TrainerClient()  # the local worker: one process, the whole batch
-    try:
-        alone = one._run(job(tiny_model, same, "one"), tmp_path / "one")
-        elsewhere = one._run(job(tiny_model, other, "other"), tmp_path / "other")
-    finally:
-        one.close()
-    # two workers, each on half of the 8 answers
-    assert parallel.metrics["trainer_workers"] == 2 and parallel.metrics["shard_samples"] == 4
-    assert "trainer_workers" not in alone.metrics and "shard_samples" not in alone.metrics
-    near, far = distance(adapter(parallel.path), adapter(alone.path)), distance(adapter(elsewhere.path),
-                                                                             adapter(alone.path))
+
+
+def recorded(c: httpx.Client, receipts: list[str]) -> list[ScoredExchange]:
+    """The scored exchanges behind ``receipts`` (scored 0 and 1 in turn, as ``ask_and_score`` reported them)."""
+    out = []
+    for n, rid in enumerate(receipts):
+        rec = c.get(f"/reef/records/{rid}").json()
+        out.append(ScoredExchange(id=rid, release_id=rec["release_id"], prompt_token_ids=rec["prompt_token_ids"],
+                                  token_ids=rec["token_ids"], logprobs=rec["logprobs"],
+                                  report=FeedbackReport(id=f"rep_{n}", seq=n + 1, score=float(n % 2))))
+    return out
+
+
+def test_two_nodes_train_online_rl_into_a_served_release_equal_to_the_one_worker_step(
+        daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
+    from daemon import lora
+    from daemon.trainer.step import run_job
+
+    with daemon.http() as c:
+        r = c.post("/reef/scenarios", json={"name": "dp", "recipe": "online-rl", "settings": SETTINGS})
+        assert r.status_code == 201, r.text
+        init = releases(c, "dp")["releases"][-1]
+        receipts = ask_and_score(c, "dp")
+        chain = wait_for(lambda: (x := releases(c, "dp"))["releases"][0]["step"] == 1 and x, timeout=300,
+                         what="a release trained by two workers")  # a hang guard: a busy machine starts Ray slowly
+        head = chain["releases"][0]
+        assert head["operation"] == "train" and sorted(head["receipts"]) == sorted(receipts)
+        # two workers, one a node, each on half of the batch's 4 answers
+        assert head["metrics"]["trainer_workers"] == 2 and head["metrics"]["shard_samples"] == 2
+        assert served_by(c, "dp") == head["release_id"]
+        same = recorded(c, receipts)
+    published = ReleaseStore(daemon.home / "artifacts.git").read_file(head["release_id"], lora.WEIGHTS)
+    (tmp_path / "published.safetensors").write_bytes(published)
+    # the same step in one process (the local trainer's), and on another batch
+    settings = OnlineRLSettings(**SETTINGS).to_dict()
+
+    def one(batch: list[ScoredExchange], name: str) -> dict[str, torch.Tensor]:
+        job = TrainJob(id=name, recipe="online-rl", settings=settings, batch=batch, base_key=init["content_id"],
+                       base_path=str(tiny_model), head_key=init["content_id"], head_path=str(tiny_model),
+                       candidate_key=name, model_key=init["content_id"], model_release=init["release_id"],
+                       model_path=str(tiny_model))
+        return adapter(run_job({}, job, tmp_path / name).path)
+
+    from safetensors.torch import load_file
+
+    alone, other = one(same, "alone"), one(scored_batch(tiny_model, seed=1, prompts=2, group=2), "other")
+    near, far = distance(load_file(str(tmp_path / "published.safetensors")), alone), distance(other, alone)
     print(f"2 workers vs 1: {near:.2e}; another batch: {far:.2e}")
     assert near < TOLERANCE < far
+
+
+def test_a_lost_node_a_short_cluster_a_stranger_node_and_no_cluster(daemon: Daemon, cluster: Cluster,
+                                                                     tmp_path: Path) -> None:
+    from tests.conftest import ROOT
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    with daemon.http() as c:
+        r = c.post("/reef/scenarios", json={"name": "ft", "recipe": "heldrl:HeldRL",
+                                            "settings": {**SETTINGS, "hold": str(hold)}})
+        assert r.status_code == 201, r.text
+        # a node lost in the middle of a step: the step goes again on the node left, and is published once
+        (hold / "wait").touch()
+        receipts = ask_and_score(c, "ft")
+        first = wait_for(lambda: len(x := sorted(hold.glob("started-*"))) == 2 and x, timeout=300,
+                         what="both workers to start the step")
+        cluster.nodes[1].kill()
+        cluster.wait_cpus(1)
+        (hold / "wait").unlink()
+        while releases(c, "ft")["releases"][0]["step"] == 0:  # serving goes on meanwhile
+            assert served_by(c, "ft")
+            time.sleep(0.2)
+        chain = releases(c, "ft", all_=True)
+        head = chain["releases"][0]
+        assert sorted(head["receipts"]) == sorted(receipts) and chain["rejected"] == []
+        assert head["metrics"]["trainer_workers"] == 1  # on the node left
+        retried = [p for p in hold.glob("started-*") if p not in first]
+        assert len(retried) == 1 and retried[0].read_text() == first[0].read_text()  # the same job, once more
+        assert served_by(c, "ft") == head["release_id"]
+
+        def failed(n: int) -> str:
+            chain = wait_for(lambda: len((x := releases(c, "ft", all_=True))["rejected"]) == n and x, timeout=300,
+                             what=f"failed step {n}")
+            assert chain["releases"][0]["release_id"] == head["release_id"]  # nothing else published
+            step = chain["rejected"][0]
+            assert step["verdict"] == "failed", step
+            return str(step["reason"])
+
+        # trainer_workers above the cluster's CPUs: refused with both numbers
+        ask_and_score(c, "ft")
+        reason = failed(1)
+        assert f"trainer_workers = 2 needs 2 CPUs (one a worker); the Ray cluster at {cluster.address} has 1 CPU " \
+               "on 1 node" in reason, reason
+        # a node whose torch is another version than the daemon's: refused, naming both
+        fake = tmp_path / "fake" / "torch-0.0.1.dist-info"
+        fake.mkdir(parents=True)
+        (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 0.0.1\n")
+        cluster.join(env={"PYTHONPATH": f"{fake.parent}:{ROOT}"})
+        cluster.wait_cpus(2)
+        ask_and_score(c, "ft")
+        reason = failed(2)
+        assert "torch 0.0.1 where the daemon has torch " + torch.__version__ in reason, reason
+        # the cluster gone: the step fails with the reason, once, and serving goes on
+        for node in cluster.nodes:
+            node.kill()
+        ask_and_score(c, "ft")
+        reason = failed(3)
+        assert f"Ray cluster at {cluster.address}" in reason, reason
+        assert served_by(c, "ft") == head["release_id"]
+        assert len(releases(c, "ft", all_=True)["rejected"]) == 3
