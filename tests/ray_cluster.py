@@ -40,6 +40,25 @@ services.resolve_ip_for_localhost = lambda host: host  # and the head's 127.0.0.
 sys.argv[0] = "ray"
 sys.exit(scripts.main())
 """
+# a Ray driver answering each line on stdin with the cluster's live CPUs (0 until the head answers)
+WATCHER = """
+import socket
+import sys
+import time
+
+import ray
+
+host, port = sys.argv[1].split(":")
+while True:  # ray.init retries for minutes on an address where nothing listens yet
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        break
+    except OSError:
+        time.sleep(0.2)
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="error")
+for _ in sys.stdin:
+    print("CPU", ray.cluster_resources().get("CPU", 0), flush=True)  # Ray prints its own news on stdout too
+"""
 OBJECT_STORE = 80 * 1024 * 1024  # bytes a node's object store holds (the tiny model's files are a few MB)
 
 
@@ -74,6 +93,7 @@ class Node:
 class Cluster:
     port: int = field(default_factory=free_port)
     nodes: list[Node] = field(default_factory=list)
+    _watcher: subprocess.Popen[str] | None = None
 
     @property
     def address(self) -> str:
@@ -99,12 +119,18 @@ class Cluster:
         return self._start([f"--address={self.address}", f"--resources={resources}"], ray_env(env), True)
 
     def cpus(self) -> float:
-        """The cluster's live CPUs, as a driver sees them (0 when the head does not answer)."""
-        probe = f"import ray; ray.init(address={self.address!r}, log_to_driver=False); " \
-                "print(ray.cluster_resources().get('CPU', 0))"
-        done = subprocess.run([sys.executable, "-c", probe], env=ray_env(), capture_output=True, text=True,
-                              timeout=120)
-        return float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0.0
+        """The cluster's live CPUs, as a driver sees them: asked of one Ray driver kept for the purpose (a new one
+        per question cost 3-8 s on a busy machine)."""
+        if self._watcher is None or self._watcher.poll() is not None:
+            self._watcher = subprocess.Popen([sys.executable, "-c", WATCHER, self.address], env=ray_env(),
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        assert self._watcher.stdin is not None and self._watcher.stdout is not None
+        self._watcher.stdin.write("\n")
+        self._watcher.stdin.flush()
+        while (answer := self._watcher.stdout.readline()) and not answer.startswith("CPU "):
+            pass
+        return float(answer.split()[1]) if answer else 0.0
 
     def wait_cpus(self, n: float, timeout: float = 300) -> None:
         """Until the cluster has ``n`` live CPUs (a hang guard: a busy machine starts nodes slowly)."""
@@ -113,9 +139,13 @@ class Cluster:
             dead = [x.log.read_text()[-2000:] for x in self.nodes if not x.killed and x.proc.poll() is not None]
             assert not dead, dead
             assert time.monotonic() < deadline, f"the cluster has {have} CPUs, not {n}"
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            if self._watcher.poll() is None:
+                os.killpg(self._watcher.pid, signal.SIGKILL)
+            self._watcher.communicate()  # and its pipes closed
         for node in reversed(self.nodes):
             node.kill()
             node.log.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,10 +23,10 @@ from tests.conftest import Daemon, make_home
 from tests.ray_cluster import RAY_ENV, Cluster
 from tests.test_learning import releases, wait_for
 
-# the 2-worker adapter's distance from the 1-worker one, relative to how far the step moved it: measured 4e-7 and
-# 2e-5 (the same sums in another order, which AdamW's first step, about lr * sign(gradient), amplifies where a
+# the 2-worker adapter's distance from the 1-worker one, relative to how far the step moved it: measured 4e-7 to
+# 1.3e-4 (the same sums in another order, which AdamW's first step, about lr * sign(gradient), amplifies where a
 # gradient is near 0), against 1.4 for the same step on another batch
-TOLERANCE = 1e-3
+TOLERANCE = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         c.head()
         c.join(resources='{"second": 1}')
-        c.wait_cpus(2)
-        yield c
+        yield c  # starting (the daemon starts meanwhile and waits for it)
     finally:
         pids = {p for n in c.nodes for p in n.pids()}
         c.close()
@@ -99,6 +99,7 @@ def daemon(cluster: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPath
                    f'recipe_paths = [{json.dumps(str(recipes))}]\n' + cfg.read_text())
     env.update(RAY_ENV)
     d = Daemon(home=home, port=port, env=env).start()
+    cluster.wait_cpus(2)
     yield d
     d.stop()
     shutil.rmtree(home, ignore_errors=True)
@@ -210,19 +211,24 @@ def test_two_nodes_train_online_rl_into_a_served_release_equal_to_the_one_worker
     # the same step in one process (the local trainer's), and on another batch
     settings = OnlineRLSettings(**SETTINGS).to_dict()
 
-    def one(batch: list[ScoredExchange], name: str) -> dict[str, torch.Tensor]:
+    def one(batch: list[ScoredExchange], name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         job = TrainJob(id=name, recipe="online-rl", settings=settings, batch=batch, base_key=init["content_id"],
                        base_path=str(tiny_model), head_key=init["content_id"], head_path=str(tiny_model),
                        candidate_key=name, model_key=init["content_id"], model_release=init["release_id"],
                        model_path=str(tiny_model))
-        return adapter(run_job({}, job, tmp_path / name).path)
+        candidate = run_job({}, job, tmp_path / name)
+        return adapter(candidate.path), candidate.metrics
 
     from safetensors.torch import load_file
 
-    alone, other = one(same, "alone"), one(scored_batch(tiny_model, seed=1, prompts=2, group=2), "other")
+    (alone, metrics), (other, _) = one(same, "alone"), one(scored_batch(tiny_model, seed=1, prompts=2, group=2),
+                                                           "other")
     near, far = distance(load_file(str(tmp_path / "published.safetensors")), alone), distance(other, alone)
     print(f"2 workers vs 1: {near:.2e}; another batch: {far:.2e}")
     assert near < TOLERANCE < far
+    # the summed gradient is the whole batch's, not a multiple of it (AdamW's first step hides a scale; these do not)
+    for key in ("grad_norm", "pg_loss", "kl_ref", "ratio_mean", "clip_frac"):
+        assert abs(head["metrics"][key] - metrics[key]) <= 1e-4 * max(1.0, abs(metrics[key])), key
 
 
 def test_a_lost_node_a_short_cluster_a_stranger_node_and_no_cluster(daemon: Daemon, cluster: Cluster,
@@ -284,3 +290,64 @@ def test_a_lost_node_a_short_cluster_a_stranger_node_and_no_cluster(daemon: Daem
         assert f"Ray cluster at {cluster.address}" in reason, reason
         assert served_by(c, "ft") == head["release_id"]
         assert len(releases(c, "ft", all_=True)["rejected"]) == 3
+
+
+# --- the parts that need no cluster ----------------------------------------------------------------------------
+
+
+def test_the_mailbox_hands_a_job_out_three_times_at_most_and_stops_an_old_session() -> None:
+    from daemon.trainer.ray_parallel import STOP, TRIES, _Mailbox
+
+    box = _Mailbox(TRIES)
+    box.open(1)
+    assert box.take(1, 0) is None  # nothing yet
+    box.submit(7, "payload")
+    for _ in range(TRIES):  # the first try and two retries, each a group that lost a worker and asks again
+        assert box.take(1, 0) == 7 and box.job(7) == "payload"
+    assert box.take(1, 0) is None
+    kind, why = box.status(7, 1, 0)["result"]
+    assert kind == "failed" and f"lost {TRIES} times" in why
+    box.submit(8, "next")
+    assert box.take(1, 0) == 8
+    box.post(8, "done", "candidate")
+    box.post(8, "failed", "a late word")  # the first word on a job stands
+    assert box.status(8, 1, 0)["result"] == ("done", "candidate")
+    box.open(2)  # a new session: the old one's rank 0 is told to stop
+    assert box.take(1, 0) == STOP
+    box.end(2)
+    assert box.take(2, 0) == STOP
+
+
+def test_a_lost_peer_is_told_from_a_recipe_error() -> None:
+    from daemon.trainer.ray_parallel import _comm_error
+
+    # what gloo raised on the worker left when its peer's node was killed (measured, torch 2.13)
+    assert _comm_error(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                                    "Connection closed by peer [127.0.0.1]:2975"))
+    assert not _comm_error(RuntimeError("CUDA out of memory"))
+    assert not _comm_error(ValueError("train_step needs at least one sample"))
+
+
+def test_versions_differ_only_where_both_are_known() -> None:
+    from daemon.trainer.ray_parallel import mismatch
+
+    daemon = {"torch": "2.13.0", "reef": "0.1.0"}
+    assert mismatch(daemon, dict(daemon)) is None
+    assert mismatch(daemon, {"torch": "2.13.0", "reef": None}) is None  # Reef's code travels with the job
+    assert mismatch(daemon, {"torch": "2.12.1", "reef": "0.2.0"}) == \
+        "torch 2.12.1 where the daemon has torch 2.13.0; reef 0.2.0 where the daemon has reef 0.1.0"
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ("trainer_workers = 2", 'trainer_workers needs trainer = "ray"'),
+    ('trainer = "ray"\ntrainer_workers = 0', "at least 1, got 0"),
+    ('trainer = "ray"\ntrainer_workers = "2"', "at least 1, got '2'"),
+    ('trainer = "ray"\ntrainer_workers = true', "at least 1, got True"),
+])
+def test_a_worker_count_that_cannot_work_is_refused(tmp_path: Path, toml: str, message: str) -> None:
+    from daemon.config import load_config
+    from daemon.errors import BadRequest
+
+    (tmp_path / "config.toml").write_text(toml + "\n")
+    with pytest.raises(BadRequest, match=message):
+        load_config({"REEF_HOME": str(tmp_path)})

@@ -36,13 +36,13 @@ import contextlib
 import hashlib
 import importlib.metadata
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from daemon.errors import EngineError, StepFailed
@@ -54,6 +54,10 @@ TRIES = 3  # hand-outs of one job: the first try and two retries after lost work
 POLL_S = 5.0  # how long rank 0 waits for a job before telling its peers there is none (a liveness check too)
 LOST_S = 300.0  # no heartbeat from a session's workers this long (none restarted): the step fails
 START_S = 300.0  # a session's workers must be up within this (placement, processes, the process group)
+# how long Ray Train waits for the cluster to place a worker group before trying again with what is there: its 60 s
+# default is what a retry after a lost node cost, since Ray Train's own health check sees the worker gone before the
+# cluster marks its node dead and asks for a group of the old size first (measured: 78 s from the kill to the retry)
+PLACEMENT_S = "10"
 STOP = -1  # rank 0's word to its peers: the session is over
 VERSIONED = ("torch", "reef")  # what a node must have installed at the daemon's versions
 
@@ -177,17 +181,6 @@ def _comm_error(e: BaseException) -> bool:
                                                                    "connection reset by peer"))
 
 
-def _node_dir() -> Path:
-    """A directory for this worker's copies of the model directories: under its node's Ray session directory when
-    there is one (removed with the node's temp dir even if the worker is killed), else the system temp dir."""
-    base = None
-    with contextlib.suppress(Exception):
-        import ray
-
-        base = ray._private.worker.global_worker.node.get_session_dir_path()  # no public API names it
-    return Path(tempfile.mkdtemp(prefix="reef-ray-", dir=base))
-
-
 def _serve(config: dict[str, Any]) -> str:
     """One worker of a session: check the node, then run jobs until told to stop."""
     import ray
@@ -195,7 +188,7 @@ def _serve(config: dict[str, Any]) -> str:
     import torch
     import torch.distributed as dist
 
-    from daemon.trainer.ray_trainer import _read_dir, _safe, _write_dir
+    from daemon.trainer.ray_trainer import _node_dir, _read_dir, _safe, _write_dir
     from daemon.trainer.step import run_job
 
     box, session = config["box"], config["session"]
@@ -328,6 +321,7 @@ class ParallelSteps:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", PLACEMENT_S)  # the controller reads it
         box = self._mailbox()
         self._count += 1
         sid = self._count

@@ -26,8 +26,9 @@ Design choices:
   back as ``StepFailed`` with the exception's message.
 - ``ray_address`` joins an existing cluster (``ray.init(address=...)``); without it the worker starts a local
   cluster (``ray.init()``, a few seconds) on the first step and stops it when it stops (with the daemon, or when
-  the daemon dies: the worker follows its parent). The address is tried with a plain TCP connect first: ``ray.init``
-  on a cluster that is gone retried for minutes (measured), and a step must fail with the reason instead.
+  the daemon dies: the worker follows its parent). The address is tried with a plain TCP connect before each step:
+  ``ray.init`` on a cluster that is gone retried for minutes, and a connected driver's calls waited 60 s for a head
+  that was gone before the driver exited (measured, Ray 2.60); a step fails at once with the reason instead.
 - With ``trainer_workers`` the step of a data-parallel recipe (``TrainJob.data_parallel``) runs on that many Ray
   Train workers instead of the actor (``daemon/trainer/ray_parallel.py``); the inputs travel the same way.
 """
@@ -73,6 +74,17 @@ def _write_dir(files: dict[str, bytes], dest: Path) -> None:
 
 
 
+def _node_dir() -> Path:
+    """A directory for this worker's (or actor's) copies of the model directories: under its node's Ray session directory when
+    there is one (removed with the node's temp dir even if the worker is killed), else the system temp dir."""
+    base = None
+    with contextlib.suppress(Exception):
+        import ray
+
+        base = ray._private.worker.global_worker.node.get_session_dir_path()  # no public API names it
+    return Path(tempfile.mkdtemp(prefix="reef-ray-", dir=base))
+
+
 def _loopback_only() -> None:
     """Keep a local cluster Reef starts on loopback. Ray binds its GCS and raylet to every interface, and names the
     node by the machine's outward address, even with ``_node_ip_address="127.0.0.1"`` (measured, Ray 2.60: ``*:port``
@@ -95,7 +107,7 @@ class _StepActor:
                 sys.path.insert(0, p)
         torch.set_num_threads(threads)
         self.states: dict[str, dict[str, Any]] = {}
-        self.cache = Path(tempfile.mkdtemp(prefix="reef-ray-"))
+        self.cache = _node_dir()
 
     def pid(self) -> int:
         return os.getpid()
@@ -206,6 +218,8 @@ class RayDriver:
 
         with self._lock:
             ray = self._connect()
+            if self.address:  # a cluster gone between steps: a driver's calls would wait a minute for it
+                _reachable(self.address)
             if self._parallel is None:
                 assert self.workers is not None
                 self._parallel = ParallelSteps(ray, self.workers, self.threads, self.recipe_paths,
@@ -234,6 +248,8 @@ class RayDriver:
         dead = (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError)
         with self._lock:
             ray = self._connect()
+            if self.address:  # a cluster gone between steps: a driver's calls would wait a minute for it
+                _reachable(self.address)
             inputs = {job.base_path: job.base_key, job.head_path: job.head_key}
             if job.model_path:
                 inputs[job.model_path] = job.model_key
