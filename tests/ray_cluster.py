@@ -92,6 +92,7 @@ class Node:
 @dataclass
 class Cluster:
     port: int = field(default_factory=free_port)
+    object_store: int = OBJECT_STORE  # bytes each node's object store holds
     nodes: list[Node] = field(default_factory=list)
     _watcher: subprocess.Popen[str] | None = None
 
@@ -105,7 +106,7 @@ class Cluster:
         cmd = [sys.executable, "-c", NODE_START] if joining else [str(Path(sys.executable).parent / "ray")]
         with open(log, "wb") as out:
             proc = subprocess.Popen([*cmd, "start", "--block", "--num-cpus=1", "--disable-usage-stats",
-                                     f"--object-store-memory={OBJECT_STORE}", f"--temp-dir={temp}",
+                                     f"--object-store-memory={self.object_store}", f"--temp-dir={temp}",
                                      "--node-ip-address=127.0.0.1", *args],
                                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         node = Node(proc, temp, log)
