@@ -135,7 +135,7 @@ class Learner:
             from daemon.trainer.worker import TrainerClient
 
             # trainer = "ray": the worker is a Ray driver and the steps run on the cluster (daemon/trainer/ray_trainer.py)
-            ray = (self.config.ray_address,) if self.config.trainer == "ray" else None
+            ray = (self.config.ray_address, self.config.trainer_workers) if self.config.trainer == "ray" else None
             self._trainer = TrainerClient(threads=self.config.trainer_threads,
                                           recipe_paths=[str(p) for p in self.config.recipe_paths], ray=ray)
         return self._trainer
@@ -692,6 +692,7 @@ class Learner:
             model_path=str(model.path), device=self.config.model(scenario.model).device,
             head_scores=known[1] if known and known[0] == head.release_id else None,
             recipe_paths=[str(p) for p in self.config.recipe_paths],
+            data_parallel=st.recipe.data_parallel,
         )
         candidate: Candidate = await self.trainer.run(job, self.dir / job_id)
         return candidate
