@@ -188,7 +188,7 @@ def _serve(config: dict[str, Any]) -> str:
     import torch
     import torch.distributed as dist
 
-    from daemon.trainer.ray_trainer import _node_dir, _read_dir, _safe, _write_dir
+    from daemon.trainer.ray_files import _node_dir, _read_dir, _safe, _write_dir
     from daemon.trainer.step import run_job
 
     box, session = config["box"], config["session"]

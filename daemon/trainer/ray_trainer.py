@@ -41,14 +41,13 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from daemon import durable
 from daemon.errors import EngineError, StepFailed
+from daemon.trainer.ray_files import _node_dir, _read_dir, _safe, _write_dir
 from daemon.trainer.step import run_job
 from recipes.base import Candidate, TrainJob
 
@@ -58,31 +57,11 @@ _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the daemon 
 _MAX_INPUTS = 16  # model directories kept in the object store (the oldest dropped first)
 
 
-def _read_dir(path: str) -> dict[str, bytes]:
-    base = Path(path)
-    return {p.relative_to(base).as_posix(): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
-
-
-def _write_dir(files: dict[str, bytes], dest: Path) -> None:
-    """``files`` under ``dest``, all or nothing: written in a temp directory beside it, synced, renamed."""
-    with durable.staged_dir(dest) as tmp:
-        for rel, data in files.items():
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        durable.publish_dir(tmp, dest)
 
 
 
-def _node_dir() -> Path:
-    """A directory for this worker's (or actor's) copies of the model directories: under its node's Ray session directory when
-    there is one (removed with the node's temp dir even if the worker is killed), else the system temp dir."""
-    base = None
-    with contextlib.suppress(Exception):
-        import ray
 
-        base = ray._private.worker.global_worker.node.get_session_dir_path()  # no public API names it
-    return Path(tempfile.mkdtemp(prefix="reef-ray-", dir=base))
+
 
 
 def _loopback_only() -> None:
@@ -151,8 +130,6 @@ def _reachable(address: str) -> None:
             from None
 
 
-def _safe(key: str) -> str:
-    return key.replace(":", "_").replace("/", "_")
 
 
 class RayDriver:
