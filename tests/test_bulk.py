@@ -257,3 +257,20 @@ async def test_the_checks_answers_go_through_one_batch_and_are_the_requests_own(
     want = await heldout.answers(engine, "tiny", prompts, None, 16)  # each a request, as before
     assert [(a.text, a.token_ids, a.prompt_token_ids) for a in got] == [
         (a.text, a.token_ids, a.prompt_token_ids) for a in want]
+
+
+async def test_a_model_whose_caches_cannot_share_a_batch_answers_each_as_a_request(
+        engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    load = engine._serving()
+    monkeypatch.setattr(load, "batchable", False)  # as a sliding-window model's load says
+    jobs: list[str] = []
+    advance, kl = bulk.Answers.advance, bulk.Divergences.advance
+    monkeypatch.setattr(bulk.Answers, "advance", lambda self: (jobs.append("answers"), advance(self)))
+    monkeypatch.setattr(bulk.Divergences, "advance", lambda self: (jobs.append("kl"), kl(self)))
+    asked = exchanges()[:6]
+    got = await engine.answer_many(asked)
+    for a, e in zip(got, asked, strict=True):
+        same(a, await alone(engine, e))
+    pairs = [(c.prompt_token_ids, c.token_ids) for c in got]
+    assert await engine.divergence_many(pairs, None, None) == [[0.0] * len(t) for _, t in pairs]  # type: ignore[arg-type]
+    assert jobs == []

@@ -303,6 +303,8 @@ class TransformersEngine(Engine):
         from daemon.engines import bulk
 
         load = await self._acquire(release)
+        if not load.batchable:  # sliding-window caches are not left-padded together: each a request
+            return await super().answer_many(exchanges, release)
         prepared = await asyncio.to_thread(lambda: [self._prepare(load, e) for e in exchanges])
         job = bulk.Answers(load, self.entry.name, prepared)
         await self._run_bulk(job, [load])
@@ -315,6 +317,8 @@ class TransformersEngine(Engine):
         from daemon.engines import bulk
 
         loads = (await self._acquire(release), await self._acquire(reference))
+        if not all(load.batchable for load in loads):
+            return await super().divergence_many(pairs, release, reference)
         job = bulk.Divergences(loads, pairs)
         await self._run_bulk(job, list(loads))
         return job.result
