@@ -317,6 +317,11 @@ def logprob_gap(model: Path, threads: int, max_tokens: int) -> dict[str, float]:
             for name in ("int4", "float32"):
                 gaps[f"{name} |dlogprob|"] += (lp[name] - lp["bf16"]).gather(1, picked).abs().flatten().tolist()
                 gaps[f"{name} KL"] += (lp["bf16"].exp() * (lp["bf16"] - lp[name])).sum(-1).tolist()
+            # what online-rl sees at step 0: the ratio of the trainer's float32 log-prob to the served one, per token,
+            # outside its clip range [0.8, 1.28] (recipes/online_rl.py)
+            for name in ("int4", "bf16"):
+                ratio = (lp["float32"] - lp[name]).gather(1, picked).exp().flatten()
+                gaps.setdefault(f"{name} clipped", []).extend(((ratio < 0.8) | (ratio > 1.28)).float().tolist())
     return {k: statistics.mean(v) for k, v in gaps.items()} | {
         k.replace("|dlogprob|", "max |dlogprob|"): max(v) for k, v in gaps.items() if "dlogprob" in k}
 
@@ -378,6 +383,8 @@ def main() -> None:
     for name in ("int4", "float32"):
         print(f"  {name:8} |dlogprob| mean {gap[f'{name} |dlogprob|']:.4f} max {gap[f'{name} max |dlogprob|']:.4f}, "
               f"KL mean {gap[f'{name} KL']:.5f}")
+    print(f"  tokens whose float32 / served probability ratio is outside online-rl's clip [0.8, 1.28] at step 0: "
+          f"served int4 {gap['int4 clipped']:.1%}, served bf16 (before) {gap['bf16 clipped']:.1%}")
 
     turns = asyncio.run(agent_turns(model, args.threads))
     ratio = turns["turn2"] / turns["turn1"]

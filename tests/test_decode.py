@@ -18,6 +18,7 @@ import torch
 from daemon.config import ModelEntry
 from daemon.engines.base import ReleaseRef
 from daemon.engines.decode import FastLlama, Int4Linear, KVCache, pack_int4, prepare
+from daemon.engines.lora import AdapterWeights
 from daemon.engines.transformers import Load, TransformersEngine
 from daemon.exchange import Completion, Exchange, Finish, Message, Part, Sampling
 from daemon.lora import AdapterManifest
@@ -152,11 +153,42 @@ def greedy(load: Load, prompt: list[int], n: int) -> tuple[list[int], list[float
 
 
 def test_packed_layers_serve_the_same_tokens_on_the_fast_and_the_reference_forward(grid_model: Load) -> None:
-    pack_int4(grid_model.model)
-    fast = dataclasses.replace(grid_model, fast=FastLlama(grid_model.model))
+    model = grid_model.model
+    dense = {name: m.weight.detach().float() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    pack_int4(model)
+    fast = dataclasses.replace(grid_model, fast=FastLlama(model))  # fuses q/k/v and gate/up: views into one tensor
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):  # each layer still computes its own weights, fused or not
+            x = torch.randn(2, m.in_features)
+            want = torch.nn.functional.linear(x, dense[name])
+            assert torch.allclose(m(x.bfloat16()).float(), want, rtol=0.02, atol=0.05), name
     prompt = grid_model.encode_text("<|im_start|>user\ntell me about caches<|im_end|>\n<|im_start|>assistant\n")
     a, b = greedy(fast, prompt, 24), greedy(grid_model, prompt, 24)
     assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-5)
+
+
+def test_packed_layers_with_an_adapter_on_the_fast_path_give_the_reference_logits(grid_model: Load) -> None:
+    """Fused int4 calls (q/k/v, gate/up) give way to the adapter's hooks: with an adapter attached the fast forward
+    still equals transformers' forward over the same modules, and differs from the bare base."""
+    pack_int4(grid_model.model)
+    fast = dataclasses.replace(grid_model, fast=FastLlama(grid_model.model))
+    assert all(qkv is not None and gate_up is not None for qkv, gate_up in fast.fast.fused)
+    g = torch.Generator().manual_seed(3)
+    modules = {}
+    for name, m in grid_model.model.named_modules():
+        if name.endswith(("q_proj", "v_proj", "up_proj")):
+            a = torch.randn(4, m.in_features, generator=g) * 0.3
+            modules[name] = (a, torch.randn(m.out_features, 4, generator=g) * 0.3, 2.0)
+    grid_model.lora.attach(grid_model.model, "a", AdapterWeights(modules, 0))
+    ids = torch.tensor([grid_model.encode_text("tell me about caches and more caches")])
+    with torch.inference_mode():
+        logits = {}
+        for name, load in (("fast", fast), ("reference", grid_model)):
+            for adapter in ("a", None):
+                logits[name, adapter] = load.forward(ids, load.new_cache(), [adapter]).float()
+    assert torch.allclose(logits["fast", "a"], logits["reference", "a"], atol=1e-3)
+    assert torch.allclose(logits["fast", None], logits["reference", None], atol=1e-3)
+    assert not torch.allclose(logits["fast", "a"], logits["fast", None], atol=1e-2)
 
 
 def test_pack_int4_off_leaves_the_weights_as_they_are(grid_model: Load) -> None:
