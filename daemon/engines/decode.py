@@ -68,6 +68,9 @@ class Int4Linear(torch.nn.Linear):
     """A bias-free linear layer over 4-bit weights (torch's int4 CPU kernel, bf16 activations). ``weight`` gives the
     dequantized weights back on demand; ``in_features`` / ``out_features`` are the original layer's."""
 
+    packed: torch.Tensor  # uint8, the kernel's layout of q
+    scale_zero: torch.Tensor  # [in / GROUP, out, 2] in the activations' dtype
+
     def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -78,14 +81,14 @@ class Int4Linear(torch.nn.Linear):
             linear.weight.dtype))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
 
-    @property  # type: ignore[override]
-    def weight(self) -> torch.Tensor:
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
         eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
         return self.forward(eye).t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zero)
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zero)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -342,7 +345,8 @@ class FastLlama:
                 gu = [_linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)]
             hidden = hidden + _linear(mlp.down_proj, F.silu(gu[0]) * gu[1])
         hidden = self._rms(hidden[:, -1:], self.norm.weight)
-        return self.head(hidden)[:, -1]
+        logits: torch.Tensor = self.head(hidden)
+        return logits[:, -1]
 
 
 def prepare(model: Any, *, fast: bool, pack: bool) -> FastLlama | None:
