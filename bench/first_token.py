@@ -1,7 +1,7 @@
 """What a stream's receipt in its headers costs the first token, in front of an instant upstream and of SmolLM2.
 
 A stream's receipt goes out in its response headers, before the answer exists, so its record must be durable
-before the first byte: Reef starts that write (``RecordStore.open_exchange``, a commit with an fsync) beside the
+before the first byte: Reef starts that write (``RecordStore.exchanges.open``, a commit with an fsync) beside the
 engine's work on its first event, and the first token waits only for what is left of the write when the engine's
 first event comes in. The other placement, the receipt only in the final event, would let the first token go out at
 once and make the write before the final event instead.

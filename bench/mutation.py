@@ -17,7 +17,7 @@ Each module's tests are a selection that runs in seconds where the module allows
 where the behaviour lives in the daemon), since every mutant runs them once: hundreds of mutants per module.
 
 Run: ``.venv/bin/pip install -e '.[mutation]'`` once, then
-``.venv/bin/python bench/mutation.py [MODULE ...] [--record] [--timeout 120] [--keep DIR]``
+``.venv/bin/python bench/mutation.py [MODULE ...] [--record] [--timeout 120] [--keep DIR [--resume]]``
 (``--list`` shows the modules and their tests).
 """
 
@@ -52,17 +52,16 @@ MODULES: dict[str, Module] = {
                                               "not hacked_run")),
     "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py", "tests/test_gates.py")),
     "canary": Module("daemon/canary.py", ("tests/test_canary.py",)),
+    "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forget.py",)),
-    "scopes": Module("daemon/scopes.py", ("tests/test_sandbox_escape.py", "-k", "scoped or scopes")),
+    "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
                                                                 "mutation or screen or proposer or settings_file")),
     "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py",)),
     "export": Module("daemon/export.py", ("tests/test_export.py",)),
-    # the unit tests first (-x stops at the first failure): the key over http, the serve settings, the Host check
-    "listening": Module("daemon/listening.py", ("tests/test_providers.py", "tests/test_remote_clients.py",
-                                                "tests/test_hardening.py", "tests/test_config.py", "-k",
-                                                "listen or loopback or tls or host")),
+    # its unit tests (the daemon's: test_remote_clients.py, test_hardening.py, test_providers.py)
+    "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
     "trainer_memory": Module("recipes/memory.py", ("tests/test_trainer_memory.py",)),
 }
 
@@ -82,8 +81,9 @@ def tracked_copy(dest: Path) -> None:
         shutil.copy2(src, out)
 
 
-def run_module(name: str, mod: Module, work: Path, timeout: float) -> dict[str, object]:
-    """Plant every mutant of ``mod`` in the copy at ``work`` and run its tests: the counts and the survivors."""
+def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool = False) -> dict[str, object]:
+    """Plant every mutant of ``mod`` in the copy at ``work`` and run its tests: the counts and the survivors.
+    ``resume``: go on with the mutants an earlier run in ``work`` left untried (its database is kept there)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
@@ -108,8 +108,9 @@ def run_module(name: str, mod: Module, work: Path, timeout: float) -> dict[str, 
     base = subprocess.run(test_cmd, shell=True, cwd=work, env=env, capture_output=True, text=True)
     if base.returncode != 0:  # the tests must pass on the real code, or every mutant looks killed
         return {"module": name, "error": "the module's tests fail without any mutant:\n" + base.stdout[-2000:]}
-    subprocess.run([str(bin_dir / "cosmic-ray"), "init", str(cfg), str(db)], cwd=work, env=env, check=True)
-    subprocess.run([str(bin_dir / "cr-filter-pragma"), str(db)], cwd=work, env=env, check=True)
+    if not (resume and db.exists()):
+        subprocess.run([str(bin_dir / "cosmic-ray"), "init", str(cfg), str(db)], cwd=work, env=env, check=True)
+        subprocess.run([str(bin_dir / "cr-filter-pragma"), str(db)], cwd=work, env=env, check=True)
     subprocess.run([str(bin_dir / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=work, env=env, check=True)
     killed = survived = skipped = 0
     survivors = []
@@ -136,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", action="store_true", help="write the scores to bench/mutation_scores.json")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mutant's test run (past it: killed)")
     ap.add_argument("--keep", type=Path, help="leave the scratch copy and cosmic-ray's databases here")
+    ap.add_argument("--resume", action="store_true", help="with --keep: go on where a stopped run there left off "
+                    "(the copy is made again, so a mutant the stop left in place is undone)")
     ap.add_argument("--list", action="store_true", help="list the modules and their tests")
     args = ap.parse_args(argv)
     if args.list:
         for name, mod in MODULES.items():
             print(f"{name:16} {mod.path:42} {' '.join(mod.tests)}")
         return 0
+    if args.resume and args.keep is None:
+        ap.error("--resume needs --keep DIR (where the stopped run kept its databases)")
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         ap.error(f"unknown module(s) {', '.join(unknown)}; known: {', '.join(MODULES)}")
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     fell = []
     try:
         for name in args.modules or list(MODULES):
-            r = run_module(name, MODULES[name], work, args.timeout)
+            r = run_module(name, MODULES[name], work, args.timeout, args.resume)
             results.append(r)
             if "error" in r:
                 print(f"{name}: failed: {r['error']}")

@@ -66,7 +66,7 @@ async def _round(store: RecordStore | _FlushFloor, requests: int, concurrency: i
     async def worker() -> None:
         for _ in todo:
             t0 = time.perf_counter()
-            await store.append_exchange(_record())
+            await store.exchanges.append(_record())
             latencies.append((time.perf_counter() - t0) * 1e3)
 
     t0 = time.perf_counter()

@@ -292,7 +292,7 @@ def logprob_gap(model: Path, threads: int, max_tokens: int) -> dict[str, float]:
     load, the bf16 load and a float32 forward of the bf16 weights (the trainer's), against the bf16 load."""
     import torch
 
-    from daemon.engines.transformers import Load
+    from daemon.engines.rows import Load
 
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")

@@ -16,7 +16,8 @@
   it replaced, which needed about 2,000 reports to see a difference of 0.2 on pass/fail scores (a union bound over
   sample sizes, two intervals to separate): betting adapts to the scores' variance and needs a median of 112 canary
   reports for +0.2 and 53 for -0.3 (``bench/canary.py``). No model of the scores is assumed (any scores in [0, 1]).
-  Each arm's Hoeffding interval is still computed, for people to read. Ended as a tie when both arms have
+  People read intervals by betting too (``intervals``): each arm's mean, and the difference's, which is the
+  decision's own (above 0 exactly when it promotes, below exactly when it ends). Ended as a tie when both arms have
   ``max_reports`` reports; ended early when its share of failed exchanges exceeds ``max_error_rate`` (after
   ``min_exchanges``), or when its median exchange takes more than ``max_latency_ratio`` times the head's (after
   ``min_exchanges`` complete ones on each arm: a release that makes the agent's every request slower is worse
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -56,7 +58,7 @@ from daemon.errors import BadRequest, NotFound, ReefError
 from daemon.services import Daemon
 
 if TYPE_CHECKING:
-    from daemon.records.store import Scenario
+    from daemon.records import Scenario
     from daemon.releases import Release
 
 log = logging.getLogger("reef.canary")
@@ -77,7 +79,8 @@ EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-
 
 
 def radius(n: int, delta: float) -> float:
-    """Half-width of the anytime-valid Hoeffding interval for the mean of ``n`` scores in [0, 1]."""
+    """Half-width of the anytime-valid Hoeffding interval for the mean of ``n`` scores in [0, 1]: the rule the
+    betting test replaced, which ``bench/canary.py`` measures beside it."""
     if n == 0:
         return math.inf
     return math.sqrt(math.log(math.pi ** 2 * n ** 2 / (3 * delta)) / (2 * n))
@@ -103,13 +106,10 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
     promote it when nothing else decided (None: no such bound)."""
     h = [min(1.0, max(0.0, x)) for x in head]
     c = [min(1.0, max(0.0, x)) for x in canary]
-    delta = alpha / 2
     mh = sum(h) / len(h) if h else None
     mc = sum(c) / len(c) if c else None
-    rh, rc = radius(len(h), delta), radius(len(c), delta)
     figures: dict[str, Any] = {
-        "canary_reports": len(c), "head_reports": len(h), "canary_mean": mc, "head_mean": mh,
-        "canary_interval": _interval(mc, rc), "head_interval": _interval(mh, rh), "alpha": alpha,
+        "canary_reports": len(c), "head_reports": len(h), "canary_mean": mc, "head_mean": mh, "alpha": alpha,
         "canary_exchanges": exchanges, "canary_errors": errors,
         "canary_p50_ms": _median(canary_ms), "head_p50_ms": _median(head_ms),
     }
@@ -157,8 +157,9 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
 
 def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
     """A running canary in lines a person reads (``reef status``, ``reef releases list``, the TUI, the release
-    page): its share and bounds, each arm's reports, mean, interval and guard figures, the smallest difference it
-    can still decide by its end (``betting.detectable`` over ``pairs_by_end``), and the bettors' evidence."""
+    page): its share and bounds, each arm's reports, mean, interval and guard figures, the difference's interval
+    (the decision's: ``intervals``), the smallest difference it can still decide by its end (``betting.detectable``
+    over ``pairs_by_end``), and the bettors' evidence."""
     f, st = status.get("figures") or {}, status.get("settings") or {}
 
     def num(v: Any, fmt: str = ".3f") -> str:
@@ -182,9 +183,13 @@ def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
     smallest = f.get("detectable")
     decides = (f"decides a difference of {smallest:.2f} or more by its end" if smallest is not None else
                "can decide no difference by its end at its reports' rate")
+    div = f.get("difference_interval")
     return [f"canary {str(status.get('release_id'))[:12]} serves {status.get('share', 0):.0%} of new runs beside "
             f"{str(status.get('base_id'))[:12]} (alpha {f.get('alpha', st.get('alpha'))}; {', '.join(bounds)})",
             arm("canary"), arm("head"),
+            f"  difference canary - head {num(f.get('difference'), '+.3f')}"
+            + (f" [{div[0]:+.2f}, {div[1]:+.2f}]" if div else "") + f" over {f.get('pairs', 0)} paired reports: "
+            "promoted once it lies above 0, ended once below",
             f"  {decides} (about {num(f.get('pairs_by_end'), '.0f')} paired reports, {f.get('pairs', 0)} so far); "
             f"evidence better {num(f.get('evidence_better'), '.2f')}, worse {num(f.get('evidence_worse'), '.2f')} "
             f"of {num(f.get('evidence_needed'), '.2f')} needed"]
@@ -261,10 +266,18 @@ def _median(xs: list[float] | None) -> float | None:
     return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
 
 
-def _interval(mean: float | None, r: float) -> list[float] | None:
-    if mean is None or not math.isfinite(r):
-        return None
-    return [round(max(0.0, mean - r), 4), round(min(1.0, mean + r), 4)]
+@functools.lru_cache(maxsize=32)  # judged every CHECK_S and shown on every status: computed once per new report
+def intervals(head: tuple[float, ...], canary: tuple[float, ...], alpha: float) -> dict[str, list[float] | None]:
+    """The intervals people read, by betting, from both arms' scores: each arm's mean at ``alpha / 2`` (both hold at
+    once with probability ``1 - alpha``; ``betting.mean_interval``), and the difference canary - head over the
+    decision's pairs at ``alpha`` (``betting.interval``), whose bettors at 0 are the decision's: it lies above 0
+    exactly when the scores promote the canary, below 0 exactly when they end it."""
+    def shown(iv: tuple[float, float] | None) -> list[float] | None:
+        return None if iv is None else [round(iv[0], 4), round(iv[1], 4)]
+
+    return {"canary_interval": shown(betting.mean_interval(canary, alpha / 2)),
+            "head_interval": shown(betting.mean_interval(head, alpha / 2)),
+            "difference_interval": shown(betting.interval(betting.pairs(head, canary), alpha))}
 
 
 def arm_key(headers: Any, run: str | None) -> str | None:
@@ -359,6 +372,11 @@ class Canaries:
         if rel is None:
             raise NotFound(f"no candidate {release_id} held for review in scenario {scenario.name!r}; a canary "
                            "serves a pending release (reef releases list --all)", release_id=release_id)
+        if rel.kind == "weights":  # loaded before it serves anyone: else its first answers wait for the load, behind
+            # the head's, and the latency guard counts that wait against it (a burst of 64 requests at once, reef
+            # demo's: medians of 1.8 s against 0.5 s, a healthy candidate ended). A load that fails shows as failed
+            # exchanges on its arm (chains.preload says nothing), which the error guard counts.
+            await self.reef.chains.preload(scenario, rel, await self.reef.engine(scenario.model))
         head = await self.reef.chains.head(scenario)
         row = await self.reef.store.start_canary(scenario.name, rel.release_id, head.release_id, float(share),
                                                  settings)
@@ -418,7 +436,9 @@ class Canaries:
 
     # --- judging -------------------------------------------------------------------------------------------
 
-    async def _judge(self, row: dict[str, Any]) -> Decision:
+    async def _judge(self, row: dict[str, Any], *, shown: bool = True) -> Decision:
+        """The canary's decision on what the store holds now; ``shown``: with the intervals people read (for a
+        status and an end; the verdict needs none, so the loop's rounds leave them out)."""
         arms = (row["base_id"], row["release_id"])
         got = await self.reef.store.arm_outcomes(row["scenario"], row["started_at"], arms)
         s = row["settings"]
@@ -428,15 +448,19 @@ class Canaries:
             m.canary_reports.labels(row["scenario"], arm).set(len(got_arm["scores"]))
             if got_arm["scores"]:
                 m.canary_mean.labels(row["scenario"], arm).set(sum(got_arm["scores"]) / len(got_arm["scores"]))
-        return decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
-                      errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
-                      min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
-                      # (rows from before a bound existed: the bound off, as they were started)
-                      max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
-                      canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
-                      min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)),
-                      max_answers=s.get("max_answers"), age_s=max(0.0, time.time() - row["started_at"]),
-                      max_age_s=None if s.get("max_hours") is None else s["max_hours"] * 3600)
+        d = decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
+                   errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
+                   min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
+                   # (rows from before a bound existed: the bound off, as they were started)
+                   max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
+                   canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
+                   min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)),
+                   max_answers=s.get("max_answers"), age_s=max(0.0, time.time() - row["started_at"]),
+                   max_age_s=None if s.get("max_hours") is None else s["max_hours"] * 3600)
+        if shown:  # (in a thread: 400 reports an arm take some 0.1 s of pure Python, once per new report)
+            d.figures.update(await asyncio.to_thread(intervals, tuple(head["scores"]), tuple(cand["scores"]),
+                                                     s["alpha"]))
+        return d
 
     async def _loop(self) -> None:
         while self.active:
@@ -446,7 +470,7 @@ class Canaries:
                     async with self._judging:
                         if self.active.get(name) is not row:
                             continue
-                        scenario = await self.reef.store.get_scenario(name)
+                        scenario = await self.reef.store.scenarios.get(name)
                         head = await self.reef.chains.head(scenario)
                         if head.release_id != row["base_id"]:  # a rollback or a promote moved the head meanwhile
                             await self.end(scenario, promote=False, verdict="head-moved", reason=(
@@ -454,6 +478,9 @@ class Canaries:
                                 "ran (a rollback or a promote): it was compared with a release that no longer serves, "
                                 "so it is ended, not promoted; start a new canary against the new head"))
                             continue
+                        if (await self._judge(row, shown=False)).verdict is None:
+                            continue
+                        # again, with the intervals for the chain: the same verdict, unless a report came meanwhile
                         d = await self._judge(row)
                         if d.verdict is None:
                             continue

@@ -96,7 +96,7 @@ class Chains:
         if self._store.remote is not None:
             await self._follow_once()  # serve what the remote has from the first request on
             self._follow = asyncio.ensure_future(self._follow_remote())
-        self._announced = await asyncio.to_thread(self._heads)
+        self._announced = await asyncio.to_thread(self.heads)
         self._watch = asyncio.ensure_future(self._watch_heads())
 
     async def _follow_once(self) -> list[str]:
@@ -150,7 +150,8 @@ class Chains:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    def _heads(self) -> dict[str, str | None]:
+    def heads(self) -> dict[str, str | None]:
+        """Every scenario's head as git has it now (blocking: run it off the loop)."""
         return {name: self._store.head(name) for name in self._store.scenarios()}
 
     async def _watch_heads(self, every: float = 1.0) -> None:
@@ -161,7 +162,7 @@ class Chains:
         while True:
             await asyncio.sleep(every)
             try:
-                heads = await asyncio.to_thread(self._heads)
+                heads = await asyncio.to_thread(self.heads)
                 # a head counts once two looks agree: this daemon's own publish is announced by its publisher
                 # in the meantime, never twice
                 stable = {name: head for name, head in heads.items() if seen.get(name) == head}

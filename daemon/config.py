@@ -24,6 +24,8 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     retention_max_mb = 500        # the oldest exchanges are forgotten while the bodies kept exceed this
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
+    trainer_workers = 2           # trainer = "ray": data-parallel workers per step of a recipe that supports them
+                                  # (online-rl; Ray Train's TorchTrainer); none: one Ray actor per step
 
     [telemetry]                   # OpenTelemetry traces, on when this table is there (the otel extra;
                                   # daemon/telemetry.py, docs/telemetry.md); OTEL_SDK_DISABLED=true: off
@@ -133,6 +135,8 @@ class Config:
     retention_check_s: float = 3600.0
     trainer: str = "local"  # local | ray
     ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
+    # trainer = "ray": a data-parallel recipe's step runs as this many Ray Train workers (daemon/trainer/ray_parallel.py)
+    trainer_workers: int | None = None
     telemetry: TelemetrySettings | None = None  # [telemetry]: OpenTelemetry export (None: none, nothing imported)
     # set from the environment for the CLI: reach a daemon over TCP instead of the socket
     url: str | None = None
@@ -501,7 +505,7 @@ def load_config(
                "harness_updates", "agents_dir", "recipe_paths", "harness_recipe", "events_queue",
                "allowed_recipes",
                "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "chain_max_blob_bytes",
-               "chain_max_lfs_bytes", "trainer", "ray_address", "retention_days", "retention_max_mb",
+               "chain_max_lfs_bytes", "trainer", "ray_address", "trainer_workers", "retention_days", "retention_max_mb",
                "retention_check_s", *listening.KEYS}
     unknown = set(raw) - allowed
     if unknown:
@@ -628,6 +632,12 @@ def _check_distributed(values: dict[str, Any], home: Path) -> None:
             raise BadRequest('config: ray_address needs trainer = "ray"')
         if not isinstance(values["ray_address"], str) or not values["ray_address"].strip():
             raise BadRequest("config: ray_address must be a Ray cluster address, e.g. \"10.0.0.5:6379\"")
+    workers = values.get("trainer_workers")
+    if workers is not None:
+        if trainer != "ray":
+            raise BadRequest('config: trainer_workers needs trainer = "ray" (the workers run on a Ray cluster)')
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise BadRequest(f"config: trainer_workers must be a whole number of workers, at least 1, got {workers!r}")
 
 
 def with_overrides(cfg: Config, **changes: Any) -> Config:

@@ -151,7 +151,7 @@ async def reserved_prompts(store: Any, scenario: str, share: float, n: int = hel
     memory for the scenario it trains)."""
     if share <= 0:
         return []
-    rows, _ = await store.scored_exchanges(scenario, after=0)
+    rows, _ = await store.reports.scored_exchanges(scenario, after=0)
     latest: OrderedDict[str, str] = OrderedDict()
     for r in rows:
         if heldout.reserved(r.prompt_token_ids, share):
@@ -163,7 +163,7 @@ async def reserved_prompts(store: Any, scenario: str, share: float, n: int = hel
         if len(out) >= n:
             break
         try:
-            text = heldout.user_prompt(await store.get_record(receipt))
+            text = heldout.user_prompt(await store.exchanges.get(receipt))
         except NotFound:  # forgotten meanwhile
             text = None
         if text and text not in out:
@@ -173,7 +173,7 @@ async def reserved_prompts(store: Any, scenario: str, share: float, n: int = hel
 
 async def reported(store: Any, scenario: str, share: float) -> dict[str, list[float]]:
     """Release id -> the latest score reported on each reserved exchange it served."""
-    rows, _ = await store.scored_exchanges(scenario, after=0)
+    rows, _ = await store.reports.scored_exchanges(scenario, after=0)
     latest: dict[str, tuple[str | None, float]] = {}
     for r in rows:  # in report order: a receipt scored again keeps its latest score
         if heldout.reserved(r.prompt_token_ids, share):
@@ -252,12 +252,12 @@ class Evaluations:
     async def check(self, name: str, transfer: str | None, last: int | None) -> Any:
         """The scenario (``NotFound``), and the arguments: a transfer scenario that does not exist, or is this one,
         is a ``BadRequest`` naming ``transfer``."""
-        scen = await self.store.get_scenario(name)
+        scen = await self.store.scenarios.get(name)
         if transfer is not None:
             if transfer == scen.name:
                 raise BadRequest("transfer must name another scenario than the one evaluated", param="transfer")
             try:
-                await self.store.get_scenario(transfer)
+                await self.store.scenarios.get(transfer)
             except NotFound:
                 raise BadRequest(f"no scenario named {transfer!r} to measure transfer on", param="transfer",
                                  scenario=transfer) from None
@@ -368,7 +368,7 @@ class Evaluations:
         elif not weights:
             plan.transfer_na = "a harness release: transfer asks weights"
         else:
-            other = await self.store.get_scenario(transfer)
+            other = await self.store.scenarios.get(transfer)
             try:
                 other_check = heldout.CheckSettings.of(self.make_recipe(other.recipe, other.settings).settings)
             except ReefError as e:

@@ -1,9 +1,11 @@
 """The event bus: what happened in the daemon, for ``GET /reef/events`` (SSE), the TUI and progress bars.
 
-Events are small dicts ``{"seq", "time", "kind", ...}``; kinds: ``record``, ``report``, ``scenario``,
-``release``, ``engine.load``, ``train.step``, ``gate``, ``watchdog``, ``heldout`` (the held-out check's verdict:
-passed, held, failed, with its figures), ``eval`` (``reef eval``'s progress:
-started, measuring a release, done). Publishing never blocks: each subscriber has a bounded
+Events are small dicts ``{"seq", "time", "kind", ...}``; what each kind carries is declared here, one
+``TypedDict`` per kind (``KINDS``: ``record``, ``report``, ``scenario``, ``release``, ``engine.load``,
+``train.step``, ``gate``, ``heldout`` (the held-out check's verdict), ``eval`` (``reef eval``'s progress), ...).
+Publishers name a kind and its fields; readers (the TUI, ``/reef/events``, OpenTelemetry) read those fields;
+``tests/test_events.py`` holds every ``publish`` call and every reader to these declarations, so what is read
+cannot drift from what is published. Publishing never blocks: each subscriber has a bounded
 queue, and a subscriber that falls that far behind is dropped: its backlog is thrown away (it is stale, and its
 memory is the point of the bound) and it gets one last event, ``dropped``, after which its stream ends. The
 ``dropped`` event's ``resume_after`` (also its SSE ``id``) is the seq just before the first event it missed: a
@@ -18,11 +20,244 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 HISTORY = 1024
 QUEUE_SIZE = 4096
 DROPPED = "dropped"  # the kind of a dropped subscriber's last event
+
+
+class Event(TypedDict):
+    """What every event carries: its place in the bus's order (None: the ``dropped`` notice), when, and its kind."""
+
+    seq: int | None
+    time: float
+    kind: str
+
+
+class RecordEvent(Event, total=False):
+    """An exchange was served and recorded (its receipt: ``id``)."""
+
+    id: str
+    scenario: str
+    run: str | None
+    status: str  # complete | incomplete | error
+    model: str | None
+    release_id: str | None
+    runtime_load_id: str | None
+    timings: dict[str, float | None]  # ttft_ms, total_ms, engine_ms
+    usage: dict[str, Any] | None
+    started_at: float  # what traces read (daemon/telemetry.py): when it began, what was asked, how it ended
+    format: str
+    engine: str | None
+    request_model: str | None
+    response_model: str | None
+    sampling: dict[str, Any]  # max_tokens, temperature, top_p: those the request gave
+    finish_reason: str | None
+    error: dict[str, str] | None  # type, message
+    traceparent: str | None
+    tracestate: str | None
+
+
+class ReportEvent(Event, total=False):
+    """A report was stored (``id``: the report; ``feedback``: its text when short, else None)."""
+
+    id: str
+    scenario: str | None
+    score: float | None
+    references: list[str]
+    feedback: str | None
+    source: str  # judge | import (a client's report: absent)
+    verdict: str  # a judge's
+
+
+class ScenarioEvent(Event):
+    """A scenario was made or changed: the scenario as ``GET /reef/scenarios/{s}`` shows it."""
+
+    scenario: dict[str, Any]
+
+
+class ScenarioTaskEvent(Event):
+    """A task was promoted from a run into a scenario's settings."""
+
+    scenario: str
+    task: str
+    receipt: str | None
+
+
+class ReleaseEvent(Event, total=False):
+    """A release was published (``external``: by another daemon sharing the chain)."""
+
+    scenario: str
+    release_id: str
+    content_id: str
+    step: int
+    operation: str
+    source: str | None
+    metrics: dict[str, Any]
+    external: bool
+
+
+class ReleasePendingEvent(Event):
+    """A candidate is held for review (``reef releases promote``)."""
+
+    scenario: str
+    release_id: str
+    step: int
+    metrics: dict[str, Any]
+
+
+class EngineLoadEvent(Event, total=False):
+    """An engine loaded a model, or a release on it."""
+
+    model: str
+    scenario: str
+    release_id: str
+    content_id: str
+    runtime_load_id: str | None
+
+
+class TrainStartEvent(Event, total=False):
+    """A step began: from ``base`` (the head), on ``samples`` records (or an agent's ``proposal``)."""
+
+    scenario: str
+    job: str
+    base: str
+    samples: int
+    from_head: bool  # weights: not continuing the lineage's last candidate
+    proposal: str
+
+
+class TrainStepEvent(Event):
+    """A candidate was made, before the gate."""
+
+    scenario: str
+    job: str
+    step: int
+    seconds: float
+    metrics: dict[str, Any]
+
+
+class TrainErrorEvent(Event):
+    """Learning on a scenario failed; it waits for the next report."""
+
+    scenario: str
+    error: str
+
+
+class GateEvent(Event, total=False):
+    """A step's outcome: published, held, rejected, skipped or failed."""
+
+    scenario: str
+    job: str
+    verdict: str
+    reason: str | None
+    metrics: dict[str, Any]
+    release_id: str | None
+    proposal: str
+
+
+class HeldoutEvent(Event, total=False):
+    """The held-out check's verdict on a candidate: passed, held or failed."""
+
+    scenario: str
+    job: str
+    verdict: str
+    reason: str
+    metrics: dict[str, Any]
+    release_id: str | None
+
+
+class WatchdogEvent(Event, total=False):
+    """The reward-hacking watchdog held a candidate (``daemon/watchdog.py``'s figures and reason)."""
+
+    scenario: str
+    release_id: str | None
+    reason: str
+    kl_from_base: float
+    max_kl: float
+    train_from: float
+    train_to: float
+    held_from: float
+    held_to: float
+    steps: int
+
+
+class WarningEvent(Event, total=False):
+    """A scenario's early warning was raised (``warned``) or lifted (``how``: resumed, updated, accepted)."""
+
+    scenario: str
+    state: str
+    release_id: str | None
+    says: str
+    reason: str
+    signals: Any
+    figures: Any
+    how: str
+
+
+class EvalEvent(Event, total=False):
+    """``reef eval``'s progress: started, measuring a release, done."""
+
+    scenario: str
+    state: str
+    releases: int
+    transfer: str | None
+    release_id: str
+    step: int
+    done: int
+    total: int
+    figures: list[str]
+    measured: int
+    cached: int
+    seconds: float
+
+
+class ForgetEvent(Event, total=False):
+    """Exchanges were forgotten (``retention``: by the retention settings)."""
+
+    receipts: int
+    scenarios: list[str]
+    retention: bool
+
+
+class CanaryStartEvent(Event):
+    """A candidate began serving a share of a scenario's runs."""
+
+    scenario: str
+    release_id: str
+    base_id: str
+    share: float
+    settings: dict[str, Any]
+
+
+class CanaryEndEvent(Event, total=False):
+    """A canary ended: promoted or ended, why, and its figures."""
+
+    scenario: str
+    candidate: str
+    figures: dict[str, Any]
+    verdict: str
+    reason: str
+    release_id: str | None
+    step: int
+
+
+class DroppedEvent(Event):
+    """A subscriber fell too far behind: its last event (``seq`` None); resume after ``resume_after``."""
+
+    resume_after: int
+    message: str
+
+
+KINDS: dict[str, type[Event]] = {
+    "record": RecordEvent, "report": ReportEvent, "scenario": ScenarioEvent, "scenario.task": ScenarioTaskEvent,
+    "release": ReleaseEvent, "release.pending": ReleasePendingEvent, "engine.load": EngineLoadEvent,
+    "train.start": TrainStartEvent, "train.step": TrainStepEvent, "train.error": TrainErrorEvent,
+    "gate": GateEvent, "heldout": HeldoutEvent, "watchdog": WatchdogEvent, "warning": WarningEvent,
+    "eval": EvalEvent, "forget": ForgetEvent, "canary.start": CanaryStartEvent, "canary.end": CanaryEndEvent,
+    "dropped": DroppedEvent,
+}
 
 
 class EventBus:

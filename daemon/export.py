@@ -102,8 +102,8 @@ def _answer(proto: WireFormat, response: Any) -> list[dict[str, Any]] | None:
 
 
 def render_lines(records: list[dict[str, Any]]) -> bytes:
-    """Records (``RecordStore.export_page``) as JSON Lines in the export shape, taking them out of ``records`` one
-    by one (each freed here, not where the list is dropped). Run in a worker thread: a record of 200,000 messages
+    """Records (``store.user_data.export_page``) as JSON Lines in the export shape, taking them out of ``records``
+    one by one (each freed here, not where the list is dropped). Run in a worker thread: a record of 200,000 messages
     is rendered in short pieces (``daemon/jsontext.py``), with the collector off (a full collection over what it
     became held the GIL 0.5 s)."""
     from daemon.jsontext import QUIET, dumpb
@@ -122,7 +122,7 @@ def render_lines(records: list[dict[str, Any]]) -> bytes:
 
 
 def to_line(rec: dict[str, Any]) -> dict[str, Any]:
-    """One exchange record (``RecordStore.get_record`` shape, reports included) in the export shape."""
+    """One exchange record (``RecordStore.exchanges.get`` shape, reports included) in the export shape."""
     response = rec.get("response")
     note = response.get(IMPORT_NOTE) if rec.get("engine") == "import" and isinstance(response, dict) else None
     fmt = note.get("format") if isinstance(note, dict) else rec.get("format")
@@ -222,7 +222,7 @@ def _created_at(value: Any) -> float | None:
     import math
     import time
 
-    from daemon.records.store import CLOCK_SKEW_S
+    from daemon.records.user_data import CLOCK_SKEW_S
 
     if value is None:
         return None

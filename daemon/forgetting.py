@@ -15,8 +15,8 @@ retention lets them go by age and size (``retention_days``, ``retention_max_mb``
   release listings, and the newest release of the chain that was not is named with the one command that rolls
   back to it.
 - Retention judges exchanges by their date, and runs by when they started; a record dated beyond this clock
-  (``CLOCK_SKEW_S``) is due at once under ``retention_days`` (``RecordStore.retention_due``); imports refuse such
-  dates. Each round forgets at most ``RETENTION_ROUND`` exchanges, and rounds follow each other until nothing is
+  (``CLOCK_SKEW_S``) is due at once under ``retention_days`` (``store.user_data.retention_due``); imports refuse
+  such dates. Each round forgets at most ``RETENTION_ROUND`` exchanges, and rounds follow each other until nothing is
   due, so a backlog goes within one check.
 """
 
@@ -117,14 +117,14 @@ async def forget(reef: Daemon, body: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest("scrub must be true or false", param="scrub")
     receipts, runs, file_only = lists["receipts"], lists["runs"], []
     try:
-        out = await reef.store.forget(receipts=receipts, runs=runs, scrub=scrub)
+        out = await reef.store.user_data.forget(receipts=receipts, runs=runs, scrub=scrub)
     except NotFound as e:
         unknown = e.data.get("runs")
         if not unknown or not all((reef.config.runs_dir / f"{r}.json").is_file() for r in unknown):
             raise
         file_only = list(unknown)
         runs = [r for r in runs if r not in set(file_only)]
-        out = (await reef.store.forget(receipts=receipts, runs=runs, scrub=scrub) if receipts or runs else
+        out = (await reef.store.user_data.forget(receipts=receipts, runs=runs, scrub=scrub) if receipts or runs else
                _nothing())
     await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, reef.config, [*out["runs"], *file_only])
@@ -159,12 +159,12 @@ async def apply_retention(reef: Daemon) -> dict[str, Any] | None:
     cfg = reef.config
     before = time.time() - cfg.retention_days * 86400 if cfg.retention_days is not None else None
     max_bytes = int(cfg.retention_max_mb * 1e6) if cfg.retention_max_mb is not None else None
-    due = await reef.store.retention_due(before=before, max_bytes=max_bytes, limit=RETENTION_ROUND)
+    due = await reef.store.user_data.retention_due(before=before, max_bytes=max_bytes, limit=RETENTION_ROUND)
     old_runs = (await asyncio.to_thread(copies.runs_started_before, cfg, before, limit=RETENTION_ROUND)
                 if before is not None else [])
     if not due and not old_runs:
         return None
-    out = (await reef.store.forget(receipts=due, runs=[]) if due else
+    out = (await reef.store.user_data.forget(receipts=due, runs=[]) if due else
            _nothing())
     await _tell_learner(reef, out["scenarios"])
     out["copies"] = await asyncio.to_thread(_remove_copies, cfg, [*out["runs"], *old_runs])

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 async def scenario_for_agent(reef: Reef, name: str) -> Scenario:
     """The scenario, created with the ``harness_recipe`` of the config (``lessons``) when it does not exist."""
     try:
-        return await reef.store.get_scenario(name)
+        return await reef.store.scenarios.get(name)
     except NotFound:
         return await reef.scenario(name, recipe=reef.config.harness_recipe)
 
@@ -50,7 +50,7 @@ async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: s
 
 
 async def harness_view(reef: Reef, name: str, adapter_name: str | None) -> dict[str, Any]:
-    scenario = await reef.store.get_scenario(name)
+    scenario = await reef.store.scenarios.get(name)
     head = await reef.chains.head(scenario)
     if head.kind != "harness":
         raise BadRequest(f"scenario {name!r} releases weights, not a harness", param="scenario")
@@ -108,12 +108,12 @@ async def move_model(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, A
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required (a configured model's name)", param="model")
     reef.config.model(model)  # unknown: 400 naming the configured ones
-    scenario = await reef.store.get_scenario(name)
+    scenario = await reef.store.scenarios.get(name)
     head = await reef.chains.head(scenario)
     if head.kind == "weights" or load_recipe(scenario.recipe).kind == "weights":
         raise Conflict(f"scenario {name!r} learns weights on model {scenario.model!r}; they cannot move to another "
                        f"model. Create a new scenario on {model!r} instead", scenario=name)
-    moved = await reef.store.change_model(name, model)
+    moved = await reef.store.scenarios.change_model(name, model)
     reef.events.publish("scenario", scenario=moved.to_dict())
     return {**moved.to_dict(), "previous_model": scenario.model}
 
@@ -153,7 +153,7 @@ async def _run_receipt(reef: Reef, scenario: str, run: str | None) -> str | None
     records yet; a ``BadRequest`` when the run's records are another scenario's."""
     if run is None:
         return None
-    rows = await reef.store.list_records(run=run, kind="exchange", limit=1, newest_first=True)
+    rows = await reef.store.exchanges.listing(run=run, kind="exchange", limit=1, newest_first=True)
     if not rows:
         return None
     if rows[0]["scenario"] != scenario:
@@ -168,7 +168,7 @@ async def propose(reef: Reef, name: str, body: dict[str, Any]) -> tuple[int, dic
     from daemon.proposals import check_open, mutation, parse
 
     p = parse(body)
-    scenario = await reef.store.get_scenario(name)
+    scenario = await reef.store.scenarios.get(name)
     if load_recipe(scenario.recipe).kind != "harness":
         raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which does not learn a harness; a "
                          "proposal needs a harness recipe (lessons, harness-search)", param="scenario")
@@ -225,12 +225,12 @@ async def promote_task(reef: Reef, name: str, body: dict[str, Any]) -> dict[str,
     if not isinstance(check, str) or not check.strip():
         raise BadRequest("check is required: a shell command run in the workspace after the agent (exit status 0 "
                          "passes)", param="check")
-    scenario = await reef.store.get_scenario(name)
+    scenario = await reef.store.scenarios.get(name)
     recipe = reef.learner.make_recipe(scenario.recipe, scenario.settings)
     if not recipe.episode_tasks:
         raise BadRequest(f"scenario {name!r} uses recipe {scenario.recipe!r}, which runs no episodes of the agent; "
                          "promoting a run into a task needs one that does (harness-search)", param="scenario")
-    record = await reef.store.get_record(receipt)
+    record = await reef.store.exchanges.get(receipt)
     if record["scenario"] != name:
         raise NotFound(f"receipt {receipt} is a record of scenario {record['scenario']!r}, not of {name!r}",
                        receipt=receipt)
@@ -263,7 +263,7 @@ async def promote_task(reef: Reef, name: str, body: dict[str, Any]) -> dict[str,
         reef.learner.check_settings(current.recipe, settings)  # a bad time limit, too many tasks for the budget
         return settings
 
-    changed = await reef.store.change_settings(name, change)
+    changed = await reef.store.scenarios.change_settings(name, change)
     reef.events.publish("scenario.task", scenario=name, task=task["id"], receipt=receipt)
     return {"scenario": name, "task": task, "tasks": [t["id"] for t in changed.settings["tasks"]]}
 

@@ -30,7 +30,7 @@ Design choices:
   message; serving goes on. Every step is an event on ``/reef/events`` (``train.start``, ``train.step``,
   ``gate``, ``release``).
 - Several daemons on one shared record store (PostgreSQL): only the holder of the training lease
-  (``RecordStore.lease``, renewed every third of ``lease_ttl_s``) steps; while it holds it, it also looks for
+  (``daemon/learning_lease.py``, renewed every third of ``lease_ttl_s``) steps; while it holds it, it also looks for
   work every renewal, since reports may have reached another daemon. A step claims its batch's receipts in the
   store (exactly once across daemons) and settles them once its outcome is written down; the consumed set is
   git's and the store's together. A daemon that takes the lease over gives back the claims of the previous
@@ -44,16 +44,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import shutil
-import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon import turn_judging
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
@@ -63,20 +62,18 @@ from daemon.gating.heldout import RECORDED, Answer, reserved
 from daemon.gating.outcome import GateRun, StepOutcome
 from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
+from daemon.learning_lease import LeaseKeeper
 from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest
-from daemon.reports import SHOWN_FEEDBACK_CHARS, accept_report
 from daemon.scopes import Scopes
-from daemon.sessions import SessionIndex, Turn, session_key
+from daemon.sessions import SessionIndex
 from recipes import load_recipe
-from recipes.base import Candidate, Head, Recipe, TrainJob, TurnVerdict, off_policy_sampling
+from recipes.base import Candidate, Head, Recipe, TrainJob, off_policy_sampling
 
 log = logging.getLogger("reef.learning")
 
-LEASE = "trainer"  # the one training lease of a shared store: exactly one daemon trains
-JUDGE_GRACE_S = 2.0  # past a judging recipe's judge_timeout_s, the loop gives up on its verdict (neutral)
 
 
 @dataclass
@@ -128,11 +125,9 @@ class Learner:
         self._judging: set[asyncio.Task[None]] = set()
         # proposals received and not yet decided, by scenario and id (GET /reef/scenarios/{s}/proposals: pending)
         self._undecided: dict[str, dict[str, tuple[Any, str | None]]] = {}
-        # this process, as a lease holder (a restarted daemon is a new holder: it waits out the old lease)
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{new_id('')[-6:]}"
-        self._lease: Lease | None = None
-        self._lease_until = 0.0  # loop time until which the lease is surely still ours
-        self._lease_task: asyncio.Task[None] | None = None
+        # the training lease of a shared store (daemon/learning_lease.py): only its holder steps
+        self.lease = LeaseKeeper(store.training, config.lease_ttl_s, took_over=self._took_over,
+                                 look_for_work=self._notify_learning)
 
     @property
     def trainer(self) -> Any:
@@ -140,7 +135,7 @@ class Learner:
             from daemon.trainer.worker import TrainerClient
 
             # trainer = "ray": the worker is a Ray driver and the steps run on the cluster (daemon/trainer/ray_trainer.py)
-            ray = (self.config.ray_address,) if self.config.trainer == "ray" else None
+            ray = (self.config.ray_address, self.config.trainer_workers) if self.config.trainer == "ray" else None
             self._trainer = TrainerClient(threads=self.config.trainer_threads,
                                           recipe_paths=[str(p) for p in self.config.recipe_paths], ray=ray)
         return self._trainer
@@ -157,51 +152,19 @@ class Learner:
         shutil.rmtree(self.dir, ignore_errors=True)  # candidates of a crashed run: never published, retrained
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.store.shared:
-            self._lease_task = asyncio.ensure_future(self._keep_lease())
+            self.lease.start()
         await self._notify_learning(log_errors=True)
 
     async def _notify_learning(self, *, log_errors: bool = False) -> None:
-        for s in await self.store.list_scenarios():
+        for s in await self.store.scenarios.all():
             try:
-                if load_recipe(s["recipe"]).source is not None:
-                    self.notify(s["name"])
+                if load_recipe(s.recipe).source is not None:
+                    self.notify(s.name)
             except ReefError as e:  # a recipe that no longer loads: that scenario serves, and says why
                 if log_errors:
-                    log.error("scenario %s does not learn: %s", s["name"], e.message)
+                    log.error("scenario %s does not learn: %s", s.name, e.message)
 
-    # --- the training lease (shared stores) ----------------------------------------------------------------
-
-    def _held(self) -> Lease | None:
-        """The lease while it is surely ours (renewed less than its term ago, on this machine's clock)."""
-        if self._lease is not None and asyncio.get_running_loop().time() < self._lease_until:
-            return self._lease
-        return None
-
-    async def _keep_lease(self) -> None:
-        ttl = self.config.lease_ttl_s
-        loop = asyncio.get_running_loop()
-        while True:
-            asked = loop.time()
-            try:
-                lease: Lease | None = await self.store.training.lease(LEASE, self.holder, ttl_s=ttl)
-            except ReefError as e:  # the store is away: whether we still hold it is unknown, so we do not
-                log.warning("could not renew the training lease: %s", e.message)
-                lease = None
-            previous = self._lease
-            self._lease = lease if lease is not None and lease.held else None
-            self._lease_until = asked + ttl * 0.9  # from before the request: the database counted from later
-            try:
-                if self._lease is not None:
-                    if previous is None or previous.epoch != self._lease.epoch:
-                        log.info("training here: holding the training lease (epoch %d)", self._lease.epoch)
-                        await self._took_over(self._lease)
-                    await self._notify_learning()  # reports may have reached another daemon
-                elif previous is not None:
-                    log.warning("the training lease is no longer ours (held by %s)",
-                                lease.holder if lease is not None else "unknown")
-            except ReefError as e:
-                log.warning("the training lease's holder could not look for work: %s", e.message)
-            await asyncio.sleep(ttl / 3)
+    # --- the training lease (shared stores: daemon/learning_lease.py) -------------------------------------
 
     async def _took_over(self, lease: Lease) -> None:
         """This daemon just became the trainer: forget what it read under no lease, and give back the claims of
@@ -209,19 +172,14 @@ class Learner:
         for st in self._scenarios.values():
             st.consumed, st.cursor = None, 0
             st.pool.clear()
-        for s in await self.store.list_scenarios():
-            back = await self.store.training.recover_claims(s["name"], lease, await self._git_consumed(s["name"]))
+        for s in await self.store.scenarios.all():
+            back = await self.store.training.recover_claims(s.name, lease, await self._git_consumed(s.name))
             if back:
                 log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
-                         s["name"], len(back))
+                         s.name, len(back))
 
     async def close(self) -> None:
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            try:
-                await self._lease_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self.lease.stop()
         tasks = [st.task for st in self._scenarios.values() if st.task is not None] + list(self._judging)
         for task in tasks:
             task.cancel()
@@ -232,11 +190,7 @@ class Learner:
                 pass
         if self._trainer is not None:
             await asyncio.to_thread(self._trainer.close)
-        if self._lease is not None:  # a clean stop hands training over at once, not after the lease's term
-            try:
-                await self.store.training.release_lease(self._lease)
-            except ReefError:
-                pass  # the store is away: the lease runs out by itself
+        await self.lease.release()
 
     # --- recipes and settings ------------------------------------------------------------------------------
 
@@ -255,7 +209,7 @@ class Learner:
     async def _get(self, name: str) -> ScenarioLearning:
         st = self._scenarios.setdefault(name, ScenarioLearning(name))
         if st.recipe is None:
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             st.recipe = self.make_recipe(scenario.recipe, scenario.settings)
             st.settings = scenario.settings
         return st
@@ -290,7 +244,7 @@ class Learner:
         ``Conflict`` naming it, never waited for."""
         st = self._scenarios.setdefault(name, ScenarioLearning(name))
         if st.lock.locked():
-            head = await self.chains.head(await self.store.get_scenario(name))
+            head = await self.chains.head(await self.store.scenarios.get(name))
             raise Conflict(f"scenario {name!r} has a training step under way (step {head.step + 1}); try again "
                            "when it ends (reef releases list --all shows it)", scenario=name, step=head.step + 1)
         async with st.lock:
@@ -307,7 +261,7 @@ class Learner:
         try:
             st = await self._get(name)
             if st.recipe is not None:
-                st.recipe.forget(ids, self._context(await self.store.get_scenario(name)))
+                st.recipe.forget(ids, self._context(await self.store.scenarios.get(name)))
         except ReefError as e:  # a recipe that no longer loads keeps nothing in memory; its files stay as they are
             log.warning("scenario %s: the recipe could not drop forgotten records: %s", name, e.message)
 
@@ -350,66 +304,25 @@ class Learner:
             if st.state not in ("paused", "warned", "canary"):
                 st.state = "waiting"
 
-    # --- judging turns by what came next ------------------------------------------------------------------
+    # --- judging turns by what came next (daemon/turn_judging.py) -----------------------------------------
 
     def observe(self, scenario: str, receipt: str, run: str | None, headers: Mapping[str, str], messages: Any,
                 completion: Any) -> None:
         """A served exchange was recorded: for a judging recipe, judge the turn it continues (in the background,
-        never on the serve path). One dict look-up for scenarios whose recipe does not judge."""
-        st = self._scenarios.get(scenario)
-        if st is not None and st.recipe is not None and not st.recipe.judges:
-            return
-        turn = Turn(receipt, session_key(headers, run), tuple(messages), completion.text or "",
-                    tuple(completion.tool_calls))
-        task = asyncio.ensure_future(self._observe(scenario, turn))
+        never on the serve path)."""
+        turn_judging.observe(self, scenario, receipt, run, headers, messages, completion)
+
+    def known(self, name: str) -> ScenarioLearning | None:
+        return self._scenarios.get(name)
+
+    async def learning(self, name: str) -> ScenarioLearning:
+        return await self._get(name)
+
+    def background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task that ``close`` cancels (a judge's verdict, a proposal judged later)."""
+        task = asyncio.ensure_future(work)
         self._judging.add(task)
         task.add_done_callback(self._judging.discard)
-
-    async def _observe(self, name: str, turn: Turn) -> None:
-        try:
-            st = await self._get(name)
-        except ReefError:
-            return
-        recipe = st.recipe
-        if recipe is None or not recipe.judges:
-            return
-        found = st.sessions.follow(name, turn)
-        if found is None or found[0].receipt in st.judged:
-            return
-        prev, nxt = found
-        st.judged[prev.receipt] = None
-        while len(st.judged) > 4 * st.sessions.capacity:
-            st.judged.popitem(last=False)
-        scenario = await self.store.get_scenario(name)
-        timeout = float(getattr(recipe.settings, "judge_timeout_s", 30.0))
-        try:  # a recipe may bound each of its judge's calls by the timeout itself: this is the backstop
-            verdict = await asyncio.wait_for(recipe.judge_turn(prev, nxt, RecipeContext(self.engine, scenario.model)),
-                                             timeout + JUDGE_GRACE_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a judge that fails or times out is a neutral verdict, never a reward
-            reason = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
-            verdict = TurnVerdict("neutral", f"the judge failed: {reason}", judge="error", unparseable=True)
-        if verdict is None:
-            return
-        st.verdicts[verdict.verdict] += 1
-        if verdict.unparseable:
-            st.verdicts["unparseable"] += 1
-        score = {"good": 1.0, "bad": 0.0}.get(verdict.verdict)
-        metadata = {"source": "judge", "judge": verdict.judge, "verdict": verdict.verdict,
-                    **({"hint": verdict.hint} if verdict.hint else {}),
-                    **({"unparseable": True} if verdict.unparseable else {}),
-                    **({"votes": list(verdict.votes)} if verdict.votes else {})}
-        try:
-            await accept_report(self.store, self.metrics, self.events, scenario=name, score=score,
-                                feedback=verdict.reason or verdict.verdict, references=[prev.receipt],
-                                metadata=metadata, shown=verdict.reason[:SHOWN_FEEDBACK_CHARS], source="judge",
-                                verdict=verdict.verdict)
-        except ReefError as e:
-            log.warning("could not store the judge's verdict on %s: %s", prev.receipt, e.message)
-            return
-        if score is not None:
-            self.notify(name)
 
     # --- one step ------------------------------------------------------------------------------------------
 
@@ -420,11 +333,11 @@ class Learner:
         if recipe is None or recipe.source is None:
             return None
         async with st.lock:
-            lease = self._held()
+            lease = self.lease.held()
             if self.store.shared and lease is None:
                 st.state = "waiting"  # another daemon trains (or none: the lease is being renewed or taken)
                 return None
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             if scenario.paused or scenario.archived:  # its reports wait; resuming looks for a batch again
                 st.state = "paused"
                 return StepOutcome("paused", summary=f"scenario {name} is paused: reef scenarios resume {name}")
@@ -446,7 +359,7 @@ class Learner:
                 try:
                     claimed = await self.store.training.claim(name, receipts, lease)
                 except LeaseLost:
-                    self._lease = None
+                    self.lease.lost()
                     st.state = "waiting"
                     return None
                 if len(claimed) != len(receipts):  # consumed elsewhere meanwhile: out of the pool, batch again
@@ -541,7 +454,7 @@ class Learner:
         recipe = st.recipe
         assert recipe is not None
         async with st.lock:
-            scenario = await self.store.get_scenario(name)
+            scenario = await self.store.scenarios.get(name)
             self._follow_settings(st, scenario)
             head = await self.chains.head(scenario)
             tree = await self.chains.harness_tree(head)
@@ -622,10 +535,7 @@ class Learner:
                 self._undecided.get(name, {}).pop(proposal.id, None)
 
         self._undecided.setdefault(name, {})[proposal.id] = (proposal, receipt)  # pending from the 202 on
-
-        task = asyncio.ensure_future(judge())
-        self._judging.add(task)
-        task.add_done_callback(self._judging.discard)
+        self.background(judge())
 
     def _context(self, scenario: Scenario) -> RecipeContext:
         return RecipeContext(self.engine, scenario.model, scenario=scenario.name, config=self.config,
@@ -708,7 +618,7 @@ class Learner:
 
     async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
         """Write a scenario's early-warning state (``daemon/gating/warning.py``)."""
-        return await self.store.set_warning(name, warning)
+        return await self.store.scenarios.set_warning(name, warning)
 
     # --- what the held-out check reads (daemon/gating/heldout.py) ------------------------------------------
 
@@ -722,7 +632,7 @@ class Learner:
                 break
             if text is None:
                 try:
-                    text = user_prompt(await self.store.get_record(receipt)) or ""
+                    text = user_prompt(await self.store.exchanges.get(receipt)) or ""
                 except ReefError:  # forgotten meanwhile: no longer a prompt to ask
                     text = ""
                 if key in st.reserved:
@@ -782,6 +692,7 @@ class Learner:
             model_path=str(model.path), device=self.config.model(scenario.model).device,
             head_scores=known[1] if known and known[0] == head.release_id else None,
             recipe_paths=[str(p) for p in self.config.recipe_paths],
+            data_parallel=st.recipe.data_parallel,
         )
         candidate: Candidate = await self.trainer.run(job, self.dir / job_id)
         return candidate
@@ -807,9 +718,9 @@ class Learner:
         assert st.recipe is not None
         rows: list[ScoredExchange] | list[FeedbackReport]
         if st.recipe.source == "scores":
-            rows, st.cursor = await self.store.scored_exchanges(scenario.name, after=st.cursor)
+            rows, st.cursor = await self.store.reports.scored_exchanges(scenario.name, after=st.cursor)
         else:
-            rows, st.cursor = await self.store.feedback_reports(scenario.name, after=st.cursor)
+            rows, st.cursor = await self.store.reports.feedback(scenario.name, after=st.cursor)
         automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
         for rec in rows:
             old = st.pool.get(rec.id)

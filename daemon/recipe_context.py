@@ -41,14 +41,14 @@ class RecipeContext:
     async def record(self, receipt: str) -> dict[str, Any]:
         """A stored record (an exchange with its request and response), by receipt."""
         assert self._store is not None
-        return await self._store.get_record(receipt)
+        return await self._store.exchanges.get(receipt)
 
     async def episode_release(self, name: str, tree: dict[str, bytes]) -> str:
         """A release whose content is ``tree`` on the chain of scenario ``name`` (created with recipe ``record`` and
         this scenario's model unless it exists): its head when the content is the same, else a new release. An
         episode's agent pins it, so its records name the exact harness it ran with."""
         assert self._store is not None and self.config is not None and self._chains is not None
-        scenario = await self._store.ensure_scenario(name, recipe="record", model=self.model,
+        scenario = await self._store.scenarios.ensure(name, recipe="record", model=self.model,
                                                      default_recipe=self.config.default_recipe, settings=None)
         head = None
         for _ in range(3):

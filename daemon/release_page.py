@@ -82,7 +82,7 @@ async def gather(reef: Any, release_id: str, scenario: str | None = None) -> Pag
         data.canary = live
     for receipt in rel.receipts[:MAX_RECEIPTS]:
         try:
-            data.inputs.append(await store.get_record(receipt, full=False))
+            data.inputs.append(await store.exchanges.get(receipt, full=False))
         except NotFound:
             data.missing.append(receipt)
     return data

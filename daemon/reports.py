@@ -13,6 +13,7 @@ no path can store a report the metric or the event stream misses.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from daemon.config import Config
     from daemon.events import EventBus
     from daemon.metrics import Metrics
-    from daemon.records import RecordStore
+    from daemon.records import RecordRow, RecordStore
 
 SHOWN_FEEDBACK_CHARS = 500  # feedback text longer than this is not repeated on the event stream
 MAX_FEEDBACK_CHARS = 256 * 1024  # a report's feedback: text, or the JSON of an object or array
@@ -98,13 +99,13 @@ async def accept_report(
     report_id: str | None = None,
     shown: str | None = None,
     **event: Any,
-) -> dict[str, Any]:
-    """Store a report on ``references`` (``RecordStore.append_report``: idempotent on ``report_id``, 404 naming
+) -> RecordRow:
+    """Store a report on ``references`` (``RecordStore.reports.append``: idempotent on ``report_id``, 404 naming
     unknown receipts), count it and publish its ``report`` event; the stored report record.
 
     ``shown`` is the feedback text the event carries (None: the feedback itself when it is text of at most
     ``SHOWN_FEEDBACK_CHARS``); ``event`` adds fields to the event (a judge's ``source`` and ``verdict``)."""
-    stored = await store.append_report(
+    stored = await store.reports.append(
         scenario=scenario, score=score, feedback=feedback, references=references, metadata=metadata,
         report_id=report_id,
     )
@@ -114,18 +115,18 @@ async def accept_report(
 
 async def accept_imports(store: RecordStore, metrics: Metrics, events: EventBus,
                          items: list[dict[str, Any]]) -> dict[str, int]:
-    """Store imported exchanges and their reports (``RecordStore.import_exchanges``: one transaction, idempotent
-    by id; ``items`` are ``daemon/export.from_line``'s), then count and announce each report stored, as
+    """Store imported exchanges and their reports (``store.user_data.import_exchanges``: one transaction,
+    idempotent by id; ``items`` are ``daemon/export.from_line``'s), then count and announce each report stored, as
     ``accept_report`` does (the event's ``source`` is ``import``); the counts (``imported``, ``skipped``,
     ``reports``)."""
-    counts, reports = await store.import_exchanges(items)
+    counts, reports = await store.user_data.import_exchanges(items)
     for rep in reports:
         _accepted(metrics, events, rep, score=rep["score"], feedback=rep["feedback"], references=rep["references"],
                   source="import")
     return counts
 
 
-def _accepted(metrics: Metrics, events: EventBus, stored: dict[str, Any], *, score: float | None, feedback: Any,
+def _accepted(metrics: Metrics, events: EventBus, stored: Mapping[str, Any], *, score: float | None, feedback: Any,
               references: list[str], shown: str | None = None, **event: Any) -> None:
     """A stored report counted and announced: one on ``reef_records_total{kind="report"}``, one ``report``
     event."""

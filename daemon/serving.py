@@ -38,6 +38,7 @@ from daemon.protocols.base import WireFormat
 from daemon.protocols.sse import dumpb
 from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
 from daemon.releases import Release
+from daemon.residency import Residency
 from daemon.scopes import Scopes
 from recipes import add_recipe_paths, load_recipe
 
@@ -66,7 +67,7 @@ class Served:
     finished_at: float | None = None
     record_ms: float | None = None
     request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
-    opened: bool = False  # a stream's record was opened (``RecordStore.open_exchange``): recording completes it
+    opened: bool = False  # a stream's record was opened (``RecordStore.exchanges.open``): recording completes it
     first_event_at: float | None = None  # when the engine's first event came in
     opening_ms: float | None = None  # a stream: how long its opening record's durable write took
     receipt_wait_ms: float | None = None  # a stream: how long its first event waited for that write
@@ -121,9 +122,10 @@ class Reef:
         self.learner.start_canary = self.canaries.begin
         self.learner.canary_running = self.canaries.active.__contains__
         self.canaries.on_end = self.learner.canary_ended
+        self.residency = Residency(self.chains, self.canaries, self.events, lambda: self._engines)
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
                                     metrics=self.metrics, scenario=self.scenario, engine=self.engine,
-                                    observe=self.learner.observe)
+                                    observe=self.learner.observe, residency=self.residency)
         self._load_attempts: dict[str, int] = {}  # loads tried per model (a waiter learns whether one ended meanwhile)
         self._load_failures: dict[str, ReefError] = {}
 
@@ -141,6 +143,7 @@ class Reef:
             log.error("default_recipe %s: %s", self.config.default_recipe, e.message)
             raise
         await self.chains.start()
+        self.residency.start()  # which releases the engines keep loaded (daemon/residency.py)
         # the default model loads in the background: the port answers at once, ``/healthz`` says what is loaded and
         # loading, and a request for a model still loading waits for it (``LOAD_WAIT_S``); a load that fails is one
         # log line and a clear error for its requests, while other models serve
@@ -168,6 +171,7 @@ class Reef:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.canaries.close()
+        await self.residency.close()
         await self.chains.close()
         await self.learner.close()
         for engine in self._engines.values():
@@ -221,6 +225,7 @@ class Reef:
                 self.load_errors.pop(model, None)
                 self._load_failures.pop(model, None)
                 self._engines[model] = engine
+                self.residency.tell(model)
                 self.metrics.loads.labels(model).inc()
                 self.events.publish("engine.load", model=model, runtime_load_id=engine.runtime_load_id)
             return self._engines[model]
@@ -255,8 +260,8 @@ class Reef:
             load_recipe(recipe)  # one that cannot load is refused before the scenario exists
         if model is not None:
             self.config.model(model)
-        created_before = name in self.store._scenario_cache
-        scenario = await self.store.ensure_scenario(
+        created_before = self.store.scenarios.cached(name)
+        scenario = await self.store.scenarios.ensure(
             name,
             recipe=recipe,
             model=model or self.config.default_model,
@@ -356,6 +361,7 @@ class ServePath:
         scenario: Callable[[str], Awaitable[Scenario]],
         engine: Callable[[str], Awaitable[Engine]],
         observe: Observe,
+        residency: Residency | None = None,
     ) -> None:
         self.store = store
         self.chains = chains
@@ -365,6 +371,7 @@ class ServePath:
         self._scenario = scenario
         self._engine = engine
         self._observe = observe
+        self.residency = residency  # told which release serves each request (``daemon/residency.py``)
         self.inflight: dict[str, Served] = {}  # receipt -> an exchange being served (``GET /reef/inflight``)
 
     # --- one request, start to finish ----------------------------------------------------------------------
@@ -547,6 +554,8 @@ class ServePath:
         if release is None:
             release = await self.chains.resolve(scen, pinned_release)
         ref = await self._weights(scen, release)
+        if ref is not None and self.residency is not None:
+            self.residency.serves(scen.name, scen.model, ref.content_id, pinned=bool(pinned_release))
         if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
             await self.chains.preload(scen, release, engine)
         release_id, content_id = release.release_id, release.content_id
@@ -616,7 +625,7 @@ class ServePath:
 
     def _open_record(self, served: Served) -> asyncio.Future[None]:
         """Start the durable write of a stream's opening record: what is known before the first event."""
-        return self.store.open_exchange(self._exchange_record(served, served.engine.runtime_load_id))
+        return self.store.exchanges.open(self._exchange_record(served, served.engine.runtime_load_id))
 
     @staticmethod
     def _exchange_record(served: Served, runtime_load_id: str | None, **outcome: Any) -> ExchangeRecord:
@@ -710,9 +719,9 @@ class ServePath:
         )
         t0 = time.perf_counter()
         if served.opened:  # a stream: its record exists since before the first byte; its outcome fills it in
-            await self.store.complete_exchange(rec)
+            await self.store.exchanges.complete(rec)
         else:
-            await self.store.append_exchange(rec)
+            await self.store.exchanges.append(rec)
         served.record_ms = (time.perf_counter() - t0) * 1e3
         m = self.metrics
         m.records.labels("exchange").inc()

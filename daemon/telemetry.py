@@ -41,8 +41,8 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -65,7 +65,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from daemon.events import DROPPED
+from daemon.events import DROPPED, RecordEvent, ReportEvent
 from daemon.exchange import Completion, Message, Part
 from daemon.records.location import redact
 
@@ -96,7 +96,7 @@ def span_ids(kind: str, record_id: str) -> tuple[int, int]:
     return int.from_bytes(digest[:16], "big") or 1, int.from_bytes(digest[16:24], "big") or 1
 
 
-def client_parent(headers: dict[str, Any] | None) -> SpanContext | None:
+def client_parent(headers: Mapping[str, Any] | None) -> SpanContext | None:
     """The client's span an exchange's span is the child of: from its W3C ``traceparent`` and ``tracestate``
     headers (``headers``: the recorded headers, or the record event's fields), read by OpenTelemetry's propagator.
     None where the client sent none, or one that is malformed (wrong length, not lower-case hex, an all-zero id,
@@ -310,9 +310,9 @@ class Telemetry:
             self._after = event["seq"]
             try:
                 if event["kind"] == "record":
-                    await self._exchange(event)
+                    await self._exchange(cast(RecordEvent, event))
                 elif event["kind"] == "report":
-                    await self._report(event)
+                    await self._report(cast(ReportEvent, event))
             except Exception:  # a span that cannot be made is lost; serving and the next spans go on
                 if not self._broken:
                     self._broken = True
@@ -330,7 +330,7 @@ class Telemetry:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=int(end * 1e9))
 
-    async def _exchange(self, ev: dict[str, Any]) -> None:
+    async def _exchange(self, ev: RecordEvent) -> None:
         receipt = ev["id"]
         requested = ev.get("request_model") or None
         attrs: dict[str, AttributeValue] = {
@@ -341,7 +341,7 @@ class Telemetry:
             "reef.scenario": ev["scenario"],
             "reef.status": ev["status"],
         }
-        optional = {
+        optional: dict[str, AttributeValue | None] = {
             "gen_ai.request.model": requested,
             "gen_ai.response.model": ev.get("response_model") or ev.get("model"),
             "reef.run": ev.get("run"),
@@ -370,35 +370,36 @@ class Telemetry:
                    start=ev.get("started_at") or ev["time"], end=ev["time"], parent=client_parent(ev),
                    error=None if not error else error.get("message") or error.get("type") or "error")
 
-    async def _report(self, ev: dict[str, Any]) -> None:
+    async def _report(self, ev: ReportEvent) -> None:
         references = [r for r in ev.get("references") or [] if isinstance(r, str)]
         attrs: dict[str, AttributeValue] = {"reef.report.id": ev["id"], "reef.receipts": references}
         if ev.get("scenario") is not None:
             attrs["reef.scenario"] = ev["scenario"]
-        if isinstance(ev.get("score"), (int, float)):
-            attrs["reef.report.score"] = float(ev["score"])
+        score = ev.get("score")
+        if isinstance(score, (int, float)):
+            attrs["reef.report.score"] = float(score)
         if ev.get("source"):
             attrs["reef.report.source"] = str(ev["source"])
         if self.settings.content:
-            rec = await self._store.get_record(ev["id"], full=False)
+            rec = await self._store.exchanges.get(ev["id"], full=False)
             feedback = (rec.get("report") or {}).get("feedback")
             if feedback is not None:
                 attrs["reef.report.feedback"] = feedback if isinstance(feedback, str) else json.dumps(feedback)
         # the exchange spans may be in their clients' traces: their traceparents, from the records' headers
-        headers = await self._store.trace_headers(references) if references else {}
+        headers = await self._store.exchanges.trace_headers(references) if references else {}
         links = [Link(exchange_span_context(r, headers.get(r)), {"reef.receipt": r}) for r in references]
         self._span("reef report", span_ids("report", ev["id"]), attrs, start=ev["time"], end=ev["time"], links=links)
 
     async def _exchange_content(self, receipt: str) -> dict[str, AttributeValue]:
         """``gen_ai.input.messages`` and ``gen_ai.output.messages`` of a stored exchange (what it can parse back)."""
-        rec = await self._store.get_record(receipt)
+        rec = await self._store.exchanges.get(receipt)
         return await asyncio.to_thread(content_attributes, rec)
 
 
 # --- content in the GenAI conventions' shape ---------------------------------------------------------------
 
 
-def content_attributes(rec: dict[str, Any]) -> dict[str, AttributeValue]:
+def content_attributes(rec: Mapping[str, Any]) -> dict[str, AttributeValue]:
     """The prompt and the answer of an exchange record as the GenAI conventions' message JSON (parsed back with
     the record's wire format; what does not parse is left out)."""
     from daemon.protocols.formats import FORMATS

@@ -120,6 +120,7 @@ class TrainJob:
     head_scores: list[float] | None = None  # the head's evaluation scores, when the daemon knows them
     recipe_paths: list[str] = field(default_factory=list)
     explicit: list[str] = field(default_factory=list)  # the settings the user set (the others are defaults)
+    data_parallel: bool = False  # the recipe's ``data_parallel``: the step may run as several workers
 
 
 @dataclass
@@ -245,6 +246,10 @@ class Recipe:
     # rising training reward as reward hacking (daemon/watchdog.py); False where the gate scores the very problem
     # trained on (ttt-discover): nothing there is held out
     held_out_eval: ClassVar[bool] = True
+    # a weights recipe whose step is correct as data-parallel workers (``recipes/parallel.py``: each worker trains on
+    # its share of the batch and the gradients are summed across them): with ``trainer_workers`` its steps run on
+    # that many Ray Train workers (``daemon/trainer/ray_parallel.py``); the others run on one worker
+    data_parallel: ClassVar[bool] = False
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else type(self).Settings()

@@ -71,6 +71,7 @@ import torch
 
 from daemon import lora
 from daemon.errors import BadRequest
+from recipes import parallel
 from recipes.base import (
     Candidate,
     GateSettings,
@@ -255,11 +256,16 @@ def train_step(
     batch = [s for s, _ in used]
     adv_of = [a for _, a in used]
     coef = pull_coef(model, settings)
+    n = float(sum(len(s.token_ids) for s in batch))  # every completion token of the batch weighs the same
+    # one of several data-parallel workers: its share of the rows; the gradients are summed below (recipes/parallel.py)
+    mine = parallel.shard([len(s.prompt_token_ids) + len(s.token_ids) for s in batch])
+    batch, adv_of = [batch[i] for i in mine], [adv_of[i] for i in mine]
     # micro-batches that fit the memory budget, their gradients accumulated (recipes/memory.py)
     parts = micro_batches([(len(s.prompt_token_ids), len(s.token_ids)) for s in batch], pull_shape(model, coef),
-                          settings.memory_budget_mb)
-    n = float(sum(len(s.token_ids) for s in batch))  # every completion token of the batch weighs the same
+                          settings.memory_budget_mb) if batch else []
     params = [p for p in model.parameters() if p.requires_grad]
+    workers = parallel.world()[1]
+    moved = 0
     was_training = model.training
     model.train()
     metrics: dict[str, float] = {}
@@ -271,6 +277,8 @@ def train_step(
                 with checkpointing(model, part.checkpoint):
                     _accumulate(model, [batch[i] for i in part.rows], [adv_of[i] for i in part.rows], settings, n,
                                 sums, coef)
+            moved += parallel.all_reduce_grads(params)  # the whole batch's gradient on every worker
+            parallel.all_reduce_sums(sums, model.device)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if step == 0:
@@ -293,6 +301,8 @@ def train_step(
                 }
     finally:
         model.train(was_training)
+    if workers > 1:  # this worker's share of the rows, and the gradient bytes it sent into the sums
+        metrics.update(shard_samples=float(len(mine)), allreduce_bytes=float(moved))
     return {**summary, **metrics, "skipped": 0.0}
 
 
@@ -527,6 +537,7 @@ class OnlineRL(Recipe):
     kind = "weights"
     source = "scores"
     behaviour_logprobs = True
+    data_parallel = True  # recipes/parallel.py: train_step splits the rows and sums the gradients
     Settings = OnlineRLSettings
 
     @classmethod
@@ -561,12 +572,15 @@ class OnlineRL(Recipe):
         t0 = time.perf_counter()
         if state.get("key") != job.base_key:
             state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
-            model = load_policy(job.base_path, job.model_path, settings, trainable=True, device=job.device)
+            with seeded(job.base_key):  # a fresh adapter's initial weights: the same wherever the step runs
+                model = load_policy(job.base_path, job.model_path, settings, trainable=True, device=job.device)
+            parallel.broadcast_params(model)  # data-parallel workers start from rank 0's weights
             state.update(model=model, optimizer=make_optimizer(model, settings), key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]
         base_scores = None
         t_eval = time.perf_counter()
-        if settings.eval_family:  # the gate compares with the serving head, which the lineage may have moved past
+        evaluate = settings.eval_family and parallel.primary()  # one data-parallel worker evaluates for the gate
+        if evaluate:  # the gate compares with the serving head, which the lineage may have moved past
             base_scores = job.head_scores or state.get("head_eval", {}).get(job.head_key)
             if base_scores is None:
                 head = model if job.head_key == state["key"] else load_policy(
@@ -598,7 +612,7 @@ class OnlineRL(Recipe):
         state["key"] = job.candidate_key  # if the lineage goes on, the next job continues from here
         metrics.update(step_s=round(t_save - t_train, 3), save_s=round(time.perf_counter() - t_save, 3))
         scores = None
-        if settings.eval_family:
+        if evaluate:
             t_eval = time.perf_counter()
             scores = Scores(candidate=_eval_scores(model, tokenizer, settings), base=base_scores)
             metrics["eval_s"] = round(eval_s + time.perf_counter() - t_eval, 3)
@@ -625,6 +639,16 @@ def kl_from_base(model: Any, samples: list[Sample]) -> float:
         total += float(kl[mask].sum())
         tokens += int(mask.sum())
     return total / max(tokens, 1)
+
+
+@contextlib.contextmanager
+def seeded(key: str) -> Iterator[None]:
+    """Torch's random state seeded from ``key`` (a content key) inside, restored after: a fresh LoRA adapter's
+    initial weights are a function of the model it starts from, so the same base and batch make the same candidate
+    in the local worker, one Ray actor or any number of data-parallel workers."""
+    with torch.random.fork_rng():
+        torch.manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & (2**63 - 1))
+        yield
 
 
 def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,

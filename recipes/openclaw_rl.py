@@ -196,6 +196,9 @@ class OpenClawRL(OnlineRL):
 
     name = "openclaw-rl"
     judges = True
+    # its hinted teacher forward runs on every worker before the split, so the step would be correct data-parallel;
+    # not yet checked against one worker by a test: one worker, as sao's and ttt-discover's steps
+    data_parallel = False
     Settings = OpenClawRLSettings
 
     @classmethod

@@ -44,8 +44,10 @@ TARGET = 0.8
 LEAD = 2  # rounds the client may be ahead of the trainer
 # The tiny model trains all its weights (no LoRA), measured at lr 2e-3, batches of 8 x 8, two steps a batch;
 # online-rl's defaults are for real models (LoRA, lr 3e-3, 4 x 8, one step: bench/learning_real.py)
-# No canary (weights recipes have one by default, docs/releases.md): the demo shows minutes of learning on its own
-# simulated traffic, whose small steps a canary would weigh for up to canary_hours each; the gate decides each step
+# No canary (weights recipes have one by default, docs/releases.md), and the demo says so and why (``canary_note``):
+# learning waits for each canary's verdict, and a step of the demo moves its reward by far less than a canary tells
+# apart in its 400 reports an arm: measured with the canary on, every canary ended as a tie (the head stays) and 5
+# minutes made no release. The gate decides each step.
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.1, "eval_family": "say", "eval_n": 128,
                                  "lr": 2e-3, "batch_prompts": 8, "steps_per_batch": 2, "canary_share": 0}
 # sao (one rollout per step, each step a release): its periodic gate checks every 20th step on the same validation
@@ -85,6 +87,31 @@ def _answer(c: Any, scenario: str, prompt: str, *, temperature: float, max_token
     return text, resp.headers["x-reef-agent-record-id"], resp.headers["x-reef-release-id"]
 
 
+def canary_note(scores: list[float], before: float, after: float, releases: int) -> dict[str, Any]:
+    """Why the demo runs without the canary a weights recipe has by default, in this run's own figures: the
+    smallest difference a canary at its defaults tells apart on these scores (``betting.detectable`` at its
+    ``max_reports`` pairs, with the variance of a difference of two of them), against what each release moved the
+    held-out reward. Learning waits for each canary's verdict, and a canary that cannot tell its candidate from the
+    head ends as a tie: the head stays, and the demo would not learn."""
+    from daemon import betting
+    from daemon.canary import DEFAULTS
+
+    pairs, alpha = int(DEFAULTS["max_reports"] or 0), float(DEFAULTS["alpha"] or 0)
+    mean = sum(scores) / len(scores) if scores else 0.0
+    var = 2 * sum((x - mean) ** 2 for x in scores) / len(scores) if scores else 0.5  # of a paired difference
+    smallest = betting.detectable(pairs, max(var, 1e-6), alpha)
+    each = (after - before) / releases if releases else None
+    told = "no difference" if smallest is None else f"differences of {smallest:.2f} or more"
+    moved = ("far more than a step of the demo moves it" if each is None else
+             f"while this run's {releases} releases moved the held-out reward by {each:+.3f} each on average")
+    why = (f"canary: off in this demo (canary_share = 0). A weights recipe serves each candidate to half of new runs "
+           f"as a canary by default, and learning waits for its verdict; at its defaults ({pairs} reports an arm, "
+           f"alpha {alpha:g}) a canary tells apart {told} on these scores, {moved}: each canary would end as a tie, "
+           "the head would stay, and the demo would not learn in minutes (docs/releases.md).")
+    return {"canary_share": 0, "detectable": None if smallest is None else round(smallest, 3),
+            "per_release": None if each is None else round(each, 4), "why": why}
+
+
 def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], family: Any, max_tokens: int,
                     model: str = DEMO_MODEL) -> float:
     with ThreadPoolExecutor(8) as pool:
@@ -108,6 +135,7 @@ class Board:
         self.log: deque[str] = deque(maxlen=8)
         self.gate_reward: float | None = None  # the head's score on the gate's validation prompts
         self.held_out: float | None = None  # the head's held-out reward, last measured by the demo
+        self.scores: deque[float] = deque(maxlen=4096)  # the scores reported (what a canary would judge)
         self.started = time.monotonic()
         self.lock = threading.Lock()
 
@@ -152,6 +180,8 @@ class Board:
             t.add_row("head validation", f"{gate} (the gate's prompts)")
             held = "-" if self.held_out is None else f"{self.held_out:.3f}"
             t.add_row("head held-out", f"{held} (target {self.target})")
+            t.add_row("canary", "off in this demo: its steps are far smaller than a canary tells apart (why: at the "
+                      "end)")
             for line in self.log:
                 t.add_row("", line)
         return Panel(t, title=f"reef demo: {TITLES.get(self.family, self.family)}")
@@ -288,6 +318,7 @@ def demo(
         client.post("/reef/report", {"score": score, "references": [receipt], "scenario": name})
         with board.lock:
             board.requests += 1
+            board.scores.append(score)
             board.rewards.append(family.exact(task, text))
 
     rounds, reached, forgiven = 0, False, 0
@@ -327,7 +358,8 @@ def demo(
     result = {"scenario": name, "seed": seed, "seconds": round(elapsed, 1), "reports": board.requests,
               "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
               "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target,
-              "model": model, "family": family.name}
+              "model": model, "family": family.name,
+              "canary": canary_note(list(board.scores), before, after, len(chain["releases"]) - 1)}
     if real:  # one held-out question the head now gets right (the first one, if none), answered by both, verbatim
         example = _example(client, name, model, held, family, first_release, head)
         result["example"] = example
@@ -355,6 +387,7 @@ def demo(
         unseen = "questions about nouns never trained on" if real else "prompts with words never trained on"
         console.print(f"held-out reward (64 {unseen}, greedy): "
                       f"{before:.2f} before -> {after:.2f} after, in {elapsed:.0f}s and {board.requests} reports")
+        console.print(result["canary"]["why"], markup=False, highlight=False)
         if real:
             console.print(f"{example['question']}\n  before: {example['before']!r}\n  after:  {example['after']!r}",
                           markup=False, highlight=False)

@@ -230,19 +230,23 @@ def import_records(
     if bad:
         fail(f"{len(bad)} malformed line(s) in {path}, nothing imported:\n  " + "\n  ".join(bad[:20])
              + ("\n  ..." if len(bad) > 20 else ""), 2)
-    totals = {"imported": 0, "skipped": 0, "reports": 0}
+    totals = {"imported": 0, "skipped": 0, "reports": 0, "tokens_dropped": 0}
     with client() as c:
         for i in range(0, len(items), EXPORT_BATCH):
             chunk = items[i:i + EXPORT_BATCH]
             got = c.post("/reef/records/import", {"items": [it for _, it in chunk], "scenario": scenario,
                                                   "first_line": chunk[0][0]})
             for key in totals:
-                totals[key] += got[key]
+                totals[key] += got.get(key, 0)
     if json_out:
         print_json(totals)
     else:
         print(f"imported {totals['imported']} exchange(s) ({totals['skipped']} already there), "
               f"{totals['reports']} report(s)")
+        if totals["tokens_dropped"]:
+            print(f"{totals['tokens_dropped']} exchange(s) came from another model than their scenario's: their "
+                  "text was kept, their token ids were not (weights recipes learn only from the scenario's own "
+                  "model's tokens)")
 
 
 @records_app.command("forget")

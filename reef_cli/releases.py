@@ -261,17 +261,29 @@ def canary(
     min_length_ratio: float = typer.Option(0.25, "--min-length-ratio",
                                            help="Ends it when its median answer is shorter than this share of the "
                                                 "head's."),
+    min_exchanges: int = typer.Option(20, "--min-exchanges",
+                                      help="Exchanges on each arm before the error and latency bounds apply."),
+    guard_answers: int = typer.Option(10, "--guard-answers",
+                                      help="Answers on each arm before the empty and short answer bounds apply."),
+    max_answers: int = typer.Option(None, "--max-answers",
+                                    help="Promotes it on its guards after this many answers on its arm if no report "
+                                         "came (default: off)."),
+    max_hours: float = typer.Option(None, "--max-hours",
+                                    help="Promotes it when still undecided after this many hours (default: off)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always-
     valid test at the stated error rate), or end it when it fails too often or is too slow."""
+    body = {"release_id": release_id, "share": share, "alpha": alpha, "max_reports": max_reports,
+            "max_error_rate": max_error_rate, "max_latency_ratio": max_latency_ratio,
+            "max_empty_excess": max_empty_excess, "min_length_ratio": min_length_ratio,
+            "min_exchanges": min_exchanges, "guard_answers": guard_answers}
+    if max_answers is not None:  # the bounds are off unless given (a learning canary has its recipe's)
+        body["max_answers"] = max_answers
+    if max_hours is not None:
+        body["max_hours"] = max_hours
     with client() as c:
-        row = c.post(f"/reef/scenarios/{scenario}/canary", {"release_id": release_id, "share": share, "alpha": alpha,
-                                                             "max_reports": max_reports,
-                                                             "max_error_rate": max_error_rate,
-                                                             "max_latency_ratio": max_latency_ratio,
-                                                             "max_empty_excess": max_empty_excess,
-                                                             "min_length_ratio": min_length_ratio})
+        row = c.post(f"/reef/scenarios/{scenario}/canary", body)
     if json_out:
         print_json(row)
     else:

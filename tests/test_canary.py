@@ -7,6 +7,7 @@ checked on simulated scores (and in ``test_canary_decision.py``)."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -74,6 +75,8 @@ def test_a_better_canary_is_promoted_and_a_worse_one_ended_with_the_figures_on_t
         assert top["operation"] == "promote" and top["source"] == cand and chain["head"] == top["release_id"]
         assert top["metrics"]["canary_verdict"] == "promoted" and top["metrics"]["canary_reports"] >= 10
         assert top["metrics"]["canary_mean"] == 1.0 and top["metrics"]["head_mean"] == 0.0
+        # the intervals go on the chain with the verdict: the difference's above 0, as the decision promoted
+        assert top["metrics"]["canary_difference_interval"][0] > 0 and top["metrics"]["canary_interval"][1] == 1.0
 
         head2, cand2 = held_candidate(c, "cw", "answer in French")
         c.post("/reef/scenarios/cw/canary", json={"release_id": cand2, "share": 0.5}).raise_for_status()
@@ -82,6 +85,7 @@ def test_a_better_canary_is_promoted_and_a_worse_one_ended_with_the_figures_on_t
         assert chain["head"] == head2 and chain["pending"] == []  # the head stays; the candidate is discarded
         ended = chain["rejected"][0]
         assert ended["verdict"] == "canary-ended" and ended["metrics"]["canary_mean"] == 0.0
+        assert ended["metrics"]["canary_difference_interval"][1] < 0
     shown = daemon.cli("releases", "list", "--all", "-s", "cw").stdout
     assert "canary-ended" in shown
 
@@ -292,3 +296,35 @@ def test_unpinned_requests_of_a_run_stay_on_one_arm_and_runless_ones_split_by_th
         served = [c.post("/s/cv/v1/chat/completions", json=ASK).headers["x-reef-release-id"] for _ in range(100)]
         assert set(served) <= {head2, cand2}
         assert 1 <= served.count(cand2) <= 40, served.count(cand2)
+
+
+def test_reef_releases_canary_sets_the_bounds_and_the_live_canary_keeps_them(daemon: Daemon) -> None:
+    """``reef releases canary`` passes ``--max-answers``, ``--max-hours``, ``--min-exchanges`` and
+    ``--guard-answers`` to the canary it starts, which then ends by them: three answers on its arm with no report
+    promote it (``quiet``). Without the flags the bounds are off; a bound out of range exits 2 naming it and starts
+    nothing. Bugs caught: a flag not sent (the bound stays off), sent under another name (a 400), a default sent for
+    an off bound."""
+    with daemon.unix() as c:
+        head, cand = held_candidate(c, "cq", "be terse")
+        _, plain = held_candidate(c, "cp", "be kind")
+    bad = daemon.cli("releases", "canary", cand, "-s", "cq", "--max-hours", "0", check=False)
+    assert bad.returncode == 2 and "max_hours" in bad.stderr, (bad.stdout, bad.stderr)
+    with daemon.unix() as c:
+        assert canary_of(c, "cq") is None
+    row = json.loads(daemon.cli("releases", "canary", cand, "-s", "cq", "--share", "0.5", "--max-answers", "3",
+                                "--max-hours", "0.5", "--min-exchanges", "5", "--guard-answers", "2",
+                                "--json").stdout)
+    assert {k: row["settings"][k] for k in ("max_answers", "max_hours", "min_exchanges", "guard_answers")} == {
+        "max_answers": 3, "max_hours": 0.5, "min_exchanges": 5, "guard_answers": 2}
+    off = json.loads(daemon.cli("releases", "canary", plain, "-s", "cp", "--json").stdout)["settings"]
+    assert off["max_answers"] is None and off["max_hours"] is None and off["guard_answers"] == 10
+    with daemon.unix() as c:
+        for i in range(100):  # runs nobody reports
+            if canary_of(c, "cq") is None:
+                break
+            assert c.post(f"/s/cq/r/run_cli{i:03d}/v1/chat/completions", json=ASK).status_code == 200
+        top = c.get("/reef/scenarios/cq/releases").json()["releases"][0]
+        assert top["source"] == cand and top["metrics"]["canary_verdict"] == "quiet", top
+        assert top["metrics"]["canary_answers"] >= 3 and top["metrics"]["head_answers"] >= 2
+        assert canary_of(c, "cp") is not None
+        c.post("/reef/scenarios/cp/canary/end", json={}).raise_for_status()

@@ -187,8 +187,9 @@ def test_the_detectable_difference_is_the_one_decided_in_that_many_pairs() -> No
 def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its_pages(daemon: Daemon) -> None:
     """A canary whose arm is scored 1 and whose head is scored 0: ``reef status``, ``reef releases list``, the
     release pages of both arms and the TUI's line show its share, each arm's reports, mean, interval and guard
-    figures on the right arm, and the smallest difference it can still decide. Bugs caught: the arms swapped in the
-    figures or the lines, the lines left out of a view."""
+    figures on the right arm, the intervals by betting (each arm's, and the difference's that decides), and the
+    smallest difference it can still decide. Bugs caught: the arms swapped in the figures or the lines, the lines
+    left out of a view, the intervals shown still Hoeffding's (or at alpha, not alpha / 2, for an arm)."""
     from reef_cli.tui.format import canary_line
     from tests.test_canary import held_candidate, one_run
 
@@ -206,7 +207,17 @@ def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its
         assert lines[1].startswith(f"  canary arm: {f['canary_reports']} reports, mean 1.000 [")
         assert lines[2].startswith(f"  head arm:   {f['head_reports']} reports, mean 0.000 [")
         assert f"{f['canary_answers']} answers" in lines[1] and f"{f['head_answers']} answers" in lines[2]
-        assert f"decides a difference of {f['detectable']:.2f} or more by its end" in lines[3]
+        # the intervals are by betting: each arm's at alpha / 2, the difference's the decision's own (at alpha)
+        from daemon.betting import interval, mean_interval, pairs
+
+        for arm, score, line in (("canary", 1.0, lines[1]), ("head", 0.0, lines[2])):
+            want = [round(x, 4) for x in mean_interval([score] * f[f"{arm}_reports"], 0.025)]  # type: ignore[union-attr]
+            assert f[f"{arm}_interval"] == want and f"[{want[0]:.2f}, {want[1]:.2f}]" in line, (arm, f, line)
+        diff = interval(pairs([0.0] * f["head_reports"], [1.0] * f["canary_reports"]), 0.05)
+        assert diff is not None and f["difference_interval"] == [round(x, 4) for x in diff]
+        assert lines[3].startswith(f"  difference canary - head +1.000 [{diff[0]:+.2f}, {diff[1]:+.2f}] over "
+                                   f"{f['pairs']} paired reports"), lines[3]
+        assert f"decides a difference of {f['detectable']:.2f} or more by its end" in lines[4]
         shown = c.get("/reef/status").json()["canaries"]
         assert [(s["scenario"], s["release_id"]) for s in shown] == [("cd", cand)]
         pages = {rel: c.get(f"/reef/releases/{rel}/page").text for rel in (cand, head)}
@@ -247,3 +258,58 @@ def test_after_an_ended_canary_learning_starts_again_from_the_head(daemon_factor
 
         assert moved(first["release_id"]) == pytest.approx(1e-3, rel=0.05)
         assert moved(second["release_id"]) == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_restart_mid_canary_keeps_its_arms_and_counts_and_learning_waits_for_its_verdict(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """The first candidate serves as a canary (answers bound 12), a second batch of reports waits, runs nobody
+    reports give both arms answers; then kill -9 and a start. After the restart the canary runs on against the same
+    head with the same settings and counts, the loop looks again and waits (``canary``: nothing trained meanwhile),
+    and the verdict reached after the restart (``quiet``, at the bound, on answers served after it) sends the
+    waiting batch to training from the promoted head, as a canary in its turn. Bugs caught: the canaries not read
+    back at start (no canary after a restart: the batch trains against the old head), the loop starting before them
+    (its first look trains the waiting batch), the loop not waiting, the end not telling the loop (the batch waits
+    for a report that never comes)."""
+    d = drifting(daemon_factory, recipe_dir)
+    with d.http() as c:
+        made = c.post("/reef/scenarios", json={"name": "lk", "recipe": "drifting:Drifting",
+                                               "settings": {"falling": False, "canary_answers": 12}})
+        head = made.json()["head"]
+        report_on_head(c, "lk", head)
+        first = _until("the first canary", lambda: canary_of(c, "lk"), 300)
+        report_on_head(c, "lk", head)  # the next batch waits while the canary runs
+        _until("the loop to wait on the canary", lambda: c.get("/reef/status").json()["learning"].get("lk") == "canary")
+        arms: dict[str, int] = {}
+        for i in range(60):  # runs nobody reports: answers on both arms, short of the bound on the canary's
+            rel = c.post(f"/s/lk/r/run_a{i:03d}/v1/chat/completions", json=ASK).headers["x-reef-release-id"]
+            arms[rel] = arms.get(rel, 0) + 1
+            if arms.get(first["release_id"], 0) >= 6 and arms.get(head, 0) >= 6:
+                break
+        before = canary_of(c, "lk")
+    d.kill9()
+    d.start()
+    with d.http() as c:
+        after = canary_of(c, "lk")
+        assert after is not None, "the canary did not survive the restart"
+        for key in ("release_id", "base_id", "share", "started_at", "settings"):
+            assert after[key] == before[key], key
+        for key in ("canary_answers", "head_answers", "canary_reports", "head_reports", "canary_exchanges"):
+            assert after["figures"][key] == before["figures"][key], (key, before["figures"], after["figures"])
+        assert before["figures"]["canary_answers"] >= 6 and before["figures"]["head_reports"] == 2
+        _until("the loop to wait on the canary again",
+               lambda: c.get("/reef/status").json()["learning"].get("lk") == "canary")
+        chain = c.get("/reef/scenarios/lk/releases", params={"all": "1"}).json()
+        assert chain["head"] == head and [p["release_id"] for p in chain["pending"]] == [first["release_id"]]
+        assert chain["rejected"] == [], "the waiting batch was trained on while the canary ran"
+        for i in range(200):  # more runs nobody reports: the canary reaches its bound
+            if canary_of(c, "lk") is None or canary_of(c, "lk")["release_id"] != first["release_id"]:
+                break
+            assert c.post(f"/s/lk/r/run_b{i:03d}/v1/chat/completions", json=ASK).status_code == 200
+        chain = c.get("/reef/scenarios/lk/releases", params={"all": "1"}).json()
+        promoted = next(r for r in chain["releases"] if r["operation"] == "promote")
+        assert promoted["source"] == first["release_id"] and promoted["metrics"]["canary_verdict"] == "quiet"
+        second = _until("the waiting batch's canary", lambda: (x := canary_of(c, "lk")) and
+                        x["release_id"] != first["release_id"] and x, 150)
+        assert second["base_id"] == promoted["release_id"]
+        chain = c.get("/reef/scenarios/lk/releases", params={"all": "1"}).json()
+        assert [p["release_id"] for p in chain["pending"]] == [second["release_id"]] and chain["rejected"] == []

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from daemon.engines.base import Engine
 from daemon.errors import BadRequest, EngineError, NotFound
 from daemon.evaluation import Evaluations, cell
 from daemon.gating.heldout import shipped_probes
@@ -44,6 +45,8 @@ def _today() -> dict[str, Any]:
 class _Engine:
     """Answers by the content asked: ``good`` every task and probe right, ``half`` the first half of the tasks and
     every probe, ``silent`` nothing at all. What it was asked, by content."""
+
+    answer_many = Engine.answer_many  # the default path: each answer a request
 
     def __init__(self, behaviour: dict[str, str], fail: str | None = None) -> None:
         self.behaviour, self.fail = behaviour, fail
@@ -108,7 +111,8 @@ def _evaluations(tmp_path: Path, engine: Any, chain: list[Any], recipe: str = "o
     async def get_engine(model: str) -> Any:
         return engine
 
-    store = SimpleNamespace(get_scenario=get_scenario, scored_exchanges=scored)
+    store = SimpleNamespace(scenarios=SimpleNamespace(get=get_scenario),
+                            reports=SimpleNamespace(scored_exchanges=scored))
     chains = SimpleNamespace(history=history, head_id=head_id, head=head, ref=ref)
     bus = SimpleNamespace(publish=lambda kind, **data: events.append((kind, data)))
     return Evaluations(tmp_path, store, chains, bus, get_engine, _make_recipe), events

@@ -69,7 +69,7 @@ async def export_all(store: Any) -> bytes:
 
     out, after = b"", 0
     while after is not None:
-        page, after = await store.export_page(scenario=None, since=None, after=after, limit=3)
+        page, after = await store.user_data.export_page(scenario=None, since=None, after=after, limit=3)
         out += render_lines(page)
     return out
 
@@ -79,7 +79,7 @@ async def import_lines(store: Any, data: bytes) -> dict[str, int]:
 
     items = [from_line(json.loads(x), f"line {i}", "imported", index=i)
              for i, x in enumerate(data.splitlines())]
-    counts, _ = await store.import_exchanges(items)
+    counts, _ = await store.user_data.import_exchanges(items)
     return counts
 
 
@@ -93,13 +93,13 @@ async def test_export_import_export_is_byte_stable_on_every_format_and_status(tm
         i = 0
         for fmt in ("openai-chat", "anthropic", "openai-responses"):
             for status in ("complete", "incomplete", "error", "cancelled"):
-                await first.append_exchange(stored(fmt, status, i))
+                await first.exchanges.append(stored(fmt, status, i))
                 i += 1
-        await first.append_report(scenario="rt", score=0.2, feedback="meh", references=["rec_anthropic_complete_4"],
+        await first.reports.append(scenario="rt", score=0.2, feedback="meh", references=["rec_anthropic_complete_4"],
                                   metadata=None, report_id=None)
-        await first.append_report(scenario="rt", score=0.9, feedback=None, references=["rec_anthropic_complete_4"],
+        await first.reports.append(scenario="rt", score=0.9, feedback=None, references=["rec_anthropic_complete_4"],
                                   metadata={"source": "judge", "judge": "j"}, report_id=None)
-        await first.append_report(scenario="rt", score=None, feedback={"why": "slow"},
+        await first.reports.append(scenario="rt", score=None, feedback={"why": "slow"},
                                   references=["rec_openai-chat_cancelled_3"], metadata=None, report_id=None)
         assert await import_lines(first, (json.dumps(IMPORTED) + "\n").encode()) == {
             "imported": 1, "skipped": 0, "reports": 1}
@@ -265,3 +265,26 @@ def test_parquet_without_pyarrow_names_the_command_for_reefs_python(daemon: Daem
                           str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert got.returncode == 2, got.stderr
     assert f"{sys.executable} -m pip install 'pyarrow>=17'" in got.stderr and not out.exists(), got.stderr
+
+
+def test_token_ids_of_another_model_are_not_imported_for_learning(daemon: Daemon, tmp_path: Path) -> None:
+    """Token ids are a tokenizer's: an exchange exported from another model (``model`` not the scenario's) keeps its
+    text but not its ids and log-probs, so a weights recipe never trains on ids that mean other words here; the
+    scenario's own model's ids are kept, and the CLI says what it dropped."""
+    base = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+            "prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -0.25], "score": 1}
+    own = {**base, "id": "rec_own", "model": "tiny"}
+    foreign = {**base, "id": "rec_foreign", "model": "llama-3.1-8b"}
+    with daemon.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "tok", "model": "tiny"}).status_code in (200, 201)
+        r = c.post("/reef/records/import", json={"items": [own, foreign], "scenario": "tok"})
+        assert r.status_code == 201, r.text
+        assert r.json()["tokens_dropped"] == 1
+        kept, dropped = (c.get(f"/reef/records/{i}").json() for i in ("rec_own", "rec_foreign"))
+    assert kept["token_ids"] == [3, 4] and kept["prompt_token_ids"] == [1, 2] and kept["logprobs"] == [-0.5, -0.25]
+    assert dropped["token_ids"] is None and dropped["prompt_token_ids"] is None and dropped["logprobs"] is None
+    assert dropped["model"] == "llama-3.1-8b" and dropped["response"]["choices"][0]["message"]["content"] == "yo"
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({**foreign, "id": "rec_foreign2"}) + "\n")
+    out = daemon.cli("records", "import", str(path), "-s", "tok")
+    assert "1 exchange(s) came from another model" in out.stdout, out.stdout

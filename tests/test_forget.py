@@ -78,44 +78,44 @@ async def test_forgotten_bodies_leave_the_files_and_a_tombstone_keeps_reports_ho
         Path(records_at), connect=_insecure_by_default)
     gone, kept = f"FORGET-{uuid.uuid4().hex}", f"KEEP-{uuid.uuid4().hex}"
     try:
-        await store.append_exchange(_exchange("rec_a", gone))
-        await store.append_exchange(_exchange("rec_b", gone, run="run_1"))
-        await store.append_exchange(_exchange("rec_keep", kept))
-        on_gone = await store.append_report(scenario=None, score=1.0, feedback=f"feedback {gone}",
+        await store.exchanges.append(_exchange("rec_a", gone))
+        await store.exchanges.append(_exchange("rec_b", gone, run="run_1"))
+        await store.exchanges.append(_exchange("rec_keep", kept))
+        on_gone = await store.reports.append(scenario=None, score=1.0, feedback=f"feedback {gone}",
                                             references=["rec_a"], metadata={"note": gone}, report_id="r1")
-        await store.append_report(scenario=None, score=0.0, feedback=f"feedback {kept}", references=["rec_keep"],
+        await store.reports.append(scenario=None, score=0.0, feedback=f"feedback {kept}", references=["rec_keep"],
                                   metadata=None, report_id=None)
         before = _stored_bytes(records_at)
         assert gone.encode() in before and kept.encode() in before  # the check can see them
-        out = await store.forget(receipts=["rec_a"], runs=["run_1"], scrub=True)
+        out = await store.user_data.forget(receipts=["rec_a"], runs=["run_1"], scrub=True)
         assert sorted(out["forgotten"]) == ["rec_a", "rec_b"] and out["reports"] == 1 and out["scenarios"] == ["s"]
         assert out["remains"]
         after = _stored_bytes(records_at)
         assert gone.encode() not in after, "a forgotten body is still in the store's files"
         assert kept.encode() in after
-        rec = await store.get_record("rec_b")
+        rec = await store.exchanges.get("rec_b")
         assert rec["request"] is None and rec["response"] is None and rec["token_ids"] is None
         assert rec["run"] == "run_1" and rec["release_id"] == "rel" and rec["forgotten_at"] > 0
         assert len(rec["content_hash"]) == 64
-        report = (await store.get_record("rec_a"))["reports"][0]["report"]
+        report = (await store.exchanges.get("rec_a"))["reports"][0]["report"]
         assert report == {"score": 1.0, "references": ["rec_a"], "forgotten": True}
         # the retried report is the same report; a different body under its id still conflicts
-        again = await store.append_report(scenario=None, score=1.0, feedback=f"feedback {gone}",
+        again = await store.reports.append(scenario=None, score=1.0, feedback=f"feedback {gone}",
                                           references=["rec_a"], metadata={"note": gone}, report_id="r1")
         assert again["report"]["forgotten"] is True
         with pytest.raises(ReportConflict):
-            await store.append_report(scenario=None, score=0.0, feedback="x", references=["rec_a"], metadata=None,
+            await store.reports.append(scenario=None, score=0.0, feedback="x", references=["rec_a"], metadata=None,
                                       report_id="r1")
         with pytest.raises(Forgotten):
-            await store.append_report(scenario=None, score=0.0, feedback="x", references=["rec_a"], metadata=None,
+            await store.reports.append(scenario=None, score=0.0, feedback="x", references=["rec_a"], metadata=None,
                                       report_id=None)
-        rows, _ = await store.scored_exchanges("s")
+        rows, _ = await store.reports.scored_exchanges("s")
         assert [r.id for r in rows] == ["rec_keep"]
-        assert await store.forgotten("s") == {"rec_a", "rec_b"}
+        assert await store.user_data.forgotten("s") == {"rec_a", "rec_b"}
         # what releases may have been made from: the exchanges, the report on one, the run of the other
         assert await forgotten_sources(store, "s") == ({"rec_a", "rec_b", on_gone["id"]}, {"run_1"})
         assert out["runs"] == ["run_1"]
-        twice = await store.forget(receipts=["rec_a"], runs=[])
+        twice = await store.user_data.forget(receipts=["rec_a"], runs=[])
         assert twice["forgotten"] == [] and twice["already"] == ["rec_a"]
     finally:
         store.close()
@@ -252,19 +252,20 @@ async def test_retention_picks_the_old_and_the_oldest_over_the_size_bound(record
     now = time.time()
     try:
         for i in range(6):  # rec_0 oldest; bodies of known size
-            await store.append_exchange(replace(_exchange(f"rec_{i}", "x"), created_at=now - (6 - i) * 86400,
+            await store.exchanges.append(replace(_exchange(f"rec_{i}", "x"), created_at=now - (6 - i) * 86400,
                                                 timings={"total_ms": 1}))
         opened = replace(_exchange("rec_open", "x"), created_at=now - 60)  # a stream under way
-        await store.open_exchange(opened)
-        await store.forget(receipts=["rec_1"], runs=[])
+        await store.exchanges.open(opened)
+        await store.user_data.forget(receipts=["rec_1"], runs=[])
         size = await store.read(lambda c: c.execute(
             "SELECT LENGTH(request) + LENGTH(response) AS n FROM records WHERE id='rec_5'").fetchone()["n"])
-        assert await store.retention_due(before=now - 4.5 * 86400, max_bytes=None) == ["rec_0"]
-        assert await store.retention_due(before=now, max_bytes=None) == ["rec_0", "rec_2", "rec_3", "rec_4", "rec_5"]
+        assert await store.user_data.retention_due(before=now - 4.5 * 86400, max_bytes=None) == ["rec_0"]
+        assert await store.user_data.retention_due(before=now, max_bytes=None) == [
+            "rec_0", "rec_2", "rec_3", "rec_4", "rec_5"]
         # room for exactly three bodies: the three newest stay
-        assert await store.retention_due(before=None, max_bytes=3 * size) == ["rec_0", "rec_2"]
-        assert await store.retention_due(before=None, max_bytes=3 * size - 1) == ["rec_0", "rec_2", "rec_3"]
-        assert await store.retention_due(before=None, max_bytes=None) == []
+        assert await store.user_data.retention_due(before=None, max_bytes=3 * size) == ["rec_0", "rec_2"]
+        assert await store.user_data.retention_due(before=None, max_bytes=3 * size - 1) == ["rec_0", "rec_2", "rec_3"]
+        assert await store.user_data.retention_due(before=None, max_bytes=None) == []
     finally:
         store.close()
 
@@ -536,9 +537,9 @@ async def test_a_backlog_larger_than_a_round_goes_within_one_check(tmp_path: Pat
     old = time.time() - 3 * 86400
     try:
         for i in range(11):
-            await store.append_exchange(replace(_exchange(f"rec_{i:02d}", "x"), created_at=old,
+            await store.exchanges.append(replace(_exchange(f"rec_{i:02d}", "x"), created_at=old,
                                                 timings={"total_ms": 1}))
-        await store.append_exchange(replace(_exchange("rec_new", "x"), timings={"total_ms": 1}))
+        await store.exchanges.append(replace(_exchange("rec_new", "x"), timings={"total_ms": 1}))
         forgot: list[str] = []
 
         async def learner_forget(scenario: str, ids: set[str]) -> None:
@@ -558,7 +559,7 @@ async def test_a_backlog_larger_than_a_round_goes_within_one_check(tmp_path: Pat
             await asyncio.wait_for(waiting.wait(), 60)
         finally:
             loop.cancel()
-        assert await store.forgotten("s") == {f"rec_{i:02d}" for i in range(11)}
+        assert await store.user_data.forgotten("s") == {f"rec_{i:02d}" for i in range(11)}
         assert forgot == ["s", "s", "s"]  # three rounds: 4 + 4 + 3
     finally:
         store.close()
@@ -598,14 +599,14 @@ async def test_retention_forgets_records_dated_in_the_future_and_no_stream_lives
     try:
         for rid, created in (("rec_ms", now * 1000), ("rec_ahead", now + 2 * 3600), ("rec_minute", now + 60),
                              ("rec_old", now - 40 * 86400)):
-            await store.append_exchange(replace(_exchange(rid, "x"), created_at=created, timings={"total_ms": 1}))
-        await store.open_exchange(replace(_exchange("rec_streaming", "x"), created_at=now - 60))
-        await store.open_exchange(replace(_exchange("rec_stale", "x"), created_at=now - 2 * 3600))
-        await store.append_exchange(replace(_exchange("rec_imported", "x"), created_at=now - 60))  # no timings
-        assert await store.retention_due(before=now - 30 * 86400, max_bytes=None) == [
+            await store.exchanges.append(replace(_exchange(rid, "x"), created_at=created, timings={"total_ms": 1}))
+        await store.exchanges.open(replace(_exchange("rec_streaming", "x"), created_at=now - 60))
+        await store.exchanges.open(replace(_exchange("rec_stale", "x"), created_at=now - 2 * 3600))
+        await store.exchanges.append(replace(_exchange("rec_imported", "x"), created_at=now - 60))  # no timings
+        assert await store.user_data.retention_due(before=now - 30 * 86400, max_bytes=None) == [
             "rec_ms", "rec_ahead", "rec_old"]
-        assert await store.retention_due(before=now, max_bytes=None) == [
+        assert await store.user_data.retention_due(before=now, max_bytes=None) == [
             "rec_ms", "rec_ahead", "rec_old", "rec_stale", "rec_imported"]
-        assert await store.retention_due(before=None, max_bytes=None) == []
+        assert await store.user_data.retention_due(before=None, max_bytes=None) == []
     finally:
         store.close()

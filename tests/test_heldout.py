@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from daemon.engines.base import Engine
 from daemon.errors import BadRequest, CheckFailed
 from daemon.gating import steps
 from daemon.gating.heldout import (
@@ -172,6 +173,9 @@ def test_the_reserved_share_of_prompts_is_stable() -> None:
 
 class _Engine:
     """A stand-in engine: the same answer to everything, a fixed KL; what it was asked, by whom."""
+
+    answer_many = Engine.answer_many  # the default paths, each answer a request (the transformers engine's: below)
+    divergence_many = Engine.divergence_many
 
     def __init__(self) -> None:
         self.asked: list[tuple[str, str]] = []

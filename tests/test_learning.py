@@ -348,6 +348,41 @@ def test_reef_demo_shows_a_model_learning(daemon_factory: Any) -> None:
     consumed += [rec for r in chain.get("rejected", []) for rec in r.get("receipts", [])]
     assert len(consumed) == len(set(consumed)) > 0  # every report trained on at most once
     assert out.returncode == (0 if result["reached_target"] else 1)
+    # the demo runs without the canary weights recipes have by default, and says so with its own figures: each of
+    # its releases moved the reward by less than a canary at its defaults tells apart (it would end as a tie)
+    canary = result["canary"]
+    assert canary["canary_share"] == 0 and "canary_share = 0" in canary["why"], canary
+    assert 0 < canary["per_release"] < canary["detectable"], canary
+
+
+def test_the_demo_says_why_it_runs_without_a_canary() -> None:
+    """Every demo's settings publish at once (``canary_share = 0``), and the demo says why in its figures: the
+    smallest difference a canary tells apart at its defaults (``max_reports`` pairs, alpha) on the demo's scores,
+    whose paired differences vary twice as much as one score, against what each release moved the reward. Bugs
+    caught: the variance of one score taken for a difference's (a canary that looks twice as sharp), the canary's
+    defaults not read from the daemon's, a release count of zero dividing."""
+    import random
+
+    from daemon.betting import detectable
+    from daemon.canary import DEFAULTS
+    from reef_cli.demo import DEMO_SETTINGS, REAL_SETTINGS, SAO_SETTINGS, Board, canary_note
+
+    assert all(s["canary_share"] == 0 for s in (DEMO_SETTINGS, SAO_SETTINGS, REAL_SETTINGS))
+    rng = random.Random(0)
+    scores = [rng.choice([0.0, 0.0, 0.2, 0.4, 1.0]) for _ in range(2000)]
+    mean = sum(scores) / len(scores)
+    var = sum((x - mean) ** 2 for x in scores) / len(scores)
+    note = canary_note(scores, 0.05, 0.81, 190)
+    want = detectable(DEFAULTS["max_reports"], 2 * var, DEFAULTS["alpha"])  # type: ignore[arg-type]
+    assert want is not None and note["detectable"] == round(want, 3) and note["per_release"] == 0.004
+    assert f"differences of {want:.2f} or more" in note["why"] and "190 releases" in note["why"]
+    assert "400 reports an arm, alpha 0.05" in note["why"] and "end as a tie" in note["why"]
+    assert canary_note([], 0.05, 0.05, 0)["per_release"] is None
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(Board("demo-x").render())  # the live panel says it from the start
+    assert "off in this demo" in console.export_text()
 
 
 def test_a_steps_outcome_shows_what_the_api_promised_and_nothing_of_the_loops_own() -> None:

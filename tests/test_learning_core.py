@@ -215,7 +215,7 @@ def test_train_step_skips_batches_without_signal_and_rejects_bad_samples(tiny):
 
 
 def test_render_prompt_matches_the_engine(tiny, tmp_path):
-    from daemon.engines.transformers import Load
+    from daemon.engines.rows import Load
     from daemon.exchange import Exchange, Message, Part
 
     tokenizer, model = tiny

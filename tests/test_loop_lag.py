@@ -210,15 +210,15 @@ async def test_export_pages_are_bounded_in_bytes_and_go_on_where_they_stopped(re
     ids = [f"rec_{i}" for i in range(7)]
     try:
         for rid in ids:
-            await store.append_exchange(ExchangeRecord(id=rid, scenario="s", request={"p": "x" * 300_000},
+            await store.exchanges.append(ExchangeRecord(id=rid, scenario="s", request={"p": "x" * 300_000},
                                                        response={}))
-        await store.append_exchange(ExchangeRecord(id="rec_other", scenario="t", request={}, response={}))
+        await store.exchanges.append(ExchangeRecord(id="rec_other", scenario="t", request={}, response={}))
 
         async def pages(max_bytes: int, limit: int = 500) -> list[list[str]]:
             out: list[list[str]] = []
             after: int | None = 0
             while after is not None:
-                page, after = await store.export_page(scenario="s", since=None, after=after, limit=limit,
+                page, after = await store.user_data.export_page(scenario="s", since=None, after=after, limit=limit,
                                                       max_bytes=max_bytes)
                 out.append([r["id"] for r in page])
             return out

@@ -245,3 +245,46 @@ async def test_a_dropped_load_leaves_no_prefix_cache_entry(tiny_model: Path, ada
         assert on_a.runtime_load_id not in held and plain[0].runtime_load_id in held
     finally:
         await engine.close()
+
+
+async def test_a_superseded_adapter_is_dropped_once_its_last_request_ends_and_a_kept_one_stays(
+        engine: TransformersEngine, adapters: dict[str, ReleaseRef], tiny_model: Path) -> None:
+    """``retain`` names the releases that serve new requests (the daemon's heads, canary arms and pins). Head ``a``
+    is superseded by ``b`` while a request on ``a`` runs: that request ends on ``a``'s own weights, and only then
+    is ``a`` dropped and its adapter detached; ``b`` stays, and so does a release kept by a pin (``a`` again, named
+    in ``retain``), and a load for a look (a held-out candidate, never among the kept) is left to its owner."""
+    base, a, b = adapters["base"], adapters["a"], adapters["b"]
+    engine.retain({base.content_id, a.content_id})
+    await run(engine, chat(1), a)  # served as the head: kept while it serves
+    started = asyncio.Event()
+    task = asyncio.ensure_future(run(engine, chat(3, max_tokens=40), a, started))
+    await started.wait()
+    await engine.preload(b)  # b published: loaded, then named the head instead of a
+    engine.retain({base.content_id, b.content_id})
+    assert a.content_id in engine.resident  # its request runs on
+    base_load = engine._resident[base.content_id]
+    on_a = await task
+    assert on_a.logprobs == pytest.approx(rescored(peft_model(tiny_model, a.path), on_a), abs=1e-4)
+    await until(lambda: set(engine.resident) == {base.content_id, b.content_id}, "a to be dropped")
+    await until(lambda: len(base_load.lora) == 1, "a's adapter to be detached")
+    assert on_a.runtime_load_id not in {n for layer in base_load.lora._layers.values() for n in layer.adapters}
+    on_b = await run(engine, chat(4), b)
+    assert on_b.logprobs == pytest.approx(rescored(peft_model(tiny_model, b.path), on_b), abs=1e-4)
+
+    # a pinned old release, named beside the head: reloaded and kept after its request ends
+    engine.retain({base.content_id, b.content_id, a.content_id})
+    again = await run(engine, chat(5), a)
+    assert again.runtime_load_id != on_a.runtime_load_id  # a new load: the old one was dropped
+    await until(lambda: not engine._active, "the finished request's generator to close")
+    assert set(engine.resident) == {base.content_id, a.content_id, b.content_id} and len(base_load.lora) == 2
+    # a look under its own key: never among the kept, so never dropped here (its owner unloads it)
+    look = ReleaseRef("candidate:1", "candidate:1", b.path, base)
+    await run(engine, chat(6), look)
+    await until(lambda: not engine._active, "the look's request to close")
+    engine.retain({base.content_id, b.content_id})  # the pin is gone
+    assert set(engine.resident) == {base.content_id, b.content_id, "candidate:1"}
+    await engine.unload(look)
+    await until(lambda: len(base_load.lora) == 1, "the pinned and the look's adapters to be detached")
+    engine.retain({base.content_id})  # b (loaded before it was named) superseded too: the base alone serves
+    assert set(engine.resident) == {base.content_id}
+    await until(lambda: len(base_load.lora) == 0, "b's adapter to be detached")

@@ -7,6 +7,7 @@ base is refused at publish, and one whose manifest lies about its base is never 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from daemon import lora
 from daemon.errors import BadRequest, BaseMismatch
 from daemon.lora import AdapterManifest
 from daemon.releases import ReleaseStore, files_from_dir
+from daemon.residency import PINS
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_hot_swap_weights import pinned_burst, rescored
 from tests.test_lora_engine import make_adapter, peft_model
@@ -176,3 +178,53 @@ def test_a_truncated_adapter_that_reached_the_chain_is_a_clear_error_and_the_res
         ok = c.post("/s/cut/v1/chat/completions", json=BODY, headers={"x-reef-release-id": base["release_id"]})
         assert ok.status_code == 200
     assert "Traceback" not in d.log_tail(300)
+
+
+def test_superseded_adapter_releases_leave_memory_and_served_ones_stay(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """Six adapter releases published one after another (as a trainer would): after each, the engine holds the base,
+    the head, a release a run pinned while it was the head (a wrapper pins its run's release to the end) and a
+    running canary's candidate, and nothing else: every other superseded head's adapter is dropped (it stayed
+    until ``memory_budget_mb``, some 10 MB a SmolLM2 release). When the canary ends, its candidate goes too
+    (a publish while it ran would end it: the canary starts after the last). Pins are kept up to the newest
+    ``PINS``."""
+    d: Daemon = daemon_factory()
+    base = init(d, "many")
+    store = ReleaseStore(d.home / "artifacts.git")
+
+    def content(release_id: str) -> str:
+        return store.get(release_id).content_id
+
+    with d.http() as c:
+        def settle(want: set[str], what: str) -> None:
+            deadline = time.monotonic() + 60  # a hang guard, not a speed bound
+            while (got := set(c.get("/reef/status").json()["models"]["tiny"]["resident"])) != want:
+                assert time.monotonic() < deadline, f"{what}: resident {sorted(got)}, expected {sorted(want)}"
+                time.sleep(0.05)
+
+        heads: list[str] = []
+        kept = {base["content_id"]}
+        for i in range(1, 7):
+            heads.append(publish_adapter(d, "many", tmp_path / f"a{i}", i, base, tiny_model))
+            assert chat(c, "many").headers["x-reef-release-id"] == heads[-1]  # served by the new head
+            if i == 2:  # a run begins on this head and pins it to its end
+                chat(c, "many", **{"x-reef-release-id": heads[-1]})
+                kept.add(content(heads[-1]))
+            if i == 6:  # a canary of a held candidate against the last head, its share taking every run
+                cand = store.hold("many", files_from_dir(make_adapter(
+                    tiny_model, tmp_path / "cand", 9, AdapterManifest(base["content_id"], base["release_id"]))),
+                    kind="weights", recipe="record").release_id
+                c.post("/reef/scenarios/many/canary", json={"release_id": cand, "share": 0.99}).raise_for_status()
+                served = c.post("/s/many/r/run-1/v1/chat/completions", json=BODY)
+                assert served.headers["x-reef-release-id"] == cand, served.headers
+                kept.add(content(cand))
+            settle(kept | {content(heads[-1])}, f"after publish {i}")
+        # the canary ended (by hand here): its candidate serves no new run and is dropped
+        c.post("/reef/scenarios/many/canary/end", json={}).raise_for_status()
+        settle(kept - {content(cand)} | {content(heads[-1])}, "after the canary ended")
+        # runs pinned to older releases (reloaded): the PINS newest pins stay, older ones are dropped
+        assert PINS == 4
+        for rid in (heads[2], heads[3], heads[4], heads[0], heads[1]):  # a2's run pinned first, then these
+            assert chat(c, "many", **{"x-reef-release-id": rid}).headers["x-reef-release-id"] == rid
+        settle({base["content_id"], content(heads[-1])} | {content(heads[i]) for i in (3, 4, 0, 1)},
+               "the newest four pins kept, the fifth newest (heads[2]) dropped")

@@ -296,7 +296,7 @@ BUILD_WHILE_LOADING = """
 import sys, tempfile, threading
 from pathlib import Path
 import torch
-from daemon.engines.transformers import Load
+from daemon.engines.rows import Load
 from daemon.models import init_tiny
 errors = []
 def attempt(what, fn):

@@ -138,15 +138,15 @@ async def test_the_records_table_has_a_column_for_each_field_of_an_exchange_reco
             response={"a": 2}, headers={"x-h": "v"}, timings={"total_ms": 3.0}, usage={"input_tokens": 4},
             prompt_token_ids=[1, 2], token_ids=[3], logprobs=[-0.5], capture=False)
         opened = replace(full, id="rec_open")
-        await store.append_exchange(full)
+        await store.exchanges.append(full)
         # a stream's record: opened with what is known at the start (as the serve path does), its outcome filled
         # in at the end
         start = ("id", "scenario", "run", "created_at", "format", "engine", "model", "release_id", "content_id",
                  "request", "headers", "capture")
-        await store.open_exchange(ExchangeRecord(**{k: getattr(opened, k) for k in start}))
-        await store.complete_exchange(opened)
+        await store.exchanges.open(ExchangeRecord(**{k: getattr(opened, k) for k in start}))
+        await store.exchanges.complete(opened)
         for rec in (full, opened):
-            got = await store.get_record(rec.id)
+            got = await store.exchanges.get(rec.id)
             assert {k: got[k] for k in fields} == {k: getattr(rec, k) for k in fields}
     finally:
         store.close()
@@ -165,27 +165,58 @@ async def test_serve_only_exchanges_and_ineligible_reports_are_never_read_for_tr
     at once is feedback on serve-only traffic too: left out."""
     store = open_store(records_at)
     try:
-        await store.append_exchange(_exchange("rec_kept"))
-        await store.append_exchange(replace(_exchange("rec_serve_only"), capture=False))
-        await store.append_exchange(_exchange("rec_ineligible"))
+        await store.exchanges.append(_exchange("rec_kept"))
+        await store.exchanges.append(replace(_exchange("rec_serve_only"), capture=False))
+        await store.exchanges.append(_exchange("rec_ineligible"))
 
         async def report(refs: list[str], feedback: str, metadata: dict[str, object] | None = None) -> None:
-            await store.append_report(scenario=None, score=1.0, feedback=feedback, references=refs,
+            await store.reports.append(scenario=None, score=1.0, feedback=feedback, references=refs,
                                       metadata=metadata, report_id=None)
 
         await report(["rec_serve_only"], "on serve-only traffic")
         await report(["rec_kept", "rec_serve_only"], "on both")
         await report(["rec_ineligible"], "not for training", {"training": {"eligible": False}})
         await report(["rec_kept"], "kept", {"training": {"eligible": True}})
-        rows, _ = await store.scored_exchanges("s")
+        rows, _ = await store.reports.scored_exchanges("s")
         assert [r.id for r in rows] == ["rec_kept", "rec_kept"]  # from "on both", then "kept"
-        feedback, _ = await store.feedback_reports("s")
+        feedback, _ = await store.reports.feedback("s")
         assert [f.feedback for f in feedback] == ["kept"]
         # still stored and shown as they are
-        assert (await store.get_record("rec_serve_only"))["capture"] is False
-        assert (await store.get_record("rec_kept"))["capture"] is True
-        assert len((await store.get_record("rec_ineligible"))["reports"]) == 1
-        assert [s for s in await store.list_scenarios() if s["name"] == "s"] == []  # no scenario row: none made
+        assert (await store.exchanges.get("rec_serve_only"))["capture"] is False
+        assert (await store.exchanges.get("rec_kept"))["capture"] is True
+        assert len((await store.exchanges.get("rec_ineligible"))["reports"]) == 1
+        # no scenario row: none made
+        assert [s for s in await store.scenarios.summaries() if s.scenario.name == "s"] == []
+    finally:
+        store.close()
+
+
+async def test_scenarios_are_read_as_named_types_and_kept_once_read(records_at: str) -> None:
+    """``store.scenarios``: what one store has read or made is kept (the serve path announces a scenario only when
+    it made it), another store has not read it yet; the listing's counts are named fields, not string keys."""
+    store = open_store(records_at)
+    try:
+        assert not store.scenarios.cached("b")
+        for name in ("b", "a"):
+            await store.scenarios.ensure(name, recipe=None, model="m", default_recipe="record")
+        assert store.scenarios.cached("b") and not store.scenarios.cached("c")
+        await store.exchanges.append(_exchange("rec_1", "b"))
+        await store.exchanges.append(replace(_exchange("rec_2", "b"), capture=False))
+        for receipt, score in (("rec_1", 1.0), ("rec_2", 0.0)):
+            await store.reports.append(scenario=None, score=score, feedback=None, references=[receipt], metadata=None,
+                                       report_id=None)
+        assert [s.name for s in await store.scenarios.all()] == ["a", "b"]
+        summaries = {s.scenario.name: s for s in await store.scenarios.summaries()}
+        b = summaries["b"]
+        assert (b.records, b.serve_only, b.reports, b.mean_score) == (2, 1, 2, 0.5)
+        assert summaries["a"].to_dict() == {**summaries["a"].scenario.to_dict(), "records": 0, "serve_only": 0,
+                                            "reports": 0, "mean_score": None}
+        other = open_store(records_at)  # another daemon's store: it has read nothing yet
+        try:
+            assert not other.scenarios.cached("b")
+            assert (await other.scenarios.get("b")).recipe == "record"
+        finally:
+            other.close()
     finally:
         store.close()
 
@@ -198,14 +229,14 @@ async def test_a_recipe_receives_named_records_built_the_same_way_on_both_backen
     scored exchange (a recipe would fail on the missing log-probs mid-step, in the trainer)."""
     store = open_store(records_at)
     try:
-        await store.append_exchange(_exchange("rec_a"))
-        await store.append_exchange(replace(_exchange("rec_no_logprobs"), logprobs=None))
+        await store.exchanges.append(_exchange("rec_a"))
+        await store.exchanges.append(replace(_exchange("rec_no_logprobs"), logprobs=None))
         meta = {"source": "judge", "hint": "say less", "group": "g1"}
-        stored = await store.append_report(scenario=None, score=1, feedback="too long", references=["rec_a"],
+        stored = await store.reports.append(scenario=None, score=1, feedback="too long", references=["rec_a"],
                                            metadata=meta, report_id="mine")
-        await store.append_report(scenario=None, score=1.0, feedback=None, references=["rec_no_logprobs"],
+        await store.reports.append(scenario=None, score=1.0, feedback=None, references=["rec_no_logprobs"],
                                   metadata=None, report_id=None)
-        rows, seen = await store.scored_exchanges("s")
+        rows, seen = await store.reports.scored_exchanges("s")
         assert [type(r) for r in rows] == [ScoredExchange]
         ex = rows[0]
         assert (ex.id, ex.release_id, ex.prompt_token_ids, ex.token_ids, ex.logprobs) == (
@@ -217,7 +248,7 @@ async def test_a_recipe_receives_named_records_built_the_same_way_on_both_backen
             stored["id"], stored["seq"], 1.0, "too long", ("rec_a",), meta)
         assert (report.source, report.hint, report.scenario) == ("judge", "say less", "s")
         assert seen == report.seq
-        feedback, _ = await store.feedback_reports("s")
+        feedback, _ = await store.reports.feedback("s")
         assert feedback == [report] and type(feedback[0]) is FeedbackReport
         assert pickle.loads(pickle.dumps(ex)) == ex
     finally:
@@ -279,24 +310,24 @@ async def test_learning_reads_only_what_came_since_its_last_read(records_at: str
     store = open_store(records_at)
     try:
         for r in ("rec_a", "rec_b", "rec_other"):
-            await store.append_exchange(_exchange(r, "other" if r == "rec_other" else "s"))
+            await store.exchanges.append(_exchange(r, "other" if r == "rec_other" else "s"))
 
         async def report(refs: list[str], score: float | None, feedback: str | None = None) -> None:
-            await store.append_report(scenario=None, score=score, feedback=feedback, references=refs, metadata=None,
+            await store.reports.append(scenario=None, score=score, feedback=feedback, references=refs, metadata=None,
                                       report_id=None)
 
         await report(["rec_a", "rec_b"], 0.5)
         await report(["rec_other"], 1.0)
-        rows, seen = await store.scored_exchanges("s")
+        rows, seen = await store.reports.scored_exchanges("s")
         assert [(r.id, r.score) for r in rows] == [("rec_a", 0.5), ("rec_b", 0.5)]
         assert rows[0].token_ids == [3, 4] and rows[0].logprobs == [-0.5, -0.25]
-        assert await store.scored_exchanges("s", after=seen) == ([], seen)
+        assert await store.reports.scored_exchanges("s", after=seen) == ([], seen)
         await report(["rec_a"], 1.0, "better")  # scored again: comes again, with the new score
-        rows, seen2 = await store.scored_exchanges("s", after=seen)
+        rows, seen2 = await store.reports.scored_exchanges("s", after=seen)
         assert [(r.id, r.score) for r in rows] == [("rec_a", 1.0)] and seen2 > seen
-        feedback, fseen = await store.feedback_reports("s")
+        feedback, fseen = await store.reports.feedback("s")
         assert [f.feedback for f in feedback] == ["better"]
-        assert await store.feedback_reports("s", after=fseen) == ([], fseen)
+        assert await store.reports.feedback("s", after=fseen) == ([], fseen)
     finally:
         store.close()
 
@@ -307,13 +338,13 @@ async def test_a_failing_record_in_a_batch_of_records_fails_alone(records_at: st
     store = open_store(records_at)
     try:
         outcomes = await asyncio.gather(
-            *(store.append_exchange(_exchange(r)) for r in ("rec_1", "rec_dup", "rec_dup", "rec_2")),
+            *(store.exchanges.append(_exchange(r)) for r in ("rec_1", "rec_dup", "rec_dup", "rec_2")),
             return_exceptions=True,
         )
         assert outcomes[:2] == [None, None] and outcomes[3] is None
         assert isinstance(outcomes[2], store.IntegrityError)
         for r in ("rec_1", "rec_dup", "rec_2"):
-            assert (await store.get_record(r))["id"] == r
+            assert (await store.exchanges.get(r))["id"] == r
     finally:
         store.close()
 
@@ -325,11 +356,11 @@ async def test_one_report_id_sent_to_two_daemons_at_once_is_stored_once(records_
     unique key and its write is retried alone (in a savepoint), where it finds the winner's report."""
     a, b = open_store(records_at), open_store(records_at)
     try:
-        await a.append_exchange(_exchange("rec_r"))
+        await a.exchanges.append(_exchange("rec_r"))
         for i in range(20):
             args: dict[str, Any] = {"scenario": None, "score": 1.0, "feedback": None, "references": ["rec_r"],
                                     "metadata": None, "report_id": f"retry-{i}"}
-            first, second = await asyncio.gather(a.append_report(**args), b.append_report(**args))
+            first, second = await asyncio.gather(a.reports.append(**args), b.reports.append(**args))
             assert first["id"] == second["id"], i
         count = await b.read(lambda c: c.execute("SELECT COUNT(*) FROM records WHERE kind='report'").fetchone()[0])
         assert count == 20
@@ -345,13 +376,13 @@ async def test_a_report_id_reused_for_another_scenario_is_a_conflict(records_at:
 
     store = open_store(records_at)
     try:
-        await store.append_exchange(_exchange("rec_s"))
+        await store.exchanges.append(_exchange("rec_s"))
         args: dict[str, Any] = {"score": 1.0, "feedback": "ok", "references": ["rec_s"], "metadata": None,
                                 "report_id": "rep-key"}
-        first = await store.append_report(scenario="s", **args)
-        assert (await store.append_report(scenario="s", **args))["id"] == first["id"]  # a true retry
+        first = await store.reports.append(scenario="s", **args)
+        assert (await store.reports.append(scenario="s", **args))["id"] == first["id"]  # a true retry
         with pytest.raises(ReportConflict):
-            await store.append_report(scenario="other", **args)
+            await store.reports.append(scenario="other", **args)
     finally:
         store.close()
 
@@ -388,7 +419,7 @@ async def test_a_store_written_before_versioning_opens_migrated(records_at: str)
     store = open_store(records_at)
     try:
         assert store.schema_version == LATEST > 1
-        assert (await store.get_record("rec_old"))["request"] == {"q": 1}
+        assert (await store.exchanges.get("rec_old"))["request"] == {"q": 1}
         versions = await store.read(lambda c: [r[0] for r in c.execute(
             "SELECT version FROM schema_version ORDER BY version").fetchall()])
         assert versions == list(range(1, LATEST + 1))
@@ -577,25 +608,25 @@ async def test_settings_changes_at_once_lose_none_and_a_refused_one_changes_noth
 
     store = open_store(records_at)
     try:
-        await store.ensure_scenario("s", recipe="record", model="m", default_recipe="record", settings={"k": 1})
+        await store.scenarios.ensure("s", recipe="record", model="m", default_recipe="record", settings={"k": 1})
 
         def add(i: int) -> Any:
             return lambda scen: {**scen.settings, "tasks": [*scen.settings.get("tasks", []), i]}
 
-        await asyncio.gather(*(store.change_settings("s", add(i)) for i in range(20)))
+        await asyncio.gather(*(store.scenarios.change_settings("s", add(i)) for i in range(20)))
 
         def refuse(scen: Any) -> dict[str, Any]:
             raise Conflict("no")
 
         with pytest.raises(Conflict):
-            await store.change_settings("s", refuse)
+            await store.scenarios.change_settings("s", refuse)
         fresh = open_store(records_at)  # another daemon on the same store reads what was committed
         try:
-            got = (await fresh.get_scenario("s")).settings
+            got = (await fresh.scenarios.get("s")).settings
         finally:
             fresh.close()
         assert got["k"] == 1 and sorted(got["tasks"]) == list(range(20)), got  # read and written in one transaction
-        assert (await store.ensure_scenario("s", recipe=None, model="m", default_recipe="record")).settings == got
+        assert (await store.scenarios.ensure("s", recipe=None, model="m", default_recipe="record")).settings == got
     finally:
         store.close()
 
@@ -612,19 +643,19 @@ async def test_the_sampling_of_scored_exchanges_is_read_from_the_request(records
         bodies = {"rec_a": {}, "rec_b": {"temperature": 0.7}, "rec_c": {"temperature": 0.7},
                   "rec_d": {"top_p": 0.9, "top_k": 40}, "rec_e": {"temperature": 0.2}}
         for receipt, body in bodies.items():
-            await store.append_exchange(exchange(receipt, body))
+            await store.exchanges.append(exchange(receipt, body))
         for receipt in ("rec_a", "rec_b", "rec_c", "rec_d"):  # rec_e is never scored
-            await store.append_report(scenario="s", score=1.0, feedback=None, references=[receipt], metadata=None,
+            await store.reports.append(scenario="s", score=1.0, feedback=None, references=[receipt], metadata=None,
                                       report_id=None)
-        rows, _ = await store.scored_exchanges("s")
+        rows, _ = await store.reports.scored_exchanges("s")
         assert {r.id: r.sampling for r in rows} == {
             "rec_a": RequestSampling(temperature=None, top_p=None, top_k=None),
             "rec_b": RequestSampling(temperature=0.7, top_p=None, top_k=None),
             "rec_c": RequestSampling(temperature=0.7, top_p=None, top_k=None),
             "rec_d": RequestSampling(temperature=None, top_p=0.9, top_k=40),
         }
-        counts = sorted((r["temperature"] or 1, r["top_p"] or 1, r["top_k"] or 0, r["n"])
-                        for r in await store.scored_sampling("s"))
+        counts = sorted((s.temperature or 1, s.top_p or 1, s.top_k or 0, n)
+                        for s, n in await store.reports.scored_sampling("s"))
         assert counts == [(0.7, 1, 0, 2), (1, 0.9, 40, 1), (1, 1, 0, 1)]
     finally:
         store.close()
@@ -643,7 +674,7 @@ async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str)
         for i, (release, ms, status) in enumerate([("head", 100, "complete"), ("head", 120, "complete"),
                                                    ("cand", 300, "complete"), ("cand", 5, "error"),
                                                    ("other", 7, "complete")]):
-            await store.append_exchange(exchange(f"rec_{i}", release, ms, status))
+            await store.exchanges.append(exchange(f"rec_{i}", release, ms, status))
         got = await store.arm_outcomes("s", 0, ("head", "cand"))
         assert sorted(got["head"]["ms"]) == [100.0, 120.0] and got["cand"]["ms"] == [300.0]
         assert (got["cand"]["exchanges"], got["cand"]["errors"]) == (2, 1)

@@ -277,17 +277,17 @@ async def test_exchanges_two_daemons_append_are_all_read_by_a_cursor(pg_url: str
     """Records paged by ``seq`` (``GET /reef/scenarios/{s}/records?after=``, a wrapper collecting a run's
     receipts): an exchange whose transaction committed after a later one's lost no place. Fails with the write
     lock left out of either path: the general one (A's write) or the exchange fast path (B's)."""
-    from daemon.records.store import RecordStore, _ExchangeRow
+    from daemon.records.rows import ExchangeRow
 
     def late(conn: Any) -> None:
-        _ExchangeRow.insert(conn, [RecordStore._exchange_row(_exchange("rec_late"))])
+        ExchangeRow.insert(conn, [ExchangeRow(_exchange("rec_late")).row])
 
     async def page(store: Any, cursor: int) -> tuple[list[str], int]:
-        rows = await store.list_records(scenario="s", after=cursor, limit=50)
+        rows = await store.exchanges.listing(scenario="s", after=cursor, limit=50)
         return [r["id"] for r in rows], (rows[-1]["seq"] if rows else cursor)
 
     seen = await _paged_while_one_commits_late(
-        pg_url, late, lambda b: b.append_exchange(_exchange("rec_quick")), page)
+        pg_url, late, lambda b: b.exchanges.append(_exchange("rec_quick")), page)
     assert sorted(seen) == ["rec_late", "rec_quick"]
 
 
@@ -299,8 +299,8 @@ async def test_reports_two_daemons_append_are_all_read_by_the_learning_cursor(pg
 
     setup = open_store(pg_url)
     try:
-        await setup.append_exchange(_exchange("rec_1"))
-        await setup.append_exchange(_exchange("rec_2"))
+        await setup.exchanges.append(_exchange("rec_1"))
+        await setup.exchanges.append(_exchange("rec_2"))
     finally:
         setup.close()
 
@@ -310,11 +310,11 @@ async def test_reports_two_daemons_append_are_all_read_by_the_learning_cursor(pg
         conn.execute("INSERT INTO report_refs(report_id, receipt) VALUES ('rep_late', 'rec_1')")
 
     async def quick(b: Any) -> Any:
-        return await b.append_report(scenario="s", score=0.5, feedback=None, references=["rec_2"], metadata=None,
+        return await b.reports.append(scenario="s", score=0.5, feedback=None, references=["rec_2"], metadata=None,
                                      report_id=None)
 
     async def page(store: Any, cursor: int) -> tuple[list[str], int]:
-        rows, seen = await store.scored_exchanges("s", after=cursor)
+        rows, seen = await store.reports.scored_exchanges("s", after=cursor)
         return [r.id for r in rows], seen
 
     assert sorted(await _paged_while_one_commits_late(pg_url, late, quick, page)) == ["rec_1", "rec_2"]

@@ -168,7 +168,7 @@ def test_imported_reports_are_counted_and_announced_like_any_other(daemon: Daemo
         before = reports_counted(c)
         resp = c.post("/reef/records/import", json={"items": items, "scenario": "imports-counted"})
         assert resp.status_code == 201, resp.text
-        assert resp.json() == {"imported": 3, "skipped": 0, "reports": 2}
+        assert resp.json() == {"imported": 3, "skipped": 0, "reports": 2, "tokens_dropped": 0}
         assert reports_counted(c) == before + 2
         events = report_events(c, "imports-counted", 2)
         assert sorted(tuple(e["references"]) for e in events) == [("rec_imp_a",), ("rec_imp_b",)], events
@@ -178,7 +178,7 @@ def test_imported_reports_are_counted_and_announced_like_any_other(daemon: Daemo
         for e in events:  # each event names the report record stored
             assert c.get(f"/reef/records/{e['id']}").json()["kind"] == "report"
         again = c.post("/reef/records/import", json={"items": items, "scenario": "imports-counted"})
-        assert again.json() == {"imported": 0, "skipped": 3, "reports": 0}
+        assert again.json() == {"imported": 0, "skipped": 3, "reports": 0, "tokens_dropped": 0}
         assert reports_counted(c) == before + 2
 
 

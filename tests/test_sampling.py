@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.engines.transformers import GREEDY_BELOW, SamplingParams, _sample
+from daemon.engines.prompts import SamplingParams
+from daemon.engines.rows import GREEDY_BELOW, _sample
 from daemon.errors import EngineError
 from tests.conftest import Daemon
 

@@ -166,18 +166,18 @@ def test_an_open_record_is_completed_at_most_once(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "records.sqlite3")
 
     async def go() -> None:
-        await store.open_exchange(ExchangeRecord(id="rec_x", scenario="s", request={"q": 1}))
-        assert (await store.get_record("rec_x"))["status"] == "incomplete"
+        await store.exchanges.open(ExchangeRecord(id="rec_x", scenario="s", request={"q": 1}))
+        assert (await store.exchanges.get("rec_x"))["status"] == "incomplete"
         done = ExchangeRecord(id="rec_x", scenario="s", status="complete", response={"a": 2},
                               timings={"total_ms": 1.0})
-        await store.complete_exchange(done)
-        rec = await store.get_record("rec_x")
+        await store.exchanges.complete(done)
+        rec = await store.exchanges.get("rec_x")
         assert rec["status"] == "complete" and rec["response"] == {"a": 2} and rec["request"] == {"q": 1}
         with pytest.raises(ReefError, match="not open"):
-            await store.complete_exchange(replace(done, status="error", response={"b": 3}))
+            await store.exchanges.complete(replace(done, status="error", response={"b": 3}))
         with pytest.raises(ReefError, match="not open"):
-            await store.complete_exchange(replace(done, id="rec_never_opened"))
-        assert (await store.get_record("rec_x"))["response"] == {"a": 2}
+            await store.exchanges.complete(replace(done, id="rec_never_opened"))
+        assert (await store.exchanges.get("rec_x"))["response"] == {"a": 2}
 
     try:
         asyncio.run(go())

@@ -13,10 +13,7 @@ PRODUCT = ("daemon", "reef_cli", "adapters", "recipes", "completions")
 MAX_LINES = 800
 # The modules over MAX_LINES when the rule came in, each with its size then as its ceiling. A module here may shrink,
 # never grow; one at or under MAX_LINES leaves the list, and no module joins it (a growing part gets a package).
-OVER = {
-    "daemon/records/store.py": 1189,
-    "daemon/learning.py": 850,
-}
+OVER: dict[str, int] = {}  # daemon/records/store.py (1,189) and daemon/learning.py (850) have left it
 
 
 def product_files(root: Path = ROOT) -> list[str]:

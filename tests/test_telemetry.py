@@ -554,12 +554,12 @@ async def test_the_store_gives_back_the_trace_headers_of_exchanges(records_at: s
         for receipt, headers in (("both", {"traceparent": parent, "tracestate": STATE, "user-agent": "x"}),
                                  ("parent", {"traceparent": parent}), ("none", {"user-agent": "x"}),
                                  ("no-headers", None)):
-            await store.append_exchange(ExchangeRecord(id=receipt, scenario="s", request={}, response={},
+            await store.exchanges.append(ExchangeRecord(id=receipt, scenario="s", request={}, response={},
                                                        headers=headers))
-        report = await store.append_report(scenario="s", score=1.0, feedback=None, references=["both"],
+        report = await store.reports.append(scenario="s", score=1.0, feedback=None, references=["both"],
                                            metadata=None, report_id=None)
-        got = await store.trace_headers(["both", "parent", "none", "no-headers", "unknown", report["id"]])
+        got = await store.exchanges.trace_headers(["both", "parent", "none", "no-headers", "unknown", report["id"]])
         assert got == {"both": {"traceparent": parent, "tracestate": STATE}, "parent": {"traceparent": parent}}
-        assert await store.trace_headers([]) == {}
+        assert await store.exchanges.trace_headers([]) == {}
     finally:
         store.close()

@@ -201,7 +201,7 @@ def test_a_live_stream_reads_in_progress_and_one_cut_before_a_restart_incomplete
     async def opened(rid: str) -> None:
         store = open_store(load_config(d.env).records_location)
         try:
-            await store.open_exchange(ExchangeRecord(id=rid, scenario="live", request={}, format="openai-chat",
+            await store.exchanges.open(ExchangeRecord(id=rid, scenario="live", request={}, format="openai-chat",
                                                      engine="transformers", model="tiny"))
         finally:
             store.close()

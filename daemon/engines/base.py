@@ -14,11 +14,13 @@ log-probs the server sampled, and the load id whose weight version it reported.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.exchange import EngineEvent, Exchange
+from daemon.errors import EngineError
+from daemon.exchange import Completion, EngineEvent, Exchange, Finish
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,38 @@ class Engine(abc.ABC):
         default): the held-out check's KL from the base (``daemon/gating/heldout.py``) is then not measured."""
         return None
 
+    async def answer_many(self, exchanges: list[Exchange], release: ReleaseRef | None = None) -> list[Completion]:
+        """What ``generate`` finishes with for each of ``exchanges`` (the daemon's own questions: the held-out
+        check's answers). The default asks them all at once, each as a request; an engine that can decode them as
+        one batch beside its users' requests does (``transformers``)."""
+        async def one(exchange: Exchange) -> Completion:
+            async for event in self.generate(exchange, release):
+                if isinstance(event, Finish):
+                    return event.completion
+            raise EngineError("the engine ended an answer without finishing it")
+
+        return list(await asyncio.gather(*(one(e) for e in exchanges)))
+
+    async def divergence_many(self, pairs: list[tuple[list[int], list[int]]], release: ReleaseRef,
+                              reference: ReleaseRef) -> list[list[float]] | None:
+        """``divergence`` of each (prompt, tokens) pair; None where the engine cannot say. The default asks them one
+        at a time; ``transformers`` runs them in a few batched forwards."""
+        out = []
+        for prompt, tokens in pairs:
+            kl = await self.divergence(prompt, tokens, release, reference)
+            if kl is None:
+                return None
+            out.append(kl)
+        return out
+
     async def unload(self, release: ReleaseRef) -> None:
         """Drop a release loaded only for a look at it (a candidate the held-out check sampled), if no request
         holds it; the default keeps nothing to drop."""
+
+    def retain(self, keep: Collection[str]) -> None:
+        """The content ids of the releases that serve new requests now: each scenario's head, the canary arms, the
+        releases requests pinned lately (``daemon/residency.py``). A weights engine drops a release it loaded while
+        it served and that serves no more, once no request runs on it; the default keeps nothing to drop."""
 
     @property
     def resident(self) -> dict[str, str]:

@@ -585,7 +585,7 @@ class ServerEngine(Engine):
 
     async def _generate_once(self, exchange: Exchange, release: ReleaseRef | None, prompt: list[int], params: Any,
                              *, buffered: bool) -> AsyncIterator[EngineEvent]:
-        from daemon.engines.transformers import _Seq
+        from daemon.engines.rows import _Seq
 
         base_ref = release.base if release is not None and release.base is not None else release
         while True:  # until the base this request needs is the server's, with the gate held on it

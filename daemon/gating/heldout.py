@@ -14,9 +14,10 @@ The prompts:
 
 The candidate answers the recorded prompts and every other probe first, and the rest only when that first look
 shows a sign of harm (``clean``, ``run``). Both models answer greedily, at most ``heldout_max_tokens`` (16)
-tokens, through the scenario's engine: the
-candidate's weights are loaded beside the head's as an unpublished release (never served to a request) and
-dropped afterwards; the head's answers are kept per head release, so a lineage's checks sample the head once.
+tokens, through the scenario's engine, all prompts at once (``Engine.answer_many``: the embedded engine decodes
+them as one batch beside its users' requests, ``daemon/engines/bulk.py``): the candidate's weights are loaded
+beside the head's as an unpublished release (never served to a request) and dropped afterwards; the head's answers
+are kept per head release, so a lineage's checks sample the head once.
 
 The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a candidate (``Figures.hold``):
 - degenerate answers: empty, cut short (at most ``SHORT`` tokens where the head said ``LONG`` or more), or a loop
@@ -30,9 +31,9 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   the spread of which probes happen to flip, measured on the same answers.
 - KL from the base: the mean per-token KL(candidate || base) of the next-token distributions at the positions of
   the candidate's own held-out answers, the base being the model its adapter applies to (whole weights: the
-  serving head), teacher-forced through the engine (``Engine.divergence``); held above ``heldout_max_kl`` nats
-  per token. An engine that cannot score says so
-  (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
+  serving head), teacher-forced through the engine (``Engine.divergence_many``: both models on the same batched
+  rows, so a model's KL from itself is 0 exactly); held above ``heldout_max_kl`` nats per token. An engine that
+  cannot score says so (``heldout_kl`` absent, ``heldout_note``); the other figures still decide.
 
 A check that cannot run (the engine is down, it times out after ``heldout_timeout_s``, 600) raises ``CheckFailed``: the
 step is written down as failed with the reason, never as passed. ``heldout_check = false`` turns the check off;
@@ -332,34 +333,32 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
 
 
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
-    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once (the engine
-    batches them)."""
-    from daemon.exchange import Finish, internal_exchange
+    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once
+    (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests)."""
+    from daemon.exchange import internal_exchange
 
-    async def one(prompt: str) -> Answer:
-        async for event in engine.generate(internal_exchange(model, "", prompt, max_tokens), release):
-            if isinstance(event, Finish):
-                c = event.completion
-                return Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()),
-                              tuple(c.logprobs or ()))
-        raise CheckFailed("the engine ended an answer without finishing it")
-
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    if not prompts:
+        return []
+    done = await engine.answer_many([internal_exchange(model, "", p, max_tokens) for p in prompts], release)
+    return [Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()), tuple(c.logprobs or ()))
+            for c in done]
 
 
 async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, base: Any) -> float | None:
-    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced; at
-    most ``KL_ANSWERS`` of them, evenly spread); None when the engine cannot say."""
-    num, den = 0.0, 0
+    """Mean per-token KL(candidate || base) over the positions of the candidate's own answers (teacher-forced, in
+    a few batched forwards where the engine can: ``Engine.divergence_many``; at most ``KL_ANSWERS`` of them, evenly
+    spread); None when the engine cannot say."""
     answered = [a for a in answers if a.token_ids]
     step = max(1, -(-len(answered) // KL_ANSWERS))  # spread over the recorded prompts and the probes alike
-    for a in answered[::step]:
-        kl = await engine.divergence(list(a.prompt_token_ids), list(a.token_ids), candidate, base)
-        if kl is None:
-            return None
-        num += sum(kl)
-        den += len(kl)
-    return num / den if den else None
+    picked = answered[::step]
+    if not picked:
+        return None
+    kls = await engine.divergence_many([(list(a.prompt_token_ids), list(a.token_ids)) for a in picked], candidate,
+                                       base)
+    if kls is None:
+        return None
+    den = sum(len(kl) for kl in kls)
+    return sum(map(sum, kls)) / den if den else None
 
 
 def clean(fig: Figures, settings: CheckSettings) -> bool:

@@ -260,17 +260,17 @@ async def clear(store: Any, events: Any, name: str, how: str) -> Any:
     update of a scenario never warned). ``accepted`` with no warning standing is a ``Conflict``."""
     from daemon.errors import Conflict
 
-    scenario = await store.get_scenario(name)
+    scenario = await store.scenarios.get(name)
     if how == "accepted" and not scenario.warned:
         raise Conflict(f"no early warning stands on scenario {name!r}: nothing to accept", scenario=name)
     if (how == "resumed" and not scenario.warned) or (how == "updated" and scenario.warning is None):
         return scenario
     new = cleared(how, scenario.warning)
-    scenario = await store.set_warning(name, new)
+    scenario = await store.scenarios.set_warning(name, new)
     events.publish("warning", scenario=name, state=new["state"], how=how)
     return scenario
 
 
 async def standing(store: Any) -> dict[str, dict[str, Any]]:
     """Every scenario's early-warning state that was ever written, by scenario (``GET /reef/status``, ``/metrics``)."""
-    return {s.name: s.warning for s in await store.warned_scenarios()}
+    return {s.name: s.warning for s in await store.scenarios.warned()}

@@ -11,15 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from daemon.errors import BadRequest
+from daemon.records.conn import Conn
 from daemon.records.exchange_record import ExchangeRecord
 from daemon.records.location import is_postgres, redact
+from daemon.records.rows import RecordRow, new_id
+from daemon.records.scenarios import Scenario, ScenarioSummary
 from daemon.records.scored import FeedbackReport, RequestSampling, ScoredExchange
 from daemon.records.sqlite import SQLiteStore
-from daemon.records.store import Conn, RecordStore, Scenario, new_id
+from daemon.records.store import RecordStore
 from daemon.records.training import Lease
 
-__all__ = ["Conn", "ExchangeRecord", "FeedbackReport", "Lease", "RecordStore", "RequestSampling", "SQLiteStore",
-           "Scenario", "ScoredExchange", "new_id", "open_store", "is_postgres", "redact"]
+__all__ = ["Conn", "ExchangeRecord", "FeedbackReport", "Lease", "RecordRow", "RecordStore", "RequestSampling",
+           "SQLiteStore", "Scenario", "ScenarioSummary", "ScoredExchange", "new_id", "open_store", "is_postgres",
+           "redact"]
 
 
 def open_store(location: str | Path) -> RecordStore:

@@ -1,10 +1,12 @@
 """What the record store's SQL runs on: a DB-API connection, as both backends supply it and both the store
-(``daemon/records/store.py``) and its migrations (``daemon/records/migrations.py``) use it."""
+(``daemon/records/store.py``) and its migrations (``daemon/records/migrations.py``) use it; and ``Rows``, what
+the store's parts use of the store."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 
 class Cursor(Protocol):
@@ -24,3 +26,27 @@ class Conn(Protocol):
     def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any: ...
 
     def executemany(self, sql: str, params: Iterable[Sequence[Any]], /) -> Any: ...
+
+
+T = TypeVar("T")
+
+
+class Rows(Protocol):
+    """What a part of the record store (``store.scenarios``, ``store.exchanges``, ...) uses of the store that holds
+    it: its writer, its reads and the fragments of SQL its backend writes differently."""
+
+    @property
+    def NOW(self) -> str: ...  # the database's clock, seconds since the epoch
+
+    @property
+    def FOR_UPDATE(self) -> str: ...  # what locks the rows a SELECT read, until the transaction ends
+
+    async def read(self, fn: Callable[[Conn], T]) -> T: ...
+
+    async def write(self, fn: Callable[[Conn], T]) -> T: ...
+
+    def write_soon(self, fn: Callable[[Conn], Any]) -> asyncio.Future[Any]: ...
+
+    def json_field(self, column: str, key: str) -> str: ...
+
+    def json_number(self, column: str, key: str) -> str: ...

@@ -35,8 +35,10 @@ import psycopg_pool
 from psycopg.pq import TransactionStatus
 
 from daemon.errors import RecordsUnavailable, StorageError
+from daemon.records.conn import Conn
 from daemon.records.location import redact
-from daemon.records.store import Conn, RecordStore, _ExchangeRow
+from daemon.records.rows import ExchangeRow
+from daemon.records.store import RecordStore
 
 _WRITE_LOCK = 0x52454546  # "REEF": the advisory lock every write transaction takes
 CONNECT_TIMEOUT_S = 5  # a database that does not answer: the request fails (503) rather than hangs
@@ -139,7 +141,7 @@ class PostgresStore(RecordStore):
                                       path=self.where)
         return StorageError(f"record store write failed: {_first_line(exc)}", path=self.where)
 
-    def _scrub(self, full: bool) -> str:
+    def scrub(self, full: bool) -> str:
         # an UPDATE leaves the old row version in the table until VACUUM removes it; only VACUUM FULL rewrites the
         # table so that the old bytes are gone from its files (it locks the records table while it runs)
         try:
@@ -164,7 +166,7 @@ class PostgresStore(RecordStore):
         with conn.raw.pipeline():
             conn.execute("BEGIN")
             self._lock(conn)
-            _ExchangeRow.insert(conn, rows)
+            ExchangeRow.insert(conn, rows)
             conn.execute("COMMIT")
 
     def json_field(self, column: str, key: str) -> str:

@@ -1,8 +1,8 @@
 """What a learning recipe receives from the record store: ``ScoredExchange`` and ``FeedbackReport``.
 
-A recipe's ``source`` says which: ``scores`` recipes get scored exchanges (``RecordStore.scored_exchanges``: an
+A recipe's ``source`` says which: ``scores`` recipes get scored exchanges (``RecordStore.reports.scored_exchanges``: an
 exchange with its tokens, and the report that scored it), ``feedback`` recipes get reports that carry written
-feedback (``RecordStore.feedback_reports``). Both backends (SQLite, PostgreSQL) build these through the one
+feedback (``RecordStore.reports.feedback``). Both backends (SQLite, PostgreSQL) build these through the one
 constructor each has here, the daemon's loop (``daemon/learning.py``) hands them to ``eligible``, ``batch``,
 ``edit`` and, inside ``TrainJob.batch``, pickled to the trainer worker's ``train``.
 
@@ -75,7 +75,7 @@ class FeedbackReport:
     def from_stored(cls, *, id: str, seq: int, body: Mapping[str, Any], scenario: str | None = None,
                     created_at: float | None = None) -> FeedbackReport:
         """The one constructor from what the store keeps: a report record's id, seq and JSON ``body``
-        (``{score, feedback, references, metadata}``, as ``RecordStore.append_report`` wrote it)."""
+        (``{score, feedback, references, metadata}``, as ``RecordStore.reports.append`` wrote it)."""
         metadata = body.get("metadata")
         meta = metadata if isinstance(metadata, dict) else None
         source = meta.get("source") if meta else None

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import StorageError
-from daemon.records.store import Conn, RecordStore, _ExchangeRow
+from daemon.records.conn import Conn
+from daemon.records.rows import ExchangeRow
+from daemon.records.store import RecordStore
 
 # FULL: a commit fsyncs the WAL before it returns, so a receipt survives a power cut. Only the power-loss test
 # changes it (to OFF, in a daemon process, to show that its double catches a commit that was not fsynced).
@@ -80,7 +82,7 @@ class SQLiteStore(RecordStore):
         return StorageError(f"record store write failed: {exc}", path=str(self.path))
 
     def _insert_exchanges(self, conn: Conn, rows: list[tuple[Any, ...]]) -> None:
-        _ExchangeRow.insert(conn, rows)  # one statement: SQLite's own transaction
+        ExchangeRow.insert(conn, rows)  # one statement: SQLite's own transaction
 
     def _committed(self) -> None:
         self._dirty.set()
@@ -97,7 +99,7 @@ class SQLiteStore(RecordStore):
     def integrity_check(self) -> str:
         return str(self._reader().execute("PRAGMA integrity_check").fetchone()[0])
 
-    def _scrub(self, full: bool) -> str:
+    def scrub(self, full: bool) -> str:
         # the writer zeroes freed space (secure_delete); the WAL still holds the pages as they were before, until
         # a checkpoint copies the new ones into the file and TRUNCATE empties the WAL (a reader holding an old
         # snapshot makes it wait: try again, then say so)

@@ -9,25 +9,11 @@ consumption rows are what the database locks, never a lock in one process. ``lea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
 from daemon.errors import LeaseLost
-from daemon.records.conn import Conn
-
-T = TypeVar("T")
-
-
-class Rows(Protocol):
-    """What this part uses of the store that holds it: its writer, its reads and two fragments of its dialect."""
-
-    NOW: str
-    FOR_UPDATE: str
-
-    async def read(self, fn: Callable[[Conn], T]) -> T: ...
-
-    async def write(self, fn: Callable[[Conn], T]) -> T: ...
+from daemon.records.conn import Conn, Rows
 
 
 @dataclass(frozen=True)

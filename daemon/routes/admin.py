@@ -23,7 +23,7 @@ EVENTS_DROPPED_GRACE_S = 10.0  # a dropped subscriber's connection closes when i
 
 async def handle_status(request: web.Request) -> web.Response:
     reef = request.ctx
-    counts = await reef.store.count()
+    counts = await reef.store.exchanges.count()
     return json_response(
         {
             "pid": _pid(),
@@ -47,7 +47,7 @@ async def handle_status(request: web.Request) -> web.Response:
             },
             "records": counts.get("exchange", 0),
             "reports": counts.get("report", 0),
-            "scenarios": len(await reef.store.list_scenarios()),
+            "scenarios": len(await reef.store.scenarios.all()),
             "warnings": {n: w["reason"] for n, w in (await warning.standing(reef.store)).items()
                          if w.get("state") == "warned"},
             "learning": dict(reef.learner.state),

@@ -83,5 +83,5 @@ def int_param(request: web.Request, name: str, default: int | None, lo: int, hi:
 
 async def existing_scenario(reef: Reef, name: str) -> Any:
     check_scenario(name)
-    scenario = await reef.store.get_scenario(name)
+    scenario = await reef.store.scenarios.get(name)
     return await reef.scenario(scenario.name)

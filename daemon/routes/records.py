@@ -12,6 +12,7 @@ from daemon.errors import (
     NotFound,
 )
 from daemon.names import check_run, check_scenario
+from daemon.records import RecordRow
 from daemon.reports import (
     accept_imports,
     accept_report,
@@ -64,7 +65,7 @@ async def handle_report(request: web.Request) -> web.Response:
     target = scenario
     if target is None and (score is not None or report_schemas()):
         with contextlib.suppress(NotFound):  # unknown receipts: the store names them all next
-            target = (await reef.store.get_record(refs[0], full=False))["scenario"]
+            target = (await reef.store.exchanges.get(refs[0], full=False))["scenario"]
     if score is not None and target is not None:
         check_score_range(score, target, reef.config)
     if report_schemas() and target is not None:  # a bound recipe declares structured report fields: check them
@@ -80,15 +81,15 @@ async def handle_report(request: web.Request) -> web.Response:
     return json_response(view, status=201)
 
 
-def _report_view(rec: dict[str, Any]) -> dict[str, Any]:
+def _report_view(rec: RecordRow) -> dict[str, Any]:
     report = rec.get("report") or {}
     return {"report_id": rec["id"], "scenario": rec["scenario"], "created_at": rec["created_at"], **report}
 
 
 async def handle_export(request: web.Request) -> web.StreamResponse:
     """The exchanges (of a scenario, since a time) as JSON Lines in the export shape (``daemon/export.py``),
-    streamed a page at a time (``RecordStore.export_page``: bounded in bytes), each page read and rendered in a
-    worker thread and written when the client has taken the one before: memory stays a page's worth, however big
+    streamed a page at a time (``store.user_data.export_page``: bounded in bytes), each page read and rendered in
+    a worker thread and written when the client has taken the one before: memory stays a page's worth, however big
     the export, and the loop only hands pages on."""
     from daemon.export import render_lines
 
@@ -105,7 +106,7 @@ async def handle_export(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     after: int | None = 0
     while after is not None:
-        page, after = await reef.store.export_page(scenario=scenario, since=since_t, after=after)
+        page, after = await reef.store.user_data.export_page(scenario=scenario, since=since_t, after=after)
         data = await asyncio.to_thread(render_lines, page) if page else b""
         del page
         await resp.write(data)  # waits while the client's socket holds more than the send buffer
@@ -141,12 +142,29 @@ async def handle_import(request: web.Request) -> web.Response:
                     field = f"reports[{k}].score" if items[i].get("reports") else "score"
                     raise BadRequest(f"line {first + i} (items[{i}]): {e.message}", param=f"items[{i}].{field}") \
                         from None
-    for name in sorted({p["record"].scenario for p in parsed}):
-        await reef.scenario(name)
+    models = {name: (await reef.scenario(name)).model for name in sorted({p["record"].scenario for p in parsed})}
+    dropped = _foreign_tokens(parsed, models)
     out = await accept_imports(reef.store, reef.metrics, reef.events, parsed)
+    out["tokens_dropped"] = dropped
     for name in sorted({p["record"].scenario for p in parsed if p["reports"]}):
         reef.learner.notify(name)
     return json_response(out, status=201)
+
+
+def _foreign_tokens(parsed: list[dict[str, Any]], models: dict[str, str]) -> int:
+    """Token ids are a model's own (its tokenizer's): an imported exchange whose ``model`` is not its scenario's
+    keeps its text but not its token ids and log-probs, so a weights recipe never trains the scenario's model on
+    another model's ids. Changes ``parsed`` in place; the number of exchanges whose tokens were dropped."""
+    from dataclasses import replace
+
+    dropped = 0
+    for p in parsed:
+        rec = p["record"]
+        has = rec.prompt_token_ids is not None or rec.token_ids is not None or rec.logprobs is not None
+        if has and rec.model != models[rec.scenario]:
+            p["record"] = replace(rec, prompt_token_ids=None, token_ids=None, logprobs=None)
+            dropped += 1
+    return dropped
 
 
 async def handle_forget(request: web.Request) -> web.Response:
@@ -177,7 +195,7 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
     if kind not in (None, "exchange", "report"):
         raise BadRequest("kind must be exchange or report", param="kind")
     newest = request.query.get("order", "asc") == "desc"
-    records = await reef.store.list_records(
+    records = await reef.store.exchanges.listing(
         scenario=scenario, run=run, after=after, limit=limit or 50, kind=kind, newest_first=newest
     )
     for r in records:
@@ -185,7 +203,7 @@ async def _list_records(request: web.Request, reef: Reef, scenario: str | None) 
     return json_response({"records": records, "next_after": records[-1]["seq"] if records and not newest else None})
 
 
-def _live(reef: Reef, rec: dict[str, Any]) -> dict[str, Any]:
+def _live(reef: Reef, rec: RecordRow) -> RecordRow:
     """A stream still being answered is ``in_progress``, not ``incomplete`` (the word for one cut off): its record
     is opened (``incomplete``, no timings yet) by this daemon process. One opened before this process started was
     cut off by the stop or crash between, and stays ``incomplete``."""
@@ -197,4 +215,4 @@ def _live(reef: Reef, rec: dict[str, Any]) -> dict[str, Any]:
 
 async def handle_record(request: web.Request) -> web.Response:
     reef = request.ctx
-    return json_response(_live(reef, await reef.store.get_record(request.match_info["receipt"])))
+    return json_response(_live(reef, await reef.store.exchanges.get(request.match_info["receipt"])))

@@ -15,7 +15,7 @@ from daemon.errors import (
 )
 from daemon.gating import warning
 from daemon.names import check_scenario
-from daemon.records import RecordStore, RequestSampling
+from daemon.records import RecordStore, Scenario
 from daemon.routes.common import Handler, json_response, object_body, plain
 from daemon.serving import Reef
 from recipes import check_api_recipe, load_recipe
@@ -31,7 +31,7 @@ async def handle_start_run(request: web.Request) -> web.Response:
 
 async def handle_scenarios(request: web.Request) -> web.Response:
     reef = request.ctx
-    return json_response({"scenarios": await reef.store.list_scenarios()})
+    return json_response({"scenarios": [s.to_dict() for s in await reef.store.scenarios.summaries()]})
 
 
 async def handle_create_scenario(request: web.Request) -> web.Response:
@@ -64,7 +64,7 @@ async def handle_create_scenario(request: web.Request) -> web.Response:
     switches = {key: _switch(body, key) for key in ("capture", "paused") if key in body}
     scenario = await reef.scenario(name, recipe=recipe, model=model, settings=settings)
     if switches:
-        scenario = await reef.store.set_switches(name, **switches)
+        scenario = await reef.store.scenarios.set_switches(name, **switches)
     head = await reef.chains.head(scenario, base=base)
     return json_response({**scenario.to_dict(), "head": head.release_id}, status=201)
 
@@ -87,9 +87,9 @@ def switch_handler(**fixed: bool) -> Handler:
         switches = fixed or {"capture": _switch(await object_body(request), "capture")}
         if switches.get("archived"):  # refused while a step is out; no step starts while it is written
             async with reef.learner.no_step(name):
-                scenario = await reef.store.set_switches(name, **switches)
+                scenario = await reef.store.scenarios.set_switches(name, **switches)
         else:
-            scenario = await reef.store.set_switches(name, **switches)
+            scenario = await reef.store.scenarios.set_switches(name, **switches)
         if switches.get("paused") is False:  # resuming is acting on an early warning too
             scenario = await warning.clear(reef.store, reef.events, name, "resumed")
         reef.events.publish("scenario", scenario=scenario.to_dict())
@@ -124,7 +124,7 @@ async def handle_update_settings(request: web.Request) -> web.Response:
         reef.learner.check_settings(scenario.recipe, new)
         return new
 
-    scenario = await reef.store.change_settings(name, change)
+    scenario = await reef.store.scenarios.change_settings(name, change)
     scenario = await warning.clear(reef.store, reef.events, name, "updated")
     reef.events.publish("scenario", scenario=scenario.to_dict())
     reef.learner.notify(name)
@@ -134,30 +134,30 @@ async def handle_update_settings(request: web.Request) -> web.Response:
 async def handle_scenario(request: web.Request) -> web.Response:
     reef = request.ctx
     name = check_scenario(request.match_info["name"])
-    for s in await reef.store.list_scenarios():
-        if s["name"] == name:
-            return json_response({**s, **await _recipe_status(reef, s)})
+    for s in await reef.store.scenarios.summaries():
+        if s.scenario.name == name:
+            return json_response({**s.to_dict(), **await _recipe_status(reef, s.scenario)})
     raise NotFound(f"no scenario named {name!r}", scenario=name)
 
 
-async def _recipe_status(reef: Reef, scenario: dict[str, Any]) -> dict[str, Any]:
+async def _recipe_status(reef: Reef, scenario: Scenario) -> dict[str, Any]:
     """The recipe's own summary of its progress (``Recipe.status``), for recipes that have one."""
     from recipes.base import Recipe
 
     try:
-        recipe = reef.learner.make_recipe(scenario["recipe"], scenario.get("settings") or {})
+        recipe = reef.learner.make_recipe(scenario.recipe, scenario.settings)
     except ReefError:  # a recipe that no longer loads: the view still shows the scenario
         return {}
     settings = recipe.settings
     out: dict[str, Any] = {"effective_settings": plain(dataclasses.asdict(settings)) if dataclasses.is_dataclass(
         settings) and not isinstance(settings, type) else {}}
-    skipped = await left_out(reef.store, recipe, scenario["name"])
+    skipped = await left_out(reef.store, recipe, scenario.name)
     if skipped is not None:
         out["left_out"] = skipped
     if type(recipe).status is Recipe.status:
         return out
-    releases = [r.to_dict() for r in await reef.chains.history(scenario["name"])]
-    rejected = [r.to_dict() for r in await reef.chains.rejections(scenario["name"])]
+    releases = [r.to_dict() for r in await reef.chains.history(scenario.name)]
+    rejected = [r.to_dict() for r in await reef.chains.rejections(scenario.name)]
     return {**out, "recipe_status": recipe.status(releases, rejected)}
 
 
@@ -167,10 +167,10 @@ async def left_out(store: RecordStore, recipe: Any, scenario: str) -> dict[str, 
     if not recipe.behaviour_logprobs:
         return None
     counts: Counter[str] = Counter()
-    for row in await store.scored_sampling(scenario):
-        reason = off_policy_sampling(RequestSampling.from_mapping(row))
+    for sampling, n in await store.reports.scored_sampling(scenario):
+        reason = off_policy_sampling(sampling)
         if reason is not None:
-            counts[reason] += row["n"]
+            counts[reason] += n
     return {"sampling": dict(counts), "total": sum(counts.values()),
             "why": "trained only on answers sampled at temperature 1 without top_p or top_k: the engine records "
                    "each token's log-prob under the raw logits, so the importance ratio of any other sampling "

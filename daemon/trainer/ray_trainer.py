@@ -26,7 +26,11 @@ Design choices:
   back as ``StepFailed`` with the exception's message.
 - ``ray_address`` joins an existing cluster (``ray.init(address=...)``); without it the worker starts a local
   cluster (``ray.init()``, a few seconds) on the first step and stops it when it stops (with the daemon, or when
-  the daemon dies: the worker follows its parent).
+  the daemon dies: the worker follows its parent). The address is tried with a plain TCP connect before each step:
+  ``ray.init`` on a cluster that is gone retried for minutes, and a connected driver's calls waited 60 s for a head
+  that was gone before the driver exited (measured, Ray 2.60); a step fails at once with the reason instead.
+- With ``trainer_workers`` the step of a data-parallel recipe (``TrainJob.data_parallel``) runs on that many Ray
+  Train workers instead of the actor (``daemon/trainer/ray_parallel.py``); the inputs travel the same way.
 """
 
 from __future__ import annotations
@@ -35,15 +39,15 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import sys
-import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from daemon import durable
 from daemon.errors import EngineError, StepFailed
+from daemon.trainer.ray_files import _node_dir, _read_dir, _safe, _write_dir
 from daemon.trainer.step import run_job
 from recipes.base import Candidate, TrainJob
 
@@ -53,19 +57,10 @@ _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the daemon 
 _MAX_INPUTS = 16  # model directories kept in the object store (the oldest dropped first)
 
 
-def _read_dir(path: str) -> dict[str, bytes]:
-    base = Path(path)
-    return {p.relative_to(base).as_posix(): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
 
 
-def _write_dir(files: dict[str, bytes], dest: Path) -> None:
-    """``files`` under ``dest``, all or nothing: written in a temp directory beside it, synced, renamed."""
-    with durable.staged_dir(dest) as tmp:
-        for rel, data in files.items():
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        durable.publish_dir(tmp, dest)
+
+
 
 
 
@@ -91,7 +86,7 @@ class _StepActor:
                 sys.path.insert(0, p)
         torch.set_num_threads(threads)
         self.states: dict[str, dict[str, Any]] = {}
-        self.cache = Path(tempfile.mkdtemp(prefix="reef-ray-"))
+        self.cache = _node_dir()
 
     def pid(self) -> int:
         return os.getpid()
@@ -121,8 +116,20 @@ class _StepActor:
             return f"{type(e).__name__}: {e}"
 
 
-def _safe(key: str) -> str:
-    return key.replace(":", "_").replace("/", "_")
+def _reachable(address: str) -> None:
+    """A ``StepFailed`` naming the address unless something listens there (``host:port``; a ``ray://`` client
+    address is left to Ray)."""
+    if "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as e:
+        raise StepFailed(f"the Ray cluster at {address} does not answer: {getattr(e, 'strerror', None) or e}") \
+            from None
+
+
 
 
 class RayDriver:
@@ -130,8 +137,10 @@ class RayDriver:
     ``out_dir``) or raises ``StepFailed``; ``close`` stops the actors (and the local cluster it started)."""
 
     def __init__(self, address: str | None = None, threads: int = 1, retries: int = 1,
-                 recipe_paths: list[str] | None = None) -> None:
+                 recipe_paths: list[str] | None = None, workers: int | None = None) -> None:
         self.address = address
+        self.workers = workers  # trainer_workers: data-parallel jobs run on that many Ray Train workers
+        self._parallel: Any = None
         self.threads = threads
         self.retries = retries
         self.recipe_paths = list(recipe_paths or [])
@@ -148,9 +157,12 @@ class RayDriver:
         import ray
 
         if not self._connected:
-            paths = os.pathsep.join([*self.recipe_paths, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+            if self.address:
+                _reachable(self.address)
+            # the node's own PYTHONPATH stays (Ray expands ${PYTHONPATH} from the worker's environment)
+            paths = os.pathsep.join([*self.recipe_paths, os.environ.get("PYTHONPATH", ""), "${PYTHONPATH}"])
             runtime_env: dict[str, Any] = {"py_modules": [str(_ROOT / "daemon"), str(_ROOT / "recipes")],
-                                           "env_vars": {"PYTHONPATH": paths} if paths else {}}
+                                           "env_vars": {"PYTHONPATH": paths.lstrip(os.pathsep)}}
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False, logging_level="warning",
                      runtime_env=runtime_env, configure_logging=False,
                      **({} if self.address else {"num_cpus": max(1, os.cpu_count() or 1),
@@ -177,14 +189,44 @@ class RayDriver:
             ref = self._inputs[key] = ray.put((key, _read_dir(path)))
         return ref
 
+    def _run_parallel(self, job: TrainJob, out_dir: Path) -> Candidate:
+        """A data-parallel job on ``workers`` Ray Train workers (``daemon/trainer/ray_parallel.py``)."""
+        from daemon.trainer.ray_parallel import ParallelSteps
+
+        with self._lock:
+            ray = self._connect()
+            if self.address:  # a cluster gone between steps: a driver's calls would wait a minute for it
+                _reachable(self.address)
+            if self._parallel is None:
+                assert self.workers is not None
+                self._parallel = ParallelSteps(ray, self.workers, self.threads, self.recipe_paths,
+                                               self.address or "(local)")
+            inputs = {job.base_path: job.base_key, job.head_path: job.head_key}
+            if job.model_path:
+                inputs[job.model_path] = job.model_key
+            refs = {k: self._put(ray, k, p) for p, k in inputs.items()}
+            try:
+                candidate, files = self._parallel.run(job, inputs, refs)
+            except ray.exceptions.RayError as e:  # the cluster, not the step: its head gone, say
+                raise StepFailed(f"the Ray cluster at {self.address or '(local)'} failed the step: "
+                                 f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]}", job=job.id) from None
+            if candidate.skipped is not None or not files:
+                return candidate
+            _write_dir(files, out_dir)
+            return replace(candidate, path=str(out_dir))
+
     def run(self, job: TrainJob, out_dir: Path) -> Candidate:
         """One step on the cluster, retried on a fresh actor when the one running it dies."""
+        if self.workers and job.data_parallel:
+            return self._run_parallel(job, out_dir)
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
 
         dead = (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError)
         with self._lock:
             ray = self._connect()
+            if self.address:  # a cluster gone between steps: a driver's calls would wait a minute for it
+                _reachable(self.address)
             inputs = {job.base_path: job.base_key, job.head_path: job.head_key}
             if job.model_path:
                 inputs[job.model_path] = job.model_key
@@ -229,6 +271,8 @@ class RayDriver:
             return
         import ray
 
+        if self._parallel is not None:
+            self._parallel.close()
         with self._lock:
             for actor in self._actors.values():
                 with contextlib.suppress(Exception):

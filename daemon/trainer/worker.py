@@ -11,7 +11,8 @@ Design choices:
   every file is fsynced and the directory renamed: a half-written candidate never exists under its final name,
   so it can never become a release, whatever the recipe does (``daemon/trainer/step.py``, the Ray actor's too).
 - With ``ray`` (``trainer = "ray"``) the worker is a Ray driver instead (``daemon/trainer/ray_trainer.py``): each job
-  runs on a Ray actor and its candidate comes back as files; the pipe, the job and the candidate are the same.
+  runs on a Ray actor, or on ``trainer_workers`` data-parallel Ray Train workers (``daemon/trainer/ray_parallel.py``),
+  and its candidate comes back as files; the pipe, the job and the candidate are the same.
 - ``TrainerClient.run`` restarts a dead worker and retries the job once (``retries``): a worker killed from outside
   (``kill -9``, a lost node) deserves another go. A worker that dies twice on the same job is a ``StepFailed``
   naming how it died (the kernel's OOM killer sends SIGKILL): the daemon writes the step down as failed and moves
@@ -60,9 +61,10 @@ def _exit_with_parent(parent: int, driver: Any = None) -> None:
 
 
 def worker_main(conn: Connection, threads: int, parent: int, paths: list[str],
-                ray: tuple[str | None] | None = None) -> None:
-    """The worker's loop: a job in, its candidate (or the exception's message) out. ``ray``: ``(address,)`` to
-    run the jobs on a Ray cluster (None: a local cluster) instead of here."""
+                ray: tuple[str | None, int | None] | None = None) -> None:
+    """The worker's loop: a job in, its candidate (or the exception's message) out. ``ray``: ``(address,
+    workers)`` to run the jobs on a Ray cluster (address None: a local cluster; workers: ``trainer_workers``) instead
+    of here."""
     for p in reversed(paths):  # the daemon's recipe directories, found first as in the daemon
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -70,7 +72,7 @@ def worker_main(conn: Connection, threads: int, parent: int, paths: list[str],
     if ray is not None:
         from daemon.trainer.ray_trainer import RayDriver
 
-        driver = RayDriver(ray[0], threads=threads, recipe_paths=paths)
+        driver = RayDriver(ray[0], threads=threads, recipe_paths=paths, workers=ray[1])
     else:
         import torch
         from transformers.utils import logging as hf_logging
@@ -135,8 +137,8 @@ class TrainerClient:
     """Runs jobs in the worker process, restarting it when it dies."""
 
     def __init__(self, threads: int = 1, retries: int = 1, recipe_paths: list[str] | None = None,
-                 ray: tuple[str | None] | None = None) -> None:
-        self.ray = ray  # (address,): the worker is a Ray driver (trainer = "ray")
+                 ray: tuple[str | None, int | None] | None = None) -> None:
+        self.ray = ray  # (address, workers): the worker is a Ray driver (trainer = "ray")
         self.threads = threads
         self.retries = retries
         self.recipe_paths = list(recipe_paths or [])

@@ -1,0 +1,121 @@
+"""The betting test itself (``daemon/betting.py``), number by number, against a second implementation written
+from its docstring: the stake from the earlier differences only, each bettor on its own side, the clip at
+``MAX_STAKE``, the prior, the variance floor, the thresholds at their exact edges, and the planning helpers
+(``pairs_needed``, ``detectable``) that ``reef releases canary`` words. The statistical behaviour (error rates,
+reports needed) is in tests/test_canary_decision.py; these run in milliseconds, so every mutant of the module meets
+them (``bench/mutation.py betting``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daemon import betting
+from daemon.betting import MAX_STAKE, PRIOR_N, Bettors, Evidence
+
+
+def reference(diffs: list[float]) -> tuple[float, float, float]:
+    """(better, worse, variance) log-wealth, recomputed from the list for every step."""
+    better = worse = 0.0
+    for i, d in enumerate(diffs):
+        seen = diffs[:i]
+        n = PRIOR_N + len(seen)
+        mean = sum(seen) / n  # the prior adds a pseudo-observation of 0 ...
+        var = max((PRIOR_N * 0.5 + sum(x * x for x in seen)) / n - mean**2, 1e-6)  # ... of second moment 1/2
+        stake = mean / (var + mean**2)
+        if stake > 0:
+            better += math.log(1 + min(stake, MAX_STAKE) * d)
+        else:
+            worse += math.log(1 - min(-stake, MAX_STAKE) * d)
+    n = PRIOR_N + len(diffs)
+    mean = sum(diffs) / n
+    return better, worse, max((PRIOR_N * 0.5 + sum(x * x for x in diffs)) / n - mean**2, 1e-6)
+
+
+@pytest.mark.parametrize("diffs", [
+    [1.0, 1.0, 0.0, 1.0, -1.0, 0.5, 1.0, 1.0],
+    [-1.0, -0.5, -1.0, 0.0, -1.0, -1.0],
+    [0.2, -0.1, 0.3, 0.3, -0.2, 0.1, 0.25, 0.0, 0.4],
+    [1.0] * 12,  # the stake clipped at MAX_STAKE
+    [0.0] * 5,  # no signal: the variance floor
+])
+def test_the_bettors_wealth_is_the_documented_arithmetic(diffs: list[float]) -> None:
+    better, worse, var = reference(diffs)
+    ev = betting.evidence([0.0] * len(diffs), diffs, alpha=0.05) if min(diffs) >= 0 else None
+    b = Bettors(0.05)
+    for d in diffs:
+        b.add(d)
+    got = b.evidence()
+    assert got.better == pytest.approx(better, abs=1e-12) and got.worse == pytest.approx(worse, abs=1e-12)
+    assert got.var == pytest.approx(var, abs=1e-12) and got.pairs == len(diffs)
+    assert got.mean == pytest.approx(sum(diffs) / len(diffs))
+    assert got.threshold == math.log(40)
+    if ev is not None:  # through the scores: head 0, canary d
+        assert (ev.better, ev.worse, ev.pairs) == pytest.approx((got.better, got.worse, got.pairs))
+
+
+def test_the_stake_is_clipped_at_max_stake_and_never_bets_against_its_side() -> None:
+    b = Bettors(0.05)
+    for _ in range(6):
+        b.add(1.0)
+    before = b.better
+    b.add(1.0)  # mean ~ 6/7, variance small: the Kelly stake is above 1, clipped to MAX_STAKE
+    assert b.better - before == pytest.approx(math.log1p(MAX_STAKE)) and b.worse == 0.0
+    b.add(-1.0)  # a loss at the clipped stake: log(1 - 0.5)
+    assert b.better - before == pytest.approx(math.log1p(MAX_STAKE) + math.log1p(-MAX_STAKE))
+    w = Bettors(0.05)
+    for _ in range(8):
+        w.add(-1.0)
+    assert w.better == 0.0 and w.worse == pytest.approx(7 * math.log1p(MAX_STAKE))  # the first: stake 0
+
+
+def test_no_pairs_is_evidence_of_nothing() -> None:
+    ev = Bettors(0.1).evidence()
+    assert (ev.pairs, ev.mean, ev.better, ev.worse, ev.var) == (0, None, 0.0, 0.0, 0.5)
+    assert ev.threshold == pytest.approx(math.log(20)) and ev.verdict is None
+    assert betting.evidence([], [0.3], alpha=0.1) == ev  # an unpaired report counts for nothing yet
+
+
+def test_verdicts_at_the_exact_threshold() -> None:
+    t = betting.threshold(0.05)
+    assert Evidence(5, 0.1, t, 0.0, t).verdict == "better"
+    assert Evidence(5, 0.1, math.nextafter(t, 0), 0.0, t).verdict is None
+    assert Evidence(5, -0.1, 0.0, t, t).verdict == "worse"
+    assert Evidence(5, -0.1, 0.0, math.nextafter(t, 0), t).verdict is None
+    assert Evidence(5, 0.0, t, t, t).verdict == "better"  # both past it (never with real data): better first
+
+
+def test_pairs_clip_each_score_into_the_unit_interval() -> None:
+    assert betting.pairs([0.25, 1.5, -2.0, 0.5], [0.75, 0.5, 0.5, 3.0]) == [0.5, -0.5, 0.5, 0.5]
+    assert betting.pairs([-0.5], [1.5]) == [1.0] and betting.pairs([1.5], [-0.5]) == [-1.0]
+    assert betting.pairs([0.2, 0.3], []) == []
+
+
+def test_growth_and_pairs_needed_follow_the_second_order_kelly_formula() -> None:
+    # stake |d| / (v + d^2), unclipped here: 0.2 / 0.54 = 0.370...
+    m2 = 0.5 + 0.04
+    stake = 0.2 / m2
+    assert betting.growth(0.2, 0.5) == pytest.approx(stake * 0.2 - stake**2 * m2 / 2)
+    assert betting.growth(-0.2, 0.5) == betting.growth(0.2, 0.5)
+    # clipped: |d| / m2 = 0.9 / 0.82 > MAX_STAKE
+    m2 = 0.01 + 0.81
+    assert betting.growth(0.9, 0.01) == pytest.approx(MAX_STAKE * 0.9 - MAX_STAKE**2 * m2 / 2)
+    assert betting.growth(0.0, 0.5) == 0.0
+    assert betting.pairs_needed(0.2, 0.5, 0.05) == pytest.approx(math.log(40) / betting.growth(0.2, 0.5))
+    assert round(betting.pairs_needed(0.2, 0.5, 0.05)) == 100 and round(betting.pairs_needed(0.3, 0.5, 0.05)) == 48
+    assert betting.pairs_needed(0.0, 0.5, 0.05) == math.inf
+
+
+def test_detectable_is_the_difference_decided_within_the_pairs() -> None:
+    for pairs in (42, 100, 400):
+        d = betting.detectable(pairs, 0.5, 0.05)
+        assert d is not None and 0 < d < 1
+        assert betting.pairs_needed(d, 0.5, 0.05) <= pairs < betting.pairs_needed(d - 1e-6, 0.5, 0.05)
+    assert betting.detectable(100, 0.5, 0.05) == pytest.approx(0.2, abs=0.005)
+    assert betting.detectable(400, 0.5, 0.05) < betting.detectable(100, 0.5, 0.05)  # type: ignore[operator]
+    assert betting.detectable(0, 0.5, 0.05) is None and betting.detectable(-3, 0.5, 0.05) is None
+    few = betting.pairs_needed(1.0, 0.5, 0.05)
+    assert betting.detectable(math.floor(few), 0.5, 0.05) is None  # not even a difference of 1 in that many
+    d = betting.detectable(math.ceil(few), 0.5, 0.05)
+    assert d is not None and betting.pairs_needed(d, 0.5, 0.05) <= math.ceil(few)
