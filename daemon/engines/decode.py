@@ -35,6 +35,7 @@ own forward, as before.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -108,8 +109,18 @@ def pack_int4(model: Any) -> int:
             if grid is None:
                 continue
             setattr(parent, name, Int4Linear(child, *grid))
+            del grid
             packed += 1
+            if packed % 16 == 0:  # the float32 temporaries of packing, back to the system as it goes
+                _trim()
     return packed
+
+
+def _trim() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # glibc only; elsewhere the memory is just kept for reuse
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class _Fused:
@@ -354,6 +365,20 @@ def prepare(model: Any, *, fast: bool, pack: bool) -> FastLlama | None:
     (``fast``); None: serve with transformers' own forward."""
     if not FastLlama.supports(model):
         return None
-    if pack:
-        pack_int4(model)
+    if pack and pack_int4(model):
+        _own_memory(model)
     return FastLlama(model) if fast else None
+
+
+def _own_memory(model: Any) -> None:
+    """Copy the tensors left unpacked (embedding, norms) out of the weights file's memory map, so the map (all of it
+    read while packing: 257 MB of SmolLM2's file counted as resident) goes away, and hand the packing's freed
+    temporaries back to the system (``pack_int4`` does so as it goes). Measured on SmolLM2, one process, after 16
+    decoded tokens: 544 MB resident (peak 757, while packing) against 750 without this, and 666 (peak the same) for
+    the bf16 reference path."""
+    import gc
+
+    for param in model.parameters():
+        param.data = param.data.clone()
+    gc.collect()
+    _trim()
