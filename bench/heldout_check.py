@@ -13,7 +13,12 @@ since the last check samples only the candidate: both kinds are printed.
 ``--pref`` picks the scorer: ``brief`` (guarded: an answer not about the question scores 0) or ``fewer-words``
 (unguarded: fewer words score higher, the empty answer best: the kind of scorer issue 41 saw collapse a policy).
 
-Run (nothing else on the machine): ``.venv/bin/python bench/heldout_check.py [--steps 4] [--pref brief] [--json]``
+At the defaults a passing candidate serves as a canary (``canary_share`` 0.5) and the loop waits for its verdict
+(some 400 paired reports) before the next step; ``--canary-share 0`` publishes it at once, so several steps come
+within the hour (the check and the training cost the same either way).
+
+Run (nothing else on the machine): ``.venv/bin/python bench/heldout_check.py [--steps 4] [--pref brief]
+[--canary-share 0] [--json]``
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=40)
     ap.add_argument("--model", type=Path, help="a SmolLM2 directory made before (default: made here, ~90 s)")
+    ap.add_argument("--canary-share", type=float, help="the scenario's canary_share (default: the recipe's, 0.5); "
+                    "0 publishes a passing candidate at once: at 0.5 the loop waits for the canary's verdict, some "
+                    "400 paired reports, before its next step")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reef-heldout-bench-"))
@@ -78,7 +86,9 @@ def main() -> None:
     score = SCORERS[args.pref]
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
-            c.post("/reef/scenarios", json={"name": "real", "recipe": "online-rl"}).raise_for_status()
+            settings = {} if args.canary_share is None else {"canary_share": args.canary_share}
+            c.post("/reef/scenarios", json={"name": "real", "recipe": "online-rl", "settings": settings}
+                   ).raise_for_status()
             t0 = time.monotonic()
             for i, (prompt, noun) in enumerate(questions):
                 answer, receipt, _ = lr.ask(c, prompt, args.max_tokens)
