@@ -6,7 +6,9 @@ checkout is never touched): cosmic-ray plants every mutant its operators make (a
 ``not``, ``<`` for ``<=``, a changed constant, a ``break`` for a ``continue``...), one at a time, and runs that
 module's tests against it. A mutant the tests fail on is killed; one they pass is a bug the suite would ship. A test
 run past the timeout counts as killed (cosmic-ray's own rule: a mutant that hangs is noticed). Lines marked
-``# pragma: no mutate`` are skipped (keep those few, and say why beside each).
+``# pragma: no mutate`` are skipped (keep those few, and say why beside each), and so are mutants inside
+annotations of a module that postpones them (``from __future__ import annotations``: ``str | None`` made
+``str + None`` is never evaluated, so no test could tell).
 
 Printed per module: mutants, killed, survived, the score (killed / mutants) and each survivor (line, operator,
 the diff). ``bench/mutation_scores.json`` keeps the best score each module has reached: a run whose score for a
@@ -24,6 +26,7 @@ Run: ``.venv/bin/pip install -e '.[mutation]'`` once, then
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -81,6 +84,42 @@ def tracked_copy(dest: Path) -> None:
         shutil.copy2(src, out)
 
 
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (start, end) positions, (line, column) with lines from 1, of every annotation in ``source``: arguments',
+    returns' and annotated assignments'. Under ``from __future__ import annotations`` they are never evaluated, so a
+    mutant inside one (``str | None`` to ``str + None``) changes nothing a test could see."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        found: list[ast.expr | None] = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            found = [node.returns, *(x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                                     if x is not None)]
+        elif isinstance(node, ast.AnnAssign):
+            found = [node.annotation]
+        spans += [((e.lineno, e.col_offset), (e.end_lineno or e.lineno, e.end_col_offset or 0))
+                  for e in found if e is not None]
+    return spans
+
+
+def skip_annotations(db: Path, source: Path) -> int:
+    """Mark the mutants inside annotations as skipped (``annotation_spans``), when the module postpones them."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    text = source.read_text()
+    if "from __future__ import annotations" not in text:
+        return 0
+    spans = annotation_spans(text)
+    skipped = 0
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        for item in list(wdb.pending_work_items):
+            if all(any(a <= tuple(m.start_pos) and tuple(m.end_pos) <= b for a, b in spans) for m in item.mutations):
+                wdb.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+                skipped += 1
+    return skipped
+
+
 def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool = False) -> dict[str, object]:
     """Plant every mutant of ``mod`` in the copy at ``work`` and run its tests: the counts and the survivors.
     ``resume``: go on with the mutants an earlier run in ``work`` left untried (its database is kept there)."""
@@ -111,6 +150,7 @@ def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool 
     if not (resume and db.exists()):
         subprocess.run([str(bin_dir / "cosmic-ray"), "init", str(cfg), str(db)], cwd=work, env=env, check=True)
         subprocess.run([str(bin_dir / "cr-filter-pragma"), str(db)], cwd=work, env=env, check=True)
+        skip_annotations(db, work / mod.path)
     subprocess.run([str(bin_dir / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=work, env=env, check=True)
     killed = survived = skipped = 0
     survivors = []

@@ -24,12 +24,19 @@ class Clock:
         return self.now
 
 
+def same(text: str) -> str:
+    """An equal string that is another object (as one parsed from a request is): ``is`` would tell them apart."""
+    return "".join(list(text))
+
+
 def test_a_scope_samples_its_own_scenario_only() -> None:
     scope = Scope("mine", expires=0)
     for route in ("/s/{scenario}/v1/chat/completions", "/s/{scenario}/r/{run}/v1/messages", "/s/{scenario}"):
-        assert scope.refusal("POST", route, {"scenario": "mine"}, {}) is None
-        why = scope.refusal("POST", route, {"scenario": "theirs"}, {})
-        assert why == "this token samples scenario 'mine' only, not 'theirs'"
+        assert scope.refusal("POST", route, {"scenario": same("mine")}, {}) is None
+        for other in ("theirs", "aaa", "min", "mine2"):  # after it, before it, a prefix of it, it as a prefix
+            why = scope.refusal("POST", route, {"scenario": other}, {})
+            assert why == f"this token samples scenario 'mine' only, not {other!r}"
+        assert scope.refusal("POST", route, {}, {}) == "this token samples scenario 'mine' only, not None"
     # a provider route without the prefix is not a sampling route of this scenario
     assert scope.refusal("POST", "/v1/chat/completions", {}, {}) == (
         "POST /v1/chat/completions is not allowed with a token scoped to scenario 'mine'")
@@ -82,8 +89,14 @@ def test_serving_a_run_start_checks_the_body_and_records_the_run() -> None:
             with pytest.raises(Forbidden, match="not None"):
                 await scope.serve(request("POST", "/reef/runs", body), handler, read_json)
         assert not seen and scope.runs == set()
-        await scope.serve(request("POST", "/reef/runs", {"scenario": "mine"}), handler, read_json)
+        await scope.serve(request("POST", "/reef/runs", {"scenario": same("mine")}), handler, read_json)
         assert scope.runs == {"run-1"}
+        # a route whose handler answers the same (a read of the records): its body is not read, no run recorded
+        listing = request("GET", "/reef/records", None)
+        listing.query = {"run": "run-1"}
+        await scope.serve(listing, handler, read_json)
+        assert scope.runs == {"run-1"} and seen[-1] is listing
+        del seen[-1]
         # a route refused before its handler runs: nothing is served, nothing recorded
         with pytest.raises(Forbidden, match="samples scenario 'mine' only"):
             await scope.serve(request("POST", "/s/{scenario}/v1/messages", scenario="theirs"), handler, read_json)
@@ -120,7 +133,9 @@ def test_tokens_are_minted_with_a_bounded_life_and_end_at_their_deadline_or_revo
             scopes.mint("s", ttl)
     assert len(scopes) == 0
     long = scopes.mint("s", MAX_TTL_S)  # exactly a day is allowed
-    assert MAX_TTL_S == 86_400 and long.startswith(PREFIX) and len(long) > len(PREFIX) + 32
+    assert MAX_TTL_S == 86_400 and long.startswith(PREFIX) and len(long) == len(PREFIX) + 43  # 32 random bytes
+    short = scopes.mint("s", 0.5)  # a fraction of a second is a life too
+    assert scopes.revoke(short)
     token = scopes.mint("s", 10)
     assert token != long and len(scopes) == 2
     scope = scopes.get(token)
@@ -129,6 +144,9 @@ def test_tokens_are_minted_with_a_bounded_life_and_end_at_their_deadline_or_revo
     assert scopes.get(token) is scope
     clock.now += 0.001  # at the deadline: over
     assert scopes.get(token) is None and len(scopes) == 1
+    late = scopes.mint("s", 10)
+    clock.now += 11  # past the deadline: over too
+    assert scopes.get(late) is None
     assert scopes.get(long) is not None
     assert scopes.revoke(long) is True and scopes.revoke(long) is False
     assert scopes.get(long) is None and len(scopes) == 0
@@ -154,5 +172,5 @@ def test_expired_tokens_are_swept_when_another_is_minted_or_counted() -> None:
     assert scopes.get(old) is None
     clock.now += 4
     assert len(scopes) == 1
-    clock.now += 1
+    clock.now += 1.5  # past its deadline
     assert len(scopes) == 0 and not scopes._live
