@@ -331,3 +331,19 @@ def test_a_worker_count_that_cannot_work_is_refused(tmp_path: Path, toml: str, m
     (tmp_path / "config.toml").write_text(toml + "\n")
     with pytest.raises(BadRequest, match=message):
         load_config({"REEF_HOME": str(tmp_path)})
+
+
+def test_a_cluster_address_where_nothing_listens_fails_at_once() -> None:
+    import socket
+
+    from daemon.errors import StepFailed
+    from daemon.trainer.ray_trainer import _reachable
+    from tests.conftest import free_port
+
+    port = free_port()
+    with pytest.raises(StepFailed, match=f"the Ray cluster at 127.0.0.1:{port} does not answer: Connection refused"):
+        _reachable(f"127.0.0.1:{port}")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        _reachable(f"127.0.0.1:{server.getsockname()[1]}")  # something answers: Ray takes it from there
+    for left_to_ray in ("auto", "ray://127.0.0.1:10001", "localhost"):
+        _reachable(left_to_ray)
