@@ -137,8 +137,9 @@ def main() -> None:
             adapter = dir_bytes(Path(r["warm"].path))
             grads = mw.get("allreduce_bytes", 0.0)
             print(f"{r['workers']} worker(s): first step {r['first_s']:.1f} s wall (session start, model load; "
-                  f"its train_s {m['train_s']:.1f} s), next step {r['warm_s']:.1f} s wall (train_s "
-                  f"{mw['train_s']:.2f} s, optimizer step {mw['step_s']:.2f} s); moved: model in "
+                  f"the recipe's step {m['worker_step_s']:.1f} s), next step {r['warm_s']:.1f} s wall (the recipe's "
+                  f"step {mw['worker_step_s']:.2f} s: forward and backward {mw['step_s']:.2f} s, the drift "
+                  f"measure and the save the rest); moved: model in "
                   f"{model_mb:.1f} MB once per node, adapter out {adapter / 1e6:.2f} MB a step, gradients into the "
                   f"sum {grads / 1e6:.2f} MB a worker a step", flush=True)
         if len(results) > 1:

@@ -630,15 +630,17 @@ def kl_from_base(model: Any, samples: list[Sample]) -> float:
     """Mean per-token KL(policy || base) in nats over the completion positions of the first ``KL_ROWS`` samples
     of the step's batch, exact over the vocabulary: how far an adapter policy has moved from the whole model it
     applies to (its adapter switched off), on the kind of answers it is serving now. The watchdog holds candidates
-    past the recipe's ``max_kl`` (daemon/watchdog.py)."""
+    past the recipe's ``max_kl`` (daemon/watchdog.py). Data-parallel workers measure a share of the rows each."""
     total, tokens = 0.0, 0
-    for s in samples[:KL_ROWS]:
-        out = completion_logprobs(model, [s])
+    rows = samples[:KL_ROWS]
+    for i in parallel.shard([len(s.prompt_token_ids) + len(s.token_ids) for s in rows]):
+        out = completion_logprobs(model, [rows[i]])
         policy, mask = out.log_softmax, out.mask
-        kl = kl_per_position(policy, reference_log_softmax(model, [s]))  # [1, T]
+        kl = kl_per_position(policy, reference_log_softmax(model, [rows[i]]))  # [1, T]
         total += float(kl[mask].sum())
         tokens += int(mask.sum())
-    return total / max(tokens, 1)
+    total, whole = parallel.total([total, float(tokens)], model.device)
+    return total / max(whole, 1.0)
 
 
 @contextlib.contextmanager

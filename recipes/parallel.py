@@ -72,7 +72,8 @@ def all_reduce_grads(params: list[torch.Tensor]) -> int:
 
 
 def all_reduce_sums(sums: dict[str, float], device: Any = "cpu") -> None:
-    """The step's metric sums over every worker's rows (``SUMMED`` added, ``LARGEST`` the largest), in place."""
+    """The step's metric sums over every worker's rows (``SUMMED`` added, ``LARGEST`` the largest), in place;
+    ``device``: the model's."""
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         return
@@ -83,6 +84,17 @@ def all_reduce_sums(sums: dict[str, float], device: Any = "cpu") -> None:
     for key, value in zip(SUMMED + LARGEST, [*added.tolist(), *largest.tolist()], strict=True):
         if key in sums or value:
             sums[key] = value
+
+
+def total(values: list[float], device: Any = "cpu") -> list[float]:
+    """Each of ``values`` summed over the workers (as they are outside a group); ``device``: the model's (NCCL
+    reduces tensors on the GPU only)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return values
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return [float(v) for v in summed.tolist()]
 
 
 def broadcast_params(model: Any) -> None:

@@ -12,6 +12,7 @@ loopback), and in that one process ``ray start`` is allowed to join and keeps 12
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -75,18 +76,27 @@ class Node:
     killed: bool = False
 
     def kill(self) -> None:
-        """SIGKILL to the node's process group: ``ray start`` and every process it started (raylet, workers)."""
+        """SIGKILL to every process of the node: ``ray start`` and what it started (raylet, agents, and the Ray
+        workers, which take process groups of their own but stay in the node's session)."""
         self.killed = True
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in session(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
         shutil.rmtree(self.temp, ignore_errors=True)
 
-    def pids(self) -> set[int]:
-        """The live processes of the node's group."""
-        out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
-        return {int(p) for p, g, s in (line.split() for line in out.splitlines())
-                if int(g) == self.proc.pid and not s.startswith("Z")}
+
+def session(sid: int) -> set[int]:
+    """The live (not zombie) processes of session ``sid``."""
+    out = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.add(int(proc.name))
+    return out
 
 
 @dataclass
@@ -141,6 +151,11 @@ class Cluster:
             assert not dead, dead
             assert time.monotonic() < deadline, f"the cluster has {have} CPUs, not {n}"
             time.sleep(0.2)
+
+    def leftovers(self) -> set[int]:
+        """The live processes of the cluster's nodes and of its watcher (each started in a session of its own)."""
+        sids = [n.proc.pid for n in self.nodes] + ([self._watcher.pid] if self._watcher is not None else [])
+        return {pid for sid in sids for pid in session(sid)}
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -154,12 +154,13 @@ class _Mailbox:
         with self.cv:
             self.beat = time.monotonic()
 
-    def status(self, seq: int, session: int, timeout: float) -> dict[str, Any]:
-        """What the driver waits on: the job's outcome, its hand-outs, the session's start, the last heartbeat."""
+    def status(self, seq: int, timeout: float) -> dict[str, Any]:
+        """What the driver waits on (up to ``timeout`` for the outcome): the job's outcome, its hand-outs, and how
+        long since a worker was last heard from."""
         with self.cv:
-            self.cv.wait_for(lambda: seq in self.results or session in self.ready, timeout)
-            return {"result": self.results.pop(seq, None) if seq in self.results else None, "handed": self.handed,
-                    "ready": self.ready.get(session), "quiet_s": time.monotonic() - self.beat}
+            self.cv.wait_for(lambda: seq in self.results, timeout)
+            return {"result": self.results.pop(seq, None), "handed": self.handed,
+                    "quiet_s": time.monotonic() - self.beat}
 
     def wait_ready(self, session: int, timeout: float) -> dict[str, Any] | None:
         with self.cv:
@@ -238,7 +239,9 @@ def _serve(config: dict[str, Any]) -> str:
                               head_path=local.get(job.head_path, job.head_path),
                               model_path=local.get(job.model_path, job.model_path) if job.model_path else "")
                 out = cache / "out" / job.id
+                t0 = time.perf_counter()
                 candidate = run_job(states, job, out)
+                candidate.metrics["worker_step_s"] = round(time.perf_counter() - t0, 3)  # the recipe's, in rank 0
                 files = _read_dir(str(out)) if candidate.path is not None else {}
                 shutil.rmtree(out, ignore_errors=True)
             except Exception as e:
@@ -402,7 +405,7 @@ class ParallelSteps:
         while True:
             if self.closed:
                 raise EngineError("the trainer is shutting down")
-            st = self.ray.get(box.status.remote(seq, session.id, 0.5))
+            st = self.ray.get(box.status.remote(seq, 0.5))
             if st["result"] is not None:
                 kind, value = st["result"]
                 if kind == "failed":

@@ -117,15 +117,15 @@ class _StepActor:
 
 
 def _reachable(address: str) -> None:
-    """A ``StepFailed`` naming the address unless something listens there (``host:port``; a ``ray://`` client
-    address is left to Ray)."""
-    if "://" in address:
-        return
+    """A ``StepFailed`` naming the address unless something listens there (``host:port``; anything else, a
+    ``ray://`` client address or ``auto``, is left to Ray)."""
     host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
     try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
             pass
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise StepFailed(f"the Ray cluster at {address} does not answer: {getattr(e, 'strerror', None) or e}") \
             from None
 
