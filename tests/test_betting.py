@@ -15,22 +15,26 @@ from daemon import betting
 from daemon.betting import MAX_STAKE, PRIOR_N, Bettors, Evidence
 
 
+def test_the_documented_constants() -> None:
+    assert (MAX_STAKE, PRIOR_N) == (0.5, 1.0)
+
+
 def reference(diffs: list[float]) -> tuple[float, float, float]:
-    """(better, worse, variance) log-wealth, recomputed from the list for every step."""
+    """(better, worse, variance) log-wealth, recomputed from the list for every step (the constants written out)."""
     better = worse = 0.0
     for i, d in enumerate(diffs):
         seen = diffs[:i]
-        n = PRIOR_N + len(seen)
-        mean = sum(seen) / n  # the prior adds a pseudo-observation of 0 ...
-        var = max((PRIOR_N * 0.5 + sum(x * x for x in seen)) / n - mean**2, 1e-6)  # ... of second moment 1/2
+        n = 1 + len(seen)
+        mean = sum(seen) / n  # the prior adds one pseudo-observation of 0 ...
+        var = max((0.5 + sum(x * x for x in seen)) / n - mean**2, 1e-6)  # ... of second moment 1/2
         stake = mean / (var + mean**2)
         if stake > 0:
-            better += math.log(1 + min(stake, MAX_STAKE) * d)
+            better += math.log(1 + min(stake, 0.5) * d)
         else:
-            worse += math.log(1 - min(-stake, MAX_STAKE) * d)
-    n = PRIOR_N + len(diffs)
+            worse += math.log(1 - min(-stake, 0.5) * d)
+    n = 1 + len(diffs)
     mean = sum(diffs) / n
-    return better, worse, max((PRIOR_N * 0.5 + sum(x * x for x in diffs)) / n - mean**2, 1e-6)
+    return better, worse, max((0.5 + sum(x * x for x in diffs)) / n - mean**2, 1e-6)
 
 
 @pytest.mark.parametrize("diffs", [
@@ -79,6 +83,8 @@ def test_no_pairs_is_evidence_of_nothing() -> None:
 
 def test_verdicts_at_the_exact_threshold() -> None:
     t = betting.threshold(0.05)
+    with pytest.raises(AttributeError):  # evidence is a record of what was seen, never changed after
+        Evidence(5, 0.1, t, 0.0, t).better = 0.0  # type: ignore[misc]
     assert Evidence(5, 0.1, t, 0.0, t).verdict == "better"
     assert Evidence(5, 0.1, math.nextafter(t, 0), 0.0, t).verdict is None
     assert Evidence(5, -0.1, 0.0, t, t).verdict == "worse"
@@ -116,6 +122,7 @@ def test_detectable_is_the_difference_decided_within_the_pairs() -> None:
     assert betting.detectable(400, 0.5, 0.05) < betting.detectable(100, 0.5, 0.05)  # type: ignore[operator]
     assert betting.detectable(0, 0.5, 0.05) is None and betting.detectable(-3, 0.5, 0.05) is None
     few = betting.pairs_needed(1.0, 0.5, 0.05)
+    assert betting.detectable(few, 0.5, 0.05) is not None  # exactly as many as a difference of 1 needs
     assert betting.detectable(math.floor(few), 0.5, 0.05) is None  # not even a difference of 1 in that many
     d = betting.detectable(math.ceil(few), 0.5, 0.05)
     assert d is not None and betting.pairs_needed(d, 0.5, 0.05) <= math.ceil(few)
