@@ -93,7 +93,8 @@ class _Mailbox:
         self.seq = 0  # the job in hand (0: none)
         self.payload: Any = None
         self.handed = 0
-        self.results: dict[int, tuple[str, Any]] = {}  # seq -> ("done", (candidate, files)) | ("failed", message)
+        # seq -> ("done", (candidate, files)) | ("failed", message) | ("taken", None): the driver has it
+        self.results: dict[int, tuple[str, Any]] = {}
         self.ready: dict[int, dict[str, Any]] = {}  # session -> {"workers", "nodes"} | {"refused": message}
         self.beat = time.monotonic()
 
@@ -112,6 +113,7 @@ class _Mailbox:
 
     def submit(self, seq: int, payload: Any) -> None:
         with self.cv:
+            self.results = {k: v for k, v in self.results.items() if k >= seq}  # only the job in hand matters
             self.seq, self.payload, self.handed = seq, payload, 0
             self.cv.notify_all()
 
@@ -159,8 +161,10 @@ class _Mailbox:
         long since a worker was last heard from."""
         with self.cv:
             self.cv.wait_for(lambda: seq in self.results, timeout)
-            return {"result": self.results.pop(seq, None), "handed": self.handed,
-                    "quiet_s": time.monotonic() - self.beat}
+            result = self.results.get(seq)
+            if result is not None:  # handed over once; the job stays answered (never handed out again)
+                self.results[seq] = ("taken", None)
+            return {"result": result, "handed": self.handed, "quiet_s": time.monotonic() - self.beat}
 
     def wait_ready(self, session: int, timeout: float) -> dict[str, Any] | None:
         with self.cv:
@@ -250,7 +254,11 @@ def _serve(config: dict[str, Any]) -> str:
                 ray.get(box.post.remote(seq, "failed", f"{type(e).__name__}: {e}"))
                 raise  # the peers may wait in an all-reduce for this worker: the group is torn down
             digests: list[Any] = [None] * size
-            dist.all_gather_object(digests, hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest())
+            digest = hashlib.sha256()
+            for name, data in sorted(files.items()):
+                digest.update(f"{name}\0{len(data)}\0".encode())
+                digest.update(data)
+            dist.all_gather_object(digests, digest.hexdigest())
             if rank == 0:
                 if len(set(digests)) > 1:
                     states.clear()
