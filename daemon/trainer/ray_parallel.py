@@ -259,9 +259,10 @@ def _serve(config: dict[str, Any]) -> str:
                 digest.update(f"{name}\0{len(data)}\0".encode())
                 digest.update(data)
             dist.all_gather_object(digests, digest.hexdigest())
+            if len(set(digests)) > 1:  # every worker starts the next step afresh
+                states.clear()
             if rank == 0:
                 if len(set(digests)) > 1:
-                    states.clear()
                     ray.get(box.post.remote(seq, "failed", f"the {size} workers made different candidates (a recipe "
                                                            "whose data-parallel workers drifted apart)"))
                 else:
