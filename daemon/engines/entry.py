@@ -31,7 +31,7 @@ class ModelEntry:
     # eighth of the model's context within [256, 4096] on a local engine (SmolLM2: 1,024), no cap upstream
     max_tokens_limit: int | None = None
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
-    prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
+    prefix_cache_mb: int = 256  # transformers: KV caches of finished sequences kept for reuse (0: off)
     url: str | None = None  # upstream: base URL; vllm, sglang: attach to this running server instead of starting one
     format: str = "openai-chat"  # upstream: openai-chat | openai-responses | anthropic
     upstream_model: str | None = None  # upstream: the provider's model name
