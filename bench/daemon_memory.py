@@ -4,7 +4,7 @@ prompts never reach.
 A fresh ``REEF_HOME`` with no configuration but its port (the default model, SmolLM2-135M-Instruct, made once by
 ``reef model init smollm2`` or given with ``--model``), the daemon started as ``reef serve`` starts it, then
 ``--requests`` chat requests one at a time, each a distinct prompt of about ``--tokens`` tokens answered with one
-token: each finished sequence's KV cache goes into the prefix cache (``prefix_cache_mb``, default 512), so after a few
+token: each finished sequence's KV cache goes into the prefix cache (``prefix_cache_mb``, default 256), so after a few
 the cache is at its budget. Then ``--publishes`` LoRA adapter releases (rank 8 on the trainer's target modules,
 as a weights recipe makes them; random, so no training is waited for) are published on the same scenario one after
 another, as the trainer publishes, each answered once: a superseded head's adapter must leave the daemon's memory.
@@ -58,7 +58,7 @@ def main() -> None:
             config += f"[models.smollm2]\nengine = \"transformers\"\npath = \"{home / 'models' / 'smollm2'}\"\n" \
                       f"prefix_cache_mb = {args.prefix_cache_mb}\n"
         (home / "config.toml").write_text(config)
-        proc, _ = start(home, port)
+        proc = start(home, port)
         token = (home / "token").read_text().strip()
         print(f"started: daemon peak {vm_hwm_mb(proc.pid):,.0f} MB", flush=True)
         words = "river stone cloud paper lamp garden window music bread winter".split()
@@ -98,6 +98,9 @@ def publish(c: httpx.Client, home: Path, model: Path, work: Path, n: int, pid: i
     from daemon.releases import ReleaseStore, files_from_dir
 
     store = ReleaseStore(home / "artifacts.git")
+    if store.head("default") is None:  # no request yet: the first one publishes the init release (the base)
+        c.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 1,
+                                             "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
     init = store.get(store.head("default"))
     first = random_adapter(model, work / "adapter-0", AdapterManifest(init.content_id, init.release_id))
     size = sum(f.stat().st_size for f in first.iterdir()) / 2**20

@@ -155,9 +155,9 @@ def vm_hwm_mb(pid: int) -> float:
 
 # The daemon's own peak resident memory (VmHWM) on SmolLM2-135M with a weights recipe at its defaults: the runtime
 # and the model (757-786 MB serving), a step's held-out check (the candidate's adapter beside the head, dropped
-# after; about 120 MB at the first), about 10 MB for each release published in the daemon's life (a superseded
-# head's adapter stays resident up to memory_budget_mb) and the prefix cache (up to prefix_cache_mb, 512). Measured
-# 0.97-1.03 GB over short runs (docs/recipes.md, "The daemon's memory"); a long run outgrows it by its releases.
+# after; about 120 MB at the first), the releases that serve (the head's adapter, canary arms, 4 pinned releases:
+# daemon/residency.py; a superseded head's adapter is dropped) and the prefix cache (up to prefix_cache_mb, 256)
+# with a long prompt's working memory. Measured in docs/recipes.md, "The daemon's memory".
 DAEMON_BOUND_MB = 1536
 
 

@@ -31,7 +31,7 @@ class ModelEntry:
     # eighth of the model's context within [256, 4096] on a local engine (SmolLM2: 1,024), no cap upstream
     max_tokens_limit: int | None = None
     memory_budget_mb: int = 4096  # transformers: resident loads beyond this are dropped when idle (LRU)
-    prefix_cache_mb: int = 512  # transformers: KV caches of finished sequences kept for reuse (0: off)
+    prefix_cache_mb: int = 256  # transformers: KV caches of finished sequences kept for reuse (0: off)
     # transformers, Llama-family models on the CPU (daemon/engines/decode.py): a hand-written forward and KV cache,
     # and linear layers whose weights lie on a 4-bit grid (SmolLM2's) served by an int4 kernel
     fast_path: bool = True
