@@ -54,6 +54,7 @@ TRIES = 3  # hand-outs of one job: the first try and two retries after lost work
 POLL_S = 5.0  # how long rank 0 waits for a job before telling its peers there is none (a liveness check too)
 LOST_S = 300.0  # no heartbeat from a session's workers this long (none restarted): the step fails
 START_S = 300.0  # a session's workers must be up within this (placement, processes, the process group)
+SETTLE_S = 60.0  # how long a new session waits for the CPUs (GPUs) a stopped one held to come free
 # how long Ray Train waits for the cluster to place a worker group before trying again with what is there: its 60 s
 # default is what a retry after a lost node cost, since Ray Train's own health check sees the worker gone before the
 # cluster marks its node dead and asks for a group of the old size first (measured: 78 s from the kill to the retry)
@@ -328,6 +329,16 @@ class ParallelSteps:
         return (min(cpus, gpus) if gpu else cpus), f"the Ray cluster at {self.address} has {said} on {nodes} " \
                                                    f"node{'s' * (nodes != 1)}"
 
+    def _settle(self, gpu: bool) -> None:
+        """Wait (up to ``SETTLE_S``) until the cluster has room for N workers free, not only in all."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline and not self.closed:
+            free = self.ray.available_resources()
+            room = min(free.get("CPU", 0), free.get("GPU", 0)) if gpu else free.get("CPU", 0)
+            if room >= self.workers:
+                return
+            time.sleep(0.5)
+
     def _start(self, gpu: bool, most: int) -> _Session:
         """A session of 1 to ``most`` workers, up and checked (or refused: ``StepFailed``)."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -401,9 +412,17 @@ class ParallelSteps:
             raise StepFailed(f"trainer_workers = {self.workers} needs {self.workers} {'GPUs' if gpu else 'CPUs'} "
                              f"(one a worker); {cluster}", job=job.id)
         if session is None:
-            session = self._start(gpu, self.workers)
-            if session.workers < self.workers:
+            # Ray Train starts an elastic group with what it sees free at that moment, and resources a stopped
+            # session held come free a little later: a group that came up short is stopped and started once more
+            for attempt in range(2):
+                self._settle(gpu)
+                session = self._start(gpu, self.workers)
+                if session.workers >= self.workers:
+                    break
                 self._stop(session)
+                log.warning("trainer: %d of %d data-parallel workers started%s", session.workers, self.workers,
+                            "; starting them again" if attempt == 0 else "")
+            else:
                 raise StepFailed(f"trainer_workers = {self.workers}: only {session.workers} worker(s) could start; "
                                  f"{cluster}, some of them busy", job=job.id)
             self._session = session
