@@ -49,8 +49,9 @@ class Module:
 
 PY = "tests/test_harness_policy.py"
 MODULES: dict[str, Module] = {
-    "harness_policy": Module("daemon/harness_policy.py", (PY, "-k", "rule or ordinary or changed or proposer or "
-                                                          "settings_file or followed")),
+    # its tests without a daemon (the daemon's, one start of 50 s, are the attack suite on every path)
+    "harness_policy": Module("daemon/harness_policy.py", (PY, "-k", "each_rule or ordinary_text or only_changed or "
+                                                          "proposer or settings_file_is_refused or followed")),
     "watchdog": Module("daemon/watchdog.py", ("tests/test_watchdog.py", "-k", "not daemon and not online_rl and "
                                               "not hacked_run")),
     "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py", "tests/test_gates.py")),

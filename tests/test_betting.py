@@ -79,6 +79,9 @@ def test_no_pairs_is_evidence_of_nothing() -> None:
     assert (ev.pairs, ev.mean, ev.better, ev.worse, ev.var) == (0, None, 0.0, 0.0, 0.5)
     assert ev.threshold == pytest.approx(math.log(20)) and ev.verdict is None
     assert betting.evidence([], [0.3], alpha=0.1) == ev  # an unpaired report counts for nothing yet
+    assert Evidence(0, None, 0.0, 0.0, 1.0).var == 0.5  # the prior's, when none is given
+    with pytest.raises(TypeError):  # alpha is named, never a third number that could be taken for a score
+        betting.evidence([], [], 0.05)  # type: ignore[misc]
 
 
 def test_verdicts_at_the_exact_threshold() -> None:
@@ -108,6 +111,7 @@ def test_growth_and_pairs_needed_follow_the_second_order_kelly_formula() -> None
     m2 = 0.01 + 0.81
     assert betting.growth(0.9, 0.01) == pytest.approx(MAX_STAKE * 0.9 - MAX_STAKE**2 * m2 / 2)
     assert betting.growth(0.0, 0.5) == 0.0
+    assert betting.growth(0.0, 0.0) == 0.0  # no difference and no variance: nothing to gain, never 0 / 0
     assert betting.pairs_needed(0.2, 0.5, 0.05) == pytest.approx(math.log(40) / betting.growth(0.2, 0.5))
     assert round(betting.pairs_needed(0.2, 0.5, 0.05)) == 100 and round(betting.pairs_needed(0.3, 0.5, 0.05)) == 48
     assert betting.pairs_needed(0.0, 0.5, 0.05) == math.inf
@@ -123,6 +127,7 @@ def test_detectable_is_the_difference_decided_within_the_pairs() -> None:
     assert betting.detectable(0, 0.5, 0.05) is None and betting.detectable(-3, 0.5, 0.05) is None
     few = betting.pairs_needed(1.0, 0.5, 0.05)
     assert betting.detectable(few, 0.5, 0.05) is not None  # exactly as many as a difference of 1 needs
+    assert betting.detectable(few - 0.3, 0.5, 0.05) is None  # a little fewer: not even 1 (however large 2 is)
     assert betting.detectable(math.floor(few), 0.5, 0.05) is None  # not even a difference of 1 in that many
     d = betting.detectable(math.ceil(few), 0.5, 0.05)
     assert d is not None and betting.pairs_needed(d, 0.5, 0.05) <= math.ceil(few)

@@ -186,3 +186,39 @@ def test_an_extension_replaces_its_prefix_and_forget_drops_a_load() -> None:
     assert len(cache) == 1 and cache.lookup("a", list(range(30))) == (0, [])
     assert cache.lookup("b", list(range(30)))[0] == 29
     assert PrefixCache(budget_bytes=0).lookup("a", list(range(30))) == (0, [])  # prefix_cache_mb = 0: off
+
+
+async def test_a_long_prefill_gives_its_working_memory_back(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After prefilling TRIM_AFTER_TOKENS new tokens or more, the engine returns the heap's free pages (freed, a
+    long prefill's working memory stayed with the process between the cache's blocks: 1,689 MB for SmolLM2's
+    daemon with 3,000-token prompts, over its bound); a short prompt, or a long one mostly read from the prefix
+    cache, does not pay for a trim. The trim itself is glibc's, and answers."""
+    from daemon.engines import prefix_cache, transformers
+
+    def rss_mb() -> float:
+        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+    blocks = [b"\x01" * 65536 for _ in range(1600)]  # 100 MB in heap blocks (under any mmap threshold), written
+    top = blocks[-1]  # kept: what is freed below it is no top of the heap that malloc gives back by itself
+    del blocks
+    before = rss_mb()
+    prefix_cache.give_back()
+    assert rss_mb() < before - 50, (before, rss_mb())
+    del top
+    calls: list[int] = []
+    monkeypatch.setattr(transformers, "give_back", lambda: calls.append(1))
+    engine = await make_engine(tiny)
+    try:
+        long_turn = " ".join(f"file{i}.py changed" for i in range(600))
+        ex = conversation(long_turn, max_tokens=2, temperature=0)
+        n = len(engine._current.encode(ex))
+        assert transformers.TRIM_AFTER_TOKENS == 1024 < n
+        monkeypatch.setattr(transformers, "TRIM_AFTER_TOKENS", n)  # exactly this prompt's length: on the edge
+        first = await complete(engine, ex)
+        assert len(first.prompt_token_ids) == n and first.usage.cache_read_tokens == 0 and calls == [1]
+        again = await complete(engine, conversation(long_turn, "ok", "and now?", max_tokens=2, temperature=0))
+        assert again.usage.cache_read_tokens > n - 50 and calls == [1]  # the rest is short: no trim
+        await complete(engine, conversation("a short question", max_tokens=2))
+        assert calls == [1]
+    finally:
+        await engine.close()

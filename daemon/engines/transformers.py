@@ -73,7 +73,7 @@ from daemon.engines.base import Engine, EngineInfo, ReleaseRef
 from daemon.engines.chat_template import carries_tools
 from daemon.engines.entry import ModelEntry
 from daemon.engines.lora import read_adapter
-from daemon.engines.prefix_cache import PrefixCache
+from daemon.engines.prefix_cache import TRIM_AFTER_TOKENS, PrefixCache, give_back
 from daemon.engines.prompts import (
     SamplingParams,
     check_sampling,
@@ -468,6 +468,8 @@ class TransformersEngine(Engine):
                     batch = _Batch(seq.load)
                     batches.append(batch)
                 batch.add(seq, cache)
+            if len(seq.prompt) - reused >= TRIM_AFTER_TOKENS:  # its working memory back to the system
+                give_back()
         except Exception as e:  # a failing request must not take the generation thread down
             seq.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))
 
