@@ -60,6 +60,7 @@ from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError
 from daemon.events import EventBus
 from daemon.gating.heldout import RECORDED, Answer, reserved
 from daemon.gating.outcome import GateRun, StepOutcome
+from daemon.gating.steps import prefetch_head
 from daemon.gating.steps import run as run_gate
 from daemon.layout import check_tree
 from daemon.learning_lease import LeaseKeeper
@@ -102,6 +103,7 @@ class ScenarioLearning:
     # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
     heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
+    heldout_prefetch: asyncio.Future[float] | None = None  # the head's answers, asked while the trainer trains
 
 
 class Learner:
@@ -694,6 +696,7 @@ class Learner:
             recipe_paths=[str(p) for p in self.config.recipe_paths],
             data_parallel=st.recipe.data_parallel,
         )
+        st.heldout_prefetch = asyncio.ensure_future(prefetch_head(self, st, scenario, head))  # the check's head
         candidate: Candidate = await self.trainer.run(job, self.dir / job_id)
         return candidate
 

@@ -332,6 +332,46 @@ def test_a_published_candidates_answers_are_kept_as_the_new_heads(tmp_path: Any)
     assert out is not None and out.verdict == "accepted" and kept == {("c_2", 16): {"Say x.": Answer("x")}}
 
 
+def test_the_heads_answers_asked_during_training_are_not_asked_again(tmp_path: Any) -> None:
+    """The loop asks the head's answers while the trainer trains (``prefetch_head``): the check waits for them,
+    then asks the candidate alone; a prefetch that fails leaves the check to ask the head itself."""
+
+    async def both(fail: bool) -> tuple[_Engine, GateRun]:
+        engine, kept = _Engine(), {}
+        host, run = _Host(engine=engine), _run(tmp_path)
+        host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
+            kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+        ref = host.chains.ref
+        if fail:
+            async def broken(*args: Any) -> Any:
+                raise CheckFailed("the head's files are gone")
+            host.chains.ref = broken
+        prefetch = asyncio.ensure_future(steps.prefetch_head(host, run.st, run.scenario, run.head))
+        trained = asyncio.get_running_loop().create_future()  # the prefetch is the check's only once training ends
+
+        async def after_training() -> float:
+            await trained
+            return await prefetch  # it never raises
+
+        run.st.heldout_prefetch = asyncio.ensure_future(after_training())
+        checking = asyncio.ensure_future(steps.heldout_check(host, run))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert prefetch.done() and not checking.done()  # the check waits for it
+        assert all(r.release_id == "rel_head" for r, _ in engine.asked)
+        host.chains.ref = ref
+        trained.set_result(None)
+        assert await checking is None
+        return engine, run
+
+    engine, run = asyncio.run(both(fail=False))
+    head = [p for r, p in engine.asked if r.release_id == "rel_head"]
+    assert sorted(head) == sorted(p.prompt for p in shipped_probes())  # every probe, asked during training
+    assert run.metrics["heldout_head_sampled"] == 0 and "heldout_prefetch_seconds" in run.metrics
+    engine, run = asyncio.run(both(fail=True))
+    assert run.metrics["heldout_head_sampled"] == run.metrics["heldout_probes"] > 0  # the check asked the head
+
+
 # --- through a daemon -------------------------------------------------------------------------------------------
 
 
@@ -403,6 +443,8 @@ def test_an_online_rl_step_that_learned_is_checked_and_served(daemon_factory: An
         head = wait_for(lambda: (r := releases(c, "learn"))["releases"][0]["operation"] == "train" and r,
                         what="a train release")["releases"][0]
         assert head["metrics"]["heldout"] == "passed" and head["metrics"]["heldout_kl"] >= 0, head["metrics"]
+        # the head's answers were asked while the trainer trained: the check asked the candidate alone
+        assert head["metrics"]["heldout_head_sampled"] == 0 and "heldout_prefetch_seconds" in head["metrics"]
 
 
 def test_a_check_that_cannot_run_fails_the_step_with_the_reason(daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811

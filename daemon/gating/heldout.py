@@ -247,6 +247,7 @@ class Figures:
     answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
     kl_seconds: float = 0.0  # and the KL's forwards
     head_sampled: int = 0  # prompts the head was asked by this check (the others' answers were kept)
+    prefetch_seconds: float | None = None  # the head's answers asked during training (overlapped with it)
     tokens: float | None = None  # the candidate's mean answer length, tokens (the early warning reads its trend)
     head_tokens: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -268,6 +269,8 @@ class Figures:
             "heldout_answer_seconds": round(self.answer_seconds, 3), "heldout_kl_seconds": round(self.kl_seconds, 3),
             "heldout_head_sampled": self.head_sampled,
         }
+        if self.prefetch_seconds is not None:
+            out["heldout_prefetch_seconds"] = round(self.prefetch_seconds, 3)
         if self.length_ratio is not None:
             out["heldout_length_ratio"] = round(self.length_ratio, 4)
         if self.tokens is not None and self.head_tokens is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,44 @@ async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
     return out
 
 
+async def prefetch_head(host: Host, st: Any, scenario: Any, head: Any) -> float:
+    """The serving head's answers that the next held-out check compares with (the reserved recorded prompts and
+    every probe), asked while the trainer trains, so that the check asks the candidate alone (the loop starts it
+    beside a weights step's training: the trainer is another process, the engine's thread has room). Returns the
+    seconds it took. Never raises: the check asks what is still missing, and fails properly if it cannot."""
+    t0 = time.perf_counter()
+    try:
+        settings = heldout.CheckSettings.of(st.recipe.settings)
+        if not settings.on:
+            return 0.0
+        engine = await host.engine(scenario.model)
+        ref = await host.chains.ref(scenario, head)
+        key = (head.content_id, settings.max_tokens)
+        known = host.heldout_head(st, key) or {}
+        prompts = [*await host.heldout_prompts(st), *(p.prompt for p in settings.probes)]
+        missing = [p for p in dict.fromkeys(prompts) if p not in known]
+        if missing:
+            got = await heldout.answers(engine, scenario.model, missing, ref, settings.max_tokens)
+            host.heldout_head(st, key, {**(host.heldout_head(st, key) or {}), **dict(zip(missing, got, strict=True))})
+    except Exception:  # noqa: BLE001 - the check itself asks, and says why it could not
+        pass
+    return time.perf_counter() - t0
+
+
 async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> heldout.Figures:
-    """The held-out check of a weights candidate against the head, through the scenario's engine."""
+    """The held-out check of a weights candidate against the head, through the scenario's engine. The head's
+    answers asked during training (``prefetch_head``) are awaited first, within ``heldout_timeout_s`` too; that
+    wait counts in the check's seconds."""
     from daemon import lora
     from daemon.engines.base import ReleaseRef
 
+    t0 = time.perf_counter()
+    prefetch, run.st.heldout_prefetch = getattr(run.st, "heldout_prefetch", None), None
+    try:
+        prefetched = await asyncio.wait_for(prefetch, settings.timeout_s) if prefetch is not None else None
+    except TimeoutError:
+        raise CheckFailed(f"it took longer than heldout_timeout_s {settings.timeout_s:g}") from None
+    waited = time.perf_counter() - t0
     try:
         engine = await host.engine(run.scenario.model)
         head = await host.chains.ref(run.scenario, run.head)
@@ -140,6 +174,8 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
                                           host.heldout_head(run.st, head_key))
     host.heldout_head(run.st, head_key, heads)
     run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
+    fig.seconds += waited
+    fig.prefetch_seconds = prefetched
     return fig
 
 
