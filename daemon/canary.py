@@ -26,10 +26,13 @@
   ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
   commas would rate well).
 - Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
-  ``canary_hours``, off for a canary started by hand): a canary with no report on its arm is promoted on its guards
-  (``quiet``) once it has served ``max_answers`` answers, and one still undecided after ``max_hours`` is promoted
-  (``expired``): it passed its gate and held-out check, and a scenario nobody scores must not stall its learning,
-  which waits while a canary runs (``daemon/learning.py``). ``describe`` words a running canary for people, with the
+  ``canary_hours``, off for a canary started by hand): once it has served ``max_answers`` answers with no guard
+  tripped and no verdict from the test, a canary is decided by what its scores say so far: promoted (``quiet``) when
+  it has no paired report or its paired difference is not below 0, ended (``lower``) when it is; one still
+  undecided after ``max_hours`` is promoted (``expired``). The pace of learning is the traffic's: learning waits
+  while a canary runs (``daemon/learning.py``), and a user who scores every answer would otherwise wait for the
+  test's ~100 reports an arm per step; the test's error rate holds for its own verdicts (promoted, ended), the
+  bound is a decision on a point estimate, made only for a candidate that passed its gate and held-out check. ``describe`` words a running canary for people, with the
   smallest difference it can still decide by its end (``betting.detectable``).
 - The head it is compared with must stay the head: when a rollback or a promote moves it while the canary runs, the
   canary is ended (``canary-head-moved``) with the reason, since its head arm no longer serves anyone; a new canary
@@ -88,7 +91,7 @@ def radius(n: int, delta: float) -> float:
 
 @dataclass(frozen=True)
 class Decision:
-    verdict: str | None  # promoted | ended | tie | errors | None (keep going)
+    verdict: str | None  # promoted | ended | tie | errors | latency | empty | short | quiet | lower | expired | None
     reason: str
     figures: dict[str, Any]
 
@@ -145,10 +148,18 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         return Decision("tie", f"no difference found in {max_reports} reports per arm (canary "
                         f"{mc:.3f}, head {mh:.3f}): the head stays", figures)
     answers = len(canary_tokens or ())
-    if (max_answers is not None and answers >= max_answers and not c
-            and len(head_tokens or ()) >= guard_answers):
-        return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and no report came to "
-                        f"judge its scores by: promoted on its guards (bound: {max_answers} answers)", figures)
+    if max_answers is not None and answers >= max_answers and len(head_tokens or ()) >= guard_answers:
+        if not ev.pairs:
+            return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and no paired report "
+                            f"came to judge its scores by: promoted on its guards (bound: {max_answers} answers)",
+                            figures)
+        if ev.mean is not None and ev.mean >= 0:
+            return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and its scores were "
+                            f"not lower than the head's over {ev.pairs} pairs (difference {ev.mean:+.3f}): promoted "
+                            f"at its bound of {max_answers} answers", figures)
+        return Decision("lower", f"{answers} answers on the canary's arm tripped no guard, but its scores were lower "
+                        f"than the head's over {ev.pairs} pairs (difference {ev.mean:+.3f}): ended at its bound of "
+                        f"{max_answers} answers", figures)
     if max_age_s is not None and age_s >= max_age_s:
         return Decision("expired", f"undecided after {_duration(max_age_s)}: no guard tripped and its scores "
                         f"({len(c)} and {len(h)} reports) did not show it worse: promoted", figures)

@@ -268,6 +268,7 @@ class EventBus:
         self._queue_size = queue_size
         self._subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
         self._on_drop: dict[asyncio.Queue[dict[str, Any] | None], Callable[[], None]] = {}
+        self._internal: set[asyncio.Queue[dict[str, Any] | None]] = set()  # the daemon's own readers
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.dropped = 0  # subscribers dropped for falling behind, since start
 
@@ -286,7 +287,10 @@ class EventBus:
         on_drop = self._on_drop.pop(q, None)
         if on_drop is not None:
             on_drop()
-        self.dropped += 1
+        if q in self._internal:  # the daemon's own reader: it subscribes again and reloads, not a client dropped
+            self._internal.discard(q)
+        else:
+            self.dropped += 1
         while not q.empty():  # the backlog is stale: the subscriber reloads instead
             q.get_nowait()
         q.put_nowait({
@@ -297,26 +301,32 @@ class EventBus:
         q.put_nowait(None)
 
     def subscribe(self, after: int | None = None, *,
-                  on_drop: Callable[[], None] | None = None) -> asyncio.Queue[dict[str, Any] | None]:
+                  on_drop: Callable[[], None] | None = None,
+                  internal: bool = False) -> asyncio.Queue[dict[str, Any] | None]:
         """A new subscriber's queue, holding the recent events after seq ``after`` (if given) first; ``on_drop``
         is called when it is dropped for falling behind (its reader may be stuck writing to a client that stopped
-        reading: the caller ends that)."""
+        reading: the caller ends that). An ``internal`` subscriber is one of the daemon's own readers: it is not
+        counted among the clients that ``subscribers`` and ``dropped`` (the status page's) tell of."""
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(max(self._queue_size, 2))  # room for the end
         if after is not None:
             for event in self._history:
                 if event["seq"] > after and not q.full():
                     q.put_nowait(event)
         self._subscribers.add(q)
+        if internal:
+            self._internal.add(q)
         if on_drop is not None:
             self._on_drop[q] = on_drop
         return q
 
     @property
     def subscribers(self) -> int:
-        return len(self._subscribers)
+        """The clients subscribed now (the daemon's own readers are not counted)."""
+        return len(self._subscribers) - len(self._internal)
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
         self._subscribers.discard(q)
+        self._internal.discard(q)
         self._on_drop.pop(q, None)
 
     def close(self) -> None:
@@ -326,3 +336,4 @@ class EventBus:
                 q.get_nowait()
             q.put_nowait(None)
         self._subscribers.clear()
+        self._internal.clear()

@@ -113,7 +113,7 @@ class Residency:
             self.tell(model)
 
     async def _watch(self) -> None:
-        queue = self.events.subscribe()
+        queue = self.events.subscribe(internal=True)
         while True:
             try:
                 await self.refresh()
@@ -124,10 +124,10 @@ class Residency:
             while True:
                 event = await queue.get()
                 if event is None:  # dropped for falling behind: what it missed is read again now
-                    queue = self.events.subscribe()
+                    queue = self.events.subscribe(internal=True)
                     break
                 if event["kind"] in KINDS:
                     while not queue.empty():  # a burst of events: one read for all of them
                         if queue.get_nowait() is None:
-                            queue = self.events.subscribe()
+                            queue = self.events.subscribe(internal=True)
                     break

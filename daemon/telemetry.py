@@ -248,7 +248,7 @@ class Telemetry:
             self._quieted.append((logger, logger.propagate))
             logger.addHandler(self._held if name in QUIET_LOGGERS else self._dropped)
             logger.propagate = False
-        self._queue = self._events.subscribe()
+        self._queue = self._events.subscribe(internal=True)
         self._task = asyncio.create_task(self._run(), name="reef-telemetry")
         log.info("telemetry: exporting spans to %s (from %s%s)", self._shown, self.settings.source,
                  "; with content" if self.settings.content else "")

@@ -54,19 +54,28 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
         assert e.value.data["param"].startswith("settings.canary_"), bad
 
 
-def test_the_bounds_promote_only_when_nothing_else_decides() -> None:
-    """``max_answers`` promotes a canary with no report on its arm once it has that many answers (and the head
-    enough for its guards to have looked); one report on its arm leaves the decision to the scores and the time
-    bound; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off (None), neither fires.
-    Bugs caught: the bound never firing, firing one answer early, firing with reports, the time bound's comparison
-    flipped, a guard read after the bound."""
+def test_the_bounds_decide_only_when_nothing_else_does() -> None:
+    """At ``max_answers`` answers (and the head enough for its guards to have looked) a canary is decided on what
+    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0, ended
+    (``lower``) with one below; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off
+    (None), neither fires. Bugs caught: the bound never firing, firing one answer early, promoting a candidate its
+    scores put lower, ending an equal one (the comparison flipped or strict), the time bound's comparison flipped,
+    a guard read after the bound."""
     ok = [30] * 49
     kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
     assert decide([], [], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
     assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
     assert decide([], [], head_tokens=ok[:9], canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
     assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=None, **kw).verdict is None
-    assert decide([1.0], [0.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
+    lower = decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
+    assert lower.verdict == "lower" and "-0.500" in lower.reason and "over 2 pairs" in lower.reason
+    assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    assert decide([0.0, 1.0], [1.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "quiet"
+    equal = decide([0.4, 0.6], [0.6, 0.4], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
+    assert equal.verdict == "quiet" and "+0.000" in equal.reason
+    # reports on one arm only make no pair: promoted on its guards
+    assert decide([], [0.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
     empty = [1] * 50  # every canary answer empty: the guard ends it, the bound does not promote it
     assert decide([], [], head_tokens=ok, canary_tokens=empty, max_answers=50, **kw).verdict == "empty"
     assert decide([1.0], [0.0], age_s=99.0, max_age_s=100.0, **kw).verdict is None

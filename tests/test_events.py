@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
-from daemon.events import KINDS, Event
+from daemon.events import KINDS, Event, EventBus
 from tests.conftest import Daemon
 from tests.test_imports import ROOT
 from tests.test_reports import serve_one
@@ -142,3 +143,23 @@ def test_kinds_are_the_ones_the_docstring_names_first() -> None:
     doc = Path(ROOT / "daemon" / "events.py").read_text().split('"""', 2)[1]
     for kind in ("record", "report", "scenario", "release", "engine.load", "train.step", "gate", "heldout", "eval"):
         assert f"``{kind}``" in doc and kind in KINDS
+
+
+def test_the_daemons_own_readers_are_not_counted_among_the_clients() -> None:
+    """The status page tells of clients: a reader of the daemon's own (residency, telemetry) is neither a subscriber
+    there nor, when it falls behind, a client dropped; a client still is both."""
+    async def run() -> None:
+        bus = EventBus(queue_size=2)
+        own = bus.subscribe(internal=True)
+        client = bus.subscribe()
+        assert bus.subscribers == 1
+        for _ in range(3):  # both fall behind
+            bus.publish("warning", message="x", scenario=None)
+        assert bus.dropped == 1 and bus.subscribers == 0
+        assert own.get_nowait()["kind"] == "dropped" and client.get_nowait()["kind"] == "dropped"
+        again = bus.subscribe(internal=True)
+        bus.unsubscribe(again)
+        assert bus.subscribers == 0
+        bus.subscribe()
+        assert bus.subscribers == 1
+    asyncio.run(run())
