@@ -553,30 +553,38 @@ class ServePath:
             release = await self.canaries.arm(scen, arm_key(headers, run))
         if release is None:
             release = await self.chains.resolve(scen, pinned_release)
-        ref = await self._weights(scen, release)
-        if ref is not None and self.residency is not None:
-            self.residency.serves(scen.name, scen.model, ref.content_id, pinned=bool(pinned_release))
-        if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
-            await self.chains.preload(scen, release, engine)
-        release_id, content_id = release.release_id, release.content_id
-        engine_started = time.perf_counter()
-        events = engine.generate(exchange, ref)
         served = Served(
             exchange=exchange,
             scenario=scen,
             run=run,
             engine=engine,
             receipt=new_id("rec_"),
-            release_id=release_id,
-            content_id=content_id,
+            release_id=release.release_id,
+            content_id=release.content_id,
             started=started,
-            events=events,
+            events=_no_events(),
             first=None,
             headers=safe_headers(headers),
-            engine_started=engine_started,
             request_text=request_text,
             capture=asked and scen.capture,
         )
+        # From here the exchange is frozen to ``release``: whatever fails is recorded as an error on it, before the
+        # engine starts as after, so that a candidate whose checkout fails counts on its canary's arm (the error
+        # guard reads the records) as one whose load or first step fails does.
+        try:
+            ref = await self._weights(scen, release)
+            if ref is not None and self.residency is not None:
+                self.residency.serves(scen.name, scen.model, ref.content_id, pinned=bool(pinned_release))
+            if ref is not None and ref.path is not None and ref.content_id not in engine.resident:
+                await self.chains.preload(scen, release, engine)
+            served.engine_started = time.perf_counter()
+            events = served.events = engine.generate(exchange, ref)
+        except Exception as exc:
+            err = _reef_error(exc)
+            await self._record_failure(served, err)
+            if err is exc:
+                raise
+            raise err from exc
         self.inflight[served.receipt] = served
         # A stream's receipt goes out in its headers, before the answer exists: its record is opened first, durably,
         # so that the receipt names a record whatever happens next (kill -9, a full disk). The write runs while
@@ -591,18 +599,21 @@ class ServePath:
             with watch():  # a prompt's prefill can take minutes: a client that leaves meanwhile stops it
                 first = served.first = await anext(events)
             served.first_event_at = time.perf_counter()
-        except ReefError as err:  # the engine refused it, or the upstream failed: recorded as an error
-            await _aclose(events)
-            if opening is not None:
-                served.opened = await _succeeded(opening)
-            await self._record_failure(served, err)
-            raise
         except ConnectionResetError:  # the client left (``watch``): its exchange is recorded cancelled
             await _aclose(events)
             if opening is not None:
                 served.opened = await _succeeded(opening)
             await self.record(served, None, None, status="cancelled")
             raise
+        except Exception as exc:  # the engine refused it, or the upstream failed: recorded as an error
+            await _aclose(events)
+            if opening is not None:
+                served.opened = await _succeeded(opening)
+            err = _reef_error(exc)
+            await self._record_failure(served, err)
+            if err is exc:
+                raise
+            raise err from exc
         except BaseException:
             self.inflight.pop(served.receipt, None)
             await _aclose(events)
@@ -769,6 +780,22 @@ class ServePath:
     def in_flight(self, *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
         """The exchanges being served now (``daemon/inflight.py``)."""
         return in_flight(self.inflight.values(), run=run, scenario=scenario)
+
+
+def _reef_error(exc: Exception) -> ReefError:
+    """The error an exchange that failed is recorded and answered with: a ``ReefError`` as it is; anything else
+    (a bug, an engine that broke its contract) logged here with its traceback and recorded as the 500 that
+    ``daemon/app.py`` answers for it, its message left out of the record and the answer as there."""
+    if isinstance(exc, ReefError):
+        return exc
+    log.error("an exchange failed unexpectedly", exc_info=exc)
+    return ReefError(f"internal error: {type(exc).__name__}")
+
+
+async def _no_events() -> AsyncIterator[EngineEvent]:
+    """The events of an exchange the engine was not asked for yet: none."""
+    return
+    yield
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:

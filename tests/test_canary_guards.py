@@ -10,6 +10,9 @@ tests; the tiny model has random weights, so these are the failures that can be 
   a diverged row that only the users' own prompts reach, which only a live guard can catch.
 - ``deeper``: ``extra_layers`` more decoder layers whose output projections are zero: each adds nothing to the
   residual stream, so its answers are the head's bit for bit, and each costs a layer's compute. A real slower arm.
+- ``template``: the head's weights, with a chat template that raises (a division by zero, not a template error)
+  on a prompt holding the trigger word: a failure of the engine's preparation that Reef's own error tree does not
+  name, which no held-out probe reaches.
 - ``same``: the head's weights copied: the healthy candidate, for the negative case.
 """
 
@@ -34,8 +37,8 @@ from recipes.base import Candidate, GateSettings, Recipe, Scores
 
 @dataclass
 class Settings(GateSettings):
-    change: str = "same"  # same | poisoned | deeper
-    trigger: str = "zebra"  # poisoned: the word whose tokens' input embeddings are NaN
+    change: str = "same"  # same | poisoned | deeper | template
+    trigger: str = "zebra"  # poisoned: the word whose tokens' input embeddings are NaN; template: that raises
     extra_layers: int = 30  # deeper: layers added, each adding nothing to the residual stream
 
 
@@ -82,6 +85,11 @@ class Altered(Recipe):
                     zero = k.endswith(("o_proj.weight", "down_proj.weight"))
                     weights[f"model.layers.{layer}.{k}"] = torch.zeros_like(v) if zero else v.clone()
             config["num_hidden_layers"] = n + s["extra_layers"]
+        elif s["change"] == "template":
+            tc = json.loads((out / "tokenizer_config.json").read_text())
+            raises = "{% if '" + s["trigger"] + "' in (messages[-1]['content'] | string) %}{{ 1 // 0 }}{% endif %}"
+            tc["chat_template"] = raises + tc["chat_template"]
+            (out / "tokenizer_config.json").write_text(json.dumps(tc))
         (out / "config.json").write_text(json.dumps(config))
         save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
         return Candidate(metrics={}, eval=Scores(candidate=[0.5] * 4, base=[0.5] * 4))
@@ -202,3 +210,70 @@ def test_a_healthy_canary_under_bursts_of_concurrent_requests_is_not_ended_for_l
         assert status is not None and status["release_id"] == cand and status["decision"] is None, status
         f = status["figures"]
         assert min(f["canary_exchanges"], f["head_answers"]) >= 40, f
+
+
+
+def test_failures_before_the_first_token_count_on_the_canary_arm_and_end_it(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """A request routed to a canary's arm that fails before the engine has answered anything is an exchange that
+    failed on that arm: answered with the error and its receipt, recorded on the candidate with status ``error`` and
+    the reason, counted by the error guard, which ends the canary (``canary-errors``) once it has ``min_exchanges``;
+    the head arm answers every request. Two such failures, each on a scenario of its own under one daemon:
+    - ``gk``: the candidate's checkout, after a restart, finds its weights' object gone from the release store (a
+      storage error before the engine is asked; the canary resumed after the restart). Its prompts lack the poisoned
+      word, so the candidate would answer them as the head does: every failure is the checkout's.
+    - ``gt``: the candidate's chat template raises ZeroDivisionError on its trigger word while the engine prepares
+      the prompt (an error outside Reef's tree: recorded and answered as an internal error, its message kept out).
+    Bugs caught: a failure before the exchange starts made no record (the checkout: the error guard never saw it,
+    and the canary served errors to its share of runs for ever); an unexpected exception at the first event made no
+    record either."""
+    import hashlib
+    import shutil
+
+    d = altered(daemon_factory, recipe_dir)
+    asks = {"gk": {**ASK, "messages": [{"role": "user", "content": "Tell me about the horse."}]},
+            "gt": {**ASK, "messages": [{"role": "user", "content": "Tell me about the walrus."}]}}
+    with d.http() as c:
+        arms = {"gk": start_canary(c, "gk", "poisoned"), "gt": start_canary(c, "gt", "template", trigger="walrus")}
+        content = c.get(f"/reef/releases/{arms['gk'][1]}").json()["content_id"]
+    d.kill9()
+    checkout = d.home / "cache" / "releases" / content
+    weights = hashlib.sha256((checkout / "model.safetensors").read_bytes()).hexdigest()
+    lost = [p for p in d.home.rglob(weights) if p.parent.parent.parent.name == "objects"]
+    assert len(lost) == 1, lost  # the candidate's weights in the release store (its LFS object): lost
+    lost[0].unlink()
+    shutil.rmtree(checkout)
+    (checkout.parent / f"{content}.ok").unlink()
+    d.start()
+    served: dict[str, dict[str, list[int]]] = {name: {"head": [], "canary": []} for name in arms}
+    says = {"gk": (507, "LFS object"), "gt": (500, "internal error: ZeroDivisionError")}
+    with d.http() as c:
+        assert {canary_of(c, name)["release_id"] for name in arms} == {cand for _, cand in arms.values()}
+        for i in range(200):
+            running = [name for name in arms if canary_of(c, name) is not None]
+            if not running:
+                break
+            for name in running:
+                head, cand = arms[name]
+                r = c.post(f"/s/{name}/r/run_{i:04d}/v1/chat/completions", json=asks[name])
+                receipt = r.headers.get("x-reef-agent-record-id")
+                assert receipt, (name, r.status_code, r.text)  # every request has a record, a failed one too
+                rec = c.get(f"/reef/records/{receipt}").json()
+                assert rec["release_id"] in (head, cand), rec["release_id"]
+                served[name]["canary" if rec["release_id"] == cand else "head"].append(r.status_code)
+                if rec["release_id"] == cand:
+                    status, message = says[name]
+                    assert assert_canonical_error(r, status)["message"].startswith(message), r.text
+                    assert rec["status"] == "error", rec
+                    assert rec["response"]["error"]["message"].startswith(message), rec["response"]
+                else:
+                    assert r.status_code == 200 and rec["status"] == "complete", r.text
+        else:
+            raise AssertionError(f"the canaries were not ended for their failed exchanges: {served}")
+        for name, (head, cand) in arms.items():
+            chain = c.get(f"/reef/scenarios/{name}/releases", params={"all": "1"}).json()
+            assert chain["head"] == head, name
+            ended = next(j for j in chain["rejected"] if j["candidate"] == cand)
+            assert ended["verdict"] == "canary-errors" and "failed" in ended["reason"], ended
+            assert ended["metrics"]["canary_errors"] == ended["metrics"]["canary_exchanges"] >= 20, ended["metrics"]
+            assert len(served[name]["canary"]) >= 20 and set(served[name]["head"]) == {200}, (name, served[name])
