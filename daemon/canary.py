@@ -227,11 +227,11 @@ def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_l
     if len(canary) < guard_answers or len(head) < guard_answers:
         return Decision(None, "undecided", figures)
     ce, he = figures["canary_empty_rate"], figures["head_empty_rate"]
-    if ce - he > max_empty_excess:
+    if round(ce - he, 4) > max_empty_excess:  # (rates of 4 decimals: 0.4 - 0.1 is 0.30000000000000004)
         return Decision("empty", f"{ce:.0%} of the canary's {len(canary)} answers were empty against {he:.0%} of the "
                         f"head's: it stopped answering (bound: {max_empty_excess:.0%} more than the head)", figures)
     cl, hl = figures["canary_p50_tokens"], figures["head_p50_tokens"]
-    if hl > 0 and cl < min_length_ratio * hl:
+    if hl > 0 and cl / hl < min_length_ratio:  # (a ratio: 0.55 * 100 is 55.00000000000001)
         return Decision("short", f"the canary's median answer is {cl:g} tokens against the head's {hl:g}: shorter "
                         f"than {min_length_ratio:g} of it", figures)
     return Decision(None, "undecided", figures)

@@ -110,7 +110,7 @@ def test_the_latency_median_of_an_even_count_is_the_mean_of_its_middle_two() -> 
 @pytest.mark.parametrize(("key", "value"), [
     ("max_reports", 1e999), ("min_exchanges", float("inf")), ("max_reports", float("nan")), ("alpha", float("nan")),
     ("max_latency_ratio", float("inf")), ("max_reports", 10 ** 30), ("max_error_rate", 1.0), ("alpha", 0),
-    ("max_reports", 2.5), ("min_exchanges", True), ("alpha", "0.05"),
+    ("max_reports", 2.5), ("min_exchanges", True), ("alpha", "0.05"), ("max_latency_ratio", 0.5),
 ])
 def test_settings_out_of_range_or_not_finite_are_refused_by_name(key: str, value: object) -> None:
     """Bug caught: ``int(1e999)`` raised OverflowError (a 500) before the range check."""
@@ -146,12 +146,21 @@ def test_a_canary_that_stops_answering_ends_without_a_score() -> None:
     some = [1] * 7 + [40] * 13
     assert decide([], [], head_tokens=ten, canary_tokens=some, **GUARD).verdict is None
     assert decide([], [], head_tokens=ten, canary_tokens=[1] * 9 + [40] * 11, **GUARD).verdict == "empty"
+    # the bound is "more than": exactly 0.3 above the head's is not past it (0.4 - 0.1 is 0.30000000000000004 in
+    # floating point), 0.4 above is
+    assert decide([], [], head_tokens=ten, canary_tokens=[1] * 4 + [40] * 6, **GUARD).verdict is None
+    assert decide([], [], head_tokens=[40] * 10, canary_tokens=[1] * 3 + [40] * 7, **GUARD).verdict is None
+    assert decide([], [], head_tokens=ten, canary_tokens=[1] * 5 + [40] * 5, **GUARD).verdict == "empty"
 
 
 def test_a_canary_whose_answers_collapse_in_length_ends() -> None:
     head = [40] * 12
     assert decide([], [], head_tokens=head, canary_tokens=[9] * 12, **GUARD).verdict == "short"
     assert decide([], [], head_tokens=head, canary_tokens=[10] * 12, **GUARD).verdict is None  # exactly a quarter
+    # exactly the ratio is not shorter than it, in floating point too (0.55 * 100 is 55.00000000000001)
+    ratio = {**GUARD, "min_length_ratio": 0.55}
+    assert decide([], [], head_tokens=[100] * 12, canary_tokens=[55] * 12, **ratio).verdict is None
+    assert decide([], [], head_tokens=[100] * 12, canary_tokens=[54] * 12, **ratio).verdict == "short"
     d = decide([1.0] * 3, [1.0] * 3, head_tokens=head, canary_tokens=[40] * 12, **GUARD)
     assert d.verdict is None and d.figures["canary_p50_tokens"] == 40.0
 
