@@ -322,7 +322,7 @@ class Canaries:
         self.on_end: Callable[[str, bool], None] | None = None
 
     async def start(self) -> None:
-        for row in await self.reef.store.canaries():
+        for row in await self.reef.store.canaries.running():
             self.active[row["scenario"]] = row
         if self.active:
             self._ensure_loop()
@@ -389,8 +389,8 @@ class Canaries:
             # exchanges on its arm (chains.preload says nothing), which the error guard counts.
             await self.reef.chains.preload(scenario, rel, await self.reef.engine(scenario.model))
         head = await self.reef.chains.head(scenario)
-        row = await self.reef.store.start_canary(scenario.name, rel.release_id, head.release_id, float(share),
-                                                 settings)
+        row = await self.reef.store.canaries.start(scenario.name, rel.release_id, head.release_id, float(share),
+                                                   settings)
         self.active[scenario.name] = row
         self.reef.events.publish("canary.start", scenario=scenario.name, release_id=rel.release_id,
                                  base_id=head.release_id, share=share, settings=settings)
@@ -421,7 +421,7 @@ class Canaries:
             await chains.reject(cand.manifest(metrics={**cand.metrics, **metrics}), verdict=f"canary-{verdict}",
                                 reason=reason, base=row["base_id"], candidate=row["release_id"])
             out = {"verdict": verdict, "reason": reason, "release_id": None}
-        await self.reef.store.end_canary(scenario.name, row["release_id"])
+        await self.reef.store.canaries.end(scenario.name, row["release_id"])
         self.reef.metrics.canary_ends.labels(verdict).inc()
         for arm in ("head", "canary"):
             for gauge in (self.reef.metrics.canary_reports, self.reef.metrics.canary_mean):
@@ -451,7 +451,7 @@ class Canaries:
         """The canary's decision on what the store holds now; ``shown``: with the intervals people read (for a
         status and an end; the verdict needs none, so the loop's rounds leave them out)."""
         arms = (row["base_id"], row["release_id"])
-        got = await self.reef.store.arm_outcomes(row["scenario"], row["started_at"], arms)
+        got = await self.reef.store.canaries.arm_outcomes(row["scenario"], row["started_at"], arms)
         s = row["settings"]
         head, cand = got[row["base_id"]], got[row["release_id"]]
         m = self.reef.metrics

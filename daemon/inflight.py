@@ -9,7 +9,7 @@ from typing import Any
 
 
 def in_flight(exchanges: Iterable[Any], *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
-    """``exchanges`` (``serving.Served``, in arrival order) of ``run`` and ``scenario`` (None: any), oldest first: how long each has run and the tokens its engine has made
+    """``exchanges`` (``served.Served``, in arrival order) of ``run`` and ``scenario`` (None: any), oldest first: how long each has run and the tokens its engine has made
     so far (``None`` where the engine does not count them: an upstream provider)."""
     now = time.perf_counter()
     out = []

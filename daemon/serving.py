@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.canary import Canaries, arm_key
@@ -40,46 +40,13 @@ from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_s
 from daemon.releases import Release
 from daemon.residency import Residency
 from daemon.scopes import Scopes
+from daemon.served import Served, no_events, reef_error
 from recipes import add_recipe_paths, load_recipe
 
 if TYPE_CHECKING:
     from daemon.telemetry import Telemetry
 
 log = logging.getLogger("reef")
-
-@dataclass
-class Served:
-    """One exchange being served: what the HTTP layer needs to answer and to record."""
-
-    exchange: Exchange
-    scenario: Scenario
-    run: str | None
-    engine: Engine
-    receipt: str
-    release_id: str | None
-    content_id: str | None
-    started: float
-    events: AsyncIterator[EngineEvent]
-    first: EngineEvent | None  # None until the engine's first event is in
-    headers: dict[str, str] = field(default_factory=dict)
-    first_token_at: float | None = None
-    engine_started: float = 0.0
-    finished_at: float | None = None
-    record_ms: float | None = None
-    request_text: str | None = None  # the client's body as received (valid JSON): stored without re-encoding
-    opened: bool = False  # a stream's record was opened (``RecordStore.exchanges.open``): recording completes it
-    first_event_at: float | None = None  # when the engine's first event came in
-    opening_ms: float | None = None  # a stream: how long its opening record's durable write took
-    receipt_wait_ms: float | None = None  # a stream: how long its first event waited for that write
-    capture: bool = True  # False: serve-only (``x-reef-capture: false`` or the scenario's switch), never trained on
-
-    @property
-    def engine_ms(self) -> float | None:
-        """Time spent in the engine's generate call, from the call to its ``Finish``."""
-        if self.finished_at is None:
-            return None
-        return (self.finished_at - self.engine_started) * 1e3
-
 
 LOAD_WAIT_S = 600.0  # how long a request waits for its model's load (the first start converts SmolLM2: ~40 s)
 
@@ -562,7 +529,7 @@ class ServePath:
             release_id=release.release_id,
             content_id=release.content_id,
             started=started,
-            events=_no_events(),
+            events=no_events(),
             first=None,
             headers=safe_headers(headers),
             request_text=request_text,
@@ -580,7 +547,7 @@ class ServePath:
             served.engine_started = time.perf_counter()
             events = served.events = engine.generate(exchange, ref)
         except Exception as exc:
-            err = _reef_error(exc)
+            err = reef_error(exc)
             await self._record_failure(served, err)
             if err is exc:
                 raise
@@ -609,7 +576,7 @@ class ServePath:
             await _aclose(events)
             if opening is not None:
                 served.opened = await _succeeded(opening)
-            err = _reef_error(exc)
+            err = reef_error(exc)
             await self._record_failure(served, err)
             if err is exc:
                 raise
@@ -780,22 +747,6 @@ class ServePath:
     def in_flight(self, *, run: str | None = None, scenario: str | None = None) -> list[dict[str, Any]]:
         """The exchanges being served now (``daemon/inflight.py``)."""
         return in_flight(self.inflight.values(), run=run, scenario=scenario)
-
-
-def _reef_error(exc: Exception) -> ReefError:
-    """The error an exchange that failed is recorded and answered with: a ``ReefError`` as it is; anything else
-    (a bug, an engine that broke its contract) logged here with its traceback and recorded as the 500 that
-    ``daemon/app.py`` answers for it, its message left out of the record and the answer as there."""
-    if isinstance(exc, ReefError):
-        return exc
-    log.error("an exchange failed unexpectedly", exc_info=exc)
-    return ReefError(f"internal error: {type(exc).__name__}")
-
-
-async def _no_events() -> AsyncIterator[EngineEvent]:
-    """The events of an exchange the engine was not asked for yet: none."""
-    return
-    yield
 
 
 async def _succeeded(write: asyncio.Future[None]) -> bool:

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import pickle
 import threading
+import time
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -675,8 +676,42 @@ async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str)
                                                    ("cand", 300, "complete"), ("cand", 5, "error"),
                                                    ("other", 7, "complete")]):
             await store.exchanges.append(exchange(f"rec_{i}", release, ms, status))
-        got = await store.arm_outcomes("s", 0, ("head", "cand"))
+        got = await store.canaries.arm_outcomes("s", 0, ("head", "cand"))
         assert sorted(got["head"]["ms"]) == [100.0, 120.0] and got["cand"]["ms"] == [300.0]
         assert (got["cand"]["exchanges"], got["cand"]["errors"]) == (2, 1)
+    finally:
+        store.close()
+
+
+async def test_a_canarys_arms_count_only_what_was_served_since_it_started(records_at: str) -> None:
+    """Each arm's figures (exchanges, failures, times, answer lengths, report scores) are of the exchanges served
+    since the canary started, whenever they were reported: an exchange served before it, reported after, counts in
+    nothing; a cancelled exchange (the client left) is an exchange, not a failure; a report naming two exchanges of
+    one arm is one score. Bugs caught: the window left out of any one of the three reads, reports picked by when
+    the report came, every status but ``complete`` counted as failed."""
+    store = open_store(records_at)
+    try:
+        since = time.time() - 100
+
+        def exchange(receipt: str, release: str, status: str = "complete", *, before: bool = False,
+                     tokens: int = 7) -> ExchangeRecord:
+            return ExchangeRecord(id=receipt, scenario="s", status=status, format="openai-chat", engine="e",
+                                  model="m", release_id=release, request={}, response={},
+                                  created_at=since - 50 if before else since + 1,
+                                  timings={"total_ms": 10.0 * tokens, "ttft_ms": 1.0},
+                                  usage={"input_tokens": 1, "output_tokens": tokens})
+
+        for rec in (exchange("old_h", "head", before=True, tokens=1), exchange("old_c", "cand", before=True),
+                    exchange("old_e", "cand", "error", before=True), exchange("h1", "head", tokens=30),
+                    exchange("c1", "cand", tokens=20), exchange("c2", "cand", tokens=40),
+                    exchange("c3", "cand", "cancelled"), exchange("c4", "cand", "error")):
+            await store.exchanges.append(rec)
+        for refs, score in ((["old_h"], 0.0), (["old_c"], 0.0), (["h1"], 0.25), (["c1", "c2"], 0.75)):
+            await store.reports.append(scenario=None, score=score, feedback=None, references=refs, metadata=None,
+                                       report_id=None)
+        got = await store.canaries.arm_outcomes("s", since, ("head", "cand"))
+        assert got["head"] == {"scores": [0.25], "exchanges": 1, "errors": 0, "ms": [300.0], "tokens": [30]}
+        assert got["cand"] == {"scores": [0.75], "exchanges": 4, "errors": 1, "ms": [200.0, 400.0],
+                               "tokens": [20, 40]}, got["cand"]
     finally:
         store.close()

@@ -16,7 +16,7 @@ writer and reads (``daemon.records.conn.Rows``):
   several daemons sharing one store agree on who trains and on what was learned from (the lease row and the
   consumption rows are what the database locks, never a lock in one process);
 - ``store.user_data`` (``daemon/records/user_data.py``): export, import, forgetting and retention;
-- and, here, a scenario's canary (its arms and their outcomes).
+- ``store.canaries`` (``daemon/records/canaries.py``): a scenario's running canary, and its arms' outcomes.
 How a record is stored as a row and read back (``RecordRow``) is ``daemon/records/rows.py``.
 
 Design choices:
@@ -45,20 +45,19 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, TypeVar
 
 from daemon.errors import StorageError
+from daemon.records.canaries import Canaries
 from daemon.records.conn import Conn
 from daemon.records.exchanges import Exchanges
 from daemon.records.migrations import migrate
 from daemon.records.reports import Reports
-from daemon.records.rows import MAX_ROWS_PER_INSERT, ExchangeRow, dumps
+from daemon.records.rows import MAX_ROWS_PER_INSERT, ExchangeRow
 from daemon.records.scenarios import Scenarios
 from daemon.records.training import Training
 from daemon.records.user_data import UserData
@@ -81,8 +80,8 @@ def _resolve(group: list[tuple[Any, Any, BaseException | None]]) -> None:
 
 
 class RecordStore:
-    """Durable store of scenarios, records, reports, consumption and leases, held in its parts (see above), and of
-    canaries. Thread-safe; async methods never block the loop. Abstract: ``SQLiteStore`` and ``PostgresStore``
+    """Durable store of scenarios, records, reports, consumption, leases and canaries, held in its parts (see
+    above). Thread-safe; async methods never block the loop. Abstract: ``SQLiteStore`` and ``PostgresStore``
     are the backends (``open_store`` picks)."""
 
     dialect: ClassVar[str]
@@ -113,6 +112,7 @@ class RecordStore:
         self.reports = Reports(self)
         self.training = Training(self)  # the training lease and the consumption of receipts
         self.user_data = UserData(self)  # export, import, forgetting and retention
+        self.canaries = Canaries(self)  # a scenario's running canary and its arms' outcomes
 
     # --- what a backend supplies ---------------------------------------------------------------------------
 
@@ -337,73 +337,3 @@ class RecordStore:
         """After a forget: clear what still holds the deleted bytes (a WAL, free pages, old row versions) and say
         in a sentence what may remain where (``full``: PostgreSQL rewrites the table)."""
         raise NotImplementedError
-
-    # --- canaries ------------------------------------------------------------------------------------------
-
-    async def start_canary(self, scenario: str, release_id: str, base_id: str, share: float,
-                           settings: dict[str, Any]) -> dict[str, Any]:
-        """Store a scenario's canary (one at a time: a second is a ``Conflict``)."""
-        from daemon.errors import Conflict
-
-        def op(conn: Conn) -> dict[str, Any]:
-            if conn.execute("SELECT 1 FROM canaries WHERE scenario=?", (scenario,)).fetchone():
-                raise Conflict(f"scenario {scenario!r} already has a canary; end it first "
-                               "(reef releases canary-end)", scenario=scenario)
-            conn.execute("INSERT INTO canaries(scenario, release_id, base_id, share, started_at, settings)"
-                         " VALUES (?,?,?,?,?,?)", (scenario, release_id, base_id, share, time.time(),
-                                                    dumps(settings)))
-            return _canary(conn.execute("SELECT * FROM canaries WHERE scenario=?", (scenario,)).fetchone())
-
-        return await self.write(op)
-
-    async def canaries(self) -> list[dict[str, Any]]:
-        rows = await self.read(lambda c: c.execute("SELECT * FROM canaries ORDER BY scenario").fetchall())
-        return [_canary(r) for r in rows]
-
-    async def end_canary(self, scenario: str, release_id: str) -> None:
-        await self.write(lambda c: c.execute("DELETE FROM canaries WHERE scenario=? AND release_id=?",
-                                             (scenario, release_id)))
-
-    async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
-        """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, how many of them failed, and the times (``ms``) and answer lengths in tokens (``tokens``) of
-        the complete ones."""
-        total_ms = self.json_number("timings", "total_ms")
-        out_tokens = self.json_number("usage", "output_tokens")
-
-        def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": []}
-                                   for a in arms}
-            for r in conn.execute(
-                    f"SELECT release_id, {total_ms} AS ms, {out_tokens} AS tokens FROM records WHERE scenario=?"
-                    " AND kind='exchange' AND created_at>=? AND release_id IN (?,?) AND status='complete'",
-                    (scenario, since, *arms)).fetchall():
-                if r["ms"] is not None:
-                    out[r["release_id"]]["ms"].append(float(r["ms"]))
-                if r["tokens"] is not None:
-                    out[r["release_id"]]["tokens"].append(int(r["tokens"]))
-            for r in conn.execute(
-                    "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
-                    " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
-                    (scenario, since, *arms)).fetchall():
-                out[r["release_id"]]["exchanges"] += r["n"]
-                if r["status"] == "error":
-                    out[r["release_id"]]["errors"] += r["n"]
-            for r in conn.execute(  # one score per report and arm: a run's report names all its exchanges
-                    "SELECT DISTINCT e.release_id, rep.id, rep.seq, rep.report FROM records e JOIN report_refs rr"
-                    " ON rr.receipt = e.id JOIN records rep ON rep.id = rr.report_id WHERE e.scenario=?"
-                    " AND e.kind='exchange' AND e.created_at>=? AND e.release_id IN (?,?) ORDER BY rep.seq",
-                    (scenario, since, *arms)).fetchall():
-                score = json.loads(r["report"]).get("score")
-                if isinstance(score, (int, float)) and not isinstance(score, bool):
-                    out[r["release_id"]]["scores"].append(float(score))
-            return out
-
-        return await self.read(op)
-
-
-
-def _canary(row: Any) -> dict[str, Any]:
-    return {"scenario": row["scenario"], "release_id": row["release_id"], "base_id": row["base_id"],
-            "share": row["share"], "started_at": row["started_at"], "settings": json.loads(row["settings"])}
-
