@@ -126,8 +126,10 @@ def test_a_tie_ends_at_the_bound_and_a_kill_9_resumes_the_same_arms_and_counts(d
 
 def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daemon: Daemon) -> None:
     """A run's wrapper installed the canary's harness and pins it; the canary ending between two of its requests
-    (a verdict reached on another run's report) must not fail the rest of that run. A held candidate that never
-    served as a canary stays refused."""
+    (a verdict reached on another run's report) must not fail the rest of that run, while runs on the head's arm
+    (pinned to the head, as wrappers pin) go on beside it. A held candidate that never served as a canary stays
+    refused. Bug caught: the end not kept in memory (the daemon read the chain's ended canaries at the head arm's
+    first pinned request, before this end: the candidate's run got a 400)."""
     with daemon.unix() as c:
         head, cand = held_candidate(c, "cm", "be terse")
         slower = c.post("/reef/scenarios/cm/canary", json={"release_id": cand, "max_latency_ratio": 0.5})
@@ -139,6 +141,9 @@ def test_a_run_on_the_canary_arm_is_served_to_its_end_after_the_canary_ends(daem
             if start["release_id"] == cand:
                 break
         assert start["release_id"] == cand
+        r = c.post("/s/cm/r/run_on_the_head/v1/chat/completions", headers={"x-reef-release-id": head},
+                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.headers["x-reef-release-id"] == head, r.text
         c.post("/reef/scenarios/cm/canary/end", json={}).raise_for_status()
         r = c.post(f"/s/cm/r/{start['run']}/v1/chat/completions", headers={"x-reef-release-id": cand},
                    json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
