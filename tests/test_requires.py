@@ -242,10 +242,45 @@ def test_a_recipes_candidates_say_what_the_scenarios_settings_require(live: Daem
         out = c.post(f"/reef/scenarios/{s}/evolve", json={"instruction": "Keep answers short."})
         after = c.get(f"/reef/scenarios/{s}/releases").json()
     assert after["head"] == head["release_id"], out.text
-    assert f"tool:{ABSENT}" in out.text
+    assert out.json()["verdict"] == "failed" and f"tool:{ABSENT}" in out.json()["reason"]
+
+
+def test_a_harness_whose_needs_are_not_met_is_not_handed_to_an_agent(live: Daemon) -> None:
+    s = "needs-harness"
+    with live.http() as c:
+        assert c.post("/reef/scenarios", json={"name": s, "recipe": "lessons"}).status_code == 201
+        store = ReleaseStore(live.home / "artifacts.git")
+        init = store.head(s)
+        met = store.publish(s, {"AGENTS.md": b"Run the tests.\n"}, expected_head=init, operation="train",
+                            kind="harness", recipe="lessons", requires=[f"tool:{PRESENT}"]).release_id
+        run = c.post("/reef/runs", json={"adapter": "pi", "scenario": s})
+        assert run.status_code == 201 and run.json()["release_id"] == met, run.text
+        unmet = store.publish(s, {"AGENTS.md": b"Use the linter.\n"}, expected_head=met, operation="train",
+                              kind="harness", recipe="lessons", requires=["agent:pi>=999", f"tool:{PRESENT}"])
+        # refused whether the wrapper has the harness installed already or not
+        for resp in (c.post("/reef/runs", json={"adapter": "pi", "scenario": s, "installed_release": met}),
+                     c.post("/reef/runs", json={"adapter": "pi", "scenario": s, "installed_release": unmet.release_id}),
+                     c.get(f"/reef/scenarios/{s}/harness", params={"adapter": "pi"})):
+            assert_canonical_error(resp, 409)
+            assert resp.json()["error"]["requirement"] == "agent:pi>=999" and resp.json()["error"]["offered"] == met
 
 
 # --- following a chain remote ---------------------------------------------------------------------------------
+
+
+def after_follow(c: httpx.Client, since: float) -> float:
+    """The time of the first follow the daemon finished after ``since`` (it may have started before)."""
+    deadline = time.monotonic() + HANG_GUARD_S  # a hang guard only
+    while (state := c.get("/reef/status").json()["chain_remote"])["last_fetch"] is None or state["last_fetch"] <= since:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    return float(state["last_fetch"])
+
+
+def next_follow(c: httpx.Client, since: float) -> dict[str, Any]:
+    """The remote state after a follow that started after ``since``: the one after the next one that ended."""
+    after_follow(c, since)
+    return dict(c.get("/reef/status").json()["chain_remote"])
 
 
 def test_a_remote_head_needing_what_this_machine_lacks_is_not_followed(daemon_factory: Any, tiny_model: Path,
@@ -261,12 +296,9 @@ def test_a_remote_head_needing_what_this_machine_lacks_is_not_followed(daemon_fa
         files = {**files_from_dir(tiny_model), "note.txt": b"remote"}
         unmet = pub.publish(s, files, expected_head=init, operation="train", kind="weights", recipe="record",
                             requires=[f"tool:{ABSENT}"])
-        # the follower sees it and refuses it, naming the item; it serves on from the release it has
-        deadline = time.monotonic() + HANG_GUARD_S
-        while f"tool:{ABSENT}" not in str(c.get("/reef/status").json()["chain_remote"]["error"]):
-            assert time.monotonic() < deadline, c.get("/reef/status").json()["chain_remote"]
-            time.sleep(0.05)
-        error = c.get("/reef/status").json()["chain_remote"]["error"]
+        # the follower fetches it and refuses it, naming the item; it serves on from the release it has
+        error = next_follow(c, after_follow(c, time.time()))["error"]
+        assert error is not None and f"tool:{ABSENT}" in error, error
         assert unmet.release_id[:12] in error and f"{init[:12]} (step 0), the head, which serves on" in error
         resp = chat(c, s)
         assert resp.status_code == 200 and resp.headers["x-reef-release-id"] == init
