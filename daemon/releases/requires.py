@@ -27,21 +27,37 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from daemon.errors import BadRequest
 
 if TYPE_CHECKING:
     from daemon.config import Config
-    from daemon.releases.manifest import Release
 
 # kind -> whether it takes a minimum version
 KINDS: Mapping[str, bool] = {"agent": True, "env": False, "tool": False, "provider": False, "engine": True}
 _ITEM = re.compile(r"(?P<kind>[a-z]+):(?P<name>[A-Za-z0-9_.+-]{1,100})(?:>=(?P<version>\d+(?:\.\d+){0,5}))?")
 _LEADING = re.compile(r"\d+(?:\.\d+)*")
+
+
+class Needing(Protocol):
+    """What ``offer`` and ``refusal`` read of a release (``manifest.Release`` is one; named here, not imported, as
+    the manifest imports this module)."""
+
+    @property
+    def release_id(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def requires(self) -> Sequence[str]: ...
+
+
+R = TypeVar("R", bound=Needing)
 
 
 def _version(text: str) -> tuple[int, ...] | None:
@@ -195,12 +211,12 @@ def first_unmet(items: Iterable[str], machine: Machine) -> Check | None:
     return next((c for c in (check(i, machine) for i in items) if not c.met), None)
 
 
-def offer(chain: Iterable[Release], machine: Machine) -> Release | None:
+def offer(chain: Iterable[R], machine: Machine) -> R | None:
     """The newest release of ``chain`` (newest first) whose needs are all met on ``machine``."""
     return next((r for r in chain if first_unmet(r.requires, machine) is None), None)
 
 
-def refusal(what: str, scenario: str, unmet: Check, offered: Release | None, head: str | None = None) -> str:
+def refusal(what: str, scenario: str, unmet: Check, offered: Needing | None, head: str | None = None) -> str:
     """The message of a refusal to ``what`` (``loading release ...``, ``rolling back to release ...``): the item,
     what was found, and the release of ``scenario`` offered instead (``head``: its head here, which serves on)."""
     said = f"{what} is refused: it requires {unmet.item} ({unmet.found})"
