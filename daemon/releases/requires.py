@@ -19,12 +19,14 @@ Design choices:
   only a minimum is expressed, as a release needs "at least" what it was made with.
 - ``Machine`` is what the daemon has, gathered from the one ``Config`` (environment variable names and PATH as they
   were at start, the configured models, Reef's agents directory): the checks read the file system (PATH, the agents'
-  ``package.json``, installed packages) at the time of the check, so a tool installed later counts at once.
+  ``package.json``) at the time of the check, so a tool installed later counts at once; an engine's package version
+  is read once per process (what the daemon runs until it restarts). A check of a few items costs 0.05-0.2 ms here.
 - ``offer`` picks, for a refusal, the newest release of a chain whose needs are all met: what the message names.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -144,7 +146,10 @@ class Machine:
                    package_version=_package_version)
 
 
+@functools.lru_cache(maxsize=64)
 def _package_version(name: str) -> str | None:
+    """Read once per process (3 ms a read here): an engine's package upgraded under a running daemon is not what
+    it runs until it restarts."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
