@@ -72,7 +72,7 @@ def test_each_kind_is_checked_on_the_machine(tmp_path: Path) -> None:
     m = machine(tmp_path)
     got = {item: (c.met, c.found) for item in (
         f"tool:{PRESENT}", f"tool:{ABSENT}", "tool:not-executable", "env:SET_VAR", "env:UNSET_VAR", "provider:openai",
-        "provider:anthropic", "agent:claude", "agent:claude>=2.9", "agent:claude>=2.11", "agent:pi",
+        "provider:anthropic", "agent:claude", "agent:claude>=2.9", "agent:claude>=2.10.3", "agent:claude>=2.11", "agent:pi",
         "engine:transformers>=5.3", "engine:transformers>=5.30", "engine:vllm", "engine:vllm>=0.1", "engine:nope",
     ) for c in [check(item, m)]}
     assert got[f"tool:{PRESENT}"] == (True, str(tmp_path / "bin" / PRESENT))
@@ -83,6 +83,7 @@ def test_each_kind_is_checked_on_the_machine(tmp_path: Path) -> None:
     assert got["provider:anthropic"][0] is False and "openai, tiny" in got["provider:anthropic"][1]
     # versions compare as numbers: 2.10 is newer than 2.9, older than 2.11
     assert got["agent:claude"] == (True, "claude 2.10.3") and got["agent:claude>=2.9"][0] is True
+    assert got["agent:claude>=2.10.3"][0] is True  # at least: the same version is enough
     assert got["agent:claude>=2.11"] == (False, "claude 2.10.3")
     assert got["agent:pi"][0] is False and "reef agents install pi" in got["agent:pi"][1]
     assert got["engine:transformers>=5.3"] == (True, "transformers 5.24.0")
