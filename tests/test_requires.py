@@ -196,6 +196,24 @@ def test_rollback_to_a_release_needing_a_missing_tool_is_refused_and_the_newest_
         assert done.json()["requires"] == ["env:REQ_SET", f"tool:{PRESENT}"]
 
 
+def test_a_held_candidate_needing_what_this_machine_lacks_serves_no_canary(live: Daemon, tiny_model: Path) -> None:
+    s = "needs-canary"
+    with live.http() as c:
+        assert chat(c, s).status_code == 200
+        store = ReleaseStore(live.home / "artifacts.git")
+        files = {**files_from_dir(tiny_model), "note.txt": b"held"}
+        unmet = store.hold(s, files, kind="weights", recipe="record", requires=[f"tool:{ABSENT}"])
+        met = store.hold(s, {**files, "note.txt": b"held too"}, kind="weights", recipe="record",
+                         requires=[f"tool:{PRESENT}"])
+        refused = c.post(f"/reef/scenarios/{s}/canary", json={"release_id": unmet.release_id, "share": 0.5})
+        assert_canonical_error(refused, 409)
+        assert refused.json()["error"]["requirement"] == f"tool:{ABSENT}"
+        assert c.get(f"/reef/scenarios/{s}/canary").status_code == 404
+        started = c.post(f"/reef/scenarios/{s}/canary", json={"release_id": met.release_id, "share": 0.5})
+        assert started.status_code == 201, started.text
+        assert c.post(f"/reef/scenarios/{s}/canary/end", json={}).status_code == 200
+
+
 def test_releases_show_lists_each_item_checked_on_this_machine(live: Daemon, tiny_model: Path) -> None:
     s = "needs-show"
     with live.http() as c:
