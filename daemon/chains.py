@@ -441,15 +441,17 @@ class Chains:
         if not rel.requires:
             return
         now = time.monotonic()
-        kept = None if fresh or what is not None else self._needs.get(rel.release_id)
+        request = what is None  # only a request's check is kept (its message says "loading")
+        kept = self._needs.get(rel.release_id) if request and not fresh else None
         if kept is not None and now - kept[0] < _NEEDS_TTL_S:
             refusal = kept[1]
         else:
             what = what or f"loading release {rel.release_id[:12]} (step {rel.step})"
             refusal = await asyncio.to_thread(self._refusal, rel.scenario, rel.release_id, rel.requires, what)
-            if len(self._needs) > 4096:
-                self._needs.clear()
-            self._needs[rel.release_id] = (now, refusal)
+            if request:
+                if len(self._needs) > 4096:
+                    self._needs.clear()
+                self._needs[rel.release_id] = (now, refusal)
         if refusal is not None:  # a new one each time: a kept exception re-raised would grow its traceback
             raise RequirementUnmet(refusal.message, release_id=refusal.release_id, requirement=refusal.requirement,
                                    found=refusal.found, offered=refusal.offered)
@@ -472,7 +474,7 @@ class Chains:
         head = self._store.head(scenario)
         start = chain_from or head
         offered = requires.offer(self._store.chain_from(start) if start else (), machine)
-        return RequirementUnmet(requires.refusal(what, scenario, unmet, offered, head), release_id=release_id or "",
+        return RequirementUnmet(requires.refusal(what, scenario, unmet, offered, head), release_id=release_id,
                                 requirement=unmet.item, found=unmet.found,
                                 offered=offered.release_id if offered else None)
 

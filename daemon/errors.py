@@ -215,7 +215,8 @@ class RequirementUnmet(Conflict):
     roll back to, promote or publish: ``requirement`` is the item, ``found`` what this machine has, ``offered`` the
     newest release of its chain that needs nothing more (None: none)."""
 
-    def __init__(self, message: str, *, release_id: str, requirement: str, found: str, offered: str | None) -> None:
+    def __init__(self, message: str, *, release_id: str | None, requirement: str, found: str,
+                 offered: str | None) -> None:
         super().__init__(message, release_id=release_id, requirement=requirement, found=found, offered=offered)
         self.release_id = release_id
         self.requirement = requirement

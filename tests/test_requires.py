@@ -196,6 +196,22 @@ def test_rollback_to_a_release_needing_a_missing_tool_is_refused_and_the_newest_
         assert done.json()["requires"] == ["env:REQ_SET", f"tool:{PRESENT}"]
 
 
+def test_a_tool_installed_while_the_daemon_runs_counts(live: Daemon, tiny_model: Path) -> None:
+    s, later = "needs-later", "reef-test-later-tool"
+    with live.http() as c:
+        assert chat(c, s).status_code == 200
+        rid = publish(live, s, tiny_model, "later", [f"tool:{later}"])
+        assert chat(c, s, **{"x-reef-release-id": rid}).status_code == 409
+        tool = live.home / "bin" / later
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+        deadline = time.monotonic() + HANG_GUARD_S  # a hang guard: the check is kept a second
+        while (resp := chat(c, s, **{"x-reef-release-id": rid})).status_code != 200:
+            assert resp.status_code == 409 and time.monotonic() < deadline, resp.text
+            time.sleep(0.05)
+        assert resp.headers["x-reef-release-id"] == rid
+
+
 def test_a_held_candidate_needing_what_this_machine_lacks_serves_no_canary(live: Daemon, tiny_model: Path) -> None:
     s = "needs-canary"
     with live.http() as c:
