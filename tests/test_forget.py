@@ -496,6 +496,36 @@ def test_a_run_whose_agent_made_no_request_can_be_forgotten(daemon_factory: Any)
     assert out.status_code == 200 and out.json()["copies"]["runs"] == 1 and not run.exists()
 
 
+def test_forgetting_a_receipt_takes_its_runs_file_and_agent_files_and_leaves_other_runs(daemon_factory: Any) -> None:
+    """A run with exchanges, forgotten by one of its receipts: its run file (the prompt) and the files its agent
+    wrote go; another run's file and transcript stay. Catches the copies removed only for runs that have no
+    exchange (the real agents' check, tests/test_forget_agents.py, needs them installed)."""
+    d: Daemon = daemon_factory()
+    marker, other = uuid.uuid4().hex, uuid.uuid4().hex
+    sessions = d.home / "homes" / "pi" / "pi" / ".pi" / "agent" / "sessions" / "--p--"
+    gone = _write(sessions / "a.jsonl", marker)
+    kept = _write(sessions / "b.jsonl", other)
+    with d.http() as c:
+        receipts = {}
+        for run in ("run_fa", "run_fb"):
+            r = c.post("/v1/chat/completions", headers={"x-reef-run": run}, json={
+                "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": f"hi {run}"}]})
+            assert r.status_code == 200, r.text
+            receipts[run] = r.headers["x-reef-agent-record-id"]
+        a = _write(d.home / "runs" / "run_fa.json", json.dumps({
+            "run": "run_fa", "adapter": "pi", "scenario": "pi", "prompt": marker,
+            "agent_files": [".pi/agent/sessions/--p--/a.jsonl"]}))
+        b = _write(d.home / "runs" / "run_fb.json", json.dumps({
+            "run": "run_fb", "adapter": "pi", "scenario": "pi", "prompt": other,
+            "agent_files": [".pi/agent/sessions/--p--/b.jsonl"]}))
+        out = c.post("/reef/records/forget", json={"receipts": [receipts["run_fa"]]})
+        assert out.status_code == 200, out.text
+        assert out.json()["runs"] == ["run_fa"] and out.json()["copies"]["runs"] == 1, out.json()
+        assert c.get(f"/reef/records/{receipts['run_fb']}").json()["request"] is not None
+    assert not a.exists() and not gone.exists()
+    assert b.exists() and kept.read_text() == other
+
+
 # --- retention ---------------------------------------------------------------------------------------------------
 
 
