@@ -48,7 +48,7 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
         assert load_recipe(name).parse_settings({"canary_share": 0}).canary_share == 0
     rl = load_recipe("online-rl")
     for bad in ({"canary_share": 0.3, "gate": "review"}, {"canary_answers": 0}, {"canary_hours": 0.0},
-                {"canary_hours": float("inf")}):
+                {"canary_hours": float("inf")}, {"canary_share": 1}, {"canary_share": -0.1}):  # 1: all new runs
         with pytest.raises(BadRequest) as e:
             rl.parse_settings(bad)
         assert e.value.data["param"].startswith("settings.canary_"), bad
