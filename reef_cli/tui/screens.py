@@ -119,6 +119,18 @@ class ReefScreen(Screen[None]):
             self.set_timer(self.THROTTLE_S, go)
 
 
+def fit_columns(table: DataTable[Any], grid: list[list[str]]) -> None:
+    """Make each column of ``table`` as wide as its label and its widest cell in ``grid`` (the rows about to be
+    added), here rather than leaving it to the table: DataTable measures new cells when it is next idle, and a table
+    drawn before that pass shows every column at its label's width, an unlabelled one at none (a chain opened with
+    ``reef tui -s NAME`` was seen so, issue 44: ids cut to 7 characters and no head marker)."""
+    from rich.cells import cell_len
+
+    for i, column in enumerate(table.ordered_columns):
+        column.width = max([cell_len(column.label.plain), *(cell_len(row[i]) for row in grid)])
+        column.auto_width = False
+
+
 # --- scenarios -------------------------------------------------------------------------------------------
 
 
@@ -238,6 +250,7 @@ class ChainScreen(ReefScreen):
         for r in data.get("rejected", []):
             rows.append((f"rejected:{r['rejection_id']}", {**r, "operation": "rejected"}, "✗"))
         rows.sort(key=lambda x: (-(x[1].get("step") or 0), x[1]["operation"] == "rejected"))
+        grid: list[tuple[str, list[str], str]] = []
         for key, r, mark in rows:
             self.rows[key] = r
             note = ""
@@ -256,6 +269,9 @@ class ChainScreen(ReefScreen):
             cells = [mark, str(r.get("step", "-")), r["operation"], short(r.get("release_id"), 8),
                      short(r.get("content_id"), 8), age(r.get("created_at"), now), verdict(r),
                      key_metrics(r.get("metrics"), 2), note]
+            grid.append((key, cells, style))
+        fit_columns(table, [cells for _, cells, _ in grid])
+        for key, cells, style in grid:
             table.add_row(*(Text(c, style=style) for c in cells), key=key)
         keys = list(self.rows)
         if keys:
