@@ -35,7 +35,7 @@ from reef_cli.tui.format import (
     short,
     verdict,
 )
-from reef_cli.tui.widgets import ConnectionBar
+from reef_cli.tui.widgets import ConnectionBar, fit_columns
 
 
 class ReefScreen(Screen[None]):
@@ -117,18 +117,6 @@ class ReefScreen(Screen[None]):
                 self.refresh_data()
 
             self.set_timer(self.THROTTLE_S, go)
-
-
-def fit_columns(table: DataTable[Any], grid: list[list[str]]) -> None:
-    """Make each column of ``table`` as wide as its label and its widest cell in ``grid`` (the rows about to be
-    added), here rather than leaving it to the table: DataTable measures new cells when it is next idle, and a table
-    drawn before that pass shows every column at its label's width, an unlabelled one at none (a chain opened with
-    ``reef tui -s NAME`` was seen so, issue 44: ids cut to 7 characters and no head marker)."""
-    from rich.cells import cell_len
-
-    for i, column in enumerate(table.ordered_columns):
-        column.width = max([cell_len(column.label.plain), *(cell_len(row[i]) for row in grid)])
-        column.auto_width = False
 
 
 # --- scenarios -------------------------------------------------------------------------------------------
