@@ -58,7 +58,7 @@ _reef() {
         /scenarios/tasks/list) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /scenarios/tasks/promote) words='--check --workspace --id --scenario -s --json --help' ;;
         /scenarios/unarchive) words='--json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
-        /scenarios/update) words='--settings --json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
+        /scenarios/update) words='--settings --requires --json --help'" $(reef __complete scenarios 2>/dev/null)" ;;
         /serve) words='--host --port --model --provider --upstream-url --upstream-format --upstream-model --upstream-key-env --help' ;;
         /status) words='--json --help' ;;
         /tui) words='--scenario -s --help' ;;

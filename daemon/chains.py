@@ -17,6 +17,10 @@ checked out, and publishing (init, rollback, promote, and later train) with even
   and a follow task fetches the remote's heads every ``chain_fetch_s``: a release another daemon published is
   taken in (LFS objects, then the local head), so the next request here serves it, as any local publish.
   A remote that cannot be reached is logged (once per outage) and shown in ``status()``; serving goes on.
+- A release's ``requires`` (``daemon/releases/requires.py``) are checked on this machine before it is loaded for a
+  request (``resolve``: the result kept a second per release), rolled back to, promoted, published or held, and
+  before a chain remote's new head is followed; refused with the item named and the newest release that needs
+  nothing more offered (``RequirementUnmet``). Candidates say what their scenario's settings ``requires``.
 - Store calls run in worker threads (pygit2 releases the GIL for I/O); the store handles its own locking. The
   store is this module's own: the rest of the daemon reads and writes chains through ``Chains``, and every write
   takes one ``Manifest`` (``manifest`` fills in the scenario's kind and recipe).
@@ -30,6 +34,7 @@ import functools
 import logging
 import re
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,13 +43,14 @@ from daemon import lora
 from daemon.config import Config
 from daemon.engines.base import Engine, ReleaseRef
 from daemon.engines.registry import engine_kind
-from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, StorageError
+from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, RequirementUnmet, StorageError
 from daemon.events import EventBus
 from daemon.metrics import Metrics
 from daemon.records import Scenario
-from daemon.releases import Manifest, Rejection, Release, ReleaseStore, files_from_dir
+from daemon.releases import Manifest, Rejection, Release, ReleaseStore, files_from_dir, requires
 
 log = logging.getLogger("reef.chains")
+_NEEDS_TTL_S = 1.0  # how long a request reuses a release's requirement check (a tool installed counts after this)
 
 
 def artifact_kind(config: Config, scenario: Scenario) -> str:
@@ -76,7 +82,8 @@ class Chains:
 
             remote = ChainRemote(config.artifacts_path, config.chain_remote, lfs_store=config.chain_lfs,
                                  max_blob_bytes=config.chain_max_blob_bytes, max_lfs_bytes=config.chain_max_lfs_bytes)
-        self._store = ReleaseStore(config.artifacts_path, remote=remote)
+        self._store = ReleaseStore(config.artifacts_path, remote=remote, needs=self._unmet_remote)
+        self._needs: dict[str, tuple[float, RequirementUnmet | None]] = {}  # release id -> (checked at, refusal)
         self._follow: asyncio.Task[None] | None = None
         self.remote_state: dict[str, Any] = {} if remote is None else {"url": remote.shown, "last_fetch": None,
                                                                        "error": None}
@@ -196,7 +203,13 @@ class Chains:
         return await self.release(head)
 
     async def resolve(self, scenario: Scenario, pinned: str | None) -> Release:
-        """The release a request is frozen to: the head, or a release of this scenario the client pinned."""
+        """The release a request is frozen to: the head, or a release of this scenario the client pinned; refused
+        (``RequirementUnmet``) when this machine does not have what it requires."""
+        rel = await self._resolve(scenario, pinned)
+        await self.check_needs(rel)
+        return rel
+
+    async def _resolve(self, scenario: Scenario, pinned: str | None) -> Release:
         if not pinned:
             return await self.head(scenario)
         try:
@@ -357,6 +370,8 @@ class Chains:
                 from daemon.harness_policy import check_served
 
                 check_served(await self.harness_tree(target), release=target.release_id)
+            what = "rolling back to" if op == "rollback" else "promoting"
+            await self.check_needs(target, f"{what} release {target.release_id[:12]} (step {target.step})", fresh=True)
         fn = self._store.rollback if op == "rollback" else self._store.promote
         extra = {k: v for k, v in extra.items() if v is not None}
         return await self._append(scenario, engine, functools.partial(fn, scenario.name, release_id,
@@ -368,9 +383,10 @@ class Chains:
         """The ``Manifest`` of a trained candidate of ``scenario``: its kind (``artifact_kind``) and recipe filled in,
         so a candidate's release can never say another kind than the chain serves; ``origin``: an agent's proposal
         that made it (``daemon/proposals.py``)."""
+        wanted = {**self.config.recipes.get(scenario.recipe, {}), **scenario.settings}.get("requires")
         return Manifest(scenario.name, "train", artifact_kind(self.config, scenario), scenario.recipe,
                         metrics=metrics or {}, receipts=tuple(receipts), settings=settings or {}, origin=origin,
-                        summary=_origin_summary(origin))
+                        summary=_origin_summary(origin), requires=tuple(wanted or ()))
 
     async def publish_candidate(self, scenario: Scenario, manifest: Manifest,
                                 path: str | Path | Mapping[str, bytes], *, expected_head: str,
@@ -379,6 +395,7 @@ class Chains:
         on the base; with ``engine``, loaded before the first request needs it."""
         if manifest.scenario != scenario.name:
             raise ValueError(f"a manifest of {manifest.scenario!r} published on {scenario.name!r}")
+        await self._check_candidate(manifest, "publishing")
         return await self._append(scenario, engine, functools.partial(self._store.publish, manifest, _files(path),
                                                                       expected_head=expected_head))
 
@@ -397,6 +414,7 @@ class Chains:
 
     async def hold(self, manifest: Manifest, path: str | Path | Mapping[str, bytes], *, base: str) -> Release:
         """Keep a candidate for review (``reef releases promote``) without releasing it."""
+        await self._check_candidate(manifest, "holding")
         rel = await asyncio.to_thread(self._store.hold, manifest, _files(path), base=base)
         self.events.publish("release.pending", scenario=manifest.scenario, release_id=rel.release_id, step=rel.step,
                             metrics=dict(manifest.metrics))
@@ -408,6 +426,67 @@ class Chains:
         log, with its receipts, so they count as consumed; ``candidate``: a held one, discarded with it."""
         await asyncio.to_thread(functools.partial(self._store.record_rejection, manifest, verdict=verdict,
                                                   reason=reason, base=base, candidate=candidate))
+
+    # --- what releases require (daemon/releases/requires.py) ---------------------------------------------------
+
+    def requirements(self, rel: Release) -> list[dict[str, Any]]:
+        """Each item ``rel`` requires, checked on this machine now: ``{item, kind, met, found}`` (``releases show``)."""
+        machine = requires.Machine.of(self.config)
+        return [c.to_dict() for c in requires.check_all(rel.requires, machine)]
+
+    async def check_needs(self, rel: Release, what: str | None = None, *, fresh: bool = False) -> None:
+        """Refuse (``RequirementUnmet``) to ``what`` ``rel`` when this machine lacks an item it requires, naming it and
+        the newest release of its chain that needs nothing more. A release that requires nothing costs nothing; the
+        answer for one that does is kept ``_NEEDS_TTL_S`` for requests (``fresh``: checked now)."""
+        if not rel.requires:
+            return
+        now = time.monotonic()
+        request = what is None  # only a request's check is kept (its message says "loading")
+        kept = self._needs.get(rel.release_id) if request and not fresh else None
+        if kept is not None and now - kept[0] < _NEEDS_TTL_S:
+            refusal = kept[1]
+        else:
+            what = what or f"loading release {rel.release_id[:12]} (step {rel.step})"
+            refusal = await asyncio.to_thread(self._refusal, rel.scenario, rel.release_id, rel.requires, what)
+            if request:
+                if len(self._needs) > 4096:
+                    self._needs.clear()
+                self._needs[rel.release_id] = (now, refusal)
+        if refusal is not None:  # a new one each time: a kept exception re-raised would grow its traceback
+            raise RequirementUnmet(refusal.message, release_id=refusal.release_id, requirement=refusal.requirement,
+                                   found=refusal.found, offered=refusal.offered)
+
+    async def _check_candidate(self, manifest: Manifest, what: str) -> None:
+        """A candidate this machine could not run is not made: never a head (or a canary) that cannot serve here."""
+        if manifest.requires:
+            refusal = await asyncio.to_thread(self._refusal, manifest.scenario, None, manifest.requires,
+                                              f"{what} a candidate of {manifest.scenario!r}")
+            if refusal is not None:
+                raise refusal
+
+    def _refusal(self, scenario: str, release_id: str | None, needs: Iterable[str], what: str,
+                 chain_from: str | None = None) -> RequirementUnmet | None:
+        """The refusal of ``needs`` on this machine, or None when all are met (in a worker thread)."""
+        machine = requires.Machine.of(self.config)
+        unmet = requires.first_unmet(needs, machine)
+        if unmet is None:
+            return None
+        head = self._store.head(scenario)
+        start = chain_from or head
+        offered = requires.offer(self._store.chain_from(start) if start else (), machine)
+        return RequirementUnmet(requires.refusal(what, scenario, unmet, offered, head), release_id=release_id,
+                                requirement=unmet.item, found=unmet.found,
+                                offered=offered.release_id if offered else None)
+
+    def _unmet_remote(self, release_id: str) -> str | None:
+        """Why a chain remote's new head ``release_id`` is not followed here: what it requires that this machine
+        lacks, and the newest release of the remote's chain that needs nothing more; None when nothing."""
+        rel = self._store.get(release_id)
+        if not rel.requires:
+            return None
+        refusal = self._refusal(rel.scenario, release_id, rel.requires,
+                                f"following release {release_id[:12]} (step {rel.step})", chain_from=release_id)
+        return None if refusal is None else refusal.message
 
     def _published(self, rel: Release) -> None:
         self._releases[rel.release_id] = rel

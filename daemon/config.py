@@ -145,6 +145,10 @@ class Config:
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
     # the model entry made by --provider / REEF_PROVIDER (or --upstream-url): its key must be set at start
     provider: ModelEntry | None = None
+    # what releases' ``requires`` are checked against (daemon/releases/requires.py), captured once at load time: the
+    # names of the environment variables set and not empty (never their values), and the PATH tools are found on
+    env_names: frozenset[str] = field(default_factory=frozenset, repr=False)
+    search_path: str | None = None
 
     def tcp_token(self) -> str | None:
         """The token for ``REEF_URL``: ``REEF_TOKEN``, else the token file of ``$REEF_HOME`` where there is one (a
@@ -581,6 +585,8 @@ def load_config(
         secrets=secrets,
         telemetry=telemetry,
         provider=provider,
+        env_names=frozenset(k for k, v in env.items() if v),
+        search_path=env.get("PATH"),
         **values,
     )
     if cfg.default_model not in cfg.models:

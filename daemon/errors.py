@@ -25,6 +25,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── Unchanged                  409  (a candidate whose content equals its parent's: no release)
     │   ├── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
     │   ├── HarnessRefused             409  (a harness the harness policy refuses: names the file and the rule)
+    │   ├── RequirementUnmet           409  (a release needs what this machine lacks: names the item and an offer)
     │   └── LeaseLost                  409  (the training lease was taken over: this daemon no longer trains)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
@@ -207,6 +208,20 @@ class Unchanged(Conflict):
 class HarnessRefused(Conflict):
     """A harness release that the harness policy (``daemon/harness_policy.py``) refuses to hand to an agent, roll
     back to or take in from a chain remote: ``findings`` name each file and rule."""
+
+
+class RequirementUnmet(Conflict):
+    """A release whose ``requires`` (``daemon/releases/requires.py``) are not met on this machine, refused to load,
+    roll back to, promote or publish: ``requirement`` is the item, ``found`` what this machine has, ``offered`` the
+    newest release of its chain that needs nothing more (None: none)."""
+
+    def __init__(self, message: str, *, release_id: str | None, requirement: str, found: str,
+                 offered: str | None) -> None:
+        super().__init__(message, release_id=release_id, requirement=requirement, found=found, offered=offered)
+        self.release_id = release_id
+        self.requirement = requirement
+        self.found = found
+        self.offered = offered
 
 
 class PayloadTooLarge(ReefError):

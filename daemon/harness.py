@@ -38,6 +38,7 @@ async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: s
     from daemon.harness_policy import check_served
     from daemon.layout import check_tree
 
+    await reef.chains.check_needs(rel)  # a harness whose needs this machine lacks is not handed to an agent
     tree = await reef.chains.harness_tree(rel)
     check_tree(tree)  # a tree that was written around the daemon (a tampered chain) is refused here too
     check_served(tree, release=rel.release_id)  # and one that grants what no automatic path may (a hook, say)
@@ -75,6 +76,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     head = await reef.chains.head(scenario)
     if reef.canaries.active:  # a run in a canary's share gets the canary's harness, for the whole run
         head = await reef.canaries.arm(scenario, f"run={run}") or head
+    await reef.chains.check_needs(head)  # refused here, before the agent starts, naming the item and an offer
     engine = await reef.engine(scenario.model)
     out: dict[str, Any] = {
         "run": run,

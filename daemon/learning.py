@@ -67,7 +67,7 @@ from daemon.learning_lease import LeaseKeeper
 from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
-from daemon.releases import Manifest
+from daemon.releases import Manifest, requires
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex
 from recipes import load_recipe
@@ -200,7 +200,10 @@ class Learner:
         """The recipe instance a scenario's step uses: defaults < ``[recipes.<name>]`` < the scenario's
         settings. Raises ``BadRequest`` (the recipe cannot load, refuses the settings, names an unknown model)."""
         cls = load_recipe(recipe)
-        made = cls(cls.parse_settings({**self.config.recipes.get(recipe, {}), **(settings or {})}))
+        merged = {**self.config.recipes.get(recipe, {}), **(settings or {})}
+        # every recipe's candidates say what they need to run: the scenario's, not the recipe's, setting
+        requires.parse_all(merged.pop("requires", None), param="settings.requires")
+        made = cls(cls.parse_settings(merged))
         for model in made.models_used():
             self.config.model(model)  # an unknown model: 400 naming the configured ones
         return made

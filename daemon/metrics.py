@@ -8,6 +8,7 @@ models, error kinds), so the memo stays small.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -80,6 +81,11 @@ class Metrics:
             " the time its thread waited for a CPU, at most the CPU time the process used", buckets=_LAG_BUCKETS,
             registry=r,
         )
+        # read at each scrape: a big body's parse holds the collector off until the route discards it
+        # (daemon/bodies.py); one never discarded would leave it off for the daemon's life
+        self.gc_off = Gauge("reef_gc_off", "1 while Python's cyclic garbage collector is off (held while a big "
+                            "request body's parse lives, at most a minute at a time)", registry=r)
+        self.gc_off.set_function(lambda: 0.0 if gc.isenabled() else 1.0)
 
         for metric in vars(self).values():
             if isinstance(metric, Counter | Histogram) and metric._labelnames:

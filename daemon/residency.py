@@ -55,6 +55,9 @@ class Residency:
         self.heads: dict[str, str] = {}  # scenario -> its head's content id
         self.arms: frozenset[str] = frozenset()  # content ids of the running canaries' arms, as last read
         self.pins: dict[str, OrderedDict[str, None]] = {}  # model -> content ids pinned lately, the newest last
+        # scenario -> content ids served unpinned since the heads and arms were last read (a new head, a canary's
+        # arm): kept beside the heads until the next read, which says what still serves
+        self.served: dict[str, set[str]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -67,7 +70,8 @@ class Residency:
 
     def keep(self, model: str) -> frozenset[str]:
         """What ``model``'s engine keeps: the heads, the canary arms and the model's pins."""
-        return frozenset(self.heads.values()) | self.arms | self.pins.get(model, {}).keys()
+        served = frozenset(c for contents in self.served.values() for c in contents)
+        return frozenset(self.heads.values()) | self.arms | served | self.pins.get(model, {}).keys()
 
     def tell(self, model: str) -> None:
         """Tell ``model``'s engine (if it is loaded) what it keeps."""
@@ -77,13 +81,17 @@ class Residency:
 
     def serves(self, scenario: str, model: str, content_id: str, *, pinned: bool) -> None:
         """A request of ``scenario`` on ``model`` is served by the release with ``content_id``: one it ``pinned``,
-        or else the head (or a canary's arm: taken for the head until the canaries are read again, at the canary's
-        end at the latest; both arms serve while it runs)."""
+        or else the head or a canary's arm. One the last read did not name is kept beside the heads until the heads
+        and arms are read again (after the event that made it serve), never in place of the head: a canary's
+        first request can come before its start is read, and taking its candidate for the head then dropped the
+        head, which serves the other arm."""
         if pinned:
             self.pin(model, content_id)
-        elif self.heads.get(scenario) != content_id:
-            self.heads[scenario] = content_id
-            self.tell(model)
+        elif self.heads.get(scenario) != content_id and content_id not in self.arms:
+            contents = self.served.setdefault(scenario, set())
+            if content_id not in contents:
+                contents.add(content_id)
+                self.tell(model)
 
     def pin(self, model: str, content_id: str) -> None:
         """A request pinned the release with ``content_id`` on ``model``: kept among the ``PINS`` newest pins."""
@@ -105,10 +113,13 @@ class Residency:
                 return (await self.chains.release(release_id)).content_id
             return None
 
+        read = {scenario: set(contents) for scenario, contents in self.served.items()}  # what this read covers
         heads = {name: await content(rid) for name, rid in (await asyncio.to_thread(self.chains.heads)).items()}
         arms = {await content(row[k]) for row in list(self.canaries.active.values()) for k in ("release_id", "base_id")}
         self.heads = {name: cid for name, cid in heads.items() if cid is not None}
         self.arms = frozenset(cid for cid in arms if cid is not None)
+        for scenario, contents in read.items():  # one served while reading stays until the next read
+            self.served[scenario] -= contents
         for model in list(self._engines()):
             self.tell(model)
 

@@ -517,15 +517,26 @@ def accept_warning(name: str = typer.Argument(..., help="The scenario."),
 @scenarios_app.command("update")
 @edge
 def update_scenario(name: str = typer.Argument(..., help="The scenario."),
-                    settings: str = typer.Option(..., "--settings", help='Recipe settings to change, as JSON '
+                    settings: str = typer.Option(None, "--settings", help='Recipe settings to change, as JSON '
                                                  '(\'{"kl_coef": 0.5}\'; null puts one back to its default).'),
+                    requires: list[str] = typer.Option(None, "--requires", help="What its releases need to run from "
+                                                       "now on, once per item: tool:NAME, env:NAME, provider:NAME, "
+                                                       "agent:NAME[>=V], engine:NAME[>=V] (the requires "
+                                                       "setting)."),
                     json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Change a scenario's recipe settings, checked as at creation (exit 2 naming a setting the recipe refuses);
     this also clears an early warning, whose trend is then read afresh under the new settings."""
+    if settings is None and not requires:
+        fail("give --settings JSON, --requires ITEM, or both", 2)
     try:
-        given = json.loads(settings)
+        given = json.loads(settings) if settings is not None else {}
     except ValueError as e:
         fail(f"--settings must be JSON: {e}", 2)
+    if requires:
+        if not isinstance(given, dict):
+            fail("--settings must be a JSON object", 2)
+        items = [i for i in requires if i]
+        given["requires"] = items or None  # --requires "": back to none
     with client() as c:
         s = c.post(f"/reef/scenarios/{name}/settings", {"settings": given})
     if json_out:

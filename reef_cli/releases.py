@@ -116,7 +116,8 @@ def show_release(
     diff: bool = typer.Option(False, "--diff", help="Show the diff to its parent."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Show one release: manifest, metrics, receipts, and optionally its diff to the parent."""
+    """Show one release: manifest, what it requires (each item met or not on this machine, with what was found),
+    metrics, receipts, and optionally its diff to the parent."""
     with client() as c:
         rel = c.get(f"/reef/releases/{release_id}", diff="1" if diff else None)
     if json_out:
@@ -132,6 +133,9 @@ def show_release(
     if rel.get("adapter"):
         out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
                   f"(release {_short(rel['adapter']['base_release_id'])})")
+    for check in rel.get("requirements") or []:  # what it needs to run, checked on the daemon's machine now
+        out.print(f"requires {check['item']}: {'met' if check['met'] else 'NOT MET'} ({check['found']})",
+                  markup=False)
     m = rel.get("metrics") or {}
     for line in (gate_line(m), heldout_line(m)):
         if line:

@@ -146,6 +146,10 @@ def test_wrapped_run_records_reports_and_learns(setup: dict[str, Any], agent: st
         records = c.get("/reef/records", params={"run": run["run"], "kind": "exchange"}).json()["records"]
     assert {r["id"] for r in records} == set(run["receipts"])
     assert all(r["scenario"] == agent and r["run"] == run["run"] for r in records)
+    # the run ended with an answer (issue 44): every exchange complete, each with answer tokens, not an error, a cut
+    # stream or an empty answer behind an exit 0
+    assert all(r["status"] == "complete" and (r.get("usage") or {}).get("output_tokens") for r in records), \
+        [(r["status"], r.get("usage")) for r in records]
 
     rule = f"check the empty-token case before parsing ({agent})"
     report = wrapped(setup, agent, ["report", "--score", "0", "--feedback", rule])

@@ -48,7 +48,7 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
         assert load_recipe(name).parse_settings({"canary_share": 0}).canary_share == 0
     rl = load_recipe("online-rl")
     for bad in ({"canary_share": 0.3, "gate": "review"}, {"canary_answers": 0}, {"canary_hours": 0.0},
-                {"canary_hours": float("inf")}, {"canary_share": 1.0}, {"canary_share": -0.1},
+                {"canary_hours": float("inf")}, {"canary_share": 1}, {"canary_share": -0.1},  # 1: all new runs
                 {"canary_share": float("nan")}):
         with pytest.raises(BadRequest) as e:
             rl.parse_settings(bad)
@@ -129,8 +129,7 @@ def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_prom
             r = c.post(f"/s/lw/r/run_{i:04d}/v1/chat/completions", json=ASK)
             assert r.status_code == 200, r.text
             arms.add(r.headers["x-reef-release-id"])
-        _until("the canary's end", lambda: canary_of(c, "lw") is None or canary_of(c, "lw")["release_id"] !=
-               first["release_id"])
+        _until("the canary's end", lambda: (x := canary_of(c, "lw")) is None or x["release_id"] != first["release_id"])
         assert {head, first["release_id"]} <= arms
         chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
         promoted = next(r for r in chain["releases"] if r["operation"] == "promote")
@@ -312,7 +311,8 @@ def test_a_restart_mid_canary_keeps_its_arms_and_counts_and_learning_waits_for_i
         assert chain["head"] == head and [p["release_id"] for p in chain["pending"]] == [first["release_id"]]
         assert chain["rejected"] == [], "the waiting batch was trained on while the canary ran"
         for i in range(200):  # more runs nobody reports: the canary reaches its bound
-            if canary_of(c, "lk") is None or canary_of(c, "lk")["release_id"] != first["release_id"]:
+            running = canary_of(c, "lk")  # read once: it may end between two reads
+            if running is None or running["release_id"] != first["release_id"]:
                 break
             assert c.post(f"/s/lk/r/run_b{i:03d}/v1/chat/completions", json=ASK).status_code == 200
         chain = c.get("/reef/scenarios/lk/releases", params={"all": "1"}).json()

@@ -140,6 +140,27 @@ def test_the_codex_home_is_isolated_and_holds_no_token(world: dict[str, Any], ag
     assert strict.returncode == 0, strict.stdout + strict.stderr
 
 
+def test_p_runs_in_codexs_read_only_sandbox_until_the_user_widens_it(world: dict[str, Any]) -> None:
+    """docs/agents.md: ``reef-codex -p`` runs ``codex exec`` in Codex's read-only sandbox (it cannot edit files), and
+    Codex's own ``--sandbox workspace-write`` after the prompt lets it; the wrapper never widens it by itself (argv or
+    config.toml). Read from what Codex itself prints of the session (``sandbox: ...``). Bugs caught: the wrapper
+    adding ``--full-auto`` or a ``sandbox_mode`` to the home's config.toml, the user's flag dropped."""
+    def sandbox(out: subprocess.CompletedProcess[str]) -> str:
+        assert out.returncode == 0, out.stdout + out.stderr
+        said = [ln.split(":", 1)[1].strip() for ln in (out.stdout + out.stderr).splitlines()
+                if ln.startswith("sandbox:")]
+        assert len(said) == 1, out.stdout + out.stderr
+        return said[0]
+
+    assert sandbox(reef_codex(world, "--reef-scenario", "cx-sandbox", "-p", "say hi")).startswith("read-only")
+    widened = sandbox(reef_codex(world, "--reef-scenario", "cx-sandbox", "-p", "say hi", "--sandbox",
+                                 "workspace-write"))
+    assert widened.startswith("workspace-write"), widened
+    codex_home = world["daemon"].home / "homes" / "codex" / "cx-sandbox" / ".codex"
+    config = tomllib.loads((codex_home / "config.toml").read_text())
+    assert not {"sandbox_mode", "sandbox_workspace_write", "approval_policy"} & set(config), config
+
+
 def test_flags_and_exit_codes_pass_through(world: dict[str, Any], agents_dir: Path) -> None:  # noqa: F811
     version = reef_codex(world, "--version")
     assert version.returncode == 0 and f"codex-cli {CODEX.version}" in version.stdout, version.stdout + version.stderr

@@ -276,11 +276,25 @@ def test_the_daemon_forgets_by_its_retention_settings(daemon_factory: Any) -> No
     cfg.write_text("retention_max_mb = 0.002\nretention_check_s = 0.2\n" + cfg.read_text())
     d.start()
     ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "pad " * 200}]}
+    # each exchange a run of its own with its run file and its agent's transcript, as a wrapper leaves them: the
+    # size bound forgets the oldest exchange, and with it its run's copies (the run started seconds ago: no age
+    # bound would reach it)
+    runs = [f"run_size{i}" for i in range(4)]
+    for run in runs:
+        _write(d.home / "homes" / "pi" / "pi" / ".pi" / "agent" / "sessions" / f"{run}.jsonl", f"prompt of {run}")
+        _write(d.home / "runs" / f"{run}.json", json.dumps({
+            "run": run, "adapter": "pi", "scenario": "pi", "started_at": time.time(),
+            "agent_files": [f".pi/agent/sessions/{run}.jsonl"]}))
     with d.http() as c:
-        receipts = [c.post("/v1/chat/completions", json=ask).headers["x-reef-agent-record-id"] for _ in range(4)]
+        receipts = [c.post("/v1/chat/completions", json=ask, headers={"x-reef-run": run}
+                           ).headers["x-reef-agent-record-id"] for run in runs]
         wait_for(lambda: c.get(f"/reef/records/{receipts[0]}").json()["request"] is None,
                  what="the oldest exchange forgotten by retention")
         assert c.get(f"/reef/records/{receipts[-1]}").json()["request"] is not None
+    wait_for(lambda: not (d.home / "runs" / f"{runs[0]}.json").exists(), what="the forgotten run's file removed")
+    assert not (d.home / "homes" / "pi" / "pi" / ".pi" / "agent" / "sessions" / f"{runs[0]}.jsonl").exists()
+    assert (d.home / "runs" / f"{runs[-1]}.json").exists()
+    assert (d.home / "homes" / "pi" / "pi" / ".pi" / "agent" / "sessions" / f"{runs[-1]}.jsonl").exists()
     cfg.write_text("retention_days = -1\n" + cfg.read_text())
     refused = d.cli("status", check=False)
     assert refused.returncode == 2 and "retention_days must be a positive number" in refused.stderr
@@ -496,6 +510,36 @@ def test_a_run_whose_agent_made_no_request_can_be_forgotten(daemon_factory: Any)
     assert out.status_code == 200 and out.json()["copies"]["runs"] == 1 and not run.exists()
 
 
+def test_forgetting_a_receipt_takes_its_runs_file_and_agent_files_and_leaves_other_runs(daemon_factory: Any) -> None:
+    """A run with exchanges, forgotten by one of its receipts: its run file (the prompt) and the files its agent
+    wrote go; another run's file and transcript stay. Catches the copies removed only for runs that have no
+    exchange (the real agents' check, tests/test_forget_agents.py, needs them installed)."""
+    d: Daemon = daemon_factory()
+    marker, other = uuid.uuid4().hex, uuid.uuid4().hex
+    sessions = d.home / "homes" / "pi" / "pi" / ".pi" / "agent" / "sessions" / "--p--"
+    gone = _write(sessions / "a.jsonl", marker)
+    kept = _write(sessions / "b.jsonl", other)
+    with d.http() as c:
+        receipts = {}
+        for run in ("run_fa", "run_fb"):
+            r = c.post("/v1/chat/completions", headers={"x-reef-run": run}, json={
+                "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": f"hi {run}"}]})
+            assert r.status_code == 200, r.text
+            receipts[run] = r.headers["x-reef-agent-record-id"]
+        a = _write(d.home / "runs" / "run_fa.json", json.dumps({
+            "run": "run_fa", "adapter": "pi", "scenario": "pi", "prompt": marker,
+            "agent_files": [".pi/agent/sessions/--p--/a.jsonl"]}))
+        b = _write(d.home / "runs" / "run_fb.json", json.dumps({
+            "run": "run_fb", "adapter": "pi", "scenario": "pi", "prompt": other,
+            "agent_files": [".pi/agent/sessions/--p--/b.jsonl"]}))
+        out = c.post("/reef/records/forget", json={"receipts": [receipts["run_fa"]]})
+        assert out.status_code == 200, out.text
+        assert out.json()["runs"] == ["run_fa"] and out.json()["copies"]["runs"] == 1, out.json()
+        assert c.get(f"/reef/records/{receipts['run_fb']}").json()["request"] is not None
+    assert not a.exists() and not gone.exists()
+    assert b.exists() and kept.read_text() == other
+
+
 # --- retention ---------------------------------------------------------------------------------------------------
 
 
@@ -514,11 +558,18 @@ def test_retention_days_are_days(daemon_factory: Any) -> None:
             {**line, "id": "rec_hours", "created_at": now - 3 * 3600}]})
         assert r.status_code == 201, r.text
     d.stop()
+    # runs whose agents made no request (no exchange names them): judged by when they started
+    old_run = _write(d.home / "runs" / "run_twodays.json", json.dumps({
+        "run": "run_twodays", "adapter": "pi", "scenario": "pi", "started_at": now - 2 * 86400}))
+    new_run = _write(d.home / "runs" / "run_hours.json", json.dumps({
+        "run": "run_hours", "adapter": "pi", "scenario": "pi", "started_at": now - 3 * 3600}))
     d.start()  # the round at start
     with d.http() as c:
         wait_for(lambda: c.get("/reef/records/rec_twodays").json()["forgotten_at"], what="the old exchange forgotten")
         kept = c.get("/reef/records/rec_hours").json()
     assert kept["forgotten_at"] is None and kept["request"] is not None
+    wait_for(lambda: not old_run.exists(), what="the old run's file removed")
+    assert new_run.exists()
 
 
 async def test_a_backlog_larger_than_a_round_goes_within_one_check(tmp_path: Path,

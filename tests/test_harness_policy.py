@@ -395,3 +395,42 @@ def test_any_recipes_harness_candidate_passes_the_policy_at_the_learner(daemon_f
                                           "metadata": {"rating": 1}}).json()["learning"]
         assert ok["verdict"] == "accepted", ok
         assert MARK not in c.get("/reef/scenarios/rated/harness").json()["files"]["AGENTS.md"]
+
+
+SKILLFUL = '''
+from recipes.base import Candidate, Recipe
+
+
+class Skillful(Recipe):
+    """Each written feedback becomes the text of skills/fb/SKILL.md, as it is: no screen of its own."""
+
+    name = "skillful"
+    kind = "harness"
+    source = "feedback"
+    inline = True
+
+    async def edit(self, tree, batch, ctx):
+        return Candidate(tree={**tree, "skills/fb/SKILL.md": batch[-1].feedback.encode()}, metrics={})
+'''
+
+
+def test_a_tool_grant_from_any_recipe_is_held_by_the_learner(daemon_factory: Any,
+                                                              recipe_dir: Path) -> None:  # noqa: F811
+    """A user's recipe writes a skill granting tools (no proposal, no screen of its own): the learner's policy step
+    alone puts it up for review, so the ``always`` gate holds it and nothing serves it. Bug caught: the learner's
+    review step dropped (the proposal path finds the same grant in its own screens, so its tests miss it)."""
+    (recipe_dir / "skillful.py").write_text(SKILLFUL)
+    d = with_recipe_paths(daemon_factory, recipe_dir)
+    with d.http() as c:
+        r = c.post("/reef/scenarios", json={"name": "skf", "recipe": "skillful:Skillful"})
+        assert r.status_code == 201, r.text
+        head = r.json()["head"]
+        rep = c.post("/reef/report", json={"references": [receipt(c, "skf")], "feedback": TOOLS})
+        assert rep.status_code == 201, rep.text
+        learning = rep.json()["learning"]
+        assert learning["verdict"] == "pending" and "only a person may admit" in learning["reason"], learning
+        assert head_of(c, "skf") == head
+        assert MARK not in served(c, "skf")
+        ok = c.post("/reef/report", json={"references": [receipt(c, "skf")],
+                                          "feedback": "---\nname: fb\ndescription: d\n---\nRun the tests."}).json()
+        assert ok["learning"]["verdict"] == "accepted", ok["learning"]

@@ -93,6 +93,8 @@ def test_tls_files_are_read_relative_to_the_home(tmp_path: Path) -> None:
     ({"host": "localhost", "insecure_http": True}, "insecure_http does nothing with host 'localhost'"),
     ({"host": "10.0.0.5"}, "host '10.0.0.5' is beyond loopback: set tls_cert and tls_key (TLS), or insecure_http"),
     ({"host": "api.localhost"}, "host 'api.localhost' is beyond loopback"),
+    ({"host": "evillocalhost"}, "host 'evillocalhost' is beyond loopback"),  # a name that ends like localhost
+    ({"host": "localhost.evil.example"}, "host 'localhost.evil.example' is beyond loopback"),
     ({"host": "0.0.0.0", "insecure_http": True}, "host '0.0.0.0' listens on every address: list the names"),
     ({"host": "::", "tls_cert": "c", "tls_key": "k"}, "host '::' listens on every address"),
     ({"host": "", "insecure_http": True}, "host '' listens on every address"),

@@ -34,6 +34,14 @@ def held_buckets(c: httpx.Client, name: str = "held") -> dict[float, float]:
     return out
 
 
+def gc_off(c: httpx.Client) -> float:
+    """The daemon's ``reef_gc_off`` gauge: 1 while its cyclic garbage collector is off."""
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("reef_gc_off "):
+            return float(line.split()[1])
+    raise AssertionError("the daemon has no reef_gc_off gauge")
+
+
 def worst(before: dict[float, float], after: dict[float, float]) -> float:
     """The smallest bucket bound that holds every observation made between two readings."""
     total = after[float("inf")] - before[float("inf")]
@@ -89,6 +97,8 @@ def test_a_big_body_never_holds_the_loop(daemon: Daemon, make: Any) -> None:
         shape = "anthropic" if path == "/v1/messages" else "openai"
         err = assert_canonical_error(answered[0], 400, shape)
         assert "prompt is too long" in err["message"], err
+        # the collector, held off while the parse lived, is on again once it is freed (before the answer went)
+        assert gc_off(c) == 0.0, "the garbage collector stays off after a big body"
         assert probes > 3, probes
         assert worst(before, after) <= BOUND_BUCKET, (worst(before, after), after)
         ok = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,

@@ -428,3 +428,26 @@ async def test_a_chain_opened_with_s_is_drawn_as_when_returned_to(daemon: Daemon
         again = [c.get_render_width(table) for c in table.columns.values()]
         assert (first, first_cell) == (again, str(table.get_cell_at((0, 0)))), (first, again)
         assert first_cell == "▶" and first[0] >= 1
+
+
+async def test_a_chain_is_drawn_whole_before_the_table_measures_its_cells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What issue 44 saw of ``reef tui -s pi`` (columns squeezed, no head marker, until the user left and came back)
+    is a chain drawn before Textual's DataTable measured its new cells, which it does when it is next idle: every
+    column at its label's width (ids cut to 7 characters) and the marker's column, which has no label, at none.
+    What delayed that pass on the user's terminal did not reproduce here (Pilot and tmux, several sizes); the chain
+    screen sets its columns' widths as it fills them, so its first paint is whole whenever the pass runs. Here the
+    pass never runs. Bug caught: widths left to the table's own measuring (the picture above)."""
+    from textual.widgets import DataTable
+
+    from tests.tui_fixture import NOW, R2, R3, R4, FixedSource
+
+    monkeypatch.setattr(DataTable, "_update_dimensions", lambda self, new_rows: None)  # the idle-time pass
+    app = ReefApp(FixedSource(), clock=lambda: NOW, scenario="alpha", follow_events=False)
+    async with app.run_test(size=SIZE) as pilot:
+        chain = await loaded(pilot, ChainScreen)
+        await pilot.pause(0.1)
+        table = chain.query_one(DataTable)
+        lines = [table.render_line(y).text.split() for y in range(3)]
+    assert lines[0] == ["step", "operation", "release", "content", "age", "gate", "metrics", "note"], lines[0]
+    assert lines[1][:4] == ["▶", "4", "rollback", R4[:8]] and lines[1][-4:] == ["restores", R2[:8], "(step", "2)"]
+    assert lines[2][:3] == ["3", "train", R3[:8]] and "eval_reward" in lines[2] and "accepted" in lines[2], lines[2]

@@ -79,3 +79,11 @@ def test_a_confirmation_with_stdin_closed_is_one_line_and_exit_2(daemon: Daemon,
     assert out.returncode == 2 and "--yes" in one_line(out.stderr), out.stderr
     with daemon.http() as c:
         assert c.get(f"/reef/records/{receipt}").status_code == 200  # nothing was forgotten
+        before = c.get("/reef/scenarios/exits/releases").json()
+    # reef releases rollback, the other command: the same one line, and the chain unchanged
+    back = daemon.cli("releases", "rollback", "-s", "exits", before["releases"][-1]["release_id"], check=False,
+                      stdin=subprocess.DEVNULL)
+    assert back.returncode == 2 and "--yes" in one_line(back.stderr) and "Traceback" not in back.stderr, back.stderr
+    with daemon.http() as c:
+        after = c.get("/reef/scenarios/exits/releases").json()
+    assert (after["head"], len(after["releases"])) == (before["head"], len(before["releases"]))

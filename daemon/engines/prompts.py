@@ -16,7 +16,10 @@ Design choices:
   for no limit (Codex) gets the model entry's ``max_new_tokens``, else the cap. Where the cap (or that default)
   and not the client's own ``max_tokens`` or the context ends the answer, the end is reported as a normal stop
   (``capped``): agents take a length stop below their own limit as an error (Codex exits 1 on ``incomplete``,
-  reason ``max_output_tokens``); the answer's ``x-reef-output-cap`` header says the cap applied.
+  reason ``max_output_tokens``); the answer's ``x-reef-output-cap`` header says the cap applied. The cap fits the
+  model, not the machine's measured decode speed: that swings six-fold with the load (SmolLM2: 41 tokens/s alone, 6.6
+  at load 8), and a cap that moved with it would cut the same request at different lengths while reporting it
+  complete (docs/serving.md says why; ``max_tokens_limit`` sets a slow machine's).
 """
 
 from __future__ import annotations

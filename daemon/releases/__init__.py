@@ -14,12 +14,14 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
   the transport)
 - ``recovery.py``  start-up recovery, ``find_damage`` (``reef doctor``), ``fsck``
 - ``diff.py``      what changed between two releases
+- ``requires.py``  what a release needs to run (``tool:git``, ``agent:claude>=2.0`` ...), checked on this machine
 - ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins); publish, rollback, hold,
   promote, reject
 
 What other packages use is re-exported here.
 """
 
+from daemon.releases import requires
 from daemon.releases.content import files_from_dir, lfs_pointer
 from daemon.releases.manifest import (
     KINDS,
@@ -61,5 +63,6 @@ __all__ = [
     "files_from_dir",
     "find_damage",
     "lfs_pointer",
+    "requires",
     "unsafe_name",
 ]

@@ -2,7 +2,8 @@
 
 - A scenario's chain is the ref ``refs/reef/scenarios/<name>``; a release is a commit whose root tree is the
   artifact's files plus ``reef-artifact.json`` (the manifest: kind, recipe, scenario, step, operation, metrics,
-  parent, receipts, source, settings, created_at, content_id, lfs). The message is a summary line and the trailers
+  parent, receipts, source, settings, created_at, content_id, lfs; ``requires`` when the release needs anything,
+  ``requires.py``). The message is a summary line and the trailers
   ``Reef-Scenario``, ``Reef-Step``, ``Reef-Operation``, ``Reef-Kind``, ``Reef-Content`` (and ``Reef-Source`` for
   rollback / promote), so ``git log`` reads as history. A chain is linear and starts with an ``init`` (step 0).
 - ``release_id`` is the commit id. ``content_id`` is the id of the tree of the artifact files *without* the
@@ -27,6 +28,7 @@ from typing import Any
 
 from daemon.errors import BadRequest
 from daemon.names import check_scenario  # the one validator of scenario names
+from daemon.releases import requires as _requires
 
 MANIFEST = "reef-artifact.json"
 REJECTION = "reef-rejection.json"
@@ -63,6 +65,9 @@ class Manifest:
     # where the candidate came from when not from the recipe's own step: an agent's proposal (daemon/proposals.py)
     # ``{"kind": "proposal", "id", "at", "op", "target", "reason", "run", "receipt"}``; None (the default) is not written
     origin: Mapping[str, Any] | None = None
+    # what the release needs to run (``requires.py``: ``tool:git``, ``agent:claude>=2.0`` ...); an unknown kind is a
+    # BadRequest here, before anything is written
+    requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_scenario(self.scenario)
@@ -75,6 +80,7 @@ class Manifest:
         object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics or {})))
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings or {})))
         object.__setattr__(self, "receipts", tuple(str(r) for r in (self.receipts or ())))
+        object.__setattr__(self, "requires", _requires.parse_all(list(self.requires or ())))
         if self.origin is not None:
             object.__setattr__(self, "origin", MappingProxyType(dict(self.origin)))
         # finite JSON, or BadRequest now
@@ -112,6 +118,7 @@ class Release:
     message: str
     lfs: dict[str, dict[str, Any]] = field(default_factory=dict)
     origin: dict[str, Any] | None = None  # an agent's proposal that made it (``Manifest.origin``)
+    requires: list[str] = field(default_factory=list)  # what it needs to run (``Manifest.requires``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,7 +128,7 @@ class Release:
         promote of it starts from."""
         return Manifest(scenario=self.scenario, operation=self.operation, kind=self.kind, recipe=self.recipe,
                         metrics=self.metrics, receipts=tuple(self.receipts), source=self.source,
-                        settings=self.settings, origin=self.origin).replace(**changes)
+                        settings=self.settings, origin=self.origin, requires=tuple(self.requires)).replace(**changes)
 
 
 @dataclass(frozen=True)

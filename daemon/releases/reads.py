@@ -5,12 +5,14 @@ their manifests (immutable, so cached by id), files, checkouts, pending candidat
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pygit2
@@ -133,17 +135,21 @@ class Reads:
             message=message,
             lfs=manifest.get("lfs") or {},
             origin=manifest.get("origin"),
+            requires=[str(r) for r in manifest.get("requires") or []],
         )
 
     def history(self, scenario: str, limit: int | None = None) -> list[Release]:
         """The chain, newest first (first-parent walk from the head)."""
-        out: list[Release] = []
-        rid = self.head(scenario)
-        while rid is not None and (limit is None or len(out) < limit):
-            out.append(self.get(rid))
+        head = self.head(scenario)
+        return [] if head is None else list(itertools.islice(self.chain_from(head), limit))
+
+    def chain_from(self, release_id: str) -> Iterator[Release]:
+        """The releases from ``release_id`` back to its chain's first, newest first (first parents), read lazily."""
+        rid: str | None = release_id
+        while rid is not None:
+            yield self.get(rid)
             parents = self.repo.commit(rid).parent_ids
             rid = str(parents[0]) if parents else None
-        return out
 
     def belongs(self, scenario: str, release_id: str) -> bool:
         """Whether the release is on the scenario's chain (the head or one of its ancestors)."""

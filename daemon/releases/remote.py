@@ -5,7 +5,9 @@
 - ``follow`` takes in what others pushed: LFS objects first, then the local ref, by the same local
   compare-and-swap. Every commit a ref would newly reach is checked before it is taken in (``_incoming``: sizes
   from headers before anything is inflated, safe names, content ids that are the commit's content, a linear
-  chain); a ref whose new releases fail stays where it is.
+  chain); a ref whose new releases fail stays where it is. A scenario's new head whose ``requires`` this machine does
+  not meet (``needs``, set by the daemon) is not taken in either: checked again at every follow, since the machine
+  may come to have it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,9 @@ class Remote:
         self._follow_lock = threading.Lock()
         self._taken: set[str] = set()  # commits from the remote that passed ``_incoming``
         self._refused: dict[str, str] = {}  # commits from the remote refused, and why (said once, not re-checked)
+        # why this machine cannot run a release (its unmet ``requires``), or None; None: every release is taken in
+        self.needs: Callable[[str], str | None] | None = None
+        self._unmet: dict[str, str] = {}  # ref -> the unmet need last logged for it (logged once per change)
 
     def update_refs(self, updates: list[_RefUpdate], *, message: str, push: bool = True) -> None:
         """Apply ref updates all-or-nothing-checked: lock each ref, re-read it under the lock, compare with the
@@ -122,6 +127,15 @@ class Remote:
                         self._refused[oid] = why
                     refused.append(f"{why} (ref {name})")
                     continue
+                unmet = self.needs(oid) if self.needs is not None and name.startswith(SCENARIOS_REF) else None
+                if unmet is not None:  # not cached as refused: a tool installed meanwhile lets the next follow take it
+                    if self._unmet.get(name) != unmet:
+                        log.error("not taking in %s = %s from the chain remote %s: %s", name, oid,
+                                  self.repo.remote.shown, unmet)
+                        self._unmet[name] = unmet
+                    refused.append(f"{unmet} (ref {name})")
+                    continue
+                self._unmet.pop(name, None)
                 for sha, size in self._lfs_named(oid, cur):  # LFS objects first: a head never names missing bytes
                     if not self.repo.lfs_path(sha).exists():
                         self.repo.remote.download(sha, size, self.repo.lfs_path(sha))

@@ -23,7 +23,7 @@ import functools
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +64,20 @@ class ReleaseStore:
     the ones it stands on, and offers their public operations as its own."""
 
     def __init__(self, path: str | os.PathLike[str], *, lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
-                 lock_timeout: float = 10.0, stale_lock_after: float = 5.0, remote: ChainRemote | None = None) -> None:
+                 lock_timeout: float = 10.0, stale_lock_after: float = 5.0, remote: ChainRemote | None = None,
+                 needs: Callable[[str], str | None] | None = None) -> None:
         self.repo = repo = Repository(path, lfs_threshold=lfs_threshold, lock_timeout=lock_timeout,
                                       stale_lock_after=stale_lock_after, remote=remote)
         self.reads = reads = Reads(repo)
         self.content = Content(repo)
         self.refs = Refs(repo, reads)
         self.sync = Remote(repo, self.refs, reads)
+        self.sync.needs = needs  # a remote head this machine cannot run (its ``requires``) is not followed
         self.recovery = Recovery(repo, self.refs, self.sync, reads)
         self.diffs = Diffs(repo, reads)
         self.path, self.lfs_dir, self.remote, self.lfs_path = repo.path, repo.lfs_dir, repo.remote, repo.lfs_path
         self.head, self.get, self.history, self.scenarios = reads.head, reads.get, reads.history, reads.scenarios
+        self.chain_from = reads.chain_from
         self.belongs = reads.belongs
         self.files, self.read_file, self.checkout = reads.files, reads.read_file, reads.checkout
         self.pending, self.rejections = reads.pending, reads.rejections
@@ -365,6 +368,7 @@ class ReleaseStore:
             "content_id": content,
             "lfs": {k: dict(v) for k, v in sorted(lfs.items())},
             **({"origin": dict(m.origin)} if m.origin is not None else {}),
+            **({"requires": list(m.requires)} if m.requires else {}),
         }
         manifest_bytes = _json(manifest).encode()
         with _storing("writing the release manifest", self.path):

@@ -72,6 +72,8 @@ async def _release_body(request: web.Request, release_id: str, scenario: str | N
     body["head"] = await reef.chains.head_id(rel.scenario)
     adapter = await reef.chains.adapter(rel.release_id)  # a LoRA adapter: on which base
     body["adapter"] = adapter.to_dict() if adapter is not None else None
+    # each item it requires, checked on this machine now (met or not, what was found)
+    body["requirements"] = await asyncio.to_thread(reef.chains.requirements, rel)
     if request.query.get("diff", "1") not in ("0", "false", "no"):
         body["diff"] = await reef.chains.diff(rel.release_id)
     return json_response(body)

@@ -35,7 +35,7 @@ from reef_cli.tui.format import (
     short,
     verdict,
 )
-from reef_cli.tui.widgets import ConnectionBar
+from reef_cli.tui.widgets import ConnectionBar, fit_columns
 
 
 class ReefScreen(Screen[None]):
@@ -238,6 +238,7 @@ class ChainScreen(ReefScreen):
         for r in data.get("rejected", []):
             rows.append((f"rejected:{r['rejection_id']}", {**r, "operation": "rejected"}, "✗"))
         rows.sort(key=lambda x: (-(x[1].get("step") or 0), x[1]["operation"] == "rejected"))
+        grid: list[tuple[str, list[str], str]] = []
         for key, r, mark in rows:
             self.rows[key] = r
             note = ""
@@ -256,6 +257,9 @@ class ChainScreen(ReefScreen):
             cells = [mark, str(r.get("step", "-")), r["operation"], short(r.get("release_id"), 8),
                      short(r.get("content_id"), 8), age(r.get("created_at"), now), verdict(r),
                      key_metrics(r.get("metrics"), 2), note]
+            grid.append((key, cells, style))
+        fit_columns(table, [cells for _, cells, _ in grid])
+        for key, cells, style in grid:
             table.add_row(*(Text(c, style=style) for c in cells), key=key)
         keys = list(self.rows)
         if keys:

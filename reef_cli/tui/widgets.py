@@ -1,8 +1,10 @@
-"""Small widgets shared by the TUI's screens."""
+"""Small widgets shared by the TUI's screens, and what they do to Textual's own (``fit_columns``)."""
 
 from __future__ import annotations
 
-from textual.widgets import Static
+from typing import Any
+
+from textual.widgets import DataTable, Static
 
 
 class ConnectionBar(Static):
@@ -19,3 +21,15 @@ class ConnectionBar(Static):
     def _show(self, text: str) -> None:
         self.update(text)
         self.set_class(text.startswith("daemon unreachable"), "-down")
+
+
+def fit_columns(table: DataTable[Any], grid: list[list[str]]) -> None:
+    """Make each column of ``table`` as wide as its label and its widest cell in ``grid`` (the rows about to be
+    added), here rather than leaving it to the table: DataTable measures new cells when it is next idle, and a table
+    drawn before that pass shows every column at its label's width, an unlabelled one at none (a chain opened with
+    ``reef tui -s NAME`` was seen so, issue 44: ids cut to 7 characters and no head marker)."""
+    from rich.cells import cell_len
+
+    for i, column in enumerate(table.ordered_columns):
+        column.width = max([cell_len(column.label.plain), *(cell_len(row[i]) for row in grid)])
+        column.auto_width = False
