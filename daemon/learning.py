@@ -736,9 +736,9 @@ class Learner:
     @staticmethod
     def _cap_message(st: ScenarioLearning, spent: spend.Spend) -> str:
         assert st.recipe is not None
-        cap = getattr(st.recipe.settings, "max_trainer_hours", None)
+        cap = float(getattr(st.recipe.settings, "max_trainer_hours", 0) or 0)
         return (f"cap reached: the scenario's trainer time reached max_trainer_hours {cap:g} "
-                f"({float(cap) * 3600:g} s) today; no step until the next UTC day or a higher cap")
+                f"({cap * 3600:g} s) today; no step until the next UTC day or a higher cap")
 
     async def _capped(self, st: ScenarioLearning) -> StepOutcome | None:
         """When the scenario's cap is reached for today: its state ``capped``, a ``train.capped`` event, a timer
