@@ -107,7 +107,8 @@ class ScenarioLearning:
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
     heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
     heldout_prefetch: asyncio.Future[float] | None = None  # the head's answers, asked while the trainer trains
-    spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), read from the chain once
+    spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), as the chain says
+    spend_gen: int = 0  # counts the steps that made ``spend`` out of date (a read begun before one is not kept)
     trainer_s: float = 0.0  # the trainer seconds of the step under way
     capped_wake: asyncio.TimerHandle | None = None  # looks for a batch again when a capped day ends
 
@@ -429,8 +430,8 @@ class Learner:
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
                                    else outcome.reason or outcome.verdict)
-            if st.trainer_s and st.spend is not None:  # written down on the chain too (its manifest's metrics)
-                st.spend.add(time.time(), st.trainer_s)
+            if st.trainer_s:  # written down on the chain (its manifest's metrics): read again from there
+                st.spend, st.spend_gen = None, st.spend_gen + 1
             kept = outcome.kept if outcome.kept is not None else receipts
             consumed.update(kept)
             outcome.consumed = len(kept)
@@ -725,13 +726,18 @@ class Learner:
     # --- spend (daemon/spend.py) ----------------------------------------------------------------------------
 
     async def _spend(self, st: ScenarioLearning) -> spend.Spend:
-        """The scenario's spend: read from the chain at first use and whenever its head moved since (a release, a
-        promote, a rollback: the released rewards changed), kept up to date by each step in between."""
+        """The scenario's spend, as its chain says: read again after each step that spent trainer time and whenever
+        the head moved (a promote, a rollback: the released rewards changed). The chain is the one account, so a
+        status read racing a step can neither miss the step nor count it twice."""
         head = await self.chains.head_id(st.name)
-        if st.spend is None or st.spend.head != head:
-            st.spend = spend.read(await self.chains.history(st.name), await self.chains.pending(st.name),
-                                  await self.chains.rejections(st.name), head)
-        return st.spend
+        if st.spend is not None and st.spend.head == head:
+            return st.spend
+        gen = st.spend_gen
+        read = spend.read(await self.chains.history(st.name), await self.chains.pending(st.name),
+                          await self.chains.rejections(st.name), head)
+        if gen == st.spend_gen:  # no step wrote anything down meanwhile
+            st.spend = read
+        return read
 
     @staticmethod
     def _cap_message(st: ScenarioLearning, spent: spend.Spend) -> str:

@@ -10,8 +10,9 @@ Design choices:
   failed; a day boundary frees the whole budget at once.
 - Trainer time is the daemon's wall-clock time waiting on the trainer for one step (a worker's start and the model's
   load included: the machine is held all the same). Each step writes it in its manifest's metrics
-  (``trainer_seconds``) on every outcome, published, held, rejected, skipped or failed, so the spend is rebuilt from
-  the chain at start-up and a restart never gives a day's budget back.
+  (``trainer_seconds``) on every outcome, published, held, rejected, skipped or failed; the chain is the one
+  account (the learner reads it again after each step and when the head moves), so a restart never gives a day's
+  budget back and no step is counted twice.
 - A step whose trainer time reaches the day's cap is cut there (the worker stopped) and written down as failed with
   "cap reached"; the scenario then takes no step until the next UTC day or a higher cap, and its state says
   ``capped`` (``Learner.step``).
