@@ -8,6 +8,7 @@ and online-rl over real sockets; the day's arithmetic and the chain's counting o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -174,3 +175,27 @@ def test_without_a_cap_the_step_publishes_and_its_time_shows(daemon_factory: Any
         assert view["trainer_seconds_total"] == view["trainer_seconds_today"] == head["metrics"][spend.KEY] > 0
         assert view["max_trainer_hours"] is None and not view["capped"] and view["resumes_at"] is None
     assert "(no cap)" in d.cli("status").stdout
+
+
+def test_the_trainer_stops_a_job_past_its_limit_once_and_never_retries_it(tiny_model: Path, tmp_path: Path) -> None:
+    """``TrainerClient.run``'s limit (the cap's seconds left today): a job past it is stopped (its worker killed),
+    fails with the limit's message, is not retried (no worker restarted for it) and leaves no candidate; its seconds
+    are kept for the daemon. The next job, without a limit or under a generous one, trains on a fresh worker. Bugs
+    caught: the limit's comparison flipped, a stopped job retried like a dead worker's."""
+    from daemon.errors import StepFailed
+    from daemon.trainer.worker import TrainerClient
+    from tests.test_trainer_memory import job, records
+
+    trainer = TrainerClient(threads=1)
+    try:
+        stopped = job(tiny_model, records(8, 8, 4), 1024, 1)
+        with pytest.raises(StepFailed) as e:
+            trainer._run(stopped, tmp_path / "stopped", (0.01, "cap reached: a test's limit"))
+        assert e.value.message == "cap reached: a test's limit" and trainer.restarts == 0
+        assert not (tmp_path / "stopped").exists() and trainer.seconds.pop(stopped.id) >= 0.01
+        for n, limit in ((2, None), (3, (600.0, "never reached"))):
+            made = trainer._run(job(tiny_model, records(8, 8, 4), 1024, n), tmp_path / f"job{n}", limit)
+            assert made.path == str(tmp_path / f"job{n}") and (tmp_path / f"job{n}").is_dir()
+        assert trainer.restarts == 1  # the stopped job's worker, replaced once for the next job
+    finally:
+        trainer.close()
