@@ -90,7 +90,9 @@ class ScenarioLearning:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
-    state: str = "idle"  # idle | waiting | training | judging | paused | canary (waiting for a canary's verdict)
+    # idle | waiting | training | judging | paused | warned | canary (waiting for a canary's verdict) | capped (its
+    # trainer-time cap reached today: daemon/spend.py)
+    state: str = "idle"
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
     # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
