@@ -36,6 +36,9 @@ Design choices:
   git's and the store's together. A daemon that takes the lease over gives back the claims of the previous
   holder whose outcome was never written down (a ``kill -9`` mid-step), so that batch is learned from again.
   A store only this daemon uses (SQLite) needs no lease: the code path is the same with the lease left out.
+- Spend (``daemon/spend.py``): a weights step's trainer time is in its manifest's metrics whatever its outcome; a
+  scenario's ``max_trainer_hours`` cuts a step that reaches it (failed, "cap reached") and holds its steps
+  (state ``capped``) until the next UTC day, when a timer looks for a batch again, or until its settings change.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon import turn_judging
+from daemon import spend, turn_judging
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
@@ -87,7 +90,9 @@ class ScenarioLearning:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
-    state: str = "idle"  # idle | waiting | training | judging | paused | canary (waiting for a canary's verdict)
+    # idle | waiting | training | judging | paused | warned | canary (waiting for a canary's verdict) | capped (its
+    # trainer-time cap reached today: daemon/spend.py)
+    state: str = "idle"
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
     # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
@@ -104,6 +109,10 @@ class ScenarioLearning:
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
     heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
     heldout_prefetch: asyncio.Future[float] | None = None  # the head's answers, asked while the trainer trains
+    spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), as the chain says
+    spend_gen: int = 0  # counts the steps that made ``spend`` out of date (a read begun before one is not kept)
+    trainer_s: float = 0.0  # the trainer seconds of the step under way
+    capped_wake: asyncio.TimerHandle | None = None  # looks for a batch again when a capped day ends
 
 
 class Learner:
@@ -172,7 +181,7 @@ class Learner:
         """This daemon just became the trainer: forget what it read under no lease, and give back the claims of
         earlier holders whose outcome was never written down (their step died with them)."""
         for st in self._scenarios.values():
-            st.consumed, st.cursor = None, 0
+            st.consumed, st.cursor, st.spend = None, 0, None
             st.pool.clear()
         for s in await self.store.scenarios.all():
             back = await self.store.training.recover_claims(s.name, lease, await self._git_consumed(s.name))
@@ -182,6 +191,9 @@ class Learner:
 
     async def close(self) -> None:
         await self.lease.stop()
+        for st in self._scenarios.values():
+            if st.capped_wake is not None:
+                st.capped_wake.cancel()
         tasks = [st.task for st in self._scenarios.values() if st.task is not None] + list(self._judging)
         for task in tasks:
             task.cancel()
@@ -306,7 +318,7 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            if st.state not in ("paused", "warned", "canary"):
+            if st.state not in ("paused", "warned", "canary", "capped"):
                 st.state = "waiting"
 
     # --- judging turns by what came next (daemon/turn_judging.py) -----------------------------------------
@@ -353,6 +365,8 @@ class Learner:
             if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
                 st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
                 return None
+            if recipe.kind == "weights" and (capped := await self._capped(st)) is not None:
+                return capped
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
             batch = recipe.batch(await self._eligible(st, scenario, head))
@@ -383,6 +397,7 @@ class Learner:
             self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=len(batch),
                                 **extra)
             t0 = time.perf_counter()
+            st.trainer_s = 0.0
             outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)
             try:
                 try:
@@ -405,8 +420,9 @@ class Learner:
                 except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
                     reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
                     log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
-                    await self.write_down(self.chains.manifest(scenario, receipts=receipts, settings=record_settings),
-                                           head, "failed", reason)
+                    spent = {spend.KEY: round(st.trainer_s, 3)} if st.trainer_s else None
+                    await self.write_down(self.chains.manifest(scenario, metrics=spent, receipts=receipts,
+                                                                settings=record_settings), head, "failed", reason)
                     outcome.verdict, outcome.reason = "failed", reason
             except Exception:
                 # not even the failure could be written down (the chain remote refuses every push, say): nothing was
@@ -419,6 +435,8 @@ class Learner:
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
                                    else outcome.reason or outcome.verdict)
+            if st.trainer_s:  # written down on the chain (its manifest's metrics): read again from there
+                st.spend, st.spend_gen = None, st.spend_gen + 1
             kept = outcome.kept if outcome.kept is not None else receipts
             consumed.update(kept)
             outcome.consumed = len(kept)
@@ -700,8 +718,75 @@ class Learner:
             data_parallel=st.recipe.data_parallel,
         )
         st.heldout_prefetch = asyncio.ensure_future(prefetch_head(self, st, scenario, head))  # the check's head
-        candidate: Candidate = await self.trainer.run(job, self.dir / job_id)
+        spent = await self._spend(st)
+        left = spent.remaining(st.recipe.settings, time.time())
+        limit = None if left is None else (max(left, 0.0), self._cap_message(st, spent))
+        try:
+            candidate: Candidate = await self.trainer.run(job, self.dir / job_id, limit)
+        finally:
+            st.trainer_s = self.trainer.seconds.pop(job_id, 0.0)
+        candidate.metrics[spend.KEY] = round(st.trainer_s, 3)
         return candidate
+
+    # --- spend (daemon/spend.py) ----------------------------------------------------------------------------
+
+    async def _spend(self, st: ScenarioLearning) -> spend.Spend:
+        """The scenario's spend, as its chain says: read again after each step that spent trainer time and whenever
+        the head moved (a promote, a rollback: the released rewards changed). The chain is the one account, so a
+        status read racing a step can neither miss the step nor count it twice."""
+        head = await self.chains.head_id(st.name)
+        if st.spend is not None and st.spend.head == head:
+            return st.spend
+        gen = st.spend_gen
+        read = spend.read(await self.chains.history(st.name), await self.chains.pending(st.name),
+                          await self.chains.rejections(st.name), head)
+        if gen == st.spend_gen:  # no step wrote anything down meanwhile
+            st.spend = read
+        return read
+
+    @staticmethod
+    def _cap_message(st: ScenarioLearning, spent: spend.Spend) -> str:
+        assert st.recipe is not None
+        cap = float(getattr(st.recipe.settings, "max_trainer_hours", 0) or 0)
+        return (f"cap reached: the scenario's trainer time reached max_trainer_hours {cap:g} "
+                f"({cap * 3600:g} s) today; no step until the next UTC day or a higher cap")
+
+    async def _capped(self, st: ScenarioLearning) -> StepOutcome | None:
+        """When the scenario's cap is reached for today: its state ``capped``, a ``train.capped`` event, a timer
+        that looks for a batch again when the UTC day ends, and the outcome saying so (no step starts)."""
+        assert st.recipe is not None
+        spent = await self._spend(st)
+        now = time.time()
+        left = spent.remaining(st.recipe.settings, now)
+        if left is None or left > 0:
+            return None
+        st.state = "capped"
+        view = spent.view(st.recipe.settings, now)
+        summary = (f"trainer time cap reached: {view['trainer_seconds_today']:g} s today under max_trainer_hours "
+                   f"{view['max_trainer_hours']:g}; no step until {view['resumes_at']} or a higher cap")
+        if st.capped_wake is not None:
+            st.capped_wake.cancel()
+        st.capped_wake = asyncio.get_running_loop().call_later(spend.day_start(now) + spend.DAY_S - now + 1,
+                                                               self.notify, st.name)
+        self.events.publish("train.capped", scenario=st.name, summary=summary, **view)
+        return StepOutcome("paused", scenario=st.name, summary=summary)
+
+    async def spend_status(self) -> dict[str, dict[str, Any]]:
+        """Each weights scenario's spend view (``GET /reef/status``'s ``spend``)."""
+        out: dict[str, dict[str, Any]] = {}
+        now = time.time()
+        for s in await self.store.scenarios.all():
+            try:
+                if load_recipe(s.recipe).kind != "weights":
+                    continue
+                st = await self._get(s.name)
+                assert st.recipe is not None
+                settings = (st.recipe.settings if s.settings == st.settings
+                            else self.make_recipe(s.recipe, s.settings).settings)
+                out[s.name] = (await self._spend(st)).view(settings, now)
+            except ReefError:  # a recipe that no longer loads: the scenario's view says why
+                continue
+        return out
 
     # --- what a step reads ---------------------------------------------------------------------------------
 

@@ -332,7 +332,7 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
                                              required=("adapter",)),
         ("GET", "/reef/status"): Op("the daemon's state: models, counts, learning, events", obj({
             "pid": I, "home": S, "uptime_s": N, "listen": O, "default_model": S, "models": O, "records": I,
-            "reports": I, "scenarios": I, "learning": O, "events": O, "inflight": arr(ref("InFlight"))},
+            "reports": I, "scenarios": I, "learning": O, "spend": O, "events": O, "inflight": arr(ref("InFlight"))},
             ["pid", "models", "records"])),
         ("GET", "/reef/inflight"): Op("the exchanges being served now: elapsed time and tokens so far",
                                       obj({"inflight": arr(ref("InFlight"))}, ["inflight"]),

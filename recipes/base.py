@@ -185,6 +185,16 @@ class GateSettings:
             self.canary_share = 0.0 if self.gate == "review" else CANARY_SHARE
 
 
+@dataclass
+class SpendSettings:
+    """What every weights recipe's settings take about learning spend (``daemon/spend.py``); ``WeightsSettings``
+    extends it, so every built-in weights recipe takes it."""
+
+    # trainer hours per UTC day for this scenario; a step that reaches it is cut and written down as failed ("cap
+    # reached"), and no step starts until the next UTC day or a higher cap. None: no cap. A positive finite number
+    max_trainer_hours: float | None = None
+
+
 # a weights candidate's canary share by default: half, since the paired test decides soonest with equal arms and
 # the runs a worse candidate serves before its verdict are about the same at any share (docs/releases.md)
 CANARY_SHARE = 0.5
@@ -284,6 +294,9 @@ class Recipe:
         from daemon.gating.heldout import check_settings as check_heldout
 
         check_heldout(settings)  # here, not in check_settings: recipes that override it without super() get it too
+        from daemon import spend
+
+        spend.check(settings)  # here too, for the same reason
         return settings
 
     @classmethod

@@ -79,6 +79,7 @@ from recipes.base import (
     Recipe,
     ScoredExchange,
     Scores,
+    SpendSettings,
     TrainJob,
     check_eval_size,
     explicit,
@@ -97,9 +98,10 @@ MAX_KL = 0.5
 
 
 @dataclass
-class WeightsSettings:
+class WeightsSettings(SpendSettings):
     """What every weights recipe's settings share (online-rl's, openclaw-rl's, sao's, ttt-discover's): LoRA, the
-    pull toward the base and the drift bound; both on by default (docs/recipes.md)."""
+    pull toward the base and the drift bound; both on by default (docs/recipes.md); and the cap on trainer time
+    (``SpendSettings``)."""
 
     # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
     # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below

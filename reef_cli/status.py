@@ -18,7 +18,8 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             f"records  {info['records']} exchanges, {info['reports']} reports, {info['scenarios']} scenarios",
             *(f"warning  {name}: {why}" for name, why in sorted((info.get("warnings") or {}).items())),
             *_inflight_lines(info.get("inflight") or []),
-            *_canary_lines(info)]
+            *_canary_lines(info),
+            *_spend_lines(info.get("spend") or {})]
 
 
 def _inflight_lines(inflight: list[dict[str, Any]]) -> list[str]:
@@ -39,6 +40,23 @@ def _canary_lines(info: dict[str, Any]) -> list[str]:
     out = []
     for c in info.get("canaries") or []:
         out += [f"canary   {c['scenario']}: {c['lines'][0]}", *(f"         {line}" for line in c["lines"][1:])]
+    return out
+
+
+def _spend_lines(spend: dict[str, Any]) -> list[str]:
+    """Each weights scenario's trainer time (today against its cap, and in all), the cost per point of reward gained,
+    and whether its cap stops it (``daemon/spend.py``)."""
+    out = []
+    for name, v in sorted(spend.items()):
+        today, total, cap = v["trainer_seconds_today"], v["trainer_seconds_total"], v.get("max_trainer_hours")
+        said = f"spend    {name}: {today:.1f} s trainer time today" + (
+            f" of {cap * 3600:g} s (max_trainer_hours {cap:g})" if cap is not None else " (no cap)")
+        said += f", {total:.1f} s in all"
+        cost = v.get("seconds_per_point")
+        said += f"; {cost:.1f} s per +0.01 batch reward" if cost is not None else "; no reward gained yet"
+        if v.get("capped"):
+            said += f"; cap reached: no step until {v['resumes_at']} or a higher cap"
+        out.append(said)
     return out
 
 

@@ -51,6 +51,9 @@ async def handle_status(request: web.Request) -> web.Response:
             "warnings": {n: w["reason"] for n, w in (await warning.standing(reef.store)).items()
                          if w.get("state") == "warned"},
             "learning": dict(reef.learner.state),
+            # each weights scenario's trainer time today and in all, its cap, and the cost per point of reward gained
+            # (daemon/spend.py)
+            "spend": await reef.learner.spend_status(),
             # the running canaries with their figures and the lines a person reads (daemon/canary.describe)
             "canaries": [c for n in sorted(reef.canaries.active) if (c := await reef.canaries.status(n)) is not None],
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},

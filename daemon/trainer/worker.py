@@ -19,6 +19,11 @@ Design choices:
   on, so a batch that cannot fit is never retried in a loop. A job that fails inside the worker with an exception
   is not retried at all (the same batch would fail again): it comes back as a ``StepFailed`` carrying the
   exception's message.
+- ``run``'s ``limit`` stops a job that runs past a number of seconds (a scenario's trainer-time cap:
+  ``daemon/spend.py``): the worker is killed, since a recipe's ``train`` cannot be interrupted from outside, and the
+  job is a ``StepFailed`` with the limit's message, never retried; the next job starts a fresh worker. The seconds
+  each job held the worker (from its turn on the worker, not from when it queued behind another scenario's) are
+  kept in ``seconds`` by job id for the daemon to take.
 - The worker adds its peak resident memory so far (``trainer_peak_rss_mb``) to every step's metrics.
 """
 
@@ -147,6 +152,7 @@ class TrainerClient:
         self._lock = threading.Lock()
         self._closed = False
         self.restarts = 0
+        self.seconds: dict[str, float] = {}  # job id -> seconds the job held the worker (the daemon pops its own)
 
     def _ensure(self) -> Connection:
         if self._proc is not None and self._proc.is_alive() and self._conn is not None:
@@ -167,35 +173,51 @@ class TrainerClient:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
 
-    def _run(self, job: TrainJob, out_dir: Path) -> Candidate:
+    def _run(self, job: TrainJob, out_dir: Path, limit: tuple[float, str] | None = None) -> Candidate:
         with self._lock:
-            for attempt in range(self.retries + 1):
-                if self._closed:
-                    raise EngineError("the trainer is shutting down")
-                conn = self._ensure()
-                try:
-                    conn.send((job, str(out_dir)))
-                    while not conn.poll(0.2):
-                        if not self._proc.is_alive():
-                            raise EOFError
-                    result: Candidate | str = conn.recv()
-                except (EOFError, OSError, BrokenPipeError):
-                    self._conn = None
-                    shutil.rmtree(out_dir, ignore_errors=True)
-                    how = _death(self._proc)
-                    if attempt == self.retries:
-                        raise StepFailed(f"the trainer worker died {attempt + 1} times on this batch ({how}); "
-                                         "not retried again", job=job.id) from None
-                    log.warning("trainer worker died during job %s (%s); retrying the job once", job.id, how)
-                    continue
-                if isinstance(result, str):
-                    raise StepFailed(result, job=job.id)
-                return result
-            raise AssertionError("unreachable")
+            started = time.monotonic()
+            try:
+                return self._attempts(job, out_dir, started, limit)
+            finally:
+                self.seconds[job.id] = time.monotonic() - started
 
-    async def run(self, job: TrainJob, out_dir: Path) -> Candidate:
-        """Run one step in the worker: the candidate (complete at ``out_dir``), or ``StepFailed``."""
-        return await asyncio.to_thread(self._run, job, out_dir)
+    def _attempts(self, job: TrainJob, out_dir: Path, started: float, limit: tuple[float, str] | None) -> Candidate:
+        stopped = False
+        for attempt in range(self.retries + 1):
+            if self._closed:
+                raise EngineError("the trainer is shutting down")
+            conn = self._ensure()
+            try:
+                conn.send((job, str(out_dir)))
+                while not conn.poll(0.2):
+                    if limit is not None and time.monotonic() - started >= limit[0] and not stopped:
+                        stopped = True  # past the limit: stopped, never retried
+                        self._proc.kill()
+                    if not self._proc.is_alive():
+                        raise EOFError
+                result: Candidate | str = conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                self._conn = None
+                shutil.rmtree(out_dir, ignore_errors=True)
+                if stopped:
+                    self._proc.join(5)
+                    assert limit is not None
+                    raise StepFailed(limit[1], job=job.id) from None
+                how = _death(self._proc)
+                if attempt == self.retries:
+                    raise StepFailed(f"the trainer worker died {attempt + 1} times on this batch ({how}); "
+                                     "not retried again", job=job.id) from None
+                log.warning("trainer worker died during job %s (%s); retrying the job once", job.id, how)
+                continue
+            if isinstance(result, str):
+                raise StepFailed(result, job=job.id)
+            return result
+        raise AssertionError("unreachable")
+
+    async def run(self, job: TrainJob, out_dir: Path, limit: tuple[float, str] | None = None) -> Candidate:
+        """Run one step in the worker: the candidate (complete at ``out_dir``), or ``StepFailed``; ``limit``:
+        (seconds, message): a job still running that long after its turn came is stopped, ``StepFailed(message)``."""
+        return await asyncio.to_thread(self._run, job, out_dir, limit)
 
     def close(self) -> None:
         """Stop the worker; a job still running is abandoned (its candidate was never published)."""
