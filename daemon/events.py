@@ -145,6 +145,20 @@ class TrainErrorEvent(Event):
     error: str
 
 
+class TrainCappedEvent(Event):
+    """A scenario's trainer-time cap is reached for today: no step starts (``daemon/spend.py``'s view)."""
+
+    scenario: str
+    summary: str
+    trainer_seconds_today: float
+    trainer_seconds_total: float
+    max_trainer_hours: float | None
+    capped: bool
+    resumes_at: str | None
+    reward_gained: float | None
+    seconds_per_point: float | None
+
+
 class GateEvent(Event, total=False):
     """A step's outcome: published, held, rejected, skipped or failed."""
 
@@ -254,6 +268,7 @@ KINDS: dict[str, type[Event]] = {
     "record": RecordEvent, "report": ReportEvent, "scenario": ScenarioEvent, "scenario.task": ScenarioTaskEvent,
     "release": ReleaseEvent, "release.pending": ReleasePendingEvent, "engine.load": EngineLoadEvent,
     "train.start": TrainStartEvent, "train.step": TrainStepEvent, "train.error": TrainErrorEvent,
+    "train.capped": TrainCappedEvent,
     "gate": GateEvent, "heldout": HeldoutEvent, "watchdog": WatchdogEvent, "warning": WarningEvent,
     "eval": EvalEvent, "forget": ForgetEvent, "canary.start": CanaryStartEvent, "canary.end": CanaryEndEvent,
     "dropped": DroppedEvent,

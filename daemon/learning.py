@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon import spend, turn_judging
+from daemon import learning_spend, spend, turn_judging
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
@@ -365,7 +365,7 @@ class Learner:
             if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
                 st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
                 return None
-            if recipe.kind == "weights" and (capped := await self._capped(st)) is not None:
+            if recipe.kind == "weights" and (capped := await learning_spend.capped(self, st)) is not None:
                 return capped
             head = await self.chains.head(scenario)
             consumed = await self._consumed(st)
@@ -718,75 +718,15 @@ class Learner:
             data_parallel=st.recipe.data_parallel,
         )
         st.heldout_prefetch = asyncio.ensure_future(prefetch_head(self, st, scenario, head))  # the check's head
-        spent = await self._spend(st)
+        spent = await learning_spend.spend(self, st)
         left = spent.remaining(st.recipe.settings, time.time())
-        limit = None if left is None else (max(left, 0.0), self._cap_message(st, spent))
+        limit = None if left is None else (max(left, 0.0), learning_spend.cap_message(st, spent))
         try:
             candidate: Candidate = await self.trainer.run(job, self.dir / job_id, limit)
         finally:
             st.trainer_s = self.trainer.seconds.pop(job_id, 0.0)
         candidate.metrics[spend.KEY] = round(st.trainer_s, 3)
         return candidate
-
-    # --- spend (daemon/spend.py) ----------------------------------------------------------------------------
-
-    async def _spend(self, st: ScenarioLearning) -> spend.Spend:
-        """The scenario's spend, as its chain says: read again after each step that spent trainer time and whenever
-        the head moved (a promote, a rollback: the released rewards changed). The chain is the one account, so a
-        status read racing a step can neither miss the step nor count it twice."""
-        head = await self.chains.head_id(st.name)
-        if st.spend is not None and st.spend.head == head:
-            return st.spend
-        gen = st.spend_gen
-        read = spend.read(await self.chains.history(st.name), await self.chains.pending(st.name),
-                          await self.chains.rejections(st.name), head)
-        if gen == st.spend_gen:  # no step wrote anything down meanwhile
-            st.spend = read
-        return read
-
-    @staticmethod
-    def _cap_message(st: ScenarioLearning, spent: spend.Spend) -> str:
-        assert st.recipe is not None
-        cap = float(getattr(st.recipe.settings, "max_trainer_hours", 0) or 0)
-        return (f"cap reached: the scenario's trainer time reached max_trainer_hours {cap:g} "
-                f"({cap * 3600:g} s) today; no step until the next UTC day or a higher cap")
-
-    async def _capped(self, st: ScenarioLearning) -> StepOutcome | None:
-        """When the scenario's cap is reached for today: its state ``capped``, a ``train.capped`` event, a timer
-        that looks for a batch again when the UTC day ends, and the outcome saying so (no step starts)."""
-        assert st.recipe is not None
-        spent = await self._spend(st)
-        now = time.time()
-        left = spent.remaining(st.recipe.settings, now)
-        if left is None or left > 0:
-            return None
-        st.state = "capped"
-        view = spent.view(st.recipe.settings, now)
-        summary = (f"trainer time cap reached: {view['trainer_seconds_today']:g} s today under max_trainer_hours "
-                   f"{view['max_trainer_hours']:g}; no step until {view['resumes_at']} or a higher cap")
-        if st.capped_wake is not None:
-            st.capped_wake.cancel()
-        st.capped_wake = asyncio.get_running_loop().call_later(spend.day_start(now) + spend.DAY_S - now + 1,
-                                                               self.notify, st.name)
-        self.events.publish("train.capped", scenario=st.name, summary=summary, **view)
-        return StepOutcome("paused", scenario=st.name, summary=summary)
-
-    async def spend_status(self) -> dict[str, dict[str, Any]]:
-        """Each weights scenario's spend view (``GET /reef/status``'s ``spend``)."""
-        out: dict[str, dict[str, Any]] = {}
-        now = time.time()
-        for s in await self.store.scenarios.all():
-            try:
-                if load_recipe(s.recipe).kind != "weights":
-                    continue
-                st = await self._get(s.name)
-                assert st.recipe is not None
-                settings = (st.recipe.settings if s.settings == st.settings
-                            else self.make_recipe(s.recipe, s.settings).settings)
-                out[s.name] = (await self._spend(st)).view(settings, now)
-            except ReefError:  # a recipe that no longer loads: the scenario's view says why
-                continue
-        return out
 
     # --- what a step reads ---------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from daemon import openapi, providers, web
+from daemon import learning_spend, openapi, providers, web
 from daemon.errors import (
     BadRequest,
 )
@@ -53,7 +53,7 @@ async def handle_status(request: web.Request) -> web.Response:
             "learning": dict(reef.learner.state),
             # each weights scenario's trainer time today and in all, its cap, and the cost per point of reward gained
             # (daemon/spend.py)
-            "spend": await reef.learner.spend_status(),
+            "spend": await learning_spend.status(reef.learner),
             # the running canaries with their figures and the lines a person reads (daemon/canary.describe)
             "canaries": [c for n in sorted(reef.canaries.active) if (c := await reef.canaries.status(n)) is not None],
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},
