@@ -51,6 +51,22 @@ def releases(c: httpx.Client, scenario: str, all_: bool = False) -> dict[str, An
     return c.get(f"/reef/scenarios/{scenario}/releases", params={"all": "1"} if all_ else {}).json()
 
 
+def published_step(c: httpx.Client, scenario: str, step: int = 1, timeout: float = 180) -> dict[str, Any]:
+    """The chain once its head is training step ``step``; on a timeout the error shows what the chain holds
+    instead (held, rejected or failed steps with their reasons) and what the learner is doing."""
+    try:
+        return wait_for(lambda: (x := releases(c, scenario))["releases"][0]["step"] == step and x, timeout,
+                        what=f"step {step} of {scenario} to be published")
+    except AssertionError as e:
+        chain = releases(c, scenario, True)
+        seen = {k: [{f: r.get(f) for f in ("step", "verdict", "reason", "operation") if f in r}
+                    | {m: (r.get("metrics") or {}).get(m) for m in ("heldout", "heldout_reason") if
+                       (r.get("metrics") or {}).get(m) is not None} for r in chain.get(k, [])]
+                for k in ("releases", "pending", "rejected")}
+        state = c.get("/reef/status").json().get("learning", {}).get(scenario)
+        raise AssertionError(f"{e}; the chain holds {seen}; learning: {state}") from None
+
+
 def test_reports_become_a_trained_release_with_lineage(daemon_factory: Any) -> None:
     d: Daemon = daemon_factory(settings_toml())
     with d.http() as c:

@@ -30,7 +30,7 @@ from recipes.openclaw_rl import (
     parse_judge_answer,
 )
 from tests.conftest import Daemon
-from tests.test_learning import releases, wait_for
+from tests.test_learning import published_step, releases, wait_for
 from tests.test_openclaw_rl import chat, judged
 
 # --- the votes and hints, as OpenClaw-RL counts them -------------------------------------------------------------
@@ -160,7 +160,7 @@ def test_votes_decide_the_verdict_and_the_longest_positive_hint_trains(daemon_fa
                                                                        scripted_judge: ScriptedJudge) -> None:
     cfg = (f'\n[models.judge]\nengine = "upstream"\nurl = "{scripted_judge.url}"\nformat = "openai-chat"\n'
            'upstream_model = "judge-1"\n\n[recipes.openclaw-rl]\ncanary_share = 0\njudge = "judge"\nhints = true\n'
-           'judge_timeout_s = 10\nbatch_prompts = 2\ngate = "always"\n')
+           'judge_timeout_s = 10\nbatch_prompts = 2\ngate = "always"\nheldout_check = false\n')
     d: Daemon = daemon_factory(cfg)
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "ov", "recipe": "openclaw-rl"}).status_code == 201
@@ -197,8 +197,7 @@ def test_votes_decide_the_verdict_and_the_longest_positive_hint_trains(daemon_fa
         assert v.get("score") is None and v["metadata"]["verdict"] == "neutral"
         assert sorted(v["metadata"]["votes"]) == ["bad", "failed", "good"]
         # the two scored turns train: the hinted one with its teacher, the other on its reward alone (counted)
-        rel = wait_for(lambda: (x := releases(c, "ov"))["releases"][0]["step"] == 1 and x,
-                       what="a release")["releases"][0]
+        rel = published_step(c, "ov")["releases"][0]
         assert sorted(rel["receipts"]) == sorted(receipts[:2])
         assert rel["metrics"]["hinted"] == 1 and rel["metrics"]["unhinted"] == 1
         assert rel["metrics"]["judge_good"] == 1 and rel["metrics"]["judge_bad"] == 1

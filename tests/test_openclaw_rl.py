@@ -18,7 +18,7 @@ from recipes.base import FeedbackReport, ScoredExchange
 from recipes.online_rl import OnlineRLSettings, Sample, token_logprobs, train_step
 from recipes.openclaw_rl import JUDGE_PROMPT, JUDGE_QUESTION, hinted_prompt, parse_judge_answer, rule_verdict
 from tests.conftest import Daemon
-from tests.test_learning import releases, wait_for
+from tests.test_learning import published_step, releases, wait_for
 from tests.test_upstream import stub  # noqa: F401 - the scripted upstream stands in for a judge model
 
 
@@ -169,7 +169,10 @@ def judged(c: httpx.Client, receipt: str) -> dict[str, Any]:
 
 
 def test_sessions_are_judged_into_reports_and_an_explicit_report_wins(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\nbatch_prompts = 3\ngate = "always"\n')
+    # the held-out check has its own tests (test_heldout.py): off here, so a tiny model's greedy answers cannot hold
+    # the step this test reads (the test failed in CI waiting for the release, passing on this machine)
+    d: Daemon = daemon_factory('\n[recipes.openclaw-rl]\ncanary_share = 0\nbatch_prompts = 3\ngate = "always"\n'
+                               'heldout_check = false\n')
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "oc", "recipe": "openclaw-rl"}).status_code == 201
         msgs: list[dict[str, Any]] = [{"role": "user", "content": 'Say "apple".'}]
@@ -187,7 +190,7 @@ def test_sessions_are_judged_into_reports_and_an_explicit_report_wins(daemon_fac
         msgs += [{"role": "assistant", "content": a3}, {"role": "user", "content": "thanks, next one"}]
         chat(c, "oc", msgs)
         assert judged(c, r3)["report"]["score"] == 1.0
-        head = wait_for(lambda: (x := releases(c, "oc"))["releases"][0]["step"] == 1 and x, what="a release")
+        head = published_step(c, "oc")
         rel = head["releases"][0]
         assert sorted(rel["receipts"]) == sorted([r1, r2, r3])
         assert rel["metrics"]["batch_reward"] == round(2 / 3, 4)  # r1 0 (judged), r2 1 (explicit), r3 1 (judged)
@@ -283,7 +286,7 @@ def test_judged_sessions_train_toward_what_the_user_accepted(daemon_factory: Any
             chat(c, "ol", [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
                            {"role": "user", "content": reply}], **{"x-reef-session": prompt})
             turns[reply] = receipt
-        head = wait_for(lambda: (x := releases(c, "ol"))["releases"][0]["step"] == 1 and x, what="a release")
+        head = published_step(c, "ol")
         trained = head["releases"][0]["release_id"]
         records = {k: c.get(f"/reef/records/{r}").json() for k, r in turns.items()}
     store = ReleaseStore(d.home / "artifacts.git")
