@@ -28,7 +28,8 @@
 - Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
   ``canary_hours``, off for a canary started by hand): once it has served ``max_answers`` answers with no guard
   tripped and no verdict from the test, a canary is decided by what its scores say so far: promoted (``quiet``) when
-  it has no paired report or its paired difference is not below 0, ended (``lower``) when it is; one still
+  it has no paired report or its paired difference is not below 0 by more than its standard error, ended
+  (``lower``) when it is; one still
   undecided after ``max_hours`` is promoted (``expired``). The pace of learning is the traffic's: learning waits
   while a canary runs (``daemon/learning.py``), and a user who scores every answer would otherwise wait for the
   test's ~100 reports an arm per step; the test's error rate holds for its own verdicts (promoted, ended), the
@@ -153,13 +154,16 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
             return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and no paired report "
                             f"came to judge its scores by: promoted on its guards (bound: {max_answers} answers)",
                             figures)
-        if ev.mean is not None and ev.mean >= 0:
+        se = math.sqrt(ev.var / ev.pairs)  # the mean difference's standard error, by the stake's variance
+        figures["difference_se"] = round(se, 4)
+        if ev.mean is not None and ev.mean >= -se:
             return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and its scores were "
-                            f"not lower than the head's over {ev.pairs} pairs (difference {ev.mean:+.3f}): promoted "
-                            f"at its bound of {max_answers} answers", figures)
+                            f"not lower than the head's by more than their standard error over {ev.pairs} pairs "
+                            f"(difference {ev.mean:+.3f}, error {se:.3f}): promoted at its bound of {max_answers} "
+                            "answers", figures)
         return Decision("lower", f"{answers} answers on the canary's arm tripped no guard, but its scores were lower "
-                        f"than the head's over {ev.pairs} pairs (difference {ev.mean:+.3f}): ended at its bound of "
-                        f"{max_answers} answers", figures)
+                        f"than the head's by more than their standard error over {ev.pairs} pairs (difference "
+                        f"{ev.mean:+.3f}, error {se:.3f}): ended at its bound of {max_answers} answers", figures)
     if max_age_s is not None and age_s >= max_age_s:
         return Decision("expired", f"undecided after {_duration(max_age_s)}: no guard tripped and its scores "
                         f"({len(c)} and {len(h)} reports) did not show it worse: promoted", figures)

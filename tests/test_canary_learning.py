@@ -57,10 +57,11 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
 
 def test_the_bounds_decide_only_when_nothing_else_does() -> None:
     """At ``max_answers`` answers (and the head enough for its guards to have looked) a canary is decided on what
-    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0, ended
-    (``lower``) with one below; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off
+    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0 by more
+    than its standard error, ended (``lower``) with one further below; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off
     (None), neither fires. Bugs caught: the bound never firing, firing one answer early, promoting a candidate its
-    scores put lower, ending an equal one (the comparison flipped or strict), the time bound's comparison flipped,
+    scores put lower, ending an equal one or one lower by less than its error (the comparison flipped, strict,
+    or against 0), the time bound's comparison flipped,
     a guard read after the bound."""
     ok = [30] * 49
     kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
@@ -73,6 +74,12 @@ def test_the_bounds_decide_only_when_nothing_else_does() -> None:
     assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
     assert decide([0.0, 1.0], [1.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
                   **kw).verdict == "quiet"
+    # lower, but by less than the difference's standard error (0.274 here): noise, promoted; by more: ended
+    near = decide([1, 0, 1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0], head_tokens=ok, canary_tokens=ok + [30],
+                  max_answers=50, **kw)
+    assert near.verdict == "quiet" and "-0.125" in near.reason, near.reason
+    assert decide([1, 1, 1, 0], [0, 1, 0, 0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "lower"
     equal = decide([0.4, 0.6], [0.6, 0.4], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
     assert equal.verdict == "quiet" and "+0.000" in equal.reason
     # reports on one arm only make no pair: promoted on its guards
