@@ -28,8 +28,8 @@
 - Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
   ``canary_hours``, off for a canary started by hand): once it has served ``max_answers`` answers with no guard
   tripped and no verdict from the test, a canary is decided by what its scores say so far: promoted (``quiet``) when
-  it has no paired report or its paired difference is not below 0 by more than its standard error, ended
-  (``lower``) when it is; one still
+  it has no paired report or its paired difference is not below 0 at the 5% level (``BOUND_Z`` standard errors,
+  one look), ended (``lower``) when it is; one still
   undecided after ``max_hours`` is promoted (``expired``). The pace of learning is the traffic's: learning waits
   while a canary runs (``daemon/learning.py``), and a user who scores every answer would otherwise wait for the
   test's ~100 reports an arm per step; the test's error rate holds for its own verdicts (promoted, ended), the
@@ -79,6 +79,9 @@ OPTIONAL = ("max_answers", "max_hours")  # settings that may be None (off)
 # verdicts that promote the candidate: its scores showed it better; or a bound was reached with no guard tripped and
 # no score verdict (``quiet``: max_answers answers with no report on its arm; ``expired``: max_hours)
 PROMOTING = ("promoted", "quiet", "expired")
+# at its answer bound, a canary is ended as ``lower`` when its paired difference is below 0 by this many standard
+# errors: a one-sided test at 5%, made once (equal arms ended about 5% of the time, as the betting test's alpha)
+BOUND_Z = 1.645
 EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-of-text token alone)
 
 
@@ -156,14 +159,14 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
                             figures)
         se = math.sqrt(ev.var / ev.pairs)  # the mean difference's standard error, by the stake's variance
         figures["difference_se"] = round(se, 4)
-        if ev.mean is not None and ev.mean >= -se:
+        if ev.mean is not None and ev.mean >= -BOUND_Z * se:
             return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and its scores were "
-                            f"not lower than the head's by more than their standard error over {ev.pairs} pairs "
-                            f"(difference {ev.mean:+.3f}, error {se:.3f}): promoted at its bound of {max_answers} "
+                            f"not lower than the head's at the 5% level over {ev.pairs} pairs (difference "
+                            f"{ev.mean:+.3f}, standard error {se:.3f}): promoted at its bound of {max_answers} "
                             "answers", figures)
         return Decision("lower", f"{answers} answers on the canary's arm tripped no guard, but its scores were lower "
-                        f"than the head's by more than their standard error over {ev.pairs} pairs (difference "
-                        f"{ev.mean:+.3f}, error {se:.3f}): ended at its bound of {max_answers} answers", figures)
+                        f"than the head's at the 5% level over {ev.pairs} pairs (difference {ev.mean:+.3f}, "
+                        f"standard error {se:.3f}): ended at its bound of {max_answers} answers", figures)
     if max_age_s is not None and age_s >= max_age_s:
         return Decision("expired", f"undecided after {_duration(max_age_s)}: no guard tripped and its scores "
                         f"({len(c)} and {len(h)} reports) did not show it worse: promoted", figures)

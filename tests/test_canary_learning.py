@@ -57,27 +57,32 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
 
 def test_the_bounds_decide_only_when_nothing_else_does() -> None:
     """At ``max_answers`` answers (and the head enough for its guards to have looked) a canary is decided on what
-    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0 by more
-    than its standard error, ended (``lower``) with one further below; ``max_age_s`` promotes whatever the reports; a tripped guard ends it first; off
-    (None), neither fires. Bugs caught: the bound never firing, firing one answer early, promoting a candidate its
-    scores put lower, ending an equal one or one lower by less than its error (the comparison flipped, strict,
-    or against 0), the time bound's comparison flipped,
-    a guard read after the bound."""
+    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0 at the 5%
+    level (1.645 standard errors), ended (``lower``) with one further below; ``max_age_s`` promotes whatever the
+    reports; a tripped guard ends it first; off (None), neither fires. Bugs caught: the bound never firing, firing
+    one answer early, promoting a candidate its scores put lower, ending an equal one or one lower by less than the
+    level (the comparison flipped, strict, against 0, or at 1 or 2 standard errors), the time bound's comparison
+    flipped, a guard read after the bound."""
     ok = [30] * 49
     kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
     assert decide([], [], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
     assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
     assert decide([], [], head_tokens=ok[:9], canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
     assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=None, **kw).verdict is None
-    lower = decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
-    assert lower.verdict == "lower" and "-0.500" in lower.reason and "over 2 pairs" in lower.reason
-    assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    low_h, low_c = [1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]
+    lower = decide(low_h, low_c, head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
+    assert lower.verdict == "lower" and "-0.600" in lower.reason and "over 5 pairs" in lower.reason, lower.reason
+    assert decide(low_h, low_c, head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    # the 5% level is 1.645 standard errors: -0.5 with an error of 0.441 is within it (1 error would end it)...
+    assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "quiet"
     assert decide([0.0, 1.0], [1.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
                   **kw).verdict == "quiet"
     # lower, but by less than the difference's standard error (0.274 here): noise, promoted; by more: ended
     near = decide([1, 0, 1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0], head_tokens=ok, canary_tokens=ok + [30],
                   max_answers=50, **kw)
     assert near.verdict == "quiet" and "-0.125" in near.reason, near.reason
+    # ... and -0.5 with an error of 0.292 is past it (2 errors would keep it)
     assert decide([1, 1, 1, 0], [0, 1, 0, 0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
                   **kw).verdict == "lower"
     equal = decide([0.4, 0.6], [0.6, 0.4], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
