@@ -30,7 +30,7 @@ from recipes.openclaw_rl import (
     parse_judge_answer,
 )
 from tests.conftest import Daemon
-from tests.test_learning import published_step, releases, wait_for
+from tests.test_learning import published_step
 from tests.test_openclaw_rl import chat, judged
 
 # --- the votes and hints, as OpenClaw-RL counts them -------------------------------------------------------------
