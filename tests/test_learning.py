@@ -355,11 +355,15 @@ def test_reef_demo_shows_a_model_learning(daemon_factory: Any) -> None:
     assert out.stdout.lstrip().startswith("{"), (out.returncode, out.stderr[-3000:], d.log_tail())
     result = json.loads(out.stdout)
     assert result["held_out_before"] <= 0.3  # the warm-up gives a start, not the skill
-    assert result["held_out_after"] >= result["held_out_before"] + 0.2, result
-    assert result["training_steps"] > 20 and result["releases"] > 2
     listed = d.cli("releases", "list", "-s", result["scenario"], "--all", "--json", check=False)
     assert listed.stdout.lstrip().startswith("{"), (listed.returncode, listed.stderr[-3000:], d.log_tail())
     chain = json.loads(listed.stdout)
+    # on a failure, what the chain holds says why (every step held, rejected or failed, with its reason)
+    why = {k: [{f: r.get(f) for f in ("step", "verdict", "reason")} | {m: (r.get("metrics") or {}).get(m) for m in
+                ("heldout", "heldout_reason", "held_out_reward", "batch_reward")} for r in chain.get(k, [])[:6]]
+           for k in ("releases", "pending", "rejected")}
+    assert result["held_out_after"] >= result["held_out_before"] + 0.2, (result, why, d.log_tail(40))
+    assert result["training_steps"] > 20 and result["releases"] > 2, (result, why)
     consumed = [rec for r in chain["releases"] for rec in r.get("receipts", [])]
     consumed += [rec for r in chain.get("rejected", []) for rec in r.get("receipts", [])]
     assert len(consumed) == len(set(consumed)) > 0  # every report trained on at most once
