@@ -22,6 +22,8 @@ Design choices:
   scenario is skipped. A run file is the wrapper's, but anything running as the user can write one.
 - Directories left empty by a removal go too, up to the agent home (pi names a session's directory after the
   project's path).
+- A database goes whole: with its WAL, shared memory and journal, whichever of them the run's list named
+  (``_whole_databases``): SQLite may write the WAL after the agent's files were listed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ HARNESS_MARKER = ".reef-harness.json"  # adapters/base.py: the installed release
 # (a few ms behind), and a file of Reef's own counted in is only written again at the next run
 MARGIN_S = 1.0
 PAGES = "pages"  # under $REEF_HOME
+SQLITE_SUFFIXES = (".sqlite", ".sqlite3", ".db")  # agents' databases (Codex's state_5.sqlite, opencode's opencode.db)
+SQLITE_SIDECARS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a database
 
 
 def changed_files(home: Path, since: float, *, until: float | None = None) -> list[str]:
@@ -94,7 +98,7 @@ def remove_runs(config: Config, runs: Iterable[str]) -> dict[str, int]:
             files = record.get("agent_files")
             if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
                 files = _files_of_unfinished_run(config, record, home)
-            gone["agent_files"] += sum(_unlink_below(home, rel) for rel in files)
+            gone["agent_files"] += sum(_unlink_below(home, rel) for rel in _whole_databases(files))
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: said by the count
             path.unlink()
             gone["runs"] += 1
@@ -206,6 +210,21 @@ def _files_of_unfinished_run(config: Config, record: dict[str, Any], home: Path)
                 and other.get("run") != record.get("run"):
             until = t - MARGIN_S
     return changed_files(home, start - MARGIN_S, until=until)
+
+
+def _whole_databases(files: Iterable[str]) -> list[str]:
+    """``files`` with each SQLite database among them whole: a database named goes with its sidecars (its WAL, shared
+    memory and rollback journal) and a sidecar named goes with its database and the other sidecars. A WAL holds
+    the newest pages until a checkpoint: Codex's ``state_5.sqlite-wal`` was written after the agent's files were
+    listed and kept the forgotten prompt (a failed run of tests/test_forget_agents.py)."""
+    out: dict[str, None] = {}
+    for rel in files:
+        out[rel] = None
+        base = next((rel[: -len(s)] for s in SQLITE_SIDECARS if rel.endswith(s)), rel)
+        if base.endswith(SQLITE_SUFFIXES):
+            for name in (base, *(base + s for s in SQLITE_SIDECARS)):
+                out[name] = None
+    return list(out)
 
 
 def _unlink_below(root: Path, rel: str) -> int:

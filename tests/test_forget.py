@@ -459,6 +459,26 @@ def test_a_run_file_leads_to_the_agent_files_inside_its_home_only(tmp_path: Path
     assert (agent / ".pi" / "agent").is_dir()
 
 
+def test_an_agents_database_goes_whole_with_its_sidecars(tmp_path: Path) -> None:
+    """A run's list naming a SQLite database takes its WAL, shared memory and journal too, and one naming only a WAL
+    takes its database and the rest (Codex's ``state_5.sqlite-wal``, written after the list was made, kept a
+    forgotten prompt); a file that is no database keeps its look-alike neighbours. Bugs caught: sidecars left, a
+    sidecar's database left, a plain file's ``-wal`` neighbour taken."""
+    from daemon import copies
+
+    cfg = _config(tmp_path / "reef")
+    agent = cfg.homes_dir / "codex" / "s"
+    db = [_write(agent / ".codex" / f"state_5.sqlite{s}", "the prompt") for s in ("", "-wal", "-shm", "-journal")]
+    logs = [_write(agent / ".codex" / f"logs_1.sqlite{s}", "the prompt") for s in ("", "-wal")]
+    notes = [_write(agent / ".codex" / f"notes.txt{s}", "mine") for s in ("", "-wal")]
+    _write(cfg.runs_dir / "run_a.json", json.dumps({"run": "run_a", "adapter": "codex", "scenario": "s",
+                                                    "agent_files": [".codex/state_5.sqlite", ".codex/logs_1.sqlite-wal",
+                                                                    ".codex/notes.txt"]}))
+    assert copies.remove_runs(cfg, ["run_a"]) == {"runs": 1, "agent_files": 7}
+    assert not any(p.exists() for p in db + logs), [p.name for p in db + logs if p.exists()]
+    assert not notes[0].exists() and notes[1].exists()
+
+
 def test_a_run_whose_wrapper_was_killed_loses_what_changed_until_the_next_run(tmp_path: Path) -> None:
     """No ``agent_files`` (the wrapper never got there): the files of the home changed from the run's start until
     the next run of that home started go; older ones, later ones and the installed harness stay."""
