@@ -206,8 +206,10 @@ def test_a_big_export_streams_with_bounded_memory_and_a_free_loop(daemon_factory
         after = settled(c, held_buckets(c))
     assert seen == [f"rec_big{i:05d}" for i in range(records)]
     assert got > stored
-    # a page is 4 MB of stored bodies: its decode, its lines and the send buffer stay within tens of MB
-    assert grew_mb < stored / 2**20 / 4, f"RSS grew {grew_mb:.0f} MB exporting {stored / 2**20:.0f} MB"
+    # a page is 4 MB of stored bodies: its decode, its lines and the send buffer stay within tens of MB (16-20 MB
+    # here; 44 once in CI, where pages rendered on several pool threads each kept glibc heap of their own); the
+    # export held whole, or pages of 500 records, would be 160 MB
+    assert grew_mb < stored / 2**20 / 3, f"RSS grew {grew_mb:.0f} MB exporting {stored / 2**20:.0f} MB"
     assert worst(before, after) <= BOUND_BUCKET, (worst(before, after), after)
 
 

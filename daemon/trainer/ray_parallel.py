@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import shutil
@@ -55,6 +56,7 @@ POLL_S = 5.0  # how long rank 0 waits for a job before telling its peers there i
 LOST_S = 300.0  # no heartbeat from a session's workers this long (none restarted): the step fails
 START_S = 300.0  # a session's workers must be up within this (placement, processes, the process group)
 SETTLE_S = 60.0  # how long a new session waits for the CPUs (GPUs) a stopped one held to come free
+RESTART_S = 2.0  # the pause before a group that came up short is started again
 # how long Ray Train waits for the cluster to place a worker group before trying again with what is there: its 60 s
 # default is what a retry after a lost node cost, since Ray Train's own health check sees the worker gone before the
 # cluster marks its node dead and asks for a group of the old size first (measured: 78 s from the kill to the retry)
@@ -412,19 +414,24 @@ class ParallelSteps:
             raise StepFailed(f"trainer_workers = {self.workers} needs {self.workers} {'GPUs' if gpu else 'CPUs'} "
                              f"(one a worker); {cluster}", job=job.id)
         if session is None:
-            # Ray Train starts an elastic group with what it sees free at that moment, and resources a stopped
-            # session held come free a little later: a group that came up short is stopped and started once more
-            for attempt in range(2):
+            # Ray Train sizes an elastic group by what its autoscaling coordinator last saw (a node that just
+            # joined comes into that view seconds later on a busy machine: CI started 1 of 2 twice in a row), and
+            # resources a stopped session held come free a little later: a group that came up short is stopped and
+            # started again, for up to SETTLE_S
+            deadline = time.monotonic() + SETTLE_S
+            for attempt in itertools.count():
                 self._settle(gpu)
                 session = self._start(gpu, self.workers)
                 if session.workers >= self.workers:
                     break
                 self._stop(session)
+                last = attempt >= 1 and time.monotonic() > deadline
                 log.warning("trainer: %d of %d data-parallel workers started%s", session.workers, self.workers,
-                            "; starting them again" if attempt == 0 else "")
-            else:
-                raise StepFailed(f"trainer_workers = {self.workers}: only {session.workers} worker(s) could start; "
-                                 f"{cluster}, some of them busy", job=job.id)
+                            "" if last else "; starting them again")
+                if last or self.closed:
+                    raise StepFailed(f"trainer_workers = {self.workers}: only {session.workers} worker(s) could "
+                                     f"start; {cluster}, some of them busy", job=job.id)
+                time.sleep(RESTART_S)
             self._session = session
         box = self._mailbox()
         self._seq += 1
