@@ -96,6 +96,7 @@ def radius(n: int, delta: float) -> float:
 @dataclass(frozen=True)
 class Decision:
     verdict: str | None  # promoted | ended | tie | errors | latency | empty | short | quiet | lower | expired | None
+    # (and, from outside ``decide``: head-moved, unreadable)
     reason: str
     figures: dict[str, Any]
 
@@ -248,6 +249,11 @@ MAX_WHOLE = 10 ** 9  # max_reports and min_exchanges: a bound past any canary's 
 MAX_HOURS = 10 ** 6
 
 
+def unreadable(row: dict[str, Any], e: ReefError) -> str:
+    return (f"its release {row['release_id'][:12]} could not be read from the release store ({e.message}): ended, "
+            "not promoted; the head serves its share of runs")
+
+
 def settings_of(body: dict[str, Any]) -> dict[str, Any]:
     """A canary's settings from a request body (``DEFAULTS`` for what it leaves out): a ``BadRequest`` naming the
     setting for a value out of range, not finite or not a number, and for an unknown key."""
@@ -346,18 +352,31 @@ class Canaries:
     # --- the serve path ------------------------------------------------------------------------------------
 
     async def arm(self, scenario: Scenario, key: str | None) -> Release | None:
-        """The canary's release when this run is in its share; None: the head serves."""
+        """The canary's release when this run is in its share; None: the head serves. A candidate the release store
+        can no longer read (its commit lost) ends its canary here, on the run that found it, and the head serves
+        that run: nothing could have been served on that arm, and the judge alone would never reach an end."""
         row = self.active.get(scenario.name)
         if row is None or not in_canary(row["release_id"], key, row["share"]):
             return None
-        return await self._release(row)
+        return await self._readable(scenario, row)
+
+    async def _readable(self, scenario: Scenario, row: dict[str, Any]) -> Release | None:
+        try:
+            return await self._release(row)
+        except ReefError as e:
+            log.error("canary of %s: its candidate %s cannot be read: %s", scenario.name, row["release_id"][:12],
+                      e.message)
+            async with self._judging:
+                if self.active.get(scenario.name) is row:
+                    await self.end(scenario, promote=False, verdict="unreadable", reason=unreadable(row, e))
+            return None
 
     async def pinned(self, scenario: Scenario, release_id: str) -> Release | None:
         """The running canary when a request pins it (a wrapper pins the harness it installed for the run), or
         one that ended while a run on its arm was still going: that run is served to its end on the arm it got."""
         row = self.active.get(scenario.name)
-        if row is not None and row["release_id"] == release_id:
-            return await self._release(row)
+        if row is not None and row["release_id"] == release_id:  # (unreadable: ended, and the pin is refused)
+            return await self._readable(scenario, row)
         if scenario.name not in self._ended_read:  # ended before this daemon started: the chain says which
             self._ended_read.add(scenario.name)
             for rej in await self.reef.chains.rejections(scenario.name, ENDED_LOOKBACK):
@@ -415,20 +434,31 @@ class Canaries:
             raise NotFound(f"scenario {scenario.name!r} has no canary", scenario=scenario.name)
         if figures is None:
             figures = (await self._judge(row)).figures
+        chains = self.reef.chains
+        try:
+            cand: Release | None = await chains.release(row["release_id"])
+        except ReefError as e:  # its commit lost: it can be neither promoted nor kept; written down as ended
+            cand, promote, verdict, reason = None, False, "unreadable", unreadable(row, e)
         verdict = verdict or ("promoted" if promote else "ended")
         reason = reason or f"{'promoted' if promote else 'ended'} by hand"
         metrics = {f"canary_{k}" if not k.startswith(("canary_", "head_")) else k: v for k, v in figures.items()}
         metrics["canary_verdict"] = verdict
-        chains = self.reef.chains
         if promote:
             engine = await self.reef.engine(scenario.model)
             rel = await chains.promote(scenario, row["release_id"], None, engine,
                                        summary=f"canary {verdict}: {reason}", metrics=metrics)
             out = {"verdict": verdict, "reason": reason, "release_id": rel.release_id, "step": rel.step}
         else:
-            cand = await chains.release(row["release_id"])
-            await chains.reject(cand.manifest(metrics={**cand.metrics, **metrics}), verdict=f"canary-{verdict}",
-                                reason=reason, base=row["base_id"], candidate=row["release_id"])
+            if cand is not None:
+                manifest = cand.manifest(metrics={**cand.metrics, **metrics})
+            else:  # what the chain can still say of it: the head's kind and recipe, the canary's figures
+                from daemon.releases import Manifest
+
+                head = await chains.release(row["base_id"])
+                manifest = Manifest(scenario=scenario.name, operation="train", kind=head.kind, recipe=head.recipe,
+                                    metrics=metrics)
+            await chains.reject(manifest, verdict=f"canary-{verdict}", reason=reason, base=row["base_id"],
+                                candidate=row["release_id"])
             out = {"verdict": verdict, "reason": reason, "release_id": None}
         await self.reef.store.canaries.end(scenario.name, row["release_id"])
         self.reef.metrics.canary_ends.labels(verdict).inc()

@@ -342,3 +342,44 @@ def test_reef_releases_canary_sets_the_bounds_and_the_live_canary_keeps_them(dae
         assert top["metrics"]["canary_answers"] >= 3 and top["metrics"]["head_answers"] >= 2
         assert canary_of(c, "cp") is not None
         c.post("/reef/scenarios/cp/canary/end", json={}).raise_for_status()
+
+
+def test_a_candidate_the_store_cannot_read_ends_its_canary_and_the_head_serves(daemon_factory: Any) -> None:
+    """A running canary whose candidate's commit is lost from the release store (found after a restart): the first
+    run routed to its arm is served by the head (200, the head's release id) and ends the canary, written down as
+    ``canary-unreadable`` with the reason naming the release; the scenario's chain, pending list included, reads
+    whole. A second scenario's canary, whose candidate reads, serves its arm and runs on. Bugs caught: the arm's
+    read failing the run (an error for every run in the canary's share, with no record: the judge, which reads
+    records, never ends it), the rejection needing the lost commit (nothing written down), the pending entry left
+    (every ``releases list --all`` of the scenario failing on it)."""
+    d: Daemon = daemon_factory()
+    with d.unix() as c:
+        head, cand = held_candidate(c, "cu", "be terse")
+        head2, cand2 = held_candidate(c, "cv", "be kind")
+        for name, rel in (("cu", cand), ("cv", cand2)):
+            started = c.post(f"/reef/scenarios/{name}/canary", json={"release_id": rel, "share": 0.5})
+            assert started.status_code == 201, started.text
+    d.kill9()
+    lost = [p for p in (d.home).rglob(cand[2:]) if p.parent.name == cand[:2] and p.parent.parent.name == "objects"]
+    assert len(lost) == 1, lost  # the candidate's commit, a loose object of the chain's repository
+    lost[0].unlink()
+    d.start()
+    served: dict[str, set[str]] = {"cu": set(), "cv": set()}
+    with d.unix() as c:
+        for i in range(60):
+            for name in ("cu", "cv"):
+                r = c.post(f"/s/{name}/r/run_lost{i:03d}/v1/chat/completions", json=ASK)
+                assert r.status_code == 200, (name, r.text)
+                served[name].add(r.headers["x-reef-release-id"])
+            if canary_of(c, "cu") is None and cand2 in served["cv"]:
+                break
+        assert canary_of(c, "cu") is None and served["cu"] == {head}, served
+        chain = releases(c, "cu", all_=True)
+        # the lost candidate leaves the pending list (its receipts, unreadable with it, go back to the learner:
+        # it was never judged, so the lessons it came from may make a new candidate)
+        assert chain["head"] == head and cand not in [p["release_id"] for p in chain["pending"]], chain["pending"]
+        ended = chain["rejected"][0]
+        assert ended["verdict"] == "canary-unreadable" and ended["candidate"] == cand, ended
+        assert f"its release {cand[:12]} could not be read" in ended["reason"], ended
+        assert canary_of(c, "cv") is not None and served["cv"] == {head2, cand2}, served
+    assert "canary-unreadable" in d.cli("releases", "list", "--all", "-s", "cu").stdout

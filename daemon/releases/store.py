@@ -254,7 +254,9 @@ class ReleaseStore:
         repo = self.repo.git()
         cand_tree = None
         pending_ref = None
-        if candidate is not None:
+        # a candidate whose commit is lost (a canary's, found after a restart; recovery drops its pending ref at
+        # start) is named, with nothing of it kept
+        if candidate is not None and not self._lost(candidate):
             cand = self.get(candidate)
             candidate = cand.release_id
             cand_tree = self.repo.content_tree(candidate)
@@ -318,6 +320,16 @@ class ReleaseStore:
                 continue
             return self.rejections(scenario, limit=1)[0]
         raise Conflict(f"the rejection log of {scenario!r} kept moving; nothing was recorded", scenario=scenario)
+
+    def _lost(self, candidate: str) -> bool:
+        """A full candidate id whose commit the store can no longer read (a canary's candidate after a lost object)."""
+        if not re.fullmatch(r"[0-9a-f]{40}", candidate):
+            return False
+        try:
+            self.get(candidate)
+        except ReefError:
+            return True
+        return False
 
     # --- internals of publishing ---------------------------------------------------------------------------
 
