@@ -11,7 +11,10 @@ import pytest
 
 from tests.procs import wait_until_forwarding
 
-RUN = "import os, sys; from reef_cli.wrapper import spawn; sys.exit(spawn(sys.argv[1:], dict(os.environ)))"
+# SIGHUP set back to its default first: under ``nohup`` (a suite started that way) it is ignored, an agent started
+# then inherits that, and a shell cannot trap a signal ignored on entry
+RUN = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); from reef_cli.wrapper import spawn; "
+       "sys.exit(spawn(sys.argv[1:], dict(os.environ)))")
 
 
 def start(*argv: str, ready: bool = False) -> subprocess.Popen[bytes]:
