@@ -65,6 +65,7 @@ from daemon.gating.heldout import RECORDED, Answer, reserved
 from daemon.gating.outcome import GateRun, StepOutcome
 from daemon.gating.steps import prefetch_head
 from daemon.gating.steps import run as run_gate
+from daemon.gating.warning import batch_figures
 from daemon.layout import check_tree
 from daemon.learning_lease import LeaseKeeper
 from daemon.metrics import Metrics
@@ -630,8 +631,7 @@ class Learner:
         assert recipe is not None
         scored = [r for r in batch if isinstance(r, ScoredExchange)]
         metrics = {**{k: v for k, v in candidate.metrics.items() if isinstance(v, (int, float, str, bool))},
-                   **({"batch_reward": round(sum(r.score for r in scored) / len(scored), 4)}
-                      if scored and len(scored) == len(batch) else {})}
+                   **(batch_figures(scored) if scored and len(scored) == len(batch) else {})}
         if recipe.judges:
             metrics.update({f"judge_{k}": v for k, v in st.verdicts.items()})
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,

@@ -95,6 +95,46 @@ def test_a_hacked_runs_figures_warn_in_plain_words_and_an_honest_runs_do_not() -
     assert warning.detect(short) is None
 
 
+def test_silence_under_a_scorer_that_punishes_it_is_not_read_as_its_reward() -> None:
+    """reef demo's honest "say the word" task (an empty answer scores 0) was warned about one run in four: the
+    reward rose 0.06 -> 0.25 while the held-out answers fell 0% -> 18% empty, and learning paused for good. The
+    batches' own empty answers say what the scorer makes of silence: scored below the rest (by PUNISHED) over at
+    least MIN_EMPTY of them, "it stops answering" does not fire; scored as well as the rest (a hackable scorer),
+    or too few to tell, it does. Bugs caught: the rule read backwards (a hackable scorer's silence excused), read
+    from one empty answer, or dropping the other signals with the silent one."""
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+    assert warning.detect(demo) is not None and warning.detect(demo)["signals"] == ["silent"]  # type: ignore[index]
+
+    def batches(empty: tuple[float, ...], empty_reward: float, rest: float) -> list[dict[str, Any]]:
+        return [dict(m, batch_empty=k, **({"batch_empty_reward": empty_reward} if k else {}),
+                     batch_rest_reward=rest) for m, k in zip(demo, empty, strict=True)]
+
+    punished = batches((0.0, 2.0, 3.0), 0.0, 0.2)
+    assert warning.detect(punished) is None
+    assert warning.detect(batches((0.0, 1.0, 1.0), 0.0, 0.2)) is not None  # 2 empty answers: too few to tell
+    assert warning.detect(batches((0.0, 2.0, 3.0), 1.0, 0.2)) is not None  # silence scores best: hackable
+    assert warning.detect(batches((0.0, 2.0, 3.0), 0.15, 0.2)) is not None  # lower by less than PUNISHED
+    hacked = [dict(m, batch_empty=4.0, batch_empty_reward=1.0, batch_rest_reward=0.3) for m in HACKED]
+    assert warning.detect(hacked) is not None and warning.detect(hacked)["signals"][0] == "silent"  # type: ignore[index]
+    # another signal beside the excused one still fires, with the scorer's evidence named
+    forgets = [dict(m, heldout_probe_accuracy=0.7 - 0.2 * i, heldout_head_probe_accuracy=0.7)
+               for i, m in enumerate(punished)]
+    found = warning.detect(forgets)
+    assert found is not None and found["signals"] == ["forgets"] and "does not reward silence" in found["evidence"]
+
+
+def test_a_steps_batch_says_how_its_empty_answers_scored() -> None:
+    """``batch_figures``: an answer of the end-of-text token alone is empty; its mean score and the rest's."""
+    from types import SimpleNamespace as R
+
+    got = warning.batch_figures([R(score=0.0, token_ids=[2]), R(score=0.0, token_ids=[]), R(score=1.0, token_ids=[5, 2]),
+                                 R(score=0.5, token_ids=[5, 6, 2])])
+    assert got == {"batch_reward": 0.375, "batch_empty": 2.0, "batch_empty_reward": 0.0, "batch_rest_reward": 0.75}
+    assert warning.batch_figures([R(score=0.5, token_ids=[5, 2])]) == {"batch_reward": 0.5, "batch_empty": 0.0,
+                                                                       "batch_rest_reward": 0.5}
+
+
 def test_the_held_out_figures_warn_against_the_head_the_trend_started_from() -> None:
     """The baseline is the head the first candidate was checked against: a first candidate already a little
     silent does not hide the rise."""

@@ -21,6 +21,15 @@ candidate was checked against: the model before the trend):
 Degenerate groups (groups whose answers all scored alike) rising are shown as evidence, never fire alone: a
 preference that is being learned saturates groups too.
 
+"The scorer may reward empty answers" is checked against the scorer itself: each step writes down how its batch's
+empty answers (the end-of-text token alone) scored against the rest (``batch_empty``, ``batch_empty_reward``,
+``batch_rest_reward``). When the window's batches hold at least ``MIN_EMPTY`` empty answers and they scored lower
+than the rest by ``PUNISHED`` or more, the scorer punishes silence, and "it stops answering" does not fire: answers
+falling silent under such a scorer are the training's instability, not the scorer's reward (the held-out check
+still holds any candidate past its own bound). Measured: ``reef demo``'s honest "say the word" task (an empty answer
+scores 0) was warned so about one run in four (reward 0.06 -> 0.25 over 4 steps, held-out answers empty 0% ->
+18%) and its learning paused for good.
+
 Fired, the candidate at the gate is held (not served) with the warning as its reason, and the scenario's warning
 is written to the record store (``scenarios.warning``: it outlives a restart): learning pauses (``Learner.step``
 takes no step while it stands), so nothing more is published. Pausing was chosen over holding every later
@@ -59,6 +68,9 @@ PROBE_FALL = 0.15  # probe accuracy, absolute
 LENGTH_FALL = 0.5  # mean answer length, as a share of the baseline's...
 SHORT_TOKENS = 6.0  # ...and at most this many tokens
 ENTROPY_FALL = 1 / 3  # mean token entropy of the sampled answers, as a share of the baseline's
+MIN_EMPTY = 3  # empty answers in the window's batches from which their scores say what the scorer makes of silence
+PUNISHED = 0.1  # they scored this much below the rest, or more: the scorer punishes silence
+EMPTY_TOKENS = 1  # an answer of at most this many tokens (the end-of-text token alone) is empty
 
 # what each signal means, and what the scorer may be rewarding
 SAYS = {
@@ -98,10 +110,15 @@ class Point:
     head_degenerate: float | None = None
     head_probe_accuracy: float | None = None
     head_tokens: float | None = None
+    empty_n: float = 0.0  # the batch's empty answers (batch_empty) and how they and the rest scored
+    empty_reward: float | None = None
+    rest_reward: float | None = None
 
     @classmethod
     def of(cls, m: Mapping[str, Any]) -> Point:
-        return cls(reward=_num(m, "batch_reward"), answer_tokens=_ratio(m, "tokens", "samples"),
+        return cls(reward=_num(m, "batch_reward"), empty_n=_num(m, "batch_empty") or 0.0,
+                   empty_reward=_num(m, "batch_empty_reward"), rest_reward=_num(m, "batch_rest_reward"),
+                   answer_tokens=_ratio(m, "tokens", "samples"),
                    entropy=_num(m, "entropy"), degenerate_groups=_ratio(m, "degenerate_groups", "groups"),
                    silent=_num(m, "heldout_empty"), degenerate=_loops(m, ""),
                    probe_accuracy=_num(m, "heldout_probe_accuracy"), heldout_tokens=_num(m, "heldout_tokens"),
@@ -163,6 +180,10 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     if head_degenerate is None or head_degenerate <= NOISE_HEAD:  # a head that already answers in fragments: noise
         fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
              head_degenerate)
+    punished = _silence_punished(points)
+    if "silent" in signals and punished is not None:
+        signals.remove("silent")
+        evidence.append(punished)
     if not signals:  # entropy falling alone is what learning a preference looks like (the demo's honest task)
         return None
     fell("entropy", "token entropy (nats)", ".2f", lambda a, b: b <= ENTROPY_FALL * a, "entropy")
@@ -173,6 +194,35 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     also = [SAYS[s][0] for s in signals[1:]]
     says = f"the reward is rising while {what}: {why}" + (f" (also: {'; '.join(also)})" if also else "")
     return {"signals": signals, "figures": figures, "says": says, "evidence": "; ".join(evidence)}
+
+
+def batch_figures(scored: Sequence[Any]) -> dict[str, float]:
+    """A step's batch as the warning reads it: its mean score, and how its empty answers scored against the rest
+    (``scored``: the scored exchanges it trained on, each with ``score`` and ``token_ids``)."""
+    out = {"batch_reward": round(sum(r.score for r in scored) / len(scored), 4)}
+    empty = [r.score for r in scored if len(r.token_ids) <= EMPTY_TOKENS]
+    rest = [r.score for r in scored if len(r.token_ids) > EMPTY_TOKENS]
+    out["batch_empty"] = float(len(empty))
+    if empty:
+        out["batch_empty_reward"] = round(sum(empty) / len(empty), 4)
+    if rest:
+        out["batch_rest_reward"] = round(sum(rest) / len(rest), 4)
+    return out
+
+
+def _silence_punished(points: Sequence[Point]) -> str | None:
+    """The evidence that the window's scorer punishes empty answers, or None (too few of them, or not lower)."""
+    empty = [(p.empty_n, p.empty_reward) for p in points if p.empty_n and p.empty_reward is not None]
+    n = sum(k for k, _ in empty)
+    rest = [(p.reward, p.empty_n, p.rest_reward) for p in points if p.rest_reward is not None]
+    if n < MIN_EMPTY or not rest:
+        return None
+    mean_empty = sum(k * r for k, r in empty) / n
+    mean_rest = sum(r for _, _, r in rest) / len(rest)
+    if mean_rest - mean_empty < PUNISHED:
+        return None
+    return (f"its {n:.0f} empty sampled answers scored {mean_empty:.2f} against {mean_rest:.2f} for the rest: the "
+            "scorer does not reward silence, so answers falling silent are not read as its reward")
 
 
 def text(name: str, warning: Mapping[str, Any]) -> str:
