@@ -144,7 +144,12 @@ def test_a_candidate_past_the_drift_bound_is_held() -> None:
 def test_degenerate_answers() -> None:
     long = _a("one two three four five six seven eight nine ten")
     assert degenerate(_a("  \n", 1)) == "empty"
-    assert degenerate(_a("ok", 2), long) == "short" and degenerate(_a("ok", 2)) is None
+    assert degenerate(_a(".", 2), long) == "short" and degenerate(_a(".", 2)) is None
+    assert degenerate(_a(" -", 1), long) == "short" and degenerate(_a("I", 1), long) == "short"
+    # a terse answer holds a word or a number: a right one-word answer is no silence (reef demo's "say the word"
+    # answers were held as cut short; so would a user's "answer in one word" be)
+    assert degenerate(_a("Paris.", 2), long) is None and degenerate(_a("ok", 2), long) is None
+    assert degenerate(_a("4", 1), long) is None and degenerate(_a("été", 2), long) is None
     assert degenerate(_a("ok", 2), _a("fine", 2)) is None  # the head was short too
     assert degenerate(Answer("yes no " * 8)) == "loop" and degenerate(long) is None  # no tokens: in words
     looping = Answer("orersorersorersorersorers", (1,), (7, 8) * 6)  # one word, a loop in tokens
