@@ -136,6 +136,7 @@ class Board:
         self.gate_reward: float | None = None  # the head's score on the gate's validation prompts
         self.held_out: float | None = None  # the head's held-out reward, last measured by the demo
         self.scores: deque[float] = deque(maxlen=4096)  # the scores reported (what a canary would judge)
+        self.warning: str | None = None  # the early warning, when it paused the scenario's learning
         self.started = time.monotonic()
         self.lock = threading.Lock()
 
@@ -162,6 +163,8 @@ class Board:
                     self.gate_reward = m["eval_reward"]
             elif kind == "release":
                 self.releases.append(e)
+            elif kind == "warning" and e.get("state") == "warned":
+                self.warning = str(e.get("reason") or e.get("says"))
 
     def render(self) -> Any:
         from rich.panel import Panel
@@ -325,7 +328,8 @@ def demo(
     measured_at = (None, -1e9)  # (head release, when)
     with Live(board.render(), console=console, refresh_per_second=4, transient=json_out) as live, \
             ThreadPoolExecutor(prompts * group) as pool:
-        while time.monotonic() < deadline and not (max_reports and board.requests >= max_reports):
+        while time.monotonic() < deadline and not (max_reports and board.requests >= max_reports) \
+                and board.warning is None:  # a warning pauses learning until a person acts: the demo stops there
             # at most `lead` steps ahead of training: the trainer stays busy, and it trains on answers of the
             # current head (fresh samples), not on a backlog; a trainer that stops does not stop the client (a
             # record dropped as too stale makes no step, hence the bounded wait)
@@ -359,7 +363,8 @@ def demo(
               "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
               "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target,
               "model": model, "family": family.name,
-              "canary": canary_note(list(board.scores), before, after, len(chain["releases"]) - 1)}
+              "canary": canary_note(list(board.scores), before, after, len(chain["releases"]) - 1),
+              **({"warning": board.warning} if board.warning else {})}
     if real:  # one held-out question the head now gets right (the first one, if none), answered by both, verbatim
         example = _example(client, name, model, held, family, first_release, head)
         result["example"] = example
@@ -391,6 +396,8 @@ def demo(
         if real:
             console.print(f"{example['question']}\n  before: {example['before']!r}\n  after:  {example['after']!r}",
                           markup=False, highlight=False)
+    if board.warning:
+        fail(f"the early warning paused learning: {board.warning}", 1)
     if after < target:
         limit = f"{minutes:g} minutes" + (f" or {max_reports} reports" if max_reports else "")
         fail(f"the head reached {after:.2f}, below {target}, within {limit}", 1)

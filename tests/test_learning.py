@@ -407,6 +407,21 @@ def test_the_demo_says_why_it_runs_without_a_canary() -> None:
     assert "off in this demo" in console.export_text()
 
 
+def test_the_demo_stops_on_the_early_warning_of_its_own_scenario() -> None:
+    """``reef demo`` watches the event stream: a warning that paused its scenario's learning ends the demo (the
+    client loop's condition) with the warning's words, where it used to go on asking for minutes with nothing
+    learning; a warning lifted, or another scenario's, changes nothing."""
+    from reef_cli.demo import Board
+
+    board = Board("demo-x")
+    board.on_event({"kind": "warning", "scenario": "demo-y", "state": "warned", "reason": "not mine"})
+    board.on_event({"kind": "warning", "scenario": "demo-x", "state": "cleared", "how": "resumed"})
+    assert board.warning is None
+    board.on_event({"kind": "warning", "scenario": "demo-x", "state": "warned", "says": "s",
+                    "reason": "the reward is rising while the model stops answering"})
+    assert board.warning == "the reward is rising while the model stops answering"
+
+
 def test_a_steps_outcome_shows_what_the_api_promised_and_nothing_of_the_loops_own() -> None:
     """``StepOutcome.to_dict``: a step that ran names its release (or None) and reason; one that kept its receipts
     eligible (a search with no usable proposal) says it consumed none, and the receipts it kept are the loop's
