@@ -167,14 +167,30 @@ def list_runs(config: Config, adapter: Adapter | None = None) -> list[dict[str, 
 RECEIPTS_PAGE = 50  # receipts asked for at a time when collecting a run's (the daemon's default page)
 
 
-def run_receipts(get: Any, run: str) -> list[str]:
+def run_receipts(get: Any, run: str, failed: list[str] | None = None) -> list[str]:
     """Every exchange receipt of ``run``, oldest first, read page by page (``get(path)`` answers a GET): a run of
-    an agent can make many more model requests than one page holds."""
+    an agent can make many more model requests than one page holds. ``failed`` gets the receipts of those that
+    failed (status ``error``), in the same order."""
     out: list[str] = []
     after = ""
     while True:
         got = get(f"/reef/records?run={run}&kind=exchange&limit={RECEIPTS_PAGE}{after}")
         out += [r["id"] for r in got["records"]]
+        if failed is not None:
+            failed += [r["id"] for r in got["records"] if r.get("status") == "error"]
         if len(got["records"]) < RECEIPTS_PAGE or got.get("next_after") is None:
             return out
         after = f"&after={got['next_after']}"
+
+
+def failed_requests(get: Any, failed: list[str], n: int) -> str:
+    """One line for a run whose model requests failed: how many, and the last one's reason as its record holds it
+    (the upstream's own words). An agent may print its own words instead (Claude Code answers a 404 with "There's
+    an issue with the selected model"), or retry out of sight, so the wrapper says it once after the run."""
+    try:
+        rec = get(f"/reef/records/{failed[-1]}")
+        reason = ((rec.get("response") or {}).get("error") or {}).get("message") or "no reason recorded"
+    except (OSError, ReefError) as e:
+        reason = f"its record could not be read ({e})"
+    return (f"{len(failed)} of the run's {n} model request{'s' if n != 1 else ''} failed; the last: {reason} "
+            f"(reef records show {failed[-1]})")

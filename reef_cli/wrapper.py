@@ -32,7 +32,7 @@ from adapters import Adapter, Target, get_adapter
 from adapters.base import install_harness, installed_release
 from daemon.config import Config, load_config
 from daemon.errors import AgentError, BadRequest, ReefError
-from reef_cli.runs import call, call_starting, list_runs, run_receipts, save_run, say, token
+from reef_cli.runs import call, call_starting, failed_requests, list_runs, run_receipts, save_run, say, token
 
 SUBCOMMANDS = ("report", "runs", "update", "evolve", "propose", "reef-help")
 FLAGS = ("--reef-scenario", "--reef-outcome", "--reef-check", "--reef-provider")  # the wrapper's own, before a --
@@ -140,8 +140,9 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
         code = spawn(argv, env)
     record.update(ended_at=time.time(), exit_code=code)
     record["agent_files"] = agent_files(home, record["spawned_at"])
+    failed: list[str] = []
     try:
-        record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run)
+        record["receipts"] = run_receipts(lambda path: call(config, "GET", path), target.run, failed)
         record["no_requests"] = not record["receipts"]  # the daemon says so: never the run a report scores
     except (OSError, ReefError) as e:
         say(f"could not read the run's receipts ({e}); `{adapter.command} report` will ask the daemon again")
@@ -156,6 +157,8 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
     if not record.get("no_requests"):
         say(f"run {target.run}: {n} receipt{'s' if n != 1 else ''}; give feedback with "
             f"`{adapter.command} report --score S --feedback TEXT`")
+        if failed:
+            say(failed_requests(lambda path: call(config, "GET", path), failed, n))
     else:
         say(f"run {target.run} made no model requests: nothing to give feedback on (`{adapter.command} report` "
             "scores the last run that made some)")

@@ -316,7 +316,7 @@ def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 # The slowest modules first (measured, whole module on 2 cores): xdist (``-n 2 --dist loadfile``, pyproject's
 # addopts) hands modules out in collection order, so a long one taken last would run alone at the end.
 SLOWEST_FIRST = (  # by module time in the suite of 2026-12-04 with daemons forked from the zygote
-    "test_forget_agents.py", "test_learning.py", "test_ray_parallel.py", "test_vllm.py", "test_install.py", "test_sao.py", "test_agents.py",
+    "test_forget_agents.py", "test_learning.py", "test_ray_parallel.py", "test_vllm.py", "test_install.py", "test_sao.py", "test_agents.py", "test_provider_vllm.py",
     "test_openapi.py", "test_harness_policy.py",
     "test_harness_search.py", "test_ttt_discover.py", "test_ray_trainer.py", "test_openclaw_rl.py",
     "test_model_dirs.py", "test_gate_noise.py", "test_recipes.py", "test_trainer_memory.py",

@@ -25,7 +25,8 @@ import httpx
 import pytest
 
 from adapters import ADAPTERS
-from reef_cli.runs import RECEIPTS_PAGE, run_receipts, save_run
+from daemon.errors import NotFound
+from reef_cli.runs import RECEIPTS_PAGE, failed_requests, run_receipts, save_run
 from tests.conftest import Daemon
 
 PI = ADAPTERS["pi"]
@@ -56,6 +57,28 @@ def test_run_receipts_reads_every_page_51_records_as_50_and_1(n: int) -> None:
     assert run_receipts(served_like_the_daemon(records, asked), "run_x") == [r["id"] for r in records]
     if n == 51:  # the case the audit names: the daemon's page of 50, then the one left
         assert RECEIPTS_PAGE == 50 and len(asked) == 2, asked
+
+
+def test_a_run_with_failed_requests_says_the_last_reason() -> None:
+    """The receipts of failed exchanges (status ``error``) across pages, in order; the wrapper's line gives the
+    last one's recorded reason, or says its record could not be read. Bugs caught: only the first page's failures,
+    the first failure's reason instead of the last's, a complete exchange counted as failed."""
+    records = [{"id": f"rec_{i:03d}", "seq": i, "status": "error" if i in (3, 55) else "complete"} for i in range(60)]
+    failed: list[str] = []
+    assert len(run_receipts(served_like_the_daemon(records, []), "run_x", failed)) == 60
+    assert failed == ["rec_003", "rec_055"]
+    reasons = {"rec_003": "first", "rec_055": "The model `x` does not exist. (upstream 'u': HTTP 404)"}
+
+    def get(path: str) -> dict[str, Any]:
+        rid = path.rsplit("/", 1)[-1]
+        if rid not in reasons:
+            raise NotFound(f"no record {rid}")
+        return {"id": rid, "status": "error", "response": {"error": {"message": reasons[rid]}}}
+
+    assert failed_requests(get, failed, 60) == ("2 of the run's 60 model requests failed; the last: The model `x` "
+                                                "does not exist. (upstream 'u': HTTP 404) (reef records show rec_055)")
+    assert "its record could not be read (no record rec_009)" in failed_requests(get, ["rec_009"], 1)
+    assert failed_requests(get, ["rec_003"], 1).startswith("1 of the run's 1 model request failed; the last: first")
 
 
 def one_run(c: httpx.Client, scenario: str, exchanges: int) -> tuple[str, list[str]]:
