@@ -286,6 +286,31 @@ class Chains:
         """Candidates written down as not released, newest first."""
         return await asyncio.to_thread(self._store.rejections, name, limit)
 
+    async def pruned_of(self, releases: Iterable[Release]) -> dict[str, list[str]]:
+        """Per release, its files whose weights a retention policy pruned (``daemon/retention.py``; empty: all here)."""
+        return await asyncio.to_thread(lambda: {r.release_id: self._store.pruned(r) for r in releases})
+
+    async def rejected_candidates(self, name: str) -> list[Release]:
+        """The candidates on the scenario's rejection log whose commits are still readable, newest first."""
+        def read() -> list[Release]:
+            out = []
+            for c in dict.fromkeys(r.candidate for r in self._store.rejections(name) if r.candidate is not None):
+                with contextlib.suppress(NotFound, StorageError):
+                    out.append(self._store.get(c))
+            return out
+
+        return await asyncio.to_thread(read)
+
+    async def prune(self, drop: list[str]) -> dict[str, Any]:
+        """Prune the weights only the releases ``drop`` name (``ReleaseStore.prune``), and their checkouts."""
+        out = await asyncio.to_thread(self._store.prune, drop)
+        for rid in out["releases"]:
+            cid = (await self.release(rid)).content_id
+            self._checkouts.pop(cid, None)
+            (self.cache_dir / f"{cid}.ok").unlink(missing_ok=True)  # first: a half-removed one is checked out again
+            await asyncio.to_thread(shutil.rmtree, self.cache_dir / cid, True)
+        return out
+
     async def adapter(self, release_id: str) -> lora.AdapterManifest | None:
         """The base a LoRA adapter release applies to; None for a release of whole weights or a harness."""
         return await asyncio.to_thread(self._store.adapter, release_id)

@@ -22,6 +22,8 @@ variables, command-line flags; then passed down. Library code never reads ``os.e
     chain_max_lfs_bytes = 68719476736  # the largest large file (LFS object) it may name (64 GiB)
     retention_days = 30           # exchanges older than this are forgotten (reef records forget); none: kept
     retention_max_mb = 500        # the oldest exchanges are forgotten while the bodies kept exceed this
+    storage_reserve_mb = 100      # free space a weights step leaves under $REEF_HOME beyond its own need; short:
+                                  # the step waits (daemon/retention.py), looking again every storage_check_s (30)
     trainer = "local"             # local (a worker process) | ray (training steps as Ray actor tasks)
     ray_address = "ray://..."     # trainer = "ray": the cluster to join (none: Reef starts a local one)
     trainer_workers = 2           # trainer = "ray": data-parallel workers per step of a recipe that supports them
@@ -70,6 +72,7 @@ anthropic, openai, ollama, llamacpp, openai-compatible), in memory only, and mak
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -133,6 +136,10 @@ class Config:
     retention_days: float | None = None
     retention_max_mb: float | None = None
     retention_check_s: float = 3600.0
+    # a weights step starts only while the disk under home has free its need (twice the model's size) plus this;
+    # else it waits, and looks again every storage_check_s (daemon/retention.py)
+    storage_reserve_mb: float = 100.0
+    storage_check_s: float = 30.0
     trainer: str = "local"  # local | ray
     ray_address: str | None = None  # trainer = "ray": a cluster address for ray.init (None: start a local one)
     # trainer = "ray": a data-parallel recipe's step runs as this many Ray Train workers (daemon/trainer/ray_parallel.py)
@@ -510,7 +517,7 @@ def load_config(
                "allowed_recipes",
                "records", "lease_ttl_s", "chain_remote", "chain_lfs", "chain_fetch_s", "chain_max_blob_bytes",
                "chain_max_lfs_bytes", "trainer", "ray_address", "trainer_workers", "retention_days", "retention_max_mb",
-               "retention_check_s", *listening.KEYS}
+               "retention_check_s", "storage_reserve_mb", "storage_check_s", *listening.KEYS}
     unknown = set(raw) - allowed
     if unknown:
         raise BadRequest(f"config: {toml_path}: unknown keys {', '.join(sorted(unknown))}")
@@ -563,6 +570,11 @@ def load_config(
         value = values.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise BadRequest(f"config: {key} must be a positive number, got {value!r}")
+    for key, least in (("storage_reserve_mb", 0.0), ("storage_check_s", 0.001)):
+        value = values.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < least):
+            raise BadRequest(f"config: {key} must be a finite number of at least {least:g}, got {value!r}")
     _check_distributed(values, home)
     listening.check(values, home)
     extra_models = values.pop("models", None)

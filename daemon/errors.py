@@ -26,6 +26,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     │   ├── LockBusy                   409  (a ref lock stayed taken past the timeout: retry)
     │   ├── HarnessRefused             409  (a harness the harness policy refuses: names the file and the rule)
     │   ├── RequirementUnmet           409  (a release needs what this machine lacks: names the item and an offer)
+    │   ├── WeightsPruned              409  (a release whose weights a retention policy removed: names one kept)
     │   └── LeaseLost                  409  (the training lease was taken over: this daemon no longer trains)
     ├── PayloadTooLarge                413  request_too_large
     ├── StorageError                   507  storage_error   (disk full, fsync failed: nothing acknowledged)
@@ -221,6 +222,17 @@ class RequirementUnmet(Conflict):
         self.release_id = release_id
         self.requirement = requirement
         self.found = found
+        self.offered = offered
+
+
+class WeightsPruned(Conflict):
+    """A release whose weights the retention policy removed (``daemon/retention.py``): it stays on the chain but
+    cannot be loaded, rolled back to or promoted; ``offered`` is the newest release before its chain's head whose
+    weights are kept (None: none)."""
+
+    def __init__(self, message: str, *, release_id: str | None, offered: str | None = None) -> None:
+        super().__init__(message, release_id=release_id, offered=offered)
+        self.release_id = release_id
         self.offered = offered
 
 

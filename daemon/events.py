@@ -159,6 +159,24 @@ class TrainCappedEvent(Event):
     seconds_per_point: float | None
 
 
+class TrainDeferredEvent(Event):
+    """A scenario's weights step waits: the disk under the Reef home has less free space than the step needs
+    (``daemon/retention.py``); it runs once space returns."""
+
+    scenario: str
+    summary: str
+    free_bytes: int
+    need_bytes: int
+
+
+class RetentionEvent(Event):
+    """A retention pass pruned the weights of releases its scenarios' policies let go (``daemon/retention.py``)."""
+
+    releases: list[str]
+    objects: int
+    bytes: int
+
+
 class GateEvent(Event, total=False):
     """A step's outcome: published, held, rejected, skipped or failed."""
 
@@ -268,7 +286,7 @@ KINDS: dict[str, type[Event]] = {
     "record": RecordEvent, "report": ReportEvent, "scenario": ScenarioEvent, "scenario.task": ScenarioTaskEvent,
     "release": ReleaseEvent, "release.pending": ReleasePendingEvent, "engine.load": EngineLoadEvent,
     "train.start": TrainStartEvent, "train.step": TrainStepEvent, "train.error": TrainErrorEvent,
-    "train.capped": TrainCappedEvent,
+    "train.capped": TrainCappedEvent, "train.deferred": TrainDeferredEvent, "retention": RetentionEvent,
     "gate": GateEvent, "heldout": HeldoutEvent, "watchdog": WatchdogEvent, "warning": WarningEvent,
     "eval": EvalEvent, "forget": ForgetEvent, "canary.start": CanaryStartEvent, "canary.end": CanaryEndEvent,
     "dropped": DroppedEvent,

@@ -72,6 +72,7 @@ from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest, requires
+from daemon.retention import StorageGuard
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex
 from recipes import load_recipe
@@ -92,7 +93,7 @@ class ScenarioLearning:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
     # idle | waiting | training | judging | paused | warned | canary (waiting for a canary's verdict) | capped (its
-    # trainer-time cap reached today: daemon/spend.py)
+    # trainer-time cap reached today: daemon/spend.py) | storage (the disk short of a step's need: daemon/retention.py)
     state: str = "idle"
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
@@ -132,6 +133,7 @@ class Learner:
         # whether a scenario has a canary running: its weights steps wait for the verdict (set by the daemon)
         self.canary_running: Callable[[str], bool] | None = None
         self.dir = config.home / "candidates"
+        self.storage = StorageGuard(config.home, config.storage_reserve_mb, config.storage_check_s, self.notify)
         self._scenarios: dict[str, ScenarioLearning] = {}
         self._trainer: Any = None
         self._judging: set[asyncio.Task[None]] = set()
@@ -192,6 +194,7 @@ class Learner:
 
     async def close(self) -> None:
         await self.lease.stop()
+        self.storage.close()
         for st in self._scenarios.values():
             if st.capped_wake is not None:
                 st.capped_wake.cancel()
@@ -319,7 +322,7 @@ class Learner:
             except Exception as e:
                 log.exception("learning on %s failed; waiting for the next report", name)
                 self.events.publish("train.error", scenario=name, error=f"{type(e).__name__}: {e}")
-            if st.state not in ("paused", "warned", "canary", "capped"):
+            if st.state not in ("paused", "warned", "canary", "capped", "storage"):
                 st.state = "waiting"
 
     # --- judging turns by what came next (daemon/turn_judging.py) -----------------------------------------
@@ -374,6 +377,8 @@ class Learner:
             if not batch:
                 st.state = "waiting"
                 return None
+            if recipe.kind == "weights" and (short := await self.storage.short(self, st, scenario)) is not None:
+                return short  # the disk is short of the step's need: it waits for space (daemon/retention.py)
             receipts = [r.id for r in batch]
             if lease is not None:
                 try:

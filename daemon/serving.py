@@ -39,6 +39,7 @@ from daemon.protocols.sse import dumpb
 from daemon.records import ExchangeRecord, RecordStore, Scenario, new_id, open_store
 from daemon.releases import Release
 from daemon.residency import Residency
+from daemon.retention import Retention
 from daemon.scopes import Scopes
 from daemon.served import Served, no_events, reef_error
 from recipes import add_recipe_paths, load_recipe
@@ -90,6 +91,7 @@ class Reef:
         self.learner.canary_running = self.canaries.active.__contains__
         self.canaries.on_end = self.learner.canary_ended
         self.residency = Residency(self.chains, self.canaries, self.events, lambda: self._engines)
+        self.weights_retention = Retention(self)  # which releases keep their weights (daemon/retention.py)
         self.serve_path = ServePath(store=self.store, chains=self.chains, canaries=self.canaries, events=self.events,
                                     metrics=self.metrics, scenario=self.scenario, engine=self.engine,
                                     observe=self.learner.observe, residency=self.residency)
@@ -117,6 +119,7 @@ class Reef:
         self._warm = asyncio.create_task(self._warm_default(), name="reef-load-default-model")
         await self.canaries.start()  # first: a scenario whose canary runs on after a restart does not step meanwhile
         await self.learner.start()
+        self.weights_retention.start()
         if self.config.retention_days is not None or self.config.retention_max_mb is not None:
             from daemon.forgetting import retention_loop
 
@@ -137,6 +140,7 @@ class Reef:
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self.weights_retention.close()
         await self.canaries.close()
         await self.residency.close()
         await self.chains.close()

@@ -195,6 +195,17 @@ class SpendSettings:
     max_trainer_hours: float | None = None
 
 
+@dataclass
+class RetentionSettings:
+    """What every weights recipe's settings take about keeping weights (``daemon/retention.py``); ``WeightsSettings``
+    extends it, so every built-in weights recipe takes it."""
+
+    # the weights of the last keep_releases releases of the chain (the head among them) stay in the store, with those
+    # of every release still served or pinned; older ones are pruned and stay listed (docs/releases.md). An integer
+    # of at least 1; None: every release's weights are kept
+    keep_releases: int | None = 20
+
+
 # a weights candidate's canary share by default: half, since the paired test decides soonest with equal arms and
 # the runs a worse candidate serves before its verdict are about the same at any share (docs/releases.md)
 CANARY_SHARE = 0.5
@@ -297,6 +308,9 @@ class Recipe:
         from daemon import spend
 
         spend.check(settings)  # here too, for the same reason
+        from daemon import retention
+
+        retention.check(settings)  # and the retention bound
         return settings
 
     @classmethod

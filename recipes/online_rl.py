@@ -77,6 +77,7 @@ from recipes.base import (
     GateSettings,
     Head,
     Recipe,
+    RetentionSettings,
     ScoredExchange,
     Scores,
     SpendSettings,
@@ -98,10 +99,10 @@ MAX_KL = 0.5
 
 
 @dataclass
-class WeightsSettings(SpendSettings):
+class WeightsSettings(SpendSettings, RetentionSettings):
     """What every weights recipe's settings share (online-rl's, openclaw-rl's, sao's, ttt-discover's): LoRA, the
-    pull toward the base and the drift bound; both on by default (docs/recipes.md); and the cap on trainer time
-    (``SpendSettings``)."""
+    pull toward the base and the drift bound; both on by default (docs/recipes.md); the cap on trainer time
+    (``SpendSettings``) and how many releases keep their weights (``RetentionSettings``)."""
 
     # train LoRA adapters (peft) instead of all weights; releases then hold only the adapter (daemon/lora.py).
     # None: adapters for models of LORA_AUTO_PARAMS parameters or more (every real model), all weights below

@@ -85,6 +85,8 @@ def list_releases(
             note = (note + "; " if note else "") + "trained on forgotten data"
         if r.get("origin"):
             note = (note + "; " if note else "") + _origin(r["origin"])
+        if r.get("weights_pruned"):
+            note = (note + "; " if note else "") + "weights pruned (retention)"
         table.add_row("*" if r["release_id"] == data["head"] else "", _short(r["release_id"]), str(r["step"]),
                       r["operation"], _short(r["content_id"]), ago(r.get("created_at")), _metrics(r.get("metrics")),
                       note)
@@ -116,8 +118,8 @@ def show_release(
     diff: bool = typer.Option(False, "--diff", help="Show the diff to its parent."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Show one release: manifest, what it requires (each item met or not on this machine, with what was found),
-    metrics, receipts, and optionally its diff to the parent."""
+    """Show one release: manifest, whether its weights were pruned, what it requires (each item met or not on this
+    machine, with what was found), metrics, receipts, and optionally its diff to the parent."""
     with client() as c:
         rel = c.get(f"/reef/releases/{release_id}", diff="1" if diff else None)
     if json_out:
@@ -133,6 +135,9 @@ def show_release(
     if rel.get("adapter"):
         out.print(f"LoRA adapter on base {rel['adapter']['base_content_id']} "
                   f"(release {_short(rel['adapter']['base_release_id'])})")
+    if rel.get("weights_pruned"):  # the scenario's retention policy pruned them (daemon/retention.py)
+        out.print(f"weights pruned by the retention policy: {', '.join(rel['weights_pruned'])}; the release stays on "
+                  "the chain but cannot serve or be rolled back to", markup=False)
     for check in rel.get("requirements") or []:  # what it needs to run, checked on the daemon's machine now
         out.print(f"requires {check['item']}: {'met' if check['met'] else 'NOT MET'} ({check['found']})",
                   markup=False)

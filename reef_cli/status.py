@@ -19,7 +19,8 @@ def status_lines(info: dict[str, Any]) -> list[str]:
             *(f"warning  {name}: {why}" for name, why in sorted((info.get("warnings") or {}).items())),
             *_inflight_lines(info.get("inflight") or []),
             *_canary_lines(info),
-            *_spend_lines(info.get("spend") or {})]
+            *_spend_lines(info.get("spend") or {}),
+            *_storage_lines(info)]
 
 
 def _inflight_lines(inflight: list[dict[str, Any]]) -> list[str]:
@@ -57,6 +58,18 @@ def _spend_lines(spend: dict[str, Any]) -> list[str]:
         if v.get("capped"):
             said += f"; cap reached: no step until {v['resumes_at']} or a higher cap"
         out.append(said)
+    return out
+
+
+def _storage_lines(info: dict[str, Any]) -> list[str]:
+    """Each weights scenario's weights on disk, kept and pruned by its retention policy, and each step waiting for
+    disk space with why (``daemon/retention.py``)."""
+    out = []
+    for name, v in sorted((info.get("retention") or {}).items()):
+        out.append(f"weights  {name}: {v['weights_bytes'] / 1e6:.1f} MB in the store; {v['releases']} releases, "
+                   f"{v['pruned']} pruned (keep_releases {v['keep_releases']})")
+    for name, v in sorted((info.get("storage") or {}).items()):
+        out.append(f"storage  {name}: {v['summary']}")
     return out
 
 

@@ -14,6 +14,7 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
   the transport)
 - ``recovery.py``  start-up recovery, ``find_damage`` (``reef doctor``), ``fsck``
 - ``diff.py``      what changed between two releases
+- ``pruning.py``   weights a retention policy removed: tombstones, which releases are pruned, ``prune``
 - ``requires.py``  what a release needs to run (``tool:git``, ``agent:claude>=2.0`` ...), checked on this machine
 - ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins); publish, rollback, hold,
   promote, reject

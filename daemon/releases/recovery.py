@@ -7,7 +7,7 @@
   none is left) and drops reflog entries naming commits that do not read back whole, logging each as an error;
   ``find_damage`` reports the same without changing anything (``reef doctor``).
 - ``fsck()`` reads reflogs and every loose object as ``git fsck --full`` does, and checks every manifest, chain and
-  LFS object.
+  LFS object (one a retention policy pruned, ``pruning.py``, is missing by design: not an error).
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ class Recovery:
                 errors.append(f"release {rid}: LFS path {path} missing from the tree")
             if sha not in lfs_ok:
                 lfs_ok[sha] = self._verify_lfs(sha, int(entry["size"]))
-                if not lfs_ok[sha]:
+                if not lfs_ok[sha] and not self.repo.pruned(sha):  # pruned by a retention policy: not damage
                     errors.append(f"LFS object {sha} (release {rid}, {path}) is missing or corrupt")
 
     def _verify_lfs(self, sha: str, size: int) -> bool:

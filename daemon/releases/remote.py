@@ -90,9 +90,10 @@ class Remote:
             rid = str(commit.parent_ids[0]) if commit.parent_ids else None
 
     def _lfs_between(self, ranges: list[tuple[str, str | None]]) -> list[tuple[str, int, Path]]:
-        """The local LFS objects ``(sha256, size, path)`` the releases of each range ``(new, stop)`` name."""
+        """The local LFS objects ``(sha256, size, path)`` the releases of each range ``(new, stop)`` name; those a
+        retention policy pruned here are not sent (a chain seeded after a prune lacks them on the remote too)."""
         return list({sha: (sha, size, self.repo.lfs_object({"oid": sha})) for new, stop in ranges
-                     for sha, size in self._lfs_named(new, stop)}.values())
+                     for sha, size in self._lfs_named(new, stop) if not self.repo.pruned(sha)}.values())
 
     def follow(self) -> list[str]:
         """Take in what the remote has: fetch its ``refs/reef/*``, then move each local ref that differs to the

@@ -28,7 +28,7 @@ import pygit2
 
 from daemon import durable
 from daemon.chain_remote import ChainRemote
-from daemon.errors import BadRequest, NotFound, StorageError
+from daemon.errors import BadRequest, NotFound, StorageError, WeightsPruned
 from daemon.releases.manifest import MANIFEST
 from daemon.releases.objects import (
     _BLOB,
@@ -75,6 +75,7 @@ class Repository:
         self.remote = remote
         self.lfs_dir = self.path / "lfs" / "objects"
         self.lfs_tmp = self.path / "lfs" / "tmp"
+        self.pruned_dir = self.path / "lfs" / "pruned"  # tombstones of objects a retention policy removed (pruning.py)
         self.guard_path = self.path / GUARD
         self._local = threading.local()
         self._whole: set[str] = set()  # loose objects read back whole once (immutable: not checked again)
@@ -272,6 +273,13 @@ class Repository:
         sha = str(lfs["oid"]).split(":", 1)[-1]
         path = self.lfs_path(sha)
         if not path.exists():
+            if self.pruned(sha):
+                raise WeightsPruned(f"LFS object {sha} was pruned by a retention policy (daemon/retention.py)",
+                                    release_id=None)
             raise StorageError(f"LFS object {sha} is missing from {self.lfs_dir}", path=str(path))
         return path
+
+    def pruned(self, sha256: str) -> bool:
+        """Whether the LFS object was removed by a retention policy: missing, with its tombstone (``pruning.py``)."""
+        return not self.lfs_path(sha256).exists() and (self.pruned_dir / sha256).exists()
 

@@ -8,13 +8,15 @@
   same transaction as the chain update, so it stays reachable. Rejected candidates are a chain of their own,
   ``refs/reef/rejected/<scenario>`` (one commit per verdict, with ``reef-rejection.json``, and the
   candidate's content as ``candidate/`` when it was held).
+- A release whose weights a retention policy pruned (``pruning.py``) stays on its chain; rolling back to it,
+  promoting it or checking it out is ``WeightsPruned``, naming the newest release whose weights are kept.
 - LoRA adapter releases (``daemon/lora.py``) hold only the adapter and ``reef-adapter.json`` naming their base
   by content id; ``publish`` refuses one whose base is not the model the scenario's head serves (``BaseMismatch``,
   before anything is written).
 
 The store is composed of parts, one module each, every part holding the ones it uses: ``repo.py`` (the repository,
 guarded reads) under ``reads.py`` and ``content.py``; ``refs.py`` over reads; ``remote.py`` over refs and reads;
-``recovery.py`` over the remote; ``diff.py`` over reads; this module on top.
+``recovery.py`` over the remote; ``diff.py`` and ``pruning.py`` over reads; this module on top.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ import pygit2
 
 from daemon import lora
 from daemon.chain_remote import ChainRemote
-from daemon.errors import BadRequest, BaseMismatch, Conflict, HeadMoved, NotFound, ReefError, Unchanged
+from daemon.errors import (
+    BadRequest,
+    BaseMismatch,
+    Conflict,
+    HeadMoved,
+    NotFound,
+    ReefError,
+    Unchanged,
+    WeightsPruned,
+)
 from daemon.names import check_scenario  # the one validator of scenario names
 from daemon.releases.content import Content
 from daemon.releases.diff import Diffs
@@ -50,6 +61,7 @@ from daemon.releases.manifest import (
     _one_line,
 )
 from daemon.releases.objects import _BLOB, _TREE, _expect, _storing
+from daemon.releases.pruning import Pruning
 from daemon.releases.reads import Reads
 from daemon.releases.recovery import Recovery
 from daemon.releases.refs import Refs, _RefUpdate
@@ -60,8 +72,8 @@ from daemon.releases.repo import DEFAULT_LFS_THRESHOLD, Repository
 class ReleaseStore:
     """The release chains of all scenarios. Safe to use from many threads and many processes at once.
 
-    It holds its parts (``repo``, ``reads``, ``content``, ``refs``, ``sync``, ``recovery``, ``diffs``), each given
-    the ones it stands on, and offers their public operations as its own."""
+    It holds its parts (``repo``, ``reads``, ``content``, ``refs``, ``sync``, ``recovery``, ``diffs``, ``pruning``), each
+    given the ones it stands on, and offers their public operations as its own."""
 
     def __init__(self, path: str | os.PathLike[str], *, lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
                  lock_timeout: float = 10.0, stale_lock_after: float = 5.0, remote: ChainRemote | None = None,
@@ -75,15 +87,26 @@ class ReleaseStore:
         self.sync.needs = needs  # a remote head this machine cannot run (its ``requires``) is not followed
         self.recovery = Recovery(repo, self.refs, self.sync, reads)
         self.diffs = Diffs(repo, reads)
+        self.pruning = Pruning(repo, reads)  # weights a retention policy removed (``daemon/retention.py``)
         self.path, self.lfs_dir, self.remote, self.lfs_path = repo.path, repo.lfs_dir, repo.remote, repo.lfs_path
         self.head, self.get, self.history, self.scenarios = reads.head, reads.get, reads.history, reads.scenarios
         self.chain_from = reads.chain_from
         self.belongs = reads.belongs
-        self.files, self.read_file, self.checkout = reads.files, reads.read_file, reads.checkout
+        self.files, self.read_file = reads.files, reads.read_file
+        self.pruned, self.prune = self.pruning.pruned, self.pruning.prune
         self.pending, self.rejections = reads.pending, reads.rejections
         self.adapter, self.base_model = reads.adapter, reads.base_model
         self.follow, self.recover, self.fsck, self.diff = self.sync.follow, self.recovery.recover, \
             self.recovery.fsck, self.diffs.diff
+
+    def checkout(self, release_id: str, dest: str | os.PathLike[str], *, link: bool = False) -> Path:
+        """``Reads.checkout``; a release whose weights were pruned is ``WeightsPruned`` naming the newest release of
+        its chain whose weights are kept (``pruning.py``)."""
+        try:
+            return self.reads.checkout(release_id, dest, link=link)
+        except WeightsPruned:
+            release = self.get(release_id)
+            raise self.pruning.refusal(release, "load", self.pruned(release)) from None
 
     # --- publishing ----------------------------------------------------------------------------------------
 
@@ -160,7 +183,9 @@ class ReleaseStore:
         src = self.get(rid)
         manifest = src.manifest(scenario=scenario, operation="rollback", receipts=(), source=rid,
                                 summary=summary or f"roll back to step {src.step} ({rid[:12]})")
-        return self._publish_tree(manifest, self.repo.content_tree(rid), src.lfs, expected=expected)
+        with self.pruning.lock:  # never a head naming weights a prune removed (or is removing)
+            self.pruning.check(rid, "roll back to")
+            return self._publish_tree(manifest, self.repo.content_tree(rid), src.lfs, expected=expected)
 
     def hold(self, manifest: Manifest | str, files: Mapping[str, FileSource], *, base: str | None = None,
              **fields: Any) -> Release:
@@ -210,10 +235,12 @@ class ReleaseStore:
         manifest = cand.manifest(scenario=scenario, operation="promote", source=pid,
                                  summary=summary or f"promote candidate {pid[:12]}",
                                  metrics={**cand.metrics, **(metrics or {})})
-        return self._publish_tree(
-            manifest, self.repo.content_tree(pid), cand.lfs, expected=expected,
-            extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],
-        )
+        with self.pruning.lock:
+            self.pruning.check(pid, "promote")
+            return self._publish_tree(
+                manifest, self.repo.content_tree(pid), cand.lfs, expected=expected,
+                extra=[_RefUpdate(pending_ref, None, pid, gone), _RefUpdate(promoted_ref, pid, None, gone)],
+            )
 
     def record_rejection(
         self,

@@ -54,6 +54,10 @@ async def handle_status(request: web.Request) -> web.Response:
             # each weights scenario's trainer time today and in all, its cap, and the cost per point of reward gained
             # (daemon/spend.py)
             "spend": await learning_spend.status(reef.learner),
+            # the weights scenarios waiting for disk space, and why; each one's weights kept and pruned, by the
+            # last retention pass (daemon/retention.py)
+            "storage": {n: v for n, v in reef.learner.storage.waiting.items() if reef.learner.state.get(n) == "storage"},
+            "retention": reef.weights_retention.figures,
             # the running canaries with their figures and the lines a person reads (daemon/canary.describe)
             "canaries": [c for n in sorted(reef.canaries.active) if (c := await reef.canaries.status(n)) is not None],
             "events": {"subscribers": reef.events.subscribers, "dropped": reef.events.dropped},

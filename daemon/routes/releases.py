@@ -48,14 +48,17 @@ async def handle_releases(request: web.Request) -> web.Response:
     scen = await existing_scenario(reef, request.match_info["name"])
     head = await reef.chains.head(scen)
     limit = int_param(request, "limit", None, 1, 100_000)
+    history = await reef.chains.history(scen.name, limit)
+    pruned = await reef.chains.pruned_of(history)  # the files whose weights the retention policy pruned
     body: dict[str, Any] = {
         "scenario": scen.name,
         "head": head.release_id,
-        "releases": [r.to_dict() for r in await reef.chains.history(scen.name, limit)],
+        "releases": [r.to_dict() for r in history],
         "forgotten": await forgetting.chain_view(reef, scen.name),
     }
     for r in body["releases"]:
         r["trained_on_forgotten"] = r["release_id"] in body["forgotten"]["trained_on_forgotten"]
+        r["weights_pruned"] = pruned[r["release_id"]]
     body["canary"] = await reef.canaries.status(scen.name)
     if request.query.get("all") in ("1", "true", "yes"):
         body["pending"] = [r.to_dict() for r in await reef.chains.pending(scen.name)]
@@ -74,6 +77,8 @@ async def _release_body(request: web.Request, release_id: str, scenario: str | N
     body["adapter"] = adapter.to_dict() if adapter is not None else None
     # each item it requires, checked on this machine now (met or not, what was found)
     body["requirements"] = await asyncio.to_thread(reef.chains.requirements, rel)
+    # its files whose weights the scenario's retention policy pruned (daemon/retention.py); empty: all here
+    body["weights_pruned"] = (await reef.chains.pruned_of([rel]))[rel.release_id]
     if request.query.get("diff", "1") not in ("0", "false", "no"):
         body["diff"] = await reef.chains.diff(rel.release_id)
     return json_response(body)
