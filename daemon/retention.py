@@ -7,7 +7,8 @@ already go by age and size (``daemon/forgetting.py``); this module does the same
 
 - **The policy.** ``keep_releases`` (every weights recipe's setting, ``recipes/base.RetentionSettings``; 20 by
   default, None keeps all) is how many of the chain's newest releases keep their weights, the head among them. Kept
-  too, whatever their age (``protected``): the releases that serve or may serve without anyone asking (each chain's
+  too, whatever their age: the chain's first release (the model the scenario started from: ``reef eval`` compares
+  with it, ``reef demo`` asks it, a rollback to the base is the usual way back), and (``protected``) the releases that serve or may serve without anyone asking (each chain's
   head, a running canary's two arms, every pending candidate, the releases the engines keep for requests that
   pinned them lately or are served on now, ``daemon/residency.py``), and the release ``reef releases list`` offers to
   roll back to when the head was trained on forgotten data (``forgetting.chain_view``). Rejected candidates with
@@ -69,13 +70,14 @@ def check(settings: Any) -> None:
                          param="settings.keep_releases")
 
 
-def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str]) -> list[str]:
+def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str], *, base: bool = True) -> list[str]:
     """The releases of one chain (newest first) whose weights go: those past the newest ``keep`` that hold weights
-    as LFS objects and are not ``protected`` (by release id or content id). ``keep`` None: none go."""
+    as LFS objects and are not ``protected`` (by release id or content id), nor (``base``) the chain's first release,
+    the model the scenario started from. ``keep`` None: none go."""
     if keep is None:
         return []
-    return [r.release_id for r in chain[max(keep, 1):]
-            if r.lfs and r.release_id not in protected and r.content_id not in protected]
+    older = chain[max(keep, 1):len(chain) - 1 if base else len(chain)]
+    return [r.release_id for r in older if r.lfs and r.release_id not in protected and r.content_id not in protected]
 
 
 def protected_of(canaries: Mapping[str, Mapping[str, Any]], residency: Any, targets: Iterable[str | None]) -> set[str]:
@@ -155,7 +157,7 @@ class Retention:
                 history = await chains.history(scenario.name)
                 candidates = [c for c in await chains.rejected_candidates(scenario.name) if c.lfs]
                 pruned = await chains.pruned_of(history + candidates)
-                drop += [r for r in plan(history, keep, protected) + plan(candidates, keep, protected)
+                drop += [r for r in plan(history, keep, protected) + plan(candidates, keep, protected, base=False)
                          if not pruned.get(r)]
                 figures[scenario.name] = {"keep_releases": keep, "releases": len(history)}
             out = await chains.prune(drop) if drop else {"objects": 0, "bytes": 0, "releases": []}

@@ -143,15 +143,16 @@ def _rel(rid: str, content: str | None = None, lfs: bool = True) -> Any:
 
 
 def test_the_plan_keeps_the_newest_n_and_what_is_protected() -> None:
-    """Newest first: the first ``keep`` stay, the head always among them; a protected release (by id or content)
-    stays at any age; a release without LFS weights has nothing to prune. Bugs caught: an off-by-one in N either
+    """Newest first: the first ``keep`` stay, the head always among them, and the chain's first release (its base);
+    a protected release (by id or content) stays at any age; a release without LFS weights has nothing to prune. Bugs caught: an off-by-one in N either
     way, keeping the oldest instead of the newest, ignoring protection."""
-    history = [_rel(str(i)) for i in range(6, -1, -1)]  # 6 (the head) .. 0 (the init)
-    assert plan(history, 3, set()) == ["3", "2", "1", "0"]
-    assert plan(history, 1, set()) == ["5", "4", "3", "2", "1", "0"]  # the head stays at the least bound
-    assert plan(history, 7, set()) == [] and plan(history, None, set()) == []
-    assert plan(history, 3, {"2", "c0"}) == ["3", "1"]
-    assert plan([_rel("1"), _rel("0", lfs=False)], 1, set()) == []
+    history = [_rel(str(i)) for i in range(6, -1, -1)]  # 6 (the head) .. 0 (the init: the base, always kept)
+    assert plan(history, 3, set()) == ["3", "2", "1"]
+    assert plan(history, 1, set()) == ["5", "4", "3", "2", "1"]  # the head stays at the least bound
+    assert plan(history, 6, set()) == [] and plan(history, None, set()) == []
+    assert plan(history, 3, {"2", "c1"}) == ["3"]
+    assert plan(history, 3, set(), base=False) == ["3", "2", "1", "0"]  # rejected candidates have no base
+    assert plan([_rel("2"), _rel("1", lfs=False), _rel("0")], 1, set()) == []
 
 
 def test_protected_names_the_canary_arms_the_pins_and_the_forgetting_target() -> None:
@@ -263,8 +264,8 @@ def _publish_weights(home: Path, scenario: str, n: int) -> list[str]:
 
 def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_pruned_release(
         daemon_factory: Any) -> None:
-    """``keep_releases = 2`` on a live chain: once three releases are published on top of the init, the init's and the
-    first's weights are pruned (the retention pass runs after each release), they stay listed and say so (``reef
+    """``keep_releases = 2`` on a live chain: once three releases are published on top of the init, the first's weights
+    are pruned (the retention pass runs after each release; the init, the base, is kept), it stays listed and says so (``reef
     releases list``, ``show``, ``GET``), ``reef status`` shows the weights kept; a request pinned to a pruned
     release and a rollback to it are refused (409, exit 5) naming the release to roll back to; a rollback to a kept
     one serves, and its content (now the head's) keeps its weights after the next pass. A bound of 0 is refused at
@@ -287,10 +288,11 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         def pruned() -> dict[str, Any] | None:
             chain = releases(c, "keep")
             marks = {r["release_id"]: bool(r["weights_pruned"]) for r in chain["releases"]}
-            return chain if len(marks) == 4 and marks[ids[0]] and marks[ids[1]] else None
+            return chain if len(marks) == 4 and marks[ids[1]] else None
 
         chain = wait_for(pruned, what="the weights past keep_releases pruned")
-        assert [bool(r["weights_pruned"]) for r in chain["releases"]] == [False, False, True, True], chain
+        # newest first: the newest two kept, the first pruned, the init (the base) kept
+        assert [bool(r["weights_pruned"]) for r in chain["releases"]] == [False, False, True, False], chain
         assert chain["head"] == ids[3] and [r["release_id"] for r in chain["releases"]] == ids[::-1]
         assert c.post("/s/keep/v1/chat/completions", json=ask).status_code == 200  # the head serves on
         shown = c.get(f"/reef/releases/{ids[1]}").json()
@@ -299,14 +301,14 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         assert "weights pruned by the retention policy" in d.cli("releases", "show", ids[1][:12]).stdout
         assert "weights  keep:" in d.cli("status").stdout
         view = c.get("/reef/status").json()["retention"]["keep"]
-        assert view["pruned"] == 2 and view["keep_releases"] == 2 and view["weights_bytes"] > 0, view
+        assert view["pruned"] == 1 and view["keep_releases"] == 2 and view["weights_bytes"] > 0, view
         r = c.post("/s/keep/v1/chat/completions", json=ask, headers={"x-reef-release-id": ids[1]})
         error = assert_canonical_error(r, 409, shape="openai")
         assert "pruned" in error["message"] and ids[2][:12] in error["message"], error
         r = c.post("/reef/scenarios/keep/rollback", json={"release_id": ids[1], "expected_head": ids[3]})
         error = assert_canonical_error(r, 409)
         assert error["offered"] == ids[2] and f"reef releases rollback {ids[2][:12]}" in error["message"], error
-        refused = d.cli("releases", "rollback", ids[0][:12], "-s", "keep", "--yes", check=False)
+        refused = d.cli("releases", "rollback", ids[1][:12], "-s", "keep", "--yes", check=False)
         assert refused.returncode == 5 and "pruned" in refused.stderr, refused
         assert releases(c, "keep")["head"] == ids[3]  # nothing published
         back = c.post("/reef/scenarios/keep/rollback", json={"release_id": ids[2], "expected_head": ids[3]})
@@ -315,7 +317,7 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         wait_for(lambda: c.get("/reef/status").json()["retention"]["keep"]["releases"] == 5,
                  what="a pass after the rollback")
         chain = releases(c, "keep")
-        assert [bool(r["weights_pruned"]) for r in chain["releases"]] == [False, False, False, True, True], chain
+        assert [bool(r["weights_pruned"]) for r in chain["releases"]] == [False, False, False, True, False], chain
     fsck = ReleaseStore(d.home / "artifacts.git").fsck()
     assert fsck["ok"], fsck["errors"]
 
