@@ -128,13 +128,13 @@ class Retention:
         keep = getattr(settings, "keep_releases", None)
         return None if keep is None else int(keep)
 
-    async def protected(self) -> set[str]:
-        """Release and content ids whose weights stay whatever their age (``protected_of``); heads and pending
-        candidates the store protects itself as well."""
+    async def protected(self, names: Iterable[str]) -> set[str]:
+        """Release and content ids whose weights stay whatever their age (``protected_of``), with the forgetting
+        rollback target of each of ``names``; heads and pending candidates the store protects itself as well."""
         from daemon import forgetting
 
         targets = []
-        for name in await asyncio.to_thread(self.reef.chains.heads):
+        for name in names:
             with contextlib.suppress(ReefError):
                 targets.append((await forgetting.chain_view(self.reef, name)).get("rollback_to"))
         return protected_of(self.reef.canaries.active, self.reef.residency, targets)
@@ -143,23 +143,27 @@ class Retention:
         """One pass over every scenario: prune the weights its policy lets go. Returns what went."""
         async with self._lock:
             chains = self.reef.chains
-            protected = await self.protected()
-            drop: list[str] = []
-            figures: dict[str, dict[str, Any]] = {}
+            policies: dict[str, int] = {}
             for scenario in await self.reef.store.scenarios.all():
                 try:
                     keep = await self.keep_of(scenario)
                 except ReefError as e:  # a recipe that no longer loads: nothing of its chain is pruned
                     log.warning("retention: scenario %s keeps every release's weights: %s", scenario.name, e.message)
                     continue
-                if keep is None:
+                if keep is not None:
+                    policies[scenario.name] = keep
+            protected = await self.protected(policies)
+            drop: list[str] = []
+            figures: dict[str, dict[str, Any]] = {}
+            for name, keep in policies.items():
+                history = await chains.history(name)
+                if not history:
                     continue
-                history = await chains.history(scenario.name)
-                candidates = [c for c in await chains.rejected_candidates(scenario.name) if c.lfs]
+                candidates = [c for c in await chains.rejected_candidates(name) if c.lfs]
                 pruned = await chains.pruned_of(history + candidates)
                 drop += [r for r in plan(history, keep, protected) + plan(candidates, keep, protected, base=False)
                          if not pruned.get(r)]
-                figures[scenario.name] = {"keep_releases": keep, "releases": len(history)}
+                figures[name] = {"keep_releases": keep, "releases": len(history)}
             out = await chains.prune(drop) if drop else {"objects": 0, "bytes": 0, "releases": []}
             for name in figures:
                 history = await chains.history(name)

@@ -312,7 +312,7 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         assert refused.returncode == 5 and "pruned" in refused.stderr, refused
         assert releases(c, "keep")["head"] == ids[3]  # nothing published
         back = c.post("/reef/scenarios/keep/rollback", json={"release_id": ids[2], "expected_head": ids[3]})
-        assert back.status_code == 200, back.text
+        assert back.status_code == 201, back.text
         assert c.post("/s/keep/v1/chat/completions", json=ask).status_code == 200
         wait_for(lambda: c.get("/reef/status").json()["retention"]["keep"]["releases"] == 5,
                  what="a pass after the rollback")
