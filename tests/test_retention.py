@@ -236,7 +236,7 @@ def test_a_short_disk_defers_the_step_once_and_it_runs_when_space_returns() -> N
 # --- a daemon: the policy on a live chain, and a step deferred --------------------------------------------------
 
 
-def _publish_weights(home: Path, scenario: str, n: int) -> list[str]:
+def _publish_weights(home: Path, scenario: str, n: int, first: int = 1) -> list[str]:
     """Publish ``n`` train releases of slightly changed tiny-model weights on ``scenario``'s chain, as another
     process would (the daemon sees each head move): each one a model that loads and serves."""
     from safetensors.torch import load_file, save_file
@@ -245,9 +245,9 @@ def _publish_weights(home: Path, scenario: str, n: int) -> list[str]:
     out = []
     head = store.head(scenario)
     assert head is not None
-    src = home / "w0"
+    src = home / f"w0-{first}"
     store.checkout(head, src)
-    for i in range(1, n + 1):
+    for i in range(first, first + n):
         dest = home / f"w{i}"
         shutil.copytree(src, dest)
         tensors = load_file(str(src / "model.safetensors"))
@@ -283,7 +283,12 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
         assert c.post("/s/keep/v1/chat/completions", json=ask).status_code == 200  # the init release
         init = releases(c, "keep")["releases"][0]["release_id"]
-        ids = [init, *_publish_weights(d.home, "keep", 3)]
+        ids = [init, *_publish_weights(d.home, "keep", 1)]
+        served = c.post("/s/keep/v1/chat/completions", json=ask)  # the head's checkout, which pruning removes
+        assert served.headers["x-reef-release-id"] == ids[1]
+        checkout = d.home / "cache" / "releases" / releases(c, "keep")["releases"][0]["content_id"]
+        assert checkout.is_dir()
+        ids += _publish_weights(d.home, "keep", 2, first=2)
 
         def pruned() -> dict[str, Any] | None:
             chain = releases(c, "keep")
@@ -294,6 +299,7 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         # newest first: the newest two kept, the first pruned, the init (the base) kept
         assert [bool(r["weights_pruned"]) for r in chain["releases"]] == [False, False, True, False], chain
         assert chain["head"] == ids[3] and [r["release_id"] for r in chain["releases"]] == ids[::-1]
+        assert not checkout.exists() and not checkout.with_suffix(".ok").exists()  # its hard links went with it
         assert c.post("/s/keep/v1/chat/completions", json=ask).status_code == 200  # the head serves on
         shown = c.get(f"/reef/releases/{ids[1]}").json()
         assert shown["weights_pruned"] == ["model.safetensors"], shown
