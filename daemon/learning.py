@@ -68,11 +68,11 @@ from daemon.gating.steps import run as run_gate
 from daemon.gating.warning import batch_figures
 from daemon.layout import check_tree
 from daemon.learning_lease import LeaseKeeper
+from daemon.learning_storage import StorageGuard
 from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
 from daemon.releases import Manifest, requires
-from daemon.retention import StorageGuard
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex
 from recipes import load_recipe
@@ -93,7 +93,7 @@ class ScenarioLearning:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
     # idle | waiting | training | judging | paused | warned | canary (waiting for a canary's verdict) | capped (its
-    # trainer-time cap reached today: daemon/spend.py) | storage (the disk short of a step's need: daemon/retention.py)
+    # trainer-time cap reached today: daemon/spend.py) | storage (the disk short of a step's need: learning_storage.py)
     state: str = "idle"
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
     cursor: int = 0  # seq of the last report read
@@ -378,7 +378,7 @@ class Learner:
                 st.state = "waiting"
                 return None
             if recipe.kind == "weights" and (short := await self.storage.short(self, st, scenario)) is not None:
-                return short  # the disk is short of the step's need: it waits for space (daemon/retention.py)
+                return short  # the disk is short of the step's need: it waits for space (learning_storage.py)
             receipts = [r.id for r in batch]
             if lease is not None:
                 try:

@@ -1,5 +1,5 @@
-"""Keeping weights for months: which releases keep their weights in the store (a scenario's ``keep_releases``), the
-pass that prunes the others, and a weights step that waits while the disk is short.
+"""Keeping weights for months: which releases keep their weights in the store (a scenario's ``keep_releases``), and
+the pass that prunes the others.
 
 The chain grows with weights: every published step of a full-weights scenario adds a model's worth of LFS objects,
 every adapter step a few MB, every candidate a canary ended a copy on the rejected log. Records and run copies
@@ -8,28 +8,23 @@ already go by age and size (``daemon/forgetting.py``); this module does the same
 - **The policy.** ``keep_releases`` (every weights recipe's setting, ``recipes/base.RetentionSettings``; 20 by
   default, None keeps all) is how many of the chain's newest releases keep their weights, the head among them. Kept
   too, whatever their age: the chain's first release (the model the scenario started from: ``reef eval`` compares
-  with it, ``reef demo`` asks it, a rollback to the base is the usual way back), and (``protected``) the releases that serve or may serve without anyone asking (each chain's
-  head, a running canary's two arms, every pending candidate, the releases the engines keep for requests that
-  pinned them lately or are served on now, ``daemon/residency.py``), and the release ``reef releases list`` offers to
-  roll back to when the head was trained on forgotten data (``forgetting.chain_view``). Rejected candidates with
+  with it, ``reef demo`` asks it, a rollback to the base is the usual way back); the releases that serve or may
+  serve without anyone asking (``protected``: each chain's head, a running canary's two arms, every pending
+  candidate, the releases the engines keep for requests that pinned them lately or are served on now,
+  ``daemon/residency.py``); and the release ``reef releases list`` offers to roll back to when the head was trained
+  on forgotten data (``forgetting.chain_view``). Rejected candidates with
   weights (a canary's ended candidate) keep theirs for the newest ``keep_releases`` of them and while protected.
   The base model an adapter release applies to is kept with every kept adapter (the store sees to it).
 - **What pruning does** (``daemon/releases/pruning.py``): it removes the LFS objects only let-go releases name; the
   chain stays append-only, a pruned release stays listed and says so (``reef releases list`` / ``show``), and
   loading, rolling back to or promoting one is refused (``WeightsPruned``, 409, exit 5) naming the newest release
-  whose weights are kept. Its checkout under ``cache/releases`` goes with it (hard links would keep the bytes).
+  before the head whose weights are kept. Its checkout under ``cache/releases`` goes with it (hard links would keep the bytes).
 - **When.** A pass runs at start and after each ``release`` and ``canary.end`` event and each change of a
   scenario's settings; passes never overlap, and a burst of events makes one pass. Trainer checkpoints and
   optimizer state need no policy of their own: a scenario keeps one lineage candidate under ``candidates/`` (the
   one its next step continues) and the trainer keeps its optimizer in memory; both are dropped when the lineage
   ends (``daemon/learning.py``).
-- **Storage short.** Before a weights step trains, the free space under the Reef home (``shutil.disk_usage``) must
-  cover the step's need: twice the whole model's size (the candidate the trainer writes, then its copy into the
-  store: an adapter step writes far less, so this errs on the safe side) plus ``storage_reserve_mb`` (100 MB by
-  default) for records and logs. Short, the step waits: nothing is trained, failed or consumed; the scenario's
-  state says ``storage``, ``reef status`` says why, a ``train.deferred`` event and a log line are written once per
-  wait, and a timer looks again every ``storage_check_s`` (30 s), so the step runs once space returns (a new
-  report looks at once too). The reading is ``StorageGuard.free``, which tests replace.
+- **Storage short**: a weights step waits while the disk is short of its need (``daemon/learning_storage.py``).
 """
 
 from __future__ import annotations
@@ -37,37 +32,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
-import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from daemon.errors import BadRequest, ReefError
-from daemon.gating.outcome import StepOutcome
+from daemon.errors import ReefError
 from daemon.releases import Release
-from daemon.services import Daemon
 
 if TYPE_CHECKING:
-    from daemon.canary import Canaries
     from daemon.records import Scenario
-    from daemon.residency import Residency
 
 log = logging.getLogger("reef.retention")
 
 KINDS = frozenset({"release", "canary.end", "scenario"})  # events after which a pass runs
-
-
-def check(settings: Any) -> None:
-    """``keep_releases`` is None (keep every release's weights) or a whole number of at least 1; else a
-    ``BadRequest`` naming it: a bound below one checkpoint would leave nothing to serve."""
-    keep = getattr(settings, "keep_releases", None)
-    if keep is None:
-        return
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise BadRequest(f"keep_releases must be a whole number of releases of at least 1 (the head's weights are "
-                         f"always kept; a bound below one checkpoint keeps nothing to serve), not {keep!r}",
-                         param="settings.keep_releases")
 
 
 def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str], *, base: bool = True) -> list[str]:
@@ -95,9 +71,20 @@ def protected_of(canaries: Mapping[str, Mapping[str, Any]], residency: Any, targ
     return out
 
 
-class _Reef(Daemon, Protocol):
-    canaries: Canaries
-    residency: Residency
+class _Reef(Protocol):
+    """What a pass reads of the daemon (``daemon.serving.Reef``; ``daemon.services.Daemon`` and its canaries and
+    residency), typed loosely: importing those types here would close an import circle through the learner."""
+
+    config: Any
+    store: Any
+    chains: Any
+    events: Any
+    metrics: Any
+    learner: Any
+    canaries: Any
+    residency: Any
+
+    async def engine(self, model: str) -> Any: ...
 
 
 class Retention:
@@ -164,7 +151,7 @@ class Retention:
                 drop += [r for r in plan(history, keep, protected) + plan(candidates, keep, protected, base=False)
                          if not pruned.get(r)]
                 figures[name] = {"keep_releases": keep, "releases": len(history)}
-            out = await chains.prune(drop) if drop else {"objects": 0, "bytes": 0, "releases": []}
+            out: dict[str, Any] = await chains.prune(drop) if drop else {"objects": 0, "bytes": 0, "releases": []}
             for name in figures:
                 history = await chains.history(name)
                 pruned = await chains.pruned_of(history)
@@ -198,63 +185,3 @@ class Retention:
                         if queue.get_nowait() is None:
                             queue = self.reef.events.subscribe(internal=True)
                     break
-
-
-# --- a step with storage short waits ---------------------------------------------------------------------------
-
-
-class _Learner(Protocol):
-    """What ``StorageGuard.short`` reads of the learning loop (``daemon/learning.Learner``)."""
-
-    chains: Any
-    events: Any
-
-
-class StorageGuard:
-    """Whether a weights step may start, by the free space under the Reef home; the scenarios waiting for space."""
-
-    def __init__(self, home: Path, reserve_mb: float, check_s: float, notify: Callable[[str], None],
-                 free: Callable[[Path], int] | None = None) -> None:
-        self.home, self.reserve, self.check_s, self.notify = home, int(reserve_mb * 1e6), check_s, notify
-        # the free bytes under a path: shutil.disk_usage by default; a test gives its own reading
-        self.free: Callable[[Path], int] = free or (lambda path: shutil.disk_usage(path).free)
-        self.waiting: dict[str, dict[str, Any]] = {}  # scenario -> why it waits (``GET /reef/status``'s storage)
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-
-    def close(self) -> None:
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
-
-    async def need(self, chains: Any, scenario: Scenario) -> tuple[int, int]:
-        """``(need, model bytes)``: twice the whole model's size (the head's weights, or the base its adapter is on)
-        plus the reserve."""
-        head = await chains.head(scenario)
-        adapter = await chains.adapter(head.release_id)
-        model = await chains.release(adapter.base_release_id) if adapter is not None else head
-        size = sum(int(e["size"]) for e in model.lfs.values())
-        return 2 * size + self.reserve, size
-
-    async def short(self, learner: _Learner, st: Any, scenario: Scenario) -> StepOutcome | None:
-        """None when the step may start; else the scenario waits (state ``storage``) and the outcome says why."""
-        need, model = await self.need(learner.chains, scenario)
-        free = int(await asyncio.to_thread(self.free, self.home))
-        if free >= need:
-            if self.waiting.pop(st.name, None) is not None:
-                log.info("learning on %s: %.0f MB free under %s again; the step runs", st.name, free / 1e6, self.home)
-            return None
-        st.state = "storage"
-        summary = (f"storage short: {free / 1e6:.0f} MB free under {self.home}, the step needs {need / 1e6:.0f} MB "
-                   f"(twice the model's {model / 1e6:.0f} MB and storage_reserve_mb {self.reserve / 1e6:g}); it "
-                   f"waits, looking again every {self.check_s:g} s (lower keep_releases to prune more weights)")
-        if st.name not in self.waiting:
-            log.warning("learning on %s: %s", st.name, summary)
-            learner.events.publish("train.deferred", scenario=st.name, summary=summary, free_bytes=free,
-                                   need_bytes=need)
-        self.waiting[st.name] = {"summary": summary, "free_bytes": free, "need_bytes": need,
-                                 "since": self.waiting.get(st.name, {}).get("since", time.time())}
-        old = self._timers.pop(st.name, None)
-        if old is not None:
-            old.cancel()
-        self._timers[st.name] = asyncio.get_running_loop().call_later(self.check_s, self.notify, st.name)
-        return StepOutcome("paused", scenario=st.name, summary=summary)

@@ -308,9 +308,7 @@ class Recipe:
         from daemon import spend
 
         spend.check(settings)  # here too, for the same reason
-        from daemon import retention
-
-        retention.check(settings)  # and the retention bound
+        check_retention(settings)  # and the retention bound
         return settings
 
     @classmethod
@@ -452,6 +450,18 @@ def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint) or hint
     return {int: "an integer", float: "a number", str: "text", bool: "true or false", list: "a list",
             dict: "an object"}.get(origin, getattr(origin, "__name__", str(hint)))
+
+
+def check_retention(settings: Any) -> None:
+    """``keep_releases`` (``RetentionSettings``, ``daemon/retention.py``) is None (keep every release's weights) or a
+    whole number of at least 1; else a ``BadRequest`` naming it: a bound below one checkpoint leaves nothing to serve."""
+    keep = getattr(settings, "keep_releases", None)
+    if keep is None:
+        return
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise BadRequest(f"keep_releases must be a whole number of releases of at least 1 (the head's weights are "
+                         f"always kept; a bound below one checkpoint keeps nothing to serve), not {keep!r}",
+                         param="settings.keep_releases")
 
 
 def check_canary_share(settings: Any) -> None:

@@ -1,4 +1,5 @@
-"""Checkpoint retention (issue 49, ``daemon/retention.py``, ``daemon/releases/pruning.py``): a weights scenario's
+"""Checkpoint retention (issue 49, ``daemon/retention.py``, ``daemon/releases/pruning.py``,
+``daemon/learning_storage.py``): a weights scenario's
 ``keep_releases`` keeps the weights of its newest releases and of every release still served or pinned; the others'
 weights are pruned while the chain keeps every entry (a pruned release stays listed, says so, and a rollback to it
 is refused naming a release to roll back to instead); a bound below one checkpoint is refused naming the setting;
@@ -22,9 +23,11 @@ import pytest
 from daemon import lora
 from daemon.errors import BadRequest, StorageError, WeightsPruned
 from daemon.events import EventBus
+from daemon.learning_storage import StorageGuard
 from daemon.releases import ReleaseStore
-from daemon.retention import StorageGuard, check, plan, protected_of
+from daemon.retention import plan, protected_of
 from recipes import load_recipe
+from recipes.base import check_retention
 from tests.conftest import Daemon, assert_canonical_error
 from tests.test_learning import releases, serve_and_report, settings_toml, wait_for
 
@@ -179,7 +182,7 @@ def test_every_weights_recipe_takes_the_bound_and_its_default() -> None:
         assert load_recipe(recipe).parse_settings({"keep_releases": 1}).keep_releases == 1
         assert load_recipe(recipe).parse_settings({}).keep_releases == 20
         assert load_recipe(recipe).parse_settings({"keep_releases": None}).keep_releases is None
-    check(SimpleNamespace())  # a recipe without the setting: nothing to check
+    check_retention(SimpleNamespace())  # a recipe without the setting: nothing to check
     with pytest.raises(BadRequest):
         load_recipe("lessons").parse_settings({"keep_releases": 3})
 
