@@ -6,7 +6,9 @@ every adapter step a few MB, every candidate a canary ended a copy on the reject
 already go by age and size (``daemon/forgetting.py``); this module does the same for weights, on the same chain:
 
 - **The policy.** ``keep_releases`` (every weights recipe's setting, ``recipes/base.RetentionSettings``; 20 by
-  default, None keeps all) is how many of the chain's newest releases keep their weights, the head among them. Kept
+  default, None keeps all) is how many of the chain's releases keep their weights, the head among them: the newest
+  (``keep_policy = "latest"``, the default) or the head and the best by the gate's score (``"best"``: ``eval_reward``,
+  newest first among equals; releases without one rank last). Kept
   too, whatever their age: the chain's first release (the model the scenario started from: ``reef eval`` compares
   with it, ``reef demo`` asks it, a rollback to the base is the usual way back); the releases that serve or may
   serve without anyone asking (``protected``: each chain's head, a running canary's two arms, every pending
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,13 +49,29 @@ log = logging.getLogger("reef.retention")
 KINDS = frozenset({"release", "canary.end", "scenario"})  # events after which a pass runs
 
 
-def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str], *, base: bool = True) -> list[str]:
-    """The releases of one chain (newest first) whose weights go: those past the newest ``keep`` that hold weights
-    as LFS objects and are not ``protected`` (by release id or content id), nor (``base``) the chain's first release,
-    the model the scenario started from. ``keep`` None: none go."""
+def score(release: Release) -> float:
+    """A release's gate score (``eval_reward``) for ``keep_policy = "best"``; one without a finite score ranks last."""
+    value = release.metrics.get("eval_reward")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else -math.inf
+
+
+def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str], *, base: bool = True,
+         policy: str = "latest") -> list[str]:
+    """The releases of one chain (newest first) whose weights go: all but ``keep`` of them (``latest``: the newest;
+    ``best``: the head and the ``keep - 1`` others of the highest gate score, newest first among equals), among those
+    that hold weights as LFS objects, are not ``protected`` (by release id or content id) and are not (``base``) the
+    chain's first release, the model the scenario started from. ``keep`` None: none go."""
     if keep is None:
         return []
-    older = chain[max(keep, 1):len(chain) - 1 if base else len(chain)]
+    last = len(chain) - 1 if base else len(chain)
+    keep = max(keep, 1)
+    if policy == "best":
+        ranked = sorted(range(1, last), key=lambda i: (-score(chain[i]), i))
+        kept = {0, *ranked[:keep - 1]}
+        older = [r for i, r in enumerate(chain[:last]) if i not in kept]
+    else:
+        older = list(chain[keep:last])
     return [r.release_id for r in older if r.lfs and r.release_id not in protected and r.content_id not in protected]
 
 
@@ -104,16 +123,16 @@ class Retention:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def keep_of(self, scenario: Scenario) -> int | None:
-        """The scenario's ``keep_releases``; None for one whose recipe takes none (a harness, a recipe that never
-        trains: nothing of theirs is pruned)."""
+    async def keep_of(self, scenario: Scenario) -> tuple[int, str] | None:
+        """The scenario's ``keep_releases`` and ``keep_policy``; None for one whose recipe takes none (a harness, a
+        recipe that never trains) or that keeps all: nothing of theirs is pruned."""
         from recipes import load_recipe
 
         if load_recipe(scenario.recipe).kind != "weights":
             return None
         settings = self.reef.learner.make_recipe(scenario.recipe, scenario.settings).settings
         keep = getattr(settings, "keep_releases", None)
-        return None if keep is None else int(keep)
+        return None if keep is None else (int(keep), str(getattr(settings, "keep_policy", "latest")))
 
     async def protected(self, names: Iterable[str]) -> set[str]:
         """Release and content ids whose weights stay whatever their age (``protected_of``), with the forgetting
@@ -130,7 +149,7 @@ class Retention:
         """One pass over every scenario: prune the weights its policy lets go. Returns what went."""
         async with self._lock:
             chains = self.reef.chains
-            policies: dict[str, int] = {}
+            policies: dict[str, tuple[int, str]] = {}
             for scenario in await self.reef.store.scenarios.all():
                 try:
                     keep = await self.keep_of(scenario)
@@ -142,15 +161,15 @@ class Retention:
             protected = await self.protected(policies)
             drop: list[str] = []
             figures: dict[str, dict[str, Any]] = {}
-            for name, keep in policies.items():
+            for name, (keep, policy) in policies.items():
                 history = await chains.history(name)
                 if not history:
                     continue
                 candidates = [c for c in await chains.rejected_candidates(name) if c.lfs]
                 pruned = await chains.pruned_of(history + candidates)
-                drop += [r for r in plan(history, keep, protected) + plan(candidates, keep, protected, base=False)
-                         if not pruned.get(r)]
-                figures[name] = {"keep_releases": keep, "releases": len(history)}
+                drop += [r for r in plan(history, keep, protected, policy=policy)
+                         + plan(candidates, keep, protected, base=False) if not pruned.get(r)]
+                figures[name] = {"keep_releases": keep, "keep_policy": policy, "releases": len(history)}
             out: dict[str, Any] = await chains.prune(drop) if drop else {"objects": 0, "bytes": 0, "releases": []}
             for name in figures:
                 history = await chains.history(name)

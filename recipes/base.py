@@ -204,6 +204,9 @@ class RetentionSettings:
     # of every release still served or pinned; older ones are pruned and stay listed (docs/releases.md). An integer
     # of at least 1; None: every release's weights are kept
     keep_releases: int | None = 20
+    # which keep_releases releases keep their weights: "latest" (the newest) or "best" (the head and the others of
+    # the highest gate score, eval_reward)
+    keep_policy: str = "latest"
 
 
 # a weights candidate's canary share by default: half, since the paired test decides soonest with equal arms and
@@ -454,7 +457,11 @@ def _type_name(hint: Any) -> str:
 
 def check_retention(settings: Any) -> None:
     """``keep_releases`` (``RetentionSettings``, ``daemon/retention.py``) is None (keep every release's weights) or a
-    whole number of at least 1; else a ``BadRequest`` naming it: a bound below one checkpoint leaves nothing to serve."""
+    whole number of at least 1, and ``keep_policy`` latest or best; else a ``BadRequest`` naming the setting: a bound
+    below one checkpoint leaves nothing to serve."""
+    policy = getattr(settings, "keep_policy", "latest")
+    if policy not in ("latest", "best"):
+        raise BadRequest(f"keep_policy must be latest or best, not {policy!r}", param="settings.keep_policy")
     keep = getattr(settings, "keep_releases", None)
     if keep is None:
         return

@@ -67,7 +67,7 @@ def _storage_lines(info: dict[str, Any]) -> list[str]:
     out = []
     for name, v in sorted((info.get("retention") or {}).items()):
         out.append(f"weights  {name}: {v['weights_bytes'] / 1e6:.1f} MB in the store; {v['releases']} releases, "
-                   f"{v['pruned']} pruned (keep_releases {v['keep_releases']})")
+                   f"{v['pruned']} pruned (keep_releases {v['keep_releases']}, {v.get('keep_policy', 'latest')})")
     for name, v in sorted((info.get("storage") or {}).items()):
         out.append(f"storage  {name}: {v['summary']}")
     return out

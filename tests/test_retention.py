@@ -140,8 +140,8 @@ def test_weights_stored_again_are_no_longer_pruned(tmp_path: Path) -> None:
 # --- the policy ------------------------------------------------------------------------------------------------
 
 
-def _rel(rid: str, content: str | None = None, lfs: bool = True) -> Any:
-    return SimpleNamespace(release_id=rid, content_id=content or f"c{rid}",
+def _rel(rid: str, content: str | None = None, lfs: bool = True, score: Any = None) -> Any:
+    return SimpleNamespace(release_id=rid, content_id=content or f"c{rid}", metrics={"eval_reward": score},
                            lfs={"model.bin": {"oid": f"sha256:{rid}", "size": 1}} if lfs else {})
 
 
@@ -156,6 +156,26 @@ def test_the_plan_keeps_the_newest_n_and_what_is_protected() -> None:
     assert plan(history, 3, {"2", "c1"}) == ["3"]
     assert plan(history, 3, set(), base=False) == ["3", "2", "1", "0"]  # rejected candidates have no base
     assert plan([_rel("2"), _rel("1", lfs=False), _rel("0")], 1, set()) == []
+
+
+def test_the_best_policy_keeps_the_head_and_the_best_scored() -> None:
+    """``keep_policy = "best"``: the head (whatever its score) and the ``keep - 1`` others of the highest gate score
+    keep their weights, newest first among equals, a release without a finite score ranking last; the base stays.
+    Bugs caught: the head dropped for a low score, ties kept oldest first, a missing score ranked first, the policy
+    ignored."""
+    scores = {6: 0.1, 5: 0.9, 4: float("nan"), 3: 0.5, 2: 0.9, 1: None, 0: 0.95}
+    history = [_rel(str(i), score=scores[i]) for i in range(6, -1, -1)]
+    assert plan(history, 3, set(), policy="best") == ["4", "3", "1"]  # kept: 6 (the head), 5 and 2 (0.9), 0 (base)
+    assert plan(history, 2, set(), policy="best") == ["4", "3", "2", "1"]  # of two 0.9s, the newer
+    assert plan(history, 4, set(), policy="best") == ["4", "1"]  # then 0.5; no score and NaN last
+    assert plan(history, 1, set(), policy="best") == ["5", "4", "3", "2", "1"]
+    assert plan(history, 3, set()) == ["3", "2", "1"]  # latest, the default
+    for recipe in ("online-rl", "sao"):
+        assert load_recipe(recipe).parse_settings({"keep_policy": "best"}).keep_policy == "best"
+        assert load_recipe(recipe).parse_settings({}).keep_policy == "latest"
+        with pytest.raises(BadRequest) as e:
+            load_recipe(recipe).parse_settings({"keep_policy": "worst"})
+        assert e.value.data["param"] == "settings.keep_policy"
 
 
 def test_protected_names_the_canary_arms_the_pins_and_the_forgetting_target() -> None:
