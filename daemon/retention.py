@@ -52,8 +52,9 @@ KINDS = frozenset({"release", "canary.end", "scenario"})  # events after which a
 def score(release: Release) -> float:
     """A release's gate score (``eval_reward``) for ``keep_policy = "best"``; one without a finite score ranks last."""
     value = release.metrics.get("eval_reward")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else -math.inf
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return -math.inf
 
 
 def plan(chain: Sequence[Release], keep: int | None, protected: Collection[str], *, base: bool = True,
@@ -152,12 +153,12 @@ class Retention:
             policies: dict[str, tuple[int, str]] = {}
             for scenario in await self.reef.store.scenarios.all():
                 try:
-                    keep = await self.keep_of(scenario)
+                    kept = await self.keep_of(scenario)
                 except ReefError as e:  # a recipe that no longer loads: nothing of its chain is pruned
                     log.warning("retention: scenario %s keeps every release's weights: %s", scenario.name, e.message)
                     continue
-                if keep is not None:
-                    policies[scenario.name] = keep
+                if kept is not None:
+                    policies[scenario.name] = kept
             protected = await self.protected(policies)
             drop: list[str] = []
             figures: dict[str, dict[str, Any]] = {}
