@@ -326,6 +326,8 @@ def test_a_daemon_prunes_past_keep_releases_says_so_and_refuses_a_rollback_to_a_
         assert c.post("/s/keep/v1/chat/completions", json=ask).status_code == 200  # the head serves on
         shown = c.get(f"/reef/releases/{ids[1]}").json()
         assert shown["weights_pruned"] == ["model.safetensors"], shown
+        assert any("pruned" in f.get("error", "") for f in shown["diff"]["files"]), shown["diff"]
+        assert c.get(f"/reef/releases/{ids[1]}/page").status_code == 200  # its page still opens
         assert "weights pruned (retention)" in d.cli("releases", "list", "-s", "keep").stdout
         assert "weights pruned by the retention policy" in d.cli("releases", "show", ids[1][:12]).stdout
         assert "weights  keep:" in d.cli("status").stdout
