@@ -137,6 +137,25 @@ def test_weights_stored_again_are_no_longer_pruned(tmp_path: Path) -> None:
     assert store.pruned(store.get(ids[1])) == [] and store.rollback("s", ids[1]).source == ids[1]
 
 
+def test_a_pruned_store_seeds_a_new_chain_remote_without_the_pruned_weights(tmp_path: Path) -> None:
+    """A store pruned before a chain remote was configured pushes its chains there at the first follow, every LFS
+    object but the pruned ones with them (it has no others to send). Bug caught: the seeding reading a pruned object
+    and failing every follow."""
+    from daemon.chain_remote import ChainRemote
+    from tests.test_chain_remote import bare, remote_head
+
+    store, ids = chain(tmp_path, 2)
+    store.prune([ids[1]])
+    remote = bare(tmp_path / "chains.git")
+    path = tmp_path / "artifacts.git"
+    synced = ReleaseStore(path, lfs_threshold=BIG, remote=ChainRemote(path, str(remote)))
+    synced.follow()
+    assert remote_head(remote, "s") == ids[2]
+    sent = {p.name for p in (remote / "lfs" / "objects").rglob("*") if p.is_file()}
+    shas = [store.get(r).lfs["model.bin"]["oid"].split(":", 1)[1] for r in ids]
+    assert shas[0] in sent and shas[2] in sent and shas[1] not in sent, sent
+
+
 # --- the policy ------------------------------------------------------------------------------------------------
 
 
