@@ -208,6 +208,26 @@ def test_protected_names_the_canary_arms_the_pins_and_the_forgetting_target() ->
     assert got == {"r-candidate", "r-head", "c-head", "c-arm", "c-served", "c-pinned", "r-clean"}
 
 
+def test_a_scenarios_policy_is_read_from_its_settings() -> None:
+    """What a pass reads of each scenario: its ``keep_releases`` and ``keep_policy`` as its settings say, nothing for
+    one that keeps all or whose recipe trains no weights."""
+    from daemon.retention import Retention
+
+    def make_recipe(recipe: str, settings: dict[str, Any]) -> Any:
+        cls = load_recipe(recipe)
+        return cls(cls.parse_settings(settings))
+
+    retention = Retention(SimpleNamespace(learner=SimpleNamespace(make_recipe=make_recipe)))  # type: ignore[arg-type]
+
+    def policy(recipe: str, settings: dict[str, Any]) -> Any:
+        return asyncio.run(retention.keep_of(SimpleNamespace(recipe=recipe, settings=settings)))  # type: ignore[arg-type]
+
+    assert policy("online-rl", {"keep_releases": 3, "keep_policy": "best"}) == (3, "best")
+    assert policy("sao", {}) == (20, "latest")
+    assert policy("online-rl", {"keep_releases": None}) is None
+    assert policy("lessons", {}) is None
+
+
 @pytest.mark.parametrize("recipe", ["online-rl", "sao", "ttt-discover", "openclaw-rl"])
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
 def test_a_bound_below_one_checkpoint_is_refused_naming_it(recipe: str, bad: Any) -> None:
