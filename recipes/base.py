@@ -202,8 +202,9 @@ class RetentionSettings:
 
     # the weights of the last keep_releases releases of the chain (the head among them) stay in the store, with those
     # of every release still served or pinned; older ones are pruned and stay listed (docs/releases.md). An integer
-    # of at least 1; None: every release's weights are kept
-    keep_releases: int | None = 20
+    # of at least 1; None (the default): every release's weights are kept, so that any release can be rolled back
+    # until the user bounds the store (pruning is opt-in: a pruned release can no longer be rolled back to)
+    keep_releases: int | None = None
     # which keep_releases releases keep their weights: "latest" (the newest) or "best" (the head and the others of
     # the highest gate score, eval_reward)
     keep_policy: str = "latest"

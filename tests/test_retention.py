@@ -223,7 +223,8 @@ def test_a_scenarios_policy_is_read_from_its_settings() -> None:
         return asyncio.run(retention.keep_of(SimpleNamespace(recipe=recipe, settings=settings)))  # type: ignore[arg-type]
 
     assert policy("online-rl", {"keep_releases": 3, "keep_policy": "best"}) == (3, "best")
-    assert policy("sao", {}) == (20, "latest")
+    assert policy("sao", {}) is None  # the default: every release keeps its weights
+    assert policy("sao", {"keep_releases": 20}) == (20, "latest")
     assert policy("online-rl", {"keep_releases": None}) is None
     assert policy("lessons", {}) is None
 
@@ -239,7 +240,7 @@ def test_a_bound_below_one_checkpoint_is_refused_naming_it(recipe: str, bad: Any
 def test_every_weights_recipe_takes_the_bound_and_its_default() -> None:
     for recipe in ("online-rl", "sao", "ttt-discover", "openclaw-rl"):
         assert load_recipe(recipe).parse_settings({"keep_releases": 1}).keep_releases == 1
-        assert load_recipe(recipe).parse_settings({}).keep_releases == 20
+        assert load_recipe(recipe).parse_settings({}).keep_releases is None  # opt-in: any release can roll back
         assert load_recipe(recipe).parse_settings({"keep_releases": None}).keep_releases is None
     check_retention(SimpleNamespace())  # a recipe without the setting: nothing to check
     with pytest.raises(BadRequest):
@@ -406,9 +407,8 @@ def test_a_step_with_storage_short_is_deferred_then_runs_when_space_returns(daem
     with d.http() as c:
         assert c.post("/reef/scenarios", json={"name": "short", "recipe": "online-rl"}).status_code == 201
         receipts = serve_and_report(c, "short", 4)
-        status = wait_for(lambda: (s := c.get("/reef/status").json())["storage"].get("short") and s,
-                          what="the step deferred")
-        assert status["learning"]["short"] == "storage", status["learning"]
+        status = wait_for(lambda: (s := c.get("/reef/status").json())["storage"].get("short")
+                          and s["learning"].get("short") == "storage" and s, what="the step deferred")
         assert "storage short" in status["storage"]["short"]["summary"]
         events = []
         with c.stream("GET", "/reef/events", params={"after": 0}, timeout=60) as resp:
