@@ -407,10 +407,10 @@ def test_the_demo_says_why_it_runs_without_a_canary() -> None:
     assert "off in this demo" in console.export_text()
 
 
-def test_the_demo_stops_on_the_early_warning_of_its_own_scenario() -> None:
-    """``reef demo`` watches the event stream: a warning that paused its scenario's learning ends the demo (the
-    client loop's condition) with the warning's words, where it used to go on asking for minutes with nothing
-    learning; a warning lifted, or another scenario's, changes nothing."""
+def test_the_demo_sees_the_early_warning_of_its_own_scenario() -> None:
+    """``reef demo`` watches the event stream: a warning that paused its scenario's learning is seen (the client
+    loop then shows it, accepts it and goes on; it used to go on asking for minutes with nothing learning); a
+    warning lifted, or another scenario's, changes nothing."""
     from reef_cli.demo import Board
 
     board = Board("demo-x")
