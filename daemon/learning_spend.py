@@ -80,11 +80,14 @@ async def capped(learner: Learner, st: ScenarioLearning) -> StepOutcome | None:
     return StepOutcome("paused", scenario=st.name, summary=summary)
 
 
-async def status(learner: Learner) -> dict[str, dict[str, Any]]:
-    """Each weights scenario's spend view (``GET /reef/status``'s ``spend``)."""
+async def status(learner: Learner, only: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each weights scenario's spend view (``GET /reef/status``'s ``spend``); ``only``: that scenario's alone (the
+    release page's)."""
     out: dict[str, dict[str, Any]] = {}
     now = time.time()
     for s in await learner.store.scenarios.all():
+        if only is not None and s.name != only:
+            continue
         try:
             if load_recipe(s.recipe).kind != "weights":
                 continue

@@ -54,6 +54,7 @@ class PageData:
     evaluation_error: str | None = None
     generated_at: float = 0.0
     canary: dict[str, Any] | None = None  # the scenario's running canary, when this release is one of its arms
+    spend: dict[str, Any] | None = None  # a weights scenario's learning spend (daemon/spend.py ``Spend.view``)
 
 
 async def gather(reef: Any, release_id: str, scenario: str | None = None) -> PageData:
@@ -80,6 +81,11 @@ async def gather(reef: Any, release_id: str, scenario: str | None = None) -> Pag
     live = await canaries.status(rel.scenario) if canaries is not None else None
     if live is not None and rel.release_id in (live["release_id"], live["base_id"]):
         data.canary = live
+    learner = getattr(reef, "learner", None)
+    if learner is not None:
+        from daemon import learning_spend
+
+        data.spend = (await learning_spend.status(learner, rel.scenario)).get(rel.scenario)
     for receipt in rel.receipts[:MAX_RECEIPTS]:
         try:
             data.inputs.append(await store.exchanges.get(receipt, full=False))
@@ -148,6 +154,7 @@ def render(data: PageData) -> str:
         _section("Its place on the chain", "chain", _chain(data)),
         _section("Evaluation: learning curve, forgetting, transfer", "eval", _evaluation(data)),
         _section("Its live canary", "canary", _canary(data)) if data.canary else "",
+        _section("Learning spend", "spend", _spend(data)) if data.spend else "",
     ))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
@@ -162,6 +169,29 @@ def _canary(data: PageData) -> str:
     side = "the candidate" if c.get("release_id") == data.release["release_id"] else "the head it is compared with"
     return (f"<p>This release is {e(side)} of a running canary; figures as of this page.</p>\n<pre>"
             + e("\n".join(c.get("lines") or [])) + "</pre>")
+
+
+def _spend(data: PageData) -> str:
+    """The trainer time this release's step took and the scenario's spend (``reef status``'s figures)."""
+    s = data.spend or {}
+
+    def n(v: Any) -> str:
+        f = _number(v)
+        return "-" if f is None else f"{f:.4g}"
+
+    op = data.release.get("operation")
+    # (a rollback carries the metrics of the release it restores: its trainer time is that step's, spent once)
+    own = (data.release.get("metrics") or {}).get("trainer_seconds") if op in ("train", "promote") else None
+    cap, cost = s.get("max_trainer_hours"), s.get("seconds_per_point")
+    rows = [("this release's step", f"{n(own)} s of trainer time" if own is not None
+             else f"no trainer time (a {op})" if op not in ("train", "promote") else "no trainer time"),
+            ("the scenario today", f"{n(s.get('trainer_seconds_today'))} s"
+             + (f" of max_trainer_hours {n(cap)} a day" if cap is not None else " (no cap: max_trainer_hours)")
+             + (f"; capped until {s['resumes_at']}" if s.get("capped") else "")),
+            ("the scenario in all", f"{n(s.get('trainer_seconds_total'))} s"),
+            ("cost per point of reward", f"{n(cost)} trainer seconds per +0.01 of batch reward"
+             if cost is not None else "not yet (two released steps, the latest with a higher batch reward)")]
+    return _table(rows, "spend")
 
 
 def _section(heading: str, ident: str, inner: str) -> str:

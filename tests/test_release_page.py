@@ -168,6 +168,10 @@ def test_an_adapter_release_page_names_the_tensors_the_verdict_and_plots_every_r
                                            m["eval_reward"], step1["metrics"]["eval_reward"])]
     head = chromium(open_page(d, rolled.json()["release_id"]))
     assert "the head: it serves the scenario now" in head.visible and head.count("circle", "this") == 1
+    # learning spend (issue 49): the step's own trainer time and the scenario's, as `reef status` has them
+    assert "Learning spend" in seen and f"{m['trainer_seconds']:.4g} s of trainer time" in seen
+    assert "(no cap: max_trainer_hours)" in seen and "cost per point of reward" in seen
+    assert "no trainer time (a rollback)" in head.visible  # it restores a step: its time was spent once
 
 
 def test_unknown_releases_are_404s_and_open_hands_the_file_to_the_browser(daemon: Daemon, tmp_path: Path) -> None:
