@@ -115,7 +115,7 @@ def _take(cache: Any, mask: torch.Tensor, rows: list[int]) -> tuple[Any, torch.T
     return cache, mask[index]
 
 
-def _merge(batch: _Batch, cache: Any, mask: torch.Tensor, seqs: list[_Seq]) -> None:
+def _merge(batch: _Batch, cache: Any, mask: torch.Tensor, seqs: list[_Seq[Load]]) -> None:
     """Add prefilled rows to a decode batch, both left-padded to the wider of the two."""
     if batch.seqs:
         assert batch.mask is not None
@@ -163,7 +163,7 @@ class Answers:
         assert all(c is not None for c in self.completions), "a job read before it was done"
         return [c for c in self.completions if c is not None]
 
-    def _cells(self, seqs: Sequence[_Seq]) -> int:
+    def _cells(self, seqs: Sequence[_Seq[Load]]) -> int:
         return len(seqs) * max((len(s.prompt) + s.params.max_tokens for s in seqs), default=0)
 
     def advance(self) -> None:
@@ -172,7 +172,7 @@ class Answers:
         if self.prefix.layers is None:
             self.prefix.compute(self.load, self.load.adapter)
             return
-        chunk: list[_Seq] = []
+        chunk: list[_Seq[Load]] = []
         c = len(self.prefix.tokens)
         while self.waiting:
             seq = self.seqs[self.waiting[0]]
@@ -190,7 +190,7 @@ class Answers:
         else:  # nothing fits and nothing decodes: cannot happen (an empty batch takes any row)
             raise EngineError("the bulk job made no progress")
 
-    def _prefill(self, chunk: list[_Seq]) -> None:
+    def _prefill(self, chunk: list[_Seq[Load]]) -> None:
         cache, mask, logits = _prefill(self.load, [s.prompt for s in chunk], self.prefix,
                                        [s.load.adapter for s in chunk], 1)
         picks = _choose(logits[:, -1], chunk)
