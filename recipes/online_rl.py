@@ -74,6 +74,7 @@ from daemon.errors import BadRequest
 from recipes import parallel
 from recipes.base import (
     Candidate,
+    FeedbackReport,
     GateSettings,
     Head,
     Recipe,
@@ -336,7 +337,7 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         kl_ref = (kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) * tmask).sum() / n
         loss = loss + coef * kl_ref
         sums["kl_ref"] += float(kl_ref.detach())
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward is unannotated
     with torch.no_grad():
         is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
         sums["pg_loss"] += float(pg_loss)
@@ -411,7 +412,8 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
-    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    ids: list[int] = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids  # tokenizer: Any
+    return ids
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -555,7 +557,7 @@ class OnlineRL(Recipe):
         check_lora(cls.name, settings)
         check_pull(cls.name, settings)
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
@@ -668,8 +670,9 @@ def load_policy(path: str | Path, model_path: str | Path | None, settings: Onlin
     manifest = lora.read_dir(path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # transformers wraps PreTrainedModel.to in a decorator whose type hides the signature (a device is valid)
     model = AutoModelForCausalLM.from_pretrained(Path(model_path or path) if manifest else Path(path),
-                                                 dtype=torch.float32).to(device)
+                                                 dtype=torch.float32).to(device)  # type: ignore[arg-type]
     if manifest is not None:
         with _quiet_peft():
             model = _peft().PeftModel.from_pretrained(model, str(path),

@@ -79,6 +79,7 @@ from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
 from recipes.base import (
     Candidate,
+    FeedbackReport,
     GateSettings,
     Head,
     Recipe,
@@ -88,17 +89,15 @@ from recipes.base import (
     check_alpha,
     check_eval_size,
 )
-from recipes.logprobs import completion_logprobs
+from recipes.logprobs import Sample, completion_logprobs, is_adapter
 from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
-    Sample,
     WeightsSettings,
     _eval_scores,
     check_drift_bound,
     check_eval_family,
     check_lora,
     check_pull,
-    is_adapter,
     kl_from_base,
     kl_per_position,
     load_policy,
@@ -163,7 +162,8 @@ class ValueHead(torch.nn.Module):
         self.seeded = False  # whether the bias has been set from a first reward
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden)[..., 0]
+        values: torch.Tensor = self.linear(hidden)[..., 0]  # torch types a module's call as Any
+        return values
 
 
 @dataclass
@@ -440,7 +440,7 @@ class SAO(Recipe):
         if settings.max_staleness < 0:
             raise BadRequest("recipe sao setting max_staleness must be at least 0", param="settings.max_staleness")
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:

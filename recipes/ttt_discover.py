@@ -75,17 +75,16 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, check, judge_best
-from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
+from recipes.base import Candidate, FeedbackReport, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
+from recipes.logprobs import Sample, is_adapter
 from recipes.memory import check_budget
 from recipes.online_rl import (
-    Sample,
     WeightsSettings,
     check_drift_bound,
     check_lora,
     check_pull,
     eos_ids,
     generate,
-    is_adapter,
     kl_from_base,
     load_policy,
     make_optimizer,
@@ -269,7 +268,7 @@ def next_start(steps: list[dict[str, Any]], c: float) -> dict[str, Any] | None:
 
     def puct(i: int) -> float:
         st = ranked[i]
-        q = max(st["score"], best_child.get(st["receipt"], -math.inf))
+        q: float = max(st["score"], best_child.get(st["receipt"], -math.inf))
         return q + c * weights[i] / total * math.sqrt(1 + n_all) / (1 + visits[st["receipt"]])
 
     pick = max(range(len(ranked)), key=puct)
@@ -348,7 +347,7 @@ class TTTDiscover(Recipe):
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
@@ -438,7 +437,7 @@ class TTTDiscover(Recipe):
                 job.head_path, job.model_path or None, s, trainable=False, device=job.device)  # type: ignore[arg-type]
             base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
             eval_s = time.perf_counter() - t_eval
-        metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
+        metrics: dict[str, Any] = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
         model.eval()
         metrics.update(found)
         if is_adapter(model) and not metrics.get("skipped"):  # how far the policy moved from its base (watchdog)

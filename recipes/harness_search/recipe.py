@@ -271,7 +271,7 @@ class HarnessSearch(Recipe):
     @staticmethod
     def _memory_path(ctx: HarnessContext) -> Path | None:
         config, scenario = getattr(ctx, "config", None), getattr(ctx, "scenario", None)
-        if config is None or scenario is None:
+        if config is None or not isinstance(scenario, str):
             return None
         return Path(config.home) / "scenarios" / scenario / "harness-search.json"
 
@@ -373,6 +373,7 @@ class HarnessSearch(Recipe):
         limits = self.limits()
         for attempt in range(s.max_proposer_calls):
             t0 = time.perf_counter()
+            error: str | None
             try:
                 answer = await ctx.answer(s.proposer, PROPOSER_SYSTEM, prompt, s.proposer_max_tokens)
             except Exception as e:  # a proposer that fails is a refused proposal; the next step tries again
@@ -492,8 +493,9 @@ def retirement(candidate: list[float], base: list[float], *, alpha: float | None
     wins = sum(x > y for x, y in zip(candidate, base, strict=True))
     losses = sum(x < y for x, y in zip(candidate, base, strict=True))
     p = sign_test_p(losses, wins)
-    metrics = {"eval_reward": sum(candidate) / len(candidate), "base_reward": sum(base) / len(base), "wins": wins,
-               "losses": losses, "p_value_loss": round(p, 6), "alpha": a, "pairs": len(candidate)}
+    metrics: dict[str, Any] = {
+        "eval_reward": sum(candidate) / len(candidate), "base_reward": sum(base) / len(base), "wins": wins,
+        "losses": losses, "p_value_loss": round(p, 6), "alpha": a, "pairs": len(candidate)}
     mean, lo, hi = paired_interval(candidate, base)
     metrics.update(diff=round(mean, 6), diff_ci95=[None if not math.isfinite(x) else round(x, 6) for x in (lo, hi)])
     if p <= a:

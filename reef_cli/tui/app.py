@@ -117,7 +117,7 @@ class ReefApp(App[None]):
         if self.start_scenario:
             self.push_screen(ChainScreen(self.start_scenario))
         if self.follow_events:
-            self.run_worker(self._follow, name="events", group="events", exclusive=True)
+            self.run_worker(self._follow, name="events", group="events", exclusive=True)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
 
     def action_scenarios(self) -> None:
         while len(self.screen_stack) > 2:
@@ -143,7 +143,7 @@ class ReefApp(App[None]):
         if scenario is not None and not isinstance(self.screen, EvalScreen):
             self.push_screen(EvalScreen(scenario))
 
-    def action_back(self) -> None:
+    async def action_back(self) -> None:  # textual's own is a coroutine; this one only pops
         if len(self.screen_stack) > 2:
             self.pop_screen()
 
