@@ -65,7 +65,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -121,6 +121,15 @@ class WeightsSettings(SpendSettings, RetentionSettings):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class EvalSettings(Protocol):
+    """What the gate's evaluation (``_eval_scores``) reads of a recipe's settings (online-rl's, sao's)."""
+
+    eval_family: str | None
+    eval_n: int
+    eval_seed: int
+    max_new_tokens: int
 
 
 @dataclass
@@ -182,7 +191,7 @@ def _quiet_peft() -> Iterator[None]:
         yield
 
 
-def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
+def wrap_lora(model: Any, settings: WeightsSettings) -> Any:
     """The model with LoRA adapters on its attention and MLP projections (needs ``peft``)."""
     LoraConfig, get_peft_model = _peft().LoraConfig, _peft().get_peft_model
     config = LoraConfig(
@@ -514,7 +523,7 @@ def evaluate(
 # --- the recipe -------------------------------------------------------------------------------------------------
 
 
-def _eval_scores(model: Any, tokenizer: Any, settings: OnlineRLSettings) -> list[float]:
+def _eval_scores(model: Any, tokenizer: Any, settings: EvalSettings) -> list[float]:
     """The gate's evaluation: greedy exact answers to the family's validation prompts (never trained on, and not
     the held-out ones a demo or benchmark reports at the end)."""
     from recipes.tasks import get_family
@@ -658,7 +667,7 @@ def seeded(key: str) -> Iterator[None]:
         yield
 
 
-def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,
+def load_policy(path: str | Path, model_path: str | Path | None, settings: WeightsSettings, *,
                 trainable: bool, device: str = "cpu") -> Any:
     """The policy a release or candidate directory holds, in float32: a whole model, or (``reef-adapter.json``)
     the whole model at ``model_path`` with that adapter, on ``device`` (``auto``: CUDA when there is one). With ``trainable``, the LoRA setting decides what

@@ -476,7 +476,7 @@ class SAO(Recipe):
         if lin is None:
             base = Path(job.base_path)
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
-            model = load_policy(base, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
+            model = load_policy(base, job.model_path or None, s, trainable=True,
                                 device=job.device)
             learner = make_learner(model, s, load_value(base, model.config.hidden_size + CONFIDENCE_FEATURES))
             # a fresh start (the worker's first job, a restart from the head): its first step is checked
@@ -519,10 +519,10 @@ class SAO(Recipe):
             if job.head_scores is not None:
                 base_scores = job.head_scores
             else:
-                head = load_policy(job.head_path, job.model_path or None, s, trainable=False,  # type: ignore[arg-type]
+                head = load_policy(job.head_path, job.model_path or None, s, trainable=False,
                                    device=job.device)
-                base_scores = _eval_scores(head, tokenizer, s)  # type: ignore[arg-type]
-            scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)  # type: ignore[arg-type]
+                base_scores = _eval_scores(head, tokenizer, s)
+            scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)
             lin["since_check"] = 0
             metrics["eval_s"] = round(time.perf_counter() - t_eval, 3)
         metrics["train_s"] = round(time.perf_counter() - t0, 3)

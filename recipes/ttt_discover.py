@@ -401,7 +401,7 @@ class TTTDiscover(Recipe):
             state.clear()
             state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
-            model = load_policy(job.base_path, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
+            model = load_policy(job.base_path, job.model_path or None, s, trainable=True,
                                 device=job.device)
             state.update(model=model, optimizer=make_optimizer(model, replace(s, lr=learning_rate(s, model))),  # type: ignore[arg-type]
                          key=job.base_key)
@@ -434,7 +434,7 @@ class TTTDiscover(Recipe):
         if judged:  # the head's attempts, before this step trains the model in memory (which may be the head)
             t_eval = time.perf_counter()
             head = model if job.head_key == state["key"] else load_policy(
-                job.head_path, job.model_path or None, s, trainable=False, device=job.device)  # type: ignore[arg-type]
+                job.head_path, job.model_path or None, s, trainable=False, device=job.device)
             base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
             eval_s = time.perf_counter() - t_eval
         metrics: dict[str, Any] = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]

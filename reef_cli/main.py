@@ -12,7 +12,7 @@ from reef_cli.status import status_lines
 
 # Plain (click-style) help: rich's help panels cost ~150 ms of start-up, over half of `reef --help`'s budget
 # (bench/cli_startup.py). Errors are our own one-line messages either way.
-typer.core.HAS_RICH = typer.main.HAS_RICH = False  # type: ignore[attr-defined]
+typer.core.HAS_RICH = typer.main.HAS_RICH = False  # type: ignore[attr-defined]  # typer: a module flag it does not export
 
 app = typer.Typer(
     name="reef",

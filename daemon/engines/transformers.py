@@ -163,7 +163,7 @@ class TransformersEngine(Engine):
                 raise EngineError(f"release {release.release_id} has no checked-out artifact to load")
             task = asyncio.ensure_future(self._open_adapter(release) if release.base else self._open(release.path))
             self._loading[key] = task
-            task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+            task.add_done_callback(functools.partial(self._loaded, key))
         return await asyncio.shield(task)
 
     async def _open_adapter(self, release: ReleaseRef) -> Load:

@@ -275,7 +275,9 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
             if m.op == "remove":
                 rule_list = [(i, t) for i, t in rule_list if i != m.id]
             elif m.op == "update":
-                rule_list = [(i, m.text if i == m.id else t) for i, t in rule_list]  # type: ignore[misc]
+                text = m.text
+                assert text is not None  # an update of a rule carries its text (parse refuses one without)
+                rule_list = [(i, text if i == m.id else t) for i, t in rule_list]
             else:
                 assert m.text is not None
                 near = max(rule_list, key=lambda e: similarity(m.text or "", e[1]), default=None)

@@ -21,6 +21,7 @@ from typing import Any
 
 from textual.app import App
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 
 from daemon.errors import ReefError
@@ -161,10 +162,10 @@ class ReefApp(App[None]):
         except SuspendNotSupported:
             return await asyncio.to_thread(to_browser, page)
 
-    def say(self, message: str, *, severity: str = "information") -> None:
+    def say(self, message: str, *, severity: SeverityLevel = "information") -> None:
         """Tell the person something (a toast), and keep it in ``messages``."""
         self.messages.append(message)
-        self.notify(message, severity=severity, timeout=8)  # type: ignore[arg-type]
+        self.notify(message, severity=severity, timeout=8)
 
     def chain_painted(self) -> None:
         """The first chain screen is on the terminal (``reef tui --exit-after-paint`` measures this)."""
