@@ -401,8 +401,9 @@ class TTTDiscover(Recipe):
             state.clear()
             state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
-            model = load_policy(job.base_path, job.model_path or None, s, trainable=True,
-                                device=job.device)
+            model = load_policy(job.base_path, job.model_path or None, s, trainable=True, device=job.device)
+            # online-rl's optimizer and step on TTTSettings, which has what they read but is not OnlineRLSettings
+            # (a project typing gap: their settings would need a Protocol of a dozen fields)
             state.update(model=model, optimizer=make_optimizer(model, replace(s, lr=learning_rate(s, model))),  # type: ignore[arg-type]
                          key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]

@@ -10,7 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.test_structure import PRODUCT, ROOT
+
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
 
 
@@ -18,9 +19,6 @@ def mypy(*args: str) -> subprocess.CompletedProcess[str]:
     out = subprocess.run([sys.executable, "-m", "mypy", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "No module named mypy" not in out.stderr, "mypy is not installed: ./install.sh --dev (the dev extra)"
     return out
-
-
-PRODUCT = ("daemon", "reef_cli", "recipes", "adapters", "completions")  # the packages tests/test_imports.py reads
 
 
 def uncovered(files: list[str], root: Path = ROOT) -> list[str]:

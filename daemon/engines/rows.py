@@ -325,7 +325,10 @@ class _Batch:
         self.mask: torch.Tensor | None = None  # [rows, cache length]: 1 real, 0 padding
 
     def add(self, seq: _Seq[Load], cache: Any) -> None:
-        mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long, device=self.load.device)
+        self.merge(cache, torch.ones(1, cache.get_seq_length(), dtype=torch.long, device=self.load.device), [seq])
+
+    def merge(self, cache: Any, mask: torch.Tensor, seqs: list[_Seq[Load]]) -> None:
+        """Add prefilled rows (their cache and its mask), both sides left-padded to the wider of the two."""
         if self.seqs:
             assert self.mask is not None  # rows have a mask
             n = max(self.mask.shape[1], mask.shape[1])
@@ -336,7 +339,7 @@ class _Batch:
         else:
             self.cache = cache
         self.mask = mask
-        self.seqs.append(seq)
+        self.seqs.extend(seqs)
 
     def keep(self, keep: list[bool]) -> None:
         """Drop the rows not kept, then the padding columns that no row needs any more."""

@@ -55,7 +55,7 @@ from daemon.errors import BadRequest, StepFailed
 from daemon.gate import Verdict, paired_interval, pairs_needed, sign_test_p
 from daemon.gate import check as gate_check
 from daemon.gate import judge as gate_judge
-from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
+from recipes.base import Candidate, EpisodeContext, FeedbackReport, HarnessContext, Recipe, Scores
 from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
 from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
 from recipes.harness_search.pool import Member, Pool, tree_id
@@ -209,10 +209,12 @@ class HarnessSearch(Recipe):
         details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
 
         env = await self._env(ctx)
+        if not isinstance(ctx, EpisodeContext):
+            raise BadRequest("harness-search needs the daemon's harness context (episode releases, scoped tokens) "
+                             "to run episodes")
         trees = {"serving": tree, "candidate": candidate}
         files = {side: self._render(t) for side, t in trees.items()}
-        pinned = {side: await ctx.episode_release(env.scenario, t)  # type: ignore[attr-defined]
-                  for side, t in trees.items()}
+        pinned = {side: await ctx.episode_release(env.scenario, t) for side, t in trees.items()}
         repeats = repeats_of(s, len(tasks))
         pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
         not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
@@ -399,14 +401,14 @@ class HarnessSearch(Recipe):
         return None
 
     @staticmethod
-    async def _episode(ctx: HarnessContext, task: Task, files: dict[str, str], env: EpisodeEnv, **kw: Any) -> Episode:
+    async def _episode(ctx: EpisodeContext, task: Task, files: dict[str, str], env: EpisodeEnv, **kw: Any) -> Episode:
         """One episode with its own scoped token: valid for the episode's time limit (and a margin for the sandbox's
         start), revoked when it ends, whatever the outcome."""
-        token = ctx.scoped_token(env.scenario, task.time_limit_s + 60.0)  # type: ignore[attr-defined]
+        token = ctx.scoped_token(env.scenario, task.time_limit_s + 60.0)
         try:
             return await run_episode(task, files, dataclasses.replace(env, token=token), **kw)
         finally:
-            ctx.revoke_token(token)  # type: ignore[attr-defined]
+            ctx.revoke_token(token)
 
     def _render(self, tree: dict[str, bytes]) -> dict[str, str]:
         from adapters import get_adapter
