@@ -342,6 +342,8 @@ def _read_marker(home: Path) -> bytes | None:
 
 def installed_release(home: Path) -> str | None:
     try:
-        return json.loads(_read_marker(home) or b"{}").get("release_id")
-    except (ValueError, AttributeError):
+        marker = json.loads(_read_marker(home) or b"{}")
+    except ValueError:
         return None
+    release_id = marker.get("release_id") if isinstance(marker, dict) else None
+    return release_id if isinstance(release_id, str) else None

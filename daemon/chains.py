@@ -242,8 +242,8 @@ class Chains:
             except NotFound:
                 raise EngineError(f"release {rel.release_id} is an adapter on release {manifest.base_release_id}, "
                                   "which is not in the store; not served") from None
-            if base_rel.content_id != manifest.base_content_id or await asyncio.to_thread(self._store.adapter,
-                                                                                           base_rel.release_id):
+            if base_rel.content_id != manifest.base_content_id or (
+                    await asyncio.to_thread(self._store.adapter, base_rel.release_id)) is not None:
                 raise EngineError(f"release {rel.release_id} is an adapter on base {manifest.base_content_id}, but "
                                   f"release {base_rel.release_id} does not hold that model; not served")
             base = ReleaseRef(base_rel.release_id, base_rel.content_id, await self.checkout(base_rel))

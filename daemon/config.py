@@ -291,12 +291,13 @@ def _model_entry(name: str, raw: Mapping[str, Any], home: Path) -> ModelEntry:
     values = dict(raw)
     if engine == "upstream":
         from daemon import providers
+        from daemon.engines.entry import check_base_url
 
         if values.get("api_key_env") is not None:
             providers.check_key_env(str(values["api_key_env"]), f"config: models.{name}")
         if values.get("url") is not None:
-            providers.check_base_url(str(values["url"]), f"config: models.{name}.url",
-                                     keyed=values.get("api_key_env") is not None)
+            check_base_url(str(values["url"]), f"config: models.{name}.url",
+                           keyed=values.get("api_key_env") is not None)
     if values.get("path") is not None:
         p = Path(str(values["path"])).expanduser()
         values["path"] = p if p.is_absolute() else home / p
@@ -379,16 +380,17 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 def _otlp_url(value: Any, where: str, *, append: bool) -> str:
     """An OTLP/HTTP traces URL from ``value`` (``append``: a base URL, ``/v1/traces`` added as the OTLP spec says
     for ``OTEL_EXPORTER_OTLP_ENDPOINT``, unless it ends so already)."""
-    parts = urlsplit(value) if isinstance(value, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    text = value if isinstance(value, str) else ""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadRequest(f"{where} must be an http:// or https:// URL of an OTLP/HTTP collector, e.g. "
                          f'"http://127.0.0.1:4318", got {str(value)[:200]!r}')
     try:
         parts.port  # noqa: B018 - a port that is not a number raises here
     except ValueError:
-        raise BadRequest(f"{where} has a port that is not a number: {value[:200]!r}") from None
+        raise BadRequest(f"{where} has a port that is not a number: {text[:200]!r}") from None
     if not append or parts.path.rstrip("/").endswith("/v1/traces"):
-        return value
+        return text
     return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/v1/traces"))
 
 
@@ -449,9 +451,9 @@ def parse_telemetry(raw: Any, env: Mapping[str, str]) -> TelemetrySettings | Non
     if "headers" in raw:
         headers = _otlp_headers(raw["headers"], "config: telemetry.headers")
     else:
-        var = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") if env.get(v)),
-                   None)
-        headers = {} if var is None else _otlp_headers(env[var], f"environment: {var}")
+        headers_var = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+                            if env.get(v)), None)
+        headers = {} if headers_var is None else _otlp_headers(env[headers_var], f"environment: {headers_var}")
     content = raw.get("content", False)
     if not isinstance(content, bool):
         raise BadRequest(f"config: telemetry.content must be true or false, got {content!r}")

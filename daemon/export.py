@@ -33,9 +33,10 @@ and carries the line's format and whole completion beside its answer (``IMPORT_N
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from daemon.errors import BadRequest, ReefError
 from daemon.jsontext import take_apart
@@ -261,18 +262,31 @@ STATUSES = ("complete", "incomplete", "error", "cancelled")  # what an imported 
 RELEASE_MAX = 200  # characters of an imported exchange's release id
 
 
-def _tokens(item: dict[str, Any]) -> dict[str, Any]:
+class _Tokens(TypedDict):
+    """An imported line's tokens, as ``ExchangeRecord`` takes them."""
+
+    prompt_token_ids: list[int] | None
+    token_ids: list[int] | None
+    logprobs: list[float] | None
+
+
+def _token_ids(item: dict[str, Any], key: str) -> list[int] | None:
+    value = item.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)):
+        raise BadRequest(f"{key} must be a list of token ids (integers from 0 to 2^31-1)", param=key)
+    return value
+
+
+def _tokens(item: dict[str, Any]) -> _Tokens:
     """An imported line's token ids and log-probs (as an export wrote them), checked for what the store packs:
     ids in 0..2^31-1, finite log-probs, one per sampled token."""
     import math
 
-    out: dict[str, Any] = {}
-    for key in ("prompt_token_ids", "token_ids"):
-        value = item.get(key)
-        if value is not None and not (isinstance(value, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)):
-            raise BadRequest(f"{key} must be a list of token ids (integers from 0 to 2^31-1)", param=key)
-        out[key] = value
+    out = _Tokens(prompt_token_ids=_token_ids(item, "prompt_token_ids"), token_ids=_token_ids(item, "token_ids"),
+                  logprobs=None)
     lp = item.get("logprobs")
     if lp is not None:
         if not (isinstance(lp, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -280,7 +294,7 @@ def _tokens(item: dict[str, Any]) -> dict[str, Any]:
             raise BadRequest("logprobs must be a list of finite numbers", param="logprobs")
         if out["token_ids"] is None or len(lp) != len(out["token_ids"]):
             raise BadRequest("logprobs must have one number per token id", param="logprobs")
-    out["logprobs"] = lp
+        out["logprobs"] = lp
     return out
 
 
@@ -392,7 +406,8 @@ def _from_line(item: Any, default_scenario: str) -> dict[str, Any]:
     record = ExchangeRecord(
         id=rid, scenario=scenario, run=run, status=status, format="openai-chat", engine="import", model=model,
         release_id=release, request=request, response=response, capture=True, **tokens,
-        **({"created_at": created} if created is not None else {}),
     )
+    if created is not None:
+        record = dataclasses.replace(record, created_at=created)
     keyed = [{**r, "report_id": f"{IMPORT_KEY}{rid}" + (f":{i}" if i else "")} for i, r in enumerate(reports)]
     return {"record": record, "reports": keyed}

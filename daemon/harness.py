@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from daemon.errors import BadRequest, NotFound
+from daemon.gating.heldout import user_prompt
 from daemon.model_dirs import is_test_model
 from daemon.names import check_scenario
 from daemon.records import new_id
@@ -189,22 +190,6 @@ async def propose(reef: Reef, name: str, body: dict[str, Any]) -> tuple[int, dic
     return 201, {**view, **outcome.to_dict()}
 
 
-def user_prompt(record: dict[str, Any]) -> str | None:
-    """The user's prompt in a recorded exchange: the last user message with text (tool results left out), read
-    through the protocol of the request's format; None when there is none."""
-    from daemon.protocols.formats import FORMATS
-
-    proto = FORMATS.get(record.get("format") or "")
-    if proto is None or not isinstance(record.get("request"), dict):
-        return None
-    try:
-        messages = proto.parse_request(record["request"]).messages
-    except Exception:  # a request recorded as it came, then refused: it has no prompt to take
-        return None
-    texts = [m.text.strip() for m in messages if m.role == "user" and m.text.strip()]
-    return texts[-1] if texts else None
-
-
 async def promote_task(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, Any]:
     """A run that went badly becomes one of the scenario's tasks: the user prompt of the recorded exchange
     ``receipt``, scored by the user's ``check`` in a copy of ``workspace``. The gate runs it from the next step on.
@@ -258,7 +243,7 @@ async def promote_task(reef: Reef, name: str, body: dict[str, Any]) -> dict[str,
 
     def change(current: Scenario) -> dict[str, Any]:
         made = reef.learner.make_recipe(current.recipe, current.settings)
-        tasks = list(made.settings.tasks)  # type: ignore[attr-defined]  # with the config's, if they came from there
+        tasks = list(made.settings.tasks)  # with the config's, if they came from there
         if any(t.get("id") == task["id"] for t in tasks if isinstance(t, dict)):
             raise Conflict(f"scenario {name!r} has a task {task['id']!r} already", task=task["id"])
         settings = {**current.settings, "tasks": [*tasks, task]}

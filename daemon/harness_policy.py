@@ -125,7 +125,7 @@ def _frontmatter(path: str, data: str) -> list[Finding]:
     raw, _ = split_frontmatter(data)
     if raw is None:
         return []
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no types (types-PyYAML is not a dependency)
 
     try:
         meta = yaml.safe_load(raw) if raw.strip() else {}

@@ -23,9 +23,9 @@ def no_progress_bars() -> Iterator[None]:
         from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated
     try:
         yield
     finally:
         if enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated

@@ -12,18 +12,19 @@ import gc
 import os
 import threading
 import time
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
-M = TypeVar("M", Counter, Histogram)
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 def _memo(metric: M) -> M:
-    children: dict[tuple[str, ...], Any] = {}
+    children: dict[tuple[object, ...], M] = {}
     labels = metric.labels
 
-    def memo_labels(*values: str, **named: str) -> Any:
+    def memo_labels(*values: object, **named: object) -> M:
         if named:
             return labels(*values, **named)
         child = children.get(values)
@@ -31,7 +32,7 @@ def _memo(metric: M) -> M:
             child = children[values] = labels(*values)
         return child
 
-    metric.labels = memo_labels  # type: ignore[method-assign]
+    metric.labels = memo_labels  # type: ignore[method-assign]  # on purpose: the instance's method, memoized
     return metric
 
 LOOP_LAG_TICK_S = 0.02  # the loop-lag watch's timer: a stall is seen to within this much

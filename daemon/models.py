@@ -28,10 +28,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon import durable
 from daemon.hf import LOAD_LOCK, no_progress_bars
+
+if TYPE_CHECKING:  # heavy imports where they are used
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -119,14 +122,16 @@ def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in REQUIRED_FILES)
 
 
-def build_tiny(*, seed: int = 0, config: TinyConfig = TinyConfig(), progress: Callable[[str], None] | None = None):
+def build_tiny(*, seed: int = 0, config: TinyConfig = TinyConfig(), progress: Callable[[str], None] | None = None
+               ) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM]:
     """The tokenizer (``PreTrainedTokenizerFast``) and a random-weight ``LlamaForCausalLM``, in memory. Holds the
     process's transformers lock (``daemon/hf.py``): a load in another thread must not patch the initialisers meanwhile."""
     with LOAD_LOCK:
         return _build_tiny(seed, config, progress)
 
 
-def _build_tiny(seed: int, config: TinyConfig, progress: Callable[[str], None] | None):
+def _build_tiny(seed: int, config: TinyConfig, progress: Callable[[str], None] | None
+                ) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM]:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -134,7 +139,11 @@ def _build_tiny(seed: int, config: TinyConfig, progress: Callable[[str], None] |
     say("training tokenizer")
     tokenizer = train_tokenizer(corpus(seed, config.corpus_chars), config.vocab_size, config.max_position_embeddings)
     say("initialising weights")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)  # int | list[int]: one token in, one id out
+        assert isinstance(token_id, int), (token, token_id)
+        ids[token] = token_id
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -152,8 +161,8 @@ def _build_tiny(seed: int, config: TinyConfig, progress: Callable[[str], None] |
     )
     with torch.random.fork_rng(devices=[]):  # seeded weights without touching the process-wide RNG
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(model_config).eval()
-    model.generation_config = GenerationConfig(
+        model = LlamaForCausalLM(model_config).eval()  # type: ignore[no-untyped-call]  # transformers: unannotated
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers: unannotated
         bos_token_id=ids["<|endoftext|>"], eos_token_id=eos, pad_token_id=ids["<|endoftext|>"]
     )
     return tokenizer, model
@@ -184,7 +193,7 @@ def save_model(tokenizer: Any, model: Any, path: Path) -> None:
     durable.sync_tree(path)
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int):
+def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -199,7 +208,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: unannotated __init__
         tokenizer_object=tok,
         bos_token=None,
         eos_token="<|im_end|>",

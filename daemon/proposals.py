@@ -142,8 +142,9 @@ def limits_of(recipe: Recipe) -> Limits:
     from recipes.harness_search.mutations import Limits
 
     own = getattr(recipe, "limits", None)
-    if callable(own):
-        return replace(own(), max_mutations=1)
+    limits = own() if callable(own) else None
+    if isinstance(limits, Limits):
+        return replace(limits, max_mutations=1)
     s, d = recipe.settings, Limits()
     return Limits(max_mutations=1, max_rule_chars=int(getattr(s, "max_chars", d.max_rule_chars)),
                   max_file_bytes=int(getattr(s, "max_rules_bytes", d.max_file_bytes)))

@@ -5,14 +5,13 @@ scoped tokens and episode releases. The learning loop (``daemon/learning.py``) m
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
 from daemon.errors import HeadMoved, ReefError
 from daemon.exchange import Finish, internal_exchange
-from daemon.records import RecordStore
+from daemon.records import RecordRow, RecordStore
 from daemon.scopes import Scopes
 
 
@@ -38,7 +37,7 @@ class RecipeContext:
         assert self._scopes is not None
         self._scopes.revoke(token)
 
-    async def record(self, receipt: str) -> dict[str, Any]:
+    async def record(self, receipt: str) -> RecordRow:
         """A stored record (an exchange with its request and response), by receipt."""
         assert self._store is not None
         return await self._store.exchanges.get(receipt)

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from daemon.errors import ModelUnavailable
 
@@ -83,7 +83,8 @@ def init_smollm2(dest: Path, *, progress: Callable[[str], None] | None = None) -
             tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
             say("dequantizing the GGUF weights")
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32, **quant)
-        model = model.to(torch.bfloat16).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose type hides the signature (a dtype is valid)
+        model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]
         say(f"saving to {dest}")
         save_model(tokenizer, model, tmp)
         move_into_place(tmp, dest)
@@ -107,17 +108,18 @@ def _gguf_read_once() -> Iterator[None]:
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 
-    def reader(path: Any, mode: str = "r") -> Any:
+    def reader(path: Any, mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = (str(path), mode)
         if key not in readers:
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    # gguf's class and function replaced for the block on purpose (restored after): mypy refuses assigning to them
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]  # restored
 
 
 @contextlib.contextmanager
@@ -130,9 +132,9 @@ def _quiet_gguf_reader() -> Iterator[None]:
         yield
         return
     bar = getattr(reader, "tqdm", None)
-    reader.tqdm = lambda items, *args, **kwargs: items
+    reader.tqdm = lambda items, *args, **kwargs: items  # type: ignore[attr-defined]  # transformers' own import
     try:
         yield
     finally:
         if bar is not None:
-            reader.tqdm = bar
+            reader.tqdm = bar  # type: ignore[attr-defined]  # transformers imports tqdm without re-exporting it

@@ -47,11 +47,12 @@ def check(published: Sequence[Mapping[str, Any]], candidate: Mapping[str, Any],
         return None
     series = [candidate, *published[:WINDOW]][::-1]  # oldest first, the candidate last
     points = [(_num(m, "batch_reward"), _num(m, "eval_reward")) for m in series]
-    if len(points) < WINDOW + 1 or any(t is None or h is None for t, h in points):
+    known = [(t, h) for t, h in points if t is not None and h is not None]
+    if len(points) < WINDOW + 1 or len(known) < len(points):
         return None
-    train = [t for t, _ in points]
-    held = [h for _, h in points]
-    rose, fell = train[-1] - train[0], held[0] - held[-1]  # type: ignore[operator]
+    train = [t for t, _ in known]
+    held = [h for _, h in known]
+    rose, fell = train[-1] - train[0], held[0] - held[-1]
     if rose >= RISE and fell >= FALL:
         return {"train_from": train[0], "train_to": train[-1], "held_from": held[0], "held_to": held[-1],
                 "steps": WINDOW + 1,

@@ -54,7 +54,7 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus}
 class Headers(dict[str, str]):
     """Request headers: names in lower case, looked up case-insensitively; repeated ones joined by ', '."""
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         return dict.get(self, name.lower(), default)
 
     def __getitem__(self, name: str) -> str:

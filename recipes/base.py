@@ -221,10 +221,24 @@ class HarnessContext(typing.Protocol):
     ``model`` and ``scenario`` (names), ``config`` (the daemon's ``Config``), ``record(receipt)`` (a stored record)
     and ``episode_release(scenario, tree)`` (a release of ``tree`` on a side scenario's chain, for an episode's
     agent to pin), for recipes that run the agent against the daemon
-    (``harness-search``); read them with ``getattr``, since a recipe's own tests may lend less."""
+    (``harness-search``); read them with ``getattr`` (the episode ones: ``isinstance(ctx, EpisodeContext)``), since
+    a recipe's own tests may lend less."""
 
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
                      temperature: float = 0.0) -> str: ...
+
+
+@typing.runtime_checkable
+class EpisodeContext(HarnessContext, typing.Protocol):
+    """The ``HarnessContext`` the daemon lends (``daemon/recipe_context.py``), as a recipe that runs the agent
+    against the daemon uses it: a release of a tree on a side scenario's chain for an episode's agent to pin, and a
+    scoped token per episode, revoked when the episode ends."""
+
+    async def episode_release(self, name: str, tree: dict[str, bytes]) -> str: ...
+
+    def scoped_token(self, name: str, ttl_s: float) -> str: ...
+
+    def revoke_token(self, token: str) -> None: ...
 
 
 def off_policy_sampling(record: ScoredExchange | RequestSampling | Mapping[str, Any]) -> str | None:

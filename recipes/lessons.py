@@ -275,7 +275,7 @@ def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettin
     prefix, entries = parse_rules(out.tree.get(RULES_FILE, b"").decode("utf-8", "replace"))
     rules_changed = False
     for lesson in lessons:
-        view = {"id": lesson.id, "text": lesson.text[:200]}
+        view: dict[str, str | None] = {"id": lesson.id, "text": lesson.text[:200]}
         text = lesson.text.strip() if isinstance(lesson.text, str) else ""
         if len(text) < settings.min_chars:
             out.refused.append({**view, "reason": f"feedback shorter than {settings.min_chars} characters"})

@@ -65,7 +65,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,6 +74,7 @@ from daemon.errors import BadRequest
 from recipes import parallel
 from recipes.base import (
     Candidate,
+    FeedbackReport,
     GateSettings,
     Head,
     Recipe,
@@ -120,6 +121,15 @@ class WeightsSettings(SpendSettings, RetentionSettings):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class EvalSettings(Protocol):
+    """What the gate's evaluation (``_eval_scores``) reads of a recipe's settings (online-rl's, sao's)."""
+
+    eval_family: str | None
+    eval_n: int
+    eval_seed: int
+    max_new_tokens: int
 
 
 @dataclass
@@ -181,7 +191,7 @@ def _quiet_peft() -> Iterator[None]:
         yield
 
 
-def wrap_lora(model: Any, settings: OnlineRLSettings) -> Any:
+def wrap_lora(model: Any, settings: WeightsSettings) -> Any:
     """The model with LoRA adapters on its attention and MLP projections (needs ``peft``)."""
     LoraConfig, get_peft_model = _peft().LoraConfig, _peft().get_peft_model
     config = LoraConfig(
@@ -336,7 +346,7 @@ def _accumulate(model: Any, batch: list[Sample], adv_of: list[float], settings: 
         kl_ref = (kl_per_position(out.log_softmax, reference_log_softmax(model, batch)) * tmask).sum() / n
         loss = loss + coef * kl_ref
         sums["kl_ref"] += float(kl_ref.detach())
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward is unannotated
     with torch.no_grad():
         is_clipped = ((ratio < 1 - settings.clip_low) & (adv < 0)) | ((ratio > 1 + settings.clip_high) & (adv > 0))
         sums["pg_loss"] += float(pg_loss)
@@ -411,7 +421,8 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
-    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    ids: list[int] = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids  # tokenizer: Any
+    return ids
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -512,7 +523,7 @@ def evaluate(
 # --- the recipe -------------------------------------------------------------------------------------------------
 
 
-def _eval_scores(model: Any, tokenizer: Any, settings: OnlineRLSettings) -> list[float]:
+def _eval_scores(model: Any, tokenizer: Any, settings: EvalSettings) -> list[float]:
     """The gate's evaluation: greedy exact answers to the family's validation prompts (never trained on, and not
     the held-out ones a demo or benchmark reports at the end)."""
     from recipes.tasks import get_family
@@ -555,7 +566,7 @@ class OnlineRL(Recipe):
         check_lora(cls.name, settings)
         check_pull(cls.name, settings)
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
@@ -656,7 +667,7 @@ def seeded(key: str) -> Iterator[None]:
         yield
 
 
-def load_policy(path: str | Path, model_path: str | Path | None, settings: OnlineRLSettings, *,
+def load_policy(path: str | Path, model_path: str | Path | None, settings: WeightsSettings, *,
                 trainable: bool, device: str = "cpu") -> Any:
     """The policy a release or candidate directory holds, in float32: a whole model, or (``reef-adapter.json``)
     the whole model at ``model_path`` with that adapter, on ``device`` (``auto``: CUDA when there is one). With ``trainable``, the LoRA setting decides what
@@ -668,8 +679,9 @@ def load_policy(path: str | Path, model_path: str | Path | None, settings: Onlin
     manifest = lora.read_dir(path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # transformers wraps PreTrainedModel.to in a decorator whose type hides the signature (a device is valid)
     model = AutoModelForCausalLM.from_pretrained(Path(model_path or path) if manifest else Path(path),
-                                                 dtype=torch.float32).to(device)
+                                                 dtype=torch.float32).to(device)  # type: ignore[arg-type]
     if manifest is not None:
         with _quiet_peft():
             model = _peft().PeftModel.from_pretrained(model, str(path),

@@ -64,7 +64,8 @@ from typing import Any
 from daemon.errors import BadRequest
 from daemon.sessions import NextState, Turn
 from recipes.base import Candidate, HarnessContext, ScoredExchange, TrainJob, TurnVerdict
-from recipes.online_rl import OnlineRL, OnlineRLSettings, Sample
+from recipes.logprobs import Sample
+from recipes.online_rl import OnlineRL, OnlineRLSettings
 
 JUDGE_PROMPT = (
     "You grade one turn of an AI assistant by what happened right after it. Answer with exactly one line of the "

@@ -79,6 +79,7 @@ from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, judge
 from recipes.base import (
     Candidate,
+    FeedbackReport,
     GateSettings,
     Head,
     Recipe,
@@ -88,17 +89,15 @@ from recipes.base import (
     check_alpha,
     check_eval_size,
 )
-from recipes.logprobs import completion_logprobs
+from recipes.logprobs import Sample, completion_logprobs, is_adapter
 from recipes.memory import check_budget, checkpointing, micro_batches
 from recipes.online_rl import (
-    Sample,
     WeightsSettings,
     _eval_scores,
     check_drift_bound,
     check_eval_family,
     check_lora,
     check_pull,
-    is_adapter,
     kl_from_base,
     kl_per_position,
     load_policy,
@@ -163,7 +162,8 @@ class ValueHead(torch.nn.Module):
         self.seeded = False  # whether the bias has been set from a first reward
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden)[..., 0]
+        values: torch.Tensor = self.linear(hidden)[..., 0]  # torch types a module's call as Any
+        return values
 
 
 @dataclass
@@ -440,7 +440,7 @@ class SAO(Recipe):
         if settings.max_staleness < 0:
             raise BadRequest("recipe sao setting max_staleness must be at least 0", param="settings.max_staleness")
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
@@ -476,7 +476,7 @@ class SAO(Recipe):
         if lin is None:
             base = Path(job.base_path)
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
-            model = load_policy(base, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
+            model = load_policy(base, job.model_path or None, s, trainable=True,
                                 device=job.device)
             learner = make_learner(model, s, load_value(base, model.config.hidden_size + CONFIDENCE_FEATURES))
             # a fresh start (the worker's first job, a restart from the head): its first step is checked
@@ -519,10 +519,10 @@ class SAO(Recipe):
             if job.head_scores is not None:
                 base_scores = job.head_scores
             else:
-                head = load_policy(job.head_path, job.model_path or None, s, trainable=False,  # type: ignore[arg-type]
+                head = load_policy(job.head_path, job.model_path or None, s, trainable=False,
                                    device=job.device)
-                base_scores = _eval_scores(head, tokenizer, s)  # type: ignore[arg-type]
-            scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)  # type: ignore[arg-type]
+                base_scores = _eval_scores(head, tokenizer, s)
+            scores = Scores(candidate=_eval_scores(model, tokenizer, s), base=base_scores)
             lin["since_check"] = 0
             metrics["eval_s"] = round(time.perf_counter() - t_eval, 3)
         metrics["train_s"] = round(time.perf_counter() - t0, 3)

@@ -98,6 +98,12 @@ class _Split(TaskFamily):
     def validation(self, n: int, seed: int = 0) -> list[Task]:
         return self._pick(self.validation_items, n, f"validation:{seed}")
 
+    def _task(self, item: str, template: str) -> Task:
+        raise NotImplementedError  # each family's own
+
+    def _pick(self, pool: list[str], n: int, key: str) -> list[Task]:
+        raise NotImplementedError  # each family's own
+
 
 class SayWord(_Split):
     name = "say"

@@ -75,17 +75,16 @@ import torch
 
 from daemon.errors import BadRequest
 from daemon.gate import GATES, Verdict, check, judge_best
-from recipes.base import Candidate, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
+from recipes.base import Candidate, FeedbackReport, GateSettings, Head, Recipe, ScoredExchange, Scores, TrainJob
+from recipes.logprobs import Sample, is_adapter
 from recipes.memory import check_budget
 from recipes.online_rl import (
-    Sample,
     WeightsSettings,
     check_drift_bound,
     check_lora,
     check_pull,
     eos_ids,
     generate,
-    is_adapter,
     kl_from_base,
     load_policy,
     make_optimizer,
@@ -269,7 +268,7 @@ def next_start(steps: list[dict[str, Any]], c: float) -> dict[str, Any] | None:
 
     def puct(i: int) -> float:
         st = ranked[i]
-        q = max(st["score"], best_child.get(st["receipt"], -math.inf))
+        q: float = max(st["score"], best_child.get(st["receipt"], -math.inf))
         return q + c * weights[i] / total * math.sqrt(1 + n_all) / (1 + visits[st["receipt"]])
 
     pick = max(range(len(ranked)), key=puct)
@@ -348,7 +347,7 @@ class TTTDiscover(Recipe):
             raise BadRequest("recipe ttt-discover setting group_size must be at least 2 (siblings to compare)",
                              param="settings.group_size")
 
-    def eligible(self, record: ScoredExchange, *, head: Head, served_step: int | None) -> bool:
+    def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:
         return served_step is not None and head.step - served_step <= self.settings.max_staleness
 
     def batch(self, records: list[ScoredExchange]) -> list[ScoredExchange] | None:
@@ -402,8 +401,9 @@ class TTTDiscover(Recipe):
             state.clear()
             state["tokenizer"] = AutoTokenizer.from_pretrained(job.model_path or job.base_path)
             # a whole model, or LoRA on it (a release that is an adapter goes on training that adapter)
-            model = load_policy(job.base_path, job.model_path or None, s, trainable=True,  # type: ignore[arg-type]
-                                device=job.device)
+            model = load_policy(job.base_path, job.model_path or None, s, trainable=True, device=job.device)
+            # online-rl's optimizer and step on TTTSettings, which has what they read but is not OnlineRLSettings
+            # (a project typing gap: their settings would need a Protocol of a dozen fields)
             state.update(model=model, optimizer=make_optimizer(model, replace(s, lr=learning_rate(s, model))),  # type: ignore[arg-type]
                          key=job.base_key)
         model, tokenizer = state["model"], state["tokenizer"]
@@ -435,10 +435,10 @@ class TTTDiscover(Recipe):
         if judged:  # the head's attempts, before this step trains the model in memory (which may be the head)
             t_eval = time.perf_counter()
             head = model if job.head_key == state["key"] else load_policy(
-                job.head_path, job.model_path or None, s, trainable=False, device=job.device)  # type: ignore[arg-type]
+                job.head_path, job.model_path or None, s, trainable=False, device=job.device)
             base_scores = attempt_scores(head, tokenizer, list(prompt), s, seed)
             eval_s = time.perf_counter() - t_eval
-        metrics = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
+        metrics: dict[str, Any] = train_step(model, samples, s, state["optimizer"], adv=(adv, degenerate))  # type: ignore[arg-type]
         model.eval()
         metrics.update(found)
         if is_adapter(model) and not metrics.get("skipped"):  # how far the policy moved from its base (watchdog)

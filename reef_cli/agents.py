@@ -37,7 +37,7 @@ def install(
             results.append(adapter.install(cfg.agents_path, force=force))
             continue
         with console().status(f"installing {adapter.package}@{adapter.version} ...") as status:
-            result = adapter.install(cfg.agents_path, force=force, progress=lambda m, s=status: s.update(m))
+            result = adapter.install(cfg.agents_path, force=force, progress=status.update)
         if result["installed"]:
             print(f"{name} {result['version']}: installed in {result['seconds']} s "
                   f"({adapter.binary_path(cfg.agents_path)})")

@@ -51,7 +51,7 @@ def tcp_token(config: Config) -> str | None:
 
 
 class Client:
-    def __init__(self, config: Config, *, timeout: float = 30.0) -> None:
+    def __init__(self, config: Config, *, timeout: float | None = 30.0) -> None:  # None: no timeout
         self.config = config
         if config.url:
             self.base_url = config.url.rstrip("/")
@@ -95,7 +95,7 @@ class Client:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
 
     def post(self, path: str, body: dict[str, Any], *, timeout: float | None | object = ...) -> Any:
-        extra = {} if timeout is ... else {"timeout": timeout}
+        extra: dict[str, Any] = {} if timeout is ... else {"timeout": timeout}
         return self.request("POST", path, json=body, **extra)
 
     def where(self) -> str:

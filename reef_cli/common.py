@@ -10,25 +10,26 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 
 from daemon.config import Config, load_config
 from daemon.errors import ReefError
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def config(**overrides: Any) -> Config:
     return load_config(overrides=overrides)
 
 
-def edge(fn: F) -> F:
+def edge(fn: Callable[P, R]) -> Callable[P, R]:
     """Map Reef errors to one clear line and an exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except ReefError as e:
@@ -39,10 +40,10 @@ def edge(fn: F) -> F:
             fail("a confirmation was asked and standard input gave no answer (it is closed); nothing was done: "
                  "pass --yes to go ahead without asking", 2)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     sys.stderr.write(f"reef: {message}\n")
     raise typer.Exit(code)
 

@@ -410,15 +410,15 @@ def install(
     shell: Shell = typer.Argument(None, help=SHELL_HELP, show_default=False),
 ) -> None:
     """Install the completion script where the shell finds it for your user (run again to update)."""
-    shell = _shell(shell)
-    path = install_path(shell)
+    name = _shell(shell)
+    path = install_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for dest, text in {path: generate(shell, ctx.find_root().command), **wrapper_installs(shell, path.parent)}.items():
+    for dest, text in {path: generate(name, ctx.find_root().command), **wrapper_installs(name, path.parent)}.items():
         tmp = dest.with_name(f".{dest.name}.tmp")
         tmp.write_text(text)
         os.replace(tmp, dest)
-    print(f"installed {shell} completions: {path} (and the wrappers': reef-pi, reef-claude, ...)")
-    if shell == "zsh":
+    print(f"installed {name} completions: {path} (and the wrappers': reef-pi, reef-claude, ...)")
+    if name == "zsh":
         print(f"zsh reads it if your ~/.zshrc has, before compinit:  fpath=({path.parent} $fpath)")
     else:
         print("open a new shell to use them")

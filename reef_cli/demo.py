@@ -29,11 +29,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from reef_cli.common import edge, fail
+
+if TYPE_CHECKING:  # recipes load where the demo runs
+    from recipes.tasks import Task, TaskFamily
 
 DEMO_MODEL = "tiny-demo"
 TARGET = 0.8
@@ -112,7 +115,7 @@ def canary_note(scores: list[float], before: float, after: float, releases: int)
             "per_release": None if each is None else round(each, 4), "why": why}
 
 
-def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Any], family: Any, max_tokens: int,
+def held_out_reward(c: Any, scenario: str, release: str, tasks: list[Task], family: TaskFamily, max_tokens: int,
                     model: str = DEMO_MODEL) -> float:
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda t: _answer(c, scenario, t.prompt, temperature=0, max_tokens=max_tokens,
@@ -190,7 +193,7 @@ class Board:
         return Panel(t, title=f"reef demo: {TITLES.get(self.family, self.family)}")
 
 
-def _example(c: Any, scenario: str, model: str, held: list[Any], family: Any, before: str, after: str
+def _example(c: Any, scenario: str, model: str, held: list[Task], family: TaskFamily, before: str, after: str
              ) -> dict[str, str]:
     """A held-out question answered greedily by the first release and the head (``EXAMPLE_TOKENS`` tokens): the
     first one the head answers the preferred way and the first release does not, else the first question."""
@@ -369,13 +372,15 @@ def demo(
     head = chain["head"]
     before = start if start is not None else held_out_reward(client, name, first_release, held, family, max_tokens,
                                                              model)
-    after = board.held_out if reached else held_out_reward(client, name, head, held, family, max_tokens, model)
-    result = {"scenario": name, "seed": seed, "seconds": round(elapsed, 1), "reports": board.requests,
-              "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
-              "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target,
-              "model": model, "family": family.name,
-              "canary": canary_note(list(board.scores), before, after, len(chain["releases"]) - 1),
-              **({"warning_accepted": warned} if warned else {})}
+    after = board.held_out if reached and board.held_out is not None else \
+        held_out_reward(client, name, head, held, family, max_tokens, model)
+    result: dict[str, Any] = {
+        "scenario": name, "seed": seed, "seconds": round(elapsed, 1), "reports": board.requests,
+        "training_steps": board.steps, "releases": len(chain["releases"]), "held_out_before": before,
+        "held_out_after": after, "reached_target": after >= target, "recipe": recipe, "target": target,
+        "model": model, "family": family.name,
+        "canary": canary_note(list(board.scores), before, after, len(chain["releases"]) - 1),
+        **({"warning_accepted": warned} if warned else {})}
     if real:  # one held-out question the head now gets right (the first one, if none), answered by both, verbatim
         example = _example(client, name, model, held, family, first_release, head)
         result["example"] = example

@@ -24,7 +24,8 @@ HELP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "help.txt")
 
 def _status() -> dict[str, Any] | None:
     """``GET /reef/status`` over the daemon's socket; None when it cannot be asked this way."""
-    return _get("/reef/status", 30)
+    status = _get("/reef/status", 30)
+    return status if isinstance(status, dict) else None
 
 
 def _get(path: str, timeout: float) -> Any:

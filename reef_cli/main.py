@@ -12,7 +12,7 @@ from reef_cli.status import status_lines
 
 # Plain (click-style) help: rich's help panels cost ~150 ms of start-up, over half of `reef --help`'s budget
 # (bench/cli_startup.py). Errors are our own one-line messages either way.
-typer.core.HAS_RICH = typer.main.HAS_RICH = False  # type: ignore[attr-defined]
+typer.core.HAS_RICH = typer.main.HAS_RICH = False  # type: ignore[attr-defined]  # typer: a module flag it does not export
 
 app = typer.Typer(
     name="reef",
@@ -75,14 +75,16 @@ def main() -> None:
         if type(e).__name__ == "Abort":  # a prompt got end-of-input or Ctrl-C outside a command's own edge
             sys.stderr.write("reef: a confirmation was asked and got no answer; nothing was done (pass --yes)\n")
             sys.exit(2)
-        if not hasattr(e, "format_message") or not isinstance(getattr(e, "exit_code", None), int):
+        exit_code = getattr(e, "exit_code", None)
+        if not hasattr(e, "format_message") or not isinstance(exit_code, int):
             raise
         if type(e).__name__ == "NoArgsIsHelpError":  # `reef` or `reef releases` alone: the help
             sys.stdout.write(e.format_message() + "\n")
         else:
-            hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             sys.stderr.write(f"reef: {e.format_message()}{hint}\n")
-        sys.exit(e.exit_code)
+        sys.exit(exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 
 

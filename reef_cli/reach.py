@@ -16,8 +16,8 @@ def unreachable(config: Config, e: BaseException) -> ReefError:
     from daemon.errors import DaemonNotRunning
 
     cause: BaseException = e
-    while not isinstance(cause, OSError) and (cause.__cause__ or cause.__context__) is not None:
-        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    while not isinstance(cause, OSError) and (under := cause.__cause__ or cause.__context__) is not None:
+        cause = under
     code = cause.errno if isinstance(cause, OSError) else None
     text = str(e).lower()
     if isinstance(cause, FileNotFoundError) or code == errnos.ENOENT:

@@ -97,7 +97,8 @@ def show_record(
     out.rule(f"reports ({len(rec.get('reports', []))})")
     for rep in rec.get("reports", []):
         r = rep.get("report") or {}
-        meta = r.get("metadata") if isinstance(r.get("metadata"), dict) else {}
+        metadata = r.get("metadata")
+        meta = metadata if isinstance(metadata, dict) else {}
         source = f"  ({meta['source']}: {meta.get('judge', '?')})" if meta.get("source") else ""
         out.print(f"{rep['id']}  score {r.get('score')}  feedback {r.get('feedback')!r}{source}  {ago(rep['created_at'])}")
 
@@ -111,7 +112,7 @@ def parquet_missing() -> str | None:
     import sys
 
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow  # type: ignore[import-untyped]  # noqa: F401  # pyarrow ships no type information
     except ImportError:
         import shlex
 
@@ -169,7 +170,7 @@ def export(
 
 def _write_parquet(lines: Any, out: str, shape: str) -> int:
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     from daemon.export_files import as_shape, parquet_row, parquet_schema
 

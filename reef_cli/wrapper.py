@@ -59,8 +59,10 @@ def sync_harness(config: Config, adapter: Adapter, home: Path, start: dict[str, 
     agent will run with."""
     current = installed_release(home)
     head = start.get("release_id")
-    if head is None or head == current:
-        return current if head is not None else None
+    if not isinstance(head, str):
+        return None
+    if head == current:
+        return current
     if current is not None and config.harness_updates == "notify":
         say(f"a newer harness (step {start['step']}, {head}) is available for scenario {start['scenario']}; "
             f"run `{adapter.command} update` to install it")
@@ -128,9 +130,10 @@ def run_agent(adapter: Adapter, args: list[str], scenario: str | None, *, outcom
         env.pop(name, None)
     env.update(adapter.env(home, target, token(config)))
     env["REEF_HOME"] = str(config.home)  # the agent's HOME is its own: `reef-pi propose` inside finds the daemon
-    record = {"run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
-              "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
-              "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}
+    record: dict[str, Any] = {
+        "run": target.run, "adapter": adapter.name, "scenario": target.scenario, "release_id": release,
+        "model": target.model, "argv": args, "prompt": prompt_of(args), "cwd": os.getcwd(),
+        "started_at": time.time(), "ended_at": None, "exit_code": None, "receipts": [], "reports": []}
     if asked.kept:
         report_kept(config, adapter, Path.cwd(), asked)
     before = outcomes.snapshot(Path.cwd()) if asked.kept else None
@@ -335,10 +338,10 @@ def main(adapter_name: str, argv: list[str] | None = None) -> None:
             _refuse_near_miss(adapter, args)
         taken = {flag: _take_flag(args, flag) for flag in FLAGS}
         _refuse_unknown_flags(adapter, args)
-        scenario = (taken["--reef-scenario"] or [None])[-1]
+        scenario = _last(taken["--reef-scenario"])
         outcome_flags = taken["--reef-outcome"]
-        check = (taken["--reef-check"] or [None])[-1]
-        provider = (taken["--reef-provider"] or [None])[-1]
+        check = _last(taken["--reef-check"])
+        provider = _last(taken["--reef-provider"])
         sys.exit(run_agent(adapter, args, scenario, outcome_flags=outcome_flags, check=check, provider=provider))
     except ReefError as e:
         sys.stderr.write(f"{'reef-' + adapter_name}: {e.message}\n")
@@ -374,6 +377,11 @@ def _refuse_unknown_flags(adapter: Any, args: list[str]) -> None:
             hint = f"; did you mean {near[0]}?" if near else ""
             raise BadRequest(f"unknown wrapper flag {name}{hint} ({adapter.command} takes {', '.join(FLAGS)}; to "
                              f"pass it to {adapter.name} itself, put it after --)", param=name)
+
+
+def _last(values: list[str]) -> str | None:
+    """The last of a flag's values (the one that counts), or None when it was not given."""
+    return values[-1] if values else None
 
 
 def _take_flag(args: list[str], name: str) -> list[str]:

@@ -61,6 +61,9 @@ def test_the_decision_needs_both_a_rise_and_a_fall_over_the_window() -> None:
     assert watchdog.check([m(0.8, 0.8), m(0.5, 0.7), m(0.2, 0.6)], m(0.95, 0.9)) is None  # both rise: healthy
     assert watchdog.check([m(0.2, 0.6), m(0.2, 0.7), m(0.2, 0.8)], m(0.2, 0.5)) is None  # held falls alone
     assert watchdog.check([{"batch_reward": 0.5}] * 3, m(0.9, 0.1)) is None  # no held-out score: nothing to judge
+    # one step of the window without its held-out score: the window is not whole, nothing is judged (not the rise
+    # and fall of the steps around it)
+    assert watchdog.check([hacked[0], {"batch_reward": 0.5}, hacked[2]], m(0.95, 0.5)) is None
 
 
 def test_with_four_published_steps_the_newest_three_are_the_window() -> None:

@@ -70,6 +70,16 @@ def test_a_planted_marker_link_is_not_followed(home: Path, outside: Path) -> Non
     assert installed_release(home) == "r1"
 
 
+@pytest.mark.parametrize("marker", [b'{"release_id": 5}', b'["r1"]', b'"r1"', b"{", b'{"files": []}'])
+def test_a_marker_without_a_release_id_names_no_release(home: Path, marker: bytes) -> None:
+    # what the wrapper compares with the daemon's head: only a text id counts (a number, a list, a torn file: none,
+    # so the daemon's files are installed again rather than compared with something that is not an id)
+    (home / HARNESS_MARKER).write_bytes(marker)
+    assert installed_release(home) is None
+    (home / HARNESS_MARKER).write_bytes(b'{"release_id": "r1", "files": []}')
+    assert installed_release(home) == "r1"
+
+
 def test_a_sibling_whose_name_starts_with_the_homes_is_outside(tmp_path: Path, home: Path) -> None:
     evil = tmp_path / "home-evil"
     (evil / "agent").mkdir(parents=True)

@@ -115,21 +115,6 @@ def _take(cache: Any, mask: torch.Tensor, rows: list[int]) -> tuple[Any, torch.T
     return cache, mask[index]
 
 
-def _merge(batch: _Batch, cache: Any, mask: torch.Tensor, seqs: list[_Seq]) -> None:
-    """Add prefilled rows to a decode batch, both left-padded to the wider of the two."""
-    if batch.seqs:
-        assert batch.mask is not None
-        n = max(batch.mask.shape[1], mask.shape[1])
-        for mine, new in zip(batch.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_lpad(mine.keys, n, 2), _lpad(new.keys, n, 2)])
-            mine.values = torch.cat([_lpad(mine.values, n, 2), _lpad(new.values, n, 2)])
-        mask = torch.cat([_lpad(batch.mask, n, 1), _lpad(mask, n, 1)])
-    else:
-        batch.cache = cache
-    batch.mask = mask
-    batch.seqs.extend(seqs)
-
-
 class Answers:
     """The answers of one load to many prompts: each ``advance`` runs one forward (the shared prefix, a prefill of
     the next rows, or one decode step of the batch); ``done`` once every row has its ``Completion``."""
@@ -163,7 +148,7 @@ class Answers:
         assert all(c is not None for c in self.completions), "a job read before it was done"
         return [c for c in self.completions if c is not None]
 
-    def _cells(self, seqs: Sequence[_Seq]) -> int:
+    def _cells(self, seqs: Sequence[_Seq[Load]]) -> int:
         return len(seqs) * max((len(s.prompt) + s.params.max_tokens for s in seqs), default=0)
 
     def advance(self) -> None:
@@ -172,7 +157,7 @@ class Answers:
         if self.prefix.layers is None:
             self.prefix.compute(self.load, self.load.adapter)
             return
-        chunk: list[_Seq] = []
+        chunk: list[_Seq[Load]] = []
         c = len(self.prefix.tokens)
         while self.waiting:
             seq = self.seqs[self.waiting[0]]
@@ -190,14 +175,14 @@ class Answers:
         else:  # nothing fits and nothing decodes: cannot happen (an empty batch takes any row)
             raise EngineError("the bulk job made no progress")
 
-    def _prefill(self, chunk: list[_Seq]) -> None:
+    def _prefill(self, chunk: list[_Seq[Load]]) -> None:
         cache, mask, logits = _prefill(self.load, [s.prompt for s in chunk], self.prefix,
                                        [s.load.adapter for s in chunk], 1)
         picks = _choose(logits[:, -1], chunk)
         live = [i for i, (seq, pick) in enumerate(zip(chunk, picks, strict=True)) if not seq.push(*pick)]
         if live:
             cache, mask = _take(cache, mask, live)
-            _merge(self.batch, cache, mask, [chunk[i] for i in live])
+            self.batch.merge(cache, mask, [chunk[i] for i in live])
 
     def _decode(self) -> None:
         picks = _choose(self.batch.step(), self.batch.seqs)

@@ -83,7 +83,7 @@ class Int4Linear(torch.nn.Linear):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
 
     @property
-    def weight(self) -> torch.Tensor:  # type: ignore[override]
+    def weight(self) -> torch.Tensor:  # type: ignore[override]  # torch: a Parameter attribute in nn.Linear
         eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
         return self.forward(eye).t().contiguous()
 
@@ -207,7 +207,8 @@ class _Layer:
             room = n + new + max(64, n // 4)  # amortised: a copy every quarter of the length
             grown = x.new_empty(x.shape[0], x.shape[1], room, x.shape[3])
             if n:
-                grown[:, :, :n] = buf[:, :, :n]  # type: ignore[index]
+                assert buf is not None  # n rows were appended to it
+                grown[:, :, :n] = buf[:, :, :n]
             buf = grown
         buf[:, :, n : n + new] = x
         return buf
@@ -238,10 +239,10 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` for a bias-free linear layer, without ``nn.Module.__call__`` unless hooks (LoRA adapters) are on
     it."""
     if module._forward_hooks or module._forward_pre_hooks:
-        return module(x)  # type: ignore[no-any-return]
+        return module(x)  # type: ignore[no-any-return]  # torch types a module's call as Any
     if type(module) is torch.nn.Linear:
         return F.linear(x, module.weight)
-    return module.forward(x)  # type: ignore[no-any-return]
+    return module.forward(x)  # type: ignore[no-any-return]  # torch: Module.forward is Any
 
 
 class FastLlama:

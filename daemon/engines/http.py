@@ -54,9 +54,9 @@ class ProtocolError(HTTPClientError):
 class _Connection(asyncio.Protocol):
     """One connection and the answer being read on it (one request at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.transport: asyncio.Transport | None = None
-        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by Pool._connect
+        self.loop = loop
         self.lost = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
@@ -76,6 +76,8 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream connection's transport: asyncio types the argument BaseTransport, and uvloop's transports are
+        # Transports in behaviour but not by class (an isinstance check fails)
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
@@ -269,7 +271,7 @@ class Pool:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    _Connection, self.host, self.port, ssl=ssl_context,
+                    lambda: _Connection(loop), self.host, self.port, ssl=ssl_context,
                     server_hostname=self.host if ssl_context is not None else None,
                 )
         except ssl.SSLError as e:
@@ -278,7 +280,6 @@ class Pool:
             raise ConnectFailed(f"no connection within {self.connect_timeout:g} s", timeout=True) from None
         except OSError as e:
             raise ConnectFailed(str(e) or type(e).__name__) from None
-        conn.loop = loop
         return conn
 
     def _put(self, conn: _Connection) -> None:

@@ -149,15 +149,15 @@ class Adapters:
     @contextlib.contextmanager
     def select(self, rows: Sequence[str | None], device: torch.device) -> Iterator[None]:
         """Run the forward inside with row ``i`` on adapter ``rows[i]`` (None: the base weights)."""
-        names = set(rows) - {None}
+        names = {r for r in rows if r is not None}
         if not names:
             yield
             return
         if len(names) == 1 and None not in rows:
-            self.groups = [(next(iter(names)), None)]  # type: ignore[list-item]
+            self.groups = [(next(iter(names)), None)]
         else:
             self.groups = [(n, torch.tensor([i for i, r in enumerate(rows) if r == n], device=device))
-                           for n in sorted(names)]  # type: ignore[type-var]
+                           for n in sorted(names)]
         try:
             yield
         finally:

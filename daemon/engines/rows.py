@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -28,6 +28,11 @@ from daemon.errors import (
 from daemon.exchange import Completion, EngineEvent, Exchange, Finish, StopReason, TextDelta, Usage
 from daemon.hf import no_progress_bars
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from daemon.engines.decode import FastLlama
+
 
 def _device(name: str) -> torch.device:
     if name == "auto":
@@ -42,7 +47,7 @@ class Load:
     id: str
     path: Path
     model: Any
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerFast
     device: torch.device
     eos_ids: frozenset[int]
     context_length: int
@@ -58,7 +63,7 @@ class Load:
     dropped: bool = False
     served: bool = False  # among the releases that serve new requests (``retain``) at some time while resident
     # the Llama fast path (``daemon/engines/decode.py``): its forward and cache instead of transformers' (None: theirs)
-    fast: Any = None
+    fast: FastLlama | None = None
 
     def forward(self, ids: torch.Tensor, cache: Any, adapters: list[str | None] | None = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -69,7 +74,8 @@ class Load:
             if self.fast is not None:
                 return self.fast(ids, cache, **kwargs)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}, **kwargs)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]  # transformers' output object is untyped here (model: Any)
+        return logits
 
     def new_cache(self) -> Any:
         if self.fast is not None:
@@ -93,18 +99,20 @@ class Load:
         check_model_dir(Path(path))
         try:
             with LOAD_LOCK, no_progress_bars():  # one transformers load at a time in the process (daemon/hf.py)
-                from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+                from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerFast
                 from transformers.cache_utils import DynamicLayer
 
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
-                model = model.to(device).eval()
+                # transformers wraps PreTrainedModel.to in a decorator whose type hides the signature
+                model = model.to(device).eval()  # type: ignore[arg-type]
                 fast_path = prepare(model, fast=fast, pack=pack)
         except ReefError:
             raise
         except Exception as e:  # whatever the loaders raise for a broken directory: name the path, no traceback
             raise ModelUnavailable(f"cannot load the model at {path}: {type(e).__name__}: {e}", path=path) from None
-        if getattr(tokenizer, "backend_tokenizer", None) is None:
+        if (not isinstance(tokenizer, PreTrainedTokenizerFast)
+                or getattr(tokenizer, "backend_tokenizer", None) is None):
             raise ModelUnavailable(f"{path}: the transformers engine needs a fast tokenizer (tokenizer.json)", path=path)
         eos = model.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
@@ -162,7 +170,7 @@ def _greedy(logits: torch.Tensor) -> int:
     return top
 
 
-def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of float32 logits.
 
     Non-finite values never reach the sampler: a row whose scaled maximum is NaN or +inf (a NaN from the model, or
@@ -185,15 +193,31 @@ def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator)
     return i if i < len(cdf) else int(torch.searchsorted(cdf, cdf[-1]))  # the draw rounded up to the total
 
 
+class SeqLoad(Protocol):
+    """What a sequence needs of the weights it runs on: a ``Load`` here, an inference server's view of its load
+    (``daemon/engines/server.py``, which samples on the server)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+L = TypeVar("L", bound=SeqLoad)
+
+
 @dataclass(eq=False)
-class _Seq:
+class _Seq(Generic[L]):
     """One request in the generation thread: its load, tokens, text and where its events go."""
 
-    load: Load
+    load: L
     model_name: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # None: sampled elsewhere (an inference server)
     post: Callable[[list[EngineEvent] | BaseException], object]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -296,13 +320,17 @@ class _Batch:
 
     def __init__(self, load: Load) -> None:
         self.load = load
-        self.seqs: list[_Seq] = []
+        self.seqs: list[_Seq[Load]] = []
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [rows, cache length]: 1 real, 0 padding
 
-    def add(self, seq: _Seq, cache: Any) -> None:
-        mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long, device=self.load.device)
+    def add(self, seq: _Seq[Load], cache: Any) -> None:
+        self.merge(cache, torch.ones(1, cache.get_seq_length(), dtype=torch.long, device=self.load.device), [seq])
+
+    def merge(self, cache: Any, mask: torch.Tensor, seqs: list[_Seq[Load]]) -> None:
+        """Add prefilled rows (their cache and its mask), both sides left-padded to the wider of the two."""
         if self.seqs:
+            assert self.mask is not None  # rows have a mask
             n = max(self.mask.shape[1], mask.shape[1])
             for mine, new in zip(self.cache.layers, cache.layers, strict=True):
                 mine.keys = torch.cat([_lpad(mine.keys, n, 2), _lpad(new.keys, n, 2)])
@@ -311,7 +339,7 @@ class _Batch:
         else:
             self.cache = cache
         self.mask = mask
-        self.seqs.append(seq)
+        self.seqs.extend(seqs)
 
     def keep(self, keep: list[bool]) -> None:
         """Drop the rows not kept, then the padding columns that no row needs any more."""
@@ -324,6 +352,7 @@ class _Batch:
             return
         self.load = self.seqs[0].load  # rows may be of several adapter loads: hold a live one, not a finished one
         index = torch.tensor(rows, device=self.load.device)
+        assert self.mask is not None  # rows have a mask
         mask = self.mask[index]
         pad = int(mask.argmax(dim=1).min())  # first real column of the least padded row
         for layer in self.cache.layers:
@@ -342,12 +371,13 @@ class _Batch:
         device = self.load.device
         ids = torch.tensor([[s.token_ids[-1]] for s in self.seqs], device=device)
         positions = torch.tensor([[s.position] for s in self.seqs], device=device)
+        assert self.mask is not None  # rows have a mask
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.seqs), 1)], dim=1)
         return self.load.forward(ids, self.cache, [s.load.adapter for s in self.seqs], attention_mask=self.mask,
                                  position_ids=positions)
 
 
-def _choose(logits: torch.Tensor, seqs: list[_Seq]) -> list[tuple[int, float]]:
+def _choose(logits: torch.Tensor, seqs: list[_Seq[Load]]) -> list[tuple[int, float]]:
     """Sample one token per row; pair it with its log-prob under the raw model distribution."""
     logits = logits.float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1)

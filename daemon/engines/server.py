@@ -65,7 +65,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from yarl import URL
 
@@ -87,6 +87,9 @@ from daemon.errors import (
 from daemon.exchange import EngineEvent, Exchange, Finish, StopReason, TextDelta
 from daemon.lora import read_dir as adapter_manifest
 from daemon.protocols.sse import SSEDecoder
+
+if TYPE_CHECKING:  # heavy imports where they are used
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger("reef.server")
 
@@ -150,7 +153,7 @@ class _Base:
 class _View:
     """What the embedded engine's sequence logic needs of a load: its id, EOS ids and a detokeniser."""
 
-    def __init__(self, id: str, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, id: str, tokenizer: PreTrainedTokenizerFast, eos_ids: frozenset[int]) -> None:
         self.id = id
         self.eos_ids = eos_ids
         self._backend = tokenizer.backend_tokenizer
@@ -185,7 +188,7 @@ class ServerEngine(Engine):
         else:
             self.host, self.port = "127.0.0.1", entry.server_port or free_port()
         self._pool: http.Pool | None = None
-        self._tokenizer: Any = None
+        self._tokenizer: PreTrainedTokenizerFast | None = None
         self._eos: frozenset[int] = frozenset()
         self._context = 0
         self._base: _Base | None = None
@@ -211,9 +214,10 @@ class ServerEngine(Engine):
     async def start(self) -> None:
         from daemon.hf import LOAD_LOCK, no_progress_bars
 
-        def open_tokenizer() -> tuple[Any, frozenset[int], int]:
+        def open_tokenizer() -> tuple[PreTrainedTokenizerFast, frozenset[int], int]:
+            assert self.entry.path is not None  # __init__ refused an entry without one
             with LOAD_LOCK, no_progress_bars():  # one transformers load at a time in the process (daemon/hf.py)
-                from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+                from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
                 tok = AutoTokenizer.from_pretrained(self.entry.path)
                 cfg = AutoConfig.from_pretrained(self.entry.path)
@@ -222,7 +226,7 @@ class ServerEngine(Engine):
                     eos = gen.eos_token_id
                 except OSError:
                     eos = cfg.eos_token_id
-            if getattr(tok, "backend_tokenizer", None) is None:
+            if not isinstance(tok, PreTrainedTokenizerFast) or getattr(tok, "backend_tokenizer", None) is None:
                 raise EngineError(f"{self.entry.path}: the {self.dialect.name} engine needs a fast tokenizer")
             ids = {eos} if isinstance(eos, int) else set(eos or ())
             if tok.eos_token_id is not None:
@@ -550,9 +554,12 @@ class ServerEngine(Engine):
         return len(await asyncio.to_thread(self._encode, exchange))
 
     def _encode(self, exchange: Exchange) -> list[int]:
-        text = render_chat(self._tokenizer, exchange)
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise self._unavailable()
+        text = render_chat(tokenizer, exchange)
         # a batch of one: ``encode_batch`` lets go of the GIL, ``encode`` holds it (daemon/engines/transformers.py)
-        return self._tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _prepare(self, exchange: Exchange) -> tuple[list[int], Any]:
         if exchange.has_images():  # here, in the thread: 0.2 s on the loop for 870,000 messages
@@ -587,6 +594,8 @@ class ServerEngine(Engine):
                              *, buffered: bool) -> AsyncIterator[EngineEvent]:
         from daemon.engines.rows import _Seq
 
+        tokenizer = self._tokenizer
+        assert tokenizer is not None  # the prompt was encoded with it (_prepare)
         base_ref = release.base if release is not None and release.base is not None else release
         while True:  # until the base this request needs is the server's, with the gate held on it
             if base_ref is not None and base_ref.path is not None:
@@ -603,8 +612,14 @@ class ServerEngine(Engine):
                     adapter = await self._ensure_adapter(release)
                 load_id = adapter or base.id
                 out: list[list[EngineEvent]] = []
-                seq = exchange.progress = _Seq(_View(load_id, self._tokenizer, self._eos), self.entry.name, prompt,
-                                               params, None, out.append)  # type: ignore[arg-type]
+
+                def post(item: list[EngineEvent] | BaseException, out: list[list[EngineEvent]] = out) -> None:
+                    if isinstance(item, BaseException):  # only the embedded engine's thread posts errors
+                        raise item
+                    out.append(item)
+
+                seq = exchange.progress = _Seq(_View(load_id, tokenizer, self._eos), self.entry.name, prompt,
+                                               params, None, post)
                 sent: list[EngineEvent] = []
                 self._active[load_id] += adapter is not None
                 try:

@@ -107,7 +107,7 @@ class TransformersEngine(Engine):
         self._loading: dict[str, asyncio.Task[Load]] = {}
         self._active: Counter[str] = Counter()  # load id -> running sequences
         self._cond = threading.Condition()
-        self._pending: deque[_Seq] = deque()
+        self._pending: deque[_Seq[Load]] = deque()
         self._calls: deque[Callable[[], None]] = deque()  # model changes the generation thread makes between steps
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -119,6 +119,7 @@ class TransformersEngine(Engine):
         return self._current.id if self._current else None
 
     async def start(self) -> None:
+        assert self.entry.path is not None  # __init__ refused an entry without one
         await self.load(self.entry.path)
         self._thread = threading.Thread(target=self._work, name=f"reef-engine-{self.entry.name}", daemon=True)
         self._thread.start()
@@ -162,7 +163,7 @@ class TransformersEngine(Engine):
                 raise EngineError(f"release {release.release_id} has no checked-out artifact to load")
             task = asyncio.ensure_future(self._open_adapter(release) if release.base else self._open(release.path))
             self._loading[key] = task
-            task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+            task.add_done_callback(functools.partial(self._loaded, key))
         return await asyncio.shield(task)
 
     async def _open_adapter(self, release: ReleaseRef) -> Load:
@@ -363,7 +364,10 @@ class TransformersEngine(Engine):
         prompt, params, generator = await asyncio.to_thread(self._prepare, load, exchange)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[EngineEvent] | BaseException] = asyncio.Queue()
-        post = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
+
+        def post(events: list[EngineEvent] | BaseException) -> None:  # from the generation thread
+            loop.call_soon_threadsafe(queue.put_nowait, events)
+
         seq = exchange.progress = _Seq(load, self.entry.name, prompt, params, generator, post)
         with self._cond:
             if self._closing:
@@ -423,6 +427,7 @@ class TransformersEngine(Engine):
     def _work(self) -> None:
         torch.set_num_threads(self.entry.threads)
         batches: list[_Batch] = []
+        batch: _Batch | None = None  # the last one decoded, let go of while idle (below)
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -453,7 +458,7 @@ class TransformersEngine(Engine):
         for seq in left:
             seq.emit(Unavailable("the engine is shutting down"))
 
-    def _prefill(self, seq: _Seq, batches: list[_Batch]) -> None:
+    def _prefill(self, seq: _Seq[Load], batches: list[_Batch]) -> None:
         """Run a new prompt; sample its first token; unless that ends it, add it to its load's batch."""
         try:
             cache = seq.load.new_cache()
@@ -473,7 +478,7 @@ class TransformersEngine(Engine):
         except Exception as e:  # a failing request must not take the generation thread down
             seq.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))
 
-    def _reuse_prefix(self, seq: _Seq, cache: Any) -> int:
+    def _reuse_prefix(self, seq: _Seq[Load], cache: Any) -> int:
         """Fill a new ``cache`` with the longest cached prefix of the prompt (same load); returns its length."""
         if not seq.load.batchable:  # sliding-window caches cannot be cut at any length
             return 0
@@ -483,7 +488,7 @@ class TransformersEngine(Engine):
         seq.cached = n
         return n
 
-    def _remember(self, seq: _Seq, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _remember(self, seq: _Seq[Load], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if seq.load.batchable and not seq.load.dropped:
             self.prefix_cache.store(seq.load.id, seq.fed, layers)
 

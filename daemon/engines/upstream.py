@@ -111,8 +111,9 @@ def _error_message(raw: bytes) -> str:
         return text[:500] or "no message"
     if isinstance(body, dict):
         err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
+        message = err.get("message") if isinstance(err, dict) else None
+        if isinstance(message, str):
+            return message
         for value in (err, body.get("message"), body.get("detail")):
             if isinstance(value, str) and value:
                 return value

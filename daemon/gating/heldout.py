@@ -50,7 +50,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -180,10 +180,10 @@ def reserved(prompt_token_ids: Sequence[int], share: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < share
 
 
-def user_prompt(record: dict[str, Any]) -> str | None:
-    """The user's prompt in a recorded exchange: its last user message with text, read through the protocol of the
-    request's format (as ``daemon.harness.user_prompt``, which this module may not import: harness imports the
-    serving path); None when there is none."""
+def user_prompt(record: Mapping[str, Any]) -> str | None:
+    """The user's prompt in a recorded exchange: its last user message with text (tool results left out), read
+    through the protocol of the request's format; None when there is none. ``daemon/harness.py`` (promoting a run
+    into a task) and the learner use it too."""
     from daemon.protocols.formats import FORMATS
 
     proto = FORMATS.get(record.get("format") or "")

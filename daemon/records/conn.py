@@ -21,7 +21,8 @@ class Conn(Protocol):
     """What a write or a read gets: a DB-API connection taking ``?`` placeholders, rows readable by column name
     and by position (``sqlite3.Connection`` with ``sqlite3.Row``; the PostgreSQL backend adapts psycopg's)."""
 
-    in_transaction: bool
+    @property
+    def in_transaction(self) -> bool: ...  # read-only: sqlite3's attribute, psycopg's property (adapted)
 
     def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any: ...
 

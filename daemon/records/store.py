@@ -200,12 +200,13 @@ class RecordStore:
                 err = self._failure(self._reopen_error or StorageError("no connection"))
                 self._deliver([(fut, loop, None, err) for _, fut, loop in batch])
                 return
-        if len(batch) <= MAX_ROWS_PER_INSERT and all(type(w[0]) is ExchangeRow for w in batch):
+        exchanges = [w[0] for w in batch if type(w[0]) is ExchangeRow]
+        if len(batch) <= MAX_ROWS_PER_INSERT and len(exchanges) == len(batch):
             # the common case, only exchange records: one statement is the whole transaction (SQLite commits it
             # on its own), so the writer takes the GIL once for the batch instead of once per BEGIN, INSERT and
             # COMMIT; a failure falls through to the general path below, which reports each write's own error
             try:
-                self._insert_exchanges(conn, [w[0].row for w in batch])  # type: ignore[attr-defined]
+                self._insert_exchanges(conn, [e.row for e in exchanges])
             except self.DriverError:
                 self._rollback(conn)
             else:

@@ -33,7 +33,8 @@ def _node_dir() -> Path:
     with contextlib.suppress(Exception):
         import ray
 
-        base = ray._private.worker.global_worker.node.get_session_dir_path()  # no public API names it
+        node = ray._private.worker.global_worker.node  # no public API names its session directory
+        base = node.get_session_dir_path() if node is not None else None
     return Path(tempfile.mkdtemp(prefix="reef-ray-", dir=base))
 
 

@@ -208,7 +208,8 @@ def _serve(config: dict[str, Any]) -> str:
             sys.path.insert(0, p)
     node = ray.get_runtime_context().get_node_id()
     found: list[Any] = [None] * size
-    dist.all_gather_object(found, {"node": node, "ip": ray.util.get_node_ip_address(), "versions": versions()})
+    ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray: unannotated
+    dist.all_gather_object(found, {"node": node, "ip": ip, "versions": versions()})
     if rank == 0:
         refused = [f"node {f['ip']} ({f['node'][:12]}) has {why}" for f in found
                    if (why := mismatch(config["expected"], f["versions"]))]
@@ -352,12 +353,14 @@ class ParallelSteps:
         sid = self._count
         self.ray.get(box.open.remote(sid))
         storage = tempfile.mkdtemp(prefix="reef-train-")
+        # ray.train picks Ray Train v1 or v2 at import time (Reef runs v2: an elastic num_workers range, any return
+        # value from the loop); mypy reads v1's annotations, hence the two ignores
         trainer = TorchTrainer(
-            _serve,
+            _serve,  # type: ignore[arg-type]
             train_loop_config={"box": box, "session": sid, "threads": self.threads, "paths": self.recipe_paths,
                                "expected": self.expected},
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=(1, most), use_gpu=gpu,
+            scaling_config=ScalingConfig(num_workers=(1, most), use_gpu=gpu,  # type: ignore[call-arg, arg-type]
                                          resources_per_worker={"CPU": 1, "GPU": 1} if gpu else {"CPU": 1},
                                          elastic_resize_monitor_interval_s=24 * 3600.0),  # grown only at a step
             run_config=RunConfig(name=f"reef-session-{sid}", storage_path=storage,
@@ -433,6 +436,7 @@ class ParallelSteps:
                                      f"start; {cluster}, some of them busy", job=job.id)
                 time.sleep(RESTART_S)
             self._session = session
+        assert session is not None  # kept, or started above (the loop ends by break or raise)
         box = self._mailbox()
         self._seq += 1
         seq = self._seq

@@ -44,12 +44,15 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon.errors import EngineError, StepFailed
 from daemon.trainer.ray_files import _node_dir, _read_dir, _safe, _write_dir
 from daemon.trainer.step import run_job
 from recipes.base import Candidate, TrainJob
+
+if TYPE_CHECKING:
+    from daemon.trainer.ray_parallel import ParallelSteps
 
 log = logging.getLogger("reef.trainer.ray")
 
@@ -73,7 +76,7 @@ def _loopback_only() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]  # Ray's module, typed as a ModuleType here
 
 class _StepActor:
     """Runs training steps on a Ray worker (made a Ray actor class by ``RayDriver``)."""
@@ -95,7 +98,8 @@ class _StepActor:
         """Which of these model directories this actor does not hold yet."""
         return [k for k in keys if not (self.cache / _safe(k)).is_dir()]
 
-    def run(self, job: TrainJob, inputs: dict[str, str], *blobs: tuple[str, dict[str, bytes]]) -> Any:
+    def run(self, job: TrainJob, inputs: dict[str, str], *blobs: tuple[str, dict[str, bytes]]
+            ) -> tuple[Candidate, dict[str, bytes]] | str:
         """One step: ``inputs`` maps each of the job's paths to its content key, ``blobs`` are the directories
         this actor lacked. Returns (candidate without a path, its files) or the exception's message."""
         try:
@@ -140,7 +144,7 @@ class RayDriver:
                  recipe_paths: list[str] | None = None, workers: int | None = None) -> None:
         self.address = address
         self.workers = workers  # trainer_workers: data-parallel jobs run on that many Ray Train workers
-        self._parallel: Any = None
+        self._parallel: ParallelSteps | None = None
         self.threads = threads
         self.retries = retries
         self.recipe_paths = list(recipe_paths or [])
@@ -163,10 +167,12 @@ class RayDriver:
             paths = os.pathsep.join([*self.recipe_paths, os.environ.get("PYTHONPATH", ""), "${PYTHONPATH}"])
             runtime_env: dict[str, Any] = {"py_modules": [str(_ROOT / "daemon"), str(_ROOT / "recipes")],
                                            "env_vars": {"PYTHONPATH": paths.lstrip(os.pathsep)}}
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False, logging_level="warning",
-                     runtime_env=runtime_env, configure_logging=False,
-                     **({} if self.address else {"num_cpus": max(1, os.cpu_count() or 1),
-                                                 "_node_ip_address": "127.0.0.1"}))  # a local cluster: loopback
+            local: dict[str, Any] = {} if self.address else {"num_cpus": max(1, os.cpu_count() or 1),
+                                                             "_node_ip_address": "127.0.0.1"}  # loopback
+            # Ray annotates logging_level as an int; it takes a level's name too (its own default is "info")
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                     logging_level="warning",  # type: ignore[arg-type]
+                     runtime_env=runtime_env, configure_logging=False, **local)
             self._connected = True
             log.info("trainer: connected to Ray %s", self.address or "(a local cluster started by Reef)")
         return ray
@@ -242,7 +248,7 @@ class RayDriver:
                         if self._closed:
                             ray.cancel(pending, force=True)
                             raise EngineError("the trainer is shutting down")
-                    result = ray.get(pending)
+                    result: tuple[Candidate, dict[str, bytes]] | str = ray.get(pending)  # _StepActor.run's
                 except dead as e:
                     self.restarts += 1
                     self._actors = {k: a for k, a in self._actors.items() if a is not actor}

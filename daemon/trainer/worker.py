@@ -83,7 +83,7 @@ def worker_main(conn: Connection, threads: int, parent: int, paths: list[str],
         from transformers.utils import logging as hf_logging
 
         torch.set_num_threads(threads)
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: unannotated
     threading.Thread(target=_exit_with_parent, args=(parent, driver), daemon=True).start()
     states: dict[str, dict[str, Any]] = {}
     try:

@@ -73,7 +73,8 @@ def parse_tasks(raw: Any) -> list[Task]:
             v = t.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise BadRequest(f"{where}.{key} must be a positive number", param=f"{where}.{key}")
-        out.append(Task(**{k: (float(v) if k.endswith("_s") else v) for k, v in t.items()}))
+        fields: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in t.items()}
+        out.append(Task(**fields))
     return out
 
 

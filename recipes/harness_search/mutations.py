@@ -275,7 +275,9 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
             if m.op == "remove":
                 rule_list = [(i, t) for i, t in rule_list if i != m.id]
             elif m.op == "update":
-                rule_list = [(i, m.text if i == m.id else t) for i, t in rule_list]  # type: ignore[misc]
+                text = m.text
+                assert text is not None  # an update of a rule carries its text (parse refuses one without)
+                rule_list = [(i, text if i == m.id else t) for i, t in rule_list]
             else:
                 assert m.text is not None
                 near = max(rule_list, key=lambda e: similarity(m.text or "", e[1]), default=None)
@@ -294,12 +296,12 @@ def apply(tree: dict[str, bytes], mutations: list[Mutation], limits: Limits = Li
             current = skills(out.tree)
             if m.op == "create":
                 new = (m.files or {}).get("SKILL.md", "")
-                near = max(current, key=lambda s: similarity(new, current[s].get("SKILL.md", b"").decode()),
-                           default=None)
-                if near is not None and similarity(new, current[near].get("SKILL.md", b"").decode()) >= \
+                nearest = max(current, key=lambda s: similarity(new, current[s].get("SKILL.md", b"").decode()),
+                              default=None)
+                if nearest is not None and similarity(new, current[nearest].get("SKILL.md", b"").decode()) >= \
                         limits.similarity:
-                    target = near  # merged with its near-duplicate: the new files over the old folder
-                    view["merged"] = near
+                    target = nearest  # merged with its near-duplicate: the new files over the old folder
+                    view["merged"] = nearest
             for path in [p for p in out.tree if p.startswith(f"skills/{target}/")]:
                 if m.op != "create" or target == m.id:
                     del out.tree[path]

@@ -60,7 +60,7 @@ class Pool:
         scored = [m for m in self.members.values() if any(m.mean(t) is not None for t in tasks)]
 
         def vec(m: Member) -> list[float]:
-            return [m.mean(t) if m.mean(t) is not None else 0.0 for t in tasks]  # type: ignore[misc]
+            return [mean if (mean := m.mean(t)) is not None else 0.0 for t in tasks]
 
         out = []
         for m in scored:

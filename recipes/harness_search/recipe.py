@@ -55,7 +55,7 @@ from daemon.errors import BadRequest, StepFailed
 from daemon.gate import Verdict, paired_interval, pairs_needed, sign_test_p
 from daemon.gate import check as gate_check
 from daemon.gate import judge as gate_judge
-from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
+from recipes.base import Candidate, EpisodeContext, FeedbackReport, HarnessContext, Recipe, Scores
 from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
 from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
 from recipes.harness_search.pool import Member, Pool, tree_id
@@ -209,10 +209,12 @@ class HarnessSearch(Recipe):
         details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
 
         env = await self._env(ctx)
+        if not isinstance(ctx, EpisodeContext):
+            raise BadRequest("harness-search needs the daemon's harness context (episode releases, scoped tokens) "
+                             "to run episodes")
         trees = {"serving": tree, "candidate": candidate}
         files = {side: self._render(t) for side, t in trees.items()}
-        pinned = {side: await ctx.episode_release(env.scenario, t)  # type: ignore[attr-defined]
-                  for side, t in trees.items()}
+        pinned = {side: await ctx.episode_release(env.scenario, t) for side, t in trees.items()}
         repeats = repeats_of(s, len(tasks))
         pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
         not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
@@ -271,7 +273,7 @@ class HarnessSearch(Recipe):
     @staticmethod
     def _memory_path(ctx: HarnessContext) -> Path | None:
         config, scenario = getattr(ctx, "config", None), getattr(ctx, "scenario", None)
-        if config is None or scenario is None:
+        if config is None or not isinstance(scenario, str):
             return None
         return Path(config.home) / "scenarios" / scenario / "harness-search.json"
 
@@ -373,6 +375,7 @@ class HarnessSearch(Recipe):
         limits = self.limits()
         for attempt in range(s.max_proposer_calls):
             t0 = time.perf_counter()
+            error: str | None
             try:
                 answer = await ctx.answer(s.proposer, PROPOSER_SYSTEM, prompt, s.proposer_max_tokens)
             except Exception as e:  # a proposer that fails is a refused proposal; the next step tries again
@@ -398,14 +401,14 @@ class HarnessSearch(Recipe):
         return None
 
     @staticmethod
-    async def _episode(ctx: HarnessContext, task: Task, files: dict[str, str], env: EpisodeEnv, **kw: Any) -> Episode:
+    async def _episode(ctx: EpisodeContext, task: Task, files: dict[str, str], env: EpisodeEnv, **kw: Any) -> Episode:
         """One episode with its own scoped token: valid for the episode's time limit (and a margin for the sandbox's
         start), revoked when it ends, whatever the outcome."""
-        token = ctx.scoped_token(env.scenario, task.time_limit_s + 60.0)  # type: ignore[attr-defined]
+        token = ctx.scoped_token(env.scenario, task.time_limit_s + 60.0)
         try:
             return await run_episode(task, files, dataclasses.replace(env, token=token), **kw)
         finally:
-            ctx.revoke_token(token)  # type: ignore[attr-defined]
+            ctx.revoke_token(token)
 
     def _render(self, tree: dict[str, bytes]) -> dict[str, str]:
         from adapters import get_adapter
@@ -492,8 +495,9 @@ def retirement(candidate: list[float], base: list[float], *, alpha: float | None
     wins = sum(x > y for x, y in zip(candidate, base, strict=True))
     losses = sum(x < y for x, y in zip(candidate, base, strict=True))
     p = sign_test_p(losses, wins)
-    metrics = {"eval_reward": sum(candidate) / len(candidate), "base_reward": sum(base) / len(base), "wins": wins,
-               "losses": losses, "p_value_loss": round(p, 6), "alpha": a, "pairs": len(candidate)}
+    metrics: dict[str, Any] = {
+        "eval_reward": sum(candidate) / len(candidate), "base_reward": sum(base) / len(base), "wins": wins,
+        "losses": losses, "p_value_loss": round(p, 6), "alpha": a, "pairs": len(candidate)}
     mean, lo, hi = paired_interval(candidate, base)
     metrics.update(diff=round(mean, 6), diff_ci95=[None if not math.isfinite(x) else round(x, 6) for x in (lo, hi)])
     if p <= a:

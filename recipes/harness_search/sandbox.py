@@ -112,13 +112,13 @@ def argv(cmd: list[str], *, workspace: Path, env: Mapping[str, str], socket: Pat
         else:
             out += ["--ro-bind", path, path]
     for h in hide:
-        path = Path(h).expanduser()
-        if not _under(str(path), bound):
+        hidden = Path(h).expanduser()
+        if not _under(str(hidden), bound):
             continue  # not bound in: nothing to hide
-        if path.is_dir():
-            out += ["--tmpfs", str(path)]
-        elif path.exists():  # a file: an empty one in its place (not /dev/null: tmpfs mounts are nodev)
-            out += ["--ro-bind", str(_empty()), str(path)]
+        if hidden.is_dir():
+            out += ["--tmpfs", str(hidden)]
+        elif hidden.exists():  # a file: an empty one in its place (not /dev/null: tmpfs mounts are nodev)
+            out += ["--ro-bind", str(_empty()), str(hidden)]
     out += ["--bind", str(workspace), str(workspace)]
     if socket is not None:
         out += ["--bind", str(socket), SOCKET_INSIDE]

@@ -21,6 +21,7 @@ from typing import Any
 
 from textual.app import App
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
 from textual.reactive import reactive
 
 from daemon.errors import ReefError
@@ -117,7 +118,7 @@ class ReefApp(App[None]):
         if self.start_scenario:
             self.push_screen(ChainScreen(self.start_scenario))
         if self.follow_events:
-            self.run_worker(self._follow, name="events", group="events", exclusive=True)
+            self.run_worker(self._follow, name="events", group="events", exclusive=True)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
 
     def action_scenarios(self) -> None:
         while len(self.screen_stack) > 2:
@@ -143,7 +144,7 @@ class ReefApp(App[None]):
         if scenario is not None and not isinstance(self.screen, EvalScreen):
             self.push_screen(EvalScreen(scenario))
 
-    def action_back(self) -> None:
+    async def action_back(self) -> None:  # textual's own is a coroutine; this one only pops
         if len(self.screen_stack) > 2:
             self.pop_screen()
 
@@ -161,10 +162,10 @@ class ReefApp(App[None]):
         except SuspendNotSupported:
             return await asyncio.to_thread(to_browser, page)
 
-    def say(self, message: str, *, severity: str = "information") -> None:
+    def say(self, message: str, *, severity: SeverityLevel = "information") -> None:
         """Tell the person something (a toast), and keep it in ``messages``."""
         self.messages.append(message)
-        self.notify(message, severity=severity, timeout=8)  # type: ignore[arg-type]
+        self.notify(message, severity=severity, timeout=8)
 
     def chain_painted(self) -> None:
         """The first chain screen is on the terminal (``reef tui --exit-after-paint`` measures this)."""

@@ -87,7 +87,7 @@ class EvalScreen(ReefScreen):
         self.query_one("#how", Static).update("\n".join(lines))
 
     def action_measure(self) -> None:
-        self.run_worker(self._measure, group="measure", exclusive=True, exit_on_error=False)
+        self.run_worker(self._measure, group="measure", exclusive=True, exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
 
     async def _measure(self) -> None:
         from daemon.errors import ReefError

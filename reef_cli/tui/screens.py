@@ -63,7 +63,7 @@ class ReefScreen(Screen[None]):
 
     def refresh_data(self) -> None:
         # a callable, not a coroutine: a load cancelled by the next one before it started is never created
-        self.run_worker(self._guarded_load, group="load", exclusive=True, exit_on_error=False)
+        self.run_worker(self._guarded_load, group="load", exclusive=True, exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
 
     async def _guarded_load(self) -> None:
         try:
@@ -87,7 +87,7 @@ class ReefScreen(Screen[None]):
     def open_page(self, release_id: str) -> None:
         """Write the release's page and hand it to the browser, as ``reef releases open`` does; where no browser can
         be started, say where the page is (its file URL)."""
-        self.run_worker(functools.partial(self._open_page, release_id), group="page", exit_on_error=False)
+        self.run_worker(functools.partial(self._open_page, release_id), group="page", exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
 
     async def _open_page(self, release_id: str) -> None:
         from reef_cli.releases import save_page
@@ -349,7 +349,7 @@ class ChainScreen(ReefScreen):
         def done(ok: bool | None) -> None:
             if ok:
                 start = functools.partial(self._do_canary, row["release_id"])
-                self.run_worker(start, group="steer", exit_on_error=False)
+                self.run_worker(start, group="steer", exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
             else:
                 self.reef.say("canary cancelled; nothing changed")
 
@@ -382,7 +382,7 @@ class ChainScreen(ReefScreen):
         def done(ok: bool | None) -> None:
             if ok:
                 end = functools.partial(self._do_end_canary, promote)
-                self.run_worker(end, group="steer", exit_on_error=False)
+                self.run_worker(end, group="steer", exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
             else:
                 self.reef.say("nothing changed; the canary runs on")
 
@@ -432,7 +432,7 @@ class ChainScreen(ReefScreen):
         def done(ok: bool | None) -> None:
             if ok:
                 steer = functools.partial(self._do_steer, op, row["release_id"], expected)
-                self.run_worker(steer, group="steer", exit_on_error=False)
+                self.run_worker(steer, group="steer", exit_on_error=False)  # type: ignore[arg-type]  # textual's WorkType: mypy infers Never
             else:
                 self.reef.say(f"{op} of {self.scenario} to {short(row['release_id'])} cancelled; nothing changed")
 
