@@ -19,7 +19,7 @@ Each module's tests are a selection that runs in seconds where the module allows
 where the behaviour lives in the daemon), since every mutant runs them once: hundreds of mutants per module.
 
 Run: ``.venv/bin/pip install -e '.[mutation]'`` once, then
-``.venv/bin/python bench/mutation.py [MODULE ...] [--record] [--timeout 120] [--keep DIR [--resume]]``
+``.venv/bin/python bench/mutation.py [MODULE ...] [--record] [--timeout 120] [--keep DIR [--resume | --retry-survivors]]``
 (``--list`` shows the modules and their tests).
 """
 
@@ -29,22 +29,29 @@ import argparse
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCORES = ROOT / "bench" / "mutation_scores.json"
+DOC = ROOT / "docs" / "mutation.md"
 
 
 @dataclass(frozen=True)
 class Module:
     path: str  # the source file mutated
     tests: tuple[str, ...]  # pytest arguments: files and -k selections
+    # top-level definitions (``name`` or ``Class.method``) whose mutants are not scored: code whose behaviour only a
+    # running daemon shows, left to the daemon tests (say why beside each); printed as "left out"
+    leave_out: tuple[str, ...] = ()
 
 
 PY = "tests/test_harness_policy.py"
@@ -54,8 +61,18 @@ MODULES: dict[str, Module] = {
                                                           "proposer or settings_file_is_refused or followed")),
     "watchdog": Module("daemon/watchdog.py", ("tests/test_watchdog.py", "-k", "not daemon and not online_rl and "
                                               "not hacked_run")),
-    "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py", "tests/test_gates.py")),
-    "canary": Module("daemon/canary.py", ("tests/test_canary.py",)),
+    # its unit tests (the daemon's, test_gates.py, start one daemon per test)
+    "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py",)),
+    # the decision, settings, arms and lines; the ``Canaries`` class (the serve path's look-up, the judging loop,
+    # starting and ending on the chain) lives in a daemon: test_canary.py's and test_canary_live.py's daemon tests
+    "canary": Module("daemon/canary.py", ("tests/test_canary_decision.py", *(f"tests/test_canary.py::test_{t}" for t in (
+        "a_canary_that_fails_too_often_ends_before_its_scores_decide",
+        "a_canary_slower_than_its_bound_ends_before_its_scores_decide", "arms_split_runs_by_the_share",
+        "requests_with_neither_run_nor_session_go_to_the_canary_at_its_share",
+        "the_radii_spend_at_most_delta_over_every_sample_size",
+        "equal_arms_are_decided_at_most_at_the_stated_error_rate")), *(f"tests/test_canary_learning.py::test_{t}" for t
+        in ("the_bounds_decide_only_when_nothing_else_does", "bound_settings_are_checked_and_off_unless_given",
+            "the_detectable_difference_is_the_one_decided_in_that_many_pairs"))), leave_out=("Canaries",)),
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forget.py",)),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
@@ -68,6 +85,12 @@ MODULES: dict[str, Module] = {
     "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
     "trainer_memory": Module("recipes/memory.py", ("tests/test_trainer_memory.py",)),
 }
+
+
+# pytest plugins no module's tests use, not loaded: each mutant starts pytest once, and these cost most of it (with
+# them 7.2 s for test_betting.py's 12 tests, 1.4 s without, at load 4: hypothesis alone imports for 2 s)
+NOT_LOADED = tuple(x for name in ("xdist", "xdist.looponfail", "textual-snapshot", "syrupy", "schemathesis", "anyio",
+                                  "platformdirs", "hypothesispytest") for x in ("-p", f"no:{name}"))
 
 
 def tracked_copy(dest: Path) -> None:
@@ -103,6 +126,38 @@ def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]
     return spans
 
 
+# mutants left out by operator: an arithmetic operator replaced by a bitwise one (``*`` by ``|``, ``>>``...). On the
+# floats these modules compute with it raises TypeError wherever the line runs, so it only says the line ran (the
+# same line's ``+``, ``-``, ``*``, ``/``, ``//``, ``%`` and ``**`` mutants say whether its value matters); they were
+# 5 of every 11 arithmetic mutants, and a module's run is its mutants' count times a pytest start
+EXCLUDED_OPERATORS = re.compile(r"core/ReplaceBinaryOperator_\w+_(BitOr|BitAnd|BitXor|LShift|RShift)$")
+
+
+def signature_marker(lines: list[str], pos: tuple[int, int]) -> bool:
+    """Whether the ``*`` at ``pos`` (line from 1, column) is the keyword-only marker of a parameter list, which
+    cosmic-ray takes for a multiplication: made ``/`` it only lets callers name the arguments before it."""
+    line = lines[pos[0] - 1]
+    return line[pos[1]:pos[1] + 1] == "*" and line[pos[1] + 1:].lstrip()[:1] in (",", ")", "")
+
+
+def skip_operators(db: Path, source: Path) -> int:
+    """Mark the mutants of ``EXCLUDED_OPERATORS``, and those of a parameter list's ``*`` (``signature_marker``), as
+    skipped: the count."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    lines = source.read_text().splitlines()
+    skipped = 0
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        for item in list(wdb.pending_work_items):
+            if all(EXCLUDED_OPERATORS.match(m.operator_name) or (
+                    m.operator_name.startswith("core/ReplaceBinaryOperator_Mul_")
+                    and signature_marker(lines, tuple(m.start_pos))) for m in item.mutations):
+                wdb.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+                skipped += 1
+    return skipped
+
+
 def skip_annotations(db: Path, source: Path) -> int:
     """Mark the mutants inside annotations as skipped (``annotation_spans``), when the module postpones them."""
     from cosmic_ray.work_db import WorkDB, use_db
@@ -121,16 +176,102 @@ def skip_annotations(db: Path, source: Path) -> int:
     return skipped
 
 
-def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool = False) -> dict[str, object]:
+def definition_spans(source: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """The (first, last) lines, decorators included, of the top-level definitions (functions, classes, assigned
+    names) or ``Class.method`` named in ``names``; a name not found is an error (a renamed function would otherwise
+    be scored silently)."""
+    spans: dict[str, tuple[int, int]] = {}
+    for node in ast.parse(source).body:
+        defs: list[tuple[str, ast.stmt]] = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defs.append((node.name, node))
+            if isinstance(node, ast.ClassDef):
+                defs += [(f"{node.name}.{sub.name}", sub) for sub in node.body
+                         if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef)]
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defs += [(t.id, node) for t in targets if isinstance(t, ast.Name)]
+        for name, d in defs:
+            first = min([d.lineno, *(x.lineno for x in getattr(d, "decorator_list", []))])
+            spans[name] = (first, d.end_lineno or d.lineno)
+    missing = [n for n in names if n not in spans]
+    if missing:
+        raise ValueError(f"no top-level definition {', '.join(missing)} to leave out")
+    return [spans[n] for n in names]
+
+
+def skip_left_out(db: Path, source: Path, names: tuple[str, ...]) -> int:
+    """Mark the mutants inside the definitions ``names`` (``Module.leave_out``) as skipped: the count."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    if not names:
+        return 0
+    spans = definition_spans(source.read_text(), names)
+    left = 0
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        for item in list(wdb.pending_work_items):
+            if all(any(a <= m.start_pos[0] <= b for a, b in spans) for m in item.mutations):
+                wdb.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+                left += 1
+    return left
+
+
+class LoadSampler:
+    """The 1-minute load average sampled every few seconds while a module runs (reported beside its timing)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(sum(self.samples) / len(self.samples), 1)
+
+
+def unpragmaed(text: str) -> str:
+    """``text`` without its ``# pragma: no mutate`` comments: what a retry checks is unchanged (``retry``)."""
+    return re.sub(r"[ \t]*#[ \t]*pragma: no mutate[^\n]*", "", text)
+
+
+def retry(db: Path, source: Path, seen: Path) -> int:
+    """Make the survivors of the run kept in ``db`` pending again (for tests added since: a mutant the tests killed
+    stays killed by more tests), after skipping those on lines since marked ``# pragma: no mutate``; the count.
+    The module must be the one that run mutated (``seen``: its text then), pragma comments aside: a changed line
+    would make the kept positions wrong."""
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    if not seen.exists() or unpragmaed(seen.read_text()) != unpragmaed(source.read_text()):
+        raise ValueError(f"{source.name} changed since its kept run (not only pragma comments): run it whole")
+    subprocess.run([str(Path(sys.executable).parent / "cr-filter-pragma"), str(db)], cwd=db.parent, check=True)
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        again = [item.job_id for item, result in wdb.completed_work_items
+                 if result.test_outcome == TestOutcome.SURVIVED]
+        with wdb._session_maker.begin() as session:  # (cosmic-ray has no call that forgets a result)
+            session.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(again)).delete()
+    return len(again)
+
+
+def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool = False,
+               again: bool = False) -> dict[str, object]:
     """Plant every mutant of ``mod`` in the copy at ``work`` and run its tests: the counts and the survivors.
-    ``resume``: go on with the mutants an earlier run in ``work`` left untried (its database is kept there)."""
+    ``resume``: go on with the mutants an earlier run in ``work`` left untried (its database is kept there);
+    ``again``: run the survivors of that run again (``retry``)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     if not (work / mod.path).is_file():
         return {"module": name, "error": f"{mod.path} does not exist"}
     py = sys.executable
-    test_cmd = " ".join([py, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+    test_cmd = " ".join([py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *NOT_LOADED,
                          "-o", "addopts=", "-o", "filterwarnings=error", "--timeout", str(int(timeout)),
                          *[f"'{a}'" if " " in a else a for a in mod.tests]])
     cfg = work / f"cr-{name}.toml"
@@ -148,11 +289,29 @@ def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool 
     base = subprocess.run(test_cmd, shell=True, cwd=work, env=env, capture_output=True, text=True)
     if base.returncode != 0:  # the tests must pass on the real code, or every mutant looks killed
         return {"module": name, "error": "the module's tests fail without any mutant:\n" + base.stdout[-2000:]}
-    if not (resume and db.exists()):
-        subprocess.run([str(bin_dir / "cosmic-ray"), "init", str(cfg), str(db)], cwd=work, env=env, check=True)
+    base_s = time.monotonic() - t0
+    seen = work / f"cr-{name}.source"
+    if again:
+        try:
+            retry(db, work / mod.path, seen)
+        except ValueError as e:
+            return {"module": name, "error": str(e)}
+    elif not (resume and db.exists()):
+        seen.write_text((work / mod.path).read_text())
+        subprocess.run([str(bin_dir / "cosmic-ray"), "init", "--force", str(cfg), str(db)], cwd=work, env=env, check=True)
         subprocess.run([str(bin_dir / "cr-filter-pragma"), str(db)], cwd=work, env=env, check=True)
         skip_annotations(db, work / mod.path)
-    subprocess.run([str(bin_dir / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=work, env=env, check=True)
+        skip_left_out(db, work / mod.path, mod.leave_out)
+        skip_operators(db, work / mod.path)
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        pending = sum(1 for _ in wdb.pending_work_items)
+    load = LoadSampler()
+    t1 = time.monotonic()
+    try:
+        subprocess.run([str(bin_dir / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=work, env=env, check=True)
+    finally:
+        mean_load = load.stop()
+    per_mutant = (time.monotonic() - t1) / pending if pending else None
     killed = survived = skipped = 0
     survivors = []
     with use_db(str(db), WorkDB.Mode.open) as wdb:
@@ -169,7 +328,47 @@ def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool 
     total = killed + survived
     return {"module": name, "path": mod.path, "mutants": total, "killed": killed, "survived": survived,
             "skipped": skipped, "score": round(killed / total, 4) if total else None,
-            "minutes": round((time.monotonic() - t0) / 60, 1), "survivors": sorted(survivors, key=lambda s: s["line"])}
+            "minutes": round((time.monotonic() - t0) / 60, 1), "tests_s": round(base_s, 1),
+            "s_per_mutant": None if per_mutant is None else round(per_mutant, 2), "load": mean_load,
+            "survivors": sorted(survivors, key=lambda s: s["line"])}
+
+
+def fallen(results: list[dict[str, Any]], best: dict[str, dict[str, Any]]) -> list[str]:
+    """The ratchet: each module of ``results`` whose score is below the one recorded in ``best``, as
+    ``name score < recorded``; an equal or higher score, or a module never recorded, passes."""
+    return [f"{r['module']} {r['score']:.1%} < {best[r['module']]['score']:.1%}" for r in results
+            if "error" not in r and r["score"] is not None and r["module"] in best
+            and r["score"] < best[r["module"]]["score"]]
+
+
+def recorded(results: list[dict[str, Any]], best: dict[str, dict[str, Any]], day: str) -> dict[str, dict[str, Any]]:
+    """``best`` with each module of ``results`` written over it (called only when none fell)."""
+    out = dict(best)
+    for r in results:
+        if "error" not in r and r["score"] is not None:
+            out[r["module"]] = {k: r[k] for k in ("path", "mutants", "killed", "survived", "score", "s_per_mutant",
+                                                  "load")} | {"date": day}
+    return out
+
+
+TABLE_START, TABLE_END = "<!-- scores: bench/mutation.py --record writes this table -->", "<!-- /scores -->"
+
+
+def table(best: dict[str, dict[str, Any]]) -> str:
+    """The recorded scores as docs/mutation.md shows them."""
+    rows = ["| module | file | mutants | killed | score | s per mutant | load | date |", "|---|---|---|---|---|---|---|---|"]
+    for name in [*(m for m in MODULES if m in best), *sorted(set(best) - set(MODULES))]:
+        r = best[name]
+        rows.append(f"| {name} | `{r.get('path', '')}` | {r['mutants']} | {r.get('killed', r['mutants'] - r['survived'])} "
+                    f"| {r['score']:.1%} | {r.get('s_per_mutant', '')} | {r.get('load', '')} | {r['date']} |")
+    return "\n".join(rows)
+
+
+def write_table(best: dict[str, dict[str, Any]], doc: Path) -> None:
+    """Replace the table between ``TABLE_START`` and ``TABLE_END`` in ``doc``."""
+    text = doc.read_text()
+    a, b = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    doc.write_text(text[:a] + "\n" + table(best) + "\n" + text[b:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,56 +379,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="leave the scratch copy and cosmic-ray's databases here")
     ap.add_argument("--resume", action="store_true", help="with --keep: go on where a stopped run there left off "
                     "(the copy is made again, so a mutant the stop left in place is undone)")
+    ap.add_argument("--retry-survivors", action="store_true", help="with --keep: run the survivors of the kept "
+                    "run again, after adding tests or pragma comments (the module otherwise unchanged)")
     ap.add_argument("--list", action="store_true", help="list the modules and their tests")
     args = ap.parse_args(argv)
     if args.list:
         for name, mod in MODULES.items():
-            print(f"{name:16} {mod.path:42} {' '.join(mod.tests)}")
+            left = f"  (left out: {', '.join(mod.leave_out)})" if mod.leave_out else ""
+            print(f"{name:16} {mod.path:42} {' '.join(mod.tests)}{left}")
         return 0
-    if args.resume and args.keep is None:
-        ap.error("--resume needs --keep DIR (where the stopped run kept its databases)")
+    if (args.resume or args.retry_survivors) and args.keep is None:
+        ap.error("--resume and --retry-survivors need --keep DIR (where the earlier run kept its databases)")
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         ap.error(f"unknown module(s) {', '.join(unknown)}; known: {', '.join(MODULES)}")
-    try:
-        import cosmic_ray  # noqa: F401
-    except ImportError:
+    if not have_cosmic_ray():
         print("cosmic-ray is not installed: .venv/bin/pip install -e '.[mutation]'", file=sys.stderr)
         return 2
     best = json.loads(SCORES.read_text()) if SCORES.exists() else {}
     work = args.keep or Path(tempfile.mkdtemp(prefix="reef-mutation-"))
     work.mkdir(parents=True, exist_ok=True)
     tracked_copy(work)
-    results = []
-    fell = []
+    results: list[dict[str, Any]] = []
     try:
         for name in args.modules or list(MODULES):
-            r = run_module(name, MODULES[name], work, args.timeout, args.resume)
+            r = run_module(name, MODULES[name], work, args.timeout, args.resume, args.retry_survivors)
             results.append(r)
             if "error" in r:
                 print(f"{name}: failed: {r['error']}")
                 continue
             print(f"{name:16} {r['mutants']:4} mutants  {r['killed']:4} killed  {r['survived']:3} survived  "
-                  f"score {r['score']:.1%}  ({r['minutes']} min)")
-            for s in r["survivors"]:  # type: ignore[union-attr]
+                  f"score {r['score']:.1%}  ({r['skipped']} skipped or left out; {r['minutes']} min, "
+                  f"{r['s_per_mutant']} s a mutant at load {r['load']}; its tests alone {r['tests_s']} s)", flush=True)
+            for s in r["survivors"]:
                 print(f"    survived: {r['path']}:{s['line']} {s['operator']}\n        "
-                      + str(s["diff"]).replace("\n", "\n        "))
-            if r["score"] is not None and name in best and r["score"] < best[name]["score"]:
-                fell.append(f"{name} {r['score']:.1%} < {best[name]['score']:.1%}")
+                      + str(s["diff"]).replace("\n", "\n        "), flush=True)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
+    fell = fallen(results, best)
     if fell:
         print("the ratchet: scores fell: " + "; ".join(fell))
         return 1
     if args.record:
-        for r in results:
-            if "error" not in r and r["score"] is not None:
-                best[str(r["module"])] = {"score": r["score"], "mutants": r["mutants"], "survived": r["survived"],
-                                          "date": time.strftime("%Y-%m-%d")}
+        best = recorded(results, best, time.strftime("%Y-%m-%d"))
         SCORES.write_text(json.dumps(best, indent=1, sort_keys=True) + "\n")
-        print(f"recorded in {SCORES.relative_to(ROOT)}")
+        write_table(best, DOC)
+        print(f"recorded in {SCORES.relative_to(ROOT)} and {DOC.relative_to(ROOT)}")
     return 0
+
+
+def have_cosmic_ray() -> bool:
+    try:
+        import cosmic_ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

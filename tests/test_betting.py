@@ -131,3 +131,75 @@ def test_detectable_is_the_difference_decided_within_the_pairs() -> None:
     assert betting.detectable(math.floor(few), 0.5, 0.05) is None  # not even a difference of 1 in that many
     d = betting.detectable(math.ceil(few), 0.5, 0.05)
     assert d is not None and betting.pairs_needed(d, 0.5, 0.05) <= math.ceil(few)
+
+
+def wealth(xs: list[float], m: float, up: bool, lo: float = -1.0, hi: float = 1.0) -> float:
+    """One bettor's log-wealth against the mean ``m``, written out from ``Bettors``' docstring: it stakes on
+    ``x - m`` (each x clipped to [lo, hi]) the Kelly stake of the earlier ones (with the prior), on its own side
+    only, capped so that a factor stays at least ``1 - MAX_STAKE``: ``MAX_STAKE / (m - lo)`` above, ``MAX_STAKE /
+    (hi - m)`` below, never more than ``MAX_STAKE``."""
+    cap = MAX_STAKE / max(1.0, (m - lo) if up else (hi - m))
+    total, total_sq, n, w = 0.0, 0.5, 1.0, 0.0
+    for x in xs:
+        y = min(hi, max(lo, x)) - m
+        mean = total / n
+        stake = mean / (max(total_sq / n - mean**2, 1e-6) + mean**2)
+        w += math.log1p(min(cap, max(0.0, stake if up else -stake)) * (y if up else -y))
+        total, total_sq, n = total + y, total_sq + y * y, n + 1
+    return w
+
+
+SKEWED = {"high": [1.0, 1.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.75] * 3,  # an interval well above 0
+          "low": [-1.0, -1.0, -0.5, -1.0, 0.25, -1.0, -1.0, -1.0, -0.75, -1.0] * 3}
+
+
+@pytest.mark.parametrize("null", [-0.6, 0.0, 0.5, 0.8])
+def test_bettors_against_another_mean_cap_their_stake_by_the_most_a_factor_can_lose(null: float) -> None:
+    """Against a mean other than 0 (an interval's edge) the worst difference is further away on one side: the
+    stake there is capped at ``MAX_STAKE / (null - lo)`` (above) or ``MAX_STAKE / (hi - null)`` (below), so a factor
+    never drops under ``1 - MAX_STAKE``. Bugs caught: the cap of the decision's null 0 used at every null, the
+    distance to the edge miscomputed."""
+    for xs in SKEWED.values():
+        b = Bettors(0.05, null=null)
+        for x in xs:
+            b.add(x)
+        assert b.better == pytest.approx(wealth(xs, null, True), abs=1e-12)
+        assert b.worse == pytest.approx(wealth(xs, null, False), abs=1e-12)
+        assert b.evidence().mean == pytest.approx(sum(xs) / len(xs))
+
+
+@pytest.mark.parametrize("name", SKEWED)
+def test_the_intervals_edges_are_where_the_bettors_at_that_mean_reach_the_threshold(name: str) -> None:
+    """``interval``'s edges (its bettors inlined for speed) against ``wealth`` at each edge's mean: just outside
+    an edge the bettor on that side has reached ``log(2 / alpha)``, just inside it has not (to the bisection's
+    1/4096 of the range). Bugs caught: the inlined caps differing from ``Bettors``' (one side, or away from 0)."""
+    xs, limit = SKEWED[name], betting.threshold(0.05)
+    iv = betting.interval(xs, 0.05)
+    assert iv is not None
+    lo, hi = iv
+    assert (lo > 0.3) if name == "high" else (hi < -0.3)  # the caps away from 0 are the ones that bind
+    step = 2 / 4096 * 1.01
+    if lo > -1 + step:  # (an edge at the range's end is one no bettor reaches)
+        assert wealth(xs, lo - step, True) >= limit > wealth(xs, lo + step, True)
+    if hi < 1 - step:
+        assert wealth(xs, hi + step, False) >= limit > wealth(xs, hi - step, False)
+
+
+@pytest.mark.parametrize("xs", [[1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.75, 0.25, 0.5, 1.0, 0.5] * 4,
+                                [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0] * 3])
+def test_each_arms_interval_edges_are_the_papers_hedged_process_at_the_bisections_resolution(xs: list[float]) -> None:
+    """``mean_interval``'s edges against the hedged capital process written out from the paper (its stakes from
+    the running variance, the prior of one score of 1/2): just outside each edge the process has reached
+    ``log(2 / alpha)``, just inside it has not, to 1/4096. Bugs caught: the stakes' constant or the running mean
+    the variance is taken about off by a little (the interval a few hundredths off, still covering)."""
+    from tests.test_canary_decision import _hedged_wealth
+
+    iv = betting.mean_interval(xs, 0.05)
+    assert iv is not None
+    lo, hi = iv
+    limit, step = betting.threshold(0.05), 1 / 4096 * 1.01
+    if lo > step:
+        assert _hedged_wealth(xs, lo - step, 0.05) >= limit > _hedged_wealth(xs, lo + step, 0.05)
+    if hi < 1 - step:
+        assert _hedged_wealth(xs, hi + step, 0.05) >= limit > _hedged_wealth(xs, hi - step, 0.05)
+    assert lo > step or hi < 1 - step

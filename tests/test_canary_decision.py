@@ -10,7 +10,7 @@ import random
 import pytest
 
 from daemon import betting
-from daemon.canary import _median, decide, settings_of
+from daemon.canary import _duration, _median, decide, describe, settings_of
 from daemon.errors import BadRequest
 
 KW = {"alpha": 0.05, "max_reports": 10_000}
@@ -250,3 +250,42 @@ def test_each_arms_interval_by_betting_holds_at_every_look_and_is_narrower_than_
                 if 0.0 < m < 1.0:
                     assert (_hedged_wealth(xs, m, 0.2) >= math.log(2 / 0.2)) == out, (m, lo, hi)
     assert missed <= 20, missed
+
+
+def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -> None:
+    """``describe``'s lines, exactly (``reef status``, the TUI and the release page show them): each arm's figures
+    on its own line (the canary's failures only on its own), the bounds in hours and answers, the difference's
+    interval and the evidence. Bugs caught: the arms' figures swapped or misnamed, a bound shown when off, hours
+    read as seconds, the age counted from the wrong end, a duration named in the wrong unit at its edge."""
+    status = {"release_id": "abcdef1234567890", "base_id": "0123456789abcdef", "share": 0.25, "started_at": 1000.0,
+              "settings": {"alpha": 0.05, "max_hours": 2, "max_answers": 300},
+              "figures": {"alpha": 0.01, "canary_reports": 12, "canary_mean": 0.75, "canary_interval": [0.5, 0.9],
+                          "canary_answers": 40, "canary_empty_rate": 0.05, "canary_p50_tokens": 57.0,
+                          "canary_errors": 2, "canary_exchanges": 41, "canary_p50_ms": 812.4, "head_reports": 30,
+                          "head_mean": 0.6, "head_answers": 120, "head_empty_rate": 0.0, "head_p50_tokens": 60.5,
+                          "head_p50_ms": 640.0, "difference": 0.125, "difference_interval": [-0.1, 0.35],
+                          "pairs": 12, "detectable": 0.18, "pairs_by_end": 140.4, "evidence_better": 1.234,
+                          "evidence_worse": 0.01, "evidence_needed": 3.689}}
+    assert describe(status, now=1000.0 + 5400) == [
+        "canary abcdef123456 serves 25% of new runs beside 0123456789ab (alpha 0.01; running 1.5 h, promoted "
+        "undecided at 2 h, promoted on its guards at 300 answers if no report comes)",
+        "  canary arm: 12 reports, mean 0.750 [0.50, 0.90]; 40 answers, 5% empty, median 57 tokens, 2 of 41 failed, "
+        "median 812 ms",
+        "  head arm:   30 reports, mean 0.600; 120 answers, 0% empty, median 60.5 tokens, median 640 ms",
+        "  difference canary - head +0.125 [-0.10, +0.35] over 12 paired reports: promoted once it lies above 0, "
+        "ended once below",
+        "  decides a difference of 0.18 or more by its end (about 140 paired reports, 12 so far); evidence better "
+        "1.23, worse 0.01 of 3.69 needed"]
+    bare = describe({"release_id": "r" * 20, "base_id": "b" * 20, "share": 0.5, "started_at": 100.0,
+                     "settings": {"alpha": 0.05, "max_hours": None, "max_answers": None}}, now=90.0)
+    assert bare == [
+        f"canary {'r' * 12} serves 50% of new runs beside {'b' * 12} (alpha 0.05; running 0 s)",
+        "  canary arm: 0 reports, mean -; 0 answers, - empty, median - tokens, 0 of 0 failed, median - ms",
+        "  head arm:   0 reports, mean -; 0 answers, - empty, median - tokens, median - ms",
+        "  difference canary - head - over 0 paired reports: promoted once it lies above 0, ended once below",
+        "  can decide no difference by its end at its reports' rate (about - paired reports, 0 so far); evidence "
+        "better -, worse - of - needed"]
+    assert [_duration(s) for s in (59.9, 60, 3599, 3600, 0.5 * 3600 * 24)] == ["59.9 s", "1 min", "60 min", "1 h",
+                                                                              "12 h"]
+    assert describe({"started_at": 0, "settings": {"max_hours": 0.5}}, now=61.0)[0].endswith(
+        "(alpha None; running 1.02 min, promoted undecided at 30 min)")
