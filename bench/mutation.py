@@ -74,6 +74,8 @@ MODULES: dict[str, Module] = {
         in ("the_bounds_decide_only_when_nothing_else_does", "bound_settings_are_checked_and_off_unless_given",
             "the_detectable_difference_is_the_one_decided_in_that_many_pairs"))), leave_out=("Canaries",)),
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
+    # each step alone against a stand-in host (through a daemon: test_learning.py, test_heldout.py, ...)
+    "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py",)),
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forget.py",)),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
@@ -83,7 +85,8 @@ MODULES: dict[str, Module] = {
     "export": Module("daemon/export.py", ("tests/test_export.py",)),
     # its unit tests (the daemon's: test_remote_clients.py, test_hardening.py, test_providers.py)
     "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
-    "trainer_memory": Module("recipes/memory.py", ("tests/test_trainer_memory.py",)),
+    # its unit tests (test_trainer_memory.py runs real steps in a trainer, torch imported: seconds a start)
+    "trainer_memory": Module("recipes/memory.py", ("tests/test_memory_estimate.py",)),
 }
 
 
