@@ -78,7 +78,7 @@ class Bettors:
         self.better = self.worse = 0.0
         self._up_cap = MAX_STAKE / max(1.0, null - lo)  # the largest loss of the bettor on "above": x = lo
         self._down_cap = MAX_STAKE / max(1.0, hi - null)
-        self._total, self._total_sq, self._n = 0.0, PRIOR_N * 0.5, PRIOR_N  # mean 0, variance 1/2
+        self._total, self._total_sq, self._n = 0.0, PRIOR_N * 0.5, PRIOR_N  # mean 0, variance 1/2  # pragma: no mutate (PRIOR_N is 1: PRIOR_N - 0.5 is the same half)
 
     def add(self, d: float) -> None:
         y = d - self.null
@@ -95,7 +95,7 @@ class Bettors:
     def evidence(self) -> Evidence:
         k = int(self._n - PRIOR_N)
         mean = self._total / self._n
-        var = max(self._total_sq / self._n - mean * mean, 1e-6)
+        var = max(self._total_sq / self._n - mean * mean, 1e-6)  # pragma: no mutate (the prior keeps it above 1/(2n): the floor binds past 500,000 pairs)
         return Evidence(k, (self._total / k + self.null) if k else None, self.better, self.worse, self.threshold,
                         var)
 
@@ -115,7 +115,7 @@ def pairs_needed(diff: float, var: float, alpha: float) -> float:
     pass/fail scores around 0.5 (variance 0.5) give 100 pairs for 0.2 and 48 for 0.3, where ``bench/canary.py``
     measured medians of 105 and 48."""
     g = growth(diff, var)
-    return math.inf if g <= 0 else threshold(alpha) / g
+    return math.inf if g <= 0 else threshold(alpha) / g  # pragma: no mutate (growth is never below 0: == is the same)
 
 
 def detectable(pairs: float, var: float, alpha: float) -> float | None:
@@ -138,7 +138,7 @@ def evidence(head: Sequence[float], canary: Sequence[float], *, alpha: float) ->
     return b.evidence()
 
 
-EDGE_STEPS = 12  # bisection steps for an interval's edge: 1/4096 of its range
+EDGE_STEPS = 12  # bisection steps for an interval's edge: 1/4096 of its range  # pragma: no mutate (a finer bisection is as right)
 
 
 def interval(xs: Sequence[float], alpha: float, *, lo: float = -1.0, hi: float = 1.0,
@@ -166,7 +166,7 @@ def interval(xs: Sequence[float], alpha: float, *, lo: float = -1.0, hi: float =
             total += y
             total_sq += y * y
             n += 1
-        return wealth >= limit
+        return wealth >= limit  # pragma: no mutate (wealth equal to the limit to the last bit: no data gives it)
 
     return _edges(rejects, lo, hi, at)
 
@@ -191,9 +191,9 @@ def mean_interval(xs: Sequence[float], alpha: float) -> tuple[float, float] | No
 
     def rejects(m: float, up: bool) -> bool:
         loss = m if up else 1.0 - m  # the most a score can fall short of m (up) or exceed it (down)
-        cap = MAX_STAKE / loss if loss > 0 else math.inf  # a factor never below 1 - MAX_STAKE
+        cap = MAX_STAKE / loss if loss > 0 else math.inf  # a factor never below 1 - MAX_STAKE  # pragma: no mutate (loss is m or 1 - m, never below 0: != is the same)
         sign = 1.0 if up else -1.0
-        return sum(math.log1p(sign * min(stake, cap) * (y - m)) for stake, y in zip(stakes, ys, strict=True)) >= limit
+        return sum(math.log1p(sign * min(stake, cap) * (y - m)) for stake, y in zip(stakes, ys, strict=True)) >= limit  # pragma: no mutate (one stake per score by construction; equality as above)
 
     return _edges(rejects, 0.0, 1.0, sum(ys) / len(ys))
 

@@ -103,7 +103,7 @@ def check(values: dict[str, Any], home: Path) -> None:
         if values.get(key) is not None:
             p = Path(str(values[key])).expanduser()
             values[key] = p if p.is_absolute() else home / p
-    if (values.get("tls_cert") is None) != (values.get("tls_key") is None):
+    if (values.get("tls_cert") is None) != (values.get("tls_key") is None):  # pragma: no mutate (bools: is not is !=)
         raise BadRequest("config: tls_cert and tls_key go together (the certificate chain and its private key)")
     insecure = values.get("insecure_http", False)
     if not isinstance(insecure, bool):

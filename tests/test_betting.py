@@ -185,21 +185,31 @@ def test_the_intervals_edges_are_where_the_bettors_at_that_mean_reach_the_thresh
         assert wealth(xs, hi + step, False) >= limit > wealth(xs, hi - step, False)
 
 
+@pytest.mark.parametrize("alpha", [0.05, 0.3])
 @pytest.mark.parametrize("xs", [[1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.75, 0.25, 0.5, 1.0, 0.5] * 4,
                                 [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0] * 3])
-def test_each_arms_interval_edges_are_the_papers_hedged_process_at_the_bisections_resolution(xs: list[float]) -> None:
+def test_each_arms_interval_edges_are_the_papers_hedged_process_at_the_bisections_resolution(xs: list[float],
+                                                                                            alpha: float) -> None:
     """``mean_interval``'s edges against the hedged capital process written out from the paper (its stakes from
     the running variance, the prior of one score of 1/2): just outside each edge the process has reached
     ``log(2 / alpha)``, just inside it has not, to 1/4096. Bugs caught: the stakes' constant or the running mean
     the variance is taken about off by a little (the interval a few hundredths off, still covering)."""
     from tests.test_canary_decision import _hedged_wealth
 
-    iv = betting.mean_interval(xs, 0.05)
+    iv = betting.mean_interval(xs, alpha)
     assert iv is not None
     lo, hi = iv
-    limit, step = betting.threshold(0.05), 1 / 4096 * 1.01
+    limit, step = betting.threshold(alpha), 1 / 4096 * 1.01
     if lo > step:
-        assert _hedged_wealth(xs, lo - step, 0.05) >= limit > _hedged_wealth(xs, lo + step, 0.05)
+        assert _hedged_wealth(xs, lo - step, alpha) >= limit > _hedged_wealth(xs, lo + step, alpha)
     if hi < 1 - step:
-        assert _hedged_wealth(xs, hi + step, 0.05) >= limit > _hedged_wealth(xs, hi - step, 0.05)
+        assert _hedged_wealth(xs, hi + step, alpha) >= limit > _hedged_wealth(xs, hi - step, alpha)
     assert lo > step or hi < 1 - step
+
+
+def test_each_arms_scores_are_clipped_into_the_unit_interval() -> None:
+    """A report's score is any number: an arm's interval is over scores clipped to [0, 1], as the decision's."""
+    xs = [1.0, 0.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0]
+    wild = [{1.0: 7.5, 0.0: -3.0}.get(x, x) for x in xs]
+    assert betting.mean_interval(wild, 0.05) == betting.mean_interval(xs, 0.05)
+    assert betting.interval([2 * x - 1 for x in wild], 0.05) == betting.interval([2 * x - 1 for x in xs], 0.05)
