@@ -145,9 +145,15 @@ def signature_marker(lines: list[str], pos: tuple[int, int]) -> bool:
     return line[pos[1]:pos[1] + 1] == "*" and line[pos[1] + 1:].lstrip()[:1] in (",", ")", "")
 
 
+def type_checking(lines: list[str], pos: tuple[int, int]) -> bool:
+    """Whether line ``pos[0]`` is ``if TYPE_CHECKING:``, whose imports serve annotations only: made ``if not``, the
+    module imports them at run time, which no test can tell."""
+    return re.match(r"\s*if TYPE_CHECKING:", lines[pos[0] - 1]) is not None
+
+
 def skip_operators(db: Path, source: Path) -> int:
-    """Mark the mutants of ``EXCLUDED_OPERATORS``, and those of a parameter list's ``*`` (``signature_marker``), as
-    skipped: the count."""
+    """Mark the mutants of ``EXCLUDED_OPERATORS``, those of a parameter list's ``*`` (``signature_marker``) and a
+    ``not`` added to ``if TYPE_CHECKING:`` (``type_checking``), as skipped: the count."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -157,7 +163,9 @@ def skip_operators(db: Path, source: Path) -> int:
         for item in list(wdb.pending_work_items):
             if all(EXCLUDED_OPERATORS.match(m.operator_name) or (
                     m.operator_name.startswith("core/ReplaceBinaryOperator_Mul_")
-                    and signature_marker(lines, tuple(m.start_pos))) for m in item.mutations):
+                    and signature_marker(lines, tuple(m.start_pos))) or (
+                    m.operator_name == "core/AddNot" and type_checking(lines, tuple(m.start_pos)))
+                   for m in item.mutations):
                 wdb.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
                 skipped += 1
     return skipped
@@ -305,9 +313,9 @@ def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool 
         seen.write_text((work / mod.path).read_text())
         subprocess.run([str(bin_dir / "cosmic-ray"), "init", "--force", str(cfg), str(db)], cwd=work, env=env, check=True)
         subprocess.run([str(bin_dir / "cr-filter-pragma"), str(db)], cwd=work, env=env, check=True)
-        skip_annotations(db, work / mod.path)
-        skip_left_out(db, work / mod.path, mod.leave_out)
-        skip_operators(db, work / mod.path)
+    skip_annotations(db, work / mod.path)  # (on what is pending: a retry's survivors too)
+    skip_left_out(db, work / mod.path, mod.leave_out)
+    skip_operators(db, work / mod.path)
     with use_db(str(db), WorkDB.Mode.open) as wdb:
         pending = sum(1 for _ in wdb.pending_work_items)
     load = LoadSampler()

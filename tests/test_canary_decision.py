@@ -289,3 +289,20 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
                                                                               "12 h"]
     assert describe({"started_at": 0, "settings": {"max_hours": 0.5}}, now=61.0)[0].endswith(
         "(alpha None; running 1.02 min, promoted undecided at 30 min)")
+
+
+def test_a_request_keeps_its_arm_by_its_run_else_its_session_and_the_hash_is_stable() -> None:
+    """The key a request's arm is drawn by: its run (a wrapped agent's), else its session header, else none (drawn
+    on its own); the same key always lands on the same arm of a canary, and a different canary draws afresh."""
+    from daemon.canary import arm_key, in_canary
+
+    assert arm_key({"x-session-id": "s1"}, "run_1") == "run=run_1"  # the run wins over the session
+    assert arm_key({"x-session-id": "s1"}, None) == "x-session-id=s1"
+    assert arm_key({}, None) is None and arm_key({}, "") is None
+    keys = [f"run=run_{i}" for i in range(400)]
+    first = [in_canary("rel_a", k, 0.3) for k in keys]
+    assert first == [in_canary("rel_a", k, 0.3) for k in keys]  # stable
+    assert 0.2 < sum(first) / 400 < 0.4
+    other = [in_canary("rel_b", k, 0.3) for k in keys]
+    assert other != first and 0.2 < sum(other) / 400 < 0.4  # another canary: another draw
+    assert all(in_canary("rel_a", k, 0.6) for k, on in zip(keys, first, strict=True) if on)  # a larger share keeps

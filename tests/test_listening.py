@@ -25,7 +25,9 @@ def test_loopback_is_a_literal_loopback_address_or_localhost_itself(host: str) -
 
 @pytest.mark.parametrize("host", ["api.localhost", "ip6-localhost", "evillocalhost", "localhost.", "localhost.evil",
                                   "10.0.0.1", "128.0.0.1", "::2", "[::2]", "0.0.0.0", "::", "", "[localhost]",
-                                  "127.0.0.1.evil.example", "::ffff:127.0.0.1"])
+                                  "127.0.0.1.evil.example", "::ffff:127.0.0.1",
+                                  # a bracket at one end only is no bracketed address (not "127.0.0.1" inside)
+                                  "x127.0.0.1]", "[127.0.0.1x", "a::1]", "[::1x"])
 def test_everything_else_is_beyond_loopback(host: str) -> None:
     assert not is_loopback(host)
 
@@ -144,6 +146,7 @@ def test_hosts_answered(host: str) -> None:
     "127.0.0.1:65536", "127.0.0.1:99999", "localhost:", "256.0.0.1", "128.0.0.1", "10.0.0.6", "evil.reef.lan",
     "reef.lan.evil", "[::2]", "[::1", "::1", "[zz::1]", "[2001:db8::2]", "reef.lan:80:80", " localhost",
     "127.0.0.1 ", "-localhost",
+    "[1:2:3]", "[::1::]", "[1.2.3.4]",  # bracketed, but no IPv6 address: refused, never taken for one
 ])
 def test_hosts_refused(host: str | None) -> None:
     assert not host_ok(host, NAMES)

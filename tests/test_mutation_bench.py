@@ -122,6 +122,8 @@ def test_a_parameter_lists_star_is_not_a_multiplication() -> None:
     assert mutation.EXCLUDED_OPERATORS.match("core/ReplaceBinaryOperator_Mul_BitOr")
     assert not mutation.EXCLUDED_OPERATORS.match("core/ReplaceBinaryOperator_Mul_Div")
     assert not mutation.EXCLUDED_OPERATORS.match("core/ReplaceBinaryOperator_BitOr_Add")
+    assert mutation.type_checking(["if TYPE_CHECKING:", "    import ssl"], (1, 3))
+    assert not mutation.type_checking(["if TYPE_CHECKING or x:"], (1, 3))
 
 
 def test_a_retry_sees_a_module_unchanged_but_for_pragma_comments() -> None:
