@@ -80,6 +80,22 @@ def test_with_four_published_steps_the_newest_three_are_the_window() -> None:
     assert watchdog.check([*flat, m(0.2, 0.9)], m(0.55, 0.55)) is None  # only from the oldest would it hold
 
 
+def test_a_rise_and_a_fall_of_exactly_the_bounds_hold_with_the_figures_and_reason_in_full() -> None:
+    """Training reward up exactly ``RISE`` (0.0 -> 0.1) while held-out is down exactly ``FALL`` (0.05 -> 0.0): held
+    (the bounds are "at least"), measured from the oldest step of the window to the candidate, and said so. Bugs
+    caught: ``>`` for ``>=``, the rise read from the step before the candidate, the figures or the reason naming
+    other steps or another window."""
+    def m(train: float, held: float) -> dict[str, float]:
+        return {"batch_reward": train, "eval_reward": held}
+
+    published = [m(0.05, 0.02), m(0.02, 0.03), m(0.0, 0.05)]  # newest first
+    alarm = watchdog.check(published, m(0.1, 0.0))
+    assert alarm == {"train_from": 0.0, "train_to": 0.1, "held_from": 0.05, "held_to": 0.0, "steps": 4,
+                     "reason": "watchdog: training reward rose 0.000 -> 0.100 over 4 steps while held-out fell "
+                               "0.050 -> 0.000; held for review (reef releases promote ID publishes it)"}
+    assert watchdog.check(published, m(0.0999, 0.0)) is None and watchdog.check(published, m(0.1, 0.0001)) is None
+
+
 def test_a_drift_of_exactly_max_kl_is_not_held() -> None:
     assert watchdog.check([], {"kl_from_base": 0.2}, max_kl=0.2) is None  # at the bound: within it
     assert watchdog.check([], {"kl_from_base": 0.2000001}, max_kl=0.2) is not None
