@@ -8,10 +8,15 @@ module's tests against it. A mutant the tests fail on is killed; one they pass i
 run past the timeout counts as killed (cosmic-ray's own rule: a mutant that hangs is noticed). Lines marked
 ``# pragma: no mutate`` are skipped (keep those few, and say why beside each), and so are mutants inside
 annotations of a module that postpones them (``from __future__ import annotations``: ``str | None`` made
-``str + None`` is never evaluated, so no test could tell).
+``str + None`` is never evaluated, so no test could tell), arithmetic made bitwise (``EXCLUDED_OPERATORS``: a
+TypeError on any float), a parameter list's ``*`` taken for a multiplication, ``if not TYPE_CHECKING:``, and the
+definitions a module leaves out (``Module.leave_out``: code only a running daemon exercises, named with the reason).
 
-Printed per module: mutants, killed, survived, the score (killed / mutants) and each survivor (line, operator,
-the diff). ``bench/mutation_scores.json`` keeps the best score each module has reached: a run whose score for a
+Printed per module: mutants, killed, survived, the score (killed / mutants), seconds per mutant with the load
+average beside them, and each survivor (line, operator, the diff). ``--retry-survivors`` (with ``--keep``) runs
+only the survivors of the kept run again, after tests or pragma comments were added: a mutant the tests killed stays
+killed by more tests, so the score is the whole run's (the module must be otherwise unchanged: a changed line is
+refused, run it whole). ``bench/mutation_scores.json`` keeps the best score each module has reached: a run whose score for a
 module falls below it exits 1, naming the module (the ratchet); ``--record`` writes the new scores when none falls.
 The scores and the date are also in docs/mutation.md.
 
@@ -325,6 +330,11 @@ def run_module(name: str, mod: Module, work: Path, timeout: float, resume: bool 
     finally:
         mean_load = load.stop()
     per_mutant = (time.monotonic() - t1) / pending if pending else None
+    timing = work / f"cr-{name}.timing.json"  # the whole run's pace, which a retry of its survivors reports
+    if again and timing.exists():
+        per_mutant, mean_load = json.loads(timing.read_text())
+    elif not again and not resume:
+        timing.write_text(json.dumps([per_mutant, mean_load]))
     killed = survived = skipped = 0
     survivors = []
     with use_db(str(db), WorkDB.Mode.open) as wdb:
