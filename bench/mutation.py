@@ -83,7 +83,12 @@ MODULES: dict[str, Module] = {
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     # each step alone against a stand-in host (through a daemon: test_learning.py, test_heldout.py, ...)
     "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py",)),
-    "forgetting": Module("daemon/forgetting.py", ("tests/test_forget.py",)),
+    # against a stand-in daemon (test_forgetting_unit.py), and the chain's marks (test_forget.py's pure tests; its
+    # others check the bytes in SQLite, PostgreSQL and agent files, and through a daemon)
+    "forgetting": Module("daemon/forgetting.py", ("tests/test_forgetting_unit.py", *(f"tests/test_forget.py::test_{t}"
+                         for t in ("releases_built_on_forgotten_data_are_marked_and_a_clean_rollback_is_not",
+                                   "harness_releases_made_from_forgotten_feedback_or_a_forgotten_run_are_marked",
+                                   "a_backlog_larger_than_a_round_goes_within_one_check")))),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
