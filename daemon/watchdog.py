@@ -48,7 +48,7 @@ def check(published: Sequence[Mapping[str, Any]], candidate: Mapping[str, Any],
     series = [candidate, *published[:WINDOW]][::-1]  # oldest first, the candidate last
     points = [(_num(m, "batch_reward"), _num(m, "eval_reward")) for m in series]
     known = [(t, h) for t, h in points if t is not None and h is not None]
-    if len(points) < WINDOW + 1 or len(known) < len(points):
+    if len(points) < WINDOW + 1 or len(known) < len(points):  # pragma: no mutate (never more than WINDOW + 1 points, nor more known than points: != is <)
         return None
     train = [t for t, _ in known]
     held = [h for _, h in known]
