@@ -116,7 +116,8 @@ def gate_run(kind: str = "weights", candidate: Candidate | None = None, judge: A
                              judge=judge, held_out_eval=held_out)
     return GateRun(SimpleNamespace(recipe=recipe, state="training"),
                    SimpleNamespace(name="s", model="tiny", warning=warned),  # type: ignore[arg-type]
-                   SimpleNamespace(release_id="rel_head", content_id="c_head"),
+                   # an id made at run time (not the interned literal): ``is`` for ``==`` shows
+                   SimpleNamespace(release_id="".join(["rel_", "head"]), content_id="c_head"),
                    candidate or Candidate(path="/cand"), ["r1", "r2"], "job_1", {"lr": 1}, {"loss": 0.5})
 
 
@@ -175,6 +176,7 @@ def test_a_pending_verdict_is_held_for_review() -> None:
 @pytest.mark.parametrize(("review", "says"), [
     (["allowed-tools in SKILL.md"], "only a person may admit allowed-tools in SKILL.md: reef releases promote ID"),
     (["hooks", "settings.json", "an MCP server"], "only a person may admit hooks (and 2 more): reef releases"),
+    (["hooks", "settings.json"], "only a person may admit hooks (and 1 more): reef releases"),
 ])
 def test_what_only_a_person_may_admit_is_held_whatever_the_gate(review: list[str], says: str) -> None:
     cand = Candidate(tree={"a": b"x"}, details={"review": review})
@@ -387,6 +389,9 @@ def test_the_check_asks_the_candidate_under_its_own_key_and_keeps_the_heads_answ
         host.heldout_prompts = prompts  # type: ignore[method-assign]
         host.heldout_head = kept = Kept({("c_head", 8): {"q": "before"}})  # type: ignore[assignment]
         fig.seconds = 1.0
+        clock = [10.0, 25.0]  # the check's start, and when the head's answers came: 15 s of waiting
+        real = steps.time.perf_counter
+        monkeypatch.setattr(steps.time, "perf_counter", lambda c=clock, r=real: c.pop(0) if c else r())
 
         async def prefetched() -> float:
             await asyncio.sleep(0.05)
@@ -404,7 +409,7 @@ def test_the_check_asks_the_candidate_under_its_own_key_and_keeps_the_heads_answ
         assert base.release_id == "rel_base" and head.release_id == "rel_head"  # the whole model: its base
         assert (candidate.base is base) == adapter  # an adapter applies to the whole model; full weights alone
         assert kept.known[("c_head", 8)] == {"q": "head"} and run_.heldout_answers == (8, {"q": "cand"})
-        assert fig.prefetch_seconds == 2.5 and 1.04 < fig.seconds < 30  # the wait for the head's answers counts
+        assert fig.prefetch_seconds == 2.5 and fig.seconds == 16.0  # the wait for the head's answers counts
 
 
 def test_the_heads_answers_are_asked_ahead_only_for_what_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -486,9 +491,9 @@ def test_a_candidate_with_a_canary_share_is_held_and_served_as_a_canary_with_its
 
 
 def test_no_share_or_no_canary_to_start_publishes_and_a_canary_that_cannot_start_waits_for_review() -> None:
-    for share in (0.0, None):
+    for share in (0.0, None, -0.5):
         host, run = Host(), gate_run(gate="review", canary_share=share)  # review: None is 0
-        assert go(steps.canary, host, run) is None and host.chains.held == []
+        assert go(steps.canary, host, run) is None and host.chains.held == [] and host.canaries == []
     host, run = Host(), gate_run(canary_share=0.5)
     host.start_canary = None
     assert go(steps.canary, host, run) is None and host.chains.held == []

