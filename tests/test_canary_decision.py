@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -306,3 +307,23 @@ def test_a_request_keeps_its_arm_by_its_run_else_its_session_and_the_hash_is_sta
     other = [in_canary("rel_b", k, 0.3) for k in keys]
     assert other != first and 0.2 < sum(other) / 400 < 0.4  # another canary: another draw
     assert all(in_canary("rel_a", k, 0.6) for k, on in zip(keys, first, strict=True) if on)  # a larger share keeps
+
+
+def test_the_pairs_a_canary_may_still_see_are_its_rate_until_its_time_bound() -> None:
+    """``pairs_by_end`` (what ``describe`` words as "decides a difference of D or more by its end"): the paired
+    reports so far plus their rate times the time left, within ``max_reports``; with no time bound, or no time
+    gone yet, ``max_reports``; past its bound, the pairs it has. ``detectable`` is the betting test's smallest
+    difference in that many pairs at the stake's variance."""
+    arm = [0.0, 1.0] * 5  # 10 reports an arm, equal: undecided
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400}
+
+    def by_end(**more: Any) -> float:
+        return decide(arm, arm, **{**kw, **more}).figures["pairs_by_end"]
+
+    assert by_end(age_s=100.0, max_age_s=400.0) == 40.0  # 10 pairs in 100 s: 30 more in the 300 s left
+    assert by_end(age_s=100.0, max_age_s=400.0, max_reports=25) == 25.0
+    assert by_end(age_s=500.0, max_age_s=400.0) == 10.0
+    assert by_end(age_s=0.0, max_age_s=400.0) == 400.0 and by_end(age_s=100.0) == 400.0
+    d = decide(arm, arm, **kw, age_s=100.0, max_age_s=400.0)
+    var = betting.evidence(arm, arm, alpha=0.05).var
+    assert d.figures["detectable"] == round(betting.detectable(40.0, var, 0.05), 3)  # type: ignore[arg-type]
