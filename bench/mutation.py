@@ -68,18 +68,15 @@ MODULES: dict[str, Module] = {
                                               "not hacked_run")),
     # its unit tests (the daemon's, test_gates.py, start one daemon per test)
     "gate": Module("daemon/gate.py", ("tests/test_gate_noise.py",)),
-    # the decision, settings, arms and lines; the ``Canaries`` class (the serve path's look-up, the judging loop,
-    # starting and ending on the chain) lives in a daemon: test_canary.py's and test_canary_live.py's daemon tests.
-    # The fast tests first (a mutant stops at its first failing test); test_canary.py's simulation of 1,000
-    # canaries (53 s) is left to the suite: test_canary_decision.py's own (2 s) tests the same error rate
-    "canary": Module("daemon/canary.py", (*(f"tests/test_canary.py::test_{t}" for t in (
-        "a_canary_that_fails_too_often_ends_before_its_scores_decide",
-        "a_canary_slower_than_its_bound_ends_before_its_scores_decide", "arms_split_runs_by_the_share",
-        "requests_with_neither_run_nor_session_go_to_the_canary_at_its_share",
-        "the_radii_spend_at_most_delta_over_every_sample_size")), *(f"tests/test_canary_learning.py::test_{t}" for t
-        in ("the_bounds_decide_only_when_nothing_else_does", "bound_settings_are_checked_and_off_unless_given",
-            "the_detectable_difference_is_the_one_decided_in_that_many_pairs")), "tests/test_canary_decision.py"),
-        leave_out=("Canaries",)),
+    # the decision, settings, arms and lines, by its unit tests (test_canary.py and test_canary_learning.py take 25 s
+    # to import: their daemon tests); the ``Canaries`` class (the serve path's look-up, the judging loop, starting
+    # and ending on the chain) lives in a daemon and is tested through one there and in test_canary_live.py. The
+    # simulations of error rates and intervals (2 to 5 s each: a surviving mutant runs them all) test the betting
+    # underneath, and are in betting's selection
+    "canary": Module("daemon/canary.py", ("tests/test_canary_decision.py", *(x for t in (
+        "equal_arms_are_rarely_decided_however_often_the_test_looks", "the_difference_interval_is_the_decisions_own",
+        "each_arms_interval_by_betting_holds_at_every_look_and_is_narrower_than_hoeffding")
+        for x in ("--deselect", f"tests/test_canary_decision.py::test_{t}"))), leave_out=("Canaries",)),
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     # each step alone against a stand-in host (through a daemon: test_learning.py, test_heldout.py, ...)
     "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py",)),

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from daemon import betting
-from daemon.canary import _duration, _median, decide, describe, settings_of
+from daemon.canary import _duration, _median, decide, describe, in_canary, radius, settings_of
 from daemon.errors import BadRequest
 
 KW = {"alpha": 0.05, "max_reports": 10_000}
@@ -231,7 +231,6 @@ def test_each_arms_interval_by_betting_holds_at_every_look_and_is_narrower_than_
     third; its edges are where the hedged capital process (written out here from the paper) reaches ``2 / alpha``:
     0.01 inside it does not, 0.01 outside it does. Bugs caught: a fixed-n interval (it misses at some look far more
     often), the stakes' variance or cap off (wider, or not at the stated wealth), a threshold of ``1 / alpha``."""
-    from daemon.canary import radius
 
     rng = random.Random(3)
     missed = 0
@@ -295,7 +294,7 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
 def test_a_request_keeps_its_arm_by_its_run_else_its_session_and_the_hash_is_stable() -> None:
     """The key a request's arm is drawn by: its run (a wrapped agent's), else its session header, else none (drawn
     on its own); the same key always lands on the same arm of a canary, and a different canary draws afresh."""
-    from daemon.canary import arm_key, in_canary
+    from daemon.canary import arm_key
 
     assert arm_key({"x-session-id": "s1"}, "run_1") == "run=run_1"  # the run wins over the session
     assert arm_key({"x-session-id": "s1"}, None) == "x-session-id=s1"
@@ -327,3 +326,134 @@ def test_the_pairs_a_canary_may_still_see_are_its_rate_until_its_time_bound() ->
     d = decide(arm, arm, **kw, age_s=100.0, max_age_s=400.0)
     var = betting.evidence(arm, arm, alpha=0.05).var
     assert d.figures["detectable"] == round(betting.detectable(40.0, var, 0.05), 3)  # type: ignore[arg-type]
+
+
+def test_the_intervals_people_read_are_each_arms_at_half_alpha_and_the_decisions_difference() -> None:
+    """``intervals``: each arm's mean interval at ``alpha / 2`` (both hold at once at ``1 - alpha``) and the
+    difference canary - head over the decision's pairs at ``alpha``, rounded to 4 places; None for an arm without
+    reports."""
+    from daemon.canary import intervals
+
+    head, canary = (0.2, 0.5, 0.4, 0.6, 0.1, 0.3) * 4, (0.9, 0.7, 1.0, 0.8, 0.6) * 4
+
+    def shown(iv: tuple[float, float] | None) -> list[float] | None:
+        return None if iv is None else [round(iv[0], 4), round(iv[1], 4)]
+
+    got = intervals(head, canary, 0.1)
+    assert got == {"canary_interval": shown(betting.mean_interval(canary, 0.05)),
+                   "head_interval": shown(betting.mean_interval(head, 0.05)),
+                   "difference_interval": shown(betting.interval(betting.pairs(head, canary), 0.1))}
+    assert got["canary_interval"] != shown(betting.mean_interval(canary, 0.1))  # half alpha: wider
+    assert got["difference_interval"] != shown(betting.interval(betting.pairs(canary, head), 0.1))  # canary - head
+    assert intervals((), canary, 0.1) == {"canary_interval": got["canary_interval"], "head_interval": None,
+                                          "difference_interval": None}
+
+
+# --- moved from test_canary.py and test_canary_learning.py: pure, and those files take 25 s to import ---
+
+
+def test_the_radii_spend_at_most_delta_over_every_sample_size() -> None:
+    """Anytime validity is a union bound: Hoeffding's two-sided miss probability at the radius for n scores,
+    2 exp(-2 n r^2), summed over every n the canary may look at, stays within delta. A fixed-n radius (delta at
+    every n) passes the simulation above, since Hoeffding is loose for these scores, but spends delta at each look:
+    this sum catches it."""
+    import math
+
+    for delta in (0.05, 0.01):
+        spent = sum(2 * math.exp(-2 * n * radius(n, delta) ** 2) for n in range(1, 200_000))
+        assert spent <= delta, (delta, spent)
+        assert spent > 0.9 * delta  # and is not needlessly wide: most of delta is used
+
+
+def test_a_canary_that_fails_too_often_ends_before_its_scores_decide() -> None:
+    d = decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=6, exchanges=20, max_error_rate=0.2)
+    assert d.verdict == "errors" and "6 of 20" in d.reason
+    assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=4, exchanges=20,
+                  max_error_rate=0.2).verdict is None
+
+
+def test_a_canary_slower_than_its_bound_ends_before_its_scores_decide() -> None:
+    """Equal scores, the canary's median exchange 3x the head's: ended for latency once each arm has
+    min_exchanges complete exchanges, not before, and not within the bound (1.9x)."""
+    fast, slow, ok = [100.0] * 20, [300.0] * 20, [190.0] * 20
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "max_latency_ratio": 2.0, "min_exchanges": 20}
+    d = decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=slow, **kw)
+    assert d.verdict == "latency" and "300 ms" in d.reason and "100 ms" in d.reason
+    assert d.figures["canary_p50_ms"] == 300.0 and d.figures["head_p50_ms"] == 100.0
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=ok, **kw).verdict is None
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast[:19], canary_ms=slow, **kw).verdict is None
+    assert decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=slow[:19], **kw).verdict is None
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5])
+def test_arms_split_runs_by_the_share(share: float) -> None:
+    hits = sum(in_canary("rel", f"run=run_{i}", share) for i in range(20_000))
+    assert abs(hits / 20_000 - share) < 0.02
+
+
+def test_requests_with_neither_run_nor_session_go_to_the_canary_at_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn on their own: with the draws spread evenly over [0, 1), exactly the share of them go to the canary (a
+    flipped comparison sends 90% at share 0.1, a constant key all or none)."""
+    import daemon.canary as canary
+
+    for share in (0.1, 0.3):
+        draws = iter([(i + 0.5) / 1000 for i in range(1000)])
+        monkeypatch.setattr(canary.random, "random", draws.__next__)
+        assert sum(in_canary("rel", None, share) for _ in range(1000)) == round(1000 * share)
+        assert next(draws, None) is None  # every request drew once: none went by a hash
+
+
+def test_the_bounds_decide_only_when_nothing_else_does() -> None:
+    """At ``max_answers`` answers (and the head enough for its guards to have looked) a canary is decided on what
+    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0 at the 5%
+    level (1.645 standard errors), ended (``lower``) with one further below; ``max_age_s`` promotes whatever the
+    reports; a tripped guard ends it first; off (None), neither fires. Bugs caught: the bound never firing, firing
+    one answer early, promoting a candidate its scores put lower, ending an equal one or one lower by less than the
+    level (the comparison flipped, strict, against 0, or at 1 or 2 standard errors), the time bound's comparison
+    flipped, a guard read after the bound."""
+    ok = [30] * 49
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
+    assert decide([], [], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
+    assert decide([], [], head_tokens=ok[:9], canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=None, **kw).verdict is None
+    low_h, low_c = [1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]
+    lower = decide(low_h, low_c, head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
+    assert lower.verdict == "lower" and "-0.600" in lower.reason and "over 5 pairs" in lower.reason, lower.reason
+    assert decide(low_h, low_c, head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
+    # the 5% level is 1.645 standard errors: -0.5 with an error of 0.441 is within it (1 error would end it)...
+    assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "quiet"
+    assert decide([0.0, 1.0], [1.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "quiet"
+    # lower, but by less than the difference's standard error (0.274 here): noise, promoted; by more: ended
+    near = decide([1, 0, 1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0], head_tokens=ok, canary_tokens=ok + [30],
+                  max_answers=50, **kw)
+    assert near.verdict == "quiet" and "-0.125" in near.reason, near.reason
+    # ... and -0.5 with an error of 0.292 is past it (2 errors would keep it)
+    assert decide([1, 1, 1, 0], [0, 1, 0, 0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
+                  **kw).verdict == "lower"
+    equal = decide([0.4, 0.6], [0.6, 0.4], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
+    assert equal.verdict == "quiet" and "+0.000" in equal.reason
+    # reports on one arm only make no pair: promoted on its guards
+    assert decide([], [0.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
+    empty = [1] * 50  # every canary answer empty: the guard ends it, the bound does not promote it
+    assert decide([], [], head_tokens=ok, canary_tokens=empty, max_answers=50, **kw).verdict == "empty"
+    assert decide([1.0], [0.0], age_s=99.0, max_age_s=100.0, **kw).verdict is None
+    expired = decide([1.0], [0.0], age_s=100.0, max_age_s=100.0, **kw)
+    assert expired.verdict == "expired" and "did not show it worse" in expired.reason
+    assert decide([], [], age_s=1e9, max_age_s=None, **kw).verdict is None
+    assert decide([], [], head_tokens=ok, canary_tokens=empty, age_s=100.0, max_age_s=100.0, **kw).verdict == "empty"
+
+
+def test_bound_settings_are_checked_and_off_unless_given() -> None:
+    """A canary started by hand has no bounds (it runs until its scores, guards, max_reports or a person decide, as
+    before); the learning loop passes the recipe's; a bound out of range is refused naming it."""
+    s = settings_of({})
+    assert s["max_answers"] is None and s["max_hours"] is None
+    assert settings_of({"max_answers": 12, "max_hours": 0.5}) == {**s, "max_answers": 12, "max_hours": 0.5}
+    for key, value in (("max_answers", 0), ("max_answers", 1.5), ("max_hours", -1), ("max_hours", 1e999),
+                       ("max_hours", 1e7), ("max_answers", True)):
+        with pytest.raises(BadRequest) as e:
+            settings_of({key: value})
+        assert e.value.data["param"] == key and key in e.value.message

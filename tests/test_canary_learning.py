@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from daemon.canary import decide, settings_of
 from daemon.errors import BadRequest
 from recipes import load_recipe
 from tests.conftest import Daemon
@@ -53,62 +52,6 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
         with pytest.raises(BadRequest) as e:
             rl.parse_settings(bad)
         assert e.value.data["param"].startswith("settings.canary_"), bad
-
-
-def test_the_bounds_decide_only_when_nothing_else_does() -> None:
-    """At ``max_answers`` answers (and the head enough for its guards to have looked) a canary is decided on what
-    its scores say so far: promoted (``quiet``) with no paired report or a paired difference not below 0 at the 5%
-    level (1.645 standard errors), ended (``lower``) with one further below; ``max_age_s`` promotes whatever the
-    reports; a tripped guard ends it first; off (None), neither fires. Bugs caught: the bound never firing, firing
-    one answer early, promoting a candidate its scores put lower, ending an equal one or one lower by less than the
-    level (the comparison flipped, strict, against 0, or at 1 or 2 standard errors), the time bound's comparison
-    flipped, a guard read after the bound."""
-    ok = [30] * 49
-    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
-    assert decide([], [], head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
-    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
-    assert decide([], [], head_tokens=ok[:9], canary_tokens=ok + [30], max_answers=50, **kw).verdict is None
-    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30], max_answers=None, **kw).verdict is None
-    low_h, low_c = [1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]
-    lower = decide(low_h, low_c, head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
-    assert lower.verdict == "lower" and "-0.600" in lower.reason and "over 5 pairs" in lower.reason, lower.reason
-    assert decide(low_h, low_c, head_tokens=ok, canary_tokens=ok, max_answers=50, **kw).verdict is None
-    # the 5% level is 1.645 standard errors: -0.5 with an error of 0.441 is within it (1 error would end it)...
-    assert decide([1.0, 1.0], [0.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
-                  **kw).verdict == "quiet"
-    assert decide([0.0, 1.0], [1.0, 1.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
-                  **kw).verdict == "quiet"
-    # lower, but by less than the difference's standard error (0.274 here): noise, promoted; by more: ended
-    near = decide([1, 0, 1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0], head_tokens=ok, canary_tokens=ok + [30],
-                  max_answers=50, **kw)
-    assert near.verdict == "quiet" and "-0.125" in near.reason, near.reason
-    # ... and -0.5 with an error of 0.292 is past it (2 errors would keep it)
-    assert decide([1, 1, 1, 0], [0, 1, 0, 0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50,
-                  **kw).verdict == "lower"
-    equal = decide([0.4, 0.6], [0.6, 0.4], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw)
-    assert equal.verdict == "quiet" and "+0.000" in equal.reason
-    # reports on one arm only make no pair: promoted on its guards
-    assert decide([], [0.0], head_tokens=ok, canary_tokens=ok + [30], max_answers=50, **kw).verdict == "quiet"
-    empty = [1] * 50  # every canary answer empty: the guard ends it, the bound does not promote it
-    assert decide([], [], head_tokens=ok, canary_tokens=empty, max_answers=50, **kw).verdict == "empty"
-    assert decide([1.0], [0.0], age_s=99.0, max_age_s=100.0, **kw).verdict is None
-    expired = decide([1.0], [0.0], age_s=100.0, max_age_s=100.0, **kw)
-    assert expired.verdict == "expired" and "did not show it worse" in expired.reason
-    assert decide([], [], age_s=1e9, max_age_s=None, **kw).verdict is None
-    assert decide([], [], head_tokens=ok, canary_tokens=empty, age_s=100.0, max_age_s=100.0, **kw).verdict == "empty"
-
-
-def test_bound_settings_are_checked_and_off_unless_given() -> None:
-    """A canary started by hand has no bounds (it runs until its scores, guards, max_reports or a person decide, as
-    before); the learning loop passes the recipe's; a bound out of range is refused naming it."""
-    s = settings_of({})
-    assert s["max_answers"] is None and s["max_hours"] is None
-    assert settings_of({"max_answers": 12, "max_hours": 0.5}) == {**s, "max_answers": 12, "max_hours": 0.5}
-    for key, value in (("max_answers", 0), ("max_answers", 1.5), ("max_hours", -1), ("max_hours", 1e999),
-                       ("max_hours", 1e7), ("max_answers", True)):
-        with pytest.raises(BadRequest) as e:
-            settings_of({key: value})
-        assert e.value.data["param"] == key and key in e.value.message
 
 
 def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_promoted_head(
