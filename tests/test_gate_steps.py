@@ -183,11 +183,12 @@ def test_what_only_a_person_may_admit_is_held_whatever_the_gate(review: list[str
     host, run = Host(), gate_run(kind="harness", candidate=cand, judge=judged(Verdict(True, "accepted", "ok", {})))
     out = go(steps.gate_kind, host, run)
     assert out.verdict == "pending" and out.reason.startswith("ok; held for review, since ") and says in out.reason
+    assert run.verdict is not None and (run.verdict.publish, run.verdict.verdict) == (False, "pending")
     assert host.chains.held[0][1] == {"a": b"x"}  # a harness's tree is what is held
 
 
 def test_the_regression_gate_is_given_the_best_eval_reward_on_the_chain_and_no_other_gate_reads_it() -> None:
-    for gate, best in (("regression", 0.8), ("compare", None)):
+    for gate, best in (("regression", 0.8), ("compare", None), ("review", None)):
         seen: list[Any] = []
         host, run = Host(), gate_run(judge=judged(Verdict(True, "accepted", "ok", {}), seen), gate=gate)
         host.chains.history_rows = [rel(eval_reward=0.5), rel(eval_reward="n/a"), rel(eval_reward=0.8),
@@ -222,7 +223,8 @@ def test_the_watchdog_holds_a_hacked_trend_and_says_so_on_the_events() -> None:
 def test_the_watchdog_reads_only_the_train_steps_since_the_last_rollback_and_never_a_harness() -> None:
     host, run = Host(), gate_run()
     run.metrics.update(batch_reward=0.6, eval_reward=0.5)
-    host.chains.history_rows = [HACKED[0], rel("rollback"), *HACKED[1:]]
+    # (the rollback's own figures would complete a hacked trend if it were read as a step)
+    host.chains.history_rows = [HACKED[0], rel("rollback", batch_reward=0.4, eval_reward=0.7), *HACKED[1:]]
     assert go(steps.drift_bound, host, run) is None and host.chains.held == [] and host.published == []
     host, run = Host(), gate_run(kind="harness", candidate=Candidate(tree={}))
     run.metrics.update(batch_reward=0.6, eval_reward=0.5)
@@ -311,7 +313,7 @@ def test_the_check_is_not_run_for_a_harness_a_candidate_without_weights_or_a_mov
         host = Host()
         assert go(steps.heldout_check, host, run) is None and "heldout" not in run.metrics
     host, run = Host(), gate_run()
-    host.chains.head = "rel_other"  # publish turns it away, saying so
+    host.chains.head = "rel_aaa"  # publish turns it away, saying so (an id before the head's, as it sorts)
     assert go(steps.heldout_check, host, run) is None
     assert calls == [] and host.metrics.heldout_checks.seen == [] and host.published == []
 
