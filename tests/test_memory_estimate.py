@@ -114,6 +114,7 @@ def test_the_budget_is_reached_exactly_not_passed() -> None:
     half = (16_384, 0)  # 6 MB plain: beside a checkpointed row it is still its own kind
     assert fitted([row, half], FLAT, 7) == [(True, [0]), (False, [1])]
     assert fitted([half, row], FLAT, 7) == [(True, [1]), (False, [0])]
+    assert fitted([row, half], FLAT, 8) == [(True, [0]), (False, [1])]  # 7.5 MB together, were it checkpointed
 
 
 def test_a_row_too_long_even_checkpointed_names_both_numbers() -> None:
@@ -124,6 +125,11 @@ def test_a_row_too_long_even_checkpointed_names_both_numbers() -> None:
         micro_batches([(100, 1), (32_767, 1)], FLAT, 3)
     assert str(e.value) == ("memory_budget_mb 3 is too small for one sample of this batch: 32767 prompt and 1 answer "
                             "tokens need about 4 MB on this model (raise memory_budget_mb, or shorten the prompts)")
+    # 34,950 + 2 tokens checkpointed: 80 bytes over 4 MB (120 a token, 72 more an answer token): refused, rounded up
+    assert row_bytes(FLAT, 34_952, 2, checkpoint=True) == 4 * MB + 80
+    with pytest.raises(BudgetTooSmall, match="34950 prompt and 2 answer tokens need about 5 MB"):
+        micro_batches([(34_950, 2)], FLAT, 4)
+    assert fitted([(34_949, 2)], FLAT, 4) == [(True, [0])]  # a token fewer: 40 bytes within it
 
 
 class Model:
