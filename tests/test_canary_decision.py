@@ -96,6 +96,9 @@ def test_a_tie_needs_both_arms_at_max_reports() -> None:
     assert decide(same, same, alpha=0.05, max_reports=100).verdict == "tie"
     assert decide(same[:99], same, alpha=0.05, max_reports=100).verdict is None
     assert decide(same, same[:99], alpha=0.05, max_reports=100).verdict is None
+    more = [0.0, 1.0] * 51  # past the bound on either arm (reports go on coming while it is judged): a tie too
+    assert decide(same, more, alpha=0.05, max_reports=100).verdict == "tie"
+    assert decide(more, same, alpha=0.05, max_reports=100).verdict == "tie"
 
 
 def test_the_latency_median_of_an_even_count_is_the_mean_of_its_middle_two() -> None:
