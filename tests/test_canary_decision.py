@@ -105,6 +105,7 @@ def test_the_latency_median_of_an_even_count_is_the_mean_of_its_middle_two() -> 
     """Through the bound: the canary's 20 times, half 10 ms and half 30 ms, have the median 20, exactly twice the
     head's 10: not past the bound of 2; 22 ms is past it. Bug caught: the upper (or lower) middle taken alone."""
     assert _median([1.0, 2.0, 3.0, 100.0]) == 2.5 and _median([3.0, 1.0, 2.0]) == 2.0
+    assert _median([1.0, 1.2345]) == 1.117 and _median([]) is None  # to the millisecond
     head = [10.0] * 20
     kw = {**KW, "min_exchanges": 20, "max_latency_ratio": 2.0}
     assert decide([0.5], [0.5], head_ms=head, canary_ms=[10.0] * 10 + [30.0] * 10, **kw).verdict is None
@@ -290,8 +291,9 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
         "better -, worse - of - needed"]
     assert [_duration(s) for s in (59.9, 60, 3599, 3600, 0.5 * 3600 * 24)] == ["59.9 s", "1 min", "60 min", "1 h",
                                                                               "12 h"]
-    assert describe({"started_at": 0, "settings": {"max_hours": 0.5}}, now=61.0)[0].endswith(
-        "(alpha None; running 1.02 min, promoted undecided at 30 min)")
+    assert describe({"started_at": 0, "settings": {"max_hours": 0.5}}, now=61.0)[0] == (
+        "canary None serves 0% of new runs beside None (alpha None; running 1.02 min, promoted undecided at 30 min)")
+    assert _duration(3618) == "1 h" and _duration(61.2) == "1.02 min"  # 1.005 h and 1.02 min to 3 digits
 
 
 def test_a_request_keeps_its_arm_by_its_run_else_its_session_and_the_hash_is_stable() -> None:
@@ -374,6 +376,10 @@ def test_a_canary_that_fails_too_often_ends_before_its_scores_decide() -> None:
     assert d.verdict == "errors" and "6 of 20" in d.reason
     assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=4, exchanges=20,
                   max_error_rate=0.2).verdict is None
+    assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=9, exchanges=25,
+                  max_error_rate=0.2).verdict == "errors"  # past min_exchanges, not only at it
+    assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=9, exchanges=19,
+                  max_error_rate=0.2).verdict is None  # before it: too few to judge
 
 
 def test_a_canary_slower_than_its_bound_ends_before_its_scores_decide() -> None:
@@ -461,3 +467,28 @@ def test_bound_settings_are_checked_and_off_unless_given() -> None:
         with pytest.raises(BadRequest) as e:
             settings_of({key: value})
         assert e.value.data["param"] == key and key in e.value.message
+
+
+def test_a_decisions_figures_are_the_clipped_means_and_the_evidence_to_their_stated_places() -> None:
+    """The figures on the chain and in ``describe``: each arm's mean of its scores clipped to [0, 1], the
+    bettors' evidence to 4 places, the pairs by the end to 1 and the detectable difference to 3. Bugs caught: a
+    score above 1 counted as more, the means miscomputed, another rounding."""
+    head, canary = [1.5, 0.0, 0.25, -2.0, 1.0], [1.0, 0.5, 0.75, 1.0]
+    d = decide(head, canary, alpha=0.05, max_reports=400, age_s=30.0, max_age_s=130.0)
+    f = d.figures
+    assert (f["head_mean"], f["canary_mean"], f["head_reports"], f["canary_reports"]) == (0.45, 0.8125, 5, 4)
+    ev = betting.evidence([1.0, 0.0, 0.25, 0.0, 1.0], canary, alpha=0.05)
+    assert (f["evidence_better"], f["evidence_worse"], f["evidence_needed"]) == (
+        round(ev.better, 4), round(ev.worse, 4), round(ev.threshold, 4))
+    assert f["evidence_better"] != round(ev.better, 3) and f["evidence_needed"] == 3.6889
+    assert f["pairs_by_end"] == 17.3  # 4 pairs in 30 s, 100 s left: 4 + 13.33
+    assert f["detectable"] == round(betting.detectable(4 + 4 / 30 * 100, ev.var, 0.05), 3)  # type: ignore[arg-type]
+    assert decide(head, canary, alpha=0.05, max_reports=400).figures["head_mean"] == 0.45  # clipped either way
+
+
+def test_the_hoeffding_radius_of_no_scores_is_unbounded() -> None:
+    assert radius(0, 0.05) == math.inf and 0 < radius(1, 0.05) < math.inf
+
+
+def test_a_time_bound_of_a_month_is_taken() -> None:
+    assert settings_of({"max_hours": 24 * 31})["max_hours"] == 744
