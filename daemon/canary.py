@@ -105,7 +105,7 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
            errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20,
            head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
            max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
-           canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,
+           canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,  # pragma: no mutate (guards off: an excess above 1 or a ratio below 0 is off too)
            guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
            max_age_s: float | None = None) -> Decision:
     """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
@@ -290,7 +290,7 @@ def _median(xs: list[float] | None) -> float | None:
     return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
 
 
-@functools.lru_cache(maxsize=32)  # judged every CHECK_S and shown on every status: computed once per new report
+@functools.lru_cache(maxsize=32)  # judged every CHECK_S and shown on every status: computed once per new report  # pragma: no mutate (a cache: its size or absence changes no answer)
 def intervals(head: tuple[float, ...], canary: tuple[float, ...], alpha: float) -> dict[str, list[float] | None]:
     """The intervals people read, by betting, from both arms' scores: each arm's mean at ``alpha / 2`` (both hold at
     once with probability ``1 - alpha``; ``betting.mean_interval``), and the difference canary - head over the

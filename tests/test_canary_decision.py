@@ -130,6 +130,26 @@ def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
     assert e.value.data["param"] == "max_report"
     got = settings_of({"release_id": "x", "max_reports": 50.0})
     assert got["max_reports"] == 50 and isinstance(got["max_reports"], int) and got["alpha"] == 0.05
+    assert settings_of({}) == {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20,
+                               "max_latency_ratio": 2.0, "max_empty_excess": 0.3, "min_length_ratio": 0.25,
+                               "guard_answers": 10, "max_answers": None, "max_hours": None}  # docs/releases.md's
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("alpha", 1.5, "alpha must be a fraction in (0, 1), got 1.5"),
+    ("max_latency_ratio", 0.9, "max_latency_ratio must be a finite ratio of at least 1, got 0.9"),
+    ("max_hours", 0, "max_hours must be a positive number of hours up to 1000000, or null, got 0"),
+    ("max_reports", 0, "max_reports must be a positive whole number up to 1000000000, got 0"),
+])
+def test_a_setting_out_of_range_is_refused_saying_what_it_must_be(key: str, value: object, says: str) -> None:
+    with pytest.raises(BadRequest) as e:
+        settings_of({key: value})
+    assert e.value.message == says
+
+
+def test_a_latency_ratio_of_one_or_more_is_taken() -> None:
+    assert settings_of({"max_latency_ratio": 1})["max_latency_ratio"] == 1
+    assert settings_of({"max_latency_ratio": 1.5})["max_latency_ratio"] == 1.5
 
 
 GUARD = {**KW, "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10}
@@ -484,6 +504,12 @@ def test_a_decisions_figures_are_the_clipped_means_and_the_evidence_to_their_sta
     assert f["pairs_by_end"] == 17.3  # 4 pairs in 30 s, 100 s left: 4 + 13.33
     assert f["detectable"] == round(betting.detectable(4 + 4 / 30 * 100, ev.var, 0.05), 3)  # type: ignore[arg-type]
     assert decide(head, canary, alpha=0.05, max_reports=400).figures["head_mean"] == 0.45  # clipped either way
+    ok = [30] * 50  # at its answer bound: the difference's standard error, to 4 places
+    bound = decide([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.5], alpha=0.05, max_reports=400, head_tokens=ok,
+                   canary_tokens=ok, max_answers=50)
+    ev = betting.evidence([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.5], alpha=0.05)
+    se = math.sqrt(ev.var / ev.pairs)
+    assert bound.figures["difference_se"] == round(se, 4) != round(se, 5)
 
 
 def test_the_hoeffding_radius_of_no_scores_is_unbounded() -> None:
