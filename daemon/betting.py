@@ -165,7 +165,7 @@ def interval(xs: Sequence[float], alpha: float, *, lo: float = -1.0, hi: float =
             wealth += math.log1p(sign * stake * y)
             total += y
             total_sq += y * y
-            n += 1
+            n += 1  # pragma: no mutate (the stake is mean / (var + mean^2) = total / total_sq: n cancels)
         return wealth >= limit  # pragma: no mutate (wealth equal to the limit to the last bit: no data gives it)
 
     return _edges(rejects, lo, hi, at)
