@@ -110,6 +110,7 @@ def test_the_latency_median_of_an_even_count_is_the_mean_of_its_middle_two() -> 
     kw = {**KW, "min_exchanges": 20, "max_latency_ratio": 2.0}
     assert decide([0.5], [0.5], head_ms=head, canary_ms=[10.0] * 10 + [30.0] * 10, **kw).verdict is None
     assert decide([0.5], [0.5], head_ms=head, canary_ms=[14.0] * 10 + [30.0] * 10, **kw).verdict == "latency"
+    assert decide([0.5], [0.5], head_ms=head + head, canary_ms=[30.0] * 25, **kw).verdict == "latency"  # past min
 
 
 @pytest.mark.parametrize(("key", "value"), [
@@ -176,6 +177,9 @@ def test_a_canary_that_stops_answering_ends_without_a_score() -> None:
     assert decide([], [], head_tokens=ten, canary_tokens=[1] * 4 + [40] * 6, **GUARD).verdict is None
     assert decide([], [], head_tokens=[40] * 10, canary_tokens=[1] * 3 + [40] * 7, **GUARD).verdict is None
     assert decide([], [], head_tokens=ten, canary_tokens=[1] * 5 + [40] * 5, **GUARD).verdict == "empty"
+    # empty is at most one token (the end of text alone): two tokens are an answer; rates to 4 places
+    seven = decide([], [], head_tokens=[2] * 7, canary_tokens=[1] + [2] * 6, **GUARD).figures
+    assert (seven["head_empty_rate"], seven["canary_empty_rate"]) == (0.0, 0.1429)
 
 
 def test_a_canary_whose_answers_collapse_in_length_ends() -> None:
@@ -348,6 +352,8 @@ def test_the_pairs_a_canary_may_still_see_are_its_rate_until_its_time_bound() ->
     assert by_end(age_s=100.0, max_age_s=400.0, max_reports=25) == 25.0
     assert by_end(age_s=500.0, max_age_s=400.0) == 10.0
     assert by_end(age_s=0.0, max_age_s=400.0) == 400.0 and by_end(age_s=100.0) == 400.0
+    assert by_end(age_s=0.5, max_age_s=100.0, max_reports=10_000) == 2000.0  # 20 a second, from half a second on
+    assert by_end(age_s=20.0, max_age_s=10.0) == 10.0  # past the bound: no time left, not less than none
     d = decide(arm, arm, **kw, age_s=100.0, max_age_s=400.0)
     var = betting.evidence(arm, arm, alpha=0.05).var
     assert d.figures["detectable"] == round(betting.detectable(40.0, var, 0.05), 3)  # type: ignore[arg-type]
@@ -497,6 +503,8 @@ def test_a_decisions_figures_are_the_clipped_means_and_the_evidence_to_their_sta
     d = decide(head, canary, alpha=0.05, max_reports=400, age_s=30.0, max_age_s=130.0)
     f = d.figures
     assert (f["head_mean"], f["canary_mean"], f["head_reports"], f["canary_reports"]) == (0.45, 0.8125, 5, 4)
+    assert (f["canary_exchanges"], f["canary_errors"]) == (0, 0)  # none given: none counted
+    assert decide([0.5], [1.5, 0.5], alpha=0.05, max_reports=400).figures["canary_mean"] == 0.75  # clipped at 1
     ev = betting.evidence([1.0, 0.0, 0.25, 0.0, 1.0], canary, alpha=0.05)
     assert (f["evidence_better"], f["evidence_worse"], f["evidence_needed"]) == (
         round(ev.better, 4), round(ev.worse, 4), round(ev.threshold, 4))
@@ -518,3 +526,9 @@ def test_the_hoeffding_radius_of_no_scores_is_unbounded() -> None:
 
 def test_a_time_bound_of_a_month_is_taken() -> None:
     assert settings_of({"max_hours": 24 * 31})["max_hours"] == 744
+
+
+def test_whole_number_settings_go_up_to_a_billion() -> None:
+    assert settings_of({"max_reports": 10 ** 9})["max_reports"] == 10 ** 9
+    with pytest.raises(BadRequest):
+        settings_of({"max_reports": 10 ** 9 + 1})
