@@ -132,6 +132,7 @@ def test_a_run_with_a_file_here_and_no_exchange_is_forgotten_too_and_an_unknown_
     out = asyncio.run(forgetting.forget(reef, {"runs": ["run_quiet"]}))  # type: ignore[arg-type]
     assert [c[0] for c in reef.store.user_data.calls] == ["forget"]  # nothing else to ask the store
     assert out["forgotten"] == [] and out["scenarios"] == [] and stand_ins["removed"][-1] == ["run_quiet"]
+    assert (out["reports"], out["runs"], out["remains"], out["already"]) == (0, [], "", [])
     assert reef.told == []
     for runs in (["run_quiet", "run_elsewhere"], ["run_elsewhere"]):
         reef = Reef(tmp_path)
@@ -158,6 +159,10 @@ def test_the_chain_view_marks_whats_built_on_forgotten_data_and_names_the_newest
     view = asyncio.run(forgetting.chain_view(reef, "s"))  # type: ignore[arg-type]
     assert view == {"trained_on_forgotten": ["r3", "r2"], "rollback_to": "r1",
                     "command": "reef releases rollback r1 --scenario s"}
+    long = "rel_0123456789abcdef"  # the command names a release by its first 12 characters
+    reef.history[2] = rel(long, "init", None, "c1")
+    view = asyncio.run(forgetting.chain_view(reef, "s"))  # type: ignore[arg-type]
+    assert view["rollback_to"] == long and view["command"] == "reef releases rollback rel_01234567 --scenario s"
     reef.history = [rel("r4", "rollback", "r3", "c1"), *reef.history]  # the head is clean again
     view = asyncio.run(forgetting.chain_view(reef, "s"))  # type: ignore[arg-type]
     assert view == {"trained_on_forgotten": ["r3", "r2"], "rollback_to": None}
@@ -181,6 +186,12 @@ def test_retention_asks_for_what_is_due_by_days_and_megabytes_and_forgets_it(tmp
     assert forget == ("forget", (["rec_1", "rec_2"], [], False))
     assert out is not None and stand_ins["removed"] == [["run_old"]] and reef.told == [("s", {"rec_1"})]
     assert reef.published == [("forget", {"receipts": 2, "scenarios": ["s"], "retention": True})]
+
+
+def test_the_documented_bounds() -> None:
+    """docs/your-data.md: a retention round forgets at most 10,000 exchanges; a forget request names at most
+    100,000 receipts and 100,000 runs."""
+    assert (forgetting.RETENTION_ROUND, forgetting.MAX_FORGET) == (10_000, 100_000)
 
 
 def test_retention_with_no_bound_or_nothing_due_does_nothing(tmp_path: Path, stand_ins: Any) -> None:
