@@ -187,7 +187,7 @@ def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
     def arm(name: str) -> str:
         iv = f.get(f"{name}_interval")
         ms = f.get(f"{name}_p50_ms")
-        failed = f", {f.get('canary_errors', 0)} of {f.get('canary_exchanges', 0)} failed" if name == "canary" else ""
+        failed = f", {f.get('canary_errors', 0)} of {f.get('canary_exchanges', 0)} failed" if name == "canary" else ""  # pragma: no mutate (two names, head after canary: <= is ==)
         return (f"  {name + ' arm:':<12}{f.get(f'{name}_reports', 0)} reports, mean {num(f.get(f'{name}_mean'))}"
                 + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f"; {f.get(f'{name}_answers', 0)} answers, "
                 f"{num(f.get(f'{name}_empty_rate'), '.0%')} empty, median {num(f.get(f'{name}_p50_tokens'), 'g')} "

@@ -524,8 +524,15 @@ def test_the_hoeffding_radius_of_no_scores_is_unbounded() -> None:
     assert radius(0, 0.05) == math.inf and 0 < radius(1, 0.05) < math.inf
 
 
-def test_a_time_bound_of_a_month_is_taken() -> None:
+def test_a_time_bound_of_a_month_is_taken_and_of_the_maximum_too() -> None:
     assert settings_of({"max_hours": 24 * 31})["max_hours"] == 744
+    assert settings_of({"max_hours": 10 ** 6})["max_hours"] == 10 ** 6
+
+
+def test_the_guards_look_from_ten_answers_on_each_arm_by_default() -> None:
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "max_empty_excess": 0.3}
+    assert decide([], [], head_tokens=[40] * 9, canary_tokens=[0] * 9, **kw).verdict is None
+    assert decide([], [], head_tokens=[40] * 10, canary_tokens=[0] * 10, **kw).verdict == "empty"
 
 
 def test_whole_number_settings_go_up_to_a_billion() -> None:
