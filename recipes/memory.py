@@ -106,7 +106,7 @@ def micro_batches(rows: list[tuple[int, int]], shape: Shape, budget_mb: int) -> 
             raise BudgetTooSmall(
                 f"memory_budget_mb {budget_mb} is too small for one sample of this batch: {p} prompt and {a} answer "
                 f"tokens need about {need} MB on this model (raise memory_budget_mb, or shorten the prompts)")
-        if out and out[-1].checkpoint == checkpoint:
+        if out and out[-1].checkpoint == checkpoint:  # pragma: no mutate (a plain row never fits at a checkpointed batch's width and answer, nor one after a plain batch: >= is ==; is between bools is ==)
             w, t = max(width, p + a), max(answer, a)  # pragma: no mutate (rows come longest first: the first row's width is the widest)
             if (len(out[-1].rows) + 1) * row_bytes(shape, w, t, checkpoint) <= budget:
                 out[-1].rows.append(i)

@@ -433,12 +433,12 @@ def test_the_heads_answers_are_asked_ahead_only_for_what_is_not_kept(monkeypatch
     host.heldout_prompts = prompts  # type: ignore[method-assign]
     host.chains.ref = ref  # type: ignore[attr-defined]
     host.heldout_head = kept = Kept({("c_head", 4): {"r1": "known", probes[0]: "known"}})  # type: ignore[assignment]
-    clock = iter([100.0, 102.5])
+    clock = iter([10.0, 25.0])  # (not 100 and 102.5: 102.5 % 100 is 2.5 as well)
     monkeypatch.setattr(steps.time, "perf_counter", lambda: next(clock))
     took = asyncio.run(steps.prefetch_head(host, run.st, run.scenario, run.head))
     monkeypatch.undo()
     monkeypatch.setattr(steps.heldout, "answers", answers)
-    assert asked == [("engine:tiny", "tiny", ["r2", *probes[1:]], "ref_head", 4)] and took == 2.5
+    assert asked == [("engine:tiny", "tiny", ["r2", *probes[1:]], "ref_head", 4)] and took == 15.0
     assert kept.known[("c_head", 4)] == {"r1": "known", probes[0]: "known", "r2": "answer to r2",
                                          **{p: f"answer to {p}" for p in probes[1:]}}
     asked.clear()

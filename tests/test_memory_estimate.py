@@ -139,6 +139,12 @@ def test_a_row_too_long_even_checkpointed_names_both_numbers() -> None:
     with pytest.raises(BudgetTooSmall, match="34950 prompt and 2 answer tokens need about 5 MB"):
         micro_batches([(34_950, 2)], FLAT, 4)
     assert fitted([(34_949, 2)], FLAT, 4) == [(True, [0])]  # a token fewer: 40 bytes within it
+    # exactly at the budget checkpointed (26,212 tokens, 4 of them answer: 3 MB to the byte): taken
+    assert row_bytes(FLAT, 26_212, 4, checkpoint=True) == 3 * MB and fitted([(26_208, 4)], FLAT, 3) == [(True, [0])]
+    # exactly 6 MB checkpointed on a budget of 5: "about 6 MB", not 7 (rounded up, from the exact bytes)
+    assert row_bytes(FLAT, 52_427, 3, checkpoint=True) == 6 * MB
+    with pytest.raises(BudgetTooSmall, match="need about 6 MB"):
+        micro_batches([(52_424, 3)], FLAT, 5)
 
 
 class Model:
