@@ -539,3 +539,25 @@ def test_whole_number_settings_go_up_to_a_billion() -> None:
     assert settings_of({"max_reports": 10 ** 9})["max_reports"] == 10 ** 9
     with pytest.raises(BadRequest):
         settings_of({"max_reports": 10 ** 9 + 1})
+
+
+def test_the_bounds_and_guards_at_and_past_their_edges() -> None:
+    """Each bound past its edge as well as at it (small whole numbers compare alike by ``is`` and ``==``: a count
+    past the bound shows ``is`` for ``>=``), the empty excess to the rates' 4 places, a head measured at 0 ms, and
+    the difference to 4 places."""
+    ok = [30] * 50
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "guard_answers": 10, "max_empty_excess": 0.3}
+    assert decide([], [], head_tokens=ok, canary_tokens=ok + [30, 30], max_answers=50, **kw).verdict == "quiet"
+    assert decide([], [], head_tokens=ok[:10], canary_tokens=ok, max_answers=50, **kw).verdict == "quiet"
+    assert decide([1.0], [0.0], age_s=150.0, max_age_s=100.0, **kw).verdict == "expired"
+    # 100 of 333 answers empty is 0.3003, past 0.3 by the rates' 4 places (to 3 it would be 0.3, within)
+    assert decide([], [], head_tokens=[40] * 10, canary_tokens=[0] * 100 + [40] * 233, **kw).verdict == "empty"
+    # a head whose median exchange took 0 ms: a canary of 0.001 ms is within any ratio (the head's time is taken
+    # as at least 1 microsecond), 1 ms is not
+    lat: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "min_exchanges": 20, "max_latency_ratio": 2.0}
+    assert decide([0.5], [0.5], head_ms=[0.0] * 20, canary_ms=[0.001] * 20, **lat).verdict is None
+    assert decide([0.5], [0.5], head_ms=[0.0] * 20, canary_ms=[1.0] * 20, **lat).verdict == "latency"
+    third = decide([0.0, 0.0, 0.0], [1.0, 0.0, 0.0], alpha=0.05, max_reports=400).figures
+    assert third["difference"] == 0.3333
+    assert describe({"started_at": 0, "settings": {"max_hours": 9.995}}, now=0)[0].endswith(
+        "promoted undecided at 9.99 h)")  # hours as 3,600 s: 9.995 h to 3 digits
