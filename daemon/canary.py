@@ -88,7 +88,7 @@ EMPTY_TOKENS = 1  # an answer of at most this many tokens says nothing (the end-
 def radius(n: int, delta: float) -> float:
     """Half-width of the anytime-valid Hoeffding interval for the mean of ``n`` scores in [0, 1]: the rule the
     betting test replaced, which ``bench/canary.py`` measures beside it."""
-    if n == 0:
+    if n == 0:  # pragma: no mutate (a count is never below 0: <= is ==)
         return math.inf
     return math.sqrt(math.log(math.pi ** 2 * n ** 2 / (3 * delta)) / (2 * n))
 
@@ -160,7 +160,7 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
                             figures)
         se = math.sqrt(ev.var / ev.pairs)  # the mean difference's standard error, by the stake's variance
         figures["difference_se"] = round(se, 4)
-        if ev.mean is not None and ev.mean >= -BOUND_Z * se:
+        if ev.mean is not None and ev.mean >= -BOUND_Z * se:  # pragma: no mutate (a mean exactly at the bound to the last bit: no data gives it)
             return Decision("quiet", f"{answers} answers on the canary's arm tripped no guard, and its scores were "
                             f"not lower than the head's at the 5% level over {ev.pairs} pairs (difference "
                             f"{ev.mean:+.3f}, standard error {se:.3f}): promoted at its bound of {max_answers} "

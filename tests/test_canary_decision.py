@@ -354,6 +354,7 @@ def test_the_pairs_a_canary_may_still_see_are_its_rate_until_its_time_bound() ->
     assert by_end(age_s=0.0, max_age_s=400.0) == 400.0 and by_end(age_s=100.0) == 400.0
     assert by_end(age_s=0.5, max_age_s=100.0, max_reports=10_000) == 2000.0  # 20 a second, from half a second on
     assert by_end(age_s=20.0, max_age_s=10.0) == 10.0  # past the bound: no time left, not less than none
+    assert by_end(max_age_s=400.0, max_reports=10_000) == 10_000.0  # no age given: no time gone, no rate yet
     d = decide(arm, arm, **kw, age_s=100.0, max_age_s=400.0)
     var = betting.evidence(arm, arm, alpha=0.05).var
     assert d.figures["detectable"] == round(betting.detectable(40.0, var, 0.05), 3)  # type: ignore[arg-type]
@@ -537,6 +538,7 @@ def test_the_guards_look_from_ten_answers_on_each_arm_by_default() -> None:
 
 def test_whole_number_settings_go_up_to_a_billion() -> None:
     assert settings_of({"max_reports": 10 ** 9})["max_reports"] == 10 ** 9
+    assert settings_of({"max_answers": 2_000_000})["max_answers"] == 2_000_000  # not held to the hours' bound
     with pytest.raises(BadRequest):
         settings_of({"max_reports": 10 ** 9 + 1})
 
@@ -561,3 +563,8 @@ def test_the_bounds_and_guards_at_and_past_their_edges() -> None:
     assert third["difference"] == 0.3333
     assert describe({"started_at": 0, "settings": {"max_hours": 9.995}}, now=0)[0].endswith(
         "promoted undecided at 9.99 h)")  # hours as 3,600 s: 9.995 h to 3 digits
+    assert describe({"started_at": 0, "settings": {"max_hours": 9.9955}}, now=0)[0].endswith(
+        "promoted undecided at 10 h)")
+    worse = decide([1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0, 0.0], alpha=0.05, max_reports=400).figures
+    ev = betting.evidence([1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0, 0.0], alpha=0.05)
+    assert worse["evidence_worse"] == round(ev.worse, 4) not in (round(ev.worse, 3), round(ev.worse, 5))
