@@ -4,6 +4,7 @@ looking after every report, and the latency and settings bounds hold exactly whe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -129,6 +130,9 @@ def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
     with pytest.raises(BadRequest) as e:
         settings_of({"release_id": "x", "max_report": 10})
     assert e.value.data["param"] == "max_report"
+    with pytest.raises(BadRequest) as e:
+        settings_of({"zeta": 1, "max_report": 10})
+    assert e.value.data["param"] == "max_report" and "unknown keys max_report, zeta" in e.value.message
     got = settings_of({"release_id": "x", "max_reports": 50.0})
     assert got["max_reports"] == 50 and isinstance(got["max_reports"], int) and got["alpha"] == 0.05
     assert settings_of({}) == {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20,
@@ -141,6 +145,8 @@ def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
     ("max_latency_ratio", 0.9, "max_latency_ratio must be a finite ratio of at least 1, got 0.9"),
     ("max_hours", 0, "max_hours must be a positive number of hours up to 1000000, or null, got 0"),
     ("max_reports", 0, "max_reports must be a positive whole number up to 1000000000, got 0"),
+    ("max_answers", 0, "max_answers must be a positive whole number up to 1000000000, got 0"),
+    ("guard_answers", 0, "guard_answers must be a positive whole number up to 1000000000, got 0"),
 ])
 def test_a_setting_out_of_range_is_refused_saying_what_it_must_be(key: str, value: object, says: str) -> None:
     with pytest.raises(BadRequest) as e:
@@ -407,6 +413,10 @@ def test_a_canary_that_fails_too_often_ends_before_its_scores_decide() -> None:
                   max_error_rate=0.2).verdict == "errors"  # past min_exchanges, not only at it
     assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=9, exchanges=19,
                   max_error_rate=0.2).verdict is None  # before it: too few to judge
+    assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=2, exchanges=20,
+                  max_error_rate=0.2).verdict is None  # below the rate
+    assert decide([1.0] * 3, [1.0] * 3, alpha=0.05, max_reports=400, errors=1,
+                  exchanges=20).verdict is None  # no rate given: errors end nothing
 
 
 def test_a_canary_slower_than_its_bound_ends_before_its_scores_decide() -> None:
@@ -514,11 +524,14 @@ def test_a_decisions_figures_are_the_clipped_means_and_the_evidence_to_their_sta
     assert f["detectable"] == round(betting.detectable(4 + 4 / 30 * 100, ev.var, 0.05), 3)  # type: ignore[arg-type]
     assert decide(head, canary, alpha=0.05, max_reports=400).figures["head_mean"] == 0.45  # clipped either way
     ok = [30] * 50  # at its answer bound: the difference's standard error, to 4 places
-    bound = decide([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.5], alpha=0.05, max_reports=400, head_tokens=ok,
-                   canary_tokens=ok, max_answers=50)
-    ev = betting.evidence([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.5], alpha=0.05)
+    bound = decide([1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.5, 1.0], alpha=0.05, max_reports=400,
+                   head_tokens=ok, canary_tokens=ok, max_answers=50)
+    ev = betting.evidence([1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.5, 1.0], alpha=0.05)
     se = math.sqrt(ev.var / ev.pairs)
-    assert bound.figures["difference_se"] == round(se, 4) != round(se, 5)
+    assert bound.figures["difference_se"] == round(se, 4) not in (round(se, 3), round(se, 5))
+    assert decide([0.5], [-0.5, 0.5], alpha=0.05, max_reports=400).figures["canary_mean"] == 0.25  # 0 at least
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a decision is a record of what was seen
+        bound.verdict = "promoted"  # type: ignore[misc]
 
 
 def test_the_hoeffding_radius_of_no_scores_is_unbounded() -> None:
