@@ -77,7 +77,7 @@ MODULES: dict[str, Module] = {
         "equal_arms_are_rarely_decided_however_often_the_test_looks", "the_difference_interval_is_the_decisions_own",
         "each_arms_interval_by_betting_holds_at_every_look_and_is_narrower_than_hoeffding")
         for x in ("--deselect", f"tests/test_canary_decision.py::test_{t}"))),
-        leave_out=("Canaries", "CHECK_S", "ENDED_LOOKBACK")),  # (the two constants only the class reads)
+        leave_out=("Canaries", "CHECK_S", "ENDED_LOOKBACK", "unreadable")),  # (what only the class reads)
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     # each step alone against a stand-in host (through a daemon: test_learning.py, test_heldout.py, ...)
     "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py",)),
