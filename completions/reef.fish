@@ -133,7 +133,7 @@ complete -c reef -n '__reef_at /releases' -a list -d 'List a scenario\'s release
 complete -c reef -n '__reef_at /releases' -a open -d 'Open a release\'s page in the browser: why it was made, what changed, the gate\'s verdict, its place on the chain with a plot of the scenario\'s scores. The page is one self-contained HTML file (no script, nothing fetched)'
 complete -c reef -n '__reef_at /releases' -a promote -d 'Publish a release held as pending (by a review gate)'
 complete -c reef -n '__reef_at /releases' -a rollback -d 'Publish an earlier release\'s content as the new head (history is kept)'
-complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, what it requires (each item met or not on this machine, with what was found), metrics, receipts, and optionally its diff to the parent'
+complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, whether its weights were pruned, what it requires (each item met or not on this machine, with what was found), metrics, receipts, and optionally its diff to the parent'
 complete -c reef -n '__reef_at /releases' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/canary' -a '(reef __complete releases (__reef_scenario) 2>/dev/null)'
 complete -c reef -n '__reef_at /releases/canary' -l scenario -s s -d 'The scenario (default: default)' -x -a '(reef __complete scenarios 2>/dev/null)'
