@@ -320,7 +320,10 @@ def test_a_candidate_the_store_cannot_read_ends_its_canary_and_the_head_serves(d
                 served[name].add(r.headers["x-reef-release-id"])
             if canary_of(c, "cu") is None and cand2 in served["cv"]:
                 break
-        assert canary_of(c, "cu") is None and served["cu"] == {head}, served
+        assert canary_of(c, "cu") is None and served["cu"] == {head}, (  # (failed once in a full run: all runs
+            # of both scenarios served one release each, the canary running on; not reproduced alone or at load)
+            served, {"cu": (head, cand), "cv": (head2, cand2)}, canary_of(c, "cu"), releases(c, "cu", all_=True),
+            d.log_tail(30))
         chain = releases(c, "cu", all_=True)
         # the lost candidate leaves the pending list (its receipts, unreadable with it, go back to the learner:
         # it was never judged, so the lessons it came from may make a new candidate)
