@@ -479,6 +479,9 @@ def check_retention(settings: Any) -> None:
         raise BadRequest(f"keep_policy must be latest or best, not {policy!r}", param="settings.keep_policy")
     keep = getattr(settings, "keep_releases", None)
     if keep is None:
+        if policy != "latest":  # which releases a bound keeps, with no bound: it would do nothing
+            raise BadRequest(f"keep_policy {policy!r} needs keep_releases (how many releases keep their weights); "
+                             "without it every release keeps its weights", param="settings.keep_policy")
         return
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise BadRequest(f"keep_releases must be a whole number of releases of at least 1 (the head's weights are "

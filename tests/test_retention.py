@@ -190,7 +190,7 @@ def test_the_best_policy_keeps_the_head_and_the_best_scored() -> None:
     assert plan(history, 1, set(), policy="best") == ["5", "4", "3", "2", "1"]
     assert plan(history, 3, set()) == ["3", "2", "1"]  # latest, the default
     for recipe in ("online-rl", "sao"):
-        assert load_recipe(recipe).parse_settings({"keep_policy": "best"}).keep_policy == "best"
+        assert load_recipe(recipe).parse_settings({"keep_policy": "best", "keep_releases": 5}).keep_policy == "best"
         assert load_recipe(recipe).parse_settings({}).keep_policy == "latest"
         with pytest.raises(BadRequest) as e:
             load_recipe(recipe).parse_settings({"keep_policy": "worst"})
@@ -242,6 +242,11 @@ def test_every_weights_recipe_takes_the_bound_and_its_default() -> None:
         assert load_recipe(recipe).parse_settings({"keep_releases": 1}).keep_releases == 1
         assert load_recipe(recipe).parse_settings({}).keep_releases is None  # opt-in: any release can roll back
         assert load_recipe(recipe).parse_settings({"keep_releases": None}).keep_releases is None
+        # a policy with no bound would choose among releases nothing prunes: refused, not taken and ignored
+        with pytest.raises(BadRequest) as e:
+            load_recipe(recipe).parse_settings({"keep_policy": "best"})
+        assert e.value.data["param"] == "settings.keep_policy" and "needs keep_releases" in e.value.message
+        assert load_recipe(recipe).parse_settings({"keep_policy": "best", "keep_releases": 3}).keep_policy == "best"
     check_retention(SimpleNamespace())  # a recipe without the setting: nothing to check
     with pytest.raises(BadRequest):
         load_recipe("lessons").parse_settings({"keep_releases": 3})
