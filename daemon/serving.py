@@ -598,7 +598,10 @@ class ServePath:
                 await _aclose(events)
                 raise
             served.opened = True
-            served.receipt_wait_ms = (time.perf_counter() - served.first_event_at) * 1e3
+            now = time.perf_counter()
+            if served.opening_ms is None:  # done before this task resumed: its callback has not run yet
+                served.opening_ms = (now - opening_started) * 1e3
+            served.receipt_wait_ms = (now - served.first_event_at) * 1e3
         if isinstance(first, Finish):
             served.finished_at = time.perf_counter()
         else:

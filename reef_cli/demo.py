@@ -316,12 +316,23 @@ def demo(
     prompts, group = (SAO_PARALLEL, 1) if sao else (trainer["batch_prompts"], trainer["group_size"])
     steps_per_round, lead = (prompts, SAO_LEAD) if sao else (1, LEAD)
     counter = iter(range(1 << 62))
+    # each of the round's threads has its own client: one shared by 64 threads overflows its pool's 20 kept-alive
+    # connections, and a `reef demo` in a full run died of EBADF reading one (a connection closed under its reader)
+    local, made = threading.local(), []
+
+    def own() -> Any:
+        if getattr(local, "client", None) is None:
+            local.client = Client(cfg, timeout=REAL_TIMEOUT_S if real else 30.0)
+            with board.lock:
+                made.append(local.client)
+        return local.client
 
     def one(task: Any, request_seed: int) -> None:
-        text, receipt, _ = _answer(client, name, task.prompt, temperature=1.0,
+        mine = own()
+        text, receipt, _ = _answer(mine, name, task.prompt, temperature=1.0,
                                    max_tokens=max_tokens, seed=request_seed, model=model)
         score = family.score(task, text)
-        client.post("/reef/report", {"score": score, "references": [receipt], "scenario": name})
+        mine.post("/reef/report", {"score": score, "references": [receipt], "scenario": name})
         with board.lock:
             board.requests += 1
             board.scores.append(score)
@@ -367,6 +378,8 @@ def demo(
                         reached = True
                         break
     stop.set()
+    for made_client in made:
+        made_client.close()
     elapsed = time.monotonic() - board.started
     chain = client.get(f"/reef/scenarios/{name}/releases")
     head = chain["head"]
