@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import Daemon, assert_canonical_error
-from tests.test_learning import releases, serve_and_report, settings_toml, wait_for
+from tests.test_learning import published_step, releases, serve_and_report, settings_toml, wait_for
 
 TITLE_SET = "pwned-by-feedback"
 PAYLOAD = (f"<script>document.title='{TITLE_SET}'</script><img src=x onerror=\"document.title='{TITLE_SET}'\">"
@@ -131,16 +131,18 @@ def test_a_harness_release_page_shows_the_feedback_as_text_the_diff_and_the_roll
 
 
 def test_an_adapter_release_page_names_the_tensors_the_verdict_and_plots_every_release(daemon_factory: Any) -> None:
-    d: Daemon = daemon_factory(settings_toml(gate="floor", floor=0.0, eval_family="say", eval_n=4))
+    # (the held-out check off: a random tiny model's 4-answer steps are not what it is for, and this page's claims
+    # need two published steps; once in a full run step 2 did not come within 90 s, not reproduced alone)
+    d: Daemon = daemon_factory(settings_toml(gate="floor", floor=0.0, eval_family="say", eval_n=4,
+                                             heldout_check=False))
     with d.http() as c:
         created = c.post("/reef/scenarios", json={"name": "plotted", "recipe": "online-rl",
                                                   "settings": {"lora": True, "lora_rank": 4}})
         assert created.status_code == 201, created.text
         serve_and_report(c, "plotted", 4)
-        wait_for(lambda: releases(c, "plotted")["releases"][0]["step"] == 1, what="step 1")
+        published_step(c, "plotted", 1)
         receipts = serve_and_report(c, "plotted", 4)
-        chain = wait_for(lambda: (r := releases(c, "plotted"))["releases"][0]["step"] == 2 and r["releases"],
-                         what="step 2")
+        chain = published_step(c, "plotted", 2)["releases"]
         step2, step1, init = chain
         rolled = c.post("/reef/scenarios/plotted/rollback", json={"release_id": step1["release_id"],
                                                                   "expected_head": step2["release_id"]})
