@@ -20,7 +20,7 @@ from recipes.online_rl import Sample, eos_ids, generate, render_prompt, token_lo
 from recipes.sao import SAOSettings, gae_advantages, gae_lambda, load_value, make_learner, sao_step, save_value
 from tests.conftest import Daemon, assert_canonical_error
 from tests.demo_model import demo_config
-from tests.test_learning import releases, wait_for
+from tests.test_learning import published_step, releases, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -333,8 +333,7 @@ def test_kill_9_during_a_step_publishes_nothing_half_and_consumes_nothing_twice(
         chain = releases(c, "crash", True)
         assert chain["head"] == published["release_id"]  # nothing of the interrupted step published
         assert [r["operation"] for r in chain["releases"]] == ["train", "init"]
-        chain = wait_for(lambda: (r := releases(c, "crash"))["releases"][0]["step"] == 2 and r, timeout=180,
-                         what="the interrupted step trained again")
+        chain = published_step(c, "crash", 2)  # (its timeout says what the chain holds and what the learner does)
         assert chain["releases"][0]["parent"] == published["release_id"]
         assert chain["releases"][0]["receipts"] == [second]
         got = consumed(c, "crash")
