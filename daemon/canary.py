@@ -19,9 +19,10 @@
   People read intervals by betting too (``intervals``): each arm's mean, and the difference's, which is the
   decision's own (above 0 exactly when it promotes, below exactly when it ends). Ended as a tie when both arms have
   ``max_reports`` reports; ended early when its share of failed exchanges exceeds ``max_error_rate`` (after
-  ``min_exchanges``), or when its median exchange takes more than ``max_latency_ratio`` times the head's (after
-  ``min_exchanges`` complete ones on each arm: a release that makes the agent's every request slower is worse
-  whatever its scores). Guards that need no score end it sooner: from ``guard_answers`` (10) answers on each arm,
+  ``min_exchanges``), or when it serves more than ``max_latency_ratio`` times slower than the head: its median time to
+  first token or time per output token (after ``min_exchanges`` complete exchanges on each arm: a release that
+  makes the agent's every request slower is worse whatever its scores; whole exchanges would count a longer answer
+  at the same speed as a slower one). Guards that need no score end it sooner: from ``guard_answers`` (10) answers on each arm,
   a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
   ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
   commas would rate well).
@@ -104,12 +105,15 @@ class Decision:
 def decide(head: list[float], canary: list[float], *, alpha: float, max_reports: int,
            errors: int = 0, exchanges: int = 0, max_error_rate: float = 1.0, min_exchanges: int = 20,
            head_ms: list[float] | None = None, canary_ms: list[float] | None = None,
+           head_speed: dict[str, list[float]] | None = None, canary_speed: dict[str, list[float]] | None = None,
            max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
            canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,  # pragma: no mutate (guards off: an excess above 1 or a ratio below 0 is off too)
            guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
            max_age_s: float | None = None) -> Decision:
     """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
-    times of complete exchanges (ms) and their answers' lengths in tokens (the guards that need no score), and its
+    times of complete exchanges (ms), how fast each served (``*_speed``: ``ttft`` and ``tpot`` lists, ms, from
+    ``arm_outcomes``; when given, the latency guard reads them instead of whole exchanges), and their answers'
+    lengths in tokens (the guards that need no score), and its
     bounds: ``max_answers`` canary answers with no report on its arm, or ``max_age_s`` since it started (``age_s``),
     promote it when nothing else decided (None: no such bound)."""
     h = [min(1.0, max(0.0, x)) for x in head]
@@ -129,11 +133,9 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
     if exchanges >= min_exchanges and errors / exchanges > max_error_rate:
         return Decision("errors", f"the canary failed {errors} of {exchanges} exchanges, more than "
                         f"{max_error_rate:.0%}", figures)
-    ch, hh = figures["canary_p50_ms"], figures["head_p50_ms"]
-    if (ch is not None and hh is not None and min(len(canary_ms or ()), len(head_ms or ())) >= min_exchanges
-            and ch > max_latency_ratio * max(hh, 1e-3)):
-        return Decision("latency", f"the canary's median exchange took {ch:.0f} ms, more than {max_latency_ratio:g}x "
-                        f"the head's {hh:.0f} ms", figures)
+    slower = _slower(figures, head_ms, canary_ms, head_speed, canary_speed, min_exchanges, max_latency_ratio)
+    if slower is not None:
+        return Decision("latency", slower, figures)
     ev = betting.evidence(h, c, alpha=alpha)
     figures.update({"pairs": ev.pairs, "difference": None if ev.mean is None else round(ev.mean, 4),
                     "evidence_better": round(ev.better, 4), "evidence_worse": round(ev.worse, 4),
@@ -280,6 +282,31 @@ def settings_of(body: dict[str, Any]) -> dict[str, Any]:
             raise BadRequest(f"{key} must be {kind}, got {value!r}", param=key)
         settings[key] = int(value) if whole else value
     return settings
+
+
+def _slower(figures: dict[str, Any], head_ms: list[float] | None, canary_ms: list[float] | None,
+            head_speed: dict[str, list[float]] | None, canary_speed: dict[str, list[float]] | None,
+            min_exchanges: int, ratio: float) -> str | None:
+    """Why the canary serves more than ``ratio`` times slower than the head (after ``min_exchanges`` on each arm),
+    or None. By its time to first token and its time per output token when the arms' speeds are known: a candidate
+    that answers three times longer at the same speed is not slower (its length is its scores' business, and a
+    shorter one the length guard's); by whole exchanges otherwise. Adds the medians to ``figures``."""
+    if head_speed is None or canary_speed is None:
+        ch, hh = figures["canary_p50_ms"], figures["head_p50_ms"]
+        if (ch is not None and hh is not None and min(len(canary_ms or ()), len(head_ms or ())) >= min_exchanges
+                and ch > ratio * max(hh, 1e-3)):
+            return f"the canary's median exchange took {ch:.0f} ms, more than {ratio:g}x the head's {hh:.0f} ms"
+        return None
+    why = None
+    for key, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        cs, hs = canary_speed.get(key) or [], head_speed.get(key) or []
+        cm, hm = _median(cs), _median(hs)
+        figures[f"canary_p50_{key}_ms"], figures[f"head_p50_{key}_ms"] = cm, hm
+        if (why is None and cm is not None and hm is not None and min(len(cs), len(hs)) >= min_exchanges
+                and cm > ratio * max(hm, 1e-3)):
+            why = (f"the canary's median {what} was {cm:.1f} ms, more than {ratio:g}x the head's {hm:.1f} ms "
+                   "(whatever its answers' lengths)")
+    return why
 
 
 def _median(xs: list[float] | None) -> float | None:
@@ -501,6 +528,8 @@ class Canaries:
         d = decide(head["scores"], cand["scores"], alpha=s["alpha"], max_reports=int(s["max_reports"]),
                    errors=cand["errors"], exchanges=cand["exchanges"], max_error_rate=s["max_error_rate"],
                    min_exchanges=int(s["min_exchanges"]), head_ms=head["ms"], canary_ms=cand["ms"],
+                   head_speed={k: head[k] for k in ("ttft", "tpot")},
+                   canary_speed={k: cand[k] for k in ("ttft", "tpot")},
                    # (rows from before a bound existed: the bound off, as they were started)
                    max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
                    canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),

@@ -432,6 +432,30 @@ def test_a_canary_slower_than_its_bound_ends_before_its_scores_decide() -> None:
     assert decide([0.5] * 3, [0.5] * 3, head_ms=fast, canary_ms=slow[:19], **kw).verdict is None
 
 
+def test_a_canary_that_answers_longer_at_the_same_speed_is_not_slower() -> None:
+    """With the arms' speeds known (as the daemon passes them), the latency guard reads the median time to first
+    token and time per output token, not whole exchanges: a candidate whose answers run three times longer at the
+    head's speed serves on (whole exchanges alone would end it), one three times slower to its first token or per
+    token is ended, naming which, and neither before ``min_exchanges`` on each arm or within the bound. Bugs caught:
+    whole exchanges compared when speeds are given (a candidate that learned longer answers ended for latency, its
+    learning thrown away), one of the two speeds not read, the bound or the count not applied to them."""
+    kw: dict[str, Any] = {"alpha": 0.05, "max_reports": 400, "max_latency_ratio": 2.0, "min_exchanges": 20}
+    same = {"ttft": [100.0] * 20, "tpot": [50.0] * 20}
+    longer = {"head_ms": [1_100.0] * 20, "canary_ms": [3_100.0] * 20}
+    assert decide([0.5], [0.5], **longer, **kw).verdict == "latency"  # whole exchanges: ended
+    d = decide([0.5], [0.5], **longer, head_speed=same, canary_speed=same, **kw)
+    assert d.verdict is None and d.figures["canary_p50_tpot_ms"] == d.figures["head_p50_tpot_ms"] == 50.0, d
+    for key, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        slow = {**same, key: [3 * x for x in same[key]]}
+        d = decide([0.5], [0.5], head_speed=same, canary_speed=slow, **kw)
+        assert d.verdict == "latency" and what in d.reason, (key, d)
+        assert decide([0.5], [0.5], head_speed=same, canary_speed={**same, key: [2 * x for x in same[key]]},
+                      **kw).verdict is None, key  # at the bound: not past it
+        assert decide([0.5], [0.5], head_speed={k: v[:19] for k, v in same.items()}, canary_speed=slow,
+                      **kw).verdict is None, key  # too few on the head's arm
+        assert decide([0.5], [0.5], head_speed=slow, canary_speed=same, **kw).verdict is None, key  # faster
+
+
 @pytest.mark.parametrize("share", [0.1, 0.5])
 def test_arms_split_runs_by_the_share(share: float) -> None:
     hits = sum(in_canary("rel", f"run=run_{i}", share) for i in range(20_000))

@@ -155,7 +155,7 @@ def test_failed_and_slow_exchanges_on_the_canary_arm_end_a_live_canary_and_a_hea
                     assert_canonical_error(r, 500)
         else:
             raise AssertionError(f"the guards did not end the canaries: {served}")
-        for name, verdict, says in (("gx", "canary-errors", "failed"), ("gl", "canary-latency", "median exchange")):
+        for name, verdict, says in (("gx", "canary-errors", "failed"), ("gl", "canary-latency", "median time")):
             head, cand = arms[name]
             chain = c.get(f"/reef/scenarios/{name}/releases", params={"all": "1"}).json()
             assert chain["head"] == head, name

@@ -678,6 +678,7 @@ async def test_each_arms_exchange_times_are_read_for_the_canary(records_at: str)
             await store.exchanges.append(exchange(f"rec_{i}", release, ms, status))
         got = await store.canaries.arm_outcomes("s", 0, ("head", "cand"))
         assert sorted(got["head"]["ms"]) == [100.0, 120.0] and got["cand"]["ms"] == [300.0]
+        assert got["cand"]["ttft"] == [1.0] and got["cand"]["tpot"] == []  # no token count: no speed per token
         assert (got["cand"]["exchanges"], got["cand"]["errors"]) == (2, 1)
     finally:
         store.close()
@@ -710,8 +711,10 @@ async def test_a_canarys_arms_count_only_what_was_served_since_it_started(record
             await store.reports.append(scenario=None, score=score, feedback=None, references=refs, metadata=None,
                                        report_id=None)
         got = await store.canaries.arm_outcomes("s", since, ("head", "cand"))
-        assert got["head"] == {"scores": [0.25], "exchanges": 1, "errors": 0, "ms": [300.0], "tokens": [30]}
+        # speeds: time to first token, and the time after it per output token after the first (299 ms / 29)
+        assert got["head"] == {"scores": [0.25], "exchanges": 1, "errors": 0, "ms": [300.0], "tokens": [30],
+                               "ttft": [1.0], "tpot": [299.0 / 29]}
         assert got["cand"] == {"scores": [0.75], "exchanges": 4, "errors": 1, "ms": [200.0, 400.0],
-                               "tokens": [20, 40]}, got["cand"]
+                               "tokens": [20, 40], "ttft": [1.0, 1.0], "tpot": [199.0 / 19, 399.0 / 39]}, got["cand"]
     finally:
         store.close()

@@ -50,22 +50,30 @@ class Canaries:
 
     async def arm_outcomes(self, scenario: str, since: float, arms: tuple[str, str]) -> dict[str, Any]:
         """For each arm (a release id): the scores of the reports on its exchanges since ``since`` (one per report),
-        its exchanges, how many of them failed, and the times (``ms``) and answer lengths in tokens (``tokens``) of
-        the complete ones."""
+        its exchanges, how many of them failed, and of the complete ones their times (``ms``), answer lengths in
+        tokens (``tokens``), times to the first token (``ttft``, ms) and times per output token after the first
+        (``tpot``, ms; answers of two tokens or more): the last two say how fast an arm serves whatever its answers'
+        lengths."""
         total_ms = self.store.json_number("timings", "total_ms")
+        ttft_ms = self.store.json_number("timings", "ttft_ms")
         out_tokens = self.store.json_number("usage", "output_tokens")
 
         def op(conn: Conn) -> dict[str, Any]:
-            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": []}
-                                   for a in arms}
+            out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": [],
+                                       "ttft": [], "tpot": []} for a in arms}
             for r in conn.execute(
-                    f"SELECT release_id, {total_ms} AS ms, {out_tokens} AS tokens FROM records WHERE scenario=?"
-                    " AND kind='exchange' AND created_at>=? AND release_id IN (?,?) AND status='complete'",
-                    (scenario, since, *arms)).fetchall():
+                    f"SELECT release_id, {total_ms} AS ms, {ttft_ms} AS ttft, {out_tokens} AS tokens FROM records"
+                    " WHERE scenario=? AND kind='exchange' AND created_at>=? AND release_id IN (?,?)"
+                    " AND status='complete'", (scenario, since, *arms)).fetchall():
+                arm = out[r["release_id"]]
                 if r["ms"] is not None:
-                    out[r["release_id"]]["ms"].append(float(r["ms"]))
+                    arm["ms"].append(float(r["ms"]))
                 if r["tokens"] is not None:
-                    out[r["release_id"]]["tokens"].append(int(r["tokens"]))
+                    arm["tokens"].append(int(r["tokens"]))
+                if r["ttft"] is not None:
+                    arm["ttft"].append(float(r["ttft"]))
+                    if r["ms"] is not None and r["tokens"] is not None and r["tokens"] >= 2:
+                        arm["tpot"].append(max(0.0, float(r["ms"]) - float(r["ttft"])) / (int(r["tokens"]) - 1))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
