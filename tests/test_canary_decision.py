@@ -454,6 +454,17 @@ def test_a_canary_that_answers_longer_at_the_same_speed_is_not_slower() -> None:
         assert decide([0.5], [0.5], head_speed={k: v[:19] for k, v in same.items()}, canary_speed=slow,
                       **kw).verdict is None, key  # too few on the head's arm
         assert decide([0.5], [0.5], head_speed=slow, canary_speed=same, **kw).verdict is None, key  # faster
+        more = {k: v * 2 for k, v in same.items()}  # past min_exchanges, not only at it
+        assert decide([0.5], [0.5], head_speed=more, canary_speed={k: v * 2 for k, v in slow.items()},
+                      **kw).verdict == "latency", key
+        # a head that took no time (an upstream that sends whole answers: all of it before the first token)
+        none = {**same, key: [0.0] * 20}
+        assert decide([0.5], [0.5], head_speed=none, canary_speed={**same, key: [0.001] * 20}, **kw).verdict is None
+        assert decide([0.5], [0.5], head_speed=none, canary_speed={**same, key: [1.0] * 20},
+                      **kw).verdict == "latency", key
+    # one arm's speeds unknown: whole exchanges decide
+    assert decide([0.5], [0.5], **longer, head_speed=same, **kw).verdict == "latency"
+    assert decide([0.5], [0.5], **longer, canary_speed=same, **kw).verdict == "latency"
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5])

@@ -705,15 +705,18 @@ async def test_a_canarys_arms_count_only_what_was_served_since_it_started(record
         for rec in (exchange("old_h", "head", before=True, tokens=1), exchange("old_c", "cand", before=True),
                     exchange("old_e", "cand", "error", before=True), exchange("h1", "head", tokens=30),
                     exchange("c1", "cand", tokens=20), exchange("c2", "cand", tokens=40),
-                    exchange("c3", "cand", "cancelled"), exchange("c4", "cand", "error")):
+                    exchange("c3", "cand", "cancelled"), exchange("c4", "cand", "error"),
+                    exchange("h2", "head", tokens=2), exchange("h3", "head", tokens=1)):
             await store.exchanges.append(rec)
         for refs, score in ((["old_h"], 0.0), (["old_c"], 0.0), (["h1"], 0.25), (["c1", "c2"], 0.75)):
             await store.reports.append(scenario=None, score=score, feedback=None, references=refs, metadata=None,
                                        report_id=None)
         got = await store.canaries.arm_outcomes("s", since, ("head", "cand"))
-        # speeds: time to first token, and the time after it per output token after the first (299 ms / 29)
-        assert got["head"] == {"scores": [0.25], "exchanges": 1, "errors": 0, "ms": [300.0], "tokens": [30],
-                               "ttft": [1.0], "tpot": [299.0 / 29]}
+        # speeds: time to first token, and the time after it per output token after the first (299 ms / 29; a
+        # two-token answer's 19 ms / 1; a one-token answer has none)
+        assert {k: sorted(v) if isinstance(v, list) else v for k, v in got["head"].items()} == {
+            "scores": [0.25], "exchanges": 3, "errors": 0, "ms": [10.0, 20.0, 300.0], "tokens": [1, 2, 30],
+            "ttft": [1.0, 1.0, 1.0], "tpot": sorted([299.0 / 29, 19.0])}, got["head"]
         assert got["cand"] == {"scores": [0.75], "exchanges": 4, "errors": 1, "ms": [200.0, 400.0],
                                "tokens": [20, 40], "ttft": [1.0, 1.0], "tpot": [199.0 / 19, 399.0 / 39]}, got["cand"]
     finally:
