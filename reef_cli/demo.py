@@ -316,8 +316,9 @@ def demo(
     prompts, group = (SAO_PARALLEL, 1) if sao else (trainer["batch_prompts"], trainer["group_size"])
     steps_per_round, lead = (prompts, SAO_LEAD) if sao else (1, LEAD)
     counter = iter(range(1 << 62))
-    # each of the round's threads has its own client: one shared by 64 threads overflows its pool's 20 kept-alive
-    # connections, and a `reef demo` in a full run died of EBADF reading one (a connection closed under its reader)
+    # each of the round's threads has its own client: with one client shared by 64 threads (its pool keeps 20
+    # connections alive) a `reef demo` died once of EBADF reading a connection; the cause is not proven, and no
+    # connection is shared between threads now
     local, made = threading.local(), []
 
     def own() -> Any:
