@@ -20,7 +20,6 @@ from daemon.engines.base import Engine
 from daemon.errors import BadRequest, CheckFailed
 from daemon.gating import steps
 from daemon.gating.heldout import (
-    REPEAT,
     Answer,
     CheckSettings,
     Probe,
@@ -28,11 +27,11 @@ from daemon.gating.heldout import (
     figures,
     parse_probes,
     reserved,
-    said_twice,
     shipped_probes,
 )
 from daemon.gating.outcome import GateRun
 from daemon.gating.steps import STEPS
+from daemon.loops import REPEAT, TAIL, loops, said_twice
 from tests.conftest import Daemon
 from tests.test_learning import events_of, releases, serve_and_report, settings_toml, wait_for
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
@@ -179,6 +178,10 @@ def test_a_sentence_said_twice_after_an_opener_is_a_loop() -> None:
     # in words where there are no tokens
     words = "The sea is deep and wide. The sea is deep and wide."
     assert degenerate(Answer("Well, here is what I know about it: " + words)) == "loop"
+    # only the tail is read: a loop at the end of a long answer is one, a sentence said twice long before is not
+    honest = tuple(range(1000, 1000 + TAIL))
+    assert loops(honest + sentence * 4) and not loops(sentence * 2 + honest)
+    assert loops(tuple(range(1000, 1000 + TAIL - 2 * len(sentence))) + sentence * 2)  # exactly the tail: read
 
 
 def test_the_shipped_probe_set_and_a_users_malformed_one() -> None:
