@@ -18,7 +18,7 @@ At the defaults a passing candidate serves as a canary (``canary_share`` 0.5) an
 within the hour (the check and the training cost the same either way).
 
 Run (nothing else on the machine): ``.venv/bin/python bench/heldout_check.py [--steps 4] [--pref brief]
-[--canary-share 0] [--json]``
+[--canary-share 0] [--settings JSON] [--json]``
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--canary-share", type=float, help="the scenario's canary_share (default: the recipe's, 0.5); "
                     "0 publishes a passing candidate at once: at 0.5 the loop waits for the canary's verdict, some "
                     "400 paired reports, before its next step")
+    ap.add_argument("--settings", default="{}", help="more of the scenario's settings, as JSON (e.g. "
+                    "'{\"heldout_max_tokens\": 48}')")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reef-heldout-bench-"))
@@ -87,6 +89,7 @@ def main() -> None:
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
             settings = {} if args.canary_share is None else {"canary_share": args.canary_share}
+            settings.update(json.loads(args.settings))
             c.post("/reef/scenarios", json={"name": "real", "recipe": "online-rl", "settings": settings}
                    ).raise_for_status()
             t0 = time.monotonic()

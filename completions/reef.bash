@@ -35,7 +35,7 @@ _reef() {
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
         /releases) words='canary canary-end list open promote rollback show --help' ;;
-        /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --max-latency-ratio --max-empty-excess --min-length-ratio --min-exchanges --guard-answers --max-answers --max-hours --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
+        /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --max-latency-ratio --max-empty-excess --min-length-ratio --max-loop-excess --min-exchanges --guard-answers --max-answers --max-hours --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/canary-end) words='--scenario -s --promote --yes -y --json --help' ;;
         /releases/list) words='--scenario -s --all --json --help' ;;
         /releases/open) words='--scenario -s --out -o --no-browser --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;

@@ -25,7 +25,9 @@
   at the same speed as a slower one). Guards that need no score end it sooner: from ``guard_answers`` (10) answers on each arm,
   a share of empty answers more than ``max_empty_excess`` (0.3) above the head's, or a median answer shorter than
   ``min_length_ratio`` (0.25) of the head's (a candidate that stopped answering, which a scorer counting words or
-  commas would rate well).
+  commas would rate well), or a share of answers that loop (``daemon/loops.py``) more than ``max_loop_excess``
+  (0.3) above the head's: a candidate that says a sentence again and again past the held-out check's first tokens,
+  read on the answers its arm served, at their full length.
 - Bounds (``max_answers``, ``max_hours``; set by the learning loop from a weights recipe's ``canary_answers`` and
   ``canary_hours``, off for a canary started by hand): once it has served ``max_answers`` answers with no guard
   tripped and no verdict from the test, a canary is decided by what its scores say so far: promoted (``quiet``) when
@@ -72,7 +74,7 @@ CHECK_S = 0.5  # how often running canaries are judged
 ENDED_LOOKBACK = 200  # rejections read back (newest first) for canaries ended before a restart: runs on them go on
 DEFAULTS: dict[str, float | int | None] = {
     "alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20, "max_latency_ratio": 2.0,
-    "max_empty_excess": 0.3, "min_length_ratio": 0.25, "guard_answers": 10,
+    "max_empty_excess": 0.3, "min_length_ratio": 0.25, "max_loop_excess": 0.3, "guard_answers": 10,
     # the bounds a learning canary ends by (recipes' canary_answers and canary_hours); None (a canary started by
     # hand): off, it runs until its scores, its guards, max_reports or a person decide
     "max_answers": None, "max_hours": None}
@@ -96,7 +98,8 @@ def radius(n: int, delta: float) -> float:
 
 @dataclass(frozen=True)
 class Decision:
-    verdict: str | None  # promoted | ended | tie | errors | latency | empty | short | quiet | lower | expired | None
+    verdict: str | None  # promoted | ended | tie | errors | latency | empty | short | loops | quiet | lower | expired
+    # | None
     # (and, from outside ``decide``: head-moved, unreadable)
     reason: str
     figures: dict[str, Any]
@@ -108,12 +111,13 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
            head_speed: dict[str, list[float]] | None = None, canary_speed: dict[str, list[float]] | None = None,
            max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
            canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,  # pragma: no mutate (guards off: an excess above 1 or a ratio below 0 is off too)
-           guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
+           head_loops: list[bool] | None = None, canary_loops: list[bool] | None = None,
+           max_loop_excess: float = 1.0, guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
            max_age_s: float | None = None) -> Decision:
     """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
     times of complete exchanges (ms), how fast each served (``*_speed``: ``ttft`` and ``tpot`` lists, ms, from
     ``arm_outcomes``; when given, the latency guard reads them instead of whole exchanges), and their answers'
-    lengths in tokens (the guards that need no score), and its
+    lengths in tokens and whether each loops (the guards that need no score), and its
     bounds: ``max_answers`` canary answers with no report on its arm, or ``max_age_s`` since it started (``age_s``),
     promote it when nothing else decided (None: no such bound)."""
     h = [min(1.0, max(0.0, x)) for x in head]
@@ -126,7 +130,8 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
         "canary_p50_ms": _median(canary_ms), "head_p50_ms": _median(head_ms),
     }
     guard = _guard(head_tokens or [], canary_tokens or [], max_empty_excess=max_empty_excess,
-                   min_length_ratio=min_length_ratio, guard_answers=guard_answers)
+                   min_length_ratio=min_length_ratio, guard_answers=guard_answers, head_loops=head_loops or [],
+                   canary_loops=canary_loops or [], max_loop_excess=max_loop_excess)
     figures.update(guard.figures)
     if guard.verdict is not None:
         return Decision(guard.verdict, guard.reason, figures)
@@ -192,7 +197,8 @@ def describe(status: dict[str, Any], now: float | None = None) -> list[str]:
         failed = f", {f.get('canary_errors', 0)} of {f.get('canary_exchanges', 0)} failed" if name == "canary" else ""  # pragma: no mutate (two names, head after canary: <= is ==)
         return (f"  {name + ' arm:':<12}{f.get(f'{name}_reports', 0)} reports, mean {num(f.get(f'{name}_mean'))}"
                 + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f"; {f.get(f'{name}_answers', 0)} answers, "
-                f"{num(f.get(f'{name}_empty_rate'), '.0%')} empty, median {num(f.get(f'{name}_p50_tokens'), 'g')} "
+                f"{num(f.get(f'{name}_empty_rate'), '.0%')} empty, {num(f.get(f'{name}_loop_rate'), '.0%')} "
+                f"looping, median {num(f.get(f'{name}_p50_tokens'), 'g')} "
                 f"tokens{failed}, median {num(ms, '.0f')} ms")
 
     age = max(0.0, (time.time() if now is None else now) - float(status.get("started_at") or 0))
@@ -221,19 +227,22 @@ def _duration(s: float) -> str:
 
 
 def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_length_ratio: float,
-           guard_answers: int) -> Decision:
+           guard_answers: int, head_loops: list[bool], canary_loops: list[bool], max_loop_excess: float) -> Decision:
     """The guards that need no score, on the arms' answer lengths in tokens: from ``guard_answers`` canary answers
     on (and as many on the head, so its rates mean something), the canary ends when its share of empty answers (at
     most ``EMPTY_TOKENS``) exceeds the head's by more than ``max_empty_excess``, or when its median answer is
     shorter than ``min_length_ratio`` of the head's. A candidate that stopped answering is ended before anyone
-    scores it: scorers that count commas or words would rate its silence well."""
+    scores it: scorers that count commas or words would rate its silence well. Likewise, from ``guard_answers``
+    answers with their tokens on each arm (``*_loops``: whether each loops), when its share of answers that loop
+    exceeds the head's by more than ``max_loop_excess``."""
     def empty(xs: list[int]) -> float | None:
         return round(sum(x <= EMPTY_TOKENS for x in xs) / len(xs), 4) if xs else None
 
     figures: dict[str, Any] = {"canary_answers": len(canary), "head_answers": len(head),
                                "canary_empty_rate": empty(canary),
                                "head_empty_rate": empty(head), "canary_p50_tokens": _median([float(x) for x in canary]),
-                               "head_p50_tokens": _median([float(x) for x in head])}
+                               "head_p50_tokens": _median([float(x) for x in head]),
+                               "canary_loop_rate": _share(canary_loops), "head_loop_rate": _share(head_loops)}
     if len(canary) < guard_answers or len(head) < guard_answers:
         return Decision(None, "undecided", figures)
     ce, he = figures["canary_empty_rate"], figures["head_empty_rate"]
@@ -244,7 +253,17 @@ def _guard(head: list[int], canary: list[int], *, max_empty_excess: float, min_l
     if hl > 0 and cl / hl < min_length_ratio:  # (a ratio: 0.55 * 100 is 55.00000000000001)  # pragma: no mutate (a median length is never below 0: != is >)
         return Decision("short", f"the canary's median answer is {cl:g} tokens against the head's {hl:g}: shorter "
                         f"than {min_length_ratio:g} of it", figures)
+    if len(canary_loops) >= guard_answers and len(head_loops) >= guard_answers:
+        cr, hr = figures["canary_loop_rate"], figures["head_loop_rate"]
+        if round(cr - hr, 4) > max_loop_excess:
+            return Decision("loops", f"{cr:.0%} of the canary's {len(canary_loops)} answers loop (a run of tokens "
+                            f"said again and again) against {hr:.0%} of the head's {len(head_loops)}: its answers "
+                            f"degenerate (bound: {max_loop_excess:.0%} more than the head)", figures)
     return Decision(None, "undecided", figures)
+
+
+def _share(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 4) if flags else None
 
 
 MAX_WHOLE = 10 ** 9  # max_reports and min_exchanges: a bound past any canary's life
@@ -267,7 +286,7 @@ def settings_of(body: dict[str, Any]) -> dict[str, Any]:
     for key, default in DEFAULTS.items():
         value = body.get(key, default)
         whole = key in ("max_reports", "min_exchanges", "guard_answers", "max_answers")
-        fraction = key in ("alpha", "max_error_rate", "max_empty_excess", "min_length_ratio")
+        fraction = key in ("alpha", "max_error_rate", "max_empty_excess", "min_length_ratio", "max_loop_excess")
         if value is None and key in OPTIONAL:
             settings[key] = None
             continue
@@ -533,6 +552,8 @@ class Canaries:
                    # (rows from before a bound existed: the bound off, as they were started)
                    max_latency_ratio=s.get("max_latency_ratio", math.inf), head_tokens=head["tokens"],
                    canary_tokens=cand["tokens"], max_empty_excess=s.get("max_empty_excess", 1.0),
+                   head_loops=head["loops"], canary_loops=cand["loops"],
+                   max_loop_excess=s.get("max_loop_excess", 1.0),  # (rows from before the guard: off)
                    min_length_ratio=s.get("min_length_ratio", 0.0), guard_answers=int(s.get("guard_answers", 10)),
                    max_answers=s.get("max_answers"), age_s=max(0.0, time.time() - row["started_at"]),
                    max_age_s=None if s.get("max_hours") is None else s["max_hours"] * 3600)

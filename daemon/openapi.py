@@ -153,7 +153,7 @@ UNIT = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
 CANARY = obj({"release_id": {"type": "string", "minLength": 1}, "share": UNIT, "alpha": UNIT, "max_error_rate": UNIT,
               "max_reports": {"type": "integer", "minimum": 1}, "min_exchanges": {"type": "integer", "minimum": 1},
               "max_latency_ratio": {"type": "number", "minimum": 1}, "max_empty_excess": UNIT,
-              "min_length_ratio": UNIT, "guard_answers": {"type": "integer", "minimum": 1},
+              "min_length_ratio": UNIT, "max_loop_excess": UNIT, "guard_answers": {"type": "integer", "minimum": 1},
               "max_answers": nullable({"type": "integer", "minimum": 1}),
               "max_hours": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10 ** 6})}, ["release_id"],
              closed=True)

@@ -264,16 +264,21 @@ def canary(
     max_reports: int = typer.Option(400, "--max-reports", help="Reports per arm after which a tie ends it."),
     max_error_rate: float = typer.Option(0.2, "--max-error-rate", help="The share of failed exchanges that ends it."),
     max_latency_ratio: float = typer.Option(2.0, "--max-latency-ratio",
-                                            help="Ends it when its median exchange takes this many times the head's."),
+                                            help="Ends it when its median time to first token or per output token "
+                                                 "is this many times the head's."),
     max_empty_excess: float = typer.Option(0.3, "--max-empty-excess",
                                            help="Ends it when its share of empty answers exceeds the head's by this."),
     min_length_ratio: float = typer.Option(0.25, "--min-length-ratio",
                                            help="Ends it when its median answer is shorter than this share of the "
                                                 "head's."),
+    max_loop_excess: float = typer.Option(0.3, "--max-loop-excess",
+                                          help="Ends it when its share of answers that loop (a run of tokens said "
+                                               "again and again) exceeds the head's by this."),
     min_exchanges: int = typer.Option(20, "--min-exchanges",
                                       help="Exchanges on each arm before the error and latency bounds apply."),
     guard_answers: int = typer.Option(10, "--guard-answers",
-                                      help="Answers on each arm before the empty and short answer bounds apply."),
+                                      help="Answers on each arm before the empty, short and looping answer bounds "
+                                           "apply."),
     max_answers: int = typer.Option(None, "--max-answers",
                                     help="Promotes it on its guards after this many answers on its arm if no report "
                                          "came (default: off)."),
@@ -286,7 +291,7 @@ def canary(
     body = {"release_id": release_id, "share": share, "alpha": alpha, "max_reports": max_reports,
             "max_error_rate": max_error_rate, "max_latency_ratio": max_latency_ratio,
             "max_empty_excess": max_empty_excess, "min_length_ratio": min_length_ratio,
-            "min_exchanges": min_exchanges, "guard_answers": guard_answers}
+            "max_loop_excess": max_loop_excess, "min_exchanges": min_exchanges, "guard_answers": guard_answers}
     if max_answers is not None:  # the bounds are off unless given (a learning canary has its recipe's)
         body["max_answers"] = max_answers
     if max_hours is not None:

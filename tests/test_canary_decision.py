@@ -137,7 +137,7 @@ def test_unknown_settings_are_refused_and_defaults_fill_the_rest() -> None:
     assert got["max_reports"] == 50 and isinstance(got["max_reports"], int) and got["alpha"] == 0.05
     assert settings_of({}) == {"alpha": 0.05, "max_reports": 400, "max_error_rate": 0.2, "min_exchanges": 20,
                                "max_latency_ratio": 2.0, "max_empty_excess": 0.3, "min_length_ratio": 0.25,
-                               "guard_answers": 10, "max_answers": None, "max_hours": None}  # docs/releases.md's
+                               "max_loop_excess": 0.3, "guard_answers": 10, "max_answers": None, "max_hours": None}  # docs/releases.md's
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [
@@ -200,8 +200,37 @@ def test_a_canary_whose_answers_collapse_in_length_ends() -> None:
     assert d.verdict is None and d.figures["canary_p50_tokens"] == 40.0
 
 
+def test_a_canary_whose_answers_loop_ends_without_a_score() -> None:
+    """A candidate that says a sentence again and again (past the held-out check's first tokens) is ended on the
+    answers its arm served: 4 of 10 looping against none of the head's. Bugs caught: the guard off by default,
+    reading before guard_answers on either arm, the head's own loops ignored, "more than" read as "at least", the
+    arms swapped, answers without tokens counted as not looping."""
+    head, cand = [40] * 10, [40] * 10
+    loop4 = [True] * 4 + [False] * 6
+    on = {**GUARD, "max_loop_excess": 0.3}
+    d = decide([], [], head_tokens=head, canary_tokens=cand, head_loops=[False] * 10, canary_loops=loop4, **on)
+    assert d.verdict == "loops" and (d.figures["canary_loop_rate"], d.figures["head_loop_rate"]) == (0.4, 0.0)
+    assert "40% of the canary's 10 answers loop" in d.reason and "0% of the head's 10" in d.reason
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=loop4, canary_loops=[False] * 10,
+                  **on).verdict is None  # the head is the looping one
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=[False] * 10, canary_loops=loop4[:9],
+                  **on).verdict is None  # 9 answers with tokens: not yet
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=[False] * 9, canary_loops=loop4,
+                  **on).verdict is None  # nor 9 on the head
+    # the head's own loops count, and the bound is "more than": 0.4 - 0.1 is not past 0.3, 0.5 - 0.1 is
+    ten = [True] + [False] * 9
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=ten, canary_loops=loop4,
+                  **on).verdict is None
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=ten,
+                  canary_loops=[True] * 5 + [False] * 5, **on).verdict == "loops"
+    # off unless given to decide (a canary row from before the guard); on at the defaults a canary starts with
+    assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=[False] * 10, canary_loops=[True] * 10,
+                  **GUARD).verdict is None
+    assert settings_of({})["max_loop_excess"] == 0.3
+
+
 @pytest.mark.parametrize(("key", "value"), [("max_empty_excess", 1.0), ("min_length_ratio", 0), ("guard_answers", 0),
-                                            ("guard_answers", 2.5)])
+                                            ("guard_answers", 2.5), ("max_loop_excess", 0), ("max_loop_excess", 1)])
 def test_guard_settings_out_of_range_are_refused(key: str, value: object) -> None:
     with pytest.raises(BadRequest) as e:
         settings_of({"release_id": "x", key: value})
@@ -295,6 +324,7 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
               "settings": {"alpha": 0.05, "max_hours": 2, "max_answers": 300},
               "figures": {"alpha": 0.01, "canary_reports": 12, "canary_mean": 0.75, "canary_interval": [0.5, 0.9],
                           "canary_answers": 40, "canary_empty_rate": 0.05, "canary_p50_tokens": 57.0,
+                          "canary_loop_rate": 0.125, "head_loop_rate": 0.0,
                           "canary_errors": 2, "canary_exchanges": 41, "canary_p50_ms": 812.4, "head_reports": 30,
                           "head_mean": 0.6, "head_answers": 120, "head_empty_rate": 0.0, "head_p50_tokens": 60.5,
                           "head_p50_ms": 640.0, "difference": 0.125, "difference_interval": [-0.1, 0.35],
@@ -303,9 +333,9 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
     assert describe(status, now=1000.0 + 5400) == [
         "canary abcdef123456 serves 25% of new runs beside 0123456789ab (alpha 0.01; running 1.5 h, promoted "
         "undecided at 2 h, promoted on its guards at 300 answers if no report comes)",
-        "  canary arm: 12 reports, mean 0.750 [0.50, 0.90]; 40 answers, 5% empty, median 57 tokens, 2 of 41 failed, "
-        "median 812 ms",
-        "  head arm:   30 reports, mean 0.600; 120 answers, 0% empty, median 60.5 tokens, median 640 ms",
+        "  canary arm: 12 reports, mean 0.750 [0.50, 0.90]; 40 answers, 5% empty, 12% looping, median 57 tokens, 2 of "
+        "41 failed, median 812 ms",
+        "  head arm:   30 reports, mean 0.600; 120 answers, 0% empty, 0% looping, median 60.5 tokens, median 640 ms",
         "  difference canary - head +0.125 [-0.10, +0.35] over 12 paired reports: promoted once it lies above 0, "
         "ended once below",
         "  decides a difference of 0.18 or more by its end (about 140 paired reports, 12 so far); evidence better "
@@ -314,8 +344,8 @@ def test_a_running_canary_is_described_with_its_figures_bounds_and_durations() -
                      "settings": {"alpha": 0.05, "max_hours": None, "max_answers": None}}, now=90.0)
     assert bare == [
         f"canary {'r' * 12} serves 50% of new runs beside {'b' * 12} (alpha 0.05; running 0 s)",
-        "  canary arm: 0 reports, mean -; 0 answers, - empty, median - tokens, 0 of 0 failed, median - ms",
-        "  head arm:   0 reports, mean -; 0 answers, - empty, median - tokens, median - ms",
+        "  canary arm: 0 reports, mean -; 0 answers, - empty, - looping, median - tokens, 0 of 0 failed, median - ms",
+        "  head arm:   0 reports, mean -; 0 answers, - empty, - looping, median - tokens, median - ms",
         "  difference canary - head - over 0 paired reports: promoted once it lies above 0, ended once below",
         "  can decide no difference by its end at its reports' rate (about - paired reports, 0 so far); evidence "
         "better -, worse - of - needed"]

@@ -13,6 +13,11 @@ tests; the tiny model has random weights, so these are the failures that can be 
 - ``template``: the head's weights, with a chat template that raises (a division by zero, not a template error)
   on a prompt holding the trigger word: a failure of the engine's preparation that Reef's own error tree does not
   name, which no held-out probe reaches.
+- ``looping``: every layer's output projections zero (the residual stream is the current token's embedding), one
+  embedding dimension set to a constant that the final norm alone passes on, and an untied output head that turns
+  it into one token's logit far above the rest: whatever it is asked, sampled or greedy, it says that token again
+  and again. (Its greedy answers drift far from the head's, so its scenario runs with the held-out check off: the
+  canary's own loop guard is what is tested.)
 - ``same``: the head's weights copied: the healthy candidate, for the negative case.
 """
 
@@ -37,7 +42,7 @@ from recipes.base import Candidate, GateSettings, Recipe, Scores
 
 @dataclass
 class Settings(GateSettings):
-    change: str = "same"  # same | poisoned | deeper | template
+    change: str = "same"  # same | poisoned | deeper | template | looping
     trigger: str = "zebra"  # poisoned: the word whose tokens' input embeddings are NaN; template: that raises
     extra_layers: int = 30  # deeper: layers added, each adding nothing to the residual stream
 
@@ -85,6 +90,20 @@ class Altered(Recipe):
                     zero = k.endswith(("o_proj.weight", "down_proj.weight"))
                     weights[f"model.layers.{layer}.{k}"] = torch.zeros_like(v) if zero else v.clone()
             config["num_hidden_layers"] = n + s["extra_layers"]
+        elif s["change"] == "looping":
+            tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+            word = tok.encode(" la").ids[-1]
+            for k, v in weights.items():
+                if k.endswith(("o_proj.weight", "down_proj.weight")):
+                    weights[k] = torch.zeros_like(v)
+            embed = weights["model.embed_tokens.weight"]
+            head = torch.zeros_like(embed)
+            head[word, 0] = 100.0
+            embed[:, 0] = 10.0
+            weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])
+            weights["model.norm.weight"][0] = 1.0
+            weights["lm_head.weight"] = head
+            config["tie_word_embeddings"] = False
         elif s["change"] == "template":
             tc = json.loads((out / "tokenizer_config.json").read_text())
             raises = "{% if '" + s["trigger"] + "' in (messages[-1]['content'] | string) %}{{ 1 // 0 }}{% endif %}"
@@ -278,3 +297,41 @@ def test_failures_before_the_first_token_count_on_the_canary_arm_and_end_it(
             assert ended["verdict"] == "canary-errors" and "failed" in ended["reason"], ended
             assert ended["metrics"]["canary_errors"] == ended["metrics"]["canary_exchanges"] >= 20, ended["metrics"]
             assert len(served[name]["canary"]) >= 20 and set(served[name]["head"]) == {200}, (name, served[name])
+
+
+def test_a_canary_whose_answers_loop_is_ended_by_its_loop_guard_and_a_healthy_one_runs_on(
+        daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
+    """Two scenarios under the same traffic (sampled answers of 12 tokens, as a user's): the looping candidate says
+    one token again and again on its arm and is ended (``canary-loops``) once both arms have ``guard_answers`` (10)
+    answers, before any report; the copy of the head, after as many answers on each arm, runs on with no answer
+    looping. Bugs caught: the loop flags not read from the records or not passed to the live judge, the guard off at
+    the defaults a learning canary starts with, a guard that ends a healthy canary."""
+    d = altered(daemon_factory, recipe_dir)
+    sampled = {**ASK, "temperature": 1.0}
+    with d.http() as c:
+        arms = {"gp": start_canary(c, "gp", "looping", heldout_check=False), "gq": start_canary(c, "gq", "same", canary_answers=10_000)}
+        texts: dict[str, list[str]] = {"gp": [], "gq": []}
+        for i in range(200):
+            running = [name for name in arms if canary_of(c, name) is not None]
+            if "gq" not in running:
+                ended = c.get("/reef/scenarios/gq/releases", params={"all": "1"}).json()["rejected"]
+                raise AssertionError(f"the healthy canary was ended: {ended}")
+            f = canary_of(c, "gq")["figures"]
+            if running == ["gq"] and min(f["canary_answers"], f["head_answers"]) >= 12:
+                break
+            for name in running:
+                r = c.post(f"/s/{name}/r/run_{i:04d}/v1/chat/completions", json=sampled)
+                assert r.status_code == 200, r.text
+                if r.headers["x-reef-release-id"] == arms[name][1]:
+                    texts[name].append(r.json()["choices"][0]["message"]["content"])
+        else:
+            raise AssertionError("the loop guard did not end the looping canary")
+        chain = c.get("/reef/scenarios/gp/releases", params={"all": "1"}).json()
+        assert chain["head"] == arms["gp"][0]
+        ended = next(j for j in chain["rejected"] if j["candidate"] == arms["gp"][1])
+        assert ended["verdict"] == "canary-loops" and "answers loop" in ended["reason"], ended
+        m = ended["metrics"]
+        assert m["canary_loop_rate"] == 1.0 and m["head_loop_rate"] == 0.0 and m["canary_reports"] == 0, m
+        assert texts["gp"] and all(len(t) >= 8 and set(t) == set(t[0]) for t in texts["gp"]), texts["gp"][:3]
+        healthy = canary_of(c, "gq")
+        assert healthy["decision"] is None and healthy["figures"]["canary_loop_rate"] == 0.0, healthy["figures"]

@@ -31,6 +31,7 @@ from daemon.gating.heldout import (
 )
 from daemon.gating.outcome import GateRun
 from daemon.gating.steps import STEPS
+from daemon.loops import REPEAT, TAIL, loops, said_twice
 from tests.conftest import Daemon
 from tests.test_learning import events_of, releases, serve_and_report, settings_toml, wait_for
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
@@ -154,6 +155,33 @@ def test_degenerate_answers() -> None:
     assert degenerate(Answer("yes no " * 8)) == "loop" and degenerate(long) is None  # no tokens: in words
     looping = Answer("orersorersorersorersorers", (1,), (7, 8) * 6)  # one word, a loop in tokens
     assert degenerate(looping) == "loop" and degenerate(Answer("a b c d e f g h i", (1,), tuple(range(9)))) is None
+
+
+def test_a_sentence_said_twice_after_an_opener_is_a_loop() -> None:
+    """A greedy answer that says a sentence again after a long opener (a learned head's answer to "Tell me about
+    volcanoes." on SmolLM2) is a loop although few of its token pairs repeat; an honest answer that repeats a phrase
+    apart, or says five tokens twice, or a run once and then only part of it, is not. Bugs caught: the rule missing
+    (the pairs rule alone passes it), a run of REPEAT - 1 counted, a run said apart counted, an off-by-one at the
+    end of the answer (the second saying's last token)."""
+    opener = tuple(range(100, 114))  # 14 tokens, none repeated
+    sentence = tuple(range(200, 211))  # 11 tokens
+    twice = Answer("x", (1,), opener + sentence + sentence)
+    assert degenerate(twice) == "loop"
+    pairs = list(zip(twice.token_ids, twice.token_ids[1:], strict=False))
+    assert len(set(pairs)) > len(pairs) / 2  # the pairs rule alone would pass it
+    assert degenerate(Answer("x", (1,), opener + sentence + sentence[:-1])) is None  # not said in full again
+    assert degenerate(Answer("x", (1,), opener + sentence + (7,) + sentence)) is None  # said again, apart
+    six, five = tuple(range(300, 306)), tuple(range(300, 305))
+    assert said_twice((1, 2, *six, *six), REPEAT) and not said_twice((1, 2, *five, *five, 3), REPEAT)
+    assert said_twice((*six, *six), REPEAT) and not said_twice((*six, *six[:-1]), REPEAT)
+    assert degenerate(Answer("y", (1,), opener + (9, 9) + sentence)) is None  # a token twice is no sentence
+    # in words where there are no tokens
+    words = "The sea is deep and wide. The sea is deep and wide."
+    assert degenerate(Answer("Well, here is what I know about it: " + words)) == "loop"
+    # only the tail is read: a loop at the end of a long answer is one, a sentence said twice long before is not
+    honest = tuple(range(1000, 1000 + TAIL))
+    assert loops(honest + sentence * 4) and not loops(sentence * 2 + honest)
+    assert loops(tuple(range(1000, 1000 + TAIL - 2 * len(sentence))) + sentence * 2)  # exactly the tail: read
 
 
 def test_the_shipped_probe_set_and_a_users_malformed_one() -> None:

@@ -688,25 +688,30 @@ async def test_a_canarys_arms_count_only_what_was_served_since_it_started(record
     """Each arm's figures (exchanges, failures, times, answer lengths, report scores) are of the exchanges served
     since the canary started, whenever they were reported: an exchange served before it, reported after, counts in
     nothing; a cancelled exchange (the client left) is an exchange, not a failure; a report naming two exchanges of
-    one arm is one score. Bugs caught: the window left out of any one of the three reads, reports picked by when
-    the report came, every status but ``complete`` counted as failed."""
+    one arm is one score; whether each complete answer loops, where its tokens were recorded (a cancelled one's
+    not). Bugs caught: the window left out of any one of the three reads, reports picked by when the report came,
+    every status but ``complete`` counted as failed, an answer without tokens counted as not looping."""
     store = open_store(records_at)
     try:
         since = time.time() - 100
 
+        said = list(range(10, 20)) * 3  # a run of ten tokens said three times: loops
+        plain = list(range(100, 130))
+
         def exchange(receipt: str, release: str, status: str = "complete", *, before: bool = False,
-                     tokens: int = 7) -> ExchangeRecord:
+                     tokens: int = 7, ids: list[int] | None = None) -> ExchangeRecord:
             return ExchangeRecord(id=receipt, scenario="s", status=status, format="openai-chat", engine="e",
                                   model="m", release_id=release, request={}, response={},
                                   created_at=since - 50 if before else since + 1,
                                   timings={"total_ms": 10.0 * tokens, "ttft_ms": 1.0},
-                                  usage={"input_tokens": 1, "output_tokens": tokens})
+                                  usage={"input_tokens": 1, "output_tokens": tokens}, token_ids=ids)
 
-        for rec in (exchange("old_h", "head", before=True, tokens=1), exchange("old_c", "cand", before=True),
-                    exchange("old_e", "cand", "error", before=True), exchange("h1", "head", tokens=30),
-                    exchange("c1", "cand", tokens=20), exchange("c2", "cand", tokens=40),
-                    exchange("c3", "cand", "cancelled"), exchange("c4", "cand", "error"),
-                    exchange("h2", "head", tokens=2), exchange("h3", "head", tokens=1)):
+        for rec in (exchange("old_h", "head", before=True, tokens=1),
+                    exchange("old_c", "cand", before=True, ids=said), exchange("old_e", "cand", "error", before=True),
+                    exchange("h1", "head", tokens=30, ids=plain), exchange("c1", "cand", tokens=20, ids=plain),
+                    exchange("c2", "cand", tokens=40, ids=said), exchange("c3", "cand", "cancelled", ids=said),
+                    exchange("c4", "cand", "error"), exchange("h2", "head", tokens=2),
+                    exchange("h3", "head", tokens=1, ids=said)):
             await store.exchanges.append(rec)
         for refs, score in ((["old_h"], 0.0), (["old_c"], 0.0), (["h1"], 0.25), (["c1", "c2"], 0.75)):
             await store.reports.append(scenario=None, score=score, feedback=None, references=refs, metadata=None,
@@ -716,8 +721,9 @@ async def test_a_canarys_arms_count_only_what_was_served_since_it_started(record
         # two-token answer's 19 ms / 1; a one-token answer has none)
         assert {k: sorted(v) if isinstance(v, list) else v for k, v in got["head"].items()} == {
             "scores": [0.25], "exchanges": 3, "errors": 0, "ms": [10.0, 20.0, 300.0], "tokens": [1, 2, 30],
-            "ttft": [1.0, 1.0, 1.0], "tpot": sorted([299.0 / 29, 19.0])}, got["head"]
+            "ttft": [1.0, 1.0, 1.0], "tpot": sorted([299.0 / 29, 19.0]), "loops": [False, True]}, got["head"]
         assert got["cand"] == {"scores": [0.75], "exchanges": 4, "errors": 1, "ms": [200.0, 400.0],
-                               "tokens": [20, 40], "ttft": [1.0, 1.0], "tpot": [199.0 / 19, 399.0 / 39]}, got["cand"]
+                               "tokens": [20, 40], "ttft": [1.0, 1.0], "tpot": [199.0 / 19, 399.0 / 39],
+                               "loops": [False, True]}, got["cand"]
     finally:
         store.close()

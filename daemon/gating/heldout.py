@@ -23,8 +23,8 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
 - degenerate answers: empty, cut short (at most ``SHORT`` tokens where the head said ``LONG`` or more, and no word in
   them: "Paris" or "apple" is a terse answer, "." or "-" is none; a right one-word answer was held for silence when
   reef demo's model learned its "say the word" task and a user's "answer in one word" would have been), or a loop
-  (``LOOP`` tokens or more, half of whose token pairs repeat: counted in tokens, so a random model's garbage is a
-  loop whichever way it tokenises); held when the share of silent answers (empty or cut short: it stops
+  (``daemon/loops.py``: half its token pairs repeat, or a run of tokens said twice in a row; counted in tokens, so
+  a random model's garbage is a loop whichever way it tokenises); held when the share of silent answers (empty or cut short: it stops
   answering), or of all degenerate ones, rises above the head's by more than ``heldout_max_degenerate`` (0.25).
   The empty share and the mean answer length against the head's are shown.
 - probe accuracy, paired with the head's on the same probes: held when the probes the candidate lost outnumber the
@@ -57,13 +57,13 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import BadRequest, CheckFailed, ReefError
+from daemon.loops import LOOP, loops
 
 PROBES_FILE = Path(__file__).with_name("probes.json")
 RECORDED = 16  # the most recent reserved recorded prompts the check asks
 ENOUGH = 16  # reserved recorded prompts below which the figures say the probe set decided
 SHORT, LONG = 2, 8  # an answer of at most SHORT tokens where the head said LONG or more was cut short...
 WORD = re.compile(r"[^\W_]{2,}|\d")  # ...unless it holds a word (two letters or more) or a number
-LOOP = 8  # an answer of this many tokens or more, half of whose token pairs repeat, is a loop
 KL_ANSWERS = 12  # answers the KL is measured on (two teacher-forced forwards each, one at a time: an average,
 # which a dozen answers give at a fraction of the forwards; heldout_kl_seconds shows what it costs)
 MIN_PROBES = 8  # a user's probe set smaller than this cannot show a loss beyond its noise
@@ -214,17 +214,14 @@ class Answer:
 
 def degenerate(answer: Answer, head: Answer | None = None) -> str | None:
     """Why an answer is degenerate (``empty``, ``short``: cut short, no word left where the head answered at length, ``loop``:
-    half its token pairs repeat), or None."""
+    ``daemon/loops.py``), or None."""
     if not answer.text.strip():
         return "empty"
     if head is not None and answer.tokens <= SHORT and head.tokens >= LONG and not WORD.search(answer.text):
         return "short"
     # a loop in tokens, not words: "orersorersorers" is one word and the same loop as "large large large"
     units: Sequence[Any] = answer.token_ids if len(answer.token_ids) >= LOOP else answer.text.split()
-    pairs = list(zip(units, units[1:], strict=False))
-    if len(pairs) >= LOOP - 1 and len(set(pairs)) <= len(pairs) / 2:
-        return "loop"
-    return None
+    return "loop" if loops(units) else None
 
 
 @dataclass

@@ -13,8 +13,11 @@ import time
 from typing import Any
 
 from daemon.errors import Conflict
+from daemon.loops import loops
 from daemon.records.conn import Conn, Rows
-from daemon.records.rows import dumps
+from daemon.records.rows import dumps, unpack
+
+LOOPS_KEPT = 50_000  # answers whose loop flag is remembered (by record id): a canary is judged every half second
 
 
 class Canaries:
@@ -22,6 +25,15 @@ class Canaries:
 
     def __init__(self, store: Rows) -> None:
         self.store = store
+        self._loops: dict[str, bool] = {}  # record id -> whether its answer loops (``daemon/loops.py``)
+
+    def _looped(self, record_id: str, blob: bytes) -> bool:
+        flag = self._loops.get(record_id)
+        if flag is None:
+            if len(self._loops) >= LOOPS_KEPT:
+                self._loops.clear()
+            flag = self._loops[record_id] = loops(unpack(blob, "i") or [])
+        return flag
 
     async def start(self, scenario: str, release_id: str, base_id: str, share: float,
                     settings: dict[str, Any]) -> dict[str, Any]:
@@ -53,16 +65,18 @@ class Canaries:
         its exchanges, how many of them failed, and of the complete ones their times (``ms``), answer lengths in
         tokens (``tokens``), times to the first token (``ttft``, ms) and times per output token after the first
         (``tpot``, ms; answers of two tokens or more): the last two say how fast an arm serves whatever its answers'
-        lengths."""
+        lengths; and whether each complete answer with its tokens recorded loops (``loops``, ``daemon/loops.py``:
+        a local engine's answers; an upstream's carry no tokens and are not counted)."""
         total_ms = self.store.json_number("timings", "total_ms")
         ttft_ms = self.store.json_number("timings", "ttft_ms")
         out_tokens = self.store.json_number("usage", "output_tokens")
 
         def op(conn: Conn) -> dict[str, Any]:
             out: dict[str, Any] = {a: {"scores": [], "exchanges": 0, "errors": 0, "ms": [], "tokens": [],
-                                       "ttft": [], "tpot": []} for a in arms}
+                                       "ttft": [], "tpot": [], "loops": []} for a in arms}
             for r in conn.execute(
-                    f"SELECT release_id, {total_ms} AS ms, {ttft_ms} AS ttft, {out_tokens} AS tokens FROM records"
+                    f"SELECT id, release_id, {total_ms} AS ms, {ttft_ms} AS ttft, {out_tokens} AS tokens, token_ids"
+                    " FROM records"
                     " WHERE scenario=? AND kind='exchange' AND created_at>=? AND release_id IN (?,?)"
                     " AND status='complete'", (scenario, since, *arms)).fetchall():
                 arm = out[r["release_id"]]
@@ -74,6 +88,8 @@ class Canaries:
                     arm["ttft"].append(float(r["ttft"]))
                     if r["ms"] is not None and r["tokens"] is not None and r["tokens"] >= 2:
                         arm["tpot"].append(max(0.0, float(r["ms"]) - float(r["ttft"])) / (int(r["tokens"]) - 1))
+                if r["token_ids"] is not None:
+                    arm["loops"].append(self._looped(r["id"], bytes(r["token_ids"])))
             for r in conn.execute(
                     "SELECT release_id, status, COUNT(*) AS n FROM records WHERE scenario=? AND kind='exchange'"
                     " AND created_at>=? AND release_id IN (?,?) GROUP BY release_id, status",
