@@ -161,6 +161,11 @@ def vm_hwm_mb(pid: int) -> float:
 DAEMON_BOUND_MB = 1536
 
 
+HELDOUT_FIGURES = ("heldout", "heldout_probe_accuracy", "heldout_head_probe_accuracy", "heldout_probes_lost",
+                   "heldout_probes_gained", "heldout_probe_noise", "heldout_probes", "heldout_degenerate",
+                   "heldout_head_degenerate", "heldout_kl", "heldout_reason")
+
+
 def memory(c: httpx.Client, scenario: str, pid: int) -> dict[str, Any]:
     """The memory columns every weights-recipe bench prints, read while the daemon still runs: the daemon's VmHWM
     against ``DAEMON_BOUND_MB``, the trainer's peak (the largest ``trainer_peak_rss_mb`` of any step: published,
@@ -321,13 +326,17 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    steps = [*chain["releases"], *chain["rejected"]]
+    steps = [*chain["releases"], *chain["rejected"],
+             *({"verdict": "pending", **s} for s in chain.get("pending", []))]  # held or a running canary
     trained = [s for s in steps if (s.get("metrics") or {}).get("trainer_peak_rss_mb") is not None]
     drift = {s.get("release_id"): s["metrics"].get("kl_from_base") for s in trained}
     for p in probes:
         p["kl_from_base"] = drift.get(p["release"])
-    per_step = [{k: s["metrics"].get(k) for k in ("reward_mean", "tokens", "degenerate_groups", "kl_from_base",
-                                                   "kl_ref", "loss", "step_s", "train_s", "trainer_peak_rss_mb")}
+    # each step's own figures, and what its held-out check measured (why a step that forgot passed or was held)
+    per_step = [{"verdict": s.get("verdict") or "published"}
+                | {k: s["metrics"].get(k) for k in ("reward_mean", "tokens", "degenerate_groups", "kl_from_base",
+                                                     "kl_ref", "loss", "step_s", "train_s", "trainer_peak_rss_mb",
+                                                     *HELDOUT_FIGURES)}
                 for s in sorted(trained, key=lambda s: s.get("created_at") or 0)]
     return {
         "recipe": args.recipe, "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
