@@ -112,7 +112,7 @@ def decide(head: list[float], canary: list[float], *, alpha: float, max_reports:
            max_latency_ratio: float = math.inf, head_tokens: list[int] | None = None,
            canary_tokens: list[int] | None = None, max_empty_excess: float = 1.0, min_length_ratio: float = 0.0,  # pragma: no mutate (guards off: an excess above 1 or a ratio below 0 is off too)
            head_loops: list[bool] | None = None, canary_loops: list[bool] | None = None,
-           max_loop_excess: float = 1.0, guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,
+           max_loop_excess: float = 1.0, guard_answers: int = 10, max_answers: int | None = None, age_s: float = 0.0,  # pragma: no mutate (the loop guard off: an excess above 1 is off too; an age below 0 reads as none)
            max_age_s: float | None = None) -> Decision:
     """The canary's verdict from both arms' scores so far (clipped to [0, 1]), its failed exchanges, both arms'
     times of complete exchanges (ms), how fast each served (``*_speed``: ``ttft`` and ``tpot`` lists, ms, from

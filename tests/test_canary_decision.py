@@ -223,6 +223,19 @@ def test_a_canary_whose_answers_loop_ends_without_a_score() -> None:
                   **on).verdict is None
     assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=ten,
                   canary_loops=[True] * 5 + [False] * 5, **on).verdict == "loops"
+    # past guard_answers on either arm too (20 and 30 answers), not only at exactly 10
+    assert decide([], [], head_tokens=head * 3, canary_tokens=cand * 2, head_loops=[False] * 30,
+                  canary_loops=loop4 * 2, **on).verdict == "loops"
+    assert decide([], [], head_tokens=head * 3, canary_tokens=cand * 3, head_loops=[False] * 30,
+                  canary_loops=loop4 * 3, **on).verdict == "loops"
+    # rates to 4 places (1 of 7 is 0.1429), and their difference too: 4 of 13 (0.3077) against 1 of 137 (0.0073)
+    # is 0.3004, past the bound (to 3 places it would be 0.3, not past it)
+    seven = decide([], [], head_tokens=[40] * 7, canary_tokens=[40] * 7, head_loops=[False] * 7,
+                   canary_loops=[True] + [False] * 6, **on).figures
+    assert (seven["canary_loop_rate"], seven["head_loop_rate"]) == (0.1429, 0.0)
+    d = decide([], [], head_tokens=[40] * 137, canary_tokens=[40] * 13, head_loops=[True] + [False] * 136,
+               canary_loops=[True] * 4 + [False] * 9, **on)
+    assert (d.figures["canary_loop_rate"], d.figures["head_loop_rate"], d.verdict) == (0.3077, 0.0073, "loops")
     # off unless given to decide (a canary row from before the guard); on at the defaults a canary starts with
     assert decide([], [], head_tokens=head, canary_tokens=cand, head_loops=[False] * 10, canary_loops=[True] * 10,
                   **GUARD).verdict is None
