@@ -45,6 +45,11 @@ TARGET = 0.8
 # daemon/gate.py). 0.1 rather than 0.05: at 0.05 on 128 prompts a candidate as good as the head is turned away
 # about half the time (when a tenth of the prompts differ), at 0.1 one time in fifteen (tests/test_gate_noise.py).
 LEAD = 2  # rounds the client may be ahead of the trainer
+# How long the client waits on a trainer that is not training before it asks the next round anyway: a round need not
+# make a step (the held-out check reserves a share of the prompts, never trained on, so a round can fall short of a
+# batch; records served too far behind the head are dropped). Measured: waiting out the full bound on each such
+# round (10 s) was half of a demo's time (a 10 s silence every 8-10 steps)
+IDLE_S = 1.0
 # The tiny model trains all its weights (no LoRA), measured at lr 2e-3, batches of 8 x 8, two steps a batch;
 # online-rl's defaults are for real models (LoRA, lr 3e-3, 4 x 8, one step: bench/learning_real.py)
 # No canary (weights recipes have one by default, docs/releases.md), and the demo says so and why (``canary_note``):
@@ -132,6 +137,8 @@ class Board:
         self.rewards: deque[float] = deque(maxlen=256)
         self.steps = 0
         self.done = 0  # steps finished (their gate verdict given, a release published or not): what the client paces on
+        self.training = False  # a step started and not yet judged
+        self.changed = time.monotonic()  # when a step last started or ended
         self.accepted = 0
         self.rejected = 0
         self.releases: list[dict[str, Any]] = []
@@ -148,6 +155,8 @@ class Board:
             return
         with self.lock:
             kind = e["kind"]
+            if kind in ("train.start", "gate"):
+                self.training, self.changed = kind == "train.start", time.monotonic()
             if kind == "train.step":
                 self.steps += 1
                 m = e.get("metrics", {})
@@ -363,7 +372,9 @@ def demo(
             # (paced on finished steps: a round asked while the last step's release is still being published is
             # served by the release before it, and its second answer would then be too stale to train on)
             need = (rounds - lead) * steps_per_round - forgiven
-            while board.done < need and time.monotonic() < wait_until:
+            asked = time.monotonic()
+            while board.done < need and time.monotonic() < wait_until and (
+                    board.training or time.monotonic() - max(asked, board.changed) < IDLE_S):
                 time.sleep(0.005 if sao else 0.02)
             forgiven += max(0, need - board.done)  # dropped as too stale (they never make a step): not waited on again
             rounds += 1
