@@ -51,6 +51,7 @@ the best attempt found stays in the scenario's status whatever serves, and a rea
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ def t_cdf(t: float, df: int) -> float:
     return 0.5 + a / 2
 
 
+@functools.lru_cache(maxsize=1024)
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile (``p > 0.5``) of Student's t with ``df`` degrees of freedom, by bisection."""
     lo, hi = 0.0, 1.0
@@ -163,6 +165,7 @@ def _restricted_loss_rate(n: int, wins: int, losses: int, margin: float) -> floa
     return (lo + hi) / 2
 
 
+@functools.lru_cache(maxsize=256)
 def tasks_needed(gate: str, *, alpha: float, margin: float) -> int:
     """The fewest paired tasks with which the gate can decide at all: for ``compare``, untied pairs a clean sweep
     needs; for ``regression``, tasks a candidate tying the head on every one needs to be shown within
