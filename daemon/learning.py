@@ -72,12 +72,13 @@ from daemon.learning_storage import StorageGuard
 from daemon.metrics import Metrics
 from daemon.recipe_context import RecipeContext
 from daemon.records import FeedbackReport, Lease, RecordStore, Scenario, ScoredExchange, new_id
-from daemon.releases import Manifest, requires
+from daemon.releases import Manifest, Release, requires
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex
 from recipes import load_recipe
 from recipes.base import Candidate, Head, Recipe, TrainJob, off_policy_sampling
 
+HELDOUT_KEPT = 3  # answer sets the held-out check keeps: the head's, the chain's first release's, a new head's
 log = logging.getLogger("reef.learning")
 
 
@@ -109,7 +110,9 @@ class ScenarioLearning:
     # the held-out check (daemon/gating/heldout.py): the reserved recorded prompts, by prompt, most recent last
     # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
-    heldout_head: tuple[tuple[Any, ...], dict[str, Answer]] | None = None
+    # (the head's and the chain's first release's, by (content, max tokens): the few most recently used)
+    heldout_head: OrderedDict[tuple[Any, ...], dict[str, Answer]] = field(default_factory=OrderedDict)
+    first_release: Release | None = None  # the chain's first release (the held-out check's base for the probes)
     heldout_prefetch: asyncio.Future[float] | None = None  # the head's answers, asked while the trainer trains
     spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), as the chain says
     spend_gen: int = 0  # counts the steps that made ``spend`` out of date (a read begun before one is not kept)
@@ -671,9 +674,15 @@ class Learner:
 
     def heldout_head(self, st: ScenarioLearning, key: tuple[Any, ...],
                      answers: dict[str, Answer] | None = None) -> dict[str, Answer] | None:
+        kept = st.heldout_head
         if answers is not None:
-            st.heldout_head = (key, answers)
-        return st.heldout_head[1] if st.heldout_head is not None and st.heldout_head[0] == key else None
+            kept[key] = answers
+        got = kept.get(key)
+        if got is not None:
+            kept.move_to_end(key)
+        while len(kept) > HELDOUT_KEPT:
+            kept.popitem(last=False)
+        return got
 
     async def write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
         await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)

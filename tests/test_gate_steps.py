@@ -373,7 +373,8 @@ def test_the_check_asks_the_candidate_under_its_own_key_and_keeps_the_heads_answ
     fig = SimpleNamespace(seconds=1.0, prefetch_seconds=None)
 
     async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Any, settings: Any,
-                  head_known: Any) -> Any:
+                  head_known: Any, first_release: Any = None, first_known: Any = None) -> Any:
+        assert first_release is None and first_known is None  # the head is the chain's first release here
         got.append((engine, model, candidate, head, base, recorded, head_known))
         return fig, {"q": "cand"}, {"q": "head"}
 

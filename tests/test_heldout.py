@@ -135,6 +135,70 @@ def test_a_probe_loss_within_the_checks_noise_passes_and_beyond_it_holds() -> No
     assert "stops answering" not in fig.hold and "KL" in fig.metrics()["heldout_note"]
 
 
+def _knowing(wrong: set[int]) -> list[Answer]:
+    """Answers to ``PROBES``, right except at ``wrong``."""
+    return [_a("I do not know.") if i in wrong else _a(f"It is {i + 1}.") for i in range(20)]
+
+
+def test_a_lineage_that_forgot_what_the_base_knew_is_held_though_each_step_was_within_its_noise() -> None:
+    """Two steps from the base, each losing 3 probes against its head (within the noise: 3 < 2 sqrt(3) = 3.5),
+    have lost 6 of what the base knew (6 > 2 sqrt(6) = 4.9): held, saying so with both accuracies. Compared with
+    different lineages: the same candidate without the base's answers passes (the head's test alone), one that
+    lost 5 since the base with 1 won back is within the noise there (4 < 2 sqrt(6)); a base that knew less than the
+    head is no loss. Bugs caught: the base never compared, lost and gained swapped, the noise taken as a bound
+    to reach (>=) rather than pass, the base's figures left out of the metrics."""
+    base, head = _knowing(set()), _knowing({0, 1, 2})
+    cand = _knowing({0, 1, 2, 3, 4, 5})
+    alone = figures(cand, head, PROBES, 0, None, SETTINGS)
+    assert alone.hold is None and alone.probes_lost == 3  # each step alone: within its noise
+    fig = figures(cand, head, PROBES, 0, None, SETTINGS, base=base)
+    assert fig.hold is not None and "forgets what the base knew" in fig.hold, fig.hold
+    assert "70% against the base's 100%" in fig.hold and "6 probes lost, 0 gained since the base" in fig.hold
+    assert (fig.probes_lost_base, fig.probes_gained_base, fig.base_probe_accuracy) == (6, 0, 1.0)
+    m = fig.metrics()
+    assert m["heldout_base_probe_accuracy"] == 1.0 and m["heldout_probes_lost_base"] == 6
+    assert m["heldout_probes_gained_base"] == 0 and m["heldout_base_probe_noise"] == pytest.approx(4.899, abs=1e-3)
+    assert "heldout_base_probe_accuracy" not in alone.metrics()
+    from daemon.gating.heldout import describe
+
+    said = describe(m)
+    assert said is not None and "probes 70% right (head 85%, first release 100%, noise 3.5)" in said, said
+    assert "first release" not in str(describe(alone.metrics()))
+    # 5 lost since the base, 1 won back: a net 4 within the noise of 6 flips (4.9)
+    near = figures(_knowing({0, 1, 2, 3, 4}), head, PROBES, 0, None, SETTINGS, base=_knowing({19}))
+    assert near.hold is None and (near.probes_lost_base, near.probes_gained_base) == (5, 1)
+    # a net loss exactly at the noise passes: 4 lost, none gained is 4 = 2 sqrt(4)
+    edge = figures(_knowing({0, 1, 2, 3}), head, PROBES, 0, None, SETTINGS, base=base)
+    assert edge.hold is None and edge.base_probe_noise == 4.0
+    # a base that knew less than the candidate: gains, no loss
+    assert figures(head, head, PROBES, 0, None, SETTINGS, base=_knowing(set(range(10)))).hold is None
+    # a first look with a net loss against the base is not clean, though even with the head: the rest is asked
+    same = figures(head, head, PROBES, 0, None, SETTINGS, base=base)
+    assert same.hold is None and not heldout_clean(same) and heldout_clean(figures(head, head, PROBES, 0, None,
+                                                                                  SETTINGS))
+
+
+def heldout_clean(fig: Any) -> bool:
+    from daemon.gating import heldout
+
+    return heldout.clean(fig, SETTINGS)
+
+
+def test_the_first_release_is_read_once_and_is_none_where_the_head_is_it() -> None:
+    calls: list[str] = []
+    first = SimpleNamespace(release_id="rel_0", content_id="c_0")
+
+    async def history(name: str, n: int | None = None) -> list[Any]:
+        calls.append(name)
+        return [SimpleNamespace(release_id="rel_2", content_id="c_2"), first]
+
+    host, st = SimpleNamespace(chains=SimpleNamespace(history=history)), SimpleNamespace()
+    scenario = SimpleNamespace(name="s")
+    assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id="c_2"))) is first
+    assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id="c_0"))) is None
+    assert calls == ["s"]  # kept after the first read: a chain only grows at its head
+
+
 def test_a_candidate_past_the_drift_bound_is_held() -> None:
     head = [_a(f"It is {i + 1}.") for i in range(20)]
     assert figures(head, head, PROBES, 0, 1.5, SETTINGS).hold is not None
@@ -279,6 +343,46 @@ def test_a_loss_in_the_first_half_of_the_probes_asks_the_rest_and_decides_on_all
     assert fig.probes == 10 and fig.hold is None and len([1 for w, _ in engine.asked if w == "cand"]) == 10
 
 
+class _Lineage(_Engine):
+    """Every probe right from the base ("first"); the head forgot ``head_wrong``, the candidate ``cand_wrong``."""
+
+    def __init__(self, head_wrong: set[int], cand_wrong: set[int]) -> None:
+        super().__init__()
+        self.wrong = {"first": set(), "head": head_wrong, "cand": cand_wrong}
+
+    async def generate(self, exchange: Any, release: Any) -> Any:
+        from daemon.exchange import Completion, Finish
+
+        prompt = exchange.messages[-1].text
+        self.asked.append((release, prompt))
+        i = next((i for i, p in enumerate(PROBES) if p.prompt == prompt), -1)
+        text = "I do not know." if i in self.wrong[release] else f"It is {i + 1}."
+        yield Finish(Completion(text=text, prompt_token_ids=[1], token_ids=[5, 6, 7, 2], logprobs=[-0.1] * 4))
+
+
+def test_the_first_releases_answers_are_asked_once_for_the_probes_only_and_decide_with_the_heads() -> None:
+    """The check compares the candidate's probe answers with the chain's first release's too: asked of it once
+    (kept in the caller's dict; a second check asks it nothing), and only the probes (not the recorded prompts,
+    which no figure compares with the base). A lineage whose head already lost 3 (within the noise) and whose
+    candidate loses 3 more is held on the whole set; without the first release it passes."""
+    from daemon.gating import heldout
+
+    firsts: dict[str, Answer] = {}
+    engine = _Lineage({0, 2, 4}, {0, 2, 4, 6, 8, 10})
+    fig, _, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", ["Tell me about rain."], SETTINGS,
+                                        first_release="first", first_known=firsts))
+    asked_first = [p for who, p in engine.asked if who == "first"]
+    assert sorted(asked_first) == sorted(p.prompt for p in PROBES) and set(firsts) == set(asked_first)
+    assert fig.probes == 20 and fig.hold is not None and "forgets what the base knew" in fig.hold, fig.hold
+    again = _Lineage({0, 2, 4}, {0, 2, 4, 6, 8, 10})
+    fig2, _, _ = asyncio.run(heldout.run(again, "tiny", "cand", "head", "base", [], SETTINGS, first_release="first",
+                                         first_known=firsts))
+    assert not [p for who, p in again.asked if who == "first"] and fig2.hold == fig.hold
+    plain = _Lineage({0, 2, 4}, {0, 2, 4, 6, 8, 10})
+    fig3, _, _ = asyncio.run(heldout.run(plain, "tiny", "cand", "head", "base", [], SETTINGS))
+    assert fig3.hold is None and fig3.base_probe_accuracy is None
+
+
 # --- the steps, each alone --------------------------------------------------------------------------------------
 
 
@@ -298,7 +402,7 @@ class _Host:
         self.published: list[tuple[str, dict[str, Any]]] = []
         self.metrics: Any = SimpleNamespace(heldout_checks=_Counter())
         self._engine = engine
-        self.chains: Any = SimpleNamespace(ref=self._ref, head_id=self._head_id)
+        self.chains: Any = SimpleNamespace(ref=self._ref, head_id=self._head_id, history=self._history)
         self.start_canary = None
 
     async def engine(self, model: str) -> Any:
@@ -308,6 +412,9 @@ class _Host:
 
     async def _head_id(self, name: str) -> str:
         return "rel_head"
+
+    async def _history(self, name: str, n: int | None = None) -> list[Any]:
+        return [SimpleNamespace(release_id="rel_head", content_id="c_head")]  # the head is the first release
 
     async def _ref(self, scenario: Any, head: Any) -> Any:
         return SimpleNamespace(base=None, release_id="rel_head", content_id="c_head")
@@ -403,6 +510,55 @@ def test_the_heads_answers_asked_during_training_are_not_asked_again(tmp_path: A
     assert run.metrics["heldout_head_sampled"] == 0 and "heldout_prefetch_seconds" in run.metrics
     engine, run = asyncio.run(both(fail=True))
     assert run.metrics["heldout_head_sampled"] == run.metrics["heldout_probes"] > 0  # the check asked the head
+
+
+def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tmp_path: Any) -> None:
+    """Through ``prefetch_head`` and ``heldout_check`` with the probes of ``PROBES``: the first release's answers are
+    asked during training with the head's, kept, and not asked again by the check; a candidate within its head's
+    noise that forgot what the first release knew is held. Bug caught: the step not handing the first release to
+    the check (or not asking it during training: the check would then ask it, and cost its time)."""
+
+    class Releases(_Lineage):
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            who = {"rel_head": "head", "rel_0": "first"}.get(release.release_id, "cand")
+            async for out in super().generate(exchange, who):
+                yield out
+
+    async def go() -> tuple[Releases, GateRun, Any]:
+        engine, kept = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10}), {}
+        host, run = _Host(engine=engine), _run(tmp_path, heldout_probes=[
+            {"prompt": p.prompt, "accept": list(p.accept)} for p in PROBES])
+        rels = {"c_head": SimpleNamespace(release_id="rel_head", content_id="c_head"),
+                "c_0": SimpleNamespace(release_id="rel_0", content_id="c_0")}
+
+        async def history(name: str, n: int | None = None) -> list[Any]:
+            return [rels["c_head"], rels["c_0"]]
+
+        async def ref(scenario: Any, rel: Any) -> Any:
+            return SimpleNamespace(base=None, release_id=rel.release_id, content_id=rel.content_id)
+
+        async def hold(*args: Any, **kw: Any) -> Any:
+            return SimpleNamespace(release_id="rel_held", step=1)
+
+        host.chains.history, host.chains.ref, host.chains.hold = history, ref, hold
+        host.chains.manifest = lambda *args, **kw: None
+        host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
+        host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
+            kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+        run.st.recipe = run.recipe
+        run.scenario.warning = {"state": "accepted"}  # the early warning, read after a hold, is not this test's
+        await steps.prefetch_head(host, run.st, run.scenario, run.head)
+        during = list(engine.asked)
+        out = await steps.heldout_check(host, run)
+        return engine, run, (during, out, kept)
+
+    engine, run, (during, out, kept) = asyncio.run(go())
+    assert sorted(p for who, p in during if who == "first") == sorted(p.prompt for p in PROBES)
+    assert not [p for who, p in engine.asked[len(during):] if who in ("first", "head")]  # all kept from training
+    assert ("c_0", 16) in kept and len(kept[("c_0", 16)]) == len(PROBES)
+    assert out is not None and out.verdict == "pending", out
+    assert "forgets what the base knew" in run.metrics["heldout_reason"]
+    assert run.metrics["heldout_probes_lost_base"] == 6 and run.metrics["heldout_probes_lost"] == 3
 
 
 # --- through a daemon -------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   ones it gained by more than the check's noise, ``heldout_probe_z`` (2) standard errors of that paired difference
   (``sqrt(lost + gained)``, the sign test's), and by at least 2. Greedy answers are deterministic, so the noise is
   the spread of which probes happen to flip, measured on the same answers.
+- probe accuracy paired with the base's (the chain's first release) the same way: steps that each lose a little,
+  each within the noise against its head, add up, and a lineage that forgot what the base knew is held once the
+  sum shows beyond the noise (measured: a step at 53% of the probes against its head's 67%, 6 lost and 1 gained,
+  passed the head's test alone). The base's answers are asked once and kept.
 - KL from the base: the mean per-token KL(candidate || base) of the next-token distributions at the positions of
   the candidate's own held-out answers, the base being the model its adapter applies to (whole weights: the
   serving head), teacher-forced through the engine (``Engine.divergence_many``: both models on the same batched
@@ -243,6 +247,10 @@ class Figures:
     probes_gained: int
     probe_noise: float  # the net loss of probes the check reads as noise
     kl: float | None  # nats per token from the base, on the candidate's answers; None: the engine cannot score
+    base_probe_accuracy: float | None = None  # the same probes against the base's answers (None: the head is the base)
+    probes_lost_base: int = 0
+    probes_gained_base: int = 0
+    base_probe_noise: float = 0.0
     seconds: float = 0.0
     answer_seconds: float = 0.0  # of which: the answers (the head's too when not kept from an earlier check)
     kl_seconds: float = 0.0  # and the KL's forwards
@@ -269,6 +277,11 @@ class Figures:
             "heldout_answer_seconds": round(self.answer_seconds, 3), "heldout_kl_seconds": round(self.kl_seconds, 3),
             "heldout_head_sampled": self.head_sampled,
         }
+        if self.base_probe_accuracy is not None:
+            out.update(heldout_base_probe_accuracy=round(self.base_probe_accuracy, 4),
+                       heldout_probes_lost_base=self.probes_lost_base,
+                       heldout_probes_gained_base=self.probes_gained_base,
+                       heldout_base_probe_noise=round(self.base_probe_noise, 3))
         if self.prefetch_seconds is not None:
             out["heldout_prefetch_seconds"] = round(self.prefetch_seconds, 3)
         if self.length_ratio is not None:
@@ -285,9 +298,9 @@ class Figures:
 
 
 def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequence[Probe], recorded: int,
-            kl: float | None, settings: CheckSettings) -> Figures:
+            kl: float | None, settings: CheckSettings, base: Sequence[Answer] | None = None) -> Figures:
     """The figures of paired answers (the recorded prompts' first, then the probes', same order for both) and the
-    decision."""
+    decision; ``base``: the base's answers to the probes (None where the head is the base)."""
     assert len(candidate) == len(head) == recorded + len(probes), (len(candidate), len(head), recorded, len(probes))
     n = len(candidate)
     cand_bad = [degenerate(c, h) for c, h in zip(candidate, head, strict=True)]
@@ -308,6 +321,15 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
         tokens=sum(c.tokens for c in candidate) / n, head_tokens=head_len / n,
     )
+    base_lost = base_gained = 0
+    if base is not None:
+        assert len(base) == len(probes), (len(base), len(probes))
+        right_b = [p.right(a.text) for p, a in zip(probes, base, strict=True)]
+        base_lost = sum(b and not c for c, b in zip(right_c, right_b, strict=True))
+        base_gained = sum(c and not b for c, b in zip(right_c, right_b, strict=True))
+        fig.base_probe_accuracy = sum(right_b) / max(1, len(probes))
+        fig.probes_lost_base, fig.probes_gained_base = base_lost, base_gained
+        fig.base_probe_noise = settings.probe_z * math.sqrt(base_lost + base_gained)
     if recorded < ENOUGH:
         fig.notes.append(f"too little traffic for the reserved share: {recorded} of the scenario's recorded prompts "
                          f"are reserved yet ({ENOUGH} wanted); the probe set decides")
@@ -323,6 +345,10 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
     if lost - gained >= MIN_LOST and lost - gained > fig.probe_noise:
         why.append(f"it forgets: probe accuracy {fig.probe_accuracy:.0%} against the head's "
                    f"{fig.head_probe_accuracy:.0%} ({lost} probes lost, {gained} gained; noise {fig.probe_noise:.1f})")
+    elif base is not None and base_lost - base_gained >= MIN_LOST and base_lost - base_gained > fig.base_probe_noise:
+        why.append(f"it forgets what the base knew: probe accuracy {fig.probe_accuracy:.0%} against the base's "
+                   f"{fig.base_probe_accuracy:.0%} ({base_lost} probes lost, {base_gained} gained since the base; "
+                   f"noise {fig.base_probe_noise:.1f})")
     if kl is not None and kl > settings.max_kl:
         why.append(f"it drifts: {kl:.3f} nats per token from its base on held-out prompts, more than "
                    f"heldout_max_kl {settings.max_kl:g}")
@@ -365,20 +391,23 @@ async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, b
 
 
 def clean(fig: Figures, settings: CheckSettings) -> bool:
-    """Whether a first look shows no sign of harm at all: no probe lost net, silent and degenerate shares within
-    half their bound of the head's (the KL, measured on the first stage's answers, decides alone). The check then
-    stops there (``run``)."""
+    """Whether a first look shows no sign of harm at all: no probe lost net (against the head, nor against the
+    base), silent and degenerate shares within half their bound of the head's (the KL, measured on the first
+    stage's answers, decides alone). The check then stops there (``run``)."""
     half = settings.max_degenerate / 2
-    return (fig.probes_lost <= fig.probes_gained and fig.silent - fig.head_silent <= half
+    return (fig.probes_lost <= fig.probes_gained and fig.probes_lost_base <= fig.probes_gained_base
+            and fig.silent - fig.head_silent <= half
             and fig.degenerate - fig.head_degenerate <= half)
 
 
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
-              settings: CheckSettings, head_known: dict[str, Answer] | None = None
-              ) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
+              settings: CheckSettings, head_known: dict[str, Answer] | None = None, *, first_release: Any = None,
+              first_known: dict[str, Answer] | None = None) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
     """The check: the figures, and the candidate's and the head's answers by prompt (to keep: the head is asked
     only the prompts it was not asked before, and a published candidate's answers are the new head's). Raises
-    ``CheckFailed`` when it cannot run.
+    ``CheckFailed`` when it cannot run. ``base`` is the model the KL is measured from; ``first_release`` the
+    chain's first release, whose probe answers the candidate's are compared with too (None: the head is it), kept
+    in ``first_known`` (the caller's, filled here: they are asked once).
 
     In two stages: the recorded prompts and every other probe first; a candidate that shows no sign of harm
     there (``clean``) passes on them, any other is asked the rest of the probes and decided on all of them. A
@@ -388,6 +417,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
     t0 = time.perf_counter()
     first, rest = settings.probes[::2], settings.probes[1::2]
     known = dict(head_known or {})
+    firsts = first_known if first_known is not None else {}
     cands: dict[str, Answer] = {}
     spent = {"answer": 0.0, "kl": 0.0}
     head_sampled = 0
@@ -399,6 +429,12 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         if missing:
             known.update(zip(missing, await answers(engine, model, missing, head, settings.max_tokens), strict=True))
             head_sampled += len(missing)
+        if first_release is not None:
+            probed = {p.prompt for p in settings.probes}
+            missing = [p for p in dict.fromkeys(prompts) if p in probed and p not in firsts]
+            if missing:
+                firsts.update(zip(missing, await answers(engine, model, missing, first_release, settings.max_tokens),
+                                  strict=True))
         todo = [p for p in dict.fromkeys(prompts) if p not in cands]
         cands.update(zip(todo, await answers(engine, model, todo, candidate, settings.max_tokens), strict=True))
         spent["answer"] += time.perf_counter() - t
@@ -413,7 +449,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         def decide(probes: Sequence[Probe]) -> Figures:
             prompts = [*recorded, *(p.prompt for p in probes)]
             return figures([cands[p] for p in prompts], [known[p] for p in prompts], probes, len(recorded), kl,
-                           settings)
+                           settings, None if first_release is None else [firsts[p.prompt] for p in probes])
 
         fig = decide(first)
         if not rest or clean(fig, settings):
@@ -456,8 +492,10 @@ def describe(m: Any) -> str | None:
         parts.append(f"degenerate answers {m['heldout_degenerate']:.0%} (head {m.get('heldout_head_degenerate', 0):.0%})"
                      f", empty {m.get('heldout_empty', 0):.0%}")
     if "heldout_probe_accuracy" in m:
+        first = (f", first release {m['heldout_base_probe_accuracy']:.0%}" if "heldout_base_probe_accuracy" in m
+                 else "")
         parts.append(f"probes {m['heldout_probe_accuracy']:.0%} right (head {m.get('heldout_head_probe_accuracy', 0):.0%}"
-                     f", noise {m.get('heldout_probe_noise', 0):.1f})")
+                     f"{first}, noise {m.get('heldout_probe_noise', 0):.1f})")
     if "heldout_length_ratio" in m:
         parts.append(f"length {m['heldout_length_ratio']:.2f}x the head's")
     if "heldout_kl" in m:

@@ -120,11 +120,22 @@ async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
     return out
 
 
+async def first_release(host: Host, st: Any, scenario: Any, head: Any) -> Any:
+    """The chain's first release, whose probe answers the held-out check compares a candidate's with too (kept on
+    ``st``: a chain only grows at its head); None where the head is it (the same content)."""
+    first = getattr(st, "first_release", None)
+    if first is None:
+        chain = await host.chains.history(scenario.name)
+        first = st.first_release = chain[-1] if chain else None
+    return None if first is None or first.content_id == head.content_id else first
+
+
 async def prefetch_head(host: Host, st: Any, scenario: Any, head: Any) -> float:
     """The serving head's answers that the next held-out check compares with (the reserved recorded prompts and
-    every probe), asked while the trainer trains, so that the check asks the candidate alone (the loop starts it
-    beside a weights step's training: the trainer is another process, the engine's thread has room). Returns the
-    seconds it took. Never raises: the check asks what is still missing, and fails properly if it cannot."""
+    every probe), and the chain's first release's answers to the probes where not kept yet, asked while the
+    trainer trains, so that the check asks the candidate alone (the loop starts it beside a weights step's
+    training: the trainer is another process, the engine's thread has room). Returns the seconds it took. Never
+    raises: the check asks what is still missing, and fails properly if it cannot."""
     t0 = time.perf_counter()
     try:
         settings = heldout.CheckSettings.of(st.recipe.settings)
@@ -139,6 +150,15 @@ async def prefetch_head(host: Host, st: Any, scenario: Any, head: Any) -> float:
         if missing:
             got = await heldout.answers(engine, scenario.model, missing, ref, settings.max_tokens)
             host.heldout_head(st, key, {**(host.heldout_head(st, key) or {}), **dict(zip(missing, got, strict=True))})  # pragma: no mutate (an answer per prompt by construction)
+        first = await first_release(host, st, scenario, head)
+        if first is not None:
+            key = (first.content_id, settings.max_tokens)
+            known = host.heldout_head(st, key) or {}
+            missing = [p.prompt for p in settings.probes if p.prompt not in known]
+            if missing:
+                got = await heldout.answers(engine, scenario.model, missing, await host.chains.ref(scenario, first),
+                                            settings.max_tokens)
+                host.heldout_head(st, key, {**known, **dict(zip(missing, got, strict=True))})
     except Exception:  # noqa: BLE001 - the check itself asks, and says why it could not
         pass
     return time.perf_counter() - t0
@@ -161,6 +181,8 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     try:
         engine = await host.engine(run.scenario.model)
         head = await host.chains.ref(run.scenario, run.head)
+        first = await first_release(host, run.st, run.scenario, run.head)
+        first_ref = None if first is None else await host.chains.ref(run.scenario, first)
     except ReefError as e:
         raise CheckFailed(e.message) from None
     model = head.base or head  # the whole model: what an adapter applies to
@@ -170,8 +192,15 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     candidate = ReleaseRef(key, key, path, model if adapter else None)
     recorded = await host.heldout_prompts(run.st)
     head_key = (run.head.content_id, settings.max_tokens)
-    fig, cands, heads = await heldout.run(engine, run.scenario.model, candidate, head, model, recorded, settings,
-                                          host.heldout_head(run.st, head_key))
+    first_key = None if first is None else (first.content_id, settings.max_tokens)
+    firsts = None if first_key is None else dict(host.heldout_head(run.st, first_key) or {})
+    try:
+        fig, cands, heads = await heldout.run(engine, run.scenario.model, candidate, head, model, recorded, settings,
+                                              host.heldout_head(run.st, head_key), first_release=first_ref,
+                                              first_known=firsts)
+    finally:
+        if first_key is not None and firsts:
+            host.heldout_head(run.st, first_key, firsts)  # asked once, even when the check then failed
     host.heldout_head(run.st, head_key, heads)
     run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
     fig.seconds += waited
