@@ -61,7 +61,7 @@ from daemon.config import Config
 from daemon.engines.base import Engine
 from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError
 from daemon.events import EventBus
-from daemon.gating.heldout import RECORDED, Answer, reserved
+from daemon.gating.heldout import RECORDED, Answer, KeptAnswers, reserved
 from daemon.gating.outcome import GateRun, StepOutcome
 from daemon.gating.steps import prefetch_head
 from daemon.gating.steps import run as run_gate
@@ -78,7 +78,6 @@ from daemon.sessions import SessionIndex
 from recipes import load_recipe
 from recipes.base import Candidate, Head, Recipe, TrainJob, off_policy_sampling
 
-HELDOUT_KEPT = 3  # answer sets the held-out check keeps: the head's, the chain's first release's, a new head's
 log = logging.getLogger("reef.learning")
 
 
@@ -110,8 +109,7 @@ class ScenarioLearning:
     # the held-out check (daemon/gating/heldout.py): the reserved recorded prompts, by prompt, most recent last
     # (receipt, its user prompt once read), and the head's answers kept for the next check against that head
     reserved: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
-    # (the head's and the chain's first release's, by (content, max tokens): the few most recently used)
-    heldout_head: OrderedDict[tuple[Any, ...], dict[str, Answer]] = field(default_factory=OrderedDict)
+    heldout_head: KeptAnswers = field(default_factory=KeptAnswers)  # the head's and the first release's
     first_release: Release | None = None  # the chain's first release (the held-out check's base for the probes)
     heldout_prefetch: asyncio.Future[float] | None = None  # the head's answers, asked while the trainer trains
     spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), as the chain says
@@ -674,15 +672,7 @@ class Learner:
 
     def heldout_head(self, st: ScenarioLearning, key: tuple[Any, ...],
                      answers: dict[str, Answer] | None = None) -> dict[str, Answer] | None:
-        kept = st.heldout_head
-        if answers is not None:
-            kept[key] = answers
-        got = kept.get(key)
-        if got is not None:
-            kept.move_to_end(key)
-        while len(kept) > HELDOUT_KEPT:
-            kept.popitem(last=False)
-        return got
+        return st.heldout_head(key, answers)
 
     async def write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None:
         await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)

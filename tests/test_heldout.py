@@ -184,6 +184,22 @@ def heldout_clean(fig: Any) -> bool:
     return heldout.clean(fig, SETTINGS)
 
 
+def test_the_kept_answer_sets_are_the_three_most_recently_used() -> None:
+    """A lineage's checks read the head's set and the first release's, then a publish keeps the new head's: the
+    first release's set, read at every check, is never the one let go. Bugs caught: the oldest inserted dropped
+    rather than the least recently read (the first release asked again at every step), no bound at all."""
+    from daemon.gating.heldout import KeptAnswers
+
+    kept = KeptAnswers()
+    first = {"q": Answer("base")}
+    kept(("c_0", 16), first)
+    for step in range(1, 6):
+        assert kept(("c_0", 16)) is first  # the check reads the first release's...
+        kept((f"c_{step}", 16), {"q": Answer(f"head {step}")})  # ...and a publish keeps the new head's
+    assert kept(("c_0", 16)) is first and kept(("c_5", 16)) is not None and kept(("c_4", 16)) is not None
+    assert kept(("c_3", 16)) is None and kept(("c_1", 16)) is None  # three sets, no more
+
+
 def test_the_first_release_is_read_once_and_is_none_where_the_head_is_it() -> None:
     calls: list[str] = []
     first = SimpleNamespace(release_id="rel_0", content_id="c_0")

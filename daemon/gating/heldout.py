@@ -54,6 +54,7 @@ import json
 import math
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -356,6 +357,27 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         fig.hold = ("held-out check: " + "; ".join(why) + "; held, not served (reef releases promote ID serves "
                     "it anyway)")
     return fig
+
+
+class KeptAnswers:
+    """The answer sets a scenario's checks keep, by (release content, max tokens): the ``SIZE`` most recently used
+    (the head's, the chain's first release's, and a newly published head's)."""
+
+    SIZE = 3
+
+    def __init__(self) -> None:
+        self._sets: OrderedDict[tuple[Any, ...], dict[str, Answer]] = OrderedDict()
+
+    def __call__(self, key: tuple[Any, ...], answers: dict[str, Answer] | None = None) -> dict[str, Answer] | None:
+        """The set kept for ``key`` (None: none); with ``answers``, keep them first."""
+        if answers is not None:
+            self._sets[key] = answers
+        got = self._sets.get(key)
+        if got is not None:
+            self._sets.move_to_end(key)
+        while len(self._sets) > self.SIZE:
+            self._sets.popitem(last=False)
+        return got
 
 
 # --- running it --------------------------------------------------------------------------------------------------
