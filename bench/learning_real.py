@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.reef_proc import start  # noqa: E402
+from daemon.loops import loops  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -163,7 +164,8 @@ DAEMON_BOUND_MB = 1536
 
 HELDOUT_FIGURES = ("heldout", "heldout_probe_accuracy", "heldout_head_probe_accuracy", "heldout_probes_lost",
                    "heldout_probes_gained", "heldout_probe_noise", "heldout_probes", "heldout_degenerate",
-                   "heldout_head_degenerate", "heldout_kl", "heldout_reason")
+                   "heldout_head_degenerate", "heldout_base_probe_accuracy", "heldout_probes_lost_base",
+                   "heldout_probes_gained_base", "heldout_kl", "heldout_reason")
 
 
 def memory(c: httpx.Client, scenario: str, pid: int) -> dict[str, Any]:
@@ -253,9 +255,12 @@ def probe(c: httpx.Client, everyday: list[str], args: argparse.Namespace, t0: fl
     for q, expected in FACTS:
         answer, _, release = ask(c, q, 24, temperature=0)
         right += any(e in answer.lower() for e in expected)
-    lengths = [len(ask(c, q, args.max_tokens, temperature=0)[0].split()) for q in everyday]
+    words = [ask(c, q, args.max_tokens, temperature=0)[0].split() for q in everyday]
+    lengths = [len(w) for w in words]
     return {"minutes": round((time.monotonic() - t0) / 60, 2), "release": release, "facts_right": right,
             "facts": len(FACTS), "everyday_empty": sum(1 for n in lengths if n == 0), "everyday": len(lengths),
+            # greedy answers that loop (daemon/loops.py's rule, in words): a sentence said again and again
+            "everyday_loops": sum(loops(w) for w in words),
             "everyday_words": round(statistics.fmean(lengths), 1) if lengths else None,
             "load": round(os.getloadavg()[0], 2)}
 
@@ -519,7 +524,8 @@ def main() -> None:
                 for p in run["probes"]:
                     print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
                           f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "
-                          f"{p['everyday_empty']}/{p['everyday']}, {p['everyday_words']} words; load {p['load']}")
+                          f"{p['everyday_empty']}/{p['everyday']}, looping {p.get('everyday_loops')}/{p['everyday']}, "
+                          f"{p['everyday_words']} words; load {p['load']}")
                 for st in run["steps"]:
                     print(f"    step: {st}")
         print("\n| preference | seed | reward before | after | minutes to +0.25 | answers | steps | releases | "
