@@ -60,6 +60,8 @@ class Module:
 
 
 PY = "tests/test_harness_policy.py"
+HELDOUT_UNIT = ("not restart and not keeps_answering_is_served and not online_rl_step and not fails_the_step and not "
+                "malformed_held_out and not reserved_recorded_prompts_are_asked")
 MODULES: dict[str, Module] = {
     # its tests without a daemon (the daemon's, one start of 50 s, are the attack suite on every path)
     "harness_policy": Module("daemon/harness_policy.py", (PY, "-k", "each_rule or ordinary_text or only_changed or "
@@ -87,6 +89,10 @@ MODULES: dict[str, Module] = {
                          for t in ("releases_built_on_forgotten_data_are_marked_and_a_clean_rollback_is_not",
                                    "harness_releases_made_from_forgotten_feedback_or_a_forgotten_run_are_marked",
                                    "a_backlog_larger_than_a_round_goes_within_one_check")))),
+    # the figures, the decision, the two stages and the kept answers against stand-in engines (test_heldout.py's
+    # daemon tests: a crafted candidate held through a real daemon, a minute each)
+    "heldout": Module("daemon/gating/heldout.py", ("tests/test_heldout.py", "-k", HELDOUT_UNIT)),
+    "loops": Module("daemon/loops.py", ("tests/test_heldout.py", "-k", "loop or degenerate or said_twice")),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",

@@ -323,6 +323,26 @@ def test_the_interval_covers_the_true_difference_about_as_often_as_it_says() -> 
     assert t_quantile(0.975, 1) == pytest.approx(12.706, abs=1e-3)
     assert t_quantile(0.975, 29) == pytest.approx(2.045, abs=1e-3)
     assert t_quantile(0.95, 63) == pytest.approx(1.669, abs=1e-3)
+    # even degrees of freedom take the other branch of the series (the tests above are all odd): df 2 in closed form
+    from daemon.gate import t_cdf
+
+    for t in (0.3, 1.0, 2.5):
+        assert t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+    assert t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    assert t_quantile(0.975, 10) == pytest.approx(2.228, abs=1e-3)
+
+
+def test_regression_on_spread_scores_reads_their_variance_not_only_the_floor() -> None:
+    """Scores that are not pass/fail whose differences spread wider than the floor's variance (0.25 against
+    margin x (1 - margin) = 0.09): the test must read the spread. Differences of +-0.5 about a mean of 0 over 64
+    tasks are not shown within the margin (t = 1.59, p = 0.059 > 0.05), though with the floor alone they would be
+    (t = 2.67); the same spread about a mean of +0.1 is (t = 3.2). Bugs caught: the squares of the deviations
+    dropped (the floor decides), the standard error taken as sqrt(var + n) (nothing is ever shown)."""
+    base = [0.5] * 64
+    v = judge("regression", candidate=[1.0 if i % 2 else 0.0 for i in range(64)], base=base, best=None)
+    assert not v.publish and v.metrics["p_value"] == pytest.approx(0.0587, abs=5e-4), v.metrics
+    v = judge("regression", candidate=[1.0 if i % 2 else 0.1 for i in range(64)], base=base, best=None)
+    assert v.publish and v.metrics["p_value"] == pytest.approx(0.0051, abs=5e-4), v.metrics
 
 
 def test_releases_show_prints_the_interval_and_the_test_for_every_paired_gate() -> None:
