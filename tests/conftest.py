@@ -315,14 +315,14 @@ def records_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 # The slowest modules first (measured, whole module on 2 cores): xdist (``-n 2 --dist loadfile``, pyproject's
 # addopts) hands modules out in collection order, so a long one taken last would run alone at the end.
-SLOWEST_FIRST = (  # by module time in the suite of 2026-12-04 with daemons forked from the zygote
-    "test_forget_agents.py", "test_learning.py", "test_ray_parallel.py", "test_vllm.py", "test_install.py", "test_sao.py", "test_agents.py", "test_provider_vllm.py",
-    "test_openapi.py", "test_harness_policy.py",
-    "test_harness_search.py", "test_ttt_discover.py", "test_ray_trainer.py", "test_openclaw_rl.py",
-    "test_model_dirs.py", "test_gate_noise.py", "test_recipes.py", "test_trainer_memory.py",
-    "test_demo_real_model.py", "test_daemon_cli.py", "test_power_loss.py", "test_providers.py", "test_outcomes.py",
-    "test_lora_recipes.py", "test_releases.py", "test_release_serving.py", "test_serve_faults.py",
-    "test_upstream.py", "test_release_page.py", "test_durability.py", "test_release_faults.py", "test_canary.py",
+SLOWEST_FIRST = (  # by module time in the suite of 2026-12-07 (16:37, 1,926 tests) with daemons forked from the zygote
+    "test_learning.py", "test_ray_parallel.py", "test_vllm.py", "test_forget_agents.py", "test_install.py",
+    "test_sao.py", "test_openapi.py", "test_harness_search.py", "test_ttt_discover.py", "test_agents.py",
+    "test_provider_vllm.py", "test_openclaw_rl.py", "test_model_dirs.py", "test_recipes.py", "test_canary.py",
+    "test_outcomes.py", "test_power_loss.py", "test_daemon_cli.py", "test_demo_real_model.py", "test_canary_guards.py",
+    "test_lora_recipes.py", "test_trainer_memory.py", "test_canary_learning.py", "test_agents_doctor.py",
+    "test_releases.py", "test_providers.py", "test_ray_trainer.py", "test_spend.py", "test_heldout.py",
+    "test_upstream.py", "test_release_serving.py", "test_release_faults.py", "test_harness_policy.py",
 )
 
 
