@@ -82,7 +82,10 @@ MODULES: dict[str, Module] = {
         leave_out=("Canaries", "CHECK_S", "ENDED_LOOKBACK", "unreadable")),  # (what only the class reads)
     "betting": Module("daemon/betting.py", ("tests/test_betting.py", "tests/test_canary_decision.py")),
     # each step alone against a stand-in host (through a daemon: test_learning.py, test_heldout.py, ...)
-    "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py",)),
+    "gating_steps": Module("daemon/gating/steps.py", ("tests/test_gate_steps.py", *(f"tests/test_heldout.py::test_{t}"
+                           for t in ("the_first_release_is_read_once_and_is_none_where_the_head_is_it",
+                                     "a_lineage_is_compared_with_the_chains_first_release_through_the_step",
+                                     "the_heads_answers_asked_during_training_are_not_asked_again")))),
     # against a stand-in daemon (test_forgetting_unit.py), and the chain's marks (test_forget.py's pure tests; its
     # others check the bytes in SQLite, PostgreSQL and agent files, and through a daemon)
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forgetting_unit.py", *(f"tests/test_forget.py::test_{t}"
