@@ -202,7 +202,7 @@ def test_the_kept_answer_sets_are_the_three_most_recently_used() -> None:
 
 def test_the_first_release_is_read_once_and_is_none_where_the_head_is_it() -> None:
     calls: list[str] = []
-    first = SimpleNamespace(release_id="rel_0", content_id="c_0")
+    first = SimpleNamespace(release_id="rel_0", content_id="c_5")
 
     async def history(name: str, n: int | None = None) -> list[Any]:
         calls.append(name)
@@ -210,8 +210,10 @@ def test_the_first_release_is_read_once_and_is_none_where_the_head_is_it() -> No
 
     host, st = SimpleNamespace(chains=SimpleNamespace(history=history)), SimpleNamespace()
     scenario = SimpleNamespace(name="s")
-    assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id="c_2"))) is first
-    assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id="c_0"))) is None
+    for later in ("c_2", "c_9"):  # content ids that sort before and after the first's
+        assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id=later))) is first
+    same = "".join(["c_", "5"])  # equal, not the same object
+    assert asyncio.run(steps.first_release(host, st, scenario, SimpleNamespace(content_id=same))) is None
     assert calls == ["s"]  # kept after the first read: a chain only grows at its head
 
 
@@ -568,6 +570,40 @@ def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tm
         out = await steps.heldout_check(host, run)
         return engine, run, (during, out, kept)
 
+    # without the prefetch (it failed, or the daemon restarted): the check asks the first release, and keeps it
+    async def unprefetched() -> list[str]:
+        engine, kept = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10}), {}
+        host, firsts_asked = _Host(engine=engine), []
+        rels = [SimpleNamespace(release_id="rel_head", content_id="c_head"),
+                SimpleNamespace(release_id="rel_0", content_id="c_0")]
+
+        async def history(name: str, n: int | None = None) -> list[Any]:
+            return rels
+
+        async def ref(scenario: Any, rel: Any) -> Any:
+            return SimpleNamespace(base=None, release_id=rel.release_id, content_id=rel.content_id)
+
+        async def hold(*args: Any, **kw: Any) -> Any:
+            return SimpleNamespace(release_id="rel_held", step=1)
+
+        host.chains.history, host.chains.ref, host.chains.hold = history, ref, hold
+        host.chains.manifest = lambda *args, **kw: None
+        host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
+        host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
+            kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+        st = None
+        for _ in range(2):
+            run = _run(tmp_path, heldout_probes=[{"prompt": p.prompt, "accept": list(p.accept)} for p in PROBES])
+            if st is not None:
+                run.st = st
+            st = run.st
+            run.scenario.warning = {"state": "accepted"}
+            before = len(engine.asked)
+            await steps.heldout_check(host, run)
+            firsts_asked.append(sum(1 for who, _ in engine.asked[before:] if who == "first"))
+        return firsts_asked
+
+    assert asyncio.run(unprefetched()) == [len(PROBES), 0]
     engine, run, (during, out, kept) = asyncio.run(go())
     assert sorted(p for who, p in during if who == "first") == sorted(p.prompt for p in PROBES)
     assert not [p for who, p in engine.asked[len(during):] if who in ("first", "head")]  # all kept from training

@@ -158,7 +158,7 @@ async def prefetch_head(host: Host, st: Any, scenario: Any, head: Any) -> float:
             if missing:
                 got = await heldout.answers(engine, scenario.model, missing, await host.chains.ref(scenario, first),
                                             settings.max_tokens)
-                host.heldout_head(st, key, {**known, **dict(zip(missing, got, strict=True))})
+                host.heldout_head(st, key, {**known, **dict(zip(missing, got, strict=True))})  # pragma: no mutate (an answer per prompt by construction)
     except Exception:  # noqa: BLE001 - the check itself asks, and says why it could not
         pass
     return time.perf_counter() - t0
@@ -199,7 +199,7 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
                                               host.heldout_head(run.st, head_key), first_release=first_ref,
                                               first_known=firsts)
     finally:
-        if first_key is not None and firsts:
+        if first_key is not None and firsts:  # pragma: no mutate (or: firsts is None exactly when first_key is)
             host.heldout_head(run.st, first_key, firsts)  # asked once, even when the check then failed
     host.heldout_head(run.st, head_key, heads)
     run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
