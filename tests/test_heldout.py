@@ -530,6 +530,30 @@ def test_the_heads_answers_asked_during_training_are_not_asked_again(tmp_path: A
     assert run.metrics["heldout_head_sampled"] == run.metrics["heldout_probes"] > 0  # the check asked the head
 
 
+def _lineage_host(engine: Any) -> tuple[Any, dict[Any, Any]]:
+    """A stand-in host whose chain is the head (``rel_head``) over its first release (``rel_0``), that holds
+    candidates, and keeps answer sets in the dict it returns."""
+    host, kept = _Host(engine=engine), {}
+    rels = [SimpleNamespace(release_id="rel_head", content_id="c_head"),
+            SimpleNamespace(release_id="rel_0", content_id="c_0")]
+
+    async def history(name: str, n: int | None = None) -> list[Any]:
+        return rels
+
+    async def ref(scenario: Any, rel: Any) -> Any:
+        return SimpleNamespace(base=None, release_id=rel.release_id, content_id=rel.content_id)
+
+    async def hold(*args: Any, **kw: Any) -> Any:
+        return SimpleNamespace(release_id="rel_held", step=1)
+
+    host.chains.history, host.chains.ref, host.chains.hold = history, ref, hold
+    host.chains.manifest = lambda *args, **kw: None
+    host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
+    host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
+        kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+    return host, kept
+
+
 def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tmp_path: Any) -> None:
     """Through ``prefetch_head`` and ``heldout_check`` with the probes of ``PROBES``: the first release's answers are
     asked during training with the head's, kept, and not asked again by the check; a candidate within its head's
@@ -543,26 +567,9 @@ def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tm
                 yield out
 
     async def go() -> tuple[Releases, GateRun, Any]:
-        engine, kept = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10}), {}
-        host, run = _Host(engine=engine), _run(tmp_path, heldout_probes=[
-            {"prompt": p.prompt, "accept": list(p.accept)} for p in PROBES])
-        rels = {"c_head": SimpleNamespace(release_id="rel_head", content_id="c_head"),
-                "c_0": SimpleNamespace(release_id="rel_0", content_id="c_0")}
-
-        async def history(name: str, n: int | None = None) -> list[Any]:
-            return [rels["c_head"], rels["c_0"]]
-
-        async def ref(scenario: Any, rel: Any) -> Any:
-            return SimpleNamespace(base=None, release_id=rel.release_id, content_id=rel.content_id)
-
-        async def hold(*args: Any, **kw: Any) -> Any:
-            return SimpleNamespace(release_id="rel_held", step=1)
-
-        host.chains.history, host.chains.ref, host.chains.hold = history, ref, hold
-        host.chains.manifest = lambda *args, **kw: None
-        host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
-        host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
-            kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+        engine = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10})
+        host, kept = _lineage_host(engine)
+        run = _run(tmp_path, heldout_probes=[{"prompt": p.prompt, "accept": list(p.accept)} for p in PROBES])
         run.st.recipe = run.recipe
         run.scenario.warning = {"state": "accepted"}  # the early warning, read after a hold, is not this test's
         await steps.prefetch_head(host, run.st, run.scenario, run.head)
@@ -572,25 +579,8 @@ def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tm
 
     # without the prefetch (it failed, or the daemon restarted): the check asks the first release, and keeps it
     async def unprefetched() -> list[str]:
-        engine, kept = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10}), {}
-        host, firsts_asked = _Host(engine=engine), []
-        rels = [SimpleNamespace(release_id="rel_head", content_id="c_head"),
-                SimpleNamespace(release_id="rel_0", content_id="c_0")]
-
-        async def history(name: str, n: int | None = None) -> list[Any]:
-            return rels
-
-        async def ref(scenario: Any, rel: Any) -> Any:
-            return SimpleNamespace(base=None, release_id=rel.release_id, content_id=rel.content_id)
-
-        async def hold(*args: Any, **kw: Any) -> Any:
-            return SimpleNamespace(release_id="rel_held", step=1)
-
-        host.chains.history, host.chains.ref, host.chains.hold = history, ref, hold
-        host.chains.manifest = lambda *args, **kw: None
-        host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
-        host.heldout_head = lambda st, key, answers=None: (  # type: ignore[method-assign]
-            kept.__setitem__(key, answers) if answers is not None else kept.get(key))
+        engine = Releases({0, 2, 4}, {0, 2, 4, 6, 8, 10})
+        (host, _), firsts_asked = _lineage_host(engine), []
         st = None
         for _ in range(2):
             run = _run(tmp_path, heldout_probes=[{"prompt": p.prompt, "accept": list(p.accept)} for p in PROBES])
