@@ -176,7 +176,10 @@ class GateSettings:
     heldout_max_degenerate: float = 0.25  # most the share of empty or degenerate answers may rise over the head's
     heldout_probe_z: float = 2.0  # probe accuracy may fall by this many standard errors of the paired difference
     heldout_max_kl: float = 1.0  # nats per token from the base, on the candidate's held-out answers
-    heldout_max_tokens: int = 16  # tokens per held-out answer (greedy): enough to tell an answer from none
+    heldout_max_tokens: int = 16  # tokens per probe answer (greedy): enough to tell an answer from none
+    # tokens per answer to the reserved recorded prompts (greedy): long enough to see a loop that starts after an
+    # opener ("A volcano is ... It erupts when magma erupts. It erupts when magma erupts.")
+    heldout_recorded_tokens: int = 48
     heldout_timeout_s: float = 600.0  # past this the check has failed (the step is written down as failed)
 
 

@@ -391,7 +391,7 @@ def test_the_check_asks_the_candidate_under_its_own_key_and_keeps_the_heads_answ
         host, run_ = Host(), gate_run(heldout_max_tokens=8)
         host.chains.ref = ref  # type: ignore[attr-defined]
         host.heldout_prompts = prompts  # type: ignore[method-assign]
-        host.heldout_head = kept = Kept({("c_head", 8): {"q": "before"}})  # type: ignore[assignment]
+        host.heldout_head = kept = Kept({("c_head", 8, 48): {"q": "before"}})  # type: ignore[assignment]
         fig.seconds = 1.0
         clock = [10.0, 25.0]  # the check's start, and when the head's answers came: 15 s of waiting
         real = steps.time.perf_counter
@@ -412,15 +412,16 @@ def test_the_check_asks_the_candidate_under_its_own_key_and_keeps_the_heads_answ
                                                                                      "candidate:job_1", "/cand")
         assert base.release_id == "rel_base" and head.release_id == "rel_head"  # the whole model: its base
         assert (candidate.base is base) == adapter  # an adapter applies to the whole model; full weights alone
-        assert kept.known[("c_head", 8)] == {"q": "head"} and run_.heldout_answers == (8, {"q": "cand"})
+        assert kept.known[("c_head", 8, 48)] == {"q": "head"} and run_.heldout_answers == ((8, 48), {"q": "cand"})
         assert fig.prefetch_seconds == 2.5 and fig.seconds == 16.0  # the wait for the head's answers counts
 
 
 def test_the_heads_answers_are_asked_ahead_only_for_what_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[Any] = []
 
-    async def answers(engine: Any, model: str, prompts: Any, release: Any, max_tokens: int) -> list[str]:
-        asked.append((engine, model, list(prompts), release, max_tokens))
+    async def answers(engine: Any, model: str, prompts: Any, release: Any, max_tokens: int, longer: Any = (),
+                      longer_tokens: int = 0) -> list[str]:
+        asked.append((engine, model, list(prompts), release, max_tokens, longer, longer_tokens))
         return [f"answer to {p}" for p in prompts]
 
     async def prompts(st: Any) -> list[str]:
@@ -434,14 +435,15 @@ def test_the_heads_answers_are_asked_ahead_only_for_what_is_not_kept(monkeypatch
     host, run = Host(), gate_run(heldout_max_tokens=4)
     host.heldout_prompts = prompts  # type: ignore[method-assign]
     host.chains.ref = ref  # type: ignore[attr-defined]
-    host.heldout_head = kept = Kept({("c_head", 4): {"r1": "known", probes[0]: "known"}})  # type: ignore[assignment]
+    host.heldout_head = kept = Kept({("c_head", 4, 48): {"r1": "known", probes[0]: "known"}})  # type: ignore[assignment]
     clock = iter([10.0, 25.0])  # (not 100 and 102.5: 102.5 % 100 is 2.5 as well)
     monkeypatch.setattr(steps.time, "perf_counter", lambda: next(clock))
     took = asyncio.run(steps.prefetch_head(host, run.st, run.scenario, run.head))
     monkeypatch.undo()
     monkeypatch.setattr(steps.heldout, "answers", answers)
-    assert asked == [("engine:tiny", "tiny", ["r2", *probes[1:]], "ref_head", 4)] and took == 15.0
-    assert kept.known[("c_head", 4)] == {"r1": "known", probes[0]: "known", "r2": "answer to r2",
+    # the recorded prompts' answers at heldout_recorded_tokens (48), long enough to see a loop; the probes' at 4
+    assert asked == [("engine:tiny", "tiny", ["r2", *probes[1:]], "ref_head", 4, {"r1", "r2"}, 48)] and took == 15.0
+    assert kept.known[("c_head", 4, 48)] == {"r1": "known", probes[0]: "known", "r2": "answer to r2",
                                          **{p: f"answer to {p}" for p in probes[1:]}}
     asked.clear()
     assert asyncio.run(steps.prefetch_head(host, run.st, run.scenario, run.head)) >= 0 and asked == []  # all kept
@@ -515,14 +517,14 @@ def test_no_share_or_no_canary_to_start_publishes_and_a_canary_that_cannot_start
 
 def test_a_published_candidate_is_the_new_head_with_its_evaluation_and_held_out_answers() -> None:
     host, run = Host(), gate_run(candidate=Candidate(path="/cand", eval=Scores([0.7, 0.9])))
-    run.reason, run.heldout_answers = "better", (16, {"q": "a"})
+    run.reason, run.heldout_answers = "better", ((16, 48), {"q": "a"})
     out = go(steps.publish, host, run)
     assert (out.verdict, out.release_id, out.step, out.reason) == ("accepted", "rel_new", 9, "better")
     (sent,) = host.chains.published
     assert (sent["artifact"], sent["expected_head"], sent["engine"]) == ("/cand", "rel_head", "engine:tiny")
     assert sent["record"]["receipts"] == ["r1", "r2"] and sent["record"]["settings"] == {"lr": 1}
     assert run.st.head_eval == ("rel_new", [0.7, 0.9])
-    assert host.warnings == [("heldout_head", (("c_new", 16), {"q": "a"}))]
+    assert host.warnings == [("heldout_head", (("c_new", 16, 48), {"q": "a"}))]
     assert host.followed == [("rel_new", "job_1", True)]
 
 

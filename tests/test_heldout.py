@@ -266,6 +266,79 @@ def test_a_sentence_said_twice_after_an_opener_is_a_loop() -> None:
     assert loops(tuple(range(1000, 1000 + TAIL - 2 * len(sentence))) + sentence * 2)  # exactly the tail: read
 
 
+def test_loops_in_the_answers_to_the_scenarios_own_prompts_hold_though_the_probes_dilute_them() -> None:
+    """A candidate whose answers to the recorded prompts loop (a learned head said a sentence again and again after
+    a good opener, 7 of 12 everyday answers) while every probe answer is fine: over all 56 answers its degenerate
+    share rises 0.12, under the bound, so the share over the recorded prompts alone decides. Bugs caught: the
+    recorded share not judged (held by nothing), judged with ``>=`` (4 of 16 is exactly 0.25: passes), judged
+    below ``ENOUGH`` recorded prompts (5 of 8 would hold on the noise of a handful), the head's own loops not
+    subtracted, and ``clean`` passing a first look that shows loops there."""
+    from daemon.gating.heldout import ENOUGH, clean
+
+    opener = tuple(range(100, 114))
+    sentence = tuple(range(200, 211))
+    fine = Answer("An answer.", (1,), opener + tuple(range(300, 334)))
+    looped = Answer("A volcano is a volcano that erupts.", (1,), opener + sentence * 3)
+    probes_h = [_a(f"It is {i + 1}.") for i in range(20)]
+
+    def fig(cand_loops: int, head_loops: int = 0, recorded: int = ENOUGH) -> Any:
+        cand = [looped] * cand_loops + [fine] * (recorded - cand_loops)
+        head = [looped] * head_loops + [fine] * (recorded - head_loops)
+        return figures([*cand, *probes_h], [*head, *probes_h], PROBES, recorded, None, SETTINGS)
+
+    seven = fig(7)
+    assert seven.degenerate - seven.head_degenerate <= SETTINGS.max_degenerate  # diluted by the probes...
+    assert seven.hold is not None and "own prompts degenerate: 44% of 16" in seven.hold  # ...seen on its own
+    assert seven.metrics()["heldout_recorded_degenerate"] == 0.4375
+    assert seven.metrics()["heldout_head_recorded_degenerate"] == 0
+    from daemon.gating.heldout import describe
+
+    assert "on recorded prompts 44% (head 0%)" in str(describe(seven.metrics()))  # reef releases show says it
+    assert "on recorded prompts" not in str(describe(fig(0, recorded=0).metrics()))  # none asked: nothing to say
+    assert fig(4).hold is None and fig(5).hold is not None  # 0.25 is the bound itself: a rise beyond it holds
+    assert fig(7, head_loops=3).hold is None  # the head looped too: a rise of 4 of 16
+    assert fig(5, recorded=8).hold is None  # too few recorded prompts: the probe set decides
+    assert not clean(fig(3), SETTINGS) and clean(fig(2), SETTINGS)  # 3 of 16 is past half the bound: ask the rest
+
+
+def test_the_recorded_prompts_are_answered_longer_than_the_probes_so_a_late_loop_shows() -> None:
+    """The check asks the recorded prompts for ``heldout_recorded_tokens`` (48) and the probes for
+    ``heldout_max_tokens`` (16): a candidate that opens well and then says a sentence again and again (the loop
+    starts after the probes' 16 tokens) is held at 48 and passed at 16. A prompt that is also a probe is asked as
+    a probe. Bugs caught: every prompt asked at one length (a late loop unseen, or the probes' cost tripled), the
+    lengths swapped, a recorded probe asked at two lengths by different checks."""
+    from daemon.gating import heldout
+
+    recorded = [f"Tell me about thing {i}." for i in range(16)]
+
+    class Late(_Engine):
+        asked_tokens: dict[str, int]
+
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            from daemon.exchange import Completion, Finish
+
+            prompt = exchange.messages[-1].text
+            self.asked_tokens = {**getattr(self, "asked_tokens", {}), prompt: exchange.sampling.max_tokens}
+            if prompt in recorded:  # a 14-token opener, then (the candidate, 7 of 16) a sentence over and over
+                late = release == "cand" and recorded.index(prompt) < 7
+                ids = (*range(100, 114), *(tuple(range(200, 208)) * 8 if late else range(300, 364)))
+            else:
+                ids = (5, 6, 2)
+            ids = ids[:exchange.sampling.max_tokens]
+            yield Finish(Completion(text="words " * len(ids), prompt_token_ids=[1], token_ids=list(ids),
+                                    logprobs=[-0.1] * len(ids)))
+
+    engine = Late()
+    fig, _, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", recorded, SETTINGS))
+    assert fig.hold is not None and "own prompts degenerate: 44%" in fig.hold  # 7 of all 36 answers: 19%
+    assert {engine.asked_tokens[p] for p in recorded} == {48}
+    assert {engine.asked_tokens[p.prompt] for p in PROBES} == {16}
+    short = CheckSettings(probes=tuple(PROBES), recorded_tokens=16)  # the old length: the loop is never reached
+    assert asyncio.run(heldout.run(Late(), "tiny", "cand", "head", "base", recorded, short))[0].hold is None
+    both = [PROBES[0].prompt, *recorded[1:]]  # a recorded prompt that is also a probe is asked as a probe
+    assert SETTINGS.asking(both) == (16, frozenset(recorded[1:]), 48)
+
+
 def test_the_shipped_probe_set_and_a_users_malformed_one() -> None:
     probes = shipped_probes()
     assert 24 <= len(probes) <= 40 and len({p.prompt for p in probes}) == len(probes)
@@ -485,9 +558,9 @@ def test_a_published_candidates_answers_are_kept_as_the_new_heads(tmp_path: Any)
     host.chains.manifest = lambda *args, **kw: None
     host.follow = lambda *args, **kw: None  # type: ignore[attr-defined]
     host.heldout_head = lambda st, key, answers=None: kept.setdefault(key, answers)  # type: ignore[method-assign]
-    run.heldout_answers = (16, {"Say x.": Answer("x")})
+    run.heldout_answers = ((16, 48), {"Say x.": Answer("x")})
     out = asyncio.run(steps.publish(host, run))  # type: ignore[arg-type]
-    assert out is not None and out.verdict == "accepted" and kept == {("c_2", 16): {"Say x.": Answer("x")}}
+    assert out is not None and out.verdict == "accepted" and kept == {("c_2", 16, 48): {"Say x.": Answer("x")}}
 
 
 def test_the_heads_answers_asked_during_training_are_not_asked_again(tmp_path: Any) -> None:
@@ -597,7 +670,7 @@ def test_a_lineage_is_compared_with_the_chains_first_release_through_the_step(tm
     engine, run, (during, out, kept) = asyncio.run(go())
     assert sorted(p for who, p in during if who == "first") == sorted(p.prompt for p in PROBES)
     assert not [p for who, p in engine.asked[len(during):] if who in ("first", "head")]  # all kept from training
-    assert ("c_0", 16) in kept and len(kept[("c_0", 16)]) == len(PROBES)
+    assert ("c_0", 16, 48) in kept and len(kept[("c_0", 16, 48)]) == len(PROBES)
     assert out is not None and out.verdict == "pending", out
     assert "forgets what the base knew" in run.metrics["heldout_reason"]
     assert run.metrics["heldout_probes_lost_base"] == 6 and run.metrics["heldout_probes_lost"] == 3
@@ -698,7 +771,9 @@ def test_malformed_held_out_settings_are_refused_naming_them(daemon_factory: Any
                            ({"heldout_probes": [{"prompt": "x", "accept": ["y"]}]}, "settings.heldout_probes"),
                            ({"heldout_max_degenerate": 2}, "settings.heldout_max_degenerate"),
                            ({"heldout_share": -0.1}, "settings.heldout_share"),
-                           ({"heldout_max_kl": 0}, "settings.heldout_max_kl")):
+                           ({"heldout_max_kl": 0}, "settings.heldout_max_kl"),
+                           ({"heldout_recorded_tokens": 2}, "settings.heldout_recorded_tokens"),
+                           ({"heldout_recorded_tokens": 1000}, "settings.heldout_recorded_tokens")):
             r = c.post("/reef/scenarios", json={"name": "bad", "recipe": "online-rl", "settings": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         ok = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]

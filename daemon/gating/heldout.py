@@ -14,7 +14,9 @@ The prompts:
 
 The candidate answers the recorded prompts and every other probe first, and the rest only when that first look
 shows a sign of harm (``clean``, ``run``). Both models answer greedily, at most ``heldout_max_tokens`` (16)
-tokens, through the scenario's engine, all prompts at once (``Engine.answer_many``: the embedded engine decodes
+tokens to a probe and ``heldout_recorded_tokens`` (48) to a recorded prompt (long enough to see a loop that starts
+after an opener: a learned head's "A volcano is a volcano that erupts. It erupts when magma erupts and creates a
+volcano. It erupts when ..." passed at 16), through the scenario's engine, all prompts at once (``Engine.answer_many``: the embedded engine decodes
 them as one batch beside its users' requests, ``daemon/engines/bulk.py``): the candidate's weights are loaded
 beside the head's as an unpublished release (never served to a request) and dropped afterwards; the head's answers
 are kept per head release, so a lineage's checks sample the head once.
@@ -25,7 +27,9 @@ The figures (``Figures``: the release's ``heldout_*`` metrics) and what holds a 
   reef demo's model learned its "say the word" task and a user's "answer in one word" would have been), or a loop
   (``daemon/loops.py``: half its token pairs repeat, or a run of tokens said twice in a row; counted in tokens, so
   a random model's garbage is a loop whichever way it tokenises); held when the share of silent answers (empty or cut short: it stops
-  answering), or of all degenerate ones, rises above the head's by more than ``heldout_max_degenerate`` (0.25).
+  answering), or of all degenerate ones, or of degenerate ones among the answers to the recorded prompts alone
+  (once ``ENOUGH`` are asked: 7 looping answers of 16 are 19% of the 36 a passing check reads, diluted by the
+  probes' short answers), rises above the head's by more than ``heldout_max_degenerate`` (0.25).
   The empty share and the mean answer length against the head's are shown.
 - probe accuracy, paired with the head's on the same probes: held when the probes the candidate lost outnumber the
   ones it gained by more than the check's noise, ``heldout_probe_z`` (2) standard errors of that paired difference
@@ -55,7 +59,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -134,7 +138,18 @@ class CheckSettings:
     probe_z: float = 2.0
     max_kl: float = 1.0
     max_tokens: int = 16
+    recorded_tokens: int = 48
     timeout_s: float = 600.0
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """The answers' lengths (the probes', the recorded prompts'): kept answer sets are keyed by them."""
+        return self.max_tokens, self.recorded_tokens
+
+    def asking(self, recorded: Sequence[str]) -> tuple[int, frozenset[str], int]:
+        """``answers``' lengths: ``max_tokens``, and ``recorded_tokens`` for the recorded prompts (one that is also
+        a probe is a probe: the same prompt is asked at the same length whichever list it came from)."""
+        return self.max_tokens, frozenset(recorded) - {p.prompt for p in self.probes}, self.recorded_tokens
 
     @classmethod
     def of(cls, settings: Any) -> CheckSettings:
@@ -147,6 +162,7 @@ class CheckSettings:
             probe_z=float(getattr(settings, "heldout_probe_z", cls.probe_z)),
             max_kl=float(getattr(settings, "heldout_max_kl", cls.max_kl)),
             max_tokens=int(getattr(settings, "heldout_max_tokens", cls.max_tokens)),
+            recorded_tokens=int(getattr(settings, "heldout_recorded_tokens", cls.recorded_tokens)),
             timeout_s=float(getattr(settings, "heldout_timeout_s", cls.timeout_s)),
         )
 
@@ -159,6 +175,7 @@ def check_settings(settings: Any) -> None:
         "heldout_probe_z": (0.5, 10.0, "standard errors in [0.5, 10]"),
         "heldout_max_kl": (0.0, 100.0, "nats per token in (0, 100]"),
         "heldout_max_tokens": (4, 512, "tokens in [4, 512]"),
+        "heldout_recorded_tokens": (4, 512, "tokens in [4, 512]"),
         "heldout_timeout_s": (0.0, 3600.0, "seconds in (0, 3600]"),
     }
     for key, (lo, hi, what) in ranges.items():
@@ -241,6 +258,8 @@ class Figures:
     head_silent: float
     degenerate: float  # share of the candidate's answers that are degenerate (empty, cut short, a loop)
     head_degenerate: float
+    recorded_degenerate: float  # the same share among the answers to the recorded prompts alone (0: none asked)
+    head_recorded_degenerate: float
     length_ratio: float | None  # the candidate's mean answer length (tokens) over the head's
     probe_accuracy: float
     head_probe_accuracy: float
@@ -271,6 +290,8 @@ class Figures:
             "heldout_silent": round(self.silent, 4), "heldout_head_silent": round(self.head_silent, 4),
             "heldout_degenerate": round(self.degenerate, 4),
             "heldout_head_degenerate": round(self.head_degenerate, 4),
+            "heldout_recorded_degenerate": round(self.recorded_degenerate, 4),
+            "heldout_head_recorded_degenerate": round(self.head_recorded_degenerate, 4),
             "heldout_probe_accuracy": round(self.probe_accuracy, 4),
             "heldout_head_probe_accuracy": round(self.head_probe_accuracy, 4),
             "heldout_probes_lost": self.probes_lost, "heldout_probes_gained": self.probes_gained,
@@ -317,6 +338,8 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         silent=sum(b in ("empty", "short") for b in cand_bad) / n,
         head_silent=sum(b in ("empty", "short") for b in head_bad) / n,
         degenerate=sum(b is not None for b in cand_bad) / n, head_degenerate=sum(b is not None for b in head_bad) / n,
+        recorded_degenerate=sum(b is not None for b in cand_bad[:recorded]) / max(1, recorded),
+        head_recorded_degenerate=sum(b is not None for b in head_bad[:recorded]) / max(1, recorded),
         length_ratio=sum(c.tokens for c in candidate) / head_len if head_len else None,
         probe_accuracy=sum(right_c) / max(1, len(probes)), head_probe_accuracy=sum(right_h) / max(1, len(probes)),
         probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
@@ -343,6 +366,9 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
     elif fig.degenerate - fig.head_degenerate > settings.max_degenerate:
         why.append(f"its answers degenerate: {fig.degenerate:.0%} are empty, cut short or loops against the head's "
                    f"{fig.head_degenerate:.0%}")
+    elif recorded >= ENOUGH and fig.recorded_degenerate - fig.head_recorded_degenerate > settings.max_degenerate:
+        why.append(f"its answers to the scenario's own prompts degenerate: {fig.recorded_degenerate:.0%} of "
+                   f"{recorded} are empty, cut short or loops against the head's {fig.head_recorded_degenerate:.0%}")
     if lost - gained >= MIN_LOST and lost - gained > fig.probe_noise:
         why.append(f"it forgets: probe accuracy {fig.probe_accuracy:.0%} against the head's "
                    f"{fig.head_probe_accuracy:.0%} ({lost} probes lost, {gained} gained; noise {fig.probe_noise:.1f})")
@@ -383,14 +409,17 @@ class KeptAnswers:
 # --- running it --------------------------------------------------------------------------------------------------
 
 
-async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int) -> list[Answer]:
+async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int,
+                  longer: Collection[str] = (), longer_tokens: int = 0) -> list[Answer]:
     """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once
-    (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests)."""
+    (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests), each of at
+    most ``max_tokens``, or ``longer_tokens`` for the prompts in ``longer`` (the recorded ones)."""
     from daemon.exchange import internal_exchange
 
     if not prompts:
         return []
-    done = await engine.answer_many([internal_exchange(model, "", p, max_tokens) for p in prompts], release)
+    done = await engine.answer_many([internal_exchange(model, "", p, longer_tokens if p in longer else max_tokens)
+                                     for p in prompts], release)
     return [Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()), tuple(c.logprobs or ()))
             for c in done]
 
@@ -414,12 +443,13 @@ async def kl_from_base(engine: Any, answers: Sequence[Answer], candidate: Any, b
 
 def clean(fig: Figures, settings: CheckSettings) -> bool:
     """Whether a first look shows no sign of harm at all: no probe lost net (against the head, nor against the
-    base), silent and degenerate shares within half their bound of the head's (the KL, measured on the first
-    stage's answers, decides alone). The check then stops there (``run``)."""
+    base), silent and degenerate shares (of all answers, and of the recorded prompts' alone) within half their
+    bound of the head's (the KL, measured on the first stage's answers, decides alone). The check then stops there (``run``)."""
     half = settings.max_degenerate / 2
     return (fig.probes_lost <= fig.probes_gained and fig.probes_lost_base <= fig.probes_gained_base
             and fig.silent - fig.head_silent <= half
-            and fig.degenerate - fig.head_degenerate <= half)
+            and fig.degenerate - fig.head_degenerate <= half
+            and fig.recorded_degenerate - fig.head_recorded_degenerate <= half)
 
 
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
@@ -443,22 +473,23 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
     cands: dict[str, Answer] = {}
     spent = {"answer": 0.0, "kl": 0.0}
     head_sampled = 0
+    lengths = settings.asking(recorded)
 
     async def ask(prompts: Sequence[str]) -> None:
         nonlocal head_sampled
         t = time.perf_counter()
         missing = [p for p in dict.fromkeys(prompts) if p not in known]
         if missing:
-            known.update(zip(missing, await answers(engine, model, missing, head, settings.max_tokens), strict=True))
+            known.update(zip(missing, await answers(engine, model, missing, head, *lengths), strict=True))
             head_sampled += len(missing)
         if first_release is not None:
             probed = {p.prompt for p in settings.probes}
             missing = [p for p in dict.fromkeys(prompts) if p in probed and p not in firsts]
             if missing:
-                firsts.update(zip(missing, await answers(engine, model, missing, first_release, settings.max_tokens),
+                firsts.update(zip(missing, await answers(engine, model, missing, first_release, *lengths),
                                   strict=True))
         todo = [p for p in dict.fromkeys(prompts) if p not in cands]
-        cands.update(zip(todo, await answers(engine, model, todo, candidate, settings.max_tokens), strict=True))
+        cands.update(zip(todo, await answers(engine, model, todo, candidate, *lengths), strict=True))
         spent["answer"] += time.perf_counter() - t
 
     async def measure() -> tuple[Figures, int]:
@@ -511,8 +542,11 @@ def describe(m: Any) -> str | None:
         return "held-out check: unchecked (heldout_check = false)"
     parts = [f"held-out check: {state}"]
     if "heldout_degenerate" in m:
+        own = (f", on recorded prompts {m['heldout_recorded_degenerate']:.0%} (head "
+               f"{m.get('heldout_head_recorded_degenerate', 0):.0%})" if m.get("heldout_recorded") and
+               "heldout_recorded_degenerate" in m else "")
         parts.append(f"degenerate answers {m['heldout_degenerate']:.0%} (head {m.get('heldout_head_degenerate', 0):.0%})"
-                     f", empty {m.get('heldout_empty', 0):.0%}")
+                     f"{own}, empty {m.get('heldout_empty', 0):.0%}")
     if "heldout_probe_accuracy" in m:
         first = (f", first release {m['heldout_base_probe_accuracy']:.0%}" if "heldout_base_probe_accuracy" in m
                  else "")

@@ -75,7 +75,7 @@ class GateRun:
     verdict: Verdict | None = None  # the recipe's gate kind, once judged
     reason: str | None = None  # why, as it stands (a later step may say more)
     # the held-out check's questions and the candidate's answers to them (kept as the head's once it is published)
-    heldout_answers: tuple[int, dict[str, Answer]] | None = None  # (max tokens, answers by prompt)
+    heldout_answers: tuple[tuple[int, int], dict[str, Answer]] | None = None  # (the lengths, answers by prompt)
 
     @property
     def recipe(self) -> Recipe:

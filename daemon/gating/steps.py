@@ -143,16 +143,17 @@ async def prefetch_head(host: Host, st: Any, scenario: Any, head: Any) -> float:
             return 0.0
         engine = await host.engine(scenario.model)
         ref = await host.chains.ref(scenario, head)
-        key = (head.content_id, settings.max_tokens)
+        key = (head.content_id, *settings.lengths)
         known = host.heldout_head(st, key) or {}
-        prompts = [*await host.heldout_prompts(st), *(p.prompt for p in settings.probes)]
+        recorded = await host.heldout_prompts(st)
+        prompts = [*recorded, *(p.prompt for p in settings.probes)]
         missing = [p for p in dict.fromkeys(prompts) if p not in known]
         if missing:
-            got = await heldout.answers(engine, scenario.model, missing, ref, settings.max_tokens)
+            got = await heldout.answers(engine, scenario.model, missing, ref, *settings.asking(recorded))
             host.heldout_head(st, key, {**(host.heldout_head(st, key) or {}), **dict(zip(missing, got, strict=True))})  # pragma: no mutate (an answer per prompt by construction)
         first = await first_release(host, st, scenario, head)
         if first is not None:
-            key = (first.content_id, settings.max_tokens)
+            key = (first.content_id, *settings.lengths)
             known = host.heldout_head(st, key) or {}
             missing = [p.prompt for p in settings.probes if p.prompt not in known]
             if missing:
@@ -191,8 +192,8 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     key = f"candidate:{run.job_id}"  # loaded under its own key: no request names it, so none is served from it
     candidate = ReleaseRef(key, key, path, model if adapter else None)
     recorded = await host.heldout_prompts(run.st)
-    head_key = (run.head.content_id, settings.max_tokens)
-    first_key = None if first is None else (first.content_id, settings.max_tokens)
+    head_key = (run.head.content_id, *settings.lengths)
+    first_key = None if first is None else (first.content_id, *settings.lengths)
     firsts = None if first_key is None else dict(host.heldout_head(run.st, first_key) or {})
     try:
         fig, cands, heads = await heldout.run(engine, run.scenario.model, candidate, head, model, recorded, settings,
@@ -202,7 +203,7 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
         if first_key is not None and firsts:  # pragma: no mutate (or: firsts is None exactly when first_key is)
             host.heldout_head(run.st, first_key, firsts)  # asked once, even when the check then failed
     host.heldout_head(run.st, head_key, heads)
-    run.heldout_answers = (settings.max_tokens, cands)  # the head's answers once published: not asked again
+    run.heldout_answers = (settings.lengths, cands)  # the head's answers once published: not asked again
     fig.seconds += waited
     fig.prefetch_seconds = prefetched
     return fig
@@ -252,8 +253,8 @@ async def publish(host: Host, run: GateRun) -> StepOutcome | None:
     if run.candidate.eval is not None:
         run.st.head_eval = (rel.release_id, run.candidate.eval.candidate)
     if run.heldout_answers is not None:
-        max_tokens, answers = run.heldout_answers
-        host.heldout_head(run.st, (rel.content_id, max_tokens), answers)
+        lengths, answers = run.heldout_answers
+        host.heldout_head(run.st, (rel.content_id, *lengths), answers)
     host.follow(run.st, rel.release_id, run.candidate, run.job_id, published=True)
     return run.outcome("accepted", release_id=rel.release_id, step=rel.step, reason=run.reason)
 
