@@ -228,3 +228,66 @@ def test_superseded_adapter_releases_leave_memory_and_served_ones_stay(
             assert chat(c, "many", **{"x-reef-release-id": rid}).headers["x-reef-release-id"] == rid
         settle({base["content_id"], content(heads[-1])} | {content(heads[i]) for i in (3, 4, 0, 1)},
                "the newest four pins kept, the fifth newest (heads[2]) dropped")
+
+
+def test_sixty_adapter_releases_pinned_at_random_over_a_residency_of_four_pins_answer_every_request(
+        daemon_factory: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """Sixty adapter releases on one base, requests pinned to them at random, four in flight at a time: far more
+    releases than the engine keeps (the head, the base and the ``PINS`` newest pins), so most requests find their
+    adapter gone and load it again. Every request is answered by the release it named, none fails, and what stays
+    resident afterwards is bounded. Bugs caught: a load dropped while a request still decodes on it (a failed or
+    misattributed answer), a reload that attaches the wrong adapter (the release id says which served), pins that
+    keep every release they ever named (the resident set grows with the releases asked)."""
+    import random
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    d: Daemon = daemon_factory()
+    base = init(d, "sixty")
+    store = ReleaseStore(d.home / "artifacts.git")
+    first = make_adapter(tiny_model, tmp_path / "a0", 1, AdapterManifest(base["content_id"], base["release_id"]))
+    tensors = load_file(first / lora.WEIGHTS)
+    releases = []
+    for i in range(60):  # another release's content each: the first adapter, each tensor scaled its own way
+        dest = tmp_path / f"a{i + 1}"
+        dest.mkdir()
+        for f in first.iterdir():
+            if f.name != lora.WEIGHTS:
+                (dest / f.name).write_bytes(f.read_bytes())
+        save_file({k: v * (1 + 0.01 * (i + 1)) for k, v in tensors.items()}, dest / lora.WEIGHTS,
+                  metadata={"format": "pt"})
+        releases.append(store.publish("sixty", files_from_dir(dest), expected_head=store.head("sixty"),
+                                      operation="train", kind="weights", recipe="record").release_id)
+    assert len({store.get(r).content_id for r in releases}) == 60
+    picks = random.Random(0).choices(releases, k=96)
+    failures: list[str] = []
+    served: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        with d.http() as c:
+            for i in range(k, len(picks), 4):
+                body = {"model": "tiny", "max_tokens": 6, "seed": i,
+                        "messages": [{"role": "user", "content": f"tell me about caches number {i}"}]}
+                r = c.post("/s/sixty/v1/chat/completions", json=body, headers={"x-reef-release-id": picks[i]})
+                with lock:
+                    if r.status_code != 200 or r.headers.get("x-reef-release-id") != picks[i]:
+                        failures.append(f"{picks[i]}: {r.status_code} {r.headers.get('x-reef-release-id')} "
+                                        f"{r.text[:200]}")
+                    else:
+                        served.append(picks[i])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not failures, failures
+    assert sorted(served) == sorted(picks) and len(set(picks)) > 40  # most of the sixty were asked
+    with d.http() as c:
+        deadline = time.monotonic() + 60  # a hang guard, not a speed bound: idle loads go once their requests end
+        while len(resident := c.get("/reef/status").json()["models"]["tiny"]["resident"]) > 2 + PINS:
+            assert time.monotonic() < deadline, sorted(resident)
+            time.sleep(0.05)
+    assert base["content_id"] in resident and store.get(releases[-1]).content_id in resident  # base and head
