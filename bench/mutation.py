@@ -65,7 +65,11 @@ HELDOUT_UNIT = ("not restart and not keeps_answering_is_served and not online_rl
 MODULES: dict[str, Module] = {
     # its tests without a daemon (the daemon's, one start of 50 s, are the attack suite on every path)
     "harness_policy": Module("daemon/harness_policy.py", (PY, "-k", "each_rule or ordinary_text or only_changed or "
-                                                          "proposer or settings_file_is_refused or followed")),
+                                                          "proposer or settings_file_is_refused or followed or "
+                                                          "served_harness or script_is_refused or control_character "
+                                                          "or not_utf8 or second_frontmatter or never_closed or "
+                                                          "parse_error or long_frontmatter or several_rights or "
+                                                          "finding_cannot")),
     "watchdog": Module("daemon/watchdog.py", ("tests/test_watchdog.py", "-k", "not daemon and not online_rl and "
                                               "not hacked_run")),
     # its unit tests (the daemon's, test_gates.py, start one daemon per test)
