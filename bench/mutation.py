@@ -101,7 +101,13 @@ MODULES: dict[str, Module] = {
     "heldout": Module("daemon/gating/heldout.py", ("tests/test_heldout.py", "-k", HELDOUT_UNIT)),
     "loops": Module("daemon/loops.py", ("tests/test_heldout.py", "-k", "loop or degenerate or said_twice")),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
-    "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
+    # its unit tests: parse, the mutation and candidate a proposal makes, the listing (the file's others drive a
+    # daemon and a real agent: 41 s a run)
+    "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py", "-k", "reason_of_exactly or "
+                                                "path_is_a_400 or listed_once or malformed_proposal or size_limit "
+                                                "or fields_trimmed or archived_or_paused or recipes_own_caps or "
+                                                "becomes_the_mutation or what_is_there_or or candidate_is_the_tree "
+                                                "or origin_names or each_verdict or cannot_be_changed")),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
                                                                 "mutation or screen or proposer or settings_file")),
     "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py",)),
