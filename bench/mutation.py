@@ -99,7 +99,9 @@ MODULES: dict[str, Module] = {
     # the figures, the decision, the two stages and the kept answers against stand-in engines (test_heldout.py's
     # daemon tests: a crafted candidate held through a real daemon, a minute each)
     "heldout": Module("daemon/gating/heldout.py", ("tests/test_heldout.py", "-k", HELDOUT_UNIT)),
-    "loops": Module("daemon/loops.py", ("tests/test_heldout.py", "-k", "loop or degenerate or said_twice")),
+    # its own tests (all of test_loops.py: "loop" matches the file's name), and the held-out check's use of it
+    "loops": Module("daemon/loops.py", ("tests/test_loops.py", "tests/test_heldout.py", "-k",
+                                        "loop or degenerate or said_twice")),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
     # its unit tests: parse, the mutation and candidate a proposal makes, the listing (the file's others drive a
     # daemon and a real agent: 41 s a run)
