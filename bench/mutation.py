@@ -112,7 +112,13 @@ MODULES: dict[str, Module] = {
                                                 "or origin_names or each_verdict or cannot_be_changed")),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
                                                                 "mutation or screen or proposer or settings_file")),
-    "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py",)),
+    # its unit tests: real checks and git projects in a temporary folder (the file's others wrap the real pi against
+    # a daemon, or train through one)
+    "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py", "-k", "times_out or 126_or_127 or "
+                                                "keeps_its_tail or check_in_config or git_mv or outcome_flags or "
+                                                "snapshot_names or changes_of_a_run or cannot_start or "
+                                                "exit_code_scores or interrupted or hundreds or cannot_be_read or "
+                                                "killed_by_a_signal or left_its_session or first_commit")),
     "export": Module("daemon/export.py", ("tests/test_export.py",)),
     # its unit tests (the daemon's: test_remote_clients.py, test_hardening.py, test_providers.py)
     "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
