@@ -119,7 +119,12 @@ MODULES: dict[str, Module] = {
                                                 "snapshot_names or changes_of_a_run or cannot_start or "
                                                 "exit_code_scores or interrupted or hundreds or cannot_be_read or "
                                                 "killed_by_a_signal or left_its_session or first_commit")),
-    "export": Module("daemon/export.py", ("tests/test_export.py",)),
+    # its unit tests: from_line and to_line (the file's others import and export through a daemon)
+    "export": Module("daemon/export.py", ("tests/test_export.py", "-k", "label_is_true or refused_naming or "
+                                          "item_of_the_batch or at_their_edge or keyed_by_its_receipt or "
+                                          "messages_line or exported_again_is or more_bounds or "
+                                          "served_exchange or failed_or_unreadable or one_line_in_order or "
+                                          "keeps_its_arguments")),
     # its unit tests (the daemon's: test_remote_clients.py, test_hardening.py, test_providers.py)
     "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
     # its unit tests (test_trainer_memory.py runs real steps in a trainer, torch imported: seconds a start)
