@@ -65,7 +65,11 @@ HELDOUT_UNIT = ("not restart and not keeps_answering_is_served and not online_rl
 MODULES: dict[str, Module] = {
     # its tests without a daemon (the daemon's, one start of 50 s, are the attack suite on every path)
     "harness_policy": Module("daemon/harness_policy.py", (PY, "-k", "each_rule or ordinary_text or only_changed or "
-                                                          "proposer or settings_file_is_refused or followed")),
+                                                          "proposer or settings_file_is_refused or followed or "
+                                                          "served_harness or script_is_refused or control_character "
+                                                          "or not_utf8 or second_frontmatter or never_closed or "
+                                                          "parse_error or long_frontmatter or several_rights or "
+                                                          "finding_cannot")),
     "watchdog": Module("daemon/watchdog.py", ("tests/test_watchdog.py", "-k", "not daemon and not online_rl and "
                                               "not hacked_run")),
     # its unit tests (the daemon's, test_gates.py, start one daemon per test)
@@ -95,13 +99,32 @@ MODULES: dict[str, Module] = {
     # the figures, the decision, the two stages and the kept answers against stand-in engines (test_heldout.py's
     # daemon tests: a crafted candidate held through a real daemon, a minute each)
     "heldout": Module("daemon/gating/heldout.py", ("tests/test_heldout.py", "-k", HELDOUT_UNIT)),
-    "loops": Module("daemon/loops.py", ("tests/test_heldout.py", "-k", "loop or degenerate or said_twice")),
+    # its own tests (all of test_loops.py: "loop" matches the file's name), and the held-out check's use of it
+    "loops": Module("daemon/loops.py", ("tests/test_loops.py", "tests/test_heldout.py", "-k",
+                                        "loop or degenerate or said_twice")),
     "scopes": Module("daemon/scopes.py", ("tests/test_scopes.py",)),  # the daemon's: test_sandbox_escape.py
-    "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py",)),
+    # its unit tests: parse, the mutation and candidate a proposal makes, the listing (the file's others drive a
+    # daemon and a real agent: 41 s a run)
+    "proposals": Module("daemon/proposals.py", ("tests/test_proposals.py", "-k", "reason_of_exactly or "
+                                                "path_is_a_400 or listed_once or malformed_proposal or size_limit "
+                                                "or fields_trimmed or archived_or_paused or recipes_own_caps or "
+                                                "becomes_the_mutation or what_is_there_or or candidate_is_the_tree "
+                                                "or origin_names or each_verdict or cannot_be_changed")),
     "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
                                                                 "mutation or screen or proposer or settings_file")),
-    "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py",)),
-    "export": Module("daemon/export.py", ("tests/test_export.py",)),
+    # its unit tests: real checks and git projects in a temporary folder (the file's others wrap the real pi against
+    # a daemon, or train through one)
+    "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py", "-k", "times_out or 126_or_127 or "
+                                                "keeps_its_tail or check_in_config or git_mv or outcome_flags or "
+                                                "snapshot_names or changes_of_a_run or cannot_start or "
+                                                "exit_code_scores or interrupted or hundreds or cannot_be_read or "
+                                                "killed_by_a_signal or left_its_session or first_commit")),
+    # its unit tests: from_line and to_line (the file's others import and export through a daemon)
+    "export": Module("daemon/export.py", ("tests/test_export.py", "-k", "label_is_true or refused_naming or "
+                                          "item_of_the_batch or at_their_edge or keyed_by_its_receipt or "
+                                          "messages_line or exported_again_is or more_bounds or "
+                                          "served_exchange or failed_or_unreadable or one_line_in_order or "
+                                          "keeps_its_arguments")),
     # its unit tests (the daemon's: test_remote_clients.py, test_hardening.py, test_providers.py)
     "listening": Module("daemon/listening.py", ("tests/test_listening.py",)),
     # its unit tests (test_trainer_memory.py runs real steps in a trainer, torch imported: seconds a start)

@@ -4,9 +4,12 @@ idempotent by id, atomic per batch, and refuses malformed lines by number with n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.conftest import Daemon, assert_canonical_error
 
@@ -293,3 +296,325 @@ def test_a_stored_client_report_id_on_an_import_key_is_a_409_over_http_not_a_500
         ok = c.post("/reef/records/import", json={"items": [{**TURN, "id": "rec_legacy"}], "scenario": "legacy"})
         # without a report there is no key to take
         assert ok.json() == {"imported": 1, "skipped": 0, "reports": 0, "tokens_dropped": 0}
+
+
+# --- from_line and to_line, without a daemon ------------------------------------------------------------------------
+
+_LINE = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+         "completion": [{"role": "assistant", "content": "yo"}]}
+
+
+def _refused(item: Any, **kw: Any) -> Any:
+    from daemon.errors import BadRequest
+    from daemon.export import from_line
+
+    with pytest.raises(BadRequest) as e:
+        from_line(item, "line 3", "s", **kw)
+    return e.value
+
+
+@pytest.mark.parametrize(("over", "param", "words"), [
+    ({"status": "done"}, "status", "status must be one of complete, incomplete, error, cancelled"),
+    ({"prompt": None}, "prompt", "prompt must be a non-empty list of messages"),
+    ({"completion": []}, "completion", "completion must be a non-empty list of messages"),
+    ({"prompt": [{"role": "wizard", "content": "x"}]}, "prompt[0].role", "prompt[0]"),
+    ({"tools": "not json"}, "tools", "tools must be a JSON list of function schemas"),
+    ({"tools": {"a": 1}}, "tools", "tools must be a list of function schemas"),
+    ({"scenario": "a b"}, "scenario", "scenario"),
+    ({"run": "../x"}, "run", "invalid run name"),
+    ({"model": ""}, "model", "model must be a name of 1 to 200 printable characters"),
+    ({"model": "m" * 201}, "model", "model must be a name of 1 to 200"),
+    ({"model": "a\nb"}, "model", "model must be a name"),
+    ({"model": 5}, "model", "model must be a name"),
+    ({"release_id": ""}, "release_id", "release_id must be an id of 1 to 200 printable characters"),
+    ({"release_id": "r" * 201}, "release_id", "release_id must be an id"),
+    ({"release_id": "a\tb"}, "release_id", "release_id must be an id"),
+    ({"release_id": 7}, "release_id", "release_id must be an id"),
+    ({"format": "smoke-signals"}, "format", "format must be one of openai-chat"),
+    ({"created_at": "yesterday"}, "created_at", "created_at must be seconds since the epoch (a number), not str"),
+    ({"created_at": True}, "created_at", "(a number), not bool"),
+    ({"created_at": -1}, "created_at", "created_at must be seconds since the epoch, got -1"),
+    ({"created_at": float("nan")}, "created_at", "got nan"),
+    ({"created_at": 10**400}, "created_at", "created_at must be seconds since the epoch, got 1000"),
+    ({"created_at": 1.9e12}, "created_at", "is in the future (milliseconds? Reef takes seconds since the epoch)"),
+    ({"token_ids": [1, -1]}, "token_ids", "token_ids must be a list of token ids (integers from 0 to 2^31-1)"),
+    ({"token_ids": [2**31]}, "token_ids", "token_ids must be a list of token ids"),
+    ({"token_ids": [True]}, "token_ids", "token_ids must be a list"),
+    ({"prompt_token_ids": (1, 2)}, "prompt_token_ids", "prompt_token_ids must be a list"),
+    ({"token_ids": [1, 2], "logprobs": [0.0]}, "logprobs", "logprobs must have one number per token id"),
+    ({"logprobs": [0.0]}, "logprobs", "logprobs must have one number per token id"),
+    ({"token_ids": [1], "logprobs": [float("inf")]}, "logprobs", "logprobs must be a list of finite numbers"),
+    ({"token_ids": [1], "logprobs": [False]}, "logprobs", "logprobs must be a list of finite numbers"),
+    ({"token_ids": [1], "logprobs": "x"}, "logprobs", "logprobs must be a list of finite numbers"),
+    ({"score": "high"}, "score", "score must be a number"),
+    ({"feedback": 3}, "feedback", "feedback must be text"),
+    ({"reports": {"score": 1}}, "reports", "reports must be a list of {score, feedback, source}"),
+    ({"reports": [1]}, "reports[0]", "each report must be an object"),
+    ({"reports": [{"score": 1}, {"score": "x"}]}, "reports[1].score", "score must be a number"),
+    ({"reports": [{"feedback": 1}]}, "reports[0].feedback", "feedback must be text"),
+    ({"reports": [{"source": ""}]}, "reports[0].source", "a report's source must be a name of 1 to 40"),
+    ({"reports": [{"source": "s" * 41}]}, "reports[0].source", "a report's source must be"),
+    ({"reports": [{"source": "a\nb"}]}, "reports[0].source", "a report's source must be"),
+    ({"reports": [{"source": 1}]}, "reports[0].source", "a report's source must be"),
+    ({"score": 1, "reports": [{"score": 0.5}]}, "score", "score 1 is not the last scored report's (0.5)"),
+    ({"score": 1, "reports": [{"feedback": "ok"}]}, "score", "score 1 is not the last scored report's (none)"),
+    ({"id": "no spaces allowed"}, "id", "receipt"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "expected object"),
+    ({"token_ids": [2**31 + 1]}, "token_ids", "token_ids must be a list of token ids"),
+    ({"token_ids": [1], "logprobs": [0.0, 0.0]}, "logprobs", "logprobs must have one number per token id"),
+    ({"score": 0.5, "reports": [{"score": 1}]}, "score", "score 0.5 is not the last scored report's (1)"),
+    ({"score": 1, "reports": [{"score": 0.2}, {"score": 0.5}]}, "score", "(0.5): change both, or drop reports"),
+    ({"created_at": -10**50}, "created_at", f"got {str(-10**50)[:40]}"),
+])
+def test_an_imported_line_is_refused_naming_the_field(over: dict[str, Any], param: str, words: str) -> None:
+    """Each check ``from_line`` makes, with the field its refusal names. Bugs caught: any check dropped, inverted
+    or moved off its bound (200 characters of a model or release id, 40 of a source, ids up to 2^31-1), a bool
+    taken for a number, milliseconds not named, a score beside reports not compared with the last scored one."""
+    e = _refused({**_LINE, **over})
+    assert words in e.message and e.message.startswith("line 3: "), e.message
+    if param == "created_at" and "got -1000" in words:  # the value shown is cut at 40 characters
+        assert e.message.endswith(words), e.message
+    assert str(e.param).startswith(param) if param in ("scenario", "id") else e.param == param, (e.param, param)
+
+
+def test_a_refusal_names_the_item_of_the_batch_and_its_field() -> None:
+    """Bugs caught: the item's index left out (or put where no index is given), a field-less refusal given a dot."""
+    e = _refused({**_LINE, "model": ""}, index=4)
+    assert e.param == "items[4].model" and e.message.startswith("line 3: model must"), (e.param, e.message)
+    assert _refused([1], index=2).param == "items[2]" and _refused([1]).param is None
+    assert _refused("x").message == "line 3: not a JSON object"
+
+
+def test_the_bounds_an_import_takes_at_their_edge() -> None:
+    """Exactly 200 characters of a model or release id, 40 of a source, token id 2^31-1 and 0, a time up to the
+    clock's skew, and a failed exchange without prompt or answer are taken. Bugs caught: ``<`` for ``<=`` on each
+    bound, a failed exchange required to have messages."""
+    import time
+
+    from daemon.export import from_line
+    from daemon.records.user_data import CLOCK_SKEW_S
+
+    got = from_line({**_LINE, "model": "m" * 200, "release_id": "r" * 200, "prompt_token_ids": [0],
+                     "token_ids": [2**31 - 1], "logprobs": [-0.5], "created_at": 0,
+                     "reports": [{"score": 1, "source": "s" * 40}]}, "line 1", "s")
+    rec = got["record"]
+    assert (rec.model, rec.release_id, rec.prompt_token_ids, rec.token_ids, rec.logprobs, rec.created_at) == (
+        "m" * 200, "r" * 200, [0], [2**31 - 1], [-0.5], 0.0)
+    assert got["reports"][0]["source"] == "s" * 40
+    soon = time.time() + CLOCK_SKEW_S - 60
+    assert from_line({**_LINE, "created_at": soon}, "l", "s")["record"].created_at == soon
+    e = _refused({**_LINE, "created_at": time.time() + CLOCK_SKEW_S + 60})
+    assert "is in the future" in e.message and "milliseconds" not in e.message
+    for status in ("incomplete", "error", "cancelled"):
+        bare = from_line({"status": status}, "l", "s")["record"]
+        assert (bare.status, bare.request) == (status, None) and bare.response == {"reef_import": {
+            "format": "openai-chat", "completion": None}}
+
+
+def test_an_imported_line_becomes_a_chat_exchange_with_its_reports_keyed_by_its_receipt() -> None:
+    """Bugs caught: the defaults (status complete, model ``imported``, format openai-chat, the line's scenario
+    else the batch's) lost, the answer not the completion's last assistant message, the tools dropped from the
+    request, an id-less line's id not from its content (or from another part of it), a report per ``score`` not
+    made, the report keys not ``import:<id>`` then ``:1``, ``:2``..., the time not kept."""
+    from daemon.export import from_line
+
+    got = from_line({**_LINE, "completion": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+        {"role": "tool", "content": "a.py", "tool_call_id": "c1"}, {"role": "assistant", "content": "done"}],
+        "tools": '[{"type":"function","function":{"name":"ls","parameters":{}}}]', "score": 0.25,
+        "feedback": "slow", "created_at": 12.5}, "line 1", "dflt")
+    rec = got["record"]
+    assert (rec.scenario, rec.status, rec.model, rec.format, rec.engine, rec.created_at) == (
+        "dflt", "complete", "imported", "openai-chat", "import", 12.5)
+    assert rec.request == {"model": "imported", "messages": _LINE["prompt"],
+                           "tools": [{"type": "function", "function": {"name": "ls", "parameters": {}}}]}
+    assert rec.response["choices"][0]["message"] == {"role": "assistant", "content": "done"}
+    assert rec.response["reef_import"]["format"] == "openai-chat" and rec.id.startswith("rec_imp_")
+    assert got["reports"] == [{"score": 0.25, "feedback": "slow", "source": "import", "report_id": f"import:{rec.id}"}]
+    same = from_line({**_LINE, "scenario": "dflt"}, "l", "other")["record"].id
+    assert same == from_line(dict(_LINE), "l", "dflt")["record"].id  # the same content in the same scenario
+    assert same != from_line(dict(_LINE), "l", "other")["record"].id
+    assert same != from_line({**_LINE, "completion": [{"role": "assistant", "content": "no"}]}, "l", "dflt")[
+        "record"].id
+    assert same != from_line({**_LINE, "prompt": [{"role": "user", "content": "hey"}]}, "l", "dflt")["record"].id
+    three = from_line({**_LINE, "id": "rec_x", "reports": [{"score": 1}, {"feedback": "f"}, {"score": 0,
+                                                                                             "source": "me"}]},
+                      "l", "s")
+    assert [r["report_id"] for r in three["reports"]] == ["import:rec_x", "import:rec_x:1", "import:rec_x:2"]
+    assert three["reports"][2] == {"score": 0.0, "feedback": None, "source": "me", "report_id": "import:rec_x:2"}
+    assert from_line(dict(_LINE), "l", "s")["reports"] == []
+    only_tools = from_line({**_LINE, "completion": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}],
+        "format": "anthropic"}, "l", "s")["record"]
+    assert only_tools.response["reef_import"]["format"] == "anthropic"
+
+
+def test_a_messages_line_is_split_after_its_last_user_message() -> None:
+    """Bugs caught: the ``messages`` shape not read, or read when ``prompt`` is there too, an empty list taken."""
+    from daemon.export import from_line
+
+    msgs = [*_LINE["prompt"], *_LINE["completion"]]
+    rec = from_line({"messages": msgs}, "l", "s")["record"]
+    assert rec.request["messages"] == _LINE["prompt"]
+    assert rec.response["reef_import"]["completion"] == _LINE["completion"]
+    assert _refused({"messages": []}).param == "messages"
+    assert _refused({"messages": "hi"}).param == "messages"
+    assert _refused({"messages": [{"role": "x"}]}).param.startswith("messages[0]")
+    both = from_line({**_LINE, "messages": [{"role": "user", "content": "other"}]}, "l", "s")["record"]
+    assert both.request["messages"] == _LINE["prompt"]
+    failed = from_line({"status": "error", "prompt": _LINE["prompt"], "messages": [{"role": "user", "content": "o"}]},
+                       "l", "s")["record"]
+    assert failed.request["messages"] == _LINE["prompt"]  # a prompt alone is the prompt-completion shape too
+
+
+def test_an_export_line_imported_and_exported_again_is_the_same() -> None:
+    """``to_line`` of what ``from_line`` made: the line's fields, its format, its whole completion, its tools as
+    JSON text, the last scored report's score and its label, each report's source. Bugs caught: any field lost or
+    renamed on the way, the score of the first report, unscored reports counted, the label's 0.5 moved."""
+    from daemon.export import from_line, to_line
+
+    line = {"id": "rec_rt", "scenario": "s", "run": "run-1", "created_at": 100.0, "model": "smollm2",
+            "release_id": "rel_1", "format": "openai-responses", "status": "complete", **_LINE,
+            "tools": '[{"type":"function","function":{"name":"ls","description":"list","parameters":{}}}]',
+            "score": 0.5, "label": True, "reports": [{"score": 0.0, "feedback": None, "source": None},
+                                                     {"score": 0.5, "feedback": "better", "source": "me"},
+                                                     {"score": None, "feedback": "note", "source": None}],
+            "prompt_token_ids": [1, 2], "token_ids": [3], "logprobs": [-0.1]}
+    got = from_line(line, "l", "dflt")
+    rec = dataclasses.asdict(got["record"])
+    rec["reports"] = [{"report": {k: v for k, v in r.items() if k != "report_id"} | {
+        "metadata": {"source": r["source"]}}} for r in got["reports"]]
+    assert to_line(rec) == line
+    assert to_line({**rec, "reports": [{"report": {"score": 1}}, {"report": "junk"}, {"x": 1}]})["score"] == 1.0
+
+
+def test_more_bounds_and_forms_an_import_takes() -> None:
+    """A one-character model, release id or source; a report of a score alone or of feedback alone; a score given
+    as another float object equal to its report's; 300 tokens with 300 log-probs; the time 1e11 refused without the
+    milliseconds hint and one second more with it; an id-less line's id the same whatever its keys' order, 32 hex
+    digits of its hash; the answer the last assistant message even behind a tool result; the stored exchange at
+    index 0 and kept for training. Bugs caught: ``1 <`` for ``0 <`` on each name, ``or`` for ``and`` on a report
+    without both, ``is not`` for ``!=`` on the scores and the log-probs' count, the 1e11 bound moved or made ``>=``,
+    the id's hash taken of unsorted keys or cut at 31 or 33, the answer taken from any role, ``capture`` off."""
+    from daemon.export import from_line
+
+    one = from_line({**_LINE, "model": "m", "release_id": "r", "reports": [{"score": 1, "source": "a"}]}, "l", "s")
+    assert (one["record"].model, one["record"].release_id, one["reports"][0]["source"]) == ("m", "r", "a")
+    assert [r["score"] for r in from_line({**_LINE, "score": 1}, "l", "s")["reports"]] == [1.0]
+    assert [r["feedback"] for r in from_line({**_LINE, "feedback": "meh"}, "l", "s")["reports"]] == ["meh"]
+    assert from_line({**_LINE, "score": float("0.5"), "reports": [{"score": 0.5}]}, "l", "s")["reports"][0][
+        "score"] == 0.5
+    many = from_line({**_LINE, "token_ids": list(range(300)), "logprobs": [-1.0] * 300}, "l", "s")["record"]
+    assert len(many.logprobs) == 300
+    assert "milliseconds" not in _refused({**_LINE, "created_at": 1e11}).message
+    assert "milliseconds" in _refused({**_LINE, "created_at": 1e11 + 1}).message
+    a = from_line({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant",
+                                                                                   "content": "yo"}]}, "l", "s")
+    b = from_line({"prompt": [{"content": "hi", "role": "user"}], "completion": [{"content": "yo",
+                                                                                   "role": "assistant"}]}, "l", "s")
+    assert a["record"].id == b["record"].id and len(a["record"].id) == len("rec_imp_") + 32
+    calls = [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]
+    rec = from_line({**_LINE, "completion": [{"role": "assistant", "content": "", "tool_calls": calls},
+                                             {"role": "tool", "content": "a.py", "tool_call_id": "c1"}]},
+                    "l", "s")["record"]
+    assert rec.response["choices"] == [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "", "tool_calls": calls}}]
+    assert rec.capture is True
+
+
+_SERVED_REQUEST = {"model": "m", "messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "this"}]},
+    {"role": "assistant", "content": "I will list.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": ""}}]},
+    {"role": "tool", "content": "a.py", "tool_call_id": "c1"}],
+    "tools": [{"type": "function", "function": {"name": "ls", "description": "liste les fichiers é",
+                                                "parameters": {"type": "object"}}}]}
+
+
+def _served(**over: Any) -> dict[str, Any]:
+    return {"id": "rec_s", "scenario": "s", "format": "openai-chat", "engine": "vllm", "request": _SERVED_REQUEST,
+            "response": {"id": "x", "object": "chat.completion", "model": "m", "choices": [{
+                "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c2", "type": "function", "function": {"name": "cat", "arguments": ""}}]}}],
+                "reef": {"receipt": "rec_s"}}, **over}
+
+
+def test_a_served_exchange_is_exported_as_chat_messages_with_its_tools_and_answer() -> None:
+    """Text parts joined and images left out, an assistant's calls as ``tool_calls`` (empty arguments as ``{}``), a
+    tool result as a ``tool`` message, the tools as JSON text that keeps its non-ASCII, the answer's calls. Bugs
+    caught: parts picked by order instead of their type, a tool result or a call lost or doubled, a message with
+    only results written twice, ``null`` content, the text escaped, the ``reef`` key not dropped before parsing."""
+    from daemon.export import to_line
+
+    line = to_line(_served())
+    assert line["prompt"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "look: this"},
+        {"role": "assistant", "content": "I will list.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+        {"role": "tool", "content": "a.py", "tool_call_id": "c1"}]
+    assert line["tools"] == ('[{"type":"function","function":{"name":"ls","description":"liste les fichiers é",'
+                             '"parameters":{"type":"object"}}}]')
+    assert line["completion"] == [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]}]
+    plain = to_line(_served(response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}))
+    assert plain["completion"] == [{"role": "assistant", "content": "ok"}]
+
+
+def test_a_failed_or_unreadable_exchange_is_exported_without_what_it_lacks() -> None:
+    """A failure stored as ``{error, partial}`` gives its partial answer; an error beside other keys (a Responses
+    body) is read as the body; no partial, a response that is no object or does not parse, a request that does not
+    parse, an unknown format: None there, never an exception. Bugs caught: each of those checks inverted or
+    dropped (``or`` for ``and``, ``==`` or ``>=`` for ``<=`` on the failure's keys), an exception let out."""
+    from daemon.export import to_line
+
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "half"}}]}
+    got = to_line(_served(status="error", response={"error": {"message": "cut"}, "partial": answer}))
+    assert got["completion"] == [{"role": "assistant", "content": "half"}]
+    only = to_line(_served(status="error", response={"error": {"message": "cut"}}))
+    assert only["completion"] is None and only["prompt"] is not None
+    assert to_line(_served(response={"error": "x", "partial": "not an object"}))["completion"] is None
+    # an error beside other keys is a body, not serving's failure (a chat body with an error does not parse)
+    assert to_line(_served(response={**answer, "error": {"m": 1}, "partial": answer}))["completion"] is None
+    assert to_line(_served(response={"partial": answer}))["completion"] is None  # no error: no failure
+    clean = to_line(_served(response={**answer, "error": None}))
+    assert clean["completion"] == [{"role": "assistant", "content": "half"}]
+    for response in ("text", None, {"choices": "nope"}):
+        assert to_line(_served(response=response))["completion"] is None, response
+    bad = to_line(_served(request={"model": "m", "messages": [{"role": "wizard"}]}))
+    assert bad["prompt"] is None and bad["tools"] is None and bad["completion"] is not None
+    assert to_line(_served(request="not an object"))["prompt"] is None
+    unknown = to_line(_served(format="smoke"))
+    assert (unknown["prompt"], unknown["completion"], unknown["format"]) == (None, None, "smoke")
+    for completion in (None, [], "x", [{"role": "wizard"}]):
+        imported = {"id": "rec_i", "scenario": "s", "format": "openai-chat", "engine": "import",
+                    "response": {"reef_import": {"format": "openai-chat", "completion": completion}}}
+        assert to_line(imported)["completion"] is None, completion
+    not_import = to_line(_served(response={**answer, "reef_import": {"format": "anthropic"}}))
+    assert not_import["format"] == "openai-chat" and not_import["completion"] == [
+        {"role": "assistant", "content": "half"}]
+
+
+def test_the_export_renders_each_record_as_one_line_in_order() -> None:
+    """Bugs caught: the records taken from the wrong end or the wrong one of a pair, a line without its newline,
+    the loop not run."""
+    import json as _json
+
+    from daemon.export import render_lines, to_line
+
+    recs = [_served(id="rec_1"), _served(id="rec_2"), _served(id="rec_3")]
+    want = [to_line(r) for r in recs]
+    out = render_lines(list(recs))
+    assert out.endswith(b"\n") and [_json.loads(x) for x in out.decode().splitlines()] == want
+    assert render_lines([]) == b""
+
+
+def test_an_answers_tool_call_keeps_its_arguments() -> None:
+    """Bug caught: ``and`` for ``or`` (every call's arguments written as ``{}``)."""
+    from daemon.export import to_line
+
+    call = {"id": "c", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}}
+    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+    got = to_line({"id": "r", "scenario": "s", "format": "openai-chat", "request": None, "response": resp})
+    assert got["completion"] == [{"role": "assistant", "content": "", "tool_calls": [call]}]

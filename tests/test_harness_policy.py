@@ -434,3 +434,142 @@ def test_a_tool_grant_from_any_recipe_is_held_by_the_learner(daemon_factory: Any
         ok = c.post("/reef/report", json={"references": [receipt(c, "skf")],
                                           "feedback": "---\nname: fb\ndescription: d\n---\nRun the tests."}).json()
         assert ok["learning"]["verdict"] == "accepted", ok["learning"]
+
+
+# --- what the policy says, and where the daemon serves it (without a daemon) ------------------------------------
+
+
+def test_a_served_harness_that_breaks_the_policy_is_refused_naming_the_first_file_and_how_many_more() -> None:
+    """``check_served``: a harness with refused files is not handed to an agent, and the error names the release,
+    the first file in path order with its reason, how many more there are, and how to get out (a rollback); one
+    refused file says no "more"; what only a person may admit (a tool grant, a script) serves. Bugs caught: the
+    check inverted or skipped, scripts refused at serving (a person admitted them), the count off by one or said
+    for a single file, the last file named instead of the first, the unknown release not shown as ``?``."""
+    from daemon.errors import HarnessRefused
+
+    hooks = b"---\nname: h\nhooks: {}\n---\nx"
+    two = {"skills/b/SKILL.md": hooks, "skills/a/SKILL.md": hooks, "AGENTS.md": b"- be kind\n"}
+    with pytest.raises(HarnessRefused) as e:
+        harness_policy.check_served(two, release="rel_x")
+    msg = e.value.message
+    assert msg.startswith("harness release rel_x is refused by the harness policy: skills/a/SKILL.md: "), msg
+    assert "'hooks'" in msg and msg.count("SKILL.md") == 1, msg
+    assert msg.endswith(" (and 1 more); roll the scenario back to a release without it (reef releases rollback)"), msg
+    assert [f["path"] for f in e.value.data["findings"]] == ["skills/a/SKILL.md", "skills/b/SKILL.md"]
+    three = {**two, "skills/c/SKILL.md": hooks}
+    with pytest.raises(HarnessRefused, match=r"\(and 2 more\); roll") as e:
+        harness_policy.check_served(three)
+    assert e.value.message.startswith("harness release ? is refused"), e.value.message
+    with pytest.raises(HarnessRefused) as e:
+        harness_policy.check_served({"skills/a/SKILL.md": hooks}, release="rel_y")
+    assert "more" not in e.value.message and e.value.message.endswith("SKILL.md: its frontmatter sets 'hooks', which"
+                                                                      " a harness may not set (hooks, permissions, MCP"
+                                                                      " servers, environment, model...; allowed: name,"
+                                                                      " description, argument-hint, license, and tool"
+                                                                      " grants for review); roll the scenario back to a"
+                                                                      " release without it (reef releases rollback)")
+    admitted = {"skills/t/SKILL.md": b"---\nname: t\nallowed-tools: Bash\n---\nx", "skills/t/run.sh": b"echo hi\n",
+                "AGENTS.md": b"- be kind\n"}
+    harness_policy.check_served(admitted, release="rel_z")  # nothing refused outright: it serves
+
+
+def test_a_script_is_refused_unless_the_scenario_allows_scripts_and_then_held_for_a_person() -> None:
+    """``findings`` without ``allow_executable`` refuses a script outright; with it, holds it for review; the reason
+    says which, and names a Claude Code ``!`command``` in a Markdown file as such and anything else as a script.
+    Bugs caught: scripts allowed by default, the two reasons swapped, a ``#!`` skill or a ``.sh`` file that also
+    holds ``!`...``` called a load-time command (or a Markdown one called a script)."""
+    tree = {"skills/r/run.sh": b"#!/bin/sh\necho !`id`\n", "commands/c.md": b"Today: !`date`\n",
+            "skills/s/SKILL.md": b"---\nname: s\n---\n#!/bin/sh\necho\n"}
+    refused = harness_policy.findings(tree)
+    assert [(f.path, f.rule, f.review) for f in refused] == [
+        ("commands/c.md", "executable", False), ("skills/r/run.sh", "executable", False),
+        ("skills/s/SKILL.md", "executable", False)]
+    reasons = {f.path: f.reason for f in refused}
+    assert reasons["commands/c.md"] == ("it is a command Claude Code runs when the file loads (!`...`); this "
+                                        "scenario does not allow it (setting allow_executable)")
+    for path in ("skills/r/run.sh", "skills/s/SKILL.md"):
+        assert reasons[path].startswith("it is executable content (a script); this scenario does not allow"), path
+    held = harness_policy.findings(tree, allow_executable=True)
+    assert all(f.review and f.reason.endswith("; only a person may admit it") for f in held), held
+    assert harness_policy.refused(held) == [] and harness_policy.held(held) == held
+
+
+def test_a_control_character_is_reported_on_the_line_it_is_on() -> None:
+    """Bugs caught: the line counted from 0, or the newlines counted from the second character (a file that opens
+    with a blank line), or from the end."""
+    def line_of(text: str) -> str:
+        [f] = harness_policy.file_findings("AGENTS.md", text)
+        return f.reason
+
+    assert line_of("- be\x00 kind") == "it holds the control or invisible character U+0000 (line 1)"
+    assert line_of("\n- be\u200b kind\n- more\n") == ("it holds the control or invisible character U+200B "
+                                                       "(line 2)")
+    assert line_of("- a\n- b\n\n- c\u202e\n") == "it holds the control or invisible character U+202E (line 4)"
+
+
+def test_a_file_that_is_not_utf8_is_refused_as_unreadable() -> None:
+    """Bug caught: bytes that do not decode escape as an exception (a 500 where a refusal belongs)."""
+    assert harness_policy.file_findings("AGENTS.md", b"- be \xff kind") == [
+        harness_policy.Finding("AGENTS.md", "control", "it is not UTF-8 text")]
+
+
+def test_a_second_frontmatter_block_right_after_the_first_is_read_too() -> None:
+    """A lenient reader takes the block after a harmless one as the frontmatter; its keys are read. Bug caught:
+    the second block read only when there is none (``not`` added), so hooks behind a harmless block pass."""
+    text = "---\nname: a\ndescription: d\n---\n\n---\nhooks: {}\n---\nx"
+    found = harness_policy.file_findings("skills/a/SKILL.md", text)
+    assert [(f.rule, f.review) for f in found] == [("frontmatter", False)] and "'hooks'" in found[0].reason, found
+    assert harness_policy.file_findings("skills/a/SKILL.md", "---\nname: a\n---\nplain text, --- later") == []
+
+
+def test_frontmatter_that_is_never_closed_is_everything_after_its_three_dashes() -> None:
+    """Bug caught: the character right after ``---`` dropped from an unclosed block (a key written on the same
+    line is then misread: ``tools`` held for review becomes an unknown ``ools``)."""
+    assert harness_policy.split_frontmatter("---tools: Bash") == ("tools: Bash", "")
+    [f] = harness_policy.file_findings("skills/a/SKILL.md", "---tools: Bash")
+    assert f.review and "(tools: ...)" in f.reason, f
+
+
+def test_a_frontmatter_parse_error_is_named_by_its_first_line_cut_to_120_characters(monkeypatch: Any) -> None:
+    """The reason says why YAML refused it: the error's first line (not its position lines), at most 120
+    characters; an error without a message by its type. Bugs caught: another line of the error, 119 or 121
+    characters, the type named instead of the message (or the empty message shown)."""
+    import yaml  # type: ignore[import-untyped]
+
+    [f] = harness_policy.file_findings("skills/a/SKILL.md", "---\nname: [a\n---\nx")
+    assert f.rule == "frontmatter" and not f.review
+    assert "(while parsing a flow sequence)" in f.reason and "line 2" not in f.reason, f.reason
+
+    def fails(error: Exception) -> str:
+        def load(_: str) -> None:
+            raise error
+        monkeypatch.setattr(yaml, "safe_load", load)
+        [f] = harness_policy.file_findings("skills/a/SKILL.md", "---\nname: a\n---\nx")
+        return f.reason
+
+    assert f"({'y' * 120}), so" in fails(yaml.YAMLError("y" * 200 + "\nsecond line"))
+    assert "(ValueError), so what it grants cannot be told" in fails(ValueError())
+
+
+def test_a_long_frontmatter_key_is_named_by_its_first_60_characters() -> None:
+    """Bug caught: 59 or 61 characters of a key (the reason's bound on what a harness may put in it)."""
+    [f] = harness_policy.file_findings("skills/a/SKILL.md", "---\n" + "k" * 100 + ": 1\n---\nx")
+    assert f"sets '{'k' * 60}', which" in f.reason, f.reason
+
+
+def test_a_file_naming_several_rights_switches_has_one_rights_finding() -> None:
+    """One finding per rule in a file, the first pattern's. Bug caught: ``continue`` for ``break`` (a finding per
+    pattern that matched)."""
+    found = harness_policy.file_findings("AGENTS.md", "- run with --yolo\n- and edit .claude/settings.json\n")
+    assert [(f.rule, f.reason) for f in found] == [("rights", "it names a switch that turns off the agent's "
+                                                   "permission prompts or sandbox")], found
+
+
+def test_a_finding_cannot_be_changed_after_the_policy_made_it() -> None:
+    """A finding is frozen: a later step cannot quietly turn a refusal into a review. Bug caught: ``frozen=False``."""
+    import dataclasses
+
+    f = harness_policy.Finding("AGENTS.md", "rights", "why")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.review = True  # type: ignore[misc]
+    assert {f, harness_policy.Finding("AGENTS.md", "rights", "why")} == {f}

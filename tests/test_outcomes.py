@@ -292,3 +292,235 @@ def test_an_outcome_report_never_overrides_an_explicit_one(daemon_factory: Any) 
                         what="a train release")["releases"][0]
         assert sorted(head["receipts"]) == sorted(receipts)
         assert head["metrics"]["batch_reward"] == 0.5, head["metrics"]
+
+
+# --- the module's parts, without an agent ---------------------------------------------------------------------------
+
+
+def test_a_runs_outcome_flags_add_to_the_scenarios_and_an_unknown_one_is_refused() -> None:
+    """``--reef-outcome exit,kept`` (or repeated, with spaces and empty items) adds to what the scenario asks, never
+    takes away; ``check`` is not a flag's kind (it has its own). Bugs caught: a kind asked by the flag alone not
+    taken (``and`` for ``or``), items not split on commas or not stripped, an empty item taken for a bad kind, an
+    unknown kind taken."""
+    import pytest
+
+    from daemon.config import OutcomeSettings
+    from daemon.errors import BadRequest
+
+    none = OutcomeSettings()
+    assert outcomes.with_flags(none, ["exit"], None) == OutcomeSettings(exit=True)
+    assert outcomes.with_flags(none, [" exit , kept ", ""], None) == OutcomeSettings(exit=True, kept=True)
+    assert outcomes.with_flags(none, ["kept,", ",exit"], None) == OutcomeSettings(exit=True, kept=True)
+    assert outcomes.with_flags(OutcomeSettings(exit=True, kept=True), [], None) == OutcomeSettings(exit=True, kept=True)
+    with pytest.raises(BadRequest, match=r"--reef-outcome takes exit and kept \(the check is --reef-check CMD\), "
+                                         r"not check, tests$"):
+        outcomes.with_flags(none, ["exit,check", "tests"], None)
+
+
+def test_a_snapshot_names_each_changed_and_untracked_file_with_its_hash_and_the_commit(tmp_path: Path) -> None:
+    """Bugs caught: a file with a one-character name skipped or misread (the status line's path cut at another
+    place), the commit not read, a project without commits given a commit, a folder outside git given a snapshot."""
+    import hashlib
+
+    assert outcomes.snapshot(tmp_path) is None  # not a git work tree
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    git(fresh, "init", "-q")
+    (fresh / "a").write_text("one\n")
+    snap = outcomes.snapshot(fresh)
+    assert snap == {"root": str(fresh.resolve()), "head": None,
+                    "files": {"a": hashlib.sha256(b"one\n").hexdigest()}}, snap
+    p = project(tmp_path)
+    head = subprocess.run(["git", "-C", str(p), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (p / "app.py").write_text("print('v2')\n")
+    (p / "b").write_text("new\n")
+    (p / "sub").mkdir()
+    (p / "sub" / "c.txt").write_text("deep\n")
+    snap = outcomes.snapshot(p / "sub")  # from a folder inside the project: the project's root
+    assert snap is not None and snap["root"] == str(p.resolve()) and snap["head"] == head
+    assert snap["files"] == {"app.py": hashlib.sha256(b"print('v2')\n").hexdigest(),
+                             "b": hashlib.sha256(b"new\n").hexdigest(),
+                             "sub/c.txt": hashlib.sha256(b"deep\n").hexdigest()}, snap
+    (p / "app.py").unlink()
+    assert outcomes.snapshot(p)["files"]["app.py"] is None  # deleted: changed, nothing there
+
+
+def test_the_changes_of_a_run_include_what_it_committed_and_only_what_differs(tmp_path: Path) -> None:
+    """Between two snapshots: files whose content differs, those the agent committed (read from the commits) among
+    them; a file changed and put back within the run is no change; another project, or no snapshot, is no answer.
+    Bugs caught: the commits' files not read (or read when the head did not move), a file's hash before taken
+    from the wrong commit, unchanged files listed, another project's snapshot compared."""
+    p = project(tmp_path)
+    (p / "notes.md").write_text("draft\n")
+    before = outcomes.snapshot(p)
+    assert outcomes.changes(before, before) == {}
+    (p / "app.py").write_text("print('v2')\n")
+    git(p, "add", "app.py")
+    git(p, "commit", "-qm", "v2")  # the agent commits its change to app.py: no longer in the status
+    (p / "notes.md").write_text("draft\n")  # written again, the same
+    (p / "new.py").write_text("x = 1\n")
+    after = outcomes.snapshot(p)
+    assert after is not None and "app.py" not in after["files"]
+    changed = outcomes.changes(before, after)
+    import hashlib
+
+    h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    assert changed == {"app.py": [h(b"print('v1')\n"), h(b"print('v2')\n")], "new.py": [None, h(b"x = 1\n")]}, changed
+    assert outcomes.changes(None, after) is None and outcomes.changes(before, None) is None
+    other = outcomes.snapshot(project(tmp_path / "other"))
+    assert outcomes.changes(other, after) is None and outcomes.changes(after, other) is None
+    # a run that moves the commit back (a reset) changes the same files the other way: whichever commit id sorts first
+    assert outcomes.changes(after, before) == {f: [now, was] for f, (was, now) in changed.items()}
+    # kept: app.py as the run left it; reverted: new.py gone again
+    (p / "new.py").unlink()
+    assert outcomes.kept_share(changed, p) == (1, 1)
+    (p / "app.py").write_text("print('v1')\n")
+    assert outcomes.kept_share(changed, p) == (0, 2)
+
+
+def test_a_check_that_cannot_start_is_not_measured_and_its_output_is_both_streams(tmp_path: Path) -> None:
+    """Bugs caught: a check in a folder that is gone raised instead of written down, stderr dropped or put first,
+    more or less than the documented 4,000 characters of output kept."""
+    got = outcomes.run_check("true", tmp_path / "gone", timeout_s=5)
+    assert got["status"] == "error" and got["reason"].startswith("the check could not start: "), got
+    both = outcomes.run_check("echo out; echo err >&2; exit 3", tmp_path, timeout_s=30)
+    assert both == {"status": "failed", "exit_code": 3, "output": "out\nerr\n"}, both
+    slow = outcomes.run_check("sleep 5", tmp_path, timeout_s=0.5)
+    assert slow == {"status": "error", "reason": "the check timed out after 0.5 s"}, slow
+    long = outcomes.run_check("head -c 5000 /dev/zero | tr '\\0' y", tmp_path, timeout_s=30)
+    assert long["output"] == "y" * 4000  # the last 4,000 characters, as docs/your-data.md says
+
+
+def test_an_interrupted_check_takes_the_processes_it_started_with_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """Ctrl-C reaches the wrapper while its check runs (the check's own session does not get it): the check's
+    process group is killed before the interrupt goes on. Bug caught: only the time limit kills the group (the
+    runner the check started goes on writing in the project after the wrapper is gone)."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    real = subprocess.Popen.communicate
+    pid_file = tmp_path / "runner.pid"
+
+    def communicate(self: subprocess.Popen[bytes], input: bytes | None = None,  # noqa: A002
+                    timeout: float | None = None) -> tuple[bytes, bytes]:
+        if timeout == 60:  # the check's own wait: interrupted once its runner is up
+            while not (pid_file.exists() and pid_file.read_text().strip()):
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+        return real(self, input, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", communicate)
+    with pytest.raises(KeyboardInterrupt):
+        outcomes.run_check("sh -c 'echo $$ > runner.pid; while :; do sleep 0.05; done' & wait", tmp_path, 60)
+    pid = int(pid_file.read_text())
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(pid), "the check's runner outlived the interrupted wrapper"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_exit_code_scores_the_run_with_the_scenarios_scores(tmp_path: Path) -> None:
+    """Bugs caught: exit 0 scored as a failure (or any exit, or a kill by a signal, as a pass), the scores swapped, the exit report made
+    when not asked, the check's report without its command, exit code or output, a check that cannot run without
+    its command in the failure."""
+    from daemon.config import OutcomeSettings
+
+    s = OutcomeSettings(exit=True, pass_score=0.75, fail_score=0.25)
+    assert outcomes.score(s, True) == 0.75 and outcomes.score(s, False) == 0.25
+    for code, want in ((0, 0.75), (1, 0.25), (2, 0.25), (-9, 0.25)):  # -9: the agent killed by a signal
+        reports, failed = outcomes.reports_for_run(s, code, tmp_path)
+        assert failed == [] and reports == [{"score": want, "metadata": {"source": "outcome", "outcome": "exit",
+                                                                         "exit_code": code}}], reports
+    assert outcomes.reports_for_run(OutcomeSettings(), 1, tmp_path) == ([], [])
+    both, _ = outcomes.reports_for_run(OutcomeSettings(exit=True, check="echo ok"), 1, tmp_path)
+    assert both == [{"score": 0.0, "metadata": {"source": "outcome", "outcome": "exit", "exit_code": 1}},
+                    {"score": 1.0, "metadata": {"source": "outcome", "outcome": "check", "command": "echo ok",
+                                                "exit_code": 0, "output": "ok\n"}}], both
+    _, failed = outcomes.reports_for_run(OutcomeSettings(check="exit 127"), 0, tmp_path)
+    assert failed == [{"outcome": "check", "command": "exit 127", "reason": "the check could not run (exit 127): "}]
+
+
+def test_a_snapshot_of_hundreds_of_new_files_lists_them_all(tmp_path: Path) -> None:
+    """Bug caught: the status entries walked with ``is not`` for ``<`` (the same past 256 entries only by value:
+    the walk runs off the end)."""
+    p = project(tmp_path)
+    for i in range(300):
+        (p / f"f{i:03}.txt").write_text(f"{i}\n")
+    snap = outcomes.snapshot(p)
+    assert snap is not None and len(snap["files"]) == 300
+
+
+def test_a_file_that_cannot_be_read_is_hashed_as_absent(tmp_path: Path, monkeypatch: Any) -> None:
+    """Bug caught: an unreadable file in the project (a permission, a file removed while it is read) raises out of
+    the snapshot instead of counting as not there."""
+    p = project(tmp_path)
+    (p / "app.py").write_text("print('v2')\n")
+
+    def unreadable(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    snap = outcomes.snapshot(p)
+    assert snap is not None and snap["files"] == {"app.py": None}
+
+
+def test_a_check_killed_by_a_signal_is_a_failure(tmp_path: Path) -> None:
+    """The shell ends by a signal (a negative exit status): the project's check did not pass. Bug caught: ``<= 0``
+    for ``== 0`` (a crash scored as a pass)."""
+    got = outcomes.run_check("kill -9 $$", tmp_path, timeout_s=30)
+    assert got["status"] == "failed" and got["exit_code"] == -9, got
+
+
+def test_a_timed_out_check_whose_child_left_its_session_still_returns(tmp_path: Path, monkeypatch: Any) -> None:
+    """A process the check moved to a session of its own escapes the kill and holds the output pipes: the wrapper
+    stops reading (the pipes closed), reaps the shell and says the check timed out. (The wait for the pipes is
+    made 0.2 s here, not 5.) Bugs caught: the wait's timeout not caught, the pipes left open."""
+    import os
+    import signal
+
+    real = subprocess.Popen.communicate
+    seen: list[subprocess.Popen[bytes]] = []
+
+    def communicate(self: subprocess.Popen[bytes], input: bytes | None = None,  # noqa: A002
+                    timeout: float | None = None) -> tuple[bytes, bytes]:
+        seen.append(self)
+        return real(self, input, 0.2 if timeout == 5 else timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", communicate)
+    try:
+        got = outcomes.run_check("setsid sh -c 'echo $$ > away.pid; exec sleep 60' & sleep 60", tmp_path, 1)
+        assert got == {"status": "error", "reason": "the check timed out after 1 s"}, got
+        proc = seen[0]
+        assert proc.stdout is not None and proc.stdout.closed and proc.stderr is not None and proc.stderr.closed
+        assert proc.returncode is not None  # the shell reaped
+    finally:
+        os.kill(int((tmp_path / "away.pid").read_text()), signal.SIGKILL)
+
+
+def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_content(tmp_path: Path) -> None:
+    """Before the run the project has no commit (its files untracked); the agent commits them, one changed: only
+    that one changed. Bug caught: the commits diffed when there was none before (``or`` for ``and``: git is asked
+    to diff from no commit)."""
+    import hashlib
+
+    p = tmp_path / "first"
+    p.mkdir()
+    git(p, "init", "-q")
+    (p / "a.py").write_text("a = 1\n")
+    (p / "b.py").write_text("b = 1\n")
+    before = outcomes.snapshot(p)
+    assert before is not None and before["head"] is None
+    (p / "b.py").write_text("b = 2\n")
+    git(p, "add", ".")
+    git(p, "commit", "-qm", "first")
+    after = outcomes.snapshot(p)
+    assert after is not None and after["head"] is not None and after["files"] == {}
+    h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    assert outcomes.changes(before, after) == {"b.py": [h(b"b = 1\n"), h(b"b = 2\n")]}

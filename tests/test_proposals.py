@@ -520,3 +520,286 @@ def test_a_decided_proposal_also_read_as_pending_is_listed_once_as_decided() -> 
     other = Proposal("add", "rule", None, "Be kind.", "r", None, "prop_02", 6.0)
     both = listing([rel], [], [], [*pending, (other, None)])
     assert [(e["id"], e["verdict"]) for e in both] == [("prop_02", "pending"), ("prop_01", "admitted")]
+
+
+def _body(**over: Any) -> dict[str, Any]:
+    return {"op": "add", "kind": "rule", "text": "Be brief.", "reason": "r", **over}
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    (_body(extra=1, zzz=2), "extra", "unknown keys extra, zzz (known: kind, name, op, reason, run, text)"),
+    (_body(op="create"), "op", "op must be one of add, replace, retire, not 'create'"),
+    (_body(op=["add"]), "op", "op must be one of"),
+    (_body(op=None), "op", "op must be one of"),
+    (_body(kind="command"), "kind", "kind must be one of rule, skill, not 'command'"),
+    (_body(kind=["rule"]), "kind", "kind must be one of"),
+    (_body(reason="  \n"), "reason", "reason is required"),
+    (_body(reason=3), "reason", "reason is required"),
+    (_body(name="  "), "name", "name must be text"),
+    (_body(name=7), "name", "name must be text"),
+    (_body(text=["x"]), "text", "text must be text"),
+    (_body(op="retire", name="be-brief"), "text", "retire takes no text"),
+    (_body(op="replace", name="be-brief", text=None), "text", "replace rule needs text: the rule"),
+    (_body(op="add", kind="skill", name="notes", text=" \n"), "text", "add skill needs text: the SKILL.md of the skill"),
+    (_body(op="replace", text="Be kind."), "name", "replace rule needs a name: the rule id (or its exact text) to replace"),
+    (_body(op="add", kind="skill"), "name", "add skill needs a name: the skill to add"),
+    (_body(run="../x"), "run", "invalid run name"),
+])
+def test_a_malformed_proposal_is_a_400_naming_the_field(body: dict[str, Any], param: str, words: str) -> None:
+    """Each check of ``parse``, with the field it names. Bugs caught: a check dropped or inverted (an op, name or
+    text of the wrong type taken, a blank reason or name taken, text with a retire, an add or replace
+    without text, a replace or a skill without a name, an unchecked run), or the wrong field named."""
+    from daemon.errors import BadRequest
+    from daemon.proposals import parse
+
+    with pytest.raises(BadRequest) as e:
+        parse(body)
+    assert words in e.value.message and e.value.data.get("param") == param, (e.value.message, e.value.data)
+
+
+def test_a_proposal_of_exactly_the_size_limit_is_taken_and_one_byte_more_is_a_413() -> None:
+    """The size is the text's and the name's UTF-8 bytes together. Bugs caught: ``>=`` for ``>``, the name or the
+    text left out of the size, characters counted for bytes."""
+    from daemon.errors import PayloadTooLarge
+    from daemon.proposals import MAX_BYTES, parse
+
+    assert MAX_BYTES == 64 * 1024
+    name = "note"
+    text = "é" * ((MAX_BYTES - len(name)) // 2)  # two bytes each: the name and the text are the limit exactly
+    assert parse(_body(kind="skill", name=name, text=text)).text == text
+    with pytest.raises(PayloadTooLarge, match=f"the proposal is {MAX_BYTES + 1} bytes; the limit is {MAX_BYTES}"):
+        parse(_body(kind="skill", name=name + "s", text=text))
+    with pytest.raises(PayloadTooLarge):
+        parse(_body(kind="skill", name=name, text=text + "x"))
+
+
+def test_a_parsed_proposal_keeps_its_fields_trimmed_with_a_fresh_id_and_time() -> None:
+    """Bugs caught: the name or the reason not stripped, a retire or a nameless add given a name, the run or the
+    time lost, an id without its ``prop_`` prefix."""
+    import time
+
+    from daemon.proposals import parse
+
+    before = time.time()
+    p = parse({"op": "replace", "kind": "rule", "name": "  be-brief ", "text": "Be brief!", "reason": " why \n",
+               "run": "run-1"})
+    assert (p.op, p.kind, p.name, p.text, p.reason, p.run) == ("replace", "rule", "be-brief", "Be brief!", "why",
+                                                               "run-1")
+    assert p.id.startswith("prop_") and before <= p.at <= time.time()
+    new = parse(_body())
+    assert new.name is None and new.run is None and new.id != p.id
+    retire = parse({"op": "retire", "kind": "skill", "name": "notes", "reason": "r"})
+    assert (retire.name, retire.text) == ("notes", None)
+
+
+def test_an_archived_or_paused_scenario_refuses_a_proposal_naming_why() -> None:
+    """Bugs caught: either check dropped or inverted (an open scenario refused), the wrong reason given."""
+    from types import SimpleNamespace
+
+    from daemon.errors import Conflict
+    from daemon.proposals import check_open
+
+    check_open(SimpleNamespace(name="s", archived=False, paused=False))
+    for archived, paused, why in ((True, False, "archived"), (True, True, "archived"), (False, True, "paused")):
+        with pytest.raises(Conflict) as e:
+            check_open(SimpleNamespace(name="s", archived=archived, paused=paused))
+        assert e.value.data["why"] == why and f"reef scenarios {'unarchive' if why == 'archived' else 'resume'} s" \
+            in e.value.message, e.value.message
+
+
+def test_a_proposal_is_screened_with_the_recipes_own_caps_one_change_at_a_time() -> None:
+    """Harness search's ``limits()`` with one mutation; lessons' rule and file caps from its settings; the
+    mutations' defaults for a recipe with neither. Bugs caught: the recipe's limits ignored, more than one change
+    allowed, lessons' caps not read (or read into the wrong field)."""
+    from types import SimpleNamespace
+
+    from daemon.proposals import limits_of
+    from recipes.harness_search.mutations import Limits
+
+    own = Limits(max_mutations=5, max_file_bytes=10, max_tree_bytes=20, max_rule_chars=30, allow_executable=True)
+    assert limits_of(SimpleNamespace(limits=lambda: own, settings=None)) == Limits(
+        max_mutations=1, max_file_bytes=10, max_tree_bytes=20, max_rule_chars=30, allow_executable=True)
+    lessons = SimpleNamespace(settings=SimpleNamespace(max_chars=123, max_rules_bytes=4567))
+    assert limits_of(lessons) == Limits(max_mutations=1, max_rule_chars=123, max_file_bytes=4567)
+    assert limits_of(SimpleNamespace(settings=SimpleNamespace())) == Limits(max_mutations=1)
+    assert limits_of(SimpleNamespace(limits=lambda: None, settings=SimpleNamespace())) == Limits(max_mutations=1)
+
+
+_TREE = {"AGENTS.md": b"# Rules\n\n## Lessons\n\n- [be-brief] Be brief.\n- Run the tests first.\n",
+         "skills/notes/SKILL.md": b"---\nname: notes\ndescription: d\n---\nNotes.\n"}
+
+
+def _p(op: str, kind: str, name: str | None, text: str | None = None) -> Any:
+    from daemon.proposals import Proposal
+
+    return Proposal(op, kind, name, text, "because", "run-1", "prop_1", 1.0)
+
+
+def test_a_proposal_becomes_the_mutation_of_the_rule_or_skill_it_names() -> None:
+    """A rule named by its id or by its exact text (whitespace aside), a new rule's id from its text or its own
+    name, a skill's text made a SKILL.md unless it brings its own frontmatter, a retire with no text. Bugs caught:
+    the op words not mapped, the text not collapsed, a rule's text not resolved to its id, a named new rule given
+    the text's id, a skill's text not wrapped (or one with frontmatter wrapped again), text kept on a retire."""
+    from daemon.proposals import mutation
+    from recipes.harness_search.mutations import rule_id
+    from recipes.lessons import render_skill
+
+    add = mutation(_TREE, _p("add", "rule", None, " Keep  diffs\n small. "))
+    assert (add.op, add.kind, add.id, add.text, add.files, add.reason) == (
+        "create", "rule", rule_id("Keep diffs small."), "Keep diffs small.", None, "because")
+    named = mutation(_TREE, _p("add", "rule", "small-diffs", "Keep diffs small."))
+    assert (named.op, named.id) == ("create", "small-diffs")
+    by_id = mutation(_TREE, _p("replace", "rule", "be-brief", "Be  very brief."))
+    assert (by_id.op, by_id.id, by_id.text) == ("update", "be-brief", "Be very brief.")
+    by_text = mutation(_TREE, _p("retire", "rule", "Run the  tests\tfirst."))
+    assert (by_text.op, by_text.id, by_text.text, by_text.files) == (
+        "remove", rule_id("Run the tests first."), None, None)
+    skill = mutation(_TREE, _p("add", "skill", "review", "How to review.\nRead it all."))
+    assert (skill.op, skill.kind, skill.id, skill.text) == ("create", "skill", "review", None)
+    assert skill.files == {"SKILL.md": render_skill("review", "How to review.\nRead it all.")}
+    own = "\n---\nname: review\ndescription: own\n---\nx"
+    assert mutation(_TREE, _p("add", "skill", "review", own)).files == {"SKILL.md": own}
+    gone = mutation(_TREE, _p("retire", "skill", "notes"))
+    assert (gone.op, gone.id, gone.files, gone.text) == ("remove", "notes", None, None)
+    assert mutation(_TREE, _p("replace", "skill", "notes", "New notes.")).op == "update"
+
+
+def test_a_proposal_of_what_is_there_or_is_not_is_refused_before_any_screen() -> None:
+    """An add of a rule the harness has (by its id or its text's) or a skill it has is a 409; a replace or retire of
+    what it lacks a 404 naming what it has (the first 20 rule ids and how many more); a new rule named what no id
+    may be a 400. Bugs caught: either check dropped or inverted, the list of what there is wrong or cut at another
+    count, the name check dropped for a new rule."""
+    from daemon.errors import BadRequest, Conflict, NotFound
+    from daemon.proposals import mutation
+    from recipes.harness_search.mutations import rule_id
+
+    for p in (_p("add", "rule", None, "Run the tests  first."), _p("add", "rule", "be-brief", "Other."),
+              _p("add", "skill", "notes", "More notes.")):
+        with pytest.raises(Conflict, match="is in the harness already; propose a replace of it instead"):
+            mutation(_TREE, p)
+    with pytest.raises(NotFound) as e:
+        mutation(_TREE, _p("replace", "rule", "be-kind", "Be kind."))
+    assert e.value.message == (f"there is no rule 'be-kind' in the serving harness to replace (its rules: be-brief, "
+                               f"{rule_id('Run the tests first.')})")
+    with pytest.raises(NotFound, match=r"no skill 'other' in the serving harness to retire \(its skills: notes\)"):
+        mutation(_TREE, _p("retire", "skill", "other"))
+    with pytest.raises(NotFound, match=r"\(its skills: none\)"):
+        mutation({}, _p("replace", "skill", "other", "x"))
+    with pytest.raises(NotFound, match=r"\(its rules: none\)"):
+        mutation({}, _p("retire", "rule", "be-brief"))
+    first = ", ".join(f"r{i:02}" for i in range(20))
+    for count, shown in ((20, first), (21, f"{first} and 1 more"), (41, f"{first} and 21 more")):
+        tree = {"AGENTS.md": ("## Lessons\n\n" + "".join(f"- [r{i:02}] Rule {i}.\n" for i in range(count))).encode()}
+        with pytest.raises(NotFound) as e:
+            mutation(tree, _p("retire", "rule", "r99"))
+        assert e.value.message.endswith(f"(its rules: {shown})"), (count, e.value.message)
+    with pytest.raises(BadRequest, match="a new rule's name 'Be Brief' is not a-z"):
+        mutation(_TREE, _p("add", "rule", "Be Brief", "Be brief now."))
+    assert mutation(_TREE, _p("replace", "rule", "Be brief.", "Be briefer.")).id == "be-brief"  # its text: no id check
+
+
+def test_a_proposals_candidate_is_the_tree_with_its_change_screened_and_named() -> None:
+    """Bugs caught: a screen's refusal not raised as ``Screened`` naming the screen (or ``form`` for one without),
+    a retired skill not marked ``retire`` (or a retired rule marked so), the scripts and the review findings not
+    passed on, a summary or metrics missing."""
+    from daemon.proposals import Screened, candidate, mutation
+    from recipes.harness_search.mutations import Limits
+
+    limits = Limits(max_mutations=1)
+    c = candidate(_TREE, mutation(_TREE, _p("replace", "rule", "be-brief", "Be very brief.")), limits)
+    assert b"- [be-brief] Be very brief." in c.tree["AGENTS.md"] and c.metrics == {"proposal": 1}
+    assert c.details["origin"] == "proposal" and c.details["summary"] == "agent proposal: update rule be-brief"
+    assert "executable" not in c.details and "review" not in c.details
+    assert [m["op"] for m in c.details["mutations"]] == ["update"]
+    gone = candidate(_TREE, mutation(_TREE, _p("retire", "skill", "notes")), limits)
+    assert gone.details["origin"] == "retire" and "skills/notes/SKILL.md" not in gone.tree
+    assert candidate(_TREE, mutation(_TREE, _p("retire", "rule", "be-brief")), limits).details["origin"] == "proposal"
+    tools = "---\nname: t\ndescription: d\nallowed-tools: Bash\n---\n#!/bin/sh\necho"
+    held = candidate(_TREE, mutation(_TREE, _p("add", "skill", "t", tools)), Limits(max_mutations=1,
+                                                                                    allow_executable=True))
+    assert held.details["executable"] == ["skills/t/SKILL.md"] and len(held.details["review"]) == 2, held.details
+    assert held.details["origin"] == "proposal"  # an added skill is no retire, nor is a replaced one:
+    assert candidate(_TREE, mutation(_TREE, _p("replace", "skill", "notes", "New.")), limits).details["origin"] == \
+        "proposal"
+    with pytest.raises(Screened) as e:
+        candidate(_TREE, mutation(_TREE, _p("add", "skill", "t", tools)), limits)
+    assert e.value.screen == "executable" and "allow_executable" in e.value.reason
+    with pytest.raises(Screened) as e:
+        candidate(_TREE, mutation(_TREE, _p("add", "rule", None, "x" * 700)), limits)
+    assert e.value.screen in ("size", "form"), e.value.screen
+
+
+def test_an_outcomes_origin_names_the_proposal_its_target_and_at_most_2000_characters_of_text() -> None:
+    """Bugs caught: the target not the mutation's id (or not the name when there is none), the text uncut or cut
+    elsewhere, a ``text`` key for a retire."""
+    from daemon.proposals import mutation, origin
+
+    p = _p("add", "rule", None, "y" * 2500)
+    m = mutation(_TREE, p)
+    o = origin(p, m, "rec_1")
+    assert o == {"kind": "proposal", "id": "prop_1", "at": 1.0, "op": "add", "target": f"rule {m.id}",
+                 "reason": "because", "run": "run-1", "receipt": "rec_1", "text": "y" * 2000}
+    retire = origin(_p("retire", "skill", "gone"), None, None)
+    assert retire["target"] == "skill gone" and "text" not in retire and retire["receipt"] is None
+
+
+def test_each_verdict_is_listed_from_where_it_is_written_and_only_proposals_are() -> None:
+    """Admitted from a train or promote release (reviewed only for a promote; a rollback republishing a proposal's
+    content is no verdict), held from a held candidate, screened, rejected, unchanged or as written from the
+    rejection log, pending from the learner; newest id first; a release whose origin is no proposal (another kind,
+    none, no id) is not listed. Bugs caught: another origin kind (or none) taken for a proposal, a verdict word
+    mapped wrongly, a screen or a candidate dropped from the entry, a rollback listed, ``reviewed`` said of a
+    train, ``at`` lost where the origin has none, the order reversed."""
+    from types import SimpleNamespace
+
+    from daemon.proposals import Proposal, listing
+
+    def o(i: str, **more: Any) -> dict[str, Any]:
+        return {"kind": "proposal", "id": i, "at": 1.0, "op": "add", "target": "rule x", "reason": "r", "run": None,
+                "receipt": None, **more}
+
+    def rel(op: str, origin: Any, rid: str) -> Any:
+        return SimpleNamespace(operation=op, origin=origin, created_at=2.0, release_id=rid, step=3, metrics={"m": 1})
+
+    def rej(verdict: str, origin: Any, metrics: Any = None, candidate: str | None = None) -> Any:
+        return SimpleNamespace(origin=origin, created_at=4.0, verdict=verdict, reason="why", metrics=metrics,
+                               candidate=candidate)
+
+    releases = [rel("rollback", o("prop_09"), "rel_back"), rel("train", o("prop_01"), "rel_1"),
+                rel("promote", o("prop_02"), "rel_2"), rel("train", {"kind": "feedback", "id": "x"}, "rel_f"),
+                rel("train", {"kind": "search", "id": "y"}, "rel_s"), rel("train", {"id": "z"}, "rel_k"),
+                rel("train", {"kind": "proposal", "id": ""}, "rel_e"), rel("train", None, "rel_n"),
+                rel("init", o("prop_10"), "rel_i")]
+    rejections = [rej("rejected", o("prop_03"), {"screen": "secrets"}), rej("rejected", o("prop_04"), {"g": 1}),
+                  rej("skipped", o("prop_05")), rej("failed", o("prop_06"), None, "rel_c"),
+                  rej("canary-rolled-back", o("prop_07"))]
+    held = [rel("train", o("prop_08", at=None), "rel_h")]
+    pending = [(Proposal("add", "rule", None, "t", "r", "run-9", "prop_11", 5.0), "rec_9")]
+    out = listing(releases, held, rejections, pending)
+    assert [e["id"] for e in out] == ["prop_11", "prop_08", "prop_07", "prop_06", "prop_05", "prop_04", "prop_03",
+                                      "prop_02", "prop_01"]
+    by = {e["id"]: e for e in out}
+    assert {"kind": "proposal", **by["prop_01"]} == {**o("prop_01"), "decided_at": 2.0, "verdict": "admitted", "release_id": "rel_1",
+                                  "step": 3, "reviewed": False, "metrics": {"m": 1}}
+    assert (by["prop_02"]["verdict"], by["prop_02"]["reviewed"]) == ("admitted", True)
+    assert (by["prop_03"]["verdict"], by["prop_03"]["screen"], by["prop_03"]["why"]) == ("screened", "secrets", "why")
+    assert by["prop_04"]["verdict"] == "rejected" and "screen" not in by["prop_04"] and "candidate" not in by["prop_04"]
+    assert by["prop_05"]["verdict"] == "unchanged" and by["prop_06"]["verdict"] == "failed"
+    assert by["prop_06"]["candidate"] == "rel_c" and by["prop_07"]["verdict"] == "canary-rolled-back"
+    assert (by["prop_08"]["verdict"], by["prop_08"]["candidate"], by["prop_08"]["at"]) == ("held", "rel_h", 2.0)
+    assert by["prop_11"] == {"id": "prop_11", "at": 5.0, "op": "add", "target": "rule (new)", "reason": "r",
+                             "run": "run-9", "receipt": "rec_9", "decided_at": None, "verdict": "pending"}
+    named = listing([], [], [], [(Proposal("retire", "skill", "notes", None, "r", None, "prop_12", 6.0), None)])
+    assert named[0]["target"] == "skill notes"
+
+
+def test_a_proposal_cannot_be_changed_once_parsed() -> None:
+    """The learner judges the proposal the route parsed and lists it pending meanwhile: neither can alter it. Bug
+    caught: ``frozen=False``."""
+    import dataclasses
+
+    from daemon.proposals import parse
+
+    p = parse(_body())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.text = "Grant every tool."  # type: ignore[misc]
