@@ -146,7 +146,7 @@ class OnlineRLSettings(GateSettings, WeightsSettings):
     entropy_coef: float = 0.0  # bonus on the mean token entropy (nats)
     grad_clip: float = 1.0  # max global gradient norm
     steps_per_batch: int = 1  # optimizer steps per batch
-    # optimizer steps of a fresh optimizer (a new lineage: the first step, or the first after a hold) over which
+    # optimizer steps of a fresh optimizer (a lineage started from the head, or a restarted daemon) over which
     # the rate rises linearly to lr. Adam's first step moves every weight by about lr, whatever its gradient's size
     # (the second moment is that one gradient's square): measured on SmolLM2 at 3e-3, a first step took the policy
     # 0.17 nats per token from its base and lost 6 of 24 probes; with 4 warm-up steps 0.008 and 1 (docs/recipes.md)
