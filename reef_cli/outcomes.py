@@ -99,9 +99,10 @@ def changes(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict
         return None
     root = Path(after["root"])
     paths = set(before["files"]) | set(after["files"])
-    if before["head"] != after["head"] and before["head"] and after["head"]:  # the agent committed
-        diff = _git(root, "diff", "--name-only", "-z", before["head"], after["head"])
-        paths |= {p for p in diff.stdout.decode(errors="surrogateescape").split("\0") if p}
+    if before["head"] != after["head"] and after["head"]:  # the agent committed
+        listed = (_git(root, "diff", "--name-only", "-z", before["head"], after["head"]) if before["head"] else
+                  _git(root, "ls-tree", "-r", "-z", "--name-only", after["head"]))  # its first commit: every file
+        paths |= {p for p in listed.stdout.decode(errors="surrogateescape").split("\0") if p}
     out: dict[str, list[str | None]] = {}
     for p in sorted(paths):
         was = before["files"][p] if p in before["files"] else _committed_hash(root, before["head"], p)

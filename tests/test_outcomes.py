@@ -506,8 +506,9 @@ def test_a_timed_out_check_whose_child_left_its_session_still_returns(tmp_path: 
 
 def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_content(tmp_path: Path) -> None:
     """Before the run the project has no commit (its files untracked); the agent commits them, one changed: only
-    that one changed. Bug caught: the commits diffed when there was none before (``or`` for ``and``: git is asked
-    to diff from no commit)."""
+    that one changed, and a file it created and committed is listed as new. Bugs caught: the commits diffed when
+    there was none before (git is asked to diff from no commit), the first commit's files not read at all (a new
+    file the agent made and committed never counted)."""
     import hashlib
 
     p = tmp_path / "first"
@@ -518,9 +519,10 @@ def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_conten
     before = outcomes.snapshot(p)
     assert before is not None and before["head"] is None
     (p / "b.py").write_text("b = 2\n")
+    (p / "c.py").write_text("c = 1\n")
     git(p, "add", ".")
     git(p, "commit", "-qm", "first")
     after = outcomes.snapshot(p)
     assert after is not None and after["head"] is not None and after["files"] == {}
     h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
-    assert outcomes.changes(before, after) == {"b.py": [h(b"b = 1\n"), h(b"b = 2\n")]}
+    assert outcomes.changes(before, after) == {"b.py": [h(b"b = 1\n"), h(b"b = 2\n")], "c.py": [None, h(b"c = 1\n")]}
