@@ -67,24 +67,16 @@ def run(model: Path, work: Path, seconds: float, swaps: int) -> None:
 
 
 def main() -> None:
+    from bench.lora_models import chosen_model, model_options
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="a local HF model directory (default: SmolLM2-135M's shape, random)")
-    ap.add_argument("--small", action="store_true", help="the tiny model instead (a quick check of the mechanics)")
+    model_options(ap)
     ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args()
-    from bench.lora_models import smollm2_shaped
-    from daemon.models import init_tiny
 
     work = Path(tempfile.mkdtemp(prefix="reef-bench-swap-lora-"))
     try:
-        if args.model:
-            model = args.model.resolve()
-        elif args.small:
-            model = init_tiny(work / "tiny")
-        else:
-            print("building a random model of SmolLM2-135M's shape ...", flush=True)
-            model = smollm2_shaped(work / "smollm2-shaped")
-        print(f"model: {model}")
+        model = chosen_model(args, work)
         run(model, work, args.seconds, swaps=int(args.seconds) + 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)

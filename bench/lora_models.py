@@ -83,3 +83,24 @@ def adapter_variant(src: Path, dest: Path, seed: int) -> Path:
     (dest / lora.WEIGHTS).unlink()
     save_file(tensors, dest / lora.WEIGHTS, metadata={"format": "pt"})
     return dest
+
+
+def model_options(ap: Any) -> None:
+    """The model options the LoRA benches share: ``--model DIR`` or ``--small`` (default: SmolLM2's shape, random)."""
+    ap.add_argument("--model", type=Path, help="a local HF model directory (default: SmolLM2-135M's shape, random)")
+    ap.add_argument("--small", action="store_true", help="the tiny model instead (a quick check of the mechanics)")
+
+
+def chosen_model(args: Any, work: Path) -> Path:
+    """The model ``model_options`` chose, built under ``work`` where it is not a given directory."""
+    from daemon.models import init_tiny
+
+    if args.model:
+        model = args.model.resolve()
+    elif args.small:
+        model = init_tiny(work / "tiny")
+    else:
+        print("building a random model of SmolLM2-135M's shape ...", flush=True)
+        model = smollm2_shaped(work / "smollm2-shaped")
+    print(f"model: {model}")
+    return model

@@ -103,9 +103,10 @@ def run(model: Path, work: Path, releases: int, publishes: int, requests: int, s
 
 
 def main() -> None:
+    from bench.lora_models import chosen_model, model_options
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="a local HF model directory (default: SmolLM2-135M's shape, random)")
-    ap.add_argument("--small", action="store_true", help="the tiny model instead (a quick check of the mechanics)")
+    model_options(ap)
     ap.add_argument("--releases", type=int, default=50)
     ap.add_argument("--publishes", type=int, default=20, help="of them, the last ones timed to their first answer")
     ap.add_argument("--requests", type=int, default=150)
@@ -113,19 +114,10 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 < args.publishes <= args.releases:
         ap.error("--publishes must be within [1, --releases]")
-    from bench.lora_models import smollm2_shaped
-    from daemon.models import init_tiny
 
     work = Path(tempfile.mkdtemp(prefix="reef-bench-many-adapters-"))
     try:
-        if args.model:
-            model = args.model.resolve()
-        elif args.small:
-            model = init_tiny(work / "tiny")
-        else:
-            print("building a random model of SmolLM2-135M's shape ...", flush=True)
-            model = smollm2_shaped(work / "smollm2-shaped")
-        print(f"model: {model}")
+        model = chosen_model(args, work)
         run(model, work, args.releases, args.publishes, args.requests, args.seed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
