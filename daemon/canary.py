@@ -378,7 +378,7 @@ class Canaries:
         self._task: asyncio.Task[None] | None = None
         self._judging = asyncio.Lock()
         # told each end (scenario, promoted): the learning loop, which waits while a canary runs (set by the daemon)
-        self.on_end: Callable[[str, bool], None] | None = None
+        self.on_end: Callable[[str, bool, str | None], None] | None = None
 
     async def start(self) -> None:
         for row in await self.reef.store.canaries.running():
@@ -519,7 +519,7 @@ class Canaries:
                                  **out)
         log.info("canary of %s %s: %s", scenario.name, verdict, reason)
         if self.on_end is not None:
-            self.on_end(scenario.name, promote)
+            self.on_end(scenario.name, promote, rel.release_id if promote else None)
         return {**out, "figures": figures, "candidate": row["release_id"]}
 
     async def status(self, name: str) -> dict[str, Any] | None:

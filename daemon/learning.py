@@ -15,12 +15,12 @@ Design choices:
 - Consumption is written down where the outcome is: a published release lists the receipts it consumed in its
   manifest, a rejected, skipped or failed step in its rejection record. The consumed set is rebuilt from git at
   start-up, so a ``kill -9`` mid-step consumes nothing and the batch is learned from again after the restart.
-- Weights: the step runs in the trainer worker (``daemon/trainer/``). Training follows a lineage: each batch
-  continues from the previous candidate while the head is still the release that lineage started from (or the
-  one it last published), whatever the gate said; when the head moves for another reason (a rollback, another
-  publisher) the lineage restarts from the head, and also after the recipe's ``restart_after`` rejections in a
-  row (measured: a lineage that kept training past a bad step reached a KL of 7-13 nats per token from the head
-  and was rejected 200 times running).
+- Weights: the step runs in the trainer worker (``daemon/trainer/``). Training follows a lineage
+  (``daemon/lineage.py``): each batch continues from the previous candidate while the head is still the release
+  that lineage follows; it restarts from the head when the head moves for another reason, after a candidate held
+  for harm, and after the recipe's ``restart_after`` rejections in a row (measured: a lineage that kept training
+  past a bad step reached a KL of 7-13 nats per token from the head and was rejected 200 times running). While a
+  canary serves the lineage's candidate, the next step trains ahead of it and waits for its verdict.
 - Harness: the recipe edits the tree in the daemon; ``inline`` recipes step inside the report's own request and
   answer its outcome. A head that moves meanwhile makes the (cheap) edit again on the new head, up to 3 times.
 - The gate is the recipe's ``judge``; a winner is published by compare-and-swap with the head as expected parent
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon import learning_spend, spend, turn_judging
+from daemon import learning_spend, lineage, spend, turn_judging
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
@@ -100,6 +100,11 @@ class ScenarioLearning:
     # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
     pool: dict[str, ScoredExchange | FeedbackReport] = field(default_factory=dict)
     lineage: tuple[str, str, str] | None = None  # (head release it follows, candidate key, candidate dir)
+    # the canary the gate started of the lineage's candidate (release, content, dir), the end of a canary, and the
+    # canary the step under way trains ahead of (daemon/lineage.py)
+    canary_of: tuple[str, str, str] | None = None
+    canary_done: asyncio.Event = field(default_factory=asyncio.Event)
+    ahead: tuple[str, str, str] | None = None
     head_eval: tuple[str, list[float]] | None = None  # (release, its gate scores), when the loop knows them
     rejected_run: int = 0  # candidates of the lineage rejected in a row
     base: tuple[str, str] | None = None  # what the current weights step starts from (None: the head)
@@ -294,13 +299,13 @@ class Learner:
         if st.task is None or st.task.done():
             st.task = asyncio.ensure_future(self._loop(name))
 
-    def canary_ended(self, name: str, promoted: bool) -> None:
-        """A scenario's canary ended: learning goes on, from the promoted canary (the new head), or, when it was
-        ended, from the head: the lineage that led to a candidate live traffic turned away is not continued."""
+    def canary_ended(self, name: str, promoted: bool, head: str | None = None) -> None:
+        """A scenario's canary ended: learning goes on, from the promoted canary (the new head, ``head``), or, when
+        it was ended, from the head: the lineage that led to a candidate live traffic turned away is not continued
+        (``daemon/lineage.py``)."""
         st = self._scenarios.get(name)
-        if st is not None and not promoted and st.lineage is not None:
-            shutil.rmtree(st.lineage[2], ignore_errors=True)
-            st.lineage = None
+        if st is not None:
+            lineage.canary_ended(st, promoted, head)
         self.notify(name)
 
     async def _loop(self, name: str) -> None:
@@ -367,9 +372,11 @@ class Learner:
                 st.state = "warned"
                 return StepOutcome("paused", summary=str((scenario.warning or {}).get("reason")))
             self._follow_settings(st, scenario)
+            ahead = None
             if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
-                st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
-                return None
+                if (ahead := lineage.ahead_of(st)) is None:  # trains ahead of it, or waits for its verdict
+                    st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
+                    return None
             if recipe.kind == "weights" and (capped := await learning_spend.capped(self, st)) is not None:
                 return capped
             head = await self.chains.head(scenario)
@@ -397,14 +404,16 @@ class Learner:
             job_id = new_id("job_")
             record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
             st.state = "training"
-            extra = {}
+            extra: dict[str, Any] = {}
             if recipe.kind == "weights":
-                st.base = self._base(st, head)
+                st.base = lineage.base(st, head)
                 extra["from_head"] = st.base is None
+                if ahead is not None:
+                    extra["ahead_of"] = ahead[0]
             self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=len(batch),
                                 **extra)
             t0 = time.perf_counter()
-            st.trainer_s = 0.0
+            st.trainer_s, st.ahead = 0.0, ahead
             outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)
             try:
                 try:
@@ -439,6 +448,8 @@ class Learner:
                     with contextlib.suppress(ReefError):
                         await self.store.training.release_claims(name, receipts, lease)
                 raise
+            finally:
+                st.ahead = None
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
                                    else outcome.reason or outcome.verdict)
@@ -678,31 +689,16 @@ class Learner:
         await self.chains.reject(manifest, verdict=verdict, reason=reason, base=head.release_id)
 
     def follow(self, st: ScenarioLearning, follows: str, candidate: Candidate, job_id: str, *,
-                published: bool) -> None:
-        """Where the next weights step starts: the lineage goes on from this candidate (or restarts)."""
-        if st.recipe is None or st.recipe.kind != "weights":
-            return
-        st.rejected_run = 0 if published else st.rejected_run + (candidate.skipped is None)
-        if candidate.path is None:  # skipped: the lineage (and the model in the worker) did not move
-            if st.lineage is not None:
-                st.lineage = (follows, st.lineage[1], st.lineage[2])
-            return
-        old = st.lineage
-        st.lineage = (follows, f"candidate:{job_id}", candidate.path)
-        if old and old[2] != candidate.path:
-            shutil.rmtree(old[2], ignore_errors=True)
+               published: bool, restart: bool = False) -> None:
+        lineage.follow(st, follows, candidate, job_id, published=published, restart=restart)
 
-    @staticmethod
-    def _base(st: ScenarioLearning, head: Any) -> tuple[str, str] | None:
-        """The lineage's last candidate (key, dir) when the next step continues it; None: start from the head."""
-        assert st.recipe is not None
-        lineage = st.lineage
-        restart_after = int(getattr(st.recipe.settings, "restart_after", 0) or 0)
-        if (lineage and lineage[0] == head.release_id and Path(lineage[2]).exists()
-                and not (restart_after and st.rejected_run >= restart_after)):
-            return lineage[1], lineage[2]
-        st.rejected_run = 0
-        return None
+    async def wait_for_canary(self, st: ScenarioLearning) -> tuple[Scenario, Any]:
+        """A step trained ahead of a canary waits for its verdict (``daemon/lineage.py``): the scenario and its
+        head after."""
+        running = self.canary_running
+        await lineage.wait_for_canary(st, lambda: running is not None and running(st.name))
+        scenario = await self.store.scenarios.get(st.name)
+        return scenario, await self.chains.head(scenario)
 
     async def _train(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[Any],
                      job_id: str) -> Candidate:

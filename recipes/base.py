@@ -166,6 +166,9 @@ class GateSettings:
     # a canary with no report on its arm is promoted on its guards after this many answers on its arm
     canary_answers: int = 50
     canary_hours: float = 24.0  # a canary still undecided after this long is promoted (no guard tripped)
+    # weights: while a canary serves the lineage's candidate, the next step trains on top of it and waits for its
+    # verdict (daemon/lineage.py); false: the step waits for the verdict before it trains
+    canary_train_ahead: bool = True
     # the held-out check (daemon/gating/heldout.py), weights recipes: before a candidate serves, its greedy answers
     # to prompts it never trained on are compared with the serving head's; one that stops answering, forgets
     # probe answers beyond the check's noise or drifts past heldout_max_kl is held. false: every release says

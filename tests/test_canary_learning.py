@@ -15,6 +15,7 @@ from daemon.errors import BadRequest
 from recipes import load_recipe
 from tests.conftest import Daemon
 from tests.test_canary import canary_of
+from tests.test_learning import events_of
 from tests.test_recipes import recipe_dir, with_recipe_paths  # noqa: F401 - the fixture, used by name
 from tests.test_records_pg import _until
 
@@ -57,11 +58,12 @@ def test_weights_recipes_have_a_canary_by_default_and_gate_review_none() -> None
 def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_promoted_head(
         daemon_factory: Any, recipe_dir: Any) -> None:  # noqa: F811
     """Default settings but for the answers bound (12, to keep the test short): the first step's candidate is held
-    and serves half of new runs as a canary (the head stays); reports made meanwhile are not trained on while it
-    runs; runs nobody reports reach the bound and promote it (``quiet``, on the chain with the figures); then the
-    waiting reports train the next candidate from the promoted head, which is a canary in its turn. Bugs caught: the
-    default share 0 (straight to the head), learning not waiting (the waiting batch trains against the old head
-    and is held for review: no canary could start), the bound never firing."""
+    and serves half of new runs as a canary (the head stays); reports made meanwhile train ahead of it (on top of
+    its candidate) and that step waits for its verdict; runs nobody reports reach the bound and promote it
+    (``quiet``, on the chain with the figures); then the candidate trained ahead goes on against the promoted head
+    and is a canary in its turn. Bugs caught: the default share 0 (straight to the head), the step not waiting for
+    the verdict (it is judged against the old head and held for review: no canary could start), the bound never
+    firing, the step idling while the canary runs (no train.start ahead of it)."""
     d = drifting(daemon_factory, recipe_dir)
     with d.http() as c:
         made = c.post("/reef/scenarios", json={"name": "lw", "recipe": "drifting:Drifting",
@@ -75,8 +77,11 @@ def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_prom
         assert first["settings"]["max_answers"] == 12 and first["settings"]["max_hours"] == 24.0
         chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
         assert chain["head"] == head and [p["release_id"] for p in chain["pending"]] == [first["release_id"]]
-        report_on_head(c, "lw", head)  # a second batch, while the canary runs: it waits
+        report_on_head(c, "lw", head)  # a second batch, while the canary runs: it trains ahead, then waits
+        ahead = events_of(c, "lw", "train.start", 2)[1]
+        assert ahead["ahead_of"] == first["release_id"] and not ahead["from_head"], ahead
         _until("the loop to wait on the canary", lambda: c.get("/reef/status").json()["learning"].get("lw") == "canary")
+        assert canary_of(c, "lw")["release_id"] == first["release_id"]  # trained while it still runs
         arms = set()
         for i in range(200):  # runs nobody reports on: the canary's answers reach its bound
             if canary_of(c, "lw") is None:
@@ -94,13 +99,16 @@ def test_a_candidate_serves_as_a_canary_learning_waits_and_goes_on_from_the_prom
         assert second["base_id"] == promoted["release_id"] != first["base_id"]
         chain = c.get("/reef/scenarios/lw/releases", params={"all": "1"}).json()
         assert [p["release_id"] for p in chain["pending"]] == [second["release_id"]], chain["pending"]
+        assert chain["pending"][0]["metrics"]["trained_ahead_of"] == first["release_id"]
         assert not [j for j in chain["rejected"] if "no canary could start" in (j.get("reason") or "")]
 
 
 def test_a_scenario_with_no_traffic_promotes_its_canary_at_the_time_bound(daemon_factory: Any,
                                                                           recipe_dir: Any) -> None:  # noqa: F811
     """No run ever comes after the candidate: at ``canary_hours`` (a second here) the canary is promoted as
-    ``expired`` with its figures, and learning goes on. Bug caught: a canary with no traffic running forever."""
+    ``expired`` with its figures, and learning goes on from it: the next step continues the lineage (its weights
+    and the trainer's optimizer) from the promoted head. Bugs caught: a canary with no traffic running forever; the
+    step after a promotion starting from the head with a fresh optimizer (``daemon/lineage.py``)."""
     d = drifting(daemon_factory, recipe_dir)
     with d.http() as c:
         made = c.post("/reef/scenarios", json={"name": "lq", "recipe": "drifting:Drifting",
@@ -113,6 +121,10 @@ def test_a_scenario_with_no_traffic_promotes_its_canary_at_the_time_bound(daemon
         assert top["operation"] == "promote" and top["metrics"]["canary_verdict"] == "expired", top
         assert top["metrics"]["canary_answers"] == 0 and top["metrics"]["canary_reports"] == 0
         assert top["source"] != head and top["parent"] == head
+        report_on_head(c, "lq", top["release_id"])  # the next batch, after the promotion
+        starts = events_of(c, "lq", "train.start", 2)
+        # the lineage follows the promoted head (the canary's candidate, its optimizer kept), not a fresh start
+        assert [e["from_head"] for e in starts] == [True, False] and starts[1]["base"] == top["release_id"], starts
 
 
 def test_the_detectable_difference_is_the_one_decided_in_that_many_pairs() -> None:
@@ -198,10 +210,12 @@ def test_a_running_canary_is_shown_with_each_arm_in_status_releases_list_and_its
 
 def test_after_an_ended_canary_learning_starts_again_from_the_head(daemon_factory: Any,
                                                                    recipe_dir: Any) -> None:  # noqa: F811
-    """A canary ended (by hand here; a guard or the scores alike) turns its candidate away: the batch that waited
-    trains from the head, not on top of the candidate live traffic refused. The drifting recipe adds 1e-3 times
-    the batch's mean score to every weight, so the next candidate differs from the head by 0.001 (from the head) or
-    0.002 (on top of the ended one). Bug caught: the lineage kept after the end."""
+    """A canary ended (by hand here; a guard or the scores alike) turns its candidate away: the step that trained
+    ahead of it (on top of it) is discarded, written down as skipped without its receipts, and its batch trains
+    again from the head, not on top of the candidate live traffic refused. The drifting recipe adds 1e-3 times the
+    batch's mean score to every weight, so the next candidate differs from the head by 0.001 (from the head) or
+    0.002 (on top of the ended one). Bugs caught: the lineage kept after the end, the candidate trained ahead
+    served, its batch consumed by the discarded step."""
     d = drifting(daemon_factory, recipe_dir)
     with d.http() as c:
         made = c.post("/reef/scenarios", json={"name": "le", "recipe": "drifting:Drifting",
@@ -209,12 +223,17 @@ def test_after_an_ended_canary_learning_starts_again_from_the_head(daemon_factor
         head = made.json()["head"]
         report_on_head(c, "le", head)
         first = _until("the first canary", lambda: canary_of(c, "le"), 300)
-        report_on_head(c, "le", head)  # waits while the canary runs
+        report_on_head(c, "le", head)  # trains ahead of the canary, then waits for its verdict
+        assert events_of(c, "le", "train.start", 2)[1]["ahead_of"] == first["release_id"]
         _until("the loop to wait on the canary", lambda: c.get("/reef/status").json()["learning"].get("le") == "canary")
         assert c.post("/reef/scenarios/le/canary/end", json={}).json()["verdict"] == "ended"
         second = _until("the next candidate's canary", lambda: (x := canary_of(c, "le")) and x["release_id"] !=
                         first["release_id"] and x, 300)
         assert second["base_id"] == head
+        chain = c.get("/reef/scenarios/le/releases", params={"all": "1"}).json()
+        discarded = [j for j in chain["rejected"] if "trained ahead of canary" in (j.get("reason") or "")]
+        assert len(discarded) == 1 and discarded[0]["receipts"] == [], chain["rejected"]
+        assert len(chain["pending"][0]["receipts"]) == 2  # the discarded step's batch, learned from again
 
         def moved(rel: str) -> float:
             files = c.get(f"/reef/scenarios/le/releases/{rel}").json()["diff"]["files"]

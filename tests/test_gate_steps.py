@@ -38,7 +38,8 @@ class Chains:
 
     async def hold(self, manifest: Any, artifact: Any, *, base: str) -> Any:
         self.held.append((manifest, artifact, base))
-        return SimpleNamespace(release_id=f"rel_held{len(self.held)}", step=6 + len(self.held))
+        return SimpleNamespace(release_id=f"rel_held{len(self.held)}", content_id=f"c_held{len(self.held)}",
+                               step=6 + len(self.held))
 
     async def history(self, name: str, n: int | None = None) -> list[Any]:
         return self.history_rows if n is None else self.history_rows[:n]
@@ -95,8 +96,13 @@ class Host:
     async def write_down(self, manifest: Any, head: Any, verdict: str, reason: str) -> None:
         self.written.append((manifest, head.release_id, verdict, reason))
 
-    def follow(self, st: Any, follows: str, candidate: Any, job_id: str, *, published: bool) -> None:
-        self.followed.append((follows, job_id, published))
+    def follow(self, st: Any, follows: str, candidate: Any, job_id: str, *, published: bool,
+               restart: bool = False) -> None:
+        self.followed.append((follows, job_id, published, *(("restart",) if restart else ())))
+
+    async def wait_for_canary(self, st: Any) -> tuple[Any, Any]:
+        self.waited = getattr(self, "waited", 0) + 1
+        return self.after_canary
 
     async def set_warning(self, name: str, found: Any) -> None:
         self.warnings.append((name, found))
@@ -114,7 +120,8 @@ def gate_run(kind: str = "weights", candidate: Candidate | None = None, judge: A
              warned: Any = None, **settings: Any) -> GateRun:
     recipe = SimpleNamespace(kind=kind, settings=GateSettings(**settings), gate=settings.get("gate", "always"),
                              judge=judge, held_out_eval=held_out)
-    return GateRun(SimpleNamespace(recipe=recipe, state="training"),
+    return GateRun(SimpleNamespace(recipe=recipe, state="training", lineage=None, canary_of=None, ahead=None,
+                                   canary_done=asyncio.Event()),
                    SimpleNamespace(name="s", model="tiny", warning=warned),  # type: ignore[arg-type]
                    # an id made at run time (not the interned literal): ``is`` for ``==`` shows
                    SimpleNamespace(release_id="".join(["rel_", "head"]), content_id="c_head"),
@@ -238,6 +245,7 @@ def test_the_drift_bound_holds_past_max_kl_and_the_watchdog_follows_the_recipes_
     run.metrics["kl_from_base"] = 0.3
     out = go(steps.drift_bound, host, run)
     assert out.verdict == "pending" and "more than max_kl 0.2" in out.reason
+    assert host.followed == [("rel_head", "job_1", False, "restart")]  # held for harm: from the head next
     host, run = Host(), gate_run(held_out=False)  # its eval is not held out: the trend is not read
     run.metrics.update(batch_reward=0.6, eval_reward=0.5)
     host.chains.history_rows = list(HACKED)
@@ -301,6 +309,7 @@ def test_a_candidate_the_check_holds_is_held_with_the_reason(monkeypatch: pytest
     out = go(steps.heldout_check, host, run)
     assert (out.verdict, out.reason, out.release_id) == ("pending", "it stopped answering", "rel_held1")
     assert host.metrics.heldout_checks.seen == ["held"]
+    assert host.followed == [("rel_head", "job_1", False, "restart")]  # held for harm: from the head next
     kind, data = host.published[0]
     assert (kind, data["verdict"], data["release_id"], data["reason"]) == ("heldout", "held", "rel_held1",
                                                                           "it stopped answering")
@@ -481,6 +490,7 @@ def test_a_trend_that_warns_holds_the_candidate_and_raises_the_warning(monkeypat
     assert out.verdict == "pending" and out.reason == warning.text("s", found)
     assert host.chains.held[0][0]["metrics"]["warning"] == "the answers collapse"
     assert host.warnings == [("the answers collapse", "rel_held1", 7)]
+    assert host.followed == [("rel_head", "job_1", False, "restart")]  # held for harm: from the head next
 
 
 # --- canary --------------------------------------------------------------------------------------------------
@@ -493,7 +503,56 @@ def test_a_candidate_with_a_canary_share_is_held_and_served_as_a_canary_with_its
     assert (out.verdict, out.release_id, out.step) == ("pending", "rel_held1", 7)
     assert out.reason == "better by 0.2; serving 25% of new runs as a canary (reef releases list shows it)"
     assert host.canaries == [{"release_id": "rel_held1", "share": 0.25, "max_answers": 40, "max_hours": 6.0}]
-    assert host.followed == [("rel_head", "job_1", False)]
+    assert host.followed == [("rel_head", "job_1", False)]  # a canary: the lineage goes on from it
+
+
+def test_a_started_canary_is_the_lineages_to_train_ahead_of_and_its_answers_are_kept_for_its_promotion() -> None:
+    """Bugs caught: the canary not marked (no step trains ahead of it), one marked that could not start, the
+    candidate's held-out answers not kept under the canary's content (asked again once it is promoted)."""
+    host, run = Host(), gate_run(canary_share=0.5)
+    run.st.lineage = ("rel_head", "candidate:job_1", "/cand")
+    run.heldout_answers = ((16, 48), {"q": "a"})
+    go(steps.canary, host, run)
+    assert run.st.canary_of == ("rel_held1", "c_held1", "/cand")
+    assert ("heldout_head", (("c_held1", 16, 48), {"q": "a"})) in host.warnings
+    host, run = Host(), gate_run(canary_share=0.5)
+    run.st.lineage = ("rel_head", "candidate:job_1", "/cand")
+    host.canary_error = Conflict("scenario s already has a canary")
+    go(steps.canary, host, run)
+    assert run.st.canary_of is None
+
+
+def test_a_candidate_trained_ahead_of_a_promoted_canary_goes_on_against_the_promoted_head() -> None:
+    host, run = Host(), gate_run()
+    assert go(steps.canary_verdict, host, run) is None and getattr(host, "waited", 0) == 0  # not trained ahead
+    run.st.ahead = ("rel_held1", "c_held1", "/cand0")
+    promoted = SimpleNamespace(release_id="rel_promoted", content_id="c_held1")
+    host.after_canary = (SimpleNamespace(paused=False, archived=False, warned=False), promoted)
+    assert go(steps.canary_verdict, host, run) is None and host.waited == 1
+    assert run.head is promoted and run.metrics["trained_ahead_of"] == "rel_held1" and host.written == []
+
+
+@pytest.mark.parametrize(("content", "paused", "why"), [
+    ("c_head", False, "the canary was ended"),
+    ("c_held1", True, "the scenario's learning was paused or archived meanwhile"),
+])
+def test_a_candidate_trained_ahead_of_an_ended_canary_is_discarded_and_its_batch_kept(
+        tmp_path: Any, content: str, paused: bool, why: str) -> None:
+    """Bugs caught: a candidate trained on top of weights live traffic turned away going on to serve, its batch
+    consumed (learned only from the ended lineage), its weights left on disk, a paused scenario's step going on."""
+    cand = tmp_path / "cand"
+    cand.mkdir()
+    host, run = Host(), gate_run(candidate=Candidate(path=str(cand)))
+    run.st.ahead = ("rel_held1", "c_held1", "/cand0")
+    host.after_canary = (SimpleNamespace(paused=paused, archived=False, warned=False),
+                         SimpleNamespace(release_id="rel_x", content_id=content))
+    out = go(steps.canary_verdict, host, run)
+    assert (out.verdict, out.kept) == ("skipped", [])
+    assert out.reason == (f"trained ahead of canary rel_held1: {why}, so it was discarded; its batch is learned "
+                          "from again from the head")
+    manifest, base, verdict, reason = host.written[0]
+    assert (manifest["receipts"], base, verdict, reason) == ([], "rel_head", "skipped", out.reason)
+    assert not cand.exists() and host.followed == []
 
 
 def test_no_share_or_no_canary_to_start_publishes_and_a_canary_that_cannot_start_waits_for_review() -> None:

@@ -387,9 +387,9 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
 
 class KeptAnswers:
     """The answer sets a scenario's checks keep, by (release content, max tokens): the ``SIZE`` most recently used
-    (the head's, the chain's first release's, and a newly published head's)."""
+    (the head's, the chain's first release's, and a newly published head's or a canary's)."""
 
-    SIZE = 3
+    SIZE = 4
 
     def __init__(self) -> None:
         self._sets: OrderedDict[tuple[Any, ...], dict[str, Answer]] = OrderedDict()

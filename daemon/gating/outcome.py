@@ -116,7 +116,12 @@ class Host(Protocol):
 
     async def write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None: ...
 
-    def follow(self, st: Any, follows: str, candidate: Candidate, job_id: str, *, published: bool) -> None: ...
+    def follow(self, st: Any, follows: str, candidate: Candidate, job_id: str, *, published: bool,
+               restart: bool = False) -> None: ...
+
+    async def wait_for_canary(self, st: Any) -> tuple[Scenario, Any]:
+        """Wait for the verdict of the canary a step trained ahead of: the scenario and its head after."""
+        ...
 
     async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Any:
         """Write the scenario's early-warning state (``daemon/gating/warning.py``) to the record store."""

@@ -2,6 +2,8 @@
 lets the next step have it (None):
 
 - ``skipped``: a candidate the recipe skipped, or whose content equals its parent's, is written down as skipped.
+- ``canary_verdict``: weights, trained ahead of a canary (``daemon/lineage.py``): waits for its verdict; promoted,
+  the candidate goes on against the promoted head; ended, it is discarded (skipped, its receipts learned again).
 - ``gate_kind``: the recipe's gate (``Recipe.judge``, ``daemon/gate.py``): ``pending`` holds it for review, a
   verdict that does not publish writes it down as rejected; a publishing one goes on, unless the harness policy
   put something only a person may admit in ``details["review"]`` (``daemon/harness_policy.py``): held for review.
@@ -15,7 +17,7 @@ lets the next step have it (None):
   candidate the drift bound or the held-out check holds is read for the warning too.
 - ``canary``: with ``canary_share`` (weights recipes: 0.5 by default), held and served to that share of new runs as
   a canary (``daemon/canary.py``), ended by its bounds ``canary_answers`` and ``canary_hours`` if nothing else
-  decides; the learning loop waits for its verdict.
+  decides; the next step trains ahead of it (``canary_verdict``).
 - ``publish``: compare-and-swap on the head (a weights candidate whose head moved is rejected, saying so).
 - ``rejected``: what no step published or held is written down as rejected.
 """
@@ -24,19 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from daemon import lineage
 from daemon.errors import CheckFailed, HeadMoved, ReefError, Unchanged
 from daemon.gating import heldout, warning
 from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
 
 
-async def _hold(host: Host, run: GateRun, reason: str, **extra: Any) -> StepOutcome:
-    """Keep the candidate as a pending release (never served until promoted) with its figures."""
+async def _hold(host: Host, run: GateRun, reason: str, *, harm: bool = False, **extra: Any) -> StepOutcome:
+    """Keep the candidate as a pending release (never served until promoted) with its figures; ``harm``: held for
+    drifting, forgetting or not answering, so the next step starts again from the head (``daemon/lineage.py``)."""
     rel = await host.chains.hold(run.manifest(host, **extra), run.artifact, base=run.head.release_id)
-    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False, restart=harm)
     return run.outcome("pending", release_id=rel.release_id, step=rel.step, reason=reason)
 
 
@@ -47,6 +52,28 @@ async def skipped(host: Host, run: GateRun) -> StepOutcome | None:
     await host.write_down(run.manifest(host, receipts=kept), run.head, "skipped", run.candidate.skipped)
     host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
     return run.outcome("skipped", reason=run.candidate.skipped, kept=kept)
+
+
+async def canary_verdict(host: Host, run: GateRun) -> StepOutcome | None:
+    """A weights candidate trained ahead of a canary (``daemon/lineage.py``) waits for the canary's verdict.
+    Promoted: it goes through the rest of the gate against the promoted head. Ended, or the scenario no longer
+    learning: it is discarded, written down as skipped without its receipts, which are learned from again."""
+    ahead = getattr(run.st, "ahead", None)
+    if ahead is None:
+        return None
+    scenario, head = await host.wait_for_canary(run.st)
+    if head.content_id == ahead[1] and not (scenario.paused or scenario.archived or scenario.warned):
+        run.head = head
+        run.metrics["trained_ahead_of"] = ahead[0]
+        return None
+    why = ("the scenario's learning was paused or archived meanwhile" if head.content_id == ahead[1]
+           else "the canary was ended")
+    reason = (f"trained ahead of canary {ahead[0]}: {why}, so it was discarded; its batch is learned from again "
+              "from the head")
+    await host.write_down(run.manifest(host, receipts=[]), run.head, "skipped", reason)
+    if run.candidate.path is not None:
+        shutil.rmtree(str(run.candidate.path), ignore_errors=True)
+    return run.outcome("skipped", reason=reason, kept=[])
 
 
 async def gate_kind(host: Host, run: GateRun) -> StepOutcome | None:
@@ -85,7 +112,7 @@ async def drift_bound(host: Host, run: GateRun) -> StepOutcome | None:
                            held_out=run.recipe.held_out_eval)
     if alarm is None:
         return None
-    out = await _hold(host, run, alarm["reason"], watchdog=alarm["reason"])
+    out = await _hold(host, run, alarm["reason"], harm=True, watchdog=alarm["reason"])
     host.events.publish("watchdog", scenario=run.scenario.name, release_id=out.release_id, **alarm)
     await warning.after_hold(host, run, out)
     return out
@@ -113,7 +140,7 @@ async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
     if fig.hold is None:
         host.events.publish("heldout", scenario=name, job=run.job_id, verdict="passed", metrics=fig.metrics())
         return None
-    out = await _hold(host, run, fig.hold)
+    out = await _hold(host, run, fig.hold, harm=True)
     host.events.publish("heldout", scenario=name, job=run.job_id, verdict="held", release_id=out.release_id,
                         reason=fig.hold, metrics=fig.metrics())
     await warning.after_hold(host, run, out)
@@ -213,7 +240,7 @@ async def early_warning(host: Host, run: GateRun) -> StepOutcome | None:
     found = await warning.read(host, run)
     if found is None:
         return None
-    out = await _hold(host, run, warning.text(run.scenario.name, found), warning=found["says"])
+    out = await _hold(host, run, warning.text(run.scenario.name, found), harm=True, warning=found["says"])
     await warning.raise_warning(host, run, found, out.release_id, out.step)
     return out
 
@@ -229,9 +256,16 @@ async def canary(host: Host, run: GateRun) -> StepOutcome | None:
             "release_id": rel.release_id, "share": share, "max_answers": getattr(settings, "canary_answers", None),
             "max_hours": getattr(settings, "canary_hours", None)})
         why = f"{run.reason}; serving {share:.0%} of new runs as a canary (reef releases list shows it)"
+        started = True
     except ReefError as e:  # one canary at a time: this one waits for review
         why = f"{run.reason}; held for review: no canary could start ({e.message})"
+        started = False
     host.follow(run.st, run.head.release_id, run.candidate, run.job_id, published=False)
+    if started:
+        lineage.canary_started(run.st, rel)  # the next step may train ahead of it
+        if run.heldout_answers is not None:  # the head's answers once promoted: not asked again
+            lengths, answers = run.heldout_answers
+            host.heldout_head(run.st, (rel.content_id, *lengths), answers)
     return run.outcome("pending", release_id=rel.release_id, step=rel.step, reason=why)
 
 
@@ -266,7 +300,7 @@ async def rejected(host: Host, run: GateRun) -> StepOutcome:
     return run.outcome("rejected", reason=run.reason)
 
 
-STEPS: tuple[Step, ...] = (skipped, gate_kind, drift_bound, heldout_check, early_warning, canary, publish,
+STEPS: tuple[Step, ...] = (skipped, canary_verdict, gate_kind, drift_bound, heldout_check, early_warning, canary, publish,
                            rejected)
 
 
