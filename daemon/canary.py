@@ -33,8 +33,8 @@
   tripped and no verdict from the test, a canary is decided by what its scores say so far: promoted (``quiet``) when
   it has no paired report or its paired difference is not below 0 at the 5% level (``BOUND_Z`` standard errors,
   one look), ended (``lower``) when it is; one still
-  undecided after ``max_hours`` is promoted (``expired``). The pace of learning is the traffic's: learning waits
-  while a canary runs (``daemon/learning.py``), and a user who scores every answer would otherwise wait for the
+  undecided after ``max_hours`` is promoted (``expired``). The pace of learning is the traffic's: a release waits
+  for its canary's verdict (the next step trains ahead meanwhile: ``daemon/lineage.py``), and a user who scores every answer would otherwise wait for the
   test's ~100 reports an arm per step; the test's error rate holds for its own verdicts (promoted, ended), the
   bound is a decision on a point estimate, made only for a candidate that passed its gate and held-out check. ``describe`` words a running canary for people, with the
   smallest difference it can still decide by its end (``betting.detectable``).

@@ -160,8 +160,8 @@ class GateSettings:
     margin: float | None = None
     alpha: float | None = None
     # what the gate and the held-out check pass serves this share of new runs as a canary beside the head; its live
-    # scores and guards promote or end it (daemon/canary.py), and learning waits for its verdict. None: CANARY_SHARE
-    # (none under gate review: a person decides); 0: published to the head at once (docs/releases.md)
+    # scores and guards promote or end it (daemon/canary.py); the next step trains ahead and waits for it. None:
+    # CANARY_SHARE (none under gate review: a person decides); 0: published to the head at once (docs/releases.md)
     canary_share: float | None = None
     # a canary with no report on its arm is promoted on its guards after this many answers on its arm
     canary_answers: int = 50

@@ -53,7 +53,7 @@ IDLE_S = 1.0
 # The tiny model trains all its weights (no LoRA), measured at lr 2e-3, batches of 8 x 8, two steps a batch;
 # online-rl's defaults are for real models (LoRA, lr 3e-3, 4 x 8, one step: bench/learning_real.py)
 # No canary (weights recipes have one by default, docs/releases.md), and the demo says so and why (``canary_note``):
-# learning waits for each canary's verdict, and a step of the demo moves its reward by far less than a canary tells
+# each release waits for its canary's verdict (one step trains ahead meanwhile), and a step of the demo moves its reward by far less than a canary tells
 # apart in its 400 reports an arm: measured with the canary on, every canary ended as a tie (the head stays) and 5
 # minutes made no release. The gate decides each step.
 DEMO_SETTINGS: dict[str, Any] = {"gate": "regression", "margin": 0.1, "eval_family": "say", "eval_n": 128,
@@ -99,7 +99,7 @@ def canary_note(scores: list[float], before: float, after: float, releases: int)
     """Why the demo runs without the canary a weights recipe has by default, in this run's own figures: the
     smallest difference a canary at its defaults tells apart on these scores (``betting.detectable`` at its
     ``max_reports`` pairs, with the variance of a difference of two of them), against what each release moved the
-    held-out reward. Learning waits for each canary's verdict, and a canary that cannot tell its candidate from the
+    held-out reward. Each release waits for its canary's verdict, and a canary that cannot tell its candidate from the
     head ends as a tie: the head stays, and the demo would not learn."""
     from daemon import betting
     from daemon.canary import DEFAULTS
@@ -113,7 +113,7 @@ def canary_note(scores: list[float], before: float, after: float, releases: int)
     moved = ("far more than a step of the demo moves it" if each is None else
              f"while this run's {releases} releases moved the held-out reward by {each:+.3f} each on average")
     why = (f"canary: off in this demo (canary_share = 0). A weights recipe serves each candidate to half of new runs "
-           f"as a canary by default, and learning waits for its verdict; at its defaults ({pairs} reports an arm, "
+           f"as a canary by default, and each release waits for its verdict; at its defaults ({pairs} reports an arm, "
            f"alpha {alpha:g}) a canary tells apart {told} on these scores, {moved}: each canary would end as a tie, "
            "the head would stay, and the demo would not learn in minutes (docs/releases.md).")
     return {"canary_share": 0, "detectable": None if smallest is None else round(smallest, 3),

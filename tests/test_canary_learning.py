@@ -1,9 +1,9 @@
 """The canary as the learning loop's default for weights recipes (issue 43): a candidate the gate and the held-out
-check pass serves half of new runs beside the head, the loop waits for its verdict, and the canary's bounds end it
-when its scores cannot: ``canary_answers`` answers with no report on its arm promote it on its guards, and
-``canary_hours`` without a verdict promote it too, so a scenario with no live traffic does not stall learning. A
-real daemon (the tiny model) and a cheap weights recipe (``tests/test_watchdog.DRIFTING``: every step nudges each
-weight) over real sockets."""
+check pass serves half of new runs beside the head, the next step trains ahead and waits for its verdict, and the
+canary's bounds end it when its scores cannot: ``canary_answers`` answers with no report on its arm promote it on
+its guards, and ``canary_hours`` without a verdict promote it too, so a scenario with no live traffic does not stall
+learning. A real daemon (the tiny model) and a cheap weights recipe (``tests/test_watchdog.DRIFTING``: every step
+nudges each weight) over real sockets."""
 
 from __future__ import annotations
 
