@@ -9,9 +9,9 @@ Design choices:
 - A scenario's recipe binding never changes, its settings can (a task promoted from a run, ``POST
   /reef/scenarios/{s}/tasks``): each step reads them from the store, and a recipe whose settings changed takes
   the new ones and keeps its memory, so a change made on another daemon sharing the store reaches the trainer too.
-- Reads are incremental: each round reads only the records that came since the last one (a cursor per
-  scenario) into a pool of unconsumed ones, kept between rounds (a receipt scored again moves to the back with
-  its new score; a consumed or no longer eligible one leaves the pool).
+- Reads are incremental (``daemon/learning_reads.py``): each round reads only the records that came since the
+  last one (a cursor per scenario) into a pool of unconsumed ones, kept between rounds (a receipt scored again
+  moves to the back with its new score; a consumed or no longer eligible one leaves the pool).
 - Consumption is written down where the outcome is: a published release lists the receipts it consumed in its
   manifest, a rejected, skipped or failed step in its rejection record. The consumed set is rebuilt from git at
   start-up, so a ``kill -9`` mid-step consumes nothing and the batch is learned from again after the restart.
@@ -20,7 +20,7 @@ Design choices:
   that lineage follows; it restarts from the head when the head moves for another reason, after a candidate held
   for harm, and after the recipe's ``restart_after`` rejections in a row (measured: a lineage that kept training
   past a bad step reached a KL of 7-13 nats per token from the head and was rejected 200 times running). While a
-  canary serves the lineage's candidate, the next step trains ahead of it and waits for its verdict.
+  canary serves the lineage's candidate, the steps train ahead of it and one candidate waits for its verdict.
 - Harness: the recipe edits the tree in the daemon; ``inline`` recipes step inside the report's own request and
   answer its outcome. A head that moves meanwhile makes the (cheap) edit again on the new head, up to 3 times.
 - The gate is the recipe's ``judge``; a winner is published by compare-and-swap with the head as expected parent
@@ -55,13 +55,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon import learning_spend, lineage, spend, turn_judging
+from daemon import learning_reads, learning_spend, lineage, spend, turn_judging
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
 from daemon.errors import Conflict, HeadMoved, LeaseLost, ReefError
 from daemon.events import EventBus
-from daemon.gating.heldout import RECORDED, Answer, KeptAnswers, reserved
+from daemon.gating.heldout import RECORDED, Answer, KeptAnswers
 from daemon.gating.outcome import GateRun, StepOutcome
 from daemon.gating.steps import prefetch_head
 from daemon.gating.steps import run as run_gate
@@ -76,7 +76,7 @@ from daemon.releases import Manifest, Release, requires
 from daemon.scopes import Scopes
 from daemon.sessions import SessionIndex
 from recipes import load_recipe
-from recipes.base import Candidate, Head, Recipe, TrainJob, off_policy_sampling
+from recipes.base import Candidate, Recipe, TrainJob
 
 log = logging.getLogger("reef.learning")
 
@@ -92,7 +92,8 @@ class ScenarioLearning:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     task: asyncio.Task[None] | None = None
-    # idle | waiting | training | judging | paused | warned | canary (waiting for a canary's verdict) | capped (its
+    # idle | waiting | training | judging | paused | warned | canary (a canary runs: no step, or one trained ahead
+    # waits for its verdict) | capped (its
     # trainer-time cap reached today: daemon/spend.py) | storage (the disk short of a step's need: learning_storage.py)
     state: str = "idle"
     consumed: set[str] | None = None  # receipts listed in a release or a rejection (read from git once)
@@ -100,11 +101,11 @@ class ScenarioLearning:
     # unconsumed records read so far, oldest first, by receipt (scored exchanges) or report id (feedback reports)
     pool: dict[str, ScoredExchange | FeedbackReport] = field(default_factory=dict)
     lineage: tuple[str, str, str] | None = None  # (head release it follows, candidate key, candidate dir)
-    # the canary the gate started of the lineage's candidate (release, content, dir), the end of a canary, and the
-    # canary the step under way trains ahead of (daemon/lineage.py)
+    # the canary the gate started of the lineage's candidate (release, content, dir), the canary the step under way
+    # trains ahead of, and the candidate trained ahead that waits for its verdict (a GateRun; daemon/lineage.py)
     canary_of: tuple[str, str, str] | None = None
-    canary_done: asyncio.Event = field(default_factory=asyncio.Event)
     ahead: tuple[str, str, str] | None = None
+    waiting: GateRun | None = None
     head_eval: tuple[str, list[float]] | None = None  # (release, its gate scores), when the loop knows them
     rejected_run: int = 0  # candidates of the lineage rejected in a row
     base: tuple[str, str] | None = None  # what the current weights step starts from (None: the head)
@@ -193,7 +194,7 @@ class Learner:
             st.consumed, st.cursor, st.spend = None, 0, None
             st.pool.clear()
         for s in await self.store.scenarios.all():
-            back = await self.store.training.recover_claims(s.name, lease, await self._git_consumed(s.name))
+            back = await self.store.training.recover_claims(s.name, lease, await self.chains.consumed(s.name))
             if back:
                 log.info("scenario %s: %d receipts claimed by the previous trainer come back to learn from",
                          s.name, len(back))
@@ -372,22 +373,24 @@ class Learner:
                 st.state = "warned"
                 return StepOutcome("paused", summary=str((scenario.warning or {}).get("reason")))
             self._follow_settings(st, scenario)
-            ahead = None
+            ahead, resumed = None, None  # the canary this step trains ahead of; a candidate that trained ahead
             if recipe.kind == "weights" and self.canary_running is not None and self.canary_running(name):
-                if (ahead := lineage.ahead_of(st)) is None:  # trains ahead of it, or waits for its verdict
+                if (ahead := lineage.ahead_of(st, shared=self.store.shared)) is None:
                     st.state = "canary"  # its reports wait; the canary's end (canary_ended) looks for a batch again
                     return None
-            if recipe.kind == "weights" and (capped := await learning_spend.capped(self, st)) is not None:
+            elif recipe.kind == "weights":
+                resumed, st.waiting = st.waiting, None  # its canary's verdict is in: judged now (daemon/lineage.py)
+            if resumed is None and recipe.kind == "weights" and (capped := await learning_spend.capped(self, st)):
                 return capped
             head = await self.chains.head(scenario)
-            consumed = await self._consumed(st)
-            batch = recipe.batch(await self._eligible(st, scenario, head))
-            if not batch:
-                st.state = "waiting"
+            consumed = await learning_reads.consumed(self, st)
+            batch = [] if resumed else recipe.batch(await learning_reads.eligible(self, st, scenario, head)) or []
+            if resumed is None and not batch:
+                st.state = "canary" if ahead else "waiting"
                 return None
-            if recipe.kind == "weights" and (short := await self.storage.short(self, st, scenario)) is not None:
+            if resumed is None and recipe.kind == "weights" and (short := await self.storage.short(self, st, scenario)):
                 return short  # the disk is short of the step's need: it waits for space (learning_storage.py)
-            receipts = [r.id for r in batch]
+            receipts = resumed.receipts if resumed else [r.id for r in batch]
             if lease is not None:
                 try:
                     claimed = await self.store.training.claim(name, receipts, lease)
@@ -401,17 +404,18 @@ class Learner:
                     await self.store.training.release_claims(name, claimed, lease)
                     st.state = "waiting"
                     return StepOutcome("skipped", scenario=name, consumed=len(taken))
-            job_id = new_id("job_")
+            job_id = resumed.job_id if resumed else new_id("job_")
             record_settings = {"recipe": scenario.recipe, **dataclasses.asdict(recipe.settings)}
-            st.state = "training"
+            st.state = "judging" if resumed else "training"
             extra: dict[str, Any] = {}
-            if recipe.kind == "weights":
+            if recipe.kind == "weights" and resumed is None:
                 st.base = lineage.base(st, head)
                 extra["from_head"] = st.base is None
                 if ahead is not None:
                     extra["ahead_of"] = ahead[0]
-            self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id, samples=len(batch),
-                                **extra)
+            if resumed is None:
+                self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id,
+                                    samples=len(batch), **extra)
             t0 = time.perf_counter()
             st.trainer_s, st.ahead = 0.0, ahead
             outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)
@@ -419,8 +423,8 @@ class Learner:
                 try:
                     for _attempt in range(3):
                         try:
-                            made = await self._make_and_judge(st, scenario, head, batch, job_id,
-                                                              record_settings, t0)
+                            made = await (run_gate(self, resumed) if resumed else self._make_and_judge(
+                                st, scenario, head, batch, job_id, record_settings, t0))
                             outcome = dataclasses.replace(made, scenario=name, base=head.release_id, job=job_id)
                             break
                         except HeadMoved:  # only harness edits get here: redo the (cheap) edit on the new head
@@ -458,6 +462,8 @@ class Learner:
             kept = outcome.kept if outcome.kept is not None else receipts
             consumed.update(kept)
             outcome.consumed = len(kept)
+            if resumed is not None and not kept:  # discarded: its batches are eligible again, look at once
+                st.wake.set()
             if lease is not None:
                 try:
                     await self.store.training.settle(name, kept, lease, outcome.release_id or outcome.verdict)
@@ -466,7 +472,7 @@ class Learner:
                     log.warning("learning on %s: could not settle the step's claims: %s", name, e.message)
             self.events.publish("gate", scenario=name, job=job_id, verdict=outcome.verdict, reason=outcome.reason,
                                 metrics=outcome.metrics or {}, release_id=outcome.release_id)
-            st.state = "waiting"
+            st.state = "canary" if outcome.verdict == "ahead" else "waiting"
             return outcome
 
     # --- an agent's proposal ------------------------------------------------------------------------------
@@ -654,7 +660,7 @@ class Learner:
         self.events.publish("train.step", scenario=scenario.name, job=job_id, step=head.step + 1,
                             seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
         return await run_gate(self, GateRun(st, scenario, head, candidate, [r.id for r in batch], job_id,
-                                            record_settings, metrics, origin))
+                                            record_settings, metrics, origin, ahead=st.ahead))
 
     async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Scenario:
         """Write a scenario's early-warning state (``daemon/gating/warning.py``)."""
@@ -692,14 +698,6 @@ class Learner:
                published: bool, restart: bool = False) -> None:
         lineage.follow(st, follows, candidate, job_id, published=published, restart=restart)
 
-    async def wait_for_canary(self, st: ScenarioLearning) -> tuple[Scenario, Any]:
-        """A step trained ahead of a canary waits for its verdict (``daemon/lineage.py``): the scenario and its
-        head after."""
-        running = self.canary_running
-        await lineage.wait_for_canary(st, lambda: running is not None and running(st.name))
-        scenario = await self.store.scenarios.get(st.name)
-        return scenario, await self.chains.head(scenario)
-
     async def _train(self, st: ScenarioLearning, scenario: Scenario, head: Any, batch: list[Any],
                      job_id: str) -> Candidate:
         assert st.recipe is not None
@@ -727,66 +725,3 @@ class Learner:
             st.trainer_s = self.trainer.seconds.pop(job_id, 0.0)
         candidate.metrics[spend.KEY] = round(st.trainer_s, 3)
         return candidate
-
-    # --- what a step reads ---------------------------------------------------------------------------------
-
-    async def _git_consumed(self, name: str) -> set[str]:
-        """Receipts listed in a release or a rejection of the scenario's chain."""
-        return await self.chains.consumed(name)
-
-    async def _consumed(self, st: ScenarioLearning) -> set[str]:
-        if st.consumed is None:
-            consumed = await self._git_consumed(st.name)
-            if self.store.shared:  # and what any daemon sharing the store consumed or claimed
-                consumed.update(await self.store.training.consumed(st.name))
-            st.consumed = consumed
-        return st.consumed
-
-    async def _eligible(self, st: ScenarioLearning, scenario: Scenario,
-                        head: Any) -> list[ScoredExchange | FeedbackReport]:
-        """The recipe's unconsumed, eligible records, oldest first; reads only what came since the last round."""
-        consumed = await self._consumed(st)
-        assert st.recipe is not None
-        rows: list[ScoredExchange] | list[FeedbackReport]
-        if st.recipe.source == "scores":
-            rows, st.cursor = await self.store.reports.scored_exchanges(scenario.name, after=st.cursor)
-        else:
-            rows, st.cursor = await self.store.reports.feedback(scenario.name, after=st.cursor)
-        automatic = ("judge", "outcome")  # a judge's verdict, a wrapped run's outcome (reef_cli/outcomes.py)
-        for rec in rows:
-            old = st.pool.get(rec.id)
-            if _source(rec) in automatic and old is not None and _source(old) not in automatic:
-                continue  # an explicit report takes precedence over an automatic one
-            st.pool.pop(rec.id, None)  # scored again: its latest score, in the order of that report
-            if rec.id not in consumed:
-                st.pool[rec.id] = rec
-        view = Head(head.release_id, head.content_id, head.step)
-        settings = st.recipe.settings
-        share = (float(getattr(settings, "heldout_share", 0) or 0)
-                 if st.recipe.kind == "weights" and getattr(settings, "heldout_check", False) else 0.0)
-        out: list[ScoredExchange | FeedbackReport] = []
-        for rid, rec in list(st.pool.items()):
-            if share and isinstance(rec, ScoredExchange) and reserved(rec.prompt_token_ids, share):
-                # the held-out check's: never trained on (daemon/gating/heldout.py)
-                del st.pool[rid]
-                key = ",".join(map(str, rec.prompt_token_ids))
-                st.reserved.pop(key, None)
-                st.reserved[key] = (rid, None)
-                while len(st.reserved) > 4 * RECORDED:
-                    st.reserved.popitem(last=False)
-                continue
-            served_step = None
-            if isinstance(rec, ScoredExchange) and rec.release_id:
-                served_step = (await self.chains.release(rec.release_id)).step
-            if (rid in consumed or (st.recipe.behaviour_logprobs and isinstance(rec, ScoredExchange)
-                                    and off_policy_sampling(rec))
-                    or not st.recipe.eligible(rec, head=view, served_step=served_step)):
-                del st.pool[rid]  # consumed, or no longer eligible for good: the head's step only grows
-                continue
-            out.append(rec)
-        return out
-
-
-def _source(record: ScoredExchange | FeedbackReport) -> str | None:
-    """Where a pool record's report came from (``FeedbackReport.source``): None for an explicit report."""
-    return record.report.source if isinstance(record, ScoredExchange) else record.source

@@ -13,18 +13,20 @@ trainer worker keeps with them) while the head is still the release that lineage
   optimizer, since going on from harmful weights makes the next candidate inherit the harm;
 - nothing when the head moves for another reason (a rollback, another publisher).
 
-Training ahead of a canary: while a canary serves its candidate, the next step need not idle. When the lineage's
-last candidate is the canary's (``canary_of``), the step trains on top of it (``ahead_of``), then waits for the
-canary's verdict with the scenario's step lock let go (``wait_for_canary``: archiving is not refused meanwhile).
-Promoted, the new candidate goes through the rest of the gate against the promoted head; ended (or the scenario
-paused, archived or warned meanwhile), it is discarded, written down as skipped without its receipts, which are
-learned from again. ``canary_train_ahead = false`` turns it off: the step waits for the verdict before training.
+Training ahead of a canary: while a canary serves its candidate, learning need not idle. When the lineage's last
+candidate is the canary's (``canary_of``) or one trained ahead of it, the next step trains on top of it
+(``ahead_of``); its candidate then waits for the canary's verdict (``park``: kept in memory as ``waiting``, its
+receipts out of the next batches, nothing written down, no lock held), and the next batch trains on top of that one,
+so every batch is learned from while the canary runs and the waiting candidate carries them all. Once the canary
+ends, the next step judges the waiting candidate (the gate's ``canary_verdict``): promoted, it goes through the rest
+of the gate against the promoted head, with every receipt it was trained on; ended (or the head moved another way),
+it is discarded, written down as skipped without its receipts, which train again from the head. A restart loses
+it (nothing was written down: its batches train again). ``canary_train_ahead = false`` turns it off, and so does a
+record store shared by several daemons (the batches' claims are settled per step): the step waits for the verdict.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -68,14 +70,12 @@ def base(st: Any, head: Any) -> tuple[str, str] | None:
 def canary_started(st: Any, release: Any) -> None:
     """The gate started a canary of the lineage's last candidate (held as ``release``)."""
     st.canary_of = (release.release_id, release.content_id, st.lineage[2]) if st.lineage else None
-    st.canary_done.clear()
 
 
 def canary_ended(st: Any, promoted: bool, head: str | None) -> None:
     """A canary ended: promoted (``head``: the new head's release), the lineage follows the new head when its
     candidate is the canary's; ended, the lineage is dropped (live traffic turned its candidate away)."""
     ours, st.canary_of = st.canary_of, None
-    st.canary_done.set()
     if st.lineage is None:
         return
     if not promoted:
@@ -85,23 +85,39 @@ def canary_ended(st: Any, promoted: bool, head: str | None) -> None:
         st.lineage, st.rejected_run = (head, *st.lineage[1:]), 0
 
 
-def ahead_of(st: Any) -> tuple[str, str, str] | None:
+def ahead_of(st: Any, *, shared: bool = False) -> tuple[str, str, str] | None:
     """The running canary a weights step may train ahead of: (its release, content, dir), when the lineage's last
-    candidate is the canary's and no step already waits for it; None: the step waits for the verdict."""
+    candidate is the canary's or one trained ahead of it; None: the step waits for the verdict."""
     ours: tuple[str, str, str] | None = st.canary_of
-    if (ours is None or st.ahead is not None or st.lineage is None or st.lineage[2] != ours[2]
+    if (ours is None or shared or st.lineage is None
             or not getattr(st.recipe.settings, "canary_train_ahead", True)):
         return None
-    return ours
+    waiting = st.waiting
+    if st.lineage[2] == ours[2] or (waiting is not None and st.lineage[2] == waiting.candidate.path):
+        return ours
+    return None
 
 
-async def wait_for_canary(st: Any, running: Any) -> None:
-    """Wait for the canary's verdict (``running()`` false, or ``canary_ended``), the step lock let go meanwhile."""
-    st.state = "canary"
-    st.lock.release()
-    try:
-        while running():
-            with contextlib.suppress(TimeoutError):  # the event is the signal; the re-read, a backstop
-                await asyncio.wait_for(st.canary_done.wait(), 30)
-    finally:
-        await st.lock.acquire()
+def park(st: Any, run: Any) -> None:
+    """A candidate trained ahead of a running canary waits for its verdict: it replaces the one that waited (it was
+    trained on top of it, so it carries that one's receipts, trainer seconds and step count), and the lineage goes
+    on from it."""
+    from daemon import spend
+
+    old = st.waiting
+    if old is not None:
+        run.receipts[:0] = old.receipts
+        run.metrics["steps_ahead"] = int(old.metrics.get("steps_ahead", 1)) + 1
+        run.metrics[spend.KEY] = round(float(old.metrics.get(spend.KEY, 0)) + float(run.metrics.get(spend.KEY, 0)), 3)
+    else:
+        run.metrics["steps_ahead"] = 1
+    st.waiting = run
+    before = st.lineage
+    st.lineage = (run.head.release_id, f"candidate:{run.job_id}", run.candidate.path)
+    if before and before[2] != run.candidate.path:
+        shutil.rmtree(before[2], ignore_errors=True)
+
+
+def waiting_receipts(st: Any) -> set[str]:
+    """The receipts the candidate waiting for a canary's verdict was trained on: out of the next batches."""
+    return set(st.waiting.receipts) if st.waiting is not None else set()

@@ -166,8 +166,8 @@ class GateSettings:
     # a canary with no report on its arm is promoted on its guards after this many answers on its arm
     canary_answers: int = 50
     canary_hours: float = 24.0  # a canary still undecided after this long is promoted (no guard tripped)
-    # weights: while a canary serves the lineage's candidate, the next step trains on top of it and waits for its
-    # verdict (daemon/lineage.py); false: the step waits for the verdict before it trains
+    # weights: while a canary serves the lineage's candidate, the steps train on top of it and one candidate waits
+    # for its verdict (daemon/lineage.py); false: the steps wait for the verdict before they train
     canary_train_ahead: bool = True
     # the held-out check (daemon/gating/heldout.py), weights recipes: before a candidate serves, its greedy answers
     # to prompts it never trained on are compared with the serving head's; one that stops answering, forgets

@@ -29,7 +29,7 @@ class Chains:
     def __init__(self) -> None:
         self.history_rows: list[Any] = []
         self.held: list[tuple[Any, Any, str]] = []
-        self.head = "rel_head"
+        self.head_rid = "rel_head"
         self.publish_error: Exception | None = None
         self.published: list[dict[str, Any]] = []
 
@@ -51,7 +51,10 @@ class Chains:
         return []
 
     async def head_id(self, name: str) -> str:
-        return self.head
+        return self.head_rid
+
+    async def head(self, scenario: Any) -> Any:
+        return self.head_release
 
     async def publish_candidate(self, scenario: Any, record: Any, artifact: Any, *, expected_head: str,
                                 engine: Any) -> Any:
@@ -84,6 +87,7 @@ class Host:
         self.canaries: list[dict[str, Any]] = []
         self.canary_error: Exception | None = None
         self.start_canary: Any = self._start_canary
+        self.canary_running: Any = None
 
     async def _start_canary(self, scenario: Any, body: dict[str, Any]) -> None:
         if self.canary_error is not None:
@@ -100,9 +104,6 @@ class Host:
                restart: bool = False) -> None:
         self.followed.append((follows, job_id, published, *(("restart",) if restart else ())))
 
-    async def wait_for_canary(self, st: Any) -> tuple[Any, Any]:
-        self.waited = getattr(self, "waited", 0) + 1
-        return self.after_canary
 
     async def set_warning(self, name: str, found: Any) -> None:
         self.warnings.append((name, found))
@@ -120,8 +121,7 @@ def gate_run(kind: str = "weights", candidate: Candidate | None = None, judge: A
              warned: Any = None, **settings: Any) -> GateRun:
     recipe = SimpleNamespace(kind=kind, settings=GateSettings(**settings), gate=settings.get("gate", "always"),
                              judge=judge, held_out_eval=held_out)
-    return GateRun(SimpleNamespace(recipe=recipe, state="training", lineage=None, canary_of=None, ahead=None,
-                                   canary_done=asyncio.Event()),
+    return GateRun(SimpleNamespace(recipe=recipe, state="training", lineage=None, canary_of=None, waiting=None),
                    SimpleNamespace(name="s", model="tiny", warning=warned),  # type: ignore[arg-type]
                    # an id made at run time (not the interned literal): ``is`` for ``==`` shows
                    SimpleNamespace(release_id="".join(["rel_", "head"]), content_id="c_head"),
@@ -323,7 +323,7 @@ def test_the_check_is_not_run_for_a_harness_a_candidate_without_weights_or_a_mov
         assert go(steps.heldout_check, host, run) is None and "heldout" not in run.metrics
     for moved in ("rel_aaa", "rel_zzz"):  # publish turns it away, saying so (ids before and after the head's)
         host, run = Host(), gate_run()
-        host.chains.head = moved
+        host.chains.head_rid = moved
         assert go(steps.heldout_check, host, run) is None
     assert calls == [] and host.metrics.heldout_checks.seen == [] and host.published == []
 
@@ -522,53 +522,59 @@ def test_a_started_canary_is_the_lineages_to_train_ahead_of_and_its_answers_are_
     assert run.st.canary_of is None
 
 
+def test_a_candidate_trained_ahead_of_a_running_canary_waits_for_its_verdict_carrying_every_batch(
+        tmp_path: Any) -> None:
+    """While the canary runs, a candidate trained ahead of it is parked (nothing written down, nothing consumed),
+    and the next one trained on top of it carries its receipts and trainer seconds. Bugs caught: a parked candidate
+    written down or its batch consumed before the verdict, the second one dropping the first one's receipts (they
+    would be learned from twice), the trainer time of the first lost."""
+    first_dir, second_dir = tmp_path / "c1", tmp_path / "c2"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    host = Host()
+    host.canary_running = lambda name: True
+    run = gate_run(candidate=Candidate(path=str(first_dir)))
+    run.ahead, run.metrics["trainer_seconds"] = ("rel_held1", "c_held1", "/cand0"), 40.0
+    out = go(steps.canary_verdict, host, run)
+    assert (out.verdict, out.kept) == ("ahead", []) and host.written == [] and host.chains.held == []
+    assert out.reason == "trained ahead of canary rel_held1 (1 batches): waits for its verdict"
+    st = run.st
+    assert st.waiting is run and st.lineage == ("rel_head", "candidate:job_1", str(first_dir))
+    nxt = GateRun(st, run.scenario, run.head, Candidate(path=str(second_dir)), ["r3", "r4"], "job_2", {},
+                  {"trainer_seconds": 30.0}, ahead=run.ahead)
+    out = go(steps.canary_verdict, host, nxt)
+    assert out.verdict == "ahead" and st.waiting is nxt and nxt.receipts == ["r1", "r2", "r3", "r4"]
+    assert nxt.metrics["steps_ahead"] == 2 and nxt.metrics["trainer_seconds"] == 70.0
+    assert st.lineage == ("rel_head", "candidate:job_2", str(second_dir)) and not first_dir.exists()
+
+
 def test_a_candidate_trained_ahead_of_a_promoted_canary_goes_on_against_the_promoted_head() -> None:
     host, run = Host(), gate_run()
-    assert go(steps.canary_verdict, host, run) is None and getattr(host, "waited", 0) == 0  # not trained ahead
-    run.st.ahead = ("rel_held1", "c_held1", "/cand0")
-    promoted = SimpleNamespace(release_id="rel_promoted", content_id="c_held1")
-    host.after_canary = (SimpleNamespace(paused=False, archived=False, warned=False), promoted)
-    assert go(steps.canary_verdict, host, run) is None and host.waited == 1
+    assert go(steps.canary_verdict, host, run) is None  # not trained ahead: nothing to wait for
+    run.ahead = ("rel_held1", "c_held1", "/cand0")
+    host.canary_running = lambda name: False
+    host.chains.head_release = promoted = SimpleNamespace(release_id="rel_promoted", content_id="c_held1")
+    assert go(steps.canary_verdict, host, run) is None
     assert run.head is promoted and run.metrics["trained_ahead_of"] == "rel_held1" and host.written == []
+    assert run.st.waiting is None
 
 
-@pytest.mark.parametrize(("content", "paused", "why"), [
-    ("c_head", False, "the canary was ended"),
-    ("c_held1", True, "the scenario's learning was paused or archived meanwhile"),
-])
-def test_a_candidate_trained_ahead_of_an_ended_canary_is_discarded_and_its_batch_kept(
-        tmp_path: Any, content: str, paused: bool, why: str) -> None:
-    """Bugs caught: a candidate trained on top of weights live traffic turned away going on to serve, its batch
-    consumed (learned only from the ended lineage), its weights left on disk, a paused scenario's step going on."""
+def test_a_candidate_trained_ahead_of_an_ended_canary_is_discarded_and_its_batches_kept(tmp_path: Any) -> None:
+    """Bugs caught: a candidate trained on top of weights live traffic turned away going on to serve, its batches
+    consumed (learned only from the ended lineage), its weights left on disk."""
     cand = tmp_path / "cand"
     cand.mkdir()
     host, run = Host(), gate_run(candidate=Candidate(path=str(cand)))
-    run.st.ahead = ("rel_held1", "c_held1", "/cand0")
-    host.after_canary = (SimpleNamespace(paused=paused, archived=False, warned=False),
-                         SimpleNamespace(release_id="rel_x", content_id=content))
+    run.ahead = ("rel_held1", "c_held1", "/cand0")
+    host.canary_running = lambda name: False
+    host.chains.head_release = SimpleNamespace(release_id="rel_head", content_id="c_head")
     out = go(steps.canary_verdict, host, run)
     assert (out.verdict, out.kept) == ("skipped", [])
-    assert out.reason == (f"trained ahead of canary rel_held1: {why}, so it was discarded; its batch is learned "
-                          "from again from the head")
+    assert out.reason == ("trained ahead of canary rel_held1, which was not promoted (the head is rel_head): "
+                          "discarded; its batches are learned from again from the head")
     manifest, base, verdict, reason = host.written[0]
     assert (manifest["receipts"], base, verdict, reason) == ([], "rel_head", "skipped", out.reason)
     assert not cand.exists() and host.followed == []
-
-
-def test_no_share_or_no_canary_to_start_publishes_and_a_canary_that_cannot_start_waits_for_review() -> None:
-    for share in (0.0, None, -0.5):
-        host, run = Host(), gate_run(gate="review", canary_share=share)  # review: None is 0
-        assert go(steps.canary, host, run) is None and host.chains.held == [] and host.canaries == []
-    host, run = Host(), gate_run(canary_share=0.5)
-    host.start_canary = None
-    assert go(steps.canary, host, run) is None and host.chains.held == []
-    host, run = Host(), gate_run(canary_share=0.5)
-    host.canary_error = Conflict("scenario s already has a canary")
-    run.reason = "ok"
-    out = go(steps.canary, host, run)
-    assert out.verdict == "pending" and out.reason == ("ok; held for review: no canary could start (scenario s "
-                                                       "already has a canary)")
-    assert host.followed == [("rel_head", "job_1", False)]
 
 
 # --- publish and rejected ------------------------------------------------------------------------------------

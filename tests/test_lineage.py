@@ -4,11 +4,8 @@ running daemon is in tests/test_canary_learning.py and test_learning.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from types import SimpleNamespace
-
-import pytest
 
 from daemon import lineage
 from daemon.learning import ScenarioLearning
@@ -73,11 +70,11 @@ def test_a_promoted_canary_of_the_lineages_candidate_goes_on_from_the_new_head(t
     one = made(tmp_path, "job_1")
     lineage.follow(st, "rel_head", one, "job_1", published=False)
     lineage.canary_started(st, SimpleNamespace(release_id="rel_held", content_id="c_held"))
-    assert st.canary_of == ("rel_held", "c_held", one.path) and not st.canary_done.is_set()
+    assert st.canary_of == ("rel_held", "c_held", one.path)
     st.rejected_run = 2
     lineage.canary_ended(st, True, "rel_promoted")
     assert st.lineage == ("rel_promoted", "candidate:job_1", one.path) and st.rejected_run == 0
-    assert st.canary_of is None and st.canary_done.is_set()
+    assert st.canary_of is None
     assert lineage.base(st, SimpleNamespace(release_id="rel_promoted")) == ("candidate:job_1", one.path)
 
 
@@ -89,54 +86,30 @@ def test_an_ended_canary_drops_the_lineage_and_a_promoted_one_not_of_it_leaves_i
     assert st.lineage == ("rel_head", "candidate:job_1", one.path)
     lineage.canary_started(st, SimpleNamespace(release_id="rel_held", content_id="c_held"))
     lineage.canary_ended(st, False, None)
-    assert st.lineage is None and not Path(str(one.path)).exists() and st.canary_done.is_set()
+    assert st.lineage is None and not Path(str(one.path)).exists()
 
 
-def test_a_step_trains_ahead_only_of_the_canary_of_the_lineages_candidate(tmp_path: Path) -> None:
+def test_a_step_trains_ahead_only_of_the_canary_of_the_lineages_candidate_or_of_one_waiting_for_it(
+        tmp_path: Path) -> None:
+    """Bugs caught: training on top of a canary that is not the lineage's (one started by hand), not chaining onto
+    the candidate that waits (every batch but one idles while the canary runs), training ahead with the setting off
+    or on a shared store (whose claims are settled per step)."""
     st = state()
     assert lineage.ahead_of(st) is None  # no canary of ours
     one = made(tmp_path, "job_1")
     lineage.follow(st, "rel_head", one, "job_1", published=False)
     lineage.canary_started(st, SimpleNamespace(release_id="rel_held", content_id="c_held"))
-    assert lineage.ahead_of(st) == ("rel_held", "c_held", one.path)
-    st.ahead = st.canary_of
-    assert lineage.ahead_of(st) is None  # a step already trains ahead of it
-    st.ahead = None
+    ours = ("rel_held", "c_held", one.path)
+    assert lineage.ahead_of(st) == ours and lineage.ahead_of(st, shared=True) is None
+    two = made(tmp_path, "job_2")
+    run = SimpleNamespace(receipts=["a", "b"], metrics={}, head=SimpleNamespace(release_id="rel_head"), job_id="job_2",
+                          candidate=two)
+    lineage.park(st, run)
+    assert st.waiting is run and lineage.waiting_receipts(st) == {"a", "b"}
+    assert st.lineage == ("rel_head", "candidate:job_2", two.path) and not Path(str(one.path)).exists()
+    assert lineage.ahead_of(st) == ours  # the next batch trains on top of the one that waits
     st.lineage = ("rel_head", "candidate:job_9", str(tmp_path / "job_9"))
-    assert lineage.ahead_of(st) is None  # the lineage is no longer the canary's candidate
+    assert lineage.ahead_of(st) is None  # the lineage is neither the canary's nor the waiting one's
     off = state(train_ahead=False)
-    off.lineage, off.canary_of = ("rel_head", "candidate:job_1", one.path), ("rel_held", "c_held", one.path)
+    off.lineage, off.canary_of = ("rel_head", "candidate:job_1", one.path), ours
     assert lineage.ahead_of(off) is None  # canary_train_ahead = false: the step waits for the verdict
-
-
-@pytest.mark.asyncio
-async def test_waiting_for_a_canary_lets_the_step_lock_go_until_its_end(tmp_path: Path) -> None:
-    """While a step that trained ahead waits, the scenario's lock is free (archiving it is not refused for the
-    whole canary), and the step has it again once the canary ends. Bugs caught: the lock kept (``no_step`` refused
-    for hours), not taken back (the step's own release fails), the wait not ending at the canary's end."""
-    st = state()
-    running = True
-    await st.lock.acquire()
-    waiting = asyncio.ensure_future(lineage.wait_for_canary(st, lambda: running))
-    await asyncio.sleep(0)
-    assert not st.lock.locked() and st.state == "canary"
-    async with st.lock:  # what archiving does meanwhile
-        pass
-    assert not waiting.done()
-    running = False
-    st.canary_done.set()
-    await asyncio.wait_for(waiting, 5)
-    assert st.lock.locked()
-    st.lock.release()
-
-
-@pytest.mark.asyncio
-async def test_a_step_waiting_for_a_canary_cancelled_gives_the_lock_back_held(tmp_path: Path) -> None:
-    st = state()
-    await st.lock.acquire()
-    waiting = asyncio.ensure_future(lineage.wait_for_canary(st, lambda: True))
-    await asyncio.sleep(0)
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    assert st.lock.locked()  # the step's ``async with`` releases it

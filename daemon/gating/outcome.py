@@ -76,6 +76,8 @@ class GateRun:
     reason: str | None = None  # why, as it stands (a later step may say more)
     # the held-out check's questions and the candidate's answers to them (kept as the head's once it is published)
     heldout_answers: tuple[tuple[int, int], dict[str, Answer]] | None = None  # (the lengths, answers by prompt)
+    # weights: the running canary it was trained ahead of (release, content, dir; daemon/lineage.py)
+    ahead: tuple[str, str, str] | None = None
 
     @property
     def recipe(self) -> Recipe:
@@ -113,15 +115,13 @@ class Host(Protocol):
     metrics: Metrics
     engine: Callable[[str], Awaitable[Engine]]
     start_canary: Callable[[Scenario, dict[str, Any]], Awaitable[Any]] | None
+    canary_running: Callable[[str], bool] | None  # whether a scenario's canary runs
 
     async def write_down(self, manifest: Manifest, head: Any, verdict: str, reason: str) -> None: ...
 
     def follow(self, st: Any, follows: str, candidate: Candidate, job_id: str, *, published: bool,
                restart: bool = False) -> None: ...
 
-    async def wait_for_canary(self, st: Any) -> tuple[Scenario, Any]:
-        """Wait for the verdict of the canary a step trained ahead of: the scenario and its head after."""
-        ...
 
     async def set_warning(self, name: str, warning: dict[str, Any] | None) -> Any:
         """Write the scenario's early-warning state (``daemon/gating/warning.py``) to the record store."""

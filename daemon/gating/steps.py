@@ -2,8 +2,9 @@
 lets the next step have it (None):
 
 - ``skipped``: a candidate the recipe skipped, or whose content equals its parent's, is written down as skipped.
-- ``canary_verdict``: weights, trained ahead of a canary (``daemon/lineage.py``): waits for its verdict; promoted,
-  the candidate goes on against the promoted head; ended, it is discarded (skipped, its receipts learned again).
+- ``canary_verdict``: weights, trained ahead of a canary (``daemon/lineage.py``): waits (parked) while it runs;
+  promoted, the candidate goes on against the promoted head; ended, it is discarded (skipped, its receipts learned
+  again).
 - ``gate_kind``: the recipe's gate (``Recipe.judge``, ``daemon/gate.py``): ``pending`` holds it for review, a
   verdict that does not publish writes it down as rejected; a publishing one goes on, unless the harness policy
   put something only a person may admit in ``details["review"]`` (``daemon/harness_policy.py``): held for review.
@@ -55,21 +56,26 @@ async def skipped(host: Host, run: GateRun) -> StepOutcome | None:
 
 
 async def canary_verdict(host: Host, run: GateRun) -> StepOutcome | None:
-    """A weights candidate trained ahead of a canary (``daemon/lineage.py``) waits for the canary's verdict.
-    Promoted: it goes through the rest of the gate against the promoted head. Ended, or the scenario no longer
-    learning: it is discarded, written down as skipped without its receipts, which are learned from again."""
-    ahead = getattr(run.st, "ahead", None)
+    """A weights candidate trained ahead of a canary (``daemon/lineage.py``). While the canary runs it waits
+    (parked: nothing written down, the next batch trains on top of it). Once the canary is promoted it goes through
+    the rest of the gate against the promoted head; ended (the head is not the canary's), it is discarded, written
+    down as skipped without its receipts, which are learned from again."""
+    ahead = run.ahead
     if ahead is None:
         return None
-    scenario, head = await host.wait_for_canary(run.st)
-    if head.content_id == ahead[1] and not (scenario.paused or scenario.archived or scenario.warned):
+    name = run.scenario.name
+    if host.canary_running is not None and host.canary_running(name):
+        lineage.park(run.st, run)
+        reason = (f"trained ahead of canary {ahead[0]} ({run.metrics['steps_ahead']} batches): waits for its "
+                  "verdict")
+        return run.outcome("ahead", reason=reason, kept=[])
+    head = await host.chains.head(run.scenario)
+    if head.content_id == ahead[1]:
         run.head = head
         run.metrics["trained_ahead_of"] = ahead[0]
         return None
-    why = ("the scenario's learning was paused or archived meanwhile" if head.content_id == ahead[1]
-           else "the canary was ended")
-    reason = (f"trained ahead of canary {ahead[0]}: {why}, so it was discarded; its batch is learned from again "
-              "from the head")
+    reason = (f"trained ahead of canary {ahead[0]}, which was not promoted (the head is {head.release_id}): "
+              "discarded; its batches are learned from again from the head")
     await host.write_down(run.manifest(host, receipts=[]), run.head, "skipped", reason)
     if run.candidate.path is not None:
         shutil.rmtree(str(run.candidate.path), ignore_errors=True)
