@@ -359,6 +359,156 @@ def test_the_reserved_share_of_prompts_is_stable() -> None:
     assert not any(reserved(p, 0.0) for p in prompts)
 
 
+def test_each_held_out_setting_is_refused_past_its_bounds_and_taken_at_them() -> None:
+    """``check_settings``: each bound is taken, a step past it refused naming the setting; ``heldout_max_kl`` and
+    ``heldout_timeout_s`` are open at 0; not a number, not finite, or a malformed probe set is refused. Bugs caught:
+    a bound moved (``heldout_max_tokens`` 513 taken, ``heldout_max_kl`` 100 refused), either end of a range dropped,
+    the open ends closed or dropped, the probes not read."""
+    from daemon.gating.heldout import check_settings
+
+    bounds = {"heldout_share": (0, 0.5), "heldout_max_degenerate": (0, 1), "heldout_probe_z": (0.5, 10),
+              "heldout_max_kl": (0, 100), "heldout_max_tokens": (4, 512), "heldout_recorded_tokens": (4, 512),
+              "heldout_timeout_s": (0, 3600)}
+    open_at_0 = {"heldout_max_kl", "heldout_timeout_s"}
+
+    def refused(key: str, value: Any) -> bool:
+        try:
+            check_settings(SimpleNamespace(**{key: value}))
+        except BadRequest as e:
+            assert e.data["param"] == f"settings.{key}" and key in e.message, e.message
+            return True
+        return False
+
+    for key, (lo, hi) in bounds.items():
+        step = 1 if isinstance(hi, int) and hi > 100 else 0.01
+        assert not refused(key, hi) and refused(key, hi + step), key
+        assert refused(key, lo - step) and refused(key, -lo - 1), key
+        assert refused(key, lo) == (key in open_at_0), key
+        assert not refused(key, lo + step), key
+        for bad in ("1", float("nan"), float("inf"), [1]):
+            assert refused(key, bad), (key, bad)
+    check_settings(SimpleNamespace())  # nothing set: the defaults
+    with pytest.raises(BadRequest, match="heldout_probes"):
+        check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}]))
+
+
+def test_every_figure_of_a_mixed_check_is_its_share_of_the_answers() -> None:
+    """Two recorded prompts and four probes, answered each way there is: the candidate empty, looping, right, cut
+    short, wrong where the head was right, right where the head was empty. Every figure is read, so each share's
+    numerator and denominator count (a share times the answers, or a whole-number mean, shows), and one probe set of
+    one probe is right or wrong as a whole."""
+    long = "It is 2 and that is all there is to say."
+    cand = [_a("", 1), Answer("x y", (1,), (7, 8) * 6), _a("It is 1."), _a(".", 2), _a("I do not know."),
+            _a("It is 4.")]
+    head = [_a("a b c d e f g h i", 10), _a("a b c d e f g h", 9), _a("It is 1."), _a(long), _a("It is 3."),
+            _a("", 1)]
+    fig = figures(cand, head, PROBES[:4], 2, 0.5, SETTINGS)
+    assert [degenerate(c, h) for c, h in zip(cand, head, strict=True)] == ["empty", "loop", None, "short", None,
+                                                                           None]
+    ctok, htok = 1 + 12 + 4 + 2 + 5 + 4, 10 + 9 + 4 + 12 + 4 + 1
+    assert (fig.recorded, fig.probes) == (2, 4)
+    assert (fig.empty, fig.head_empty, fig.silent, fig.head_silent) == pytest.approx((1 / 6, 1 / 6, 2 / 6, 1 / 6))
+    assert (fig.degenerate, fig.head_degenerate) == pytest.approx((3 / 6, 1 / 6))
+    assert (fig.recorded_degenerate, fig.head_recorded_degenerate) == (1.0, 0.0)
+    assert (fig.probe_accuracy, fig.head_probe_accuracy, fig.probes_lost, fig.probes_gained) == (0.5, 0.75, 2, 1)
+    assert fig.probe_noise == pytest.approx(2 * 3 ** 0.5) and fig.kl == 0.5
+    assert (fig.tokens, fig.head_tokens, fig.length_ratio) == pytest.approx((ctok / 6, htok / 6, ctok / htok))
+    assert (fig.base_probe_accuracy, fig.probes_lost_base, fig.probes_gained_base, fig.base_probe_noise) == (
+        None, 0, 0, 0.0)  # no first release to compare with: nothing lost against it
+    assert fig.hold is not None and "answers degenerate: 50%" in fig.hold and "forgets" not in fig.hold
+    one = [Probe("What is 0 + 1?", ("1",))]
+    assert figures([_a("It is 1.")], [_a("no")], one, 0, None, SETTINGS).probe_accuracy == 1.0
+    assert figures([_a("no")], [_a("It is 1.")], one, 0, None, SETTINGS).head_probe_accuracy == 1.0
+
+
+def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
+    """``figures`` is given the candidate's, the head's and the base's answers in the prompts' order: a list of
+    another length is a caller's bug, said with the lengths, never figures of a shifted pairing."""
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    for cand, heads in ((head + [_a("x")], head), (head, head + [_a("x")]), (head[:-1], head[:-1])):
+        with pytest.raises(AssertionError):
+            figures(cand, heads, PROBES, 0, None, SETTINGS)
+    with pytest.raises(AssertionError):
+        figures(head, head, PROBES, 0, None, SETTINGS, base=head[:-1])
+
+
+def _figs(**kw: Any) -> Any:
+    from daemon.gating.heldout import Figures
+
+    zero = dict(recorded=16, probes=20, empty=0.0, head_empty=0.0, silent=0.0, head_silent=0.0, degenerate=0.0,
+                head_degenerate=0.0, recorded_degenerate=0.0, head_recorded_degenerate=0.0, length_ratio=1.0,
+                probe_accuracy=0.5, head_probe_accuracy=0.5, probes_lost=0, probes_gained=0, probe_noise=0.0, kl=None)
+    return Figures(**(zero | kw))
+
+
+def test_a_first_look_exactly_half_the_bound_from_the_head_is_clean_and_past_it_is_not() -> None:
+    """``clean``: each share (silent, degenerate, the recorded prompts' degenerate) within half of
+    ``heldout_max_degenerate`` of the head's passes the first look, a little past it asks the rest; so does a
+    net probe loss against the head or the base. Bugs caught: ``<`` for ``<=`` at half, a share's test dropped."""
+    from daemon.gating.heldout import clean
+
+    half = SETTINGS.max_degenerate / 2
+    assert clean(_figs(), SETTINGS)
+    for share in ("silent", "degenerate", "recorded_degenerate"):
+        assert clean(_figs(**{share: 0.5 + half, f"head_{share}": 0.5}), SETTINGS), share
+        assert not clean(_figs(**{share: 0.5 + half + 0.01, f"head_{share}": 0.5}), SETTINGS), share
+        assert clean(_figs(**{share: 0.5, f"head_{share}": 0.5 + half + 0.01}), SETTINGS), share
+    assert not clean(_figs(probes_lost=2, probes_gained=1), SETTINGS) and clean(_figs(probes_lost=1,
+                                                                                     probes_gained=1), SETTINGS)
+    assert not clean(_figs(probes_lost_base=2, probes_gained_base=1), SETTINGS)
+    assert clean(_figs(probes_lost_base=1, probes_gained_base=1), SETTINGS)
+
+
+def test_the_metrics_say_each_figure_at_its_precision() -> None:
+    """``Figures.metrics``: shares and ratios to 4 places, the noises and the seconds to 3, mean lengths to 2; the
+    base's figures only where there was a first release, the lengths only where both were measured."""
+    third, seventh = 1 / 3, 1 / 7
+    fig = _figs(recorded=3, probes=7, empty=seventh, head_empty=2 * seventh, silent=3 * seventh,
+                head_silent=4 * seventh, degenerate=5 * seventh, head_degenerate=6 * seventh,
+                recorded_degenerate=third, head_recorded_degenerate=2 * third, length_ratio=1 / 9,
+                probe_accuracy=2 / 9, head_probe_accuracy=4 / 9, probes_lost=3, probes_gained=1,
+                probe_noise=1 / 11, kl=1 / 13, base_probe_accuracy=5 / 9, probes_lost_base=4, probes_gained_base=2,
+                base_probe_noise=2 / 11, seconds=1 / 17, answer_seconds=2 / 17, kl_seconds=3 / 17, head_sampled=5,
+                prefetch_seconds=4 / 17, tokens=10 / 3, head_tokens=20 / 3, notes=["a", "b"], hold="why")
+    assert fig.metrics() == {
+        "heldout": "held", "heldout_recorded": 3, "heldout_probes": 7,
+        "heldout_empty": 0.1429, "heldout_head_empty": 0.2857, "heldout_silent": 0.4286, "heldout_head_silent": 0.5714,
+        "heldout_degenerate": 0.7143, "heldout_head_degenerate": 0.8571, "heldout_recorded_degenerate": 0.3333,
+        "heldout_head_recorded_degenerate": 0.6667, "heldout_probe_accuracy": 0.2222,
+        "heldout_head_probe_accuracy": 0.4444, "heldout_probes_lost": 3, "heldout_probes_gained": 1,
+        "heldout_probe_noise": 0.091, "heldout_seconds": 0.059, "heldout_answer_seconds": 0.118,
+        "heldout_kl_seconds": 0.176, "heldout_head_sampled": 5, "heldout_base_probe_accuracy": 0.5556,
+        "heldout_probes_lost_base": 4, "heldout_probes_gained_base": 2, "heldout_base_probe_noise": 0.182,
+        "heldout_prefetch_seconds": 0.235, "heldout_length_ratio": 0.1111, "heldout_tokens": 3.33,
+        "heldout_head_tokens": 6.67, "heldout_kl": 0.0769, "heldout_note": "a; b", "heldout_reason": "why"}
+    plain = _figs(length_ratio=None, tokens=2.0).metrics()
+    assert plain["heldout"] == "passed" and not {"heldout_length_ratio", "heldout_tokens", "heldout_head_tokens",
+                                                 "heldout_kl", "heldout_note", "heldout_reason",
+                                                 "heldout_base_probe_accuracy", "heldout_prefetch_seconds"} & set(plain)
+
+
+def test_the_users_prompt_is_the_last_user_text_of_the_recorded_request() -> None:
+    """``user_prompt``: the last user message with text (stripped), tool results left out, in each format; None for
+    a record without a known format, a request that is not an object or does not parse, or no user text."""
+    from daemon.gating.heldout import user_prompt
+
+    calls = [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "first"}, {"role": "assistant", "content": "b"},
+                                       {"role": "user", "content": "  second  "},
+                                       {"role": "assistant", "content": None, "tool_calls": calls},
+                                       {"role": "tool", "tool_call_id": "t1", "content": "a result"}]}
+    assert user_prompt({"format": "openai-chat", "request": chat}) == "second"
+    anthropic = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}
+    assert user_prompt({"format": "anthropic", "request": anthropic}) == "q1"
+    assert user_prompt({"format": "openai-chat", "request": {"model": "m", "messages": [
+        {"role": "assistant", "content": "only me"}, {"role": "user", "content": "   "}]}}) is None
+    for bad in ({"request": chat}, {"format": "nope", "request": chat}, {"format": "openai-chat", "request": "x"},
+                {"format": "openai-chat"}, {"format": "openai-chat", "request": {"model": "m", "messages": "no"}}):
+        assert user_prompt(bad) is None, bad
+
+
 class _Engine:
     """A stand-in engine: the same answer to everything, a fixed KL; what it was asked, by whom."""
 
