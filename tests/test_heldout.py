@@ -167,6 +167,7 @@ def test_a_lineage_that_forgot_what_the_base_knew_is_held_though_each_step_was_w
     # 5 lost since the base, 1 won back: a net 4 within the noise of 6 flips (4.9)
     near = figures(_knowing({0, 1, 2, 3, 4}), head, PROBES, 0, None, SETTINGS, base=_knowing({19}))
     assert near.hold is None and (near.probes_lost_base, near.probes_gained_base) == (5, 1)
+    assert near.base_probe_accuracy == 0.95  # 19 of 20: a share, not a whole division
     # a net loss exactly at the noise passes: 4 lost, none gained is 4 = 2 sqrt(4)
     edge = figures(_knowing({0, 1, 2, 3}), head, PROBES, 0, None, SETTINGS, base=base)
     assert edge.hold is None and edge.base_probe_noise == 4.0
@@ -390,6 +391,9 @@ def test_each_held_out_setting_is_refused_past_its_bounds_and_taken_at_them() ->
     check_settings(SimpleNamespace())  # nothing set: the defaults
     with pytest.raises(BadRequest, match="heldout_probes"):
         check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}]))
+    with pytest.raises(BadRequest) as e:  # the probe named by its setting and its place
+        check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}] * 8 + [{"prompt": "x"}]))
+    assert e.value.message.startswith("heldout_probes[8] must be") and e.value.data["param"] == "settings.heldout_probes"
 
 
 def test_every_figure_of_a_mixed_check_is_its_share_of_the_answers() -> None:
@@ -573,6 +577,7 @@ def test_a_loss_in_the_first_half_of_the_probes_asks_the_rest_and_decides_on_all
     fig, cands, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], SETTINGS))
     assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) and fig.probes == len(PROBES)
     assert fig.probes_lost == 7 and fig.hold is not None and "forgets" in fig.hold and len(cands) == len(PROBES)
+    assert not [n for n in fig.notes if "passed on the first" in n]  # decided on both halves
     # the same candidate decided on the first half alone would pass: the second stage is what holds it
     first = PROBES[::2]
     half = heldout.figures([cands[p.prompt] for p in first], [_a(f"It is {2 * i + 1}.") for i in range(10)],
@@ -622,6 +627,134 @@ def test_the_first_releases_answers_are_asked_once_for_the_probes_only_and_decid
     plain = _Lineage({0, 2, 4}, {0, 2, 4, 6, 8, 10})
     fig3, _, _ = asyncio.run(heldout.run(plain, "tiny", "cand", "head", "base", [], SETTINGS))
     assert fig3.hold is None and fig3.base_probe_accuracy is None
+
+
+def test_the_check_asks_enough_recorded_prompts_for_their_own_share_to_be_judged() -> None:
+    """The recorded prompts' degenerate share is judged once ``ENOUGH`` are asked: the check must ask at least as
+    many (``RECORDED``, which the learner reads), or the rule never fires. Bug caught: ``RECORDED`` below ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH, RECORDED
+
+    assert RECORDED >= ENOUGH
+
+
+def test_cut_short_is_at_most_short_tokens_where_the_head_said_long_or_more() -> None:
+    """``degenerate``'s ``short`` at its edges: ``SHORT`` tokens against a head's ``LONG`` is cut short, one token
+    more, or a head one token shorter, is not. Bugs caught: either bound moved, ``<`` for ``<=``."""
+    from daemon.gating.heldout import LONG, SHORT
+
+    head, shorter = _a("x", LONG), _a("x", LONG - 1)
+    assert degenerate(_a(".", SHORT), head) == "short" and degenerate(_a(". . .", SHORT + 1), head) is None
+    assert degenerate(_a(".", SHORT), shorter) is None and degenerate(_a(".", 1), _a("x", LONG + 5)) == "short"
+
+
+def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
+    """``MIN_LOST``: at ``heldout_probe_z`` 0.5 one probe lost net is past its noise (0.5) and still passes; two
+    (noise 0.71) hold; against the base the same. Bugs caught: ``MIN_LOST`` 1, ``!=`` for ``>=``."""
+    z = CheckSettings(probes=tuple(PROBES), probe_z=0.5)
+    head = _knowing(set())
+    one, two = figures(_knowing({0}), head, PROBES, 0, None, z), figures(_knowing({0, 1}), head, PROBES, 0, None, z)
+    assert one.hold is None and one.probe_noise == 0.5
+    assert two.hold is not None and "it forgets: probe accuracy 90%" in two.hold
+    three = figures(_knowing({0, 1, 2}), head, PROBES, 0, None, z)
+    assert three.hold is not None and "(3 probes lost, 0 gained" in three.hold
+    assert figures(_knowing({0}), _knowing({0}), PROBES, 0, None, z, base=head).hold is None
+    assert "forgets what the base knew" in str(figures(_knowing({0, 1}), _knowing({0, 1}), PROBES, 0, None, z,
+                                                       base=head).hold)
+
+
+def test_a_silent_head_counts_against_the_candidates_silence() -> None:
+    """The silent share is judged as a rise over the head's: a head 20% silent and a candidate 40% is a rise of
+    0.2, within ``heldout_max_degenerate``. Bug caught: the shares added rather than subtracted."""
+    head = [_a("", 1) if i < 4 else _a(f"It is {i + 1}.") for i in range(20)]
+    cand = [_a("", 1) if i < 8 else _a(f"It is {i + 1}.") for i in range(20)]
+    fig = figures(cand, head, PROBES, 0, None, CheckSettings(probes=tuple(PROBES), probe_z=10))
+    assert (fig.silent, fig.head_silent) == (0.4, 0.2) and fig.hold is None, fig.hold
+
+
+def test_the_first_look_is_clean_when_it_gains_probes() -> None:
+    """``clean`` reads a net loss: a candidate that gains probes (against the head or the base) and loses fewer is
+    clean. Bug caught: ``==`` (``is``) for ``<=``."""
+    from daemon.gating.heldout import clean
+
+    assert clean(_figs(probes_lost=1, probes_gained=3), SETTINGS)
+    assert clean(_figs(probes_lost_base=0, probes_gained_base=3), SETTINGS)
+    assert clean(_figs(probes_lost_base=300, probes_gained_base=300), SETTINGS)  # equal, not the same object
+
+
+def test_the_kl_is_the_mean_per_token_over_at_most_twelve_answers_spread_over_all() -> None:
+    """``kl_from_base``: every ``ceil(n / KL_ANSWERS)``-th answer with tokens (13 of them: 7, 24: 12, 12: all), the
+    mean over their tokens (not of the answers' means); None when no answer has tokens, the engine cannot score, or
+    it scores no token. Bugs caught: ``KL_ANSWERS`` moved, the step rounded down, a mean of means."""
+    from daemon.gating.heldout import kl_from_base
+
+    class Scores:
+        def __init__(self, kls: Any = "by length") -> None:
+            self.rows: list[tuple[list[int], list[int]]] = []
+            self.kls = kls
+
+        async def divergence_many(self, rows: Any, candidate: Any, base: Any) -> Any:
+            assert (candidate, base) == ("cand", "base")
+            self.rows += rows
+            if self.kls != "by length":
+                return self.kls
+            return [[1.0] if len(t) == 1 else [0.0] * len(t) for _, t in rows]
+
+    def answers(n: int) -> list[Answer]:
+        return [Answer("a", (i,), (i,) if i % 2 else (i, i, i)) for i in range(n)]
+
+    for n, picked in ((13, list(range(0, 13, 2))), (24, list(range(0, 24, 2))), (12, list(range(12))),
+                      (25, list(range(0, 25, 3)))):
+        engine = Scores()
+        kl = asyncio.run(kl_from_base(engine, answers(n), "cand", "base"))
+        assert [p[0] for p, _ in engine.rows] == picked, n
+        ones = sum(1 for i in picked if i % 2)
+        assert kl == pytest.approx(ones / (ones + 3 * (len(picked) - ones))), n
+    none = [Answer("", (1,), ())] * 5
+    assert asyncio.run(kl_from_base(Scores(), none, "cand", "base")) is None
+    assert asyncio.run(kl_from_base(Scores(), [*none, Answer("a", (1,), (1,))], "cand", "base")) == 1.0
+    assert asyncio.run(kl_from_base(Scores(None), answers(3), "cand", "base")) is None
+    assert asyncio.run(kl_from_base(Scores([[], [], []]), answers(3), "cand", "base")) is None
+
+
+def test_the_checks_seconds_are_its_answers_and_its_kls_on_the_clock() -> None:
+    """``run``'s timings, on a clock the stand-in engine moves (a second an answer, half one a KL row): the answers'
+    seconds (the head's and the candidate's), the KL's, and the whole. Bugs caught: a duration made a quotient or
+    a floor division of two readings of the clock."""
+    from daemon.gating import heldout
+
+    now = [1000.0]
+
+    class Timed(_Engine):
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            now[0] += 1.0
+            async for out in super().generate(exchange, release):
+                yield out
+
+        async def divergence(self, prompt: Any, tokens: Any, release: Any, reference: Any) -> list[float]:
+            now[0] += 0.5
+            return await super().divergence(prompt, tokens, release, reference)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(heldout, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+        fig, _, _ = asyncio.run(heldout.run(Timed(), "tiny", "cand", "head", "base", ["Tell me about rain."],
+                                            SETTINGS))
+    assert (fig.answer_seconds, fig.kl_seconds, fig.seconds) == (22.0, 5.5, 27.5)  # 11 prompts, twice; 11 rows
+    assert fig.head_sampled == 11
+
+
+def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
+    """``describe``: a line of the figures present, the reason and the note; a release with no probe noise or
+    length written says none (an older manifest), one never checked says nothing."""
+    from daemon.gating.heldout import describe
+
+    assert describe({}) is None and describe({"heldout": "unchecked"}) == "held-out check: unchecked (heldout_check = false)"
+    m = {"heldout": "passed", "heldout_probe_accuracy": 0.5, "heldout_recorded": 2, "heldout_probes": 10}
+    assert describe(m) == "held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) and 10 probes"
+    full = {**m, "heldout": "held", "heldout_degenerate": 0.25, "heldout_length_ratio": 0.5, "heldout_kl": 0.1234,
+            "heldout_reason": "why", "heldout_note": "a note"}
+    assert describe(full) == ("held-out check: held; degenerate answers 25% (head 0%), empty 0%; probes 50% right "
+                              "(head 0%, noise 0.0); length 0.50x the head's; KL from base 0.123 nats/token; on 2 "
+                              "recorded prompt(s) and 10 probes. why (a note)")
 
 
 # --- the steps, each alone --------------------------------------------------------------------------------------
