@@ -629,6 +629,25 @@ def test_the_first_releases_answers_are_asked_once_for_the_probes_only_and_decid
     assert fig3.hold is None and fig3.base_probe_accuracy is None
 
 
+def test_the_checks_settings_are_read_from_a_recipes_and_default_to_its_own() -> None:
+    """``CheckSettings.of``: each ``heldout_*`` setting read, the check's defaults where a recipe's settings have
+    none, the same as a recipe's ``GateSettings`` defaults; the shipped probes read once. Bugs caught: a default of
+    the class apart from the recipe's (the check off by default), a setting not read, the probe file read again
+    at every check."""
+    from recipes.base import GateSettings
+
+    assert CheckSettings.of(SimpleNamespace()) == CheckSettings(probes=shipped_probes()) == CheckSettings.of(
+        GateSettings())
+    assert CheckSettings().on and shipped_probes() is shipped_probes()
+    own = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]
+    got = CheckSettings.of(SimpleNamespace(heldout_check=False, heldout_share=0.2, heldout_probes=own,
+                                           heldout_max_degenerate=0.3, heldout_probe_z=3, heldout_max_kl=2,
+                                           heldout_max_tokens=20, heldout_recorded_tokens=30, heldout_timeout_s=9))
+    assert got == CheckSettings(on=False, share=0.2, probes=parse_probes(own), max_degenerate=0.3, probe_z=3.0,
+                                max_kl=2.0, max_tokens=20, recorded_tokens=30, timeout_s=9.0)
+    assert got.lengths == (20, 30)
+
+
 def test_the_check_asks_enough_recorded_prompts_for_their_own_share_to_be_judged() -> None:
     """The recorded prompts' degenerate share is judged once ``ENOUGH`` are asked: the check must ask at least as
     many (``RECORDED``, which the learner reads), or the rule never fires. Bug caught: ``RECORDED`` below ``ENOUGH``."""
