@@ -11,6 +11,7 @@ model's ``<|endoftext|>`` (an end of sequence): the empty answer to every prompt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -429,7 +430,8 @@ def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
     """``figures`` is given the candidate's, the head's and the base's answers in the prompts' order: a list of
     another length is a caller's bug, said with the lengths, never figures of a shifted pairing."""
     head = [_a(f"It is {i + 1}.") for i in range(20)]
-    for cand, heads in ((head + [_a("x")], head), (head, head + [_a("x")]), (head[:-1], head[:-1])):
+    for cand, heads in ((head + [_a("x")], head), (head, head + [_a("x")]), (head[:-1], head[:-1]),
+                        (head + [_a("x")], head + [_a("x")])):
         with pytest.raises(AssertionError):
             figures(cand, heads, PROBES, 0, None, SETTINGS)
     with pytest.raises(AssertionError):
@@ -774,6 +776,84 @@ def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
     assert describe(full) == ("held-out check: held; degenerate answers 25% (head 0%), empty 0%; probes 50% right "
                               "(head 0%, noise 0.0); length 0.50x the head's; KL from base 0.123 nats/token; on 2 "
                               "recorded prompt(s) and 10 probes. why (a note)")
+
+
+def test_a_check_the_engine_fails_says_why_and_still_drops_the_candidate() -> None:
+    """``run`` when the engine fails: a Reef error's own words, another exception's type and words, a timeout's
+    bound, a ``CheckFailed`` as it was; each a ``CheckFailed``, the candidate unloaded all the same, and an unload
+    that fails too leaves the first reason. Bugs caught: a Reef error said as an exception's repr, another exception
+    let through (the step would crash rather than fail)."""
+    from daemon.errors import EngineError
+    from daemon.gating import heldout
+
+    class Failing(_Engine):
+        def __init__(self, error: BaseException | None, unload_fails: bool = False) -> None:
+            super().__init__()
+            self.error, self.unload_fails = error, unload_fails
+
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            if self.error is None:
+                await asyncio.sleep(10)
+            else:
+                raise self.error
+            async for out in super().generate(exchange, release):
+                yield out
+
+        async def unload(self, release: Any) -> None:
+            await super().unload(release)
+            if self.unload_fails:
+                raise RuntimeError("cannot unload")
+
+    quick = CheckSettings(probes=tuple(PROBES), timeout_s=0.05)
+    for error, said in ((EngineError("the model is gone"), "the model is gone"),
+                        (RuntimeError("boom"), "RuntimeError: boom"),
+                        (CheckFailed("as it was"), "as it was"),
+                        (None, "it took longer than heldout_timeout_s 0.05")):
+        for unload_fails in (False, True):
+            engine = Failing(error, unload_fails)
+            with pytest.raises(CheckFailed) as e:
+                asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], quick))
+            assert e.value.data["reason"] == said and engine.unloaded == "cand", (e.value.data, said)
+
+
+def test_a_probe_set_is_refused_naming_the_setting_and_what_is_wrong() -> None:
+    """``parse_probes``: too few, or an item with another key, no text prompt or no accepted answer, each refused
+    with the setting's name (not its path) and the item's place. Bug caught: an extra key taken beside a prompt."""
+    ok = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]
+    with pytest.raises(BadRequest) as e:
+        parse_probes(ok[:7])
+    assert e.value.message.startswith("heldout_probes must be a list of at least 8 probes"), e.value.message
+    for bad in ({"prompt": "Say x.", "accept": ["x"], "weight": 2}, {"prompt": 3, "accept": ["x"]},
+                {"prompt": "Say x.", "accept": "x"}, ["Say x.", "x"]):
+        with pytest.raises(BadRequest) as e:
+            parse_probes([*ok, bad])
+        assert e.value.message.startswith("heldout_probes[8] must be"), (bad, e.value.message)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # settings read once are not changed by a check
+        CheckSettings().share = 0.5  # type: ignore[misc]
+
+
+def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only_below_enough() -> None:
+    """Degenerate answers (loops, not silence) rising by exactly ``heldout_max_degenerate`` pass, one more holds;
+    the note on too little traffic is said below ``ENOUGH`` recorded prompts and not at or above it, and a fresh
+    figure spent no time. Bugs caught: ``>=`` or ``==`` for ``>``, the note for any count but ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH
+
+    loop = Answer("x y", (1,), (7, 8) * 6)
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    lenient = CheckSettings(probes=tuple(PROBES), probe_z=10)
+    five = figures([loop] * 5 + head[5:], head, PROBES, 0, None, lenient)
+    assert five.degenerate == 0.25 and five.hold is None, five.hold
+    six = figures([loop] * 6 + head[6:], head, PROBES, 0, None, lenient)
+    assert six.hold is not None and "its answers degenerate: 30%" in six.hold
+    assert (five.seconds, five.answer_seconds, five.kl_seconds, five.head_sampled, five.prefetch_seconds) == (
+        0.0, 0.0, 0.0, 0, None)
+
+    def note(recorded: int) -> bool:
+        rec = [_a("An answer here.")] * recorded
+        fig = figures(rec + head, rec + head, PROBES, recorded, 0.1, SETTINGS)
+        return any("too little traffic" in n for n in fig.notes)
+
+    assert note(ENOUGH - 1) and not note(ENOUGH) and not note(ENOUGH + 1)
 
 
 # --- the steps, each alone --------------------------------------------------------------------------------------
