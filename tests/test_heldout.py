@@ -833,7 +833,7 @@ def test_a_probe_set_is_refused_naming_the_setting_and_what_is_wrong() -> None:
 
 
 def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only_below_enough() -> None:
-    """Degenerate answers (loops, not silence) rising by exactly ``heldout_max_degenerate`` pass, one more holds;
+    """Degenerate answers (loops; then silence) rising by exactly ``heldout_max_degenerate`` pass, one more holds;
     the note on too little traffic is said below ``ENOUGH`` recorded prompts and not at or above it, and a fresh
     figure spent no time. Bugs caught: ``>=`` or ``==`` for ``>``, the note for any count but ``ENOUGH``."""
     from daemon.gating.heldout import ENOUGH
@@ -845,6 +845,9 @@ def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only
     assert five.degenerate == 0.25 and five.hold is None, five.hold
     six = figures([loop] * 6 + head[6:], head, PROBES, 0, None, lenient)
     assert six.hold is not None and "its answers degenerate: 30%" in six.hold
+    quiet = figures([_a("", 1)] * 5 + head[5:], head, PROBES, 0, None, lenient)  # silence at the bound too
+    assert quiet.silent == 0.25 and quiet.hold is None, quiet.hold
+    assert "it stops answering: 30%" in str(figures([_a("", 1)] * 6 + head[6:], head, PROBES, 0, None, lenient).hold)
     assert (five.seconds, five.answer_seconds, five.kl_seconds, five.head_sampled, five.prefetch_seconds) == (
         0.0, 0.0, 0.0, 0, None)
 
