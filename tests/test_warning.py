@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from adapters import get_adapter
 from daemon.gating import warning
 from reef_cli.wrapper import model_notes
@@ -302,3 +304,177 @@ def test_degenerate_answers_warn_only_where_the_head_answers_properly() -> None:
 
     assert warning.detect([m(0.2, 0.1, 0.1), m(0.45, 0.4, 0.1)]) is not None  # a proper head: it warns
     assert warning.detect([m(0.2, 0.6, 0.6), m(0.45, 0.9, 0.6)]) is None  # a head of fragments: noise
+
+
+# --- reading the chain and writing the warning down, against stand-ins -------------------------------------------
+
+
+# the old point makes the trend: from it the reward rises 0.3 while the answers fall from 53 tokens to 5; from the
+# next one it rises 0.05, no trend
+OLD = _step({"batch_reward": 0.2, "tokens": 1700.0})
+NEXT = _step({"batch_reward": 0.45, "tokens": 1600.0})
+GATE = _step({"batch_reward": 0.5, "tokens": 150.0})
+
+
+def _rel(t: float, metrics: dict[str, Any], operation: str = "train") -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(created_at=t, metrics=metrics, operation=operation)
+
+
+class _Chains:
+    """A scenario's chain (newest first), its pending candidates and its rejections; each read recorded."""
+
+    def __init__(self, history: list[Any], pending: list[Any] | None = None,
+                 rejections: list[Any] | None = None) -> None:
+        self.rows = {"history": history, "pending": pending or [], "rejections": rejections or []}
+        self.reads: list[tuple[Any, ...]] = []
+
+    async def history(self, name: str, n: int | None = None) -> list[Any]:
+        self.reads.append(("history", name, n))
+        return list(self.rows["history"])
+
+    async def pending(self, name: str) -> list[Any]:
+        self.reads.append(("pending", name))
+        return list(self.rows["pending"])
+
+    async def rejections(self, name: str, n: int | None = None) -> list[Any]:
+        self.reads.append(("rejections", name, n))
+        return list(self.rows["rejections"])
+
+
+def _read(chains: _Chains, warned: Any = None, weights: bool = True, metrics: Any = None) -> Any:
+    import asyncio
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(weights=weights, scenario=SimpleNamespace(name="s", warning=warned),
+                          metrics=GATE if metrics is None else metrics)
+    return asyncio.run(warning.read(SimpleNamespace(chains=chains), run))  # type: ignore[arg-type]
+
+
+def test_the_trend_is_read_from_the_chain_the_pending_and_the_rejected_in_time_order() -> None:
+    """``read``: the candidate at the gate after the newest ``WINDOW - 1`` of the chain's train steps, the pending
+    and the rejected candidates, oldest first; each asked of the store with the window. Bugs caught: a source left
+    out, the candidates not put in time order, fewer than ``WINDOW - 1`` read."""
+    chains = _Chains([_rel(2, NEXT), _rel(1, OLD)])
+    found = _read(chains)
+    assert found is not None and found["signals"] == ["silent"] and found["figures"]["reward_from"] == 0.2
+    assert sorted(chains.reads) == [("history", "s", warning.WINDOW), ("pending", "s"),
+                                    ("rejections", "s", warning.WINDOW)]
+    assert _read(_Chains([_rel(2, NEXT)])) is None  # from the next one alone: no trend
+    assert _read(_Chains([_rel(2, NEXT)], pending=[_rel(1, OLD)])) is not None  # the old one held for review
+    assert _read(_Chains([_rel(2, NEXT)], rejections=[_rel(1, OLD)])) is not None  # ...or written down
+    assert _read(_Chains([_rel(1, OLD)], pending=[_rel(2, NEXT)])) is not None  # in time order, whatever the source
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, NEXT), _rel(1, OLD)])) is not None  # the window's first
+    assert _read(_Chains([_rel(4, NEXT), _rel(3, NEXT), _rel(2, NEXT), _rel(1, OLD)])) is None  # past it
+
+
+def test_the_trend_starts_after_a_rollback_a_clear_and_skips_steps_without_a_reward() -> None:
+    """``read``: a rollback or a promote on the chain starts the trend again after it; so does the warning's last
+    clear (a step at that very time is before it); a step without ``batch_reward`` is no point of the trend; a
+    harness candidate, or a scenario whose warning was accepted, reads nothing. Bugs caught: the rollback not
+    read, a step at the clear's time read, steps without a reward read (the trend's first point then has none)."""
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "rollback"), _rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "rollback")], pending=[_rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "promote")], rejections=[_rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(2, NEXT), _rel(1, OLD)]), warned={"state": "cleared", "since": 1.0}) is None
+    assert _read(_Chains([_rel(2, NEXT), _rel(1, OLD)]), warned={"state": "cleared", "since": 0.5}) is not None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, OLD), _rel(1, {"tokens": 1700.0})])) is not None
+    for chains, kw in ((_Chains([_rel(2, NEXT), _rel(1, OLD)]), {"weights": False}),
+                       (_Chains([_rel(2, NEXT), _rel(1, OLD)]), {"warned": {"state": "accepted", "since": 0.0}})):
+        assert _read(chains, **kw) is None and chains.reads == []
+
+
+def test_a_raised_warning_is_written_down_published_and_logged_with_its_reason(caplog: Any) -> None:
+    """``raise_warning`` (through ``after_hold``, as a held candidate's step calls it): the stored state (warned,
+    since now, the release and step held, the signals, figures, words and the reason a person reads) written for
+    the scenario, the same on ``/reef/events``, the reason in the log; a hold whose trend warns of nothing writes
+    nothing."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    written: list[tuple[str, Any]] = []
+    published: list[tuple[str, dict[str, Any]]] = []
+
+    async def set_warning(name: str, stored: Any) -> None:
+        written.append((name, stored))
+
+    host = SimpleNamespace(chains=_Chains([_rel(2, NEXT), _rel(1, OLD)]), set_warning=set_warning,
+                           events=SimpleNamespace(publish=lambda kind, **data: published.append((kind, data))))
+    run = SimpleNamespace(weights=True, scenario=SimpleNamespace(name="s", warning=None), metrics=GATE)
+    before = time.time()
+    with caplog.at_level(logging.WARNING, logger="reef.warning"):
+        asyncio.run(warning.after_hold(host, run, SimpleNamespace(release_id="rel_9", step=9)))  # type: ignore[arg-type]
+    found = warning.detect([OLD, NEXT, GATE])
+    assert found is not None and len(written) == 1 and written[0][0] == "s"
+    stored = written[0][1]
+    assert before <= stored["since"] == stored["at"] <= time.time()
+    assert stored == {"state": "warned", "since": stored["since"], "at": stored["at"], "release_id": "rel_9",
+                      "step": 9, "signals": found["signals"], "figures": found["figures"], "says": found["says"],
+                      "evidence": found["evidence"], "reason": warning.text("s", found)}
+    assert published == [("warning", {"scenario": "s", "state": "warned", "release_id": "rel_9",
+                                      "says": found["says"], "reason": stored["reason"],
+                                      "signals": found["signals"], "figures": found["figures"]})]
+    assert f"scenario s: {stored['reason']}" in caplog.text
+    host.chains = _Chains([_rel(2, NEXT)])
+    asyncio.run(warning.after_hold(host, run, SimpleNamespace(release_id="rel_9", step=9)))  # type: ignore[arg-type]
+    assert len(written) == 1 and len(published) == 1
+
+
+def test_the_user_clears_accepts_or_updates_a_warning_as_each_says() -> None:
+    """``clear``: resumed or updated, a standing warning becomes ``cleared`` from now (what it was kept); accepted,
+    ``accepted``; each said on the events. A resume with no warning standing, or an update of a scenario never
+    warned, changes nothing; accepting none is a conflict. ``state``, ``since`` and ``standing`` read it back.
+    Bugs caught: a state written for nothing to clear, the accepted state for a resume, the previous warning not
+    kept, an accept of nothing taken."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from daemon.errors import Conflict
+    from daemon.records.scenarios import Scenario
+
+    warned = {"state": "warned", "since": 5.0, "at": 5.0, "says": "it stops answering", "release_id": "rel_3"}
+
+    class Store:
+        def __init__(self, warning_: Any) -> None:
+            self.scenario = Scenario("s", "r", "m", 0.0, {}, warning=warning_)
+            self.written: list[Any] = []
+            self.scenarios = SimpleNamespace(get=self.get, set_warning=self.set_warning, warned=self.all)
+
+        async def get(self, name: str) -> Any:
+            return self.scenario
+
+        async def set_warning(self, name: str, new: Any) -> Any:
+            self.written.append(new)
+            self.scenario = Scenario("s", "r", "m", 0.0, {}, warning=new)
+            return self.scenario
+
+        async def all(self) -> list[Any]:
+            return [self.scenario]
+
+    def clear(warning_: Any, how: str) -> tuple[Store, list[Any], Any]:
+        store, events = Store(warning_), []
+        out = asyncio.run(warning.clear(store, SimpleNamespace(publish=lambda kind, **d: events.append((kind, d))),
+                                        "s", how))
+        return store, events, out
+
+    for how, state in (("resumed", "cleared"), ("updated", "cleared"), ("accepted", "accepted")):
+        before = time.time()
+        store, events, out = clear(warned, how)
+        new = store.written[0]
+        assert new == {"state": state, "since": new["since"], "how": how,
+                       "was": {"says": "it stops answering", "release_id": "rel_3", "at": 5.0}}, how
+        assert before <= new["since"] <= time.time() and out.warning == new
+        assert events == [("warning", {"scenario": "s", "state": state, "how": how})]
+        assert warning.state(out.warning) == state and warning.since(out.warning) == new["since"]
+        assert asyncio.run(warning.standing(store)) == {"s": new}
+    for previous, how in ((None, "resumed"), ({"state": "cleared", "since": 7.0}, "resumed"), (None, "updated")):
+        store, events, out = clear(previous, how)
+        assert store.written == [] and events == [] and out.warning == previous, (previous, how)
+    store, events, out = clear({"state": "accepted", "since": 7.0}, "updated")  # new settings: warned again
+    assert store.written[0]["state"] == "cleared" and "was" not in store.written[0] and len(events) == 1
+    for previous in (None, {"state": "cleared", "since": 7.0}):
+        with pytest.raises(Conflict):
+            clear(previous, "accepted")
+    assert warning.state(None) == "none" and warning.since(None) == 0.0 and warning.since({"state": "x"}) == 0.0
