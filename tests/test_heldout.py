@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -459,6 +460,7 @@ def test_a_first_look_exactly_half_the_bound_from_the_head_is_clean_and_past_it_
         assert clean(_figs(**{share: 0.5 + half, f"head_{share}": 0.5}), SETTINGS), share
         assert not clean(_figs(**{share: 0.5 + half + 0.01, f"head_{share}": 0.5}), SETTINGS), share
         assert clean(_figs(**{share: 0.5, f"head_{share}": 0.5 + half + 0.01}), SETTINGS), share
+        assert not clean(_figs(**{share: half + 0.01}), SETTINGS), share  # from a head at 0
     assert not clean(_figs(probes_lost=2, probes_gained=1), SETTINGS) and clean(_figs(probes_lost=1,
                                                                                      probes_gained=1), SETTINGS)
     assert not clean(_figs(probes_lost_base=2, probes_gained_base=1), SETTINGS)
@@ -771,6 +773,7 @@ def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
     assert describe({}) is None and describe({"heldout": "unchecked"}) == "held-out check: unchecked (heldout_check = false)"
     m = {"heldout": "passed", "heldout_probe_accuracy": 0.5, "heldout_recorded": 2, "heldout_probes": 10}
     assert describe(m) == "held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) and 10 probes"
+    assert describe({"heldout": "passed"}) == "held-out check: passed; on 0 recorded prompt(s) and 0 probes"
     full = {**m, "heldout": "held", "heldout_degenerate": 0.25, "heldout_length_ratio": 0.5, "heldout_kl": 0.1234,
             "heldout_reason": "why", "heldout_note": "a note"}
     assert describe(full) == ("held-out check: held; degenerate answers 25% (head 0%), empty 0%; probes 50% right "
@@ -828,6 +831,10 @@ def test_a_probe_set_is_refused_naming_the_setting_and_what_is_wrong() -> None:
         with pytest.raises(BadRequest) as e:
             parse_probes([*ok, bad])
         assert e.value.message.startswith("heldout_probes[8] must be"), (bad, e.value.message)
+    long = {"prompt": "x" * 300}
+    with pytest.raises(BadRequest) as e:
+        parse_probes([*ok, long])
+    assert e.value.message.endswith(", not " + json.dumps(long)[:120]), e.value.message
     with pytest.raises(dataclasses.FrozenInstanceError):  # settings read once are not changed by a check
         CheckSettings().share = 0.5  # type: ignore[misc]
 
@@ -857,6 +864,51 @@ def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only
         return any("too little traffic" in n for n in fig.notes)
 
     assert note(ENOUGH - 1) and not note(ENOUGH) and not note(ENOUGH + 1)
+
+
+def test_figures_of_one_recorded_prompt_or_no_probes_are_whole_shares() -> None:
+    """``figures`` at its smallest: one recorded prompt that loops is 100% of the recorded share; no probes at
+    all (recorded prompts alone) is an accuracy of 0 against the head and the base, not a division by zero; more
+    recorded prompts than ``ENOUGH`` are judged on their own too. Bugs caught: a share over ``max(2, n)``, the
+    guard against no probes dropped, the recorded share judged only at exactly ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH
+
+    loop, fine = Answer("x y", (1,), (7, 8) * 6), _a("An answer here.")
+    one = figures([loop], [loop], [], 1, None, SETTINGS, base=[])
+    assert (one.recorded_degenerate, one.head_recorded_degenerate, one.degenerate) == (1.0, 1.0, 1.0)
+    assert (one.probe_accuracy, one.head_probe_accuracy, one.base_probe_accuracy) == (0.0, 0.0, 0.0)
+    assert one.hold is None  # the head loops as much
+    many = ENOUGH + 1
+    probes = [_a(f"It is {i + 1}.") for i in range(20)]  # the probes dilute the loops: 7 of 37 overall
+    held = figures([loop] * 7 + [fine] * (many - 7) + probes, [fine] * many + probes, PROBES, many, None, SETTINGS)
+    assert held.hold is not None and f"own prompts degenerate: 41% of {many}" in held.hold, held.hold
+
+
+def test_the_answers_keep_each_completions_ids_and_ask_the_longer_prompts_longer() -> None:
+    """``answers``: one ``Answer`` per prompt with the completion's text, prompt and answer token ids and logprobs
+    (missing ones empty: the KL is measured on the prompt's ids); the prompts in ``longer`` asked for
+    ``longer_tokens``, the others ``max_tokens``; no prompt, no request. Bugs caught: the prompt's ids or the
+    logprobs dropped."""
+    from daemon.exchange import Completion
+    from daemon.gating.heldout import answers
+
+    class Engine:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, int]] = []
+
+        async def answer_many(self, exchanges: Any, release: Any) -> list[Completion]:
+            assert release == "cand"
+            self.asked += [(e.messages[-1].text, e.sampling.max_tokens) for e in exchanges]
+            return [Completion(text="yes", prompt_token_ids=[1, 2], token_ids=[3, 4], logprobs=[-0.5, -0.25]),
+                    Completion(text=None, prompt_token_ids=None, token_ids=None, logprobs=None)]
+
+    engine = Engine()
+    got = asyncio.run(answers(engine, "tiny", ["a probe", "a recorded one"], "cand", 16, {"a recorded one"}, 48))
+    assert got == [Answer("yes", (1, 2), (3, 4), (-0.5, -0.25)), Answer("", (), (), ())]
+    assert engine.asked == [("a probe", 16), ("a recorded one", 48)]
+    assert asyncio.run(answers(engine, "tiny", [], "cand", 16)) == [] and len(engine.asked) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):  # an answer kept for later checks is not changed
+        got[0].text = "no"  # type: ignore[misc]
 
 
 # --- the steps, each alone --------------------------------------------------------------------------------------
