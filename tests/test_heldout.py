@@ -225,6 +225,7 @@ def test_a_candidate_past_the_drift_bound_is_held() -> None:
     assert figures(head, head, PROBES, 0, 1.5, SETTINGS).hold is not None
     assert "drifts" in str(figures(head, head, PROBES, 0, 1.5, SETTINGS).hold)
     assert figures(head, head, PROBES, 0, 0.9, SETTINGS).hold is None
+    assert figures(head, head, PROBES, 0, 1.0, SETTINGS).hold is None  # at heldout_max_kl itself: passes
 
 
 def test_degenerate_answers() -> None:
@@ -660,14 +661,16 @@ def test_the_check_asks_enough_recorded_prompts_for_their_own_share_to_be_judged
     assert RECORDED >= ENOUGH
 
 
-def test_cut_short_is_at_most_short_tokens_where_the_head_said_long_or_more() -> None:
-    """``degenerate``'s ``short`` at its edges: ``SHORT`` tokens against a head's ``LONG`` is cut short, one token
-    more, or a head one token shorter, is not. Bugs caught: either bound moved, ``<`` for ``<=``."""
-    from daemon.gating.heldout import LONG, SHORT
+def test_cut_short_is_at_most_two_tokens_where_the_head_said_eight_or_more() -> None:
+    """``degenerate``'s ``short`` at its edges (``SHORT`` 2, ``LONG`` 8): 2 tokens against a head's 8 is cut short, 3
+    tokens, or a head of 7, is not; a loop of exactly ``LOOP`` tokens is read in tokens. Bugs caught: either bound
+    moved, ``<`` for ``<=``, ``>`` for ``>=`` at ``LOOP``."""
+    head, shorter = _a("x", 8), _a("x", 7)
+    assert degenerate(_a(".", 2), head) == "short" and degenerate(_a(". . .", 3), head) is None
+    assert degenerate(_a(".", 2), shorter) is None and degenerate(_a(".", 1), _a("x", 13)) == "short"
+    from daemon.loops import LOOP
 
-    head, shorter = _a("x", LONG), _a("x", LONG - 1)
-    assert degenerate(_a(".", SHORT), head) == "short" and degenerate(_a(". . .", SHORT + 1), head) is None
-    assert degenerate(_a(".", SHORT), shorter) is None and degenerate(_a(".", 1), _a("x", LONG + 5)) == "short"
+    assert degenerate(Answer(" ".join(f"w{i}" for i in range(LOOP)), (1,), (7, 8) * (LOOP // 2))) == "loop"
 
 
 def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
@@ -681,6 +684,8 @@ def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
     three = figures(_knowing({0, 1, 2}), head, PROBES, 0, None, z)
     assert three.hold is not None and "(3 probes lost, 0 gained" in three.hold
     assert figures(_knowing({0}), _knowing({0}), PROBES, 0, None, z, base=head).hold is None
+    # 5 lost and 3 gained is a net 2, within the noise of 8 flips (5.7): the net loss is judged, not the flips
+    assert figures(_knowing({0, 1, 2, 3, 4}), _knowing({10, 11, 12}), PROBES, 0, None, SETTINGS).hold is None
     assert "forgets what the base knew" in str(figures(_knowing({0, 1}), _knowing({0, 1}), PROBES, 0, None, z,
                                                        base=head).hold)
 
@@ -774,6 +779,10 @@ def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
     m = {"heldout": "passed", "heldout_probe_accuracy": 0.5, "heldout_recorded": 2, "heldout_probes": 10}
     assert describe(m) == "held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) and 10 probes"
     assert describe({"heldout": "passed"}) == "held-out check: passed; on 0 recorded prompt(s) and 0 probes"
+    assert describe({"heldout": "passed", "heldout_degenerate": 0.5, "heldout_recorded": 3,
+                     "heldout_recorded_degenerate": 0.25}) == (
+        "held-out check: passed; degenerate answers 50% (head 0%), on recorded prompts 25% (head 0%), empty 0%; "
+        "on 3 recorded prompt(s) and 0 probes")
     full = {**m, "heldout": "held", "heldout_degenerate": 0.25, "heldout_length_ratio": 0.5, "heldout_kl": 0.1234,
             "heldout_reason": "why", "heldout_note": "a note"}
     assert describe(full) == ("held-out check: held; degenerate answers 25% (head 0%), empty 0%; probes 50% right "

@@ -508,7 +508,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         if not rest or clean(fig, settings):
             return fig, 1
         await ask([p.prompt for p in rest])
-        return decide(settings.probes), 2
+        return decide(settings.probes), 2  # pragma: no mutate (the stage is only compared with 1)
 
     try:
         fig, stages = await asyncio.wait_for(measure(), settings.timeout_s)
