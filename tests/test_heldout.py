@@ -301,6 +301,7 @@ def test_loops_in_the_answers_to_the_scenarios_own_prompts_hold_though_the_probe
     assert "on recorded prompts" not in str(describe(fig(0, recorded=0).metrics()))  # none asked: nothing to say
     assert fig(4).hold is None and fig(5).hold is not None  # 0.25 is the bound itself: a rise beyond it holds
     assert fig(7, head_loops=3).hold is None  # the head looped too: a rise of 4 of 16
+    assert fig(7, head_loops=3).head_recorded_degenerate == 3 / 16
     assert fig(5, recorded=8).hold is None  # too few recorded prompts: the probe set decides
     assert not clean(fig(3), SETTINGS) and clean(fig(2), SETTINGS)  # 3 of 16 is past half the bound: ask the rest
 
@@ -426,6 +427,7 @@ def test_every_figure_of_a_mixed_check_is_its_share_of_the_answers() -> None:
     one = [Probe("What is 0 + 1?", ("1",))]
     assert figures([_a("It is 1.")], [_a("no")], one, 0, None, SETTINGS).probe_accuracy == 1.0
     assert figures([_a("no")], [_a("It is 1.")], one, 0, None, SETTINGS).head_probe_accuracy == 1.0
+    assert figures([_a("no")], [_a("no")], one, 0, None, SETTINGS, base=[_a("It is 1.")]).base_probe_accuracy == 1.0
 
 
 def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
@@ -433,11 +435,12 @@ def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
     another length is a caller's bug, said with the lengths, never figures of a shifted pairing."""
     head = [_a(f"It is {i + 1}.") for i in range(20)]
     for cand, heads in ((head + [_a("x")], head), (head, head + [_a("x")]), (head[:-1], head[:-1]),
-                        (head + [_a("x")], head + [_a("x")])):
+                        (head + [_a("x")], head + [_a("x")]), (head[:-1], head)):
         with pytest.raises(AssertionError):
             figures(cand, heads, PROBES, 0, None, SETTINGS)
-    with pytest.raises(AssertionError):
-        figures(head, head, PROBES, 0, None, SETTINGS, base=head[:-1])
+    for base in (head[:-1], head + [_a("x")]):
+        with pytest.raises(AssertionError):
+            figures(head, head, PROBES, 0, None, SETTINGS, base=base)
 
 
 def _figs(**kw: Any) -> Any:
@@ -654,11 +657,12 @@ def test_the_checks_settings_are_read_from_a_recipes_and_default_to_its_own() ->
 
 
 def test_the_check_asks_enough_recorded_prompts_for_their_own_share_to_be_judged() -> None:
-    """The recorded prompts' degenerate share is judged once ``ENOUGH`` are asked: the check must ask at least as
-    many (``RECORDED``, which the learner reads), or the rule never fires. Bug caught: ``RECORDED`` below ``ENOUGH``."""
+    """The recorded prompts' degenerate share is judged once ``ENOUGH`` are asked: the check asks as many
+    (``RECORDED``, which the learner reads): fewer and the rule never fires, more and every check pays answers that
+    change nothing. Bug caught: ``RECORDED`` moved off ``ENOUGH``."""
     from daemon.gating.heldout import ENOUGH, RECORDED
 
-    assert RECORDED >= ENOUGH
+    assert RECORDED == ENOUGH
 
 
 def test_cut_short_is_at_most_two_tokens_where_the_head_said_eight_or_more() -> None:
@@ -680,6 +684,8 @@ def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
     head = _knowing(set())
     one, two = figures(_knowing({0}), head, PROBES, 0, None, z), figures(_knowing({0, 1}), head, PROBES, 0, None, z)
     assert one.hold is None and one.probe_noise == 0.5
+    flips = figures(_knowing({0, 1}), _knowing({19}), PROBES, 0, None, z)  # 2 lost, 1 gained: a net 1 of 3 flips
+    assert flips.hold is None and flips.probe_noise < 1, flips.hold
     assert two.hold is not None and "it forgets: probe accuracy 90%" in two.hold
     three = figures(_knowing({0, 1, 2}), head, PROBES, 0, None, z)
     assert three.hold is not None and "(3 probes lost, 0 gained" in three.hold
@@ -846,6 +852,8 @@ def test_a_probe_set_is_refused_naming_the_setting_and_what_is_wrong() -> None:
     assert e.value.message.endswith(", not " + json.dumps(long)[:120]), e.value.message
     with pytest.raises(dataclasses.FrozenInstanceError):  # settings read once are not changed by a check
         CheckSettings().share = 0.5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # nor are their probes
+        PROBES[0].prompt = "x"  # type: ignore[misc]
 
 
 def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only_below_enough() -> None:
