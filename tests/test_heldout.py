@@ -393,6 +393,7 @@ def test_each_held_out_setting_is_refused_past_its_bounds_and_taken_at_them() ->
         for bad in ("1", float("nan"), float("inf"), [1]):
             assert refused(key, bad), (key, bad)
     check_settings(SimpleNamespace())  # nothing set: the defaults
+    assert not refused("heldout_timeout_s", 0.5) and not refused("heldout_max_kl", 0.001)  # open at 0, not at 1
     with pytest.raises(BadRequest, match="heldout_probes"):
         check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}]))
     with pytest.raises(BadRequest) as e:  # the probe named by its setting and its place
@@ -686,6 +687,11 @@ def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
     assert one.hold is None and one.probe_noise == 0.5
     flips = figures(_knowing({0, 1}), _knowing({19}), PROBES, 0, None, z)  # 2 lost, 1 gained: a net 1 of 3 flips
     assert flips.hold is None and flips.probe_noise < 1, flips.hold
+    base_flips = figures(_knowing({0, 1}), _knowing({0, 1}), PROBES, 0, None, z, base=_knowing({19}))
+    assert base_flips.hold is None and base_flips.base_probe_noise < 1, base_flips.hold
+    # a net loss exactly at the noise passes against the head too: 4 lost, none gained is 4 = 2 sqrt(4)
+    edge = figures(_knowing({0, 1, 2, 3}), head, PROBES, 0, None, SETTINGS)
+    assert edge.hold is None and edge.probe_noise == 4.0
     assert two.hold is not None and "it forgets: probe accuracy 90%" in two.hold
     three = figures(_knowing({0, 1, 2}), head, PROBES, 0, None, z)
     assert three.hold is not None and "(3 probes lost, 0 gained" in three.hold
@@ -756,7 +762,7 @@ def test_the_checks_seconds_are_its_answers_and_its_kls_on_the_clock() -> None:
     a floor division of two readings of the clock."""
     from daemon.gating import heldout
 
-    now = [1000.0]
+    now = [1.0]  # a clock read near its start: a duration is not the remainder of two readings
 
     class Timed(_Engine):
         async def generate(self, exchange: Any, release: Any) -> Any:
