@@ -444,6 +444,15 @@ def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
             figures(head, head, PROBES, 0, None, SETTINGS, base=base)
 
 
+def test_a_large_probe_set_is_figured_like_a_small_one() -> None:
+    """A user's probe set has no upper bound: 300 probes (lengths past the integers Python keeps as one object)
+    are paired and figured as 20 are. Bug caught: the answers' lengths compared by identity (``is``)."""
+    many = [Probe(f"What is {i} + 1?", (str(i + 1),)) for i in range(300)]
+    right = [_a(f"It is {i + 1}.") for i in range(300)]
+    fig = figures(right, list(right), many, 0, None, CheckSettings(probes=tuple(many)), base=list(right))
+    assert fig.hold is None and (fig.probe_accuracy, fig.base_probe_accuracy) == (1.0, 1.0)
+
+
 def _figs(**kw: Any) -> Any:
     from daemon.gating.heldout import Figures
 
