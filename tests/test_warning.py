@@ -478,3 +478,72 @@ def test_the_user_clears_accepts_or_updates_a_warning_as_each_says() -> None:
         with pytest.raises(Conflict):
             clear(previous, "accepted")
     assert warning.state(None) == "none" and warning.since(None) == 0.0 and warning.since({"state": "x"}) == 0.0
+
+
+def test_each_signal_fires_at_its_bound_and_not_short_of_it() -> None:
+    """``detect``'s bounds, each met exactly and missed: degenerate answers rising by ``DEGENERATE_RISE`` (0.25)
+    from a head at ``NOISE_HEAD`` (0.5) itself, answers falling to ``SHORT_TOKENS`` (6) from more than twice that,
+    entropy to a third; the entropy beside a signal only when it fell that far; two signals said as one and an
+    "also". Bugs caught: a bound moved or a comparison made strict, the rise read as a quotient, "also" said
+    wrongly."""
+    def deg(reward: float, degenerate: float, head: float) -> dict[str, Any]:
+        return {"batch_reward": reward, "heldout_degenerate": degenerate, "heldout_head_degenerate": head}
+
+    assert warning.detect([deg(0.2, 0.0, 0.0), deg(0.45, 0.25, 0.0)]) is not None  # 0.25: the bound itself
+    assert warning.detect([deg(0.2, 0.1, 0.1), deg(0.45, 0.3, 0.1)]) is None  # a rise of 0.2
+    assert warning.detect([deg(0.2, 0.5, 0.5), deg(0.45, 0.8, 0.5)]) is not None  # a head at NOISE_HEAD is read
+
+    def short(first: float, last: float) -> dict[str, Any] | None:
+        return warning.detect([_step({"batch_reward": 0.2, "tokens": 32 * first}),
+                               _step({"batch_reward": 0.5, "tokens": 32 * last})])
+
+    assert short(13, 6) is not None and short(12, 6) is None and short(13, 6.5) is None
+
+    def entropy(first: float, last: float) -> dict[str, Any] | None:
+        return warning.detect([dict(HACKED[0], entropy=first), dict(HACKED[2], entropy=last)])
+
+    third, more = entropy(3.0, 1.0), entropy(3.0, 1.1)
+    assert third is not None and third["signals"] == ["silent", "entropy"]
+    assert third["says"].endswith("(also: the model's answers collapse into one pattern)"), third["says"]
+    assert more is not None and more["signals"] == ["silent"] and "also" not in more["says"]
+
+
+def test_the_degenerate_share_leaves_out_answers_only_cut_short_and_reads_what_is_there() -> None:
+    """``Point.of``: the held-out degenerate share less the cut-short ones (degenerate - silent + empty, at least
+    0), the share as written where the parts are not all there; the head's the same. Bugs caught: the parts
+    combined otherwise, the guard read backwards."""
+    p = warning.Point.of({"heldout_degenerate": 0.5, "heldout_silent": 0.3, "heldout_empty": 0.1,
+                          "heldout_head_degenerate": 0.2, "heldout_head_silent": 0.3, "heldout_head_empty": 0.0})
+    assert p.degenerate == pytest.approx(0.3) and p.head_degenerate == 0.0 and p.silent == 0.1
+    assert warning.Point.of({"heldout_degenerate": 0.5, "heldout_silent": 0.3}).degenerate == 0.5
+    assert warning.Point.of({"heldout_degenerate": 0.5}).degenerate == 0.5
+    assert warning.Point.of({"heldout_silent": 0.3, "heldout_empty": 0.1}).degenerate is None
+
+
+def test_the_held_out_length_falls_from_the_heads_and_the_sampled_from_the_first_steps() -> None:
+    """The held-out answers' length is read against the head the trend started from (``heldout_head_tokens``), the
+    sampled answers' against the first step's own: a first candidate already short (5 tokens against its head's
+    30) that stays short warns; its sampled answers, 40 tokens then 30, do not. Bug caught: the head's baseline
+    given to the wrong length."""
+    first = {"batch_reward": 0.2, "heldout_tokens": 5.0, "heldout_head_tokens": 30.0, "tokens": 40.0, "samples": 1.0}
+    last = {"batch_reward": 0.5, "heldout_tokens": 4.0, "tokens": 30.0, "samples": 1.0}
+    found = warning.detect([first, last])
+    assert found is not None and "held-out answers (tokens) 30.0 -> 4.0" in found["evidence"], found
+    assert "sampled answers" not in found["evidence"]
+    assert warning.detect([dict(first, heldout_head_tokens=None), last]) is None  # from its own 5: no fall
+
+
+def test_silence_is_excused_from_three_empty_answers_and_an_unscored_count_is_no_evidence() -> None:
+    """``MIN_EMPTY`` (3) empty answers scored below the rest are enough to say the scorer punishes silence; a step
+    that counted empty answers but wrote no score for them says nothing of it. Bugs caught: ``<=`` for ``<`` at
+    ``MIN_EMPTY``, a count without a score read (a crash on None)."""
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+    three = [dict(m, batch_empty=k, batch_empty_reward=0.0, batch_rest_reward=0.2)
+             for m, k in zip(demo, (0.0, 1.0, 2.0), strict=True)]
+    assert warning.detect(three) is None
+    unscored = [dict(m, batch_empty=3.0, batch_rest_reward=0.2) for m in demo]  # counted, never scored
+    assert warning.detect(unscored) is not None
+    from types import SimpleNamespace
+
+    assert warning.batch_figures([SimpleNamespace(score=1 / 3, token_ids=[5, 2])])["batch_reward"] == 0.3333
