@@ -398,7 +398,8 @@ def test_each_held_out_setting_is_refused_past_its_bounds_and_taken_at_them() ->
         check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}]))
     with pytest.raises(BadRequest) as e:  # the probe named by its setting and its place
         check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}] * 8 + [{"prompt": "x"}]))
-    assert e.value.message.startswith("heldout_probes[8] must be") and e.value.data["param"] == "settings.heldout_probes"
+    assert e.value.message.startswith("heldout_probes[8] must be")
+    assert e.value.data["param"] == "settings.heldout_probes"
 
 
 def test_every_figure_of_a_mixed_check_is_its_share_of_the_answers() -> None:
@@ -796,9 +797,11 @@ def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
     length written says none (an older manifest), one never checked says nothing."""
     from daemon.gating.heldout import describe
 
-    assert describe({}) is None and describe({"heldout": "unchecked"}) == "held-out check: unchecked (heldout_check = false)"
+    assert describe({}) is None
+    assert describe({"heldout": "unchecked"}) == "held-out check: unchecked (heldout_check = false)"
     m = {"heldout": "passed", "heldout_probe_accuracy": 0.5, "heldout_recorded": 2, "heldout_probes": 10}
-    assert describe(m) == "held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) and 10 probes"
+    assert describe(m) == ("held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) "
+                           "and 10 probes")
     assert describe({"heldout": "passed"}) == "held-out check: passed; on 0 recorded prompt(s) and 0 probes"
     assert describe({"heldout": "passed", "heldout_degenerate": 0.5, "heldout_recorded": 3,
                      "heldout_recorded_degenerate": 0.25}) == (

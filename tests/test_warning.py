@@ -547,3 +547,27 @@ def test_silence_is_excused_from_three_empty_answers_and_an_unscored_count_is_no
     from types import SimpleNamespace
 
     assert warning.batch_figures([SimpleNamespace(score=1 / 3, token_ids=[5, 2])])["batch_reward"] == 0.3333
+
+
+def test_a_change_of_exactly_a_bound_counts_whatever_its_floating_point() -> None:
+    """The figures are written to 4 places, and their differences are judged so: a reward from 0.2 to 0.3 rose by
+    ``RISE`` (0.1) though ``0.3 - 0.2`` is 0.09999999999999998; probe accuracy from 70% to 55% fell by
+    ``PROBE_FALL``; degenerate answers from 10% to 35% rose by ``DEGENERATE_RISE``; entropy from 0.6 to 0.2 fell to
+    a third; empty answers scoring 0.2 against the rest's 0.3 are punished by ``PUNISHED``. Bug caught (the code's
+    own, found by the mutation run: ``<=`` for ``<`` at ``RISE`` survived): each of these missed its bound by the
+    last bit, so a change the docstring says warns did not."""
+    rise = [_heldout(0.2, 0.0, 0.70), _heldout(0.3, 0.0, 0.40)]
+    assert warning.detect(rise) is not None
+    forgets = [_heldout(0.2, 0.0, 0.70), _heldout(0.4, 0.0, 0.55)]
+    found = warning.detect(forgets)
+    assert found is not None and found["signals"] == ["forgets"], found
+    degenerate = [{"batch_reward": 0.2, "heldout_degenerate": 0.1, "heldout_head_degenerate": 0.1},
+                  {"batch_reward": 0.45, "heldout_degenerate": 0.35}]
+    assert warning.detect(degenerate) is not None
+    entropy = warning.detect([dict(HACKED[0], entropy=0.6), dict(HACKED[2], entropy=0.2)])
+    assert entropy is not None and "entropy" in entropy["signals"], entropy
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+    punished = [dict(m, batch_empty=k, batch_empty_reward=0.2, batch_rest_reward=0.3)
+                for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
+    assert warning.detect(punished) is None
