@@ -571,3 +571,43 @@ def test_a_change_of_exactly_a_bound_counts_whatever_its_floating_point() -> Non
     punished = [dict(m, batch_empty=k, batch_empty_reward=0.2, batch_rest_reward=0.3)
                 for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
     assert warning.detect(punished) is None
+
+
+def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
+    """``detect``'s figures: the reward and each figure read, first and last, to 4 places; the groups that all
+    scored alike named as evidence only when they rose; silence rising by exactly ``SILENT_RISE`` fires. Bugs
+    caught: a figure rounded otherwise, groups named when they held or fell."""
+    first = {"batch_reward": 0.123456, "heldout_empty": 0.011111, "heldout_head_empty": 0.011111, "groups": 4.0,
+             "degenerate_groups": 1.0}
+    last = {"batch_reward": 0.654321, "heldout_empty": 0.222222, "groups": 4.0, "degenerate_groups": 1.0}
+    found = warning.detect([first, last])
+    assert found is not None and found["figures"] == {"steps": 2, "reward_from": 0.1235, "reward_to": 0.6543,
+                                                      "silent_from": 0.0111, "silent_to": 0.2222}, found["figures"]
+    assert "groups that all scored alike" not in found["evidence"]  # held at 25%
+    rose = warning.detect([first, dict(last, degenerate_groups=2.0)])
+    assert rose is not None and "groups that all scored alike 25% -> 50%" in rose["evidence"]
+    assert "groups" not in str(warning.detect([first, dict(last, degenerate_groups=0.0)])["evidence"])  # type: ignore[index]
+    edge = [{"batch_reward": 0.2, "heldout_empty": 0.05}, {"batch_reward": 0.5, "heldout_empty": 0.2}]
+    assert warning.detect(edge) is not None  # 0.2 - 0.05 is SILENT_RISE
+
+
+def test_the_scorers_view_of_silence_is_the_weighted_mean_of_empty_answers_against_the_mean_of_the_rest() -> None:
+    """``_silence_punished`` through ``detect``: the empty answers' mean score weighted by their count, the rest's
+    mean over the steps; empty answers at 0.05 against 0.2 are punished, at 0.25 against 0.3 are not. And
+    ``batch_figures`` writes each mean to 4 places. Bugs caught: the mean multiplied by the count, the rest's
+    summed to a power."""
+    from types import SimpleNamespace
+
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+
+    def batches(empty_reward: float, rest: float) -> list[dict[str, Any]]:
+        return [dict(m, batch_empty=k, **({"batch_empty_reward": empty_reward} if k else {}), batch_rest_reward=rest)
+                for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
+
+    assert warning.detect(batches(0.05, 0.2)) is None  # punished: silence is no reward
+    assert warning.detect(batches(0.25, 0.3)) is not None  # 0.05 lower: not punished
+    got = warning.batch_figures([SimpleNamespace(score=s, token_ids=t) for s, t in (
+        (1 / 3, [2]), (0.0, [2]), (1 / 3, [5, 2]), (1.0, [5, 2]), (0.0, [5, 6, 2]))])
+    assert got == {"batch_reward": 0.3333, "batch_empty": 2.0, "batch_empty_reward": 0.1667,
+                   "batch_rest_reward": 0.4444}
