@@ -125,7 +125,8 @@ MODULES: dict[str, Module] = {
                                                 "keeps_its_tail or check_in_config or git_mv or outcome_flags or "
                                                 "snapshot_names or changes_of_a_run or cannot_start or "
                                                 "exit_code_scores or interrupted or hundreds or cannot_be_read or "
-                                                "killed_by_a_signal or left_its_session or first_commit")),
+                                                "killed_by_a_signal or left_its_session or first_commit or "
+                                                "without_a_commit")),
     # its unit tests: from_line and to_line (the file's others import and export through a daemon)
     "export": Module("daemon/export.py", ("tests/test_export.py", "-k", "label_is_true or refused_naming or "
                                           "item_of_the_batch or at_their_edge or keyed_by_its_receipt or "
