@@ -518,15 +518,24 @@ def test_the_degenerate_share_leaves_out_answers_only_cut_short_and_reads_what_i
     assert warning.Point.of({"heldout_degenerate": 0.5, "heldout_silent": 0.3}).degenerate == 0.5
     assert warning.Point.of({"heldout_degenerate": 0.5}).degenerate == 0.5
     assert warning.Point.of({"heldout_silent": 0.3, "heldout_empty": 0.1}).degenerate is None
+    # a ratio with no numerator or a zero denominator is not measured
+    assert warning.Point.of({"samples": 2.0}).answer_tokens is None
+    assert warning.Point.of({"tokens": 5.0, "samples": 0.0}).answer_tokens is None
+    assert warning.Point.of({"tokens": 5.0, "samples": 2.0}).answer_tokens == 2.5
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a point read is not changed
+        p.reward = 1.0  # type: ignore[misc]
 
 
 def test_the_held_out_length_falls_from_the_heads_and_the_sampled_from_the_first_steps() -> None:
     """The held-out answers' length is read against the head the trend started from (``heldout_head_tokens``), the
     sampled answers' against the first step's own: a first candidate already short (5 tokens against its head's
-    30) that stays short warns; its sampled answers, 40 tokens then 30, do not. Bug caught: the head's baseline
+    30) that stays short warns; its sampled answers, 5 tokens then 4, do not (the head's 30 is no baseline of
+    theirs). Bug caught: the head's baseline
     given to the wrong length."""
-    first = {"batch_reward": 0.2, "heldout_tokens": 5.0, "heldout_head_tokens": 30.0, "tokens": 40.0, "samples": 1.0}
-    last = {"batch_reward": 0.5, "heldout_tokens": 4.0, "tokens": 30.0, "samples": 1.0}
+    first = {"batch_reward": 0.2, "heldout_tokens": 5.0, "heldout_head_tokens": 30.0, "tokens": 5.0, "samples": 1.0}
+    last = {"batch_reward": 0.5, "heldout_tokens": 4.0, "tokens": 4.0, "samples": 1.0}
     found = warning.detect([first, last])
     assert found is not None and "held-out answers (tokens) 30.0 -> 4.0" in found["evidence"], found
     assert "sampled answers" not in found["evidence"]
@@ -571,6 +580,12 @@ def test_a_change_of_exactly_a_bound_counts_whatever_its_floating_point() -> Non
     punished = [dict(m, batch_empty=k, batch_empty_reward=0.2, batch_rest_reward=0.3)
                 for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
     assert warning.detect(punished) is None
+    # ...and a change short of a bound by a figure's last place (0.0001) is short of it
+    assert warning.detect([_heldout(0.2, 0.0, 0.70), _heldout(0.2999, 0.0, 0.40)]) is None
+    assert warning.detect([degenerate[0], dict(degenerate[1], heldout_degenerate=0.3499)]) is None
+    near = warning.detect([dict(HACKED[0], entropy=3.0), dict(HACKED[2], entropy=1.0004)])
+    assert near is not None and "entropy" not in near["signals"]
+    assert warning.detect([dict(m, batch_empty_reward=0.2001) for m in punished]) is not None
 
 
 def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
@@ -589,6 +604,8 @@ def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
     assert "groups" not in str(warning.detect([first, dict(last, degenerate_groups=0.0)])["evidence"])  # type: ignore[index]
     edge = [{"batch_reward": 0.2, "heldout_empty": 0.05}, {"batch_reward": 0.5, "heldout_empty": 0.2}]
     assert warning.detect(edge) is not None  # 0.2 - 0.05 is SILENT_RISE
+    # a figure the first point lacks is not compared (no baseline), whatever the last says
+    assert warning.detect([{"batch_reward": 0.2}, {"batch_reward": 0.5, "heldout_empty": 0.5}]) is None
 
 
 def test_the_scorers_view_of_silence_is_the_weighted_mean_of_empty_answers_against_the_mean_of_the_rest() -> None:
