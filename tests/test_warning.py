@@ -586,6 +586,8 @@ def test_a_change_of_exactly_a_bound_counts_whatever_its_floating_point() -> Non
     near = warning.detect([dict(HACKED[0], entropy=3.0), dict(HACKED[2], entropy=1.0004)])
     assert near is not None and "entropy" not in near["signals"]
     assert warning.detect([dict(m, batch_empty_reward=0.2001) for m in punished]) is not None
+    assert warning.detect([_heldout(0.2, 0.05, 0.7, (0.05, 0.7)), _heldout(0.5, 0.1999, 0.7)]) is None  # 0.1499
+    assert warning.detect([_heldout(0.2, 0.0, 0.7), _heldout(0.5, 0.0, 0.5501)]) is None  # probes: 0.1499
 
 
 def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
@@ -604,6 +606,9 @@ def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
     assert "groups" not in str(warning.detect([first, dict(last, degenerate_groups=0.0)])["evidence"])  # type: ignore[index]
     edge = [{"batch_reward": 0.2, "heldout_empty": 0.05}, {"batch_reward": 0.5, "heldout_empty": 0.2}]
     assert warning.detect(edge) is not None  # 0.2 - 0.05 is SILENT_RISE
+    # no reward at either end: no trend (a step whose metrics lack it)
+    assert warning.detect([{"heldout_empty": 0.0}, {"batch_reward": 0.5, "heldout_empty": 0.5}]) is None
+    assert warning.detect([{"batch_reward": 0.2, "heldout_empty": 0.0}, {"heldout_empty": 0.5}]) is None
     # a figure the first point lacks is not compared (no baseline), whatever the last says
     assert warning.detect([{"batch_reward": 0.2}, {"batch_reward": 0.5, "heldout_empty": 0.5}]) is None
 
