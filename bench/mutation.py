@@ -99,6 +99,13 @@ MODULES: dict[str, Module] = {
     # the figures, the decision, the two stages and the kept answers against stand-in engines (test_heldout.py's
     # daemon tests: a crafted candidate held through a real daemon, a minute each)
     "heldout": Module("daemon/gating/heldout.py", ("tests/test_heldout.py", "-k", HELDOUT_UNIT)),
+    # the early warning: the trend (detect), the batch's figures, reading the chain and writing the warning down
+    # against stand-ins, and the gate's steps that call it (test_warning.py's others: a daemon whose scenario is
+    # warned, a minute each; the TUI's screen, which reads what the daemon answers)
+    "warning": Module("daemon/gating/warning.py", ("tests/test_warning.py", *(f"tests/test_gate_steps.py::test_{t}"
+                      for t in ("a_hold_by_the_watchdog_may_warn_as_well",
+                                "a_trend_that_warns_holds_the_candidate_and_raises_the_warning")),
+                      "-k", "not publishes_nothing and not accepting and not tui")),
     # its own tests (all of test_loops.py: "loop" matches the file's name), and the held-out check's use of it
     "loops": Module("daemon/loops.py", ("tests/test_loops.py", "tests/test_heldout.py", "-k",
                                         "loop or degenerate or said_twice")),
@@ -118,7 +125,8 @@ MODULES: dict[str, Module] = {
                                                 "keeps_its_tail or check_in_config or git_mv or outcome_flags or "
                                                 "snapshot_names or changes_of_a_run or cannot_start or "
                                                 "exit_code_scores or interrupted or hundreds or cannot_be_read or "
-                                                "killed_by_a_signal or left_its_session or first_commit")),
+                                                "killed_by_a_signal or left_its_session or first_commit or "
+                                                "without_a_commit")),
     # its unit tests: from_line and to_line (the file's others import and export through a daemon)
     "export": Module("daemon/export.py", ("tests/test_export.py", "-k", "label_is_true or refused_naming or "
                                           "item_of_the_batch or at_their_edge or keyed_by_its_receipt or "

@@ -11,6 +11,8 @@ model's ``<|endoftext|>`` (an end of sequence): the empty answer to every prompt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -167,6 +169,7 @@ def test_a_lineage_that_forgot_what_the_base_knew_is_held_though_each_step_was_w
     # 5 lost since the base, 1 won back: a net 4 within the noise of 6 flips (4.9)
     near = figures(_knowing({0, 1, 2, 3, 4}), head, PROBES, 0, None, SETTINGS, base=_knowing({19}))
     assert near.hold is None and (near.probes_lost_base, near.probes_gained_base) == (5, 1)
+    assert near.base_probe_accuracy == 0.95  # 19 of 20: a share, not a whole division
     # a net loss exactly at the noise passes: 4 lost, none gained is 4 = 2 sqrt(4)
     edge = figures(_knowing({0, 1, 2, 3}), head, PROBES, 0, None, SETTINGS, base=base)
     assert edge.hold is None and edge.base_probe_noise == 4.0
@@ -223,6 +226,7 @@ def test_a_candidate_past_the_drift_bound_is_held() -> None:
     assert figures(head, head, PROBES, 0, 1.5, SETTINGS).hold is not None
     assert "drifts" in str(figures(head, head, PROBES, 0, 1.5, SETTINGS).hold)
     assert figures(head, head, PROBES, 0, 0.9, SETTINGS).hold is None
+    assert figures(head, head, PROBES, 0, 1.0, SETTINGS).hold is None  # at heldout_max_kl itself: passes
 
 
 def test_degenerate_answers() -> None:
@@ -298,6 +302,7 @@ def test_loops_in_the_answers_to_the_scenarios_own_prompts_hold_though_the_probe
     assert "on recorded prompts" not in str(describe(fig(0, recorded=0).metrics()))  # none asked: nothing to say
     assert fig(4).hold is None and fig(5).hold is not None  # 0.25 is the bound itself: a rise beyond it holds
     assert fig(7, head_loops=3).hold is None  # the head looped too: a rise of 4 of 16
+    assert fig(7, head_loops=3).head_recorded_degenerate == 3 / 16
     assert fig(5, recorded=8).hold is None  # too few recorded prompts: the probe set decides
     assert not clean(fig(3), SETTINGS) and clean(fig(2), SETTINGS)  # 3 of 16 is past half the bound: ask the rest
 
@@ -358,6 +363,174 @@ def test_the_reserved_share_of_prompts_is_stable() -> None:
     assert 0.07 < sum(picked) / len(picked) < 0.13
     assert picked == [reserved(p, 0.1) for p in prompts]  # the same prompt, the same answer, every time
     assert not any(reserved(p, 0.0) for p in prompts)
+
+
+def test_each_held_out_setting_is_refused_past_its_bounds_and_taken_at_them() -> None:
+    """``check_settings``: each bound is taken, a step past it refused naming the setting; ``heldout_max_kl`` and
+    ``heldout_timeout_s`` are open at 0; not a number, not finite, or a malformed probe set is refused. Bugs caught:
+    a bound moved (``heldout_max_tokens`` 513 taken, ``heldout_max_kl`` 100 refused), either end of a range dropped,
+    the open ends closed or dropped, the probes not read."""
+    from daemon.gating.heldout import check_settings
+
+    bounds = {"heldout_share": (0, 0.5), "heldout_max_degenerate": (0, 1), "heldout_probe_z": (0.5, 10),
+              "heldout_max_kl": (0, 100), "heldout_max_tokens": (4, 512), "heldout_recorded_tokens": (4, 512),
+              "heldout_timeout_s": (0, 3600)}
+    open_at_0 = {"heldout_max_kl", "heldout_timeout_s"}
+
+    def refused(key: str, value: Any) -> bool:
+        try:
+            check_settings(SimpleNamespace(**{key: value}))
+        except BadRequest as e:
+            assert e.data["param"] == f"settings.{key}" and key in e.message, e.message
+            return True
+        return False
+
+    for key, (lo, hi) in bounds.items():
+        step = 1 if isinstance(hi, int) and hi > 100 else 0.01
+        assert not refused(key, hi) and refused(key, hi + step), key
+        assert refused(key, lo - step) and refused(key, -lo - 1), key
+        assert refused(key, lo) == (key in open_at_0), key
+        assert not refused(key, lo + step), key
+        for bad in ("1", float("nan"), float("inf"), [1]):
+            assert refused(key, bad), (key, bad)
+    check_settings(SimpleNamespace())  # nothing set: the defaults
+    assert not refused("heldout_timeout_s", 0.5) and not refused("heldout_max_kl", 0.001)  # open at 0, not at 1
+    with pytest.raises(BadRequest, match="heldout_probes"):
+        check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}]))
+    with pytest.raises(BadRequest) as e:  # the probe named by its setting and its place
+        check_settings(SimpleNamespace(heldout_probes=[{"prompt": "x", "accept": ["y"]}] * 8 + [{"prompt": "x"}]))
+    assert e.value.message.startswith("heldout_probes[8] must be")
+    assert e.value.data["param"] == "settings.heldout_probes"
+
+
+def test_every_figure_of_a_mixed_check_is_its_share_of_the_answers() -> None:
+    """Two recorded prompts and four probes, answered each way there is: the candidate empty, looping, right, cut
+    short, wrong where the head was right, right where the head was empty. Every figure is read, so each share's
+    numerator and denominator count (a share times the answers, or a whole-number mean, shows), and one probe set of
+    one probe is right or wrong as a whole."""
+    long = "It is 2 and that is all there is to say."
+    cand = [_a("", 1), Answer("x y", (1,), (7, 8) * 6), _a("It is 1."), _a(".", 2), _a("I do not know."),
+            _a("It is 4.")]
+    head = [_a("a b c d e f g h i", 10), _a("a b c d e f g h", 9), _a("It is 1."), _a(long), _a("It is 3."),
+            _a("", 1)]
+    fig = figures(cand, head, PROBES[:4], 2, 0.5, SETTINGS)
+    assert [degenerate(c, h) for c, h in zip(cand, head, strict=True)] == ["empty", "loop", None, "short", None,
+                                                                           None]
+    ctok, htok = 1 + 12 + 4 + 2 + 5 + 4, 10 + 9 + 4 + 12 + 4 + 1
+    assert (fig.recorded, fig.probes) == (2, 4)
+    assert (fig.empty, fig.head_empty, fig.silent, fig.head_silent) == pytest.approx((1 / 6, 1 / 6, 2 / 6, 1 / 6))
+    assert (fig.degenerate, fig.head_degenerate) == pytest.approx((3 / 6, 1 / 6))
+    assert (fig.recorded_degenerate, fig.head_recorded_degenerate) == (1.0, 0.0)
+    assert (fig.probe_accuracy, fig.head_probe_accuracy, fig.probes_lost, fig.probes_gained) == (0.5, 0.75, 2, 1)
+    assert fig.probe_noise == pytest.approx(2 * 3 ** 0.5) and fig.kl == 0.5
+    assert (fig.tokens, fig.head_tokens, fig.length_ratio) == pytest.approx((ctok / 6, htok / 6, ctok / htok))
+    assert (fig.base_probe_accuracy, fig.probes_lost_base, fig.probes_gained_base, fig.base_probe_noise) == (
+        None, 0, 0, 0.0)  # no first release to compare with: nothing lost against it
+    assert fig.hold is not None and "answers degenerate: 50%" in fig.hold and "forgets" not in fig.hold
+    one = [Probe("What is 0 + 1?", ("1",))]
+    assert figures([_a("It is 1.")], [_a("no")], one, 0, None, SETTINGS).probe_accuracy == 1.0
+    assert figures([_a("no")], [_a("It is 1.")], one, 0, None, SETTINGS).head_probe_accuracy == 1.0
+    assert figures([_a("no")], [_a("no")], one, 0, None, SETTINGS, base=[_a("It is 1.")]).base_probe_accuracy == 1.0
+
+
+def test_answers_that_do_not_pair_with_the_prompts_are_an_error() -> None:
+    """``figures`` is given the candidate's, the head's and the base's answers in the prompts' order: a list of
+    another length is a caller's bug, said with the lengths, never figures of a shifted pairing."""
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    for cand, heads in ((head + [_a("x")], head), (head, head + [_a("x")]), (head[:-1], head[:-1]),
+                        (head + [_a("x")], head + [_a("x")]), (head[:-1], head)):
+        with pytest.raises(AssertionError):
+            figures(cand, heads, PROBES, 0, None, SETTINGS)
+    for base in (head[:-1], head + [_a("x")]):
+        with pytest.raises(AssertionError):
+            figures(head, head, PROBES, 0, None, SETTINGS, base=base)
+
+
+def test_a_large_probe_set_is_figured_like_a_small_one() -> None:
+    """A user's probe set has no upper bound: 300 probes (lengths past the integers Python keeps as one object)
+    are paired and figured as 20 are. Bug caught: the answers' lengths compared by identity (``is``)."""
+    many = [Probe(f"What is {i} + 1?", (str(i + 1),)) for i in range(300)]
+    right = [_a(f"It is {i + 1}.") for i in range(300)]
+    fig = figures(right, list(right), many, 0, None, CheckSettings(probes=tuple(many)), base=list(right))
+    assert fig.hold is None and (fig.probe_accuracy, fig.base_probe_accuracy) == (1.0, 1.0)
+
+
+def _figs(**kw: Any) -> Any:
+    from daemon.gating.heldout import Figures
+
+    zero = dict(recorded=16, probes=20, empty=0.0, head_empty=0.0, silent=0.0, head_silent=0.0, degenerate=0.0,
+                head_degenerate=0.0, recorded_degenerate=0.0, head_recorded_degenerate=0.0, length_ratio=1.0,
+                probe_accuracy=0.5, head_probe_accuracy=0.5, probes_lost=0, probes_gained=0, probe_noise=0.0, kl=None)
+    return Figures(**(zero | kw))
+
+
+def test_a_first_look_exactly_half_the_bound_from_the_head_is_clean_and_past_it_is_not() -> None:
+    """``clean``: each share (silent, degenerate, the recorded prompts' degenerate) within half of
+    ``heldout_max_degenerate`` of the head's passes the first look, a little past it asks the rest; so does a
+    net probe loss against the head or the base. Bugs caught: ``<`` for ``<=`` at half, a share's test dropped."""
+    from daemon.gating.heldout import clean
+
+    half = SETTINGS.max_degenerate / 2
+    assert clean(_figs(), SETTINGS)
+    for share in ("silent", "degenerate", "recorded_degenerate"):
+        assert clean(_figs(**{share: 0.5 + half, f"head_{share}": 0.5}), SETTINGS), share
+        assert not clean(_figs(**{share: 0.5 + half + 0.01, f"head_{share}": 0.5}), SETTINGS), share
+        assert clean(_figs(**{share: 0.5, f"head_{share}": 0.5 + half + 0.01}), SETTINGS), share
+        assert not clean(_figs(**{share: half + 0.01}), SETTINGS), share  # from a head at 0
+    assert not clean(_figs(probes_lost=2, probes_gained=1), SETTINGS) and clean(_figs(probes_lost=1,
+                                                                                     probes_gained=1), SETTINGS)
+    assert not clean(_figs(probes_lost_base=2, probes_gained_base=1), SETTINGS)
+    assert clean(_figs(probes_lost_base=1, probes_gained_base=1), SETTINGS)
+
+
+def test_the_metrics_say_each_figure_at_its_precision() -> None:
+    """``Figures.metrics``: shares and ratios to 4 places, the noises and the seconds to 3, mean lengths to 2; the
+    base's figures only where there was a first release, the lengths only where both were measured."""
+    third, seventh = 1 / 3, 1 / 7
+    fig = _figs(recorded=3, probes=7, empty=seventh, head_empty=2 * seventh, silent=3 * seventh,
+                head_silent=4 * seventh, degenerate=5 * seventh, head_degenerate=6 * seventh,
+                recorded_degenerate=third, head_recorded_degenerate=2 * third, length_ratio=1 / 9,
+                probe_accuracy=2 / 9, head_probe_accuracy=4 / 9, probes_lost=3, probes_gained=1,
+                probe_noise=1 / 11, kl=1 / 13, base_probe_accuracy=5 / 9, probes_lost_base=4, probes_gained_base=2,
+                base_probe_noise=2 / 11, seconds=1 / 17, answer_seconds=2 / 17, kl_seconds=3 / 17, head_sampled=5,
+                prefetch_seconds=4 / 17, tokens=10 / 3, head_tokens=20 / 3, notes=["a", "b"], hold="why")
+    assert fig.metrics() == {
+        "heldout": "held", "heldout_recorded": 3, "heldout_probes": 7,
+        "heldout_empty": 0.1429, "heldout_head_empty": 0.2857, "heldout_silent": 0.4286, "heldout_head_silent": 0.5714,
+        "heldout_degenerate": 0.7143, "heldout_head_degenerate": 0.8571, "heldout_recorded_degenerate": 0.3333,
+        "heldout_head_recorded_degenerate": 0.6667, "heldout_probe_accuracy": 0.2222,
+        "heldout_head_probe_accuracy": 0.4444, "heldout_probes_lost": 3, "heldout_probes_gained": 1,
+        "heldout_probe_noise": 0.091, "heldout_seconds": 0.059, "heldout_answer_seconds": 0.118,
+        "heldout_kl_seconds": 0.176, "heldout_head_sampled": 5, "heldout_base_probe_accuracy": 0.5556,
+        "heldout_probes_lost_base": 4, "heldout_probes_gained_base": 2, "heldout_base_probe_noise": 0.182,
+        "heldout_prefetch_seconds": 0.235, "heldout_length_ratio": 0.1111, "heldout_tokens": 3.33,
+        "heldout_head_tokens": 6.67, "heldout_kl": 0.0769, "heldout_note": "a; b", "heldout_reason": "why"}
+    plain = _figs(length_ratio=None, tokens=2.0).metrics()
+    assert plain["heldout"] == "passed" and not {"heldout_length_ratio", "heldout_tokens", "heldout_head_tokens",
+                                                 "heldout_kl", "heldout_note", "heldout_reason",
+                                                 "heldout_base_probe_accuracy", "heldout_prefetch_seconds"} & set(plain)
+
+
+def test_the_users_prompt_is_the_last_user_text_of_the_recorded_request() -> None:
+    """``user_prompt``: the last user message with text (stripped), tool results left out, in each format; None for
+    a record without a known format, a request that is not an object or does not parse, or no user text."""
+    from daemon.gating.heldout import user_prompt
+
+    calls = [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "first"}, {"role": "assistant", "content": "b"},
+                                       {"role": "user", "content": "  second  "},
+                                       {"role": "assistant", "content": None, "tool_calls": calls},
+                                       {"role": "tool", "tool_call_id": "t1", "content": "a result"}]}
+    assert user_prompt({"format": "openai-chat", "request": chat}) == "second"
+    anthropic = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}
+    assert user_prompt({"format": "anthropic", "request": anthropic}) == "q1"
+    assert user_prompt({"format": "openai-chat", "request": {"model": "m", "messages": [
+        {"role": "assistant", "content": "only me"}, {"role": "user", "content": "   "}]}}) is None
+    for bad in ({"request": chat}, {"format": "nope", "request": chat}, {"format": "openai-chat", "request": "x"},
+                {"format": "openai-chat"}, {"format": "openai-chat", "request": {"model": "m", "messages": "no"}}):
+        assert user_prompt(bad) is None, bad
 
 
 class _Engine:
@@ -424,6 +597,7 @@ def test_a_loss_in_the_first_half_of_the_probes_asks_the_rest_and_decides_on_all
     fig, cands, _ = asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], SETTINGS))
     assert len([1 for who, _ in engine.asked if who == "cand"]) == len(PROBES) and fig.probes == len(PROBES)
     assert fig.probes_lost == 7 and fig.hold is not None and "forgets" in fig.hold and len(cands) == len(PROBES)
+    assert not [n for n in fig.notes if "passed on the first" in n]  # decided on both halves
     # the same candidate decided on the first half alone would pass: the second stage is what holds it
     first = PROBES[::2]
     half = heldout.figures([cands[p.prompt] for p in first], [_a(f"It is {2 * i + 1}.") for i in range(10)],
@@ -473,6 +647,304 @@ def test_the_first_releases_answers_are_asked_once_for_the_probes_only_and_decid
     plain = _Lineage({0, 2, 4}, {0, 2, 4, 6, 8, 10})
     fig3, _, _ = asyncio.run(heldout.run(plain, "tiny", "cand", "head", "base", [], SETTINGS))
     assert fig3.hold is None and fig3.base_probe_accuracy is None
+
+
+def test_the_checks_settings_are_read_from_a_recipes_and_default_to_its_own() -> None:
+    """``CheckSettings.of``: each ``heldout_*`` setting read, the check's defaults where a recipe's settings have
+    none, the same as a recipe's ``GateSettings`` defaults; the shipped probes read once. Bugs caught: a default of
+    the class apart from the recipe's (the check off by default), a setting not read, the probe file read again
+    at every check."""
+    from recipes.base import GateSettings
+
+    assert CheckSettings.of(SimpleNamespace()) == CheckSettings(probes=shipped_probes()) == CheckSettings.of(
+        GateSettings())
+    assert CheckSettings().on and shipped_probes() is shipped_probes()
+    own = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]
+    got = CheckSettings.of(SimpleNamespace(heldout_check=False, heldout_share=0.2, heldout_probes=own,
+                                           heldout_max_degenerate=0.3, heldout_probe_z=3, heldout_max_kl=2,
+                                           heldout_max_tokens=20, heldout_recorded_tokens=30, heldout_timeout_s=9))
+    assert got == CheckSettings(on=False, share=0.2, probes=parse_probes(own), max_degenerate=0.3, probe_z=3.0,
+                                max_kl=2.0, max_tokens=20, recorded_tokens=30, timeout_s=9.0)
+    assert got.lengths == (20, 30)
+
+
+def test_the_check_asks_enough_recorded_prompts_for_their_own_share_to_be_judged() -> None:
+    """The recorded prompts' degenerate share is judged once ``ENOUGH`` are asked: the check asks as many
+    (``RECORDED``, which the learner reads): fewer and the rule never fires, more and every check pays answers that
+    change nothing. Bug caught: ``RECORDED`` moved off ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH, RECORDED
+
+    assert RECORDED == ENOUGH
+
+
+def test_cut_short_is_at_most_two_tokens_where_the_head_said_eight_or_more() -> None:
+    """``degenerate``'s ``short`` at its edges (``SHORT`` 2, ``LONG`` 8): 2 tokens against a head's 8 is cut short, 3
+    tokens, or a head of 7, is not; a loop of exactly ``LOOP`` tokens is read in tokens. Bugs caught: either bound
+    moved, ``<`` for ``<=``, ``>`` for ``>=`` at ``LOOP``."""
+    head, shorter = _a("x", 8), _a("x", 7)
+    assert degenerate(_a(".", 2), head) == "short" and degenerate(_a(". . .", 3), head) is None
+    assert degenerate(_a(".", 2), shorter) is None and degenerate(_a(".", 1), _a("x", 13)) == "short"
+    from daemon.loops import LOOP
+
+    assert degenerate(Answer(" ".join(f"w{i}" for i in range(LOOP)), (1,), (7, 8) * (LOOP // 2))) == "loop"
+
+
+def test_a_net_loss_of_one_probe_never_holds_however_small_the_noise() -> None:
+    """``MIN_LOST``: at ``heldout_probe_z`` 0.5 one probe lost net is past its noise (0.5) and still passes; two
+    (noise 0.71) hold; against the base the same. Bugs caught: ``MIN_LOST`` 1, ``!=`` for ``>=``."""
+    z = CheckSettings(probes=tuple(PROBES), probe_z=0.5)
+    head = _knowing(set())
+    one, two = figures(_knowing({0}), head, PROBES, 0, None, z), figures(_knowing({0, 1}), head, PROBES, 0, None, z)
+    assert one.hold is None and one.probe_noise == 0.5
+    flips = figures(_knowing({0, 1}), _knowing({19}), PROBES, 0, None, z)  # 2 lost, 1 gained: a net 1 of 3 flips
+    assert flips.hold is None and flips.probe_noise < 1, flips.hold
+    base_flips = figures(_knowing({0, 1}), _knowing({0, 1}), PROBES, 0, None, z, base=_knowing({19}))
+    assert base_flips.hold is None and base_flips.base_probe_noise < 1, base_flips.hold
+    # a net loss exactly at the noise passes against the head too: 4 lost, none gained is 4 = 2 sqrt(4)
+    edge = figures(_knowing({0, 1, 2, 3}), head, PROBES, 0, None, SETTINGS)
+    assert edge.hold is None and edge.probe_noise == 4.0
+    assert two.hold is not None and "it forgets: probe accuracy 90%" in two.hold
+    three = figures(_knowing({0, 1, 2}), head, PROBES, 0, None, z)
+    assert three.hold is not None and "(3 probes lost, 0 gained" in three.hold
+    assert figures(_knowing({0}), _knowing({0}), PROBES, 0, None, z, base=head).hold is None
+    # 5 lost and 3 gained is a net 2, within the noise of 8 flips (5.7): the net loss is judged, not the flips
+    assert figures(_knowing({0, 1, 2, 3, 4}), _knowing({10, 11, 12}), PROBES, 0, None, SETTINGS).hold is None
+    assert "forgets what the base knew" in str(figures(_knowing({0, 1}), _knowing({0, 1}), PROBES, 0, None, z,
+                                                       base=head).hold)
+
+
+def test_a_silent_head_counts_against_the_candidates_silence() -> None:
+    """The silent share is judged as a rise over the head's: a head 20% silent and a candidate 40% is a rise of
+    0.2, within ``heldout_max_degenerate``. Bug caught: the shares added rather than subtracted."""
+    head = [_a("", 1) if i < 4 else _a(f"It is {i + 1}.") for i in range(20)]
+    cand = [_a("", 1) if i < 8 else _a(f"It is {i + 1}.") for i in range(20)]
+    fig = figures(cand, head, PROBES, 0, None, CheckSettings(probes=tuple(PROBES), probe_z=10))
+    assert (fig.silent, fig.head_silent) == (0.4, 0.2) and fig.hold is None, fig.hold
+
+
+def test_the_first_look_is_clean_when_it_gains_probes() -> None:
+    """``clean`` reads a net loss: a candidate that gains probes (against the head or the base) and loses fewer is
+    clean. Bug caught: ``==`` (``is``) for ``<=``."""
+    from daemon.gating.heldout import clean
+
+    assert clean(_figs(probes_lost=1, probes_gained=3), SETTINGS)
+    assert clean(_figs(probes_lost_base=0, probes_gained_base=3), SETTINGS)
+    assert clean(_figs(probes_lost_base=300, probes_gained_base=300), SETTINGS)  # equal, not the same object
+
+
+def test_the_kl_is_the_mean_per_token_over_at_most_twelve_answers_spread_over_all() -> None:
+    """``kl_from_base``: every ``ceil(n / KL_ANSWERS)``-th answer with tokens (13 of them: 7, 24: 12, 12: all), the
+    mean over their tokens (not of the answers' means); None when no answer has tokens, the engine cannot score, or
+    it scores no token. Bugs caught: ``KL_ANSWERS`` moved, the step rounded down, a mean of means."""
+    from daemon.gating.heldout import kl_from_base
+
+    class Scores:
+        def __init__(self, kls: Any = "by length") -> None:
+            self.rows: list[tuple[list[int], list[int]]] = []
+            self.kls = kls
+
+        async def divergence_many(self, rows: Any, candidate: Any, base: Any) -> Any:
+            assert (candidate, base) == ("cand", "base")
+            self.rows += rows
+            if self.kls != "by length":
+                return self.kls
+            return [[1.0] if len(t) == 1 else [0.0] * len(t) for _, t in rows]
+
+    def answers(n: int) -> list[Answer]:
+        return [Answer("a", (i,), (i,) if i % 2 else (i, i, i)) for i in range(n)]
+
+    for n, picked in ((13, list(range(0, 13, 2))), (24, list(range(0, 24, 2))), (12, list(range(12))),
+                      (25, list(range(0, 25, 3)))):
+        engine = Scores()
+        kl = asyncio.run(kl_from_base(engine, answers(n), "cand", "base"))
+        assert [p[0] for p, _ in engine.rows] == picked, n
+        ones = sum(1 for i in picked if i % 2)
+        assert kl == pytest.approx(ones / (ones + 3 * (len(picked) - ones))), n
+    none = [Answer("", (1,), ())] * 5
+    assert asyncio.run(kl_from_base(Scores(), none, "cand", "base")) is None
+    assert asyncio.run(kl_from_base(Scores(), [*none, Answer("a", (1,), (1,))], "cand", "base")) == 1.0
+    assert asyncio.run(kl_from_base(Scores(None), answers(3), "cand", "base")) is None
+    assert asyncio.run(kl_from_base(Scores([[], [], []]), answers(3), "cand", "base")) is None
+
+
+def test_the_checks_seconds_are_its_answers_and_its_kls_on_the_clock() -> None:
+    """``run``'s timings, on a clock the stand-in engine moves (a second an answer, half one a KL row): the answers'
+    seconds (the head's and the candidate's), the KL's, and the whole. Bugs caught: a duration made a quotient or
+    a floor division of two readings of the clock."""
+    from daemon.gating import heldout
+
+    now = [1.0]  # a clock read near its start: a duration is not the remainder of two readings
+
+    class Timed(_Engine):
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            now[0] += 1.0
+            async for out in super().generate(exchange, release):
+                yield out
+
+        async def divergence(self, prompt: Any, tokens: Any, release: Any, reference: Any) -> list[float]:
+            now[0] += 0.5
+            return await super().divergence(prompt, tokens, release, reference)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(heldout, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+        fig, _, _ = asyncio.run(heldout.run(Timed(), "tiny", "cand", "head", "base", ["Tell me about rain."],
+                                            SETTINGS))
+    assert (fig.answer_seconds, fig.kl_seconds, fig.seconds) == (22.0, 5.5, 27.5)  # 11 prompts, twice; 11 rows
+    assert fig.head_sampled == 11
+
+
+def test_describe_says_the_figures_a_release_has_and_no_others() -> None:
+    """``describe``: a line of the figures present, the reason and the note; a release with no probe noise or
+    length written says none (an older manifest), one never checked says nothing."""
+    from daemon.gating.heldout import describe
+
+    assert describe({}) is None
+    assert describe({"heldout": "unchecked"}) == "held-out check: unchecked (heldout_check = false)"
+    m = {"heldout": "passed", "heldout_probe_accuracy": 0.5, "heldout_recorded": 2, "heldout_probes": 10}
+    assert describe(m) == ("held-out check: passed; probes 50% right (head 0%, noise 0.0); on 2 recorded prompt(s) "
+                           "and 10 probes")
+    assert describe({"heldout": "passed"}) == "held-out check: passed; on 0 recorded prompt(s) and 0 probes"
+    assert describe({"heldout": "passed", "heldout_degenerate": 0.5, "heldout_recorded": 3,
+                     "heldout_recorded_degenerate": 0.25}) == (
+        "held-out check: passed; degenerate answers 50% (head 0%), on recorded prompts 25% (head 0%), empty 0%; "
+        "on 3 recorded prompt(s) and 0 probes")
+    full = {**m, "heldout": "held", "heldout_degenerate": 0.25, "heldout_length_ratio": 0.5, "heldout_kl": 0.1234,
+            "heldout_reason": "why", "heldout_note": "a note"}
+    assert describe(full) == ("held-out check: held; degenerate answers 25% (head 0%), empty 0%; probes 50% right "
+                              "(head 0%, noise 0.0); length 0.50x the head's; KL from base 0.123 nats/token; on 2 "
+                              "recorded prompt(s) and 10 probes. why (a note)")
+
+
+def test_a_check_the_engine_fails_says_why_and_still_drops_the_candidate() -> None:
+    """``run`` when the engine fails: a Reef error's own words, another exception's type and words, a timeout's
+    bound, a ``CheckFailed`` as it was; each a ``CheckFailed``, the candidate unloaded all the same, and an unload
+    that fails too leaves the first reason. Bugs caught: a Reef error said as an exception's repr, another exception
+    let through (the step would crash rather than fail)."""
+    from daemon.errors import EngineError
+    from daemon.gating import heldout
+
+    class Failing(_Engine):
+        def __init__(self, error: BaseException | None, unload_fails: bool = False) -> None:
+            super().__init__()
+            self.error, self.unload_fails = error, unload_fails
+
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            if self.error is None:
+                await asyncio.sleep(10)
+            else:
+                raise self.error
+            async for out in super().generate(exchange, release):
+                yield out
+
+        async def unload(self, release: Any) -> None:
+            await super().unload(release)
+            if self.unload_fails:
+                raise RuntimeError("cannot unload")
+
+    quick = CheckSettings(probes=tuple(PROBES), timeout_s=0.05)
+    for error, said in ((EngineError("the model is gone"), "the model is gone"),
+                        (RuntimeError("boom"), "RuntimeError: boom"),
+                        (CheckFailed("as it was"), "as it was"),
+                        (None, "it took longer than heldout_timeout_s 0.05")):
+        for unload_fails in (False, True):
+            engine = Failing(error, unload_fails)
+            with pytest.raises(CheckFailed) as e:
+                asyncio.run(heldout.run(engine, "tiny", "cand", "head", "base", [], quick))
+            assert e.value.data["reason"] == said and engine.unloaded == "cand", (e.value.data, said)
+
+
+def test_a_probe_set_is_refused_naming_the_setting_and_what_is_wrong() -> None:
+    """``parse_probes``: too few, or an item with another key, no text prompt or no accepted answer, each refused
+    with the setting's name (not its path) and the item's place. Bug caught: an extra key taken beside a prompt."""
+    ok = [{"prompt": f"Say {w}.", "accept": [w]} for w in "abcdefgh"]
+    with pytest.raises(BadRequest) as e:
+        parse_probes(ok[:7])
+    assert e.value.message.startswith("heldout_probes must be a list of at least 8 probes"), e.value.message
+    for bad in ({"prompt": "Say x.", "accept": ["x"], "weight": 2}, {"prompt": 3, "accept": ["x"]},
+                {"prompt": "Say x.", "accept": "x"}, ["Say x.", "x"]):
+        with pytest.raises(BadRequest) as e:
+            parse_probes([*ok, bad])
+        assert e.value.message.startswith("heldout_probes[8] must be"), (bad, e.value.message)
+    long = {"prompt": "x" * 300}
+    with pytest.raises(BadRequest) as e:
+        parse_probes([*ok, long])
+    assert e.value.message.endswith(", not " + json.dumps(long)[:120]), e.value.message
+    with pytest.raises(dataclasses.FrozenInstanceError):  # settings read once are not changed by a check
+        CheckSettings().share = 0.5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # nor are their probes
+        PROBES[0].prompt = "x"  # type: ignore[misc]
+
+
+def test_the_degenerate_share_holds_only_past_its_bound_and_traffic_is_said_only_below_enough() -> None:
+    """Degenerate answers (loops; then silence) rising by exactly ``heldout_max_degenerate`` pass, one more holds;
+    the note on too little traffic is said below ``ENOUGH`` recorded prompts and not at or above it, and a fresh
+    figure spent no time. Bugs caught: ``>=`` or ``==`` for ``>``, the note for any count but ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH
+
+    loop = Answer("x y", (1,), (7, 8) * 6)
+    head = [_a(f"It is {i + 1}.") for i in range(20)]
+    lenient = CheckSettings(probes=tuple(PROBES), probe_z=10)
+    five = figures([loop] * 5 + head[5:], head, PROBES, 0, None, lenient)
+    assert five.degenerate == 0.25 and five.hold is None, five.hold
+    six = figures([loop] * 6 + head[6:], head, PROBES, 0, None, lenient)
+    assert six.hold is not None and "its answers degenerate: 30%" in six.hold
+    quiet = figures([_a("", 1)] * 5 + head[5:], head, PROBES, 0, None, lenient)  # silence at the bound too
+    assert quiet.silent == 0.25 and quiet.hold is None, quiet.hold
+    assert "it stops answering: 30%" in str(figures([_a("", 1)] * 6 + head[6:], head, PROBES, 0, None, lenient).hold)
+    assert (five.seconds, five.answer_seconds, five.kl_seconds, five.head_sampled, five.prefetch_seconds) == (
+        0.0, 0.0, 0.0, 0, None)
+
+    def note(recorded: int) -> bool:
+        rec = [_a("An answer here.")] * recorded
+        fig = figures(rec + head, rec + head, PROBES, recorded, 0.1, SETTINGS)
+        return any("too little traffic" in n for n in fig.notes)
+
+    assert note(ENOUGH - 1) and not note(ENOUGH) and not note(ENOUGH + 1)
+
+
+def test_figures_of_one_recorded_prompt_or_no_probes_are_whole_shares() -> None:
+    """``figures`` at its smallest: one recorded prompt that loops is 100% of the recorded share; no probes at
+    all (recorded prompts alone) is an accuracy of 0 against the head and the base, not a division by zero; more
+    recorded prompts than ``ENOUGH`` are judged on their own too. Bugs caught: a share over ``max(2, n)``, the
+    guard against no probes dropped, the recorded share judged only at exactly ``ENOUGH``."""
+    from daemon.gating.heldout import ENOUGH
+
+    loop, fine = Answer("x y", (1,), (7, 8) * 6), _a("An answer here.")
+    one = figures([loop], [loop], [], 1, None, SETTINGS, base=[])
+    assert (one.recorded_degenerate, one.head_recorded_degenerate, one.degenerate) == (1.0, 1.0, 1.0)
+    assert (one.probe_accuracy, one.head_probe_accuracy, one.base_probe_accuracy) == (0.0, 0.0, 0.0)
+    assert one.hold is None  # the head loops as much
+    many = ENOUGH + 1
+    probes = [_a(f"It is {i + 1}.") for i in range(20)]  # the probes dilute the loops: 7 of 37 overall
+    held = figures([loop] * 7 + [fine] * (many - 7) + probes, [fine] * many + probes, PROBES, many, None, SETTINGS)
+    assert held.hold is not None and f"own prompts degenerate: 41% of {many}" in held.hold, held.hold
+
+
+def test_the_answers_keep_each_completions_ids_and_ask_the_longer_prompts_longer() -> None:
+    """``answers``: one ``Answer`` per prompt with the completion's text, prompt and answer token ids and logprobs
+    (missing ones empty: the KL is measured on the prompt's ids); the prompts in ``longer`` asked for
+    ``longer_tokens``, the others ``max_tokens``; no prompt, no request. Bugs caught: the prompt's ids or the
+    logprobs dropped."""
+    from daemon.exchange import Completion
+    from daemon.gating.heldout import answers
+
+    class Engine:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, int]] = []
+
+        async def answer_many(self, exchanges: Any, release: Any) -> list[Completion]:
+            assert release == "cand"
+            self.asked += [(e.messages[-1].text, e.sampling.max_tokens) for e in exchanges]
+            return [Completion(text="yes", prompt_token_ids=[1, 2], token_ids=[3, 4], logprobs=[-0.5, -0.25]),
+                    Completion(text=None, prompt_token_ids=None, token_ids=None, logprobs=None)]
+
+    engine = Engine()
+    got = asyncio.run(answers(engine, "tiny", ["a probe", "a recorded one"], "cand", 16, {"a recorded one"}, 48))
+    assert got == [Answer("yes", (1, 2), (3, 4), (-0.5, -0.25)), Answer("", (), (), ())]
+    assert engine.asked == [("a probe", 16), ("a recorded one", 48)]
+    assert asyncio.run(answers(engine, "tiny", [], "cand", 16)) == [] and len(engine.asked) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):  # an answer kept for later checks is not changed
+        got[0].text = "no"  # type: ignore[misc]
 
 
 # --- the steps, each alone --------------------------------------------------------------------------------------

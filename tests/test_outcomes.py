@@ -526,3 +526,27 @@ def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_conten
     assert after is not None and after["head"] is not None and after["files"] == {}
     h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
     assert outcomes.changes(before, after) == {"b.py": [h(b"b = 1\n"), h(b"b = 2\n")], "c.py": [None, h(b"c = 1\n")]}
+
+
+def test_a_run_that_leaves_the_project_without_a_commit_compares_its_files_with_the_one_before(tmp_path: Path) -> None:
+    """The agent leaves the project on no commit (``git checkout --orphan``: HEAD unborn, the files staged): nothing
+    is diffed against no commit, each file is compared with the commit before the run, and the one it changed is
+    listed. Bug caught: the commits diffed whenever the heads differ, also when there is none after (git asked to
+    diff a commit with nothing: the wrapper crashed)."""
+    import hashlib
+
+    p = tmp_path / "orphaned"
+    p.mkdir()
+    git(p, "init", "-q")
+    (p / "a.py").write_text("a = 1\n")
+    (p / "b.py").write_text("b = 1\n")
+    git(p, "add", ".")
+    git(p, "commit", "-qm", "first")
+    before = outcomes.snapshot(p)
+    assert before is not None and before["head"] is not None and before["files"] == {}
+    git(p, "checkout", "-q", "--orphan", "fresh")
+    (p / "b.py").write_text("b = 2\n")
+    after = outcomes.snapshot(p)
+    assert after is not None and after["head"] is None
+    h = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    assert outcomes.changes(before, after) == {"b.py": [h(b"b = 1\n"), h(b"b = 2\n")]}

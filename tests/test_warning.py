@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from adapters import get_adapter
 from daemon.gating import warning
 from reef_cli.wrapper import model_notes
@@ -302,3 +304,332 @@ def test_degenerate_answers_warn_only_where_the_head_answers_properly() -> None:
 
     assert warning.detect([m(0.2, 0.1, 0.1), m(0.45, 0.4, 0.1)]) is not None  # a proper head: it warns
     assert warning.detect([m(0.2, 0.6, 0.6), m(0.45, 0.9, 0.6)]) is None  # a head of fragments: noise
+
+
+# --- reading the chain and writing the warning down, against stand-ins -------------------------------------------
+
+
+# the old point makes the trend: from it the reward rises 0.3 while the answers fall from 53 tokens to 5; from the
+# next one it rises 0.05, no trend
+OLD = _step({"batch_reward": 0.2, "tokens": 1700.0})
+NEXT = _step({"batch_reward": 0.45, "tokens": 1600.0})
+GATE = _step({"batch_reward": 0.5, "tokens": 150.0})
+
+
+def _rel(t: float, metrics: dict[str, Any], operation: str = "train") -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(created_at=t, metrics=metrics, operation=operation)
+
+
+class _Chains:
+    """A scenario's chain (newest first), its pending candidates and its rejections; each read recorded."""
+
+    def __init__(self, history: list[Any], pending: list[Any] | None = None,
+                 rejections: list[Any] | None = None) -> None:
+        self.rows = {"history": history, "pending": pending or [], "rejections": rejections or []}
+        self.reads: list[tuple[Any, ...]] = []
+
+    async def history(self, name: str, n: int | None = None) -> list[Any]:
+        self.reads.append(("history", name, n))
+        return list(self.rows["history"])
+
+    async def pending(self, name: str) -> list[Any]:
+        self.reads.append(("pending", name))
+        return list(self.rows["pending"])
+
+    async def rejections(self, name: str, n: int | None = None) -> list[Any]:
+        self.reads.append(("rejections", name, n))
+        return list(self.rows["rejections"])
+
+
+def _read(chains: _Chains, warned: Any = None, weights: bool = True, metrics: Any = None) -> Any:
+    import asyncio
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(weights=weights, scenario=SimpleNamespace(name="s", warning=warned),
+                          metrics=GATE if metrics is None else metrics)
+    return asyncio.run(warning.read(SimpleNamespace(chains=chains), run))  # type: ignore[arg-type]
+
+
+def test_the_trend_is_read_from_the_chain_the_pending_and_the_rejected_in_time_order() -> None:
+    """``read``: the candidate at the gate after the newest ``WINDOW - 1`` of the chain's train steps, the pending
+    and the rejected candidates, oldest first; each asked of the store with the window. Bugs caught: a source left
+    out, the candidates not put in time order, fewer than ``WINDOW - 1`` read."""
+    chains = _Chains([_rel(2, NEXT), _rel(1, OLD)])
+    found = _read(chains)
+    assert found is not None and found["signals"] == ["silent"] and found["figures"]["reward_from"] == 0.2
+    assert sorted(chains.reads) == [("history", "s", warning.WINDOW), ("pending", "s"),
+                                    ("rejections", "s", warning.WINDOW)]
+    assert _read(_Chains([_rel(2, NEXT)])) is None  # from the next one alone: no trend
+    assert _read(_Chains([_rel(2, NEXT)], pending=[_rel(1, OLD)])) is not None  # the old one held for review
+    assert _read(_Chains([_rel(2, NEXT)], rejections=[_rel(1, OLD)])) is not None  # ...or written down
+    assert _read(_Chains([_rel(1, OLD)], pending=[_rel(2, NEXT)])) is not None  # in time order, whatever the source
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, NEXT), _rel(1, OLD)])) is not None  # the window's first
+    assert _read(_Chains([_rel(4, NEXT), _rel(3, NEXT), _rel(2, NEXT), _rel(1, OLD)])) is None  # past it
+
+
+def test_the_trend_starts_after_a_rollback_a_clear_and_skips_steps_without_a_reward() -> None:
+    """``read``: a rollback or a promote on the chain starts the trend again after it; so does the warning's last
+    clear (a step at that very time is before it); a step without ``batch_reward`` is no point of the trend; a
+    harness candidate, or a scenario whose warning was accepted, reads nothing. Bugs caught: the rollback not
+    read, a step at the clear's time read, steps without a reward read (the trend's first point then has none)."""
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "rollback"), _rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "rollback")], pending=[_rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, {}, "promote")], rejections=[_rel(1, OLD)])) is None
+    assert _read(_Chains([_rel(2, NEXT), _rel(1, OLD)]), warned={"state": "cleared", "since": 1.0}) is None
+    assert _read(_Chains([_rel(2, NEXT), _rel(1, OLD)]), warned={"state": "cleared", "since": 0.5}) is not None
+    assert _read(_Chains([_rel(3, NEXT), _rel(2, OLD), _rel(1, {"tokens": 1700.0})])) is not None
+    for chains, kw in ((_Chains([_rel(2, NEXT), _rel(1, OLD)]), {"weights": False}),
+                       (_Chains([_rel(2, NEXT), _rel(1, OLD)]), {"warned": {"state": "accepted", "since": 0.0}})):
+        assert _read(chains, **kw) is None and chains.reads == []
+
+
+def test_a_raised_warning_is_written_down_published_and_logged_with_its_reason(caplog: Any) -> None:
+    """``raise_warning`` (through ``after_hold``, as a held candidate's step calls it): the stored state (warned,
+    since now, the release and step held, the signals, figures, words and the reason a person reads) written for
+    the scenario, the same on ``/reef/events``, the reason in the log; a hold whose trend warns of nothing writes
+    nothing."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    written: list[tuple[str, Any]] = []
+    published: list[tuple[str, dict[str, Any]]] = []
+
+    async def set_warning(name: str, stored: Any) -> None:
+        written.append((name, stored))
+
+    host = SimpleNamespace(chains=_Chains([_rel(2, NEXT), _rel(1, OLD)]), set_warning=set_warning,
+                           events=SimpleNamespace(publish=lambda kind, **data: published.append((kind, data))))
+    run = SimpleNamespace(weights=True, scenario=SimpleNamespace(name="s", warning=None), metrics=GATE)
+    before = time.time()
+    with caplog.at_level(logging.WARNING, logger="reef.warning"):
+        asyncio.run(warning.after_hold(host, run, SimpleNamespace(release_id="rel_9", step=9)))  # type: ignore[arg-type]
+    found = warning.detect([OLD, NEXT, GATE])
+    assert found is not None and len(written) == 1 and written[0][0] == "s"
+    stored = written[0][1]
+    assert before <= stored["since"] <= time.time() and before <= stored["at"] <= time.time()  # (two reads)
+    assert stored == {"state": "warned", "since": stored["since"], "at": stored["at"], "release_id": "rel_9",
+                      "step": 9, "signals": found["signals"], "figures": found["figures"], "says": found["says"],
+                      "evidence": found["evidence"], "reason": warning.text("s", found)}
+    assert published == [("warning", {"scenario": "s", "state": "warned", "release_id": "rel_9",
+                                      "says": found["says"], "reason": stored["reason"],
+                                      "signals": found["signals"], "figures": found["figures"]})]
+    assert f"scenario s: {stored['reason']}" in caplog.text
+    host.chains = _Chains([_rel(2, NEXT)])
+    asyncio.run(warning.after_hold(host, run, SimpleNamespace(release_id="rel_9", step=9)))  # type: ignore[arg-type]
+    assert len(written) == 1 and len(published) == 1
+
+
+def test_the_user_clears_accepts_or_updates_a_warning_as_each_says() -> None:
+    """``clear``: resumed or updated, a standing warning becomes ``cleared`` from now (what it was kept); accepted,
+    ``accepted``; each said on the events. A resume with no warning standing, or an update of a scenario never
+    warned, changes nothing; accepting none is a conflict. ``state``, ``since`` and ``standing`` read it back.
+    Bugs caught: a state written for nothing to clear, the accepted state for a resume, the previous warning not
+    kept, an accept of nothing taken."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from daemon.errors import Conflict
+    from daemon.records.scenarios import Scenario
+
+    warned = {"state": "warned", "since": 5.0, "at": 5.0, "says": "it stops answering", "release_id": "rel_3"}
+
+    class Store:
+        def __init__(self, warning_: Any) -> None:
+            self.scenario = Scenario("s", "r", "m", 0.0, {}, warning=warning_)
+            self.written: list[Any] = []
+            self.scenarios = SimpleNamespace(get=self.get, set_warning=self.set_warning, warned=self.all)
+
+        async def get(self, name: str) -> Any:
+            return self.scenario
+
+        async def set_warning(self, name: str, new: Any) -> Any:
+            self.written.append(new)
+            self.scenario = Scenario("s", "r", "m", 0.0, {}, warning=new)
+            return self.scenario
+
+        async def all(self) -> list[Any]:
+            return [self.scenario]
+
+    def clear(warning_: Any, how: str) -> tuple[Store, list[Any], Any]:
+        store, events = Store(warning_), []
+        out = asyncio.run(warning.clear(store, SimpleNamespace(publish=lambda kind, **d: events.append((kind, d))),
+                                        "s", how))
+        return store, events, out
+
+    for how, state in (("resumed", "cleared"), ("updated", "cleared"), ("accepted", "accepted")):
+        before = time.time()
+        store, events, out = clear(warned, how)
+        new = store.written[0]
+        assert new == {"state": state, "since": new["since"], "how": how,
+                       "was": {"says": "it stops answering", "release_id": "rel_3", "at": 5.0}}, how
+        assert before <= new["since"] <= time.time() and out.warning == new
+        assert events == [("warning", {"scenario": "s", "state": state, "how": how})]
+        assert warning.state(out.warning) == state and warning.since(out.warning) == new["since"]
+        assert asyncio.run(warning.standing(store)) == {"s": new}
+    for previous, how in ((None, "resumed"), ({"state": "cleared", "since": 7.0}, "resumed"), (None, "updated")):
+        store, events, out = clear(previous, how)
+        assert store.written == [] and events == [] and out.warning == previous, (previous, how)
+    store, events, out = clear({"state": "accepted", "since": 7.0}, "updated")  # new settings: warned again
+    assert store.written[0]["state"] == "cleared" and "was" not in store.written[0] and len(events) == 1
+    for previous in (None, {"state": "cleared", "since": 7.0}):
+        with pytest.raises(Conflict):
+            clear(previous, "accepted")
+    assert warning.state(None) == "none" and warning.since(None) == 0.0 and warning.since({"state": "x"}) == 0.0
+
+
+def test_each_signal_fires_at_its_bound_and_not_short_of_it() -> None:
+    """``detect``'s bounds, each met exactly and missed: degenerate answers rising by ``DEGENERATE_RISE`` (0.25)
+    from a head at ``NOISE_HEAD`` (0.5) itself, answers falling to ``SHORT_TOKENS`` (6) from more than twice that,
+    entropy to a third; the entropy beside a signal only when it fell that far; two signals said as one and an
+    "also". Bugs caught: a bound moved or a comparison made strict, the rise read as a quotient, "also" said
+    wrongly."""
+    def deg(reward: float, degenerate: float, head: float) -> dict[str, Any]:
+        return {"batch_reward": reward, "heldout_degenerate": degenerate, "heldout_head_degenerate": head}
+
+    assert warning.detect([deg(0.2, 0.0, 0.0), deg(0.45, 0.25, 0.0)]) is not None  # 0.25: the bound itself
+    assert warning.detect([deg(0.2, 0.1, 0.1), deg(0.45, 0.3, 0.1)]) is None  # a rise of 0.2
+    assert warning.detect([deg(0.2, 0.5, 0.5), deg(0.45, 0.8, 0.5)]) is not None  # a head at NOISE_HEAD is read
+
+    def short(first: float, last: float) -> dict[str, Any] | None:
+        return warning.detect([_step({"batch_reward": 0.2, "tokens": 32 * first}),
+                               _step({"batch_reward": 0.5, "tokens": 32 * last})])
+
+    assert short(13, 6) is not None and short(12, 6) is None and short(13, 6.5) is None
+
+    def entropy(first: float, last: float) -> dict[str, Any] | None:
+        return warning.detect([dict(HACKED[0], entropy=first), dict(HACKED[2], entropy=last)])
+
+    third, more = entropy(3.0, 1.0), entropy(3.0, 1.1)
+    assert third is not None and third["signals"] == ["silent", "entropy"]
+    assert third["says"].endswith("(also: the model's answers collapse into one pattern)"), third["says"]
+    assert more is not None and more["signals"] == ["silent"] and "also" not in more["says"]
+
+
+def test_the_degenerate_share_leaves_out_answers_only_cut_short_and_reads_what_is_there() -> None:
+    """``Point.of``: the held-out degenerate share less the cut-short ones (degenerate - silent + empty, at least
+    0), the share as written where the parts are not all there; the head's the same. Bugs caught: the parts
+    combined otherwise, the guard read backwards."""
+    p = warning.Point.of({"heldout_degenerate": 0.5, "heldout_silent": 0.3, "heldout_empty": 0.1,
+                          "heldout_head_degenerate": 0.2, "heldout_head_silent": 0.3, "heldout_head_empty": 0.0})
+    assert p.degenerate == pytest.approx(0.3) and p.head_degenerate == 0.0 and p.silent == 0.1
+    assert warning.Point.of({"heldout_degenerate": 0.5, "heldout_silent": 0.3}).degenerate == 0.5
+    assert warning.Point.of({"heldout_degenerate": 0.5}).degenerate == 0.5
+    assert warning.Point.of({"heldout_silent": 0.3, "heldout_empty": 0.1}).degenerate is None
+    # a ratio with no numerator or a zero denominator is not measured
+    assert warning.Point.of({"samples": 2.0}).answer_tokens is None
+    assert warning.Point.of({"tokens": 5.0, "samples": 0.0}).answer_tokens is None
+    assert warning.Point.of({"tokens": 5.0, "samples": 2.0}).answer_tokens == 2.5
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a point read is not changed
+        p.reward = 1.0  # type: ignore[misc]
+
+
+def test_the_held_out_length_falls_from_the_heads_and_the_sampled_from_the_first_steps() -> None:
+    """The held-out answers' length is read against the head the trend started from (``heldout_head_tokens``), the
+    sampled answers' against the first step's own: a first candidate already short (5 tokens against its head's
+    30) that stays short warns; its sampled answers, 5 tokens then 4, do not (the head's 30 is no baseline of
+    theirs). Bug caught: the head's baseline
+    given to the wrong length."""
+    first = {"batch_reward": 0.2, "heldout_tokens": 5.0, "heldout_head_tokens": 30.0, "tokens": 5.0, "samples": 1.0}
+    last = {"batch_reward": 0.5, "heldout_tokens": 4.0, "tokens": 4.0, "samples": 1.0}
+    found = warning.detect([first, last])
+    assert found is not None and "held-out answers (tokens) 30.0 -> 4.0" in found["evidence"], found
+    assert "sampled answers" not in found["evidence"]
+    assert warning.detect([dict(first, heldout_head_tokens=None), last]) is None  # from its own 5: no fall
+
+
+def test_silence_is_excused_from_three_empty_answers_and_an_unscored_count_is_no_evidence() -> None:
+    """``MIN_EMPTY`` (3) empty answers scored below the rest are enough to say the scorer punishes silence; a step
+    that counted empty answers but wrote no score for them says nothing of it. Bugs caught: ``<=`` for ``<`` at
+    ``MIN_EMPTY``, a count without a score read (a crash on None)."""
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+    three = [dict(m, batch_empty=k, batch_empty_reward=0.0, batch_rest_reward=0.2)
+             for m, k in zip(demo, (0.0, 1.0, 2.0), strict=True)]
+    assert warning.detect(three) is None
+    unscored = [dict(m, batch_empty=3.0, batch_rest_reward=0.2) for m in demo]  # counted, never scored
+    assert warning.detect(unscored) is not None
+    from types import SimpleNamespace
+
+    assert warning.batch_figures([SimpleNamespace(score=1 / 3, token_ids=[5, 2])])["batch_reward"] == 0.3333
+
+
+def test_a_change_of_exactly_a_bound_counts_whatever_its_floating_point() -> None:
+    """The figures are written to 4 places, and their differences are judged so: a reward from 0.2 to 0.3 rose by
+    ``RISE`` (0.1) though ``0.3 - 0.2`` is 0.09999999999999998; probe accuracy from 70% to 55% fell by
+    ``PROBE_FALL``; degenerate answers from 10% to 35% rose by ``DEGENERATE_RISE``; entropy from 0.6 to 0.2 fell to
+    a third; empty answers scoring 0.2 against the rest's 0.3 are punished by ``PUNISHED``. Bug caught (the code's
+    own, found by the mutation run: ``<=`` for ``<`` at ``RISE`` survived): each of these missed its bound by the
+    last bit, so a change the docstring says warns did not."""
+    rise = [_heldout(0.2, 0.0, 0.70), _heldout(0.3, 0.0, 0.40)]
+    assert warning.detect(rise) is not None
+    forgets = [_heldout(0.2, 0.0, 0.70), _heldout(0.4, 0.0, 0.55)]
+    found = warning.detect(forgets)
+    assert found is not None and found["signals"] == ["forgets"], found
+    degenerate = [{"batch_reward": 0.2, "heldout_degenerate": 0.1, "heldout_head_degenerate": 0.1},
+                  {"batch_reward": 0.45, "heldout_degenerate": 0.35}]
+    assert warning.detect(degenerate) is not None
+    entropy = warning.detect([dict(HACKED[0], entropy=0.6), dict(HACKED[2], entropy=0.2)])
+    assert entropy is not None and "entropy" in entropy["signals"], entropy
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+    punished = [dict(m, batch_empty=k, batch_empty_reward=0.2, batch_rest_reward=0.3)
+                for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
+    assert warning.detect(punished) is None
+    # ...and a change short of a bound by a figure's last place (0.0001) is short of it
+    assert warning.detect([_heldout(0.2, 0.0, 0.70), _heldout(0.2999, 0.0, 0.40)]) is None
+    assert warning.detect([degenerate[0], dict(degenerate[1], heldout_degenerate=0.3499)]) is None
+    near = warning.detect([dict(HACKED[0], entropy=3.0), dict(HACKED[2], entropy=1.0004)])
+    assert near is not None and "entropy" not in near["signals"]
+    assert warning.detect([dict(m, batch_empty_reward=0.2001) for m in punished]) is not None
+    assert warning.detect([_heldout(0.2, 0.05, 0.7, (0.05, 0.7)), _heldout(0.5, 0.1999, 0.7)]) is None  # 0.1499
+    assert warning.detect([_heldout(0.2, 0.0, 0.7), _heldout(0.5, 0.0, 0.5501)]) is None  # probes: 0.1499
+
+
+def test_the_warnings_figures_and_evidence_say_what_moved() -> None:
+    """``detect``'s figures: the reward and each figure read, first and last, to 4 places; the groups that all
+    scored alike named as evidence only when they rose; silence rising by exactly ``SILENT_RISE`` fires. Bugs
+    caught: a figure rounded otherwise, groups named when they held or fell."""
+    first = {"batch_reward": 0.123456, "heldout_empty": 0.011111, "heldout_head_empty": 0.011111, "groups": 4.0,
+             "degenerate_groups": 1.0}
+    last = {"batch_reward": 0.654321, "heldout_empty": 0.222222, "groups": 4.0, "degenerate_groups": 1.0}
+    found = warning.detect([first, last])
+    assert found is not None and found["figures"] == {"steps": 2, "reward_from": 0.1235, "reward_to": 0.6543,
+                                                      "silent_from": 0.0111, "silent_to": 0.2222}, found["figures"]
+    assert "groups that all scored alike" not in found["evidence"]  # held at 25%
+    rose = warning.detect([first, dict(last, degenerate_groups=2.0)])
+    assert rose is not None and "groups that all scored alike 25% -> 50%" in rose["evidence"]
+    assert "groups" not in str(warning.detect([first, dict(last, degenerate_groups=0.0)])["evidence"])  # type: ignore[index]
+    edge = [{"batch_reward": 0.2, "heldout_empty": 0.05}, {"batch_reward": 0.5, "heldout_empty": 0.2}]
+    assert warning.detect(edge) is not None  # 0.2 - 0.05 is SILENT_RISE
+    # no reward at either end: no trend (a step whose metrics lack it)
+    assert warning.detect([{"heldout_empty": 0.0}, {"batch_reward": 0.5, "heldout_empty": 0.5}]) is None
+    assert warning.detect([{"batch_reward": 0.2, "heldout_empty": 0.0}, {"heldout_empty": 0.5}]) is None
+    # a figure the first point lacks is not compared (no baseline), whatever the last says
+    assert warning.detect([{"batch_reward": 0.2}, {"batch_reward": 0.5, "heldout_empty": 0.5}]) is None
+
+
+def test_the_scorers_view_of_silence_is_the_weighted_mean_of_empty_answers_against_the_mean_of_the_rest() -> None:
+    """``_silence_punished`` through ``detect``: the empty answers' mean score weighted by their count, the rest's
+    mean over the steps; empty answers at 0.05 against 0.2 are punished, at 0.25 against 0.3 are not. And
+    ``batch_figures`` writes each mean to 4 places. Bugs caught: the mean multiplied by the count, the rest's
+    summed to a power."""
+    from types import SimpleNamespace
+
+    demo = [_heldout(0.06, 0.0, 0.0, (0.0, 0.0)), _heldout(0.12, 0.06, 0.0, (0.0, 0.0)),
+            _heldout(0.25, 0.18, 0.0, (0.0, 0.0))]
+
+    def batches(empty_reward: float, rest: float) -> list[dict[str, Any]]:
+        return [dict(m, batch_empty=k, **({"batch_empty_reward": empty_reward} if k else {}), batch_rest_reward=rest)
+                for m, k in zip(demo, (0.0, 2.0, 3.0), strict=True)]
+
+    assert warning.detect(batches(0.05, 0.2)) is None  # punished: silence is no reward
+    assert warning.detect(batches(0.25, 0.3)) is not None  # 0.05 lower: not punished
+    got = warning.batch_figures([SimpleNamespace(score=s, token_ids=t) for s, t in (
+        (1 / 3, [2]), (0.0, [2]), (1 / 3, [5, 2]), (1.0, [5, 2]), (0.0, [5, 6, 2]))])
+    assert got == {"batch_reward": 0.3333, "batch_empty": 2.0, "batch_empty_reward": 0.1667,
+                   "batch_rest_reward": 0.4444}

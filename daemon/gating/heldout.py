@@ -196,7 +196,7 @@ def check_settings(settings: Any) -> None:
 def reserved(prompt_token_ids: Sequence[int], share: float) -> bool:
     """Whether a recorded prompt is kept out of training for the check: a hash of its tokens, so the same prompt
     is reserved every time, on every daemon, before and after a restart."""
-    if share <= 0:
+    if share <= 0:  # pragma: no mutate (a shortcut: the hash's fraction, in [0, 1), is never below a share <= 0)
         return False
     digest = hashlib.blake2b(",".join(map(str, prompt_token_ids)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64 < share
@@ -345,7 +345,7 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         probes_lost=lost, probes_gained=gained, probe_noise=settings.probe_z * math.sqrt(lost + gained), kl=kl,
         tokens=sum(c.tokens for c in candidate) / n, head_tokens=head_len / n,
     )
-    base_lost = base_gained = 0
+    base_lost = base_gained = 0  # pragma: no mutate (read only where base is given, which sets both)
     if base is not None:
         assert len(base) == len(probes), (len(base), len(probes))
         right_b = [p.right(a.text) for p, a in zip(probes, base, strict=True)]
@@ -410,7 +410,7 @@ class KeptAnswers:
 
 
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int,
-                  longer: Collection[str] = (), longer_tokens: int = 0) -> list[Answer]:
+                  longer: Collection[str] = (), longer_tokens: int = 0) -> list[Answer]:  # pragma: no mutate (longer_tokens is read only for the prompts in longer, none by default)
     """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once
     (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests), each of at
     most ``max_tokens``, or ``longer_tokens`` for the prompts in ``longer`` (the recorded ones)."""
@@ -508,7 +508,7 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         if not rest or clean(fig, settings):
             return fig, 1
         await ask([p.prompt for p in rest])
-        return decide(settings.probes), 2
+        return decide(settings.probes), 2  # pragma: no mutate (the stage is only compared with 1)
 
     try:
         fig, stages = await asyncio.wait_for(measure(), settings.timeout_s)

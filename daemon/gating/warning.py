@@ -150,7 +150,9 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     if len(points) < MIN_STEPS:
         return None
     first, last = points[0], points[-1]
-    if first.reward is None or last.reward is None or last.reward - first.reward < RISE:
+    # each change is judged at the 4 places its figures are written to: 0.3 - 0.2 is 0.09999999999999998, and a
+    # reward from 0.2 to 0.3 rose by RISE
+    if first.reward is None or last.reward is None or round(last.reward - first.reward, 4) < RISE:
         return None
     figures: dict[str, Any] = {"steps": len(points), "reward_from": round(first.reward, 4),
                                "reward_to": round(last.reward, 4)}
@@ -168,25 +170,26 @@ def detect(series: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
             if signal not in signals:
                 signals.append(signal)
 
-    fell("silent", "held-out answers empty", ".0%", lambda a, b: b - a >= SILENT_RISE, "silent",
+    fell("silent", "held-out answers empty", ".0%", lambda a, b: round(b - a, 4) >= SILENT_RISE, "silent",
          _base(first, "silent"))
     for key, label in (("heldout_tokens", "held-out answers"), ("answer_tokens", "sampled answers")):
         base = first.head_tokens if key == "heldout_tokens" and first.head_tokens is not None else None
         fell(key, f"{label} (tokens)", ".1f",
              lambda a, b: a > 2 * SHORT_TOKENS and b <= LENGTH_FALL * a and b <= SHORT_TOKENS, "silent", base)
-    fell("probe_accuracy", "probe accuracy", ".0%", lambda a, b: a - b >= PROBE_FALL, "forgets",
+    fell("probe_accuracy", "probe accuracy", ".0%", lambda a, b: round(a - b, 4) >= PROBE_FALL, "forgets",
          _base(first, "probe_accuracy"))
     head_degenerate = _base(first, "degenerate")
     if head_degenerate is None or head_degenerate <= NOISE_HEAD:  # a head that already answers in fragments: noise
-        fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: b - a >= DEGENERATE_RISE, "degenerate",
-             head_degenerate)
+        fell("degenerate", "held-out answers degenerate", ".0%", lambda a, b: round(b - a, 4) >= DEGENERATE_RISE,
+             "degenerate", head_degenerate)
     punished = _silence_punished(points)
     if "silent" in signals and punished is not None:
         signals.remove("silent")
         evidence.append(punished)
     if not signals:  # entropy falling alone is what learning a preference looks like (the demo's honest task)
         return None
-    fell("entropy", "token entropy (nats)", ".2f", lambda a, b: b <= ENTROPY_FALL * a, "entropy")
+    fell("entropy", "token entropy (nats)", ".2f", lambda a, b: round(b - ENTROPY_FALL * a, 4) <= 0,
+         "entropy")
     if first.degenerate_groups is not None and last.degenerate_groups is not None and \
             last.degenerate_groups > first.degenerate_groups:
         evidence.append(f"groups that all scored alike {first.degenerate_groups:.0%} -> {last.degenerate_groups:.0%}")
@@ -219,7 +222,7 @@ def _silence_punished(points: Sequence[Point]) -> str | None:
         return None
     mean_empty = sum(k * r for k, r in empty) / n
     mean_rest = sum(r for _, _, r in rest) / len(rest)
-    if mean_rest - mean_empty < PUNISHED:
+    if round(mean_rest - mean_empty, 4) < PUNISHED:
         return None
     return (f"its {n:.0f} empty sampled answers scored {mean_empty:.2f} against {mean_rest:.2f} for the rest: the "
             "scorer does not reward silence, so answers falling silent are not read as its reward")
