@@ -23,8 +23,9 @@ recipe's defaults keep the agent answering (issue 41):
 
 ``--probe`` asks the serving head, greedily, before training and at the end (and every ``--probe-every`` minutes):
 24 short factual questions written for this bench (``FACTS``: right when the answer holds the expected word), and
-12 everyday questions held out of the run's traffic (``--holdout``), counting empty answers (no word) and their
-mean length in words. Each probe names the release it asked and that release's ``kl_from_base``.
+12 everyday questions held out of the run's traffic (``--holdout``), counting empty answers (no word), their
+mean length in words and their mean score on the run's preference (``everyday_reward``: the same questions at every
+probe, so a rise is the head's, where the rolling reward also moves with the traffic's mix of questions). Each probe names the release it asked and that release's ``kl_from_base``.
 
 Printed per run: the scored reward before (the first ``--window`` answers, all from release 0) and after (the
 last ``--window``), minutes to +0.25 (the rolling mean of the last ``--window`` answers first at before + 0.25),
@@ -249,16 +250,22 @@ def judged_session(c: httpx.Client, pref: str, prompt: str, noun: str, args: arg
 CLIENTS = {"online-rl": reported_answer, "sao": reported_answer, "openclaw-rl": judged_session}
 
 
-def probe(c: httpx.Client, everyday: list[str], args: argparse.Namespace, t0: float) -> dict[str, Any]:
-    """The serving head's greedy answers to ``FACTS`` and to the held-out everyday questions."""
+def probe(c: httpx.Client, everyday: list[tuple[str, str]], args: argparse.Namespace, t0: float,
+          pref: str | None = None) -> dict[str, Any]:
+    """The serving head's greedy answers to ``FACTS`` and to the held-out everyday questions (question, noun),
+    and those answers' mean score on ``pref`` (``everyday_reward``: the same questions before and after, so that a
+    rise is the head's and not the traffic's mix of questions)."""
     right, release = 0, ""
     for q, expected in FACTS:
         answer, _, release = ask(c, q, 24, temperature=0)
         right += any(e in answer.lower() for e in expected)
-    words = [ask(c, q, args.max_tokens, temperature=0)[0].split() for q in everyday]
+    answers = [(ask(c, q, args.max_tokens, temperature=0)[0], noun) for q, noun in everyday]
+    words = [a.split() for a, _ in answers]
     lengths = [len(w) for w in words]
+    scored = [PREFERENCES[pref](noun, a) for a, noun in answers] if pref in PREFERENCES else []
     return {"minutes": round((time.monotonic() - t0) / 60, 2), "release": release, "facts_right": right,
             "facts": len(FACTS), "everyday_empty": sum(1 for n in lengths if n == 0), "everyday": len(lengths),
+            "everyday_reward": round(statistics.fmean(scored), 3) if scored else None,
             # greedy answers that loop (daemon/loops.py's rule, in words): a sentence said again and again
             "everyday_loops": sum(loops(w) for w in words),
             "everyday_words": round(statistics.fmean(lengths), 1) if lengths else None,
@@ -278,7 +285,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     rng = random.Random(seed)
     questions = [(t.format(x=n), n) for t in TEMPLATES for n in NOUNS]
     rng.shuffle(questions)  # each question asked once
-    everyday = [q for q, _ in questions[:args.holdout]] if args.probe else []  # never asked in the run's traffic
+    everyday = questions[:args.holdout] if args.probe else []  # never asked in the run's traffic
     questions = questions[len(everyday):]
     probes: list[dict[str, Any]] = []
     loads: list[float] = []
@@ -293,7 +300,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
             before_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
             t0 = time.monotonic()
             if args.probe and not args.no_probe_before:
-                probes.append(probe(c, everyday, args, t0))
+                probes.append(probe(c, everyday, args, t0, pref))
                 print(f"  probe: {probes[-1]}", flush=True)
                 t0 = time.monotonic()  # the run's minutes count from the first scored question
             next_probe = args.probe_every * 60 if args.probe and args.probe_every else None
@@ -302,7 +309,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                 if elapsed > args.minutes * 60:
                     break
                 if next_probe is not None and elapsed >= next_probe:
-                    probes.append(probe(c, everyday, args, t0))
+                    probes.append(probe(c, everyday, args, t0, pref))
                     print(f"  probe: {probes[-1]}", flush=True)
                     next_probe += args.probe_every * 60
                 r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng)
@@ -323,7 +330,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                           f"{last:.3f} (before {base:.3f}), load {os.getloadavg()[0]:.1f}", flush=True)
             after_example = ask(c, EXAMPLE, args.max_tokens, temperature=0)[0]
             if args.probe:
-                probes.append(probe(c, everyday, args, t0))
+                probes.append(probe(c, everyday, args, t0, pref))
                 print(f"  probe: {probes[-1]}", flush=True)
             chain = c.get("/reef/scenarios/real/releases", params={"all": "1"}).json()
             mem = memory(c, "real", proc.pid)
@@ -525,7 +532,7 @@ def main() -> None:
                     print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
                           f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "
                           f"{p['everyday_empty']}/{p['everyday']}, looping {p.get('everyday_loops')}/{p['everyday']}, "
-                          f"{p['everyday_words']} words; load {p['load']}")
+                          f"{p['everyday_words']} words, scored {p.get('everyday_reward')}; load {p['load']}")
                 for st in run["steps"]:
                     print(f"    step: {st}")
         print("\n| preference | seed | reward before | after | minutes to +0.25 | answers | steps | releases | "
