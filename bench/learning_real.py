@@ -348,7 +348,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     per_step = [{"verdict": s.get("verdict") or "published"}
                 | {k: s["metrics"].get(k) for k in ("reward_mean", "tokens", "degenerate_groups", "kl_from_base",
                                                      "kl_ref", "loss", "step_s", "train_s", "trainer_peak_rss_mb",
-                                                     *HELDOUT_FIGURES)}
+                                                     "steps_ahead", "trained_ahead_of", *HELDOUT_FIGURES)}
                 for s in sorted(trained, key=lambda s: s.get("created_at") or 0)]
     return {
         "recipe": args.recipe, "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
