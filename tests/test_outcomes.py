@@ -504,6 +504,15 @@ def test_a_timed_out_check_whose_child_left_its_session_still_returns(tmp_path: 
         os.kill(int((tmp_path / "away.pid").read_text()), signal.SIGKILL)
 
 
+def two_files(p: Path) -> Path:
+    """A fresh git project with two untracked files, a.py and b.py."""
+    p.mkdir()
+    git(p, "init", "-q")
+    (p / "a.py").write_text("a = 1\n")
+    (p / "b.py").write_text("b = 1\n")
+    return p
+
+
 def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_content(tmp_path: Path) -> None:
     """Before the run the project has no commit (its files untracked); the agent commits them, one changed: only
     that one changed, and a file it created and committed is listed as new. Bugs caught: the commits diffed when
@@ -511,11 +520,7 @@ def test_a_run_that_makes_the_projects_first_commit_compares_its_files_by_conten
     file the agent made and committed never counted)."""
     import hashlib
 
-    p = tmp_path / "first"
-    p.mkdir()
-    git(p, "init", "-q")
-    (p / "a.py").write_text("a = 1\n")
-    (p / "b.py").write_text("b = 1\n")
+    p = two_files(tmp_path / "first")
     before = outcomes.snapshot(p)
     assert before is not None and before["head"] is None
     (p / "b.py").write_text("b = 2\n")
@@ -535,11 +540,7 @@ def test_a_run_that_leaves_the_project_without_a_commit_compares_its_files_with_
     diff a commit with nothing: the wrapper crashed)."""
     import hashlib
 
-    p = tmp_path / "orphaned"
-    p.mkdir()
-    git(p, "init", "-q")
-    (p / "a.py").write_text("a = 1\n")
-    (p / "b.py").write_text("b = 1\n")
+    p = two_files(tmp_path / "orphaned")
     git(p, "add", ".")
     git(p, "commit", "-qm", "first")
     before = outcomes.snapshot(p)
