@@ -122,13 +122,22 @@ async def test_adapter_releases_share_the_base_and_decode_in_one_batch_with_thei
     steps: list[list[str | None]] = []
     forward = Load.forward
 
+    jobs = [(i, name) for i in range(2) for name in adapters]  # base, a, b, base, a, b: all in flight together
+    exchanges = [chat(i) for i, _ in jobs]
+
     def spy(self: Load, ids: torch.Tensor, cache: Any, rows: Any = None, **kw: Any) -> torch.Tensor:
+        # the first step waits (a hang guard, not a bound) until every request is queued: on a loaded machine the
+        # first ones could otherwise finish before the last are tokenized, and the batch this is about never forms
+        deadline = time.monotonic() + 30
+        while not steps and any(e.progress is None for e in exchanges) and time.monotonic() < deadline:
+            time.sleep(0.005)
         steps.append(list(rows or [self.adapter] * ids.shape[0]))
         return forward(self, ids, cache, rows, **kw)
 
+    # every release resident first: an adapter still loading while the base rows decode would keep them apart
+    await asyncio.gather(*(run(engine, chat(9, max_tokens=1), ref) for ref in adapters.values()))
     monkeypatch.setattr(Load, "forward", spy)
-    jobs = [(i, name) for i in range(2) for name in adapters]  # base, a, b, base, a, b: all in flight together
-    done = await asyncio.gather(*(run(engine, chat(i), adapters[name]) for i, name in jobs))
+    done = await asyncio.gather(*(run(engine, e, adapters[name]) for e, (_, name) in zip(exchanges, jobs, strict=True)))
     loads = {name: engine._resident[ref.content_id] for name, ref in adapters.items()}
     # one base in memory: both adapter loads decode on the base load's model, each under its own load id
     assert loads["a"].model is loads["b"].model is loads["base"].model
