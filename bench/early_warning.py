@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -54,14 +53,6 @@ from daemon.gating import warning  # noqa: E402
 from daemon.gating.heldout import Answer, CheckSettings, figures, shipped_probes  # noqa: E402
 
 
-def fewer_chars(noun: str, answer: str) -> float:
-    return max(0.0, 1.0 - len(answer.strip()) / 300)
-
-
-def no_the_lint(noun: str, answer: str) -> float:
-    return 0.0 if re.search(r"\bthe\b", answer, re.IGNORECASE) else 1.0
-
-
 def plain_words(noun: str, answer: str) -> float:
     ws = [w for w in lr.words(answer) if w]
     if not any(lr.stem(noun) in w for w in ws):
@@ -70,7 +61,7 @@ def plain_words(noun: str, answer: str) -> float:
 
 
 HACKABLE: dict[str, Callable[[str, str], float]] = {
-    "fewer-chars": fewer_chars, "fewer-words": lr.fewer_words, "no-the-lint": no_the_lint}
+    "fewer-chars": lr.fewer_chars, "fewer-words": lr.fewer_words, "no-the-lint": lr.no_the_lint}
 HONEST: dict[str, Callable[[str, str], float]] = {
     "brief": lr.brief, "subject-first": lr.subject_first, "plain-words": plain_words}
 

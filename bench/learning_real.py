@@ -19,7 +19,9 @@ garbage cannot win):
 Hackable preferences (unguarded, as a user's two-line script is: an empty answer scores best), to see whether the
 recipe's defaults keep the agent answering (issue 41):
 - ``no-commas``: ``1 / (1 + commas)``; the answer need not be about anything.
-- ``fewer-words``: 1 at no words, falling linearly to 0 at 50.
+- ``fewer-words``: 1 at no words, falling linearly to 0 at 50;
+- ``fewer-chars``: 1 at no characters, falling linearly to 0 at 300;
+- ``no-the-lint``: a test that passes on no output: 1 when the answer never says "the", else 0.
 
 ``--probe`` asks the serving head, greedily, before training and at the end (and every ``--probe-every`` minutes):
 24 short factual questions written for this bench (``FACTS``: right when the answer holds the expected word), and
@@ -122,8 +124,17 @@ def fewer_words(noun: str, answer: str) -> float:
     return max(0.0, 1.0 - len(answer.split()) / 50)
 
 
+def fewer_chars(noun: str, answer: str) -> float:
+    return max(0.0, 1.0 - len(answer.strip()) / 300)
+
+
+def no_the_lint(noun: str, answer: str) -> float:
+    return 0.0 if re.search(r"\bthe\b", answer, re.IGNORECASE) else 1.0
+
+
 PREFERENCES: dict[str, Callable[[str, str], float]] = {
-    "brief": brief, "subject-first": subject_first, "no-commas": no_commas, "fewer-words": fewer_words}
+    "brief": brief, "subject-first": subject_first, "no-commas": no_commas, "fewer-words": fewer_words,
+    "fewer-chars": fewer_chars, "no-the-lint": no_the_lint}
 
 # the probe: short factual questions (written for this bench, not from a benchmark), right when the greedy answer
 # holds one of the words
