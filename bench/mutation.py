@@ -90,6 +90,9 @@ MODULES: dict[str, Module] = {
                            for t in ("the_first_release_is_read_once_and_is_none_where_the_head_is_it",
                                      "a_lineage_is_compared_with_the_chains_first_release_through_the_step",
                                      "the_heads_answers_asked_during_training_are_not_asked_again")))),
+    # what the next step trains on (the lineage through canaries, harm restarts, training ahead), pure; the gate
+    # steps that call it against a stand-in host
+    "lineage": Module("daemon/lineage.py", ("tests/test_lineage.py", "tests/test_gate_steps.py")),
     # against a stand-in daemon (test_forgetting_unit.py), and the chain's marks (test_forget.py's pure tests; its
     # others check the bytes in SQLite, PostgreSQL and agent files, and through a daemon)
     "forgetting": Module("daemon/forgetting.py", ("tests/test_forgetting_unit.py", *(f"tests/test_forget.py::test_{t}"
