@@ -506,6 +506,15 @@ def test_a_candidate_with_a_canary_share_is_held_and_served_as_a_canary_with_its
     assert host.followed == [("rel_head", "job_1", False)]  # a canary: the lineage goes on from it
 
 
+@pytest.mark.parametrize("share", [0.0, -0.5])
+def test_no_canary_without_a_share_above_zero(share: float) -> None:
+    """Bugs caught: a canary started at share 0 (or below: a setting from before the bound was checked), serving
+    nobody and holding the candidate until its hours run out; ``or`` read as ``and``."""
+    host, run = Host(), gate_run(canary_share=share)
+    assert go(steps.canary, host, run) is None
+    assert host.canaries == [] and host.chains.held == [] and run.st.canary_of is None
+
+
 def test_a_started_canary_is_the_lineages_to_train_ahead_of_and_its_answers_are_kept_for_its_promotion() -> None:
     """Bugs caught: the canary not marked (no step trains ahead of it), one marked that could not start, the
     candidate's held-out answers not kept under the canary's content (asked again once it is promoted)."""
@@ -553,7 +562,9 @@ def test_a_candidate_trained_ahead_of_a_promoted_canary_goes_on_against_the_prom
     assert go(steps.canary_verdict, host, run) is None  # not trained ahead: nothing to wait for
     run.ahead = ("rel_held1", "c_held1", "/cand0")
     host.canary_running = lambda name: False
-    host.chains.head_release = promoted = SimpleNamespace(release_id="rel_promoted", content_id="c_held1")
+    # the content made at run time (not the interned literal): ``is`` for ``==`` shows
+    host.chains.head_release = promoted = SimpleNamespace(release_id="rel_promoted",
+                                                          content_id="".join(["c_held", "1"]))
     assert go(steps.canary_verdict, host, run) is None
     assert run.head is promoted and run.metrics["trained_ahead_of"] == "rel_held1" and host.written == []
     assert run.st.waiting is None
@@ -575,6 +586,13 @@ def test_a_candidate_trained_ahead_of_an_ended_canary_is_discarded_and_its_batch
     manifest, base, verdict, reason = host.written[0]
     assert (manifest["receipts"], base, verdict, reason) == ([], "rel_head", "skipped", out.reason)
     assert not cand.exists() and host.followed == []
+    # a head whose content sorts after the canary's is not the canary's either; a candidate whose weights are
+    # already gone is discarded all the same (bugs caught: ``>=`` for ``==``, a removal that raises)
+    host, run = Host(), gate_run(candidate=Candidate(path=str(tmp_path / "gone")))
+    run.ahead = ("rel_held1", "c_held1", "/cand0")
+    host.canary_running = lambda name: False
+    host.chains.head_release = SimpleNamespace(release_id="rel_other", content_id="c_zzz")
+    assert go(steps.canary_verdict, host, run).verdict == "skipped" and "trained_ahead_of" not in run.metrics
 
 
 # --- publish and rejected ------------------------------------------------------------------------------------
