@@ -513,6 +513,12 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=1_000_000, help="--offline: stop after this many steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    for pref in args.prefs.split(","):  # refused before a 15-minute run, not in the middle of one
+        if pref not in PREFERENCES:
+            raise SystemExit(f"unknown preference {pref!r}: one of {', '.join(PREFERENCES)}")
+        if args.recipe == "openclaw-rl" and pref not in HOLDS:
+            raise SystemExit(f"openclaw-rl's simulated user judges only {', '.join(HOLDS)} (it needs a correction "
+                             f"to say): not {pref!r}")
     if args.offline:
         if args.model_dir is None:
             raise SystemExit("--offline needs --model-dir (a made SmolLM2 directory)")
