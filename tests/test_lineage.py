@@ -202,9 +202,8 @@ def test_a_promoted_canary_of_other_weights_does_not_move_the_lineage(tmp_path: 
     leaves the lineage under its head. Bugs caught: ``<=``/``>=``/``is`` for ``==`` on the directories."""
     for mine, theirs in (("job_1", "job_2"), ("job_2", "job_1")):
         st = state()
-        (tmp_path / mine).mkdir(exist_ok=True)
-        path = made(tmp_path / mine, "w") if not (tmp_path / mine / "w").exists() else Candidate(
-            path=str(tmp_path / mine / "w"))
+        (tmp_path / mine).mkdir()
+        path = made(tmp_path / mine, "w")
         lineage.follow(st, "rel_head", path, mine, published=False)
         st.canary_of = ("rel_held", "c_held", str(tmp_path / theirs / "w"))
         lineage.canary_ended(st, True, "rel_promoted")
