@@ -94,7 +94,7 @@ def main() -> None:
                    ).raise_for_status()
             t0 = time.monotonic()
             for i, (prompt, noun) in enumerate(questions):
-                answer, receipt, _ = lr.ask(c, prompt, args.max_tokens)
+                answer, receipt, _, _ = lr.ask(c, prompt, args.max_tokens)
                 c.post("/reef/report", json={"score": score(noun, answer), "references": [receipt]}).raise_for_status()
                 gates = [e for e in events(c) if e["kind"] == "gate"] if i % 8 == 7 else []
                 if len(gates) >= args.steps or time.monotonic() - t0 > args.minutes * 60:

@@ -217,15 +217,16 @@ def make_model(work: Path) -> Path:
 
 
 def ask(c: httpx.Client, prompt: str | list[dict[str, str]], max_tokens: int, session: str | None = None,
-        **extra: Any) -> tuple[str, str, str]:
-    """One chat request on the scenario: (answer, receipt, serving release)."""
+        **extra: Any) -> tuple[str, str, str, bool]:
+    """One chat request on the scenario: (answer, receipt, serving release, cut at ``max_tokens``)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     headers = {"x-reef-scenario": "real", **({"x-reef-session": session} if session else {})}
     r = c.post("/v1/chat/completions", headers=headers,
                json={"model": "smollm2", "max_tokens": max_tokens, "messages": messages, **extra})
     r.raise_for_status()
-    return (r.json()["choices"][0]["message"]["content"], r.headers["x-reef-agent-record-id"],
-            r.headers.get("x-reef-release-id", ""))
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"], r.headers["x-reef-agent-record-id"], r.headers.get("x-reef-release-id", ""),
+            choice.get("finish_reason") == "length")
 
 
 # openclaw-rl's user: no reports; a correction in the next message when the answer misses the preference (the rule
@@ -236,26 +237,26 @@ HOLDS = {"brief": 0.5, "subject-first": 1.0}  # the preference's score at which 
 
 
 def reported_answer(c: httpx.Client, pref: str, prompt: str, noun: str, args: argparse.Namespace,
-                    **_: Any) -> float:
-    """online-rl, sao: one question, its answer scored and reported on its receipt."""
-    answer, receipt, _ = ask(c, prompt, args.max_tokens)
+                    **_: Any) -> tuple[float, bool]:
+    """online-rl, sao: one question, its answer scored and reported on its receipt. Returns (score, cut)."""
+    answer, receipt, _, cut = ask(c, prompt, args.max_tokens)
     r = PREFERENCES[pref](noun, answer)
     c.post("/reef/report", json={"score": r, "references": [receipt]}).raise_for_status()
-    return r
+    return r, cut
 
 
 def judged_session(c: httpx.Client, pref: str, prompt: str, noun: str, args: argparse.Namespace,
-                   rng: random.Random, **_: Any) -> float:
+                   rng: random.Random, **_: Any) -> tuple[float, bool]:
     """openclaw-rl: a session in which the answer is judged by the user's next message, a correction or thanks
-    (answered with one token: the bench needs only the judged turn). Returns the answer's score."""
+    (answered with one token: the bench needs only the judged turn). Returns (the answer's score, cut)."""
     session = f"s{rng.randrange(1 << 40):x}"
     messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
-    answer, _, _ = ask(c, messages, args.max_tokens, session=session)
+    answer, _, _, cut = ask(c, messages, args.max_tokens, session=session)
     r = PREFERENCES[pref](noun, answer)
     verdict = "Thanks." if r >= HOLDS[pref] else CORRECTIONS[pref]
     ask(c, [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": verdict}], 1,
         session=session)  # the next state the rule judge reads
-    return r
+    return r, cut
 
 
 CLIENTS = {"online-rl": reported_answer, "sao": reported_answer, "openclaw-rl": judged_session}
@@ -268,9 +269,10 @@ def probe(c: httpx.Client, everyday: list[tuple[str, str]], args: argparse.Names
     rise is the head's and not the traffic's mix of questions)."""
     right, release = 0, ""
     for q, expected in FACTS:
-        answer, _, release = ask(c, q, 24, temperature=0)
+        answer, _, release, _ = ask(c, q, 24, temperature=0)
         right += any(e in answer.lower() for e in expected)
-    answers = [(ask(c, q, args.max_tokens, temperature=0)[0], noun) for q, noun in everyday]
+    asked = [(ask(c, q, args.max_tokens, temperature=0), noun) for q, noun in everyday]
+    answers = [(a[0], noun) for a, noun in asked]
     words = [a.split() for a, _ in answers]
     lengths = [len(w) for w in words]
     scored = [PREFERENCES[pref](noun, a) for a, noun in answers] if pref in PREFERENCES else []
@@ -279,6 +281,8 @@ def probe(c: httpx.Client, everyday: list[tuple[str, str]], args: argparse.Names
             "everyday_reward": round(statistics.fmean(scored), 3) if scored else None,
             # greedy answers that loop (daemon/loops.py's rule, in words): a sentence said again and again
             "everyday_loops": sum(loops(w) for w in words),
+            # greedy answers cut at the client's limit (the model had not ended them)
+            "everyday_cut": sum(1 for a, _ in asked if a[3]),
             "everyday_words": round(statistics.fmean(lengths), 1) if lengths else None,
             "load": round(os.getloadavg()[0], 2)}
 
@@ -301,6 +305,7 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
     probes: list[dict[str, Any]] = []
     loads: list[float] = []
     rewards: list[tuple[float, float]] = []  # (seconds since the first request, reward)
+    cuts: list[bool] = []  # each scored answer: cut at --max-tokens (the model had not ended it)
     reached: float | None = None
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-api-key": token}, timeout=600) as c:
@@ -323,8 +328,9 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
                     probes.append(probe(c, everyday, args, t0, pref))
                     print(f"  probe: {probes[-1]}", flush=True)
                     next_probe += args.probe_every * 60
-                r = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng)
+                r, cut = CLIENTS[args.recipe](c, pref, prompt, noun, args, rng=rng)
                 rewards.append((time.monotonic() - t0, r))
+                cuts.append(cut)
                 base = statistics.fmean(x for _, x in rewards[:args.window])
                 if len(rewards) >= 2 * args.window and reached is None:
                     if statistics.fmean(x for _, x in rewards[-args.window:]) >= base + 0.25:
@@ -365,6 +371,10 @@ def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: P
         "recipe": args.recipe, "preference": pref, "seed": seed, "daemon_start_s": start_s, "answers": len(rewards),
         "before": statistics.fmean(x for _, x in rewards[:args.window]),
         "after": statistics.fmean(x for _, x in rewards[-args.window:]),
+        # the share of the first and last windows' answers cut at --max-tokens: a length scorer can only be won
+        # by ending answers sooner where few are cut
+        "cut_before": round(statistics.fmean(cuts[:args.window]), 3) if cuts else None,
+        "cut_after": round(statistics.fmean(cuts[-args.window:]), 3) if cuts else None,
         "minutes_to_target": None if reached is None else reached / 60,
         "minutes": rewards[-1][0] / 60 if rewards else 0.0,
         "training_steps": len(trained), "releases": len(chain["releases"]) - 1, "rejected": len(chain["rejected"]),
@@ -542,13 +552,14 @@ def main() -> None:
                       f"{run['answers']} answers, {run['training_steps']} steps, {run['releases']} releases, "
                       f"{run['rejected']} rejected; peak trainer {run['trainer_peak_mb']} MB, daemon "
                       f"{run['daemon_peak_mb']:.0f} MB; daemon start {run['daemon_start_s']:.1f} s; load "
-                      f"{run['load_mean']}", flush=True)
+                      f"{run['load_mean']}; cut at the limit {run['cut_before']} -> {run['cut_after']}", flush=True)
                 if not args.json:
                     print(f"  {memory_line(run['memory'])}", flush=True)
                 for p in run["probes"]:
                     print(f"    probe at {p['minutes']} min, release {p['release'][:12]} (kl_from_base "
                           f"{p['kl_from_base']}): facts {p['facts_right']}/{p['facts']}, everyday empty "
                           f"{p['everyday_empty']}/{p['everyday']}, looping {p.get('everyday_loops')}/{p['everyday']}, "
+                          f"cut {p.get('everyday_cut')}/{p['everyday']}, "
                           f"{p['everyday_words']} words, scored {p.get('everyday_reward')}; load {p['load']}")
                 for st in run["steps"]:
                     print(f"    step: {st}")
