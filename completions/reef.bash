@@ -6,7 +6,7 @@ _reef() {
         w="${COMP_WORDS[i]}"
         case "${COMP_WORDS[i-1]}" in -s|--scenario) scen="$w" ;; esac
         case "$path/$w" in
-            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/eval|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/accept-warning|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/scenarios/update|/serve|/status|/tui) path="$path/$w" ;;
+            /agents|/agents/doctor|/agents/install|/agents/list|/completions|/completions/install|/completions/show|/daemon|/daemon/logs|/daemon/start|/daemon/status|/daemon/stop|/demo|/doctor|/eval|/model|/model/init|/records|/records/export|/records/forget|/records/import|/records/list|/records/show|/releases|/releases/bundle|/releases/canary|/releases/canary-end|/releases/list|/releases/open|/releases/promote|/releases/rollback|/releases/show|/report|/scenarios|/scenarios/accept-warning|/scenarios/archive|/scenarios/capture|/scenarios/create|/scenarios/list|/scenarios/pause|/scenarios/proposals|/scenarios/resume|/scenarios/set-model|/scenarios/show|/scenarios/tasks|/scenarios/tasks/list|/scenarios/tasks/promote|/scenarios/unarchive|/scenarios/update|/serve|/status|/tui) path="$path/$w" ;;
         esac
     done
     case "$path" in
@@ -34,7 +34,8 @@ _reef() {
         /records/import) words='--scenario -s --json --help' ;;
         /records/list) words='--scenario -s --run -r --limit -n --json --help' ;;
         /records/show) words='--json --help' ;;
-        /releases) words='canary canary-end list open promote rollback show --help' ;;
+        /releases) words='bundle canary canary-end list open promote rollback show --help' ;;
+        /releases/bundle) words='--weights --harness --scenario -s --yes -y --json --help' ;;
         /releases/canary) words='--scenario -s --share --alpha --max-reports --max-error-rate --max-latency-ratio --max-empty-excess --min-length-ratio --max-loop-excess --min-exchanges --guard-answers --max-answers --max-hours --json --help'" $(reef __complete releases "$scen" 2>/dev/null)" ;;
         /releases/canary-end) words='--scenario -s --promote --yes -y --json --help' ;;
         /releases/list) words='--scenario -s --all --json --help' ;;
@@ -72,6 +73,7 @@ _reef() {
         /records/export:--scenario|/records/export:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/import:--scenario|/records/import:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /records/list:--scenario|/records/list:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
+        /releases/bundle:--scenario|/releases/bundle:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/canary:--scenario|/releases/canary:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/canary-end:--scenario|/releases/canary-end:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;
         /releases/list:--scenario|/releases/list:-s) words="$(reef __complete scenarios 2>/dev/null)" ;;

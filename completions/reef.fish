@@ -2,7 +2,7 @@
 function __reef_path
     set -l path ""
     for w in (commandline -opc)[2..-1]
-        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /eval /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/accept-warning /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /scenarios/update /serve /status /tui
+        if contains -- "$path/$w" /agents /agents/doctor /agents/install /agents/list /completions /completions/install /completions/show /daemon /daemon/logs /daemon/start /daemon/status /daemon/stop /demo /doctor /eval /model /model/init /records /records/export /records/forget /records/import /records/list /records/show /releases /releases/bundle /releases/canary /releases/canary-end /releases/list /releases/open /releases/promote /releases/rollback /releases/show /report /scenarios /scenarios/accept-warning /scenarios/archive /scenarios/capture /scenarios/create /scenarios/list /scenarios/pause /scenarios/proposals /scenarios/resume /scenarios/set-model /scenarios/show /scenarios/tasks /scenarios/tasks/list /scenarios/tasks/promote /scenarios/unarchive /scenarios/update /serve /status /tui
             set path "$path/$w"
         end
     end
@@ -29,7 +29,7 @@ complete -c reef -n '__reef_at ""' -a doctor -d 'Check the daemon, token and soc
 complete -c reef -n '__reef_at ""' -a eval -d 'Evaluate a scenario\'s releases: held-out reward per release (the learning curve), probe accuracy against the base (forgetting) and, with --transfer, another scenario\'s held-out prompts. Figures recorded at the gate or measured before are read; the rest are measured by loading each release in the engine (progress on stderr). A figure that cannot be had says n/a, one whose measurement broke says failed: reason'
 complete -c reef -n '__reef_at ""' -a model -d 'Build local models'
 complete -c reef -n '__reef_at ""' -a records -d 'Browse recorded exchanges and their reports'
-complete -c reef -n '__reef_at ""' -a releases -d 'Inspect and steer release chains: list, show, open, rollback, promote'
+complete -c reef -n '__reef_at ""' -a releases -d 'Inspect and steer release chains: list, show, open, rollback, promote, bundle'
 complete -c reef -n '__reef_at ""' -a report -d 'Attach a report (score and/or feedback) to receipts'
 complete -c reef -n '__reef_at ""' -a scenarios -d 'List, show and create scenarios'
 complete -c reef -n '__reef_at ""' -a serve -d 'Run the daemon in the foreground (Ctrl-C drains in-flight requests and stops)'
@@ -127,6 +127,7 @@ complete -c reef -n '__reef_at /records/list' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /records/list' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /records/show' -l json -d 'Print JSON'
 complete -c reef -n '__reef_at /records/show' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases' -a bundle -d 'Publish one release holding an adapter, a harness and the evidence for both: requests get the adapter, wrapped agents the harness, and a rollback moves both'
 complete -c reef -n '__reef_at /releases' -a canary -d 'Serve a held candidate to a share of new runs beside the head; live scores promote or end it (an always- valid test at the stated error rate), or end it when it fails too often or is too slow'
 complete -c reef -n '__reef_at /releases' -a canary-end -d 'End a scenario\'s canary by hand, now: promote it or discard it (written on the chain either way)'
 complete -c reef -n '__reef_at /releases' -a list -d 'List a scenario\'s releases, newest first, the head marked'
@@ -135,6 +136,12 @@ complete -c reef -n '__reef_at /releases' -a promote -d 'Publish a release held 
 complete -c reef -n '__reef_at /releases' -a rollback -d 'Publish an earlier release\'s content as the new head (history is kept)'
 complete -c reef -n '__reef_at /releases' -a show -d 'Show one release: manifest, whether its weights were pruned, what it requires (each item met or not on this machine, with what was found), metrics, receipts, and optionally its diff to the parent'
 complete -c reef -n '__reef_at /releases' -l help -d 'Show help and exit'
+complete -c reef -n '__reef_at /releases/bundle' -l weights -d 'A weights release holding a LoRA adapter (another scenario\'s, trained on this scenario\'s model)'
+complete -c reef -n '__reef_at /releases/bundle' -l harness -d 'A harness release (a lessons or harness-search scenario\'s)'
+complete -c reef -n '__reef_at /releases/bundle' -l scenario -s s -d 'The scenario to publish on: one that serves a local model and does not train (recipe record)' -x -a '(reef __complete scenarios 2>/dev/null)'
+complete -c reef -n '__reef_at /releases/bundle' -l yes -s y -d 'Do not ask for confirmation'
+complete -c reef -n '__reef_at /releases/bundle' -l json -d 'Print JSON'
+complete -c reef -n '__reef_at /releases/bundle' -l help -d 'Show help and exit'
 complete -c reef -n '__reef_at /releases/canary' -a '(reef __complete releases (__reef_scenario) 2>/dev/null)'
 complete -c reef -n '__reef_at /releases/canary' -l scenario -s s -d 'The scenario (default: default)' -x -a '(reef __complete scenarios 2>/dev/null)'
 complete -c reef -n '__reef_at /releases/canary' -l share -d 'The share of new runs it serves (0 to 1)'

@@ -62,6 +62,7 @@ from daemon.routes.records import (
     handle_scenario_records,
 )
 from daemon.routes.releases import (
+    handle_bundle,
     handle_canary,
     handle_canary_end,
     handle_eval,
@@ -215,6 +216,7 @@ def router() -> web.Router:
     r.add("POST", "/reef/scenarios/{name}/eval", handle_measure)
     r.add("POST", "/reef/scenarios/{name}/rollback", steer_handler("rollback"))
     r.add("POST", "/reef/scenarios/{name}/promote", steer_handler("promote"))
+    r.add("POST", "/reef/scenarios/{name}/bundle", handle_bundle)
     r.add("GET", "/reef/releases/{release}", handle_release)
     r.add("GET", "/reef/releases/{release}/page", handle_release_page)
     r.add("POST", "/reef/runs", handle_start_run)

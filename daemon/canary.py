@@ -457,7 +457,7 @@ class Canaries:
                            "serves a pending release (reef releases list --all)", release_id=release_id)
         # a candidate this machine cannot run never serves a share of runs (docs/releases.md#what-a-release-requires)
         await self.reef.chains.check_needs(rel, f"serving release {rel.release_id[:12]} as a canary", fresh=True)
-        if rel.kind == "weights":  # loaded before it serves anyone: else its first answers wait for the load, behind
+        if rel.serves_weights:  # loaded before it serves anyone: else its first answers wait for the load, behind
             # the head's, and the latency guard counts that wait against it (a burst of 64 requests at once, reef
             # demo's: medians of 1.8 s against 0.5 s, a healthy candidate ended). A load that fails shows as failed
             # exchanges on its arm (chains.preload says nothing), which the error guard counts.

@@ -47,7 +47,7 @@ from daemon.errors import BadRequest, EngineError, HeadMoved, NotFound, Requirem
 from daemon.events import EventBus
 from daemon.metrics import Metrics
 from daemon.records import Scenario
-from daemon.releases import Manifest, Rejection, Release, ReleaseStore, files_from_dir, requires
+from daemon.releases import Manifest, Rejection, Release, ReleaseStore, bundle, files_from_dir, requires
 
 log = logging.getLogger("reef.chains")
 _NEEDS_TTL_S = 1.0  # how long a request reuses a release's requirement check (a tool installed counts after this)
@@ -225,7 +225,7 @@ class Chains:
         return rel
 
     async def ref(self, scenario: Scenario, rel: Release) -> ReleaseRef:
-        if rel.kind != "weights":
+        if not rel.serves_weights:
             return ReleaseRef(rel.release_id, rel.content_id, None)
         return ReleaseRef(rel.release_id, rel.content_id, await self.checkout(rel), await self._adapter_base(rel))
 
@@ -332,9 +332,10 @@ class Chains:
         return await asyncio.to_thread(read)
 
     async def harness_tree(self, rel: Release) -> dict[str, bytes]:
-        """The files of a harness release."""
+        """The harness files of a release: all of a harness release's, a bundle's ``harness/``, none of weights."""
         def read() -> dict[str, bytes]:
-            return {f.path: self._store.read_file(rel.release_id, f.path) for f in self._store.files(rel.release_id)}
+            paths = bundle.harness_part(rel.kind, {f.path: f.path for f in self._store.files(rel.release_id)})
+            return {path: self._store.read_file(rel.release_id, full) for path, full in paths.items()}
 
         return await asyncio.to_thread(read)
 
@@ -391,7 +392,7 @@ class Chains:
         await self.head(scenario)  # a chain to steer exists
         with contextlib.suppress(NotFound, BadRequest):  # an unknown id: the store's own step says which
             target = await self.release(release_id)
-            if target.kind == "harness":  # never steer to a harness the policy refuses (one from before it, say)
+            if target.carries_harness:  # never steer to a harness the policy refuses (one from before it, say)
                 from daemon.harness_policy import check_served
 
                 check_served(await self.harness_tree(target), release=target.release_id)
@@ -401,6 +402,59 @@ class Chains:
         extra = {k: v for k, v in extra.items() if v is not None}
         return await self._append(scenario, engine, functools.partial(fn, scenario.name, release_id,
                                                                       expected_head=expected_head, **extra))
+
+    async def bundle(self, scenario: Scenario, weights: str, harness: str, expected_head: str | None,
+                     engine: Engine | None) -> Release:
+        """Publish on ``scenario`` one release holding the adapter of release ``weights``, the harness of release
+        ``harness`` and the evidence for both (``daemon/releases/bundle.py``), loaded before a request needs it. The
+        scenario does not train (a learning step would publish weights alone) and serves the adapter's base; the
+        harness passes the harness policy without anything a person must admit."""
+        from daemon import harness_policy
+        from daemon.layout import check_tree
+        from recipes import load_recipe
+
+        if load_recipe(scenario.recipe).kind != "none":
+            raise BadRequest(f"scenario {scenario.name!r} learns ({scenario.recipe}): its next step would publish "
+                             "weights without the harness. Publish bundles on a scenario that does not train: "
+                             "reef scenarios create NAME --recipe record", param="scenario")
+        head = await self.head(scenario)
+        if not head.serves_weights:
+            raise BadRequest(f"scenario {scenario.name!r} serves a harness on an upstream model; a bundle's adapter "
+                             "needs a scenario serving a local model's weights", param="scenario")
+        parts = {}
+        for role, rid, kinds in (("weights", weights, ("weights",)), ("harness", harness, ("harness", "bundle"))):
+            if not isinstance(rid, str) or not rid:
+                raise BadRequest(f"{role} is required: the id of the {role} release to bundle", param=role)
+            try:
+                rel = await self.release(rid)
+            except (NotFound, BadRequest):
+                raise NotFound(f"unknown {role} release {rid!r}", release_id=rid, param=role) from None
+            if rel.kind not in kinds:
+                raise BadRequest(f"release {rel.release_id[:12]} holds {rel.kind}, not {role}", param=role)
+            parts[role] = rel
+        if await self.adapter(parts["weights"].release_id) is None:
+            raise BadRequest(f"release {parts['weights'].release_id[:12]} holds whole weights, not a LoRA adapter; a "
+                             "bundle carries an adapter on the scenario's base", param="weights")
+        tree = await self.harness_tree(parts["harness"])
+        check_tree(tree)
+        found = harness_policy.findings(tree, allow_executable=True)
+        if found:  # what a person admitted for one scenario is not carried into another by a command
+            raise BadRequest(f"the harness of release {parts['harness'].release_id[:12]} holds what the harness "
+                             f"policy refuses or holds for review: {found[0]}", param="harness")
+        files = bundle.files(files_from_dir(await self.checkout(parts["weights"])), tree,
+                             bundle.evidence(parts["weights"], parts["harness"]))
+        manifest = Manifest(scenario.name, "bundle", "bundle", scenario.recipe,
+                            receipts=(*parts["weights"].receipts, *parts["harness"].receipts),
+                            origin={"kind": "bundle", "weights": parts["weights"].release_id,
+                                    "harness": parts["harness"].release_id},
+                            summary=f"bundle: weights {parts['weights'].release_id[:12]} (step "
+                                    f"{parts['weights'].step} of {parts['weights'].scenario}), harness "
+                                    f"{parts['harness'].release_id[:12]} (step {parts['harness'].step} of "
+                                    f"{parts['harness'].scenario})",
+                            requires=tuple(dict.fromkeys((*parts["weights"].requires, *parts["harness"].requires))))
+        await self._check_candidate(manifest, "bundling")
+        return await self._append(scenario, engine, functools.partial(
+            self._store.publish, manifest, files, expected_head=expected_head or head.release_id))
 
     def manifest(self, scenario: Scenario, *, metrics: Mapping[str, Any] | None = None,
                  receipts: Iterable[str] = (), settings: Mapping[str, Any] | None = None,

@@ -387,7 +387,7 @@ class Evaluations:
 
     async def _weights_chain(self, scen: Any) -> bool:
         head = await self.chains.head(scen)
-        return bool(head.kind == "weights")
+        return bool(head.serves_weights)
 
     def _known(self, plan: Plan, chain: list[Any], rel: Any, counts: dict[str, int],
                measure: bool) -> tuple[dict[str, Figure], list[Ask]]:
@@ -425,7 +425,7 @@ class Evaluations:
             else:
                 figs[ask.figure] = na(NOT_MEASURED)
 
-        if rel.kind != "weights":
+        if not rel.serves_weights:
             figs["reward"] = recorded("eval_reward", "base_reward", ()) or na("no gate score recorded for it")
             figs["probes"] = na("a harness release: the probes ask weights")
             figs["transfer"] = na("a harness release: transfer asks weights")

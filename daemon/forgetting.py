@@ -41,18 +41,20 @@ MAX_FORGET = 100_000  # receipts and runs in one request
 RETENTION_ROUND = 10_000  # exchanges one retention round forgets at most (one transaction)
 
 
-def tainted(history: Sequence[Any], forgotten: set[str], runs: Collection[str] = frozenset()) -> set[str]:
+def tainted(history: Sequence[Any], forgotten: set[str], runs: Collection[str] = frozenset(),
+            bundled: Collection[str] = frozenset()) -> set[str]:
     """The releases of a chain (``history`` newest first, as ``ReleaseStore.history`` gives it) made from forgotten
     data: directly (their step consumed a forgotten receipt, or a report whose feedback was forgotten: ``forgotten``
-    holds both kinds of id; or an agent proposed them in a run in ``runs``, one with a forgotten exchange), through
-    their parent (a train step, or a promoted candidate, builds on it), or through their content (a rollback
-    restores content that carries it)."""
+    holds both kinds of id; or an agent proposed them in a run in ``runs``, one with a forgotten exchange; or a
+    bundle of a release in ``bundled``, marked on its own chain), through their parent (a train step, or a promoted
+    candidate, builds on it), or through their content (a rollback restores content that carries it)."""
     marked: set[str] = set()
     carried: set[str] = set()  # content ids made from forgotten data
     for rel in reversed(history):  # oldest first: a release after what it builds on
         origin = rel.origin or {}
         direct = bool(forgotten.intersection(rel.receipts)) or origin.get("receipt") in forgotten \
-            or origin.get("run") in runs
+            or origin.get("run") in runs \
+            or (origin.get("kind") == "bundle" and bool({origin.get("weights"), origin.get("harness")} & set(bundled)))
         inherited = rel.operation in ("train", "promote") and rel.parent in marked
         if direct or inherited or rel.content_id in carried:
             marked.add(rel.release_id)
@@ -82,10 +84,11 @@ async def chain_view(reef: Daemon, scenario: str) -> dict[str, Any]:
     """For a scenario's chain: which releases were made from forgotten data, and the newest that was not (with
     the command that rolls back to it) when the head was."""
     forgotten, runs = await forgotten_sources(reef.store, scenario)
-    if not forgotten:
-        return {"trained_on_forgotten": [], "rollback_to": None}
     history = await reef.chains.history(scenario, None)
-    marked = tainted(history, forgotten, runs)
+    bundled = await _marked_sources(reef, history)
+    if not forgotten and not bundled:
+        return {"trained_on_forgotten": [], "rollback_to": None}
+    marked = tainted(history, forgotten, runs, bundled)
     out: dict[str, Any] = {"trained_on_forgotten": [r.release_id for r in history if r.release_id in marked],
                            "rollback_to": None}
     if history and history[0].release_id in marked:
@@ -94,6 +97,19 @@ async def chain_view(reef: Daemon, scenario: str) -> dict[str, Any]:
             out["rollback_to"] = clean.release_id
             out["command"] = f"reef releases rollback {clean.release_id[:12]} --scenario {scenario}"
     return out
+
+
+async def _marked_sources(reef: Daemon, history: Sequence[Any]) -> set[str]:
+    """The releases that the bundles of ``history`` were made from and that their own chains mark as made from
+    forgotten data (a bundle's weights and harness come from other scenarios, whose records are forgotten there)."""
+    sources = {rid for rel in history if (rel.origin or {}).get("kind") == "bundle"
+               for rid in (rel.origin.get("weights"), rel.origin.get("harness")) if isinstance(rid, str)}
+    marked: set[str] = set()
+    for name in sorted({(await reef.chains.release(rid)).scenario for rid in sources}):
+        forgotten, runs = await forgotten_sources(reef.store, name)
+        if forgotten or runs:
+            marked |= tainted(await reef.chains.history(name, None), forgotten, runs) & sources
+    return marked
 
 
 async def forget(reef: Daemon, body: dict[str, Any]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ async def rendered(reef: Reef, scenario: Scenario, rel: Release, adapter_name: s
 async def harness_view(reef: Reef, name: str, adapter_name: str | None) -> dict[str, Any]:
     scenario = await reef.store.scenarios.get(name)
     head = await reef.chains.head(scenario)
-    if head.kind != "harness":
+    if not head.carries_harness:
         raise BadRequest(f"scenario {name!r} releases weights, not a harness", param="scenario")
     files = await rendered(reef, scenario, head, adapter_name)
     return {"scenario": name, "release_id": head.release_id, "step": head.step, "adapter": adapter_name,
@@ -85,7 +85,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
         "recipe": scenario.recipe,
         "model": scenario.model,
         "kind": head.kind,
-        "release_id": head.release_id if head.kind == "harness" else None,
+        "release_id": head.release_id if head.carries_harness else None,
         "step": head.step,
         "context_length": getattr(engine.info, "context_length", None) or 32768,
         # False: the model's chat template drops an agent's tools (the wrapper says so, with the way out)
@@ -96,7 +96,7 @@ async def start_run(reef: Reef, body: dict[str, Any]) -> dict[str, Any]:
     }
     if scenario.warned:  # the early warning: the wrapper says it on stderr
         out["warning"] = (scenario.warning or {}).get("reason")
-    if head.kind == "harness" and installed != head.release_id:
+    if head.carries_harness and installed != head.release_id:
         out["files"] = await rendered(reef, scenario, head, adapter.name)
     return out
 
@@ -113,7 +113,7 @@ async def move_model(reef: Reef, name: str, body: dict[str, Any]) -> dict[str, A
     reef.config.model(model)  # unknown: 400 naming the configured ones
     scenario = await reef.store.scenarios.get(name)
     head = await reef.chains.head(scenario)
-    if head.kind == "weights" or load_recipe(scenario.recipe).kind == "weights":
+    if head.serves_weights or load_recipe(scenario.recipe).kind == "weights":
         raise Conflict(f"scenario {name!r} learns weights on model {scenario.model!r}; they cannot move to another "
                        f"model. Create a new scenario on {model!r} instead", scenario=name)
     moved = await reef.store.scenarios.change_model(name, model)

@@ -252,6 +252,14 @@ def _reef_routes() -> dict[tuple[str, str], Op]:
         ("POST", "/reef/scenarios/{name}/promote"): Op(
             "publish a candidate held for review", ref("Release"), CREATED, body=STEER,
             errors={**SCENARIO_404, 409: "the head moved, or the release serves as a canary"}),
+        ("POST", "/reef/scenarios/{name}/bundle"): Op(
+            "publish one release holding a weights release's adapter, a harness release's files and the evidence for "
+            "both (daemon/releases/bundle.py), on a scenario that does not train", ref("Release"), CREATED,
+            body=obj({"weights": {"type": "string", "minLength": 1}, "harness": {"type": "string", "minLength": 1},
+                      "expected_head": nullable(S)}, ["weights", "harness"], closed=True),
+            errors={**SCENARIO_404, 400: "the scenario learns or serves a harness, a release is not an adapter or a "
+                    "harness, or the harness holds what the policy refuses or holds for review",
+                    409: "the head moved, or the bundle equals the head"}),
         ("GET", "/reef/releases/{release}"): Op("one release, with its diff (diff=0: without)", RELEASE_VIEW,
                                                 query={"diff": S}, errors={404: "no such release"}),
         ("GET", "/reef/releases/{release}/page"): Op(

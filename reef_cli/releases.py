@@ -1,4 +1,4 @@
-"""``reef releases list|show|open|rollback|promote``: a scenario's release chain, read and steered."""
+"""``reef releases list|show|open|rollback|promote|bundle``: a scenario's release chain, read and steered."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from daemon.gate import describe as gate_line  # the one reading of a gate's fig
 from daemon.gating.heldout import describe as heldout_line  # and of the held-out check's
 from reef_cli.common import ago, client, config, console, edge, fail, print_json
 
-app = typer.Typer(help="Inspect and steer release chains: list, show, open, rollback, promote.", no_args_is_help=True)
+app = typer.Typer(help="Inspect and steer release chains: list, show, open, rollback, promote, bundle.", no_args_is_help=True)
 
 SCENARIO_HELP = "The scenario (default: default)."
 
@@ -350,3 +350,44 @@ def promote(
 ) -> None:
     """Publish a release held as pending (by a review gate)."""
     _steer("promote", scenario, release_id, yes, json_out)
+
+
+@app.command("bundle")
+@edge
+def bundle(
+    weights: str = typer.Option(..., "--weights", help="A weights release holding a LoRA adapter (another "
+                                "scenario's, trained on this scenario's model)."),
+    harness: str = typer.Option(..., "--harness", help="A harness release (a lessons or harness-search scenario's)."),
+    scenario: str = typer.Option("default", "--scenario", "-s", help="The scenario to publish on: one that serves a "
+                                 "local model and does not train (recipe record)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Publish one release holding an adapter, a harness and the evidence for both: requests get the adapter,
+    wrapped agents the harness, and a rollback moves both."""
+    with client() as c:
+        head = c.get(f"/reef/scenarios/{scenario}/releases")["head"]
+        parts = {role: c.get(f"/reef/releases/{rid}", diff="0") for role, rid in (("weights", weights),
+                                                                                ("harness", harness))}
+        if not json_out:
+            out = console()
+            out.print(f"bundle on scenario [cyan]{scenario}[/] (head {_short(head)}):")
+            for role, rel in parts.items():
+                out.print(f"  {role:8s} {_short(rel['release_id'])} (step {rel['step']} of {rel['scenario']}, "
+                          f"{rel['recipe']}) {_metrics(rel.get('metrics'))}")
+        if not yes and not typer.confirm("go ahead?", default=False):
+            fail("nothing changed", 1)
+        try:
+            rel = c.post(f"/reef/scenarios/{scenario}/bundle", {"weights": parts["weights"]["release_id"],
+                                                                "harness": parts["harness"]["release_id"],
+                                                                "expected_head": head})
+        except Conflict as e:
+            if "actual_head" not in e.data:
+                raise
+            fail(f"the head of {scenario} moved meanwhile (now {_short(e.data['actual_head'])}); nothing changed",
+                 e.exit_code)
+    if json_out:
+        print_json(rel)
+    else:
+        print(f"published {rel['release_id'][:12]} (step {rel['step']}, bundle); requests get its adapter and "
+              "wrapped agents its harness now")

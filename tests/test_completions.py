@@ -41,7 +41,8 @@ def bash_complete(*words: str, env: dict[str, str] | None = None) -> list[str]:
 
 def test_bash_completes_commands_options_and_choices() -> None:
     assert bash_complete("rel") == ["releases"]
-    assert bash_complete("releases", "") == ["canary", "canary-end", "list", "open", "promote", "rollback", "show", "--help"]
+    assert bash_complete("releases", "") == ["bundle", "canary", "canary-end", "list", "open", "promote", "rollback", "show",
+                                             "--help"]
     assert bash_complete("releases", "list", "-s", "alpha", "--j") == ["--json"]
     assert bash_complete("completions", "install", "") == ["bash", "zsh", "fish", "--help"]
     assert "tui" in bash_complete("") and "doctor" in bash_complete("d")
@@ -66,7 +67,8 @@ def test_zsh_script_offers_commands_and_options() -> None:
     out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     commands, options = out.stdout.splitlines()
-    assert commands.startswith("reef command: canary:Serve a held candidate") and "rollback:" in commands
+    assert commands.startswith("reef command: bundle:Publish one release") and "rollback:" in commands
+    assert "canary:Serve a held candidate" in commands
     assert options.startswith("reef option: --scenario:") and "--help:Show help" in options
 
 

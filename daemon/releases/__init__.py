@@ -15,6 +15,7 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
 - ``recovery.py``  start-up recovery, ``find_damage`` (``reef doctor``), ``fsck``
 - ``diff.py``      what changed between two releases
 - ``pruning.py``   weights a retention policy removed: tombstones, which releases are pruned, ``prune``
+- ``bundle.py``    a release holding an adapter, a harness and the evidence for both
 - ``requires.py``  what a release needs to run (``tool:git``, ``agent:claude>=2.0`` ...), checked on this machine
 - ``store.py``     ``ReleaseStore``: holds the parts above (composition, not mixins); publish, rollback, hold,
   promote, reject
@@ -22,7 +23,7 @@ its manifest, published by compare-and-swap on the ref and never rewritten. One 
 What other packages use is re-exported here.
 """
 
-from daemon.releases import requires
+from daemon.releases import bundle, requires
 from daemon.releases.content import files_from_dir, lfs_pointer
 from daemon.releases.manifest import (
     KINDS,
@@ -61,6 +62,7 @@ __all__ = [
     "Rejection",
     "Release",
     "ReleaseStore",
+    "bundle",
     "files_from_dir",
     "find_damage",
     "lfs_pointer",

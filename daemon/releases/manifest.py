@@ -32,8 +32,8 @@ from daemon.releases import requires as _requires
 
 MANIFEST = "reef-artifact.json"
 REJECTION = "reef-rejection.json"
-KINDS = ("weights", "harness")
-OPERATIONS = ("init", "train", "rollback", "promote")
+KINDS = ("weights", "harness", "bundle")  # a bundle: an adapter, a harness and their evidence (``bundle.py``)
+OPERATIONS = ("init", "train", "rollback", "promote", "bundle")
 SCENARIOS_REF = "refs/reef/scenarios/"
 PENDING_REF = "refs/reef/pending/"
 PROMOTED_REF = "refs/reef/promoted/"
@@ -122,6 +122,16 @@ class Release:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def serves_weights(self) -> bool:
+        """What an engine loads: whole weights, or an adapter (a weights release's or a bundle's)."""
+        return self.kind in ("weights", "bundle")
+
+    @property
+    def carries_harness(self) -> bool:
+        """What a wrapped agent's run installs: a harness release's files, or a bundle's ``harness/``."""
+        return self.kind in ("harness", "bundle")
 
     def manifest(self, **changes: Any) -> Manifest:
         """This release's ``Manifest`` (what was said when it was written), with ``changes``: what a rollback or a

@@ -24,6 +24,7 @@ import pygit2
 
 from daemon.chain_remote import RefPush
 from daemon.errors import Conflict, HeadMoved, ReefError, RemoteReleaseRefused
+from daemon.releases import bundle
 from daemon.releases.manifest import MANIFEST, PENDING_REF, REJECTION, SCENARIOS_REF
 from daemon.releases.objects import _OID_RE, _SHA256_RE, _TooLarge, unsafe_name
 from daemon.releases.reads import Reads
@@ -193,14 +194,18 @@ class Remote:
         from daemon import harness_policy
 
         # a large (LFS) file is not here before the follow copies it in; the render checks it (check_served)
-        tree = {f.path: self.reads.read_file(rel.release_id, f.path) for f in self.reads.files(rel.release_id) if f.lfs_oid is None}
+        def tree_of(rid: str) -> dict[str, bytes]:  # a bundle's harness/ only: its adapter is no harness file
+            return bundle.harness_part(self.reads.get(rid).kind, {f.path: self.reads.read_file(rid, f.path)
+                                                                  for f in self.reads.files(rid) if f.lfs_oid is None})
+
+        tree = tree_of(rel.release_id)
         bad = harness_policy.refused(harness_policy.findings(tree, allow_executable=True))
         if not bad and rel.operation != "promote":
             parent: dict[str, bytes] = {}
             if commit.parent_ids:
                 with contextlib.suppress(ReefError, KeyError, ValueError):
                     pid = str(commit.parent_ids[0])
-                    parent = {f.path: self.reads.read_file(pid, f.path) for f in self.reads.files(pid) if f.lfs_oid is None}
+                    parent = tree_of(pid)
             bad = harness_policy.held(harness_policy.findings(tree, parent, allow_executable=True))
         if bad:
             return f"the harness policy refuses it: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
@@ -252,7 +257,7 @@ class Remote:
                         return (f"its large file {path!r} is {size} bytes, over the bound of {max_lfs} "
                                 "(chain_max_lfs_bytes)")
                 rel = self.reads.get(rid)  # and reads as a release
-                if rel.kind == "harness":
+                if rel.carries_harness:
                     why = self._policy(rel, commit)
                     if why is not None:
                         return why

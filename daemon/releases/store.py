@@ -12,7 +12,8 @@
   promoting it or checking it out is ``WeightsPruned``, naming the newest release whose weights are kept.
 - LoRA adapter releases (``daemon/lora.py``) hold only the adapter and ``reef-adapter.json`` naming their base
   by content id; ``publish`` refuses one whose base is not the model the scenario's head serves (``BaseMismatch``,
-  before anything is written).
+  before anything is written). A bundle (``bundle.py``) is an adapter with a harness and their evidence beside it,
+  checked the same way and its harness against the harness policy.
 
 The store is composed of parts, one module each, every part holding the ones it uses: ``repo.py`` (the repository,
 guarded reads) under ``reads.py`` and ``content.py``; ``refs.py`` over reads; ``remote.py`` over refs and reads;
@@ -44,6 +45,7 @@ from daemon.errors import (
     WeightsPruned,
 )
 from daemon.names import check_scenario  # the one validator of scenario names
+from daemon.releases import bundle
 from daemon.releases.content import Content
 from daemon.releases.diff import Diffs
 from daemon.releases.manifest import (
@@ -129,10 +131,13 @@ class ReleaseStore:
         self._precheck(scenario, expected)
         if manifest.source is not None:
             manifest = manifest.replace(source=self.repo.resolve(manifest.source))
-        if manifest.kind == "weights" and lora.MANIFEST in files:
+        if manifest.kind == "bundle":  # an adapter, a harness and their evidence, each checked (``bundle.py``)
+            self._check_adapter(scenario, bundle.check(files), expected)
+        elif manifest.kind == "weights" and lora.MANIFEST in files:
             self._check_adapter(scenario, files, expected)
         content, lfs = self.content.write(files)
-        if manifest.operation == "train" and expected is not None and content == self.repo.content_tree(expected):
+        if manifest.operation in ("train", "bundle") and expected is not None \
+                and content == self.repo.content_tree(expected):
             raise Unchanged(scenario, content)  # a release that changes nothing is no release
         return self._publish_tree(manifest, content, lfs, expected=expected)
 
@@ -140,10 +145,7 @@ class ReleaseStore:
         """An adapter is published only on the model it was trained on: its manifest names a release of whole
         weights by id and content id, and (unless this is the chain's first release) that content is the model
         the scenario's head serves. Otherwise ``BaseMismatch``: nothing is written."""
-        src = files[lora.MANIFEST]
-        data = Path(src).read_bytes() if isinstance(src, os.PathLike) else src.encode() if isinstance(src, str) \
-            else bytes(src)
-        manifest = lora.AdapterManifest.parse(data)
+        manifest = lora.AdapterManifest.parse(bundle.read_bytes(files[lora.MANIFEST]))
         lora.check_layout(files)
         try:
             base = self.get(manifest.base_release_id)

@@ -177,3 +177,21 @@ def steer_handler(op: str) -> Handler:
         return json_response(rel.to_dict(), status=201)
 
     return handle
+
+
+async def handle_bundle(request: web.Request) -> web.Response:
+    """``POST /reef/scenarios/{name}/bundle``: one release of a weights release's adapter, a harness release's files
+    and the evidence for both (``Chains.bundle``)."""
+    reef = request.ctx
+    scen = await existing_scenario(reef, request.match_info["name"])
+    body = await object_body(request)
+    unknown = sorted(set(body) - {"weights", "harness", "expected_head"})
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}: a bundle names weights, harness and expected_head",
+                         param=unknown[0])
+    expected = body.get("expected_head")
+    if expected is not None and not isinstance(expected, str):
+        raise BadRequest("expected_head must be a release id (a string)", param="expected_head")
+    rel = await reef.chains.bundle(scen, body.get("weights"), body.get("harness"), expected,
+                                   await reef.engine(scen.model))
+    return json_response(rel.to_dict(), status=201)
