@@ -34,6 +34,7 @@ and SQLite errors are a full, failing or read-only disk (a ``StorageError``: 507
     ├── StoreTooNew                    500  store_too_new   (a record store written by a newer Reef: exit 10)
     ├── EngineError                    500  engine_error
     │   ├── StepFailed                 500  (a recipe's training step raised in the trainer worker)
+    │   │   └── CapReached             500  (a step reached its scenario's spend cap on the way)
     │   ├── CheckFailed                500  (the held-out check could not run: the step fails, never passes)
     │   ├── UpstreamError              502  upstream_error
     │   └── UpstreamTimeout            504  timeout_error
@@ -298,6 +299,11 @@ class EngineError(ReefError):
 
 class StepFailed(EngineError):
     """A recipe's training step raised in the trainer worker; the message is the exception's, no traceback."""
+
+
+class CapReached(StepFailed):
+    """A step reached its scenario's learning-spend cap on the way (``daemon/spend.py``: a proposer's provider
+    tokens for the day): written down as failed with the cap's message, never retried."""
 
 
 class CheckFailed(EngineError):

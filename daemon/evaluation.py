@@ -49,6 +49,7 @@ from typing import Any
 
 from daemon.errors import BadRequest, NotFound, ReefError
 from daemon.gating import heldout
+from daemon.releases.manifest import SERVES_WEIGHTS
 
 OK, NA, FAILED = "ok", "n/a", "failed"
 FIGURES = ("reward", "probes", "forgetting", "transfer")
@@ -387,7 +388,7 @@ class Evaluations:
 
     async def _weights_chain(self, scen: Any) -> bool:
         head = await self.chains.head(scen)
-        return bool(head.serves_weights)
+        return head.kind in SERVES_WEIGHTS
 
     def _known(self, plan: Plan, chain: list[Any], rel: Any, counts: dict[str, int],
                measure: bool) -> tuple[dict[str, Figure], list[Ask]]:
@@ -425,7 +426,7 @@ class Evaluations:
             else:
                 figs[ask.figure] = na(NOT_MEASURED)
 
-        if not rel.serves_weights:
+        if rel.kind not in SERVES_WEIGHTS:
             figs["reward"] = recorded("eval_reward", "base_reward", ()) or na("no gate score recorded for it")
             figs["probes"] = na("a harness release: the probes ask weights")
             figs["transfer"] = na("a harness release: transfer asks weights")

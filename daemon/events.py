@@ -146,13 +146,17 @@ class TrainErrorEvent(Event):
 
 
 class TrainCappedEvent(Event):
-    """A scenario's trainer-time cap is reached for today: no step starts (``daemon/spend.py``'s view)."""
+    """A scenario's trainer-time or proposer-token cap is reached for today: no step starts (``daemon/spend.py``'s
+    view)."""
 
     scenario: str
     summary: str
     trainer_seconds_today: float
     trainer_seconds_total: float
     max_trainer_hours: float | None
+    proposer_tokens_today: int
+    proposer_tokens_total: int
+    max_proposer_tokens: int | None
     capped: bool
     resumes_at: str | None
     reward_gained: float | None

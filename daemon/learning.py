@@ -121,6 +121,7 @@ class ScenarioLearning:
     spend: spend.Spend | None = None  # trainer time and released rewards (daemon/spend.py), as the chain says
     spend_gen: int = 0  # counts the steps that made ``spend`` out of date (a read begun before one is not kept)
     trainer_s: float = 0.0  # the trainer seconds of the step under way
+    proposer_tokens: int = 0  # the provider tokens of the step's proposer calls (a harness step's)
     capped_wake: asyncio.TimerHandle | None = None  # looks for a batch again when a capped day ends
 
 
@@ -380,7 +381,7 @@ class Learner:
                     return None
             elif recipe.kind == "weights":
                 resumed, st.waiting = st.waiting, None  # its canary's verdict is in: judged now (daemon/lineage.py)
-            if resumed is None and recipe.kind == "weights" and (capped := await learning_spend.capped(self, st)):
+            if resumed is None and recipe.kind != "none" and (capped := await learning_spend.capped(self, st)):
                 return capped
             head = await self.chains.head(scenario)
             consumed = await learning_reads.consumed(self, st)
@@ -417,7 +418,7 @@ class Learner:
                 self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id,
                                     samples=len(batch), **extra)
             t0 = time.perf_counter()
-            st.trainer_s, st.ahead = 0.0, ahead
+            st.trainer_s, st.proposer_tokens, st.ahead = 0.0, 0, ahead
             outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)
             try:
                 try:
@@ -440,7 +441,8 @@ class Learner:
                 except Exception as e:  # the recipe (or its worker step) raised: written down, serving goes on
                     reason = f"step failed: {e.message if isinstance(e, ReefError) else f'{type(e).__name__}: {e}'}"
                     log.warning("learning on %s: %s", name, reason, exc_info=not isinstance(e, ReefError))
-                    spent = {spend.KEY: round(st.trainer_s, 3)} if st.trainer_s else None
+                    spent = {k: v for k, v in ((spend.KEY, round(st.trainer_s, 3)),
+                                               (spend.TOKENS, st.proposer_tokens)) if v} or None
                     await self.write_down(self.chains.manifest(scenario, metrics=spent, receipts=receipts,
                                                                 settings=record_settings), head, "failed", reason)
                     outcome.verdict, outcome.reason = "failed", reason
@@ -457,7 +459,7 @@ class Learner:
             if outcome.summary is None:
                 outcome.summary = (outcome.details["summary"] if "summary" in outcome.details
                                    else outcome.reason or outcome.verdict)
-            if st.trainer_s:  # written down on the chain (its manifest's metrics): read again from there
+            if st.trainer_s or st.proposer_tokens:  # written down on the chain (its manifest's metrics): read again
                 st.spend, st.spend_gen = None, st.spend_gen + 1
             kept = outcome.kept if outcome.kept is not None else receipts
             consumed.update(kept)
@@ -584,9 +586,9 @@ class Learner:
         self._undecided.setdefault(name, {})[proposal.id] = (proposal, receipt)  # pending from the 202 on
         self.background(judge())
 
-    def _context(self, scenario: Scenario) -> RecipeContext:
+    def _context(self, scenario: Scenario, **spend_kw: Any) -> RecipeContext:
         return RecipeContext(self.engine, scenario.model, scenario=scenario.name, config=self.config,
-                             store=self.store, chains=self.chains, scopes=self.scopes)
+                             store=self.store, chains=self.chains, scopes=self.scopes, **spend_kw)
 
     async def _make_and_judge(self, st: ScenarioLearning, scenario: Scenario, head: Any,
                               batch: list[ScoredExchange | FeedbackReport], job_id: str,
@@ -601,7 +603,14 @@ class Learner:
                 await asyncio.to_thread(check_weights_files, Path(candidate.path))
         else:
             tree = await self.chains.harness_tree(head)
-            candidate = await recipe.edit(tree, batch, self._context(scenario))
+
+            def spent(tokens: int) -> None:
+                st.proposer_tokens += tokens
+
+            candidate = await recipe.edit(tree, batch, self._context(
+                scenario, tokens_left=await learning_spend.tokens_left(self, st), spent=spent))
+            if st.proposer_tokens and isinstance(candidate, Candidate):
+                candidate.metrics[spend.TOKENS] = st.proposer_tokens
             if not isinstance(candidate, Candidate):
                 raise TypeError(f"recipe {scenario.recipe}: edit() returned {type(candidate).__name__}, "
                                 "not a Candidate")

@@ -59,19 +59,30 @@ def cap_message(st: ScenarioLearning, spent: Spend) -> str:
             f"({cap * 3600:g} s) today; no step until the next UTC day or a higher cap")
 
 
+async def tokens_left(learner: Learner, st: ScenarioLearning) -> tuple[float, str] | None:
+    """A harness step's proposer tokens left today and the message a call past them fails with (None: no cap)."""
+    assert st.recipe is not None
+    left = (await spend(learner, st)).tokens_left(st.recipe.settings, time.time())
+    cap = getattr(st.recipe.settings, "max_proposer_tokens", None)
+    return None if left is None else (max(left, 0.0), f"cap reached: the scenario's proposer calls reached "
+                                      f"max_proposer_tokens {cap} today; no step until the next UTC day or a higher cap")
+
+
 async def capped(learner: Learner, st: ScenarioLearning) -> StepOutcome | None:
     """When the scenario's cap is reached for today: its state ``capped``, a ``train.capped`` event, a timer
     that looks for a batch again when the UTC day ends, and the outcome saying so (no step starts)."""
     assert st.recipe is not None
     spent = await spend(learner, st)
     now = time.time()
-    left = spent.remaining(st.recipe.settings, now)
-    if left is None or left > 0:
+    if not spent.reached(st.recipe.settings, now):
         return None
     st.state = "capped"
     view = spent.view(st.recipe.settings, now)
+    left = spent.remaining(st.recipe.settings, now)
     summary = (f"trainer time cap reached: {view['trainer_seconds_today']:g} s today under max_trainer_hours "
-               f"{view['max_trainer_hours']:g}; no step until {view['resumes_at']} or a higher cap")
+               f"{view['max_trainer_hours']:g}" if left is not None and left <= 0 else
+               f"proposer token cap reached: {view['proposer_tokens_today']} tokens today under max_proposer_tokens "
+               f"{view['max_proposer_tokens']}") + f"; no step until {view['resumes_at']} or a higher cap"
     if st.capped_wake is not None:
         st.capped_wake.cancel()
     st.capped_wake = asyncio.get_running_loop().call_later(day_start(now) + DAY_S - now + 1,
@@ -81,7 +92,7 @@ async def capped(learner: Learner, st: ScenarioLearning) -> StepOutcome | None:
 
 
 async def status(learner: Learner, only: str | None = None) -> dict[str, dict[str, Any]]:
-    """Each weights scenario's spend view (``GET /reef/status``'s ``spend``); ``only``: that scenario's alone (the
+    """Each learning scenario's spend view (``GET /reef/status``'s ``spend``); ``only``: that scenario's alone (the
     release page's)."""
     out: dict[str, dict[str, Any]] = {}
     now = time.time()
@@ -89,7 +100,7 @@ async def status(learner: Learner, only: str | None = None) -> dict[str, dict[st
         if only is not None and s.name != only:
             continue
         try:
-            if load_recipe(s.recipe).kind != "weights":
+            if load_recipe(s.recipe).kind == "none":
                 continue
             st = await learner._get(s.name)
             assert st.recipe is not None

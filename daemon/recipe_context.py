@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from daemon.chains import Chains
 from daemon.config import Config
 from daemon.engines.base import Engine
-from daemon.errors import HeadMoved, ReefError
+from daemon.errors import CapReached, HeadMoved, ReefError
 from daemon.exchange import Finish, internal_exchange
 from daemon.records import RecordRow, RecordStore
 from daemon.scopes import Scopes
@@ -21,10 +21,15 @@ class RecipeContext:
 
     def __init__(self, engine: Callable[[str], Awaitable[Engine]], model: str, *, scenario: str | None = None,
                  config: Config | None = None, store: RecordStore | None = None, chains: Chains | None = None,
-                 scopes: Scopes | None = None) -> None:
+                 scopes: Scopes | None = None, tokens_left: tuple[float, str] | None = None,
+                 spent: Callable[[int], None] | None = None) -> None:
         self._engine, self.model = engine, model
         self.scenario, self.config, self._store, self._chains = scenario, config, store, chains
         self._scopes = scopes
+        # the proposer tokens left today under max_proposer_tokens and the cap's message (None: no cap); ``spent``
+        # is told each proposer call's tokens (the learning loop writes the step's sum in its metrics, whatever
+        # the outcome)
+        self._tokens_left, self._spent, self.proposer_tokens = tokens_left, spent, 0
 
     def scoped_token(self, name: str, ttl_s: float) -> str:
         """A token that can only sample scenario ``name``, start its runs and read those (``daemon/scopes.py``),
@@ -65,12 +70,20 @@ class RecipeContext:
         raise HeadMoved(name, head.release_id if head else None, None)
 
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
-                     temperature: float = 0.0) -> str:
-
+                     temperature: float = 0.0, *, proposal: bool = False) -> str:
+        """The model's answer; ``proposal``: a proposer's call, refused (``CapReached``) once the day's proposer
+        tokens are spent, its tokens counted."""
+        if proposal and self._tokens_left is not None and self.proposer_tokens >= self._tokens_left[0]:
+            raise CapReached(self._tokens_left[1])
         name = model or self.model
         engine = await self._engine(name)
-        text = ""
+        text, used = "", 0
         async for event in engine.generate(internal_exchange(name, system, user, max_tokens, temperature), None):
             if isinstance(event, Finish):
                 text = event.completion.text
+                used = event.completion.usage.input_tokens + event.completion.usage.output_tokens
+        if proposal:
+            self.proposer_tokens += used
+            if self._spent is not None:
+                self._spent(used)
         return text

@@ -1,6 +1,7 @@
 """Learning spend: the trainer time a weights scenario has used, its cap (the ``max_trainer_hours`` setting every
-weights recipe takes, ``recipes/base.SpendSettings``), and the cost per point of reward gained; what ``reef status``
-and ``GET /reef/status`` show under ``spend``.
+weights recipe takes, ``recipes/base.SpendSettings``), and the cost per point of reward gained; the provider tokens a
+harness scenario's proposer calls used and their cap (``max_proposer_tokens``, ``recipes/base.ProposerSpendSettings``,
+taken by ``lessons`` and ``harness-search``); what ``reef status`` and ``GET /reef/status`` show under ``spend``.
 
 Design choices:
 - The cap is trainer hours per UTC day, not a total: a daemon kept for months would otherwise stop learning for good
@@ -19,6 +20,11 @@ Design choices:
 - What is counted: releases of operation ``train`` or ``promote``, held candidates and rejections. A trained
   candidate is exactly one of those at any time (a held one is later promoted, or discarded as a rejection that
   names it); rollbacks copy an old release's metrics and are not counted.
+- Proposer tokens are counted the same way: each harness step writes its proposer calls' tokens (prompt and answer,
+  as the model reports them: ``usage``) in its metrics (``proposer_tokens``) on every outcome, and a call made once
+  the day's tokens are spent ends the step as failed "cap reached" (``daemon/recipe_context.py``). The check is
+  before a call, so the last call of a day may pass the cap by one answer's tokens; a proposer is never cut off
+  mid-answer (its tokens are paid for all the same).
 - Cost per point of reward: every trainer second spent on the scenario (failed and rejected steps included: they
   are the cost too) divided by the gain, in hundredths, from the batch reward of the first released step to that
   of the latest (``batch_reward``: the mean score of the batch a step trained on, i.e. of the traffic the release
@@ -36,17 +42,22 @@ from daemon.errors import BadRequest
 
 DAY_S = 86400.0
 KEY = "trainer_seconds"  # the metric each step's manifest carries
+TOKENS = "proposer_tokens"  # and a harness step's: its proposer calls' provider tokens (prompt and answer)
 POINT = 0.01  # a point of reward: the cost is trainer seconds per +0.01 of released batch reward
 
 
 def check(settings: Any) -> None:
-    """``max_trainer_hours`` is None (no cap) or a positive finite number of hours; else a ``BadRequest`` naming it."""
+    """``max_trainer_hours`` is None (no cap) or a positive finite number of hours, ``max_proposer_tokens`` None or
+    a positive whole number; else a ``BadRequest`` naming it."""
     cap = getattr(settings, "max_trainer_hours", None)
-    if cap is None:
-        return
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap > 0):
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or not (math.isfinite(cap) and cap > 0)):
         raise BadRequest(f"max_trainer_hours must be a positive finite number of trainer hours per UTC day, "
                          f"not {cap!r}", param="settings.max_trainer_hours")
+    tokens = getattr(settings, "max_proposer_tokens", None)
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise BadRequest(f"max_proposer_tokens must be a positive whole number of provider tokens per UTC day, "
+                         f"not {tokens!r}", param="settings.max_proposer_tokens")
 
 
 def cap_seconds(settings: Any) -> float | None:
@@ -66,14 +77,16 @@ class Spend:
     head: str | None = None  # the head when the chain was read: a head moved elsewhere means read it again
     steps: list[tuple[float, float]] = field(default_factory=list)  # (written down at, trainer seconds)
     rewards: list[tuple[float, float]] = field(default_factory=list)  # (released at, batch reward), oldest first
+    tokens: list[tuple[float, float]] = field(default_factory=list)  # (written down at, proposer tokens)
 
     def add(self, when: float, seconds: float) -> None:
         self.steps.append((when, seconds))
 
-    def today(self, now: float) -> float:
-        """Trainer seconds of the steps written down since the start of ``now``'s UTC day."""
+    def today(self, now: float, of: str = KEY) -> float:
+        """Trainer seconds (``of`` ``TOKENS``: proposer tokens) of the steps written down since the start of
+        ``now``'s UTC day."""
         start = day_start(now)
-        return sum(s for when, s in self.steps if start <= when < start + DAY_S)
+        return sum(s for when, s in (self.tokens if of == TOKENS else self.steps) if start <= when < start + DAY_S)
 
     def total(self) -> float:
         return sum(s for _, s in self.steps)
@@ -96,17 +109,30 @@ class Spend:
         cap = cap_seconds(settings)
         return None if cap is None else cap - self.today(now)
 
+    def tokens_left(self, settings: Any, now: float) -> float | None:
+        """Proposer tokens left today under ``max_proposer_tokens`` (None: no cap; 0 or less: the cap is reached)."""
+        cap = getattr(settings, "max_proposer_tokens", None)
+        return None if cap is None else cap - self.today(now, TOKENS)
+
+    def reached(self, settings: Any, now: float) -> bool:
+        """Whether either cap is reached today."""
+        return any(left is not None and left <= 0
+                   for left in (self.remaining(settings, now), self.tokens_left(settings, now)))
+
     def view(self, settings: Any, now: float) -> dict[str, Any]:
         """What ``GET /reef/status`` shows of the scenario's spend."""
-        left = self.remaining(settings, now)
+        capped = self.reached(settings, now)
         cost, gain = self.cost_per_point(), self.gained()
         return {
             "trainer_seconds_today": round(self.today(now), 3),
             "trainer_seconds_total": round(self.total(), 3),
             "max_trainer_hours": getattr(settings, "max_trainer_hours", None),
-            "capped": left is not None and left <= 0,
+            "proposer_tokens_today": int(self.today(now, TOKENS)),
+            "proposer_tokens_total": int(sum(n for _, n in self.tokens)),
+            "max_proposer_tokens": getattr(settings, "max_proposer_tokens", None),
+            "capped": capped,
             "resumes_at": (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(day_start(now) + DAY_S))
-                           if left is not None and left <= 0 else None),
+                           if capped else None),
             "reward_gained": None if gain is None else round(gain, 4),
             "seconds_per_point": None if cost is None else round(cost, 3),
         }
@@ -117,9 +143,10 @@ def read(history: list[Any], pending: list[Any], rejections: list[Any], head: st
     out = Spend(head=head)
     counted = [r for r in history if r.operation in ("train", "promote")] + list(pending) + list(rejections)
     for entry in counted:
-        seconds = (entry.metrics or {}).get(KEY)
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
-            out.add(entry.created_at, float(seconds))
+        for key, into in ((KEY, out.steps), (TOKENS, out.tokens)):
+            n = (entry.metrics or {}).get(key)
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0:
+                into.append((entry.created_at, float(n)))
     for rel in reversed(history):
         reward = (rel.metrics or {}).get("batch_reward")
         if rel.operation in ("train", "promote") and isinstance(reward, (int, float)) and not isinstance(reward, bool):

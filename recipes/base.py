@@ -202,6 +202,17 @@ class SpendSettings:
 
 
 @dataclass
+class ProposerSpendSettings:
+    """What the harness recipes that ask a model for proposals take about learning spend (``daemon/spend.py``):
+    ``lessons`` and ``harness-search`` extend it."""
+
+    # provider tokens (prompt and answer, as the proposer model reports them) per UTC day for this scenario's
+    # proposer calls; a call made with the day's tokens spent ends its step as failed ("cap reached"), and no step
+    # starts until the next UTC day or a higher cap. None: no cap. A positive whole number
+    max_proposer_tokens: int | None = None
+
+
+@dataclass
 class RetentionSettings:
     """What every weights recipe's settings take about keeping weights (``daemon/retention.py``); ``WeightsSettings``
     extends it, so every built-in weights recipe takes it."""
@@ -223,7 +234,8 @@ CANARY_SHARE = 0.5
 
 class HarnessContext(typing.Protocol):
     """What the daemon lends a harness recipe's ``edit``: answers from a configured model (``None``: the
-    scenario's own), asked with a system prompt and one user message, greedy unless ``temperature`` says otherwise. The daemon's context also carries
+    scenario's own), asked with a system prompt and one user message, greedy unless ``temperature`` says otherwise
+    (``proposal``: a proposer's call, whose tokens count against ``max_proposer_tokens``). The daemon's context also carries
     ``model`` and ``scenario`` (names), ``config`` (the daemon's ``Config``), ``record(receipt)`` (a stored record)
     and ``episode_release(scenario, tree)`` (a release of ``tree`` on a side scenario's chain, for an episode's
     agent to pin), for recipes that run the agent against the daemon
@@ -231,7 +243,7 @@ class HarnessContext(typing.Protocol):
     a recipe's own tests may lend less."""
 
     async def answer(self, model: str | None, system: str, user: str, max_tokens: int,
-                     temperature: float = 0.0) -> str: ...
+                     temperature: float = 0.0, *, proposal: bool = False) -> str: ...
 
 
 @typing.runtime_checkable

@@ -23,9 +23,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from daemon.errors import BadRequest
+from daemon.errors import BadRequest, CapReached
 from daemon.layout import SKILL_NAME, check_tree
-from recipes.base import Candidate, FeedbackReport, HarnessContext, Recipe, Scores
+from recipes.base import Candidate, FeedbackReport, HarnessContext, ProposerSpendSettings, Recipe, Scores
 
 RULES_FILE = "AGENTS.md"
 LESSONS_HEADING = "## Lessons"
@@ -35,7 +35,7 @@ RULES_PREAMBLE = (
 )
 
 @dataclass
-class LessonsSettings:
+class LessonsSettings(ProposerSpendSettings):
     gate: str = "always"  # always | review (held until ``reef releases promote``) | compare (on ``tasks``)
     # compare gate: prompts answered by the scenario's model under the current rules and under the candidate's
     # (temperature 0); a task scores 1 when its answer contains ``expect`` (case-insensitive)
@@ -79,6 +79,9 @@ def settings_from(raw: dict[str, Any]) -> LessonsSettings:
 
     check_alpha(s, gates=("compare",))
     check_eval_size("lessons", s, len(s.tasks), "tasks")
+    from daemon import spend
+
+    spend.check(s)  # max_proposer_tokens
     return s
 
 
@@ -416,8 +419,10 @@ class Lessons(Recipe):
             if lesson.skill is not None:
                 continue
             try:
-                lesson.proposed = proposal(await ctx.answer(model, PROPOSER_PROMPT, lesson.text, 64))
+                lesson.proposed = proposal(await ctx.answer(model, PROPOSER_PROMPT, lesson.text, 64, proposal=True))
                 lesson.proposer = model
+            except CapReached:  # the day's proposer tokens are spent: the step ends failed, "cap reached"
+                raise
             except Exception:
                 logging.getLogger("reef.learning").warning(
                     "proposer model %s failed on %s; making a plain edit", model, lesson.id, exc_info=True)

@@ -199,3 +199,82 @@ def test_the_trainer_stops_a_job_past_its_limit_once_and_never_retries_it(tiny_m
         assert trainer.restarts == 1  # the stopped job's worker, replaced once for the next job
     finally:
         trainer.close()
+
+
+# --- a harness scenario's proposer tokens (max_proposer_tokens) --------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["lessons", "harness-search"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True])
+def test_a_token_cap_that_is_not_a_positive_whole_number_is_refused_naming_it(recipe: str, bad: Any) -> None:
+    base = {"tasks": [{"id": "t1", "prompt": "Say hi.", "check": "true"}]} if recipe == "harness-search" else {}
+    with pytest.raises(BadRequest) as e:
+        load_recipe(recipe).parse_settings({**base, "max_proposer_tokens": bad})
+    assert e.value.data["param"] == "settings.max_proposer_tokens" and "max_proposer_tokens" in e.value.message
+    assert load_recipe(recipe).parse_settings({**base, "max_proposer_tokens": 1}).max_proposer_tokens == 1
+    assert load_recipe(recipe).parse_settings(base).max_proposer_tokens is None  # no cap by default
+
+
+def test_the_days_proposer_tokens_come_from_every_outcome_on_the_chain() -> None:
+    """Tokens count like trainer seconds: each outcome's own, today's only, a rollback's copy never; either cap
+    reached holds the scenario. Bugs caught: tokens read from the trainer's key, a rollback counted twice, the
+    token cap ignored by ``reached``."""
+    def entry(op: str, tokens: int, at: float) -> Any:
+        return SimpleNamespace(operation=op, metrics={spend.TOKENS: tokens}, created_at=at)
+
+    s = spend.read([entry("rollback", 500, MIDNIGHT + 9), entry("train", 40, MIDNIGHT + 2),
+                    entry("train", 7, MIDNIGHT - 1)], [], [entry("failed", 30, MIDNIGHT + 3)], None)
+    settings = SimpleNamespace(max_proposer_tokens=70, max_trainer_hours=None)
+    now = MIDNIGHT + 60
+    assert s.today(now, spend.TOKENS) == 70 and s.today(now) == 0 and s.total() == 0
+    assert s.tokens_left(settings, now) == 0 and s.reached(settings, now)
+    view = s.view(settings, now)
+    assert (view["proposer_tokens_today"], view["proposer_tokens_total"], view["capped"]) == (70, 77, True)
+    assert not s.reached(SimpleNamespace(max_proposer_tokens=71, max_trainer_hours=None), now)
+    assert not s.reached(settings, MIDNIGHT + DAY)  # a new day gives the tokens back
+    assert s.tokens_left(SimpleNamespace(), now) is None
+
+
+def test_a_proposer_call_past_the_days_tokens_ends_the_step_as_failed_and_holds_the_scenario(
+        daemon_factory: Any) -> None:
+    """A lessons scenario whose proposer is the served tiny model, with a cap of one token a day: in a batch of two
+    lessons the first call runs (a call is refused only once the day's tokens are spent) and the second ends the
+    step as failed "cap reached", its tokens written down; the scenario is then ``capped`` (a third report starts
+    no step), its status counts the tokens, and a raised cap lets the next report learn. Bugs caught: a cap
+    error swallowed as a failed proposal (the plain edit published), tokens not written down on failure, no cap
+    check before a harness step."""
+    d: Daemon = daemon_factory()
+    with d.http() as c:
+        assert c.post("/reef/scenarios", json={"name": "tok", "recipe": "lessons", "settings": {
+            "proposer": "tiny", "max_proposer_tokens": 1}}).status_code == 201
+        c.post("/reef/scenarios/tok/pause").raise_for_status()  # both reports in one batch
+        first = serve_and_report(c, "tok", 2, score=lambda i: 0.0)
+        for rec, text in zip(first, ("Always run the tests first.", "Keep every diff small."), strict=True):
+            assert c.post("/reef/report", json={"score": 0.0, "feedback": text, "references": [rec]}).status_code \
+                == 201
+        c.post("/reef/scenarios/tok/resume").raise_for_status()
+        chain = wait_for(lambda: ((x := releases(c, "tok", True))["rejected"] or len(x["releases"]) > 1) and x,
+                         what="the capped step written down")
+        assert [r["operation"] for r in chain["releases"]] == ["init"], chain["releases"]
+        failed = chain["rejected"][0]
+        assert failed["verdict"] == "failed" and "cap reached" in failed["reason"], failed
+        assert "max_proposer_tokens 1" in failed["reason"]
+        used = failed["metrics"][spend.TOKENS]
+        assert used > 1
+        status = c.get("/reef/status").json()
+        view = status["spend"]["tok"]
+        assert (view["proposer_tokens_today"], view["max_proposer_tokens"], view["capped"]) == (used, 1, True)
+        third = serve_and_report(c, "tok", 1, score=lambda i: 0.0)
+        c.post("/reef/report", json={"score": 0.0, "feedback": "Name the file you changed.", "references": third})
+        events = _events_until(c, "tok", "train.capped", 1)
+        assert [e["kind"] for e in events].count("train.start") == 1, [e["kind"] for e in events]
+        assert c.get("/reef/status").json()["learning"]["tok"] == "capped"
+        r = c.post("/reef/scenarios/tok/settings", json={"settings": {"proposer": "tiny",
+                                                                      "max_proposer_tokens": 1_000_000}})
+        assert r.status_code == 200, r.text
+        published = wait_for(lambda: len((x := releases(c, "tok"))["releases"]) > 1 and x,
+                             what="a step under the raised cap")
+        head = published["releases"][0]
+        assert head["metrics"][spend.TOKENS] > 0 and head["step"] == 1
+        today = c.get("/reef/status").json()["spend"]["tok"]["proposer_tokens_today"]
+        assert today == used + head["metrics"][spend.TOKENS]

@@ -33,6 +33,8 @@ from daemon.releases import requires as _requires
 MANIFEST = "reef-artifact.json"
 REJECTION = "reef-rejection.json"
 KINDS = ("weights", "harness", "bundle")  # a bundle: an adapter, a harness and their evidence (``bundle.py``)
+SERVES_WEIGHTS = ("weights", "bundle")  # kinds an engine loads (``Release.serves_weights``)
+CARRIES_HARNESS = ("harness", "bundle")  # kinds a wrapped run installs (``Release.carries_harness``)
 OPERATIONS = ("init", "train", "rollback", "promote", "bundle")
 SCENARIOS_REF = "refs/reef/scenarios/"
 PENDING_REF = "refs/reef/pending/"
@@ -126,12 +128,12 @@ class Release:
     @property
     def serves_weights(self) -> bool:
         """What an engine loads: whole weights, or an adapter (a weights release's or a bundle's)."""
-        return self.kind in ("weights", "bundle")
+        return self.kind in SERVES_WEIGHTS
 
     @property
     def carries_harness(self) -> bool:
         """What a wrapped agent's run installs: a harness release's files, or a bundle's ``harness/``."""
-        return self.kind in ("harness", "bundle")
+        return self.kind in CARRIES_HARNESS
 
     def manifest(self, **changes: Any) -> Manifest:
         """This release's ``Manifest`` (what was said when it was written), with ``changes``: what a rollback or a

@@ -51,11 +51,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.errors import BadRequest, StepFailed
+from daemon.errors import BadRequest, CapReached, StepFailed
 from daemon.gate import Verdict, paired_interval, pairs_needed, sign_test_p
 from daemon.gate import check as gate_check
 from daemon.gate import judge as gate_judge
-from recipes.base import Candidate, EpisodeContext, FeedbackReport, HarnessContext, Recipe, Scores
+from recipes.base import (
+    Candidate,
+    EpisodeContext,
+    FeedbackReport,
+    HarnessContext,
+    ProposerSpendSettings,
+    Recipe,
+    Scores,
+)
 from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tasks, run_episode
 from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
 from recipes.harness_search.pool import Member, Pool, tree_id
@@ -78,7 +86,7 @@ HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.do
 
 
 @dataclass
-class HarnessSearchSettings:
+class HarnessSearchSettings(ProposerSpendSettings):
     gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
     margin: float = 0.0  # the least lead (wins - losses over task x repeat pairs) on top of the gate's test
     alpha: float | None = None  # the gate's error rate (the sign test over the pairs); None: 0.05
@@ -377,7 +385,9 @@ class HarnessSearch(Recipe):
             t0 = time.perf_counter()
             error: str | None
             try:
-                answer = await ctx.answer(s.proposer, PROPOSER_SYSTEM, prompt, s.proposer_max_tokens)
+                answer = await ctx.answer(s.proposer, PROPOSER_SYSTEM, prompt, s.proposer_max_tokens, proposal=True)
+            except CapReached:  # the day's proposer tokens are spent: the step ends failed, "cap reached"
+                raise
             except Exception as e:  # a proposer that fails is a refused proposal; the next step tries again
                 answer, error = "", f"the proposer failed: {type(e).__name__}: {e}"
             else:
