@@ -100,13 +100,14 @@ async def status(learner: Learner, only: str | None = None) -> dict[str, dict[st
         if only is not None and s.name != only:
             continue
         try:
-            if load_recipe(s.recipe).kind == "none":
+            kind = load_recipe(s.recipe).kind
+            if kind == "none":
                 continue
             st = await learner._get(s.name)
             assert st.recipe is not None
             settings = (st.recipe.settings if s.settings == st.settings
                         else learner.make_recipe(s.recipe, s.settings).settings)
-            out[s.name] = (await spend(learner, st)).view(settings, now)
+            out[s.name] = {"kind": kind, **(await spend(learner, st)).view(settings, now)}
         except ReefError:  # a recipe that no longer loads: the scenario's view says why
             continue
     return out

@@ -45,16 +45,25 @@ def _canary_lines(info: dict[str, Any]) -> list[str]:
 
 
 def _spend_lines(spend: dict[str, Any]) -> list[str]:
-    """Each weights scenario's trainer time (today against its cap, and in all), the cost per point of reward gained,
-    and whether its cap stops it (``daemon/spend.py``)."""
+    """Each learning scenario's trainer time (today against its cap, and in all), the cost per point of reward
+    gained, its proposer's provider tokens where it used any or has a cap, and whether a cap stops it
+    (``daemon/spend.py``)."""
     out = []
     for name, v in sorted(spend.items()):
-        today, total, cap = v["trainer_seconds_today"], v["trainer_seconds_total"], v.get("max_trainer_hours")
-        said = f"spend    {name}: {today:.1f} s trainer time today" + (
-            f" of {cap * 3600:g} s (max_trainer_hours {cap:g})" if cap is not None else " (no cap)")
-        said += f", {total:.1f} s in all"
-        cost = v.get("seconds_per_point")
-        said += f"; {cost:.1f} s per +0.01 batch reward" if cost is not None else "; no reward gained yet"
+        tokens, token_cap = v.get("proposer_tokens_today") or 0, v.get("max_proposer_tokens")
+        if v.get("kind") == "harness":  # its proposer's tokens, where it used any or has a cap
+            if not (v.get("proposer_tokens_total") or token_cap is not None):
+                continue
+            said = f"spend    {name}: {tokens} proposer tokens today" + (
+                f" of max_proposer_tokens {token_cap}" if token_cap is not None else " (no cap)")
+            said += f", {v.get('proposer_tokens_total') or 0} in all"
+        else:
+            today, total, cap = v["trainer_seconds_today"], v["trainer_seconds_total"], v.get("max_trainer_hours")
+            said = f"spend    {name}: {today:.1f} s trainer time today" + (
+                f" of {cap * 3600:g} s (max_trainer_hours {cap:g})" if cap is not None else " (no cap)")
+            said += f", {total:.1f} s in all"
+            cost = v.get("seconds_per_point")
+            said += f"; {cost:.1f} s per +0.01 batch reward" if cost is not None else "; no reward gained yet"
         if v.get("capped"):
             said += f"; cap reached: no step until {v['resumes_at']} or a higher cap"
         out.append(said)

@@ -278,3 +278,81 @@ def test_a_proposer_call_past_the_days_tokens_ends_the_step_as_failed_and_holds_
         assert head["metrics"][spend.TOKENS] > 0 and head["step"] == 1
         today = c.get("/reef/status").json()["spend"]["tok"]["proposer_tokens_today"]
         assert today == used + head["metrics"][spend.TOKENS]
+
+
+def test_reef_status_and_the_tui_say_each_kind_of_spend() -> None:
+    """``reef status`` prints a weights scenario's trainer time and a harness scenario's proposer tokens (a harness
+    scenario that used none and has no cap: no line), and the TUI's scenarios table a cell for each; both say when a
+    cap holds. Bugs caught: a harness scenario shown as 0 s of trainer time, a capped scenario not marked."""
+    from reef_cli.status import _spend_lines
+    from reef_cli.tui.format import spent
+
+    weights = {"kind": "weights", "trainer_seconds_today": 12.0, "trainer_seconds_total": 40.0,
+               "max_trainer_hours": None, "seconds_per_point": 3.5, "capped": False}
+    harness = {"kind": "harness", "proposer_tokens_today": 1234, "proposer_tokens_total": 5000,
+               "max_proposer_tokens": 2000, "capped": True, "resumes_at": "2026-12-08T00:00:00Z"}
+    idle = {"kind": "harness", "proposer_tokens_today": 0, "proposer_tokens_total": 0, "max_proposer_tokens": None}
+    lines = _spend_lines({"w": weights, "h": harness, "pi": idle})
+    assert lines == [
+        "spend    h: 1234 proposer tokens today of max_proposer_tokens 2000, 5000 in all; cap reached: no step until "
+        "2026-12-08T00:00:00Z or a higher cap",
+        "spend    w: 12.0 s trainer time today (no cap), 40.0 s in all; 3.5 s per +0.01 batch reward"]
+    assert (spent(weights), spent(harness), spent(idle), spent(None)) == ("12 s, 4 s/+0.01", "1,234 tok capped", "-",
+                                                                          "-")
+
+
+async def test_a_proposer_call_is_refused_once_the_days_tokens_are_spent_and_others_never() -> None:
+    """The context the learning loop lends a harness step: a proposer call runs while the step's tokens are under
+    what the day has left, each call's prompt and answer tokens counted and handed to the loop; a call made at the
+    limit exactly is refused with the cap's message; a call that is not a proposal (a task scored for the gate)
+    is neither refused nor counted. Bugs caught: ``>`` for ``>=`` (one call too many), answer tokens left out, the
+    gate's own calls charged to the proposer."""
+    from daemon.errors import CapReached
+    from daemon.exchange import Completion, Finish, Usage
+    from daemon.recipe_context import RecipeContext
+
+    class Engine:
+        async def generate(self, exchange: Any, release: Any) -> Any:
+            yield Finish(Completion(text="Keep diffs small.", usage=Usage(input_tokens=7, output_tokens=3)))
+
+    async def engine(name: str) -> Any:
+        return Engine()
+
+    told: list[int] = []
+    ctx = RecipeContext(engine, "tiny", tokens_left=(20.0, "cap reached: a test's"), spent=told.append)
+    assert await ctx.answer(None, "sys", "a lesson", 16, proposal=True) == "Keep diffs small."
+    assert await ctx.answer(None, "rules", "a task", 16) == "Keep diffs small."  # the gate's: not counted
+    assert await ctx.answer(None, "sys", "a lesson", 16, proposal=True) == "Keep diffs small."
+    assert (ctx.proposer_tokens, told) == (20, [10, 10])
+    with pytest.raises(CapReached, match="cap reached: a test's"):
+        await ctx.answer(None, "sys", "a third lesson", 16, proposal=True)
+    assert await ctx.answer(None, "rules", "a task", 16) == "Keep diffs small."  # never refused
+    free = RecipeContext(engine, "tiny")  # no cap
+    for _ in range(5):
+        await free.answer(None, "sys", "a lesson", 16, proposal=True)
+    assert free.proposer_tokens == 50
+
+
+async def test_harness_search_lets_the_cap_end_its_step_where_a_failing_proposer_is_only_a_refused_proposal() -> None:
+    """harness-search asks its proposer up to ``max_proposer_calls`` times, a proposer that fails being a refused
+    proposal and the next call tried; the cap is not such a failure: it ends the step at once. Bug caught: the
+    cap's error swallowed by the proposer's ``except Exception`` (a step that goes on calling past the cap)."""
+    from daemon.errors import CapReached
+    from recipes.harness_search.recipe import HarnessSearch
+
+    recipe = HarnessSearch(HarnessSearch.parse_settings({"tasks": [{"id": "t1", "prompt": "Say hi.", "check": "true"}],
+                                                         "max_proposer_calls": 3}))
+    calls: list[bool] = []
+
+    class Ctx:
+        async def answer(self, model: Any, system: str, user: str, max_tokens: int, temperature: float = 0.0, *,
+                         proposal: bool = False) -> str:
+            calls.append(proposal)
+            raise CapReached("cap reached: a test's") if len(calls) > 1 else RuntimeError("the proposer is down")
+
+    serving = recipe.pool.add({"AGENTS.md": b"# Rules\n"}, origin="serving")
+    spent: dict[str, Any] = {"proposer_calls": 0, "episodes": 0, "proposer_s": 0.0, "episode_s": 0.0}
+    details: dict[str, Any] = {"proposals_refused": [], "mutations": []}
+    with pytest.raises(CapReached):
+        await recipe._propose(serving, [], Ctx(), spent, details)  # type: ignore[arg-type]
+    assert calls == [True, True] and len(details["proposals_refused"]) == 1

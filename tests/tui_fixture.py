@@ -160,7 +160,11 @@ class FixedSource:
         return {"ok": True, "pid": 4242, "uptime_s": 1.0}
 
     async def status(self) -> dict[str, Any]:
-        return {"pid": 4242, "learning": {"alpha": "waiting", "default": "idle"}}
+        return {"pid": 4242, "learning": {"alpha": "waiting", "default": "idle"},
+                "spend": {"alpha": {"kind": "weights", "trainer_seconds_today": 42.0, "seconds_per_point": 3.2,
+                                    "capped": False},
+                          "harness": {"kind": "harness", "proposer_tokens_today": 1520, "proposer_tokens_total": 1520,
+                                      "capped": True}}}
 
     async def scenarios(self) -> list[dict[str, Any]]:
         return copy.deepcopy(SCENARIOS)

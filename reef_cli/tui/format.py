@@ -94,6 +94,19 @@ def score(v: Any) -> str:
     return "-" if v is None else number(v)
 
 
+def spent(v: dict[str, Any] | None) -> str:
+    """A scenario's learning spend in a table cell (``GET /reef/status``'s ``spend``): trainer seconds today and the
+    cost per +0.01 of released reward, or a harness scenario's proposer tokens today; "capped" while a cap holds."""
+    if not v:
+        return "-"
+    if v.get("kind") == "harness":
+        cell = f"{v.get('proposer_tokens_today') or 0:,} tok" if v.get("proposer_tokens_total") else "-"
+    else:
+        cost = v.get("seconds_per_point")
+        cell = f"{v.get('trainer_seconds_today') or 0:.0f} s" + (f", {cost:.0f} s/+0.01" if cost is not None else "")
+    return f"{cell} capped" if v.get("capped") else cell
+
+
 def one_line(text: Any, limit: int = 60) -> str:
     if text is None:
         return ""

@@ -3,8 +3,7 @@ confirmation of a rollback or promotion.
 
 Each screen loads what it shows in a worker (``refresh_data``), reacts to daemon events that concern it
 (``daemon_event``, throttled), and reloads when it comes back to the top. Errors from the daemon become a
-notification and a line on the screen, never a crash.
-"""
+notification and a line on the screen, never a crash."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from reef_cli.tui.format import (
     recipe_summary,
     score,
     short,
+    spent,
     verdict,
 )
 from reef_cli.tui.widgets import ConnectionBar, fit_columns
@@ -123,7 +123,7 @@ class ReefScreen(Screen[None]):
 
 
 class ScenariosScreen(ReefScreen):
-    """Every scenario: recipe, head step, records, reports, mean recent score, training state."""
+    """Every scenario: recipe, head step, records, reports, mean recent score, training state, learning spend."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "open", "Chain", priority=True),
@@ -135,7 +135,7 @@ class ScenariosScreen(ReefScreen):
     def compose(self) -> ComposeResult:
         yield Static("Scenarios", classes="title")
         table: DataTable[Any] = DataTable(cursor_type="row", zebra_stripes=True, id="scenarios")
-        table.add_columns("scenario", "recipe", "model", "head step", "records", "reports", "mean score", "training")
+        table.add_columns("scenario", "recipe", "model", "head step", "records", "reports", "mean score", "training", "spend")
         yield table
         yield Static("", id="note", classes="note")
         yield ConnectionBar()
@@ -145,7 +145,7 @@ class ScenariosScreen(ReefScreen):
         src = self.reef.source
         scenarios, status = await asyncio.gather(src.scenarios(), src.status())
         heads = await asyncio.gather(*(src.releases(s["name"], limit=1) for s in scenarios), return_exceptions=True)
-        learning = status.get("learning") or {}
+        learning, spend = status.get("learning") or {}, status.get("spend") or {}
         table = self.query_one(DataTable)
         keep = table.cursor_row
         table.clear()
@@ -157,7 +157,8 @@ class ScenariosScreen(ReefScreen):
             if s.get("warning"):  # the early warning stands: learning waits for the user (the note says why)
                 state = "WARNING"
             table.add_row(s["name"], s.get("recipe", "-"), s.get("model", "-"), step, str(s.get("records", 0)),
-                          str(s.get("reports", 0)), score(s.get("mean_score")), state, key=s["name"])
+                          str(s.get("reports", 0)), score(s.get("mean_score")), state, spent(spend.get(s["name"])),
+                          key=s["name"])
         if scenarios:
             table.move_cursor(row=min(keep, len(scenarios) - 1))
         note = f"{len(scenarios)} scenarios; enter opens a release chain" if scenarios else "no scenarios yet"
