@@ -20,7 +20,7 @@ from daemon.chain_remote import ChainRemote
 from daemon.config import load_config
 from daemon.errors import BadRequest
 from daemon.releases import ReleaseStore, files_from_dir
-from daemon.releases.requires import Machine, Requirement, check, first_unmet, parse_all
+from daemon.releases.requires import Check, Machine, Requirement, check, first_unmet, parse_all
 from tests.conftest import Daemon, assert_canonical_error, make_home
 from tests.test_chain_remote import bare, with_top_level
 
@@ -94,6 +94,25 @@ def test_each_kind_is_checked_on_the_machine(tmp_path: Path) -> None:
     assert check("gpu:h100", m).met is False
     assert first_unmet(["env:SET_VAR", f"tool:{ABSENT}", "env:UNSET_VAR"], m).item == f"tool:{ABSENT}"  # type: ignore[union-attr]
     assert first_unmet(["env:SET_VAR", f"tool:{PRESENT}"], m) is None
+
+
+def test_a_model_is_met_by_a_configured_local_model_whose_files_are_here(tmp_path: Path) -> None:
+    """``model:NAME``: a weights release needs its model's files, which ``provider:NAME`` (any configured model) does
+    not say. Bugs caught: a configured name taken as enough, an upstream model taken as local, an empty directory
+    taken as a model."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "gone").mkdir()
+    m = machine(tmp_path, models={"tiny": "transformers", "gone": "transformers", "openai": "upstream"},
+                model_paths={"tiny": tmp_path / "tiny", "gone": tmp_path / "gone", "openai": None})
+    assert check("model:tiny", m) == Check("model:tiny", "model", True, f"model tiny at {tmp_path / 'tiny'}")
+    gone = check("model:gone", m)
+    assert not gone.met and "no model files" in gone.found and "reef model init gone" in gone.found
+    assert not check("model:openai", m).met and "engine upstream" in check("model:openai", m).found
+    assert not check("model:smollm2", m).met and "configured: gone, openai, tiny" in check("model:smollm2", m).found
+    assert check("provider:gone", m).met  # configured is enough for a provider
+    with pytest.raises(BadRequest, match="takes no version"):
+        parse_all(["model:tiny>=2"])
 
 
 def test_the_config_keeps_names_of_set_variables_and_the_path_never_empty_ones(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ An item is a string ``KIND:NAME`` or ``KIND:NAME>=VERSION``:
     env:NAME           an environment variable set, not empty, in the daemon's environment (its value is never shown)
     tool:NAME          an executable named NAME on the daemon's PATH
     provider:NAME      a model the daemon has configured under that name (``[models.NAME]``, or ``--provider NAME``)
+    model:NAME         a configured local model whose files are on this machine (its directory holds config.json):
+                       what a weights release trained on it needs, where ``provider`` is met by any configured model
     engine:NAME[>=V]   an engine of this Reef (transformers, upstream, vllm, sglang); with V, its Python package in
                        the daemon's environment at least V
 
@@ -30,7 +32,7 @@ import functools
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
     from daemon.config import Config
 
 # kind -> whether it takes a minimum version
-KINDS: Mapping[str, bool] = {"agent": True, "env": False, "tool": False, "provider": False, "engine": True}
+KINDS: Mapping[str, bool] = {"agent": True, "env": False, "tool": False, "provider": False, "engine": True,
+                             "model": False}
 _ITEM = re.compile(r"(?P<kind>[a-z]+):(?P<name>[A-Za-z0-9_.+-]{1,100})(?:>=(?P<version>\d+(?:\.\d+){0,5}))?")
 _LEADING = re.compile(r"\d+(?:\.\d+)*")
 
@@ -138,12 +141,14 @@ class Machine:
     models: Mapping[str, str]  # configured model name -> its engine
     agents_dir: Path  # where ``reef agents install`` puts the agents
     package_version: Callable[[str], str | None]  # an installed Python package's version, or None
+    model_paths: Mapping[str, Path | None] = field(default_factory=dict)  # a configured model's directory (local)
 
     @classmethod
     def of(cls, config: Config) -> Machine:
         return cls(env_names=frozenset(config.env_names), search_path=config.search_path,
                    models={name: e.engine for name, e in config.models.items()}, agents_dir=config.agents_path,
-                   package_version=_package_version)
+                   package_version=_package_version,
+                   model_paths={name: e.path for name, e in config.models.items()})
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,6 +189,16 @@ def check(item: str, machine: Machine) -> Check:
             return Check(item, kind, False, f"no model named {name!r} is configured (configured: "
                                             f"{', '.join(sorted(machine.models)) or 'none'})")
         return Check(item, kind, True, f"model {name} (engine {engine})")
+    if kind == "model":
+        files = machine.model_paths.get(name)
+        if name not in machine.models:
+            return Check(item, kind, False, f"no model named {name!r} is configured (configured: "
+                                            f"{', '.join(sorted(machine.models)) or 'none'})")
+        if files is None:
+            return Check(item, kind, False, f"model {name} is served by engine {machine.models[name]}: no local files")
+        met = (files / "config.json").is_file()
+        return Check(item, kind, met, f"model {name} at {files}" if met else f"model {name}: no model files at "
+                     f"{files} (reef model init {name}, where it is a built-in one)")
     if kind == "agent":
         from adapters import ADAPTERS
 
