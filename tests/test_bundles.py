@@ -45,6 +45,10 @@ def served(c: Any, scenario: str) -> dict[str, Any]:
     return dict(c.get(f"/reef/records/{resp.headers['x-reef-agent-record-id']}").json())
 
 
+def releases_of(c: Any, scenario: str) -> list[dict[str, Any]]:
+    return list(c.get(f"/reef/scenarios/{scenario}/releases").json()["releases"])
+
+
 def run_files(c: Any, scenario: str) -> tuple[str | None, str]:
     """What a wrapped pi run on the scenario installs: the harness release and its files' text, joined."""
     resp = c.post("/reef/runs", json={"adapter": "pi", "scenario": scenario})
@@ -88,10 +92,14 @@ def test_a_bundle_serves_its_adapter_installs_its_harness_and_a_rollback_moves_b
                 assert "Answer in one sentence" in text
 
         check(b1["release_id"], tmp_path / "a1", "one sentence")
-        second = post_bundle(c, "both", weights=w2, harness=h2, expected_head=b1["release_id"])
-        assert second.status_code == 201, second.text
-        b2 = second.json()
+        said = d.cli("releases", "bundle", "--weights", w2[:12], "--harness", h2[:12], "-s", "both", "--yes").stdout
+        assert f"weights  {w2[:12]} (step 2 of w, record)" in said and f"harness  {h2[:12]} (step 2 of rules" in said
+        b2 = releases_of(c, "both")[0]
+        assert f"published {b2['release_id'][:12]} (step 2, bundle)" in said, said
         check(b2["release_id"], tmp_path / "a2", "one sentence, unit")
+        shown = d.cli("releases", "show", b2["release_id"], "--diff").stdout
+        assert "~ harness/AGENTS.md (text, changed)" in shown and "+- Always give the unit." in shown, shown
+        assert f"~ {lora.WEIGHTS} (safetensors, changed)" in shown and "lora_A" in shown
 
         # the diff names both changes: the adapter's tensors, the harness's new line, the evidence
         diff = json.loads(d.cli("releases", "show", b2["release_id"], "--diff", "--json").stdout)["diff"]
