@@ -224,6 +224,20 @@ def _print_diff(out: Any, diff: dict[str, Any]) -> None:
             out.print(f["diff"], markup=False, highlight=False)
 
 
+def _publish(c: Any, scenario: str, op: str, body: dict[str, Any], yes: bool) -> dict[str, Any]:
+    """After a person's yes (or ``--yes``), ``POST /reef/scenarios/{scenario}/{op}``: a compare-and-swap against the
+    head they were shown, so a head that moved meanwhile changes nothing and says so."""
+    if not yes and not typer.confirm("go ahead?", default=False):
+        fail("nothing changed", 1)
+    try:
+        return dict(c.post(f"/reef/scenarios/{scenario}/{op}", body))
+    except Conflict as e:
+        if "actual_head" not in e.data:
+            raise
+        fail(f"the head of {scenario} moved meanwhile (now {_short(e.data['actual_head'])}); nothing changed",
+             e.exit_code)
+
+
 def _steer(op: str, scenario: str, release_id: str, yes: bool, json_out: bool) -> None:
     with client() as c:
         chain = c.get(f"/reef/scenarios/{scenario}/releases", all="1")
@@ -239,15 +253,7 @@ def _steer(op: str, scenario: str, release_id: str, yes: bool, json_out: bool) -
                       f"content {_short(target['content_id'])}), published as a new release")
             if current and current["content_id"] == target["content_id"]:
                 out.print("  the content is the same as the head's")
-        if not yes and not typer.confirm("go ahead?", default=False):
-            fail("nothing changed", 1)
-        try:
-            rel = c.post(f"/reef/scenarios/{scenario}/{op}", {"release_id": target["release_id"], "expected_head": head})
-        except Conflict as e:
-            if "actual_head" not in e.data:
-                raise
-            fail(f"the head of {scenario} moved meanwhile (now {_short(e.data['actual_head'])}); nothing changed",
-                 e.exit_code)
+        rel = _publish(c, scenario, op, {"release_id": target["release_id"], "expected_head": head}, yes)
     if json_out:
         print_json(rel)
     else:
@@ -375,17 +381,8 @@ def bundle(
             for role, rel in parts.items():
                 out.print(f"  {role:8s} {_short(rel['release_id'])} (step {rel['step']} of {rel['scenario']}, "
                           f"{rel['recipe']}) {_metrics(rel.get('metrics'))}")
-        if not yes and not typer.confirm("go ahead?", default=False):
-            fail("nothing changed", 1)
-        try:
-            rel = c.post(f"/reef/scenarios/{scenario}/bundle", {"weights": parts["weights"]["release_id"],
-                                                                "harness": parts["harness"]["release_id"],
-                                                                "expected_head": head})
-        except Conflict as e:
-            if "actual_head" not in e.data:
-                raise
-            fail(f"the head of {scenario} moved meanwhile (now {_short(e.data['actual_head'])}); nothing changed",
-                 e.exit_code)
+        rel = _publish(c, scenario, "bundle", {"weights": parts["weights"]["release_id"],
+                                               "harness": parts["harness"]["release_id"], "expected_head": head}, yes)
     if json_out:
         print_json(rel)
     else:
