@@ -49,9 +49,9 @@ from typing import Any
 
 from daemon.errors import BadRequest, NotFound, ReefError
 from daemon.gating import heldout
-from daemon.releases.manifest import SERVES_WEIGHTS
 
 OK, NA, FAILED = "ok", "n/a", "failed"
+SERVES_WEIGHTS = ("weights", "bundle")  # daemon/releases/manifest.py's (not imported: ``reef --help`` reads this module)
 FIGURES = ("reward", "probes", "forgetting", "transfer")
 MAX_CACHE = 4096  # cached figures kept (the oldest go first)
 NOT_MEASURED = "not measured yet (reef eval measures it)"

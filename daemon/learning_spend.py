@@ -64,7 +64,8 @@ async def tokens_left(learner: Learner, st: ScenarioLearning) -> tuple[float, st
     assert st.recipe is not None
     left = (await spend(learner, st)).tokens_left(st.recipe.settings, time.time())
     cap = getattr(st.recipe.settings, "max_proposer_tokens", None)
-    return None if left is None else (max(left, 0.0), f"cap reached: the scenario's proposer calls reached "
+    # less what this step spent already (an edit redone on a head that moved: not on the chain yet)
+    return None if left is None else (max(left - st.proposer_tokens, 0.0), f"cap reached: the scenario's proposer calls reached "
                                       f"max_proposer_tokens {cap} today; no step until the next UTC day or a higher cap")
 
 

@@ -356,3 +356,26 @@ async def test_harness_search_lets_the_cap_end_its_step_where_a_failing_proposer
     with pytest.raises(CapReached):
         await recipe._propose(serving, [], Ctx(), spent, details)  # type: ignore[arg-type]
     assert calls == [True, True] and len(details["proposals_refused"]) == 1
+
+
+async def test_an_edit_redone_on_a_moved_head_gets_only_what_its_first_attempt_left() -> None:
+    """A harness edit is redone when the head moved under it (``Learner.step``); its first attempt's tokens are not
+    on the chain yet, so what the redo may spend is the day's tokens left less them. Bug caught: the redo given the
+    whole day's remainder again (a step that spends past its cap once per redo)."""
+    import time
+
+    from daemon import learning_spend
+
+    st = SimpleNamespace(name="h", recipe=SimpleNamespace(settings=SimpleNamespace(max_proposer_tokens=100)),
+                         spend=spend.Spend(head="r1", tokens=[(time.time(), 30.0)]), spend_gen=0, proposer_tokens=50)
+
+    class Chains:
+        async def head_id(self, name: str) -> str:
+            return "r1"
+
+    left = await learning_spend.tokens_left(SimpleNamespace(chains=Chains()), st)  # type: ignore[arg-type]
+    assert left is not None and left[0] == 20 and "max_proposer_tokens 100" in left[1]
+    st.proposer_tokens = 90
+    assert (await learning_spend.tokens_left(SimpleNamespace(chains=Chains()), st))[0] == 0  # type: ignore[arg-type,index]
+    st.recipe.settings = SimpleNamespace()
+    assert await learning_spend.tokens_left(SimpleNamespace(chains=Chains()), st) is None  # type: ignore[arg-type]

@@ -290,7 +290,8 @@ async def test_the_tui_shows_the_warning_on_the_scenarios_screen() -> None:
             await pilot.pause(0.02)
         table = app.screen.query_one(DataTable)
         names = [table.get_row_at(i)[0] for i in range(table.row_count)]
-        states = {n: table.get_row_at(i)[-1] for i, n in enumerate(names)}
+        training = [str(c.label) for c in table.columns.values()].index("training")
+        states = {n: table.get_row_at(i)[training] for i, n in enumerate(names)}
         assert states[names[0]] == "WARNING" and all(states[n] != "WARNING" for n in names[1:]), states
         note = str(app.screen.query_one("#note", Static).render())
         assert f"warning on {names[0]}: the reward is rising while the model stops answering" in note, note
