@@ -82,6 +82,9 @@ def settings_from(raw: dict[str, Any]) -> LessonsSettings:
     from daemon import spend
 
     spend.check(s)  # max_proposer_tokens
+    if s.max_proposer_tokens is not None and not s.proposer:
+        raise BadRequest("max_proposer_tokens caps a proposer model's calls, and lessons calls none without one: set "
+                         "proposer (a configured model) too, or leave the cap unset", param="settings.max_proposer_tokens")
     return s
 
 

@@ -207,12 +207,21 @@ def test_the_trainer_stops_a_job_past_its_limit_once_and_never_retries_it(tiny_m
 @pytest.mark.parametrize("recipe", ["lessons", "harness-search"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "100", True])
 def test_a_token_cap_that_is_not_a_positive_whole_number_is_refused_naming_it(recipe: str, bad: Any) -> None:
-    base = {"tasks": [{"id": "t1", "prompt": "Say hi.", "check": "true"}]} if recipe == "harness-search" else {}
+    base = ({"tasks": [{"id": "t1", "prompt": "Say hi.", "check": "true"}]} if recipe == "harness-search" else
+            {"proposer": "tiny"})
     with pytest.raises(BadRequest) as e:
         load_recipe(recipe).parse_settings({**base, "max_proposer_tokens": bad})
     assert e.value.data["param"] == "settings.max_proposer_tokens" and "max_proposer_tokens" in e.value.message
     assert load_recipe(recipe).parse_settings({**base, "max_proposer_tokens": 1}).max_proposer_tokens == 1
     assert load_recipe(recipe).parse_settings(base).max_proposer_tokens is None  # no cap by default
+
+
+def test_a_token_cap_on_lessons_without_a_proposer_is_refused_as_it_would_cap_nothing() -> None:
+    """lessons calls a model only when ``proposer`` names one; a cap without it would be accepted and do nothing."""
+    with pytest.raises(BadRequest) as e:
+        load_recipe("lessons").parse_settings({"max_proposer_tokens": 1000})
+    assert e.value.data["param"] == "settings.max_proposer_tokens" and "set proposer" in e.value.message
+    assert load_recipe("lessons").parse_settings({"max_proposer_tokens": 1000, "proposer": "m"}).proposer == "m"
 
 
 def test_the_days_proposer_tokens_come_from_every_outcome_on_the_chain() -> None:
