@@ -16,6 +16,7 @@ import re
 
 from daemon.errors import BadRequest
 
+RULES_FILE = "AGENTS.md"  # the rules: what every agent loads into its system prompt
 SKILL_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # always fullmatch
 _TOP_LEVEL = re.compile(r"(AGENTS\.md|settings\.json|skills/[a-z0-9][a-z0-9-]{0,62}/[A-Za-z0-9._-]{1,100}"
                         r"|commands/[A-Za-z0-9][A-Za-z0-9._-]{0,100}\.md)")

@@ -149,7 +149,24 @@ class TurnVerdict:
 
 
 @dataclass
-class GateSettings:
+class HeldoutSettings:
+    """The held-out check's settings that every recipe's candidates meet (``daemon/gating/heldout.py``): a weights
+    candidate's answers against the serving head's, a harness candidate's rules asked of the scenario's model
+    against the head's rules (``GateSettings`` holds them; ``lessons`` and ``harness-search`` extend them)."""
+
+    # before a candidate serves, its greedy answers to probes it was never trained on (and, weights, to reserved
+    # recorded prompts) are compared with the serving head's; one that stops answering, forgets probe answers
+    # beyond the check's noise or (weights) drifts past heldout_max_kl is held. false: every release says "unchecked"
+    heldout_check: bool = True
+    heldout_probes: list[Any] | None = None  # [{"prompt": text, "accept": [text, ...]}, ...]; None: the shipped set
+    heldout_max_degenerate: float = 0.25  # most the share of empty or degenerate answers may rise over the head's
+    heldout_probe_z: float = 2.0  # probe accuracy may fall by this many standard errors of the paired difference
+    heldout_max_tokens: int = 16  # tokens per probe answer (greedy): enough to tell an answer from none
+    heldout_timeout_s: float = 600.0  # past this the check has failed (the step is written down as failed)
+
+
+@dataclass
+class GateSettings(HeldoutSettings):
     """The settings every recipe's gate reads (a recipe's Settings may inherit them)."""
 
     gate: str = "always"  # always | floor | compare | regression | review
@@ -169,22 +186,12 @@ class GateSettings:
     # weights: while a canary serves the lineage's candidate, the steps train on top of it and one candidate waits
     # for its verdict (daemon/lineage.py); false: the steps wait for the verdict before they train
     canary_train_ahead: bool = True
-    # the held-out check (daemon/gating/heldout.py), weights recipes: before a candidate serves, its greedy answers
-    # to prompts it never trained on are compared with the serving head's; one that stops answering, forgets
-    # probe answers beyond the check's noise or drifts past heldout_max_kl is held. false: every release says
-    # "unchecked"
-    heldout_check: bool = True
+    # the held-out check's settings for weights candidates alone (HeldoutSettings holds the others):
     heldout_share: float = 0.1  # share of the scenario's recorded prompts reserved for the check (never trained on)
-    heldout_probes: list[Any] | None = None  # [{"prompt": text, "accept": [text, ...]}, ...]; None: the shipped set
-    heldout_max_degenerate: float = 0.25  # most the share of empty or degenerate answers may rise over the head's
-    heldout_probe_z: float = 2.0  # probe accuracy may fall by this many standard errors of the paired difference
     heldout_max_kl: float = 1.0  # nats per token from the base, on the candidate's held-out answers
-    heldout_max_tokens: int = 16  # tokens per probe answer (greedy): enough to tell an answer from none
     # tokens per answer to the reserved recorded prompts (greedy): long enough to see a loop that starts after an
     # opener ("A volcano is ... It erupts when magma erupts. It erupts when magma erupts.")
     heldout_recorded_tokens: int = 48
-    heldout_timeout_s: float = 600.0  # past this the check has failed (the step is written down as failed)
-
 
     def __post_init__(self) -> None:
         if self.canary_share is None:

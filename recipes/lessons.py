@@ -24,10 +24,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from daemon.errors import BadRequest, CapReached
-from daemon.layout import SKILL_NAME, check_tree
-from recipes.base import Candidate, FeedbackReport, HarnessContext, ProposerSpendSettings, Recipe, Scores
+from daemon.layout import RULES_FILE, SKILL_NAME, check_tree
+from recipes.base import (
+    Candidate,
+    FeedbackReport,
+    HarnessContext,
+    HeldoutSettings,
+    ProposerSpendSettings,
+    Recipe,
+    Scores,
+)
 
-RULES_FILE = "AGENTS.md"
 LESSONS_HEADING = "## Lessons"
 RULES_PREAMBLE = (
     "# Rules\n\nThese rules are maintained by Reef from feedback on earlier runs. Follow them.\n\n"
@@ -35,7 +42,7 @@ RULES_PREAMBLE = (
 )
 
 @dataclass
-class LessonsSettings(ProposerSpendSettings):
+class LessonsSettings(ProposerSpendSettings, HeldoutSettings):
     gate: str = "always"  # always | review (held until ``reef releases promote``) | compare (on ``tasks``)
     # compare gate: prompts answered by the scenario's model under the current rules and under the candidate's
     # (temperature 0); a task scores 1 when its answer contains ``expect`` (case-insensitive)
@@ -80,7 +87,9 @@ def settings_from(raw: dict[str, Any]) -> LessonsSettings:
     check_alpha(s, gates=("compare",))
     check_eval_size("lessons", s, len(s.tasks), "tasks")
     from daemon import spend
+    from daemon.gating.heldout import check_settings as check_heldout
 
+    check_heldout(s)  # the held-out check's settings (a candidate's rules asked the probes: daemon/gating/steps.py)
     spend.check(s)  # max_proposer_tokens
     if s.max_proposer_tokens is not None and not s.proposer:
         raise BadRequest("max_proposer_tokens caps a proposer model's calls, and lessons calls none without one: set "

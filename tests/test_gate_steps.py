@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from daemon.errors import CheckFailed, Conflict, HeadMoved, NotFound, Unchanged
+from daemon.errors import BadRequest, CheckFailed, Conflict, HeadMoved, NotFound, Unchanged
 from daemon.gate import Verdict
 from daemon.gating import steps, warning
 from daemon.gating.outcome import GateRun
@@ -315,10 +315,11 @@ def test_a_candidate_the_check_holds_is_held_with_the_reason(monkeypatch: pytest
                                                                           "it stopped answering")
 
 
-def test_the_check_is_not_run_for_a_harness_a_candidate_without_weights_or_a_moved_head(
+def test_the_check_is_not_run_for_a_candidate_without_weights_or_rules_or_a_moved_head(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls = checked(monkeypatch, Fig("never"))
-    for run in (gate_run(kind="harness", candidate=Candidate(tree={})), gate_run(candidate=Candidate(path=None))):
+    for run in (gate_run(kind="harness", candidate=Candidate(path="/x")), gate_run(candidate=Candidate(path=None)),
+                gate_run(kind="weights", candidate=Candidate(tree={"AGENTS.md": b"x"}))):
         host = Host()
         assert go(steps.heldout_check, host, run) is None and "heldout" not in run.metrics
     for moved in ("rel_aaa", "rel_zzz"):  # publish turns it away, saying so (ids before and after the head's)
@@ -326,6 +327,131 @@ def test_the_check_is_not_run_for_a_harness_a_candidate_without_weights_or_a_mov
         host.chains.head_rid = moved
         assert go(steps.heldout_check, host, run) is None
     assert calls == [] and host.metrics.heldout_checks.seen == [] and host.published == []
+
+
+def test_a_harness_candidate_meets_the_check_of_its_rules_and_is_held_or_passed_on_its_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, Any]] = []
+    current: list[Any] = []
+
+    async def rules_check(host: Any, run: Any, settings: Any) -> Any:
+        seen.append(("rules", settings))
+        return current[0]
+
+    monkeypatch.setattr(steps, "_harness_check", rules_check)
+    checked(monkeypatch, AssertionError("a harness candidate is not a weights candidate"))
+    for fig, verdict in ((Fig(None), None), (Fig("held-out check: it forgets"), "pending")):
+        current[:] = [fig]
+        host, run = Host(), gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": b"- say nothing"}))
+        out = go(steps.heldout_check, host, run)
+        assert (out and out.verdict) == verdict and len(seen) == 1 and seen.pop()[1].on
+        assert run.metrics["heldout_probes"] == 20
+        assert host.metrics.heldout_checks.seen == ["held" if verdict else "passed"]
+        if verdict:
+            assert host.chains.held[0][1] == {"AGENTS.md": b"- say nothing"}  # held, never published
+            assert host.followed == [("rel_head", "job_1", False, "restart")]
+    host, run = Host(), gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": b"x"}), heldout_check=False)
+    assert go(steps.heldout_check, host, run) is None and run.metrics["heldout"] == "unchecked" and seen == []
+
+
+class RulesEngine:
+    """A model that follows its rules exactly, as the check asks it: every probe answered right, unless the system
+    prompt says ``say nothing`` (empty) or ``wrong`` (a wrong word); ``asked`` keeps each (system prompt, probe)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, Any]] = []
+        self.unloaded: list[Any] = []
+
+    async def answer_many(self, exchanges: list[Any], release: Any = None) -> list[Any]:
+        out = []
+        for e in exchanges:
+            system = e.body["messages"][0]["content"] if e.body["messages"][0]["role"] == "system" else ""
+            prompt = e.body["messages"][-1]["content"]
+            self.asked.append((system, prompt, release))
+            text = "" if "say nothing" in system else "nope" if "wrong" in system else f"it is {prompt[-2:]} indeed"
+            out.append(SimpleNamespace(text=text, prompt_token_ids=[1], token_ids=[5, 6, 7] if text else [2],
+                                       logprobs=None))
+        return out
+
+    async def divergence_many(self, *a: Any) -> Any:
+        raise AssertionError("a harness candidate's weights are the head's: no KL")
+
+    async def unload(self, release: Any) -> None:
+        self.unloaded.append(release)
+
+
+def rules_host(first: bool) -> tuple[Host, RulesEngine]:
+    host, engine = Host(), RulesEngine()
+    trees = {"c_head": {"AGENTS.md": b"- be kind"}, "c_first": {}}
+
+    async def get_engine(model: str) -> Any:
+        return engine
+
+    async def harness_tree(release: Any) -> Any:
+        return trees[release.content_id]
+
+    async def history(name: str, n: int | None = None) -> list[Any]:
+        return [SimpleNamespace(content_id="c_first", release_id="rel_first")] if first else []
+
+    host.engine = get_engine  # type: ignore[method-assign]
+    host.chains.harness_tree = harness_tree  # type: ignore[attr-defined]
+    host.chains.history = history  # type: ignore[method-assign]
+    host.heldout_head = Kept()  # type: ignore[assignment]
+    return host, engine
+
+
+PROBES = [{"prompt": f"question {i:02d}", "accept": [f"{i:02d}"]} for i in range(10)]
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_the_rules_check_asks_the_probes_under_each_rules_file_and_holds_one_that_stops_answering_or_forgets(
+        first: bool) -> None:
+    for rules, held in ((b"- say nothing", "it stops answering"), (b"- give wrong answers", "it forgets"),
+                        (b"- be brief", None)):
+        host, engine = rules_host(first)
+        run = gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": rules}), heldout_probes=PROBES)
+        out = go(steps.heldout_check, host, run)
+        assert (out is not None) == (held is not None), (rules, out)
+        if held:
+            assert held in out.reason and host.chains.held[0][1] == {"AGENTS.md": rules}
+        else:
+            assert run.metrics["heldout"] == "passed" and run.metrics["heldout_probe_accuracy"] == 1.0
+        systems = {s for s, _, _ in engine.asked}
+        assert systems == {rules.decode(), "- be kind"} | ({""} if first else set())  # the first release's: none
+        assert {r for _, _, r in engine.asked} == {None} and engine.unloaded == []  # the model itself, kept loaded
+        assert "a harness candidate" in run.metrics["heldout_note"] and "heldout_kl" not in run.metrics
+    # the head's answers are kept for its content: the next check asks the candidate alone
+    host, engine = rules_host(False)
+    for rules in (b"- be brief", b"- be briefer"):
+        run = gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": rules}), heldout_probes=PROBES)
+        engine.asked.clear()
+        assert go(steps.heldout_check, host, run) is None
+    assert {s for s, _, _ in engine.asked} == {"- be briefer"}
+
+
+def test_rules_equal_to_the_heads_are_not_asked_again() -> None:
+    host, engine = rules_host(False)
+    run = gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": b"- be kind", "skills/x/SKILL.md": b"y"}),
+                   heldout_probes=PROBES)
+    assert go(steps.heldout_check, host, run) is None and len(engine.asked) == 10  # nothing kept: both, 5 probes each
+    engine.asked.clear()
+    run = gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": b"- be kind", "skills/x/SKILL.md": b"z"}),
+                   heldout_probes=PROBES)
+    assert go(steps.heldout_check, host, run) is None and engine.asked == []
+    assert run.metrics["heldout"] == "passed" and run.metrics["heldout_probes"] == 5  # the first stage: no harm
+
+
+def test_a_rules_check_that_cannot_reach_the_model_fails_the_step() -> None:
+    host, _ = rules_host(False)
+
+    async def away(model: str) -> Any:
+        raise BadRequest("model 'tiny' is not configured")
+
+    host.engine = away  # type: ignore[method-assign]
+    run = gate_run(kind="harness", candidate=Candidate(tree={"AGENTS.md": b"- be brief"}), heldout_probes=PROBES)
+    with pytest.raises(CheckFailed, match="not configured"):
+        go(steps.heldout_check, host, run)
+    assert host.metrics.heldout_checks.seen == ["failed"] and host.chains.held == []
 
 
 def test_a_check_that_fails_is_counted_and_told_and_raises(monkeypatch: pytest.MonkeyPatch) -> None:

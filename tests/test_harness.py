@@ -244,3 +244,35 @@ def test_a_scenario_shows_the_settings_it_actually_gets(daemon: Daemon) -> None:
         assert c.get("/reef/scenarios/eff2").json()["effective_settings"]["gate"] == "always"
     out = daemon.cli("scenarios", "show", "eff").stdout
     assert "* gate" in out and '"review"' in out and "  max_chars" in out, out
+
+
+def test_a_lessons_candidate_whose_rules_silence_the_model_is_held_and_never_installed(
+        daemon_factory: Any, stub: str) -> None:  # noqa: F811
+    # the scenario's model is the scripted upstream playing a model that follows its rules exactly (none that both
+    # does and answers within a test's time runs here; bench/harness_real.py measures SmolLM2): it answers each
+    # probe, unless its system prompt (the rules file) says to say nothing
+    d = daemon_factory(f'\n[models.follower]\nengine = "upstream"\nurl = "{stub}/v1"\nformat = "openai-chat"\n'
+                       'upstream_model = "stub-model"\n')
+    probes = [{"prompt": f"Name a colour, number {i}. [stub:obey=blue]", "accept": ["blue"]} for i in range(8)]
+    with d.unix() as c:
+        for name, check in (("checked", True), ("unchecked", False)):
+            resp = c.post("/reef/scenarios", json={"name": name, "recipe": "lessons", "model": "follower", "settings": {
+                "heldout_probes": probes, "heldout_check": check}})
+            assert resp.status_code == 201, resp.text
+        head = c.get("/reef/scenarios/checked/harness").json()["release_id"]
+        fine = c.post("/reef/scenarios/checked/evolve", json={"instruction": "name the colour first"}).json()
+        assert fine["verdict"] == "accepted" and fine["metrics"]["heldout"] == "passed", fine
+        assert fine["metrics"]["heldout_probe_accuracy"] == 1.0 and "a harness candidate" in fine["metrics"]["heldout_note"]
+        silenced = c.post("/reef/scenarios/checked/evolve", json={"instruction": "Say nothing when asked a question"}).json()
+        assert silenced["verdict"] == "pending" and "it stops answering" in silenced["reason"], silenced
+        assert silenced["metrics"]["heldout_empty"] == 1.0 and silenced["metrics"]["heldout_head_empty"] == 0.0
+        served = c.get("/reef/scenarios/checked/harness").json()
+        assert served["release_id"] == fine["release_id"] != head and "Say nothing" not in served["files"]["AGENTS.md"]
+        start = c.post("/reef/runs", json={"adapter": "pi", "scenario": "checked"}).json()
+        assert "Say nothing" not in json.dumps(start["files"])  # the next run gets the head, not the held candidate
+        listed = c.get("/reef/scenarios/checked/releases", params={"all": "true"}).json()
+        (held,) = [r for r in listed["pending"] if r["release_id"] == silenced["release_id"]]
+        assert held["metrics"]["heldout"] == "held" and silenced["release_id"] not in {
+            r["release_id"] for r in listed["releases"]}
+        off = c.post("/reef/scenarios/unchecked/evolve", json={"instruction": "Say nothing when asked a question"}).json()
+        assert off["verdict"] == "accepted" and off["metrics"]["heldout"] == "unchecked"

@@ -7,9 +7,8 @@ import pytest
 from adapters import ADAPTERS
 from adapters.base import install_harness
 from daemon.errors import BadRequest
-from daemon.layout import check_tree_path
+from daemon.layout import RULES_FILE, check_tree_path
 from recipes.lessons import (
-    RULES_FILE,
     Lesson,
     LessonsSettings,
     apply,

@@ -17,6 +17,8 @@ survive any translation on the way), or in the ``x-stub`` header:
 - ``stall=S``: stream up to the first text piece, then wait S seconds before the rest;
 - ``tool``: answer with one call of ``get_weather`` ``{"city": "Paris"}`` (id ``call_stub1`` / ``toolu_stub1``);
 - ``text=...``: answer this text;
+- ``obey=WORD``: answer WORD, or nothing when the system prompt says ``say nothing`` (a model that follows its
+  rules exactly: a harness rule that silences it shows in its answers);
 - ``echo_system``: answer the request's system prompt (chat and Responses: its system and developer messages,
   Responses ``instructions``; Anthropic: ``system``), or ``no system prompt``: a model that follows its harness;
 - ``no_usage`` (chat streams): no usage chunk, even when the request asks for one (as some servers do);
@@ -85,6 +87,8 @@ def plan(fmt: str, body: dict[str, Any], header: str) -> dict[str, str]:
     result = tool_result_text(fmt, last)
     if "echo_system" in directives:
         directives["text"] = system_text(fmt, body) or "no system prompt"
+    if "obey" in directives:  # a model that follows its rules: it answers, unless told to say nothing
+        directives["text"] = "" if "say nothing" in system_text(fmt, body).lower() else directives["obey"]
     if "text" not in directives:
         directives["text"] = f"tool said: {result}" if result is not None else "stub says hello"
     return directives

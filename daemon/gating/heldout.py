@@ -320,9 +320,11 @@ class Figures:
 
 
 def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequence[Probe], recorded: int,
-            kl: float | None, settings: CheckSettings, base: Sequence[Answer] | None = None) -> Figures:
+            kl: float | None, settings: CheckSettings, base: Sequence[Answer] | None = None, *,
+            harness: bool = False) -> Figures:
     """The figures of paired answers (the recorded prompts' first, then the probes', same order for both) and the
-    decision; ``base``: the base's answers to the probes (None where the head is the base)."""
+    decision; ``base``: the base's answers to the probes (None where the head is the base); ``harness``: a harness
+    candidate's (the same weights under other rules: no reserved prompts, no KL)."""
     assert len(candidate) == len(head) == recorded + len(probes), (len(candidate), len(head), recorded, len(probes))
     n = len(candidate)
     cand_bad = [degenerate(c, h) for c, h in zip(candidate, head, strict=True)]
@@ -354,10 +356,12 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
         fig.base_probe_accuracy = sum(right_b) / max(1, len(probes))
         fig.probes_lost_base, fig.probes_gained_base = base_lost, base_gained
         fig.base_probe_noise = settings.probe_z * math.sqrt(base_lost + base_gained)
-    if recorded < ENOUGH:
+    if harness:
+        fig.notes.append(HARNESS_NOTE)
+    elif recorded < ENOUGH:
         fig.notes.append(f"too little traffic for the reserved share: {recorded} of the scenario's recorded prompts "
                          f"are reserved yet ({ENOUGH} wanted); the probe set decides")
-    if kl is None:
+    if kl is None and not harness:
         fig.notes.append("the engine cannot score tokens: KL from the base not measured")
     why = []
     if fig.silent - fig.head_silent > settings.max_degenerate:
@@ -385,6 +389,20 @@ def figures(candidate: Sequence[Answer], head: Sequence[Answer], probes: Sequenc
     return fig
 
 
+HARNESS_NOTE = ("a harness candidate: the same weights asked under its rules and under the head's (its rules file "
+                "as the system prompt); no KL, no reserved prompts")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The system prompts a harness candidate's check asks under: the candidate's rules, the head's, the chain's
+    first release's (a harness release's rules file, ``AGENTS.md``)."""
+
+    candidate: str = ""
+    head: str = ""
+    first: str | None = None  # None: the head is the chain's first release
+
+
 class KeptAnswers:
     """The answer sets a scenario's checks keep, by (release content, max tokens): the ``SIZE`` most recently used
     (the head's, the chain's first release's, and a newly published head's or a canary's)."""
@@ -410,15 +428,16 @@ class KeptAnswers:
 
 
 async def answers(engine: Any, model: str, prompts: Sequence[str], release: Any, max_tokens: int,
-                  longer: Collection[str] = (), longer_tokens: int = 0) -> list[Answer]:  # pragma: no mutate (longer_tokens is read only for the prompts in longer, none by default)
-    """Greedy answers of ``release`` (an engine ``ReleaseRef``) to ``prompts``, all asked at once
-    (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests), each of at
-    most ``max_tokens``, or ``longer_tokens`` for the prompts in ``longer`` (the recorded ones)."""
+                  longer: Collection[str] = (), longer_tokens: int = 0, system: str = "") -> list[Answer]:  # pragma: no mutate (longer_tokens is read only for the prompts in longer, none by default)
+    """Greedy answers of ``release`` (an engine ``ReleaseRef``; None: the model itself) to ``prompts``, all asked
+    at once (``Engine.answer_many``: the embedded engine decodes them as one batch beside its users' requests), each
+    of at most ``max_tokens``, or ``longer_tokens`` for the prompts in ``longer`` (the recorded ones); ``system``:
+    the system prompt (a harness release's rules), none by default."""
     from daemon.exchange import internal_exchange
 
     if not prompts:
         return []
-    done = await engine.answer_many([internal_exchange(model, "", p, longer_tokens if p in longer else max_tokens)
+    done = await engine.answer_many([internal_exchange(model, system, p, longer_tokens if p in longer else max_tokens)
                                      for p in prompts], release)
     return [Answer(c.text or "", tuple(c.prompt_token_ids or ()), tuple(c.token_ids or ()), tuple(c.logprobs or ()))
             for c in done]
@@ -454,12 +473,19 @@ def clean(fig: Figures, settings: CheckSettings) -> bool:
 
 async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, recorded: Sequence[str],
               settings: CheckSettings, head_known: dict[str, Answer] | None = None, *, first_release: Any = None,
-              first_known: dict[str, Answer] | None = None) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
+              first_known: dict[str, Answer] | None = None,
+              rules: Rules | None = None, candidate_known: dict[str, Answer] | None = None,
+              ) -> tuple[Figures, dict[str, Answer], dict[str, Answer]]:
     """The check: the figures, and the candidate's and the head's answers by prompt (to keep: the head is asked
     only the prompts it was not asked before, and a published candidate's answers are the new head's). Raises
     ``CheckFailed`` when it cannot run. ``base`` is the model the KL is measured from; ``first_release`` the
     chain's first release, whose probe answers the candidate's are compared with too (None: the head is it), kept
     in ``first_known`` (the caller's, filled here: they are asked once).
+
+    ``rules``: a harness candidate's check: ``candidate``, ``head`` and ``first_release`` are then the weights they
+    all serve (None: the model itself), asked under each one's rules as the system prompt; no KL is measured (the
+    weights are the same) and the candidate's weights are not unloaded (they are the head's); ``candidate_known``:
+    the candidate's answers known already (rules equal to the head's: the head's), not asked again.
 
     In two stages: the recorded prompts and every other probe first; a candidate that shows no sign of harm
     there (``clean``) passes on them, any other is asked the rest of the probes and decided on all of them. A
@@ -470,39 +496,44 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
     first, rest = settings.probes[::2], settings.probes[1::2]
     known = dict(head_known or {})
     firsts = first_known if first_known is not None else {}
-    cands: dict[str, Answer] = {}
+    cands: dict[str, Answer] = dict(candidate_known or {})
     spent = {"answer": 0.0, "kl": 0.0}
     head_sampled = 0
     lengths = settings.asking(recorded)
+    systems = rules or Rules()
+    has_first = first_release is not None if rules is None else rules.first is not None
 
     async def ask(prompts: Sequence[str]) -> None:
         nonlocal head_sampled
         t = time.perf_counter()
         missing = [p for p in dict.fromkeys(prompts) if p not in known]
         if missing:
-            known.update(zip(missing, await answers(engine, model, missing, head, *lengths), strict=True))
+            known.update(zip(missing, await answers(engine, model, missing, head, *lengths, system=systems.head),
+                             strict=True))
             head_sampled += len(missing)
-        if first_release is not None:
+        if has_first:
             probed = {p.prompt for p in settings.probes}
             missing = [p for p in dict.fromkeys(prompts) if p in probed and p not in firsts]
             if missing:
-                firsts.update(zip(missing, await answers(engine, model, missing, first_release, *lengths),
-                                  strict=True))
+                firsts.update(zip(missing, await answers(engine, model, missing, first_release, *lengths,
+                                                         system=systems.first or ""), strict=True))
         todo = [p for p in dict.fromkeys(prompts) if p not in cands]
-        cands.update(zip(todo, await answers(engine, model, todo, candidate, *lengths), strict=True))
+        cands.update(zip(todo, await answers(engine, model, todo, candidate, *lengths, system=systems.candidate),
+                         strict=True))
         spent["answer"] += time.perf_counter() - t
 
     async def measure() -> tuple[Figures, int]:
         asked = [*recorded, *(p.prompt for p in first)]
         await ask(asked)
         t = time.perf_counter()
-        kl = await kl_from_base(engine, [cands[p] for p in asked], candidate, base)
+        kl = None if rules is not None else await kl_from_base(engine, [cands[p] for p in asked], candidate, base)
         spent["kl"] = time.perf_counter() - t
 
         def decide(probes: Sequence[Probe]) -> Figures:
             prompts = [*recorded, *(p.prompt for p in probes)]
             return figures([cands[p] for p in prompts], [known[p] for p in prompts], probes, len(recorded), kl,
-                           settings, None if first_release is None else [firsts[p.prompt] for p in probes])
+                           settings, [firsts[p.prompt] for p in probes] if has_first else None,
+                           harness=rules is not None)
 
         fig = decide(first)
         if not rest or clean(fig, settings):
@@ -522,7 +553,8 @@ async def run(engine: Any, model: str, candidate: Any, head: Any, base: Any, rec
         raise CheckFailed(f"{type(e).__name__}: {e}") from None
     finally:
         try:
-            await engine.unload(candidate)
+            if rules is None:  # a harness candidate's weights are the head's: they stay
+                await engine.unload(candidate)
         except Exception:  # noqa: BLE001 - a candidate left loaded is evicted by the engine's budget later
             pass
     if stages == 1 and rest:

@@ -125,7 +125,8 @@ async def drift_bound(host: Host, run: GateRun) -> StepOutcome | None:
 
 
 async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
-    if not run.weights or run.candidate.path is None:
+    harness = not run.weights and run.candidate.tree is not None
+    if not harness and (not run.weights or run.candidate.path is None):
         return None
     settings = heldout.CheckSettings.of(run.recipe.settings)
     if not settings.on:
@@ -136,7 +137,7 @@ async def heldout_check(host: Host, run: GateRun) -> StepOutcome | None:
     if await host.chains.head_id(name) != run.head.release_id:
         return None  # the head moved during training: ``publish`` turns it away, saying so; nothing to check
     try:
-        fig = await _check(host, run, settings)
+        fig = await (_harness_check if harness else _check)(host, run, settings)
     except CheckFailed as e:
         host.metrics.heldout_checks.labels("failed").inc()
         host.events.publish("heldout", scenario=name, job=run.job_id, verdict="failed", reason=e.message)
@@ -239,6 +240,45 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     run.heldout_answers = (settings.lengths, cands)  # the head's answers once published: not asked again
     fig.seconds += waited
     fig.prefetch_seconds = prefetched
+    return fig
+
+
+def _rules(tree: dict[str, bytes] | None) -> str:
+    """A harness tree's rules file, as an agent reads it into its system prompt."""
+    from daemon.layout import RULES_FILE
+
+    return (tree or {}).get(RULES_FILE, b"").decode("utf-8", "replace")
+
+
+async def _harness_check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> heldout.Figures:
+    """The held-out check of a harness candidate: the scenario's model answers the probes under the candidate's
+    rules (its ``AGENTS.md`` as the system prompt, as an agent loads it), under the head's and under the chain's
+    first release's; the same figures and bounds as a weights candidate's (silence, degenerate answers, probes
+    lost against the head and against the first release), without KL (the weights are the same) or reserved
+    recorded prompts (a harness recipe learns from feedback, not from the prompts). Rules equal to the head's give
+    the head's answers: what the head answered is not asked again."""
+    candidate = _rules(run.candidate.tree)
+    try:
+        engine = await host.engine(run.scenario.model)
+        head_rules = _rules(await host.chains.harness_tree(run.head))
+        first = await first_release(host, run.st, run.scenario, run.head)
+        first_rules = None if first is None else _rules(await host.chains.harness_tree(first))
+    except ReefError as e:
+        raise CheckFailed(e.message) from None
+    head_key = (run.head.content_id, *settings.lengths)
+    first_key = None if first is None else (first.content_id, *settings.lengths)
+    firsts = None if first_key is None else dict(host.heldout_head(run.st, first_key) or {})
+    known = host.heldout_head(run.st, head_key)
+    try:
+        fig, cands, heads = await heldout.run(
+            engine, run.scenario.model, None, None, None, [], settings, known, first_release=None, first_known=firsts,
+            rules=heldout.Rules(candidate, head_rules, first_rules),
+            candidate_known=known if candidate == head_rules else None)  # the same rules: the head's answers
+    finally:
+        if first_key is not None and firsts:  # pragma: no mutate (or: firsts is None exactly when first_key is)
+            host.heldout_head(run.st, first_key, firsts)
+    host.heldout_head(run.st, head_key, heads)
+    run.heldout_answers = (settings.lengths, cands)  # the head's answers once published: not asked again
     return fig
 
 

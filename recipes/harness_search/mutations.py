@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon import harness_policy
-from daemon.layout import SKILL_NAME, check_tree, check_tree_path
-from recipes.lessons import RULES_FILE, parse_rules, render_rules, screen, similarity
+from daemon.layout import RULES_FILE, SKILL_NAME, check_tree, check_tree_path
+from recipes.lessons import parse_rules, render_rules, screen, similarity
 
 OPS = ("create", "update", "remove")
 KINDS = ("rule", "skill", "command")

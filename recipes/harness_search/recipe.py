@@ -60,6 +60,7 @@ from recipes.base import (
     EpisodeContext,
     FeedbackReport,
     HarnessContext,
+    HeldoutSettings,
     ProposerSpendSettings,
     Recipe,
     Scores,
@@ -86,7 +87,7 @@ HIDE = ("~/.ssh", "~/.aws", "~/.gnupg", "~/.netrc", "~/.git-credentials", "~/.do
 
 
 @dataclass
-class HarnessSearchSettings(ProposerSpendSettings):
+class HarnessSearchSettings(ProposerSpendSettings, HeldoutSettings):
     gate: str = "compare"  # compare: paired episodes decide | review: a candidate that passes is held for review
     margin: float = 0.0  # the least lead (wins - losses over task x repeat pairs) on top of the gate's test
     alpha: float | None = None  # the gate's error rate (the sign test over the pairs); None: 0.05
