@@ -120,8 +120,10 @@ MODULES: dict[str, Module] = {
                                                 "or fields_trimmed or archived_or_paused or recipes_own_caps or "
                                                 "becomes_the_mutation or what_is_there_or or candidate_is_the_tree "
                                                 "or origin_names or each_verdict or cannot_be_changed")),
-    "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_harness_search.py", PY, "-k",
-                                                                "mutation or screen or proposer or settings_file")),
+    # its own tests (all of test_mutations.py: "mutation" matches the file's name), and harness-search's and the
+    # harness policy's tests of its screens
+    "mutations": Module("recipes/harness_search/mutations.py", ("tests/test_mutations.py", "tests/test_harness_search.py",
+                                                                PY, "-k", "mutation or screen or proposer or settings_file")),
     # its unit tests: real checks and git projects in a temporary folder (the file's others wrap the real pi against
     # a daemon, or train through one)
     "outcomes": Module("reef_cli/outcomes.py", ("tests/test_outcomes.py", "-k", "times_out or 126_or_127 or "

