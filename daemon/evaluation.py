@@ -17,7 +17,9 @@ cannot be had, or ``failed`` with the reason a measurement broke (never a 0 stan
   greedy, ``heldout_max_tokens``; recorded at gate time as ``heldout_probe_accuracy`` (and a train step's
   ``heldout_head_probe_accuracy`` for its parent) where the settings match and the check asked every probe (it
   passes a clean candidate on every other one: ``heldout_probes`` says how many), measured where not. ``forgetting`` is
-  a release's probe accuracy minus the base's (the chain's first release): below 0, it lost what the base knew.
+  a release's probe accuracy minus the base's (the chain's first release): below 0, it lost what the base knew. A
+  harness release's probes are the scenario's model's answers under the release's rules file (``AGENTS.md`` as the
+  system prompt, as agents load it; the held-out check records them at the gate the same way).
 - **transfer** (``transfer=OTHER``): on OTHER's reserved recorded prompts (the most recent ``heldout.RECORDED``,
   by OTHER's ``heldout_share``), the share of this release's greedy answers that say something (not empty: the
   held-out check's ``empty``). Not "not degenerate": a small base model's own answers are often loops (the tiny
@@ -357,13 +359,12 @@ class Evaluations:
             plan.reward_how = plan.reward_na
         else:
             plan.reward_how = "the gate's recorded score (eval_reward) where it has one"
-        if weights:
-            plan.probes = Ask("probes", [p.prompt for p in check.probes], check.max_tokens,
-                              lambda answers: _mean([p.right(a.text) for p, a in zip(check.probes, answers,
-                                                                                      strict=True)]),
-                              {"accept": [list(p.accept) for p in check.probes]})
-        else:
-            plan.probes_na = "a harness release: the probes ask weights"
+        plan.probes = Ask("probes", [p.prompt for p in check.probes], check.max_tokens,
+                          lambda answers: _mean([p.right(a.text) for p, a in zip(check.probes, answers,
+                                                                                  strict=True)]),
+                          {"accept": [list(p.accept) for p in check.probes],
+                           # a harness release's probes: the scenario's model under the release's rules
+                           **({} if weights else {"rules_of": scen.model})})
         if transfer is None:
             plan.transfer_na = "no transfer scenario asked (--transfer OTHER)"
         elif not weights:
@@ -428,10 +429,8 @@ class Evaluations:
 
         if rel.kind not in SERVES_WEIGHTS:
             figs["reward"] = recorded("eval_reward", "base_reward", ()) or na("no gate score recorded for it")
-            figs["probes"] = na("a harness release: the probes ask weights")
             figs["transfer"] = na("a harness release: transfer asks weights")
-            return figs, asks
-        if plan.scorer is not None:
+        elif plan.scorer is not None:
             known("reward", plan.scorer, None, recorded("eval_reward", "base_reward", SCORER_KEYS,
                                                                 len(plan.scorer.prompts)))
         elif plan.reported is not None:
@@ -443,7 +442,8 @@ class Evaluations:
         known("probes", plan.probes, plan.probes_na,
               recorded("heldout_probe_accuracy", "heldout_head_probe_accuracy", PROBE_KEYS,
                        len(plan.probes.prompts) if plan.probes else 0, asked="heldout_probes"))
-        known("transfer", plan.transfer, plan.transfer_na, None)
+        if "transfer" not in figs:
+            known("transfer", plan.transfer, plan.transfer_na, None)
         return figs, asks
 
     async def _measure(self, scen: Any, rel: Any, asks: list[Ask], plan: Plan,
@@ -454,12 +454,17 @@ class Evaluations:
         timeout = heldout.CheckSettings.of(self.make_recipe(scen.recipe, scen.settings).settings).timeout_s
         loaded: Any = None
         engine: Any = None
+        system = ""  # a harness release: the model itself, its rules file as the system prompt (as agents load it)
         try:
             engine = await self.engine(scen.model)
-            ref = await self.chains.ref(scen, rel)
-            if rel.content_id in engine.resident:
-                use = ref  # loaded already (the head): used as it is, and left loaded
+            if rel.kind not in SERVES_WEIGHTS:
+                from daemon.layout import rules_of
+
+                use, system = None, rules_of(await self.chains.harness_tree(rel))
+            elif rel.content_id in engine.resident:
+                use = await self.chains.ref(scen, rel)  # loaded already (the head): used as it is, and left loaded
             else:  # under a key no request names, so no request is served from it, and dropped afterwards
+                ref = await self.chains.ref(scen, rel)
                 key = f"eval:{rel.content_id}"
                 use = loaded = ReleaseRef(key, key, ref.path, ref.base)
 
@@ -467,7 +472,7 @@ class Evaluations:
                 got: dict[tuple[int, str], heldout.Answer] = {}
                 for tokens in sorted({a.max_tokens for a in asks}):
                     prompts = list(dict.fromkeys(p for a in asks if a.max_tokens == tokens for p in a.prompts))
-                    answers = await heldout.answers(engine, scen.model, prompts, use, tokens)
+                    answers = await heldout.answers(engine, scen.model, prompts, use, tokens, system=system)
                     got.update({(tokens, p): a for p, a in zip(prompts, answers, strict=True)})
                 return got
 

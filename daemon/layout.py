@@ -23,6 +23,11 @@ _TOP_LEVEL = re.compile(r"(AGENTS\.md|settings\.json|skills/[a-z0-9][a-z0-9-]{0,
 MAX_FILE_BYTES = 256 * 1024
 
 
+def rules_of(tree: dict[str, bytes] | None) -> str:
+    """A harness tree's rules file as text: what an agent reads into its system prompt."""
+    return (tree or {}).get(RULES_FILE, b"").decode("utf-8", "replace")
+
+
 def check_tree_path(path: str) -> str:
     """A path allowed in a harness tree: relative, inside the tree, one of the known kinds of file."""
     if (

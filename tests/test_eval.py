@@ -210,18 +210,68 @@ def test_a_failing_engine_gives_failed_with_the_reason_never_a_number(tmp_path: 
     assert [r["probes"]["value"] for r in again] == [1.0, 1.0, 1.0, 0.0, 1.0]
 
 
-def test_what_cannot_be_had_says_why(tmp_path: Path) -> None:
-    """A harness chain: its gate's score where it has one, no probes; weights without a scorer and with nothing held
-    out: no reward."""
+class _RulesEngine:
+    """The scenario's model as a harness release's probes ask it: every probe right, unless the system prompt (the
+    release's rules) says ``say nothing``. What it was asked: (release, system prompt)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[Any, str]] = []
+        self.resident: dict[str, str] = {}
+        self.answers = {p.prompt: p.accept[0] for p in shipped_probes()}
+
+    async def answer_many(self, exchanges: list[Any], release: Any = None) -> list[Any]:
+        from daemon.exchange import Completion
+
+        out = []
+        for e in exchanges:
+            system = e.messages[0].text if e.messages[0].role == "system" else ""
+            self.asked.append((release, system))
+            text = "" if "say nothing" in system else self.answers[e.messages[-1].text]
+            out.append(Completion(text=text, prompt_token_ids=[1], token_ids=[5, 2] if text else [2]))
+        return out
+
+    async def unload(self, release: Any) -> None:
+        raise AssertionError("a harness release loads no weights")
+
+
+def test_a_harness_chains_probes_are_asked_under_each_releases_rules(tmp_path: Path) -> None:
+    """A harness release's probes: the scenario's model under its rules file, read from the held-out check where it
+    asked every probe, measured where not; forgetting against the base's; its reward the gate's recorded score."""
+    n = len(shipped_probes())
     harness = [SimpleNamespace(**{**vars(_rel(0, "h0", None)), "kind": "harness"}),
-               SimpleNamespace(**{**vars(_rel(1, "h1", "rel_0", {"eval_reward": 0.75})), "kind": "harness"})]
-    engine = _Engine({})
+               SimpleNamespace(**{**vars(_rel(1, "h1", "rel_0", {"eval_reward": 0.75, "heldout_probes": n,
+                                                                 "heldout_probe_accuracy": 0.5},
+                                              settings={"recipe": "lessons", **vars(_make_recipe("lessons", {}).settings)})),
+                                  "kind": "harness"}),
+               SimpleNamespace(**{**vars(_rel(2, "h2", "rel_1")), "kind": "harness"})]
+    trees = {"h0": {}, "h1": {"AGENTS.md": b"- be kind"}, "h2": {"AGENTS.md": b"- say nothing at all"}}
+    engine = _RulesEngine()
     ev, _ = _evaluations(tmp_path, engine, harness, recipe="lessons", settings={})
-    rows = asyncio.run(ev.evaluate("s"))["rows"]
-    assert rows[1]["reward"] == {"status": "ok", "value": 0.75, "n": 0, "source": "gate"}
+
+    async def harness_tree(rel: Any) -> dict[str, bytes]:
+        return trees[rel.content_id]
+
+    ev.chains.harness_tree = harness_tree
+    out = asyncio.run(ev.evaluate("s"))
+    rows = out["rows"]
+    assert out["kind"] == "harness" and rows[1]["reward"] == {"status": "ok", "value": 0.75, "n": 0, "source": "gate"}
     assert rows[0]["reward"] == {"status": "n/a", "reason": "no gate score recorded for it"}
-    assert {r["probes"]["reason"] for r in rows} == {"a harness release: the probes ask weights"}
+    assert [(r["probes"]["value"], r["probes"]["source"]) for r in rows] == [(1.0, "measured"), (0.5, "gate"),
+                                                                            (0.0, "measured")]
+    assert [r["forgetting"]["value"] for r in rows] == [0.0, -0.5, -1.0]
+    assert {s for _, s in engine.asked} == {"", "- say nothing at all"} and {r for r, _ in engine.asked} == {None}
+    assert len(engine.asked) == 2 * n and rows[2]["transfer"]["reason"] == "a harness release: transfer asks weights"
+    engine.asked.clear()
+    assert [r["probes"]["source"] for r in asyncio.run(ev.evaluate("s"))["rows"]] == ["cached", "gate", "cached"]
     assert engine.asked == []
+    # the same rules asked of another model are another figure: the cache is keyed by the model too
+    plan = asyncio.run(ev._plan(SimpleNamespace(name="s", recipe="lessons", model="tiny", settings={}), None))
+    other = asyncio.run(ev._plan(SimpleNamespace(name="s", recipe="lessons", model="big", settings={}), None))
+    assert plan.probes is not None and other.probes is not None and plan.probes.key("h2") != other.probes.key("h2")
+
+
+def test_what_cannot_be_had_says_why(tmp_path: Path) -> None:
+    """Weights without a scorer and with nothing held out: no reward; a recipe that does not learn: none."""
     ev, _ = _evaluations(tmp_path / "w", _Engine(BEHAVIOUR), _chain(), settings={"heldout_check": False})
     out = asyncio.run(ev.evaluate("s", last=1))
     assert out["rows"][0]["reward"] == {"status": "n/a", "reason": "nothing is held out (heldout_check is off), "

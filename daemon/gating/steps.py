@@ -36,6 +36,7 @@ from daemon import lineage
 from daemon.errors import CheckFailed, HeadMoved, ReefError, Unchanged
 from daemon.gating import heldout, warning
 from daemon.gating.outcome import GateRun, Host, Step, StepOutcome
+from daemon.layout import rules_of
 
 
 async def _hold(host: Host, run: GateRun, reason: str, *, harm: bool = False, **extra: Any) -> StepOutcome:
@@ -243,13 +244,6 @@ async def _check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> h
     return fig
 
 
-def _rules(tree: dict[str, bytes] | None) -> str:
-    """A harness tree's rules file, as an agent reads it into its system prompt."""
-    from daemon.layout import RULES_FILE
-
-    return (tree or {}).get(RULES_FILE, b"").decode("utf-8", "replace")
-
-
 async def _harness_check(host: Host, run: GateRun, settings: heldout.CheckSettings) -> heldout.Figures:
     """The held-out check of a harness candidate: the scenario's model answers the probes under the candidate's
     rules (its ``AGENTS.md`` as the system prompt, as an agent loads it), under the head's and under the chain's
@@ -257,12 +251,12 @@ async def _harness_check(host: Host, run: GateRun, settings: heldout.CheckSettin
     lost against the head and against the first release), without KL (the weights are the same) or reserved
     recorded prompts (a harness recipe learns from feedback, not from the prompts). Rules equal to the head's give
     the head's answers: what the head answered is not asked again."""
-    candidate = _rules(run.candidate.tree)
+    candidate = rules_of(run.candidate.tree)
     try:
         engine = await host.engine(run.scenario.model)
-        head_rules = _rules(await host.chains.harness_tree(run.head))
+        head_rules = rules_of(await host.chains.harness_tree(run.head))
         first = await first_release(host, run.st, run.scenario, run.head)
-        first_rules = None if first is None else _rules(await host.chains.harness_tree(first))
+        first_rules = None if first is None else rules_of(await host.chains.harness_tree(first))
     except ReefError as e:
         raise CheckFailed(e.message) from None
     head_key = (run.head.content_id, *settings.lengths)
