@@ -294,4 +294,12 @@ def describe(m: Mapping[str, Any]) -> str | None:
         line += f"; p = {m['p_value']:.3g} (a drop of {m['margin']:g} or more)"
     elif "p_value" in m:
         line += f"; p = {m['p_value']:.3g}"
-    return line + (f" at alpha {m['alpha']}" if "alpha" in m else "")
+    line += f" at alpha {m['alpha']}" if "alpha" in m else ""
+    if "eval_suite" in m:  # harness-search's evaluation (recipes/harness_search/retained.py): per task, and pinned
+        per_task = (f"; per task {m['delta']:+.3f} (tasks resampled, 95% {m['delta_lo']:+.3f} .. {m['delta_hi']:+.3f})"
+                    if "delta" in m else "")
+        not_run = f"; {m['episodes_not_run']} episode(s) could not run (not scored)" if m.get("episodes_not_run") else ""
+        line += (f"{per_task}{not_run}; ran suite {m['eval_suite']} ({m.get('eval_tasks')} task(s) x "
+                 f"{m.get('eval_repeats')} repeat(s)), {m.get('eval_adapter')} on {m.get('eval_model')}, serving "
+                 f"{str(m.get('eval_serving'))[:12]} against candidate {str(m.get('eval_candidate'))[:12]}")
+    return line

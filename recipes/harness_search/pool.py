@@ -83,14 +83,14 @@ class Pool:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"id": m.id, "parent": m.parent, "origin": m.origin, "scores": m.scores,
-                 "tree": {p: _text(d) for p, d in m.tree.items()}} for m in self.members.values()]
+                 "tree": {p: file_text(d) for p, d in m.tree.items()}} for m in self.members.values()]
 
     @classmethod
     def from_json(cls, raw: list[dict[str, Any]], capacity: int) -> Pool:
         """The pool ``to_json`` wrote; a member whose tree does not hash to its id is left out (a damaged file)."""
         pool = cls(capacity=capacity)
         for m in raw:
-            tree = {p: _bytes(d) for p, d in m["tree"].items()}
+            tree = {p: file_bytes(d) for p, d in m["tree"].items()}
             if tree_id(tree) != m["id"]:
                 continue
             scores = {str(t): [float(x) for x in xs] for t, xs in m.get("scores", {}).items()}
@@ -115,12 +115,12 @@ class Pool:
                 del self.members[mid]
 
 
-def _text(data: bytes) -> str | dict[str, str]:
+def file_text(data: bytes) -> str | dict[str, str]:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return {"base64": base64.b64encode(data).decode()}
 
 
-def _bytes(value: str | dict[str, str]) -> bytes:
+def file_bytes(value: str | dict[str, str]) -> bytes:
     return value.encode("utf-8") if isinstance(value, str) else base64.b64decode(value["base64"])

@@ -69,6 +69,7 @@ from recipes.harness_search.episodes import Episode, EpisodeEnv, Task, parse_tas
 from recipes.harness_search.mutations import Limits, Refused, apply, parse, skills
 from recipes.harness_search.pool import Member, Pool, tree_id
 from recipes.harness_search.proposer import PROPOSER_SYSTEM, proposer_prompt, render_exchange
+from recipes.harness_search.retained import Progress, deltas, pins
 
 log = logging.getLogger("reef.learning")
 
@@ -132,6 +133,7 @@ class HarnessSearch(Recipe):
         self.instructions: deque[str] = deque(maxlen=10)
         self.retire_tested: set[tuple[str, str]] = set()
         self.steps = 0
+        self.progress: Progress | None = None  # an evaluation under way (retained.py): resumed after a restart
         self._loaded = False  # the memory file read (once, at the first step)
 
     @classmethod
@@ -182,6 +184,13 @@ class HarnessSearch(Recipe):
         serving = self.pool.add(tree, origin="serving")
         details: dict[str, Any] = {"proposals_refused": [], "mutations": [], "spend": spend}
 
+        progress = self.progress if self.progress is not None and self.progress.serving == serving.id else None
+        if progress is not None:  # a step cut by a restart: the same candidate, the episodes that ran kept
+            details.update(progress.details)
+            parent_member = self.pool.members.get(progress.parent) or serving
+            return await self._judged(ctx, tree, progress.candidate, progress.origin, parent_member, serving, spend,
+                                      details, progress)
+        self.progress = None  # judged against another head: it starts again
         made = self._retirement(serving)
         if made is None:
             made = await self._propose(serving, tasks, ctx, spend, details)
@@ -192,7 +201,9 @@ class HarnessSearch(Recipe):
             self._save(ctx)
             return Candidate(skipped=summary, consume=False, metrics=self._metrics(spend, details), details=details)
         candidate, origin, parent = made
-        return await self._judged(ctx, tree, candidate, origin, parent, serving, spend, details)
+        progress = Progress(serving.id, candidate, origin, parent.id,
+                            {k: details[k] for k in ("mutations", "executable") if details.get(k)})
+        return await self._judged(ctx, tree, candidate, origin, parent, serving, spend, details, progress)
 
     async def assess(self, tree: dict[str, bytes], candidate: Candidate, ctx: HarnessContext) -> Candidate:
         """An agent's proposal: judged by the same paired episodes as the proposer's candidates (a retired skill as a
@@ -211,8 +222,11 @@ class HarnessSearch(Recipe):
         return judged
 
     async def _judged(self, ctx: HarnessContext, tree: dict[str, bytes], candidate: dict[str, bytes], origin: str,
-                      parent: Member, serving: Member, spend: dict[str, Any], details: dict[str, Any]) -> Candidate:
-        """``candidate`` against the serving ``tree`` in paired episodes: the Candidate its gate judges."""
+                      parent: Member, serving: Member, spend: dict[str, Any], details: dict[str, Any],
+                      progress: Progress | None = None) -> Candidate:
+        """``candidate`` against the serving ``tree`` in paired episodes: the Candidate its gate judges. With
+        ``progress`` (the loop's own steps), each episode is written down as it ends and one that ran before a
+        restart is not run again (``retained.py``)."""
         s: HarnessSearchSettings = self.settings
         tasks = parse_tasks(s.tasks)
         details.update(origin=origin, parent=parent.id, candidate=tree_id(candidate), serving=serving.id)
@@ -234,19 +248,29 @@ class HarnessSearch(Recipe):
                     sides.reverse()  # interleaved: drift (a warming cache, a busy machine) falls on both
                 got = {}
                 for side in sides:
-                    ep = await self._episode(ctx, task, files[side], env, side=side, repeat=r,
-                                             release_id=pinned[side])
-                    spend["episodes"] += 1
-                    spend["episode_s"] = round(spend["episode_s"] + ep.seconds + ep.check_seconds, 3)
+                    ep = progress.ran(r, task.id, side) if progress is not None else None
+                    if ep is not None:
+                        spend["episodes_resumed"] = spend.get("episodes_resumed", 0) + 1
+                    else:
+                        ep = await self._episode(ctx, task, files[side], env, side=side, repeat=r,
+                                                 release_id=pinned[side])
+                        spend["episodes"] += 1
+                        spend["episode_s"] = round(spend["episode_s"] + ep.seconds + ep.check_seconds, 3)
+                        if progress is not None:
+                            progress.record(ep)
+                            self.progress = progress
+                            self._save(ctx)  # a restart from here on resumes with this episode
                     got[side] = ep
                 pair = (got["candidate"], got["serving"])
                 if any(e.status in NOT_RUN for e in pair):  # a failure is not a result: not a loss, not a tie
                     not_run.append(pair)
                     continue
-                for side in sides:
-                    self.pool.record(tree if side == "serving" else candidate, task.id, got[side].score)
                 pairs.append(pair)
         spend["episodes_not_run"] = sum(e.status in NOT_RUN for pair in not_run for e in pair)
+        self.progress = None  # judged (or failed for good below): the next step starts a new one
+        for c, b in pairs:  # into the pool once judged (a pair resumed after a restart is not counted twice)
+            self.pool.record(tree, c.task, b.score)
+            self.pool.record(candidate, c.task, c.score)
         if not pairs:  # nothing was judged: the step failed, with the reasons, and nothing joins the pool
             self._save(ctx)
             raise StepFailed(f"no episode pair could run ({spend['episodes_not_run']} of {spend['episodes']} episodes "
@@ -259,7 +283,12 @@ class HarnessSearch(Recipe):
         details["tasks"] = self._per_task([t for t in tasks if any(c.task == t.id for c, _ in pairs)], pairs)
         details["summary"] = (f"{origin} candidate: " + ", ".join(
             f"{t}: candidate {v['candidate']:.2f} vs serving {v['serving']:.2f}" for t, v in details["tasks"].items()))
+        details.update(deltas(pairs))
         metrics = self._metrics(spend, details)
+        metrics.update(pins(tasks, adapter=s.adapter, model=str(getattr(ctx, "model", "")), serving=serving.id,
+                            candidate=tree_id(candidate), repeats=repeats))
+        if "delta" in details:
+            metrics.update(delta=details["delta"], delta_lo=details["delta_ci95"][0], delta_hi=details["delta_ci95"][1])
         self._save(ctx)
         return Candidate(tree=candidate, metrics=metrics, details=details,
                          eval=Scores(candidate=[c.score for c, _ in pairs], base=[b.score for _, b in pairs]))
@@ -301,10 +330,11 @@ class HarnessSearch(Recipe):
             bad_runs, instructions = list(raw["bad_runs"]), [str(x) for x in raw["instructions"]]
             tested = {(str(a), str(b)) for a, b in raw["retire_tested"]}
             steps = int(raw["steps"])
+            progress = Progress.from_json(raw.get("progress"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: start again, say so
             log.warning("harness-search: could not read %s (%s); the pool starts again from the serving tree", path, e)
             return
-        self.pool, self.retire_tested, self.steps = pool, tested, steps
+        self.pool, self.retire_tested, self.steps, self.progress = pool, tested, steps, progress
         self.bad_runs.extend(bad_runs)
         self.instructions.extend(instructions)
 
@@ -315,7 +345,8 @@ class HarnessSearch(Recipe):
         if path is None:
             return
         data = {"version": 1, "steps": self.steps, "pool": self.pool.to_json(), "bad_runs": list(self.bad_runs),
-                "instructions": list(self.instructions), "retire_tested": sorted(self.retire_tested)}
+                "instructions": list(self.instructions), "retire_tested": sorted(self.retire_tested),
+                "progress": None if self.progress is None else self.progress.to_json()}
         try:
             durable.mkdirs(path.parent)
             durable.write_atomic(path, json.dumps(data).encode(), mode=0o600)
