@@ -25,7 +25,9 @@ the pass rate before and after with Wilson 95% intervals, the paired difference 
 prompts, facts right before and after, the verdict, the rule as written, the check's probe accuracy against the
 head's, and the report's seconds (the lessons step and its check, issue 48: at most 2 minutes); then per kind the
 mean over seeds. ``--proposer`` lets the served model phrase the rule (``proposer = "smollm2"``); the default is
-the recipe's: the feedback's own words.
+the recipe's: the feedback's own words. ``--search-proposals N`` also asks the served model N times as
+harness-search's proposer (its system prompt, a proposer prompt holding one bad run per feedback kind) and counts
+the answers that parse as the strict mutation form and apply.
 
 Run (nothing else on the machine): ``.venv/bin/python bench/harness_real.py [--kinds one-sentence,answer-first,short]
 [--seeds 0,1,2] [--model-dir DIR] [--json]``
@@ -206,6 +208,35 @@ def one_run(c: httpx.Client, asker: Asker, kind: str, seed: int, args: argparse.
     }
 
 
+def search_proposals(c: httpx.Client, n: int) -> dict[str, Any]:
+    """harness-search's proposer on the served model: ``n`` calls with the recipe's own system prompt and a proposer
+    prompt built as a step builds it (one bad run per feedback kind, a task), at temperature 0.7 (the recipe asks
+    greedily; sampled, to see more than one answer); how many answers parse as the strict mutation form and apply."""
+    from recipes.harness_search.mutations import Limits, Refused, apply, parse
+    from recipes.harness_search.proposer import PROPOSER_SYSTEM, proposer_prompt
+
+    bad = [{"report": f"rep_{i}", "score": 0.0, "feedback": FEEDBACK[k][0], "exchanges": []}
+           for i, k in enumerate(FEEDBACK)]
+    prompt = proposer_prompt({}, bad, [], [{"id": "greet", "prompt": "Say hello to the user."}])
+    parsed = applied = 0
+    reasons: dict[str, int] = {}
+    for _ in range(n):
+        r = c.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 400, "temperature": 0.7,
+                                                 "messages": [{"role": "system", "content": PROPOSER_SYSTEM},
+                                                              {"role": "user", "content": prompt}]})
+        r.raise_for_status()
+        answer = r.json()["choices"][0]["message"]["content"] or ""
+        try:
+            mutations = parse(answer, Limits())
+            parsed += 1
+            apply({}, mutations, Limits())
+            applied += 1
+        except Refused as e:
+            why = e.reason.split(":")[0][:60]
+            reasons[why] = reasons.get(why, 0) + 1
+    return {"calls": n, "parsed": parsed, "applied": applied, "refused": reasons}
+
+
 def line(r: dict[str, Any]) -> str:
     return (f"{r['kind']:<13} seed {r['seed']}  pass {r['before']:.2f} {r['before_ci']} -> {r['after']:.2f} "
             f"{r['after_ci']}  diff {r['after'] - r['before']:+.2f} {r['diff_ci']}  words {r['words_before']} -> "
@@ -222,6 +253,8 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="SmolLM2's directory (default: made here by reef model init)")
     ap.add_argument("--proposer", action="store_true", help="the served model phrases each rule")
     ap.add_argument("--json", action="store_true", help="one JSON line per run as well")
+    ap.add_argument("--search-proposals", type=int, default=0, metavar="N",
+                    help="also ask the served model N times as harness-search's proposer and count usable answers")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(FEEDBACK)
@@ -248,6 +281,9 @@ def main() -> None:
                         print(line(r), flush=True)
                         if args.json:
                             print(json.dumps(r), flush=True)
+                if args.search_proposals:
+                    got = search_proposals(c, args.search_proposals)
+                    print(f"harness-search proposer (the served model): {json.dumps(got)}", flush=True)
             print(f"daemon peak {vm_hwm_mb(proc.pid):.0f} MB")
         finally:
             proc.terminate()
