@@ -306,3 +306,76 @@ def test_the_trees_size_is_capped() -> None:
         apply({}, [Mutation("create", "command", "c", "r", text="x" * (256 * 1024 + 1))], big)
     assert e.value.screen == "size"
     assert len(apply({}, [Mutation("create", "command", "c", "r", text="x" * 16 * 1024)]).tree[name]) == 16 * 1024
+
+
+# --- the edges the first mutation run showed untested (bench/mutation.py mutations) -----------------------------
+
+
+def test_mutations_and_limits_cannot_be_changed_once_made() -> None:
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule("x").text = "y"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Limits().max_tree_bytes = 10**9  # type: ignore[misc]
+
+
+def test_the_default_tree_cap_is_128_kib() -> None:
+    filler = {f"commands/c{i}.md": b"x" * (16 * 1024 - 20) for i in range(8)}  # not screened: already in the tree
+    room = 128 * 1024 - tree_bytes(filler) - len("commands/new.md")
+    assert apply(filler, [Mutation("create", "command", "new", "r", text="y" * room)]).tree["commands/new.md"]
+    with pytest.raises(Refused, match=f"the tree would be {128 * 1024 + 1} bytes; the limit is {128 * 1024}"):
+        apply(filler, [Mutation("create", "command", "new", "r", text="y" * (room + 1))])
+
+
+def test_an_object_without_the_mutations_key_is_refused_not_a_crash() -> None:
+    for text in ("{}", '{"mutation": []}', '{"changes": [1]}'):
+        assert "nothing else" in refused(text)
+
+
+@pytest.mark.parametrize(("files", "says"), [({"a/b": "x"}, "skill file name 'a/b'"),
+                                             ({"SKILL.md": 1}, "must be text"), ({}, "needs files")])
+def test_an_update_of_a_skill_is_checked_like_a_create(files: dict[str, Any], says: str) -> None:
+    assert says in refused(answer(item(kind="skill", op="update", text=None, files=files)))
+
+
+def test_a_reason_is_screened_for_hidden_characters_only_and_the_first_is_named() -> None:
+    script_reason = rule("Run the tests.", reason="#!/bin/sh\nthe runs needed a script: a rule says so instead")
+    assert screened(script_reason, Limits()) == (None, [], [])  # the reason never enters the harness
+    two = rule("Run the tests.", reason="fine\nthen\x07\nand\x1b")
+    failed = screened(two, Limits())[0]
+    assert failed is not None and "U+0007 (line 2)" in failed[1] and "U+001B" not in failed[1]
+
+
+def test_update_and_remove_touch_only_their_own_rule_whatever_the_ids_order() -> None:
+    tree = {RULES_FILE: rules_file("[a] Rule a.", "[m] Rule m.", "[z] Rule z.")}
+    assert rules(apply(tree, [rule("", "m", op="remove")]).tree)[1] == [("a", "Rule a."), ("z", "Rule z.")]
+    assert rules(apply(tree, [rule("New m.", "m", op="update")]).tree)[1] == [
+        ("a", "Rule a."), ("m", "New m."), ("z", "Rule z.")]
+
+
+def test_a_new_rule_replaces_the_most_similar_near_duplicate_only() -> None:
+    tree = {RULES_FILE: rules_file("[a] Keep every diff small and tidy.", "[b] Keep every diff small and tidy today.",
+                                   "[c] Keep each commit message short.", "[z] Name things plainly.")}
+    new = "Keep every diff small and tidy today please."
+    assert similarity(new, "Keep every diff small and tidy.") >= 0.6  # both above the bound; b the nearer
+    out = apply(tree, [rule(new, "n")])
+    assert out.mutations[0]["merged"] == "b"
+    assert [i for i, _ in rules(out.tree)[1]] == ["a", "c", "z", "n"]  # the others kept, lower ids or higher
+
+
+def test_skills_update_in_place_merge_at_the_bound_and_keep_the_old_folder_on_a_merge() -> None:
+    tree = {"skills/a-help/SKILL.md": b"Debug failing pytest runs step by step.", "skills/a-help/notes.md": b"n",
+            "skills/other/SKILL.md": b"Write release notes for each version."}
+    updated = apply(tree, [skill({"SKILL.md": "Debug failing pytest runs step by step, slowly."}, "other",
+                                 op="update")])
+    assert updated.tree["skills/other/SKILL.md"] == b"Debug failing pytest runs step by step, slowly."
+    assert updated.tree["skills/a-help/SKILL.md"] == b"Debug failing pytest runs step by step."  # not merged into
+    assert "merged" not in updated.mutations[0]
+    text = "Debug failing pytest runs step by step, slowly."
+    at = similarity(text, "Debug failing pytest runs step by step.")
+    merged = apply(tree, [skill({"SKILL.md": text, "more.md": "m"}, "z-help")], Limits(similarity=at))
+    assert merged.mutations[0]["merged"] == "a-help" and merged.tree["skills/a-help/notes.md"] == b"n"
+    assert merged.tree["skills/a-help/more.md"] == b"m" and not any(p.startswith("skills/z-help/") for p in merged.tree)
+    apart = apply(tree, [skill({"SKILL.md": text}, "z-help")], Limits(similarity=at + 0.01))
+    assert "skills/z-help/SKILL.md" in apart.tree and "merged" not in apart.mutations[0]
