@@ -299,6 +299,9 @@ def describe(m: Mapping[str, Any]) -> str | None:
         per_task = (f"; per task {m['delta']:+.3f} (tasks resampled, 95% {m['delta_lo']:+.3f} .. {m['delta_hi']:+.3f})"
                     if "delta" in m else "")
         not_run = f"; {m['episodes_not_run']} episode(s) could not run (not scored)" if m.get("episodes_not_run") else ""
+        if "delta_base" in m:
+            per_task += (f"; against the first release {m['delta_base']:+.3f} (95% {m['delta_base_lo']:+.3f} .. "
+                         f"{m['delta_base_hi']:+.3f})")
         line += (f"{per_task}{not_run}; ran suite {m['eval_suite']} ({m.get('eval_tasks')} task(s) x "
                  f"{m.get('eval_repeats')} repeat(s)), {m.get('eval_adapter')} on {m.get('eval_model')}, serving "
                  f"{str(m.get('eval_serving'))[:12]} against candidate {str(m.get('eval_candidate'))[:12]}")

@@ -47,6 +47,12 @@ class RecipeContext:
         assert self._store is not None
         return await self._store.exchanges.get(receipt)
 
+    async def first_tree(self) -> dict[str, bytes] | None:
+        """The harness tree of this scenario's first release (the base a retained evaluation compares with too)."""
+        assert self._chains is not None and self.scenario is not None
+        chain = await self._chains.history(self.scenario)
+        return None if not chain else await self._chains.harness_tree(chain[-1])
+
     async def episode_release(self, name: str, tree: dict[str, bytes]) -> str:
         """A release whose content is ``tree`` on the chain of scenario ``name`` (created with recipe ``record`` and
         this scenario's model unless it exists): its head when the content is the same, else a new release. An

@@ -173,3 +173,83 @@ def test_releases_show_and_the_release_page_read_the_evaluation(tmp_path: Path, 
     assert "1 episode(s) could not run (not scored)" in line and f"ran suite {out.metrics['eval_suite']} (2 task(s) x 3 " \
         "repeat(s)), pi on tiny" in line
     assert "per task" not in (describe({**verdict.metrics}) or "")  # a gate's figures alone: no evaluation line
+
+
+class BaseCtx(Ctx):
+    """A chain whose first release holds a rule the serving tree lost: task b passes under it."""
+
+    async def first_tree(self) -> dict[str, bytes]:
+        return {"AGENTS.md": b"# Rules\n\n## Lessons\n\n- [sum-first] Sum before you answer.\n"}
+
+
+def test_the_base_arm_interleaves_the_first_release_and_reports_the_deltas_against_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[int, str, str]] = []
+
+    async def run(task: Task, files: dict[str, str], env: Any, *, side: str, repeat: int, release_id: str) -> Episode:
+        ran.append((repeat, task.id, side))
+        text = " ".join(files.values())
+        score = float("French" in text) if task.id == "a" else float("Sum before" in text)
+        return Episode(task.id, side, repeat, score, "passed" if score else "failed")
+
+    monkeypatch.setattr(hs, "run_episode", run)
+    on = HarnessSearch(HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 30, "base_arm": True,
+                                                     "retire_skills": False}))
+    out = asyncio.run(on.edit(TREE, [], BaseCtx(tmp_path / "on")))  # type: ignore[arg-type]
+    assert out.metrics["eval_repeats"] == 5 and len(ran) == 30  # 30 episodes: 2 tasks x 5 repeats x 3 sides
+    assert {side for _, _, side in ran} == {"serving", "candidate", "base"}
+    firsts = [ran[k][2] for k in range(0, 30, 3)]  # each (repeat, task)'s first side turns
+    assert len(set(firsts)) == 3
+    assert out.details["task_deltas"] == {"a": 1.0, "b": 0.0}  # against the serving tree: French helps a
+    assert out.details["base"]["task_deltas"] == {"a": 1.0, "b": -1.0}  # against the base: b was lost since
+    assert out.metrics["delta_base"] == 0.0 and out.metrics["eval_base"] == out.details["base"]["release"]
+    assert out.eval is not None and len(out.eval.candidate) == 10  # the gate still pairs candidate and serving
+    ran.clear()
+    off = asyncio.run(recipe().edit(TREE, [], BaseCtx(tmp_path / "off")))  # type: ignore[arg-type]
+    assert {side for _, _, side in ran} == {"serving", "candidate"} and "base" not in off.details
+    assert "delta_base" not in off.metrics
+    ran.clear()
+    same = asyncio.run(HarnessSearch(on.settings).edit(TREE, [], Ctx(tmp_path / "same")))  # type: ignore[arg-type]
+    assert "base" not in same.details and {side for _, _, side in ran} == {"serving", "candidate"}  # no first tree
+
+    class ServingIsBase(Ctx):
+        async def first_tree(self) -> dict[str, bytes]:
+            return dict(TREE)  # the head is the first release: a base arm would run the serving tree twice
+
+    ran.clear()
+    again = asyncio.run(HarnessSearch(on.settings).edit(TREE, [], ServingIsBase(tmp_path / "b")))  # type: ignore[arg-type]
+    assert "base" not in again.details and {side for _, _, side in ran} == {"serving", "candidate"}
+
+
+def test_a_base_arm_the_budget_cannot_pair_enough_is_refused() -> None:
+    from daemon.errors import BadRequest
+
+    HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 12})  # 2 sides: 3 repeats, 6 pairs
+    with pytest.raises(BadRequest, match="2 task\\(s\\) x 2 repeat\\(s\\)"):
+        HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 12, "base_arm": True})  # 3 sides: 4 pairs
+
+
+def test_the_daemons_context_reads_the_first_releases_tree_and_the_page_line_says_it() -> None:
+    from daemon.gate import describe
+    from daemon.recipe_context import RecipeContext
+
+    first, head = SimpleNamespace(tree={"AGENTS.md": b"first"}), SimpleNamespace(tree={"AGENTS.md": b"head"})
+    chains = SimpleNamespace(history=None, harness_tree=None)
+
+    async def history(name: str) -> list[Any]:
+        assert name == "s"
+        return chain
+
+    async def harness_tree(rel: Any) -> dict[str, bytes]:
+        return dict(rel.tree)
+
+    chains.history, chains.harness_tree = history, harness_tree
+    ctx = RecipeContext(None, "tiny", scenario="s", chains=chains)  # type: ignore[arg-type]
+    chain = [head, first]  # newest first
+    assert asyncio.run(ctx.first_tree()) == {"AGENTS.md": b"first"}
+    chain = []
+    assert asyncio.run(ctx.first_tree()) is None
+    line = describe({"diff": 0.5, "diff_ci95": [0.0, 1.0], "pairs": 10, "eval_suite": "abc", "delta": 0.5,
+                     "delta_lo": 0.0, "delta_hi": 1.0, "delta_base": -0.25, "delta_base_lo": -0.5,
+                     "delta_base_hi": 0.0})
+    assert line is not None and "against the first release -0.250 (95% -0.500 .. +0.000)" in line

@@ -98,6 +98,10 @@ class HarnessSearchSettings(ProposerSpendSettings, HeldoutSettings):
     proposer: str | None = None  # a configured model name; None: the scenario's own model
     proposer_max_tokens: int = 2048
     max_episodes: int = 32  # budget per step (the gate's repeats are cut to fit): 16 pairs (module docstring)
+    # also run each task under the chain's first release, interleaved with the serving tree and the candidate: the
+    # candidate's paired deltas against the base too (retained.py); a third of max_episodes goes to it, so the gate
+    # has fewer pairs (at the defaults 10 instead of 16): off by default
+    base_arm: bool = False
     max_proposer_calls: int = 3  # budget per step (malformed or refused answers count)
     bad_below: float = 0.5  # a report scoring below this is a run that went badly
     max_runs_in_prompt: int = 4  # bad runs the proposer sees (the newest)
@@ -153,10 +157,10 @@ class HarnessSearch(Recipe):
         if s.max_episodes < 2 * len(tasks):
             raise BadRequest(f"max_episodes {s.max_episodes} cannot pair {len(tasks)} task(s) once "
                              f"(needs {2 * len(tasks)})", param="settings.max_episodes")
-        pairs, need = len(tasks) * repeats_of(s, len(tasks)), pairs_needed(alpha)
+        pairs, need = len(tasks) * repeats_of(s, len(tasks), arms(s)), pairs_needed(alpha)
         if pairs < need:
             raise BadRequest(f"the gate cannot decide at error rate {alpha} on {pairs} episode pair(s) ({len(tasks)} "
-                             f"task(s) x {repeats_of(s, len(tasks))} repeat(s)): a clean sweep needs at least {need} "
+                             f"task(s) x {repeats_of(s, len(tasks), arms(s))} repeat(s)): a clean sweep needs at least {need} "
                              f"untied pairs; raise repeats or max_episodes (2 episodes a pair), add tasks, or state a "
                              "higher alpha", param="settings.max_episodes")
         from adapters import ADAPTERS
@@ -236,16 +240,20 @@ class HarnessSearch(Recipe):
             raise BadRequest("harness-search needs the daemon's harness context (episode releases, scoped tokens) "
                              "to run episodes")
         trees = {"serving": tree, "candidate": candidate}
+        base = await _first_tree(ctx) if s.base_arm else None
+        if base is not None and tree_id(base) not in (tree_id(tree), tree_id(candidate)):
+            trees["base"] = base  # the chain's first release, a third side
         files = {side: self._render(t) for side, t in trees.items()}
         pinned = {side: await ctx.episode_release(env.scenario, t) for side, t in trees.items()}
-        repeats = repeats_of(s, len(tasks))
+        repeats = repeats_of(s, len(tasks), arms(s))
         pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
+        base_pairs: list[tuple[Episode, Episode]] = []  # (candidate, base), both ran: the deltas against the base
         not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
         for r in range(repeats):
             for i, task in enumerate(tasks):
-                sides = ["serving", "candidate"]
-                if (r + i) % 2:
-                    sides.reverse()  # interleaved: drift (a warming cache, a busy machine) falls on both
+                sides = list(trees)
+                turn = (r + i) % len(sides)  # interleaved: drift (a warming cache, a busy machine) falls on each side
+                sides = sides[turn:] + sides[:turn]
                 got = {}
                 for side in sides:
                     ep = progress.ran(r, task.id, side) if progress is not None else None
@@ -261,6 +269,8 @@ class HarnessSearch(Recipe):
                             self.progress = progress
                             self._save(ctx)  # a restart from here on resumes with this episode
                     got[side] = ep
+                if "base" in got and not {got["candidate"].status, got["base"].status} & set(NOT_RUN):
+                    base_pairs.append((got["candidate"], got["base"]))
                 pair = (got["candidate"], got["serving"])
                 if any(e.status in NOT_RUN for e in pair):  # a failure is not a result: not a loss, not a tie
                     not_run.append(pair)
@@ -284,11 +294,17 @@ class HarnessSearch(Recipe):
         details["summary"] = (f"{origin} candidate: " + ", ".join(
             f"{t}: candidate {v['candidate']:.2f} vs serving {v['serving']:.2f}" for t, v in details["tasks"].items()))
         details.update(deltas(pairs))
+        if "base" in trees:
+            details["base"] = {"release": tree_id(trees["base"]), **deltas(base_pairs)}
         metrics = self._metrics(spend, details)
         metrics.update(pins(tasks, adapter=s.adapter, model=str(getattr(ctx, "model", "")), serving=serving.id,
                             candidate=tree_id(candidate), repeats=repeats))
         if "delta" in details:
             metrics.update(delta=details["delta"], delta_lo=details["delta_ci95"][0], delta_hi=details["delta_ci95"][1])
+        if "delta" in details.get("base", {}):
+            b = details["base"]
+            metrics.update(eval_base=b["release"], delta_base=b["delta"], delta_base_lo=b["delta_ci95"][0],
+                           delta_base_hi=b["delta_ci95"][1])
         self._save(ctx)
         return Candidate(tree=candidate, metrics=metrics, details=details,
                          eval=Scores(candidate=[c.score for c, _ in pairs], base=[b.score for _, b in pairs]))
@@ -523,9 +539,14 @@ class HarnessSearch(Recipe):
         return {"front": front, "judged": len(pool.members), "spent": spent}
 
 
-def repeats_of(s: HarnessSearchSettings, tasks: int) -> int:
+def arms(s: HarnessSearchSettings) -> int:
+    """The sides each task runs under: the serving tree and the candidate, and the base with ``base_arm``."""
+    return 3 if s.base_arm else 2
+
+
+def repeats_of(s: HarnessSearchSettings, tasks: int, sides: int = 2) -> int:
     """Episodes per task and side: ``repeats`` (all that ``max_episodes`` allows when unset), cut to fit it."""
-    fit = max(1, s.max_episodes // (2 * tasks))
+    fit = max(1, s.max_episodes // (sides * tasks))
     return fit if s.repeats is None else max(1, min(s.repeats, fit))
 
 
@@ -551,6 +572,12 @@ def retirement(candidate: list[float], base: list[float], *, alpha: float | None
                        "publishes it", metrics)
     return Verdict(True, "accepted", f"retirement: wins {wins} - losses {losses}: no loss shown (p = {p:.3g} > alpha "
                    f"{a}), so the skill goes", metrics)
+
+
+async def _first_tree(ctx: HarnessContext) -> dict[str, bytes] | None:
+    """The chain's first release's tree (the base), where the context can say (the daemon's can)."""
+    first = getattr(ctx, "first_tree", None)
+    return None if first is None else await first()
 
 
 def episodes_scenario(scenario: str) -> str:
