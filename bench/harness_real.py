@@ -53,7 +53,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.learning_real import FACTS, NOUNS, TEMPLATES, free_port, make_model, vm_hwm_mb  # noqa: E402
+from bench.learning_real import FACTS, NOUNS, TEMPLATES, fresh_home, make_model, vm_hwm_mb  # noqa: E402
 from bench.reef_proc import start  # noqa: E402
 
 FEEDBACK = {
@@ -265,10 +265,7 @@ def main() -> None:
     try:
         model = args.model_dir or make_model(work)
         home = work / "home"
-        (home / "models").mkdir(parents=True)
-        (home / "models" / "smollm2").symlink_to(model.resolve())
-        port = free_port()
-        (home / "config.toml").write_text(f"port = {port}\n")  # everything else: the defaults
+        port = fresh_home(home, model)
         proc = start(home, port)
         token = (home / "token").read_text().strip()
         try:

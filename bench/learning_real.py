@@ -287,12 +287,19 @@ def probe(c: httpx.Client, everyday: list[tuple[str, str]], args: argparse.Names
             "load": round(os.getloadavg()[0], 2)}
 
 
+def fresh_home(home: Path, model: Path) -> int:
+    """A new ``REEF_HOME`` at ``home`` with SmolLM2's directory (``model``, shared read-only) and no configuration
+    but its port, which it returns: everything else at the defaults, as a new user's."""
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "smollm2").symlink_to(model.resolve())
+    port = free_port()
+    (home / "config.toml").write_text(f"port = {port}\n")
+    return port
+
+
 def one_run(model: Path, pref: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     home = work / f"home-{pref}-{seed}"
-    (home / "models").mkdir(parents=True)
-    (home / "models" / "smollm2").symlink_to(model)
-    port = free_port()
-    (home / "config.toml").write_text(f"port = {port}\n")  # everything else: the defaults
+    port = fresh_home(home, model)
     t0 = time.monotonic()
     proc = start(home, port)
     start_s = time.monotonic() - t0
