@@ -1,6 +1,7 @@
 """The held-out check: before a weights candidate serves, its greedy answers to prompts it was never trained on are
 compared with the serving head's, and a candidate that stops answering, forgets what the head knew, or drifts too
-far from its base is held (not served) with the figures.
+far from its base is held (not served) with the figures. A harness candidate meets it on the probes: the same model
+asked under the candidate's rules file and under the head's (``Rules``; ``daemon/gating/steps.py``), no KL.
 
 The prompts:
 - a reserved share of the scenario's own recorded prompts (``heldout_share``, 0.1): a prompt is reserved or not by
