@@ -432,6 +432,45 @@ def test_a_promoted_run_is_a_task_and_a_tree_best_on_one_task_stays_in_the_pool_
     assert "(score 1.0)" in prompts[0] and "(score 0.0)" in prompts[0], prompts[0]
 
 
+def test_an_evaluation_killed_mid_run_resumes_after_a_restart_with_the_same_pairs(world: dict[str, Any]) -> None:
+    """kill -9 while an episode runs: the episodes that ended are on disk (the memory file), and the restarted
+    daemon's step judges the same candidate, running only the episodes that had not run; the proposer is asked once.
+    The second task hangs (the stand-in never answers it), so the kill finds the step inside it; its episodes end at
+    their time limit and are counted as not run, never as a 0."""
+    d: Daemon = world["daemon"]
+    memory = d.home / "scenarios" / "hs-resume" / "harness-search.json"
+    with d.http() as c:
+        seeded_scenario(c, "hs-resume", [], {"tasks": [task(world, "greet", "bonjour"), task(
+            world, "stuck", "hello", prompt="Write the greeting into answer.txt. [hang]", time_limit_s=5)],
+            **ONE_PAIR})
+        script(world, one(op="create", kind="rule", id="french", text="Write greetings in French."))
+        asked = len(httpx.get(f"{world['standin']}/_requests").json())
+        r = c.post("/reef/scenarios/hs-resume/evolve", json={"instruction": "make the greeting tasks pass"})
+        assert r.status_code == 201, r.text
+
+        def two_ended() -> bool:
+            raw = json.loads(memory.read_text()) if memory.exists() else {}
+            return len((raw.get("progress") or {}).get("episodes") or {}) >= 2
+
+        wait_for(two_ended, what="the first task's two episodes written down")
+    d.kill9()
+    done = json.loads(memory.read_text())["progress"]  # what had ended when it died
+    assert done is not None and len(done["episodes"]) in (2, 3), done
+    d.start()
+    with d.http() as c:
+        out = step(c, "hs-resume", 1, instruction=None)
+    m = out["metrics"]
+    proposer_calls = [x for x in httpx.get(f"{world['standin']}/_requests").json()[asked:] if x["model"] == "proposer"]
+    assert len(proposer_calls) == 1, proposer_calls  # the same candidate: not proposed again
+    assert m["episodes_resumed"] == len(done["episodes"]) and m["episodes"] == 4 - len(done["episodes"]), m
+    assert m["episodes_not_run"] == 2, m
+    assert m["eval_candidate"] == done["candidate_id"] and m["task.greet.candidate"] == 1.0, m
+    runs = {(e["task"], e["side"]): e["run"] for e in json.loads(m["episode_runs"])}
+    assert {k: v for k, v in runs.items() if k[0] == "greet"} == {
+        (e["task"], e["side"]): e["run"] for e in done["episodes"].values()}  # the very episodes that ran before
+    assert out.get("operation") == "train" and "verdict" not in out, out  # published: one pair at 0.5, French won
+
+
 def test_promoting_a_run_refuses_what_cannot_be_a_task(world: dict[str, Any]) -> None:
     from tests.conftest import assert_canonical_error
 
