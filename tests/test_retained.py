@@ -219,6 +219,7 @@ def test_the_base_arm_interleaves_the_first_release_and_reports_the_deltas_again
     ran.clear()
     again = asyncio.run(HarnessSearch(on.settings).edit(TREE, [], ServingIsBase(tmp_path / "b")))  # type: ignore[arg-type]
     assert "base" not in again.details and {side for _, _, side in ran} == {"serving", "candidate"}
+    assert again.metrics["eval_repeats"] == 7 and len(ran) == 28  # no distinct base: its share goes to the pairs
 
 
 def test_a_base_arm_the_budget_cannot_pair_enough_is_refused() -> None:

@@ -245,7 +245,7 @@ class HarnessSearch(Recipe):
             trees["base"] = base  # the chain's first release, a third side
         files = {side: self._render(t) for side, t in trees.items()}
         pinned = {side: await ctx.episode_release(env.scenario, t) for side, t in trees.items()}
-        repeats = repeats_of(s, len(tasks), arms(s))
+        repeats = repeats_of(s, len(tasks), len(trees))  # no distinct base: its share of the budget goes to the pairs
         pairs: list[tuple[Episode, Episode]] = []  # both sides ran: what the gate and the pool judge
         base_pairs: list[tuple[Episode, Episode]] = []  # (candidate, base), both ran: the deltas against the base
         not_run: list[tuple[Episode, Episode]] = []  # a side could not run (sandbox, crash, time limit): neither
