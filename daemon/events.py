@@ -126,6 +126,10 @@ class TrainStartEvent(Event, total=False):
     samples: int
     from_head: bool  # weights: not continuing the lineage's last candidate
     proposal: str
+    episodes: int  # harness-search: the episodes it will run at most (tasks x repeats x sides), said before it starts
+    tasks: int
+    repeats: int
+    max_episodes: int  # the setting that caps them
 
 
 class TrainStepEvent(Event):

@@ -416,7 +416,7 @@ class Learner:
                     extra["ahead_of"] = ahead[0]
             if resumed is None:
                 self.events.publish("train.start", scenario=name, job=job_id, base=head.release_id,
-                                    samples=len(batch), **extra)
+                                    samples=len(batch), **extra, **recipe.planned())
             t0 = time.perf_counter()
             st.trainer_s, st.proposer_tokens, st.ahead = 0.0, 0, ahead
             outcome = StepOutcome("failed", scenario=name, base=head.release_id, job=job_id)

@@ -394,6 +394,11 @@ class Recipe:
         """Configured model names the settings refer to (a proposer, a judge): the daemon checks they exist."""
         return []
 
+    def planned(self) -> dict[str, int]:
+        """What a step will spend at most, said before it starts (on its ``train.start`` event): harness-search's
+        episodes (tasks x repeats x sides, within ``max_episodes``). None said: {}."""
+        return {}
+
     # --- the step --------------------------------------------------------------------------------------------
 
     def eligible(self, record: ScoredExchange | FeedbackReport, *, head: Head, served_step: int | None) -> bool:

@@ -471,6 +471,17 @@ def test_an_evaluation_killed_mid_run_resumes_after_a_restart_with_the_same_pair
     assert {k: v for k, v in runs.items() if k[0] == "greet"} == {
         (e["task"], e["side"]): e["run"] for e in done["episodes"].values()}  # the very episodes that ran before
     assert out.get("operation") == "train" and "verdict" not in out, out  # published: one pair at 0.5, French won
+    starts: list[dict[str, Any]] = []
+    with d.http() as c, c.stream("GET", "/reef/events", params={"after": 0}, timeout=3) as resp:
+        try:
+            for line in resp.iter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: ") else {}
+                if event.get("kind") == "train.start" and event.get("scenario") == "hs-resume":
+                    starts.append(event)
+                    break
+        except httpx.ReadTimeout:  # the history is read; the stream waits for more
+            pass
+    assert starts and starts[0]["episodes"] == 4 and starts[0]["max_episodes"] == 32, starts  # said before it ran
 
 
 def test_promoting_a_run_refuses_what_cannot_be_a_task(world: dict[str, Any]) -> None:

@@ -254,3 +254,12 @@ def test_the_daemons_context_reads_the_first_releases_tree_and_the_page_line_say
                      "delta_lo": 0.0, "delta_hi": 1.0, "delta_base": -0.25, "delta_base_lo": -0.5,
                      "delta_base_hi": 0.0})
     assert line is not None and "against the first release -0.250 (95% -0.500 .. +0.000)" in line
+
+
+def test_a_steps_episodes_are_said_before_it_starts() -> None:
+    from recipes.online_rl import OnlineRL
+
+    assert recipe().planned() == {"episodes": 12, "tasks": 2, "repeats": 3, "max_episodes": 12}
+    unset = HarnessSearch(HarnessSearch.parse_settings({"tasks": TASKS, "max_episodes": 30, "base_arm": True}))
+    assert unset.planned() == {"episodes": 30, "tasks": 2, "repeats": 5, "max_episodes": 30}  # three sides
+    assert OnlineRL().planned() == {}

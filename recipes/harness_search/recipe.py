@@ -171,6 +171,13 @@ class HarnessSearch(Recipe):
     def models_used(self) -> list[str]:
         return [self.settings.proposer] if self.settings.proposer else []
 
+    def planned(self) -> dict[str, int]:
+        s: HarnessSearchSettings = self.settings
+        tasks = len(parse_tasks(s.tasks))
+        repeats = repeats_of(s, tasks, arms(s))
+        return {"episodes": tasks * repeats * arms(s), "tasks": tasks, "repeats": repeats,
+                "max_episodes": s.max_episodes}
+
     def limits(self) -> Limits:
         s: HarnessSearchSettings = self.settings
         return Limits(max_mutations=s.max_mutations, max_file_bytes=s.max_file_bytes, max_tree_bytes=s.max_tree_bytes,
