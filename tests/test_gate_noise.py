@@ -22,7 +22,18 @@ import random
 import pytest
 
 from daemon.errors import BadRequest
-from daemon.gate import ALPHA, judge, judge_best, paired_interval, sign_test_p, t_quantile, tasks_needed
+from daemon.gate import (
+    ALPHA,
+    MARGIN,
+    check,
+    judge,
+    judge_best,
+    noninferior,
+    paired_interval,
+    sign_test_p,
+    t_quantile,
+    tasks_needed,
+)
 from recipes import load_recipe
 from recipes.base import Candidate, Scores
 
@@ -357,3 +368,26 @@ def test_releases_show_prints_the_interval_and_the_test_for_every_paired_gate() 
     retire = gate_line(retirement(base[:16], cand[:16], alpha=None).metrics)
     assert retire and "95% interval" in retire and "a loss from leaving the skill out" in retire
     assert gate_line(judge("floor", candidate=cand, base=None, best=None).metrics) is None
+
+
+# --- edges a mutation run of daemon/gate.py left (bench/mutation.py gate) ---------------------------------------
+
+
+def test_the_compare_reason_says_which_side_of_alpha_the_p_value_is() -> None:
+    won = judge("compare", candidate=[1.0] * 6, base=[0.0] * 6, best=None)
+    assert won.publish and "p = 0.0156 <= alpha 0.05" in won.reason, won.reason
+    mixed = judge("compare", candidate=[1.0] * 4 + [0.0] * 2, base=[0.0] * 4 + [1.0] * 2, best=None)
+    assert not mixed.publish and "> alpha 0.05" in mixed.reason, mixed.reason
+
+
+def test_the_floor_gate_defaults_to_zero_and_regression_needs_two_pairs() -> None:
+    assert judge("floor", candidate=[0.0, 0.0], base=None, best=None).publish  # a mean of 0 meets the floor 0
+    assert not judge("floor", candidate=[0.2], base=None, best=None, floor=0.5).publish
+    assert noninferior([1.0], [0.0], margin=0.1, alpha=0.5) == (False, 1.0)  # one pair shows nothing
+    assert noninferior([], [], margin=0.1, alpha=0.5) == (False, 1.0)
+
+
+def test_the_default_error_rate_and_margins() -> None:
+    assert ALPHA == 0.05 and MARGIN == {"compare": 0.0, "regression": 0.1}
+    assert check("compare", alpha=None, margin=None) == (0.05, 0.0)
+    assert check("regression", alpha=None, margin=None) == (0.05, 0.1)
