@@ -51,6 +51,7 @@ from typing import Any
 
 from daemon.errors import BadRequest, NotFound, ReefError
 from daemon.gating import heldout
+from daemon.layout import rules_of
 
 OK, NA, FAILED = "ok", "n/a", "failed"
 SERVES_WEIGHTS = ("weights", "bundle")  # daemon/releases/manifest.py's (not imported: ``reef --help`` reads this module)
@@ -458,8 +459,6 @@ class Evaluations:
         try:
             engine = await self.engine(scen.model)
             if rel.kind not in SERVES_WEIGHTS:
-                from daemon.layout import rules_of
-
                 use, system = None, rules_of(await self.chains.harness_tree(rel))
             elif rel.content_id in engine.resident:
                 use = await self.chains.ref(scen, rel)  # loaded already (the head): used as it is, and left loaded

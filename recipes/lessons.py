@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from daemon.errors import BadRequest, CapReached
-from daemon.layout import RULES_FILE, SKILL_NAME, check_tree
+from daemon.layout import RULES_FILE, SKILL_NAME, check_tree, rules_of
 from recipes.base import (
     Candidate,
     FeedbackReport,
@@ -287,7 +287,7 @@ def render_skill(name: str, text: str) -> str:
 def apply(tree: dict[str, bytes], lessons: list[Lesson], settings: LessonsSettings) -> Outcome:
     """The candidate tree after ``lessons`` (in order), and what happened to each."""
     out = Outcome(tree=dict(tree))
-    prefix, entries = parse_rules(out.tree.get(RULES_FILE, b"").decode("utf-8", "replace"))
+    prefix, entries = parse_rules(rules_of(out.tree))
     rules_changed = False
     for lesson in lessons:
         view: dict[str, str | None] = {"id": lesson.id, "text": lesson.text[:200]}
@@ -418,7 +418,7 @@ class Lessons(Recipe):
 
     async def _task_scores(self, ctx: HarnessContext, tree: dict[str, bytes]) -> list[float]:
         """Each configured task answered by the scenario's model with ``tree``'s rules as the system prompt."""
-        rules = tree.get(RULES_FILE, b"").decode("utf-8", "replace")
+        rules = rules_of(tree)
         return [task_score(task, await ctx.answer(None, rules, task["prompt"], int(task.get("max_tokens", 32))))
                 for task in self.settings.tasks]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon import harness_policy
-from daemon.layout import RULES_FILE, SKILL_NAME, check_tree, check_tree_path
+from daemon.layout import RULES_FILE, SKILL_NAME, check_tree, check_tree_path, rules_of
 from recipes.lessons import parse_rules, render_rules, screen, similarity
 
 OPS = ("create", "update", "remove")
@@ -226,7 +226,7 @@ def rule_id(text: str) -> str:
 
 def rules(tree: dict[str, bytes]) -> tuple[str, list[tuple[str, str]]]:
     """AGENTS.md's text before the rules, and its rules as (id, text)."""
-    prefix, entries = parse_rules(tree.get(RULES_FILE, b"").decode("utf-8", "replace"))
+    prefix, entries = parse_rules(rules_of(tree))
     out = []
     for e in entries:
         m = _ENTRY.fullmatch(e)
